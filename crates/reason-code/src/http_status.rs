@@ -1,0 +1,130 @@
+//! HTTP status <-> [`Code`] mapping.
+
+use crate::Code;
+use http::StatusCode;
+
+impl Code {
+    /// Classifies an HTTP response status.
+    ///
+    /// The mapping follows the design table (and Google's HTTP <-> gRPC mapping where the table is
+    /// silent): 2xx is OK, 502 and 503 are UNAVAILABLE, 504 and 408 are DEADLINE_EXCEEDED, 429 is
+    /// RESOURCE_EXHAUSTED, 409 is ABORTED, 412 and 422 are FAILED_PRECONDITION, 500 is INTERNAL,
+    /// 501 is UNIMPLEMENTED. Other 4xx are FAILED_PRECONDITION (a permanent client-side problem,
+    /// never retried); other statuses are UNKNOWN.
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use reason_code::Code;
+    ///
+    /// assert_eq!(Code::from_http_status(StatusCode::CREATED), Code::Ok);
+    /// assert_eq!(Code::from_http_status(StatusCode::SERVICE_UNAVAILABLE), Code::Unavailable);
+    /// assert_eq!(Code::from_http_status(StatusCode::TOO_MANY_REQUESTS), Code::ResourceExhausted);
+    /// ```
+    pub fn from_http_status(status: StatusCode) -> Code {
+        match status.as_u16() {
+            200..=299 => Code::Ok,
+            400 | 413 | 414 | 415 | 431 => Code::InvalidArgument,
+            401 => Code::Unauthenticated,
+            403 => Code::PermissionDenied,
+            404 | 410 => Code::NotFound,
+            408 | 504 => Code::DeadlineExceeded,
+            409 => Code::Aborted,
+            412 | 422 => Code::FailedPrecondition,
+            416 => Code::OutOfRange,
+            429 => Code::ResourceExhausted,
+            499 => Code::Cancelled,
+            500 => Code::Internal,
+            501 => Code::Unimplemented,
+            502 | 503 => Code::Unavailable,
+            405..=499 => Code::FailedPrecondition,
+            _ => Code::Unknown,
+        }
+    }
+
+    /// The HTTP status a server renders for this code when it answers plain HTTP.
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use reason_code::Code;
+    ///
+    /// assert_eq!(Code::Unavailable.http_status(), StatusCode::SERVICE_UNAVAILABLE);
+    /// assert_eq!(Code::InvalidArgument.http_status(), StatusCode::BAD_REQUEST);
+    /// ```
+    pub const fn http_status(self) -> StatusCode {
+        match self {
+            Code::Ok => StatusCode::OK,
+            Code::Cancelled => match StatusCode::from_u16(499) {
+                Ok(s) => s,
+                Err(_) => StatusCode::BAD_REQUEST,
+            },
+            Code::Unknown | Code::Internal | Code::DataLoss => StatusCode::INTERNAL_SERVER_ERROR,
+            Code::InvalidArgument | Code::OutOfRange => StatusCode::BAD_REQUEST,
+            Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
+            Code::NotFound => StatusCode::NOT_FOUND,
+            Code::AlreadyExists | Code::Aborted => StatusCode::CONFLICT,
+            Code::PermissionDenied => StatusCode::FORBIDDEN,
+            Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
+            Code::FailedPrecondition => StatusCode::PRECONDITION_FAILED,
+            Code::Unimplemented => StatusCode::NOT_IMPLEMENTED,
+            Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    macro_rules! http_rows {
+        ($($name:ident: $status:expr => $code:expr,)*) => {$(
+            #[test]
+            fn $name() {
+                assert_eq!(Code::from_http_status(StatusCode::from_u16($status).unwrap()), $code);
+            }
+        )*};
+    }
+
+    http_rows! {
+        ok_200: 200 => Code::Ok,
+        created_201: 201 => Code::Ok,
+        no_content_204: 204 => Code::Ok,
+        bad_request_400: 400 => Code::InvalidArgument,
+        unauthorized_401: 401 => Code::Unauthenticated,
+        forbidden_403: 403 => Code::PermissionDenied,
+        not_found_404: 404 => Code::NotFound,
+        conflict_409: 409 => Code::Aborted,
+        precondition_412: 412 => Code::FailedPrecondition,
+        too_large_413: 413 => Code::InvalidArgument,
+        unprocessable_422: 422 => Code::FailedPrecondition,
+        too_many_429: 429 => Code::ResourceExhausted,
+        internal_500: 500 => Code::Internal,
+        not_implemented_501: 501 => Code::Unimplemented,
+        bad_gateway_502: 502 => Code::Unavailable,
+        unavailable_503: 503 => Code::Unavailable,
+        gateway_timeout_504: 504 => Code::DeadlineExceeded,
+        other_5xx_599: 599 => Code::Unknown,
+        redirect_302: 302 => Code::Unknown,
+    }
+
+    #[test]
+    fn rendering_round_trips_for_the_codes_the_table_names() {
+        for code in [
+            Code::Ok,
+            Code::InvalidArgument,
+            Code::Unauthenticated,
+            Code::PermissionDenied,
+            Code::NotFound,
+            Code::Aborted,
+            Code::FailedPrecondition,
+            Code::ResourceExhausted,
+            Code::Internal,
+            Code::Unimplemented,
+            Code::Unavailable,
+            Code::DeadlineExceeded,
+            Code::Cancelled,
+        ] {
+            assert_eq!(Code::from_http_status(code.http_status()), code, "{code}");
+        }
+    }
+}

@@ -1,0 +1,49 @@
+//! The shared vocabulary of `retry-layer` (clients) and `idempotency-layer` (servers).
+//!
+//! Both halves of effectively-once calls classify every outcome the same way, so that what the
+//! client retries is exactly what the server does not record. This crate holds that one
+//! classification:
+//!
+//! - [`Code`]: the 17 gRPC status codes, with the HTTP status mapping both ways
+//!   ([`Code::from_http_status`], [`Code::http_status`]).
+//! - Parsers that never panic, for `grpc-status`, `grpc-message`, `grpc-timeout`,
+//!   `grpc-retry-pushback-ms` and `Retry-After`, returning a typed [`HeaderError`].
+//! - [`ReasonCodes`]: business reason codes (`x-reason-code: STOCK_CONFLICT`) mapped onto codes.
+//! - [`RetryTable`]: the retryability table, with the client's view ([`RetryTable::verdict`]) and
+//!   the server's view ([`RetryTable::may_record`]).
+//!
+//! # Example
+//!
+//! ```
+//! use http::{HeaderMap, StatusCode};
+//! use reason_code::{Code, Outcome, ReasonCodes, RetryTable, Verdict};
+//!
+//! // A 409 whose reason code says the upstream was unavailable is retried like a 503.
+//! let mut headers = HeaderMap::new();
+//! headers.insert("x-reason-code", "UPSTREAM_UNAVAILABLE".parse().unwrap());
+//! let code = ReasonCodes::default()
+//!     .classify(&headers)
+//!     .unwrap_or(Code::from_http_status(StatusCode::CONFLICT));
+//! assert_eq!(code, Code::Unavailable);
+//!
+//! let table = RetryTable::default();
+//! assert_eq!(table.verdict(Outcome::Status(code), /* idempotent */ true), Verdict::Retry);
+//! assert!(!table.may_record(code)); // the server releases the key: a retry executes again
+//! ```
+#![doc(test(attr(deny(rust_2018_idioms, warnings))))]
+
+mod code;
+mod headers;
+mod http_status;
+mod reason;
+mod table;
+
+pub use code::{Code, UnknownCodeName};
+pub use headers::{
+    decode_grpc_message, encode_grpc_message, encode_grpc_timeout, is_grpc, parse_grpc_pushback,
+    parse_grpc_status, parse_grpc_timeout, parse_retry_after, single, HeaderError, Pushback,
+    GRPC_MESSAGE, GRPC_PREVIOUS_RPC_ATTEMPTS, GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS, GRPC_TIMEOUT,
+    IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY, X_PREVIOUS_ATTEMPTS, X_REASON_CODE,
+};
+pub use reason::ReasonCodes;
+pub use table::{ClientRule, Outcome, RecordRule, RetryTable, Verdict};
