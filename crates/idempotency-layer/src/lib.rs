@@ -1,0 +1,1 @@
+//! Server-side idempotency middleware (work in progress).

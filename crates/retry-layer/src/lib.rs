@@ -1,0 +1,1 @@
+//! Client-side retry middleware (work in progress).
