@@ -1,0 +1,309 @@
+//! Retry budgets: how many retries all clones of a layer may send, in proportion to requests.
+//!
+//! # Why budgets and not only max attempts?
+//!
+//! `max_attempts = 3` bounds one request, not a fleet: when a backend is down every request is
+//! tried three times, and the dead backend sees 3x its load exactly when it can least take it.
+//! Three layers of services that each retry twice amplify one user click into 27 attempts at the
+//! bottom. A budget bounds the *ratio*: retries may be at most, say, 10 % of requests over the
+//! last ten seconds (plus a small floor per second so that a quiet client can still retry), so a
+//! dead backend sees about 1.1x its normal load instead of 3x.
+//!
+//! Two budgets are provided: [`TpsBudget`] (the default, a sliding window like Finagle's and
+//! tower's) and [`TokenBucket`] (gRFC A6 `retryThrottling`). Both are lock-free.
+
+use std::fmt;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// A budget shared by every clone of a [`RetryLayer`](crate::RetryLayer).
+pub trait Budget: Send + Sync + fmt::Debug + 'static {
+    /// A new logical request started (called once, before its first attempt).
+    fn deposit(&self);
+    /// An attempt ended, successfully or not (`failed` is true for a retryable failure).
+    fn record(&self, failed: bool);
+    /// Asks to send one retry; `false` means the budget refuses it.
+    fn withdraw(&self) -> bool;
+}
+
+/// The default budget: retries may be at most `ratio` of requests deposited over a sliding
+/// `window`, plus `min_per_sec` retries per second that are always allowed.
+///
+/// The window is split into one-second slots of atomic counters; no lock is taken. Under
+/// concurrent withdrawals the bound is approximate by at most the number of racing threads.
+///
+/// ```
+/// use std::time::Duration;
+/// use retry_layer::budget::{Budget, TpsBudget};
+///
+/// let budget = TpsBudget::new(Duration::from_secs(10), 0, 0.1).unwrap();
+/// for _ in 0..100 {
+///     budget.deposit();
+/// }
+/// let granted = (0..100).filter(|_| budget.withdraw()).count();
+/// assert_eq!(granted, 10);
+/// ```
+pub struct TpsBudget {
+    start: Instant,
+    slots: Box<[Slot]>,
+    /// Retries a deposit buys, in thousandths.
+    ratio_milli: i64,
+    /// Free retries per second, in thousandths.
+    floor_milli: i64,
+}
+
+#[derive(Default)]
+struct Slot {
+    /// The second this slot holds, plus one (0: never used).
+    epoch: AtomicU64,
+    /// Deposits in thousandths of a retry.
+    credit: AtomicI64,
+    /// Withdrawals in thousandths.
+    debit: AtomicI64,
+}
+
+impl fmt::Debug for TpsBudget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TpsBudget")
+            .field("window_secs", &self.slots.len())
+            .field("ratio", &(self.ratio_milli as f64 / 1000.0))
+            .field("min_per_sec", &(self.floor_milli / 1000))
+            .finish()
+    }
+}
+
+/// A budget's parameters were out of range.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid retry budget: {0}")]
+pub struct InvalidBudget(pub(crate) &'static str);
+
+impl TpsBudget {
+    /// A budget of `ratio` retries per request (0.0 to 1000.0) over `window` (1 to 60 s,
+    /// rounded to whole seconds), plus `min_per_sec` retries per second.
+    pub fn new(window: Duration, min_per_sec: u32, ratio: f64) -> Result<Self, InvalidBudget> {
+        let secs = window.as_secs();
+        if !(1..=60).contains(&secs) {
+            return Err(InvalidBudget("the window must be between 1 and 60 seconds"));
+        }
+        if !(0.0..=1000.0).contains(&ratio) || ratio.is_nan() {
+            return Err(InvalidBudget(
+                "the retry ratio must be between 0.0 and 1000.0",
+            ));
+        }
+        Ok(TpsBudget {
+            start: Instant::now(),
+            slots: (0..secs).map(|_| Slot::default()).collect(),
+            ratio_milli: (ratio * 1000.0).round() as i64,
+            floor_milli: i64::from(min_per_sec) * 1000,
+        })
+    }
+
+    fn now_epoch(&self) -> u64 {
+        self.start.elapsed().as_secs() + 1
+    }
+
+    /// The slot of the current second, reset if it last held an older second.
+    fn current(&self) -> (&Slot, u64) {
+        let epoch = self.now_epoch();
+        let slot = &self.slots[(epoch % self.slots.len() as u64) as usize];
+        let seen = slot.epoch.load(Ordering::Acquire);
+        if seen != epoch
+            && slot
+                .epoch
+                .compare_exchange(seen, epoch, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
+            slot.credit.store(0, Ordering::Release);
+            slot.debit.store(0, Ordering::Release);
+        }
+        (slot, epoch)
+    }
+
+    /// Retries (in thousandths) left in the window.
+    fn balance(&self, epoch: u64) -> i64 {
+        let window = self.slots.len() as u64;
+        let mut credit = 0;
+        let mut debit = 0;
+        let mut live_secs = 0;
+        for slot in self.slots.iter() {
+            let e = slot.epoch.load(Ordering::Acquire);
+            if e != 0 && e + window > epoch {
+                credit += slot.credit.load(Ordering::Relaxed);
+                debit += slot.debit.load(Ordering::Relaxed);
+                live_secs += 1;
+            }
+        }
+        credit * self.ratio_milli / 1000 + self.floor_milli * live_secs.max(1) - debit
+    }
+}
+
+impl Default for TpsBudget {
+    /// 10 % of requests over 10 s, plus 10 retries per second.
+    fn default() -> Self {
+        TpsBudget::new(Duration::from_secs(10), 10, 0.1).expect("valid default budget")
+    }
+}
+
+impl Budget for TpsBudget {
+    fn deposit(&self) {
+        let (slot, _) = self.current();
+        slot.credit.fetch_add(1000, Ordering::Relaxed);
+    }
+
+    fn record(&self, _failed: bool) {}
+
+    fn withdraw(&self) -> bool {
+        let (slot, epoch) = self.current();
+        if self.balance(epoch) >= 1000 {
+            slot.debit.fetch_add(1000, Ordering::Relaxed);
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// gRFC A6 retry throttling: a token bucket that starts full at `max_tokens`; every failed
+/// attempt takes one token, every success adds `token_ratio`; retries are allowed only while more
+/// than half the tokens are left.
+///
+/// ```
+/// use retry_layer::budget::{Budget, TokenBucket};
+///
+/// let bucket = TokenBucket::new(10, 0.1).unwrap();
+/// assert!(bucket.withdraw());
+/// for _ in 0..5 {
+///     bucket.record(true);
+/// }
+/// assert!(!bucket.withdraw()); // 5 tokens left: not more than half
+/// for _ in 0..20 {
+///     bucket.record(false); // +0.1 each
+/// }
+/// assert!(bucket.withdraw());
+/// ```
+#[derive(Debug)]
+pub struct TokenBucket {
+    /// Tokens in thousandths.
+    tokens: AtomicI64,
+    max: i64,
+    ratio: i64,
+}
+
+impl TokenBucket {
+    /// A bucket of `max_tokens` (1 to 1000) refilled by `token_ratio` (0.001 to 1000) per success.
+    pub fn new(max_tokens: u32, token_ratio: f64) -> Result<Self, InvalidBudget> {
+        if !(1..=1000).contains(&max_tokens) {
+            return Err(InvalidBudget("maxTokens must be between 1 and 1000"));
+        }
+        if !(0.001..=1000.0).contains(&token_ratio) || token_ratio.is_nan() {
+            return Err(InvalidBudget("tokenRatio must be between 0.001 and 1000"));
+        }
+        let max = i64::from(max_tokens) * 1000;
+        Ok(TokenBucket {
+            tokens: AtomicI64::new(max),
+            max,
+            ratio: (token_ratio * 1000.0).round() as i64,
+        })
+    }
+
+    fn add(&self, delta: i64) {
+        let _ = self
+            .tokens
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
+                Some((t + delta).clamp(0, self.max))
+            });
+    }
+}
+
+impl Budget for TokenBucket {
+    fn deposit(&self) {}
+
+    fn record(&self, failed: bool) {
+        self.add(if failed { -1000 } else { self.ratio });
+    }
+
+    fn withdraw(&self) -> bool {
+        self.tokens.load(Ordering::Acquire) > self.max / 2
+    }
+}
+
+/// No budget: every retry the other checks allow is sent. Use only where another layer bounds
+/// amplification.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Unlimited;
+
+impl Budget for Unlimited {
+    fn deposit(&self) {}
+    fn record(&self, _failed: bool) {}
+    fn withdraw(&self) -> bool {
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn window_slides() {
+        let budget = TpsBudget::new(Duration::from_secs(2), 0, 0.5).unwrap();
+        for _ in 0..10 {
+            budget.deposit();
+        }
+        assert_eq!((0..10).filter(|_| budget.withdraw()).count(), 5);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(!budget.withdraw(), "deposits still in the window are spent");
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert!(!budget.withdraw(), "old deposits expired");
+        budget.deposit();
+        budget.deposit();
+        assert!(budget.withdraw());
+        assert!(!budget.withdraw());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn floor_allows_a_quiet_client_to_retry() {
+        let budget = TpsBudget::new(Duration::from_secs(10), 2, 0.0).unwrap();
+        assert!(budget.withdraw());
+        assert!(budget.withdraw());
+        assert!(!budget.withdraw());
+    }
+
+    #[test]
+    fn rejects_bad_parameters() {
+        assert!(TpsBudget::new(Duration::ZERO, 1, 0.1).is_err());
+        assert!(TpsBudget::new(Duration::from_secs(61), 1, 0.1).is_err());
+        assert!(TpsBudget::new(Duration::from_secs(1), 1, f64::NAN).is_err());
+        assert!(TpsBudget::new(Duration::from_secs(1), 1, -0.1).is_err());
+        assert!(TokenBucket::new(0, 0.1).is_err());
+        assert!(TokenBucket::new(10, 0.0).is_err());
+    }
+
+    #[test]
+    fn contention_from_two_threads_stays_bounded() {
+        let budget = std::sync::Arc::new(TpsBudget::new(Duration::from_secs(10), 0, 0.1).unwrap());
+        let granted: usize = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|_| {
+                    let b = budget.clone();
+                    s.spawn(move || {
+                        let mut granted = 0;
+                        for _ in 0..10_000 {
+                            b.deposit();
+                            if b.withdraw() {
+                                granted += 1;
+                            }
+                        }
+                        granted
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        // 10 % of 20 000, give or take the racing threads (and a second boundary).
+        assert!(granted <= 2_000 + 2, "granted {granted}");
+        assert!(granted >= 1_900, "granted {granted}");
+    }
+}

@@ -1,0 +1,69 @@
+use std::sync::Arc;
+
+use tower_layer::Layer;
+
+use crate::budget::Budget;
+use crate::stats::{RetryStats, StatsSnapshot};
+use crate::{Retry, RetryPolicy};
+
+/// What every clone of a layer and of its services shares: the policy, the retry budget and the
+/// counters.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) policy: RetryPolicy,
+    pub(crate) budget: Arc<dyn Budget>,
+    pub(crate) stats: RetryStats,
+}
+
+/// Applies [`Retry`] to services. All services made by one layer (and their clones) share one
+/// retry budget and one set of counters.
+///
+/// ```
+/// use retry_layer::{RetryLayer, RetryPolicy};
+/// use tower::ServiceBuilder;
+///
+/// let layer = RetryLayer::new(RetryPolicy::default());
+/// let svc = ServiceBuilder::new()
+///     .layer(layer.clone())
+///     .service_fn(|_req: http::Request<_>| async {
+///         Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+///     });
+/// # let _ = svc;
+/// assert_eq!(layer.stats().requests, 0);
+/// ```
+#[derive(Debug, Clone)]
+pub struct RetryLayer {
+    shared: Arc<Shared>,
+}
+
+impl RetryLayer {
+    /// A layer with `policy`, creating the budget the policy describes.
+    pub fn new(policy: RetryPolicy) -> Self {
+        let budget = policy.make_budget();
+        RetryLayer {
+            shared: Arc::new(Shared {
+                policy,
+                budget,
+                stats: RetryStats::default(),
+            }),
+        }
+    }
+
+    /// The counters of every service this layer made.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.shared.stats.snapshot()
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> &RetryPolicy {
+        &self.shared.policy
+    }
+}
+
+impl<S> Layer<S> for RetryLayer {
+    type Service = Retry<S>;
+
+    fn layer(&self, inner: S) -> Retry<S> {
+        Retry::from_shared(inner, self.shared.clone())
+    }
+}

@@ -1,0 +1,84 @@
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::{Request, Response};
+use http_body::Body;
+use tower_service::Service;
+
+use crate::body::ReplayBody;
+use crate::future::ResponseFuture;
+use crate::layer::Shared;
+use crate::stats::StatsSnapshot;
+use crate::{BoxError, RetryLayer, RetryPolicy};
+
+/// Retries what is safe to retry. See the [crate docs](crate) for what that is.
+///
+/// The inner service receives [`ReplayBody<B>`] request bodies; a hyper-util client infers that
+/// type, and a tonic `Channel` takes it through `tonic::body::Body::new` (see the crate docs).
+#[derive(Debug, Clone)]
+pub struct Retry<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+impl<S> Retry<S> {
+    /// Wraps `inner` with a layer of its own (its own budget and counters).
+    pub fn new(inner: S, policy: RetryPolicy) -> Self {
+        use tower_layer::Layer;
+        RetryLayer::new(policy).layer(inner)
+    }
+
+    /// A [`RetryLayer`] with `policy`: `Retry::layer(policy)` reads well in a `ServiceBuilder`.
+    pub fn layer(policy: RetryPolicy) -> RetryLayer {
+        RetryLayer::new(policy)
+    }
+
+    pub(crate) fn from_shared(inner: S, shared: Arc<Shared>) -> Self {
+        Retry { inner, shared }
+    }
+
+    /// The counters shared with the layer and its other services.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.shared.stats.snapshot()
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Consumes `self`, returning the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, B, R> Service<Request<B>> for Retry<S>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<R>> + Clone,
+    S::Error: Into<BoxError>,
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    type Response = Response<R>;
+    type Error = BoxError;
+    type Future = ResponseFuture<S, B>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        // The service that was driven to readiness is the one that must be called; the clone
+        // stays here for the next call and may not be ready yet (tower-service docs, "Be careful
+        // when cloning inner services").
+        let clone = self.inner.clone();
+        let service = std::mem::replace(&mut self.inner, clone);
+        ResponseFuture::new(service, self.shared.clone(), req)
+    }
+}

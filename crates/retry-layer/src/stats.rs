@@ -1,0 +1,75 @@
+//! Counters a caller can read and export.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Counters shared by all clones of a layer. Read them with [`RetryStats::snapshot`].
+#[derive(Debug, Default)]
+pub struct RetryStats {
+    requests: AtomicU64,
+    attempts: AtomicU64,
+    retries: AtomicU64,
+    budget_refusals: AtomicU64,
+    exhausted: AtomicU64,
+    deadline_stops: AtomicU64,
+    pushback_stops: AtomicU64,
+}
+
+/// A point-in-time copy of [`RetryStats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StatsSnapshot {
+    /// Logical requests (calls of the service).
+    pub requests: u64,
+    /// Attempts sent, first attempts included.
+    pub attempts: u64,
+    /// Retries sent.
+    pub retries: u64,
+    /// Retries the budget refused.
+    pub budget_refusals: u64,
+    /// Retryable outcomes returned because no attempt was left.
+    pub exhausted: u64,
+    /// Retryable outcomes returned because the deadline could not fit another attempt.
+    pub deadline_stops: u64,
+    /// Retryable outcomes returned because the server's pushback said stop or was too long.
+    pub pushback_stops: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Counter {
+    Requests,
+    Attempts,
+    Retries,
+    BudgetRefusals,
+    Exhausted,
+    DeadlineStops,
+    PushbackStops,
+}
+
+impl RetryStats {
+    pub(crate) fn incr(&self, c: Counter) {
+        let counter = match c {
+            Counter::Requests => &self.requests,
+            Counter::Attempts => &self.attempts,
+            Counter::Retries => &self.retries,
+            Counter::BudgetRefusals => &self.budget_refusals,
+            Counter::Exhausted => &self.exhausted,
+            Counter::DeadlineStops => &self.deadline_stops,
+            Counter::PushbackStops => &self.pushback_stops,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The current values.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        StatsSnapshot {
+            requests: get(&self.requests),
+            attempts: get(&self.attempts),
+            retries: get(&self.retries),
+            budget_refusals: get(&self.budget_refusals),
+            exhausted: get(&self.exhausted),
+            deadline_stops: get(&self.deadline_stops),
+            pushback_stops: get(&self.pushback_stops),
+        }
+    }
+}
