@@ -1,1 +1,162 @@
-//! Server-side idempotency middleware (work in progress).
+//! Server-side idempotency for tower stacks: a duplicate write executes once per
+//! tenant + method + idempotency key, and every duplicate gets the recorded response.
+//!
+//! A client that retries a write after a timeout cannot know whether the first attempt ran.
+//! With an idempotency key per business intent (`x-idempotency-key` or `Idempotency-Key`) and
+//! this layer on the server, the retry is answered with the first attempt's response instead
+//! of running the side effect again. It works on axum routers and tonic servers alike.
+//!
+//! # Example
+//!
+//! ```
+//! use axum::{routing::post, Router};
+//! use idempotency_layer::{IdempotencyLayer, MemoryStore, Tenant};
+//! use std::sync::atomic::{AtomicUsize, Ordering};
+//! use std::sync::Arc;
+//! use tower::ServiceExt;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! static ORDERS: AtomicUsize = AtomicUsize::new(0);
+//!
+//! let app = Router::new()
+//!     .route("/orders", post(|| async {
+//!         let n = ORDERS.fetch_add(1, Ordering::SeqCst) + 1;
+//!         format!("order {n} created")
+//!     }))
+//!     // Single-tenant service; behind an auth layer, insert a `Tenant` extension instead.
+//!     .layer(IdempotencyLayer::new(MemoryStore::new()).default_tenant("shop"));
+//!
+//! let request = || {
+//!     http::Request::post("/orders")
+//!         .header("x-idempotency-key", "order-7f3a9c21")
+//!         .body(axum::body::Body::from(r#"{"sku":"b1"}"#))
+//!         .unwrap()
+//! };
+//! let first = app.clone().oneshot(request()).await.unwrap();
+//! let retry = app.clone().oneshot(request()).await.unwrap();
+//!
+//! assert_eq!(ORDERS.load(Ordering::SeqCst), 1, "the handler ran once");
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! let body = |r: axum::response::Response| async {
+//!     axum::body::to_bytes(r.into_body(), 1024).await.unwrap()
+//! };
+//! assert_eq!(body(first).await, body(retry).await);
+//! # let _ = Tenant::new("unused");
+//! # }
+//! ```
+//!
+//! On a tonic server: `Server::builder().layer(IdempotencyLayer::new(store)).add_service(..)`.
+//! Rejections are answered in the request's protocol: an `application/problem+json` body with
+//! `title`, `status`, `detail` and a `code` field for HTTP, a trailers-only response with
+//! `grpc-status` and `grpc-message` for gRPC.
+//!
+//! # What the layer does with a request
+//!
+//! - **Reads pass through untouched** (GET, HEAD, PUT, DELETE, ... by default: only POST and
+//!   PATCH are writes; for gRPC every method is a write except those declared with
+//!   [`idempotent_grpc_methods`](IdempotencyLayer::idempotent_grpc_methods); or a custom
+//!   [`is_write`](IdempotencyLayer::is_write) predicate).
+//! - **Writes need a key**, `[A-Za-z0-9_-]{8,64}` (a UUID fits), bare or as a quoted
+//!   structured-field string. Missing: 400 / INVALID_ARGUMENT "write operations require
+//!   x-idempotency-key"; invalid, repeated or non-ASCII: 400 / INVALID_ARGUMENT naming the rule
+//!   ([`key_optional`](IdempotencyLayer::key_optional) passes keyless writes through instead).
+//! - **Writes need a tenant**: the [`Tenant`] extension an auth layer set, else 401 /
+//!   UNAUTHENTICATED (or [`default_tenant`](IdempotencyLayer::default_tenant) for a
+//!   single-tenant service, or the opt-in [`tenant_from_header`](IdempotencyLayer::tenant_from_header)).
+//! - The **scope** is tenant + method (`POST /orders`, or the gRPC path) + key, encoded without
+//!   ambiguity and hashed ([`Scope`]). The **fingerprint** hashes method, path, query,
+//!   content type and body: the same scope with another fingerprint gets 422 /
+//!   FAILED_PRECONDITION and nothing runs. Bodies over
+//!   [`max_request_bytes`](IdempotencyLayer::max_request_bytes) get 413 / RESOURCE_EXHAUSTED.
+//! - The **first request** claims the scope in the store (with a lease and a fencing token),
+//!   runs the handler, and streams the response to its client while recording it. Duplicates
+//!   that arrive meanwhile **wait** for it ([`InFlight::Wait`], bounded by their
+//!   `grpc-timeout` and [`max_wait`](IdempotencyLayer::max_wait)) or get 409 / ABORTED with
+//!   `Retry-After` ([`InFlight::Reject`]). Later duplicates get the **replay**: status, headers,
+//!   body and trailers byte for byte, plus `idempotent-replayed: true`.
+//! - If the first client goes away, the handler still runs to completion in a spawned task and
+//!   its outcome is recorded ([`OnDisconnect::Complete`]; this needs a tokio runtime, which
+//!   axum and tonic servers have). A handler that panics releases the key and answers 500 /
+//!   INTERNAL. If a leader releases, one waiter becomes the leader: waiters never hang.
+//! - If the store fails, the layer **fails closed**: 503 / UNAVAILABLE with `Retry-After`, and
+//!   nothing executes ([`fail_open`](IdempotencyLayer::fail_open) executes unprotected instead).
+//!
+//! # What is recorded and what is not
+//!
+//! Each handler outcome is classified into a [`Code`](reason_code::Code), exactly as the client
+//! side (`retry-layer`) classifies it: a business reason code header (`x-reason-code`, see
+//! [`ReasonCodes`](reason_code::ReasonCodes)) first; for gRPC the `grpc-status` of a
+//! trailers-only response or of the trailers; for HTTP the status. The one
+//! [`RetryTable`](reason_code::RetryTable) then decides:
+//!
+//! | outcome | recorded? | so a retry... |
+//! |---|---|---|
+//! | 2xx, gRPC OK | yes | gets the replay |
+//! | 503, 429, 504, 409, 500 (UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, ABORTED, INTERNAL, UNKNOWN), DATA_LOSS | no: the key is released | executes again |
+//! | 400, 401, 403, 404, 412, 501 ... (permanent failures) | only if opted in with `.table(RetryTable::default().record_permanent_failures(true))` | executes again, or gets the recorded failure |
+//! | handler error, panic, body error | no: released | executes again |
+//!
+//! The client retries exactly what the server did not record. Responses larger than
+//! [`max_record_bytes`](IdempotencyLayer::max_record_bytes) still reach their first client in
+//! full, but are recorded as status, headers and trailers only; their replays say so with
+//! `idempotent-body-omitted: true`. A recorded permanent failure can be cleared with
+//! [`IdempotencyLayer::forget`].
+//!
+//! # Why wait for the first request
+//!
+//! A duplicate that arrives while the first request is still running is almost always the
+//! client's own retry after a timeout. Answering it 409 makes the client retry again and again
+//! until the first one finishes, and a client that gives up never learns the outcome. Waiting
+//! (single-flight) gives it the first request's response as soon as it exists, with no extra
+//! load on the handler. The wait is bounded, and a waiter whose leader released the key (a 503,
+//! a panic) becomes the leader itself. [`InFlight::Reject`] is there for servers that must not
+//! hold connections.
+//!
+//! # Choosing a store
+//!
+//! The [`IdempotencyStore`] trait is the one seam; the layer is the same whatever the store.
+//!
+//! - [`MemoryStore`] (the default): fast, embedded, no setup. Records live in this process
+//!   only: they are lost on restart, and a second replica behind a load balancer has its own,
+//!   so a retry that lands on the other replica executes again. Right for one instance, tests,
+//!   and as a first layer in front of a shared store.
+//! - A shared store (Redis, PostgreSQL; planned behind cargo features) for services with more
+//!   than one instance or deploys that restart them: claims and records are visible to every
+//!   instance, and a claim whose leader crashed is taken over when its lease lapses; the fencing
+//!   token refuses the crashed leader's late writes.
+//!
+//! Every store runs the same [conformance suite](crate::conformance) (cargo feature
+//! `conformance`).
+//!
+//! # Observability
+//!
+//! `tracing` events at debug level for executions, replays, waits and rejections, and at warn
+//! level for store failures and fail-open executions; counters in [`Metrics`], read with
+//! [`IdempotencyLayer::metrics`].
+#![doc(test(attr(deny(rust_2018_idioms, warnings))))]
+
+mod body;
+mod claim;
+#[cfg(any(test, feature = "conformance"))]
+pub mod conformance;
+mod future;
+mod key;
+mod layer;
+mod metrics;
+mod reject;
+mod service;
+pub mod store;
+
+pub use body::{IdempotencyBody, RequestBody};
+pub use future::ResponseFuture;
+pub use key::{validate_key, KeyError, Scope, Tenant};
+pub use layer::{IdempotencyLayer, InFlight, OnDisconnect};
+pub use metrics::{Metrics, RejectReason};
+pub use reason_code::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY};
+pub use service::Idempotency;
+pub use store::{IdempotencyStore, MemoryStore, StoreError};
+
+/// `idempotent-body-omitted`: set to `true` on a replay whose body was too large to record.
+pub const IDEMPOTENT_BODY_OMITTED: http::HeaderName =
+    http::HeaderName::from_static("idempotent-body-omitted");

@@ -1,0 +1,395 @@
+//! The request body the inner service sees and the response body the layer returns.
+
+use std::fmt;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+use reason_code::{is_grpc, parse_grpc_status, Code, GRPC_STATUS};
+
+use crate::claim::{spawn_detached, Claim};
+use crate::layer::{Config, OnDisconnect};
+use crate::store::{BoxError, Fingerprint, Record};
+
+pin_project! {
+    /// The request body handed to the inner service: the original body for requests the layer
+    /// passes through, or the buffered bytes of a write it fingerprinted.
+    pub struct RequestBody<B> {
+        #[pin]
+        kind: ReqKind<B>,
+    }
+}
+
+pin_project! {
+    #[project = ReqKindProj]
+    enum ReqKind<B> {
+        Streaming { #[pin] body: B },
+        Buffered { data: Option<Bytes> },
+    }
+}
+
+impl<B> RequestBody<B> {
+    pub(crate) fn streaming(body: B) -> Self {
+        RequestBody {
+            kind: ReqKind::Streaming { body },
+        }
+    }
+
+    pub(crate) fn buffered(data: Bytes) -> Self {
+        RequestBody {
+            kind: ReqKind::Buffered {
+                data: (!data.is_empty()).then_some(data),
+            },
+        }
+    }
+}
+
+impl<B> fmt::Debug for RequestBody<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.kind {
+            ReqKind::Streaming { .. } => f.write_str("RequestBody::Streaming"),
+            ReqKind::Buffered { data } => f
+                .debug_struct("RequestBody::Buffered")
+                .field("len", &data.as_ref().map_or(0, Bytes::len))
+                .finish(),
+        }
+    }
+}
+
+impl<B> Body for RequestBody<B>
+where
+    B: Body<Data = Bytes>,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        match self.project().kind.project() {
+            ReqKindProj::Streaming { body } => body.poll_frame(cx),
+            ReqKindProj::Buffered { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            ReqKind::Streaming { body } => body.is_end_stream(),
+            ReqKind::Buffered { data } => data.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            ReqKind::Streaming { body } => body.size_hint(),
+            ReqKind::Buffered { data } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+        }
+    }
+}
+
+pin_project! {
+    /// The response body of [`Idempotency`](crate::Idempotency): the handler's body passed
+    /// through, the handler's body recorded as it streams to the client, a replayed record, or a
+    /// rejection.
+    ///
+    /// Its data is [`Bytes`] and its error a boxed error, so axum and tonic both accept it.
+    pub struct IdempotencyBody<B> {
+        #[pin]
+        kind: Kind<B>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<B> {
+        Inner { #[pin] body: B },
+        Recording { rec: Recorder<B> },
+        Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
+    }
+}
+
+impl<B> fmt::Debug for IdempotencyBody<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match &self.kind {
+            Kind::Inner { .. } => "Inner",
+            Kind::Recording { .. } => "Recording",
+            Kind::Full { .. } => "Full",
+        };
+        f.debug_tuple("IdempotencyBody").field(&kind).finish()
+    }
+}
+
+impl<B> IdempotencyBody<B> {
+    pub(crate) fn inner(body: B) -> Self {
+        IdempotencyBody {
+            kind: Kind::Inner { body },
+        }
+    }
+
+    pub(crate) fn empty() -> Self {
+        IdempotencyBody {
+            kind: Kind::Full {
+                data: None,
+                trailers: None,
+            },
+        }
+    }
+
+    pub(crate) fn full(data: Bytes) -> Self {
+        IdempotencyBody::replay(data, None)
+    }
+
+    pub(crate) fn replay(data: Bytes, trailers: Option<HeaderMap>) -> Self {
+        IdempotencyBody {
+            kind: Kind::Full {
+                data: (!data.is_empty()).then_some(data),
+                trailers,
+            },
+        }
+    }
+
+    pub(crate) fn recording(rec: Recorder<B>) -> Self {
+        IdempotencyBody {
+            kind: Kind::Recording { rec },
+        }
+    }
+}
+
+impl<B> Body for IdempotencyBody<B>
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.project().kind.project() {
+            KindProj::Inner { body } => body.poll_frame(cx).map_err(Into::into),
+            KindProj::Recording { rec } => rec.poll_frame(cx),
+            KindProj::Full { data, trailers } => Poll::Ready(match data.take() {
+                Some(d) => Some(Ok(Frame::data(d))),
+                None => trailers.take().map(|t| Ok(Frame::trailers(t))),
+            }),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            Kind::Inner { body } => body.is_end_stream(),
+            // The end is seen by polling it, so the record is finished.
+            Kind::Recording { rec } => rec.st.is_none(),
+            Kind::Full { data, trailers } => data.is_none() && trailers.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            Kind::Inner { body } => body.size_hint(),
+            Kind::Recording { rec } => rec
+                .st
+                .as_ref()
+                .map_or_else(|| SizeHint::with_exact(0), |st| st.body.size_hint()),
+            Kind::Full { data, .. } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+        }
+    }
+}
+
+/// Tees a handler's response body into a record while it streams to the client.
+pub(crate) struct Recorder<B> {
+    st: Option<RecState<B>>,
+}
+
+struct RecState<B> {
+    body: Pin<Box<B>>,
+    claim: Claim,
+    config: Arc<Config>,
+    fingerprint: Fingerprint,
+    status: StatusCode,
+    headers: HeaderMap,
+    data: BytesMut,
+    omitted: bool,
+    trailers: Option<HeaderMap>,
+    drain_on_drop: fn(RecState<B>),
+}
+
+impl<B> Recorder<B>
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    pub(crate) fn new(
+        body: B,
+        claim: Claim,
+        config: Arc<Config>,
+        fingerprint: Fingerprint,
+        status: StatusCode,
+        headers: HeaderMap,
+    ) -> Self {
+        Recorder {
+            st: Some(RecState {
+                body: Box::pin(body),
+                claim,
+                config,
+                fingerprint,
+                status,
+                headers,
+                data: BytesMut::new(),
+                omitted: false,
+                trailers: None,
+                drain_on_drop: drain_on_drop::<B>,
+            }),
+        }
+    }
+
+    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let Some(st) = self.st.as_mut() else {
+            return Poll::Ready(None);
+        };
+        match ready!(st.body.as_mut().poll_frame(cx)) {
+            Some(Ok(frame)) => {
+                st.observe(&frame);
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Some(Err(e)) => {
+                if let Some(st) = self.st.take() {
+                    spawn_detached(st.claim.release());
+                }
+                Poll::Ready(Some(Err(e.into())))
+            }
+            None => {
+                if let Some(st) = self.st.take() {
+                    spawn_detached(st.finish());
+                }
+                Poll::Ready(None)
+            }
+        }
+    }
+}
+
+impl<B> RecState<B>
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    fn observe(&mut self, frame: &Frame<Bytes>) {
+        if let Some(d) = frame.data_ref() {
+            if !self.omitted {
+                if self.data.len() + d.len() > self.config.max_record_bytes {
+                    self.omitted = true;
+                    self.data = BytesMut::new();
+                } else {
+                    self.data.extend_from_slice(d);
+                }
+            }
+        } else if let Some(t) = frame.trailers_ref() {
+            match &mut self.trailers {
+                Some(all) => all.extend(t.clone()),
+                None => self.trailers = Some(t.clone()),
+            }
+        }
+    }
+
+    /// The body ended: record it if the table allows, else release.
+    async fn finish(self) {
+        let code = classify(
+            &self.config,
+            self.status,
+            &self.headers,
+            self.trailers.as_ref(),
+        );
+        if self.config.table.may_record(code) {
+            let record = Record {
+                fingerprint: self.fingerprint,
+                status: self.status,
+                headers: self.headers,
+                body: self.data.freeze(),
+                body_omitted: self.omitted,
+                trailers: self.trailers,
+            };
+            self.claim.complete(record).await
+        } else {
+            tracing::debug!(%code, "idempotency: outcome not recordable; releasing");
+            self.claim.release().await
+        }
+    }
+
+    /// The client went away: read the rest of the body, then finish.
+    async fn drain(mut self) {
+        loop {
+            // Map the error away before the await point: it need not be `Send`.
+            let next = std::future::poll_fn(|cx| {
+                self.body
+                    .as_mut()
+                    .poll_frame(cx)
+                    .map(|f| f.map(|r| r.map_err(drop)))
+            })
+            .await;
+            match next {
+                Some(Ok(frame)) => self.observe(&frame),
+                Some(Err(())) => return self.claim.release().await,
+                None => return self.finish().await,
+            }
+        }
+    }
+}
+
+impl<B> Drop for Recorder<B> {
+    fn drop(&mut self) {
+        // Dropped before the end: the client went away mid-body. Either drain the rest and
+        // record it, or drop the claim (which releases it).
+        if let Some(st) = self.st.take() {
+            if st.config.on_disconnect == OnDisconnect::Complete {
+                let drain = st.drain_on_drop;
+                drain(st);
+            }
+        }
+    }
+}
+
+/// Spawns the drain of an abandoned body. A plain function pointer, so `Drop` (which cannot
+/// carry the body bounds) can call it.
+fn drain_on_drop<B>(st: RecState<B>)
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    tracing::debug!("idempotency: client went away mid-body; finishing the record in a task");
+    spawn_detached(st.drain());
+}
+
+/// The code of a finished response: a reason code first, then `grpc-status` (headers, then
+/// trailers) for gRPC responses, else the HTTP status.
+pub(crate) fn classify(
+    config: &Config,
+    status: StatusCode,
+    headers: &HeaderMap,
+    trailers: Option<&HeaderMap>,
+) -> Code {
+    if let Some(code) = config.reasons.classify(headers) {
+        return code;
+    }
+    if is_grpc(headers) {
+        let found = headers
+            .get(GRPC_STATUS)
+            .or_else(|| trailers.and_then(|t| t.get(GRPC_STATUS)));
+        return match found.map(parse_grpc_status) {
+            Some(Ok(code)) => code,
+            // A gRPC response without a readable status is not a success.
+            _ => Code::Unknown,
+        };
+    }
+    Code::from_http_status(status)
+}

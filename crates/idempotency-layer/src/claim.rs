@@ -1,0 +1,172 @@
+//! A held claim: completes or releases exactly once, renews its lease while held, and releases
+//! itself if dropped unfinished.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::metrics::Counters;
+use crate::store::{IdempotencyStore, Record, ScopeKey, StoreError, Token};
+
+type BoxFuture = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
+
+/// The store operations of one claim, with the store type erased (so bodies need not name it).
+trait ClaimOps: Send + Sync + 'static {
+    fn complete(self: Box<Self>, record: Record) -> BoxFuture;
+    fn release(self: Box<Self>) -> BoxFuture;
+}
+
+struct StoreClaim<St> {
+    store: St,
+    scope: ScopeKey,
+    token: Token,
+    ttl: Duration,
+    counters: Arc<Counters>,
+    /// Renews the lease while the claim is held; aborted when the claim ends.
+    renewal: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl<St> Drop for StoreClaim<St> {
+    fn drop(&mut self) {
+        if let Some(r) = self.renewal.take() {
+            r.abort();
+        }
+    }
+}
+
+impl<St: IdempotencyStore> ClaimOps for StoreClaim<St> {
+    fn complete(self: Box<Self>, record: Record) -> BoxFuture {
+        Box::pin(async move {
+            match self
+                .store
+                .complete(self.scope, self.token, record, self.ttl)
+                .await
+            {
+                Ok(()) => {
+                    self.counters.recorded();
+                    tracing::debug!(scope = ?self.scope, "idempotency: recorded");
+                }
+                Err(e) => log_store_error(&self.counters, "complete", &e),
+            }
+        })
+    }
+
+    fn release(self: Box<Self>) -> BoxFuture {
+        Box::pin(async move {
+            match self.store.release(self.scope, self.token).await {
+                Ok(()) => {
+                    self.counters.released();
+                    tracing::debug!(scope = ?self.scope, "idempotency: released");
+                }
+                Err(e) => log_store_error(&self.counters, "release", &e),
+            }
+        })
+    }
+}
+
+pub(crate) fn log_store_error(counters: &Counters, op: &'static str, e: &StoreError) {
+    match e {
+        // Another leader took over (lease lapsed) or an admin forgot the key: not a failure
+        // of the store, but worth knowing.
+        StoreError::Fenced => {
+            tracing::warn!(
+                op,
+                "idempotency: claim was fenced (lease lapsed or key forgotten)"
+            )
+        }
+        e => {
+            counters.store_error();
+            tracing::warn!(op, error = %e, "idempotency: store operation failed");
+        }
+    }
+}
+
+/// A claim held by this process.
+pub(crate) struct Claim {
+    ops: Option<Box<dyn ClaimOps>>,
+}
+
+impl std::fmt::Debug for Claim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Claim")
+            .field("held", &self.ops.is_some())
+            .finish()
+    }
+}
+
+impl Claim {
+    pub(crate) fn new<St: IdempotencyStore>(
+        store: St,
+        scope: ScopeKey,
+        token: Token,
+        ttl: Duration,
+        lease: Duration,
+        counters: Arc<Counters>,
+    ) -> Self {
+        let renewal = {
+            let store = store.clone();
+            let period = (lease / 3).max(Duration::from_millis(10));
+            tokio::spawn(async move {
+                let mut every =
+                    tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+                loop {
+                    every.tick().await;
+                    if store.renew(scope, token, lease).await.is_err() {
+                        break;
+                    }
+                }
+            })
+        };
+        Claim {
+            ops: Some(Box::new(StoreClaim {
+                store,
+                scope,
+                token,
+                ttl,
+                counters,
+                renewal: Some(renewal),
+            })),
+        }
+    }
+
+    /// Stores `record` in place of the claim.
+    pub(crate) fn complete(mut self, record: Record) -> impl Future<Output = ()> + Send + 'static {
+        let ops = self.ops.take();
+        async move {
+            if let Some(ops) = ops {
+                ops.complete(record).await
+            }
+        }
+    }
+
+    /// Releases the claim so a retry executes again.
+    pub(crate) fn release(mut self) -> impl Future<Output = ()> + Send + 'static {
+        let ops = self.ops.take();
+        async move {
+            if let Some(ops) = ops {
+                ops.release().await
+            }
+        }
+    }
+}
+
+/// Spawns `fut` on the current tokio runtime; without one, logs that the claim is left to lapse.
+pub(crate) fn spawn_detached(fut: impl Future<Output = ()> + Send + 'static) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) => {
+            h.spawn(fut);
+        }
+        Err(_) => tracing::warn!(
+            "idempotency: no tokio runtime to finish a claim; it is left to lapse with its lease"
+        ),
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if let Some(ops) = self.ops.take() {
+            spawn_detached(ops.release());
+        }
+    }
+}

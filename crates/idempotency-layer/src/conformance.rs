@@ -1,0 +1,386 @@
+//! The store conformance suite: one set of checks every [`IdempotencyStore`] must pass.
+//!
+//! Enabled by the `conformance` cargo feature. A store crate runs it from its own tests, with a
+//! constructor that returns a fresh, empty store each time (its own key prefix or schema):
+//!
+//! ```
+//! # async fn example() {
+//! use idempotency_layer::{conformance, MemoryStore};
+//!
+//! conformance::run_all(MemoryStore::new).await;
+//! # }
+//! ```
+//!
+//! The checks wait for real durations of a few hundred milliseconds (leases and TTLs of
+//! [`SHORT`]); under `tokio::time::pause()` (as the `MemoryStore` tests run) they take no time.
+//! Each check panics with a message that says what the store got wrong.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, StatusCode};
+
+use crate::store::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token};
+use crate::Scope;
+
+/// The short lease and TTL the expiry checks use.
+pub const SHORT: Duration = Duration::from_millis(300);
+/// A lease long enough never to lapse during a check.
+pub const LONG: Duration = Duration::from_secs(600);
+
+/// Runs every check, each on a fresh store from `make`.
+pub async fn run_all<S: IdempotencyStore>(make: impl Fn() -> S) {
+    claim_is_exclusive_under_a_race(make()).await;
+    in_flight_reports_token_and_fingerprint(make()).await;
+    complete_then_begin_replays_the_record(make()).await;
+    stale_token_complete_is_fenced(make()).await;
+    stale_token_release_is_fenced(make()).await;
+    release_frees_the_scope(make()).await;
+    records_expire(make()).await;
+    lapsed_lease_is_taken_over_and_old_leader_fenced(make()).await;
+    renew_keeps_the_claim(make()).await;
+    forget_clears_records_and_fences_claims(make()).await;
+    wait_wakes_on_complete(make()).await;
+    wait_wakes_on_release(make()).await;
+    wait_returns_at_once_when_claim_already_ended(make()).await;
+    scopes_are_independent(make()).await;
+}
+
+/// A scope unique to one check and one call (so checks can share a backend).
+pub fn scope(name: &str) -> ScopeKey {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let nonce = format!("{name}-{n}-{:?}", std::time::SystemTime::now());
+    Scope::new("conformance", name, &nonce).key()
+}
+
+/// A record with repeated headers, a body and trailers, to check a store keeps them all.
+pub fn sample_record(fingerprint: Fingerprint) -> Record {
+    let mut headers = HeaderMap::new();
+    headers.insert("content-type", HeaderValue::from_static("application/grpc"));
+    headers.append("x-multi", HeaderValue::from_static("one"));
+    headers.append("x-multi", HeaderValue::from_static("two"));
+    let mut trailers = HeaderMap::new();
+    trailers.insert("grpc-status", HeaderValue::from_static("0"));
+    trailers.insert("grpc-message", HeaderValue::from_static("fine%20thanks"));
+    Record {
+        fingerprint,
+        status: StatusCode::CREATED,
+        headers,
+        body: Bytes::from_static(b"\x00\x00\x00\x00\x03abc binary \xff body"),
+        body_omitted: false,
+        trailers: Some(trailers),
+    }
+}
+
+const FP: Fingerprint = Fingerprint([7; 32]);
+const OTHER_FP: Fingerprint = Fingerprint([8; 32]);
+
+async fn new_claim<S: IdempotencyStore>(store: &S, scope: ScopeKey, lease: Duration) -> Token {
+    match store.begin(scope, FP, lease).await {
+        Ok(Begin::New(t)) => t,
+        other => panic!("begin on a free scope must return New, got {other:?}"),
+    }
+}
+
+/// 64 concurrent `begin`s on one scope: exactly one gets the claim, the others see it in flight
+/// with the winner's token.
+pub async fn claim_is_exclusive_under_a_race<S: IdempotencyStore>(store: S) {
+    let s = scope("race");
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move { store.begin(s, FP, LONG).await }));
+    }
+    let mut winners = Vec::new();
+    let mut seen = Vec::new();
+    for t in tasks {
+        match t.await.expect("begin task panicked") {
+            Ok(Begin::New(token)) => winners.push(token),
+            Ok(Begin::InFlight { token, .. }) => seen.push(token),
+            other => panic!("race: unexpected {other:?}"),
+        }
+    }
+    assert_eq!(winners.len(), 1, "exactly one begin may claim a scope");
+    assert!(
+        seen.iter().all(|t| *t == winners[0]),
+        "losers must see the winner's token"
+    );
+}
+
+/// An in-flight scope reports the leader's token and fingerprint (so the layer can answer a
+/// mismatch at once).
+pub async fn in_flight_reports_token_and_fingerprint<S: IdempotencyStore>(store: S) {
+    let s = scope("in-flight");
+    let token = new_claim(&store, s, LONG).await;
+    match store.begin(s, OTHER_FP, LONG).await {
+        Ok(Begin::InFlight {
+            token: t,
+            fingerprint,
+        }) => {
+            assert_eq!(t, token, "in-flight token");
+            assert_eq!(fingerprint, FP, "in-flight fingerprint is the leader's");
+        }
+        other => panic!("second begin must see InFlight, got {other:?}"),
+    }
+}
+
+/// A completed claim replays its record exactly: status, repeated headers, binary body,
+/// trailers.
+pub async fn complete_then_begin_replays_the_record<S: IdempotencyStore>(store: S) {
+    let s = scope("complete");
+    let token = new_claim(&store, s, LONG).await;
+    store
+        .complete(s, token, sample_record(FP), LONG)
+        .await
+        .expect("complete by the holder succeeds");
+    match store.begin(s, FP, LONG).await {
+        Ok(Begin::Completed(r)) => assert_eq!(*r, sample_record(FP), "record round trip"),
+        other => panic!("begin after complete must return the record, got {other:?}"),
+    }
+    // A second complete by the same token is refused: the claim has ended.
+    let mut other = sample_record(FP);
+    other.body = Bytes::from_static(b"overwrite");
+    assert!(matches!(
+        store.complete(s, token, other, LONG).await,
+        Err(StoreError::Fenced)
+    ));
+    match store.begin(s, FP, LONG).await {
+        Ok(Begin::Completed(r)) => assert_eq!(r.body, sample_record(FP).body),
+        other => panic!("record must be unchanged, got {other:?}"),
+    }
+}
+
+/// `complete` with a token that never held the claim is refused and changes nothing.
+pub async fn stale_token_complete_is_fenced<S: IdempotencyStore>(store: S) {
+    let s = scope("fenced-complete");
+    let token = new_claim(&store, s, LONG).await;
+    let stale = Token(token.0 ^ 0x5555_5555);
+    assert!(
+        matches!(
+            store.complete(s, stale, sample_record(FP), LONG).await,
+            Err(StoreError::Fenced)
+        ),
+        "complete by a stale token must be fenced"
+    );
+    assert!(
+        matches!(store.begin(s, FP, LONG).await, Ok(Begin::InFlight { token: t, .. }) if t == token),
+        "the real claim is untouched"
+    );
+    // And a complete on a scope nobody holds is fenced too.
+    assert!(matches!(
+        store
+            .complete(scope("nobody"), token, sample_record(FP), LONG)
+            .await,
+        Err(StoreError::Fenced)
+    ));
+}
+
+/// `release` with a stale token is refused and does not free the scope.
+pub async fn stale_token_release_is_fenced<S: IdempotencyStore>(store: S) {
+    let s = scope("fenced-release");
+    let token = new_claim(&store, s, LONG).await;
+    let stale = Token(token.0 ^ 0xAAAA);
+    assert!(matches!(
+        store.release(s, stale).await,
+        Err(StoreError::Fenced)
+    ));
+    assert!(matches!(
+        store.begin(s, FP, LONG).await,
+        Ok(Begin::InFlight { .. })
+    ));
+    // Releasing a completed record with its old token is refused: the record stays.
+    store
+        .complete(s, token, sample_record(FP), LONG)
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.release(s, token).await,
+        Err(StoreError::Fenced)
+    ));
+    assert!(matches!(
+        store.begin(s, FP, LONG).await,
+        Ok(Begin::Completed(_))
+    ));
+}
+
+/// After `release`, the next `begin` claims the scope again with a new token.
+pub async fn release_frees_the_scope<S: IdempotencyStore>(store: S) {
+    let s = scope("release");
+    let first = new_claim(&store, s, LONG).await;
+    store.release(s, first).await.expect("release by holder");
+    let second = new_claim(&store, s, LONG).await;
+    assert_ne!(first, second, "a new claim gets a new token");
+}
+
+/// A record expires after its TTL: the scope is free again.
+pub async fn records_expire<S: IdempotencyStore>(store: S) {
+    let s = scope("expiry");
+    let token = new_claim(&store, s, LONG).await;
+    store
+        .complete(s, token, sample_record(FP), SHORT)
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.begin(s, FP, LONG).await,
+        Ok(Begin::Completed(_))
+    ));
+    tokio::time::sleep(SHORT * 2).await;
+    new_claim(&store, s, LONG).await;
+}
+
+/// A claim whose lease lapsed is taken over; the old leader's complete and release are fenced
+/// and do not overwrite the new leader's record.
+pub async fn lapsed_lease_is_taken_over_and_old_leader_fenced<S: IdempotencyStore>(store: S) {
+    let s = scope("takeover");
+    let old = new_claim(&store, s, SHORT).await;
+    tokio::time::sleep(SHORT * 2).await;
+    let new = new_claim(&store, s, LONG).await;
+    assert_ne!(old, new);
+    assert!(matches!(
+        store.complete(s, old, sample_record(FP), LONG).await,
+        Err(StoreError::Fenced)
+    ));
+    assert!(matches!(
+        store.release(s, old).await,
+        Err(StoreError::Fenced)
+    ));
+    assert!(matches!(
+        store.renew(s, old, LONG).await,
+        Err(StoreError::Fenced)
+    ));
+    let mut mine = sample_record(FP);
+    mine.body = Bytes::from_static(b"new leader");
+    store.complete(s, new, mine.clone(), LONG).await.unwrap();
+    match store.begin(s, FP, LONG).await {
+        Ok(Begin::Completed(r)) => assert_eq!(*r, mine),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Renewing a lease keeps the claim past its first lease.
+pub async fn renew_keeps_the_claim<S: IdempotencyStore>(store: S) {
+    let s = scope("renew");
+    let token = new_claim(&store, s, SHORT).await;
+    for _ in 0..3 {
+        tokio::time::sleep(SHORT / 2).await;
+        store.renew(s, token, SHORT).await.expect("renew by holder");
+    }
+    assert!(
+        matches!(store.begin(s, FP, LONG).await, Ok(Begin::InFlight { token: t, .. }) if t == token),
+        "a renewed claim still holds after more than its first lease"
+    );
+    store.release(s, token).await.unwrap();
+}
+
+/// `forget` clears a record, clears a claim (fencing its leader), and says whether it did.
+pub async fn forget_clears_records_and_fences_claims<S: IdempotencyStore>(store: S) {
+    let s = scope("forget");
+    let token = new_claim(&store, s, LONG).await;
+    store
+        .complete(s, token, sample_record(FP), LONG)
+        .await
+        .unwrap();
+    assert!(store.forget(s).await.unwrap(), "forget of a record");
+    assert!(
+        !store.forget(s).await.unwrap(),
+        "second forget finds nothing"
+    );
+    let claim = new_claim(&store, s, LONG).await;
+    assert!(store.forget(s).await.unwrap(), "forget of a claim");
+    assert!(matches!(
+        store.complete(s, claim, sample_record(FP), LONG).await,
+        Err(StoreError::Fenced)
+    ));
+    new_claim(&store, s, LONG).await;
+}
+
+async fn waiter<S: IdempotencyStore>(
+    store: &S,
+    s: ScopeKey,
+    token: Token,
+) -> tokio::task::JoinHandle<Result<(), StoreError>> {
+    let store = store.clone();
+    let handle = tokio::spawn(async move { store.wait(s, token).await });
+    // Let the waiter subscribe before the claim ends (either order must work).
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    handle
+}
+
+/// A waiter wakes when the claim completes, well before the lease lapses, and then sees the
+/// record.
+pub async fn wait_wakes_on_complete<S: IdempotencyStore>(store: S) {
+    let s = scope("wait-complete");
+    let token = new_claim(&store, s, LONG).await;
+    let w = waiter(&store, s, token).await;
+    store
+        .complete(s, token, sample_record(FP), LONG)
+        .await
+        .unwrap();
+    tokio::time::timeout(LONG / 2, w)
+        .await
+        .expect("waiter must wake on complete")
+        .expect("waiter task")
+        .expect("wait result");
+    assert!(matches!(
+        store.begin(s, FP, LONG).await,
+        Ok(Begin::Completed(_))
+    ));
+}
+
+/// A waiter wakes when the claim is released, and can then claim the scope itself.
+pub async fn wait_wakes_on_release<S: IdempotencyStore>(store: S) {
+    let s = scope("wait-release");
+    let token = new_claim(&store, s, LONG).await;
+    let w = waiter(&store, s, token).await;
+    store.release(s, token).await.unwrap();
+    tokio::time::timeout(LONG / 2, w)
+        .await
+        .expect("waiter must wake on release")
+        .expect("waiter task")
+        .expect("wait result");
+    new_claim(&store, s, LONG).await;
+}
+
+/// `wait` on a claim that already ended returns at once (no lost wake-up).
+pub async fn wait_returns_at_once_when_claim_already_ended<S: IdempotencyStore>(store: S) {
+    let s = scope("wait-ended");
+    let token = new_claim(&store, s, LONG).await;
+    store.release(s, token).await.unwrap();
+    tokio::time::timeout(LONG / 2, store.wait(s, token))
+        .await
+        .expect("wait on an ended claim must not block")
+        .unwrap();
+    let token = new_claim(&store, s, LONG).await;
+    store
+        .complete(s, token, sample_record(FP), LONG)
+        .await
+        .unwrap();
+    tokio::time::timeout(LONG / 2, store.wait(s, token))
+        .await
+        .expect("wait on a completed claim must not block")
+        .unwrap();
+}
+
+/// Claims and records of different scopes do not interfere.
+pub async fn scopes_are_independent<S: IdempotencyStore>(store: S) {
+    let a = scope("independent-a");
+    let b = scope("independent-b");
+    let ta = new_claim(&store, a, LONG).await;
+    let tb = new_claim(&store, b, LONG).await;
+    store
+        .complete(a, ta, sample_record(FP), LONG)
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.begin(b, FP, LONG).await,
+        Ok(Begin::InFlight { .. })
+    ));
+    store.release(b, tb).await.unwrap();
+    assert!(matches!(
+        store.begin(a, FP, LONG).await,
+        Ok(Begin::Completed(_))
+    ));
+}

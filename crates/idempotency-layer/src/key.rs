@@ -1,0 +1,315 @@
+//! Key extraction and validation, tenants, scopes and fingerprints.
+
+use std::fmt;
+use std::sync::Arc;
+
+use http::{HeaderMap, HeaderName};
+
+use crate::store::{Fingerprint, ScopeKey};
+
+/// The authenticated tenant of a request: a request extension that an authentication layer
+/// placed before [`IdempotencyLayer`](crate::IdempotencyLayer) inserts.
+///
+/// Keys are scoped per tenant, so two tenants that pick the same key never see each other's
+/// responses. The layer never trusts a client header for this unless configured with
+/// [`tenant_from_header`](crate::IdempotencyLayer::tenant_from_header).
+///
+/// ```
+/// use idempotency_layer::Tenant;
+///
+/// let mut req = http::Request::new(());
+/// req.extensions_mut().insert(Tenant::new("acme"));
+/// assert_eq!(req.extensions().get::<Tenant>().unwrap().as_str(), "acme");
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Tenant(pub Arc<str>);
+
+impl Tenant {
+    /// A tenant with this identifier.
+    pub fn new(id: impl Into<Arc<str>>) -> Self {
+        Tenant(id.into())
+    }
+
+    /// The identifier.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// The three parts of a scope: one execution happens per distinct scope.
+///
+/// `method` is `"POST /orders"` (HTTP method, a space, the path) for HTTP requests and the gRPC
+/// path `"/package.Service/Method"` for gRPC requests: see [`Scope::http`] and [`Scope::grpc`].
+/// Use it with [`IdempotencyLayer::forget`](crate::IdempotencyLayer::forget).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scope<'a> {
+    /// The tenant identifier.
+    pub tenant: &'a str,
+    /// The method: `"POST /orders"` or `"/package.Service/Method"`.
+    pub method: &'a str,
+    /// The idempotency key.
+    pub key: &'a str,
+}
+
+const SCOPE_DOMAIN: &[u8] = b"idempotency-layer scope v1\0";
+const FINGERPRINT_DOMAIN: &[u8] = b"idempotency-layer fingerprint v1\0";
+
+impl<'a> Scope<'a> {
+    /// A scope from its parts.
+    pub fn new(tenant: &'a str, method: &'a str, key: &'a str) -> Self {
+        Scope {
+            tenant,
+            method,
+            key,
+        }
+    }
+
+    /// The method string of an HTTP request: `"POST /orders"`.
+    pub fn http(method: &http::Method, path: &str) -> String {
+        format!("{} {}", method.as_str(), path)
+    }
+
+    /// The method string of a gRPC request: its path, `"/package.Service/Method"`.
+    pub fn grpc(path: &str) -> String {
+        path.to_owned()
+    }
+
+    /// The unambiguous encoding: each part as an 8-byte little-endian length and its bytes.
+    /// Different scopes always encode differently (no `"a" + "bc"` vs `"ab" + "c"` collision).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out =
+            Vec::with_capacity(24 + self.tenant.len() + self.method.len() + self.key.len());
+        for part in [self.tenant, self.method, self.key] {
+            out.extend_from_slice(&(part.len() as u64).to_le_bytes());
+            out.extend_from_slice(part.as_bytes());
+        }
+        out
+    }
+
+    /// The store key: the BLAKE3 hash of the encoding.
+    pub fn key(&self) -> ScopeKey {
+        let mut h = blake3::Hasher::new();
+        h.update(SCOPE_DOMAIN);
+        h.update(&self.encode());
+        ScopeKey(*h.finalize().as_bytes())
+    }
+}
+
+/// The fingerprint of a request: method, path, query, content type and body, each
+/// length-prefixed, hashed with BLAKE3.
+pub(crate) fn fingerprint(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
+    let content_type = parts
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .map(|v| v.as_bytes())
+        .unwrap_or_default();
+    let mut h = blake3::Hasher::new();
+    h.update(FINGERPRINT_DOMAIN);
+    for part in [
+        parts.method.as_str().as_bytes(),
+        parts.uri.path().as_bytes(),
+        parts.uri.query().unwrap_or_default().as_bytes(),
+        content_type,
+        body,
+    ] {
+        h.update(&(part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
+    Fingerprint(*h.finalize().as_bytes())
+}
+
+/// Why an idempotency key was refused: each rule has its own message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The key header appears more than once (or two key headers are both present).
+    Repeated,
+    /// The value is not visible ASCII.
+    NotAscii,
+    /// Fewer than 8 characters.
+    TooShort(usize),
+    /// More than 64 characters.
+    TooLong(usize),
+    /// A character outside `A-Z a-z 0-9 _ -`.
+    InvalidCharacter,
+}
+
+impl KeyError {
+    /// The rule's short name, as used in metrics and problem bodies.
+    pub fn rule(&self) -> &'static str {
+        match self {
+            KeyError::Repeated => "repeated",
+            KeyError::NotAscii => "not-ascii",
+            KeyError::TooShort(_) => "too-short",
+            KeyError::TooLong(_) => "too-long",
+            KeyError::InvalidCharacter => "invalid-character",
+        }
+    }
+}
+
+impl fmt::Display for KeyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeyError::Repeated => {
+                f.write_str("idempotency key is repeated: send exactly one key header")
+            }
+            KeyError::NotAscii => {
+                f.write_str("idempotency key is not ASCII: use [A-Za-z0-9_-]{8,64}")
+            }
+            KeyError::TooShort(n) => write!(
+                f,
+                "idempotency key is too short ({n} characters): use 8 to 64"
+            ),
+            KeyError::TooLong(n) => write!(
+                f,
+                "idempotency key is too long ({n} characters): use 8 to 64"
+            ),
+            KeyError::InvalidCharacter => f.write_str(
+                "idempotency key has an invalid character: use only A-Z, a-z, 0-9, '_' and '-'",
+            ),
+        }
+    }
+}
+
+impl std::error::Error for KeyError {}
+
+/// Validates a key value: `[A-Za-z0-9_-]{8,64}`, optionally quoted as a structured-field string.
+pub fn validate_key(raw: &[u8]) -> Result<&str, KeyError> {
+    let s = std::str::from_utf8(raw).map_err(|_| KeyError::NotAscii)?;
+    if !s.is_ascii() {
+        return Err(KeyError::NotAscii);
+    }
+    let s = s.trim_matches(|c| c == ' ' || c == '\t');
+    // A structured-field string (`"abc..."`); valid keys never need escapes.
+    let s = match s.strip_prefix('"') {
+        Some(rest) => rest.strip_suffix('"').ok_or(KeyError::InvalidCharacter)?,
+        None => s,
+    };
+    if s.len() < 8 {
+        return Err(KeyError::TooShort(s.len()));
+    }
+    if s.len() > 64 {
+        return Err(KeyError::TooLong(s.len()));
+    }
+    if !s
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    {
+        return Err(KeyError::InvalidCharacter);
+    }
+    Ok(s)
+}
+
+/// Finds the one key among `names` in `headers`.
+pub(crate) fn extract_key<'h>(
+    headers: &'h HeaderMap,
+    names: &[HeaderName],
+) -> Result<Option<&'h str>, KeyError> {
+    let mut found = None;
+    for name in names {
+        for value in headers.get_all(name) {
+            if found.is_some() {
+                return Err(KeyError::Repeated);
+            }
+            found = Some(value);
+        }
+    }
+    match found {
+        None => Ok(None),
+        Some(v) => validate_key(v.as_bytes()).map(Some),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn key_rules() {
+        assert_eq!(validate_key(b"abcdEFGH_-09"), Ok("abcdEFGH_-09"));
+        assert_eq!(validate_key(b"\"abcdefgh\""), Ok("abcdefgh"));
+        assert_eq!(validate_key(b"abcdefg"), Err(KeyError::TooShort(7)));
+        assert_eq!(validate_key(&[b'a'; 65]), Err(KeyError::TooLong(65)));
+        assert_eq!(validate_key(&[b'a'; 64]).map(str::len), Ok(64));
+        assert_eq!(validate_key(b"abcd efgh"), Err(KeyError::InvalidCharacter));
+        assert_eq!(validate_key(b"abcd.efgh"), Err(KeyError::InvalidCharacter));
+        assert_eq!(validate_key(b"\"abcdefgh"), Err(KeyError::InvalidCharacter));
+        assert_eq!(validate_key("abcdéfgh".as_bytes()), Err(KeyError::NotAscii));
+        assert_eq!(validate_key(b"abc\xffdefgh"), Err(KeyError::NotAscii));
+    }
+
+    #[test]
+    fn extraction_rejects_repeats_across_headers() {
+        let names = [crate::X_IDEMPOTENCY_KEY, crate::IDEMPOTENCY_KEY];
+        let mut h = HeaderMap::new();
+        assert_eq!(extract_key(&h, &names), Ok(None));
+        h.insert(crate::IDEMPOTENCY_KEY, "\"order-0001\"".parse().unwrap());
+        assert_eq!(extract_key(&h, &names), Ok(Some("order-0001")));
+        h.insert(crate::X_IDEMPOTENCY_KEY, "order-0001".parse().unwrap());
+        assert_eq!(extract_key(&h, &names), Err(KeyError::Repeated));
+        h.remove(crate::IDEMPOTENCY_KEY);
+        h.append(crate::X_IDEMPOTENCY_KEY, "order-0002".parse().unwrap());
+        assert_eq!(extract_key(&h, &names), Err(KeyError::Repeated));
+    }
+
+    #[test]
+    fn fingerprint_covers_each_part() {
+        let base = || {
+            http::Request::post("/orders?x=1")
+                .header("content-type", "application/json")
+                .body(())
+                .unwrap()
+                .into_parts()
+                .0
+        };
+        let fp = fingerprint(&base(), b"{}");
+        assert_eq!(fp, fingerprint(&base(), b"{}"));
+        assert_ne!(fp, fingerprint(&base(), b"{ }"));
+        let mut p = base();
+        p.uri = "/orders?x=2".parse().unwrap();
+        assert_ne!(fp, fingerprint(&p, b"{}"));
+        let mut p = base();
+        p.uri = "/order?x=1".parse().unwrap();
+        assert_ne!(fp, fingerprint(&p, b"{}"));
+        let mut p = base();
+        p.method = http::Method::PUT;
+        assert_ne!(fp, fingerprint(&p, b"{}"));
+        let mut p = base();
+        p.headers
+            .insert("content-type", "text/plain".parse().unwrap());
+        assert_ne!(fp, fingerprint(&p, b"{}"));
+    }
+
+    proptest! {
+        /// Two triples built from the same characters split differently encode differently,
+        /// and equal triples encode equally: the encoding is injective.
+        #[test]
+        fn scope_encoding_is_injective(
+            s in "[a-c/ ]{0,12}",
+            cuts in (0usize..=12, 0usize..=12, 0usize..=12, 0usize..=12),
+        ) {
+            let split = |a: usize, b: usize| {
+                let (a, b) = (a.min(s.len()), b.min(s.len()));
+                let (a, b) = (a.min(b), a.max(b));
+                (&s[..a], &s[a..b], &s[b..])
+            };
+            let x = split(cuts.0, cuts.1);
+            let y = split(cuts.2, cuts.3);
+            let ex = Scope::new(x.0, x.1, x.2).encode();
+            let ey = Scope::new(y.0, y.1, y.2).encode();
+            prop_assert_eq!(ex == ey, x == y);
+            prop_assert_eq!(Scope::new(x.0, x.1, x.2).key() == Scope::new(y.0, y.1, y.2).key(), x == y);
+        }
+
+        #[test]
+        fn scope_encoding_is_injective_for_any_strings(
+            a in (".{0,6}", ".{0,6}", ".{0,6}"),
+            b in (".{0,6}", ".{0,6}", ".{0,6}"),
+        ) {
+            let ea = Scope::new(&a.0, &a.1, &a.2).encode();
+            let eb = Scope::new(&b.0, &b.1, &b.2).encode();
+            prop_assert_eq!(ea == eb, a == b);
+        }
+    }
+}

@@ -1,0 +1,446 @@
+//! [`Idempotency`]: the service, and the flow of one write.
+
+use std::fmt;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use futures_util::FutureExt;
+use http::header::CONTENT_LENGTH;
+use http::{HeaderValue, Request, Response};
+use http_body::Body;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use reason_code::{
+    is_grpc, parse_grpc_status, parse_grpc_timeout, Code, GRPC_STATUS, GRPC_TIMEOUT,
+    IDEMPOTENT_REPLAYED,
+};
+use tokio::time::Instant;
+use tower_service::Service;
+
+use crate::body::{IdempotencyBody, Recorder, RequestBody};
+use crate::claim::{log_store_error, Claim};
+use crate::future::ResponseFuture;
+use crate::key::{extract_key, fingerprint, Scope, Tenant};
+use crate::layer::{Config, InFlight, OnDisconnect, TenantSource};
+use crate::metrics::{Metrics, RejectReason};
+use crate::reject::reject;
+use crate::store::{Begin, BoxError, Fingerprint, IdempotencyStore, MemoryStore, Record, ScopeKey};
+use crate::IDEMPOTENT_BODY_OMITTED;
+
+/// The service [`IdempotencyLayer`](crate::IdempotencyLayer) makes: writes with a key execute
+/// once per scope; duplicates get the recorded response.
+///
+/// It keeps the inner service's error type: everything the layer refuses is answered as a
+/// response, so no `HandleErrorLayer` is needed.
+pub struct Idempotency<S, St = MemoryStore> {
+    inner: S,
+    store: St,
+    config: Arc<Config>,
+}
+
+impl<S: Clone, St: Clone> Clone for Idempotency<S, St> {
+    fn clone(&self) -> Self {
+        Idempotency {
+            inner: self.inner.clone(),
+            store: self.store.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, St: fmt::Debug> fmt::Debug for Idempotency<S, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("inner", &self.inner)
+            .field("store", &self.store)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl<S, St> Idempotency<S, St> {
+    pub(crate) fn new(inner: S, store: St, config: Arc<Config>) -> Self {
+        Idempotency {
+            inner,
+            store,
+            config,
+        }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Consumes the middleware, returning the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+
+    /// The layer's counters (shared with the layer and every clone).
+    pub fn metrics(&self) -> Metrics {
+        self.config.counters.snapshot()
+    }
+}
+
+impl<S, St, ReqB, ResB> Service<Request<ReqB>> for Idempotency<S, St>
+where
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: IdempotencyStore,
+    ReqB: Body<Data = Bytes> + Send + 'static,
+    ReqB::Error: Into<BoxError>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    type Response = Response<IdempotencyBody<ResB>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, ResB, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+        // `self.inner` is the service that `poll_ready` drove to readiness: take it into the
+        // call and leave a fresh clone in its place ("Be careful when cloning inner services",
+        // tower-service docs).
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let cfg = &self.config;
+        let grpc = is_grpc(req.headers());
+        if !cfg.is_write(req.method(), req.uri(), req.headers(), grpc) {
+            return ResponseFuture::passthrough(inner.call(req.map(RequestBody::streaming)));
+        }
+        let rejected = |reason: RejectReason, detail: &str| {
+            cfg.counters.rejected(reason);
+            ResponseFuture::ready(reject(reason, detail, grpc))
+        };
+        let key = match extract_key(req.headers(), &cfg.key_headers) {
+            Ok(Some(key)) => key.to_owned(),
+            Ok(None) if cfg.key_optional => {
+                return ResponseFuture::passthrough(inner.call(req.map(RequestBody::streaming)))
+            }
+            Ok(None) => {
+                let detail = format!("write operations require {}", cfg.key_header_name());
+                return rejected(RejectReason::MissingKey, &detail);
+            }
+            Err(e) => return rejected(RejectReason::InvalidKey, &e.to_string()),
+        };
+        let tenant = match tenant(cfg, &req) {
+            Some(t) => t,
+            None => {
+                return rejected(
+                    RejectReason::NoTenant,
+                    "no authenticated tenant: writes with an idempotency key need one",
+                )
+            }
+        };
+        let method = if grpc {
+            Scope::grpc(req.uri().path())
+        } else {
+            Scope::http(req.method(), req.uri().path())
+        };
+        let scope = Scope::new(&tenant, &method, &key).key();
+        let fut = run(
+            inner,
+            self.store.clone(),
+            self.config.clone(),
+            req,
+            scope,
+            grpc,
+        );
+        ResponseFuture::managed(Box::pin(fut))
+    }
+}
+
+fn tenant<B>(cfg: &Config, req: &Request<B>) -> Option<Arc<str>> {
+    if let Some(t) = req.extensions().get::<Tenant>() {
+        return Some(t.0.clone());
+    }
+    match &cfg.tenant {
+        TenantSource::Required => None,
+        TenantSource::Default(t) => Some(t.clone()),
+        TenantSource::Header(name) => {
+            let mut values = req.headers().get_all(name).iter();
+            let v = values.next()?;
+            if values.next().is_some() {
+                return None;
+            }
+            let s = v.to_str().ok()?.trim();
+            (!s.is_empty()).then(|| Arc::from(s))
+        }
+    }
+}
+
+/// Why the leader's handler produced no response.
+struct Panicked;
+
+type Answer<B, E> = Result<Response<IdempotencyBody<B>>, E>;
+
+/// The flow of one write, after its key and tenant were accepted.
+async fn run<S, St, ReqB, ResB>(
+    inner: S,
+    store: St,
+    cfg: Arc<Config>,
+    req: Request<ReqB>,
+    scope: ScopeKey,
+    grpc: bool,
+) -> Answer<ResB, S::Error>
+where
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: IdempotencyStore,
+    ReqB: Body<Data = Bytes> + Send + 'static,
+    ReqB::Error: Into<BoxError>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    let counters = &cfg.counters;
+    let rejected = |reason: RejectReason, detail: &str| {
+        counters.rejected(reason);
+        Ok(reject(reason, detail, grpc))
+    };
+    let (parts, body) = req.into_parts();
+    let wait = parts
+        .headers
+        .get(GRPC_TIMEOUT)
+        .and_then(|v| parse_grpc_timeout(v).ok())
+        .map_or(cfg.max_wait, |t| t.min(cfg.max_wait));
+    let deadline = Instant::now() + wait;
+
+    let too_large = || {
+        format!(
+            "request body is larger than {} bytes; send a smaller request",
+            cfg.max_request_bytes
+        )
+    };
+    let declared = parts
+        .headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > cfg.max_request_bytes as u64) {
+        return rejected(RejectReason::TooLarge, &too_large());
+    }
+    let bytes = match Limited::new(body, cfg.max_request_bytes).collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) if e.is::<LengthLimitError>() => {
+            return rejected(RejectReason::TooLarge, &too_large())
+        }
+        Err(e) => {
+            return rejected(
+                RejectReason::BadBody,
+                &format!("request body could not be read: {e}"),
+            )
+        }
+    };
+    let fp = fingerprint(&parts, &bytes);
+    let mismatch = "this idempotency key was used with a different request (method, path, query, \
+                    content type or body); use a new key for a new request";
+
+    let mut waited = false;
+    loop {
+        match store.begin(scope, fp, cfg.lease).await {
+            Ok(Begin::New(token)) => {
+                let claim = Claim::new(
+                    store.clone(),
+                    scope,
+                    token,
+                    cfg.ttl,
+                    cfg.lease,
+                    cfg.counters.clone(),
+                );
+                let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                return lead(inner, cfg.clone(), req, claim, fp, grpc).await;
+            }
+            Ok(Begin::Completed(record)) => {
+                if record.fingerprint != fp {
+                    return rejected(RejectReason::Mismatch, mismatch);
+                }
+                counters.replayed();
+                tracing::debug!(?scope, waited, "idempotency: replayed");
+                return Ok(replay(&record));
+            }
+            Ok(Begin::InFlight { token, fingerprint }) => {
+                if fingerprint != fp {
+                    return rejected(RejectReason::Mismatch, mismatch);
+                }
+                if cfg.in_flight == InFlight::Reject {
+                    return rejected(
+                        RejectReason::InFlight,
+                        "a request with this idempotency key is in flight; retry after it completes",
+                    );
+                }
+                if !waited {
+                    waited = true;
+                    counters.waited();
+                    tracing::debug!(?scope, "idempotency: waiting for the request in flight");
+                }
+                match tokio::time::timeout_at(deadline, store.wait(scope, token)).await {
+                    Ok(Ok(())) => continue,
+                    Ok(Err(e)) => {
+                        log_store_error(counters, "wait", &e);
+                        return rejected(
+                            RejectReason::StoreUnavailable,
+                            "idempotency store unavailable while waiting; retry later",
+                        );
+                    }
+                    Err(_) => {
+                        return rejected(
+                            RejectReason::InFlight,
+                            "a request with this idempotency key is still in flight; retry later",
+                        )
+                    }
+                }
+            }
+            Err(e) => {
+                log_store_error(counters, "begin", &e);
+                if cfg.fail_open {
+                    counters.failed_open();
+                    tracing::warn!(error = %e, "idempotency: store failed; executing without protection (fail_open)");
+                    let mut inner = inner;
+                    let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                    let res = inner.call(req).await?;
+                    return Ok(res.map(IdempotencyBody::inner));
+                }
+                return rejected(
+                    RejectReason::StoreUnavailable,
+                    "idempotency store unavailable; nothing was executed, retry later",
+                );
+            }
+        }
+    }
+}
+
+/// Runs the handler as the leader of a scope.
+async fn lead<S, ReqB, ResB>(
+    inner: S,
+    cfg: Arc<Config>,
+    req: Request<RequestBody<ReqB>>,
+    claim: Claim,
+    fp: Fingerprint,
+    grpc: bool,
+) -> Answer<ResB, S::Error>
+where
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqB: Send + 'static,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    cfg.counters.executed();
+    tracing::debug!("idempotency: executing");
+    let out = match cfg.on_disconnect {
+        OnDisconnect::Complete => {
+            // The handler runs in its own task, so it completes even if this future is dropped
+            // (the client went away); an unsent response's body is then drained and recorded
+            // by the recorder's drop.
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let cfg2 = cfg.clone();
+            tokio::spawn(async move {
+                let out = execute(inner, req, claim, cfg2, fp).await;
+                drop(tx.send(out));
+            });
+            rx.await.unwrap_or(Err(Panicked))
+        }
+        OnDisconnect::Release => execute(inner, req, claim, cfg.clone(), fp).await,
+    };
+    match out {
+        Ok(answer) => answer,
+        Err(Panicked) => {
+            cfg.counters.rejected(RejectReason::Internal);
+            Ok(reject(
+                RejectReason::Internal,
+                "the handler failed; nothing was recorded, a retry executes again",
+                grpc,
+            ))
+        }
+    }
+}
+
+async fn execute<S, ReqB, ResB>(
+    mut inner: S,
+    req: Request<RequestBody<ReqB>>,
+    claim: Claim,
+    cfg: Arc<Config>,
+    fp: Fingerprint,
+) -> Result<Answer<ResB, S::Error>, Panicked>
+where
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    let called = std::panic::catch_unwind(AssertUnwindSafe(|| inner.call(req)));
+    let result = match called {
+        Ok(fut) => AssertUnwindSafe(fut).catch_unwind().await,
+        Err(panic) => Err(panic),
+    };
+    let res = match result {
+        Ok(Ok(res)) => res,
+        Ok(Err(e)) => {
+            claim.release().await;
+            return Ok(Err(e));
+        }
+        Err(_) => {
+            tracing::error!("idempotency: handler panicked; releasing the key");
+            claim.release().await;
+            return Err(Panicked);
+        }
+    };
+    let (parts, body) = res.into_parts();
+    if let Some(code) = head_code(&cfg, &parts) {
+        if !cfg.table.may_record(code) {
+            tracing::debug!(%code, "idempotency: outcome not recordable; releasing");
+            claim.release().await;
+            return Ok(Ok(Response::from_parts(
+                parts,
+                IdempotencyBody::inner(body),
+            )));
+        }
+    }
+    let recorder = Recorder::new(body, claim, cfg, fp, parts.status, parts.headers.clone());
+    Ok(Ok(Response::from_parts(
+        parts,
+        IdempotencyBody::recording(recorder),
+    )))
+}
+
+/// The code of a response when its head decides it: a reason code, a trailers-only gRPC
+/// response, or any HTTP response. `None` for a gRPC response whose status is in its trailers.
+fn head_code(cfg: &Config, parts: &http::response::Parts) -> Option<Code> {
+    if let Some(code) = cfg.reasons.classify(&parts.headers) {
+        return Some(code);
+    }
+    if is_grpc(&parts.headers) {
+        return parts
+            .headers
+            .get(GRPC_STATUS)
+            .map(|v| parse_grpc_status(v).unwrap_or(Code::Unknown));
+    }
+    Some(Code::from_http_status(parts.status))
+}
+
+fn replay<B>(record: &Record) -> Response<IdempotencyBody<B>> {
+    let mut res = Response::new(IdempotencyBody::replay(
+        record.body.clone(),
+        record.trailers.clone(),
+    ));
+    *res.status_mut() = record.status;
+    *res.headers_mut() = record.headers.clone();
+    let h = res.headers_mut();
+    h.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    if record.body_omitted {
+        h.insert(IDEMPOTENT_BODY_OMITTED, HeaderValue::from_static("true"));
+        h.remove(CONTENT_LENGTH);
+    }
+    res
+}
