@@ -1,0 +1,162 @@
+//! Garbage from the server or the caller: no panic, treated as absent, a warning logged.
+
+use std::io;
+use std::sync::{Arc, Mutex};
+
+use http::HeaderValue;
+use retry_layer::RetryPolicy;
+use tracing_subscriber::fmt::MakeWriter;
+
+use crate::support::*;
+
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> MakeWriter<'a> for Captured {
+    type Writer = Captured;
+    fn make_writer(&'a self) -> Captured {
+        self.clone()
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+fn capture() -> (Captured, tracing::subscriber::DefaultGuard) {
+    let logs = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(logs.clone())
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .finish();
+    (logs, tracing::subscriber::set_default(subscriber))
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn garbage_retry_after_is_ignored_with_a_warning() {
+    let (logs, _guard) = capture();
+    let (res, script, _) = run(
+        RetryPolicy::default(),
+        get("/books/b1"),
+        vec![
+            Reply::Status(503, vec![("retry-after", "in a while")]),
+            status(200),
+        ],
+    )
+    .await;
+    assert_eq!(res.unwrap().status(), 200);
+    assert_eq!(script.attempts(), 2, "retried on the computed backoff");
+    assert!(
+        logs.text().contains("malformed Retry-After"),
+        "{}",
+        logs.text()
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn non_ascii_retry_after_is_ignored() {
+    let (svc, script) = backend::<http_body_util::Full<bytes::Bytes>>(vec![status(200)]);
+    // Build the reply by hand: a header value with a non-ASCII byte.
+    let svc = tower::ServiceExt::map_response(svc, |mut res: http::Response<_>| {
+        if res.status() == 200 {
+            *res.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
+            res.headers_mut().insert(
+                "retry-after",
+                HeaderValue::from_bytes(b"\xff\xfe5").unwrap(),
+            );
+        }
+        res
+    });
+    let mut retry = retry_layer::Retry::new(svc, RetryPolicy::default());
+    let res = tower::ServiceExt::oneshot(&mut retry, get("/books/b1"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 503);
+    assert_eq!(
+        script.attempts(),
+        3,
+        "ignored: the computed backoff applies"
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn garbage_grpc_status_is_treated_as_absent() {
+    let (logs, _guard) = capture();
+    let reply = Reply::Status(
+        200,
+        vec![
+            ("content-type", "application/grpc"),
+            ("grpc-status", "fourteen"),
+        ],
+    );
+    let (res, script, _) = run(
+        RetryPolicy::default(),
+        keyed(grpc_req("/lib.Library/GetBook")),
+        vec![reply],
+    )
+    .await;
+    assert_eq!(res.unwrap().status(), 200);
+    assert_eq!(script.attempts(), 1, "no status in the headers: committed");
+    assert!(
+        logs.text().contains("malformed grpc-status"),
+        "{}",
+        logs.text()
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn garbage_grpc_timeout_is_ignored_with_a_warning() {
+    let (logs, _guard) = capture();
+    let mut req = keyed(grpc_req("/lib.Library/GetBook"));
+    req.headers_mut()
+        .insert("grpc-timeout", "soon".parse().unwrap());
+    let (_, script, _) = run(RetryPolicy::default(), req, vec![grpc("14")]).await;
+    assert_eq!(script.attempts(), 3, "no deadline: the attempts decide");
+    assert_eq!(
+        script.seen()[0].headers["grpc-timeout"],
+        "soon",
+        "passed through untouched"
+    );
+    assert!(
+        logs.text().contains("malformed grpc-timeout"),
+        "{}",
+        logs.text()
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn garbage_pushback_stops_retries() {
+    let reply = Reply::Status(
+        200,
+        vec![
+            ("content-type", "application/grpc"),
+            ("grpc-status", "14"),
+            ("grpc-retry-pushback-ms", "1e3"),
+        ],
+    );
+    let (_, script, layer) = run(
+        RetryPolicy::default(),
+        keyed(grpc_req("/lib.Library/GetBook")),
+        vec![reply],
+    )
+    .await;
+    assert_eq!(
+        script.attempts(),
+        1,
+        "gRFC A6: malformed pushback means do not retry"
+    );
+    assert_eq!(layer.stats().pushback_stops, 1);
+}

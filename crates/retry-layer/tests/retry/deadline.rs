@@ -1,0 +1,101 @@
+//! The deadline budget: no retry that cannot finish; `grpc-timeout` says what is really left.
+
+use reason_code::parse_grpc_timeout;
+use retry_layer::{Deadline, DeadlineExceeded, RetryPolicy};
+use tokio::time::Duration;
+
+use crate::support::*;
+
+#[tokio::test(start_paused = true)]
+async fn no_retry_when_the_deadline_cannot_fit_delay_plus_min_budget() {
+    // Attempt 1 fails at t=0; delay ~20 ms; 90 ms left >= 24 + 50: retried.
+    // Attempt 2 fails at ~20 ms; delay ~40 ms; at most 74 ms left < 32 + 50: not retried, whatever the jitter.
+    let policy = RetryPolicy::builder().jitter_seed(1).build().unwrap();
+    let mut req = get("/books/b1");
+    req.extensions_mut()
+        .insert(Deadline::after(Duration::from_millis(90)));
+    let (res, script, layer) = run(policy, req, vec![status(503)]).await;
+    assert_eq!(res.unwrap().status(), 503);
+    assert_eq!(script.attempts(), 2);
+    assert_eq!(layer.stats().deadline_stops, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn total_timeout_is_the_fallback_deadline() {
+    let policy = RetryPolicy::builder()
+        .total_timeout(Duration::from_millis(60))
+        .build()
+        .unwrap();
+    let (_, script, _) = run(policy, get("/books/b1"), vec![status(503)]).await;
+    assert_eq!(script.attempts(), 1, "60 ms cannot fit ~20 ms + 50 ms");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_attempt_running_past_the_deadline_ends_the_call() {
+    let mut req = get("/books/b1");
+    req.extensions_mut()
+        .insert(Deadline::after(Duration::from_millis(200)));
+    let (res, script, _) = run(
+        RetryPolicy::default(),
+        req,
+        vec![Reply::Slow(Duration::from_secs(10), 200)],
+    )
+    .await;
+    assert!(res.unwrap_err().is::<DeadlineExceeded>());
+    assert_eq!(script.attempts(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn attempt_timeout_is_ambiguous_and_retried_only_when_idempotent() {
+    let policy = RetryPolicy::builder()
+        .attempt_timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let slow = || vec![Reply::Slow(Duration::from_secs(10), 200)];
+    let (res, script, _) = run(policy.clone(), get("/books/b1"), slow()).await;
+    assert!(res.unwrap_err().is::<retry_layer::AttemptTimedOut>());
+    assert_eq!(script.attempts(), 3);
+    let (_, script, _) = run(policy, post("/orders"), slow()).await;
+    assert_eq!(
+        script.attempts(),
+        1,
+        "a POST that timed out may have executed"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn grpc_timeout_shrinks_across_attempts() {
+    let mut req = keyed(grpc_req("/lib.Library/CreateOrder"));
+    req.headers_mut()
+        .insert("grpc-timeout", "2S".parse().unwrap());
+    let replies = vec![Reply::Slow(Duration::from_millis(300), 503)];
+    let (_, script, _) = run(RetryPolicy::default(), req, replies).await;
+    let timeouts: Vec<Duration> = script
+        .seen()
+        .iter()
+        .map(|s| parse_grpc_timeout(&s.headers["grpc-timeout"]).unwrap())
+        .collect();
+    assert_eq!(timeouts.len(), 3);
+    assert!(timeouts[0] <= Duration::from_secs(2));
+    // Each attempt took 300 ms plus a backoff delay: the budget left shrinks by at least that.
+    assert!(
+        timeouts[1] <= timeouts[0] - Duration::from_millis(300),
+        "{timeouts:?}"
+    );
+    assert!(
+        timeouts[2] <= timeouts[1] - Duration::from_millis(300),
+        "{timeouts:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn deadline_extension_wins_over_grpc_timeout() {
+    let mut req = keyed(grpc_req("/lib.Library/CreateOrder"));
+    req.headers_mut()
+        .insert("grpc-timeout", "10S".parse().unwrap());
+    req.extensions_mut()
+        .insert(Deadline::after(Duration::from_millis(500)));
+    let (_, script, _) = run(RetryPolicy::default(), req, vec![grpc("0")]).await;
+    let sent = parse_grpc_timeout(&script.seen()[0].headers["grpc-timeout"]).unwrap();
+    assert!(sent <= Duration::from_millis(500), "{sent:?}");
+}

@@ -1,0 +1,12 @@
+//! Integration tests of the retry layer: scripted backends under paused time, and real sockets.
+
+mod support;
+
+mod bad_input;
+mod bodies;
+mod budget;
+mod deadline;
+mod grpc;
+mod sockets;
+mod table;
+mod timing;

@@ -1,0 +1,246 @@
+//! Over real sockets: a hyper server on 127.0.0.1:0 and a hyper-util client through the layer.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use retry_layer::{RetryLayer, RetryPolicy};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tower::{Service, ServiceBuilder, ServiceExt};
+
+/// Serves `handler` on 127.0.0.1:0 (HTTP/1 and HTTP/2) until the test ends.
+async fn serve<F, Fut>(handler: F) -> SocketAddr
+where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Response<Full<Bytes>>> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let handler = handler.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req| {
+                    let handler = handler.clone();
+                    async move { Ok::<_, Infallible>(handler(req).await) }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+fn client(
+    layer: RetryLayer,
+) -> impl Service<
+    Request<Full<Bytes>>,
+    Response = Response<Incoming>,
+    Error = retry_layer::BoxError,
+    Future = impl Send,
+> + Clone {
+    ServiceBuilder::new()
+        .layer(layer)
+        .service(Client::builder(TokioExecutor::new()).build_http())
+}
+
+#[tokio::test]
+async fn a_server_that_answers_503_twice_then_200() {
+    let hits = Arc::new(AtomicUsize::new(0));
+    let h = hits.clone();
+    let addr = serve(move |req: Request<Incoming>| {
+        let n = h.fetch_add(1, Ordering::SeqCst);
+        async move {
+            let body = req.into_body().collect().await.unwrap().to_bytes();
+            assert_eq!(body, "{\"quantity\":1}", "every attempt carries the body");
+            let status = if n < 2 {
+                StatusCode::SERVICE_UNAVAILABLE
+            } else {
+                StatusCode::CREATED
+            };
+            Response::builder()
+                .status(status)
+                .body(Full::new(Bytes::from("done")))
+                .unwrap()
+        }
+    })
+    .await;
+    let layer = RetryLayer::new(
+        RetryPolicy::builder()
+            .ensure_idempotency_key()
+            .build()
+            .unwrap(),
+    );
+    let req = Request::post(format!("http://{addr}/orders"))
+        .body(Full::new(Bytes::from("{\"quantity\":1}")))
+        .unwrap();
+    let res = client(layer.clone()).oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::CREATED);
+    assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "done");
+    assert_eq!(hits.load(Ordering::SeqCst), 3);
+    assert_eq!(layer.stats().retries, 2);
+}
+
+/// A server that reads each request whole, records its idempotency key, then closes the
+/// connection without answering: the "connection dropped after send" case.
+async fn closing_server() -> (SocketAddr, Arc<Mutex<Vec<Option<String>>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let keys = Arc::new(Mutex::new(Vec::new()));
+    let k = keys.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                return;
+            };
+            let k = k.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 1024];
+                let head_end = loop {
+                    let n = stream.read(&mut chunk).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                };
+                let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map(|v| v.trim().parse().unwrap())
+                    .unwrap_or(0);
+                while buf.len() < head_end + len {
+                    let n = stream.read(&mut chunk).await.unwrap_or(0);
+                    if n == 0 {
+                        break;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                }
+                let key = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("x-idempotency-key:"))
+                    .map(|v| v.trim().to_owned());
+                k.lock().unwrap().push(key);
+                let _ = stream.shutdown().await;
+            });
+        }
+    });
+    (addr, keys)
+}
+
+#[tokio::test]
+async fn connection_closed_after_the_request_is_retried_only_when_keyed_or_idempotent() {
+    let (addr, keys) = closing_server().await;
+    let post = || {
+        Request::post(format!("http://{addr}/orders"))
+            .body(Full::new(Bytes::from("{\"quantity\":1}")))
+            .unwrap()
+    };
+
+    // No key, not idempotent: it may have executed, so it is not retried.
+    let err = client(RetryLayer::new(RetryPolicy::default()))
+        .oneshot(post())
+        .await
+        .unwrap_err();
+    assert!(!err.to_string().is_empty());
+    assert_eq!(keys.lock().unwrap().len(), 1);
+    keys.lock().unwrap().clear();
+
+    // With ensure_idempotency_key(): retried, with one key on every attempt.
+    let layer = RetryLayer::new(
+        RetryPolicy::builder()
+            .ensure_idempotency_key()
+            .build()
+            .unwrap(),
+    );
+    client(layer).oneshot(post()).await.unwrap_err();
+    let seen = keys.lock().unwrap().clone();
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    assert!(seen[0].is_some());
+    assert!(seen.iter().all(|k| *k == seen[0]), "{seen:?}");
+    keys.lock().unwrap().clear();
+
+    // Idempotent method: retried.
+    let get = Request::get(format!("http://{addr}/books/b1"))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    client(RetryLayer::new(RetryPolicy::default()))
+        .oneshot(get)
+        .await
+        .unwrap_err();
+    assert_eq!(keys.lock().unwrap().len(), 3);
+}
+
+#[tokio::test]
+async fn connection_refused_is_retried_even_for_a_post_without_key() {
+    // Bind then drop: nothing listens on this port.
+    let addr = TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let layer = RetryLayer::new(RetryPolicy::default());
+    let req = Request::post(format!("http://{addr}/orders"))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let err = client(layer.clone()).oneshot(req).await.unwrap_err();
+    let err = err
+        .downcast_ref::<hyper_util::client::legacy::Error>()
+        .expect("the client's error");
+    assert!(err.is_connect());
+    // 3 attempts plus 2 transparent retries: nothing was ever sent.
+    assert_eq!(layer.stats().attempts, 5);
+}
+
+#[tokio::test(start_paused = true)]
+async fn too_many_requests_with_retry_after_1() {
+    let hits = Arc::new(AtomicUsize::new(0));
+    let h = hits.clone();
+    let addr = serve(move |_req: Request<Incoming>| {
+        let n = h.fetch_add(1, Ordering::SeqCst);
+        async move {
+            if n == 0 {
+                Response::builder()
+                    .status(StatusCode::TOO_MANY_REQUESTS)
+                    .header("retry-after", "1")
+                    .body(Full::new(Bytes::new()))
+                    .unwrap()
+            } else {
+                Response::new(Full::new(Bytes::from("ok")))
+            }
+        }
+    })
+    .await;
+    let started = tokio::time::Instant::now();
+    let req = Request::post(format!("http://{addr}/orders"))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let res = client(RetryLayer::new(RetryPolicy::default()))
+        .oneshot(req)
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(hits.load(Ordering::SeqCst), 2);
+    assert!(
+        started.elapsed() >= tokio::time::Duration::from_secs(1),
+        "waited as asked"
+    );
+}

@@ -1,0 +1,243 @@
+//! One test per row of the design table, HTTP and gRPC forms: retried or not, how many attempts.
+
+use std::io::ErrorKind;
+
+use bytes::Bytes;
+use http::Request;
+use reason_code::{ClientRule, Code, RetryTable};
+use retry_layer::{Conflict, RetryPolicy};
+
+use crate::support::*;
+
+macro_rules! rows {
+    ($($name:ident: $req:expr, [$($reply:expr),+] => $attempts:expr;)*) => {$(
+        #[tokio::test(start_paused = true)]
+        async fn $name() {
+            let (_, script, layer) = run(RetryPolicy::default(), $req, vec![$($reply),+]).await;
+            assert_eq!(script.attempts(), $attempts, "attempts");
+            assert_eq!(layer.stats().attempts, $attempts as u64);
+        }
+    )*};
+}
+
+rows! {
+    // OK: a success is never retried.
+    http_200_post: post("/orders"), [status(201)] => 1;
+    grpc_ok: grpc_req("/lib.Library/CreateOrder"), [grpc("0")] => 1;
+
+    // Unsent: retried for any request, with transparent retries beyond max_attempts (3 + 2).
+    unsent_post_without_key: post("/orders"), [Reply::Io(ErrorKind::ConnectionRefused)] => 5;
+    unsent_then_ok: post("/orders"), [Reply::Io(ErrorKind::ConnectionRefused), status(201)] => 2;
+
+    // Ambiguous: only idempotent or keyed.
+    lost_after_send_post_without_key: post("/orders"), [Reply::Io(ErrorKind::ConnectionReset)] => 1;
+    lost_after_send_get: get("/books/b1"), [Reply::Io(ErrorKind::ConnectionReset)] => 3;
+    lost_after_send_keyed_post: keyed(post("/orders")), [Reply::Io(ErrorKind::ConnectionReset)] => 3;
+
+    // 502, 503, UNAVAILABLE: idempotent or keyed.
+    http_503_post_without_key: post("/orders"), [status(503)] => 1;
+    http_503_put: Request::put("http://svc/books/b1").body(Default::default()).unwrap(), [status(503)] => 3;
+    http_503_delete: Request::delete("http://svc/books/b1").body(Default::default()).unwrap(), [status(503)] => 3;
+    http_502_get: get("/books/b1"), [status(502)] => 3;
+    http_503_keyed_post: keyed(post("/orders")), [status(503)] => 3;
+    http_503_then_ok: keyed(post("/orders")), [status(503), status(201)] => 2;
+    grpc_unavailable_not_declared: grpc_req("/lib.Library/CreateOrder"), [grpc("14")] => 1;
+    grpc_unavailable_keyed: keyed(grpc_req("/lib.Library/CreateOrder")), [grpc("14")] => 3;
+
+    // 429, RESOURCE_EXHAUSTED: any request.
+    http_429_post: post("/orders"), [status(429)] => 3;
+    grpc_resource_exhausted: grpc_req("/lib.Library/CreateOrder"), [grpc("8")] => 3;
+
+    // 504, DEADLINE_EXCEEDED: idempotent or keyed (no deadline set here, so it fits).
+    http_504_get: get("/books/b1"), [status(504)] => 3;
+    http_504_post_without_key: post("/orders"), [status(504)] => 1;
+    grpc_deadline_exceeded_keyed: keyed(grpc_req("/lib.Library/CreateOrder")), [grpc("4")] => 3;
+
+    // 409, ABORTED: not without a rebuild hook.
+    http_409_get: get("/books/b1"), [status(409)] => 1;
+    grpc_aborted: keyed(grpc_req("/lib.Library/DeductStock")), [grpc("10")] => 1;
+
+    // 500, INTERNAL, UNKNOWN: not by default.
+    http_500_get: get("/books/b1"), [status(500)] => 1;
+    grpc_internal: keyed(grpc_req("/lib.Library/GetBook")), [grpc("13")] => 1;
+    grpc_unknown: keyed(grpc_req("/lib.Library/GetBook")), [grpc("2")] => 1;
+
+    // Permanent failures.
+    http_400: keyed(post("/orders")), [status(400)] => 1;
+    http_401: get("/books/b1"), [status(401)] => 1;
+    http_403: get("/books/b1"), [status(403)] => 1;
+    http_404: get("/books/b1"), [status(404)] => 1;
+    grpc_invalid_argument: keyed(grpc_req("/lib.Library/CreateOrder")), [grpc("3")] => 1;
+    grpc_already_exists: keyed(grpc_req("/lib.Library/CreateOrder")), [grpc("6")] => 1;
+    grpc_out_of_range: keyed(grpc_req("/lib.Library/CreateOrder")), [grpc("11")] => 1;
+    http_412: get("/books/b1"), [status(412)] => 1;
+    http_501: get("/books/b1"), [status(501)] => 1;
+    grpc_failed_precondition: keyed(grpc_req("/lib.Library/CreateOrder")), [grpc("9")] => 1;
+    grpc_unimplemented: keyed(grpc_req("/lib.Library/CreateOrder")), [grpc("12")] => 1;
+
+    // DATA_LOSS: never.
+    grpc_data_loss: keyed(grpc_req("/lib.Library/GetBook")), [grpc("15")] => 1;
+
+    // A business reason code takes precedence over the status.
+    reason_code_upstream_unavailable: get("/books/b1"),
+        [Reply::Status(409, vec![("x-reason-code", "UPSTREAM_UNAVAILABLE")])] => 3;
+    reason_code_stock_conflict_on_503: keyed(post("/orders")),
+        [Reply::Status(503, vec![("x-reason-code", "STOCK_CONFLICT")])] => 1;
+
+    // A gRPC response that sent headers without a status is committed.
+    grpc_committed_response: keyed(grpc_req("/lib.Library/GetBook")),
+        [Reply::Status(200, vec![("content-type", "application/grpc")])] => 1;
+}
+
+#[tokio::test(start_paused = true)]
+async fn grpc_declared_idempotent_method_is_retried() {
+    let policy = RetryPolicy::builder()
+        .idempotent_grpc_method("/lib.Library/GetBook")
+        .build()
+        .unwrap();
+    let (_, script, _) = run(
+        policy.clone(),
+        grpc_req("/lib.Library/GetBook"),
+        vec![grpc("14")],
+    )
+    .await;
+    assert_eq!(script.attempts(), 3);
+    let (_, script, _) = run(
+        policy,
+        grpc_req("/lib.Library/CreateOrder"),
+        vec![grpc("14")],
+    )
+    .await;
+    assert_eq!(script.attempts(), 1);
+    // A whole service.
+    let policy = RetryPolicy::builder()
+        .idempotent_grpc_method("/lib.Library/")
+        .build()
+        .unwrap();
+    let (_, script, _) = run(policy, grpc_req("/lib.Library/Anything"), vec![grpc("14")]).await;
+    assert_eq!(script.attempts(), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn internal_is_retried_when_opted_in() {
+    let policy = RetryPolicy::builder()
+        .table(RetryTable::default().with_client_rule(Code::Internal, ClientRule::IfIdempotent))
+        .build()
+        .unwrap();
+    let (res, script, _) = run(policy, get("/books/b1"), vec![status(500), status(200)]).await;
+    assert_eq!(res.unwrap().status(), 200);
+    assert_eq!(script.attempts(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn conflict_is_rebuilt_through_the_hook() {
+    let policy = RetryPolicy::builder()
+        .rebuild_on_conflict(|c: Conflict| async move {
+            assert_eq!(c.code, Code::Aborted);
+            assert_eq!(c.response.status, 409);
+            let (parts, body) = c.request.into_parts();
+            assert_eq!(body, "{\"book_id\":\"b1\"}");
+            Some(Request::from_parts(
+                parts,
+                Bytes::from_static(b"{\"book_id\":\"b1\",\"v\":2}"),
+            ))
+        })
+        .build()
+        .unwrap();
+    let replies = vec![
+        Reply::Status(409, vec![("x-reason-code", "STOCK_CONFLICT")]),
+        status(201),
+    ];
+    let (res, script, _) = run(policy, keyed(post("/books/b1/deduct")), replies).await;
+    assert_eq!(res.unwrap().status(), 201);
+    let seen = script.seen();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[1].body, "{\"book_id\":\"b1\",\"v\":2}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_declining_hook_returns_the_conflict_response() {
+    let policy = RetryPolicy::builder()
+        .rebuild_on_conflict(|_c: Conflict| async move { None })
+        .build()
+        .unwrap();
+    let (res, script, _) = run(policy, keyed(post("/orders")), vec![status(409)]).await;
+    assert_eq!(res.unwrap().status(), 409);
+    assert_eq!(script.attempts(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn ensure_idempotency_key_adds_one_key_and_keeps_callers() {
+    let policy = RetryPolicy::builder()
+        .ensure_idempotency_key()
+        .build()
+        .unwrap();
+    let (_, script, _) = run(policy.clone(), post("/orders"), vec![status(503)]).await;
+    let keys: Vec<_> = script
+        .seen()
+        .iter()
+        .map(|s| s.headers["x-idempotency-key"].clone())
+        .collect();
+    assert_eq!(keys.len(), 3, "the generated key makes the POST retryable");
+    assert!(
+        keys.iter().all(|k| *k == keys[0]),
+        "one key on every attempt"
+    );
+    assert_eq!(keys[0].len(), 36, "a UUID");
+
+    let (_, script, _) = run(policy.clone(), keyed(post("/orders")), vec![status(503)]).await;
+    assert!(script
+        .seen()
+        .iter()
+        .all(|s| s.headers["x-idempotency-key"] == "order-7f3a9c21"));
+
+    // The IETF header counts as a key: nothing is added.
+    let mut req = post("/orders");
+    req.headers_mut()
+        .insert("idempotency-key", "\"abc12345\"".parse().unwrap());
+    let (_, script, _) = run(policy.clone(), req, vec![status(201)]).await;
+    assert!(!script.seen()[0].headers.contains_key("x-idempotency-key"));
+
+    // Reads get no key.
+    let (_, script, _) = run(policy, get("/books/b1"), vec![status(200)]).await;
+    assert!(!script.seen()[0].headers.contains_key("x-idempotency-key"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn retries_carry_the_attempt_header() {
+    let (_, script, _) = run(RetryPolicy::default(), get("/books/b1"), vec![status(503)]).await;
+    let seen = script.seen();
+    assert!(!seen[0].headers.contains_key("x-previous-attempts"));
+    assert_eq!(seen[1].headers["x-previous-attempts"], "1");
+    assert_eq!(seen[2].headers["x-previous-attempts"], "2");
+
+    let (_, script, _) = run(
+        RetryPolicy::default(),
+        keyed(grpc_req("/lib.Library/GetBook")),
+        vec![grpc("14")],
+    )
+    .await;
+    let seen = script.seen();
+    assert!(!seen[0].headers.contains_key("grpc-previous-rpc-attempts"));
+    assert_eq!(seen[2].headers["grpc-previous-rpc-attempts"], "2");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_last_outcome_is_returned_when_attempts_run_out() {
+    let (res, _, layer) = run(RetryPolicy::default(), get("/books/b1"), vec![status(503)]).await;
+    assert_eq!(res.unwrap().status(), 503);
+    let stats = layer.stats();
+    assert_eq!((stats.requests, stats.retries, stats.exhausted), (1, 2, 1));
+
+    let (res, _, _) = run(
+        RetryPolicy::default(),
+        get("/books/b1"),
+        vec![Reply::Io(ErrorKind::ConnectionReset)],
+    )
+    .await;
+    let err = res.unwrap_err();
+    assert_eq!(
+        err.downcast_ref::<std::io::Error>().map(|e| e.kind()),
+        Some(ErrorKind::ConnectionReset)
+    );
+}

@@ -1,0 +1,134 @@
+//! Paused-time tests: with a seeded generator the delays are exactly the documented ones.
+
+use retry_layer::backoff::{Backoff, Jitter};
+use retry_layer::RetryPolicy;
+use tokio::time::Duration;
+
+use crate::support::*;
+
+/// The delays the default policy must use for `seed`: `min(20 ms * 2^(n-1), 1 s) * (0.8 + 0.4u)`
+/// with `u` drawn from the seeded generator in order.
+fn expected(seed: u64, n: u32) -> Vec<Duration> {
+    let mut rng = fastrand_like(seed);
+    (1..=n)
+        .map(|i| {
+            let ceiling = Duration::from_millis(20 * 2u64.pow(i - 1)).min(Duration::from_secs(1));
+            ceiling.mul_f64(0.8 + 0.4 * rng())
+        })
+        .collect()
+}
+
+fn fastrand_like(seed: u64) -> impl FnMut() -> f64 {
+    // The layer draws from fastrand::Rng::with_seed(seed); fastrand is deterministic per seed.
+    let mut rng = fastrand::Rng::with_seed(seed);
+    move || rng.f64()
+}
+
+#[tokio::test(start_paused = true)]
+async fn seeded_delays_are_the_documented_ones() {
+    let policy = RetryPolicy::builder()
+        .max_attempts(8)
+        .jitter_seed(42)
+        .no_budget()
+        .build()
+        .unwrap();
+    let (_, script, _) = run(policy, get("/books/b1"), vec![status(503)]).await;
+    let seen = script.seen();
+    assert_eq!(seen.len(), 8);
+    let gaps: Vec<Duration> = seen.windows(2).map(|w| w[1].at - w[0].at).collect();
+    for (i, (gap, want)) in gaps.iter().zip(expected(42, 7)).enumerate() {
+        // tokio's timer has millisecond resolution and rounds a deadline up.
+        assert!(
+            *gap >= want && *gap <= want + Duration::from_millis(1),
+            "delay {}: {gap:?}, expected {want:?}",
+            i + 1
+        );
+    }
+    // The schedule grew and was capped: the 7th delay is about 1 s.
+    assert!(gaps[6] >= Duration::from_millis(800));
+}
+
+#[tokio::test(start_paused = true)]
+async fn full_jitter_never_waits_longer_than_the_ceiling() {
+    let policy = RetryPolicy::builder()
+        .max_attempts(6)
+        .jitter(Jitter::Full)
+        .no_budget()
+        .build()
+        .unwrap();
+    let (_, script, _) = run(policy, get("/books/b1"), vec![status(503)]).await;
+    let b = Backoff::default();
+    for (i, w) in script.seen().windows(2).enumerate() {
+        assert!(w[1].at - w[0].at <= b.ceiling(i as u32 + 1) + Duration::from_millis(1));
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn retry_after_replaces_the_backoff() {
+    let (res, script, _) = run(
+        RetryPolicy::default(),
+        keyed(post("/orders")),
+        vec![Reply::Status(429, vec![("retry-after", "3")]), status(201)],
+    )
+    .await;
+    assert_eq!(res.unwrap().status(), 201);
+    let seen = script.seen();
+    let gap = seen[1].at - seen[0].at;
+    assert!(
+        gap >= Duration::from_secs(3) && gap <= Duration::from_millis(3001),
+        "{gap:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn grpc_pushback_replaces_the_backoff_and_negative_stops() {
+    let pushback = |ms: &'static str| {
+        Reply::Status(
+            200,
+            vec![
+                ("content-type", "application/grpc"),
+                ("grpc-status", "14"),
+                ("grpc-retry-pushback-ms", ms),
+            ],
+        )
+    };
+    let (_, script, _) = run(
+        RetryPolicy::default(),
+        keyed(grpc_req("/lib.Library/CreateOrder")),
+        vec![pushback("250"), grpc("0")],
+    )
+    .await;
+    let seen = script.seen();
+    assert_eq!(seen.len(), 2);
+    let gap = seen[1].at - seen[0].at;
+    assert!(
+        gap >= Duration::from_millis(250) && gap <= Duration::from_millis(251),
+        "{gap:?}"
+    );
+
+    let (_, script, layer) = run(
+        RetryPolicy::default(),
+        keyed(grpc_req("/lib.Library/CreateOrder")),
+        vec![pushback("-1")],
+    )
+    .await;
+    assert_eq!(script.attempts(), 1);
+    assert_eq!(layer.stats().pushback_stops, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn pushback_longer_than_the_maximum_stops() {
+    let policy = RetryPolicy::builder()
+        .max_pushback(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let (res, script, layer) = run(
+        policy,
+        get("/books/b1"),
+        vec![Reply::Status(503, vec![("retry-after", "3600")])],
+    )
+    .await;
+    assert_eq!(res.unwrap().status(), 503);
+    assert_eq!(script.attempts(), 1);
+    assert_eq!(layer.stats().pushback_stops, 1);
+}
