@@ -1,6 +1,7 @@
 //! The request body the inner service sees and the response body the layer returns.
 
 use std::fmt;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
@@ -188,7 +189,7 @@ where
         match &self.kind {
             Kind::Inner { body } => body.is_end_stream(),
             // The end is seen by polling it, so the record is finished.
-            Kind::Recording { rec } => rec.st.is_none(),
+            Kind::Recording { rec } => rec.st.is_none() && rec.finishing.is_none(),
             Kind::Full { data, trailers } => data.is_none() && trailers.is_none(),
         }
     }
@@ -208,8 +209,12 @@ where
 }
 
 /// Tees a handler's response body into a record while it streams to the client.
+///
+/// The end of the body is reported to the client only after the record is stored (or the claim
+/// released), so a client that has read the whole response and retries gets the replay.
 pub(crate) struct Recorder<B> {
     st: Option<RecState<B>>,
+    finishing: Option<Pin<Box<dyn Future<Output = ()> + Send + 'static>>>,
 }
 
 struct RecState<B> {
@@ -239,6 +244,7 @@ where
         headers: HeaderMap,
     ) -> Self {
         Recorder {
+            finishing: None,
             st: Some(RecState {
                 body: Box::pin(body),
                 claim,
@@ -255,25 +261,31 @@ where
     }
 
     fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let Some(st) = self.st.as_mut() else {
-            return Poll::Ready(None);
-        };
-        match ready!(st.body.as_mut().poll_frame(cx)) {
-            Some(Ok(frame)) => {
-                st.observe(&frame);
-                Poll::Ready(Some(Ok(frame)))
+        loop {
+            if let Some(finishing) = self.finishing.as_mut() {
+                ready!(finishing.as_mut().poll(cx));
+                self.finishing = None;
+                return Poll::Ready(None);
             }
-            Some(Err(e)) => {
-                if let Some(st) = self.st.take() {
-                    spawn_detached(st.claim.release());
+            let Some(st) = self.st.as_mut() else {
+                return Poll::Ready(None);
+            };
+            match ready!(st.body.as_mut().poll_frame(cx)) {
+                Some(Ok(frame)) => {
+                    st.observe(&frame);
+                    return Poll::Ready(Some(Ok(frame)));
                 }
-                Poll::Ready(Some(Err(e.into())))
-            }
-            None => {
-                if let Some(st) = self.st.take() {
-                    spawn_detached(st.finish());
+                Some(Err(e)) => {
+                    if let Some(st) = self.st.take() {
+                        spawn_detached(st.claim.release());
+                    }
+                    return Poll::Ready(Some(Err(e.into())));
                 }
-                Poll::Ready(None)
+                None => {
+                    if let Some(st) = self.st.take() {
+                        self.finishing = Some(Box::pin(st.finish()));
+                    }
+                }
             }
         }
     }
@@ -348,6 +360,10 @@ where
 
 impl<B> Drop for Recorder<B> {
     fn drop(&mut self) {
+        // Dropped while storing the record: let the store operation finish.
+        if let Some(finishing) = self.finishing.take() {
+            spawn_detached(finishing);
+        }
         // Dropped before the end: the client went away mid-body. Either drain the rest and
         // record it, or drop the claim (which releases it).
         if let Some(st) = self.st.take() {
