@@ -1,0 +1,293 @@
+//! The layer on a tonic server over a real socket, with a hand-written prost service (no
+//! protoc): replays with trailers, key validation and mismatches as gRPC statuses.
+
+mod common;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use common::collect;
+use http::uri::PathAndQuery;
+use http_body_util::Full;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use idempotency_layer::{IdempotencyLayer, MemoryStore};
+use prost::Message;
+use tonic::server::{NamedService, UnaryService};
+use tonic::{Code, Status};
+use tonic_prost::ProstCodec;
+use tower::Service;
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct CreateOrder {
+    #[prost(string, tag = "1")]
+    sku: String,
+    #[prost(uint32, tag = "2")]
+    qty: u32,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct Order {
+    #[prost(string, tag = "1")]
+    id: String,
+    #[prost(string, tag = "2")]
+    sku: String,
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+/// `shop.Orders`: `CreateOrder` (a write) and `GetOrder` (declared idempotent).
+#[derive(Clone, Default)]
+struct Orders {
+    created: Arc<AtomicUsize>,
+}
+
+impl NamedService for Orders {
+    const NAME: &'static str = "shop.Orders";
+}
+
+struct Create(Arc<AtomicUsize>);
+
+impl UnaryService<CreateOrder> for Create {
+    type Response = Order;
+    type Future = BoxFuture<Result<tonic::Response<Order>, Status>>;
+
+    fn call(&mut self, req: tonic::Request<CreateOrder>) -> Self::Future {
+        let n = self.0.fetch_add(1, Ordering::SeqCst) + 1;
+        let msg = req.into_inner();
+        Box::pin(async move {
+            if msg.sku == "flaky" && n == 1 {
+                return Err(Status::unavailable("inventory is restarting"));
+            }
+            Ok(tonic::Response::new(Order {
+                id: format!("order-{n}"),
+                sku: msg.sku,
+            }))
+        })
+    }
+}
+
+struct Get;
+
+impl UnaryService<CreateOrder> for Get {
+    type Response = Order;
+    type Future = BoxFuture<Result<tonic::Response<Order>, Status>>;
+
+    fn call(&mut self, req: tonic::Request<CreateOrder>) -> Self::Future {
+        let sku = req.into_inner().sku;
+        Box::pin(async move {
+            Ok(tonic::Response::new(Order {
+                id: "read".into(),
+                sku,
+            }))
+        })
+    }
+}
+
+impl Service<http::Request<tonic::body::Body>> for Orders {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        let created = self.created.clone();
+        Box::pin(async move {
+            let mut grpc = tonic::server::Grpc::new(ProstCodec::<Order, CreateOrder>::default());
+            Ok(match req.uri().path() {
+                "/shop.Orders/CreateOrder" => grpc.unary(Create(created), req).await,
+                "/shop.Orders/GetOrder" => grpc.unary(Get, req).await,
+                _ => Status::unimplemented("no such method").into_http(),
+            })
+        })
+    }
+}
+
+async fn start(layer: IdempotencyLayer) -> (SocketAddr, Orders) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let orders = Orders::default();
+    let router = tonic::transport::Server::builder()
+        .layer(layer)
+        .add_service(orders.clone());
+    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    tokio::spawn(async move { router.serve_with_incoming(incoming).await.unwrap() });
+    (addr, orders)
+}
+
+fn layer() -> IdempotencyLayer {
+    IdempotencyLayer::new(MemoryStore::new())
+        .default_tenant("t")
+        .idempotent_grpc_methods(["/shop.Orders/GetOrder"])
+}
+
+type Grpc = tonic::client::Grpc<tonic::transport::Channel>;
+
+async fn grpc_client(addr: SocketAddr) -> Grpc {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    tonic::client::Grpc::new(channel)
+}
+
+async fn unary(
+    client: &mut Grpc,
+    path: &'static str,
+    key: Option<&str>,
+    msg: CreateOrder,
+) -> Result<tonic::Response<Order>, Status> {
+    client.ready().await.unwrap();
+    let mut req = tonic::Request::new(msg);
+    if let Some(k) = key {
+        req.metadata_mut()
+            .insert("x-idempotency-key", k.parse().unwrap());
+    }
+    client
+        .unary(
+            req,
+            PathAndQuery::from_static(path),
+            ProstCodec::<CreateOrder, Order>::default(),
+        )
+        .await
+}
+
+fn order(sku: &str) -> CreateOrder {
+    CreateOrder {
+        sku: sku.into(),
+        qty: 1,
+    }
+}
+
+const CREATE: &str = "/shop.Orders/CreateOrder";
+
+#[tokio::test]
+async fn create_order_twice_gets_the_same_response_and_is_marked_replayed() {
+    let (addr, orders) = start(layer()).await;
+    let mut client = grpc_client(addr).await;
+    let first = unary(&mut client, CREATE, Some("grpc-key-0001"), order("b1"))
+        .await
+        .unwrap();
+    let second = unary(&mut client, CREATE, Some("grpc-key-0001"), order("b1"))
+        .await
+        .unwrap();
+    assert_eq!(first.get_ref(), second.get_ref());
+    assert_eq!(first.get_ref().id, "order-1");
+    assert!(first.metadata().get("idempotent-replayed").is_none());
+    assert_eq!(
+        second.metadata().get("idempotent-replayed").unwrap(),
+        "true"
+    );
+    assert_eq!(orders.created.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn replay_is_byte_identical_including_trailers() {
+    let (addr, orders) = start(layer()).await;
+    let client = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<Full<Bytes>>();
+    let frame = {
+        let msg = order("b2").encode_to_vec();
+        let mut b = BytesMut::new();
+        b.put_u8(0);
+        b.put_u32(msg.len() as u32);
+        b.put_slice(&msg);
+        b.freeze()
+    };
+    let send = || {
+        let req = http::Request::post(format!("http://{addr}{CREATE}"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .header("x-idempotency-key", "grpc-key-0002")
+            .body(Full::new(frame.clone()))
+            .unwrap();
+        let client = client.clone();
+        async move { collect(client.request(req).await.unwrap()).await }
+    };
+    let first = send().await;
+    let replay = send().await;
+    let trailers = first
+        .trailers
+        .clone()
+        .expect("a unary gRPC response ends in trailers");
+    assert_eq!(trailers["grpc-status"], "0");
+    assert_eq!(replay.trailers, first.trailers, "trailers replayed");
+    assert_eq!(replay.body, first.body, "message bytes replayed");
+    assert_eq!(replay.status, first.status);
+    assert_eq!(
+        replay.headers["content-type"],
+        first.headers["content-type"]
+    );
+    assert!(!first.replayed());
+    assert!(replay.replayed());
+    assert_eq!(orders.created.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_write_without_a_key_is_invalid_argument() {
+    let (addr, orders) = start(layer()).await;
+    let mut client = grpc_client(addr).await;
+    let err = unary(&mut client, CREATE, None, order("b1"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert_eq!(err.message(), "write operations require x-idempotency-key");
+    let err = unary(&mut client, CREATE, Some("short"), order("b1"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("too short"), "{}", err.message());
+    assert_eq!(orders.created.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn a_mismatch_is_failed_precondition_and_nothing_runs() {
+    let (addr, orders) = start(layer()).await;
+    let mut client = grpc_client(addr).await;
+    unary(&mut client, CREATE, Some("grpc-key-0003"), order("b1"))
+        .await
+        .unwrap();
+    let err = unary(&mut client, CREATE, Some("grpc-key-0003"), order("b9"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(err.message().contains("different request"));
+    assert_eq!(orders.created.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn declared_idempotent_methods_pass_through_without_a_key() {
+    let (addr, _orders) = start(layer()).await;
+    let mut client = grpc_client(addr).await;
+    let res = unary(&mut client, "/shop.Orders/GetOrder", None, order("b1"))
+        .await
+        .unwrap();
+    assert_eq!(res.get_ref().id, "read");
+}
+
+#[tokio::test]
+async fn an_unavailable_status_is_not_recorded() {
+    let (addr, orders) = start(layer()).await;
+    let mut client = grpc_client(addr).await;
+    let err = unary(&mut client, CREATE, Some("grpc-key-0004"), order("flaky"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+    let ok = unary(&mut client, CREATE, Some("grpc-key-0004"), order("flaky"))
+        .await
+        .unwrap();
+    assert_eq!(ok.get_ref().id, "order-2");
+    assert!(ok.metadata().get("idempotent-replayed").is_none());
+    assert_eq!(orders.created.load(Ordering::SeqCst), 2);
+}
