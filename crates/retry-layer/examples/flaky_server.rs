@@ -39,7 +39,9 @@ async fn main() -> Result<(), retry_layer::BoxError> {
     let attempts: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
     tokio::spawn(async move {
         loop {
-            let Ok((stream, _)) = listener.accept().await else { return };
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
             let attempts = attempts.clone();
             tokio::spawn(async move {
                 let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
@@ -61,11 +63,16 @@ async fn main() -> Result<(), retry_layer::BoxError> {
     for order in 1..=3 {
         let req = Request::post(format!("http://{addr}/orders"))
             .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(format!(r#"{{"book_id":"b{order}","quantity":1}}"#))))?;
+            .body(Full::new(Bytes::from(format!(
+                r#"{{"book_id":"b{order}","quantity":1}}"#
+            ))))?;
         let res = client.clone().oneshot(req).await?;
         let status = res.status();
         let body = res.into_body().collect().await?.to_bytes();
-        println!("client: order {order} -> {status} {}", String::from_utf8_lossy(&body));
+        println!(
+            "client: order {order} -> {status} {}",
+            String::from_utf8_lossy(&body)
+        );
     }
     let s = layer.stats();
     println!(
@@ -75,7 +82,10 @@ async fn main() -> Result<(), retry_layer::BoxError> {
     Ok(())
 }
 
-async fn flaky(req: Request<Incoming>, attempts: &Mutex<HashMap<String, u32>>) -> Response<Full<Bytes>> {
+async fn flaky(
+    req: Request<Incoming>,
+    attempts: &Mutex<HashMap<String, u32>>,
+) -> Response<Full<Bytes>> {
     let key = req
         .headers()
         .get("x-idempotency-key")
@@ -88,20 +98,33 @@ async fn flaky(req: Request<Incoming>, attempts: &Mutex<HashMap<String, u32>>) -
         .and_then(|v| v.to_str().ok())
         .unwrap_or("0")
         .to_owned();
-    let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let body = req
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
     let n = {
         let mut a = attempts.lock().unwrap();
         let n = a.entry(key.clone()).or_default();
         *n += 1;
         *n
     };
-    let status = if n <= 2 { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::CREATED };
+    let status = if n <= 2 {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::CREATED
+    };
     println!(
         "server: attempt {n} key={key} previous-attempts={previous} body={} -> {status}",
         String::from_utf8_lossy(&body)
     );
     Response::builder()
         .status(status)
-        .body(Full::new(Bytes::from(if n <= 2 { "try again" } else { "created" })))
+        .body(Full::new(Bytes::from(if n <= 2 {
+            "try again"
+        } else {
+            "created"
+        })))
         .unwrap()
 }

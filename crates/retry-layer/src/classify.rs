@@ -85,6 +85,11 @@ pub(crate) fn error(err: &BoxError) -> Outcome {
             if e.reason() == Some(h2::Reason::REFUSED_STREAM) {
                 return Outcome::Unsent;
             }
+            // A graceful GOAWAY is delivered as an error only to streams beyond its
+            // last-stream-id, which the server promises it did not process.
+            if e.is_go_away() && e.is_remote() && e.reason() == Some(h2::Reason::NO_ERROR) {
+                return Outcome::Unsent;
+            }
         }
         if let Some(e) = e.downcast_ref::<std::io::Error>() {
             use std::io::ErrorKind::*;

@@ -19,17 +19,22 @@ pub(crate) struct Shared {
 /// retry budget and one set of counters.
 ///
 /// ```
-/// use retry_layer::{RetryLayer, RetryPolicy};
-/// use tower::ServiceBuilder;
+/// use http_body_util::Full;
+/// use bytes::Bytes;
+/// use retry_layer::{ReplayBody, RetryLayer, RetryPolicy};
+/// use tower::{ServiceBuilder, ServiceExt};
 ///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// let layer = RetryLayer::new(RetryPolicy::default());
 /// let svc = ServiceBuilder::new()
 ///     .layer(layer.clone())
-///     .service_fn(|_req: http::Request<_>| async {
+///     .service_fn(|_req: http::Request<ReplayBody<Full<Bytes>>>| async {
 ///         Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
 ///     });
-/// # let _ = svc;
-/// assert_eq!(layer.stats().requests, 0);
+/// let res = svc.oneshot(http::Request::new(Full::new(Bytes::new()))).await.unwrap();
+/// assert_eq!(res.status(), 200);
+/// assert_eq!(layer.stats().requests, 1);
+/// # }
 /// ```
 #[derive(Debug, Clone)]
 pub struct RetryLayer {
