@@ -70,3 +70,34 @@ impl Deadline {
         Deadline(Instant::now() + d)
     }
 }
+
+/// What the layer did for a response, as a response extension: present when the response took
+/// more than one attempt or the layer generated its idempotency key; absent means one attempt.
+///
+/// ```
+/// use retry_layer::RetryInfo;
+///
+/// let res = http::Response::new(());
+/// assert_eq!(RetryInfo::attempts_of(&res), 1);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RetryInfo {
+    /// Attempts sent, the first included.
+    pub attempts: u32,
+    /// The key [`ensure_idempotency_key`](crate::RetryPolicyBuilder::ensure_idempotency_key)
+    /// generated for this request, if it did.
+    pub idempotency_key: Option<http::HeaderValue>,
+}
+
+impl RetryInfo {
+    /// The info of a response, if the layer added any.
+    pub fn of<B>(res: &http::Response<B>) -> Option<&RetryInfo> {
+        res.extensions().get::<RetryInfo>()
+    }
+
+    /// Attempts a response took (1 when the layer added no info).
+    pub fn attempts_of<B>(res: &http::Response<B>) -> u32 {
+        RetryInfo::of(res).map_or(1, |i| i.attempts)
+    }
+}

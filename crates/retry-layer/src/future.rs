@@ -24,7 +24,7 @@ use crate::error::{AttemptTimedOut, DeadlineExceeded};
 use crate::layer::Shared;
 use crate::policy::{Conflict, RebuildFuture};
 use crate::stats::Counter;
-use crate::{BoxError, Deadline};
+use crate::{BoxError, Deadline, RetryInfo};
 
 pin_project! {
     /// The response future of [`Retry`](crate::Retry).
@@ -80,6 +80,8 @@ struct Ctx<S, B> {
     grpc: bool,
     deadline: Option<Instant>,
     previous_delay: Duration,
+    /// The key `ensure_idempotency_key` generated, if it did.
+    generated_key: Option<HeaderValue>,
 }
 
 enum Step<R> {
@@ -120,14 +122,16 @@ where
             } else {
                 classify::is_idempotent_method(&parts.method)
             };
+        let mut generated_key = None;
         if !idempotent && policy.ensure_key {
             let key = uuid::Uuid::new_v4();
             let mut buf = uuid::Uuid::encode_buffer();
             let key = key.hyphenated().encode_lower(&mut buf);
-            parts.headers.insert(
-                policy.key_headers[0].clone(),
-                HeaderValue::from_str(key).expect("a UUID is a valid header value"),
-            );
+            let value = HeaderValue::from_str(key).expect("a UUID is a valid header value");
+            parts
+                .headers
+                .insert(policy.key_headers[0].clone(), value.clone());
+            generated_key = Some(value);
             idempotent = true;
         }
 
@@ -160,6 +164,7 @@ where
                 grpc,
                 deadline,
                 previous_delay: Duration::ZERO,
+                generated_key,
             },
         }
     }
@@ -324,6 +329,18 @@ where
         }
     }
 
+    /// Adds [`RetryInfo`] to a response that took retries or got a generated key; the common
+    /// first-time success is left alone (no allocation).
+    fn annotate(&mut self, mut res: Response<R>) -> Response<R> {
+        if self.attempt > 1 || self.generated_key.is_some() {
+            res.extensions_mut().insert(RetryInfo {
+                attempts: self.attempt,
+                idempotency_key: self.generated_key.take(),
+            });
+        }
+        res
+    }
+
     fn next_request(&mut self) -> Request<ReplayBody<B>> {
         let mut parts = clone_parts(self.parts.as_ref().expect("retries keep the head"));
         let previous = HeaderValue::from(self.attempt);
@@ -377,7 +394,7 @@ where
                     match this.ctx.after_attempt(result) {
                         Step::Return(r) => {
                             this.state.set(State::Done);
-                            return Poll::Ready(r);
+                            return Poll::Ready(r.map(|res| this.ctx.annotate(res)));
                         }
                         Step::Wait(delay) => {
                             let until = Instant::now() + delay;
@@ -410,7 +427,7 @@ where
                         None => {
                             let response = response.take().expect("held until the hook decides");
                             this.state.set(State::Done);
-                            return Poll::Ready(Ok(response));
+                            return Poll::Ready(Ok(this.ctx.annotate(response)));
                         }
                     }
                 }

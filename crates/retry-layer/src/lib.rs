@@ -130,7 +130,7 @@ mod service;
 mod stats;
 
 pub use body::{BodyNotReplayable, ReplayBody};
-pub use error::{AttemptTimedOut, Deadline, DeadlineExceeded};
+pub use error::{AttemptTimedOut, Deadline, DeadlineExceeded, RetryInfo};
 pub use future::ResponseFuture;
 pub use layer::RetryLayer;
 pub use policy::{

@@ -172,7 +172,15 @@ async fn ensure_idempotency_key_adds_one_key_and_keeps_callers() {
         .ensure_idempotency_key()
         .build()
         .unwrap();
-    let (_, script, _) = run(policy.clone(), post("/orders"), vec![status(503)]).await;
+    let (res, script, _) = run(policy.clone(), post("/orders"), vec![status(503)]).await;
+    let info = retry_layer::RetryInfo::of(res.as_ref().unwrap())
+        .unwrap()
+        .clone();
+    assert_eq!(info.attempts, 3);
+    assert_eq!(
+        info.idempotency_key.unwrap(),
+        script.seen()[0].headers["x-idempotency-key"]
+    );
     let keys: Vec<_> = script
         .seen()
         .iter()
@@ -198,9 +206,10 @@ async fn ensure_idempotency_key_adds_one_key_and_keeps_callers() {
     let (_, script, _) = run(policy.clone(), req, vec![status(201)]).await;
     assert!(!script.seen()[0].headers.contains_key("x-idempotency-key"));
 
-    // Reads get no key.
-    let (_, script, _) = run(policy, get("/books/b1"), vec![status(200)]).await;
+    // Reads get no key, and a first-time success carries no RetryInfo.
+    let (res, script, _) = run(policy, get("/books/b1"), vec![status(200)]).await;
     assert!(!script.seen()[0].headers.contains_key("x-idempotency-key"));
+    assert!(retry_layer::RetryInfo::of(&res.unwrap()).is_none());
 }
 
 #[tokio::test(start_paused = true)]

@@ -1,0 +1,176 @@
+//! The example's domain: books with stock, orders, and counters of real side effects.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::Serialize;
+
+/// A book and its stock.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Book {
+    /// The book's id (`b1`..`b5` in the seed).
+    pub book_id: String,
+    /// The title.
+    pub title: String,
+    /// Copies in stock.
+    pub stock: i64,
+}
+
+/// A created order.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Order {
+    /// A fresh UUID per executed order.
+    pub order_id: String,
+    /// The book ordered.
+    pub book_id: String,
+    /// How many copies.
+    pub quantity: i32,
+}
+
+/// How many times each side effect really executed.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq, Default)]
+pub struct Stats {
+    /// Orders created.
+    pub orders_created: i64,
+    /// Stock deductions.
+    pub deductions: i64,
+}
+
+/// Why a write was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum InventoryError {
+    /// No book with this id.
+    NoSuchBook(String),
+    /// Not enough stock: the `STOCK_CONFLICT` reason code.
+    NotEnoughStock {
+        /// The book.
+        book_id: String,
+        /// What is left.
+        stock: i64,
+    },
+    /// The quantity is below 1.
+    BadQuantity(i64),
+}
+
+impl std::fmt::Display for InventoryError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            InventoryError::NoSuchBook(id) => write!(f, "no book {id:?}"),
+            InventoryError::NotEnoughStock { book_id, stock } => {
+                write!(f, "not enough stock of {book_id}: {stock} left")
+            }
+            InventoryError::BadQuantity(q) => write!(f, "quantity must be at least 1, got {q}"),
+        }
+    }
+}
+
+impl std::error::Error for InventoryError {}
+
+/// The shared inventory: cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Inventory {
+    books: Arc<Mutex<HashMap<String, Book>>>,
+    orders_created: Arc<AtomicI64>,
+    deductions: Arc<AtomicI64>,
+    work: Duration,
+}
+
+impl Inventory {
+    /// Books `b1`..`b5`, each with 1 000 000 copies; writes take `work` before they apply.
+    pub fn seeded(work: Duration) -> Self {
+        let titles = [
+            "Designing Data-Intensive Applications",
+            "Release It!",
+            "Site Reliability Engineering",
+            "Database Internals",
+            "The Art of Multiprocessor Programming",
+        ];
+        let books = titles
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let id = format!("b{}", i + 1);
+                let book = Book {
+                    book_id: id.clone(),
+                    title: (*t).to_owned(),
+                    stock: 1_000_000,
+                };
+                (id, book)
+            })
+            .collect();
+        Inventory {
+            books: Arc::new(Mutex::new(books)),
+            orders_created: Arc::default(),
+            deductions: Arc::default(),
+            work,
+        }
+    }
+
+    /// Sets the stock of a book (for tests and demos of STOCK_CONFLICT).
+    pub fn set_stock(&self, book_id: &str, stock: i64) {
+        if let Some(b) = self.lock().get_mut(book_id) {
+            b.stock = stock;
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Book>> {
+        self.books.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A book.
+    pub fn book(&self, book_id: &str) -> Option<Book> {
+        self.lock().get(book_id).cloned()
+    }
+
+    fn take(&self, book_id: &str, quantity: i64) -> Result<i64, InventoryError> {
+        if quantity < 1 {
+            return Err(InventoryError::BadQuantity(quantity));
+        }
+        let mut books = self.lock();
+        let book = books
+            .get_mut(book_id)
+            .ok_or_else(|| InventoryError::NoSuchBook(book_id.to_owned()))?;
+        if book.stock < quantity {
+            return Err(InventoryError::NotEnoughStock {
+                book_id: book_id.to_owned(),
+                stock: book.stock,
+            });
+        }
+        book.stock -= quantity;
+        Ok(book.stock)
+    }
+
+    /// Creates an order: the side effect an idempotency key must protect.
+    pub async fn create_order(
+        &self,
+        book_id: &str,
+        quantity: i64,
+    ) -> Result<Order, InventoryError> {
+        tokio::time::sleep(self.work).await;
+        self.take(book_id, quantity)?;
+        self.orders_created.fetch_add(1, Ordering::SeqCst);
+        Ok(Order {
+            order_id: uuid::Uuid::new_v4().to_string(),
+            book_id: book_id.to_owned(),
+            quantity: quantity as i32,
+        })
+    }
+
+    /// Deducts stock; returns what remains.
+    pub async fn deduct(&self, book_id: &str, quantity: i64) -> Result<i64, InventoryError> {
+        tokio::time::sleep(self.work).await;
+        let remaining = self.take(book_id, quantity)?;
+        self.deductions.fetch_add(1, Ordering::SeqCst);
+        Ok(remaining)
+    }
+
+    /// The side-effect counters.
+    pub fn stats(&self) -> Stats {
+        Stats {
+            orders_created: self.orders_created.load(Ordering::SeqCst),
+            deductions: self.deductions.load(Ordering::SeqCst),
+        }
+    }
+}

@@ -1,0 +1,17 @@
+//! Example: an axum orders service whose writes run once per idempotency key, and a client that
+//! retries through failures.
+//!
+//! ```text
+//! cargo run -p axum-orders --bin orders-server
+//! cargo run -p axum-orders --bin orders-client -- --url http://127.0.0.1:3000 create --book b1 --quantity 1
+//! ```
+//!
+//! The library holds what the binaries, the tonic example and the end-to-end tests share: the
+//! [`inventory`] (books, orders, counters of real side effects), the [`auth`] demo layer, the
+//! HTTP [`server`], the retrying [`client`] and the [`store`] selection.
+
+pub mod auth;
+pub mod client;
+pub mod inventory;
+pub mod server;
+pub mod store;
