@@ -1,0 +1,49 @@
+//! The Library client: a tonic `Channel` through `RetryLayer`.
+
+use std::time::Duration;
+
+use retry_layer::{BoxError, ReplayBody, Retry, RetryLayer, RetryPolicy};
+use tonic::transport::{Channel, Endpoint};
+use tower::util::MapRequest;
+
+use crate::pb::library_client::LibraryClient;
+use crate::IDEMPOTENT_METHODS;
+
+/// The channel stack: `RetryLayer`, then the body conversion tonic's `Channel` needs.
+pub type RetryChannel = Retry<
+    MapRequest<
+        Channel,
+        fn(http::Request<ReplayBody<tonic::body::Body>>) -> http::Request<tonic::body::Body>,
+    >,
+>;
+
+fn to_tonic_body(
+    req: http::Request<ReplayBody<tonic::body::Body>>,
+) -> http::Request<tonic::body::Body> {
+    req.map(tonic::body::Body::new)
+}
+
+/// The retry policy of the example client: defaults, reads declared idempotent, writes keyed.
+pub fn policy() -> RetryPolicy {
+    let mut b = RetryPolicy::builder().ensure_idempotency_key();
+    for m in IDEMPOTENT_METHODS {
+        b = b.idempotent_grpc_method(m);
+    }
+    b.build().expect("a valid policy")
+}
+
+/// A Library client for `url` whose calls retry safely, and the layer (for its counters).
+pub fn connect_lazy(
+    url: &str,
+    policy: RetryPolicy,
+) -> Result<(LibraryClient<RetryChannel>, RetryLayer), BoxError> {
+    let channel = Endpoint::from_shared(url.to_owned())?
+        .connect_timeout(Duration::from_secs(5))
+        .connect_lazy();
+    let layer = RetryLayer::new(policy);
+    let svc = tower::Layer::layer(
+        &layer,
+        MapRequest::new(channel, to_tonic_body as fn(_) -> _),
+    );
+    Ok((LibraryClient::new(svc), layer))
+}
