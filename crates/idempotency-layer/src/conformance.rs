@@ -4,9 +4,10 @@
 //! constructor that returns a fresh, empty store each time (its own key prefix or schema):
 //!
 //! ```
-//! # async fn example() {
 //! use idempotency_layer::{conformance, MemoryStore};
 //!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
 //! conformance::run_all(MemoryStore::new).await;
 //! # }
 //! ```

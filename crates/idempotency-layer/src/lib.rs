@@ -12,7 +12,6 @@
 //! use axum::{routing::post, Router};
 //! use idempotency_layer::{IdempotencyLayer, MemoryStore, Tenant};
 //! use std::sync::atomic::{AtomicUsize, Ordering};
-//! use std::sync::Arc;
 //! use tower::ServiceExt;
 //!
 //! # #[tokio::main(flavor = "current_thread")]
@@ -33,15 +32,16 @@
 //!         .body(axum::body::Body::from(r#"{"sku":"b1"}"#))
 //!         .unwrap()
 //! };
-//! let first = app.clone().oneshot(request()).await.unwrap();
+//! let body = |r: axum::response::Response| async {
+//!     axum::body::to_bytes(r.into_body(), 1024).await.unwrap()
+//! };
+//! // The record is stored when the first response's body has been sent.
+//! let first = body(app.clone().oneshot(request()).await.unwrap()).await;
 //! let retry = app.clone().oneshot(request()).await.unwrap();
 //!
 //! assert_eq!(ORDERS.load(Ordering::SeqCst), 1, "the handler ran once");
 //! assert_eq!(retry.headers()["idempotent-replayed"], "true");
-//! let body = |r: axum::response::Response| async {
-//!     axum::body::to_bytes(r.into_body(), 1024).await.unwrap()
-//! };
-//! assert_eq!(body(first).await, body(retry).await);
+//! assert_eq!(body(retry).await, first);
 //! # let _ = Tenant::new("unused");
 //! # }
 //! ```
@@ -156,6 +156,10 @@ pub use metrics::{Metrics, RejectReason};
 pub use reason_code::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY};
 pub use service::Idempotency;
 pub use store::{IdempotencyStore, MemoryStore, StoreError};
+#[cfg(feature = "postgres")]
+pub use store::{PostgresStore, PostgresStoreBuilder};
+#[cfg(feature = "redis")]
+pub use store::{RedisStore, RedisStoreBuilder};
 
 /// `idempotent-body-omitted`: set to `true` on a replay whose body was too large to record.
 pub const IDEMPOTENT_BODY_OMITTED: http::HeaderName =
