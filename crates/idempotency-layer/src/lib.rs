@@ -82,6 +82,15 @@
 //! - If the store fails, the layer **fails closed**: 503 / UNAVAILABLE with `Retry-After`, and
 //!   nothing executes ([`fail_open`](IdempotencyLayer::fail_open) executes unprotected instead).
 //!
+//! # Where to put the layer
+//!
+//! - After (inside) the authentication layer that inserts [`Tenant`], so the tenant is known.
+//! - On the outermost router: axum's `Router::nest` strips the prefix from the path a nested
+//!   router sees, and the scope and fingerprint use that path, so a layer inside two nested
+//!   routers would see `/v1/orders` and `/v2/orders` both as `/orders`.
+//! - Inside a tokio runtime: the first request's handler runs in a spawned task (so it survives
+//!   a client that goes away), and the lease of a claim is renewed by a spawned task.
+//!
 //! # What is recorded and what is not
 //!
 //! Each handler outcome is classified into a [`Code`](reason_code::Code), exactly as the client
@@ -128,6 +137,15 @@
 //!
 //! Every store runs the same [conformance suite](crate::conformance) (cargo feature
 //! `conformance`).
+//!
+//! # Cost
+//!
+//! Measured with `cargo run --release -p idempotency-layer --example measure` (one run, one
+//! core, a trivial handler, `MemoryStore`), against a hand-rolled `Mutex<HashMap<key, body>>`
+//! in front of the handler (which has no tenant scope, no fingerprint, no single-flight, no
+//! streaming and no TTL): a first execution costs about 8 µs (6x the map: two spawned tasks,
+//! two BLAKE3 hashes, the claim), a replay about 2.6 µs (4x), and a read passing through
+//! about 1.1x the bare handler.
 //!
 //! # Observability
 //!
