@@ -248,6 +248,10 @@ impl<St> IdempotencyLayer<St> {
 
     /// gRPC methods (paths such as `/library.Library/GetBook`) that are reads: they pass
     /// through.
+    ///
+    /// Declare streaming-request methods here too (or exclude them with
+    /// [`is_write`](Self::is_write)): the request body of a write is read in full, up to
+    /// [`max_request_bytes`](Self::max_request_bytes), before its handler runs.
     pub fn idempotent_grpc_methods<I>(self, paths: I) -> Self
     where
         I: IntoIterator,

@@ -746,3 +746,17 @@ async fn tenant_extension_from_an_auth_layer_is_used() {
     assert!(!call(&app, req("globex")).await.replayed());
     assert_eq!(count.load(Ordering::SeqCst), 2);
 }
+
+#[tokio::test]
+async fn the_key_header_is_configurable() {
+    let count = Arc::new(AtomicUsize::new(0));
+    let app = app(layer().header("x-request-key".parse().unwrap()), &count);
+    let r = call(&app, req_post("/orders", Some("order-00000001"), "{}")).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_eq!(r.json()["detail"], "write operations require x-request-key");
+    let mut req = req_post("/orders", None, "{}");
+    req.headers_mut()
+        .insert("x-request-key", "order-00000001".parse().unwrap());
+    assert_eq!(call(&app, req).await.status, StatusCode::CREATED);
+    assert_eq!(count.load(Ordering::SeqCst), 1);
+}
