@@ -10,7 +10,7 @@
 //!
 //! ```
 //! use axum::{routing::post, Router};
-//! use idempotency_layer::{IdempotencyLayer, MemoryStore, Tenant};
+//! use idempotency_layer::{IdempotencyLayer, MemoryStore};
 //! use std::sync::atomic::{AtomicUsize, Ordering};
 //! use tower::ServiceExt;
 //!
@@ -42,7 +42,6 @@
 //! assert_eq!(ORDERS.load(Ordering::SeqCst), 1, "the handler ran once");
 //! assert_eq!(retry.headers()["idempotent-replayed"], "true");
 //! assert_eq!(body(retry).await, first);
-//! # let _ = Tenant::new("unused");
 //! # }
 //! ```
 //!
