@@ -26,8 +26,20 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
 
+#[cfg(any(feature = "redis", feature = "postgres"))]
+mod codec;
 mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "redis")]
+mod redis;
+#[cfg(any(feature = "redis", feature = "postgres"))]
+mod wake;
 
+#[cfg(feature = "postgres")]
+pub use self::postgres::{PostgresStore, PostgresStoreBuilder};
+#[cfg(feature = "redis")]
+pub use self::redis::{RedisStore, RedisStoreBuilder};
 pub use memory::MemoryStore;
 
 /// The boxed error a store wraps from its backend.

@@ -1,0 +1,2 @@
+//! Placeholder (filled in below).
+fn main() {}

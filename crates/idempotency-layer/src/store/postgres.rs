@@ -1,0 +1,723 @@
+//! [`PostgresStore`]: claims and records in a PostgreSQL table, shared by every instance.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use futures_util::StreamExt;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_postgres::{AsyncMessage, NoTls, Row};
+use uuid::Uuid;
+
+use super::codec;
+use super::wake::{Polling, Waiters};
+use super::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token};
+
+/// How often `begin` runs its claim again when a concurrent transaction inserted the row after
+/// the statement's snapshot (the claim then neither inserts nor sees the row).
+const CLAIM_ATTEMPTS: usize = 10;
+
+/// The PostgreSQL store: one row per scope in a table, visible to every instance of a service.
+///
+/// # The table
+///
+/// [`migrate`](PostgresStore::migrate) creates it if absent (with the defaults below: schema
+/// `public`, table `idempotency_records`):
+///
+/// ```sql
+/// CREATE SCHEMA IF NOT EXISTS "public";
+/// CREATE TABLE IF NOT EXISTS "public"."idempotency_records" (
+///     scope       bytea       PRIMARY KEY,  -- ScopeKey: a hash, never the raw tenant or key
+///     state       text        NOT NULL CHECK (state IN ('in_flight', 'completed')),
+///     token       uuid        NOT NULL,     -- the fencing token (128 random bits)
+///     fingerprint bytea       NOT NULL,
+///     expires_at  timestamptz NOT NULL,     -- in flight: end of the lease; completed: end of the TTL
+///     record      bytea,                    -- the response (postcard), when completed
+///     CHECK ((state = 'completed') = (record IS NOT NULL))
+/// );
+/// CREATE INDEX IF NOT EXISTS "idempotency_records_expires_at"
+///     ON "public"."idempotency_records" (expires_at);
+/// ```
+///
+/// Every time is the database's own clock (`now()`), so instances with skewed clocks agree.
+///
+/// # Statements: one per operation
+///
+/// - `begin` is one statement: `INSERT ... ON CONFLICT (scope) DO UPDATE ... WHERE
+///   expires_at <= now() RETURNING ...` (a lapsed lease or an expired record is taken over with
+///   a new token), combined in a CTE with a `SELECT` of the current row when the scope is held.
+///   In the rare race where another transaction inserted the row after the statement's
+///   snapshot, the statement runs again.
+/// - `complete`, `release`, `renew` are fenced: `UPDATE`/`DELETE ... WHERE scope = $1 AND
+///   token = $2 AND state = 'in_flight'`; no row matched is [`StoreError::Fenced`]. `complete`,
+///   `release` and `forget` call `pg_notify` in the same statement.
+/// - Statements are prepared once per pooled connection (`prepare_cached`).
+///
+/// # Waiters
+///
+/// A dedicated connection per store `LISTEN`s on the table's channel (`idem_` + a hash of the
+/// schema and table name; the payload is the scope in hex) and reconnects by itself. A waiter
+/// also polls with backoff (25 ms doubling to 1 s by default), so a lost notification delays it
+/// at most one poll interval and never hangs it.
+///
+/// # Expiry
+///
+/// Expired rows are ignored by `begin` at once (taken over), and removed by a background task
+/// in batches (`DELETE ... WHERE ctid IN (SELECT ctid ... LIMIT n FOR UPDATE SKIP LOCKED)`),
+/// every [`cleanup_interval`](PostgresStoreBuilder::cleanup_interval); or on demand with
+/// [`remove_expired`](PostgresStore::remove_expired).
+///
+/// ```no_run
+/// use idempotency_layer::{IdempotencyLayer, PostgresStore};
+/// use std::time::Duration;
+///
+/// # async fn example() -> Result<(), idempotency_layer::StoreError> {
+/// let store = PostgresStore::builder("postgres://app@db.internal/orders")
+///     .table("idempotency_records")
+///     .pool_size(16)
+///     .connect()
+///     .await?;
+/// store.migrate().await?; // creates the table and index if absent
+/// let layer = IdempotencyLayer::new(store)
+///     .lease(Duration::from_secs(30))
+///     .ttl(Duration::from_secs(24 * 3600));
+/// # let _ = layer;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct PostgresStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: Pool,
+    config: tokio_postgres::Config,
+    schema: String,
+    table: String,
+    channel: String,
+    sql: Sql,
+    timeout: Duration,
+    polling: Polling,
+    cleanup_batch: i64,
+    waiters: Arc<Waiters>,
+    listener: OnceLock<Listener>,
+}
+
+struct Listener {
+    ready: watch::Receiver<bool>,
+    /// Dropped with the store: the listener task ends.
+    _stop: oneshot::Sender<()>,
+}
+
+struct Sql {
+    claim: String,
+    complete: String,
+    release: String,
+    renew: String,
+    forget: String,
+    peek: String,
+    cleanup: String,
+    migrate: String,
+}
+
+impl Sql {
+    fn new(schema: &str, table: &str, channel: &str) -> Sql {
+        let t = format!("\"{schema}\".\"{table}\"");
+        let lease = "now() + $4::bigint * interval '1 millisecond'";
+        Sql {
+            claim: format!(
+                "WITH claimed AS (\
+                   INSERT INTO {t} AS e (scope, state, token, fingerprint, expires_at, record) \
+                   VALUES ($1, 'in_flight', $2, $3, {lease}, NULL) \
+                   ON CONFLICT (scope) DO UPDATE SET state = 'in_flight', token = excluded.token, \
+                     fingerprint = excluded.fingerprint, expires_at = excluded.expires_at, record = NULL \
+                   WHERE e.expires_at <= now() \
+                   RETURNING e.state, e.token, e.fingerprint, e.record) \
+                 SELECT true AS claimed, state, token, fingerprint, record FROM claimed \
+                 UNION ALL \
+                 SELECT false, state, token, fingerprint, record FROM {t} \
+                 WHERE scope = $1 AND expires_at > now() AND NOT EXISTS (SELECT 1 FROM claimed)"
+            ),
+            complete: format!(
+                "WITH done AS (\
+                   UPDATE {t} SET state = 'completed', record = $3, \
+                     expires_at = {lease} \
+                   WHERE scope = $1 AND token = $2 AND state = 'in_flight' RETURNING scope) \
+                 SELECT pg_notify('{channel}', encode(scope, 'hex')) FROM done"
+            ),
+            release: format!(
+                "WITH gone AS (\
+                   DELETE FROM {t} WHERE scope = $1 AND token = $2 AND state = 'in_flight' \
+                   RETURNING scope) \
+                 SELECT pg_notify('{channel}', encode(scope, 'hex')) FROM gone"
+            ),
+            renew: format!(
+                "UPDATE {t} SET expires_at = now() + $3::bigint * interval '1 millisecond' \
+                 WHERE scope = $1 AND token = $2 AND state = 'in_flight'"
+            ),
+            forget: format!(
+                "WITH gone AS (DELETE FROM {t} WHERE scope = $1 RETURNING scope) \
+                 SELECT pg_notify('{channel}', encode(scope, 'hex')) FROM gone"
+            ),
+            peek: format!(
+                "SELECT GREATEST(0, extract(epoch FROM expires_at - now()) * 1000)::bigint \
+                 FROM {t} \
+                 WHERE scope = $1 AND token = $2 AND state = 'in_flight' AND expires_at > now()"
+            ),
+            cleanup: format!(
+                "DELETE FROM {t} WHERE ctid IN (\
+                   SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED)"
+            ),
+            migrate: format!(
+                "CREATE SCHEMA IF NOT EXISTS \"{schema}\";\n\
+                 CREATE TABLE IF NOT EXISTS {t} (\n\
+                 \x20   scope       bytea       PRIMARY KEY,\n\
+                 \x20   state       text        NOT NULL CHECK (state IN ('in_flight', 'completed')),\n\
+                 \x20   token       uuid        NOT NULL,\n\
+                 \x20   fingerprint bytea       NOT NULL,\n\
+                 \x20   expires_at  timestamptz NOT NULL,\n\
+                 \x20   record      bytea,\n\
+                 \x20   CHECK ((state = 'completed') = (record IS NOT NULL))\n\
+                 );\n\
+                 CREATE INDEX IF NOT EXISTS \"{table}_expires_at\" ON {t} (expires_at);\n"
+            ),
+        }
+    }
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("schema", &self.inner.schema)
+            .field("table", &self.inner.table)
+            .field("pool", &self.inner.pool.status())
+            .field("timeout", &self.inner.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`PostgresStore`]: [`PostgresStore::builder`].
+#[derive(Debug, Clone)]
+pub struct PostgresStoreBuilder {
+    url: String,
+    schema: String,
+    table: String,
+    pool_size: usize,
+    timeout: Duration,
+    polling: Polling,
+    cleanup_interval: Duration,
+    cleanup_batch: i64,
+}
+
+impl PostgresStoreBuilder {
+    /// The schema of the table (default `public`): `[A-Za-z_][A-Za-z0-9_]*`, at most 63 bytes.
+    /// [`migrate`](PostgresStore::migrate) creates it if absent.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self
+    }
+
+    /// The table (default `idempotency_records`): `[A-Za-z_][A-Za-z0-9_]*`, at most 48 bytes
+    /// (its index is named after it). Give each service (or each test) its own.
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// The most pooled connections (default 16), besides the one that listens for
+    /// notifications. Each request in flight holds one only for the length of a statement.
+    pub fn pool_size(mut self, size: usize) -> Self {
+        self.pool_size = size.max(1);
+        self
+    }
+
+    /// The longest any one operation may take, waiting for a pooled connection and connecting
+    /// included, before it fails with [`StoreError::Backend`] (default 2 s).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How waiters poll when no notification comes: `first` after the first check, doubling
+    /// up to `max` (defaults 25 ms and 1 s).
+    pub fn poll_interval(mut self, first: Duration, max: Duration) -> Self {
+        let first = first.max(Duration::from_millis(1));
+        self.polling = Polling {
+            first,
+            max: max.max(first),
+        };
+        self
+    }
+
+    /// How often the background task removes expired rows (default 60 s; zero: never, call
+    /// [`remove_expired`](PostgresStore::remove_expired) yourself).
+    pub fn cleanup_interval(mut self, every: Duration) -> Self {
+        self.cleanup_interval = every;
+        self
+    }
+
+    /// How many expired rows one cleanup statement removes at most (default 1000).
+    pub fn cleanup_batch(mut self, rows: u32) -> Self {
+        self.cleanup_batch = i64::from(rows.max(1));
+        self
+    }
+
+    /// Connects (the server must be reachable now; later outages are survived: broken pooled
+    /// connections are replaced, the listener reconnects). Does not create the table: see
+    /// [`PostgresStore::migrate`].
+    pub async fn connect(self) -> Result<PostgresStore, StoreError> {
+        check_identifier("schema", &self.schema, 63)?;
+        check_identifier("table", &self.table, 48)?;
+        let mut config = tokio_postgres::Config::from_str(&self.url).map_err(backend)?;
+        config.connect_timeout(self.timeout);
+        let manager = Manager::from_config(
+            config.clone(),
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(self.pool_size)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(self.timeout))
+            .create_timeout(Some(self.timeout))
+            .recycle_timeout(Some(self.timeout))
+            .build()
+            .map_err(|e| StoreError::Backend(Box::new(e)))?;
+        // Fail now if the server is unreachable.
+        drop(pool.get().await.map_err(pool_error)?);
+        let id = blake3::hash(format!("{}.{}", self.schema, self.table).as_bytes());
+        let channel = format!("idem_{}", &id.to_hex()[..16]);
+        let inner = Arc::new(Inner {
+            sql: Sql::new(&self.schema, &self.table, &channel),
+            pool,
+            config,
+            schema: self.schema,
+            table: self.table,
+            channel,
+            timeout: self.timeout,
+            polling: self.polling,
+            cleanup_batch: self.cleanup_batch,
+            waiters: Arc::default(),
+            listener: OnceLock::new(),
+        });
+        if !self.cleanup_interval.is_zero() {
+            tokio::spawn(cleanup_task(Arc::downgrade(&inner), self.cleanup_interval));
+        }
+        Ok(PostgresStore { inner })
+    }
+}
+
+fn check_identifier(what: &str, name: &str, max: usize) -> Result<(), StoreError> {
+    let mut chars = name.chars();
+    let ok = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && name.len() <= max;
+    if ok {
+        Ok(())
+    } else {
+        Err(StoreError::Backend(
+            format!(
+                "invalid {what} name {name:?}: use [A-Za-z_][A-Za-z0-9_]*, at most {max} bytes"
+            )
+            .into(),
+        ))
+    }
+}
+
+fn backend(e: tokio_postgres::Error) -> StoreError {
+    StoreError::Backend(Box::new(e))
+}
+
+fn pool_error(e: deadpool_postgres::PoolError) -> StoreError {
+    StoreError::Backend(Box::new(e))
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX).max(1)
+}
+
+async fn cleanup_task(inner: Weak<Inner>, every: Duration) {
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(inner) = inner.upgrade() else { return };
+        let store = PostgresStore { inner };
+        match store.remove_expired().await {
+            Ok(0) => {}
+            Ok(n) => tracing::debug!(rows = n, "idempotency: removed expired rows"),
+            Err(e) => tracing::debug!(error = %e, "idempotency: expired-row cleanup failed"),
+        }
+    }
+}
+
+/// Owns the store's listening connection: `LISTEN`s on the table's channel, wakes local
+/// waiters on notifications, and reconnects when the connection is lost (waking every waiter,
+/// so they poll for what they may have missed). Ends when the store is dropped.
+async fn listen_task(
+    config: tokio_postgres::Config,
+    channel: String,
+    timeout: Duration,
+    waiters: Arc<Waiters>,
+    ready: watch::Sender<bool>,
+    mut stop: oneshot::Receiver<()>,
+) {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let connected = tokio::select! {
+            _ = &mut stop => return,
+            c = tokio::time::timeout(timeout, config.connect(NoTls)) => c,
+        };
+        if let Ok(Ok((client, mut connection))) = connected {
+            let (tx, mut rx) = mpsc::unbounded_channel();
+            let driver = tokio::spawn(async move {
+                let mut messages = futures_util::stream::poll_fn(|cx| connection.poll_message(cx));
+                while let Some(m) = messages.next().await {
+                    match m {
+                        Ok(AsyncMessage::Notification(n)) => {
+                            if tx.send(Some(n.payload().to_owned())).is_err() {
+                                return;
+                            }
+                        }
+                        Ok(_) => {}
+                        Err(_) => break,
+                    }
+                }
+                let _ = tx.send(None);
+            });
+            let listened = tokio::time::timeout(
+                timeout,
+                client.batch_execute(&format!("LISTEN \"{channel}\"")),
+            )
+            .await;
+            if matches!(listened, Ok(Ok(()))) {
+                backoff = Duration::from_millis(50);
+                let _ = ready.send(true);
+                // Anything that ended before the LISTEN took effect: let the waiters look.
+                waiters.wake_all();
+                loop {
+                    tokio::select! {
+                        _ = &mut stop => {
+                            driver.abort();
+                            return;
+                        }
+                        m = rx.recv() => match m {
+                            Some(Some(scope)) => waiters.wake(&scope),
+                            _ => break,
+                        },
+                    }
+                }
+                let _ = ready.send(false);
+            }
+            driver.abort();
+            drop(client);
+            tracing::debug!("idempotency: postgres listener connection lost; reconnecting");
+        }
+        waiters.wake_all();
+        tokio::select! {
+            _ = &mut stop => return,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+impl PostgresStore {
+    /// A builder for a store on the database at `url` (`postgres://user@host:port/db`).
+    pub fn builder(url: impl Into<String>) -> PostgresStoreBuilder {
+        PostgresStoreBuilder {
+            url: url.into(),
+            schema: "public".to_owned(),
+            table: "idempotency_records".to_owned(),
+            pool_size: 16,
+            timeout: Duration::from_secs(2),
+            polling: Polling::default(),
+            cleanup_interval: Duration::from_secs(60),
+            cleanup_batch: 1000,
+        }
+    }
+
+    /// Connects to the database at `url` with the defaults (table
+    /// `public.idempotency_records`, 16 pooled connections, timeout 2 s).
+    pub async fn connect(url: &str) -> Result<PostgresStore, StoreError> {
+        PostgresStore::builder(url).connect().await
+    }
+
+    /// Creates the schema, the table and its index if absent (the SQL is in the
+    /// [type docs](PostgresStore)). Safe to run at every start.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        self.bounded(async {
+            let client = self.inner.pool.get().await.map_err(pool_error)?;
+            client
+                .batch_execute(&self.inner.sql.migrate)
+                .await
+                .map_err(backend)
+        })
+        .await
+    }
+
+    /// The SQL that [`migrate`](Self::migrate) runs, for a migration tool of your own.
+    pub fn migration_sql(&self) -> &str {
+        &self.inner.sql.migrate
+    }
+
+    /// The schema-qualified, quoted table name.
+    pub fn table(&self) -> String {
+        format!("\"{}\".\"{}\"", self.inner.schema, self.inner.table)
+    }
+
+    /// Removes expired rows (records past their TTL, claims past their lease) in batches of
+    /// [`cleanup_batch`](PostgresStoreBuilder::cleanup_batch), at most 100 batches per call;
+    /// returns how many rows it removed. The background task calls this.
+    pub async fn remove_expired(&self) -> Result<u64, StoreError> {
+        let mut total = 0;
+        for _ in 0..100 {
+            let n = self
+                .bounded(async {
+                    let client = self.inner.pool.get().await.map_err(pool_error)?;
+                    let stmt = client
+                        .prepare_cached(&self.inner.sql.cleanup)
+                        .await
+                        .map_err(backend)?;
+                    client
+                        .execute(&stmt, &[&self.inner.cleanup_batch])
+                        .await
+                        .map_err(backend)
+                })
+                .await?;
+            total += n;
+            if n < self.inner.cleanup_batch as u64 {
+                break;
+            }
+        }
+        Ok(total)
+    }
+
+    async fn bounded<T>(
+        &self,
+        op: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.inner.timeout, op).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Backend(
+                format!("postgres did not answer within {:?}", self.inner.timeout).into(),
+            )),
+        }
+    }
+
+    /// Runs the prepared statement `sql` and returns its rows.
+    async fn query(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<Vec<Row>, StoreError> {
+        self.bounded(async {
+            let client = self.inner.pool.get().await.map_err(pool_error)?;
+            let stmt = client.prepare_cached(sql).await.map_err(backend)?;
+            client.query(&stmt, params).await.map_err(backend)
+        })
+        .await
+    }
+
+    async fn held(&self, scope: &ScopeKey, token: Token) -> Result<Option<Duration>, StoreError> {
+        let rows = self
+            .query(
+                &self.inner.sql.peek,
+                &[&&scope.0[..], &Uuid::from_u128(token.0)],
+            )
+            .await?;
+        Ok(rows.first().map(|r| {
+            let ms: i64 = r.try_get(0).unwrap_or(0);
+            Duration::from_millis(ms.max(0) as u64)
+        }))
+    }
+
+    fn listener(&self) -> &Listener {
+        self.inner.listener.get_or_init(|| {
+            let (ready_tx, ready) = watch::channel(false);
+            let (stop, stop_rx) = oneshot::channel();
+            tokio::spawn(listen_task(
+                self.inner.config.clone(),
+                self.inner.channel.clone(),
+                self.inner.timeout,
+                self.inner.waiters.clone(),
+                ready_tx,
+                stop_rx,
+            ));
+            Listener { ready, _stop: stop }
+        })
+    }
+}
+
+fn decode_row(row: &Row, ours: Token) -> Result<Begin, StoreError> {
+    let corrupt = |e: tokio_postgres::Error| StoreError::Corrupt(format!("row: {e}"));
+    let claimed: bool = row.try_get(0).map_err(corrupt)?;
+    let state: &str = row.try_get(1).map_err(corrupt)?;
+    let token: Uuid = row.try_get(2).map_err(corrupt)?;
+    let token = Token(token.as_u128());
+    if claimed {
+        return if token == ours {
+            Ok(Begin::New(token))
+        } else {
+            Err(StoreError::Corrupt("claimed row has another token".into()))
+        };
+    }
+    match state {
+        "in_flight" => {
+            let fp: &[u8] = row.try_get(3).map_err(corrupt)?;
+            Ok(Begin::InFlight {
+                token,
+                fingerprint: codec::fingerprint(fp)?,
+            })
+        }
+        "completed" => {
+            let record: Option<&[u8]> = row.try_get(4).map_err(corrupt)?;
+            let record =
+                record.ok_or_else(|| StoreError::Corrupt("completed row has no record".into()))?;
+            Ok(Begin::Completed(Arc::new(codec::decode(record)?)))
+        }
+        other => Err(StoreError::Corrupt(format!("row state {other:?}"))),
+    }
+}
+
+impl IdempotencyStore for PostgresStore {
+    async fn begin(
+        &self,
+        scope: ScopeKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+    ) -> Result<Begin, StoreError> {
+        let token = codec::new_token();
+        let uuid = Uuid::from_u128(token.0);
+        for _ in 0..CLAIM_ATTEMPTS {
+            let rows = self
+                .query(
+                    &self.inner.sql.claim,
+                    &[&&scope.0[..], &uuid, &&fingerprint.0[..], &millis(lease)],
+                )
+                .await?;
+            if let Some(row) = rows.first() {
+                return decode_row(row, token);
+            }
+        }
+        Err(StoreError::Backend(
+            format!("claim found neither a free nor a held row {CLAIM_ATTEMPTS} times").into(),
+        ))
+    }
+
+    async fn complete(
+        &self,
+        scope: ScopeKey,
+        token: Token,
+        record: Record,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let bytes = codec::encode(&record)?;
+        let rows = self
+            .query(
+                &self.inner.sql.complete,
+                &[
+                    &&scope.0[..],
+                    &Uuid::from_u128(token.0),
+                    &bytes,
+                    &millis(ttl),
+                ],
+            )
+            .await?;
+        if rows.is_empty() {
+            Err(StoreError::Fenced)
+        } else {
+            Ok(())
+        }
+    }
+
+    async fn release(&self, scope: ScopeKey, token: Token) -> Result<(), StoreError> {
+        let rows = self
+            .query(
+                &self.inner.sql.release,
+                &[&&scope.0[..], &Uuid::from_u128(token.0)],
+            )
+            .await?;
+        if rows.is_empty() {
+            Err(StoreError::Fenced)
+        } else {
+            Ok(())
+        }
+    }
+
+    async fn renew(
+        &self,
+        scope: ScopeKey,
+        token: Token,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        let n = self
+            .bounded(async {
+                let client = self.inner.pool.get().await.map_err(pool_error)?;
+                let stmt = client
+                    .prepare_cached(&self.inner.sql.renew)
+                    .await
+                    .map_err(backend)?;
+                client
+                    .execute(
+                        &stmt,
+                        &[&&scope.0[..], &Uuid::from_u128(token.0), &millis(lease)],
+                    )
+                    .await
+                    .map_err(backend)
+            })
+            .await?;
+        if n == 0 {
+            Err(StoreError::Fenced)
+        } else {
+            Ok(())
+        }
+    }
+
+    async fn wait(&self, scope: ScopeKey, observed: Token) -> Result<(), StoreError> {
+        let guard = self.inner.waiters.register(scope.to_hex(), None);
+        // Listen before the first check, so a notification sent after it is not lost; if the
+        // listener is slow or down, polling covers.
+        let mut ready = self.listener().ready.clone();
+        let _ = tokio::time::timeout(self.inner.timeout, ready.wait_for(|r| *r)).await;
+        guard
+            .wait(self.inner.polling, || self.held(&scope, observed))
+            .await
+    }
+
+    async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
+        let rows = self.query(&self.inner.sql.forget, &[&&scope.0[..]]).await?;
+        Ok(!rows.is_empty())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers_are_checked() {
+        assert!(check_identifier("table", "idempotency_records", 48).is_ok());
+        assert!(check_identifier("table", "_t1", 48).is_ok());
+        for bad in ["", "1abc", "a-b", "a\"b", "a b", &"x".repeat(49)] {
+            assert!(check_identifier("table", bad, 48).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn migration_sql_names_the_table() {
+        let sql = Sql::new("s", "t", "idem_0");
+        assert!(sql
+            .migrate
+            .contains("CREATE TABLE IF NOT EXISTS \"s\".\"t\""));
+        assert!(sql.claim.contains("ON CONFLICT (scope) DO UPDATE"));
+        assert!(sql.complete.contains("token = $2 AND state = 'in_flight'"));
+    }
+}

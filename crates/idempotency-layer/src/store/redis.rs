@@ -1,0 +1,630 @@
+//! [`RedisStore`]: claims and records in Redis, shared by every instance of a service.
+
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{Cmd, ErrorKind, RedisError, Script, ServerErrorKind, Value};
+use tokio::sync::{mpsc, oneshot};
+
+use super::codec;
+use super::wake::{Polling, Waiters};
+use super::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token};
+
+/// Claims the key: free (absent, or expired by Redis) -> in flight; else reports what holds it.
+const CLAIM: &str = r#"
+local k = KEYS[1]
+local t = redis.call('TYPE', k)['ok']
+if t == 'none' then
+  redis.call('HSET', k, 's', 'i', 't', ARGV[1], 'f', ARGV[2])
+  redis.call('PEXPIRE', k, ARGV[3])
+  return {1}
+end
+if t ~= 'hash' then return {4, 'the key holds a ' .. t .. ', not an idempotency entry'} end
+local v = redis.call('HMGET', k, 's', 't', 'f', 'r')
+if v[1] == 'c' and v[4] then return {3, v[4]} end
+if v[1] == 'i' and v[2] and v[3] then return {2, v[2], v[3]} end
+return {4, 'the entry has no valid state'}
+"#;
+
+/// Replaces the claim ARGV[1] with the record ARGV[2], kept ARGV[3] ms; wakes the waiters.
+const COMPLETE: &str = r#"
+local k = KEYS[1]
+if redis.call('TYPE', k)['ok'] ~= 'hash' then return 0 end
+local v = redis.call('HMGET', k, 's', 't')
+if v[1] ~= 'i' or v[2] ~= ARGV[1] then return 0 end
+redis.call('DEL', k)
+redis.call('HSET', k, 's', 'c', 'r', ARGV[2])
+redis.call('PEXPIRE', k, ARGV[3])
+redis.call('PUBLISH', k, 'c')
+return 1
+"#;
+
+/// Removes the claim ARGV[1]; wakes the waiters.
+const RELEASE: &str = r#"
+local k = KEYS[1]
+if redis.call('TYPE', k)['ok'] ~= 'hash' then return 0 end
+local v = redis.call('HMGET', k, 's', 't')
+if v[1] ~= 'i' or v[2] ~= ARGV[1] then return 0 end
+redis.call('DEL', k)
+redis.call('PUBLISH', k, 'r')
+return 1
+"#;
+
+/// Extends the lease of the claim ARGV[1] to ARGV[2] ms from now.
+const RENEW: &str = r#"
+local k = KEYS[1]
+if redis.call('TYPE', k)['ok'] ~= 'hash' then return 0 end
+local v = redis.call('HMGET', k, 's', 't')
+if v[1] ~= 'i' or v[2] ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', k, ARGV[2])
+return 1
+"#;
+
+/// Removes whatever the key holds; wakes the waiters.
+const FORGET: &str = r#"
+local n = redis.call('DEL', KEYS[1])
+if n == 1 then redis.call('PUBLISH', KEYS[1], 'f') end
+return n
+"#;
+
+/// The lease left (ms, -1: no expiry) of the claim ARGV[1], or -2 if it no longer holds.
+const PEEK: &str = r#"
+local k = KEYS[1]
+if redis.call('TYPE', k)['ok'] ~= 'hash' then return -2 end
+local v = redis.call('HMGET', k, 's', 't')
+if v[1] ~= 'i' or v[2] ~= ARGV[1] then return -2 end
+return redis.call('PTTL', k)
+"#;
+
+struct Scripts {
+    claim: Script,
+    complete: Script,
+    release: Script,
+    renew: Script,
+    forget: Script,
+    peek: Script,
+}
+
+fn scripts() -> &'static Scripts {
+    static SCRIPTS: OnceLock<Scripts> = OnceLock::new();
+    SCRIPTS.get_or_init(|| Scripts {
+        claim: Script::new(CLAIM),
+        complete: Script::new(COMPLETE),
+        release: Script::new(RELEASE),
+        renew: Script::new(RENEW),
+        forget: Script::new(FORGET),
+        peek: Script::new(PEEK),
+    })
+}
+
+/// The Redis store: claims and records in Redis, visible to every instance of a service.
+///
+/// - **One round trip per operation.** `begin` (the claim), `complete`, `release` and `renew`
+///   are each one Lua script, run atomically by Redis with `EVALSHA` (and `EVAL` when the
+///   server does not know the script yet, for example after a restart or a failover).
+/// - **One key per scope**: `{prefix}` + the hex of the [`ScopeKey`] (a hash: no raw tenant or
+///   idempotency key reaches Redis). Every operation touches exactly that key, so the layout
+///   works on Redis Cluster unchanged. The entry is a hash: `s` (state: `i` in flight, `c`
+///   completed), `t` (fencing token), `f` (fingerprint), `r` (the record, postcard-encoded).
+/// - **Expiry is Redis's own** (`PEXPIRE`): an in-flight key expires when its lease lapses (so
+///   a crashed leader's claim frees itself and the next `begin` takes over with a new token), a
+///   completed key when its TTL runs out. A late `complete` from a leader whose claim lapsed
+///   or was taken over is refused ([`StoreError::Fenced`]).
+/// - **Waiters** are woken by pub/sub: every `complete`, `release` and `forget` publishes on
+///   the key's own channel (same name as the key). One dedicated pub/sub connection per store
+///   carries the subscriptions of all its waiters, and reconnects by itself; a waiter also
+///   polls with backoff (25 ms doubling to 1 s by default), so a lost message delays it at
+///   most one poll interval and never hangs it.
+/// - **Failures**: commands go through a [`ConnectionManager`] that reconnects on its own;
+///   every operation is bounded by [`RedisStoreBuilder::timeout`], so an unreachable server
+///   answers [`StoreError::Backend`] quickly (the layer then fails closed with 503 /
+///   UNAVAILABLE). An entry that does not decode is [`StoreError::Corrupt`].
+///
+/// ```no_run
+/// use idempotency_layer::{IdempotencyLayer, RedisStore};
+/// use std::time::Duration;
+///
+/// # async fn example() -> Result<(), idempotency_layer::StoreError> {
+/// let store = RedisStore::builder("redis://127.0.0.1:6379")
+///     .prefix("orders:idem:")
+///     .timeout(Duration::from_secs(1))
+///     .connect()
+///     .await?;
+/// let layer = IdempotencyLayer::new(store)
+///     .lease(Duration::from_secs(30)) // renewed every 10 s while the handler runs
+///     .ttl(Duration::from_secs(24 * 3600)); // how long Redis keeps each record
+/// # let _ = layer;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    conn: ConnectionManager,
+    client: redis::Client,
+    prefix: String,
+    timeout: Duration,
+    polling: Polling,
+    waiters: Arc<Waiters>,
+    pubsub: OnceLock<PubSub>,
+}
+
+struct PubSub {
+    commands: mpsc::UnboundedSender<Command>,
+    unsubscribe: mpsc::UnboundedSender<String>,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.inner.prefix)
+            .field("timeout", &self.inner.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`RedisStore`]: [`RedisStore::builder`].
+#[derive(Debug, Clone)]
+pub struct RedisStoreBuilder {
+    url: String,
+    prefix: String,
+    timeout: Duration,
+    polling: Polling,
+}
+
+impl RedisStoreBuilder {
+    /// The prefix of every key and channel (default `idempotency:`). Give each service (or each
+    /// test) its own.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The longest any one operation (or a connection attempt) may take before it fails with
+    /// [`StoreError::Backend`] (default 1 s).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How waiters poll when no pub/sub message comes: `first` after the first check, doubling
+    /// up to `max` (defaults 25 ms and 1 s).
+    pub fn poll_interval(mut self, first: Duration, max: Duration) -> Self {
+        let first = first.max(Duration::from_millis(1));
+        self.polling = Polling {
+            first,
+            max: max.max(first),
+        };
+        self
+    }
+
+    /// Connects (the server must be reachable now; later outages are survived by reconnecting).
+    pub async fn connect(self) -> Result<RedisStore, StoreError> {
+        let client = redis::Client::open(self.url.as_str()).map_err(backend)?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout))
+            .set_number_of_retries(2)
+            .set_min_delay(Duration::from_millis(10))
+            .set_max_delay(Duration::from_millis(500));
+        let conn = tokio::time::timeout(
+            self.timeout * 4,
+            client.get_connection_manager_with_config(config),
+        )
+        .await
+        .map_err(|_| timed_out(self.timeout * 4))?
+        .map_err(backend)?;
+        Ok(RedisStore {
+            inner: Arc::new(Inner {
+                conn,
+                client,
+                prefix: self.prefix,
+                timeout: self.timeout,
+                polling: self.polling,
+                waiters: Arc::default(),
+                pubsub: OnceLock::new(),
+            }),
+        })
+    }
+}
+
+fn backend(e: RedisError) -> StoreError {
+    StoreError::Backend(Box::new(e))
+}
+
+fn timed_out(after: Duration) -> StoreError {
+    StoreError::Backend(format!("redis did not answer within {after:?}").into())
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+fn token_bytes(t: Token) -> [u8; 16] {
+    t.0.to_be_bytes()
+}
+
+fn token_from(bytes: &[u8]) -> Result<Token, StoreError> {
+    <[u8; 16]>::try_from(bytes)
+        .map(|b| Token(u128::from_be_bytes(b)))
+        .map_err(|_| StoreError::Corrupt(format!("token of {} bytes, not 16", bytes.len())))
+}
+
+fn bulk(v: &Value) -> Option<&[u8]> {
+    match v {
+        Value::BulkString(b) => Some(b),
+        _ => None,
+    }
+}
+
+impl RedisStore {
+    /// A builder for a store on the server at `url` (`redis://host:port/db`).
+    pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            url: url.into(),
+            prefix: "idempotency:".to_owned(),
+            timeout: Duration::from_secs(1),
+            polling: Polling::default(),
+        }
+    }
+
+    /// Connects to the server at `url` with the defaults (prefix `idempotency:`, timeout 1 s).
+    pub async fn connect(url: &str) -> Result<RedisStore, StoreError> {
+        RedisStore::builder(url).connect().await
+    }
+
+    /// The key (and pub/sub channel) of `scope`: the prefix + 64 hex characters.
+    pub fn key(&self, scope: &ScopeKey) -> String {
+        format!("{}{}", self.inner.prefix, scope.to_hex())
+    }
+
+    /// The key prefix.
+    pub fn prefix(&self) -> &str {
+        &self.inner.prefix
+    }
+
+    /// A store on the same connections with another key prefix (cheap: no new connection until
+    /// a waiter needs the pub/sub one).
+    pub fn with_prefix(&self, prefix: impl Into<String>) -> RedisStore {
+        RedisStore {
+            inner: Arc::new(Inner {
+                conn: self.inner.conn.clone(),
+                client: self.inner.client.clone(),
+                prefix: prefix.into(),
+                timeout: self.inner.timeout,
+                polling: self.inner.polling,
+                waiters: Arc::default(),
+                pubsub: OnceLock::new(),
+            }),
+        }
+    }
+
+    /// Runs `script` on `key` in one round trip: `EVALSHA`, and `EVAL` with the source when
+    /// the server answers `NOSCRIPT`.
+    async fn run(
+        &self,
+        script: &Script,
+        source: &str,
+        key: &str,
+        args: &[&[u8]],
+    ) -> Result<Value, StoreError> {
+        let command = |name: &str, first: &str| {
+            let mut cmd = Cmd::new();
+            cmd.arg(name).arg(first).arg(1).arg(key);
+            for a in args {
+                cmd.arg(*a);
+            }
+            cmd
+        };
+        let mut conn = self.inner.conn.clone();
+        let op = async {
+            match command("EVALSHA", script.get_hash())
+                .query_async::<Value>(&mut conn)
+                .await
+            {
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    command("EVAL", source)
+                        .query_async::<Value>(&mut conn)
+                        .await
+                }
+                other => other,
+            }
+        };
+        match tokio::time::timeout(self.inner.timeout, op).await {
+            Ok(r) => r.map_err(backend),
+            Err(_) => Err(timed_out(self.inner.timeout)),
+        }
+    }
+
+    async fn run_flag(
+        &self,
+        script: &Script,
+        source: &str,
+        scope: &ScopeKey,
+        args: &[&[u8]],
+    ) -> Result<(), StoreError> {
+        match self.run(script, source, &self.key(scope), args).await? {
+            Value::Int(1) => Ok(()),
+            Value::Int(0) => Err(StoreError::Fenced),
+            other => Err(StoreError::Backend(
+                format!("unexpected script reply {other:?}").into(),
+            )),
+        }
+    }
+
+    /// The lease left of claim `token` on `scope`, or `None` when it no longer holds.
+    async fn held(&self, key: &str, token: Token) -> Result<Option<Duration>, StoreError> {
+        let s = scripts();
+        match self.run(&s.peek, PEEK, key, &[&token_bytes(token)]).await? {
+            Value::Int(-2) => Ok(None),
+            Value::Int(ms) if ms >= 0 => Ok(Some(Duration::from_millis(ms as u64))),
+            // No expiry at all (set by hand): keep polling at the slowest interval.
+            Value::Int(_) => Ok(Some(self.inner.polling.max)),
+            other => Err(StoreError::Backend(
+                format!("unexpected script reply {other:?}").into(),
+            )),
+        }
+    }
+
+    fn pubsub(&self) -> &PubSub {
+        self.inner.pubsub.get_or_init(|| {
+            let (commands, rx) = mpsc::unbounded_channel();
+            let (unsubscribe, unsub_rx) = mpsc::unbounded_channel();
+            tokio::spawn(pubsub_task(
+                self.inner.client.clone(),
+                self.inner.prefix.clone(),
+                self.inner.timeout,
+                self.inner.waiters.clone(),
+                rx,
+                unsub_rx,
+            ));
+            PubSub {
+                commands,
+                unsubscribe,
+            }
+        })
+    }
+}
+
+enum Command {
+    Subscribe(String, oneshot::Sender<()>),
+}
+
+/// Owns the store's pub/sub connection: subscribes and unsubscribes channels as waiters come
+/// and go, wakes local waiters on messages, and reconnects (resubscribing every channel that
+/// still has waiters) when the connection is lost. Ends when the store is dropped.
+async fn pubsub_task(
+    client: redis::Client,
+    prefix: String,
+    timeout: Duration,
+    waiters: Arc<Waiters>,
+    mut commands: mpsc::UnboundedReceiver<Command>,
+    mut unsubscribe: mpsc::UnboundedReceiver<String>,
+) {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let connected = match tokio::time::timeout(timeout, client.get_async_pubsub()).await {
+            Ok(Ok(ps)) => Some(ps.split()),
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "idempotency: redis pub/sub connect failed");
+                None
+            }
+            Err(_) => None,
+        };
+        let Some((mut sink, mut stream)) = connected else {
+            // Waiters poll meanwhile; pending subscriptions are dropped (their waiters poll).
+            waiters.wake_all();
+            let sleep = tokio::time::sleep(backoff);
+            tokio::pin!(sleep);
+            loop {
+                tokio::select! {
+                    _ = &mut sleep => break,
+                    c = commands.recv() => if c.is_none() { return },
+                    u = unsubscribe.recv() => if u.is_none() { return },
+                }
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+            continue;
+        };
+        backoff = Duration::from_millis(50);
+        let mut ok = true;
+        for scope in waiters.scopes() {
+            if sink.subscribe(format!("{prefix}{scope}")).await.is_err() {
+                ok = false;
+                break;
+            }
+        }
+        while ok {
+            tokio::select! {
+                c = commands.recv() => match c {
+                    None => return,
+                    Some(Command::Subscribe(channel, ack)) => {
+                        let r = tokio::time::timeout(timeout, sink.subscribe(&channel)).await;
+                        ok = matches!(r, Ok(Ok(())));
+                        if ok {
+                            let _ = ack.send(());
+                        }
+                    }
+                },
+                u = unsubscribe.recv() => match u {
+                    None => return,
+                    // A new waiter may have come since: keep the subscription then.
+                    Some(scope) if !waiters.has(&scope) => {
+                        let r = tokio::time::timeout(
+                            timeout,
+                            sink.unsubscribe(format!("{prefix}{scope}")),
+                        )
+                        .await;
+                        ok = matches!(r, Ok(Ok(())));
+                    }
+                    Some(_) => {}
+                },
+                m = stream.next() => match m {
+                    Some(msg) => {
+                        if let Some(scope) = msg.get_channel_name().strip_prefix(prefix.as_str()) {
+                            waiters.wake(scope);
+                        }
+                    }
+                    None => ok = false,
+                },
+            }
+        }
+        tracing::debug!("idempotency: redis pub/sub connection lost; reconnecting");
+        waiters.wake_all();
+    }
+}
+
+impl IdempotencyStore for RedisStore {
+    async fn begin(
+        &self,
+        scope: ScopeKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+    ) -> Result<Begin, StoreError> {
+        let token = codec::new_token();
+        let s = scripts();
+        let reply = self
+            .run(
+                &s.claim,
+                CLAIM,
+                &self.key(&scope),
+                &[
+                    &token_bytes(token),
+                    &fingerprint.0,
+                    millis(lease).to_string().as_bytes(),
+                ],
+            )
+            .await?;
+        let Value::Array(items) = reply else {
+            return Err(StoreError::Backend(
+                format!("unexpected claim reply {reply:?}").into(),
+            ));
+        };
+        let corrupt = || StoreError::Corrupt("malformed claim reply".to_owned());
+        match items.first() {
+            Some(Value::Int(1)) => Ok(Begin::New(token)),
+            Some(Value::Int(2)) => {
+                let t = items.get(1).and_then(bulk).ok_or_else(corrupt)?;
+                let f = items.get(2).and_then(bulk).ok_or_else(corrupt)?;
+                Ok(Begin::InFlight {
+                    token: token_from(t)?,
+                    fingerprint: codec::fingerprint(f)?,
+                })
+            }
+            Some(Value::Int(3)) => {
+                let r = items.get(1).and_then(bulk).ok_or_else(corrupt)?;
+                Ok(Begin::Completed(Arc::new(codec::decode(r)?)))
+            }
+            Some(Value::Int(4)) => {
+                let why = items.get(1).and_then(bulk).unwrap_or(b"unknown");
+                Err(StoreError::Corrupt(format!(
+                    "redis key {}: {}",
+                    self.key(&scope),
+                    String::from_utf8_lossy(why)
+                )))
+            }
+            _ => Err(corrupt()),
+        }
+    }
+
+    async fn complete(
+        &self,
+        scope: ScopeKey,
+        token: Token,
+        record: Record,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let bytes = codec::encode(&record)?;
+        let s = scripts();
+        self.run_flag(
+            &s.complete,
+            COMPLETE,
+            &scope,
+            &[
+                &token_bytes(token),
+                &bytes,
+                millis(ttl).to_string().as_bytes(),
+            ],
+        )
+        .await
+    }
+
+    async fn release(&self, scope: ScopeKey, token: Token) -> Result<(), StoreError> {
+        let s = scripts();
+        self.run_flag(&s.release, RELEASE, &scope, &[&token_bytes(token)])
+            .await
+    }
+
+    async fn renew(
+        &self,
+        scope: ScopeKey,
+        token: Token,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        let s = scripts();
+        self.run_flag(
+            &s.renew,
+            RENEW,
+            &scope,
+            &[&token_bytes(token), millis(lease).to_string().as_bytes()],
+        )
+        .await
+    }
+
+    async fn wait(&self, scope: ScopeKey, observed: Token) -> Result<(), StoreError> {
+        let hex = scope.to_hex();
+        let key = self.key(&scope);
+        let pubsub = self.pubsub();
+        let guard = self
+            .inner
+            .waiters
+            .register(hex.clone(), Some(pubsub.unsubscribe.clone()));
+        // Subscribe before the first check, so a message published after it is not lost; if
+        // the subscription is slow or the pub/sub connection is down, polling covers.
+        let (ack, acked) = oneshot::channel();
+        if pubsub
+            .commands
+            .send(Command::Subscribe(key.clone(), ack))
+            .is_ok()
+        {
+            let _ = tokio::time::timeout(self.inner.timeout, acked).await;
+        }
+        guard
+            .wait(self.inner.polling, || self.held(&key, observed))
+            .await
+    }
+
+    async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
+        let s = scripts();
+        match self.run(&s.forget, FORGET, &self.key(&scope), &[]).await? {
+            Value::Int(n) => Ok(n > 0),
+            other => Err(StoreError::Backend(
+                format!("unexpected script reply {other:?}").into(),
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_round_trip_and_bad_lengths_are_corrupt() {
+        let t = Token(0x0123_4567_89ab_cdef_0011_2233_4455_6677);
+        assert_eq!(token_from(&token_bytes(t)).unwrap(), t);
+        assert!(matches!(token_from(b"short"), Err(StoreError::Corrupt(_))));
+    }
+
+    #[test]
+    fn durations_are_at_least_one_millisecond() {
+        assert_eq!(millis(Duration::ZERO), 1);
+        assert_eq!(millis(Duration::from_secs(2)), 2000);
+    }
+}

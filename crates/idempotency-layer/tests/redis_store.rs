@@ -1,0 +1,132 @@
+//! `RedisStore` against a real Redis (`REDIS_URL`, e.g. redis://127.0.0.1:6379): the store
+//! conformance suite, two instances sharing one Redis, lease takeover, an outage through a
+//! proxy, and a corrupt entry. Unset `REDIS_URL`: each test says so and passes; set but
+//! unreachable: each test fails.
+
+mod shared_stores;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use idempotency_layer::{conformance, RedisStore};
+use redis::AsyncCommands;
+use shared_stores::*;
+
+/// A store on `REDIS_URL` with a prefix of its own, or `None` (skip) when it is unset.
+async fn store(url: &str) -> RedisStore {
+    RedisStore::builder(url)
+        .prefix(unique("test:idem:"))
+        .connect()
+        .await
+        .expect("REDIS_URL is set, so Redis must be reachable")
+}
+
+async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .expect("raw connection to REDIS_URL")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_suite() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let base = store(&url).await;
+    let n = AtomicUsize::new(0);
+    conformance::run_all(|| {
+        base.with_prefix(format!(
+            "{}{}:",
+            base.prefix(),
+            n.fetch_add(1, Ordering::Relaxed)
+        ))
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_execute_each_key_once() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let prefix = unique("test:idem:");
+    // Separate store clients (separate connections) sharing one Redis and one prefix.
+    let a = RedisStore::builder(&url)
+        .prefix(&prefix)
+        .connect()
+        .await
+        .unwrap();
+    let b = RedisStore::builder(&url)
+        .prefix(&prefix)
+        .connect()
+        .await
+        .unwrap();
+    multi_instance(a, b).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_leader_is_taken_over_and_fenced() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let prefix = unique("test:idem:");
+    let a = RedisStore::builder(&url)
+        .prefix(&prefix)
+        .connect()
+        .await
+        .unwrap();
+    let b = RedisStore::builder(&url)
+        .prefix(&prefix)
+        .connect()
+        .await
+        .unwrap();
+    lease_takeover(a, b).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outage_fails_closed_and_recovers_without_restart() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let proxy = Proxy::start(authority(&url)).await;
+    let store = RedisStore::builder(via(&url, proxy.addr()))
+        .prefix(unique("test:idem:"))
+        .connect()
+        .await
+        .expect("Redis through the proxy");
+    outage(store, &proxy).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_entry_is_a_clear_error() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let s = store(&url).await;
+    let key_of = {
+        let s = s.clone();
+        move |scope| s.key(&scope)
+    };
+    // A record that does not decode.
+    let url2 = url.clone();
+    let k1 = key_of.clone();
+    corrupt_entry(s.clone(), move |scope| {
+        let (url, key) = (url2.clone(), k1(scope));
+        async move {
+            let mut c = raw(&url).await;
+            let _: () = c.hset(&key, "r", b"\xff\x00garbage").await.unwrap();
+        }
+    })
+    .await;
+    // A key of another type altogether.
+    corrupt_entry(s.clone(), move |scope| {
+        let (url, key) = (url.clone(), key_of(scope));
+        async move {
+            let mut c = raw(&url).await;
+            let _: () = c.del(&key).await.unwrap();
+            let _: () = c.set(&key, "garbage").await.unwrap();
+        }
+    })
+    .await;
+}

@@ -1,0 +1,545 @@
+//! What the Redis and PostgreSQL store tests share: the environment check, a cuttable TCP
+//! proxy, axum servers on 127.0.0.1:0, and the store-independent scenarios (multi-instance,
+//! lease takeover, outage, corrupt entry).
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::routing::post;
+use axum::Router;
+use bytes::Bytes;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use idempotency_layer::store::{Begin, Fingerprint, Record, ScopeKey, Token};
+use idempotency_layer::{IdempotencyLayer, IdempotencyStore, Scope, StoreError};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
+/// The URL in `var`, or `None` (after saying why the test skips) when it is unset.
+pub fn env_url(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(v) if !v.trim().is_empty() => Some(v),
+        _ => {
+            eprintln!(
+                "skipped: {var} is not set; set it (e.g. in .ci/run) to run this test against \
+                 a real server"
+            );
+            None
+        }
+    }
+}
+
+/// A name unique to this call: `prefix` + 12 hex characters.
+pub fn unique(prefix: &str) -> String {
+    format!(
+        "{prefix}{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    )
+}
+
+/// The `host:port` of a URL such as `redis://127.0.0.1:6379/0` or `postgres://u@h:5432/db`.
+pub fn authority(url: &str) -> &str {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let rest = rest.split(['/', '?']).next().unwrap_or(rest);
+    rest.rsplit_once('@').map_or(rest, |(_, hp)| hp)
+}
+
+/// `url` with its `host:port` replaced by `addr`.
+pub fn via(url: &str, addr: SocketAddr) -> String {
+    url.replacen(authority(url), &addr.to_string(), 1)
+}
+
+/// A TCP proxy between a store client and its server that the test can cut and restore.
+/// Cut: every open connection is closed and new ones are closed at once.
+pub struct Proxy {
+    addr: SocketAddr,
+    cut: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    accept: JoinHandle<()>,
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        for c in self.conns.lock().unwrap().drain(..) {
+            c.abort();
+        }
+    }
+}
+
+impl Proxy {
+    pub async fn start(upstream: &str) -> Proxy {
+        let upstream = tokio::net::lookup_host(upstream)
+            .await
+            .expect("resolve upstream")
+            .next()
+            .expect("an upstream address");
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let cut = Arc::new(AtomicBool::new(false));
+        let conns: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let accept = {
+            let (cut, conns) = (cut.clone(), conns.clone());
+            tokio::spawn(async move {
+                loop {
+                    let Ok((mut client, _)) = listener.accept().await else {
+                        return;
+                    };
+                    if cut.load(Ordering::SeqCst) {
+                        drop(client);
+                        continue;
+                    }
+                    let task = tokio::spawn(async move {
+                        if let Ok(mut server) = TcpStream::connect(upstream).await {
+                            let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                        }
+                    });
+                    let mut conns = conns.lock().unwrap();
+                    conns.retain(|c| !c.is_finished());
+                    conns.push(task);
+                }
+            })
+        };
+        Proxy {
+            addr,
+            cut,
+            conns,
+            accept,
+        }
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn cut(&self) {
+        self.cut.store(true, Ordering::SeqCst);
+        for c in self.conns.lock().unwrap().drain(..) {
+            c.abort();
+        }
+    }
+
+    pub fn restore(&self) {
+        self.cut.store(false, Ordering::SeqCst);
+    }
+}
+
+/// Serves `app` on 127.0.0.1:0 until the test's runtime stops.
+pub async fn serve(app: Router) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
+}
+
+pub type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
+
+pub fn client() -> HttpClient {
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(256)
+        .build_http()
+}
+
+/// A response read to the end.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Answer {
+    pub status: StatusCode,
+    pub body: Bytes,
+    pub replayed: bool,
+}
+
+/// POSTs `body` to `http://{addr}/orders` with idempotency key `key`, bounded by 30 s.
+pub async fn post_order(client: &HttpClient, addr: SocketAddr, key: &str, body: &str) -> Answer {
+    let req = Request::post(format!("http://{addr}/orders"))
+        .header("content-type", "application/json")
+        .header("x-idempotency-key", key)
+        .body(Full::new(Bytes::copy_from_slice(body.as_bytes())))
+        .unwrap();
+    let res = tokio::time::timeout(Duration::from_secs(30), client.request(req))
+        .await
+        .expect("the server answers within 30 s")
+        .expect("HTTP request");
+    let status = res.status();
+    let replayed = res
+        .headers()
+        .get("idempotent-replayed")
+        .is_some_and(|v| v == "true");
+    let body = res.into_body().collect().await.expect("body").to_bytes();
+    Answer {
+        status,
+        body,
+        replayed,
+    }
+}
+
+/// The scope the layer uses for `POST /orders` with `key` in tenant `shop`.
+pub fn order_scope(key: &str) -> ScopeKey {
+    let method = Scope::http(&http::Method::POST, "/orders");
+    Scope::new("shop", &method, key).key()
+}
+
+/// Counts executions per idempotency key.
+#[derive(Clone, Default)]
+pub struct Executions {
+    total: Arc<AtomicUsize>,
+    per_key: Arc<Mutex<HashMap<String, usize>>>,
+}
+
+impl Executions {
+    pub fn total(&self) -> usize {
+        self.total.load(Ordering::SeqCst)
+    }
+
+    pub fn of(&self, key: &str) -> usize {
+        self.per_key.lock().unwrap().get(key).copied().unwrap_or(0)
+    }
+
+    fn record(&self, headers: &HeaderMap) -> (usize, String) {
+        let key = headers
+            .get("x-idempotency-key")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
+        *self.per_key.lock().unwrap().entry(key.clone()).or_default() += 1;
+        (self.total.fetch_add(1, Ordering::SeqCst) + 1, key)
+    }
+}
+
+/// An orders service on `store`: each execution answers `{name} executed #{n} for {key}` after
+/// `work`, so every execution's response differs.
+pub fn orders_app<S: IdempotencyStore>(
+    layer: IdempotencyLayer<S>,
+    name: &'static str,
+    executions: Executions,
+    work: Duration,
+) -> Router {
+    Router::new()
+        .route(
+            "/orders",
+            post(move |headers: HeaderMap| {
+                let executions = executions.clone();
+                async move {
+                    let (n, key) = executions.record(&headers);
+                    tokio::time::sleep(work).await;
+                    (
+                        StatusCode::CREATED,
+                        format!("{name} executed #{n} for {key}"),
+                    )
+                }
+            }),
+        )
+        .layer(layer.default_tenant("shop"))
+}
+
+/// Two instances (separate listeners, separate store clients `a` and `b` on one server); 50
+/// keys x 40 concurrent duplicates spread over both: exactly 50 executions, and every
+/// duplicate of a key gets the same response.
+pub async fn multi_instance<S: IdempotencyStore>(a: S, b: S) {
+    let executions = Executions::default();
+    let work = Duration::from_millis(50);
+    let addr_a = serve(orders_app(
+        IdempotencyLayer::new(a),
+        "a",
+        executions.clone(),
+        work,
+    ))
+    .await;
+    let addr_b = serve(orders_app(
+        IdempotencyLayer::new(b),
+        "b",
+        executions.clone(),
+        work,
+    ))
+    .await;
+    let client = client();
+    let run = unique("");
+    let keys: Vec<String> = (0..50).map(|k| format!("order-{run}-{k:02}")).collect();
+    let mut tasks = Vec::new();
+    for key in &keys {
+        for d in 0..40 {
+            let (client, key) = (client.clone(), key.clone());
+            let addr = if d % 2 == 0 { addr_a } else { addr_b };
+            tasks.push(tokio::spawn(async move {
+                let answer = post_order(&client, addr, &key, r#"{"sku":"b1","qty":1}"#).await;
+                (key, answer)
+            }));
+        }
+    }
+    let mut by_key: HashMap<String, Vec<Answer>> = HashMap::new();
+    for t in tasks {
+        let (key, answer) = t.await.expect("request task");
+        by_key.entry(key).or_default().push(answer);
+    }
+    for key in &keys {
+        let answers = &by_key[key];
+        assert_eq!(answers.len(), 40);
+        for a in answers {
+            assert_eq!(a.status, StatusCode::CREATED, "{key}: {a:?}");
+            assert_eq!(
+                a.body, answers[0].body,
+                "{key}: every duplicate gets the same response"
+            );
+        }
+        assert_eq!(
+            answers.iter().filter(|a| !a.replayed).count(),
+            1,
+            "{key}: one original response, the rest replays"
+        );
+        assert_eq!(executions.of(key), 1, "{key} executed once");
+    }
+    assert_eq!(executions.total(), 50, "exactly 50 executions");
+}
+
+/// A store whose lease renewals never arrive while `stalled` (a leader stuck in a GC pause or
+/// a partition), and that keeps what its `complete` calls returned.
+#[derive(Clone)]
+pub struct Stalling<S> {
+    pub inner: S,
+    pub completes: Arc<Mutex<Vec<Result<(), String>>>>,
+    pub completed: Arc<Notify>,
+}
+
+impl<S: IdempotencyStore> Stalling<S> {
+    pub fn new(inner: S) -> Self {
+        Stalling {
+            inner,
+            completes: Arc::default(),
+            completed: Arc::default(),
+        }
+    }
+}
+
+impl<S: IdempotencyStore> IdempotencyStore for Stalling<S> {
+    async fn begin(
+        &self,
+        scope: ScopeKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+    ) -> Result<Begin, StoreError> {
+        self.inner.begin(scope, fingerprint, lease).await
+    }
+
+    async fn complete(
+        &self,
+        scope: ScopeKey,
+        token: Token,
+        record: Record,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let r = self.inner.complete(scope, token, record, ttl).await;
+        self.completes.lock().unwrap().push(match &r {
+            Ok(()) => Ok(()),
+            Err(StoreError::Fenced) => Err("fenced".to_owned()),
+            Err(e) => Err(e.to_string()),
+        });
+        self.completed.notify_one();
+        r
+    }
+
+    async fn release(&self, scope: ScopeKey, token: Token) -> Result<(), StoreError> {
+        self.inner.release(scope, token).await
+    }
+
+    async fn renew(&self, _: ScopeKey, _: Token, _: Duration) -> Result<(), StoreError> {
+        // Stalled: the renewal never reaches the store.
+        Ok(())
+    }
+
+    async fn wait(&self, scope: ScopeKey, observed: Token) -> Result<(), StoreError> {
+        self.inner.wait(scope, observed).await
+    }
+
+    async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
+        self.inner.forget(scope).await
+    }
+}
+
+/// Instance A's leader stalls past its lease (its handler hangs, its renewals do not arrive);
+/// instance B takes over and executes; A's late complete is refused (fenced) and B's record
+/// stays.
+pub async fn lease_takeover<S: IdempotencyStore>(a: S, b: S) {
+    let executions = Executions::default();
+    let a = Stalling::new(a);
+    let go = Arc::new(Notify::new());
+    let started = Arc::new(Notify::new());
+    let app_a = {
+        let (go, started, executions) = (go.clone(), started.clone(), executions.clone());
+        Router::new()
+            .route(
+                "/orders",
+                post(move |headers: HeaderMap| {
+                    let (go, started, executions) =
+                        (go.clone(), started.clone(), executions.clone());
+                    async move {
+                        let notified = go.notified();
+                        executions.record(&headers);
+                        started.notify_one();
+                        notified.await;
+                        (StatusCode::CREATED, "from the stalled leader a")
+                    }
+                }),
+            )
+            .layer(
+                IdempotencyLayer::new(a.clone())
+                    .lease(Duration::from_millis(300))
+                    .default_tenant("shop"),
+            )
+    };
+    let addr_a = serve(app_a).await;
+    let addr_b = serve(orders_app(
+        IdempotencyLayer::new(b),
+        "b",
+        executions.clone(),
+        Duration::ZERO,
+    ))
+    .await;
+    let client = client();
+    let key = unique("takeover-");
+    let body = r#"{"sku":"t1"}"#;
+
+    let first = {
+        let (client, key) = (client.clone(), key.clone());
+        tokio::spawn(async move { post_order(&client, addr_a, &key, body).await })
+    };
+    tokio::time::timeout(Duration::from_secs(10), started.notified())
+        .await
+        .expect("A's handler starts");
+    // B finds the claim in flight, waits for it, and takes over when A's lease lapses.
+    let took_over = post_order(&client, addr_b, &key, body).await;
+    assert_eq!(took_over.status, StatusCode::CREATED, "{took_over:?}");
+    assert!(!took_over.replayed, "B executed itself");
+    assert!(took_over.body.starts_with(b"b executed"), "{took_over:?}");
+    assert_eq!(
+        executions.of(&key),
+        2,
+        "A (stalled) and B each executed once"
+    );
+
+    // A wakes up and answers its own client; its record is refused.
+    let completed = a.completed.notified();
+    go.notify_one();
+    let late = first.await.unwrap();
+    assert_eq!(&late.body[..], b"from the stalled leader a");
+    tokio::time::timeout(Duration::from_secs(10), completed)
+        .await
+        .expect("A's layer tries to complete");
+    assert_eq!(
+        a.completes.lock().unwrap().as_slice(),
+        &[Err("fenced".to_owned())],
+        "the stalled leader's late complete is fenced"
+    );
+    for addr in [addr_a, addr_b] {
+        let replay = post_order(&client, addr, &key, body).await;
+        assert!(replay.replayed, "{replay:?}");
+        assert_eq!(
+            replay.body, took_over.body,
+            "B's record was not overwritten"
+        );
+    }
+    assert_eq!(executions.of(&key), 2);
+}
+
+/// The store is reached through `proxy`: cut, the layer (fail closed) answers 503 at once and
+/// executes nothing; restored, the same service works again.
+pub async fn outage<S: IdempotencyStore>(store: S, proxy: &Proxy) {
+    let executions = Executions::default();
+    let addr = serve(orders_app(
+        IdempotencyLayer::new(store),
+        "svc",
+        executions.clone(),
+        Duration::ZERO,
+    ))
+    .await;
+    let client = client();
+    let body = r#"{"sku":"o1"}"#;
+    let before = post_order(&client, addr, &unique("outage-before-"), body).await;
+    assert_eq!(before.status, StatusCode::CREATED, "{before:?}");
+    assert_eq!(executions.total(), 1);
+
+    proxy.cut();
+    for i in 0..3 {
+        let started = Instant::now();
+        let a = post_order(&client, addr, &unique(&format!("outage-cut{i}-")), body).await;
+        eprintln!("cut: answered {} in {:?}", a.status, started.elapsed());
+        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{a:?}");
+    }
+    assert_eq!(
+        executions.total(),
+        1,
+        "nothing executes while the store is cut off"
+    );
+
+    proxy.restore();
+    let key = unique("outage-after-");
+    let mut answer = None;
+    for _ in 0..100 {
+        let a = post_order(&client, addr, &key, body).await;
+        if a.status == StatusCode::CREATED {
+            answer = Some(a);
+            break;
+        }
+        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{a:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let answer = answer.expect("the service works again after the store is back");
+    assert!(!answer.replayed);
+    assert_eq!(executions.total(), 2);
+    let replay = post_order(&client, addr, &key, body).await;
+    assert!(replay.replayed, "{replay:?}");
+    assert_eq!(replay.body, answer.body);
+    assert_eq!(executions.total(), 2);
+}
+
+/// Records a response for `key` through the layer on `store`, lets `spoil` write garbage into
+/// its entry, then checks the store says [`StoreError::Corrupt`] and the layer answers an error
+/// without executing.
+pub async fn corrupt_entry<S, F, Fut>(store: S, spoil: F)
+where
+    S: IdempotencyStore,
+    F: Fn(ScopeKey) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let executions = Executions::default();
+    let addr = serve(orders_app(
+        IdempotencyLayer::new(store.clone()),
+        "svc",
+        executions.clone(),
+        Duration::ZERO,
+    ))
+    .await;
+    let client = client();
+    let key = unique("corrupt-");
+    let body = r#"{"sku":"c1"}"#;
+    let first = post_order(&client, addr, &key, body).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let scope = order_scope(&key);
+    assert!(matches!(
+        store
+            .begin(scope, Fingerprint([0; 32]), Duration::from_secs(5))
+            .await,
+        Ok(Begin::Completed(_))
+    ));
+
+    spoil(scope).await;
+    match store
+        .begin(scope, Fingerprint([0; 32]), Duration::from_secs(5))
+        .await
+    {
+        Err(e @ StoreError::Corrupt(_)) => {
+            assert!(e.to_string().contains("corrupt"), "{e}");
+            eprintln!("corrupt entry reported as: {e}");
+        }
+        other => panic!("a garbage entry must be StoreError::Corrupt, got {other:?}"),
+    }
+    let answer = post_order(&client, addr, &key, body).await;
+    assert!(answer.status.is_server_error(), "{answer:?}");
+    assert_eq!(executions.total(), 1, "nothing executes on a corrupt entry");
+}
