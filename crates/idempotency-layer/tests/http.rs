@@ -96,10 +96,9 @@ async fn hundred_keys_times_hundred_concurrent_duplicates_run_hundred_times() {
     let count = Arc::new(AtomicUsize::new(0));
     let app = app(layer(), &count);
     let mut tasks = Vec::new();
-    for dup in 0..100 {
+    for _dup in 0..100 {
         for k in 0..100 {
             let app = app.clone();
-            let _ = dup;
             tasks.push(tokio::spawn(async move {
                 let key = format!("key-{k:04}-abcdef");
                 let req = req_post("/orders", Some(&key), "{}");
