@@ -49,8 +49,31 @@ impl OrdersClient {
         tenant: impl Into<String>,
         policy: RetryPolicy,
     ) -> Self {
+        Self::build(base, tenant, policy, true)
+    }
+
+    /// A client that opens a new connection for every attempt (no keep-alive pool): for tests
+    /// whose faults act per connection.
+    pub fn without_keep_alive(
+        base: impl Into<String>,
+        tenant: impl Into<String>,
+        policy: RetryPolicy,
+    ) -> Self {
+        Self::build(base, tenant, policy, false)
+    }
+
+    fn build(
+        base: impl Into<String>,
+        tenant: impl Into<String>,
+        policy: RetryPolicy,
+        keep_alive: bool,
+    ) -> Self {
         let layer = RetryLayer::new(policy);
-        let client = Client::builder(TokioExecutor::new()).build_http();
+        let mut builder = Client::builder(TokioExecutor::new());
+        if !keep_alive {
+            builder.pool_max_idle_per_host(0);
+        }
+        let client = builder.build_http();
         OrdersClient {
             svc: tower::Layer::layer(&layer, client),
             layer,

@@ -1,0 +1,279 @@
+//! A TCP proxy that, per connection, forwards normally, delays, or drops the connection after
+//! the server has answered but before the answer reaches the client: the "connection lost after
+//! the request was executed" fault that at-least-once clients turn into duplicates.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// What the proxy does with one connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Relay both ways.
+    Forward,
+    /// Relay the request; close both sides as soon as the server starts answering, relaying
+    /// nothing of the answer.
+    DropAfterRequest,
+    /// Relay, but hold each chunk from the server this long.
+    Delay(Duration),
+}
+
+/// The protocol spoken, so the proxy knows when "the server started answering".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// HTTP/1: the mode is chosen per connection, and the first bytes from the server are the
+    /// response (use clients that open a connection per request to fault every request).
+    Http1,
+    /// HTTP/2: one connection carries many calls, so the mode is chosen per response: at every
+    /// HEADERS frame the server sends on a stream (SETTINGS, WINDOW_UPDATE and PING frames are
+    /// not responses).
+    Http2,
+}
+
+/// Chooses the mode of each new connection (HTTP/1) or response (HTTP/2).
+pub type Chooser = Box<dyn FnMut() -> Mode + Send>;
+
+type SharedChooser = Arc<Mutex<Chooser>>;
+
+/// Counters of what the proxy did.
+#[derive(Debug, Default)]
+pub struct ProxyStats {
+    /// Connections accepted.
+    pub connections: AtomicUsize,
+    /// Connections dropped after the server answered.
+    pub dropped: AtomicUsize,
+}
+
+/// A running proxy.
+#[derive(Debug, Clone)]
+pub struct Proxy {
+    /// Where clients connect.
+    pub addr: SocketAddr,
+    /// What it did.
+    pub stats: Arc<ProxyStats>,
+}
+
+impl Proxy {
+    /// Starts a proxy on 127.0.0.1:0 to `upstreams` (round-robin per connection).
+    pub async fn start(upstreams: Vec<SocketAddr>, protocol: Protocol, chooser: Chooser) -> Proxy {
+        assert!(!upstreams.is_empty());
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let stats = Arc::new(ProxyStats::default());
+        let chooser: SharedChooser = Arc::new(Mutex::new(chooser));
+        let s = stats.clone();
+        tokio::spawn(async move {
+            let mut next = 0usize;
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    return;
+                };
+                s.connections.fetch_add(1, Ordering::SeqCst);
+                let upstream = upstreams[next % upstreams.len()];
+                next += 1;
+                let (s, chooser) = (s.clone(), chooser.clone());
+                tokio::spawn(async move {
+                    let _ = relay(client, upstream, protocol, chooser, &s).await;
+                });
+            }
+        });
+        Proxy { addr, stats }
+    }
+
+    /// Connections dropped after the server answered.
+    pub fn dropped(&self) -> usize {
+        self.stats.dropped.load(Ordering::SeqCst)
+    }
+}
+
+/// Picks `DropAfterRequest` with probability `p` from a seeded generator, else `Forward`.
+///
+pub fn drop_with_probability(p: f64, seed: u64) -> Chooser {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    Box::new(move || {
+        if rng.f64() < p {
+            Mode::DropAfterRequest
+        } else {
+            Mode::Forward
+        }
+    })
+}
+
+async fn relay(
+    client: TcpStream,
+    upstream: SocketAddr,
+    protocol: Protocol,
+    chooser: SharedChooser,
+    stats: &ProxyStats,
+) -> std::io::Result<()> {
+    let choose = || (chooser.lock().unwrap())();
+    let server = TcpStream::connect(upstream).await?;
+    client.set_nodelay(true)?;
+    server.set_nodelay(true)?;
+    let (mut cr, mut cw) = client.into_split();
+    let (mut sr, mut sw) = server.into_split();
+    let connection_mode = match protocol {
+        Protocol::Http1 => choose(),
+        Protocol::Http2 => Mode::Forward,
+    };
+    let up = async {
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = cr.read(&mut buf).await?;
+            if n == 0 {
+                let _ = sw.shutdown().await;
+                return Ok::<_, std::io::Error>(());
+            }
+            sw.write_all(&buf[..n]).await?;
+        }
+    };
+    let down = async {
+        let mut buf = vec![0u8; 16 * 1024];
+        let mut frames = FrameScanner::default();
+        loop {
+            let n = sr.read(&mut buf).await?;
+            if n == 0 {
+                let _ = cw.shutdown().await;
+                return Ok(());
+            }
+            let chunk = &buf[..n];
+            // The offsets in this chunk where a response starts, and what to do there.
+            let mut cuts: Vec<(usize, Mode)> = Vec::new();
+            match protocol {
+                Protocol::Http1 => cuts.push((0, connection_mode)),
+                Protocol::Http2 => {
+                    for at in frames.response_headers(chunk) {
+                        cuts.push((at, choose()));
+                    }
+                }
+            }
+            let mut sent = 0;
+            for (at, mode) in cuts {
+                match mode {
+                    Mode::Forward => {}
+                    Mode::Delay(d) => {
+                        cw.write_all(&chunk[sent..at]).await?;
+                        sent = at;
+                        tokio::time::sleep(d).await;
+                    }
+                    Mode::DropAfterRequest => {
+                        // Relay what came before the answer, then cut both sides.
+                        cw.write_all(&chunk[sent..at]).await?;
+                        stats.dropped.fetch_add(1, Ordering::SeqCst);
+                        return Err(std::io::Error::other("dropped by the fault proxy"));
+                    }
+                }
+            }
+            cw.write_all(&chunk[sent..]).await?;
+        }
+    };
+    // Whichever side ends first ends the connection (dropping both halves closes the sockets).
+    tokio::select! {
+        r = up => r,
+        r = down => r,
+    }
+}
+
+/// Finds where responses start in a server's HTTP/2 byte stream: the first HEADERS frame of
+/// each stream. Later HEADERS frames of a stream are its trailers, sent after the response has
+/// started: cutting there would be a failure mid-response, which gRFC A6 forbids retrying.
+#[derive(Debug, Default)]
+struct FrameScanner {
+    /// Streams whose response has started.
+    answered: std::collections::HashSet<u32>,
+    /// Streams whose response has started and not ended: cutting the connection now would
+    /// fail them mid-response.
+    open: std::collections::HashSet<u32>,
+    /// Bytes of the stream seen so far that do not yet form a whole frame header.
+    pending: Vec<u8>,
+    /// Bytes of the current frame's payload still to skip.
+    skip: usize,
+}
+
+impl FrameScanner {
+    /// The offsets in `chunk` where responses start while no other response is half-sent:
+    /// the places where cutting the connection fails every call on it before its response.
+    fn response_headers(&mut self, chunk: &[u8]) -> Vec<usize> {
+        let mut found = Vec::new();
+        let mut i = 0;
+        while i < chunk.len() {
+            if self.skip > 0 {
+                let n = self.skip.min(chunk.len() - i);
+                self.skip -= n;
+                i += n;
+                continue;
+            }
+            // Where this frame header starts in the chunk (0 if it began in an earlier one).
+            let start = if self.pending.is_empty() { i } else { 0 };
+            let need = 9 - self.pending.len();
+            let take = need.min(chunk.len() - i);
+            self.pending.extend_from_slice(&chunk[i..i + take]);
+            i += take;
+            if self.pending.len() < 9 {
+                return found;
+            }
+            let h = std::mem::take(&mut self.pending);
+            let len = (usize::from(h[0]) << 16) | (usize::from(h[1]) << 8) | usize::from(h[2]);
+            let kind = h[3];
+            let stream = u32::from_be_bytes([h[5] & 0x7f, h[6], h[7], h[8]]);
+            const END_STREAM: u8 = 0x1;
+            let flags = h[4];
+            match kind {
+                // HEADERS: the first on a stream starts its response; a later one is trailers.
+                0x1 if stream != 0 => {
+                    if self.answered.insert(stream) && self.open.is_empty() {
+                        found.push(start);
+                    }
+                    if flags & END_STREAM == 0 {
+                        self.open.insert(stream);
+                    } else {
+                        self.open.remove(&stream);
+                    }
+                }
+                // DATA ending the stream, or RST_STREAM.
+                0x0 if flags & END_STREAM != 0 => {
+                    self.open.remove(&stream);
+                }
+                0x3 => {
+                    self.open.remove(&stream);
+                }
+                _ => {}
+            }
+            self.skip = len;
+        }
+        found
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FrameScanner;
+
+    #[test]
+    fn finds_headers_after_settings_across_chunks() {
+        // SETTINGS (empty, stream 0), then HEADERS on stream 1.
+        let mut bytes = vec![0, 0, 0, 0x4, 0, 0, 0, 0, 0];
+        bytes.extend_from_slice(&[0, 0, 2, 0x1, 0x4, 0, 0, 0, 1, 0x88, 0x89]);
+        let mut s = FrameScanner::default();
+        assert!(s.response_headers(&bytes[..5]).is_empty());
+        assert_eq!(s.response_headers(&bytes[5..18]), vec![4]);
+        assert_eq!(s.response_headers(&bytes[18..]), Vec::<usize>::new());
+        // Stream 3 starts while stream 1 is half-sent: not a place to cut. Then stream 1's
+        // trailers (not a response start), then stream 5 starts with nothing half-sent... but
+        // stream 3 is still open, so only after stream 3's END_STREAM DATA does 7 count.
+        let frames = [
+            vec![0, 0, 1, 0x1, 0x4, 0, 0, 0, 3, 0x88],
+            vec![0, 0, 1, 0x1, 0x5, 0, 0, 0, 1, 0x88],
+            vec![0, 0, 1, 0x1, 0x4, 0, 0, 0, 5, 0x88],
+            vec![0, 0, 0, 0x0, 0x1, 0, 0, 0, 3],
+            vec![0, 0, 0, 0x3, 0x0, 0, 0, 0, 5],
+            vec![0, 0, 1, 0x1, 0x5, 0, 0, 0, 7, 0x88],
+        ]
+        .concat();
+        assert_eq!(s.response_headers(&frames), vec![48]);
+    }
+}
