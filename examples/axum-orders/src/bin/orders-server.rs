@@ -7,10 +7,11 @@ use std::time::Duration;
 
 use axum_orders::inventory::Inventory;
 use axum_orders::server::{app, bind, serve};
-use axum_orders::store::StoreArg;
+use axum_orders::store::{self, StoreArg, WithStore};
 use clap::Parser;
-use idempotency_layer::{IdempotencyLayer, MemoryStore};
+use idempotency_layer::{IdempotencyLayer, IdempotencyStore};
 use reason_code::RetryTable;
+use tokio::net::TcpListener;
 
 /// The orders service: writes run once per tenant + method + idempotency key.
 #[derive(Debug, Parser)]
@@ -41,18 +42,30 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let args = Args::parse();
     let inventory = Inventory::seeded(Duration::from_millis(args.work_ms));
     let (listener, addr) = bind(args.listen).await?;
-    let router = match args.store {
-        StoreArg::Memory => {
-            let layer = IdempotencyLayer::new(MemoryStore::new()).table(
-                RetryTable::default().record_permanent_failures(args.record_permanent_failures),
-            );
-            app(inventory, layer)
-        }
-        other => {
-            return Err(format!("store {other:?} is not available in this build yet").into());
-        }
+    let serve_with = Serve {
+        inventory,
+        listener,
+        record_permanent_failures: args.record_permanent_failures,
+        addr,
     };
-    println!("listening on http://{addr}");
-    serve(listener, router).await?;
+    store::open(&args.store, serve_with).await??;
     Ok(())
+}
+
+struct Serve {
+    inventory: Inventory,
+    listener: TcpListener,
+    addr: SocketAddr,
+    record_permanent_failures: bool,
+}
+
+impl WithStore for Serve {
+    type Output = std::io::Result<()>;
+
+    async fn run<St: IdempotencyStore>(self, store: St) -> std::io::Result<()> {
+        let table = RetryTable::default().record_permanent_failures(self.record_permanent_failures);
+        let layer = IdempotencyLayer::new(store).table(table);
+        println!("listening on http://{}", self.addr);
+        serve(self.listener, app(self.inventory, layer)).await
+    }
 }

@@ -6,9 +6,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum_orders::inventory::Inventory;
-use axum_orders::store::StoreArg;
+use axum_orders::store::{self, StoreArg, WithStore};
 use clap::Parser;
-use idempotency_layer::MemoryStore;
+use idempotency_layer::IdempotencyStore;
 use tokio_stream::wrappers::TcpListenerStream;
 
 /// The plume.linkd.v3.Library gRPC service: writes run once per idempotency key.
@@ -39,16 +39,35 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let addr = listener.local_addr()?;
     let incoming = TcpListenerStream::new(listener);
-    let shutdown = async {
-        let _ = tokio::signal::ctrl_c().await;
+    let serve_with = Serve {
+        inventory,
+        incoming,
+        addr,
     };
-    match args.store {
-        StoreArg::Memory => {
-            println!("listening on {addr}");
-            let layer = tonic_library::idempotency(MemoryStore::new());
-            tonic_library::serve(inventory, layer, incoming, shutdown).await?;
-        }
-        other => return Err(format!("store {other:?} is not available in this build yet").into()),
-    }
+    store::open(&args.store, serve_with).await??;
     Ok(())
+}
+
+struct Serve {
+    inventory: Inventory,
+    incoming: TcpListenerStream,
+    addr: SocketAddr,
+}
+
+impl WithStore for Serve {
+    type Output = Result<(), tonic::transport::Error>;
+
+    async fn run<St: IdempotencyStore>(self, store: St) -> Self::Output {
+        println!("listening on {}", self.addr);
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+        };
+        tonic_library::serve(
+            self.inventory,
+            tonic_library::idempotency(store),
+            self.incoming,
+            shutdown,
+        )
+        .await
+    }
 }
