@@ -3,4 +3,5 @@
 
 pub mod faults;
 pub mod proxy;
+pub mod scenario;
 pub mod servers;

@@ -7,45 +7,11 @@ use axum_orders::client::{OrderLine, OrdersClient};
 use axum_orders::inventory::Inventory;
 use e2e::faults::Unavailable;
 use e2e::proxy::{drop_with_probability, Protocol, Proxy};
+use e2e::scenario::{fault_tolerant_policy as policy, place_orders};
 use e2e::servers::start_orders;
-use futures_util::stream::{self, StreamExt};
 use idempotency_layer::{IdempotencyLayer, MemoryStore};
-use retry_layer::RetryPolicy;
 
 const ORDERS: usize = 200;
-
-/// The client policy of these tests: the default classification, more attempts and a roomier
-/// budget, because the faults here (about 30 % of attempts) are far above what the default 10 %
-/// budget is sized for, and every order must get through.
-fn policy() -> RetryPolicy {
-    RetryPolicy::builder()
-        .ensure_idempotency_key()
-        .max_attempts(10)
-        .base_delay(Duration::from_millis(2))
-        .max_delay(Duration::from_millis(50))
-        .budget(Duration::from_secs(10), 1_000, 1.0)
-        .build()
-        .unwrap()
-}
-
-/// Places `n` orders, 16 at a time; returns each order's book and the client's line.
-async fn place_orders(client: &OrdersClient, n: usize) -> Vec<(String, OrderLine)> {
-    stream::iter(0..n)
-        .map(|i| {
-            let client = client.clone();
-            async move {
-                let book = format!("b{}", i % 5 + 1);
-                let line = client
-                    .create_order(&book, 1, None)
-                    .await
-                    .expect("the order gets through");
-                (book, line)
-            }
-        })
-        .buffer_unordered(16)
-        .collect()
-        .await
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_order_executes_exactly_once_through_dropped_responses_and_503s() {
