@@ -95,12 +95,14 @@ const CLAIM_ATTEMPTS: usize = 10;
 /// [`ttl`](crate::IdempotencyLayer::ttl) (default 24 h; the table holds about
 /// `requests per second x TTL` rows).
 ///
-/// ```no_run
+/// ```
 /// use idempotency_layer::{IdempotencyLayer, PostgresStore};
 /// use std::time::Duration;
 ///
-/// # async fn example() -> Result<(), idempotency_layer::StoreError> {
-/// let store = PostgresStore::builder("postgres://app@db.internal/orders")
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), idempotency_layer::StoreError> {
+/// # let Ok(url) = std::env::var("DATABASE_URL") else { return Ok(()) };
+/// let store = PostgresStore::builder(url) // e.g. "postgres://app@db.internal/orders"
 ///     .table("idempotency_records")
 ///     .pool_size(16)
 ///     .connect()

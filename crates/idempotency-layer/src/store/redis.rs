@@ -152,12 +152,14 @@ fn scripts() -> &'static Scripts {
 /// 24 h). There is no pool to size: commands share one multiplexed connection, and waiters one
 /// pub/sub connection.
 ///
-/// ```no_run
+/// ```
 /// use idempotency_layer::{IdempotencyLayer, RedisStore};
 /// use std::time::Duration;
 ///
-/// # async fn example() -> Result<(), idempotency_layer::StoreError> {
-/// let store = RedisStore::builder("redis://127.0.0.1:6379")
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), idempotency_layer::StoreError> {
+/// # let Ok(url) = std::env::var("REDIS_URL") else { return Ok(()) };
+/// let store = RedisStore::builder(url) // e.g. "redis://127.0.0.1:6379"
 ///     .prefix("orders:idem:")
 ///     .timeout(Duration::from_secs(1))
 ///     .connect()
