@@ -195,3 +195,77 @@ async fn expired_rows_are_ignored_then_removed_in_batches() {
     assert_eq!(left, 2, "the live claim and the re-claimed scope stay");
     drop_schema(&url, &schema).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_is_woken_by_notify_not_by_polling() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    // Polling so slow that only the notification can wake the waiter within the bound.
+    let slow = Duration::from_secs(60);
+    let (b, schema) = builder(&url);
+    let store = connect(b.poll_interval(slow, slow)).await;
+    let scope = order_scope(&unique("notify-"));
+    let fp = Fingerprint([1; 32]);
+    let Ok(Begin::New(token)) = store.begin(scope, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    let waiter = {
+        let store = store.clone();
+        tokio::spawn(async move { store.wait(scope, token).await })
+    };
+    // Let the waiter's listener connect and LISTEN (if it is late, the waiter's first check
+    // still sees the claim ended).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    store
+        .complete(
+            scope,
+            token,
+            conformance::sample_record(fp),
+            conformance::LONG,
+        )
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the notification wakes the waiter")
+        .unwrap()
+        .unwrap();
+    drop_schema(&url, &schema).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_notification_does_not_hang_a_waiter() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let (b, schema) = builder(&url);
+    let store = connect(b).await;
+    let scope = order_scope(&unique("lost-"));
+    let Ok(Begin::New(token)) = store
+        .begin(scope, Fingerprint([1; 32]), conformance::LONG)
+        .await
+    else {
+        panic!("fresh scope");
+    };
+    let waiter = {
+        let store = store.clone();
+        tokio::spawn(async move { store.wait(scope, token).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The claim ends without a notification (as if it were lost): polling notices.
+    raw(&url)
+        .await
+        .execute(
+            &format!("DELETE FROM {} WHERE scope = $1", store.table()),
+            &[&&scope.0[..]],
+        )
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("polling wakes the waiter")
+        .unwrap()
+        .unwrap();
+    drop_schema(&url, &schema).await;
+}

@@ -6,8 +6,10 @@
 mod shared_stores;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
-use idempotency_layer::{conformance, RedisStore};
+use idempotency_layer::store::{Begin, Fingerprint};
+use idempotency_layer::{conformance, IdempotencyStore, RedisStore};
 use redis::AsyncCommands;
 use shared_stores::*;
 
@@ -129,4 +131,100 @@ async fn a_corrupt_entry_is_a_clear_error() {
         }
     })
     .await;
+}
+
+async fn subscribers(conn: &mut redis::aio::MultiplexedConnection, channel: &str) -> i64 {
+    let v: (String, i64) = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(channel)
+        .query_async(conn)
+        .await
+        .unwrap();
+    v.1
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_is_woken_by_pub_sub_not_by_polling() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    // Polling so slow that only the pub/sub message can wake the waiter within the bound.
+    let slow = Duration::from_secs(60);
+    let store = RedisStore::builder(&url)
+        .prefix(unique("test:idem:"))
+        .poll_interval(slow, slow)
+        .connect()
+        .await
+        .unwrap();
+    let scope = order_scope(&unique("pubsub-"));
+    let fp = Fingerprint([1; 32]);
+    let Ok(Begin::New(token)) = store.begin(scope, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    let waiter = {
+        let store = store.clone();
+        tokio::spawn(async move { store.wait(scope, token).await })
+    };
+    let mut conn = raw(&url).await;
+    let channel = store.key(&scope);
+    for _ in 0..500 {
+        if subscribers(&mut conn, &channel).await == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        subscribers(&mut conn, &channel).await,
+        1,
+        "the waiter subscribed"
+    );
+    store
+        .complete(
+            scope,
+            token,
+            conformance::sample_record(fp),
+            conformance::LONG,
+        )
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the published message wakes the waiter")
+        .unwrap()
+        .unwrap();
+    // The last waiter gone, the channel is unsubscribed.
+    for _ in 0..500 {
+        if subscribers(&mut conn, &channel).await == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(subscribers(&mut conn, &channel).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_message_does_not_hang_a_waiter() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let store = store(&url).await;
+    let scope = order_scope(&unique("lost-"));
+    let Ok(Begin::New(token)) = store
+        .begin(scope, Fingerprint([1; 32]), conformance::LONG)
+        .await
+    else {
+        panic!("fresh scope");
+    };
+    let waiter = {
+        let store = store.clone();
+        tokio::spawn(async move { store.wait(scope, token).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The claim ends without a message (as if it were lost): polling notices.
+    let _: () = raw(&url).await.del(store.key(&scope)).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("polling wakes the waiter")
+        .unwrap()
+        .unwrap();
 }
