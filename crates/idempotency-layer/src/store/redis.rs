@@ -109,6 +109,8 @@ fn scripts() -> &'static Scripts {
 ///   idempotency key reaches Redis). Every operation touches exactly that key, so the layout
 ///   works on Redis Cluster unchanged. The entry is a hash: `s` (state: `i` in flight, `c`
 ///   completed), `t` (fencing token), `f` (fingerprint), `r` (the record, postcard-encoded).
+///   (The client itself talks to one endpoint: a single server, a primary, or a
+///   cluster-aware proxy.)
 /// - **Expiry is Redis's own** (`PEXPIRE`): an in-flight key expires when its lease lapses (so
 ///   a crashed leader's claim frees itself and the next `begin` takes over with a new token), a
 ///   completed key when its TTL runs out. A late `complete` from a leader whose claim lapsed

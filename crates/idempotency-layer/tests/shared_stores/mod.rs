@@ -236,7 +236,8 @@ pub fn orders_app<S: IdempotencyStore>(
                 }
             }),
         )
-        .layer(layer.default_tenant("shop"))
+        // Records of test runs need not outlive them.
+        .layer(layer.ttl(Duration::from_secs(600)).default_tenant("shop"))
 }
 
 /// Two instances (separate listeners, separate store clients `a` and `b` on one server); 50
