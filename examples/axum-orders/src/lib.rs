@@ -11,6 +11,7 @@
 //! HTTP [`server`], the retrying [`client`] and the [`store`] selection.
 
 pub mod auth;
+pub mod cli;
 pub mod client;
 pub mod inventory;
 pub mod server;

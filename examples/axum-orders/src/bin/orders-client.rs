@@ -6,9 +6,9 @@
 
 use std::process::ExitCode;
 
+use axum_orders::cli::{init_tracing, ClientOpts};
 use axum_orders::client::OrdersClient;
 use clap::{Parser, Subcommand};
-use futures_util::stream::{self, StreamExt};
 
 /// A client of the orders service that retries safely.
 #[derive(Debug, Parser)]
@@ -17,18 +17,8 @@ struct Args {
     /// The service's base URL.
     #[arg(long, default_value = "http://127.0.0.1:3000")]
     url: String,
-    /// The tenant (sent as x-tenant-id to the demo auth layer).
-    #[arg(long, default_value = "public")]
-    tenant: String,
-    /// Use this idempotency key for every order (to demonstrate duplicates).
-    #[arg(long)]
-    key: Option<String>,
-    /// How many orders to send.
-    #[arg(long, default_value_t = 1)]
-    count: usize,
-    /// How many to send at once.
-    #[arg(long, default_value_t = 1)]
-    concurrency: usize,
+    #[command(flatten)]
+    opts: ClientOpts,
     #[command(subcommand)]
     command: Command,
 }
@@ -48,41 +38,26 @@ enum Command {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    init_tracing();
     let args = Args::parse();
-    let client = OrdersClient::new(&args.url, &args.tenant);
+    let client = OrdersClient::new(&args.url, &args.opts.tenant);
     let Command::Create { book, quantity } = &args.command;
-    let results: Vec<bool> = stream::iter(0..args.count)
-        .map(|_| {
-            let client = client.clone();
-            let key = args.key.clone();
-            async move {
-                match client.create_order(book, *quantity, key.as_deref()).await {
-                    Ok(line) => {
-                        println!("{}", serde_json::to_string(&line).expect("serializable"));
-                        line.status == 201
-                    }
-                    Err(e) => {
-                        println!(
-                            "{}",
-                            serde_json::json!({"status": 0, "error": e.to_string()})
-                        );
-                        false
-                    }
+    let key = args.opts.key.as_deref();
+    args.opts
+        .run(|| async {
+            match client.create_order(book, *quantity, key).await {
+                Ok(line) => {
+                    println!("{}", serde_json::to_string(&line).expect("serializable"));
+                    line.status == 201
+                }
+                Err(e) => {
+                    println!(
+                        "{}",
+                        serde_json::json!({"status": 0, "error": e.to_string()})
+                    );
+                    false
                 }
             }
         })
-        .buffer_unordered(args.concurrency.max(1))
-        .collect()
-        .await;
-    if results.iter().all(|ok| *ok) {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+        .await
 }

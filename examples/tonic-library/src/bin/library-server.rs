@@ -5,8 +5,9 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use axum_orders::cli::{init_tracing, ServerOpts};
 use axum_orders::inventory::Inventory;
-use axum_orders::store::{self, StoreArg, WithStore};
+use axum_orders::store::{self, WithStore};
 use clap::Parser;
 use idempotency_layer::IdempotencyStore;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -18,24 +19,15 @@ struct Args {
     /// Address to listen on (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:50051")]
     listen: SocketAddr,
-    /// The idempotency store: memory, redis://HOST:PORT or postgres://USER@HOST/DB.
-    #[arg(long, default_value = "memory")]
-    store: StoreArg,
-    /// Make each write take this many milliseconds.
-    #[arg(long, default_value_t = 0)]
-    work_ms: u64,
+    #[command(flatten)]
+    opts: ServerOpts,
 }
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    init_tracing();
     let args = Args::parse();
-    let inventory = Inventory::seeded(Duration::from_millis(args.work_ms));
+    let inventory = Inventory::seeded(Duration::from_millis(args.opts.work_ms));
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let addr = listener.local_addr()?;
     let incoming = TcpListenerStream::new(listener);
@@ -44,7 +36,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         incoming,
         addr,
     };
-    store::open(&args.store, serve_with).await??;
+    store::open(&args.opts.store, serve_with).await??;
     Ok(())
 }
 
