@@ -13,6 +13,10 @@ use crate::key::Scope;
 use crate::metrics::{Counters, Metrics};
 use crate::service::Idempotency;
 use crate::store::{IdempotencyStore, MemoryStore, StoreError};
+use crate::waiters::Waiters;
+
+/// The default of [`IdempotencyLayer::max_waiters`].
+const DEFAULT_MAX_WAITERS: usize = 1024;
 
 /// What a duplicate does when the first request with its key is still running.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -56,6 +60,8 @@ pub(crate) struct Config {
     pub(crate) lease: Duration,
     pub(crate) in_flight: InFlight,
     pub(crate) max_wait: Duration,
+    pub(crate) max_waiters: usize,
+    pub(crate) waiters: Arc<Waiters>,
     pub(crate) max_request_bytes: usize,
     pub(crate) max_record_bytes: usize,
     pub(crate) fail_open: bool,
@@ -102,6 +108,7 @@ impl fmt::Debug for Config {
             .field("lease", &self.lease)
             .field("in_flight", &self.in_flight)
             .field("max_wait", &self.max_wait)
+            .field("max_waiters", &self.max_waiters)
             .field("max_request_bytes", &self.max_request_bytes)
             .field("max_record_bytes", &self.max_record_bytes)
             .field("fail_open", &self.fail_open)
@@ -146,6 +153,8 @@ impl<St> IdempotencyLayer<St> {
                 lease: Duration::from_secs(30),
                 in_flight: InFlight::Wait,
                 max_wait: Duration::from_secs(30),
+                max_waiters: DEFAULT_MAX_WAITERS,
+                waiters: Arc::default(),
                 max_request_bytes: 1024 * 1024,
                 max_record_bytes: 1024 * 1024,
                 fail_open: false,
@@ -211,6 +220,16 @@ impl<St> IdempotencyLayer<St> {
     /// `grpc-timeout` shortens it. When it runs out the duplicate gets 409 / ABORTED.
     pub fn max_wait(self, max: Duration) -> Self {
         self.config(|c| c.max_wait = max)
+    }
+
+    /// The most duplicates of one key (one scope) that wait at once in this layer and its clones
+    /// (default 1024). Past it, further duplicates get 409 / ABORTED with `Retry-After` at once,
+    /// as with [`InFlight::Reject`], instead of holding their request body and a task each: a
+    /// flood of duplicates of one key cannot grow the server's memory past about
+    /// `max_waiters` x [`max_request_bytes`](Self::max_request_bytes). Other keys are
+    /// unaffected. `0` makes every duplicate in flight get 409 / ABORTED.
+    pub fn max_waiters(self, max: usize) -> Self {
+        self.config(|c| c.max_waiters = max)
     }
 
     /// The largest request body of a write (default 1 MiB); larger: 413 / RESOURCE_EXHAUSTED.

@@ -71,8 +71,9 @@
 //! - The **first request** claims the scope in the store (with a lease and a fencing token),
 //!   runs the handler, and streams the response to its client while recording it. Duplicates
 //!   that arrive meanwhile **wait** for it ([`InFlight::Wait`], bounded by their
-//!   `grpc-timeout` and [`max_wait`](IdempotencyLayer::max_wait)) or get 409 / ABORTED with
-//!   `Retry-After` ([`InFlight::Reject`]). Later duplicates get the **replay**: status, headers,
+//!   `grpc-timeout` and [`max_wait`](IdempotencyLayer::max_wait); at most
+//!   [`max_waiters`](IdempotencyLayer::max_waiters) per key, the rest get 409 / ABORTED) or get
+//!   409 / ABORTED with `Retry-After` ([`InFlight::Reject`]). Later duplicates get the **replay**: status, headers,
 //!   body and trailers byte for byte, plus `idempotent-replayed: true`.
 //! - If the first client goes away, the handler still runs to completion in a spawned task and
 //!   its outcome is recorded ([`OnDisconnect::Complete`]; this needs a tokio runtime, which
@@ -164,6 +165,7 @@ mod metrics;
 mod reject;
 mod service;
 pub mod store;
+mod waiters;
 
 pub use body::{IdempotencyBody, RequestBody};
 pub use future::ResponseFuture;

@@ -25,7 +25,9 @@ use crate::key::{extract_key, fingerprint, Scope, Tenant};
 use crate::layer::{Config, InFlight, OnDisconnect, TenantSource};
 use crate::metrics::{Metrics, RejectReason};
 use crate::reject::reject;
-use crate::store::{Begin, BoxError, Fingerprint, IdempotencyStore, MemoryStore, Record, ScopeKey};
+use crate::store::{
+    Begin, BoxError, Fingerprint, IdempotencyStore, MemoryStore, Record, ScopeKey, StoreError,
+};
 use crate::IDEMPOTENT_BODY_OMITTED;
 
 /// The service [`IdempotencyLayer`](crate::IdempotencyLayer) makes: writes with a key execute
@@ -247,9 +249,12 @@ where
                     content type or body); use a new key for a new request";
 
     let mut waited = false;
+    // This request's place among the waiters of its scope, held while it waits.
+    let mut slot = None;
     loop {
         match store.begin(scope, fp, cfg.lease).await {
             Ok(Begin::New(token)) => {
+                drop(slot.take());
                 let claim = Claim::new(
                     store.clone(),
                     scope,
@@ -279,6 +284,16 @@ where
                         "a request with this idempotency key is in flight; retry after it completes",
                     );
                 }
+                if slot.is_none() {
+                    slot = cfg.waiters.enter(scope, cfg.max_waiters);
+                    if slot.is_none() {
+                        return rejected(
+                            RejectReason::InFlight,
+                            "too many requests with this idempotency key are waiting for the \
+                             one in flight; retry after it completes",
+                        );
+                    }
+                }
                 if !waited {
                     waited = true;
                     counters.waited();
@@ -300,6 +315,19 @@ where
                         )
                     }
                 }
+            }
+            Err(StoreError::Corrupt(what)) => {
+                // Not an outage: retrying cannot help and executing could run the write twice,
+                // so neither fail open nor answer a retryable 503. The key stays unusable until
+                // its entry expires or an operator forgets it.
+                counters.store_error();
+                tracing::error!(?scope, error = %what, "idempotency: the stored entry of this key is corrupt; nothing executed");
+                let detail = format!(
+                    "the stored record of this idempotency key cannot be read (corrupt entry \
+                     {scope:?}); nothing was executed: use a new key, or have an operator \
+                     forget this one"
+                );
+                return rejected(RejectReason::Internal, &detail);
             }
             Err(e) => {
                 log_store_error(counters, "begin", &e);

@@ -38,6 +38,30 @@ mod wake;
 
 #[cfg(feature = "postgres")]
 pub use self::postgres::{PostgresStore, PostgresStoreBuilder};
+
+/// Encodes a [`Record`] as the shared stores (`RedisStore`, `PostgresStore`) write it:
+/// a version byte and a postcard-encoded struct, which [`decode_record`] reads back.
+///
+/// For tools that inspect or repair store entries, and for other stores that want the same
+/// format.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub fn encode_record(record: &Record) -> Result<Vec<u8>, StoreError> {
+    codec::encode(record)
+}
+
+/// Decodes what [`encode_record`] wrote. Any other input (truncated, garbage, another encoding
+/// version, an invalid status or header) is [`StoreError::Corrupt`], never a panic; the shared
+/// stores report such an entry as corrupt and the layer executes nothing for its key.
+///
+/// ```
+/// use idempotency_layer::store::{decode_record, StoreError};
+///
+/// assert!(matches!(decode_record(b"\x01garbage"), Err(StoreError::Corrupt(_))));
+/// ```
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub fn decode_record(bytes: &[u8]) -> Result<Record, StoreError> {
+    codec::decode(bytes)
+}
 #[cfg(feature = "redis")]
 pub use self::redis::{RedisStore, RedisStoreBuilder};
 pub use memory::MemoryStore;

@@ -551,6 +551,20 @@ where
         other => panic!("a garbage entry must be StoreError::Corrupt, got {other:?}"),
     }
     let answer = post_order(&client, addr, &key, body).await;
-    assert!(answer.status.is_server_error(), "{answer:?}");
+    // Not a retryable 503: retrying cannot repair the entry. The answer says what to do.
+    assert_eq!(
+        answer.status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "{answer:?}"
+    );
+    assert!(
+        String::from_utf8_lossy(&answer.body).contains("corrupt"),
+        "{answer:?}"
+    );
     assert_eq!(executions.total(), 1, "nothing executes on a corrupt entry");
+    // Forgetting the key makes it usable again.
+    store.forget(scope).await.expect("forget a corrupt entry");
+    let again = post_order(&client, addr, &key, body).await;
+    assert_eq!(again.status, StatusCode::CREATED, "{again:?}");
+    assert_eq!(executions.total(), 2);
 }
