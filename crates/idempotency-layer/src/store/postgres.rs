@@ -73,7 +73,7 @@ const CLAIM_ATTEMPTS: usize = 10;
 ///
 /// Measured with `examples/round_trips.rs` (`pg_stat_database.xact_commit` deltas): a first
 /// execution costs 2 statements, each one round trip (claim, complete), a replay 1. See the
-/// comparison table on [`RedisStore`](crate::RedisStore) (feature `redis`); in short,
+/// comparison table on `RedisStore` (feature `redis`); in short,
 /// PostgreSQL keeps records as durably as the rest of your data (they survive a restart of the
 /// service and of the server; with a synchronous standby, a failover too), at the cost of one
 /// pooled connection per statement in flight and of dead tuples for autovacuum.

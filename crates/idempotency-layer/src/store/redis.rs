@@ -130,7 +130,7 @@ fn scripts() -> &'static Scripts {
 ///
 /// # Choosing a store
 ///
-/// | | [`MemoryStore`](crate::MemoryStore) | `RedisStore` | [`PostgresStore`](crate::PostgresStore) (feature `postgres`) |
+/// | | [`MemoryStore`](crate::MemoryStore) | `RedisStore` | `PostgresStore` (feature `postgres`) |
 /// |---|---|---|---|
 /// | shared by instances | no | yes | yes |
 /// | survives a restart of the service | no | yes | yes |

@@ -83,11 +83,13 @@ impl Waiters {
     }
 
     /// True when `scope` has local waiters.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn has(&self, scope: &str) -> bool {
         self.lock().contains_key(scope)
     }
 
     /// The scopes that have local waiters.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn scopes(&self) -> Vec<String> {
         self.lock().keys().cloned().collect()
     }
