@@ -112,6 +112,20 @@
 //! # }
 //! ```
 //!
+//! # Differences from `tower::retry` and gRFC A6
+//!
+//! - `tower::retry` asks every user to write the policy, clone the request (so bodies must be
+//!   `Clone`, which streaming bodies and tonic's are not) and bring a backoff; it has no
+//!   `Retry-After`, no deadline and no body replay. Here the policy is data, the table is shared
+//!   with the server, and any body type is replayed up to a limit.
+//! - gRFC A6 defines the committed rule, pushback, `grpc-previous-rpc-attempts` and throttling;
+//!   tonic implements none of it. All of it is here, with A6's `retryPolicy` and
+//!   `retryThrottling` loadable from a service config, plus the same rules for plain HTTP.
+//! - Neither knows about idempotency keys: a POST is either never retried (safe, but the write is
+//!   lost on a dropped connection) or retried blindly (the write runs twice). With
+//!   [`ensure_idempotency_key`](RetryPolicyBuilder::ensure_idempotency_key) and
+//!   `idempotency-layer` on the server, it is retried and runs once.
+//!
 //! # Observability
 //!
 //! Each retry is a `DEBUG` tracing event, each give-up an `INFO` event, each budget refusal a
