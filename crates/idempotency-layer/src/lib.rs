@@ -130,10 +130,18 @@
 //!   only: they are lost on restart, and a second replica behind a load balancer has its own,
 //!   so a retry that lands on the other replica executes again. Right for one instance, tests,
 //!   and as a first layer in front of a shared store.
-//! - A shared store (Redis, PostgreSQL; planned behind cargo features) for services with more
-//!   than one instance or deploys that restart them: claims and records are visible to every
-//!   instance, and a claim whose leader crashed is taken over when its lease lapses; the fencing
-//!   token refuses the crashed leader's late writes.
+//! - A shared store for services with more than one instance, or deploys that restart them:
+//!   claims and records are visible to every instance, a claim whose leader crashed is taken
+//!   over when its lease lapses, and the fencing token refuses the crashed leader's late writes.
+//!   - `RedisStore` (cargo feature `redis`): one round trip per claim, per completion and per
+//!     replay (Lua scripts), expiry by Redis itself, waiters woken by pub/sub. Records survive
+//!     as far as Redis persists them.
+//!   - `PostgresStore` (cargo feature `postgres`): one statement per claim, per completion and
+//!     per replay, waiters woken by LISTEN/NOTIFY, expired rows removed in batches. Records
+//!     survive restarts and failovers of the database like any other row.
+//!
+//!   Their own docs list what each guarantees and its knobs (prefix or table, lease, TTL, pool
+//!   size, timeouts).
 //!
 //! Every store runs the same [conformance suite](crate::conformance) (cargo feature
 //! `conformance`).
