@@ -22,6 +22,7 @@ struct StoreClaim<St> {
     scope: ScopeKey,
     token: Token,
     ttl: Duration,
+    lease: Duration,
     counters: Arc<Counters>,
     /// Renews the lease while the claim is held; aborted when the claim ends.
     renewal: Option<tokio::task::JoinHandle<()>>,
@@ -38,11 +39,9 @@ impl<St> Drop for StoreClaim<St> {
 impl<St: IdempotencyStore> ClaimOps for StoreClaim<St> {
     fn complete(self: Box<Self>, record: Record) -> BoxFuture {
         Box::pin(async move {
-            match self
-                .store
-                .complete(self.scope, self.token, record, self.ttl)
-                .await
-            {
+            let (store, scope, token, ttl) = (&self.store, self.scope, self.token, self.ttl);
+            let op = || store.complete(scope, token, record.clone(), ttl);
+            match through_outage(self.lease, "complete", op).await {
                 Ok(()) => {
                     self.counters.recorded();
                     tracing::debug!(scope = ?self.scope, "idempotency: recorded");
@@ -54,7 +53,8 @@ impl<St: IdempotencyStore> ClaimOps for StoreClaim<St> {
 
     fn release(self: Box<Self>) -> BoxFuture {
         Box::pin(async move {
-            match self.store.release(self.scope, self.token).await {
+            let op = || self.store.release(self.scope, self.token);
+            match through_outage(self.lease, "release", op).await {
                 Ok(()) => {
                     self.counters.released();
                     tracing::debug!(scope = ?self.scope, "idempotency: released");
@@ -62,6 +62,33 @@ impl<St: IdempotencyStore> ClaimOps for StoreClaim<St> {
                 Err(e) => log_store_error(&self.counters, "release", &e),
             }
         })
+    }
+}
+
+/// Runs a claim's final store operation through a brief store outage: a backend failure is
+/// retried with backoff (50 ms doubling to 1 s) while the claim's lease could still hold (the
+/// renewal keeps running meanwhile). Without this, a record lost to a 2-second outage leaves the
+/// key in flight until its lease lapses, and the client's retry then executes the write again.
+async fn through_outage<F, Fut>(
+    lease: Duration,
+    op_name: &'static str,
+    mut op: F,
+) -> Result<(), StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), StoreError>>,
+{
+    let give_up = tokio::time::Instant::now() + lease;
+    let mut delay = Duration::from_millis(50);
+    loop {
+        match op().await {
+            Err(StoreError::Backend(e)) if tokio::time::Instant::now() + delay < give_up => {
+                tracing::debug!(op = op_name, error = %e, retry_in_ms = delay.as_millis() as u64, "idempotency: store operation failed; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(1));
+            }
+            r => return r,
+        }
     }
 }
 
@@ -112,7 +139,9 @@ impl Claim {
                     tokio::time::interval_at(tokio::time::Instant::now() + period, period);
                 loop {
                     every.tick().await;
-                    if store.renew(scope, token, lease).await.is_err() {
+                    // A failed renewal (the store is briefly unreachable) is tried again at
+                    // the next tick; only a fenced claim (taken over or forgotten) stops it.
+                    if let Err(StoreError::Fenced) = store.renew(scope, token, lease).await {
                         break;
                     }
                 }
@@ -124,6 +153,7 @@ impl Claim {
                 scope,
                 token,
                 ttl,
+                lease,
                 counters,
                 renewal: Some(renewal),
             })),

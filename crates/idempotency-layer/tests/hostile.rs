@@ -515,3 +515,93 @@ async fn logs_never_carry_keys_tenants_or_bodies() {
         );
     }
 }
+
+/// A store whose `complete` and `release` fail (as in a store outage) the first `fail` times.
+#[derive(Clone, Debug, Default)]
+struct OutageAtTheEnd {
+    inner: MemoryStore,
+    fail: Arc<AtomicUsize>,
+}
+
+impl OutageAtTheEnd {
+    fn down(&self) -> Result<(), StoreError> {
+        let left = self.fail.load(Ordering::SeqCst);
+        if left > 0 {
+            self.fail.store(left - 1, Ordering::SeqCst);
+            return Err(StoreError::Backend("connection reset (test double)".into()));
+        }
+        Ok(())
+    }
+}
+
+impl IdempotencyStore for OutageAtTheEnd {
+    async fn begin(&self, s: ScopeKey, f: Fingerprint, l: Duration) -> Result<Begin, StoreError> {
+        self.inner.begin(s, f, l).await
+    }
+    async fn complete(
+        &self,
+        s: ScopeKey,
+        t: Token,
+        r: Record,
+        d: Duration,
+    ) -> Result<(), StoreError> {
+        self.down()?;
+        self.inner.complete(s, t, r, d).await
+    }
+    async fn release(&self, s: ScopeKey, t: Token) -> Result<(), StoreError> {
+        self.down()?;
+        self.inner.release(s, t).await
+    }
+    async fn renew(&self, s: ScopeKey, t: Token, l: Duration) -> Result<(), StoreError> {
+        self.inner.renew(s, t, l).await
+    }
+    async fn wait(&self, s: ScopeKey, t: Token) -> Result<(), StoreError> {
+        self.inner.wait(s, t).await
+    }
+    async fn forget(&self, s: ScopeKey) -> Result<bool, StoreError> {
+        self.inner.forget(s).await
+    }
+}
+
+/// Found by the chaos soak: a record lost to a brief store outage left the key in flight, so
+/// the client's retry waited out the lease (or, after it, executed again).
+#[tokio::test(start_paused = true)]
+async fn a_brief_store_outage_at_completion_neither_loses_the_record_nor_strands_the_claim() {
+    let count = Arc::new(AtomicUsize::new(0));
+    let store = OutageAtTheEnd::default();
+    let layer = IdempotencyLayer::new(store.clone())
+        .default_tenant("t")
+        .max_wait(Duration::from_secs(1));
+    let app = counting(&count).layer(layer.clone());
+    let key = || post_with_key(HeaderValue::from_static("outage-at-end-1"), "{}");
+
+    store.fail.store(4, Ordering::SeqCst); // about 750 ms of outage at 50, 100, 200, 400 ms
+    let first = call(&app, key()).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = call(&app, key()).await;
+    assert!(
+        retry.replayed(),
+        "the record was stored after the outage: {retry:?}"
+    );
+    assert_eq!(retry.body, first.body);
+    assert_eq!(count.load(Ordering::SeqCst), 1);
+    assert_eq!(layer.metrics().recorded, 1);
+
+    // A release (the handler failed) lost to the outage: the retry executes at once instead
+    // of waiting for the lease to lapse.
+    let failing = Router::new()
+        .route(
+            "/orders",
+            post(|| async { (StatusCode::SERVICE_UNAVAILABLE, "busy") }),
+        )
+        .layer(layer.clone());
+    store.fail.store(3, Ordering::SeqCst);
+    let key2 = || post_with_key(HeaderValue::from_static("outage-at-end-2"), "{}");
+    assert_eq!(
+        call(&failing, key2()).await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    let r = call(&app, key2()).await;
+    assert_eq!(r.status, StatusCode::CREATED, "not stuck in flight: {r:?}");
+    assert!(!r.replayed());
+}
