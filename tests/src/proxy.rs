@@ -20,6 +20,10 @@ pub enum Mode {
     DropAfterRequest,
     /// Relay, but hold each chunk from the server this long.
     Delay(Duration),
+    /// Reset the client's connection (RST) as soon as it is accepted, relaying nothing: the
+    /// client may already have written its request, so it cannot know whether it was sent.
+    /// HTTP/1 only (HTTP/2 responses are never reset).
+    Reset,
 }
 
 /// The protocol spoken, so the proxy knows when "the server started answering".
@@ -46,6 +50,10 @@ pub struct ProxyStats {
     pub connections: AtomicUsize,
     /// Connections dropped after the server answered.
     pub dropped: AtomicUsize,
+    /// Connections reset before anything was relayed.
+    pub reset: AtomicUsize,
+    /// Connections (HTTP/1) or responses (HTTP/2) delayed.
+    pub delayed: AtomicUsize,
 }
 
 /// A running proxy.
@@ -111,15 +119,24 @@ async fn relay(
     stats: &ProxyStats,
 ) -> std::io::Result<()> {
     let choose = || (chooser.lock().unwrap())();
+    let connection_mode = match protocol {
+        Protocol::Http1 => choose(),
+        Protocol::Http2 => Mode::Forward,
+    };
+    if connection_mode == Mode::Reset {
+        stats.reset.fetch_add(1, Ordering::SeqCst);
+        // SO_LINGER 0: closing sends RST instead of FIN.
+        let _ = client.set_zero_linger();
+        return Ok(());
+    }
+    if matches!(connection_mode, Mode::Delay(_)) {
+        stats.delayed.fetch_add(1, Ordering::SeqCst);
+    }
     let server = TcpStream::connect(upstream).await?;
     client.set_nodelay(true)?;
     server.set_nodelay(true)?;
     let (mut cr, mut cw) = client.into_split();
     let (mut sr, mut sw) = server.into_split();
-    let connection_mode = match protocol {
-        Protocol::Http1 => choose(),
-        Protocol::Http2 => Mode::Forward,
-    };
     let up = async {
         let mut buf = vec![0u8; 16 * 1024];
         loop {
@@ -154,8 +171,11 @@ async fn relay(
             let mut sent = 0;
             for (at, mode) in cuts {
                 match mode {
-                    Mode::Forward => {}
+                    Mode::Forward | Mode::Reset => {}
                     Mode::Delay(d) => {
+                        if protocol == Protocol::Http2 {
+                            stats.delayed.fetch_add(1, Ordering::SeqCst);
+                        }
                         cw.write_all(&chunk[sent..at]).await?;
                         sent = at;
                         tokio::time::sleep(d).await;

@@ -1,0 +1,50 @@
+//! The short chaos soak of the test suite: memory (one instance) and Redis (two instances, the
+//! store cut twice), each under 30 s. The long runs are in RELIABILITY.md.
+
+use std::time::Duration;
+
+use chaos::{run, Options, StoreKind};
+
+fn short(store: StoreKind, url: Option<String>) -> Options {
+    let mut o = Options::new(store, url, Duration::from_secs(14));
+    o.clients = 16;
+    o.cut_every = Duration::from_secs(6);
+    o.cut_for = Duration::from_secs(2);
+    o
+}
+
+fn check(report: &chaos::Report) {
+    println!("{report}");
+    assert_eq!(report.problems(), Vec::<String>::new(), "{report}");
+    assert!(report.succeeded > 100, "{report}");
+    assert!(
+        report.dropped > 0 && report.reset > 0,
+        "faults were injected: {report}"
+    );
+    assert!(
+        report.layer[1] > 0,
+        "dropped answers were replayed: {report}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_soak_memory() {
+    let report = run(short(StoreKind::Memory, None)).await;
+    check(&report);
+    assert_eq!(report.instances, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_soak_redis() {
+    let url = match std::env::var("REDIS_URL") {
+        Ok(u) if !u.trim().is_empty() => u,
+        _ => {
+            eprintln!("skipped: REDIS_URL is not set; set it to run the Redis soak");
+            return;
+        }
+    };
+    let report = run(short(StoreKind::Redis, Some(url))).await;
+    check(&report);
+    assert_eq!(report.instances, 2);
+    assert_eq!(report.cuts, 2, "{report}");
+}
