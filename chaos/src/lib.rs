@@ -726,3 +726,5 @@ fn sum<St>(layers: &[IdempotencyLayer<St>]) -> [u64; 6] {
     }
     out
 }
+
+pub mod storm;
