@@ -253,6 +253,31 @@ mod tests {
         assert_eq!(extract_key(&h, &names), Err(KeyError::Repeated));
     }
 
+    /// Stored records are found by scope key and checked by fingerprint across instances,
+    /// restarts and upgrades: a change to either encoding would orphan every stored record (and
+    /// let a retried write execute again). These values must never change within `v1`.
+    #[test]
+    fn scope_key_and_fingerprint_are_stable_across_versions() {
+        let scope = Scope::new("acme", "POST /orders", "order-0001").key();
+        assert_eq!(
+            scope.to_hex(),
+            "fc0970866b580da848999be4eefc6c092e402b8ffbd978d8e25015e428f6def1",
+            "the scope encoding changed: bump SCOPE_DOMAIN's version instead"
+        );
+        let parts = http::Request::post("/orders?x=1")
+            .header("content-type", "application/json")
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0;
+        let fp = fingerprint(&parts, b"{\"sku\":\"b1\"}");
+        assert_eq!(
+            crate::store::ScopeKey(fp.0).to_hex(),
+            "7c29b3d95cb2904c009feea9bdf32f34074c64ad0a2aaa66f814dfa4bc44e5b6",
+            "the fingerprint changed: bump FINGERPRINT_DOMAIN's version instead"
+        );
+    }
+
     #[test]
     fn fingerprint_covers_each_part() {
         let base = || {
@@ -300,6 +325,58 @@ mod tests {
             let ey = Scope::new(y.0, y.1, y.2).encode();
             prop_assert_eq!(ex == ey, x == y);
             prop_assert_eq!(Scope::new(x.0, x.1, x.2).key() == Scope::new(y.0, y.1, y.2).key(), x == y);
+        }
+
+        /// Over arbitrary strings of any length (any Unicode, NUL, the separators people use):
+        /// the encoding reads back to exactly its three parts, so no two (tenant, method, key)
+        /// triples share an encoding, and their store keys differ.
+        #[test]
+        fn scope_encoding_reads_back_to_its_parts(
+            a in (any::<String>(), any::<String>(), any::<String>()),
+            b in (any::<String>(), any::<String>(), any::<String>()),
+        ) {
+            for t in [&a, &b] {
+                let e = Scope::new(&t.0, &t.1, &t.2).encode();
+                let mut rest = &e[..];
+                let mut parts = Vec::new();
+                for _ in 0..3 {
+                    let (len, tail) = rest.split_at(8);
+                    let len = u64::from_le_bytes(len.try_into().unwrap()) as usize;
+                    parts.push(&tail[..len]);
+                    rest = &tail[len..];
+                }
+                prop_assert!(rest.is_empty());
+                prop_assert_eq!(parts, vec![t.0.as_bytes(), t.1.as_bytes(), t.2.as_bytes()]);
+            }
+            let (ka, kb) = (Scope::new(&a.0, &a.1, &a.2).key(), Scope::new(&b.0, &b.1, &b.2).key());
+            prop_assert_eq!(ka == kb, a == b);
+            // Moving bytes between tenant and key never lands on another tenant's record.
+            let moved = format!("{}{}", a.0, a.2);
+            prop_assert_eq!(Scope::new("", &a.1, &moved).key() == ka, a.0.is_empty());
+        }
+
+        /// The fingerprint depends only on method, path, query, content type and body: other
+        /// headers, their order and extensions do not change it, and it is the same every time.
+        #[test]
+        fn fingerprint_is_stable(
+            body in proptest::collection::vec(any::<u8>(), 0..256),
+            noise in proptest::collection::vec(("x-[a-z]{1,8}", "[a-z0-9]{0,16}"), 0..6),
+        ) {
+            let parts = |noise: &[(String, String)]| {
+                let mut b = http::Request::post("/orders?a=1").header("content-type", "application/json");
+                for (k, v) in noise {
+                    b = b.header(k.as_str(), v.as_str());
+                }
+                b.body(()).unwrap().into_parts().0
+            };
+            let clean = fingerprint(&parts(&[]), &body);
+            prop_assert_eq!(clean, fingerprint(&parts(&noise), &body));
+            let mut reversed = noise.clone();
+            reversed.reverse();
+            prop_assert_eq!(clean, fingerprint(&parts(&reversed), &body));
+            let mut other = body.clone();
+            other.push(0);
+            prop_assert_ne!(clean, fingerprint(&parts(&[]), &other));
         }
 
         #[test]

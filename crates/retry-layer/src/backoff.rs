@@ -211,5 +211,43 @@ mod tests {
             let d = b.delay(n, u, Duration::ZERO);
             prop_assert!(d >= ceiling.mul_f64(0.8) && d <= ceiling.mul_f64(1.2), "n={} d={:?}", n, d);
         }
+
+        /// Any valid backoff, any attempt, any sample (even NaN or infinite) and any previous
+        /// delay: no panic, the ceiling grows with n up to max_delay, and every jitter shape
+        /// stays within its bounds.
+        #[test]
+        fn every_shape_within_bounds(
+            base_ms in 0u64..20_000,
+            multiplier in 1.0f64..16.0,
+            max_ms in 0u64..120_000,
+            r in 0.0f64..=1.0,
+            shape in 0usize..5,
+            n in any::<u32>(),
+            u in prop_oneof![0.0f64..1.0, Just(f64::NAN), Just(f64::INFINITY), Just(-1.0), Just(7.0)],
+            previous_ms in any::<u64>(),
+        ) {
+            let jitter = [Jitter::None, Jitter::Proportional(r), Jitter::Full, Jitter::Equal, Jitter::Decorrelated][shape];
+            let b = Backoff {
+                base: Duration::from_millis(base_ms),
+                multiplier,
+                max_delay: Duration::from_millis(max_ms),
+                jitter,
+            };
+            let ceiling = b.ceiling(n);
+            prop_assert!(ceiling <= b.max_delay);
+            prop_assert!(b.ceiling(n.saturating_add(1)) >= ceiling);
+            let d = b.delay(n, u, Duration::from_millis(previous_ms));
+            let slack = Duration::from_nanos(1);
+            match jitter {
+                Jitter::None => prop_assert_eq!(d, ceiling),
+                Jitter::Proportional(r) => {
+                    prop_assert!(d + slack >= ceiling.mul_f64(1.0 - r), "{:?} < {:?}", d, ceiling);
+                    prop_assert!(d <= ceiling.mul_f64(1.0 + r) + slack, "{:?} > {:?}", d, ceiling);
+                }
+                Jitter::Full => prop_assert!(d <= ceiling + slack),
+                Jitter::Equal => prop_assert!(d + slack >= ceiling / 2 && d <= ceiling + slack),
+                Jitter::Decorrelated => prop_assert!(d <= b.max_delay.max(b.base)),
+            }
+        }
     }
 }
