@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -19,9 +19,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use idempotency_layer::store::{Begin, Fingerprint, Record, ScopeKey, Token};
 use idempotency_layer::{IdempotencyLayer, IdempotencyStore, Scope, StoreError};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::Notify;
-use tokio::task::JoinHandle;
 
 /// The URL in `var`, or `None` (after saying why the test skips) when it is unset.
 pub fn env_url(var: &str) -> Option<String> {
@@ -45,92 +44,11 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
-/// The `host:port` of a URL such as `redis://127.0.0.1:6379/0` or `postgres://u@h:5432/db`.
-pub fn authority(url: &str) -> &str {
-    let rest = url.split_once("://").map_or(url, |(_, r)| r);
-    let rest = rest.split(['/', '?']).next().unwrap_or(rest);
-    rest.rsplit_once('@').map_or(rest, |(_, hp)| hp)
-}
-
-/// `url` with its `host:port` replaced by `addr`.
-pub fn via(url: &str, addr: SocketAddr) -> String {
-    url.replacen(authority(url), &addr.to_string(), 1)
-}
-
-/// A TCP proxy between a store client and its server that the test can cut and restore.
-/// Cut: every open connection is closed and new ones are closed at once.
-pub struct Proxy {
-    addr: SocketAddr,
-    cut: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<JoinHandle<()>>>>,
-    accept: JoinHandle<()>,
-}
-
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        self.accept.abort();
-        for c in self.conns.lock().unwrap().drain(..) {
-            c.abort();
-        }
-    }
-}
-
-impl Proxy {
-    pub async fn start(upstream: &str) -> Proxy {
-        let upstream = tokio::net::lookup_host(upstream)
-            .await
-            .expect("resolve upstream")
-            .next()
-            .expect("an upstream address");
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let cut = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
-        let accept = {
-            let (cut, conns) = (cut.clone(), conns.clone());
-            tokio::spawn(async move {
-                loop {
-                    let Ok((mut client, _)) = listener.accept().await else {
-                        return;
-                    };
-                    if cut.load(Ordering::SeqCst) {
-                        drop(client);
-                        continue;
-                    }
-                    let task = tokio::spawn(async move {
-                        if let Ok(mut server) = TcpStream::connect(upstream).await {
-                            let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
-                        }
-                    });
-                    let mut conns = conns.lock().unwrap();
-                    conns.retain(|c| !c.is_finished());
-                    conns.push(task);
-                }
-            })
-        };
-        Proxy {
-            addr,
-            cut,
-            conns,
-            accept,
-        }
-    }
-
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    pub fn cut(&self) {
-        self.cut.store(true, Ordering::SeqCst);
-        for c in self.conns.lock().unwrap().drain(..) {
-            c.abort();
-        }
-    }
-
-    pub fn restore(&self) {
-        self.cut.store(false, Ordering::SeqCst);
-    }
-}
+// The cuttable store proxy is the e2e harness's (`tests/src/cut.rs`), included by path: the
+// e2e package depends on this crate, so this crate's tests cannot depend on it.
+#[path = "../../../../tests/src/cut.rs"]
+mod cut;
+pub use cut::{authority, via, CutProxy as Proxy};
 
 /// Serves `app` on 127.0.0.1:0 until the test's runtime stops.
 pub async fn serve(app: Router) -> SocketAddr {
