@@ -1,9 +1,16 @@
 //! A held claim: completes or releases exactly once, renews its lease while held, and releases
 //! itself if dropped unfinished.
+//!
+//! Leases are renewed by one task per layer ([`Renewals`]) for every claim the layer holds, not
+//! by a task per claim: spawning and aborting a task (and arming its timer) for every first
+//! execution cost more than the rest of the claim's work with `MemoryStore` (see
+//! `BENCHMARKS.md`).
 
+use std::collections::HashMap;
+use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use crate::metrics::Counters;
@@ -24,14 +31,118 @@ struct StoreClaim<St> {
     ttl: Duration,
     lease: Duration,
     counters: Arc<Counters>,
-    /// Renews the lease while the claim is held; aborted when the claim ends.
-    renewal: Option<tokio::task::JoinHandle<()>>,
+    /// Renews the lease while the claim is held; the claim leaves it when it ends.
+    renewals: Arc<Renewals>,
 }
 
 impl<St> Drop for StoreClaim<St> {
     fn drop(&mut self) {
-        if let Some(r) = self.renewal.take() {
-            r.abort();
+        self.renewals.remove(self.token);
+    }
+}
+
+/// The claims a layer holds, renewed every third of the lease by one task per layer.
+///
+/// The task is spawned by the first claim and ends when no claim is held at a tick (the next
+/// claim spawns it again), when the layer is gone, or with its runtime.
+#[derive(Default)]
+pub(crate) struct Renewals {
+    state: Mutex<RenewState>,
+}
+
+#[derive(Default)]
+struct RenewState {
+    held: HashMap<Token, ScopeKey>,
+    running: bool,
+}
+
+impl fmt::Debug for Renewals {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let st = self.lock();
+        f.debug_struct("Renewals")
+            .field("held", &st.held.len())
+            .field("running", &st.running)
+            .finish()
+    }
+}
+
+impl Renewals {
+    fn lock(&self) -> std::sync::MutexGuard<'_, RenewState> {
+        // Every critical section leaves the map consistent: a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Holds `token` on `scope` until [`remove`](Self::remove); starts the task if needed.
+    fn add<St: IdempotencyStore>(
+        self: &Arc<Self>,
+        store: &St,
+        scope: ScopeKey,
+        token: Token,
+        lease: Duration,
+    ) {
+        let mut st = self.lock();
+        st.held.insert(token, scope);
+        if !st.running {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                st.running = true;
+                rt.spawn(renew_task(store.clone(), Arc::downgrade(self), lease));
+            }
+        }
+    }
+
+    fn remove(&self, token: Token) {
+        self.lock().held.remove(&token);
+    }
+}
+
+/// Clears `running` if the task is dropped (its runtime shut down) before it could.
+struct Running(Option<Weak<Renewals>>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(r) = self.0.take().and_then(|w| w.upgrade()) {
+            r.lock().running = false;
+        }
+    }
+}
+
+async fn renew_task<St: IdempotencyStore>(store: St, renewals: Weak<Renewals>, lease: Duration) {
+    let mut running = Running(Some(renewals.clone()));
+    let period = (lease / 3).max(Duration::from_millis(10));
+    let mut every = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        let batch: Vec<(Token, ScopeKey)> = {
+            let Some(r) = renewals.upgrade() else {
+                running.0 = None;
+                return;
+            };
+            let mut st = r.lock();
+            if st.held.is_empty() {
+                st.running = false;
+                running.0 = None;
+                return;
+            }
+            st.held.iter().map(|(t, s)| (*t, *s)).collect()
+        };
+        let renewed = futures_util::future::join_all(
+            batch
+                .iter()
+                .map(|&(token, scope)| store.renew(scope, token, lease)),
+        )
+        .await;
+        // A failed renewal (the store is briefly unreachable) is tried again at the next tick;
+        // only a fenced claim (taken over or forgotten) is no longer renewed.
+        let fenced = batch
+            .iter()
+            .zip(renewed)
+            .filter(|(_, r)| matches!(r, Err(StoreError::Fenced)));
+        if let Some(r) = renewals.upgrade() {
+            let mut st = r.lock();
+            for ((token, _), _) in fenced {
+                st.held.remove(token);
+            }
         }
     }
 }
@@ -130,23 +241,9 @@ impl Claim {
         ttl: Duration,
         lease: Duration,
         counters: Arc<Counters>,
+        renewals: &Arc<Renewals>,
     ) -> Self {
-        let renewal = {
-            let store = store.clone();
-            let period = (lease / 3).max(Duration::from_millis(10));
-            tokio::spawn(async move {
-                let mut every =
-                    tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-                loop {
-                    every.tick().await;
-                    // A failed renewal (the store is briefly unreachable) is tried again at
-                    // the next tick; only a fenced claim (taken over or forgotten) stops it.
-                    if let Err(StoreError::Fenced) = store.renew(scope, token, lease).await {
-                        break;
-                    }
-                }
-            })
-        };
+        renewals.add(&store, scope, token, lease);
         Claim {
             ops: Some(Box::new(StoreClaim {
                 store,
@@ -155,7 +252,7 @@ impl Claim {
                 ttl,
                 lease,
                 counters,
-                renewal: Some(renewal),
+                renewals: renewals.clone(),
             })),
         }
     }

@@ -9,6 +9,7 @@ use http::{HeaderMap, HeaderName, Method, Uri};
 use reason_code::{ReasonCodes, RetryTable, IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY};
 use tower_layer::Layer;
 
+use crate::claim::Renewals;
 use crate::key::Scope;
 use crate::metrics::{Counters, Metrics};
 use crate::service::Idempotency;
@@ -73,6 +74,8 @@ pub(crate) struct Config {
     pub(crate) reasons: ReasonCodes,
     pub(crate) on_disconnect: OnDisconnect,
     pub(crate) counters: Arc<Counters>,
+    /// The claims this layer holds, renewed by one task (for the layer's one store).
+    pub(crate) renewals: Arc<Renewals>,
 }
 
 impl Config {
@@ -166,6 +169,7 @@ impl<St> IdempotencyLayer<St> {
                 reasons: ReasonCodes::default(),
                 on_disconnect: OnDisconnect::Complete,
                 counters: Arc::default(),
+                renewals: Arc::default(),
             }),
         }
     }
@@ -177,9 +181,12 @@ impl<St> IdempotencyLayer<St> {
 
     /// Uses another store, keeping the configuration.
     pub fn with_store<St2>(self, store: St2) -> IdempotencyLayer<St2> {
+        // The renewal task of a layer renews through the layer's store: another store, another
+        // set of claims.
+        let this = self.config(|c| c.renewals = Arc::default());
         IdempotencyLayer {
             store,
-            config: self.config,
+            config: this.config,
         }
     }
 

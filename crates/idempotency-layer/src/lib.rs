@@ -75,7 +75,7 @@
 //!   [`max_waiters`](IdempotencyLayer::max_waiters) per key, the rest get 409 / ABORTED) or get
 //!   409 / ABORTED with `Retry-After` ([`InFlight::Reject`]). Later duplicates get the **replay**: status, headers,
 //!   body and trailers byte for byte, plus `idempotent-replayed: true`.
-//! - If the first client goes away, the handler still runs to completion in a spawned task and
+//! - If the first client goes away, the handler moves to a spawned task, runs to completion and
 //!   its outcome is recorded ([`OnDisconnect::Complete`]; this needs a tokio runtime, which
 //!   axum and tonic servers have). A handler that panics releases the key and answers 500 /
 //!   INTERNAL. If a leader releases, one waiter becomes the leader: waiters never hang.
@@ -88,8 +88,8 @@
 //! - On the outermost router: axum's `Router::nest` strips the prefix from the path a nested
 //!   router sees, and the scope and fingerprint use that path, so a layer inside two nested
 //!   routers would see `/v1/orders` and `/v2/orders` both as `/orders`.
-//! - Inside a tokio runtime: the first request's handler runs in a spawned task (so it survives
-//!   a client that goes away), and the lease of a claim is renewed by a spawned task.
+//! - Inside a tokio runtime: a first request's handler whose client goes away is finished in a
+//!   spawned task, and the leases of the claims a layer holds are renewed by one spawned task.
 //!
 //! # What is recorded and what is not
 //!
@@ -148,12 +148,13 @@
 //!
 //! # Cost
 //!
-//! Measured with `cargo run --release -p idempotency-layer --example measure` (one run, one
-//! core, a trivial handler, `MemoryStore`), against a hand-rolled `Mutex<HashMap<key, body>>`
-//! in front of the handler (which has no tenant scope, no fingerprint, no single-flight, no
-//! streaming and no TTL): a first execution costs about 8 µs (6x the map: two spawned tasks,
-//! two BLAKE3 hashes, the claim), a replay about 2.6 µs (4x), and a read passing through
-//! about 1.1x the bare handler.
+//! Measured by the workspace's `benchmarks` crate (`cargo bench -p benchmarks --bench
+//! idempotency`; tables and commands in `BENCHMARKS.md` at the repository root), with a trivial
+//! handler and `MemoryStore`, against the same handler without the layer and against a
+//! hand-rolled `Mutex<HashMap<key, body>>` in front of it (which has no tenant scope, no
+//! fingerprint, no single-flight, no streaming and no TTL). A first execution costs a few
+//! microseconds (two BLAKE3 hashes, the claim, recording the body), a replay about 2 µs, and a
+//! read passes through untouched.
 //!
 //! # Observability
 //!

@@ -1,7 +1,9 @@
 //! [`Idempotency`]: the service, and the flow of one write.
 
 use std::fmt;
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -19,7 +21,7 @@ use tokio::time::Instant;
 use tower_service::Service;
 
 use crate::body::{IdempotencyBody, Recorder, RequestBody};
-use crate::claim::{log_store_error, Claim};
+use crate::claim::{log_store_error, spawn_detached, Claim};
 use crate::future::ResponseFuture;
 use crate::key::{extract_key, fingerprint, Scope, Tenant};
 use crate::layer::{Config, InFlight, OnDisconnect, TenantSource};
@@ -262,6 +264,7 @@ where
                     cfg.ttl,
                     cfg.lease,
                     cfg.counters.clone(),
+                    &cfg.renewals,
                 );
                 let req = Request::from_parts(parts, RequestBody::buffered(bytes));
                 return lead(inner, cfg.clone(), req, claim, fp, grpc).await;
@@ -369,16 +372,11 @@ where
     tracing::debug!("idempotency: executing");
     let out = match cfg.on_disconnect {
         OnDisconnect::Complete => {
-            // The handler runs in its own task, so it completes even if this future is dropped
-            // (the client went away); an unsent response's body is then drained and recorded
-            // by the recorder's drop.
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            let cfg2 = cfg.clone();
-            tokio::spawn(async move {
-                let out = execute(inner, req, claim, cfg2, fp).await;
-                drop(tx.send(out));
-            });
-            rx.await.unwrap_or(Err(Panicked))
+            // The handler runs in this future, and moves to a task of its own only if this
+            // future is dropped first (the client went away): it then completes, and an unsent
+            // response's body is drained and recorded by the recorder's drop. (A task per
+            // execution cost more than the rest of the layer; see BENCHMARKS.md.)
+            DetachOnDrop(Some(Box::pin(execute(inner, req, claim, cfg.clone(), fp)))).await
         }
         OnDisconnect::Release => execute(inner, req, claim, cfg.clone(), fp).await,
     };
@@ -391,6 +389,33 @@ where
                 "the handler failed; nothing was recorded, a retry executes again",
                 grpc,
             ))
+        }
+    }
+}
+
+/// Polls a future; if dropped before it completes, finishes it in a spawned task.
+struct DetachOnDrop<F: Future<Output = T> + Send + 'static, T: Send + 'static>(Option<Pin<Box<F>>>);
+
+impl<F: Future<Output = T> + Send + 'static, T: Send + 'static> Future for DetachOnDrop<F, T> {
+    type Output = T;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        let fut = self
+            .0
+            .as_mut()
+            .expect("DetachOnDrop polled after completion");
+        let out = std::task::ready!(fut.as_mut().poll(cx));
+        self.0 = None;
+        Poll::Ready(out)
+    }
+}
+
+impl<F: Future<Output = T> + Send + 'static, T: Send + 'static> Drop for DetachOnDrop<F, T> {
+    fn drop(&mut self) {
+        if let Some(fut) = self.0.take() {
+            spawn_detached(async move {
+                drop(fut.await);
+            });
         }
     }
 }

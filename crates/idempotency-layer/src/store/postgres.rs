@@ -71,7 +71,7 @@ const CLAIM_ATTEMPTS: usize = 10;
 ///
 /// # Choosing a store
 ///
-/// Measured with `examples/round_trips.rs` (`pg_stat_database.xact_commit` deltas): a first
+/// Measured by the `benchmarks` loadtest (`pg_stat_database.xact_commit` deltas): a first
 /// execution costs 2 statements, each one round trip (claim, complete), a replay 1. See the
 /// comparison table on `RedisStore` (feature `redis`); in short,
 /// PostgreSQL keeps records as durably as the rest of your data (they survive a restart of the

@@ -125,7 +125,7 @@ fn scripts() -> &'static Scripts {
 ///   answers [`StoreError::Backend`] quickly (the layer then fails closed with 503 /
 ///   UNAVAILABLE). An entry that does not decode is [`StoreError::Corrupt`].
 ///
-/// Measured with `examples/round_trips.rs` (Redis `INFO commandstats` deltas): a first
+/// Measured by the `benchmarks` loadtest (Redis `INFO commandstats` deltas): a first
 /// execution costs 2 round trips (claim, complete), a replay 1 (the claim finds the record).
 ///
 /// # Choosing a store
