@@ -64,6 +64,38 @@ pub fn decode_record(bytes: &[u8]) -> Result<Record, StoreError> {
 }
 #[cfg(feature = "redis")]
 pub use self::redis::{RedisStore, RedisStoreBuilder};
+
+/// After a `begin` of a shared store failed with a backend error, the claim may have been
+/// written and only its reply lost (the connection dropped or timed out after the server ran
+/// it). No one knows they hold that claim, so it would block its key until its lease lapsed (30
+/// s by default) and every retry would wait for it. This releases it in the background,
+/// fenced by its token (so it removes nothing but that orphan), retrying with backoff (50 ms
+/// to 1 s) while the store is unreachable, for at most one lease.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) fn release_orphan<St: IdempotencyStore>(
+    store: St,
+    scope: ScopeKey,
+    token: Token,
+    lease: Duration,
+) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(async move {
+        let give_up = tokio::time::Instant::now() + lease;
+        let mut delay = Duration::from_millis(50);
+        loop {
+            match store.release(scope, token).await {
+                Err(StoreError::Backend(_)) if tokio::time::Instant::now() + delay < give_up => {
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(1));
+                }
+                // Released (it was written), fenced (it never was), or out of time.
+                _ => return,
+            }
+        }
+    });
+}
 pub use memory::MemoryStore;
 
 /// The boxed error a store wraps from its backend.

@@ -630,7 +630,12 @@ impl IdempotencyStore for PostgresStore {
                     &self.inner.sql.claim,
                     &[&&scope.0[..], &uuid, &&fingerprint.0[..], &millis(lease)],
                 )
-                .await?;
+                .await
+                .inspect_err(|e| {
+                    if let StoreError::Backend(_) = e {
+                        super::release_orphan(self.clone(), scope, token, lease);
+                    }
+                })?;
             if let Some(row) = rows.first() {
                 return decode_row(row, token);
             }

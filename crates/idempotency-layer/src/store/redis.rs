@@ -533,7 +533,12 @@ impl IdempotencyStore for RedisStore {
                     millis(lease).to_string().as_bytes(),
                 ],
             )
-            .await?;
+            .await
+            .inspect_err(|e| {
+                if let StoreError::Backend(_) = e {
+                    super::release_orphan(self.clone(), scope, token, lease);
+                }
+            })?;
         let Value::Array(items) = reply else {
             return Err(StoreError::Backend(
                 format!("unexpected claim reply {reply:?}").into(),

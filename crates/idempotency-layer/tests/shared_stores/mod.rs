@@ -486,3 +486,98 @@ where
     assert_eq!(again.status, StatusCode::CREATED, "{again:?}");
     assert_eq!(executions.total(), 2);
 }
+
+/// A TCP proxy that, while `hold` is set, delays every reply from the server by `by`: the
+/// request runs on the server, its reply arrives after the client has timed out.
+pub struct SlowReplies {
+    pub addr: SocketAddr,
+    pub hold: Arc<std::sync::atomic::AtomicBool>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for SlowReplies {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+impl SlowReplies {
+    pub async fn start(upstream: &str, by: Duration) -> SlowReplies {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let upstream = tokio::net::lookup_host(upstream)
+            .await
+            .unwrap()
+            .next()
+            .unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let hold = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let h = hold.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(upstream).await else {
+                    continue;
+                };
+                let hold = h.clone();
+                tokio::spawn(async move {
+                    let (mut cr, mut cw) = client.into_split();
+                    let (mut sr, mut sw) = server.into_split();
+                    let up = tokio::io::copy(&mut cr, &mut sw);
+                    let down = async {
+                        let mut buf = vec![0u8; 16 * 1024];
+                        loop {
+                            let n = sr.read(&mut buf).await?;
+                            if n == 0 {
+                                return Ok::<_, std::io::Error>(());
+                            }
+                            if hold.load(Ordering::SeqCst) {
+                                tokio::time::sleep(by).await;
+                            }
+                            cw.write_all(&buf[..n]).await?;
+                        }
+                    };
+                    let _ = tokio::join!(up, down);
+                });
+            }
+        });
+        SlowReplies { addr, hold, accept }
+    }
+}
+
+/// Found by the chaos soak: a `begin` whose reply is lost (it ran on the server, the client
+/// timed out) left a claim nobody held, blocking its key for a whole lease (30 s here). The
+/// store now releases such a claim, fenced by its token, as soon as it can.
+pub async fn lost_begin_reply<S: IdempotencyStore>(via_slow: S, direct: S, slow: &SlowReplies) {
+    let scope = order_scope(&unique("lost-begin-"));
+    let fp = Fingerprint([7; 32]);
+    let lease = Duration::from_secs(30);
+    // Warm up (connections made, statements prepared), so that under `hold` only the claim's
+    // reply is late.
+    let warm = order_scope(&unique("warm-up-"));
+    if let Ok(Begin::New(t)) = via_slow.begin(warm, fp, lease).await {
+        via_slow.release(warm, t).await.unwrap();
+    }
+    slow.hold.store(true, Ordering::SeqCst);
+    match via_slow.begin(scope, fp, lease).await {
+        Err(StoreError::Backend(e)) => eprintln!("begin failed as intended: {e}"),
+        other => panic!("the slow reply must time out, got {other:?}"),
+    }
+    // Let the late replies arrive (the claim ran on the server; its reply was lost).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    slow.hold.store(false, Ordering::SeqCst);
+    // Well before the 30 s lease, the orphan is gone and the key can be claimed.
+    let started = Instant::now();
+    loop {
+        match direct.begin(scope, fp, lease).await {
+            Ok(Begin::New(token)) => {
+                direct.release(scope, token).await.unwrap();
+                break;
+            }
+            Ok(Begin::InFlight { .. }) if started.elapsed() < Duration::from_secs(5) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => panic!("the orphan claim still blocks the key: {other:?}"),
+        }
+    }
+    eprintln!("orphan released after {:?}", started.elapsed());
+}
