@@ -39,10 +39,9 @@ const TENANT: &str = "chaos";
 /// How long records are kept: past the end of any run (Redis keys expire by themselves; the
 /// PostgreSQL tables are dropped at the end).
 const RECORD_TTL: Duration = Duration::from_secs(600);
-/// The lease of a claim (renewed every second while a handler runs). A claim whose `begin`
-/// reply was lost in a store cut has no leader and blocks its key until the lease lapses: with
-/// the default 30 s, longer than a client's 20 s deadline.
-const LEASE: Duration = Duration::from_secs(3);
+/// How long the end of a run waits for detached completions and releases before checking that
+/// no claim is left in flight (much less than a lease: nothing may be left to lapse).
+const SETTLE: Duration = Duration::from_secs(4);
 /// The one write endpoint.
 const PATH: &str = "/ops";
 
@@ -82,6 +81,8 @@ pub struct Options {
     pub unavailable_p: f64,
     /// The seed of every random choice.
     pub seed: u64,
+    /// The claims' lease (the layer's default is 30 s).
+    pub lease: Duration,
 }
 
 impl Options {
@@ -100,6 +101,7 @@ impl Options {
             delay_p: 0.05,
             unavailable_p: 0.05,
             seed: 7,
+            lease: Duration::from_secs(30),
         }
     }
 }
@@ -164,10 +166,25 @@ impl Ledger {
         match self {
             Ledger::Memory(m) => Ok(m.lock().unwrap().clone()),
             Ledger::Redis(c, hash) => {
+                // HSCAN in batches: one HGETALL of a long run's hash outlasts the response
+                // timeout.
                 let mut c = c.clone();
-                let all: HashMap<String, u64> =
-                    redis::cmd("HGETALL").arg(hash).query_async(&mut c).await?;
-                Ok(all)
+                let mut all = HashMap::new();
+                let mut cursor = 0u64;
+                loop {
+                    let (next, batch): (u64, Vec<(String, u64)>) = redis::cmd("HSCAN")
+                        .arg(hash)
+                        .arg(cursor)
+                        .arg("COUNT")
+                        .arg(2_000)
+                        .query_async(&mut c)
+                        .await?;
+                    all.extend(batch);
+                    if next == 0 {
+                        return Ok(all);
+                    }
+                    cursor = next;
+                }
             }
             Ledger::Postgres(c, table) => Ok(c
                 .query(&format!("SELECT key, n FROM {table}"), &[])
@@ -328,6 +345,8 @@ pub struct Report {
     pub elapsed: Duration,
     /// Server instances.
     pub instances: usize,
+    /// The claims' lease.
+    pub lease: Duration,
     /// Logical operations started.
     pub attempted: usize,
     /// Operations whose client got the handler's 201.
@@ -402,9 +421,10 @@ impl fmt::Display for Report {
         let failed: usize = self.failed.values().sum();
         writeln!(
             f,
-            "chaos soak: store {}, {} instance(s), {:.1} s",
+            "chaos soak: store {}, {} instance(s), lease {:?}, {:.1} s",
             self.store,
             self.instances,
+            self.lease,
             self.elapsed.as_secs_f64()
         )?;
         writeln!(f, "  operations attempted   {}", self.attempted)?;
@@ -480,7 +500,7 @@ pub async fn run(opts: Options) -> Report {
                 let layer = IdempotencyLayer::new(store.clone())
                     .default_tenant(TENANT)
                     .ttl(RECORD_TTL)
-                    .lease(LEASE);
+                    .lease(opts.lease);
                 let addr = start_instance(layer.clone(), unavailable.clone(), ledger.clone()).await;
                 (
                     vec![addr],
@@ -512,7 +532,7 @@ pub async fn run(opts: Options) -> Report {
                     let layer = IdempotencyLayer::new(connect().await)
                         .default_tenant(TENANT)
                         .ttl(RECORD_TTL)
-                        .lease(LEASE);
+                        .lease(opts.lease);
                     addrs.push(
                         start_instance(layer.clone(), unavailable.clone(), ledger.clone()).await,
                     );
@@ -559,7 +579,7 @@ pub async fn run(opts: Options) -> Report {
                     let layer = IdempotencyLayer::new(connect(via(&url, proxy.addr())).await)
                         .default_tenant(TENANT)
                         .ttl(RECORD_TTL)
-                        .lease(LEASE);
+                        .lease(opts.lease);
                     addrs.push(
                         start_instance(layer.clone(), unavailable.clone(), ledger.clone()).await,
                     );
@@ -636,8 +656,8 @@ pub async fn run(opts: Options) -> Report {
     if let Some(cut) = &cut {
         cut.restore();
     }
-    // Let detached completions and releases land, and orphaned claims lapse.
-    tokio::time::sleep(LEASE + Duration::from_secs(1)).await;
+    // Let detached completions and releases land.
+    tokio::time::sleep(SETTLE).await;
 
     let results = std::mem::take(&mut *results.lock().unwrap());
     let keys: Vec<String> = results.iter().map(|(k, _)| k.clone()).collect();
@@ -650,6 +670,7 @@ pub async fn run(opts: Options) -> Report {
     let mut report = Report {
         store: format!("{:?}", opts.store).to_lowercase(),
         instances: addrs.len(),
+        lease: opts.lease,
         attempted: results.len(),
         http_attempts: attempts.load(Ordering::Relaxed) as u64,
         dropped: proxy.stats.dropped.load(Ordering::SeqCst),

@@ -27,6 +27,9 @@ struct Args {
     /// Seed of the fault choices.
     #[arg(long, default_value_t = 7)]
     seed: u64,
+    /// The claims' lease in seconds (the layer's default: 30).
+    #[arg(long, default_value_t = 30.0)]
+    lease: f64,
 }
 
 #[tokio::main]
@@ -46,6 +49,7 @@ async fn main() {
     opts.cut_every = Duration::from_secs_f64(args.cut_every);
     opts.cut_for = Duration::from_secs_f64(args.cut_for);
     opts.seed = args.seed;
+    opts.lease = Duration::from_secs_f64(args.lease);
     let report = run(opts).await;
     println!("{report}");
     if !report.problems().is_empty() {
