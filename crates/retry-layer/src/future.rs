@@ -35,8 +35,10 @@ pin_project! {
         #[pin]
         state: State<S::Future, S::Response>,
         // The attempt's deadline while an attempt runs; the backoff while waiting.
-        #[pin]
-        timer: Option<Sleep>,
+        // Boxed: a `Sleep` is larger than the rest of the future, and the common path (no
+        // deadline, no attempt timeout, first attempt succeeds) never makes one, so the future
+        // that is moved on every call stays small.
+        timer: Option<Pin<Box<Sleep>>>,
         ctx: Ctx<S, B>,
     }
 }
@@ -206,13 +208,16 @@ fn remaining_timeout(deadline: Instant) -> HeaderValue {
     encode_grpc_timeout(deadline.saturating_duration_since(Instant::now()))
 }
 
-fn attempt_timer(deadline: Option<Instant>, attempt_timeout: Option<Duration>) -> Option<Sleep> {
+fn attempt_timer(
+    deadline: Option<Instant>,
+    attempt_timeout: Option<Duration>,
+) -> Option<Pin<Box<Sleep>>> {
     let per_attempt = attempt_timeout.map(|t| Instant::now() + t);
     let end = match (deadline, per_attempt) {
         (Some(d), Some(a)) => d.min(a),
         (d, a) => d.or(a)?,
     };
-    Some(sleep_until(end))
+    Some(Box::pin(sleep_until(end)))
 }
 
 impl<S, B, R> Ctx<S, B>
@@ -225,18 +230,26 @@ where
     /// The three checks (retryable, an attempt left, the deadline fits), pushback and the
     /// budget, in that order.
     fn after_attempt(&mut self, result: Result<Response<R>, BoxError>) -> Step<R> {
+        let (outcome, verdict) = {
+            let shared = &*self.shared;
+            let outcome = match &result {
+                Ok(res) => classify::response(res, self.grpc, &shared.policy.reason_codes),
+                Err(e) => classify::error(e),
+            };
+            let verdict = shared.policy.table.verdict(outcome, self.idempotent);
+            match (outcome, verdict) {
+                (Outcome::Status(Code::Ok), _) => shared.budget.record(false),
+                (_, Verdict::Retry | Verdict::Rebuild) => shared.budget.record(true),
+                _ => {}
+            }
+            (outcome, verdict)
+        };
+        // The common case, a final answer, returns before anything else is looked at.
+        if verdict == Verdict::Final {
+            return Step::Return(result);
+        }
         let shared = self.shared.clone();
         let policy = &shared.policy;
-        let outcome = match &result {
-            Ok(res) => classify::response(res, self.grpc, &policy.reason_codes),
-            Err(e) => classify::error(e),
-        };
-        let verdict = policy.table.verdict(outcome, self.idempotent);
-        match (outcome, verdict) {
-            (Outcome::Status(Code::Ok), _) => shared.budget.record(false),
-            (_, Verdict::Retry | Verdict::Rebuild) => shared.budget.record(true),
-            _ => {}
-        }
         let code = outcome.code();
         let rebuild_hook = match verdict {
             Verdict::Final => return Step::Return(result),
@@ -377,8 +390,8 @@ where
                     let result = match future.poll(cx) {
                         Poll::Ready(r) => r.map_err(Into::into),
                         Poll::Pending => {
-                            let fired = match this.timer.as_mut().as_pin_mut() {
-                                Some(timer) => timer.poll(cx).is_ready(),
+                            let fired = match this.timer.as_mut() {
+                                Some(timer) => timer.as_mut().poll(cx).is_ready(),
                                 None => false,
                             };
                             if !fired {
@@ -398,9 +411,9 @@ where
                         }
                         Step::Wait(delay) => {
                             let until = Instant::now() + delay;
-                            match this.timer.as_mut().as_pin_mut() {
-                                Some(t) => t.reset(until),
-                                None => this.timer.set(Some(sleep_until(until))),
+                            match this.timer.as_mut() {
+                                Some(t) => t.as_mut().reset(until),
+                                None => *this.timer = Some(Box::pin(sleep_until(until))),
                             }
                             this.state.set(State::Waiting);
                         }
@@ -411,8 +424,8 @@ where
                     }
                 }
                 StateProj::Waiting => {
-                    if let Some(timer) = this.timer.as_mut().as_pin_mut() {
-                        ready!(timer.poll(cx));
+                    if let Some(timer) = this.timer.as_mut() {
+                        ready!(timer.as_mut().poll(cx));
                     }
                     this.state.set(State::Retrying);
                 }
@@ -441,10 +454,7 @@ where
                     this.ctx.shared.stats.incr(Counter::Attempts);
                     let future = this.ctx.service.call(req);
                     let policy = &this.ctx.shared.policy;
-                    match attempt_timer(this.ctx.deadline, policy.attempt_timeout) {
-                        Some(t) => this.timer.set(Some(t)),
-                        None => this.timer.set(None),
-                    }
+                    *this.timer = attempt_timer(this.ctx.deadline, policy.attempt_timeout);
                     this.state.set(State::Called { future });
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
