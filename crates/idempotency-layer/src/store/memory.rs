@@ -2,11 +2,10 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token};
@@ -27,7 +26,10 @@ const CLEANUP_PER_OP: usize = 8;
 ///   expiry (the oldest, for one TTL). Claims in flight are never evicted; a shard full of claims
 ///   in flight answers [`StoreError::Full`]. The capacity is split evenly over the shards, so
 ///   [`MemoryStore::len`] never exceeds it.
-/// - **Waiters** are woken by a [`tokio::sync::watch`] channel per claim, not by polling.
+/// - **Waiters** are woken by a [`tokio::sync::Notify`] per claim, made only when a duplicate
+///   waits (a claim nobody waits for allocates nothing for waking), not by polling.
+/// - **Tokens** come from a counter per shard, taken under the shard's lock: no counter is
+///   shared between threads.
 ///
 /// Records are lost when the process stops, and a second instance has its own: see
 /// "Choosing a store" in the [crate docs](crate#choosing-a-store).
@@ -46,11 +48,12 @@ pub struct MemoryStore {
 struct Inner {
     shards: Box<[Mutex<Shard>]>,
     per_shard: usize,
-    next: AtomicU64,
 }
 
 #[derive(Default)]
 struct Shard {
+    /// The last token and expiry sequence number handed out by this shard.
+    next: u64,
     map: HashMap<ScopeKey, Entry>,
     /// Completed records by (expiry, sequence): the front is expired first, then the oldest.
     expiry: BTreeMap<(Instant, u64), ScopeKey>,
@@ -61,8 +64,8 @@ enum Entry {
         token: Token,
         fingerprint: Fingerprint,
         lease_until: Instant,
-        /// Dropped when the claim ends: every waiter's `changed()` then resolves.
-        wake: watch::Sender<()>,
+        /// Wakes the waiters when the claim ends (the entry is replaced or removed).
+        wake: Wake,
     },
     Completed {
         record: Arc<Record>,
@@ -112,7 +115,6 @@ impl MemoryStore {
             inner: Arc::new(Inner {
                 shards: (0..shards).map(|_| Mutex::default()).collect(),
                 per_shard,
-                next: AtomicU64::new(1),
             }),
         }
     }
@@ -134,14 +136,27 @@ impl MemoryStore {
     }
 
     fn shard(&self, scope: &ScopeKey) -> MutexGuard<'_, Shard> {
+        self.shard_at(scope).1
+    }
+
+    fn shard_at(&self, scope: &ScopeKey) -> (usize, MutexGuard<'_, Shard>) {
         let mut b = [0u8; 8];
         b.copy_from_slice(&scope.0[..8]);
         let i = (u64::from_le_bytes(b) % self.inner.shards.len() as u64) as usize;
-        lock(&self.inner.shards[i])
+        (i, lock(&self.inner.shards[i]))
     }
+}
 
-    fn token(&self) -> Token {
-        Token(u128::from(self.inner.next.fetch_add(1, Ordering::Relaxed)))
+/// The waiters of one claim: a [`Notify`] made by the first waiter, notified when the claim's
+/// entry is dropped (replaced by its record, released, taken over or forgotten).
+#[derive(Default)]
+struct Wake(Option<Arc<Notify>>);
+
+impl Drop for Wake {
+    fn drop(&mut self) {
+        if let Some(n) = self.0.take() {
+            n.notify_waiters();
+        }
     }
 }
 
@@ -152,6 +167,12 @@ fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
 }
 
 impl Shard {
+    /// A token unique in the store: this shard's next number, tagged with the shard's index.
+    fn token(&mut self, shard: usize) -> Token {
+        self.next += 1;
+        Token((u128::from(self.next) << 64) | shard as u128)
+    }
+
     /// Removes up to `n` expired records from the front of the expiry index.
     fn clean(&mut self, now: Instant, n: usize) {
         for _ in 0..n {
@@ -206,8 +227,7 @@ impl IdempotencyStore for MemoryStore {
         lease: Duration,
     ) -> Result<Begin, StoreError> {
         let now = Instant::now();
-        let token = self.token();
-        let mut shard = self.shard(&scope);
+        let (index, mut shard) = self.shard_at(&scope);
         shard.clean(now, CLEANUP_PER_OP);
         match shard.map.get(&scope) {
             Some(Entry::Completed { record, at }) if at.0 > now => {
@@ -235,14 +255,14 @@ impl IdempotencyStore for MemoryStore {
                 }
             }
         }
-        let (wake, _) = watch::channel(());
+        let token = shard.token(index);
         shard.map.insert(
             scope,
             Entry::InFlight {
                 token,
                 fingerprint,
                 lease_until: now + lease,
-                wake,
+                wake: Wake::default(),
             },
         );
         Ok(Begin::New(token))
@@ -256,14 +276,15 @@ impl IdempotencyStore for MemoryStore {
         ttl: Duration,
     ) -> Result<(), StoreError> {
         let now = Instant::now();
-        let seq = self.inner.next.fetch_add(1, Ordering::Relaxed);
         let mut shard = self.shard(&scope);
         if !shard.holds(&scope, token) {
             return Err(StoreError::Fenced);
         }
+        shard.next += 1;
+        let seq = shard.next;
         let at = (now + ttl, seq);
         shard.expiry.insert(at, scope);
-        // Replacing the claim drops its watch sender: the waiters wake.
+        // Replacing the claim drops its `Wake`: the waiters wake.
         shard.map.insert(
             scope,
             Entry::Completed {
@@ -306,21 +327,27 @@ impl IdempotencyStore for MemoryStore {
     }
 
     async fn wait(&self, scope: ScopeKey, observed: Token) -> Result<(), StoreError> {
-        let (mut rx, until) = {
-            let shard = self.shard(&scope);
-            match shard.map.get(&scope) {
+        let (notified, until) = {
+            let mut shard = self.shard(&scope);
+            let (notify, until) = match shard.map.get_mut(&scope) {
                 Some(Entry::InFlight {
                     token,
                     lease_until,
                     wake,
                     ..
-                }) if *token == observed => (wake.subscribe(), *lease_until),
+                }) if *token == observed => (
+                    wake.0.get_or_insert_with(Default::default).clone(),
+                    *lease_until,
+                ),
                 _ => return Ok(()),
-            }
+            };
+            // Registered before the shard is unlocked, so the end of the claim is not missed.
+            let mut notified = Box::pin(notify.notified_owned());
+            notified.as_mut().enable();
+            (notified, until)
         };
-        // `changed` fails when the claim's sender is dropped (claim ended); the lease bound lets
-        // the caller take over a claim whose leader stopped renewing.
-        let _ = tokio::time::timeout_at(until, rx.changed()).await;
+        // The lease bound lets the caller take over a claim whose leader stopped renewing.
+        let _ = tokio::time::timeout_at(until, notified).await;
         Ok(())
     }
 
