@@ -378,6 +378,8 @@ pub struct Report {
     pub unknown_keys: usize,
     /// Claims still in flight after the drain (must be 0).
     pub in_flight_left: usize,
+    /// Succeeded operations whose key holds no record (must be empty: a retry would run again).
+    pub unrecorded: Vec<String>,
     /// Layer counters summed over instances: executed, replayed, waited, recorded, released,
     /// store errors.
     pub layer: [u64; 6],
@@ -408,6 +410,13 @@ impl Report {
         }
         if self.unknown_keys > 0 {
             p.push(format!("{} unknown keys in the ledger", self.unknown_keys));
+        }
+        if !self.unrecorded.is_empty() {
+            p.push(format!(
+                "{} succeeded operations have no record: {:?}",
+                self.unrecorded.len(),
+                &self.unrecorded[..self.unrecorded.len().min(5)]
+            ));
         }
         if self.in_flight_left > 0 {
             p.push(format!("{} claims left in flight", self.in_flight_left));
@@ -450,6 +459,7 @@ impl fmt::Display for Report {
         writeln!(f, "  failed but executed    {}", self.failed_but_executed)?;
         writeln!(f, "  unknown ledger keys    {}", self.unknown_keys)?;
         writeln!(f, "  in-flight claims left  {}", self.in_flight_left)?;
+        writeln!(f, "  succeeded, no record   {}", self.unrecorded.len())?;
         writeln!(
             f,
             "  RSS start/middle/end   {} / {} / {} KiB",
@@ -462,11 +472,13 @@ impl fmt::Display for Report {
     }
 }
 
-/// Counts in-flight claims among `keys` in `store`: a claim found in flight counts; a scope found
-/// free is claimed and released again at once (the check must not leave anything behind).
-async fn in_flight<St: IdempotencyStore>(store: &St, keys: &[String]) -> usize {
+/// Looks up `keys` in `store`: how many are claimed in flight, and which hold no record (free).
+/// A scope found free is claimed and released again at once (the check must not leave
+/// anything behind).
+async fn in_flight<St: IdempotencyStore>(store: &St, keys: &[String]) -> (usize, Vec<String>) {
     let method = Scope::http(&http::Method::POST, PATH);
     let mut n = 0;
+    let mut free = Vec::new();
     for key in keys {
         let scope = Scope::new(TENANT, &method, key).key();
         match store
@@ -476,12 +488,13 @@ async fn in_flight<St: IdempotencyStore>(store: &St, keys: &[String]) -> usize {
             Ok(Begin::InFlight { .. }) => n += 1,
             Ok(Begin::New(token)) => {
                 let _ = store.release(scope, token).await;
+                free.push(key.clone());
             }
             Ok(Begin::Completed(_)) => {}
             Err(e) => panic!("checking claims: {e}"),
         }
     }
-    n
+    (n, free)
 }
 
 /// Runs the soak with `opts` and reports. Panics if a store cannot be reached.
@@ -661,8 +674,13 @@ pub async fn run(opts: Options) -> Report {
 
     let results = std::mem::take(&mut *results.lock().unwrap());
     let keys: Vec<String> = results.iter().map(|(k, _)| k.clone()).collect();
+    let succeeded_keys: std::collections::HashSet<&str> = results
+        .iter()
+        .filter(|(_, o)| *o == Outcome::Succeeded)
+        .map(|(k, _)| k.as_str())
+        .collect();
     let ledger_all = ledger.all().await.expect("read the ledger");
-    let (in_flight_left, layers) = match &checker {
+    let ((in_flight_left, free), layers) = match &checker {
         Checker::Memory(s, l) => (in_flight(s, &keys).await, sum(l)),
         Checker::Redis(s, l) => (in_flight(s, &keys).await, sum(l)),
         Checker::Postgres(s, l) => (in_flight(s, &keys).await, sum(l)),
@@ -681,6 +699,10 @@ pub async fn run(opts: Options) -> Report {
         executions: ledger_all.values().sum(),
         in_flight_left,
         layer: layers,
+        unrecorded: free
+            .into_iter()
+            .filter(|k| succeeded_keys.contains(k.as_str()))
+            .collect(),
         ..Report::default()
     };
     let used: std::collections::HashSet<&str> = keys.iter().map(String::as_str).collect();
