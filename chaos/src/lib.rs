@@ -476,23 +476,42 @@ impl fmt::Display for Report {
 /// A scope found free is claimed and released again at once (the check must not leave
 /// anything behind).
 async fn in_flight<St: IdempotencyStore>(store: &St, keys: &[String]) -> (usize, Vec<String>) {
-    let method = Scope::http(&http::Method::POST, PATH);
+    /// Lookups at once (a long run checks hundreds of thousands of keys).
+    const CONCURRENCY: usize = 32;
     let mut n = 0;
     let mut free = Vec::new();
+    let mut set = tokio::task::JoinSet::new();
+    let mut tally = |r: Result<(bool, Option<String>), tokio::task::JoinError>| {
+        let (held, freed) = r.expect("a lookup task");
+        n += usize::from(held);
+        free.extend(freed);
+    };
     for key in keys {
-        let scope = Scope::new(TENANT, &method, key).key();
-        match store
-            .begin(scope, Fingerprint([0; 32]), Duration::from_secs(5))
-            .await
-        {
-            Ok(Begin::InFlight { .. }) => n += 1,
-            Ok(Begin::New(token)) => {
-                let _ = store.release(scope, token).await;
-                free.push(key.clone());
+        if set.len() >= CONCURRENCY {
+            if let Some(r) = set.join_next().await {
+                tally(r);
             }
-            Ok(Begin::Completed(_)) => {}
-            Err(e) => panic!("checking claims: {e}"),
         }
+        let (store, key) = (store.clone(), key.clone());
+        set.spawn(async move {
+            let method = Scope::http(&http::Method::POST, PATH);
+            let scope = Scope::new(TENANT, &method, &key).key();
+            match store
+                .begin(scope, Fingerprint([0; 32]), Duration::from_secs(5))
+                .await
+            {
+                Ok(Begin::InFlight { .. }) => (true, None),
+                Ok(Begin::New(token)) => {
+                    let _ = store.release(scope, token).await;
+                    (false, Some(key))
+                }
+                Ok(Begin::Completed(_)) => (false, None),
+                Err(e) => panic!("checking claims: {e}"),
+            }
+        });
+    }
+    while let Some(r) = set.join_next().await {
+        tally(r);
     }
     (n, free)
 }
