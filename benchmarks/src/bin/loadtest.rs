@@ -6,13 +6,12 @@
 //!
 //! ```text
 //! REDIS_URL=redis://127.0.0.1:6379 DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \
-//!     cargo run --release -p benchmarks --bin loadtest -- --connections 16 --seconds 4
+//!     cargo run --release -p benchmarks --bin loadtest -- --connections 16 --rounds 3 --seconds 1.5
 //! ```
 //!
 //! See `BENCHMARKS.md` for what each number means.
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -40,12 +39,17 @@ struct Args {
     /// Concurrent connections (one request in flight on each).
     #[arg(long, short = 'c', default_value_t = 16)]
     connections: usize,
-    /// Measured seconds per scenario.
-    #[arg(long, short = 't', default_value_t = 4.0)]
+    /// Measured seconds per scenario and round.
+    #[arg(long, short = 't', default_value_t = 1.5)]
     seconds: f64,
-    /// Unmeasured warm-up seconds before each scenario.
-    #[arg(long, default_value_t = 1.0)]
+    /// Unmeasured warm-up seconds before each scenario and round.
+    #[arg(long, default_value_t = 0.5)]
     warmup: f64,
+    /// Rounds: every scenario runs once per round, the scenarios interleaved, and the medians
+    /// over the rounds are printed (so a burst of noise from elsewhere hits one round of every
+    /// scenario rather than all of one).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
     /// Records to fill MemoryStore with for the memory cost (0: skip).
     #[arg(long, default_value_t = 100_000)]
     records: usize,
@@ -68,6 +72,20 @@ struct Run {
     rps: f64,
     p50_us: f64,
     p99_us: f64,
+}
+
+/// One scenario over its rounds: medians of requests/s, p50 and p99.
+fn merge(rounds: Vec<Run>) -> Run {
+    let med =
+        |f: fn(&Run) -> f64| benchmarks::median(&mut rounds.iter().map(f).collect::<Vec<_>>());
+    Run {
+        name: rounds[0].name.clone(),
+        requests: rounds.iter().map(|r| r.requests).sum(),
+        errors: rounds.iter().map(|r| r.errors).sum(),
+        rps: med(|r| r.rps),
+        p50_us: med(|r| r.p50_us),
+        p99_us: med(|r| r.p99_us),
+    }
 }
 
 fn handler_app() -> Router {
@@ -404,18 +422,42 @@ async fn redis_scenarios(url: &str, args: &Args, runs: &mut Vec<Run>, notes: &mu
     let tag = format!("r{}", std::process::id());
     // Loads the scripts (EVALSHA answered NOSCRIPT, then EVAL) and records the replay keys.
     record_replay_keys(addr, &tag, args.connections).await;
-    for (name, keys) in [
+    let scenarios = [
         ("redis/first", Keys::Unique),
         ("redis/replay", Keys::PerConnection),
-    ] {
-        if !selected(args, name) {
+    ];
+    let mut rounds: Vec<Vec<Run>> = scenarios.iter().map(|_| Vec::new()).collect();
+    let mut trips = vec![(BTreeMap::new(), 0u64); scenarios.len()];
+    for round in 0..args.rounds {
+        for (i, (name, keys)) in scenarios.into_iter().enumerate() {
+            if !selected(args, name) {
+                continue;
+            }
+            let before = commandstats(&mut conn).await;
+            let prefix = match keys {
+                Keys::Unique => format!("{tag}x{round}"),
+                Keys::PerConnection => tag.clone(),
+            };
+            let (run, sent) = load_counted(name, client(), addr, keys, &prefix, args).await;
+            let after = commandstats(&mut conn).await;
+            for (k, v) in &after {
+                let d = v - before.get(k).copied().unwrap_or(0);
+                *trips[i].0.entry(k.clone()).or_insert(0) += d;
+            }
+            trips[i].1 += sent;
+            rounds[i].push(run);
+        }
+    }
+    for (i, (name, _)) in scenarios.into_iter().enumerate() {
+        if rounds[i].is_empty() {
             continue;
         }
-        let before = commandstats(&mut conn).await;
-        let (run, sent) = load_counted(name, client(), addr, keys, &tag, args).await;
-        let after = commandstats(&mut conn).await;
-        notes.push(format!("{name:<16} {}", redis_trips(&before, &after, sent)));
-        runs.push(run);
+        let (deltas, sent) = &trips[i];
+        notes.push(format!(
+            "{name:<16} {}",
+            redis_trips(&BTreeMap::new(), deltas, *sent)
+        ));
+        runs.push(merge(std::mem::take(&mut rounds[i])));
     }
     server.abort();
     let keys: Vec<String> = redis::cmd("KEYS")
@@ -460,15 +502,29 @@ async fn xact_commit(admin: &tokio_postgres::Client, db: &str) -> i64 {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    admin
-        .query_one(
-            "SELECT xact_commit FROM pg_stat_database WHERE datname = $1",
-            &[&db],
-        )
-        .await
-        .expect("pg_stat_database")
-        .get(0)
+    // A backend flushes its counters as it exits, a little after it leaves pg_stat_activity:
+    // read until two readings 300 ms apart agree.
+    let read = || async {
+        let n: i64 = admin
+            .query_one(
+                "SELECT xact_commit FROM pg_stat_database WHERE datname = $1",
+                &[&db],
+            )
+            .await
+            .expect("pg_stat_database")
+            .get(0);
+        n
+    };
+    let mut last = read().await;
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let now = read().await;
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+    last
 }
 
 async fn pg_store(url: &str) -> PostgresStore {
@@ -506,25 +562,44 @@ async fn postgres_scenarios(url: &str, args: &Args, runs: &mut Vec<Run>, notes: 
         server.abort();
         let _ = server.await;
     }
-    for (name, keys) in [
+    let scenarios = [
         ("postgres/first", Keys::Unique),
         ("postgres/replay", Keys::PerConnection),
-    ] {
-        if !selected(args, name) {
+    ];
+    let mut rounds: Vec<Vec<Run>> = scenarios.iter().map(|_| Vec::new()).collect();
+    let mut trips = vec![(0i64, 0u64); scenarios.len()];
+    for round in 0..args.rounds {
+        for (i, (name, keys)) in scenarios.into_iter().enumerate() {
+            if !selected(args, name) {
+                continue;
+            }
+            let before = xact_commit(&admin, &db).await;
+            let store = pg_store(&db_url).await;
+            let (addr, server) = serve(idempotent_app(store)).await;
+            let prefix = match keys {
+                Keys::Unique => format!("{tag}x{round}"),
+                Keys::PerConnection => tag.clone(),
+            };
+            let (run, sent) = load_counted(name, client(), addr, keys, &prefix, args).await;
+            server.abort();
+            let _ = server.await;
+            let after = xact_commit(&admin, &db).await;
+            trips[i].0 += after - before;
+            trips[i].1 += sent;
+            rounds[i].push(run);
+        }
+    }
+    for (i, (name, _)) in scenarios.into_iter().enumerate() {
+        if rounds[i].is_empty() {
             continue;
         }
-        let before = xact_commit(&admin, &db).await;
-        let store = pg_store(&db_url).await;
-        let (addr, server) = serve(idempotent_app(store)).await;
-        let (run, sent) = load_counted(name, client(), addr, keys, &tag, args).await;
-        server.abort();
-        let _ = server.await;
-        let after = xact_commit(&admin, &db).await;
+        let (commits, sent) = trips[i];
         notes.push(format!(
-            "{name:<16} {:.3} statements/request (transactions committed in {db} over {sent} requests)",
-            (after - before) as f64 / sent as f64
+            "{name:<16} {:.3} statements/request (transactions committed in {db} over {sent} requests; \
+             includes the one-time Parse of each statement on each new pooled connection)",
+            commits as f64 / sent as f64
         ));
-        runs.push(run);
+        runs.push(merge(std::mem::take(&mut rounds[i])));
     }
     let _ = admin
         .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
@@ -539,22 +614,13 @@ fn selected(args: &Args, name: &str) -> bool {
             .any(|o| name == o || name.starts_with(&format!("{o}/")))
 }
 
-async fn scenario<F, Fut>(args: &Args, runs: &mut Vec<Run>, name: &str, f: F)
-where
-    F: FnOnce() -> Fut,
-    Fut: Future<Output = Run>,
-{
-    if selected(args, name) {
-        runs.push(f().await);
-    }
-}
-
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
     println!(
-        "loadtest: {} connections, {} s warm-up + {} s measured per scenario, {} cores",
+        "loadtest: {} connections, {} rounds of {} s warm-up + {} s measured per scenario, {} cores",
         args.connections,
+        args.rounds,
         args.warmup,
         args.seconds,
         std::thread::available_parallelism().map_or(0, |n| n.get())
@@ -567,34 +633,32 @@ async fn main() {
     let tag = format!("m{}", std::process::id());
 
     let (plain, plain_task) = serve(handler_app()).await;
-    scenario(&args, &mut runs, "no_layers", || {
-        load("no_layers", client(), plain, Keys::Unique, &tag, &args)
-    })
-    .await;
-    scenario(&args, &mut runs, "client_retry", || {
-        let svc = RetryLayer::new(RetryPolicy::default()).layer(client());
-        load("client_retry", svc, plain, Keys::Unique, &tag, &args)
-    })
-    .await;
-    plain_task.abort();
-
     let (memory, memory_task) = serve(idempotent_app(MemoryStore::new())).await;
     record_replay_keys(memory, &tag, args.connections).await;
-    scenario(&args, &mut runs, "memory/first", || {
-        load("memory/first", client(), memory, Keys::Unique, &tag, &args)
-    })
-    .await;
-    scenario(&args, &mut runs, "memory/replay", || {
-        load(
-            "memory/replay",
-            client(),
-            memory,
-            Keys::PerConnection,
-            &tag,
-            &args,
-        )
-    })
-    .await;
+    let names = ["no_layers", "client_retry", "memory/first", "memory/replay"];
+    let mut rounds: Vec<Vec<Run>> = names.iter().map(|_| Vec::new()).collect();
+    for round in 0..args.rounds {
+        let unique = format!("{tag}x{round}");
+        for (i, name) in names.into_iter().enumerate() {
+            if !selected(&args, name) {
+                continue;
+            }
+            let run = match name {
+                "no_layers" => load(name, client(), plain, Keys::Unique, &unique, &args).await,
+                "client_retry" => {
+                    let svc = RetryLayer::new(RetryPolicy::default()).layer(client());
+                    load(name, svc, plain, Keys::Unique, &unique, &args).await
+                }
+                "memory/first" => load(name, client(), memory, Keys::Unique, &unique, &args).await,
+                _ => load(name, client(), memory, Keys::PerConnection, &tag, &args).await,
+            };
+            rounds[i].push(run);
+        }
+    }
+    for r in rounds.into_iter().filter(|r| !r.is_empty()) {
+        runs.push(merge(r));
+    }
+    plain_task.abort();
     memory_task.abort();
 
     match &args.redis {
