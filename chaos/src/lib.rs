@@ -42,6 +42,8 @@ const RECORD_TTL: Duration = Duration::from_secs(600);
 /// How long the end of a run waits for detached completions and releases before checking that
 /// no claim is left in flight (much less than a lease: nothing may be left to lapse).
 const SETTLE: Duration = Duration::from_secs(4);
+/// The memory store's capacity: more than a long run writes within the record TTL.
+const MEMORY_CAPACITY: usize = 8_000_000;
 /// The one write endpoint.
 const PATH: &str = "/ops";
 
@@ -527,7 +529,9 @@ pub async fn run(opts: Options) -> Report {
     let (addrs, ledger, cut, checker): (Vec<SocketAddr>, Ledger, Option<Arc<CutProxy>>, Checker) =
         match opts.store {
             StoreKind::Memory => {
-                let store = MemoryStore::new();
+                // Sized for the run (peak writes x TTL), as the store's docs ask: the default
+                // capacity (100 000) would evict records of a long run before their TTL.
+                let store = MemoryStore::with_capacity(MEMORY_CAPACITY);
                 let ledger = Ledger::Memory(Arc::default());
                 let layer = IdempotencyLayer::new(store.clone())
                     .default_tenant(TENANT)
