@@ -16,6 +16,10 @@ use idempotency_layer::{IdempotencyLayer, IdempotencyStore, PostgresStore, Redis
 
 const ORDERS: usize = 200;
 
+/// Generous: a shared 2-core CI box under load can be slow without anything being wrong, and
+/// these tests are about exactly-once, not latency.
+const STORE_TIMEOUT: Duration = Duration::from_secs(10);
+
 async fn two_instances<St: IdempotencyStore>(a: St, b: St) {
     let inventory = Inventory::seeded(Duration::ZERO);
     let faults = Unavailable::first_attempts(0.10, 21);
@@ -82,6 +86,7 @@ async fn redis_two_instances_execute_each_order_once() {
     let connect = || async {
         RedisStore::builder(url.clone())
             .prefix(prefix.clone())
+            .timeout(STORE_TIMEOUT)
             .connect()
             .await
             .expect("REDIS_URL is set: the Redis server must be reachable")
@@ -99,6 +104,7 @@ async fn postgres_two_instances_execute_each_order_once() {
     let connect = || async {
         let store = PostgresStore::builder(url.clone())
             .table(table.clone())
+            .timeout(STORE_TIMEOUT)
             .connect()
             .await
             .expect("DATABASE_URL is set: the PostgreSQL server must be reachable");
