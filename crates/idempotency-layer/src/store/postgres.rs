@@ -272,11 +272,7 @@ impl PostgresStoreBuilder {
     /// How waiters poll when no notification comes: `first` after the first check, doubling
     /// up to `max` (defaults 25 ms and 1 s).
     pub fn poll_interval(mut self, first: Duration, max: Duration) -> Self {
-        let first = first.max(Duration::from_millis(1));
-        self.polling = Polling {
-            first,
-            max: max.max(first),
-        };
+        self.polling = Polling::new(first, max);
         self
     }
 

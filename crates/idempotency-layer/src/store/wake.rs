@@ -19,6 +19,18 @@ pub(crate) struct Polling {
     pub(crate) max: Duration,
 }
 
+impl Polling {
+    /// Polls `first` after the first check, doubling up to `max` (each at least 1 ms, `max` at
+    /// least `first`).
+    pub(crate) fn new(first: Duration, max: Duration) -> Self {
+        let first = first.max(Duration::from_millis(1));
+        Polling {
+            first,
+            max: max.max(first),
+        }
+    }
+}
+
 impl Default for Polling {
     fn default() -> Self {
         Polling {
