@@ -7,7 +7,7 @@ impl Code {
     /// Classifies an HTTP response status.
     ///
     /// The mapping follows the design table (and Google's HTTP <-> gRPC mapping where the table is
-    /// silent): 2xx is OK, 502 and 503 are UNAVAILABLE, 504 and 408 are DEADLINE_EXCEEDED, 429 is
+    /// silent): 2xx and 3xx are OK (a redirect is a completed outcome), 502 and 503 are UNAVAILABLE, 504 and 408 are DEADLINE_EXCEEDED, 429 is
     /// RESOURCE_EXHAUSTED, 409 is ABORTED, 412 and 422 are FAILED_PRECONDITION, 500 is INTERNAL,
     /// 501 is UNIMPLEMENTED. Other 4xx are FAILED_PRECONDITION (a permanent client-side problem,
     /// never retried); other statuses are UNKNOWN.
@@ -17,12 +17,15 @@ impl Code {
     /// use reason_code::Code;
     ///
     /// assert_eq!(Code::from_http_status(StatusCode::CREATED), Code::Ok);
+    /// assert_eq!(Code::from_http_status(StatusCode::SEE_OTHER), Code::Ok);
     /// assert_eq!(Code::from_http_status(StatusCode::SERVICE_UNAVAILABLE), Code::Unavailable);
     /// assert_eq!(Code::from_http_status(StatusCode::TOO_MANY_REQUESTS), Code::ResourceExhausted);
     /// ```
     pub fn from_http_status(status: StatusCode) -> Code {
         match status.as_u16() {
-            200..=299 => Code::Ok,
+            // A 3xx is a completed outcome: a 303 See Other after a POST is a completed create
+            // (post-redirect-get), and a client that follows it must not run the POST again.
+            200..=399 => Code::Ok,
             400 | 413 | 414 | 415 | 431 => Code::InvalidArgument,
             401 => Code::Unauthenticated,
             403 => Code::PermissionDenied,
@@ -104,7 +107,8 @@ mod tests {
         unavailable_503: 503 => Code::Unavailable,
         gateway_timeout_504: 504 => Code::DeadlineExceeded,
         other_5xx_599: 599 => Code::Unknown,
-        redirect_302: 302 => Code::Unknown,
+        redirect_302: 302 => Code::Ok,
+        see_other_303: 303 => Code::Ok,
     }
 
     #[test]

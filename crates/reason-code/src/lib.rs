@@ -45,5 +45,5 @@ pub use headers::{
     GRPC_MESSAGE, GRPC_PREVIOUS_RPC_ATTEMPTS, GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS, GRPC_TIMEOUT,
     IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY, X_PREVIOUS_ATTEMPTS, X_REASON_CODE,
 };
-pub use reason::ReasonCodes;
+pub use reason::{ReasonCodes, IDEMPOTENCY_IN_FLIGHT, REQUEST_TOO_LARGE};
 pub use table::{ClientRule, Outcome, RecordRule, RetryTable, Verdict};

@@ -9,6 +9,29 @@ use http::header::{HeaderMap, HeaderName};
 use crate::headers::X_REASON_CODE;
 use crate::Code;
 
+/// The reason code of `idempotency-layer`'s own "a request with this key is still in flight"
+/// answer (409 or ABORTED, with `Retry-After` / `grpc-retry-pushback-ms`).
+///
+/// It maps onto [`Code::Unavailable`]: nothing ran for that attempt, so the client retries the
+/// same request with the same key after the pushback, and by then the first request's record is
+/// replayed. Every [`ReasonCodes`] knows it, even [`ReasonCodes::empty`].
+pub const IDEMPOTENCY_IN_FLIGHT: &str = "IDEMPOTENCY_IN_FLIGHT";
+
+/// The reason code of `idempotency-layer`'s own "request body too large" answer (413, or
+/// RESOURCE_EXHAUSTED for gRPC).
+///
+/// It maps onto [`Code::InvalidArgument`]: the same request can never fit, so no client retries
+/// it, though a bare RESOURCE_EXHAUSTED (a rate limit or quota) is retried. Every
+/// [`ReasonCodes`] knows it, even [`ReasonCodes::empty`].
+pub const REQUEST_TOO_LARGE: &str = "REQUEST_TOO_LARGE";
+
+/// The reasons every table knows: the idempotency layer's own answers, which both halves must
+/// read the same way whatever the user configured.
+const PROTOCOL_REASONS: [(&str, Code); 2] = [
+    (IDEMPOTENCY_IN_FLIGHT, Code::Unavailable),
+    (REQUEST_TOO_LARGE, Code::InvalidArgument),
+];
+
 /// The user-extensible map from business reason codes to [`Code`]s, and the header they travel in.
 ///
 /// A reason code in a response takes precedence over the HTTP or gRPC status: a 409 that says
@@ -46,7 +69,8 @@ impl Default for ReasonCodes {
 }
 
 impl ReasonCodes {
-    /// A table with no entries, read from `x-reason-code`.
+    /// A table with no entries of its own (it still knows [`IDEMPOTENCY_IN_FLIGHT`] and
+    /// [`REQUEST_TOO_LARGE`]), read from `x-reason-code`.
     pub fn empty() -> Self {
         ReasonCodes {
             header: X_REASON_CODE,
@@ -71,18 +95,60 @@ impl ReasonCodes {
         &self.header
     }
 
-    /// The code a reason maps to, if it is in the table.
+    /// The code a reason maps to, if it is in the table or is one of the idempotency layer's own
+    /// reasons.
     pub fn get(&self, reason: &str) -> Option<Code> {
-        self.map.get(reason).copied()
+        if let Some(code) = self.map.get(reason) {
+            return Some(*code);
+        }
+        PROTOCOL_REASONS
+            .iter()
+            .find(|(name, _)| *name == reason)
+            .map(|(_, code)| *code)
     }
 
     /// The code named by the reason-code header of `headers`, if the header is present, single,
     /// and names a known reason. Unknown reasons are ignored: the status decides.
     pub fn classify(&self, headers: &HeaderMap) -> Option<Code> {
-        if self.map.is_empty() {
-            return None;
-        }
         let value = headers.get(&self.header)?;
         self.get(value.to_str().ok()?.trim())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_reason(reason: &'static str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(X_REASON_CODE, reason.parse().unwrap());
+        h
+    }
+
+    #[test]
+    fn protocol_reasons_are_known_by_every_table() {
+        for reasons in [ReasonCodes::default(), ReasonCodes::empty()] {
+            assert_eq!(
+                reasons.classify(&with_reason(IDEMPOTENCY_IN_FLIGHT)),
+                Some(Code::Unavailable)
+            );
+            assert_eq!(
+                reasons.classify(&with_reason(REQUEST_TOO_LARGE)),
+                Some(Code::InvalidArgument)
+            );
+        }
+        assert_eq!(
+            ReasonCodes::empty().classify(&with_reason("STOCK_CONFLICT")),
+            None
+        );
+    }
+
+    #[test]
+    fn a_user_entry_replaces_a_protocol_reason() {
+        let reasons = ReasonCodes::empty().with(IDEMPOTENCY_IN_FLIGHT, Code::Aborted);
+        assert_eq!(
+            reasons.classify(&with_reason(IDEMPOTENCY_IN_FLIGHT)),
+            Some(Code::Aborted)
+        );
     }
 }

@@ -110,7 +110,9 @@ const ROWS: [Row; 17] = [
 ///
 /// | outcome | code | client retries? | server records? |
 /// |---|---|---|---|
-/// | 2xx, gRPC OK | OK | no (success) | yes |
+/// | 2xx, 3xx (a 303 after a POST is a completed create), gRPC OK | OK | no (success) | yes |
+/// | the idempotency layer's "in flight" (409 / ABORTED + [`IDEMPOTENCY_IN_FLIGHT`]) | UNAVAILABLE | yes, same request and key, after the pushback | never |
+/// | the idempotency layer's "too large" (413 / RESOURCE_EXHAUSTED + [`REQUEST_TOO_LARGE`]) | INVALID_ARGUMENT | no: it never fits | never |
 /// | nothing was sent | UNAVAILABLE (unsent) | yes, any request | n/a |
 /// | lost after send, attempt timeout | UNAVAILABLE (ambiguous) | if idempotent or keyed | n/a |
 /// | 502, 503, UNAVAILABLE | UNAVAILABLE | if idempotent or keyed | no |
@@ -121,6 +123,9 @@ const ROWS: [Row; 17] = [
 /// | 400, 401, 403, 404, ... | as named | no | opt-in (permanent failures) |
 /// | 412, 501 | FAILED_PRECONDITION, UNIMPLEMENTED | no | opt-in |
 /// | DATA_LOSS | DATA_LOSS | never | no |
+///
+/// [`IDEMPOTENCY_IN_FLIGHT`]: crate::IDEMPOTENCY_IN_FLIGHT
+/// [`REQUEST_TOO_LARGE`]: crate::REQUEST_TOO_LARGE
 ///
 /// The attempt count, deadline and retry budget checks are the retry layer's; this table only
 /// says whether an outcome is retryable at all.
