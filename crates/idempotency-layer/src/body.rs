@@ -7,13 +7,15 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
 use bytes::{Bytes, BytesMut};
+use http::header::CONTENT_LENGTH;
 use http::{HeaderMap, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
-use reason_code::{is_grpc, parse_grpc_status, Code, GRPC_STATUS};
 
 use crate::claim::{spawn_detached, Claim};
-use crate::layer::{Config, OnDisconnect};
+use crate::classify;
+use crate::config::{Config, OnDisconnect};
+use crate::protocol::is_grpc_web;
 use crate::store::{BoxError, Fingerprint, Record};
 
 pin_project! {
@@ -188,8 +190,7 @@ where
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             Kind::Inner { body } => body.is_end_stream(),
-            // The end is seen by polling it, so the record is finished.
-            Kind::Recording { rec } => rec.st.is_none() && rec.finishing.is_none(),
+            Kind::Recording { rec } => rec.is_end_stream(),
             Kind::Full { data, trailers } => data.is_none() && trailers.is_none(),
         }
     }
@@ -197,10 +198,7 @@ where
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
             Kind::Inner { body } => body.size_hint(),
-            Kind::Recording { rec } => rec
-                .st
-                .as_ref()
-                .map_or_else(|| SizeHint::with_exact(0), |st| st.body.size_hint()),
+            Kind::Recording { rec } => rec.size_hint(),
             Kind::Full { data, .. } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
@@ -210,11 +208,21 @@ where
 
 /// Tees a handler's response body into a record while it streams to the client.
 ///
-/// The end of the body is reported to the client only after the record is stored (or the claim
-/// released), so a client that has read the whole response and retries gets the replay.
+/// The record is stored (or the claim released) when the body's final frame is produced, before
+/// that frame is handed to the server: the last data frame of a body that says it has ended or
+/// that reaches its known length, the trailers frame, or the end of the body. Servers stop
+/// polling a body once they have written its Content-Length or its trailers (hyper does), so
+/// waiting for the body to return `None`, or for it to be dropped, would record too late or
+/// never; and a client that has the whole response and retries must find the record.
 pub(crate) struct Recorder<B> {
     st: Option<RecState<B>>,
-    finishing: Option<Pin<Box<dyn Future<Output = ()> + Send + 'static>>>,
+    finishing: Option<Finishing>,
+}
+
+/// The record being stored, and what to hand out once it is: the final frame, or the end.
+struct Finishing {
+    store: Pin<Box<dyn Future<Output = ()> + Send + 'static>>,
+    then: Option<Frame<Bytes>>,
 }
 
 struct RecState<B> {
@@ -227,6 +235,14 @@ struct RecState<B> {
     data: BytesMut,
     omitted: bool,
     trailers: Option<HeaderMap>,
+    /// The body's length when the server will stop at it (HTTP/1 with an exact size or a
+    /// Content-Length): the frame that reaches it is the last, whether or not the body says so.
+    stops_at: Option<u64>,
+    seen: u64,
+    /// For gRPC-Web: the last data frame, where the trailers frame is (used when the body is too
+    /// large to keep).
+    last_chunk: Option<Bytes>,
+    grpc_web: bool,
     drain_on_drop: fn(RecState<B>),
 }
 
@@ -235,6 +251,7 @@ where
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
+    /// `http1`: the response goes out over HTTP/1, where the server stops at the body's length.
     pub(crate) fn new(
         body: B,
         claim: Claim,
@@ -242,7 +259,18 @@ where
         fingerprint: Fingerprint,
         status: StatusCode,
         headers: HeaderMap,
+        http1: bool,
     ) -> Self {
+        let stops_at = http1
+            .then(|| {
+                body.size_hint().exact().or_else(|| {
+                    headers
+                        .get(CONTENT_LENGTH)
+                        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+                })
+            })
+            .flatten();
+        let grpc_web = is_grpc_web(&headers);
         Recorder {
             finishing: None,
             st: Some(RecState {
@@ -255,17 +283,36 @@ where
                 data: BytesMut::new(),
                 omitted: false,
                 trailers: None,
+                stops_at,
+                seen: 0,
+                last_chunk: None,
+                grpc_web,
                 drain_on_drop: drain_on_drop::<B>,
             }),
+        }
+    }
+
+    /// True when the body has nothing to send: a server never polls it, so the record must be
+    /// stored before the response head goes out.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.st
+            .as_ref()
+            .is_some_and(|st| st.body.is_end_stream() || st.stops_at == Some(0))
+    }
+
+    /// Stores the record of an empty body now (see [`is_empty`](Self::is_empty)).
+    pub(crate) async fn finish_empty(&mut self) {
+        if let Some(st) = self.st.take() {
+            st.finish().await;
         }
     }
 
     fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         loop {
             if let Some(finishing) = self.finishing.as_mut() {
-                ready!(finishing.as_mut().poll(cx));
-                self.finishing = None;
-                return Poll::Ready(None);
+                ready!(finishing.store.as_mut().poll(cx));
+                let then = self.finishing.take().and_then(|f| f.then);
+                return Poll::Ready(then.map(Ok));
             }
             let Some(st) = self.st.as_mut() else {
                 return Poll::Ready(None);
@@ -273,7 +320,15 @@ where
             match ready!(st.body.as_mut().poll_frame(cx)) {
                 Some(Ok(frame)) => {
                     st.observe(&frame);
-                    return Poll::Ready(Some(Ok(frame)));
+                    if !st.is_last(&frame) {
+                        return Poll::Ready(Some(Ok(frame)));
+                    }
+                    if let Some(st) = self.st.take() {
+                        self.finishing = Some(Finishing {
+                            store: Box::pin(st.finish()),
+                            then: Some(frame),
+                        });
+                    }
                 }
                 Some(Err(e)) => {
                     if let Some(st) = self.st.take() {
@@ -283,10 +338,27 @@ where
                 }
                 None => {
                     if let Some(st) = self.st.take() {
-                        self.finishing = Some(Box::pin(st.finish()));
+                        self.finishing = Some(Finishing {
+                            store: Box::pin(st.finish()),
+                            then: None,
+                        });
                     }
                 }
             }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.st.is_none() && self.finishing.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match (&self.st, &self.finishing) {
+            (Some(st), _) => st.body.size_hint(),
+            (None, Some(Finishing { then: Some(f), .. })) => {
+                SizeHint::with_exact(f.data_ref().map_or(0, |d| d.len() as u64))
+            }
+            (None, _) => SizeHint::with_exact(0),
         }
     }
 }
@@ -298,6 +370,10 @@ where
 {
     fn observe(&mut self, frame: &Frame<Bytes>) {
         if let Some(d) = frame.data_ref() {
+            self.seen += d.len() as u64;
+            if self.grpc_web && !d.is_empty() {
+                self.last_chunk = Some(d.clone());
+            }
             if !self.omitted {
                 if self.data.len() + d.len() > self.config.max_record_bytes {
                     self.omitted = true;
@@ -314,13 +390,25 @@ where
         }
     }
 
+    /// Is `frame` (just observed) the last one the server will take?
+    fn is_last(&self, frame: &Frame<Bytes>) -> bool {
+        frame.is_trailers()
+            || self.body.is_end_stream()
+            || self.stops_at.is_some_and(|len| self.seen >= len)
+    }
+
     /// The body ended: record it if the table allows, else release.
     async fn finish(self) {
-        let code = classify(
-            &self.config,
+        let kept: &[u8] = match (&self.last_chunk, self.omitted) {
+            (Some(last), true) => last,
+            _ => &self.data,
+        };
+        let code = classify::at_end(
+            &self.config.reasons,
             self.status,
             &self.headers,
             self.trailers.as_ref(),
+            kept,
         );
         if self.config.table.may_record(code) {
             let record = Record {
@@ -362,10 +450,10 @@ impl<B> Drop for Recorder<B> {
     fn drop(&mut self) {
         // Dropped while storing the record: let the store operation finish.
         if let Some(finishing) = self.finishing.take() {
-            spawn_detached(finishing);
+            spawn_detached(finishing.store);
         }
-        // Dropped before the end: the client went away mid-body. Either drain the rest and
-        // record it, or drop the claim (which releases it).
+        // Dropped before the final frame: the client went away mid-body. Either drain the rest
+        // and record it, or drop the claim (which releases it).
         if let Some(st) = self.st.take() {
             if st.config.on_disconnect == OnDisconnect::Complete {
                 let drain = st.drain_on_drop;
@@ -384,28 +472,4 @@ where
 {
     tracing::debug!("idempotency: client went away mid-body; finishing the record in a task");
     spawn_detached(st.drain());
-}
-
-/// The code of a finished response: a reason code first, then `grpc-status` (headers, then
-/// trailers) for gRPC responses, else the HTTP status.
-pub(crate) fn classify(
-    config: &Config,
-    status: StatusCode,
-    headers: &HeaderMap,
-    trailers: Option<&HeaderMap>,
-) -> Code {
-    if let Some(code) = config.reasons.classify(headers) {
-        return code;
-    }
-    if is_grpc(headers) {
-        let found = headers
-            .get(GRPC_STATUS)
-            .or_else(|| trailers.and_then(|t| t.get(GRPC_STATUS)));
-        return match found.map(parse_grpc_status) {
-            Some(Ok(code)) => code,
-            // A gRPC response without a readable status is not a success.
-            _ => Code::Unknown,
-        };
-    }
-    Code::from_http_status(status)
 }

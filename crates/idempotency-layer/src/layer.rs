@@ -1,137 +1,32 @@
-//! [`IdempotencyLayer`]: configuration and the tower `Layer`.
+//! [`IdempotencyLayer`]: the builder and the tower `Layer`.
 
-use std::collections::HashSet;
-use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, Method, Uri};
-use reason_code::{ReasonCodes, RetryTable, IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY};
+use reason_code::{ReasonCodes, RetryTable};
 use tower_layer::Layer;
 
-use crate::claim::Renewals;
+use crate::config::{Config, InFlight, OnDisconnect, TenantSource};
 use crate::key::Scope;
-use crate::metrics::{Counters, Metrics};
+use crate::metrics::Metrics;
 use crate::service::Idempotency;
+use crate::shared::Shared;
 use crate::store::{IdempotencyStore, MemoryStore, StoreError};
-use crate::waiters::Waiters;
-
-/// The default of [`IdempotencyLayer::max_waiters`].
-const DEFAULT_MAX_WAITERS: usize = 1024;
-
-/// What a duplicate does when the first request with its key is still running.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum InFlight {
-    /// Wait for the first request (bounded by the request's `grpc-timeout` and
-    /// [`max_wait`](IdempotencyLayer::max_wait)) and answer with its outcome. The default.
-    #[default]
-    Wait,
-    /// Answer 409 / ABORTED with `Retry-After` at once.
-    Reject,
-}
-
-/// What happens to the first request's handler when its client goes away.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum OnDisconnect {
-    /// Drive the handler and its response body to completion in a spawned tokio task and record
-    /// the outcome, so the client's retry gets the replay. The default.
-    #[default]
-    Complete,
-    /// Drop the handler (cancelling it) and release the claim, so a retry executes again.
-    Release,
-}
-
-/// Where the tenant of a request comes from.
-#[derive(Clone, Debug)]
-pub(crate) enum TenantSource {
-    /// The [`Tenant`](crate::Tenant) extension; none means 401 / UNAUTHENTICATED.
-    Required,
-    /// The [`Tenant`](crate::Tenant) extension, or this tenant when there is none.
-    Default(Arc<str>),
-    /// A request header (opt-in: clients choose it).
-    Header(HeaderName),
-}
-
-type WritePredicate = Arc<dyn Fn(&Method, &Uri, &HeaderMap) -> bool + Send + Sync>;
-
-#[derive(Clone)]
-pub(crate) struct Config {
-    pub(crate) key_headers: Vec<HeaderName>,
-    pub(crate) ttl: Duration,
-    pub(crate) lease: Duration,
-    pub(crate) in_flight: InFlight,
-    pub(crate) max_wait: Duration,
-    pub(crate) max_waiters: usize,
-    pub(crate) waiters: Arc<Waiters>,
-    pub(crate) max_request_bytes: usize,
-    pub(crate) max_record_bytes: usize,
-    pub(crate) fail_open: bool,
-    pub(crate) key_optional: bool,
-    pub(crate) is_write: Option<WritePredicate>,
-    pub(crate) idempotent_grpc: HashSet<String>,
-    pub(crate) tenant: TenantSource,
-    pub(crate) table: RetryTable,
-    pub(crate) reasons: ReasonCodes,
-    pub(crate) on_disconnect: OnDisconnect,
-    pub(crate) counters: Arc<Counters>,
-    /// The claims this layer holds, renewed by one task (for the layer's one store).
-    pub(crate) renewals: Arc<Renewals>,
-}
-
-impl Config {
-    pub(crate) fn is_write(
-        &self,
-        method: &Method,
-        uri: &Uri,
-        headers: &HeaderMap,
-        grpc: bool,
-    ) -> bool {
-        if let Some(p) = &self.is_write {
-            return p(method, uri, headers);
-        }
-        if grpc {
-            !self.idempotent_grpc.contains(uri.path())
-        } else {
-            method == Method::POST || method == Method::PATCH
-        }
-    }
-
-    pub(crate) fn key_header_name(&self) -> &str {
-        self.key_headers
-            .first()
-            .map_or("x-idempotency-key", HeaderName::as_str)
-    }
-}
-
-impl fmt::Debug for Config {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Config")
-            .field("key_headers", &self.key_headers)
-            .field("ttl", &self.ttl)
-            .field("lease", &self.lease)
-            .field("in_flight", &self.in_flight)
-            .field("max_wait", &self.max_wait)
-            .field("max_waiters", &self.max_waiters)
-            .field("max_request_bytes", &self.max_request_bytes)
-            .field("max_record_bytes", &self.max_record_bytes)
-            .field("fail_open", &self.fail_open)
-            .field("key_optional", &self.key_optional)
-            .field("custom_is_write", &self.is_write.is_some())
-            .field("idempotent_grpc", &self.idempotent_grpc)
-            .field("tenant", &self.tenant)
-            .field("on_disconnect", &self.on_disconnect)
-            .finish_non_exhaustive()
-    }
-}
 
 /// The tower [`Layer`] that makes duplicate writes execute once per tenant + method + key.
 ///
 /// See the [crate docs](crate) for what it does and an example. Every builder method consumes
-/// and returns the layer; clones share the store and the [metrics](Self::metrics).
+/// and returns the layer.
+///
+/// Cloning the layer shares the store, the [metrics](Self::metrics), the
+/// [`max_waiters`](Self::max_waiters) bound and the task that renews leases; a setter called on
+/// a clone changes that clone's settings only.
 #[derive(Clone, Debug)]
 pub struct IdempotencyLayer<St = MemoryStore> {
     store: St,
     config: Arc<Config>,
+    shared: Arc<Shared>,
 }
 
 impl Default for IdempotencyLayer<MemoryStore> {
@@ -150,27 +45,8 @@ impl<St> IdempotencyLayer<St> {
     pub fn new(store: St) -> Self {
         IdempotencyLayer {
             store,
-            config: Arc::new(Config {
-                key_headers: vec![X_IDEMPOTENCY_KEY, IDEMPOTENCY_KEY],
-                ttl: Duration::from_secs(24 * 3600),
-                lease: Duration::from_secs(30),
-                in_flight: InFlight::Wait,
-                max_wait: Duration::from_secs(30),
-                max_waiters: DEFAULT_MAX_WAITERS,
-                waiters: Arc::default(),
-                max_request_bytes: 1024 * 1024,
-                max_record_bytes: 1024 * 1024,
-                fail_open: false,
-                key_optional: false,
-                is_write: None,
-                idempotent_grpc: HashSet::new(),
-                tenant: TenantSource::Required,
-                table: RetryTable::default(),
-                reasons: ReasonCodes::default(),
-                on_disconnect: OnDisconnect::Complete,
-                counters: Arc::default(),
-                renewals: Arc::default(),
-            }),
+            config: Arc::new(Config::default()),
+            shared: Arc::default(),
         }
     }
 
@@ -183,10 +59,10 @@ impl<St> IdempotencyLayer<St> {
     pub fn with_store<St2>(self, store: St2) -> IdempotencyLayer<St2> {
         // The renewal task of a layer renews through the layer's store: another store, another
         // set of claims.
-        let this = self.config(|c| c.renewals = Arc::default());
         IdempotencyLayer {
             store,
-            config: this.config,
+            shared: Arc::new(self.shared.for_another_store()),
+            config: self.config,
         }
     }
 
@@ -224,14 +100,18 @@ impl<St> IdempotencyLayer<St> {
     }
 
     /// The longest a duplicate waits for the first request (default 30 s); a gRPC request's
-    /// `grpc-timeout` shortens it. When it runs out the duplicate gets 409 / ABORTED.
+    /// `grpc-timeout` shortens it. When it runs out the duplicate gets 409 / ABORTED with
+    /// `Retry-After` and the reason code
+    /// [`IDEMPOTENCY_IN_FLIGHT`](reason_code::IDEMPOTENCY_IN_FLIGHT), which `retry-layer`
+    /// retries unchanged after the pushback.
     pub fn max_wait(self, max: Duration) -> Self {
         self.config(|c| c.max_wait = max)
     }
 
     /// The most duplicates of one key (one scope) that wait at once in this layer and its clones
-    /// (default 1024). Past it, further duplicates get 409 / ABORTED with `Retry-After` at once,
-    /// as with [`InFlight::Reject`], instead of holding their request body and a task each: a
+    /// (default 1024). Past it, further duplicates get 409 / ABORTED with `Retry-After` (and the
+    /// reason code [`IDEMPOTENCY_IN_FLIGHT`](reason_code::IDEMPOTENCY_IN_FLIGHT)) at once, as
+    /// with [`InFlight::Reject`], instead of holding their request body and a task each: a
     /// flood of duplicates of one key cannot grow the server's memory past about
     /// `max_waiters` x [`max_request_bytes`](Self::max_request_bytes). Other keys are
     /// unaffected. `0` makes every duplicate in flight get 409 / ABORTED.
@@ -239,7 +119,9 @@ impl<St> IdempotencyLayer<St> {
         self.config(|c| c.max_waiters = max)
     }
 
-    /// The largest request body of a write (default 1 MiB); larger: 413 / RESOURCE_EXHAUSTED.
+    /// The largest request body of a write (default 1 MiB); larger: 413 / RESOURCE_EXHAUSTED
+    /// with the reason code [`REQUEST_TOO_LARGE`](reason_code::REQUEST_TOO_LARGE), which no
+    /// client retries (it can never fit).
     pub fn max_request_bytes(self, max: usize) -> Self {
         self.config(|c| c.max_request_bytes = max)
     }
@@ -247,6 +129,11 @@ impl<St> IdempotencyLayer<St> {
     /// The largest response body recorded (default 1 MiB). A larger response still streams to
     /// its client in full, but is recorded as status and headers only, and its replays carry
     /// `idempotent-body-omitted: true`.
+    ///
+    /// A gRPC client cannot use a replay without its message (a unary call would fail with
+    /// INTERNAL "missing response message"), so over gRPC such a replay answers
+    /// ALREADY_EXISTS, with a `grpc-message` saying that the write was executed once and its
+    /// response was too large to keep: a final answer that no client retries.
     pub fn max_record_bytes(self, max: usize) -> Self {
         self.config(|c| c.max_record_bytes = max)
     }
@@ -273,7 +160,8 @@ impl<St> IdempotencyLayer<St> {
     }
 
     /// gRPC methods (paths such as `/library.Library/GetBook`) that are reads: they pass
-    /// through.
+    /// through. Health checks (`/grpc.health.v1.Health/*`) and server reflection
+    /// (`/grpc.reflection.v1.ServerReflection/*`, `v1alpha`) always pass through.
     ///
     /// Declare streaming-request methods here too (or exclude them with
     /// [`is_write`](Self::is_write)): the request body of a write is read in full, up to
@@ -322,7 +210,7 @@ impl<St> IdempotencyLayer<St> {
 
     /// The counters of every service this layer (and its clones) made.
     pub fn metrics(&self) -> Metrics {
-        self.config.counters.snapshot()
+        self.shared.counters.snapshot()
     }
 }
 
@@ -353,6 +241,11 @@ impl<S, St: Clone> Layer<S> for IdempotencyLayer<St> {
     type Service = Idempotency<S, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Idempotency::new(inner, self.store.clone(), self.config.clone())
+        Idempotency::new(
+            inner,
+            self.store.clone(),
+            self.config.clone(),
+            self.shared.clone(),
+        )
     }
 }

@@ -165,21 +165,27 @@
 
 mod body;
 mod claim;
+mod classify;
+mod config;
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
 mod future;
 mod key;
 mod layer;
 mod metrics;
+mod protocol;
 mod reject;
+mod renewal;
 mod service;
+mod shared;
 pub mod store;
-mod waiters;
+mod wait_limit;
 
 pub use body::{IdempotencyBody, RequestBody};
+pub use config::{InFlight, OnDisconnect};
 pub use future::ResponseFuture;
 pub use key::{validate_key, KeyError, Scope, Tenant};
-pub use layer::{IdempotencyLayer, InFlight, OnDisconnect};
+pub use layer::IdempotencyLayer;
 pub use metrics::{Metrics, RejectReason};
 pub use reason_code::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY};
 pub use service::Idempotency;

@@ -3,11 +3,15 @@
 
 use bytes::Bytes;
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
-use http::{HeaderValue, Response, StatusCode};
-use reason_code::{encode_grpc_message, Code, GRPC_MESSAGE, GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS};
+use http::{HeaderName, HeaderValue, Response, StatusCode};
+use reason_code::{
+    encode_grpc_message, Code, GRPC_MESSAGE, GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS,
+    IDEMPOTENCY_IN_FLIGHT, REQUEST_TOO_LARGE,
+};
 
 use crate::body::IdempotencyBody;
 use crate::metrics::RejectReason;
+use crate::protocol::Protocol;
 
 impl RejectReason {
     /// The HTTP status and gRPC code this rejection is answered with.
@@ -39,6 +43,17 @@ impl RejectReason {
         }
     }
 
+    /// The reason code that tells a client how to read this answer where its status alone is
+    /// ambiguous: a 409 / ABORTED in flight is not a business conflict, and a 413 /
+    /// RESOURCE_EXHAUSTED too large is not a rate limit.
+    pub const fn reason_code(self) -> Option<&'static str> {
+        match self {
+            RejectReason::InFlight => Some(IDEMPOTENCY_IN_FLIGHT),
+            RejectReason::TooLarge => Some(REQUEST_TOO_LARGE),
+            _ => None,
+        }
+    }
+
     const fn retry_after(self) -> bool {
         matches!(
             self,
@@ -47,18 +62,24 @@ impl RejectReason {
     }
 }
 
-/// Builds the response for a rejection, in the request's protocol.
+/// Builds the response for a rejection, in the request's protocol, with its reason code (if it
+/// has one) in `reason_header`.
 pub(crate) fn reject<B>(
     reason: RejectReason,
     detail: &str,
-    grpc: bool,
+    protocol: &Protocol,
+    reason_header: &HeaderName,
 ) -> Response<IdempotencyBody<B>> {
     let (status, code) = reason.status();
     tracing::debug!(reason = reason.as_str(), detail, "idempotency: rejected");
-    let mut res = if grpc {
+    let mut res = if protocol.is_grpc() {
         let mut res = Response::new(IdempotencyBody::empty());
         let h = res.headers_mut();
-        h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        let content_type = match protocol {
+            Protocol::GrpcWeb(ct) => ct.clone(),
+            _ => HeaderValue::from_static("application/grpc"),
+        };
+        h.insert(CONTENT_TYPE, content_type);
         h.insert(GRPC_STATUS, HeaderValue::from_static(code.as_header_str()));
         h.insert(GRPC_MESSAGE, encode_grpc_message(detail));
         if reason.retry_after() {
@@ -85,5 +106,67 @@ pub(crate) fn reject<B>(
         res.headers_mut()
             .insert(RETRY_AFTER, HeaderValue::from_static("1"));
     }
+    if let Some(code) = reason.reason_code() {
+        res.headers_mut()
+            .insert(reason_header.clone(), HeaderValue::from_static(code));
+    }
     res
+}
+
+#[cfg(test)]
+mod tests {
+    use http::HeaderMap;
+    use reason_code::{
+        parse_grpc_status, Outcome, ReasonCodes, RetryTable, Verdict, X_REASON_CODE,
+    };
+
+    use super::*;
+
+    /// The client's reading of a response head, as `retry-layer` classifies it: reason code,
+    /// then `grpc-status` of a trailers-only response, then the HTTP status.
+    fn client_code(headers: &HeaderMap, status: StatusCode, grpc: bool) -> Code {
+        if let Some(code) = ReasonCodes::empty().classify(headers) {
+            return code;
+        }
+        if grpc {
+            return parse_grpc_status(&headers[GRPC_STATUS]).unwrap();
+        }
+        Code::from_http_status(status)
+    }
+
+    /// Every answer the layer makes itself, in every protocol, read by the client's table for a
+    /// keyed write: retried exactly when nothing ran and a later attempt can succeed.
+    #[test]
+    fn every_rejection_gets_the_client_verdict_it_needs() {
+        let protocols = [
+            Protocol::Http,
+            Protocol::Grpc,
+            Protocol::GrpcWeb(HeaderValue::from_static("application/grpc-web+proto")),
+        ];
+        for reason in RejectReason::ALL {
+            let retry = matches!(
+                reason,
+                RejectReason::InFlight | RejectReason::StoreUnavailable
+            );
+            for protocol in &protocols {
+                let res = reject::<()>(reason, "detail", protocol, &X_REASON_CODE);
+                let code = client_code(res.headers(), res.status(), protocol.is_grpc());
+                let verdict = RetryTable::default().verdict(Outcome::Status(code), true);
+                let expected = if retry {
+                    Verdict::Retry
+                } else {
+                    Verdict::Final
+                };
+                assert_eq!(
+                    verdict, expected,
+                    "{reason:?} over {protocol:?} read as {code}"
+                );
+                assert_eq!(
+                    res.headers().contains_key(RETRY_AFTER),
+                    retry,
+                    "{reason:?}: a retryable answer says when"
+                );
+            }
+        }
+    }
 }

@@ -9,12 +9,12 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use futures_util::FutureExt;
-use http::header::CONTENT_LENGTH;
-use http::{HeaderValue, Request, Response};
+use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
+use http::{HeaderValue, Request, Response, Version};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use reason_code::{
-    is_grpc, parse_grpc_status, parse_grpc_timeout, Code, GRPC_STATUS, GRPC_TIMEOUT,
+    encode_grpc_message, parse_grpc_timeout, Code, GRPC_MESSAGE, GRPC_STATUS, GRPC_TIMEOUT,
     IDEMPOTENT_REPLAYED,
 };
 use tokio::time::Instant;
@@ -22,11 +22,14 @@ use tower_service::Service;
 
 use crate::body::{IdempotencyBody, Recorder, RequestBody};
 use crate::claim::{log_store_error, spawn_detached, Claim};
+use crate::classify;
+use crate::config::{Config, InFlight, OnDisconnect, TenantSource};
 use crate::future::ResponseFuture;
 use crate::key::{extract_key, fingerprint, Scope, Tenant};
-use crate::layer::{Config, InFlight, OnDisconnect, TenantSource};
 use crate::metrics::{Metrics, RejectReason};
+use crate::protocol::Protocol;
 use crate::reject::reject;
+use crate::shared::Shared;
 use crate::store::{
     Begin, BoxError, Fingerprint, IdempotencyStore, MemoryStore, Record, ScopeKey, StoreError,
 };
@@ -41,6 +44,7 @@ pub struct Idempotency<S, St = MemoryStore> {
     inner: S,
     store: St,
     config: Arc<Config>,
+    shared: Arc<Shared>,
 }
 
 impl<S: Clone, St: Clone> Clone for Idempotency<S, St> {
@@ -49,6 +53,7 @@ impl<S: Clone, St: Clone> Clone for Idempotency<S, St> {
             inner: self.inner.clone(),
             store: self.store.clone(),
             config: self.config.clone(),
+            shared: self.shared.clone(),
         }
     }
 }
@@ -64,11 +69,12 @@ impl<S: fmt::Debug, St: fmt::Debug> fmt::Debug for Idempotency<S, St> {
 }
 
 impl<S, St> Idempotency<S, St> {
-    pub(crate) fn new(inner: S, store: St, config: Arc<Config>) -> Self {
+    pub(crate) fn new(inner: S, store: St, config: Arc<Config>, shared: Arc<Shared>) -> Self {
         Idempotency {
             inner,
             store,
             config,
+            shared,
         }
     }
 
@@ -89,7 +95,7 @@ impl<S, St> Idempotency<S, St> {
 
     /// The layer's counters (shared with the layer and every clone).
     pub fn metrics(&self) -> Metrics {
-        self.config.counters.snapshot()
+        self.shared.counters.snapshot()
     }
 }
 
@@ -113,24 +119,26 @@ where
     }
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
-        // `self.inner` is the service that `poll_ready` drove to readiness: take it into the
-        // call and leave a fresh clone in its place ("Be careful when cloning inner services",
-        // tower-service docs).
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
         let cfg = &self.config;
-        let grpc = is_grpc(req.headers());
-        if !cfg.is_write(req.method(), req.uri(), req.headers(), grpc) {
+        let protocol = Protocol::of(req.headers());
+        if !cfg.is_write(req.method(), req.uri(), req.headers(), protocol.is_grpc()) {
+            // `self.inner` is the service that `poll_ready` drove to readiness: take it into the
+            // call and leave a fresh clone in its place ("Be careful when cloning inner
+            // services", tower-service docs).
+            let clone = self.inner.clone();
+            let mut inner = std::mem::replace(&mut self.inner, clone);
             return ResponseFuture::passthrough(inner.call(req.map(RequestBody::streaming)));
         }
         let rejected = |reason: RejectReason, detail: &str| {
-            cfg.counters.rejected(reason);
-            ResponseFuture::ready(reject(reason, detail, grpc))
+            self.shared.counters.rejected(reason);
+            ResponseFuture::ready(reject(reason, detail, &protocol, cfg.reasons.header_name()))
         };
         let key = match extract_key(req.headers(), &cfg.key_headers) {
             Ok(Some(key)) => key.to_owned(),
             Ok(None) if cfg.key_optional => {
-                return ResponseFuture::passthrough(inner.call(req.map(RequestBody::streaming)))
+                let clone = self.inner.clone();
+                let mut inner = std::mem::replace(&mut self.inner, clone);
+                return ResponseFuture::passthrough(inner.call(req.map(RequestBody::streaming)));
             }
             Ok(None) => {
                 let detail = format!("write operations require {}", cfg.key_header_name());
@@ -147,21 +155,25 @@ where
                 )
             }
         };
-        let method = if grpc {
+        let method = if protocol.is_grpc() {
             Scope::grpc(req.uri().path())
         } else {
             Scope::http(req.method(), req.uri().path())
         };
         let scope = Scope::new(&tenant, &method, &key).key();
-        let fut = run(
-            inner,
-            self.store.clone(),
-            self.config.clone(),
-            req,
+        // A write may wait for a duplicate in flight before (if ever) it runs the handler, so it
+        // must not hold the capacity `poll_ready` reserved (a `ConcurrencyLimit` permit, a
+        // `Buffer` slot) while it waits: that stays with `self.inner` for the next call, and the
+        // write readies a clone of its own only if it leads.
+        let write = Write {
+            inner: self.inner.clone(),
+            store: self.store.clone(),
+            config: self.config.clone(),
+            shared: self.shared.clone(),
             scope,
-            grpc,
-        );
-        ResponseFuture::managed(Box::pin(fut))
+            protocol,
+        };
+        ResponseFuture::managed(Box::pin(write.handle(req)))
     }
 }
 
@@ -189,206 +201,241 @@ struct Panicked;
 
 type Answer<B, E> = Result<Response<IdempotencyBody<B>>, E>;
 
-/// The flow of one write, after its key and tenant were accepted.
-async fn run<S, St, ReqB, ResB>(
+/// One write whose key and tenant were accepted: everything its flow needs, owned, so the flow
+/// can outlive the request (a leader whose client went away is finished in a task).
+struct Write<S, St> {
+    /// A clone of the inner service, not yet ready: readied only if this write leads.
     inner: S,
     store: St,
-    cfg: Arc<Config>,
-    req: Request<ReqB>,
+    config: Arc<Config>,
+    shared: Arc<Shared>,
     scope: ScopeKey,
-    grpc: bool,
-) -> Answer<ResB, S::Error>
-where
-    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    St: IdempotencyStore,
-    ReqB: Body<Data = Bytes> + Send + 'static,
-    ReqB::Error: Into<BoxError>,
-    ResB: Body<Data = Bytes> + Send + 'static,
-    ResB::Error: Into<BoxError>,
-{
-    let counters = &cfg.counters;
-    let rejected = |reason: RejectReason, detail: &str| {
-        counters.rejected(reason);
-        Ok(reject(reason, detail, grpc))
-    };
-    let (parts, body) = req.into_parts();
-    let wait = parts
-        .headers
-        .get(GRPC_TIMEOUT)
-        .and_then(|v| parse_grpc_timeout(v).ok())
-        .map_or(cfg.max_wait, |t| t.min(cfg.max_wait));
-    let deadline = Instant::now() + wait;
+    protocol: Protocol,
+}
 
-    let too_large = || {
-        format!(
-            "request body is larger than {} bytes; send a smaller request",
-            cfg.max_request_bytes
+impl<S, St> Write<S, St> {
+    fn reject<B>(&self, reason: RejectReason, detail: &str) -> Response<IdempotencyBody<B>> {
+        self.shared.counters.rejected(reason);
+        reject(
+            reason,
+            detail,
+            &self.protocol,
+            self.config.reasons.header_name(),
         )
-    };
-    let declared = parts
-        .headers
-        .get(CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > cfg.max_request_bytes as u64) {
-        return rejected(RejectReason::TooLarge, &too_large());
-    }
-    let bytes = match Limited::new(body, cfg.max_request_bytes).collect().await {
-        Ok(c) => c.to_bytes(),
-        Err(e) if e.is::<LengthLimitError>() => {
-            return rejected(RejectReason::TooLarge, &too_large())
-        }
-        Err(e) => {
-            return rejected(
-                RejectReason::BadBody,
-                &format!("request body could not be read: {e}"),
-            )
-        }
-    };
-    let fp = fingerprint(&parts, &bytes);
-    let mismatch = "this idempotency key was used with a different request (method, path, query, \
-                    content type or body); use a new key for a new request";
-
-    let mut waited = false;
-    // This request's place among the waiters of its scope, held while it waits.
-    let mut slot = None;
-    loop {
-        match store.begin(scope, fp, cfg.lease).await {
-            Ok(Begin::New(token)) => {
-                drop(slot.take());
-                let claim = Claim::new(
-                    store.clone(),
-                    scope,
-                    token,
-                    cfg.ttl,
-                    cfg.lease,
-                    cfg.counters.clone(),
-                    &cfg.renewals,
-                );
-                let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-                return lead(inner, cfg.clone(), req, claim, fp, grpc).await;
-            }
-            Ok(Begin::Completed(record)) => {
-                if record.fingerprint != fp {
-                    return rejected(RejectReason::Mismatch, mismatch);
-                }
-                counters.replayed();
-                tracing::debug!(?scope, waited, "idempotency: replayed");
-                return Ok(replay(&record));
-            }
-            Ok(Begin::InFlight { token, fingerprint }) => {
-                if fingerprint != fp {
-                    return rejected(RejectReason::Mismatch, mismatch);
-                }
-                if cfg.in_flight == InFlight::Reject {
-                    return rejected(
-                        RejectReason::InFlight,
-                        "a request with this idempotency key is in flight; retry after it completes",
-                    );
-                }
-                if slot.is_none() {
-                    slot = cfg.waiters.enter(scope, cfg.max_waiters);
-                    if slot.is_none() {
-                        return rejected(
-                            RejectReason::InFlight,
-                            "too many requests with this idempotency key are waiting for the \
-                             one in flight; retry after it completes",
-                        );
-                    }
-                }
-                if !waited {
-                    waited = true;
-                    counters.waited();
-                    tracing::debug!(?scope, "idempotency: waiting for the request in flight");
-                }
-                match tokio::time::timeout_at(deadline, store.wait(scope, token)).await {
-                    Ok(Ok(())) => continue,
-                    Ok(Err(e)) => {
-                        log_store_error(counters, "wait", &e);
-                        return rejected(
-                            RejectReason::StoreUnavailable,
-                            "idempotency store unavailable while waiting; retry later",
-                        );
-                    }
-                    Err(_) => {
-                        return rejected(
-                            RejectReason::InFlight,
-                            "a request with this idempotency key is still in flight; retry later",
-                        )
-                    }
-                }
-            }
-            Err(StoreError::Corrupt(what)) => {
-                // Not an outage: retrying cannot help and executing could run the write twice,
-                // so neither fail open nor answer a retryable 503. The key stays unusable until
-                // its entry expires or an operator forgets it.
-                counters.store_error();
-                tracing::error!(?scope, error = %what, "idempotency: the stored entry of this key is corrupt; nothing executed");
-                let detail = format!(
-                    "the stored record of this idempotency key cannot be read (corrupt entry \
-                     {scope:?}); nothing was executed: use a new key, or have an operator \
-                     forget this one"
-                );
-                return rejected(RejectReason::Internal, &detail);
-            }
-            Err(e) => {
-                log_store_error(counters, "begin", &e);
-                if cfg.fail_open {
-                    counters.failed_open();
-                    tracing::warn!(error = %e, "idempotency: store failed; executing without protection (fail_open)");
-                    let mut inner = inner;
-                    let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-                    let res = inner.call(req).await?;
-                    return Ok(res.map(IdempotencyBody::inner));
-                }
-                return rejected(
-                    RejectReason::StoreUnavailable,
-                    "idempotency store unavailable; nothing was executed, retry later",
-                );
-            }
-        }
     }
 }
 
-/// Runs the handler as the leader of a scope.
-async fn lead<S, ReqB, ResB>(
-    inner: S,
-    cfg: Arc<Config>,
-    req: Request<RequestBody<ReqB>>,
-    claim: Claim,
-    fp: Fingerprint,
-    grpc: bool,
-) -> Answer<ResB, S::Error>
+impl<S, St> Write<S, St>
 where
-    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    ReqB: Send + 'static,
-    ResB: Body<Data = Bytes> + Send + 'static,
-    ResB::Error: Into<BoxError>,
+    St: IdempotencyStore,
 {
-    cfg.counters.executed();
-    tracing::debug!("idempotency: executing");
-    let out = match cfg.on_disconnect {
-        OnDisconnect::Complete => {
-            // The handler runs in this future, and moves to a task of its own only if this
-            // future is dropped first (the client went away): it then completes, and an unsent
-            // response's body is drained and recorded by the recorder's drop. (A task per
-            // execution cost more than the rest of the layer; see BENCHMARKS.md.)
-            DetachOnDrop(Some(Box::pin(execute(inner, req, claim, cfg.clone(), fp)))).await
+    /// The flow of one write: read and fingerprint the body, then claim the scope and run the
+    /// handler, or replay the record, or wait for the request in flight.
+    async fn handle<ReqB, ResB>(self, req: Request<ReqB>) -> Answer<ResB, S::Error>
+    where
+        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Send + 'static,
+        ReqB: Body<Data = Bytes> + Send + 'static,
+        ReqB::Error: Into<BoxError>,
+        ResB: Body<Data = Bytes> + Send + 'static,
+        ResB::Error: Into<BoxError>,
+    {
+        let cfg = &*self.config;
+        let counters = &self.shared.counters;
+        let scope = self.scope;
+        let (parts, body) = req.into_parts();
+        let wait = parts
+            .headers
+            .get(GRPC_TIMEOUT)
+            .and_then(|v| parse_grpc_timeout(v).ok())
+            .map_or(cfg.max_wait, |t| t.min(cfg.max_wait));
+        let deadline = Instant::now().checked_add(wait);
+
+        let too_large = || {
+            format!(
+                "request body is larger than {} bytes; send a smaller request",
+                cfg.max_request_bytes
+            )
+        };
+        let declared = parts
+            .headers
+            .get(CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > cfg.max_request_bytes as u64) {
+            return Ok(self.reject(RejectReason::TooLarge, &too_large()));
         }
-        OnDisconnect::Release => execute(inner, req, claim, cfg.clone(), fp).await,
-    };
-    match out {
-        Ok(answer) => answer,
-        Err(Panicked) => {
-            cfg.counters.rejected(RejectReason::Internal);
-            Ok(reject(
-                RejectReason::Internal,
-                "the handler failed; nothing was recorded, a retry executes again",
-                grpc,
-            ))
+        let bytes = match Limited::new(body, cfg.max_request_bytes).collect().await {
+            Ok(c) => c.to_bytes(),
+            Err(e) if e.is::<LengthLimitError>() => {
+                return Ok(self.reject(RejectReason::TooLarge, &too_large()))
+            }
+            Err(e) => {
+                return Ok(self.reject(
+                    RejectReason::BadBody,
+                    &format!("request body could not be read: {e}"),
+                ))
+            }
+        };
+        let fp = fingerprint(&parts, &bytes);
+        let mismatch = "this idempotency key was used with a different request (method, path, \
+                        query, content type or body); use a new key for a new request";
+
+        let mut waited = false;
+        // This request's place among the waiters of its scope, held while it waits.
+        let mut slot = None;
+        loop {
+            match self.store.begin(scope, fp, cfg.lease).await {
+                Ok(Begin::New(token)) => {
+                    drop(slot.take());
+                    let claim = Claim::new(
+                        self.store.clone(),
+                        scope,
+                        token,
+                        cfg.ttl,
+                        cfg.lease,
+                        &self.shared,
+                    );
+                    let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                    return self.run_as_leader(req, claim, fp).await;
+                }
+                Ok(Begin::Completed(record)) => {
+                    if record.fingerprint != fp {
+                        return Ok(self.reject(RejectReason::Mismatch, mismatch));
+                    }
+                    counters.replayed();
+                    tracing::debug!(?scope, waited, "idempotency: replayed");
+                    return Ok(replay(&record, &self.protocol, cfg.max_record_bytes));
+                }
+                Ok(Begin::InFlight { token, fingerprint }) => {
+                    if fingerprint != fp {
+                        return Ok(self.reject(RejectReason::Mismatch, mismatch));
+                    }
+                    if cfg.in_flight == InFlight::Reject {
+                        return Ok(self.reject(
+                            RejectReason::InFlight,
+                            "a request with this idempotency key is in flight; retry after it \
+                             completes",
+                        ));
+                    }
+                    if slot.is_none() {
+                        slot = self.shared.wait_limit.enter(scope, cfg.max_waiters);
+                        if slot.is_none() {
+                            return Ok(self.reject(
+                                RejectReason::InFlight,
+                                "too many requests with this idempotency key are waiting for \
+                                 the one in flight; retry after it completes",
+                            ));
+                        }
+                    }
+                    if !waited {
+                        waited = true;
+                        counters.waited();
+                        tracing::debug!(?scope, "idempotency: waiting for the request in flight");
+                    }
+                    let wake = self.store.wait(scope, token);
+                    let woken = match deadline {
+                        Some(deadline) => tokio::time::timeout_at(deadline, wake).await,
+                        // A wait too long for the clock to express: unbounded.
+                        None => Ok(wake.await),
+                    };
+                    match woken {
+                        Ok(Ok(())) => continue,
+                        Ok(Err(e)) => {
+                            log_store_error(counters, "wait", &e);
+                            return Ok(self.reject(
+                                RejectReason::StoreUnavailable,
+                                "idempotency store unavailable while waiting; retry later",
+                            ));
+                        }
+                        Err(_) => {
+                            return Ok(self.reject(
+                                RejectReason::InFlight,
+                                "a request with this idempotency key is still in flight; retry \
+                                 later",
+                            ))
+                        }
+                    }
+                }
+                Err(StoreError::Corrupt(what)) => {
+                    // Not an outage: retrying cannot help and executing could run the write
+                    // twice, so neither fail open nor answer a retryable 503. The key stays
+                    // unusable until its entry expires or an operator forgets it.
+                    counters.store_error();
+                    tracing::error!(?scope, error = %what, "idempotency: the stored entry of this key is corrupt; nothing executed");
+                    let detail = format!(
+                        "the stored record of this idempotency key cannot be read (corrupt \
+                         entry {scope:?}); nothing was executed: use a new key, or have an \
+                         operator forget this one"
+                    );
+                    return Ok(self.reject(RejectReason::Internal, &detail));
+                }
+                Err(e) => {
+                    log_store_error(counters, "begin", &e);
+                    if cfg.fail_open {
+                        counters.failed_open();
+                        tracing::warn!(error = %e, "idempotency: store failed; executing without protection (fail_open)");
+                        let mut inner = self.inner;
+                        std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
+                        let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                        let res = inner.call(req).await?;
+                        return Ok(res.map(IdempotencyBody::inner));
+                    }
+                    return Ok(self.reject(
+                        RejectReason::StoreUnavailable,
+                        "idempotency store unavailable; nothing was executed, retry later",
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Runs the handler as the leader of the scope, and records its response as it streams.
+    async fn run_as_leader<ReqB, ResB>(
+        self,
+        req: Request<RequestBody<ReqB>>,
+        claim: Claim,
+        fp: Fingerprint,
+    ) -> Answer<ResB, S::Error>
+    where
+        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Send + 'static,
+        ReqB: Send + 'static,
+        ResB: Body<Data = Bytes> + Send + 'static,
+        ResB::Error: Into<BoxError>,
+    {
+        self.shared.counters.executed();
+        tracing::debug!("idempotency: executing");
+        let Write {
+            inner,
+            config,
+            shared,
+            protocol,
+            ..
+        } = self;
+        let out = match config.on_disconnect {
+            OnDisconnect::Complete => {
+                // The handler runs in this future, and moves to a task of its own only if this
+                // future is dropped first (the client went away): it then completes, and an
+                // unsent response's body is drained and recorded by the recorder's drop. (A task
+                // per execution cost more than the rest of the layer; see BENCHMARKS.md.)
+                let run = call_and_record(inner, req, claim, config.clone(), fp);
+                DetachOnDrop(Some(Box::pin(run))).await
+            }
+            OnDisconnect::Release => call_and_record(inner, req, claim, config.clone(), fp).await,
+        };
+        match out {
+            Ok(answer) => answer,
+            Err(Panicked) => {
+                shared.counters.rejected(RejectReason::Internal);
+                Ok(reject(
+                    RejectReason::Internal,
+                    "the handler failed; nothing was recorded, a retry executes again",
+                    &protocol,
+                    config.reasons.header_name(),
+                ))
+            }
         }
     }
 }
@@ -420,7 +467,10 @@ impl<F: Future<Output = T> + Send + 'static, T: Send + 'static> Drop for DetachO
     }
 }
 
-async fn execute<S, ReqB, ResB>(
+/// Readies the inner service, calls it, and wraps its response in a [`Recorder`] (or stores the
+/// record at once when the body is empty, or releases the claim when the head says the outcome
+/// is not recordable).
+async fn call_and_record<S, ReqB, ResB>(
     mut inner: S,
     req: Request<RequestBody<ReqB>>,
     claim: Claim,
@@ -432,12 +482,14 @@ where
     ResB: Body<Data = Bytes> + Send + 'static,
     ResB::Error: Into<BoxError>,
 {
-    let called = std::panic::catch_unwind(AssertUnwindSafe(|| inner.call(req)));
-    let result = match called {
-        Ok(fut) => AssertUnwindSafe(fut).catch_unwind().await,
-        Err(panic) => Err(panic),
-    };
-    let res = match result {
+    let http1 = req.version() < Version::HTTP_2;
+    let called = AssertUnwindSafe(async {
+        std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
+        inner.call(req).await
+    })
+    .catch_unwind()
+    .await;
+    let res = match called {
         Ok(Ok(res)) => res,
         Ok(Err(e)) => {
             claim.release().await;
@@ -450,7 +502,7 @@ where
         }
     };
     let (parts, body) = res.into_parts();
-    if let Some(code) = head_code(&cfg, &parts) {
+    if let Some(code) = classify::at_head(&cfg.reasons, parts.status, &parts.headers) {
         if !cfg.table.may_record(code) {
             tracing::debug!(%code, "idempotency: outcome not recordable; releasing");
             claim.release().await;
@@ -460,29 +512,34 @@ where
             )));
         }
     }
-    let recorder = Recorder::new(body, claim, cfg, fp, parts.status, parts.headers.clone());
+    let mut recorder = Recorder::new(
+        body,
+        claim,
+        cfg,
+        fp,
+        parts.status,
+        parts.headers.clone(),
+        http1,
+    );
+    if recorder.is_empty() {
+        // The server will not poll an empty body: record before the head goes out.
+        recorder.finish_empty().await;
+    }
     Ok(Ok(Response::from_parts(
         parts,
         IdempotencyBody::recording(recorder),
     )))
 }
 
-/// The code of a response when its head decides it: a reason code, a trailers-only gRPC
-/// response, or any HTTP response. `None` for a gRPC response whose status is in its trailers.
-fn head_code(cfg: &Config, parts: &http::response::Parts) -> Option<Code> {
-    if let Some(code) = cfg.reasons.classify(&parts.headers) {
-        return Some(code);
+/// The recorded response, for a duplicate.
+fn replay<B>(
+    record: &Record,
+    protocol: &Protocol,
+    max_record_bytes: usize,
+) -> Response<IdempotencyBody<B>> {
+    if record.body_omitted && protocol.is_grpc() {
+        return replay_without_message(record, max_record_bytes);
     }
-    if is_grpc(&parts.headers) {
-        return parts
-            .headers
-            .get(GRPC_STATUS)
-            .map(|v| parse_grpc_status(v).unwrap_or(Code::Unknown));
-    }
-    Some(Code::from_http_status(parts.status))
-}
-
-fn replay<B>(record: &Record) -> Response<IdempotencyBody<B>> {
     let mut res = Response::new(IdempotencyBody::replay(
         record.body.clone(),
         record.trailers.clone(),
@@ -495,5 +552,37 @@ fn replay<B>(record: &Record) -> Response<IdempotencyBody<B>> {
         h.insert(IDEMPOTENT_BODY_OMITTED, HeaderValue::from_static("true"));
         h.remove(CONTENT_LENGTH);
     }
+    res
+}
+
+/// The replay of a gRPC response whose message was too large to record: a gRPC client cannot use
+/// an OK without its message (a unary call fails with INTERNAL "missing response message"), so
+/// it gets a trailers-only ALREADY_EXISTS that says what happened: final, never retried.
+fn replay_without_message<B>(
+    record: &Record,
+    max_record_bytes: usize,
+) -> Response<IdempotencyBody<B>> {
+    let mut res = Response::new(IdempotencyBody::empty());
+    let h = res.headers_mut();
+    let content_type = record
+        .headers
+        .get(CONTENT_TYPE)
+        .cloned()
+        .unwrap_or_else(|| HeaderValue::from_static("application/grpc"));
+    h.insert(CONTENT_TYPE, content_type);
+    h.insert(
+        GRPC_STATUS,
+        HeaderValue::from_static(Code::AlreadyExists.as_header_str()),
+    );
+    h.insert(
+        GRPC_MESSAGE,
+        encode_grpc_message(&format!(
+            "the call with this idempotency key was executed once; its response was larger than \
+             the server's max_record_bytes ({max_record_bytes} bytes) and is not replayed: read \
+             the result another way, or raise max_record_bytes"
+        )),
+    );
+    h.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    h.insert(IDEMPOTENT_BODY_OMITTED, HeaderValue::from_static("true"));
     res
 }

@@ -65,36 +65,108 @@ pub fn decode_record(bytes: &[u8]) -> Result<Record, StoreError> {
 #[cfg(feature = "redis")]
 pub use self::redis::{RedisStore, RedisStoreBuilder};
 
-/// After a `begin` of a shared store failed with a backend error, the claim may have been
-/// written and only its reply lost (the connection dropped or timed out after the server ran
-/// it). No one knows they hold that claim, so it would block its key until its lease lapsed (30
-/// s by default) and every retry would wait for it. This releases it in the background,
-/// fenced by its token (so it removes nothing but that orphan), retrying with backoff (50 ms
-/// to 1 s) while the store is unreachable, for at most one lease.
+/// Runs a store operation through a brief store outage: a backend failure is retried with
+/// backoff (50 ms doubling to 1 s) for at most `within` (a claim's lease: after that the claim
+/// may belong to someone else). Other outcomes (success, fenced, corrupt) return at once.
+///
+/// Used by a claim's final operation (a record lost to a 2-second outage would leave the key in
+/// flight until its lease lapsed, and the client's retry would then execute the write again)
+/// and by the release of an orphaned claim.
+pub(crate) async fn retry_through_outage<F, Fut, T>(
+    within: Duration,
+    op_name: &'static str,
+    mut op: F,
+) -> Result<T, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, StoreError>>,
+{
+    let give_up = tokio::time::Instant::now() + within;
+    let mut delay = Duration::from_millis(50);
+    loop {
+        match op().await {
+            Err(StoreError::Backend(e)) if tokio::time::Instant::now() + delay < give_up => {
+                tracing::debug!(op = op_name, error = %e, retry_in_ms = delay.as_millis() as u64, "idempotency: store operation failed; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(1));
+            }
+            r => return r,
+        }
+    }
+}
+
+/// The most orphan releases ([`OrphanGuard`]) running at once in this process. During an
+/// outage at R requests/s there would otherwise be about R x lease of them, all hitting the
+/// recovering store; past the bound an orphan is left to lapse with its lease (logged).
 #[cfg(any(feature = "redis", feature = "postgres"))]
-pub(crate) fn release_orphan<St: IdempotencyStore>(
-    store: St,
-    scope: ScopeKey,
-    token: Token,
-    lease: Duration,
-) {
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
-    runtime.spawn(async move {
-        let give_up = tokio::time::Instant::now() + lease;
-        let mut delay = Duration::from_millis(50);
-        loop {
-            match store.release(scope, token).await {
-                Err(StoreError::Backend(_)) if tokio::time::Instant::now() + delay < give_up => {
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(1));
-                }
-                // Released (it was written), fenced (it never was), or out of time.
-                _ => return,
+pub(crate) const MAX_ORPHAN_RELEASES: usize = 1024;
+
+#[cfg(any(feature = "redis", feature = "postgres"))]
+static ORPHAN_RELEASES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Guards a shared store's `begin` whose claim may be written without anyone knowing it.
+///
+/// The claim is written by the server with a token this process chose; if the reply is lost
+/// (the connection dropped or timed out after the server ran the command) or the request that
+/// sent it was dropped (its client went away) before the reply, nobody knows they hold that
+/// claim, and it would block its key for a whole lease (30 s by default) while every retry
+/// waited for it. Armed, the guard releases it in the background when dropped, fenced by its
+/// token (so it removes nothing but that orphan), through a brief outage, for at most one
+/// lease. [`disarm`](Self::disarm) it once the claim's fate is known: a reply arrived, or the
+/// error proves the command was never sent (no connection, pool exhausted).
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) struct OrphanGuard<St: IdempotencyStore> {
+    armed: Option<(St, ScopeKey, Token, Duration)>,
+}
+
+#[cfg(any(feature = "redis", feature = "postgres"))]
+impl<St: IdempotencyStore> OrphanGuard<St> {
+    pub(crate) fn new(store: &St, scope: ScopeKey, token: Token, lease: Duration) -> Self {
+        OrphanGuard {
+            armed: Some((store.clone(), scope, token, lease)),
+        }
+    }
+
+    /// The claim's fate is known: nothing to release.
+    pub(crate) fn disarm(mut self) {
+        self.armed = None;
+    }
+}
+
+#[cfg(any(feature = "redis", feature = "postgres"))]
+impl<St: IdempotencyStore> Drop for OrphanGuard<St> {
+    fn drop(&mut self) {
+        use std::sync::atomic::Ordering;
+
+        let Some((store, scope, token, lease)) = self.armed.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if ORPHAN_RELEASES.fetch_add(1, Ordering::Relaxed) >= MAX_ORPHAN_RELEASES {
+            ORPHAN_RELEASES.fetch_sub(1, Ordering::Relaxed);
+            tracing::warn!(
+                ?scope,
+                "idempotency: too many orphaned claims being released; this one lapses with its lease"
+            );
+            return;
+        }
+        /// Counts the release as running until its task ends (or is dropped with its runtime).
+        struct Running;
+        impl Drop for Running {
+            fn drop(&mut self) {
+                ORPHAN_RELEASES.fetch_sub(1, Ordering::Relaxed);
             }
         }
-    });
+        let running = Running;
+        runtime.spawn(async move {
+            let _running = running;
+            // Released (it was written), fenced (it never was), or out of time: done either way.
+            let _ =
+                retry_through_outage(lease, "release orphan", || store.release(scope, token)).await;
+        });
+    }
 }
 pub use memory::MemoryStore;
 
@@ -272,4 +344,76 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// Removes whatever `scope` holds (record or claim); true if there was something. A claim
     /// that is forgotten is fenced: its leader's `complete` is refused.
     fn forget(&self, scope: ScopeKey) -> impl Future<Output = Result<bool, StoreError>> + Send;
+}
+
+#[cfg(all(test, any(feature = "redis", feature = "postgres")))]
+mod orphan_tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    /// A store whose `release` never answers (a store that went away), counting the calls.
+    #[derive(Clone, Default)]
+    struct Unanswering(Arc<AtomicUsize>);
+
+    impl IdempotencyStore for Unanswering {
+        async fn begin(
+            &self,
+            _: ScopeKey,
+            _: Fingerprint,
+            _: Duration,
+        ) -> Result<Begin, StoreError> {
+            std::future::pending().await
+        }
+        async fn complete(
+            &self,
+            _: ScopeKey,
+            _: Token,
+            _: Record,
+            _: Duration,
+        ) -> Result<(), StoreError> {
+            std::future::pending().await
+        }
+        async fn release(&self, _: ScopeKey, _: Token) -> Result<(), StoreError> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            std::future::pending().await
+        }
+        async fn renew(&self, _: ScopeKey, _: Token, _: Duration) -> Result<(), StoreError> {
+            std::future::pending().await
+        }
+        async fn wait(&self, _: ScopeKey, _: Token) -> Result<(), StoreError> {
+            std::future::pending().await
+        }
+        async fn forget(&self, _: ScopeKey) -> Result<bool, StoreError> {
+            std::future::pending().await
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn orphan_releases_are_bounded_and_a_disarmed_guard_releases_nothing() {
+        let store = Unanswering::default();
+        let lease = Duration::from_secs(30);
+        for i in 0..10u128 {
+            OrphanGuard::new(&store, ScopeKey([1; 32]), Token(i), lease).disarm();
+        }
+        for i in 0..(MAX_ORPHAN_RELEASES as u128 * 3) {
+            drop(OrphanGuard::new(&store, ScopeKey([2; 32]), Token(i), lease));
+        }
+        // Let every spawned release start (bounded: a few yields per task at most).
+        for _ in 0..10_000 {
+            if store.0.load(Ordering::SeqCst) >= MAX_ORPHAN_RELEASES {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            store.0.load(Ordering::SeqCst),
+            MAX_ORPHAN_RELEASES,
+            "only the bound's worth of releases run; disarmed guards release nothing"
+        );
+        assert_eq!(ORPHAN_RELEASES.load(Ordering::Relaxed), MAX_ORPHAN_RELEASES);
+    }
 }

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
@@ -542,9 +543,22 @@ impl PostgresStore {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<Vec<Row>, StoreError> {
+        self.query_noting_sent(sql, params, &AtomicBool::new(false))
+            .await
+    }
+
+    /// [`query`](Self::query), setting `sent` once the statement is handed to a connection
+    /// (before that, a failure proves it never ran).
+    async fn query_noting_sent(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        sent: &AtomicBool,
+    ) -> Result<Vec<Row>, StoreError> {
         self.bounded(async {
             let client = self.inner.pool.get().await.map_err(pool_error)?;
             let stmt = client.prepare_cached(sql).await.map_err(backend)?;
+            sent.store(true, Ordering::Relaxed);
             client.query(&stmt, params).await.map_err(backend)
         })
         .await
@@ -621,17 +635,24 @@ impl IdempotencyStore for PostgresStore {
         let token = codec::new_token();
         let uuid = Uuid::from_u128(token.0);
         for _ in 0..CLAIM_ATTEMPTS {
+            // Armed while the claim may be written with nobody knowing: the statement is in
+            // flight (this future may be dropped), or its reply was lost.
+            let orphan = super::OrphanGuard::new(self, scope, token, lease);
+            let sent = AtomicBool::new(false);
             let rows = self
-                .query(
+                .query_noting_sent(
                     &self.inner.sql.claim,
                     &[&&scope.0[..], &uuid, &&fingerprint.0[..], &millis(lease)],
+                    &sent,
                 )
-                .await
-                .inspect_err(|e| {
-                    if let StoreError::Backend(_) = e {
-                        super::release_orphan(self.clone(), scope, token, lease);
-                    }
-                })?;
+                .await;
+            match &rows {
+                // Only an error after the statement was handed to a connection is ambiguous; a
+                // pool timeout or a refused connection sent nothing.
+                Err(StoreError::Backend(_)) if sent.load(Ordering::Relaxed) => drop(orphan),
+                _ => orphan.disarm(),
+            }
+            let rows = rows?;
             if let Some(row) = rows.first() {
                 return decode_row(row, token);
             }

@@ -267,6 +267,17 @@ fn backend(e: RedisError) -> StoreError {
     StoreError::Backend(Box::new(e))
 }
 
+/// False when the error proves the command never reached Redis (the connection was refused);
+/// anything else after a command was handed to the connection may have run.
+fn may_have_run(e: &StoreError) -> bool {
+    match e {
+        StoreError::Backend(e) => !e
+            .downcast_ref::<RedisError>()
+            .is_some_and(RedisError::is_connection_refusal),
+        _ => false,
+    }
+}
+
 fn timed_out(after: Duration) -> StoreError {
     StoreError::Backend(format!("redis did not answer within {after:?}").into())
 }
@@ -518,6 +529,9 @@ impl IdempotencyStore for RedisStore {
     ) -> Result<Begin, StoreError> {
         let token = codec::new_token();
         let s = scripts();
+        // Armed while the claim may be written with nobody knowing: the reply is pending (this
+        // future may be dropped), or it was lost.
+        let orphan = super::OrphanGuard::new(self, scope, token, lease);
         let reply = self
             .run(
                 &s.claim,
@@ -529,12 +543,12 @@ impl IdempotencyStore for RedisStore {
                     millis(lease).to_string().as_bytes(),
                 ],
             )
-            .await
-            .inspect_err(|e| {
-                if let StoreError::Backend(_) = e {
-                    super::release_orphan(self.clone(), scope, token, lease);
-                }
-            })?;
+            .await;
+        match &reply {
+            Err(e) if may_have_run(e) => drop(orphan),
+            _ => orphan.disarm(),
+        }
+        let reply = reply?;
         let Value::Array(items) = reply else {
             return Err(StoreError::Backend(
                 format!("unexpected claim reply {reply:?}").into(),

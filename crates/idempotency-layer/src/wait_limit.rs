@@ -12,11 +12,11 @@ const SHARDS: usize = 16;
 /// How many duplicates wait per scope, shared by every clone of a layer. Only scopes with a
 /// waiter have an entry, so its size is bounded by the waiters themselves.
 #[derive(Debug, Default)]
-pub(crate) struct Waiters {
+pub(crate) struct WaitLimit {
     shards: [Mutex<HashMap<ScopeKey, usize>>; SHARDS],
 }
 
-impl Waiters {
+impl WaitLimit {
     fn shard(&self, scope: &ScopeKey) -> &Mutex<HashMap<ScopeKey, usize>> {
         &self.shards[usize::from(scope.0[0]) % SHARDS]
     }
@@ -49,7 +49,7 @@ impl Waiters {
 /// One waiter's place; leaving (drop, including cancellation) frees it.
 #[derive(Debug)]
 pub(crate) struct WaiterSlot {
-    waiters: Arc<Waiters>,
+    waiters: Arc<WaitLimit>,
     scope: ScopeKey,
 }
 
@@ -75,7 +75,7 @@ mod tests {
 
     #[test]
     fn bounded_per_scope_and_freed_on_drop() {
-        let w = Arc::new(Waiters::default());
+        let w = Arc::new(WaitLimit::default());
         let (a, b) = (ScopeKey([1; 32]), ScopeKey([2; 32]));
         let slots: Vec<_> = (0..3).map(|_| w.enter(a, 3).expect("a place")).collect();
         assert!(

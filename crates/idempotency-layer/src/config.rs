@@ -1,0 +1,180 @@
+//! The layer's plain settings: what the builder sets, copied on write by its setters.
+//!
+//! Nothing here is shared state: counters, waiters and lease renewals live in
+//! [`Shared`](crate::shared::Shared), made once per layer and never copied by a setter.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderMap, HeaderName, Method, Uri};
+use reason_code::{ReasonCodes, RetryTable, IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY};
+
+/// What a duplicate does when the first request with its key is still running.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum InFlight {
+    /// Wait for the first request (bounded by the request's `grpc-timeout` and
+    /// [`max_wait`](crate::IdempotencyLayer::max_wait)) and answer with its outcome. The default.
+    #[default]
+    Wait,
+    /// Answer 409 / ABORTED with `Retry-After` and the reason code
+    /// [`IDEMPOTENCY_IN_FLIGHT`](reason_code::IDEMPOTENCY_IN_FLIGHT) at once; `retry-layer`
+    /// retries that answer unchanged after the pushback.
+    Reject,
+}
+
+/// What happens to the first request's handler when its client goes away.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum OnDisconnect {
+    /// Drive the handler and its response body to completion in a spawned tokio task and record
+    /// the outcome, so the client's retry gets the replay. The default.
+    #[default]
+    Complete,
+    /// Drop the handler (cancelling it) and release the claim, so a retry executes again.
+    ///
+    /// A response whose last frame was produced is recorded all the same: the record is stored
+    /// before that frame is handed to the server, so a client that received the whole response
+    /// and retries gets the replay.
+    Release,
+}
+
+/// Where the tenant of a request comes from.
+#[derive(Clone, Debug)]
+pub(crate) enum TenantSource {
+    /// The [`Tenant`](crate::Tenant) extension; none means 401 / UNAUTHENTICATED.
+    Required,
+    /// The [`Tenant`](crate::Tenant) extension, or this tenant when there is none.
+    Default(Arc<str>),
+    /// A request header (opt-in: clients choose it).
+    Header(HeaderName),
+}
+
+type WritePredicate = Arc<dyn Fn(&Method, &Uri, &HeaderMap) -> bool + Send + Sync>;
+
+/// gRPC services whose methods are never writes: health probes and server reflection.
+const INFRASTRUCTURE_GRPC_SERVICES: [&str; 3] = [
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1.ServerReflection/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+];
+
+/// The default of [`IdempotencyLayer::max_waiters`](crate::IdempotencyLayer::max_waiters).
+const DEFAULT_MAX_WAITERS: usize = 1024;
+
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) key_headers: Vec<HeaderName>,
+    pub(crate) ttl: Duration,
+    pub(crate) lease: Duration,
+    pub(crate) in_flight: InFlight,
+    pub(crate) max_wait: Duration,
+    pub(crate) max_waiters: usize,
+    pub(crate) max_request_bytes: usize,
+    pub(crate) max_record_bytes: usize,
+    pub(crate) fail_open: bool,
+    pub(crate) key_optional: bool,
+    pub(crate) is_write: Option<WritePredicate>,
+    pub(crate) idempotent_grpc: HashSet<String>,
+    pub(crate) tenant: TenantSource,
+    pub(crate) table: RetryTable,
+    pub(crate) reasons: ReasonCodes,
+    pub(crate) on_disconnect: OnDisconnect,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            key_headers: vec![X_IDEMPOTENCY_KEY, IDEMPOTENCY_KEY],
+            ttl: Duration::from_secs(24 * 3600),
+            lease: Duration::from_secs(30),
+            in_flight: InFlight::Wait,
+            max_wait: Duration::from_secs(30),
+            max_waiters: DEFAULT_MAX_WAITERS,
+            max_request_bytes: 1024 * 1024,
+            max_record_bytes: 1024 * 1024,
+            fail_open: false,
+            key_optional: false,
+            is_write: None,
+            idempotent_grpc: HashSet::new(),
+            tenant: TenantSource::Required,
+            table: RetryTable::default(),
+            reasons: ReasonCodes::default(),
+            on_disconnect: OnDisconnect::Complete,
+        }
+    }
+}
+
+impl Config {
+    /// Is this request a write (deduplicated) rather than a read (passed through)?
+    pub(crate) fn is_write(
+        &self,
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+        grpc: bool,
+    ) -> bool {
+        if let Some(p) = &self.is_write {
+            return p(method, uri, headers);
+        }
+        if grpc {
+            let path = uri.path();
+            !self.idempotent_grpc.contains(path)
+                && !INFRASTRUCTURE_GRPC_SERVICES
+                    .iter()
+                    .any(|service| path.starts_with(service))
+        } else {
+            method == Method::POST || method == Method::PATCH
+        }
+    }
+
+    pub(crate) fn key_header_name(&self) -> &str {
+        self.key_headers
+            .first()
+            .map_or("x-idempotency-key", HeaderName::as_str)
+    }
+}
+
+impl fmt::Debug for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Config")
+            .field("key_headers", &self.key_headers)
+            .field("ttl", &self.ttl)
+            .field("lease", &self.lease)
+            .field("in_flight", &self.in_flight)
+            .field("max_wait", &self.max_wait)
+            .field("max_waiters", &self.max_waiters)
+            .field("max_request_bytes", &self.max_request_bytes)
+            .field("max_record_bytes", &self.max_record_bytes)
+            .field("fail_open", &self.fail_open)
+            .field("key_optional", &self.key_optional)
+            .field("custom_is_write", &self.is_write.is_some())
+            .field("idempotent_grpc", &self.idempotent_grpc)
+            .field("tenant", &self.tenant)
+            .field("on_disconnect", &self.on_disconnect)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn health_and_reflection_are_reads_by_default() {
+        let cfg = Config::default();
+        let h = HeaderMap::new();
+        let is_write =
+            |path: &'static str| cfg.is_write(&Method::POST, &Uri::from_static(path), &h, true);
+        assert!(!is_write("/grpc.health.v1.Health/Check"));
+        assert!(!is_write("/grpc.health.v1.Health/Watch"));
+        assert!(!is_write(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
+        ));
+        assert!(!is_write(
+            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+        ));
+        assert!(is_write("/library.Library/CreateOrder"));
+        assert!(is_write("/grpc.health.v1.Healthy/Check"));
+    }
+}

@@ -1,0 +1,226 @@
+//! Lease renewal: one task per layer renews the lease of every claim the layer holds.
+//!
+//! A task per claim would cost more than the rest of a claim's work with `MemoryStore` (spawning
+//! and aborting a task and arming its timer for every first execution; see `BENCHMARKS.md`), so
+//! the claims of one layer share one task. Each claim is renewed with its own lease; the task
+//! ticks every third of the shortest lease held, so layers built from one base with different
+//! [`lease`](crate::IdempotencyLayer::lease)s never renew a short lease too late.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use crate::store::{IdempotencyStore, ScopeKey, StoreError, Token};
+
+/// The claims a layer holds, renewed by one task.
+///
+/// The task is spawned by the first claim and ends when no claim is held at a tick (the next
+/// claim spawns it again), when the layer is gone, or with its runtime.
+#[derive(Default)]
+pub(crate) struct Renewals {
+    state: Mutex<RenewState>,
+    /// Wakes the task early when a claim with a shorter lease than any held arrives.
+    shorter_lease: Notify,
+}
+
+#[derive(Default)]
+struct RenewState {
+    held: HashMap<Token, (ScopeKey, Duration)>,
+    running: bool,
+    /// The task's current tick period: a third of the shortest lease it renews.
+    period: Duration,
+}
+
+impl fmt::Debug for Renewals {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let st = self.lock();
+        f.debug_struct("Renewals")
+            .field("held", &st.held.len())
+            .field("running", &st.running)
+            .field("period", &st.period)
+            .finish()
+    }
+}
+
+/// How often a lease is renewed: every third of it, so two renewals can fail before it lapses.
+fn renewal_period(lease: Duration) -> Duration {
+    (lease / 3).max(Duration::from_millis(10))
+}
+
+impl Renewals {
+    fn lock(&self) -> MutexGuard<'_, RenewState> {
+        // Every critical section leaves the map consistent: a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Holds `token` on `scope` until [`remove`](Self::remove); starts the task if needed.
+    pub(crate) fn add<St: IdempotencyStore>(
+        self: &Arc<Self>,
+        store: &St,
+        scope: ScopeKey,
+        token: Token,
+        lease: Duration,
+    ) {
+        let period = renewal_period(lease);
+        let mut st = self.lock();
+        st.held.insert(token, (scope, lease));
+        if !st.running {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                st.running = true;
+                st.period = period;
+                rt.spawn(renew_task(store.clone(), Arc::downgrade(self)));
+            }
+        } else if period < st.period {
+            st.period = period;
+            drop(st);
+            self.shorter_lease.notify_one();
+        }
+    }
+
+    pub(crate) fn remove(&self, token: Token) {
+        self.lock().held.remove(&token);
+    }
+
+    /// The tick period of the running task (for tests).
+    #[cfg(test)]
+    pub(crate) fn period(&self) -> Duration {
+        self.lock().period
+    }
+}
+
+/// Clears `running` if the task is dropped (its runtime shut down) before it could.
+struct Running(Option<Weak<Renewals>>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(r) = self.0.take().and_then(|w| w.upgrade()) {
+            r.lock().running = false;
+        }
+    }
+}
+
+async fn renew_task<St: IdempotencyStore>(store: St, renewals: Weak<Renewals>) {
+    let mut running = Running(Some(renewals.clone()));
+    loop {
+        let Some(r) = renewals.upgrade() else {
+            running.0 = None;
+            return;
+        };
+        // Sleep a period; a claim with a shorter lease cuts the sleep short, and the loop starts
+        // over with the shorter period. (Holding `r` meanwhile keeps the renewals alive one
+        // period longer than their layer at most.)
+        let period = r.lock().period;
+        let woken = tokio::time::timeout(period, r.shorter_lease.notified())
+            .await
+            .is_ok();
+        drop(r);
+        if woken {
+            continue;
+        }
+        let batch: Vec<(Token, ScopeKey, Duration)> = {
+            let Some(r) = renewals.upgrade() else {
+                running.0 = None;
+                return;
+            };
+            let mut st = r.lock();
+            if st.held.is_empty() {
+                st.running = false;
+                running.0 = None;
+                return;
+            }
+            // The next period follows the leases still held: when the short ones are gone, the
+            // task ticks less often again.
+            st.period = st
+                .held
+                .values()
+                .map(|&(_, lease)| renewal_period(lease))
+                .min()
+                .unwrap_or(st.period);
+            st.held
+                .iter()
+                .map(|(t, &(s, lease))| (*t, s, lease))
+                .collect()
+        };
+        let renewed = futures_util::future::join_all(
+            batch
+                .iter()
+                .map(|&(token, scope, lease)| store.renew(scope, token, lease)),
+        )
+        .await;
+        // A failed renewal (the store is briefly unreachable) is tried again at the next tick;
+        // only a fenced claim (taken over or forgotten) is no longer renewed.
+        let mut fenced = Vec::new();
+        for ((token, scope, _), r) in batch.iter().zip(renewed) {
+            match r {
+                Ok(()) => {}
+                Err(StoreError::Fenced) => fenced.push(*token),
+                Err(e) => tracing::warn!(
+                    ?scope,
+                    error = %e,
+                    "idempotency: lease renewal failed; trying again at the next tick"
+                ),
+            }
+        }
+        if let Some(r) = renewals.upgrade() {
+            let mut st = r.lock();
+            for token in fenced {
+                st.held.remove(&token);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{Begin, Fingerprint, MemoryStore};
+
+    /// Two layers made from one base with leases of 3 s and 300 s: the 3 s claim is renewed in
+    /// time though the 300 s claim started the task.
+    #[tokio::test(start_paused = true)]
+    async fn each_claim_is_renewed_within_its_own_lease() {
+        let store = MemoryStore::new();
+        let renewals = Arc::new(Renewals::default());
+        let (long, short) = (ScopeKey([1; 32]), ScopeKey([2; 32]));
+        let claim = |scope, lease| {
+            let store = store.clone();
+            async move {
+                match store.begin(scope, Fingerprint([0; 32]), lease).await {
+                    Ok(Begin::New(t)) => t,
+                    other => panic!("expected a new claim, got {other:?}"),
+                }
+            }
+        };
+        let long_token = claim(long, Duration::from_secs(300)).await;
+        renewals.add(&store, long, long_token, Duration::from_secs(300));
+        tokio::task::yield_now().await;
+        assert_eq!(renewals.period(), Duration::from_secs(100));
+
+        let short_token = claim(short, Duration::from_secs(3)).await;
+        renewals.add(&store, short, short_token, Duration::from_secs(3));
+        assert_eq!(renewals.period(), Duration::from_secs(1));
+        // Ten short leases later, the short claim is still held by its token.
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        assert!(
+            store
+                .renew(short, short_token, Duration::from_secs(3))
+                .await
+                .is_ok(),
+            "the 3 s claim lapsed: it was not renewed in time"
+        );
+        match store
+            .begin(short, Fingerprint([0; 32]), Duration::from_secs(3))
+            .await
+        {
+            Ok(Begin::InFlight { token, .. }) => assert_eq!(token, short_token),
+            other => panic!("the 3 s claim should still be in flight, got {other:?}"),
+        }
+        // When the short claim ends, the task goes back to the long period.
+        renewals.remove(short_token);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(renewals.period(), Duration::from_secs(100));
+    }
+}
