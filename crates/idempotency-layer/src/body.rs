@@ -199,8 +199,18 @@ where
         match &self.kind {
             Kind::Inner { body } => body.size_hint(),
             Kind::Recording { rec } => rec.size_hint(),
-            Kind::Full { data, .. } => {
-                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            Kind::Full { data, trailers } => {
+                let len = data.as_ref().map_or(0, |d| d.len() as u64);
+                if trailers.is_some() {
+                    // An exact size would make an HTTP/1 server send a Content-Length, and with
+                    // it no trailers: leave the length open so the replay is chunked, like the
+                    // response it replays.
+                    let mut hint = SizeHint::new();
+                    hint.set_lower(len);
+                    hint
+                } else {
+                    SizeHint::with_exact(len)
+                }
             }
         }
     }

@@ -291,3 +291,22 @@ async fn a_claim_whose_begin_reply_was_lost_is_released() {
     lost_begin_reply(via_slow, direct, &slow).await;
     drop_schema(&url, &schema).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_whose_begin_was_dropped_in_flight_is_released() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let slow = SlowReplies::start(authority(&url), Duration::from_millis(800)).await;
+    let schema = unique("idem_test_");
+    let direct = connect(PostgresStore::builder(&url).schema(&schema)).await;
+    let via_slow = connect(
+        PostgresStore::builder(via(&url, slow.addr))
+            .schema(&schema)
+            .pool_size(1)
+            .timeout(Duration::from_secs(10)),
+    )
+    .await;
+    dropped_begin(via_slow, direct, &slow).await;
+    drop_schema(&url, &schema).await;
+}

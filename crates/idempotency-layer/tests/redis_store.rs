@@ -249,3 +249,24 @@ async fn a_claim_whose_begin_reply_was_lost_is_released() {
         .unwrap();
     lost_begin_reply(via_slow, direct, &slow).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_whose_begin_was_dropped_in_flight_is_released() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let slow = SlowReplies::start(authority(&url), Duration::from_millis(800)).await;
+    let prefix = unique("test:idem:");
+    let via_slow = RedisStore::builder(via(&url, slow.addr))
+        .prefix(&prefix)
+        .timeout(Duration::from_secs(10))
+        .connect()
+        .await
+        .expect("Redis through the slow proxy");
+    let direct = RedisStore::builder(&url)
+        .prefix(&prefix)
+        .connect()
+        .await
+        .unwrap();
+    dropped_begin(via_slow, direct, &slow).await;
+}

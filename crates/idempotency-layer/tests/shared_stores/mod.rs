@@ -581,3 +581,41 @@ pub async fn lost_begin_reply<S: IdempotencyStore>(via_slow: S, direct: S, slow:
     }
     eprintln!("orphan released after {:?}", started.elapsed());
 }
+
+/// A `begin` whose request was dropped while the store ran it (the client went away): the
+/// claim is written on the server with nobody to release it. The store's guard releases it, so
+/// the key is free again well before its 30 s lease. `via_slow` must wait longer for a reply
+/// than the proxy delays it, so the begin is dropped, not timed out.
+pub async fn dropped_begin<S: IdempotencyStore>(via_slow: S, direct: S, slow: &SlowReplies) {
+    let scope = order_scope(&unique("dropped-begin-"));
+    let fp = Fingerprint([8; 32]);
+    let lease = Duration::from_secs(30);
+    let warm = order_scope(&unique("warm-up-"));
+    if let Ok(Begin::New(t)) = via_slow.begin(warm, fp, lease).await {
+        via_slow.release(warm, t).await.unwrap();
+    }
+    slow.hold.store(true, Ordering::SeqCst);
+    let begin = tokio::spawn(async move { via_slow.begin(scope, fp, lease).await });
+    // The claim runs on the server now; its reply is held back. The request goes away.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    begin.abort();
+    assert!(
+        begin.await.unwrap_err().is_cancelled(),
+        "the begin was still in flight"
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    slow.hold.store(false, Ordering::SeqCst);
+    let started = Instant::now();
+    loop {
+        match direct.begin(scope, fp, lease).await {
+            Ok(Begin::New(token)) => {
+                direct.release(scope, token).await.unwrap();
+                break;
+            }
+            Ok(Begin::InFlight { .. }) if started.elapsed() < Duration::from_secs(5) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => panic!("the dropped begin's claim still blocks the key: {other:?}"),
+        }
+    }
+}

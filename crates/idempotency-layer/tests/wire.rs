@@ -1,0 +1,475 @@
+//! The layer's promises over real sockets: axum::serve with a hyper-util client over HTTP/1.1
+//! (keep-alive) and HTTP/2 (h2c), response bodies empty, with a Content-Length, chunked and with
+//! trailers, in every `OnDisconnect` and `InFlight` mode.
+//!
+//! Real servers stop polling a response body once its Content-Length is written or its
+//! trailers are sent, and never poll an empty one; these tests are the ones that catch a layer
+//! that records only when a body returns `None`.
+
+mod common;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::routing::post;
+use axum::Router;
+use bytes::Bytes;
+use common::{collect, serve, Collected};
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http_body::Frame;
+use http_body_util::{Full, StreamBody};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use idempotency_layer::{IdempotencyLayer, InFlight, MemoryStore, OnDisconnect};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Transport {
+    Http1,
+    Http2,
+}
+
+const TRANSPORTS: [Transport; 2] = [Transport::Http1, Transport::Http2];
+
+/// The shape of the handler's response body.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Shape {
+    Empty,
+    ContentLength,
+    Chunked,
+    Trailers,
+}
+
+const SHAPES: [Shape; 4] = [
+    Shape::Empty,
+    Shape::ContentLength,
+    Shape::Chunked,
+    Shape::Trailers,
+];
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+fn client(transport: Transport) -> HttpClient {
+    let mut b = Client::builder(TokioExecutor::new());
+    b.pool_max_idle_per_host(64);
+    if transport == Transport::Http2 {
+        b.http2_only(true);
+    }
+    b.build_http()
+}
+
+/// What the handlers did: executions started and finished, and handlers cancelled mid-run.
+#[derive(Clone, Default)]
+struct Counts {
+    started: Arc<AtomicUsize>,
+    finished: Arc<AtomicUsize>,
+    cancelled: Arc<AtomicUsize>,
+}
+
+impl Counts {
+    fn started(&self) -> usize {
+        self.started.load(Ordering::SeqCst)
+    }
+}
+
+/// Counts a cancellation if dropped before [`Finish::done`].
+struct Finish(Counts, bool);
+
+impl Finish {
+    fn done(mut self) -> usize {
+        self.1 = true;
+        self.0.finished.fetch_add(1, Ordering::SeqCst) + 1
+    }
+}
+
+impl Drop for Finish {
+    fn drop(&mut self) {
+        if !self.1 {
+            self.0.cancelled.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// A response of `shape` for execution `n`: `201`, `x-order: n`, a body naming `n`.
+fn respond(shape: Shape, n: usize) -> Response<Body> {
+    let text = format!("order {n} created");
+    let body = match shape {
+        Shape::Empty => Body::empty(),
+        Shape::ContentLength => Body::from(text),
+        Shape::Chunked => {
+            let chunks = ["order ", &n.to_string(), " created"]
+                .map(|c| Ok::<_, Infallible>(Bytes::from(c.to_owned())));
+            Body::from_stream(futures_util::stream::iter(chunks))
+        }
+        Shape::Trailers => {
+            let mut trailers = HeaderMap::new();
+            trailers.insert("x-order-total", HeaderValue::from(n));
+            let frames = [
+                Frame::data(Bytes::from("order ")),
+                Frame::data(Bytes::from(format!("{n} created"))),
+                Frame::trailers(trailers),
+            ]
+            .map(Ok::<_, Infallible>);
+            Body::new(StreamBody::new(futures_util::stream::iter(frames)))
+        }
+    };
+    let mut res = Response::builder()
+        .status(StatusCode::CREATED)
+        .header("x-order", n);
+    if shape == Shape::Trailers {
+        // An HTTP/1.1 server sends only the trailer fields the head announces.
+        res = res.header("trailer", "x-order-total");
+    }
+    res.body(body).unwrap()
+}
+
+/// `/orders` answers with `shape` after `work` (a real delay: the clients are real too).
+fn app(layer: IdempotencyLayer, shape: Shape, work: Duration, counts: &Counts) -> Router {
+    let counts = counts.clone();
+    Router::new()
+        .route(
+            "/orders",
+            post(move || {
+                let counts = counts.clone();
+                async move {
+                    counts.started.fetch_add(1, Ordering::SeqCst);
+                    let finish = Finish(counts, false);
+                    if !work.is_zero() {
+                        tokio::time::sleep(work).await;
+                    }
+                    respond(shape, finish.done())
+                }
+            }),
+        )
+        .layer(layer)
+}
+
+async fn send(client: &HttpClient, addr: SocketAddr, key: &str) -> Collected {
+    let req = Request::post(format!("http://{addr}/orders"))
+        .header("x-idempotency-key", key)
+        .header("content-type", "application/json")
+        // HTTP/1.1 servers send trailers only to clients that accept them.
+        .header("te", "trailers")
+        .body(Full::new(Bytes::from_static(b"{\"sku\":\"b1\"}")))
+        .unwrap();
+    let res = tokio::time::timeout(Duration::from_secs(20), client.request(req))
+        .await
+        .expect("an answer within 20 s")
+        .expect("a response");
+    collect(res).await
+}
+
+fn layer(on_disconnect: OnDisconnect, in_flight: InFlight) -> IdempotencyLayer {
+    IdempotencyLayer::new(MemoryStore::new())
+        .default_tenant("t")
+        .on_disconnect(on_disconnect)
+        .in_flight(in_flight)
+}
+
+/// A client that received a whole response and sends the same write again gets the replay:
+/// never a 409, never a second execution, in every transport, body shape and mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequential_retry_after_a_delivered_response_is_a_replay() {
+    for transport in TRANSPORTS {
+        for shape in SHAPES {
+            for on_disconnect in [OnDisconnect::Complete, OnDisconnect::Release] {
+                for in_flight in [InFlight::Wait, InFlight::Reject] {
+                    let case = format!("{transport:?} {shape:?} {on_disconnect:?} {in_flight:?}");
+                    let counts = Counts::default();
+                    let layer = layer(on_disconnect, in_flight);
+                    let addr = serve(app(layer.clone(), shape, Duration::ZERO, &counts)).await;
+                    let client = client(transport);
+                    for k in 0..5 {
+                        let key = format!("order-{k:04}-sequential");
+                        let first = send(&client, addr, &key).await;
+                        let retry = send(&client, addr, &key).await;
+                        assert_eq!(first.status, StatusCode::CREATED, "{case}");
+                        assert!(!first.replayed(), "{case}");
+                        assert_eq!(retry.status, StatusCode::CREATED, "{case}: {retry:?}");
+                        assert!(retry.replayed(), "{case}: the retry must be a replay");
+                        assert_eq!(retry.headers["x-order"], first.headers["x-order"], "{case}");
+                        assert_eq!(retry.body, first.body, "{case}");
+                        assert_eq!(retry.trailers, first.trailers, "{case}");
+                        if shape == Shape::Trailers {
+                            let t = first.trailers.as_ref().expect("trailers reach the client");
+                            assert_eq!(t["x-order-total"], first.headers["x-order"], "{case}");
+                        }
+                    }
+                    assert_eq!(counts.started(), 5, "{case}: one execution per key");
+                    let m = layer.metrics();
+                    assert_eq!((m.executed, m.replayed, m.recorded), (5, 5, 5), "{case}");
+                }
+            }
+        }
+    }
+}
+
+/// Twenty concurrent duplicates run the handler once: with `Wait` all twenty get its response;
+/// with `Reject` the others get 409 with the reason code that tells a client to retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_duplicates_run_once() {
+    for transport in TRANSPORTS {
+        for shape in SHAPES {
+            for in_flight in [InFlight::Wait, InFlight::Reject] {
+                let case = format!("{transport:?} {shape:?} {in_flight:?}");
+                let counts = Counts::default();
+                let layer = layer(OnDisconnect::Complete, in_flight);
+                let addr = serve(app(layer, shape, Duration::from_millis(100), &counts)).await;
+                let client = client(transport);
+                let answers = futures_util::future::join_all(
+                    (0..20).map(|_| send(&client, addr, "order-concurrent-1")),
+                )
+                .await;
+                assert_eq!(counts.started(), 1, "{case}");
+                for a in &answers {
+                    match a.status {
+                        StatusCode::CREATED => assert_eq!(a.headers["x-order"], "1", "{case}"),
+                        StatusCode::CONFLICT if in_flight == InFlight::Reject => {
+                            assert_eq!(a.headers["x-reason-code"], "IDEMPOTENCY_IN_FLIGHT");
+                            assert_eq!(a.headers["retry-after"], "1");
+                        }
+                        other => panic!("{case}: unexpected {other}: {a:?}"),
+                    }
+                }
+                if in_flight == InFlight::Wait {
+                    assert!(
+                        answers.iter().all(|a| a.status == StatusCode::CREATED),
+                        "{case}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A client that goes away mid-handler: `Complete` finishes the handler and the retry gets the
+/// replay; `Release` cancels it (its drop guard fires) and the retry executes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_mid_handler() {
+    for transport in TRANSPORTS {
+        for on_disconnect in [OnDisconnect::Complete, OnDisconnect::Release] {
+            let case = format!("{transport:?} {on_disconnect:?}");
+            let counts = Counts::default();
+            let started = Arc::new(tokio::sync::Notify::new());
+            let gate = Arc::new(tokio::sync::Semaphore::new(0));
+            let router = {
+                let (counts, started, gate) = (counts.clone(), started.clone(), gate.clone());
+                Router::new().route(
+                    "/orders",
+                    post(move || {
+                        let (counts, started, gate) =
+                            (counts.clone(), started.clone(), gate.clone());
+                        async move {
+                            counts.started.fetch_add(1, Ordering::SeqCst);
+                            let finish = Finish(counts, false);
+                            started.notify_one();
+                            gate.acquire().await.unwrap().forget();
+                            respond(Shape::ContentLength, finish.done())
+                        }
+                    }),
+                )
+            };
+            let layer = layer(on_disconnect, InFlight::Wait);
+            let addr = serve(router.layer(layer.clone())).await;
+            // A client of its own, dropped with the request: its connection closes.
+            let first =
+                tokio::spawn(
+                    async move { send(&client(transport), addr, "order-disconnect-1").await },
+                );
+            tokio::time::timeout(Duration::from_secs(10), started.notified())
+                .await
+                .expect("the handler starts");
+            first.abort();
+            assert!(first.await.unwrap_err().is_cancelled(), "{case}");
+            // Wait (bounded) until the server saw the disconnect: a cancelled handler, or (in
+            // Complete mode) nothing to see; then let handlers finish.
+            if on_disconnect == OnDisconnect::Release {
+                for _ in 0..500 {
+                    if counts.cancelled.load(Ordering::SeqCst) == 1 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                assert_eq!(
+                    counts.cancelled.load(Ordering::SeqCst),
+                    1,
+                    "{case}: cancelled"
+                );
+            }
+            gate.add_permits(10);
+            let retry = send(&client(transport), addr, "order-disconnect-1").await;
+            assert_eq!(retry.status, StatusCode::CREATED, "{case}");
+            match on_disconnect {
+                OnDisconnect::Complete => {
+                    assert!(retry.replayed(), "{case}: the retry gets the first outcome");
+                    assert_eq!(retry.headers["x-order"], "1", "{case}");
+                    assert_eq!(counts.started(), 1, "{case}");
+                    assert_eq!(counts.cancelled.load(Ordering::SeqCst), 0, "{case}");
+                }
+                OnDisconnect::Release => {
+                    assert!(!retry.replayed(), "{case}: the retry executes again");
+                    assert_eq!(counts.started(), 2, "{case}");
+                    assert_eq!(counts.finished.load(Ordering::SeqCst), 1, "{case}");
+                }
+            }
+        }
+    }
+}
+
+/// Post-redirect-get: a 303 See Other after a POST is a completed create, recorded and replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_303_after_a_post_is_recorded_and_replayed() {
+    for transport in TRANSPORTS {
+        let counts = Counts::default();
+        let c = counts.clone();
+        let router = Router::new().route(
+            "/orders",
+            post(move || {
+                let n = c.started.fetch_add(1, Ordering::SeqCst) + 1;
+                async move {
+                    Response::builder()
+                        .status(StatusCode::SEE_OTHER)
+                        .header("location", format!("/orders/{n}"))
+                        .body(Body::empty())
+                        .unwrap()
+                }
+            }),
+        );
+        let addr = serve(router.layer(layer(OnDisconnect::Complete, InFlight::Wait))).await;
+        let client = client(transport);
+        let first = send(&client, addr, "order-redirect-1").await;
+        let retry = send(&client, addr, "order-redirect-1").await;
+        assert_eq!(first.status, StatusCode::SEE_OTHER);
+        assert_eq!(retry.status, StatusCode::SEE_OTHER, "{transport:?}");
+        assert!(retry.replayed(), "{transport:?}");
+        assert_eq!(retry.headers["location"], "/orders/1");
+        assert_eq!(counts.started(), 1, "{transport:?}: the create ran once");
+    }
+}
+
+/// A duplicate waiting for the request in flight holds none of the inner service's capacity:
+/// with a concurrency limit of 2 directly inside the layer (as in
+/// `ServiceBuilder::new().layer(IdempotencyLayer).concurrency_limit(2)`, or a tonic server's
+/// layers), a leader and a waiter leave room for a write with another key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_holds_no_inner_capacity() {
+    for transport in TRANSPORTS {
+        let started = Arc::new(tokio::sync::Notify::new());
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let router = {
+            let (started, gate) = (started.clone(), gate.clone());
+            Router::new().route(
+                "/orders",
+                post(move |headers: HeaderMap| {
+                    let (started, gate) = (started.clone(), gate.clone());
+                    async move {
+                        if headers["x-idempotency-key"] == "order-capacity-slow" {
+                            started.notify_one();
+                            gate.acquire().await.unwrap().forget();
+                        }
+                        "done"
+                    }
+                }),
+            )
+        };
+        let svc = tower::ServiceBuilder::new()
+            .map_response(|r: Response<idempotency_layer::IdempotencyBody<Body>>| r.map(Body::new))
+            .layer(layer(OnDisconnect::Complete, InFlight::Wait))
+            .concurrency_limit(2)
+            .service(router);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let make = axum::ServiceExt::<Request<Body>>::into_make_service(svc);
+        tokio::spawn(async move { axum::serve(listener, make).await });
+        let client = client(transport);
+        let leader = tokio::spawn({
+            let client = client.clone();
+            async move { send(&client, addr, "order-capacity-slow").await }
+        });
+        tokio::time::timeout(Duration::from_secs(10), started.notified())
+            .await
+            .expect("the leader starts");
+        let waiter = tokio::spawn({
+            let client = client.clone();
+            async move { send(&client, addr, "order-capacity-slow").await }
+        });
+        // Give the waiter time to reach its wait (it cannot finish before the gate opens).
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let other = tokio::time::timeout(
+            Duration::from_secs(5),
+            send(&client, addr, "order-capacity-other"),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            panic!("{transport:?}: a write with another key is blocked by the waiter's permit")
+        });
+        assert_eq!(other.status, StatusCode::OK);
+        assert!(!waiter.is_finished());
+        gate.add_permits(1);
+        let (leader, waiter) = (leader.await.unwrap(), waiter.await.unwrap());
+        assert_eq!((leader.status, leader.replayed()), (StatusCode::OK, false));
+        assert_eq!((waiter.status, waiter.replayed()), (StatusCode::OK, true));
+    }
+}
+
+/// Two layers configured from one base with different leases: the short lease is renewed in
+/// time while its handler runs, so a duplicate waits instead of taking the claim over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn layers_with_different_leases_each_renew_in_time() {
+    let store = MemoryStore::new();
+    let base = IdempotencyLayer::new(store).default_tenant("t");
+    let long = base.clone().lease(Duration::from_secs(60));
+    let short = base.clone().lease(Duration::from_millis(300));
+    let counts = Counts::default();
+    let slow = |counts: &Counts| {
+        let counts = counts.clone();
+        post(move || {
+            let counts = counts.clone();
+            async move {
+                let n = counts.started.fetch_add(1, Ordering::SeqCst) + 1;
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                format!("done {n}")
+            }
+        })
+    };
+    let router = Router::new()
+        .route("/long", slow(&counts).layer(long))
+        .route("/orders", slow(&counts).layer(short));
+    let addr = serve(router).await;
+    let client = client(Transport::Http1);
+    // The 60 s layer claims first, so its lease starts the renewal task.
+    let warm = tokio::spawn({
+        let client = client.clone();
+        async move {
+            let req = Request::post(format!("http://{addr}/long"))
+                .header("x-idempotency-key", "order-long-lease")
+                .body(Full::new(Bytes::new()))
+                .unwrap();
+            collect(client.request(req).await.unwrap()).await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let first = tokio::spawn({
+        let client = client.clone();
+        async move { send(&client, addr, "order-short-lease").await }
+    });
+    // Three short leases later, a duplicate arrives: the claim must still be held.
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let duplicate = send(&client, addr, "order-short-lease").await;
+    let first = first.await.unwrap();
+    assert_eq!(
+        duplicate.body, first.body,
+        "the duplicate got the first outcome"
+    );
+    assert!(duplicate.replayed());
+    assert_eq!(
+        counts.started(),
+        2,
+        "one execution per key, none taken over"
+    );
+    assert_eq!(warm.await.unwrap().status, StatusCode::OK);
+}

@@ -1,0 +1,326 @@
+//! The two halves as one product: every answer `IdempotencyLayer` makes itself, sent over a real
+//! socket to a client with the real `RetryLayer` in front, gets the verdict the one table
+//! promises: retried exactly when nothing ran and a later attempt can succeed.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::routing::post;
+use axum::Router;
+use axum_orders::inventory::Inventory;
+use bytes::Bytes;
+use e2e::faults::Unavailable;
+use e2e::servers::start_library;
+use http::{Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use idempotency_layer::store::{Begin, Fingerprint, Record, ScopeKey, Token};
+use idempotency_layer::{IdempotencyLayer, IdempotencyStore, InFlight, MemoryStore, StoreError};
+use retry_layer::{RetryLayer, RetryPolicy};
+use tower::{Service, ServiceBuilder, ServiceExt};
+
+/// A `MemoryStore` whose first `fail_begins` claims fail as if the store were unreachable.
+#[derive(Clone, Debug, Default)]
+struct DownAtFirst {
+    inner: MemoryStore,
+    fail_begins: Arc<AtomicUsize>,
+}
+
+impl IdempotencyStore for DownAtFirst {
+    async fn begin(&self, s: ScopeKey, f: Fingerprint, l: Duration) -> Result<Begin, StoreError> {
+        let down = self
+            .fail_begins
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if down {
+            return Err(StoreError::Backend("connection refused (test)".into()));
+        }
+        self.inner.begin(s, f, l).await
+    }
+    async fn complete(
+        &self,
+        s: ScopeKey,
+        t: Token,
+        r: Record,
+        l: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.complete(s, t, r, l).await
+    }
+    async fn release(&self, s: ScopeKey, t: Token) -> Result<(), StoreError> {
+        self.inner.release(s, t).await
+    }
+    async fn renew(&self, s: ScopeKey, t: Token, l: Duration) -> Result<(), StoreError> {
+        self.inner.renew(s, t, l).await
+    }
+    async fn wait(&self, s: ScopeKey, t: Token) -> Result<(), StoreError> {
+        self.inner.wait(s, t).await
+    }
+    async fn forget(&self, s: ScopeKey) -> Result<bool, StoreError> {
+        self.inner.forget(s).await
+    }
+}
+
+/// One route per answer of the layer, each counting the attempts that reach the server.
+struct Server {
+    addr: SocketAddr,
+    attempts: Arc<AtomicUsize>,
+    executions: Arc<AtomicUsize>,
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+async fn server() -> Server {
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let executions = Arc::new(AtomicUsize::new(0));
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let handler = {
+        let (executions, gate) = (executions.clone(), gate.clone());
+        move |uri: http::Uri| {
+            let (executions, gate) = (executions.clone(), gate.clone());
+            async move {
+                executions.fetch_add(1, Ordering::SeqCst);
+                if uri.path() == "/panic" {
+                    panic!("the handler failed (test)");
+                }
+                if uri.path() == "/in-flight" {
+                    gate.acquire().await.unwrap().forget();
+                }
+                (StatusCode::CREATED, "created")
+            }
+        }
+    };
+    let base = || IdempotencyLayer::new(MemoryStore::new()).default_tenant("t");
+    let counting = {
+        let attempts = attempts.clone();
+        tower::util::MapRequestLayer::new(move |req: Request<axum::body::Body>| {
+            attempts.fetch_add(1, Ordering::SeqCst);
+            req
+        })
+    };
+    let store = DownAtFirst {
+        fail_begins: Arc::new(AtomicUsize::new(1)),
+        ..DownAtFirst::default()
+    };
+    let app = Router::new()
+        .route("/plain", post(handler.clone()).layer(base()))
+        .route(
+            "/tenant",
+            post(handler.clone()).layer(IdempotencyLayer::new(MemoryStore::new())),
+        )
+        .route(
+            "/small",
+            post(handler.clone()).layer(base().max_request_bytes(16)),
+        )
+        .route("/panic", post(handler.clone()).layer(base()))
+        .route(
+            "/in-flight",
+            post(handler.clone()).layer(base().in_flight(InFlight::Reject)),
+        )
+        .route(
+            "/store-down",
+            post(handler).layer(IdempotencyLayer::new(store).default_tenant("t")),
+        )
+        .layer(counting);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    Server {
+        addr,
+        attempts,
+        executions,
+        gate,
+    }
+}
+
+fn request(
+    addr: SocketAddr,
+    path: &str,
+    key: Option<&str>,
+    body: &'static str,
+) -> Request<Full<Bytes>> {
+    let mut b =
+        Request::post(format!("http://{addr}{path}")).header("content-type", "application/json");
+    if let Some(key) = key {
+        b = b.header("x-idempotency-key", key);
+    }
+    b.body(Full::new(Bytes::from_static(body.as_bytes())))
+        .unwrap()
+}
+
+/// Sends through `RetryLayer` (default policy) and returns the final status and the attempts the
+/// server saw for this call.
+async fn through_retry(server: &Server, req: Request<Full<Bytes>>) -> (StatusCode, usize) {
+    let before = server.attempts.load(Ordering::SeqCst);
+    let mut client = ServiceBuilder::new()
+        .layer(RetryLayer::new(RetryPolicy::default()))
+        .service(Client::builder(TokioExecutor::new()).build_http());
+    let res = tokio::time::timeout(
+        Duration::from_secs(20),
+        client.ready().await.unwrap().call(req),
+    )
+    .await
+    .expect("an answer within 20 s")
+    .expect("a response");
+    let status = res.status();
+    let _ = res.into_body().collect().await;
+    (status, server.attempts.load(Ordering::SeqCst) - before)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_rejection_over_http_gets_the_verdict_the_table_promises() {
+    let s = server().await;
+    let key = Some("order-pair-0001");
+
+    // Final answers: the request can never succeed as it is, or the handler ran.
+    let finals = [
+        (
+            "missing key",
+            request(s.addr, "/plain", None, "{}"),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "invalid key",
+            request(s.addr, "/plain", Some("bad key!"), "{}"),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "no tenant",
+            request(s.addr, "/tenant", key, "{}"),
+            StatusCode::UNAUTHORIZED,
+        ),
+        (
+            "too large",
+            request(s.addr, "/small", key, "{\"a\":\"0123456789abcdef\"}"),
+            StatusCode::PAYLOAD_TOO_LARGE,
+        ),
+        (
+            "handler panicked",
+            request(s.addr, "/panic", key, "{}"),
+            StatusCode::INTERNAL_SERVER_ERROR,
+        ),
+    ];
+    for (what, req, expected) in finals {
+        let (status, attempts) = through_retry(&s, req).await;
+        assert_eq!(status, expected, "{what}");
+        assert_eq!(attempts, 1, "{what}: a final answer is not retried");
+    }
+
+    // The same key with another request: 422, not retried.
+    let (status, _) =
+        through_retry(&s, request(s.addr, "/plain", Some("order-pair-0002"), "{}")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (status, attempts) = through_retry(
+        &s,
+        request(s.addr, "/plain", Some("order-pair-0002"), "{\"x\":1}"),
+    )
+    .await;
+    assert_eq!((status, attempts), (StatusCode::UNPROCESSABLE_ENTITY, 1));
+
+    // Store unavailable: nothing ran; the retry (after Retry-After) executes once.
+    let executed = s.executions.load(Ordering::SeqCst);
+    let (status, attempts) = through_retry(&s, request(s.addr, "/store-down", key, "{}")).await;
+    assert_eq!(
+        (status, attempts),
+        (StatusCode::CREATED, 2),
+        "503 then the write"
+    );
+    assert_eq!(s.executions.load(Ordering::SeqCst), executed + 1);
+
+    // In flight: the first attempt of a keyed write is still running (say the client timed it
+    // out and retried). The retry's 409 IDEMPOTENCY_IN_FLIGHT is retried unchanged after the
+    // pushback and gets the first attempt's outcome: one execution, success at the caller.
+    let executed = s.executions.load(Ordering::SeqCst);
+    let plain = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let first = tokio::spawn(plain.request(request(s.addr, "/in-flight", key, "{}")));
+    while s.executions.load(Ordering::SeqCst) == executed {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let gate = s.gate.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        gate.add_permits(1);
+    });
+    let (status, attempts) = through_retry(&s, request(s.addr, "/in-flight", key, "{}")).await;
+    assert_eq!(
+        status,
+        StatusCode::CREATED,
+        "the in-flight answer is retried, then replayed"
+    );
+    assert!(
+        attempts >= 2,
+        "retried after the pushback: {attempts} attempts"
+    );
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::CREATED);
+    assert_eq!(
+        s.executions.load(Ordering::SeqCst),
+        executed + 1,
+        "one execution"
+    );
+}
+
+/// Over gRPC the too-large answer is RESOURCE_EXHAUSTED, which alone would be retried as a rate
+/// limit; its reason code makes it final. The in-flight answer (ABORTED) is retried after the
+/// pushback and gets the replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_layers_grpc_answers_get_the_verdict_the_table_promises() {
+    use tonic_library::client::{connect_lazy, policy};
+    use tonic_library::{idempotency, pb};
+
+    let small = start_library(
+        Inventory::seeded(Duration::ZERO),
+        idempotency(MemoryStore::new()).max_request_bytes(4),
+        Unavailable::first_attempts(0.0, 1),
+    )
+    .await;
+    let (mut client, layer) = connect_lazy(&format!("http://{small}"), policy()).unwrap();
+    let status = client
+        .create_order(pb::CreateOrderRequest {
+            book_id: "b1-with-a-long-name".into(),
+            quantity: 1,
+        })
+        .await
+        .expect_err("too large");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+    assert_eq!(
+        layer.stats().retries,
+        0,
+        "a request that can never fit is not retried"
+    );
+
+    // In flight: a slow handler (500 ms per order) and InFlight::Reject.
+    let inventory = Inventory::seeded(Duration::from_millis(500));
+    let server = start_library(
+        inventory.clone(),
+        idempotency(MemoryStore::new()).in_flight(InFlight::Reject),
+        Unavailable::first_attempts(0.0, 1),
+    )
+    .await;
+    let url = format!("http://{server}");
+    let keyed = || {
+        let mut req = tonic::Request::new(pb::CreateOrderRequest {
+            book_id: "b1".into(),
+            quantity: 1,
+        });
+        req.metadata_mut()
+            .insert("x-idempotency-key", "order-grpc-in-flight".parse().unwrap());
+        req
+    };
+    let (mut first_client, _) = connect_lazy(&url, policy()).unwrap();
+    let first = tokio::spawn(async move { first_client.create_order(keyed()).await });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let (mut client, layer) = connect_lazy(&url, policy()).unwrap();
+    let second = client
+        .create_order(keyed())
+        .await
+        .expect("retried after the pushback");
+    let first = first.await.unwrap().expect("the first call succeeds");
+    assert_eq!(
+        second.get_ref(),
+        first.get_ref(),
+        "the retry got the first outcome"
+    );
+    assert!(layer.stats().retries >= 1);
+    assert_eq!(inventory.stats().orders_created, 1, "one execution");
+}
