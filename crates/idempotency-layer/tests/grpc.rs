@@ -17,7 +17,7 @@ use http::uri::PathAndQuery;
 use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use idempotency_layer::{IdempotencyLayer, MemoryStore};
+use idempotency_layer::{IdempotencyLayer, InFlight, MemoryStore, OnDisconnect};
 use prost::Message;
 use tonic::server::{NamedService, UnaryService};
 use tonic::{Code, Status};
@@ -62,6 +62,9 @@ impl UnaryService<CreateOrder> for Create {
         let n = self.0.fetch_add(1, Ordering::SeqCst) + 1;
         let msg = req.into_inner();
         Box::pin(async move {
+            if msg.sku == "slow" {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
             if msg.sku == "flaky" && n == 1 {
                 return Err(Status::unavailable("inventory is restarting"));
             }
@@ -290,4 +293,100 @@ async fn an_unavailable_status_is_not_recorded() {
     assert_eq!(ok.get_ref().id, "order-2");
     assert!(ok.metadata().get("idempotent-replayed").is_none());
     assert_eq!(orders.created.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sequential_retries_over_a_channel_are_replays_in_every_mode() {
+    for on_disconnect in [OnDisconnect::Complete, OnDisconnect::Release] {
+        for in_flight in [InFlight::Wait, InFlight::Reject] {
+            let case = format!("{on_disconnect:?} {in_flight:?}");
+            let layer = layer().on_disconnect(on_disconnect).in_flight(in_flight);
+            let (addr, orders) = start(layer).await;
+            let mut client = grpc_client(addr).await;
+            for k in 0..5 {
+                let key = format!("grpc-sequential-{k:04}");
+                let first = unary(&mut client, CREATE, Some(&key), order("b1")).await;
+                let retry = unary(&mut client, CREATE, Some(&key), order("b1")).await;
+                let (first, retry) = (
+                    first.unwrap(),
+                    retry.unwrap_or_else(|e| panic!("{case}: {e}")),
+                );
+                assert_eq!(first.get_ref(), retry.get_ref(), "{case}");
+                assert_eq!(
+                    retry.metadata().get("idempotent-replayed").unwrap(),
+                    "true",
+                    "{case}"
+                );
+            }
+            assert_eq!(orders.created.load(Ordering::SeqCst), 5, "{case}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_duplicates_over_a_channel_run_once() {
+    let (addr, orders) = start(layer()).await;
+    let client = grpc_client(addr).await;
+    let calls = (0..20).map(|_| {
+        let mut client = client.clone();
+        async move {
+            unary(
+                &mut client,
+                CREATE,
+                Some("grpc-concurrent-1"),
+                order("slow"),
+            )
+            .await
+        }
+    });
+    let answers = futures_util::future::join_all(calls).await;
+    assert_eq!(orders.created.load(Ordering::SeqCst), 1);
+    for a in answers {
+        assert_eq!(a.unwrap().get_ref().id, "order-1");
+    }
+}
+
+/// A gRPC client cannot use a replay without its message: a response too large to record is
+/// replayed as ALREADY_EXISTS that says why, not as an OK with no message (which a unary client
+/// turns into INTERNAL "missing response message").
+#[tokio::test]
+async fn a_replay_whose_message_was_too_large_to_record_is_already_exists() {
+    let (addr, orders) = start(layer().max_record_bytes(4)).await;
+    let mut client = grpc_client(addr).await;
+    let first = unary(&mut client, CREATE, Some("grpc-too-large-1"), order("b1"))
+        .await
+        .expect("the first client gets the whole response");
+    assert_eq!(first.get_ref().id, "order-1");
+    let err = unary(&mut client, CREATE, Some("grpc-too-large-1"), order("b1"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists, "{err:?}");
+    assert!(
+        err.message().contains("max_record_bytes"),
+        "{}",
+        err.message()
+    );
+    assert!(err.message().contains("executed once"), "{}", err.message());
+    assert_eq!(
+        err.metadata().get("idempotent-body-omitted").unwrap(),
+        "true"
+    );
+    assert_eq!(orders.created.load(Ordering::SeqCst), 1);
+}
+
+/// Health probes and server reflection are never writes: they reach the server without a key.
+#[tokio::test]
+async fn health_checks_and_reflection_pass_through_without_a_key() {
+    let (addr, _orders) = start(layer()).await;
+    let mut client = grpc_client(addr).await;
+    for path in [
+        "/grpc.health.v1.Health/Check",
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+    ] {
+        let err = unary(&mut client, path, None, order("b1"))
+            .await
+            .unwrap_err();
+        // This test server serves neither: the answer comes from it, not from the layer.
+        assert_eq!(err.code(), Code::Unimplemented, "{path}: {err:?}");
+    }
 }

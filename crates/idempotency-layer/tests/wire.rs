@@ -473,3 +473,100 @@ async fn layers_with_different_leases_each_renew_in_time() {
     );
     assert_eq!(warm.await.unwrap().status, StatusCode::OK);
 }
+
+/// A gRPC-Web frame: flag, big-endian length, payload.
+fn grpc_web_frame(flag: u8, payload: &[u8]) -> Vec<u8> {
+    let mut f = vec![flag];
+    f.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// gRPC-Web carries its status in a trailers frame at the end of the body (base64-encoded in the
+/// `-text` variant): an error there is not recorded, a success is, and the layer's own answers
+/// are in the request's gRPC-Web content type.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_web_statuses_in_the_body_decide_what_is_recorded() {
+    use base64::Engine as _;
+
+    for text in [false, true] {
+        let content_type = if text {
+            "application/grpc-web-text+proto"
+        } else {
+            "application/grpc-web+proto"
+        };
+        let counts = Counts::default();
+        let c = counts.clone();
+        let router = Router::new().route(
+            "/shop.Orders/CreateOrder",
+            post(move |headers: HeaderMap| {
+                let n = c.started.fetch_add(1, Ordering::SeqCst) + 1;
+                async move {
+                    let key = headers["x-idempotency-key"].to_str().unwrap().to_owned();
+                    // Keys ending in "-error" fail with NOT_FOUND the first time.
+                    let status = if key.ends_with("-error") && n == 1 {
+                        5
+                    } else {
+                        0
+                    };
+                    let mut body = grpc_web_frame(0, format!("order {n}").as_bytes());
+                    body.extend(grpc_web_frame(
+                        0x80,
+                        format!("grpc-status:{status}\r\ngrpc-message:\r\n").as_bytes(),
+                    ));
+                    let body = if text {
+                        base64::engine::general_purpose::STANDARD
+                            .encode(body)
+                            .into_bytes()
+                    } else {
+                        body
+                    };
+                    Response::builder()
+                        .header("content-type", content_type)
+                        .body(Body::from(body))
+                        .unwrap()
+                }
+            }),
+        );
+        let layer = IdempotencyLayer::new(MemoryStore::new()).default_tenant("t");
+        let addr = serve(router.layer(layer.clone())).await;
+        let client = client(Transport::Http1);
+        let send = |key: Option<&'static str>| {
+            let mut req = Request::post(format!("http://{addr}/shop.Orders/CreateOrder"))
+                .header("content-type", content_type);
+            if let Some(key) = key {
+                req = req.header("x-idempotency-key", key);
+            }
+            let req = req
+                .body(Full::new(Bytes::from_static(b"AAAAAAA=")))
+                .unwrap();
+            let client = client.clone();
+            async move { collect(client.request(req).await.unwrap()).await }
+        };
+        // NOT_FOUND in the body's trailers frame: not recorded, the retry executes.
+        let failed = send(Some("order-web-0001-error")).await;
+        let retry = send(Some("order-web-0001-error")).await;
+        assert!(
+            !retry.replayed(),
+            "text={text}: an error in the body is not a success"
+        );
+        assert_ne!(retry.body, failed.body, "text={text}");
+        assert_eq!(counts.started(), 2, "text={text}");
+        // OK: recorded and replayed byte for byte.
+        let ok = send(Some("order-web-0002-ok")).await;
+        let replay = send(Some("order-web-0002-ok")).await;
+        assert!(replay.replayed(), "text={text}");
+        assert_eq!(replay.body, ok.body, "text={text}");
+        assert_eq!(counts.started(), 3, "text={text}");
+        // The layer's own answer speaks gRPC-Web.
+        let missing = send(None).await;
+        assert_eq!(missing.status, StatusCode::OK, "text={text}");
+        assert_eq!(missing.headers["content-type"], content_type);
+        assert_eq!(missing.headers["grpc-status"], "3", "INVALID_ARGUMENT");
+        assert_eq!(
+            layer.metrics().recorded,
+            2,
+            "text={text}: the OK retry and the OK write"
+        );
+    }
+}
