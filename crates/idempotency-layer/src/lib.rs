@@ -53,8 +53,9 @@
 //! # What the layer does with a request
 //!
 //! - **Reads pass through untouched** (GET, HEAD, PUT, DELETE, ... by default: only POST and
-//!   PATCH are writes; for gRPC every method is a write except those declared with
-//!   [`idempotent_grpc_methods`](IdempotencyLayer::idempotent_grpc_methods); or a custom
+//!   PATCH are writes; for gRPC and gRPC-Web every method is a write except those declared with
+//!   [`idempotent_grpc_methods`](IdempotencyLayer::idempotent_grpc_methods), health checks
+//!   (`grpc.health.v1.Health`) and server reflection; or a custom
 //!   [`is_write`](IdempotencyLayer::is_write) predicate).
 //! - **Writes need a key**, `[A-Za-z0-9_-]{8,64}` (a UUID fits), bare or as a quoted
 //!   structured-field string. Missing: 400 / INVALID_ARGUMENT "write operations require
@@ -67,14 +68,26 @@
 //!   ambiguity and hashed ([`Scope`]). The **fingerprint** hashes method, path, query,
 //!   content type and body: the same scope with another fingerprint gets 422 /
 //!   FAILED_PRECONDITION and nothing runs. Bodies over
-//!   [`max_request_bytes`](IdempotencyLayer::max_request_bytes) get 413 / RESOURCE_EXHAUSTED.
+//!   [`max_request_bytes`](IdempotencyLayer::max_request_bytes) get 413 / RESOURCE_EXHAUSTED
+//!   with the reason code [`REQUEST_TOO_LARGE`](reason_code::REQUEST_TOO_LARGE), which no client
+//!   retries.
 //! - The **first request** claims the scope in the store (with a lease and a fencing token),
 //!   runs the handler, and streams the response to its client while recording it. Duplicates
 //!   that arrive meanwhile **wait** for it ([`InFlight::Wait`], bounded by their
 //!   `grpc-timeout` and [`max_wait`](IdempotencyLayer::max_wait); at most
 //!   [`max_waiters`](IdempotencyLayer::max_waiters) per key, the rest get 409 / ABORTED) or get
-//!   409 / ABORTED with `Retry-After` ([`InFlight::Reject`]). Later duplicates get the **replay**: status, headers,
-//!   body and trailers byte for byte, plus `idempotent-replayed: true`.
+//!   409 / ABORTED with `Retry-After` ([`InFlight::Reject`]). That answer carries the reason code
+//!   [`IDEMPOTENCY_IN_FLIGHT`](reason_code::IDEMPOTENCY_IN_FLIGHT): nothing ran for it, and
+//!   `retry-layer` retries it unchanged after the pushback. A waiter holds none of the inner
+//!   service's capacity (a `ConcurrencyLimit` permit, a `Buffer` slot): only a leader readies
+//!   the inner service. Later duplicates get the **replay**: status, headers, body and trailers
+//!   byte for byte, plus `idempotent-replayed: true`.
+//! - **When the record is stored:** before the response's final frame is handed to the server
+//!   (the last data frame of a body that ends or reaches its Content-Length, the trailers frame,
+//!   or, for an empty body, before the head goes out). hyper stops polling a body once it has
+//!   written its Content-Length or its trailers, and never polls an empty one; so a client that
+//!   has received the whole response and retries always finds the record, in every
+//!   [`OnDisconnect`] mode.
 //! - If the first client goes away, the handler moves to a spawned task, runs to completion and
 //!   its outcome is recorded ([`OnDisconnect::Complete`]; this needs a tokio runtime, which
 //!   axum and tonic servers have). A handler that panics releases the key and answers 500 /
@@ -101,7 +114,7 @@
 //!
 //! | outcome | recorded? | so a retry... |
 //! |---|---|---|
-//! | 2xx, gRPC OK | yes | gets the replay |
+//! | 2xx, 3xx (a 303 See Other after a POST is a completed create), gRPC OK | yes | gets the replay |
 //! | 503, 429, 504, 409, 500 (UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, ABORTED, INTERNAL, UNKNOWN), DATA_LOSS | no: the key is released | executes again |
 //! | 400, 401, 403, 404, 412, 501 ... (permanent failures) | only if opted in with `.table(RetryTable::default().record_permanent_failures(true))` | executes again, or gets the recorded failure |
 //! | handler error, panic, body error | no: released | executes again |
@@ -109,8 +122,13 @@
 //! The client retries exactly what the server did not record. Responses larger than
 //! [`max_record_bytes`](IdempotencyLayer::max_record_bytes) still reach their first client in
 //! full, but are recorded as status, headers and trailers only; their replays say so with
-//! `idempotent-body-omitted: true`. A recorded permanent failure can be cleared with
-//! [`IdempotencyLayer::forget`].
+//! `idempotent-body-omitted: true`; over gRPC, where a client cannot use a reply without its
+//! message, such a replay answers ALREADY_EXISTS with a message that says the call was executed
+//! once. A recorded permanent failure can be cleared with [`IdempotencyLayer::forget`].
+//!
+//! gRPC-Web responses carry their status in the headers of a trailers-only response or in a
+//! trailers frame at the end of the body (base64-encoded in the `-text` variants); the layer
+//! reads it there, so a gRPC-Web error is never recorded as a success.
 //!
 //! # Why wait for the first request
 //!
