@@ -663,6 +663,18 @@ impl IdempotencyStore for RedisStore {
 mod tests {
     use super::*;
 
+    /// Only an error that may follow a sent claim arms the orphan release: a refused
+    /// connection sent nothing, so no release task is spawned for it.
+    #[test]
+    fn a_refused_connection_never_ran_the_claim() {
+        let refused = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert!(!may_have_run(&backend(refused)));
+        let reset = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert!(may_have_run(&backend(reset)));
+        assert!(may_have_run(&timed_out(Duration::from_secs(1))));
+        assert!(!may_have_run(&StoreError::Fenced));
+    }
+
     #[test]
     fn tokens_round_trip_and_bad_lengths_are_corrupt() {
         let t = Token(0x0123_4567_89ab_cdef_0011_2233_4455_6677);
