@@ -1,7 +1,6 @@
 //! The request body the inner service sees and the response body the layer returns.
 
 use std::fmt;
-use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
@@ -11,8 +10,9 @@ use http::header::CONTENT_LENGTH;
 use http::{HeaderMap, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
+use reason_code::Code;
 
-use crate::claim::{spawn_detached, Claim};
+use crate::claim::{spawn_detached, BoxFuture, Claim};
 use crate::classify;
 use crate::config::{Config, OnDisconnect};
 use crate::protocol::is_grpc_web;
@@ -231,7 +231,7 @@ pub(crate) struct Recorder<B> {
 
 /// The record being stored, and what to hand out once it is: the final frame, or the end.
 struct Finishing {
-    store: Pin<Box<dyn Future<Output = ()> + Send + 'static>>,
+    store: BoxFuture,
     then: Option<Frame<Bytes>>,
 }
 
@@ -253,6 +253,9 @@ struct RecState<B> {
     /// large to keep).
     last_chunk: Option<Bytes>,
     grpc_web: bool,
+    /// The code the head decided (a reason code, a trailers-only gRPC status, an HTTP status);
+    /// `None` when the status comes at the end (gRPC trailers, a gRPC-Web trailers frame).
+    head_code: Option<Code>,
     drain_on_drop: fn(RecState<B>),
 }
 
@@ -262,6 +265,8 @@ where
     B::Error: Into<BoxError>,
 {
     /// `http1`: the response goes out over HTTP/1, where the server stops at the body's length.
+    /// `head_code`: what [`classify::at_head`] said of the response's head.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         body: B,
         claim: Claim,
@@ -270,6 +275,7 @@ where
         status: StatusCode,
         headers: HeaderMap,
         http1: bool,
+        head_code: Option<Code>,
     ) -> Self {
         let stops_at = http1
             .then(|| {
@@ -280,7 +286,7 @@ where
                 })
             })
             .flatten();
-        let grpc_web = is_grpc_web(&headers);
+        let grpc_web = head_code.is_none() && is_grpc_web(&headers);
         Recorder {
             finishing: None,
             st: Some(RecState {
@@ -297,6 +303,7 @@ where
                 seen: 0,
                 last_chunk: None,
                 grpc_web,
+                head_code,
                 drain_on_drop: drain_on_drop::<B>,
             }),
         }
@@ -310,10 +317,12 @@ where
             .is_some_and(|st| st.body.is_end_stream() || st.stops_at == Some(0))
     }
 
-    /// Stores the record of an empty body now (see [`is_empty`](Self::is_empty)).
-    pub(crate) async fn finish_empty(&mut self) {
-        if let Some(st) = self.st.take() {
-            st.finish().await;
+    /// The store operation for an empty body, to await before the head goes out (see
+    /// [`is_empty`](Self::is_empty)).
+    pub(crate) fn finish_empty(mut self) -> BoxFuture {
+        match self.st.take() {
+            Some(st) => st.finish(),
+            None => Box::pin(std::future::ready(())),
         }
     }
 
@@ -335,7 +344,7 @@ where
                     }
                     if let Some(st) = self.st.take() {
                         self.finishing = Some(Finishing {
-                            store: Box::pin(st.finish()),
+                            store: st.finish(),
                             then: Some(frame),
                         });
                     }
@@ -349,7 +358,7 @@ where
                 None => {
                     if let Some(st) = self.st.take() {
                         self.finishing = Some(Finishing {
-                            store: Box::pin(st.finish()),
+                            store: st.finish(),
                             then: None,
                         });
                     }
@@ -407,19 +416,16 @@ where
             || self.stops_at.is_some_and(|len| self.seen >= len)
     }
 
-    /// The body ended: record it if the table allows, else release.
-    async fn finish(self) {
+    /// The body ended: record it if the table allows, else release. The record is built here,
+    /// synchronously, so the returned store operation holds only the record and the claim.
+    fn finish(self) -> BoxFuture {
         let kept: &[u8] = match (&self.last_chunk, self.omitted) {
             (Some(last), true) => last,
             _ => &self.data,
         };
-        let code = classify::at_end(
-            &self.config.reasons,
-            self.status,
-            &self.headers,
-            self.trailers.as_ref(),
-            kept,
-        );
+        let code = self
+            .head_code
+            .unwrap_or_else(|| classify::at_end(&self.headers, self.trailers.as_ref(), kept));
         if self.config.table.may_record(code) {
             let record = Record {
                 fingerprint: self.fingerprint,
@@ -429,10 +435,10 @@ where
                 body_omitted: self.omitted,
                 trailers: self.trailers,
             };
-            self.claim.complete(record).await
+            self.claim.complete(record)
         } else {
             tracing::debug!(%code, "idempotency: outcome not recordable; releasing");
-            self.claim.release().await
+            self.claim.release()
         }
     }
 

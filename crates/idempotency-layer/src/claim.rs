@@ -12,7 +12,8 @@ use crate::renewal::Renewals;
 use crate::shared::Shared;
 use crate::store::{retry_through_outage, IdempotencyStore, Record, ScopeKey, StoreError, Token};
 
-type BoxFuture = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
+/// A claim's store operation, boxed once (the store type is erased).
+pub(crate) type BoxFuture = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
 
 /// The store operations of one claim, with the store type erased (so bodies need not name it).
 trait ClaimOps: Send + Sync + 'static {
@@ -121,23 +122,20 @@ impl Claim {
         }
     }
 
-    /// Stores `record` in place of the claim.
-    pub(crate) fn complete(mut self, record: Record) -> impl Future<Output = ()> + Send + 'static {
-        let ops = self.ops.take();
-        async move {
-            if let Some(ops) = ops {
-                ops.complete(record).await
-            }
+    /// Stores `record` in place of the claim. The future is the store operation itself (boxed
+    /// once, by the store-erased claim), so callers can hold or spawn it without boxing again.
+    pub(crate) fn complete(mut self, record: Record) -> BoxFuture {
+        match self.ops.take() {
+            Some(ops) => ops.complete(record),
+            None => Box::pin(std::future::ready(())),
         }
     }
 
     /// Releases the claim so a retry executes again.
-    pub(crate) fn release(mut self) -> impl Future<Output = ()> + Send + 'static {
-        let ops = self.ops.take();
-        async move {
-            if let Some(ops) = ops {
-                ops.release().await
-            }
+    pub(crate) fn release(mut self) -> BoxFuture {
+        match self.ops.take() {
+            Some(ops) => ops.release(),
+            None => Box::pin(std::future::ready(())),
         }
     }
 }

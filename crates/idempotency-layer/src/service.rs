@@ -423,7 +423,11 @@ where
                 let run = call_and_record(inner, req, claim, config.clone(), fp);
                 DetachOnDrop(Some(Box::pin(run))).await
             }
-            OnDisconnect::Release => call_and_record(inner, req, claim, config.clone(), fp).await,
+            // Boxed like the other arm: inline, the handler's future and the recorder would
+            // more than double the size of every write's future.
+            OnDisconnect::Release => {
+                Box::pin(call_and_record(inner, req, claim, config.clone(), fp)).await
+            }
         };
         match out {
             Ok(answer) => answer,
@@ -470,65 +474,73 @@ impl<F: Future<Output = T> + Send + 'static, T: Send + 'static> Drop for DetachO
 /// Readies the inner service, calls it, and wraps its response in a [`Recorder`] (or stores the
 /// record at once when the body is empty, or releases the claim when the head says the outcome
 /// is not recordable).
-async fn call_and_record<S, ReqB, ResB>(
+///
+/// A plain function returning a future, so the request and the service are held once (by the
+/// call), not twice (by the outer future too): the future stays small enough for the allocator's
+/// fast path when it is boxed.
+fn call_and_record<S, ReqB, ResB>(
     mut inner: S,
     req: Request<RequestBody<ReqB>>,
     claim: Claim,
     cfg: Arc<Config>,
     fp: Fingerprint,
-) -> Result<Answer<ResB, S::Error>, Panicked>
+) -> impl Future<Output = Result<Answer<ResB, S::Error>, Panicked>>
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
     ResB: Body<Data = Bytes> + Send + 'static,
     ResB::Error: Into<BoxError>,
 {
     let http1 = req.version() < Version::HTTP_2;
-    let called = AssertUnwindSafe(async {
+    let call = AssertUnwindSafe(async move {
         std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
         inner.call(req).await
     })
-    .catch_unwind()
-    .await;
-    let res = match called {
-        Ok(Ok(res)) => res,
-        Ok(Err(e)) => {
-            claim.release().await;
-            return Ok(Err(e));
+    .catch_unwind();
+    async move {
+        let res = match call.await {
+            Ok(Ok(res)) => res,
+            Ok(Err(e)) => {
+                claim.release().await;
+                return Ok(Err(e));
+            }
+            Err(_) => {
+                tracing::error!("idempotency: handler panicked; releasing the key");
+                claim.release().await;
+                return Err(Panicked);
+            }
+        };
+        let (parts, body) = res.into_parts();
+        let head_code = classify::at_head(&cfg.reasons, parts.status, &parts.headers);
+        if let Some(code) = head_code {
+            if !cfg.table.may_record(code) {
+                tracing::debug!(%code, "idempotency: outcome not recordable; releasing");
+                claim.release().await;
+                return Ok(Ok(Response::from_parts(
+                    parts,
+                    IdempotencyBody::inner(body),
+                )));
+            }
         }
-        Err(_) => {
-            tracing::error!("idempotency: handler panicked; releasing the key");
-            claim.release().await;
-            return Err(Panicked);
+        let recorder = Recorder::new(
+            body,
+            claim,
+            cfg,
+            fp,
+            parts.status,
+            parts.headers.clone(),
+            http1,
+            head_code,
+        );
+        if recorder.is_empty() {
+            // The server will not poll an empty body: record it before the head goes out.
+            recorder.finish_empty().await;
+            return Ok(Ok(Response::from_parts(parts, IdempotencyBody::empty())));
         }
-    };
-    let (parts, body) = res.into_parts();
-    if let Some(code) = classify::at_head(&cfg.reasons, parts.status, &parts.headers) {
-        if !cfg.table.may_record(code) {
-            tracing::debug!(%code, "idempotency: outcome not recordable; releasing");
-            claim.release().await;
-            return Ok(Ok(Response::from_parts(
-                parts,
-                IdempotencyBody::inner(body),
-            )));
-        }
+        Ok(Ok(Response::from_parts(
+            parts,
+            IdempotencyBody::recording(recorder),
+        )))
     }
-    let mut recorder = Recorder::new(
-        body,
-        claim,
-        cfg,
-        fp,
-        parts.status,
-        parts.headers.clone(),
-        http1,
-    );
-    if recorder.is_empty() {
-        // The server will not poll an empty body: record before the head goes out.
-        recorder.finish_empty().await;
-    }
-    Ok(Ok(Response::from_parts(
-        parts,
-        IdempotencyBody::recording(recorder),
-    )))
 }
 
 /// The recorded response, for a duplicate.
