@@ -144,12 +144,12 @@ mod service;
 mod stats;
 
 pub use body::{BodyNotReplayable, ReplayBody};
-pub use error::{AttemptTimedOut, Deadline, DeadlineExceeded, RetryInfo};
+pub use error::{AttemptTimedOut, Deadline, DeadlineExceeded, RetryError, RetryInfo};
 pub use future::ResponseFuture;
 pub use layer::RetryLayer;
 pub use policy::{
     Conflict, GrpcRetryPolicy, GrpcRetryThrottling, InvalidPolicy, Rebuild, RebuildFuture,
-    RetryPolicy, RetryPolicyBuilder, StatusCodeName,
+    RetryPolicy, RetryPolicyBuilder, StatusCodeName, MAX_DURATION, MAX_UNSENT_RETRIES,
 };
 pub use service::Retry;
 pub use stats::{RetryStats, StatsSnapshot};

@@ -93,7 +93,7 @@ async fn non_ascii_retry_after_is_ignored() {
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
-async fn garbage_grpc_status_is_treated_as_absent() {
+async fn garbage_grpc_status_is_unknown_and_final() {
     let (logs, _guard) = capture();
     let reply = Reply::Status(
         200,
@@ -109,7 +109,7 @@ async fn garbage_grpc_status_is_treated_as_absent() {
     )
     .await;
     assert_eq!(res.unwrap().status(), 200);
-    assert_eq!(script.attempts(), 1, "no status in the headers: committed");
+    assert_eq!(script.attempts(), 1, "UNKNOWN is not retried");
     assert!(
         logs.text().contains("malformed grpc-status"),
         "{}",

@@ -245,6 +245,8 @@ async fn the_last_outcome_is_returned_when_attempts_run_out() {
     )
     .await;
     let err = res.unwrap_err();
+    let err = retry_layer::RetryError::of(&*err).expect("a RetryError");
+    assert_eq!(err.attempts(), 3);
     assert_eq!(
         err.downcast_ref::<std::io::Error>().map(|e| e.kind()),
         Some(ErrorKind::ConnectionReset)
