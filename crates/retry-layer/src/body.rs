@@ -398,7 +398,12 @@ where
         match &self.inner {
             Inner::Empty => SizeHint::with_exact(0),
             Inner::Fixed(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
-            Inner::Shared { shared, next, .. } => {
+            Inner::Shared {
+                shared,
+                next,
+                trailers_sent,
+                ..
+            } => {
                 let s = lock(shared);
                 let kept: u64 = if s.capped {
                     0
@@ -408,6 +413,13 @@ where
                         .map_or(0, |c| c.iter().map(|c| c.len() as u64).sum())
                 };
                 match &s.body {
+                    // Trailers still to replay: not an exact size, or an HTTP/1 client would
+                    // send a Content-Length, which cannot carry trailers.
+                    None if s.trailers.is_some() && !*trailers_sent => {
+                        let mut hint = SizeHint::new();
+                        hint.set_lower(kept);
+                        hint
+                    }
                     None => SizeHint::with_exact(kept),
                     Some(body) => {
                         let rest = body.size_hint();
