@@ -970,6 +970,74 @@ mod tests {
     }
 
     #[test]
+    fn method_config_names_choose_the_rules() {
+        let policy = |name: &str, extra: &str| {
+            format!(
+                r#"{{"methodConfig": [{{"name": [{name}], "retryPolicy": {{"maxAttempts": 4,
+                "initialBackoff": "0.1s", "maxBackoff": "1s", "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"]}}}}{extra}]}}"#
+            )
+        };
+        // Exact method, then the service, then the empty name.
+        let p = RetryPolicy::from_grpc_service_config(&policy(
+            r#"{"service": "a.S", "method": "M"}"#,
+            r#", {"name": [{"service": "a.S"}], "retryPolicy": {"maxAttempts": 3,
+               "initialBackoff": "0.1s", "maxBackoff": "1s", "backoffMultiplier": 2,
+               "retryableStatusCodes": [14]}},
+               {"name": [{}], "retryPolicy": {"maxAttempts": 2, "initialBackoff": "0.1s",
+               "maxBackoff": "1s", "backoffMultiplier": 2, "retryableStatusCodes": [14]}}"#,
+        ))
+        .unwrap();
+        assert_eq!(p.max_attempts_of_grpc("/a.S/M"), 4);
+        assert_eq!(p.max_attempts_of_grpc("/a.S/N"), 3);
+        assert_eq!(p.max_attempts_of_grpc("/b.T/M"), 2);
+        assert_eq!(
+            p.max_attempts(),
+            1,
+            "a request no entry matches: not retried"
+        );
+
+        // No default entry: unmatched methods are not retried; an entry without retryPolicy
+        // neither.
+        let p = RetryPolicy::from_grpc_service_config(&policy(
+            r#"{"service": "a.S", "method": "M"}"#,
+            r#", {"name": [{"service": "a.S", "method": "N"}], "timeout": "1s"}"#,
+        ))
+        .unwrap();
+        assert_eq!(p.max_attempts_of_grpc("/a.S/N"), 1);
+        assert_eq!(p.max_attempts_of_grpc("/a.S/O"), 1);
+
+        for bad in [
+            policy(r#"{"method": "M"}"#, ""),
+            policy(
+                r#"{"service": "a.S", "method": "M"}, {"service": "a.S", "method": "M"}"#,
+                "",
+            ),
+            policy(r#"{"service": "a/S", "method": "M"}"#, ""),
+            policy(r#"{}"#, r#", {"name": [{}]}"#),
+            r#"{"methodConfig": [{"retryPolicy": {}}]}"#.to_owned(),
+            r#"{"methodConfig": [{"name": [{}]}], "retryPolicy": {"maxAttempts": 2,
+               "initialBackoff": "0.1s", "maxBackoff": "1s", "backoffMultiplier": 2,
+               "retryableStatusCodes": [14]}}"#
+                .to_owned(),
+            r#"{"loadBalancingConfig": []}"#.to_owned(),
+        ] {
+            let err = RetryPolicy::from_grpc_service_config(&bad).unwrap_err();
+            assert!(!err.to_string().is_empty(), "{bad}");
+        }
+
+        // retryThrottling alongside methodConfig.
+        let p = RetryPolicy::from_grpc_service_config(
+            r#"{"methodConfig": [], "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1}}"#,
+        )
+        .unwrap();
+        assert!(matches!(
+            p.budget,
+            BudgetConfig::TokenBucket { max_tokens: 10, .. }
+        ));
+    }
+
+    #[test]
     fn proto_durations() {
         assert_eq!(parse_proto_duration("0.02s"), Ok(Duration::from_millis(20)));
         assert_eq!(parse_proto_duration("3s"), Ok(Duration::from_secs(3)));

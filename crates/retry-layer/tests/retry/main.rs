@@ -7,6 +7,7 @@ mod bodies;
 mod budget;
 mod deadline;
 mod grpc;
+mod grpc_wire;
 mod on_the_wire;
 mod readiness;
 mod sockets;
