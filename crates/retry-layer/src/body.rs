@@ -530,9 +530,11 @@ mod tests {
         t
     }
 
+    type FrameSender = tokio::sync::mpsc::UnboundedSender<Result<Frame<Bytes>, BoxError>>;
+
     /// A body fed through a channel, as a slow client would stream it.
     fn channel_body() -> (
-        tokio::sync::mpsc::UnboundedSender<Result<Frame<Bytes>, BoxError>>,
+        FrameSender,
         StreamBody<impl futures_util::Stream<Item = Result<Frame<Bytes>, BoxError>>>,
     ) {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();

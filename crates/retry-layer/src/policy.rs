@@ -161,6 +161,21 @@ impl Default for Rules {
     }
 }
 
+/// Why a duration setting is out of range: over [`MAX_DURATION`], or zero where zero makes no
+/// sense.
+fn duration_error(name: &str, d: Duration, zero_ok: bool) -> Option<String> {
+    if d > MAX_DURATION {
+        return Some(format!(
+            "{name} must be at most {} s (one day), got {d:?}",
+            MAX_DURATION.as_secs()
+        ));
+    }
+    if !zero_ok && d.is_zero() {
+        return Some(format!("{name} must be greater than zero"));
+    }
+    None
+}
+
 /// The rules of a gRPC service config's `methodConfig` entries, by method path.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct GrpcMethods {
@@ -489,28 +504,13 @@ impl RetryPolicyBuilder {
         self
     }
 
-    /// Rejects a duration over [`MAX_DURATION`] (or zero, where zero makes no sense).
-    fn check_duration(self, name: &str, d: Duration, zero_ok: bool) -> Result<Self, Self> {
-        if d > MAX_DURATION {
-            return Err(self.fail(format!(
-                "{name} must be at most {} s (one day), got {d:?}",
-                MAX_DURATION.as_secs()
-            )));
-        }
-        if !zero_ok && d.is_zero() {
-            return Err(self.fail(format!("{name} must be greater than zero")));
-        }
-        Ok(self)
-    }
-
     /// The delay after the first failed attempt (at most [`MAX_DURATION`]).
-    pub fn base_delay(self, d: Duration) -> Self {
-        let mut this = match self.check_duration("base_delay", d, true) {
-            Ok(b) => b,
-            Err(b) => return b,
-        };
-        this.policy.rules.backoff.base = d;
-        this
+    pub fn base_delay(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("base_delay", d, true) {
+            return self.fail(e);
+        }
+        self.policy.rules.backoff.base = d;
+        self
     }
 
     /// The factor the delay grows by per attempt (finite, at least 1.0).
@@ -525,13 +525,12 @@ impl RetryPolicyBuilder {
     }
 
     /// The largest computed delay (before jitter; at most [`MAX_DURATION`]).
-    pub fn max_delay(self, d: Duration) -> Self {
-        let mut this = match self.check_duration("max_delay", d, true) {
-            Ok(b) => b,
-            Err(b) => return b,
-        };
-        this.policy.rules.backoff.max_delay = d;
-        this
+    pub fn max_delay(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("max_delay", d, true) {
+            return self.fail(e);
+        }
+        self.policy.rules.backoff.max_delay = d;
+        self
     }
 
     /// How delays are randomized.
@@ -554,49 +553,45 @@ impl RetryPolicyBuilder {
 
     /// The least time an attempt must have left before the deadline for a retry to be sent (at
     /// most [`MAX_DURATION`]).
-    pub fn min_attempt_budget(self, d: Duration) -> Self {
-        let mut this = match self.check_duration("min_attempt_budget", d, true) {
-            Ok(b) => b,
-            Err(b) => return b,
-        };
-        this.policy.min_attempt_budget = d;
-        this
+    pub fn min_attempt_budget(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("min_attempt_budget", d, true) {
+            return self.fail(e);
+        }
+        self.policy.min_attempt_budget = d;
+        self
     }
 
     /// A deadline for the whole call, retries included, used when the request carries neither a
     /// [`Deadline`](crate::Deadline) extension nor `grpc-timeout` (greater than zero, at most
     /// [`MAX_DURATION`]).
-    pub fn total_timeout(self, d: Duration) -> Self {
-        let mut this = match self.check_duration("total_timeout", d, false) {
-            Ok(b) => b,
-            Err(b) => return b,
-        };
-        this.policy.total_timeout = Some(d);
-        this
+    pub fn total_timeout(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("total_timeout", d, false) {
+            return self.fail(e);
+        }
+        self.policy.total_timeout = Some(d);
+        self
     }
 
     /// A timeout for each attempt (greater than zero, at most [`MAX_DURATION`]); an attempt that
     /// times out is an ambiguous failure (it may have executed), retried only when the request
     /// is idempotent or keyed. A gRPC attempt's `grpc-timeout` is capped at it, so the server
     /// stops working on an attempt the client abandons.
-    pub fn attempt_timeout(self, d: Duration) -> Self {
-        let mut this = match self.check_duration("attempt_timeout", d, false) {
-            Ok(b) => b,
-            Err(b) => return b,
-        };
-        this.policy.attempt_timeout = Some(d);
-        this
+    pub fn attempt_timeout(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("attempt_timeout", d, false) {
+            return self.fail(e);
+        }
+        self.policy.attempt_timeout = Some(d);
+        self
     }
 
     /// The longest server pushback (`Retry-After`, `grpc-retry-pushback-ms`) honoured (at most
     /// [`MAX_DURATION`]); a longer one ends retrying.
-    pub fn max_pushback(self, d: Duration) -> Self {
-        let mut this = match self.check_duration("max_pushback", d, true) {
-            Ok(b) => b,
-            Err(b) => return b,
-        };
-        this.policy.max_pushback = d;
-        this
+    pub fn max_pushback(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("max_pushback", d, true) {
+            return self.fail(e);
+        }
+        self.policy.max_pushback = d;
+        self
     }
 
     /// The most request-body bytes kept for replay; larger bodies are sent once.
