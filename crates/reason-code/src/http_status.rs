@@ -44,6 +44,34 @@ impl Code {
         }
     }
 
+    /// Classifies the HTTP status of a gRPC response that carries no `grpc-status`, as the gRPC
+    /// spec maps it (`doc/http-grpc-status-mapping.md`): 400 is INTERNAL, 401 UNAUTHENTICATED,
+    /// 403 PERMISSION_DENIED, 404 UNIMPLEMENTED, 429, 502, 503 and 504 UNAVAILABLE, any other
+    /// status UNKNOWN. A 200 is OK (its status then comes from `grpc-status`).
+    ///
+    /// This differs from [`Code::from_http_status`] on purpose: a gRPC client that gets an HTTP
+    /// error did not reach a gRPC handler (a proxy, a load balancer or the wrong server answered).
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use reason_code::Code;
+    ///
+    /// assert_eq!(Code::from_grpc_http_status(StatusCode::NOT_FOUND), Code::Unimplemented);
+    /// assert_eq!(Code::from_grpc_http_status(StatusCode::TOO_MANY_REQUESTS), Code::Unavailable);
+    /// assert_eq!(Code::from_grpc_http_status(StatusCode::CONFLICT), Code::Unknown);
+    /// ```
+    pub fn from_grpc_http_status(status: StatusCode) -> Code {
+        match status.as_u16() {
+            200 => Code::Ok,
+            400 => Code::Internal,
+            401 => Code::Unauthenticated,
+            403 => Code::PermissionDenied,
+            404 => Code::Unimplemented,
+            429 | 502 | 503 | 504 => Code::Unavailable,
+            _ => Code::Unknown,
+        }
+    }
+
     /// The HTTP status a server renders for this code when it answers plain HTTP.
     ///
     /// ```
@@ -109,6 +137,34 @@ mod tests {
         other_5xx_599: 599 => Code::Unknown,
         redirect_302: 302 => Code::Ok,
         see_other_303: 303 => Code::Ok,
+    }
+
+    macro_rules! grpc_http_rows {
+        ($($name:ident: $status:expr => $code:expr,)*) => {$(
+            #[test]
+            fn $name() {
+                assert_eq!(
+                    Code::from_grpc_http_status(StatusCode::from_u16($status).unwrap()),
+                    $code
+                );
+            }
+        )*};
+    }
+
+    grpc_http_rows! {
+        grpc_ok_200: 200 => Code::Ok,
+        grpc_bad_request_400: 400 => Code::Internal,
+        grpc_unauthorized_401: 401 => Code::Unauthenticated,
+        grpc_forbidden_403: 403 => Code::PermissionDenied,
+        grpc_not_found_404: 404 => Code::Unimplemented,
+        grpc_too_many_429: 429 => Code::Unavailable,
+        grpc_bad_gateway_502: 502 => Code::Unavailable,
+        grpc_unavailable_503: 503 => Code::Unavailable,
+        grpc_gateway_timeout_504: 504 => Code::Unavailable,
+        grpc_internal_500: 500 => Code::Unknown,
+        grpc_conflict_409: 409 => Code::Unknown,
+        grpc_created_201: 201 => Code::Unknown,
+        grpc_redirect_302: 302 => Code::Unknown,
     }
 
     #[test]

@@ -2,9 +2,18 @@
 //!
 //! [`ReplayBody`] wraps any [`http_body::Body`]. The first attempt streams the original body as
 //! it arrives (nothing waits for the whole body) while a copy of each chunk is kept, up to
-//! `max_replay_bytes`. A retry replays the kept chunks, then continues reading the original body
-//! where the earlier attempt stopped. A body that grows past the limit stops being kept and makes
-//! the request non-retryable: it is never truncated and never buffered without bound.
+//! `max_replay_bytes`. A retry replays the kept chunks (and the trailers), then continues reading
+//! the original body where the earlier attempt stopped. A body that grows past the limit stops
+//! being kept and makes the request non-retryable: it is never truncated and never buffered
+//! without bound.
+//!
+//! Real transports stop polling a body early: hyper stops once `is_end_stream()` is true after
+//! the last data frame, once a Content-Length is written, or after the trailers frame. So the
+//! copy is marked complete when the last frame is *produced*, not when the original returns
+//! `None`. And a transport may keep reading an attempt's body after its response arrived (h2
+//! streams on, HTTP/1 keeps writing after an early answer): each new attempt therefore cuts the
+//! readers of earlier attempts off, so that only the live attempt reads the original body (and
+//! is woken by it), and a stale reader can never change what the live one replays.
 
 use std::fmt;
 use std::pin::Pin;
@@ -20,7 +29,8 @@ use crate::BoxError;
 /// A request body that every attempt of a retried request reads from the start.
 ///
 /// Retries of a request whose body was larger than `max_replay_bytes` are refused before they
-/// are sent; a stale attempt that still reads after that gets a [`BodyNotReplayable`] error.
+/// are sent. A reader of an earlier attempt that is still polled after a newer attempt started
+/// gets an error (the transport then abandons that stale attempt).
 pub struct ReplayBody<B> {
     inner: Inner<B>,
 }
@@ -33,6 +43,8 @@ enum Inner<B> {
     /// One attempt's view of the shared original.
     Shared {
         shared: Arc<Mutex<Shared<B>>>,
+        /// The attempt this reader belongs to; only the newest may read.
+        generation: u64,
         /// The index of the next kept chunk this attempt reads.
         next: usize,
         trailers_sent: bool,
@@ -40,18 +52,40 @@ enum Inner<B> {
 }
 
 struct Shared<B> {
+    /// The original, until it has produced its last frame.
     body: Option<Pin<Box<B>>>,
     /// Every chunk read so far, while the total stays within `max`.
     chunks: Vec<Bytes>,
     /// How many chunks were read from the original (kept or not).
     read: usize,
+    /// How many bytes were read from the original.
+    read_bytes: u64,
+    /// The length the body declared (exact size hint or Content-Length): a transport stops
+    /// polling once that many bytes are written.
+    declared_len: Option<u64>,
     kept_bytes: usize,
     max: usize,
     /// More than `max` bytes were read: nothing is kept any longer.
     capped: bool,
     /// The original body failed; its error went to the attempt that read it.
     failed: bool,
+    /// The original produced its last frame (or said it had none left).
+    ended: bool,
     trailers: Option<HeaderMap>,
+    /// The newest attempt's generation; readers of older ones are cut off.
+    generation: u64,
+}
+
+impl<B> Shared<B> {
+    fn finish(&mut self) {
+        self.body = None;
+        self.ended = true;
+    }
+
+    /// True when every data byte of the original has been read and kept.
+    fn data_complete(&self) -> bool {
+        !self.capped && !self.failed && (self.ended || self.declared_len == Some(self.read_bytes))
+    }
 }
 
 /// A retry attempt read past what could be kept of the body.
@@ -68,6 +102,21 @@ impl fmt::Display for BodyNotReplayable {
 }
 
 impl std::error::Error for BodyNotReplayable {}
+
+/// The error a stale attempt's body gets once a newer attempt of the same request started. Only
+/// transports see it (the stale attempt's response was already handled).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Superseded;
+
+impl fmt::Display for Superseded {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(
+            "a newer attempt of this request is sending its body; this attempt is abandoned",
+        )
+    }
+}
+
+impl std::error::Error for Superseded {}
 
 impl<B> fmt::Debug for ReplayBody<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -91,9 +140,14 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl<B: Body> ReplayBody<B> {
-    /// Wraps `body`, keeping up to `max` bytes for replay. Returns the first attempt's body and
-    /// the handle the layer keeps.
-    pub(crate) fn new(body: B, max: usize) -> (ReplayBody<B>, BodyHandle<B>) {
+    /// Wraps `body`, keeping up to `max` bytes for replay. `content_length` is the request's
+    /// Content-Length header, if any. Returns the first attempt's body and the handle the layer
+    /// keeps.
+    pub(crate) fn new(
+        body: B,
+        max: usize,
+        content_length: Option<u64>,
+    ) -> (ReplayBody<B>, BodyHandle<B>) {
         if body.is_end_stream() {
             return (
                 ReplayBody {
@@ -102,21 +156,27 @@ impl<B: Body> ReplayBody<B> {
                 BodyHandle { shared: None },
             );
         }
+        let hint = body.size_hint();
         // A body known to exceed the limit is never kept.
-        let capped = body.size_hint().lower() > max as u64;
+        let capped = hint.lower() > max as u64;
         let shared = Arc::new(Mutex::new(Shared {
             body: Some(Box::pin(body)),
             chunks: Vec::new(),
             read: 0,
+            read_bytes: 0,
+            declared_len: hint.exact().or(content_length),
             kept_bytes: 0,
             max,
             capped,
             failed: false,
+            ended: false,
             trailers: None,
+            generation: 0,
         }));
         let first = ReplayBody {
             inner: Inner::Shared {
                 shared: shared.clone(),
+                generation: 0,
                 next: 0,
                 trailers_sent: false,
             },
@@ -149,30 +209,50 @@ impl<B> BodyHandle<B> {
         }
     }
 
-    /// The body of the next attempt, reading from the first byte.
+    /// Cuts off the readers of every attempt made so far: from now on they get an error instead
+    /// of reading (or keeping) anything of the original body.
+    pub(crate) fn cut_off(&self) {
+        if let Some(shared) = &self.shared {
+            lock(shared).generation += 1;
+        }
+    }
+
+    /// The body of the next attempt, reading from the first byte. Earlier attempts' readers are
+    /// cut off.
     pub(crate) fn replay(&self) -> ReplayBody<B> {
         match &self.shared {
             None => ReplayBody {
                 inner: Inner::Empty,
             },
-            Some(shared) => ReplayBody {
-                inner: Inner::Shared {
-                    shared: shared.clone(),
-                    next: 0,
-                    trailers_sent: false,
-                },
-            },
+            Some(shared) => {
+                let generation = {
+                    let mut s = lock(shared);
+                    s.generation += 1;
+                    s.generation
+                };
+                ReplayBody {
+                    inner: Inner::Shared {
+                        shared: shared.clone(),
+                        generation,
+                        next: 0,
+                        trailers_sent: false,
+                    },
+                }
+            }
         }
     }
 
-    /// The whole body, when it has been read to the end and kept (for a rebuild hook).
+    /// The whole body, when every byte of it has been read and kept (for a rebuild hook).
     pub(crate) fn complete_bytes(&self) -> Option<Bytes> {
         let Some(shared) = &self.shared else {
             return Some(Bytes::new());
         };
         let s = lock(shared);
-        if s.body.is_some() || s.capped || s.failed {
+        if !s.data_complete() {
             return None;
+        }
+        if let [one] = s.chunks.as_slice() {
+            return Some(one.clone());
         }
         let mut all = bytes::BytesMut::with_capacity(s.kept_bytes);
         for c in &s.chunks {
@@ -196,16 +276,22 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         // ReplayBody is Unpin: the original body is pinned in its own box.
         let this = self.get_mut();
-        let (shared, next, trailers_sent) = match &mut this.inner {
+        let (shared, generation, next, trailers_sent) = match &mut this.inner {
             Inner::Empty => return Poll::Ready(None),
             Inner::Fixed(bytes) => return Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
             Inner::Shared {
                 shared,
+                generation,
                 next,
                 trailers_sent,
-            } => (shared, next, trailers_sent),
+            } => (shared, *generation, next, trailers_sent),
         };
         let mut s = lock(shared);
+        // A newer attempt owns the body now: this reader must neither read the original (and
+        // take its wake-up) nor change what is kept.
+        if generation != s.generation {
+            return Poll::Ready(Some(Err(Superseded.into())));
+        }
         // Replay what an earlier attempt read.
         if *next < s.read {
             if s.capped {
@@ -215,7 +301,7 @@ where
             *next += 1;
             return Poll::Ready(Some(Ok(Frame::data(chunk))));
         }
-        // At the head: read on from the original.
+        // At the head: read on from the original, or replay its end.
         let Some(body) = s.body.as_mut() else {
             if s.failed {
                 return Poll::Ready(Some(Err(BodyNotReplayable.into())));
@@ -231,7 +317,7 @@ where
         match body.as_mut().poll_frame(cx) {
             Poll::Pending => Poll::Pending,
             Poll::Ready(None) => {
-                s.body = None;
+                s.finish();
                 *trailers_sent = true;
                 Poll::Ready(None)
             }
@@ -243,7 +329,11 @@ where
             Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                 Ok(mut data) => {
                     let chunk = data.copy_to_bytes(data.remaining());
+                    // The transport may stop polling after this frame: the copy must be
+                    // complete before the frame is handed out.
+                    let last = body.is_end_stream();
                     s.read += 1;
+                    s.read_bytes += chunk.len() as u64;
                     *next += 1;
                     if !s.capped && s.kept_bytes + chunk.len() <= s.max {
                         s.kept_bytes += chunk.len();
@@ -252,16 +342,22 @@ where
                         s.capped = true;
                         s.chunks = Vec::new();
                     }
+                    if last {
+                        s.finish();
+                        *trailers_sent = true;
+                    }
                     Poll::Ready(Some(Ok(Frame::data(chunk))))
                 }
                 Err(frame) => match frame.into_trailers() {
                     Ok(trailers) => {
+                        // Trailers are the last frame of a body.
                         s.trailers = Some(trailers.clone());
+                        s.finish();
                         *trailers_sent = true;
                         Poll::Ready(Some(Ok(Frame::trailers(trailers))))
                     }
-                    // An unknown frame kind: pass it on is impossible without its data type;
-                    // skip it and ask to be polled again.
+                    // An unknown frame kind: passing it on is impossible without its data
+                    // type; skip it and ask to be polled again.
                     Err(_) => {
                         cx.waker().wake_by_ref();
                         Poll::Pending
@@ -277,16 +373,23 @@ where
             Inner::Fixed(b) => b.is_none(),
             Inner::Shared {
                 shared,
+                generation,
                 next,
                 trailers_sent,
             } => {
-                let s = lock(shared);
-                *next >= s.read
-                    && !s.failed
-                    && match &s.body {
-                        Some(b) => b.is_end_stream(),
-                        None => *trailers_sent || s.trailers.is_none(),
+                let mut s = lock(shared);
+                if *generation != s.generation || *next < s.read || s.failed {
+                    return false;
+                }
+                if let Some(body) = &s.body {
+                    if !body.is_end_stream() {
+                        return false;
                     }
+                    // The original has nothing left: mark the copy complete now, since the
+                    // transport will not poll again.
+                    s.finish();
+                }
+                *trailers_sent || s.trailers.is_none()
             }
         }
     }
@@ -295,7 +398,12 @@ where
         match &self.inner {
             Inner::Empty => SizeHint::with_exact(0),
             Inner::Fixed(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
-            Inner::Shared { shared, next, .. } => {
+            Inner::Shared {
+                shared,
+                next,
+                trailers_sent,
+                ..
+            } => {
                 let s = lock(shared);
                 let kept: u64 = if s.capped {
                     0
@@ -305,6 +413,13 @@ where
                         .map_or(0, |c| c.iter().map(|c| c.len() as u64).sum())
                 };
                 match &s.body {
+                    // Trailers still to replay: not an exact size, or an HTTP/1 client would
+                    // send a Content-Length, which cannot carry trailers.
+                    None if s.trailers.is_some() && !*trailers_sent => {
+                        let mut hint = SizeHint::new();
+                        hint.set_lower(kept);
+                        hint
+                    }
                     None => SizeHint::with_exact(kept),
                     Some(body) => {
                         let rest = body.size_hint();
@@ -346,7 +461,8 @@ mod tests {
 
     #[tokio::test]
     async fn replays_a_streaming_body_byte_for_byte() {
-        let (first, handle) = ReplayBody::new(chunks(&["hello ", "streaming ", "world"]), 1024);
+        let (first, handle) =
+            ReplayBody::new(chunks(&["hello ", "streaming ", "world"]), 1024, None);
         assert_eq!(collect(first).await.unwrap(), "hello streaming world");
         assert!(handle.is_replayable());
         assert_eq!(
@@ -362,7 +478,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_retry_continues_where_the_first_attempt_stopped() {
-        let (mut first, handle) = ReplayBody::new(chunks(&["a", "b", "c"]), 1024);
+        let (mut first, handle) = ReplayBody::new(chunks(&["a", "b", "c"]), 1024, None);
         let frame = first.frame().await.unwrap().unwrap();
         assert_eq!(frame.into_data().unwrap(), "a");
         drop(first);
@@ -372,7 +488,7 @@ mod tests {
 
     #[tokio::test]
     async fn over_the_limit_is_streamed_whole_and_not_replayable() {
-        let (first, handle) = ReplayBody::new(chunks(&["12345", "67890", "x"]), 8);
+        let (first, handle) = ReplayBody::new(chunks(&["12345", "67890", "x"]), 8, None);
         assert_eq!(collect(first).await.unwrap(), "1234567890x");
         assert!(!handle.is_replayable());
         let err = collect(handle.replay()).await.unwrap_err();
@@ -381,11 +497,11 @@ mod tests {
 
     #[tokio::test]
     async fn empty_and_known_large_bodies() {
-        let (first, handle) = ReplayBody::new(http_body_util::Empty::<Bytes>::new(), 8);
+        let (first, handle) = ReplayBody::new(http_body_util::Empty::<Bytes>::new(), 8, None);
         assert!(first.is_end_stream());
         assert!(handle.is_replayable());
         let (first, handle) =
-            ReplayBody::new(http_body_util::Full::new(Bytes::from(vec![0; 9])), 8);
+            ReplayBody::new(http_body_util::Full::new(Bytes::from(vec![0; 9])), 8, None);
         assert_eq!(first.size_hint().exact(), Some(9));
         assert!(
             !handle.is_replayable(),
@@ -396,12 +512,174 @@ mod tests {
 
     #[tokio::test]
     async fn exact_size_hint_on_replay() {
-        let (first, handle) =
-            ReplayBody::new(http_body_util::Full::new(Bytes::from_static(b"abcd")), 8);
+        let (first, handle) = ReplayBody::new(
+            http_body_util::Full::new(Bytes::from_static(b"abcd")),
+            8,
+            None,
+        );
         assert_eq!(first.size_hint().exact(), Some(4));
         collect(first).await.unwrap();
         let replay = handle.replay();
         assert_eq!(replay.size_hint().exact(), Some(4));
         assert!(!replay.is_end_stream());
+    }
+
+    fn trailers() -> HeaderMap {
+        let mut t = HeaderMap::new();
+        t.insert("x-checksum", "abc".parse().unwrap());
+        t
+    }
+
+    type FrameSender = tokio::sync::mpsc::UnboundedSender<Result<Frame<Bytes>, BoxError>>;
+
+    /// A body fed through a channel, as a slow client would stream it.
+    fn channel_body() -> (
+        FrameSender,
+        StreamBody<impl futures_util::Stream<Item = Result<Frame<Bytes>, BoxError>>>,
+    ) {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let stream = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
+        (tx, StreamBody::new(stream))
+    }
+
+    struct Flag(std::sync::atomic::AtomicBool);
+    impl std::task::Wake for Flag {
+        fn wake(self: Arc<Self>) {
+            self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    fn flag() -> (Arc<Flag>, std::task::Waker) {
+        let f = Arc::new(Flag(std::sync::atomic::AtomicBool::new(false)));
+        (f.clone(), std::task::Waker::from(f))
+    }
+    fn woken(f: &Flag) -> bool {
+        f.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn poll<B>(
+        b: &mut ReplayBody<B>,
+        w: &std::task::Waker,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>>
+    where
+        B: Body,
+        B::Error: Into<BoxError>,
+    {
+        Pin::new(b).poll_frame(&mut Context::from_waker(w))
+    }
+
+    #[tokio::test]
+    async fn complete_as_soon_as_the_last_data_frame_is_produced() {
+        // hyper stops after a frame once is_end_stream() is true: None is never polled.
+        let (mut first, handle) = ReplayBody::new(
+            http_body_util::Full::new(Bytes::from_static(b"{}")),
+            64,
+            None,
+        );
+        assert_eq!(
+            first.frame().await.unwrap().unwrap().into_data().unwrap(),
+            "{}"
+        );
+        assert!(first.is_end_stream());
+        assert_eq!(handle.complete_bytes().unwrap(), "{}");
+    }
+
+    #[tokio::test]
+    async fn complete_once_the_declared_length_is_read() {
+        // A streaming body sent with Content-Length: hyper stops after that many bytes.
+        let (mut first, handle) = ReplayBody::new(chunks(&["ab", "cd"]), 64, Some(4));
+        first.frame().await.unwrap().unwrap();
+        assert!(handle.complete_bytes().is_none(), "2 of 4 bytes");
+        first.frame().await.unwrap().unwrap();
+        assert_eq!(handle.complete_bytes().unwrap(), "abcd");
+    }
+
+    #[tokio::test]
+    async fn trailers_are_the_last_frame_and_are_replayed() {
+        let frames: Vec<Result<Frame<Bytes>, BoxError>> = vec![
+            Ok(Frame::data(Bytes::from_static(b"chunk-1 "))),
+            Ok(Frame::data(Bytes::from_static(b"chunk-2"))),
+            Ok(Frame::trailers(trailers())),
+        ];
+        let (mut first, handle) = ReplayBody::new(
+            StreamBody::new(futures_util::stream::iter(frames)),
+            64,
+            None,
+        );
+        first.frame().await.unwrap().unwrap();
+        first.frame().await.unwrap().unwrap();
+        assert!(!first.is_end_stream(), "the trailers are still to come");
+        let t = first.frame().await.unwrap().unwrap();
+        assert_eq!(t.into_trailers().unwrap(), trailers());
+        // The transport stops here: the original was never polled to None.
+        assert!(first.is_end_stream());
+        assert_eq!(handle.complete_bytes().unwrap(), "chunk-1 chunk-2");
+
+        let mut replay = handle.replay();
+        let mut data = Vec::new();
+        let mut got_trailers = None;
+        while !replay.is_end_stream() {
+            let frame = replay.frame().await.unwrap().unwrap();
+            match frame.into_data() {
+                Ok(d) => data.extend_from_slice(&d),
+                Err(f) => got_trailers = f.into_trailers().ok(),
+            }
+        }
+        assert_eq!(data, b"chunk-1 chunk-2");
+        assert_eq!(got_trailers, Some(trailers()), "trailers replayed");
+    }
+
+    #[tokio::test]
+    async fn a_stale_reader_cannot_steal_the_live_readers_wake_up() {
+        let (tx, body) = channel_body();
+        let (mut stale, handle) = ReplayBody::new(body, 64, None);
+        let (_, w0) = flag();
+        tx.send(Ok(Frame::data(Bytes::from_static(b"a")))).unwrap();
+        assert!(matches!(poll(&mut stale, &w0), Poll::Ready(Some(Ok(_)))));
+        assert!(poll(&mut stale, &w0).is_pending());
+
+        let mut live = handle.replay();
+        let (live_flag, live_waker) = flag();
+        assert!(matches!(
+            poll(&mut live, &live_waker),
+            Poll::Ready(Some(Ok(_)))
+        ));
+        assert!(poll(&mut live, &live_waker).is_pending());
+        // The stale attempt is polled last (its transport still runs): it is cut off, and does
+        // not replace the live reader's waker.
+        let (_, stale_waker) = flag();
+        assert!(matches!(
+            poll(&mut stale, &stale_waker),
+            Poll::Ready(Some(Err(_)))
+        ));
+        tx.send(Ok(Frame::data(Bytes::from_static(b"b")))).unwrap();
+        assert!(woken(&live_flag), "the live reader is woken by new data");
+        match poll(&mut live, &live_waker) {
+            Poll::Ready(Some(Ok(f))) => assert_eq!(f.into_data().unwrap(), "b"),
+            other => panic!(
+                "expected the next chunk, got {:?}",
+                other.map(|o| o.map(|r| r.is_ok()))
+            ),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_stale_reader_crossing_the_limit_does_not_spoil_the_replay() {
+        let (tx, body) = channel_body();
+        let (mut stale, handle) = ReplayBody::new(body, 4, None);
+        let (_, w) = flag();
+        tx.send(Ok(Frame::data(Bytes::from_static(b"ab")))).unwrap();
+        assert!(matches!(poll(&mut stale, &w), Poll::Ready(Some(Ok(_)))));
+        let live = handle.replay();
+        tx.send(Ok(Frame::data(Bytes::from_static(b"cdefgh"))))
+            .unwrap();
+        drop(tx);
+        // The stale reader gets there first: before, it read "cdefgh", crossed the limit and
+        // dropped the kept "ab" that the live reader had yet to replay.
+        assert!(matches!(poll(&mut stale, &w), Poll::Ready(Some(Err(_)))));
+        assert_eq!(collect(live).await.unwrap(), "abcdefgh");
+        assert!(
+            !handle.is_replayable(),
+            "over the limit now: no further retry"
+        );
     }
 }

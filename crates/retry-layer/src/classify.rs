@@ -12,25 +12,39 @@ use reason_code::{
 use crate::error::AttemptTimedOut;
 use crate::BoxError;
 
-/// Classifies a response. A business reason code wins over the status. A gRPC response whose
-/// headers carry no `grpc-status` has started streaming: it is committed (gRFC A6) and final.
+/// Classifies a response.
+///
+/// - A gRPC response with HTTP 200 whose headers carry no `grpc-status` has started streaming:
+///   it is committed (gRFC A6) and final, whatever a reason-code header says.
+/// - Otherwise a business reason code wins over any status.
+/// - 421 Misdirected Request (RFC 9110 §15.5.20) and 425 Too Early (RFC 8470 §5.2) were not
+///   processed by the server: unsent, retried for any method.
+/// - gRPC: `grpc-status` (a malformed one is UNKNOWN: not a success); without it, a non-200
+///   HTTP status maps as the gRPC spec says ([`Code::from_grpc_http_status`]).
+/// - HTTP: the status maps through [`Code::from_http_status`].
 pub(crate) fn response<B>(res: &Response<B>, grpc: bool, reasons: &ReasonCodes) -> Outcome {
     let headers = res.headers();
+    let status = res.status();
+    let grpc_status = if grpc { headers.get(GRPC_STATUS) } else { None };
+    if grpc && grpc_status.is_none() && status == StatusCode::OK {
+        return Outcome::Status(Code::Ok);
+    }
     if let Some(code) = reasons.classify(headers) {
         return Outcome::Status(code);
     }
-    if grpc {
-        if let Some(v) = headers.get(GRPC_STATUS) {
-            match parse_grpc_status(v) {
-                Ok(code) => return Outcome::Status(code),
-                Err(e) => tracing::warn!(error = %e, "ignoring malformed grpc-status"),
-            }
-        }
-        if res.status() == StatusCode::OK {
-            return Outcome::Status(Code::Ok);
-        }
+    if let Some(v) = grpc_status {
+        return Outcome::Status(parse_grpc_status(v).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "malformed grpc-status: treated as UNKNOWN");
+            Code::Unknown
+        }));
     }
-    Outcome::Status(Code::from_http_status(res.status()))
+    if matches!(status.as_u16(), 421 | 425) {
+        return Outcome::Unsent;
+    }
+    if grpc {
+        return Outcome::Status(Code::from_grpc_http_status(status));
+    }
+    Outcome::Status(Code::from_http_status(status))
 }
 
 /// What the server asked about the next attempt.
@@ -149,14 +163,77 @@ mod tests {
         let r = res(200, &[("grpc-status", "garbage")]);
         assert_eq!(
             response(&r, true, &reasons),
-            Outcome::Status(Code::Ok),
-            "malformed = absent"
+            Outcome::Status(Code::Unknown),
+            "malformed = UNKNOWN, never OK"
         );
         let r = res(503, &[]);
         assert_eq!(
             response(&r, true, &reasons),
             Outcome::Status(Code::Unavailable)
         );
+    }
+
+    /// The gRPC spec's HTTP-to-gRPC mapping for responses without `grpc-status`.
+    #[test]
+    fn grpc_non_200_statuses() {
+        let reasons = ReasonCodes::default();
+        for (status, code) in [
+            (400, Code::Internal),
+            (401, Code::Unauthenticated),
+            (403, Code::PermissionDenied),
+            (404, Code::Unimplemented),
+            (429, Code::Unavailable),
+            (502, Code::Unavailable),
+            (503, Code::Unavailable),
+            (504, Code::Unavailable),
+            (500, Code::Unknown),
+            (409, Code::Unknown),
+        ] {
+            let r = res(status, &[("content-type", "application/grpc")]);
+            assert_eq!(
+                response(&r, true, &reasons),
+                Outcome::Status(code),
+                "{status}"
+            );
+        }
+        // grpc-status wins over the HTTP status.
+        let r = res(503, &[("grpc-status", "5")]);
+        assert_eq!(
+            response(&r, true, &reasons),
+            Outcome::Status(Code::NotFound)
+        );
+    }
+
+    #[test]
+    fn a_reason_code_never_overrides_a_committed_grpc_response() {
+        let reasons = ReasonCodes::default();
+        let r = res(
+            200,
+            &[
+                ("content-type", "application/grpc"),
+                ("x-reason-code", "UPSTREAM_UNAVAILABLE"),
+            ],
+        );
+        assert_eq!(response(&r, true, &reasons), Outcome::Status(Code::Ok));
+        // Trailers-only: not committed, the reason code wins.
+        let r = res(
+            200,
+            &[
+                ("grpc-status", "10"),
+                ("x-reason-code", "IDEMPOTENCY_IN_FLIGHT"),
+            ],
+        );
+        assert_eq!(
+            response(&r, true, &reasons),
+            Outcome::Status(Code::Unavailable)
+        );
+    }
+
+    #[test]
+    fn misdirected_and_too_early_were_not_processed() {
+        let reasons = ReasonCodes::default();
+        assert_eq!(response(&res(421, &[]), false, &reasons), Outcome::Unsent);
+        assert_eq!(response(&res(425, &[]), false, &reasons), Outcome::Unsent);
     }
 
     #[test]

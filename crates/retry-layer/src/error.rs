@@ -1,9 +1,12 @@
 //! Errors the retry layer returns, and the deadline extension it reads.
 
+use std::error::Error as StdError;
 use std::fmt;
 use std::time::Duration;
 
 use tokio::time::Instant;
+
+use crate::BoxError;
 
 /// The call's deadline passed before a response arrived. Returned instead of waiting longer;
 /// downcast a `BoxError` to this type to tell it apart.
@@ -65,10 +68,19 @@ impl std::error::Error for AttemptTimedOut {}
 pub struct Deadline(pub Instant);
 
 impl Deadline {
-    /// A deadline `d` from now (tokio's clock: paused time in tests moves it).
+    /// A deadline `d` from now (tokio's clock: paused time in tests moves it). A `d` too large
+    /// for the clock (`Duration::MAX`) means "no deadline in practice": about 30 years.
     pub fn after(d: Duration) -> Self {
-        Deadline(Instant::now() + d)
+        Deadline(after(Instant::now(), d))
     }
+}
+
+/// `now + d` without overflow: a sum the clock cannot hold becomes about 30 years from now.
+pub(crate) fn after(now: Instant, d: Duration) -> Instant {
+    const FAR: Duration = Duration::from_secs(86_400 * 365 * 30);
+    now.checked_add(d.min(FAR))
+        .or_else(|| now.checked_add(Duration::from_secs(86_400)))
+        .unwrap_or(now)
 }
 
 /// What the layer did for a response, as a response extension: present when the response took
@@ -99,5 +111,119 @@ impl RetryInfo {
     /// Attempts a response took (1 when the layer added no info).
     pub fn attempts_of<B>(res: &http::Response<B>) -> u32 {
         RetryInfo::of(res).map_or(1, |i| i.attempts)
+    }
+}
+
+/// The error of a call the layer gave up on: the last attempt's error (or
+/// [`DeadlineExceeded`]), with the attempts sent and the idempotency key the layer generated.
+///
+/// Every error [`Retry`](crate::Retry) returns is a `RetryError` inside the [`BoxError`]:
+/// downcast to it, then look at [`inner`](RetryError::inner) (also its
+/// [`source`](std::error::Error::source)) for the cause. Keep the
+/// [`idempotency_key`](RetryError::idempotency_key): a retry of your own that carries it is the
+/// same intent, which the server executes at most once.
+///
+/// ```
+/// use retry_layer::{ReplayBody, RetryError, RetryLayer, RetryPolicy};
+/// use tower::{ServiceBuilder, ServiceExt};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// let policy = RetryPolicy::builder().ensure_idempotency_key().build().unwrap();
+/// let client = ServiceBuilder::new()
+///     .layer(RetryLayer::new(policy))
+///     .service_fn(|_req: http::Request<ReplayBody<String>>| async {
+///         // The connection drops after every request was sent: it may have executed.
+///         Err::<http::Response<()>, _>(std::io::Error::from(std::io::ErrorKind::ConnectionReset))
+///     });
+/// let req = http::Request::post("http://orders/orders").body(String::from("{}")).unwrap();
+/// let err = client.oneshot(req).await.unwrap_err();
+///
+/// let err = RetryError::of(&*err).expect("every error of the layer is a RetryError");
+/// assert_eq!(err.attempts(), 3);
+/// assert!(err.is::<std::io::Error>());
+/// // Resend later with this key: the server runs the order at most once.
+/// assert!(err.idempotency_key().is_some());
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct RetryError {
+    info: RetryInfo,
+    source: BoxError,
+}
+
+impl RetryError {
+    pub(crate) fn new(source: BoxError, attempts: u32, key: Option<http::HeaderValue>) -> Self {
+        RetryError {
+            info: RetryInfo {
+                attempts,
+                idempotency_key: key,
+            },
+            source,
+        }
+    }
+
+    /// The `RetryError` in an error returned by the layer, if it is one.
+    pub fn of<'a>(err: &'a (dyn StdError + Send + Sync + 'static)) -> Option<&'a RetryError> {
+        err.downcast_ref::<RetryError>()
+    }
+
+    /// Attempts sent, the first included (0 when the inner service failed before any was sent).
+    pub fn attempts(&self) -> u32 {
+        self.info.attempts
+    }
+
+    /// The key [`ensure_idempotency_key`](crate::RetryPolicyBuilder::ensure_idempotency_key)
+    /// generated for this request, if it did: resend with it to stay one intent.
+    pub fn idempotency_key(&self) -> Option<&http::HeaderValue> {
+        self.info.idempotency_key.as_ref()
+    }
+
+    /// Attempts and key, as [`RetryInfo`] (the same type successful responses carry).
+    pub fn info(&self) -> &RetryInfo {
+        &self.info
+    }
+
+    /// The error of the last attempt, or [`DeadlineExceeded`].
+    pub fn inner(&self) -> &(dyn StdError + Send + Sync + 'static) {
+        &*self.source
+    }
+
+    /// True when the inner error is an `E`.
+    pub fn is<E: StdError + 'static>(&self) -> bool {
+        self.source.is::<E>()
+    }
+
+    /// The inner error as an `E`, if it is one.
+    pub fn downcast_ref<E: StdError + 'static>(&self) -> Option<&E> {
+        self.source.downcast_ref::<E>()
+    }
+
+    /// The inner error.
+    pub fn into_inner(self) -> BoxError {
+        self.source
+    }
+}
+
+impl fmt::Display for RetryError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (after {} attempt", self.source, self.info.attempts)?;
+        if self.info.attempts != 1 {
+            f.write_str("s")?;
+        }
+        if let Some(key) = &self.info.idempotency_key {
+            write!(
+                f,
+                "; the request carried the generated idempotency key {}: resend with it to keep \
+                 one intent",
+                String::from_utf8_lossy(key.as_bytes())
+            )?;
+        }
+        f.write_str(")")
+    }
+}
+
+impl StdError for RetryError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        Some(&*self.source)
     }
 }

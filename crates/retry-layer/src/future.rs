@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::request::Parts;
-use http::{HeaderValue, Request, Response};
+use http::{HeaderName, HeaderValue, Request, Response};
 use http_body::Body;
 use pin_project_lite::pin_project;
 use reason_code::{
@@ -20,11 +20,11 @@ use tower_service::Service;
 
 use crate::body::{BodyHandle, ReplayBody};
 use crate::classify::{self, PushbackHint};
-use crate::error::{AttemptTimedOut, DeadlineExceeded};
+use crate::error::{after, AttemptTimedOut, DeadlineExceeded, RetryError};
 use crate::layer::Shared;
 use crate::policy::{Conflict, RebuildFuture};
 use crate::stats::Counter;
-use crate::{BoxError, Deadline, RetryInfo};
+use crate::{BoxError, Deadline, RetryInfo, RetryPolicy};
 
 pin_project! {
     /// The response future of [`Retry`](crate::Retry).
@@ -78,8 +78,13 @@ struct Ctx<S, B> {
     /// Attempts sent so far.
     attempt: u32,
     unsent_retries: u32,
+    /// Computed backoff delays since the first attempt or the last server pushback: the next
+    /// computed delay is the schedule's `backoff_step + 1`-th.
+    backoff_step: u32,
     idempotent: bool,
     grpc: bool,
+    /// The gRPC method config that applies (see `RetryPolicy::from_grpc_service_config`).
+    method: Option<usize>,
     deadline: Option<Instant>,
     previous_delay: Duration,
     /// The key `ensure_idempotency_key` generated, if it did.
@@ -102,6 +107,49 @@ fn clone_parts(p: &Parts) -> Parts {
     parts
 }
 
+/// Decides whether a request (first, or rebuilt by a hook) is idempotent, and gives it its key.
+///
+/// A request with a key is idempotent. A write without one gets `intent_key`, the key of the
+/// request it replaces (a rebuilt write is the same intent), else a generated one when the
+/// policy ensures keys. Returns whether it is idempotent and the key generated, if one was.
+fn settle_key(
+    policy: &RetryPolicy,
+    parts: &mut Parts,
+    grpc: bool,
+    intent_key: Option<(HeaderName, HeaderValue)>,
+) -> (bool, Option<HeaderValue>) {
+    if policy
+        .key_headers
+        .iter()
+        .any(|h| parts.headers.contains_key(h))
+    {
+        return (true, None);
+    }
+    let by_method = if grpc {
+        is_declared_idempotent(&policy.idempotent_grpc, parts.uri.path())
+    } else {
+        classify::is_idempotent_method(&parts.method)
+    };
+    if by_method {
+        return (true, None);
+    }
+    if let Some((name, value)) = intent_key {
+        parts.headers.insert(name, value);
+        return (true, None);
+    }
+    if !policy.ensure_key {
+        return (false, None);
+    }
+    let key = uuid::Uuid::new_v4();
+    let mut buf = uuid::Uuid::encode_buffer();
+    let key = key.hyphenated().encode_lower(&mut buf);
+    let value = HeaderValue::from_str(key).expect("a UUID is a valid header value");
+    parts
+        .headers
+        .insert(policy.key_headers[0].clone(), value.clone());
+    (true, Some(value))
+}
+
 impl<S, B, R> ResponseFuture<S, B>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
@@ -113,37 +161,28 @@ where
         let policy = &shared.policy;
         let (mut parts, body) = req.into_parts();
         let grpc = reason_code::is_grpc(&parts.headers);
-
-        let has_key = policy
-            .key_headers
-            .iter()
-            .any(|h| parts.headers.contains_key(h));
-        let mut idempotent = has_key
-            || if grpc {
-                is_declared_idempotent(&policy.idempotent_grpc, parts.uri.path())
-            } else {
-                classify::is_idempotent_method(&parts.method)
-            };
-        let mut generated_key = None;
-        if !idempotent && policy.ensure_key {
-            let key = uuid::Uuid::new_v4();
-            let mut buf = uuid::Uuid::encode_buffer();
-            let key = key.hyphenated().encode_lower(&mut buf);
-            let value = HeaderValue::from_str(key).expect("a UUID is a valid header value");
-            parts
-                .headers
-                .insert(policy.key_headers[0].clone(), value.clone());
-            generated_key = Some(value);
-            idempotent = true;
-        }
+        let method = if grpc {
+            policy.grpc_method(parts.uri.path())
+        } else {
+            None
+        };
+        let (idempotent, generated_key) = settle_key(policy, &mut parts, grpc, None);
 
         let deadline = deadline_of(&parts, grpc, policy.total_timeout);
-        if let (true, Some(d)) = (grpc, deadline) {
-            parts.headers.insert(GRPC_TIMEOUT, remaining_timeout(d));
+        if grpc {
+            if let Some(t) = grpc_timeout(deadline, policy.attempt_timeout) {
+                parts.headers.insert(GRPC_TIMEOUT, t);
+            }
         }
 
-        let (first_body, body) = ReplayBody::new(body, policy.max_replay_bytes);
-        let retries_possible = policy.max_attempts > 1 || policy.max_unsent_retries > 0;
+        let content_length = parts
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok());
+        let (first_body, body) = ReplayBody::new(body, policy.max_replay_bytes, content_length);
+        let retries_possible =
+            policy.rules(method).max_attempts > 1 || policy.max_unsent_retries > 0;
         let kept = retries_possible.then(|| clone_parts(&parts));
 
         shared.budget.deposit();
@@ -162,8 +201,10 @@ where
                 fixed_body: None,
                 attempt: 1,
                 unsent_retries: 0,
+                backoff_step: 0,
                 idempotent,
                 grpc,
+                method,
                 deadline,
                 previous_delay: Duration::ZERO,
                 generated_key,
@@ -194,30 +235,56 @@ fn deadline_of(parts: &Parts, grpc: bool, total: Option<Duration>) -> Option<Ins
     if grpc {
         match single(&parts.headers, "grpc-timeout") {
             Ok(Some(v)) => match parse_grpc_timeout(v) {
-                Ok(d) => return Some(Instant::now() + d),
+                Ok(d) => return Some(after(Instant::now(), d)),
                 Err(e) => tracing::warn!(error = %e, "ignoring malformed grpc-timeout"),
             },
             Ok(None) => {}
             Err(e) => tracing::warn!(error = %e, "ignoring repeated grpc-timeout"),
         }
     }
-    total.map(|t| Instant::now() + t)
+    total.map(|t| after(Instant::now(), t))
 }
 
-fn remaining_timeout(deadline: Instant) -> HeaderValue {
-    encode_grpc_timeout(deadline.saturating_duration_since(Instant::now()))
+/// The `grpc-timeout` of an attempt: the time left before the deadline, capped at the attempt
+/// timeout (the client abandons the attempt then, so the server should stop too).
+fn grpc_timeout(
+    deadline: Option<Instant>,
+    attempt_timeout: Option<Duration>,
+) -> Option<HeaderValue> {
+    let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+    let t = match (left, attempt_timeout) {
+        (Some(l), Some(a)) => l.min(a),
+        (l, a) => l.or(a)?,
+    };
+    Some(encode_grpc_timeout(t))
 }
 
 fn attempt_timer(
     deadline: Option<Instant>,
     attempt_timeout: Option<Duration>,
 ) -> Option<Pin<Box<Sleep>>> {
-    let per_attempt = attempt_timeout.map(|t| Instant::now() + t);
+    let per_attempt = attempt_timeout.map(|t| after(Instant::now(), t));
     let end = match (deadline, per_attempt) {
         (Some(d), Some(a)) => d.min(a),
         (d, a) => d.or(a)?,
     };
     Some(Box::pin(sleep_until(end)))
+}
+
+/// Points `timer` at `until`, making it if there is none yet.
+fn set_timer(timer: &mut Option<Pin<Box<Sleep>>>, until: Instant) {
+    match timer.as_mut() {
+        Some(t) => t.as_mut().reset(until),
+        None => *timer = Some(Box::pin(sleep_until(until))),
+    }
+}
+
+/// True when the timer exists and has fired.
+fn fired(timer: &mut Option<Pin<Box<Sleep>>>, cx: &mut Context<'_>) -> bool {
+    match timer.as_mut() {
+        Some(t) => t.as_mut().poll(cx).is_ready(),
+        None => false,
+    }
 }
 
 impl<S, B, R> Ctx<S, B>
@@ -230,32 +297,35 @@ where
     /// The three checks (retryable, an attempt left, the deadline fits), pushback and the
     /// budget, in that order.
     fn after_attempt(&mut self, result: Result<Response<R>, BoxError>) -> Step<R> {
-        let (outcome, verdict) = {
-            let shared = &*self.shared;
-            let outcome = match &result {
-                Ok(res) => classify::response(res, self.grpc, &shared.policy.reason_codes),
-                Err(e) => classify::error(e),
-            };
-            let verdict = shared.policy.table.verdict(outcome, self.idempotent);
-            match (outcome, verdict) {
-                (Outcome::Status(Code::Ok), _) => shared.budget.record(false),
-                (_, Verdict::Retry | Verdict::Rebuild) => shared.budget.record(true),
-                _ => {}
-            }
-            (outcome, verdict)
+        let shared = &*self.shared;
+        let policy = &shared.policy;
+        let rules = policy.rules(self.method);
+        let outcome = match &result {
+            Ok(res) => classify::response(res, self.grpc, &policy.reason_codes),
+            Err(e) => classify::error(e),
         };
+        let verdict = rules.table.verdict(outcome, self.idempotent);
+        // gRFC A6 throttling: a success adds to the budget; an attempt that failed in a way the
+        // policy would retry takes from it. A conflict only counts when a hook could retry it.
+        match (outcome, verdict) {
+            (Outcome::Status(Code::Ok), _) => shared.budget.record(false),
+            (_, Verdict::Retry) => shared.budget.record(true),
+            (_, Verdict::Rebuild) if policy.rebuild.is_some() => shared.budget.record(true),
+            _ => {}
+        }
         // The common case, a final answer, returns before anything else is looked at.
         if verdict == Verdict::Final {
             return Step::Return(result);
         }
         let shared = self.shared.clone();
         let policy = &shared.policy;
+        let rules = policy.rules(self.method);
         let code = outcome.code();
         let rebuild_hook = match verdict {
             Verdict::Final => return Step::Return(result),
-            Verdict::Rebuild => match &policy.rebuild {
-                Some(hook) => Some(hook.clone()),
-                None => return Step::Return(result),
+            Verdict::Rebuild => match (&policy.rebuild, &result) {
+                (Some(hook), Ok(_)) => Some(hook.clone()),
+                _ => return Step::Return(result),
             },
             Verdict::Retry => None,
         };
@@ -266,28 +336,33 @@ where
 
         let unsent = outcome == Outcome::Unsent;
         let transparent = unsent && self.unsent_retries < policy.max_unsent_retries;
-        if self.attempt >= policy.max_attempts && !transparent {
+        if self.attempt >= rules.max_attempts && !transparent {
             shared.stats.incr(Counter::Exhausted);
             tracing::info!(attempt = self.attempt, code = %code, "giving up: no attempt left");
             return Step::Return(result);
         }
 
-        let delay = match result.as_ref().map(|r| classify::pushback(r.headers())) {
-            Ok(PushbackHint::Stop) => {
+        let pushback = match &result {
+            Ok(r) => classify::pushback(r.headers()),
+            Err(_) => PushbackHint::None,
+        };
+        let (delay, pushed_back) = match pushback {
+            PushbackHint::Stop => {
                 shared.stats.incr(Counter::PushbackStops);
                 tracing::info!(attempt = self.attempt, code = %code, "giving up: server pushback says stop");
                 return Step::Return(result);
             }
-            Ok(PushbackHint::After(d)) if d > policy.max_pushback => {
+            PushbackHint::After(d) if d > policy.max_pushback => {
                 shared.stats.incr(Counter::PushbackStops);
                 tracing::info!(attempt = self.attempt, code = %code, pushback_ms = d.as_millis() as u64, "giving up: pushback longer than max_pushback");
                 return Step::Return(result);
             }
-            Ok(PushbackHint::After(d)) => d,
-            _ if rebuild_hook.is_some() => Duration::ZERO,
-            _ => {
+            PushbackHint::After(d) => (d, true),
+            PushbackHint::None if rebuild_hook.is_some() => (Duration::ZERO, false),
+            PushbackHint::None => {
                 let u = policy.rng.sample();
-                policy.backoff.delay(self.attempt, u, self.previous_delay)
+                let n = self.backoff_step.saturating_add(1);
+                (rules.backoff.delay(n, u, self.previous_delay), false)
             }
         };
 
@@ -300,32 +375,55 @@ where
             }
         }
 
-        if !shared.budget.withdraw() {
-            shared.stats.incr(Counter::BudgetRefusals);
-            tracing::warn!(attempt = self.attempt, code = %code, "retry budget exhausted: not retrying");
-            return Step::Return(result);
-        }
-
-        if self.attempt >= policy.max_attempts {
-            self.unsent_retries += 1;
-        }
-        shared.stats.incr(Counter::Retries);
-        tracing::debug!(attempt = self.attempt, code = %code, delay_ms = delay.as_millis() as u64, "retrying");
-        self.previous_delay = delay;
-
-        match rebuild_hook {
-            None => Step::Wait(delay),
+        // A rebuild needs the whole body the conflict answered; without it the conflict is the
+        // answer, and nothing is counted or taken from the budget.
+        let conflict = match rebuild_hook {
+            None => None,
             Some(hook) => {
-                let Ok(response) = result else {
-                    return Step::Return(result);
-                };
                 let body = match self
                     .fixed_body
                     .clone()
                     .or_else(|| self.body.complete_bytes())
                 {
                     Some(b) => b,
-                    None => return Step::Return(Ok(response)),
+                    None => {
+                        tracing::debug!(code = %code, "not rebuilding: the request body was not read whole");
+                        return Step::Return(result);
+                    }
+                };
+                Some((hook, body))
+            }
+        };
+
+        if conflict.is_none() && !shared.budget.withdraw() {
+            shared.stats.incr(Counter::BudgetRefusals);
+            tracing::warn!(attempt = self.attempt, code = %code, "retry budget exhausted: not retrying");
+            return Step::Return(result);
+        }
+
+        if self.attempt >= rules.max_attempts {
+            self.unsent_retries += 1;
+        }
+        // After a pushback the schedule restarts from its base (gRFC A6).
+        if pushed_back {
+            self.backoff_step = 0;
+            self.previous_delay = Duration::ZERO;
+        } else if conflict.is_none() {
+            self.backoff_step = self.backoff_step.saturating_add(1);
+            self.previous_delay = delay;
+        }
+        // Readers of the attempts so far must stop now: a transport may still be sending them.
+        self.body.cut_off();
+
+        match conflict {
+            None => {
+                shared.stats.incr(Counter::Retries);
+                tracing::debug!(attempt = self.attempt, code = %code, delay_ms = delay.as_millis() as u64, "retrying");
+                Step::Wait(delay)
+            }
+            Some((hook, body)) => {
+                let Ok(response) = result else {
+                    return Step::Return(result);
                 };
                 let parts = clone_parts(self.parts.as_ref().expect("checked above"));
                 let mut head = Response::new(()).into_parts().0;
@@ -337,9 +435,51 @@ where
                     code,
                     response: head,
                 };
+                tracing::debug!(attempt = self.attempt, code = %code, "rebuilding the request");
                 Step::Rebuild(hook.rebuild(conflict), response)
             }
         }
+    }
+
+    /// Takes the request a hook rebuilt: decides its idempotency and key afresh (a rebuilt
+    /// write keeps the intent's key unless the hook set another), then asks the budget.
+    /// Returns false when the budget refuses the retry.
+    fn take_rebuilt(&mut self, req: Request<Bytes>) -> bool {
+        let shared = self.shared.clone();
+        let policy = &shared.policy;
+        if !shared.budget.withdraw() {
+            shared.stats.incr(Counter::BudgetRefusals);
+            tracing::warn!(
+                attempt = self.attempt,
+                "retry budget exhausted: not sending the rebuilt request"
+            );
+            return false;
+        }
+        shared.stats.incr(Counter::Retries);
+        let (mut parts, body) = req.into_parts();
+        let intent_key = self.parts.as_ref().and_then(|old| {
+            policy
+                .key_headers
+                .iter()
+                .find_map(|h| old.headers.get(h).map(|v| (h.clone(), v.clone())))
+        });
+        // Headers the layer writes per attempt are written afresh.
+        parts.headers.remove(X_PREVIOUS_ATTEMPTS);
+        parts.headers.remove(GRPC_PREVIOUS_RPC_ATTEMPTS);
+        self.grpc = reason_code::is_grpc(&parts.headers);
+        self.method = if self.grpc {
+            policy.grpc_method(parts.uri.path())
+        } else {
+            None
+        };
+        let (idempotent, generated) = settle_key(policy, &mut parts, self.grpc, intent_key);
+        self.idempotent = idempotent;
+        if generated.is_some() {
+            self.generated_key = generated;
+        }
+        self.parts = Some(parts);
+        self.fixed_body = Some(body);
+        true
     }
 
     /// Adds [`RetryInfo`] to a response that took retries or got a generated key; the common
@@ -354,13 +494,27 @@ where
         res
     }
 
+    /// The call's answer: a response with its [`RetryInfo`], or the error as a [`RetryError`]
+    /// that carries the attempts and the generated key.
+    fn finish(&mut self, result: Result<Response<R>, BoxError>) -> Result<Response<R>, BoxError> {
+        match result {
+            Ok(res) => Ok(self.annotate(res)),
+            Err(e) => Err(Box::new(RetryError::new(
+                e,
+                self.attempt,
+                self.generated_key.take(),
+            ))),
+        }
+    }
+
     fn next_request(&mut self) -> Request<ReplayBody<B>> {
         let mut parts = clone_parts(self.parts.as_ref().expect("retries keep the head"));
         let previous = HeaderValue::from(self.attempt);
         if self.grpc {
             parts.headers.insert(GRPC_PREVIOUS_RPC_ATTEMPTS, previous);
-            if let Some(d) = self.deadline {
-                parts.headers.insert(GRPC_TIMEOUT, remaining_timeout(d));
+            let policy = &self.shared.policy;
+            if let Some(t) = grpc_timeout(self.deadline, policy.attempt_timeout) {
+                parts.headers.insert(GRPC_TIMEOUT, t);
             }
         } else {
             parts.headers.insert(X_PREVIOUS_ATTEMPTS, previous);
@@ -390,16 +544,13 @@ where
                     let result = match future.poll(cx) {
                         Poll::Ready(r) => r.map_err(Into::into),
                         Poll::Pending => {
-                            let fired = match this.timer.as_mut() {
-                                Some(timer) => timer.as_mut().poll(cx).is_ready(),
-                                None => false,
-                            };
-                            if !fired {
+                            if !fired(this.timer, cx) {
                                 return Poll::Pending;
                             }
                             if this.ctx.deadline.is_some_and(|d| Instant::now() >= d) {
                                 this.state.set(State::Done);
-                                return Poll::Ready(Err(DeadlineExceeded::new().into()));
+                                let e = DeadlineExceeded::new().into();
+                                return Poll::Ready(this.ctx.finish(Err(e)));
                             }
                             Err(AttemptTimedOut::new().into())
                         }
@@ -407,47 +558,75 @@ where
                     match this.ctx.after_attempt(result) {
                         Step::Return(r) => {
                             this.state.set(State::Done);
-                            return Poll::Ready(r.map(|res| this.ctx.annotate(res)));
+                            return Poll::Ready(this.ctx.finish(r));
                         }
                         Step::Wait(delay) => {
-                            let until = Instant::now() + delay;
-                            match this.timer.as_mut() {
-                                Some(t) => t.as_mut().reset(until),
-                                None => *this.timer = Some(Box::pin(sleep_until(until))),
-                            }
+                            set_timer(this.timer, after(Instant::now(), delay));
                             this.state.set(State::Waiting);
                         }
-                        Step::Rebuild(future, response) => this.state.set(State::Rebuilding {
-                            future,
-                            response: Some(response),
-                        }),
+                        Step::Rebuild(future, response) => {
+                            // The hook runs within the call's deadline.
+                            match this.ctx.deadline {
+                                Some(d) => set_timer(this.timer, d),
+                                None => *this.timer = None,
+                            }
+                            this.state.set(State::Rebuilding {
+                                future,
+                                response: Some(response),
+                            })
+                        }
                     }
                 }
                 StateProj::Waiting => {
                     if let Some(timer) = this.timer.as_mut() {
                         ready!(timer.as_mut().poll(cx));
                     }
+                    // Waiting for the inner service to be ready is bounded by the deadline.
+                    match this.ctx.deadline {
+                        Some(d) => set_timer(this.timer, d),
+                        None => *this.timer = None,
+                    }
                     this.state.set(State::Retrying);
                 }
                 StateProj::Rebuilding { future, response } => {
-                    match ready!(future.as_mut().poll(cx)) {
-                        Some(req) => {
-                            let (parts, body) = req.into_parts();
-                            this.ctx.parts = Some(parts);
-                            this.ctx.fixed_body = Some(body);
-                            this.state.set(State::Retrying);
-                        }
-                        None => {
-                            let response = response.take().expect("held until the hook decides");
+                    let rebuilt = match future.as_mut().poll(cx) {
+                        Poll::Ready(r) => r,
+                        Poll::Pending => {
+                            if !fired(this.timer, cx) {
+                                return Poll::Pending;
+                            }
                             this.state.set(State::Done);
-                            return Poll::Ready(Ok(this.ctx.annotate(response)));
+                            let e = DeadlineExceeded::new().into();
+                            return Poll::Ready(this.ctx.finish(Err(e)));
                         }
+                    };
+                    let accepted = match rebuilt {
+                        Some(req) => this.ctx.take_rebuilt(req),
+                        None => false,
+                    };
+                    if accepted {
+                        this.state.set(State::Retrying);
+                    } else {
+                        let response = response.take().expect("held until the hook decides");
+                        this.state.set(State::Done);
+                        return Poll::Ready(this.ctx.finish(Ok(response)));
                     }
                 }
                 StateProj::Retrying => {
-                    if let Err(e) = ready!(this.ctx.service.poll_ready(cx)) {
-                        this.state.set(State::Done);
-                        return Poll::Ready(Err(e.into()));
+                    match this.ctx.service.poll_ready(cx) {
+                        Poll::Ready(Ok(())) => {}
+                        Poll::Ready(Err(e)) => {
+                            this.state.set(State::Done);
+                            return Poll::Ready(this.ctx.finish(Err(e.into())));
+                        }
+                        Poll::Pending => {
+                            if !fired(this.timer, cx) {
+                                return Poll::Pending;
+                            }
+                            this.state.set(State::Done);
+                            let e = DeadlineExceeded::new().into();
+                            return Poll::Ready(this.ctx.finish(Err(e)));
+                        }
                     }
                     let req = this.ctx.next_request();
                     this.ctx.attempt += 1;

@@ -47,13 +47,26 @@
 //!
 //! # What is retried
 //!
-//! Every attempt's outcome is classified once (a business reason code in `x-reason-code` wins,
-//! then `grpc-status` in the headers of a trailers-only gRPC response, then the HTTP status; a
-//! transport error is *unsent* or *ambiguous*), and the [`RetryTable`](reason_code::RetryTable)
-//! decides. By default:
+//! Every attempt's outcome is classified once, and the [`RetryTable`](reason_code::RetryTable)
+//! decides. Classification, in order:
 //!
-//! - a request that never left the client (connect refused, h2 `REFUSED_STREAM`) is retried,
-//!   whatever its method;
+//! 1. a gRPC response with HTTP 200 whose headers carry no `grpc-status` has started streaming:
+//!    it is committed (gRFC A6), final, and no reason-code header reopens it;
+//! 2. a business reason code in `x-reason-code` (a [`ReasonCodes`](reason_code::ReasonCodes)
+//!    table, so `IDEMPOTENCY_IN_FLIGHT` from `idempotency-layer` is retried after its pushback);
+//! 3. gRPC: `grpc-status` in the headers (a trailers-only response; a malformed value is
+//!    UNKNOWN, never OK), else the gRPC spec's mapping of a non-200 HTTP status
+//!    ([`Code::from_grpc_http_status`](reason_code::Code::from_grpc_http_status): 429, 502,
+//!    503 and 504 are UNAVAILABLE, 404 UNIMPLEMENTED, 400 INTERNAL ...);
+//! 4. 421 Misdirected Request and 425 Too Early were not processed by the server (RFC 9110,
+//!    RFC 8470): *unsent*;
+//! 5. HTTP: the status; a transport error is *unsent* (connect refused, h2 `REFUSED_STREAM`,
+//!    GOAWAY beyond the stream) or *ambiguous* (anything after the request may have left).
+//!
+//! By default:
+//!
+//! - a request that never left the client is retried, whatever its method (up to
+//!   `max_unsent_retries` beyond `max_attempts`);
 //! - 502/503/UNAVAILABLE, 504/DEADLINE_EXCEEDED, a connection lost after sending and an attempt
 //!   timeout are retried only for **idempotent** requests: GET, HEAD, OPTIONS, TRACE, PUT,
 //!   DELETE, gRPC methods declared with
@@ -61,9 +74,10 @@
 //!   carries an idempotency key (`x-idempotency-key` or `idempotency-key`);
 //! - 429/RESOURCE_EXHAUSTED is retried for any request, after the server's pushback;
 //! - 409/ABORTED is returned, unless a [`rebuild_on_conflict`](RetryPolicyBuilder::rebuild_on_conflict)
-//!   hook rebuilds the request;
-//! - everything else is returned as it is. A gRPC response that has sent headers without a
-//!   status is committed (gRFC A6) and never retried.
+//!   hook rebuilds the request. The rebuilt request is judged afresh (method, gRPC method,
+//!   key): a rebuilt write without a key keeps the key of the request it replaces, unless the
+//!   hook set another;
+//! - everything else is returned as it is.
 //!
 //! Before each retry three checks must all pass: the outcome is retryable, an attempt is left,
 //! and the deadline leaves at least the delay plus `min_attempt_budget`. Then the retry budget
@@ -73,17 +87,34 @@
 //!
 //! A retry that cannot finish before the caller gives up only adds load. The deadline comes from
 //! a [`Deadline`] request extension, else `grpc-timeout`, else the policy's `total_timeout`; each
-//! gRPC attempt's `grpc-timeout` is rewritten to the time really left, so the server stops
-//! working when the caller has stopped waiting.
+//! gRPC attempt's `grpc-timeout` is rewritten to the time really left, capped at
+//! `attempt_timeout`, so the server stops working when the client has stopped waiting. Every
+//! wait of the layer ends at the deadline: an attempt, the backoff, the inner service's
+//! readiness between attempts (a tonic `Channel` is a buffer whose `poll_ready` stays pending
+//! under load) and the rebuild hook. Without any deadline, readiness and the hook are waited for
+//! as long as they take: set `total_timeout` to bound them.
 //!
 //! # Why a retry budget
 //!
 //! See [`budget`]: `max_attempts` bounds one request, the budget bounds a fleet.
 //!
+//! # Errors
+//!
+//! Every error the layer returns is a [`RetryError`] in the [`BoxError`]: the last attempt's
+//! error (or [`DeadlineExceeded`]) as its source, the attempts sent, and the idempotency key the
+//! layer generated. A caller that retries on its own should resend with that key: the server
+//! then sees the same intent, not a new one.
+//!
 //! # Request bodies
 //!
 //! The inner service receives [`ReplayBody<B>`]. The first attempt streams the body while up to
-//! `max_replay_bytes` (64 KiB) are kept; a larger body is sent once and its outcome returned.
+//! `max_replay_bytes` (64 KiB) are kept, trailers included; a larger body is sent once and its
+//! outcome returned. The copy is complete as soon as the last frame is produced (hyper stops
+//! polling once `is_end_stream()` is true, a Content-Length is written, or the trailers are
+//! sent), which is what the rebuild hook needs. A transport may keep reading an abandoned
+//! attempt's body (h2 streams on, HTTP/1 keeps writing after an early answer): each new attempt
+//! cuts the earlier readers off, so they can neither take the live attempt's wake-ups nor drop
+//! what it replays.
 //!
 //! With a hyper-util client the body type is inferred. A tonic `Channel` takes
 //! `tonic::body::Body`; convert with `map_request`:
@@ -117,14 +148,31 @@
 //! - `tower::retry` asks every user to write the policy, clone the request (so bodies must be
 //!   `Clone`, which streaming bodies and tonic's are not) and bring a backoff; it has no
 //!   `Retry-After`, no deadline and no body replay. Here the policy is data, the table is shared
-//!   with the server, and any body type is replayed up to a limit.
+//!   with the server, and any body type is replayed up to a limit, trailers included.
 //! - gRFC A6 defines the committed rule, pushback, `grpc-previous-rpc-attempts` and throttling;
-//!   tonic implements none of it. All of it is here, with A6's `retryPolicy` and
-//!   `retryThrottling` loadable from a service config, plus the same rules for plain HTTP.
+//!   tonic implements none of it. Here:
+//!   - a service config loads as A6 describes it
+//!     ([`from_grpc_service_config`](RetryPolicy::from_grpc_service_config)): `methodConfig[]`
+//!     chosen per call by its gRPC path, `retryThrottling` as a token bucket; `maxAttempts`
+//!     above 5 is 5, the delay is full-jittered, and after a server pushback the backoff
+//!     restarts from `initialBackoff`, as grpc-java does;
+//!   - throttling counts as A6 does: an OK response adds `tokenRatio`, a failure the policy
+//!     would retry takes a token; other failures (and conflicts with no rebuild hook) leave the
+//!     bucket alone;
+//!   - unlike A6, a status in `retryableStatusCodes` is retried only for an idempotent request
+//!     (a declared method or a keyed one): the layer does not know that a write is safe to
+//!     repeat unless told;
+//!   - a malformed `grpc-status` is UNKNOWN, and an HTTP error on a gRPC call maps as the gRPC
+//!     spec says;
+//!   - transparent retries of unsent requests are bounded by `max_unsent_retries`, the deadline
+//!     and the budget.
+//! - The same rules apply to plain HTTP, with `Retry-After` (seconds or an HTTP date; a
+//!   malformed one is ignored), `x-previous-attempts`, and 421/425 retried for any method.
 //! - Neither knows about idempotency keys: a POST is either never retried (safe, but the write is
 //!   lost on a dropped connection) or retried blindly (the write runs twice). With
 //!   [`ensure_idempotency_key`](RetryPolicyBuilder::ensure_idempotency_key) and
-//!   `idempotency-layer` on the server, it is retried and runs once.
+//!   `idempotency-layer` on the server, it is retried and runs once; and when the layer gives
+//!   up, its [`RetryError`] tells the caller the key to resend with.
 //!
 //! # Observability
 //!
@@ -144,12 +192,12 @@ mod service;
 mod stats;
 
 pub use body::{BodyNotReplayable, ReplayBody};
-pub use error::{AttemptTimedOut, Deadline, DeadlineExceeded, RetryInfo};
+pub use error::{AttemptTimedOut, Deadline, DeadlineExceeded, RetryError, RetryInfo};
 pub use future::ResponseFuture;
 pub use layer::RetryLayer;
 pub use policy::{
     Conflict, GrpcRetryPolicy, GrpcRetryThrottling, InvalidPolicy, Rebuild, RebuildFuture,
-    RetryPolicy, RetryPolicyBuilder, StatusCodeName,
+    RetryPolicy, RetryPolicyBuilder, StatusCodeName, MAX_DURATION, MAX_UNSENT_RETRIES,
 };
 pub use service::Retry;
 pub use stats::{RetryStats, StatsSnapshot};

@@ -1,6 +1,6 @@
 //! [`RetryPolicy`]: what is retried, how often, how long to wait, and within which budgets.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -124,15 +124,16 @@ impl fmt::Debug for BudgetConfig {
 /// ```
 #[derive(Clone, Debug)]
 pub struct RetryPolicy {
-    pub(crate) max_attempts: u32,
-    pub(crate) backoff: Backoff,
+    /// Attempts, backoff and table of requests no gRPC method config matches.
+    pub(crate) rules: Rules,
+    /// Per-method rules from a gRPC service config (`methodConfig`).
+    pub(crate) methods: Option<Arc<GrpcMethods>>,
     pub(crate) min_attempt_budget: Duration,
     pub(crate) total_timeout: Option<Duration>,
     pub(crate) attempt_timeout: Option<Duration>,
     pub(crate) max_pushback: Duration,
     pub(crate) max_replay_bytes: usize,
     pub(crate) max_unsent_retries: u32,
-    pub(crate) table: RetryTable,
     pub(crate) reason_codes: ReasonCodes,
     pub(crate) idempotent_grpc: Arc<HashSet<String>>,
     pub(crate) key_headers: Arc<[HeaderName]>,
@@ -141,6 +142,87 @@ pub struct RetryPolicy {
     pub(crate) rng: JitterRng,
     pub(crate) rebuild: Option<Arc<dyn Rebuild>>,
 }
+
+/// What may differ per gRPC method: attempts, backoff and the retryable codes.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Rules {
+    pub(crate) max_attempts: u32,
+    pub(crate) backoff: Backoff,
+    pub(crate) table: RetryTable,
+}
+
+impl Default for Rules {
+    fn default() -> Self {
+        Rules {
+            max_attempts: 3,
+            backoff: Backoff::default(),
+            table: RetryTable::default(),
+        }
+    }
+}
+
+/// Why a duration setting is out of range: over [`MAX_DURATION`], or zero where zero makes no
+/// sense.
+fn duration_error(name: &str, d: Duration, zero_ok: bool) -> Option<String> {
+    if d > MAX_DURATION {
+        return Some(format!(
+            "{name} must be at most {} s (one day), got {d:?}",
+            MAX_DURATION.as_secs()
+        ));
+    }
+    if !zero_ok && d.is_zero() {
+        return Some(format!("{name} must be greater than zero"));
+    }
+    None
+}
+
+/// The rules of a gRPC service config's `methodConfig` entries, by method path.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct GrpcMethods {
+    rules: Vec<Rules>,
+    /// `/package.Service/Method` or `/package.Service/` to an index in `rules`.
+    by_name: HashMap<String, usize>,
+    /// The entry with an empty name (`{}`): every method no other entry names.
+    default: Option<usize>,
+}
+
+impl GrpcMethods {
+    fn find(&self, path: &str) -> Option<usize> {
+        if let Some(i) = self.by_name.get(path) {
+            return Some(*i);
+        }
+        let service = match path.rfind('/') {
+            Some(i) if i > 0 => self.by_name.get(&path[..=i]).copied(),
+            _ => None,
+        };
+        service.or(self.default)
+    }
+
+    fn insert(&mut self, name: Option<String>, rules: Rules) -> Result<(), String> {
+        let i = self.rules.len();
+        match name {
+            None if self.default.is_some() => {
+                return Err("two methodConfig entries have an empty name".into())
+            }
+            None => self.default = Some(i),
+            Some(n) if self.by_name.contains_key(&n) => {
+                return Err(format!("{n:?} is named by two methodConfig entries"))
+            }
+            Some(n) => {
+                self.by_name.insert(n, i);
+            }
+        }
+        self.rules.push(rules);
+        Ok(())
+    }
+}
+
+/// The longest duration any setting takes: a day. Longer values are rejected so that no deadline
+/// or timer computed from them can overflow the clock.
+pub const MAX_DURATION: Duration = Duration::from_secs(86_400);
+
+/// The most transparent retries ([`RetryPolicyBuilder::max_unsent_retries`]).
+pub const MAX_UNSENT_RETRIES: u32 = 10;
 
 impl fmt::Debug for dyn Rebuild {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -151,15 +233,14 @@ impl fmt::Debug for dyn Rebuild {
 impl Default for RetryPolicy {
     fn default() -> Self {
         RetryPolicy {
-            max_attempts: 3,
-            backoff: Backoff::default(),
+            rules: Rules::default(),
+            methods: None,
             min_attempt_budget: Duration::from_millis(50),
             total_timeout: None,
             attempt_timeout: None,
             max_pushback: Duration::from_secs(30),
             max_replay_bytes: 64 * 1024,
             max_unsent_retries: 2,
-            table: RetryTable::default(),
             reason_codes: ReasonCodes::default(),
             idempotent_grpc: Arc::default(),
             key_headers: Arc::new([X_IDEMPOTENCY_KEY, reason_code::IDEMPOTENCY_KEY]),
@@ -192,10 +273,18 @@ impl RetryPolicy {
         }
     }
 
-    /// A policy from a gRPC service config `retryPolicy` object (gRFC A6), for example
-    /// `{"maxAttempts": 4, "initialBackoff": "0.1s", "maxBackoff": "1s", "backoffMultiplier": 2,
-    /// "retryableStatusCodes": ["UNAVAILABLE"]}`. The object may also be wrapped as
-    /// `{"retryPolicy": {..}, "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1}}`.
+    /// A policy from a gRPC service config (gRFC A6): its `methodConfig[]` entries, each with
+    /// `name[]` (`{"service": "pkg.Svc", "method": "M"}`, a whole service without `method`, or
+    /// `{}` for every method) and an optional `retryPolicy`, plus `retryThrottling`.
+    ///
+    /// Each request's policy is chosen by its gRPC path (`/pkg.Svc/M`), as gRPC does: the exact
+    /// method, else its service, else the empty name. As in gRPC, a request no entry matches (and
+    /// an entry without `retryPolicy`) is not retried, except transparently when it was never
+    /// sent; `retryThrottling` becomes the layer's budget (a token bucket). Keys other than
+    /// these (`timeout`, `waitForReady`, load balancing ...) are not read.
+    ///
+    /// A bare `retryPolicy` object, or `{"retryPolicy": .., "retryThrottling": ..}`, is accepted
+    /// too and applies to every request.
     ///
     /// As A6 specifies, `maxAttempts` above 5 is treated as 5 and the delay is full-jittered.
     /// Listed codes are retried under the table's rule for idempotent requests: declare the gRPC
@@ -205,52 +294,145 @@ impl RetryPolicy {
     /// use retry_layer::RetryPolicy;
     ///
     /// let policy = RetryPolicy::from_grpc_service_config(r#"{
-    ///     "maxAttempts": 4,
-    ///     "initialBackoff": "0.02s",
-    ///     "maxBackoff": "1s",
-    ///     "backoffMultiplier": 2,
-    ///     "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"]
+    ///     "methodConfig": [{
+    ///         "name": [{"service": "plume.linkd.v3.Library", "method": "GetBook"}],
+    ///         "retryPolicy": {
+    ///             "maxAttempts": 4,
+    ///             "initialBackoff": "0.02s",
+    ///             "maxBackoff": "1s",
+    ///             "backoffMultiplier": 2,
+    ///             "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"]
+    ///         }
+    ///     }],
+    ///     "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1}
     /// }"#).unwrap();
-    /// assert_eq!(policy.max_attempts(), 4);
+    /// assert_eq!(policy.max_attempts_of_grpc("/plume.linkd.v3.Library/GetBook"), 4);
+    /// assert_eq!(policy.max_attempts_of_grpc("/plume.linkd.v3.Library/ListBooks"), 1);
     /// ```
     pub fn from_grpc_service_config(json: &str) -> Result<RetryPolicy, InvalidPolicy> {
         #[derive(Deserialize)]
         #[serde(rename_all = "camelCase")]
-        struct Wrapped {
-            retry_policy: GrpcRetryPolicy,
+        struct ServiceConfig {
+            #[serde(default)]
+            method_config: Vec<MethodConfig>,
+            retry_policy: Option<GrpcRetryPolicy>,
             retry_throttling: Option<GrpcRetryThrottling>,
         }
+        #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase")]
+        struct MethodConfig {
+            #[serde(default)]
+            name: Vec<MethodName>,
+            retry_policy: Option<GrpcRetryPolicy>,
+        }
+        #[derive(Deserialize)]
+        struct MethodName {
+            #[serde(default)]
+            service: String,
+            #[serde(default)]
+            method: String,
+        }
+
         let value: serde_json::Value = serde_json::from_str(json)
             .map_err(|e| InvalidPolicy::new(format!("service config is not JSON: {e}")))?;
-        let (policy, throttling) = if value.get("retryPolicy").is_some() {
-            let w: Wrapped = serde_json::from_value(value)
-                .map_err(|e| InvalidPolicy::new(format!("service config: {e}")))?;
-            (w.retry_policy, w.retry_throttling)
-        } else {
+        let is_bare_policy = value.get("maxAttempts").is_some();
+        if is_bare_policy {
             let p: GrpcRetryPolicy = serde_json::from_value(value)
                 .map_err(|e| InvalidPolicy::new(format!("retryPolicy: {e}")))?;
-            (p, None)
-        };
-        let mut builder = RetryPolicy::builder().grpc_retry_policy(&policy);
-        if let Some(t) = throttling {
+            return RetryPolicy::builder().grpc_retry_policy(&p).build();
+        }
+        let config: ServiceConfig = serde_json::from_value(value)
+            .map_err(|e| InvalidPolicy::new(format!("service config: {e}")))?;
+        let mut builder = RetryPolicy::builder();
+        match (&config.retry_policy, config.method_config.is_empty()) {
+            (Some(p), true) => builder = builder.grpc_retry_policy(p),
+            (Some(_), false) => {
+                return Err(InvalidPolicy::new(
+                    "service config: a top-level retryPolicy and methodConfig together; \
+                     move the retryPolicy into a methodConfig entry",
+                ))
+            }
+            (None, true) if config.retry_throttling.is_none() => {
+                return Err(InvalidPolicy::new(
+                    "service config: no methodConfig, retryPolicy or retryThrottling to load",
+                ))
+            }
+            // gRPC: a request no method config matches is not retried.
+            (None, _) => builder = builder.max_attempts(1),
+        }
+        for (i, mc) in config.method_config.iter().enumerate() {
+            let rules = match &mc.retry_policy {
+                Some(p) => rules_from_grpc(p).map_err(|e| {
+                    InvalidPolicy::new(format!("methodConfig[{i}].retryPolicy: {e}"))
+                })?,
+                None => Rules {
+                    max_attempts: 1,
+                    ..Rules::default()
+                },
+            };
+            if mc.name.is_empty() {
+                return Err(InvalidPolicy::new(format!(
+                    "methodConfig[{i}] has no name; use [{{}}] to match every method"
+                )));
+            }
+            for n in &mc.name {
+                let name = match (n.service.as_str(), n.method.as_str()) {
+                    ("", "") => None,
+                    ("", m) => {
+                        return Err(InvalidPolicy::new(format!(
+                            "methodConfig[{i}]: method {m:?} names no service"
+                        )))
+                    }
+                    (s, "") => Some(format!("/{s}/")),
+                    (s, m) => Some(format!("/{s}/{m}")),
+                };
+                if name.as_ref().is_some_and(|n| n.matches('/').count() != 2) {
+                    return Err(InvalidPolicy::new(format!(
+                        "methodConfig[{i}]: {:?}/{:?} must not contain '/'",
+                        n.service, n.method
+                    )));
+                }
+                builder = builder.grpc_method_rules(name, rules.clone());
+            }
+        }
+        if let Some(t) = config.retry_throttling {
             builder = builder.grpc_retry_throttling(&t);
         }
         builder.build()
     }
 
-    /// Total attempts, the first included.
+    /// Total attempts a gRPC request for `path` (`/package.Service/Method`) may take: the
+    /// matching method config's, else the policy's.
+    pub fn max_attempts_of_grpc(&self, path: &str) -> u32 {
+        self.rules(self.grpc_method(path)).max_attempts
+    }
+
+    /// Total attempts, the first included (of requests no gRPC method config matches).
     pub fn max_attempts(&self) -> u32 {
-        self.max_attempts
+        self.rules.max_attempts
     }
 
-    /// The backoff schedule.
+    /// The backoff schedule (of requests no gRPC method config matches).
     pub fn backoff(&self) -> &Backoff {
-        &self.backoff
+        &self.rules.backoff
     }
 
-    /// The retryability table.
+    /// The retryability table (of requests no gRPC method config matches).
     pub fn table(&self) -> &RetryTable {
-        &self.table
+        &self.rules.table
+    }
+
+    /// The method config that applies to a gRPC request for `path`, if the policy has any.
+    pub(crate) fn grpc_method(&self, path: &str) -> Option<usize> {
+        self.methods.as_ref().and_then(|m| m.find(path))
+    }
+
+    /// The rules of a method config, or the policy's own.
+    pub(crate) fn rules(&self, method: Option<usize>) -> &Rules {
+        match (method, &self.methods) {
+            (Some(i), Some(m)) => &m.rules[i],
+            _ => &self.rules,
+        }
     }
 
     pub(crate) fn make_budget(&self) -> Arc<dyn Budget> {
@@ -318,13 +500,16 @@ impl RetryPolicyBuilder {
         if !(1..=100).contains(&n) {
             return self.fail(format!("max_attempts must be between 1 and 100, got {n}"));
         }
-        self.policy.max_attempts = n;
+        self.policy.rules.max_attempts = n;
         self
     }
 
-    /// The delay after the first failed attempt.
+    /// The delay after the first failed attempt (at most [`MAX_DURATION`]).
     pub fn base_delay(mut self, d: Duration) -> Self {
-        self.policy.backoff.base = d;
+        if let Some(e) = duration_error("base_delay", d, true) {
+            return self.fail(e);
+        }
+        self.policy.rules.backoff.base = d;
         self
     }
 
@@ -335,13 +520,16 @@ impl RetryPolicyBuilder {
                 "multiplier must be a finite number >= 1.0, got {m}"
             ));
         }
-        self.policy.backoff.multiplier = m;
+        self.policy.rules.backoff.multiplier = m;
         self
     }
 
-    /// The largest computed delay (before jitter).
+    /// The largest computed delay (before jitter; at most [`MAX_DURATION`]).
     pub fn max_delay(mut self, d: Duration) -> Self {
-        self.policy.backoff.max_delay = d;
+        if let Some(e) = duration_error("max_delay", d, true) {
+            return self.fail(e);
+        }
+        self.policy.rules.backoff.max_delay = d;
         self
     }
 
@@ -352,7 +540,7 @@ impl RetryPolicyBuilder {
                 return self.fail(format!("proportional jitter must be in [0, 1], got {r}"));
             }
         }
-        self.policy.backoff.jitter = jitter;
+        self.policy.rules.backoff.jitter = jitter;
         self
     }
 
@@ -363,29 +551,45 @@ impl RetryPolicyBuilder {
         self
     }
 
-    /// The least time an attempt must have left before the deadline for a retry to be sent.
+    /// The least time an attempt must have left before the deadline for a retry to be sent (at
+    /// most [`MAX_DURATION`]).
     pub fn min_attempt_budget(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("min_attempt_budget", d, true) {
+            return self.fail(e);
+        }
         self.policy.min_attempt_budget = d;
         self
     }
 
     /// A deadline for the whole call, retries included, used when the request carries neither a
-    /// [`Deadline`](crate::Deadline) extension nor `grpc-timeout`.
+    /// [`Deadline`](crate::Deadline) extension nor `grpc-timeout` (greater than zero, at most
+    /// [`MAX_DURATION`]).
     pub fn total_timeout(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("total_timeout", d, false) {
+            return self.fail(e);
+        }
         self.policy.total_timeout = Some(d);
         self
     }
 
-    /// A timeout for each attempt; an attempt that times out is an ambiguous failure (it may have
-    /// executed), retried only when the request is idempotent or keyed.
+    /// A timeout for each attempt (greater than zero, at most [`MAX_DURATION`]); an attempt that
+    /// times out is an ambiguous failure (it may have executed), retried only when the request
+    /// is idempotent or keyed. A gRPC attempt's `grpc-timeout` is capped at it, so the server
+    /// stops working on an attempt the client abandons.
     pub fn attempt_timeout(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("attempt_timeout", d, false) {
+            return self.fail(e);
+        }
         self.policy.attempt_timeout = Some(d);
         self
     }
 
-    /// The longest server pushback (`Retry-After`, `grpc-retry-pushback-ms`) honoured; a longer
-    /// one ends retrying.
+    /// The longest server pushback (`Retry-After`, `grpc-retry-pushback-ms`) honoured (at most
+    /// [`MAX_DURATION`]); a longer one ends retrying.
     pub fn max_pushback(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("max_pushback", d, true) {
+            return self.fail(e);
+        }
         self.policy.max_pushback = d;
         self
     }
@@ -397,15 +601,21 @@ impl RetryPolicyBuilder {
     }
 
     /// How many extra attempts a request that provably never left the client may get beyond
-    /// `max_attempts` (gRFC A6 transparent retries), still bounded by deadline and budget.
+    /// `max_attempts` (gRFC A6 transparent retries), still bounded by deadline and budget (at
+    /// most [`MAX_UNSENT_RETRIES`]).
     pub fn max_unsent_retries(mut self, n: u32) -> Self {
+        if n > MAX_UNSENT_RETRIES {
+            return self.fail(format!(
+                "max_unsent_retries must be at most {MAX_UNSENT_RETRIES}, got {n}"
+            ));
+        }
         self.policy.max_unsent_retries = n;
         self
     }
 
     /// Replaces the retryability table (to opt in to retrying INTERNAL, for instance).
     pub fn table(mut self, table: RetryTable) -> Self {
-        self.policy.table = table;
+        self.policy.rules.table = table;
         self
     }
 
@@ -493,37 +703,39 @@ impl RetryPolicyBuilder {
         self
     }
 
-    /// Applies a gRPC service config `retryPolicy` (gRFC A6).
-    pub fn grpc_retry_policy(self, p: &GrpcRetryPolicy) -> Self {
-        let (initial, max) = match (
-            parse_proto_duration(&p.initial_backoff),
-            parse_proto_duration(&p.max_backoff),
-        ) {
-            (Ok(i), Ok(m)) => (i, m),
-            (Err(e), _) | (_, Err(e)) => return self.fail(e),
-        };
-        if initial.is_zero() || max.is_zero() {
-            return self.fail("initialBackoff and maxBackoff must be greater than zero");
+    /// Applies a gRPC service config `retryPolicy` (gRFC A6) to every request.
+    pub fn grpc_retry_policy(mut self, p: &GrpcRetryPolicy) -> Self {
+        match rules_from_grpc(p) {
+            Ok(rules) => {
+                self.policy.rules = rules;
+                self
+            }
+            Err(e) => self.fail(e),
         }
-        if p.max_attempts < 2 {
+    }
+
+    /// Applies a gRPC service config `retryPolicy` (gRFC A6) to one method
+    /// (`/package.Service/Method`) or every method of a service (`/package.Service/`); other
+    /// requests keep the policy's own attempts, backoff and table.
+    pub fn grpc_method_retry_policy(self, path: impl Into<String>, p: &GrpcRetryPolicy) -> Self {
+        let path = path.into();
+        if !path.starts_with('/') || path.matches('/').count() != 2 {
             return self.fail(format!(
-                "maxAttempts must be at least 2, got {}",
-                p.max_attempts
+                "gRPC method {path:?} must look like /package.Service/Method or /package.Service/"
             ));
         }
-        if p.retryable_status_codes.is_empty() {
-            return self.fail("retryableStatusCodes must name at least one code");
+        match rules_from_grpc(p) {
+            Ok(rules) => self.grpc_method_rules(Some(path), rules),
+            Err(e) => self.fail(e),
         }
-        let mut table = RetryTable::no_status_retries();
-        for code in &p.retryable_status_codes {
-            table = table.with_client_rule(code.0, ClientRule::IfIdempotent);
+    }
+
+    fn grpc_method_rules(mut self, name: Option<String>, rules: Rules) -> Self {
+        let methods = Arc::make_mut(self.policy.methods.get_or_insert_with(Arc::default));
+        match methods.insert(name, rules) {
+            Ok(()) => self,
+            Err(e) => self.fail(e),
         }
-        self.max_attempts(p.max_attempts.min(5))
-            .base_delay(initial)
-            .max_delay(max)
-            .multiplier(p.backoff_multiplier)
-            .jitter(Jitter::Full)
-            .table(table)
     }
 
     /// Applies a gRPC service config `retryThrottling` (gRFC A6): a token bucket budget.
@@ -538,6 +750,52 @@ impl RetryPolicyBuilder {
             None => Ok(self.policy),
         }
     }
+}
+
+/// The attempts, backoff and table a gRPC `retryPolicy` describes.
+fn rules_from_grpc(p: &GrpcRetryPolicy) -> Result<Rules, String> {
+    let initial = parse_proto_duration(&p.initial_backoff)?;
+    let max = parse_proto_duration(&p.max_backoff)?;
+    if initial.is_zero() || max.is_zero() {
+        return Err("initialBackoff and maxBackoff must be greater than zero".into());
+    }
+    if initial > MAX_DURATION || max > MAX_DURATION {
+        return Err(format!(
+            "initialBackoff and maxBackoff must be at most {}s",
+            MAX_DURATION.as_secs()
+        ));
+    }
+    if p.max_attempts < 2 {
+        return Err(format!(
+            "maxAttempts must be at least 2, got {}",
+            p.max_attempts
+        ));
+    }
+    if !p.backoff_multiplier.is_finite() || p.backoff_multiplier <= 0.0 {
+        return Err(format!(
+            "backoffMultiplier must be a number greater than zero, got {}",
+            p.backoff_multiplier
+        ));
+    }
+    if p.retryable_status_codes.is_empty() {
+        return Err("retryableStatusCodes must name at least one code".into());
+    }
+    let mut table = RetryTable::no_status_retries();
+    for code in &p.retryable_status_codes {
+        table = table.with_client_rule(code.0, ClientRule::IfIdempotent);
+    }
+    Ok(Rules {
+        max_attempts: p.max_attempts.min(5),
+        backoff: Backoff {
+            base: initial,
+            // A multiplier below 1 shrinks the delay in gRPC; this backoff only grows, so it is
+            // treated as 1.
+            multiplier: p.backoff_multiplier.max(1.0),
+            max_delay: max,
+            jitter: Jitter::Full,
+        },
+        table,
+    })
 }
 
 /// The `retryPolicy` object of a gRPC service config (gRFC A6), deserializable with serde.
@@ -626,11 +884,11 @@ mod tests {
     #[test]
     fn defaults_are_the_documented_ones() {
         let p = RetryPolicy::default();
-        assert_eq!(p.max_attempts, 3);
-        assert_eq!(p.backoff.base, Duration::from_millis(20));
-        assert_eq!(p.backoff.multiplier, 2.0);
-        assert_eq!(p.backoff.max_delay, Duration::from_secs(1));
-        assert_eq!(p.backoff.jitter, Jitter::Proportional(0.2));
+        assert_eq!(p.rules.max_attempts, 3);
+        assert_eq!(p.rules.backoff.base, Duration::from_millis(20));
+        assert_eq!(p.rules.backoff.multiplier, 2.0);
+        assert_eq!(p.rules.backoff.max_delay, Duration::from_secs(1));
+        assert_eq!(p.rules.backoff.jitter, Jitter::Proportional(0.2));
         assert_eq!(p.min_attempt_budget, Duration::from_millis(50));
         assert_eq!(p.max_replay_bytes, 65_536);
     }
@@ -666,21 +924,25 @@ mod tests {
                 "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1}}"#,
         )
         .unwrap();
-        assert_eq!(p.max_attempts, 5);
-        assert_eq!(p.backoff.base, Duration::from_millis(500));
-        assert_eq!(p.backoff.max_delay, Duration::from_millis(2250));
-        assert_eq!(p.backoff.jitter, Jitter::Full);
+        assert_eq!(p.rules.max_attempts, 5);
+        assert_eq!(p.rules.backoff.base, Duration::from_millis(500));
+        assert_eq!(p.rules.backoff.max_delay, Duration::from_millis(2250));
+        assert_eq!(p.rules.backoff.jitter, Jitter::Full);
         assert_eq!(
-            p.table.verdict(Outcome::Status(Code::Unavailable), true),
+            p.rules
+                .table
+                .verdict(Outcome::Status(Code::Unavailable), true),
             Verdict::Retry
         );
         assert_eq!(
-            p.table
+            p.rules
+                .table
                 .verdict(Outcome::Status(Code::DeadlineExceeded), true),
             Verdict::Retry
         );
         assert_eq!(
-            p.table
+            p.rules
+                .table
                 .verdict(Outcome::Status(Code::ResourceExhausted), true),
             Verdict::Final
         );
@@ -700,6 +962,74 @@ mod tests {
         ] {
             assert!(RetryPolicy::from_grpc_service_config(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn method_config_names_choose_the_rules() {
+        let policy = |name: &str, extra: &str| {
+            format!(
+                r#"{{"methodConfig": [{{"name": [{name}], "retryPolicy": {{"maxAttempts": 4,
+                "initialBackoff": "0.1s", "maxBackoff": "1s", "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"]}}}}{extra}]}}"#
+            )
+        };
+        // Exact method, then the service, then the empty name.
+        let p = RetryPolicy::from_grpc_service_config(&policy(
+            r#"{"service": "a.S", "method": "M"}"#,
+            r#", {"name": [{"service": "a.S"}], "retryPolicy": {"maxAttempts": 3,
+               "initialBackoff": "0.1s", "maxBackoff": "1s", "backoffMultiplier": 2,
+               "retryableStatusCodes": [14]}},
+               {"name": [{}], "retryPolicy": {"maxAttempts": 2, "initialBackoff": "0.1s",
+               "maxBackoff": "1s", "backoffMultiplier": 2, "retryableStatusCodes": [14]}}"#,
+        ))
+        .unwrap();
+        assert_eq!(p.max_attempts_of_grpc("/a.S/M"), 4);
+        assert_eq!(p.max_attempts_of_grpc("/a.S/N"), 3);
+        assert_eq!(p.max_attempts_of_grpc("/b.T/M"), 2);
+        assert_eq!(
+            p.max_attempts(),
+            1,
+            "a request no entry matches: not retried"
+        );
+
+        // No default entry: unmatched methods are not retried; an entry without retryPolicy
+        // neither.
+        let p = RetryPolicy::from_grpc_service_config(&policy(
+            r#"{"service": "a.S", "method": "M"}"#,
+            r#", {"name": [{"service": "a.S", "method": "N"}], "timeout": "1s"}"#,
+        ))
+        .unwrap();
+        assert_eq!(p.max_attempts_of_grpc("/a.S/N"), 1);
+        assert_eq!(p.max_attempts_of_grpc("/a.S/O"), 1);
+
+        for bad in [
+            policy(r#"{"method": "M"}"#, ""),
+            policy(
+                r#"{"service": "a.S", "method": "M"}, {"service": "a.S", "method": "M"}"#,
+                "",
+            ),
+            policy(r#"{"service": "a/S", "method": "M"}"#, ""),
+            policy(r#"{}"#, r#", {"name": [{}]}"#),
+            r#"{"methodConfig": [{"retryPolicy": {}}]}"#.to_owned(),
+            r#"{"methodConfig": [{"name": [{}]}], "retryPolicy": {"maxAttempts": 2,
+               "initialBackoff": "0.1s", "maxBackoff": "1s", "backoffMultiplier": 2,
+               "retryableStatusCodes": [14]}}"#
+                .to_owned(),
+            r#"{"loadBalancingConfig": []}"#.to_owned(),
+        ] {
+            let err = RetryPolicy::from_grpc_service_config(&bad).unwrap_err();
+            assert!(!err.to_string().is_empty(), "{bad}");
+        }
+
+        // retryThrottling alongside methodConfig.
+        let p = RetryPolicy::from_grpc_service_config(
+            r#"{"methodConfig": [], "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1}}"#,
+        )
+        .unwrap();
+        assert!(matches!(
+            p.budget,
+            BudgetConfig::TokenBucket { max_tokens: 10, .. }
+        ));
     }
 
     #[test]

@@ -9,7 +9,7 @@ use crate::body::ReplayBody;
 use crate::future::ResponseFuture;
 use crate::layer::Shared;
 use crate::stats::StatsSnapshot;
-use crate::{BoxError, RetryLayer, RetryPolicy};
+use crate::{BoxError, RetryError, RetryLayer, RetryPolicy};
 
 /// Retries what is safe to retry. See the [crate docs](crate) for what that is.
 ///
@@ -70,7 +70,9 @@ where
     type Future = ResponseFuture<S, B>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
+        self.inner
+            .poll_ready(cx)
+            .map_err(|e| Box::new(RetryError::new(e.into(), 0, None)) as BoxError)
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {

@@ -93,7 +93,7 @@ async fn non_ascii_retry_after_is_ignored() {
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
-async fn garbage_grpc_status_is_treated_as_absent() {
+async fn garbage_grpc_status_is_unknown_and_final() {
     let (logs, _guard) = capture();
     let reply = Reply::Status(
         200,
@@ -109,7 +109,7 @@ async fn garbage_grpc_status_is_treated_as_absent() {
     )
     .await;
     assert_eq!(res.unwrap().status(), 200);
-    assert_eq!(script.attempts(), 1, "no status in the headers: committed");
+    assert_eq!(script.attempts(), 1, "UNKNOWN is not retried");
     assert!(
         logs.text().contains("malformed grpc-status"),
         "{}",
@@ -159,4 +159,84 @@ async fn garbage_pushback_stops_retries() {
         "gRFC A6: malformed pushback means do not retry"
     );
     assert_eq!(layer.stats().pushback_stops, 1);
+}
+
+/// Item 6: every builder duration is validated, so no deadline or timer computed from it can
+/// overflow the clock (before, `total_timeout(Duration::MAX)` built, then panicked on a call).
+#[test]
+fn out_of_range_durations_are_rejected_with_a_message() {
+    use std::time::Duration;
+    type Setter = fn(retry_layer::RetryPolicyBuilder, Duration) -> retry_layer::RetryPolicyBuilder;
+    let setters: [(&str, Setter); 6] = [
+        ("total_timeout", |b, d| b.total_timeout(d)),
+        ("attempt_timeout", |b, d| b.attempt_timeout(d)),
+        ("max_pushback", |b, d| b.max_pushback(d)),
+        ("base_delay", |b, d| b.base_delay(d)),
+        ("max_delay", |b, d| b.max_delay(d)),
+        ("min_attempt_budget", |b, d| b.min_attempt_budget(d)),
+    ];
+    for (name, set) in setters {
+        for d in [
+            Duration::MAX,
+            retry_layer::MAX_DURATION + Duration::from_secs(1),
+        ] {
+            let err = set(RetryPolicy::builder(), d).build().unwrap_err();
+            assert!(err.to_string().contains(name), "{err}");
+        }
+        assert!(set(RetryPolicy::builder(), retry_layer::MAX_DURATION)
+            .build()
+            .is_ok());
+    }
+    for zero in [
+        RetryPolicy::builder().total_timeout(Duration::ZERO),
+        RetryPolicy::builder().attempt_timeout(Duration::ZERO),
+    ] {
+        assert!(zero
+            .build()
+            .unwrap_err()
+            .to_string()
+            .contains("greater than zero"));
+    }
+    let err = RetryPolicy::builder()
+        .max_unsent_retries(u32::MAX)
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("max_unsent_retries"), "{err}");
+}
+
+/// Item 6: huge values from the caller or the server never panic.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn huge_deadlines_and_pushbacks_do_not_panic() {
+    use std::time::Duration;
+    let mut req = get("/books/b1");
+    req.extensions_mut()
+        .insert(retry_layer::Deadline::after(Duration::MAX));
+    let (res, script, _) = run(RetryPolicy::default(), req, vec![status(503), status(200)]).await;
+    assert_eq!(res.unwrap().status(), 200);
+    assert_eq!(script.attempts(), 2);
+
+    // The largest pushback allowed, and a Retry-After far beyond it.
+    let policy = RetryPolicy::builder()
+        .max_pushback(retry_layer::MAX_DURATION)
+        .build()
+        .unwrap();
+    let (res, script, layer) = run(
+        policy,
+        get("/books/b1"),
+        vec![Reply::Status(
+            503,
+            vec![("retry-after", "18446744073709551615")],
+        )],
+    )
+    .await;
+    assert_eq!(res.unwrap().status(), 503);
+    assert_eq!(script.attempts(), 1);
+    assert_eq!(layer.stats().pushback_stops + layer.stats().exhausted, 1);
+
+    // The largest grpc-timeout the format can say (99999999 hours).
+    let mut req = keyed(grpc_req("/lib.Library/GetBook"));
+    req.headers_mut()
+        .insert("grpc-timeout", "99999999H".parse().unwrap());
+    let (_, script, _) = run(RetryPolicy::default(), req, vec![grpc("14"), grpc("0")]).await;
+    assert_eq!(script.attempts(), 2);
 }

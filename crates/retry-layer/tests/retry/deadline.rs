@@ -1,7 +1,7 @@
 //! The deadline budget: no retry that cannot finish; `grpc-timeout` says what is really left.
 
 use reason_code::parse_grpc_timeout;
-use retry_layer::{Deadline, DeadlineExceeded, RetryPolicy};
+use retry_layer::{Deadline, DeadlineExceeded, RetryError, RetryPolicy};
 use tokio::time::Duration;
 
 use crate::support::*;
@@ -41,7 +41,10 @@ async fn an_attempt_running_past_the_deadline_ends_the_call() {
         vec![Reply::Slow(Duration::from_secs(10), 200)],
     )
     .await;
-    assert!(res.unwrap_err().is::<DeadlineExceeded>());
+    let err = res.unwrap_err();
+    let err = RetryError::of(&*err).expect("a RetryError");
+    assert!(err.is::<DeadlineExceeded>(), "{err}");
+    assert_eq!(err.attempts(), 1);
     assert_eq!(script.attempts(), 1);
 }
 
@@ -53,7 +56,10 @@ async fn attempt_timeout_is_ambiguous_and_retried_only_when_idempotent() {
         .unwrap();
     let slow = || vec![Reply::Slow(Duration::from_secs(10), 200)];
     let (res, script, _) = run(policy.clone(), get("/books/b1"), slow()).await;
-    assert!(res.unwrap_err().is::<retry_layer::AttemptTimedOut>());
+    let err = res.unwrap_err();
+    let err = RetryError::of(&*err).expect("a RetryError");
+    assert!(err.is::<retry_layer::AttemptTimedOut>(), "{err}");
+    assert_eq!(err.attempts(), 3);
     assert_eq!(script.attempts(), 3);
     let (_, script, _) = run(policy, post("/orders"), slow()).await;
     assert_eq!(

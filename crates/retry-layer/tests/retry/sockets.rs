@@ -202,7 +202,8 @@ async fn connection_refused_is_retried_even_for_a_post_without_key() {
         .body(Full::new(Bytes::new()))
         .unwrap();
     let err = client(layer.clone()).oneshot(req).await.unwrap_err();
-    let err = err
+    let err = retry_layer::RetryError::of(&*err)
+        .expect("a RetryError")
         .downcast_ref::<hyper_util::client::legacy::Error>()
         .expect("the client's error");
     assert!(err.is_connect());

@@ -132,3 +132,35 @@ async fn pushback_longer_than_the_maximum_stops() {
     assert_eq!(script.attempts(), 1);
     assert_eq!(layer.stats().pushback_stops, 1);
 }
+
+/// Item 7: after a server pushback the backoff restarts from its base (gRFC A6, grpc-java).
+#[tokio::test(start_paused = true)]
+async fn backoff_restarts_from_the_base_after_a_pushback() {
+    let policy = RetryPolicy::builder()
+        .max_attempts(5)
+        .base_delay(Duration::from_millis(100))
+        .jitter(Jitter::None)
+        .no_budget()
+        .build()
+        .unwrap();
+    let (_, script, _) = run(
+        policy,
+        get("/books/b1"),
+        vec![
+            status(503),
+            status(503),
+            Reply::Status(503, vec![("retry-after", "1")]),
+            status(503),
+            status(200),
+        ],
+    )
+    .await;
+    let seen = script.seen();
+    assert_eq!(seen.len(), 5);
+    let gaps: Vec<u128> = seen
+        .windows(2)
+        .map(|w| (w[1].at - w[0].at).as_millis())
+        .collect();
+    // 100, 200, the 1 s pushback, then the base again (before: 800, as if never reset).
+    assert_eq!(gaps, [100, 200, 1000, 100], "{gaps:?}");
+}

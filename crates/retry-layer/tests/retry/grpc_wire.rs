@@ -1,0 +1,443 @@
+//! Issue 12, gRPC over a tonic `Channel` to a hyper h2 server of the test's own; and h2 faults
+//! (RST_STREAM REFUSED_STREAM, GOAWAY) from servers made with the `h2` crate and by hand.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body::Frame;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use reason_code::parse_grpc_timeout;
+use retry_layer::budget::Budget;
+use retry_layer::{ReplayBody, RetryLayer, RetryPolicy};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio::time::Duration;
+use tower::{ServiceBuilder, ServiceExt};
+
+use crate::wire::*;
+
+/// One planned answer of the gRPC server.
+#[derive(Debug, Clone, Copy)]
+enum Answer {
+    /// A trailers-only response with this `grpc-status`.
+    TrailersOnly(&'static str),
+    /// An HTTP error status without `grpc-status` (a proxy answered).
+    Http(u16),
+    /// Headers without `grpc-status` (committed), with this reason code, then a message and
+    /// trailers with `grpc-status: 14`.
+    Committed(&'static str),
+}
+
+type ResBody =
+    StreamBody<futures_util::stream::Iter<std::vec::IntoIter<Result<Frame<Bytes>, Infallible>>>>;
+
+async fn grpc_server(plan: Vec<Answer>) -> (SocketAddr, Arc<Mutex<Vec<HeaderMap>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let hits = Arc::new(AtomicUsize::new(0));
+    let s = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let (s, plan, hits) = (s.clone(), plan.clone(), hits.clone());
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+                    let n = hits.fetch_add(1, Ordering::SeqCst);
+                    s.lock().unwrap().push(req.headers().clone());
+                    let answer = plan[n.min(plan.len() - 1)];
+                    async move {
+                        let _ = req.into_body().collect().await;
+                        let empty = || StreamBody::new(futures_util::stream::iter(vec![]));
+                        let res = match answer {
+                            Answer::TrailersOnly(code) => Response::builder()
+                                .header("content-type", "application/grpc")
+                                .header("grpc-status", code)
+                                .body(empty()),
+                            Answer::Http(status) => Response::builder()
+                                .status(StatusCode::from_u16(status).unwrap())
+                                .header("content-type", "text/plain")
+                                .body(empty()),
+                            Answer::Committed(reason) => {
+                                let mut trailers = HeaderMap::new();
+                                trailers.insert("grpc-status", "14".parse().unwrap());
+                                let frames = vec![
+                                    Ok(Frame::data(Bytes::from_static(b"\0\0\0\0\0"))),
+                                    Ok(Frame::trailers(trailers)),
+                                ];
+                                Response::builder()
+                                    .header("content-type", "application/grpc")
+                                    .header("x-reason-code", reason)
+                                    .body(StreamBody::new(futures_util::stream::iter(frames)))
+                            }
+                        };
+                        Ok::<Response<ResBody>, Infallible>(res.unwrap())
+                    }
+                });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    (addr, seen)
+}
+
+fn grpc_request(addr: SocketAddr, path: &str) -> Request<tonic::body::Body> {
+    Request::post(format!("http://{addr}{path}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(tonic::body::Body::new(Full::new(Bytes::from_static(
+            b"\0\0\0\0\x02\x0a\x00",
+        ))))
+        .unwrap()
+}
+
+async fn call_with(
+    layer: &RetryLayer,
+    addr: SocketAddr,
+    req: Request<tonic::body::Body>,
+) -> Result<Response<tonic::body::Body>, retry_layer::BoxError> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .map_request(|req: Request<ReplayBody<tonic::body::Body>>| req.map(tonic::body::Body::new))
+        .service(channel);
+    bounded("the call", svc.oneshot(req)).await
+}
+
+fn declared() -> RetryPolicy {
+    RetryPolicy::builder()
+        .idempotent_grpc_method("/plume.linkd.v3.Library/GetBook")
+        .build()
+        .unwrap()
+}
+
+const GET_BOOK: &str = "/plume.linkd.v3.Library/GetBook";
+const CREATE_ORDER: &str = "/plume.linkd.v3.Library/CreateOrder";
+
+/// Item 8: an HTTP 429 without `grpc-status` is UNAVAILABLE for gRPC (not RESOURCE_EXHAUSTED,
+/// which is retried for any request): a write that is not declared idempotent is not retried.
+#[tokio::test]
+async fn http_429_on_grpc_is_unavailable_so_a_write_is_not_retried() {
+    let (addr, seen) = grpc_server(vec![Answer::Http(429), Answer::TrailersOnly("0")]).await;
+    let res = call_with(
+        &RetryLayer::new(declared()),
+        addr,
+        grpc_request(addr, CREATE_ORDER),
+    )
+    .await
+    .unwrap();
+    assert_eq!(res.status(), 429);
+    assert_eq!(seen.lock().unwrap().len(), 1);
+}
+
+/// Item 8: HTTP 502 and 504 without `grpc-status` are UNAVAILABLE: retried for a declared method.
+#[tokio::test]
+async fn http_502_and_504_on_grpc_are_retried_for_a_declared_method() {
+    for status in [502, 504] {
+        let (addr, seen) = grpc_server(vec![Answer::Http(status), Answer::TrailersOnly("0")]).await;
+        let res = call_with(
+            &RetryLayer::new(declared()),
+            addr,
+            grpc_request(addr, GET_BOOK),
+        )
+        .await
+        .unwrap();
+        assert_eq!(res.headers()["grpc-status"], "0", "{status}");
+        assert_eq!(seen.lock().unwrap().len(), 2, "{status}");
+    }
+}
+
+/// Counts what the layer records in its budget.
+#[derive(Debug, Default)]
+struct Counting {
+    successes: AtomicUsize,
+    failures: AtomicUsize,
+}
+
+impl Budget for Counting {
+    fn deposit(&self) {}
+    fn record(&self, failed: bool) {
+        let c = if failed {
+            &self.failures
+        } else {
+            &self.successes
+        };
+        c.fetch_add(1, Ordering::SeqCst);
+    }
+    fn withdraw(&self) -> bool {
+        true
+    }
+}
+
+/// Item 8: a malformed `grpc-status` is UNKNOWN: returned, and neither an OK nor a budget
+/// success (before, it was taken for absent and the response counted as OK).
+#[tokio::test]
+async fn a_malformed_grpc_status_is_unknown_not_a_success() {
+    let (addr, seen) = grpc_server(vec![Answer::TrailersOnly("fourteen")]).await;
+    let budget = Arc::new(Counting::default());
+    let policy = declared()
+        .to_builder()
+        .custom_budget(budget.clone())
+        .build()
+        .unwrap();
+    let res = call_with(&RetryLayer::new(policy), addr, grpc_request(addr, GET_BOOK))
+        .await
+        .unwrap();
+    assert_eq!(res.headers()["grpc-status"], "fourteen");
+    assert_eq!(seen.lock().unwrap().len(), 1);
+    assert_eq!(budget.successes.load(Ordering::SeqCst), 0, "not a success");
+}
+
+/// Item 8: a committed response (headers sent without `grpc-status`) is final, even when a
+/// reason-code header says UPSTREAM_UNAVAILABLE.
+#[tokio::test]
+async fn a_reason_code_does_not_reopen_a_committed_response() {
+    let (addr, seen) = grpc_server(vec![
+        Answer::Committed("UPSTREAM_UNAVAILABLE"),
+        Answer::TrailersOnly("0"),
+    ])
+    .await;
+    let res = call_with(
+        &RetryLayer::new(declared()),
+        addr,
+        grpc_request(addr, GET_BOOK),
+    )
+    .await
+    .unwrap();
+    let collected = res.into_body().collect().await.unwrap();
+    assert_eq!(collected.trailers().unwrap()["grpc-status"], "14");
+    assert_eq!(seen.lock().unwrap().len(), 1, "committed: never retried");
+}
+
+/// Item 9: each attempt's `grpc-timeout` is capped at `attempt_timeout`, so the server stops
+/// working on an attempt the client abandons.
+#[tokio::test]
+async fn grpc_timeout_is_capped_at_the_attempt_timeout() {
+    let (addr, seen) =
+        grpc_server(vec![Answer::TrailersOnly("14"), Answer::TrailersOnly("0")]).await;
+    let policy = declared()
+        .to_builder()
+        .attempt_timeout(Duration::from_millis(250))
+        .build()
+        .unwrap();
+    let mut req = grpc_request(addr, GET_BOOK);
+    req.headers_mut()
+        .insert("grpc-timeout", "10S".parse().unwrap());
+    call_with(&RetryLayer::new(policy), addr, req)
+        .await
+        .unwrap();
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), 2);
+    for h in seen.iter() {
+        let t = parse_grpc_timeout(&h["grpc-timeout"]).unwrap();
+        assert!(t <= Duration::from_millis(250), "{t:?}");
+    }
+}
+
+/// Item 10: a real service config (methodConfig[] with name[]) chooses each call's policy by
+/// its gRPC path.
+#[tokio::test]
+async fn a_service_config_chooses_the_policy_by_method() {
+    let config = r#"{
+        "methodConfig": [{
+            "name": [{"service": "plume.linkd.v3.Library", "method": "GetBook"}],
+            "retryPolicy": {
+                "maxAttempts": 4,
+                "initialBackoff": "0.001s",
+                "maxBackoff": "0.01s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"]
+            }
+        }, {
+            "name": [{"service": "plume.linkd.v3.Library", "method": "ListBooks"}],
+            "timeout": "1s"
+        }],
+        "retryThrottling": {"maxTokens": 100, "tokenRatio": 0.1}
+    }"#;
+    let policy = RetryPolicy::from_grpc_service_config(config)
+        .unwrap()
+        .to_builder()
+        .idempotent_grpc_method("/plume.linkd.v3.Library/")
+        .build()
+        .unwrap();
+    let layer = RetryLayer::new(policy);
+    for (path, attempts) in [
+        (GET_BOOK, 4),
+        ("/plume.linkd.v3.Library/ListBooks", 1),
+        ("/plume.linkd.v3.Library/Other", 1),
+    ] {
+        let (addr, seen) = grpc_server(vec![Answer::TrailersOnly("14")]).await;
+        let res = call_with(&layer, addr, grpc_request(addr, path))
+            .await
+            .unwrap();
+        assert_eq!(res.headers()["grpc-status"], "14");
+        assert_eq!(seen.lock().unwrap().len(), attempts, "{path}");
+    }
+}
+
+/// An h2 server (the `h2` crate) that refuses the first `refuse` streams with RST_STREAM
+/// REFUSED_STREAM, then reads each request whole (trailers too) and answers 201.
+async fn refusing_server(
+    refuse: usize,
+) -> (SocketAddr, Arc<Mutex<Vec<(Bytes, Option<HeaderMap>)>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let streams = Arc::new(AtomicUsize::new(0));
+    let s = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let (s, streams) = (s.clone(), streams.clone());
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(stream).await else {
+                    return;
+                };
+                while let Some(Ok((req, mut respond))) = conn.accept().await {
+                    if streams.fetch_add(1, Ordering::SeqCst) < refuse {
+                        respond.send_reset(h2::Reason::REFUSED_STREAM);
+                        continue;
+                    }
+                    let s = s.clone();
+                    tokio::spawn(async move {
+                        let mut body = req.into_body();
+                        let mut data = Vec::new();
+                        while let Some(chunk) = body.data().await {
+                            let Ok(chunk) = chunk else { return };
+                            let _ = body.flow_control().release_capacity(chunk.len());
+                            data.extend_from_slice(&chunk);
+                        }
+                        let trailers = body.trailers().await.ok().flatten();
+                        s.lock().unwrap().push((Bytes::from(data), trailers));
+                        let res = Response::builder().status(201).body(()).unwrap();
+                        let _ = respond.send_response(res, true);
+                    });
+                }
+            });
+        }
+    });
+    (addr, seen)
+}
+
+/// RST_STREAM REFUSED_STREAM: the server did not process the stream, so a POST without a key
+/// is retried, and its streaming body (with trailers) reaches the server whole.
+#[tokio::test]
+async fn refused_stream_retries_a_post_and_replays_its_body() {
+    let (addr, seen) = refusing_server(1).await;
+    let layer = RetryLayer::new(RetryPolicy::default());
+    let req = streaming_request(
+        http::Method::POST,
+        format!("http://{addr}/orders"),
+        &["{\"qty\":", "1}"],
+    );
+    let res = bounded("the call", client(&layer, Proto::H2).oneshot(req))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].0, "{\"qty\":1}");
+    assert_eq!(seen[0].1, Some(checksum_trailers()));
+    assert_eq!(layer.stats().attempts, 2);
+}
+
+/// A hand-made h2 server whose first connection answers the first request's HEADERS with GOAWAY
+/// (last-stream-id 0, NO_ERROR): the stream is beyond it, so the server promises it did not
+/// process it. Later connections are served by the `h2` crate.
+async fn goaway_server() -> (SocketAddr, Arc<Mutex<Vec<(Bytes, Option<HeaderMap>)>>>) {
+    let (upstream, seen) = refusing_server(0).await;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut first = true;
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                return;
+            };
+            if !std::mem::take(&mut first) {
+                // Relay later connections to the real server.
+                tokio::spawn(async move {
+                    if let Ok(mut up) = tokio::net::TcpStream::connect(upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut stream, &mut up).await;
+                    }
+                });
+                continue;
+            }
+            tokio::spawn(async move {
+                let mut preface = [0u8; 24];
+                if stream.read_exact(&mut preface).await.is_err() {
+                    return;
+                }
+                // Our SETTINGS (empty).
+                let _ = stream.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await;
+                loop {
+                    let mut head = [0u8; 9];
+                    if stream.read_exact(&mut head).await.is_err() {
+                        return;
+                    }
+                    let len = (usize::from(head[0]) << 16)
+                        | (usize::from(head[1]) << 8)
+                        | usize::from(head[2]);
+                    let mut payload = vec![0u8; len];
+                    if stream.read_exact(&mut payload).await.is_err() {
+                        return;
+                    }
+                    match head[3] {
+                        // SETTINGS without ACK: acknowledge.
+                        4 if head[4] & 1 == 0 => {
+                            let _ = stream.write_all(&[0, 0, 0, 4, 1, 0, 0, 0, 0]).await;
+                        }
+                        // HEADERS: the request was sent. GOAWAY, last-stream-id 0, NO_ERROR.
+                        1 => {
+                            let _ = stream
+                                .write_all(&[0, 0, 8, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0])
+                                .await;
+                            let _ = stream.flush().await;
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            return;
+                        }
+                        _ => {}
+                    }
+                }
+            });
+        }
+    });
+    (addr, seen)
+}
+
+/// GOAWAY beyond the request's stream: unsent, so a POST without a key is retried on a new
+/// connection, body and trailers intact.
+#[tokio::test]
+async fn goaway_beyond_the_stream_retries_a_post() {
+    let (addr, seen) = goaway_server().await;
+    let layer = RetryLayer::new(RetryPolicy::default());
+    let req = streaming_request(
+        http::Method::POST,
+        format!("http://{addr}/orders"),
+        &["{\"qty\":", "2}"],
+    );
+    let res = bounded("the call", client(&layer, Proto::H2).oneshot(req))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].0, "{\"qty\":2}");
+    assert_eq!(seen[0].1, Some(checksum_trailers()));
+}
