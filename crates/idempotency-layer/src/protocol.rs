@@ -10,7 +10,7 @@
 use base64::Engine;
 use http::header::CONTENT_TYPE;
 use http::{HeaderMap, HeaderValue};
-use reason_code::{is_grpc, Code};
+use reason_code::Code;
 
 /// The protocol of a request, which decides how the layer answers it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -23,10 +23,9 @@ pub(crate) enum Protocol {
 
 impl Protocol {
     pub(crate) fn of(headers: &HeaderMap) -> Protocol {
-        if is_grpc(headers) {
-            return Protocol::Grpc;
-        }
         match headers.get(CONTENT_TYPE) {
+            // What `reason_code::is_grpc` checks, with the one lookup.
+            Some(ct) if has_media_type(ct.as_bytes(), b"application/grpc") => Protocol::Grpc,
             Some(ct) if is_grpc_web_content_type(ct.as_bytes()) => Protocol::GrpcWeb(ct.clone()),
             _ => Protocol::Http,
         }
