@@ -11,6 +11,10 @@
 //! - [`ReasonCodes`]: business reason codes (`x-reason-code: STOCK_CONFLICT`) mapped onto codes.
 //! - [`RetryTable`]: the retryability table, with the client's view ([`RetryTable::verdict`]) and
 //!   the server's view ([`RetryTable::may_record`]).
+//! - [`classify_head`] and [`classify_end`]: the one response classifier both layers call (reason
+//!   code, then `grpc-status`, then the HTTP status; a streaming gRPC response at its end).
+//! - [`IdempotentGrpcMethods`] and [`KeyHeaders`]: the settings both layers take, as one type
+//!   each, so the same string means the same thing on both sides.
 //!
 //! # Example
 //!
@@ -32,12 +36,15 @@
 //! ```
 #![doc(test(attr(deny(rust_2018_idioms, warnings))))]
 
+mod classify;
 mod code;
 mod headers;
 mod http_status;
 mod reason;
 mod table;
+mod vocabulary;
 
+pub use classify::{classify_end, classify_head, HeadClass};
 pub use code::{Code, UnknownCodeName};
 pub use headers::{
     decode_grpc_message, encode_grpc_message, encode_grpc_timeout, is_grpc, parse_grpc_pushback,
@@ -47,3 +54,8 @@ pub use headers::{
 };
 pub use reason::{ReasonCodes, IDEMPOTENCY_IN_FLIGHT, REQUEST_TOO_LARGE};
 pub use table::{ClientRule, Outcome, RecordRule, RetryTable, Verdict};
+pub use vocabulary::{IdempotentGrpcMethods, InvalidGrpcMethod, KeyHeaders, NoKeyHeader};
+
+/// The boxed error both layers use: a client's transport and retry errors, a store's backend
+/// errors.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
