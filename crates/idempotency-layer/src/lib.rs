@@ -179,6 +179,7 @@
 //! `tracing` events at debug level for executions, replays, waits and rejections, and at warn
 //! level for store failures and fail-open executions; counters in [`IdempotencyStats`], read with
 //! [`IdempotencyLayer::stats`].
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(rust_2018_idioms, warnings))))]
 
 mod body;
