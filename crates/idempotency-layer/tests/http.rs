@@ -460,7 +460,11 @@ async fn a_dropped_first_request_still_completes_and_the_retry_replays() {
     assert_eq!(r.body, "done 1");
     assert!(r.replayed(), "the retry gets the first execution's outcome");
     assert_eq!(count.load(Ordering::SeqCst), 1);
-    assert_eq!(cancelled.load(Ordering::SeqCst), 0, "Complete mode never cancels");
+    assert_eq!(
+        cancelled.load(Ordering::SeqCst),
+        0,
+        "Complete mode never cancels"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -490,7 +494,11 @@ async fn a_client_that_disconnects_over_a_socket_still_gets_a_replay_on_retry() 
     assert_eq!(r.body, "done 1");
     assert!(r.replayed());
     assert_eq!(count.load(Ordering::SeqCst), 1);
-    assert_eq!(cancelled.load(Ordering::SeqCst), 0, "Complete mode never cancels");
+    assert_eq!(
+        cancelled.load(Ordering::SeqCst),
+        0,
+        "Complete mode never cancels"
+    );
 }
 
 #[tokio::test]
