@@ -39,7 +39,7 @@ pub enum OnDisconnect {
 }
 
 /// Where the tenant of a request comes from.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub(crate) enum TenantSource {
     /// The [`Tenant`](crate::Tenant) extension; none means 401 / UNAUTHENTICATED.
     Required,
@@ -47,6 +47,22 @@ pub(crate) enum TenantSource {
     Default(Arc<str>),
     /// A request header (opt-in: clients choose it).
     Header(HeaderName),
+    /// A function of the request head (for example a verified claim an auth layer left in the
+    /// extensions, or a header a trusted proxy sets); `None` means 401 / UNAUTHENTICATED.
+    Fn(TenantFn),
+}
+
+pub(crate) type TenantFn = Arc<dyn Fn(&http::request::Parts) -> Option<Arc<str>> + Send + Sync>;
+
+impl fmt::Debug for TenantSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TenantSource::Required => f.write_str("Required"),
+            TenantSource::Default(t) => f.debug_tuple("Default").field(t).finish(),
+            TenantSource::Header(h) => f.debug_tuple("Header").field(h).finish(),
+            TenantSource::Fn(_) => f.write_str("Fn(..)"),
+        }
+    }
 }
 
 type WritePredicate = Arc<dyn Fn(&Method, &Uri, &HeaderMap) -> bool + Send + Sync>;

@@ -173,17 +173,29 @@ impl fmt::Display for KeyError {
 
 impl std::error::Error for KeyError {}
 
-/// Validates a key value: `[A-Za-z0-9_-]{8,64}`, optionally quoted as a structured-field string.
+/// Validates a key value: `[A-Za-z0-9_-]{8,64}`, bare or as an RFC 8941 structured-field string
+/// (the IETF draft's `Idempotency-Key: "8e03978e-40d5"`), whose parameters (`"k";p=1`) are
+/// accepted as the structured-field grammar allows and ignored (the draft gives them no meaning).
+///
+/// ```
+/// use idempotency_layer::{validate_key, KeyError};
+///
+/// assert_eq!(validate_key(b"order-0042"), Ok("order-0042"));
+/// assert_eq!(validate_key(br#""order-0042""#), Ok("order-0042"));
+/// assert_eq!(validate_key(br#""order-0042";v=1"#), Ok("order-0042"));
+/// assert_eq!(validate_key(b"short"), Err(KeyError::TooShort(5)));
+/// assert_eq!(validate_key(br#""order-0042"junk"#), Err(KeyError::InvalidCharacter));
+/// ```
 pub fn validate_key(raw: &[u8]) -> Result<&str, KeyError> {
     let s = std::str::from_utf8(raw).map_err(|_| KeyError::NotAscii)?;
     if !s.is_ascii() {
         return Err(KeyError::NotAscii);
     }
     let s = s.trim_matches(|c| c == ' ' || c == '\t');
-    // A structured-field string (`"abc..."`); valid keys never need escapes.
-    let s = match s.strip_prefix('"') {
-        Some(rest) => rest.strip_suffix('"').ok_or(KeyError::InvalidCharacter)?,
-        None => s,
+    let s = if s.starts_with('"') {
+        structured_string(s)?
+    } else {
+        s
     };
     if s.len() < 8 {
         return Err(KeyError::TooShort(s.len()));
@@ -198,6 +210,25 @@ pub fn validate_key(raw: &[u8]) -> Result<&str, KeyError> {
         return Err(KeyError::InvalidCharacter);
     }
     Ok(s)
+}
+
+/// The string of a structured-field item (`"abc";p=1`), parsed as RFC 8941 says, as a slice of
+/// `s`: a valid key needs no escapes, so the string is the text after the opening quote.
+fn structured_string(s: &str) -> Result<&str, KeyError> {
+    let item: sfv::Item = sfv::Parser::new(s)
+        .parse()
+        .map_err(|_| KeyError::InvalidCharacter)?;
+    let string = item
+        .bare_item
+        .as_string()
+        .ok_or(KeyError::InvalidCharacter)?
+        .as_str();
+    let inner = s
+        .get(1..1 + string.len())
+        .filter(|inner| *inner == string)
+        // The string had escapes (`\"`, `\\`): not a valid key.
+        .ok_or(KeyError::InvalidCharacter)?;
+    Ok(inner)
 }
 
 /// Finds the one key among `names` in `headers`.

@@ -7,7 +7,7 @@ use http::{HeaderMap, HeaderName, Method, Uri};
 use reason_code::{IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
 use tower_layer::Layer;
 
-use crate::config::{Config, InFlight, OnDisconnect, TenantSource};
+use crate::config::{Config, InFlight, OnDisconnect, TenantFn, TenantSource};
 use crate::key::Scope;
 use crate::service::Idempotency;
 use crate::shared::Shared;
@@ -202,6 +202,36 @@ impl<St> IdempotencyLayer<St> {
     /// single-tenant service), instead of answering 401 / UNAUTHENTICATED.
     pub fn default_tenant(self, tenant: impl Into<Arc<str>>) -> Self {
         self.config(|c| c.tenant = TenantSource::Default(tenant.into()))
+    }
+
+    /// Takes the tenant from a function of the request head when the request has no
+    /// [`Tenant`](crate::Tenant) extension; `None` answers 401 / UNAUTHENTICATED.
+    ///
+    /// For a tenant that an authentication step left somewhere other than the `Tenant`
+    /// extension: a verified claims type in the extensions, or a header only a trusted proxy
+    /// sets. Never derive it from something the client chooses freely: a client could then
+    /// read another tenant's recorded responses.
+    ///
+    /// ```
+    /// use idempotency_layer::IdempotencyLayer;
+    ///
+    /// /// What the auth layer in front of this one inserts after verifying a token.
+    /// #[derive(Clone)]
+    /// struct Claims {
+    ///     org: String,
+    /// }
+    ///
+    /// let layer = IdempotencyLayer::default()
+    ///     .tenant_fn(|parts| parts.extensions.get::<Claims>().map(|c| c.org.clone()));
+    /// # let _ = layer;
+    /// ```
+    pub fn tenant_fn<F, T>(self, tenant: F) -> Self
+    where
+        F: Fn(&http::request::Parts) -> Option<T> + Send + Sync + 'static,
+        T: Into<Arc<str>>,
+    {
+        let f: TenantFn = Arc::new(move |parts| tenant(parts).map(Into::into));
+        self.config(|c| c.tenant = TenantSource::Fn(f))
     }
 
     /// Requires a [`Tenant`](crate::Tenant) extension on every write (the default).

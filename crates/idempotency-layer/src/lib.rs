@@ -104,6 +104,61 @@
 //! - Inside a tokio runtime: a first request's handler whose client goes away is finished in a
 //!   spawned task, and the leases of the claims a layer holds are renewed by one spawned task.
 //!
+//! # Where the tenant comes from
+//!
+//! The tenant scopes every key, so it must come from a verified identity, set before this layer
+//! runs. In order of preference:
+//!
+//! - **An auth layer in front of this one inserts [`Tenant`].** In axum, a middleware added
+//!   *after* the idempotency layer wraps it (`.layer(IdempotencyLayer::new(store)).layer(auth)`:
+//!   the last `.layer` runs first). An axum extractor (`FromRequestParts`) runs in the handler,
+//!   which is too late for the layer: do the verification in a middleware and let the extractor
+//!   read what it inserted. In tonic, interceptors (`InterceptedService`) run inside the
+//!   server's router, after every `Server::builder().layer(..)`, also too late: put the auth
+//!   step in a tower layer before this one,
+//!   `Server::builder().layer(ServiceBuilder::new().layer(auth).layer(IdempotencyLayer::new(store)))`,
+//!   where `auth` verifies the request's metadata (its headers) and inserts [`Tenant`] (the
+//!   example crate `tonic-library` does this).
+//! - **[`tenant_fn`](IdempotencyLayer::tenant_fn)** when the auth step leaves its result in
+//!   another form (a claims type in the extensions).
+//! - **[`default_tenant`](IdempotencyLayer::default_tenant)** for a single-tenant service, and
+//!   **[`tenant_from_header`](IdempotencyLayer::tenant_from_header)** only behind a proxy that
+//!   sets the header itself.
+//!
+//! # Failure modes
+//!
+//! What the layer cannot promise, what a user sees then, and what to do about it.
+//!
+//! - **A crash between the side effect and the record.** The handler's write committed, then the
+//!   instance died (or lost the store for longer than the lease) before the record was stored:
+//!   the claim's lease lapses and the client's retry executes again. Keep the lease above the
+//!   handler's worst latency, and make the side effect itself refuse a second run where it can
+//!   (a unique constraint on the idempotency key in the same database).
+//! - **A store partition longer than the lease.** The leader cannot renew its claim; after the
+//!   lease another instance takes the key over and executes again, and the first leader's late
+//!   record is refused by its fencing token (its client got a response that was never recorded;
+//!   every later duplicate gets the second execution's). While the store is unreachable, new
+//!   writes fail closed (503 / UNAVAILABLE, nothing runs), so only claims already in flight are
+//!   exposed. Size the lease for the partitions you expect to ride out.
+//! - **[`MemoryStore`] with several replicas.** Each replica has its own records: a retry that
+//!   lands on another replica executes again. Use a shared store, or route each key to one
+//!   replica.
+//! - **Redis failover with asynchronous replication.** A claim or record written to the primary
+//!   and not yet replicated is lost when a replica is promoted: a retry then executes again.
+//!   Redis's `WAIT` narrows the window but does not close it; a PostgreSQL with synchronous
+//!   replication does.
+//! - **Evicted entries.** A Redis whose `maxmemory-policy` can evict our keys drops claims and
+//!   records under memory pressure, and a dropped record means a second execution: run it with
+//!   `noeviction`.
+//! - **Clocks.** Leases and TTLs run on the store's clock (Redis and PostgreSQL expire by their
+//!   own time) or on this process's monotonic clock ([`MemoryStore`]); no wall clock is compared
+//!   across machines. A leader paused longer than its lease (a stop-the-world pause, a frozen
+//!   VM) is treated as crashed: another instance may execute, and the paused leader's record is
+//!   refused when it wakes.
+//! - **Large responses.** A response over
+//!   [`max_record_bytes`](IdempotencyLayer::max_record_bytes) is replayed without its body
+//!   (`idempotent-body-omitted: true`; ALREADY_EXISTS over gRPC).
+//!
 //! # What is recorded and what is not
 //!
 //! Each handler outcome is classified into a [`Code`](reason_code::Code), exactly as the client

@@ -147,7 +147,8 @@ where
             }
             Err(e) => return rejected(RejectReason::InvalidKey, &e.to_string()),
         };
-        let tenant = match tenant(cfg, &req) {
+        let (tenant, req) = tenant(cfg, req);
+        let tenant = match tenant {
             Some(t) => t,
             None => {
                 return rejected(
@@ -178,23 +179,33 @@ where
     }
 }
 
-fn tenant<B>(cfg: &Config, req: &Request<B>) -> Option<Arc<str>> {
+/// The request's tenant: its [`Tenant`] extension, else what the layer is configured to use.
+fn tenant<B>(cfg: &Config, req: Request<B>) -> (Option<Arc<str>>, Request<B>) {
     if let Some(t) = req.extensions().get::<Tenant>() {
-        return Some(t.0.clone());
+        return (Some(t.0.clone()), req);
     }
-    match &cfg.tenant {
+    let found = match &cfg.tenant {
         TenantSource::Required => None,
         TenantSource::Default(t) => Some(t.clone()),
         TenantSource::Header(name) => {
             let mut values = req.headers().get_all(name).iter();
-            let v = values.next()?;
-            if values.next().is_some() {
-                return None;
+            match (values.next(), values.next()) {
+                (Some(v), None) => v
+                    .to_str()
+                    .ok()
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(Arc::from),
+                _ => None,
             }
-            let s = v.to_str().ok()?.trim();
-            (!s.is_empty()).then(|| Arc::from(s))
         }
-    }
+        TenantSource::Fn(f) => {
+            let (parts, body) = req.into_parts();
+            let found = f(&parts).filter(|t| !t.is_empty());
+            return (found, Request::from_parts(parts, body));
+        }
+    };
+    (found, req)
 }
 
 /// Why the leader's handler produced no response.

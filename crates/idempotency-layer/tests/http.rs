@@ -12,7 +12,7 @@ use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
 use common::*;
-use http::{Request, StatusCode};
+use http::{HeaderValue, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use idempotency_layer::{
     IdempotencyLayer, InFlight, MemoryStore, OnDisconnect, RejectReason, Scope, Tenant,
@@ -844,4 +844,65 @@ async fn the_key_header_is_configurable() {
         .insert("x-request-key", "order-00000001".parse().unwrap());
     assert_eq!(call(&app, req).await.status, StatusCode::CREATED);
     assert_eq!(count.load(Ordering::SeqCst), 1);
+}
+
+/// The IETF draft's `Idempotency-Key` is an RFC 8941 string: parameters are accepted and
+/// ignored, so `"k";v=1` and `"k"` are the same key; a value that is not a structured-field
+/// string is refused, naming the rule.
+#[tokio::test]
+async fn a_structured_field_key_with_parameters_is_the_same_key() {
+    let count = Arc::new(AtomicUsize::new(0));
+    let app = app(layer(), &count);
+    let with = |value: &'static str| {
+        let mut req = req_post("/orders", None, "{}");
+        req.headers_mut()
+            .insert("idempotency-key", HeaderValue::from_static(value));
+        req
+    };
+    let first = call(&app, with(r#""order-sf-0001";v=1"#)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let again = call(&app, with(r#""order-sf-0001""#)).await;
+    assert!(again.replayed(), "the parameters are not part of the key");
+    assert_eq!(again.body, first.body);
+    let bad = call(&app, with(r#""order-sf-0001";"#)).await;
+    assert_eq!(
+        bad.status,
+        StatusCode::BAD_REQUEST,
+        "a dangling ';' is not RFC 8941"
+    );
+    assert_eq!(count.load(Ordering::SeqCst), 1);
+}
+
+/// `tenant_fn` reads the tenant an auth step left in the request head: each tenant its own
+/// scope, and no tenant a 401.
+#[tokio::test]
+async fn tenant_fn_reads_the_tenant_from_the_request_head() {
+    #[derive(Clone)]
+    struct Claims(&'static str);
+
+    let count = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .tenant_fn(|parts| parts.extensions.get::<Claims>().map(|c| c.0));
+    let app = app(layer, &count);
+    let as_org = |org: Option<&'static str>| {
+        let mut req = req_post("/orders", Some("order-tenant-fn-1"), "{}");
+        if let Some(org) = org {
+            req.extensions_mut().insert(Claims(org));
+        }
+        req
+    };
+    let a = call(&app, as_org(Some("acme"))).await;
+    let b = call(&app, as_org(Some("globex"))).await;
+    let a_again = call(&app, as_org(Some("acme"))).await;
+    assert_eq!(
+        (a.status, b.status),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
+    assert!(!b.replayed(), "another tenant's key is another scope");
+    assert!(a_again.replayed());
+    assert_eq!(a_again.body, a.body);
+    assert_eq!(count.load(Ordering::SeqCst), 2);
+    let none = call(&app, as_org(None)).await;
+    assert_eq!(none.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(count.load(Ordering::SeqCst), 2);
 }
