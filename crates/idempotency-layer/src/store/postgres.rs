@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use futures_util::StreamExt;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot};
 use tokio_postgres::{AsyncMessage, NoTls, Row};
 use uuid::Uuid;
 
@@ -136,7 +136,6 @@ struct Inner {
 }
 
 struct Listener {
-    ready: watch::Receiver<bool>,
     /// Dropped with the store: the listener task ends.
     _stop: oneshot::Sender<()>,
 }
@@ -147,22 +146,56 @@ struct Sql {
     release: String,
     renew: String,
     forget: String,
+    watch: String,
     peek: String,
     cleanup: String,
     migrate: String,
+    create_schema: String,
+    create_table: String,
+    add_watched: String,
+    create_index: String,
 }
 
 impl Sql {
     fn new(schema: &str, table: &str, channel: &str) -> Sql {
         let t = format!("\"{schema}\".\"{table}\"");
         let lease = "now() + $4::bigint * interval '1 millisecond'";
+        // `pg_notify` only for a claim a waiter marked `watched`: a transaction that has sent a
+        // NOTIFY takes a cluster-wide lock through its commit (fsync included), which would
+        // serialize every completion in the server with every other one.
+        let notify_if_watched = |cte: &str| {
+            format!(
+                "notified AS (SELECT pg_notify('{channel}', encode(scope, 'hex')) FROM {cte} \
+                   WHERE watched) \
+                 SELECT (SELECT count(*) FROM {cte}) AS n, (SELECT count(*) FROM notified) AS woken"
+            )
+        };
+        let create_schema = format!("CREATE SCHEMA IF NOT EXISTS \"{schema}\"");
+        let create_table = format!(
+            "CREATE TABLE IF NOT EXISTS {t} (\n\
+             \x20   scope       bytea       PRIMARY KEY,\n\
+             \x20   state       text        NOT NULL CHECK (state IN ('in_flight', 'completed')),\n\
+             \x20   token       uuid        NOT NULL,\n\
+             \x20   fingerprint bytea       NOT NULL,\n\
+             \x20   expires_at  timestamptz NOT NULL,\n\
+             \x20   record      bytea,\n\
+             \x20   watched     boolean     NOT NULL DEFAULT false,\n\
+             \x20   CHECK ((state = 'completed') = (record IS NOT NULL))\n\
+             )"
+        );
+        let add_watched = format!(
+            "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS watched boolean NOT NULL DEFAULT false"
+        );
+        let create_index =
+            format!("CREATE INDEX IF NOT EXISTS \"{table}_expires_at\" ON {t} (expires_at)");
         Sql {
             claim: format!(
                 "WITH claimed AS (\
                    INSERT INTO {t} AS e (scope, state, token, fingerprint, expires_at, record) \
                    VALUES ($1, 'in_flight', $2, $3, {lease}, NULL) \
                    ON CONFLICT (scope) DO UPDATE SET state = 'in_flight', token = excluded.token, \
-                     fingerprint = excluded.fingerprint, expires_at = excluded.expires_at, record = NULL \
+                     fingerprint = excluded.fingerprint, expires_at = excluded.expires_at, record = NULL, \
+                     watched = false \
                    WHERE e.expires_at <= now() \
                    RETURNING e.state, e.token, e.fingerprint, e.record) \
                  SELECT true AS claimed, state, token, fingerprint, record FROM claimed \
@@ -174,22 +207,29 @@ impl Sql {
                 "WITH done AS (\
                    UPDATE {t} SET state = 'completed', record = $3, \
                      expires_at = {lease} \
-                   WHERE scope = $1 AND token = $2 AND state = 'in_flight' RETURNING scope) \
-                 SELECT pg_notify('{channel}', encode(scope, 'hex')) FROM done"
+                   WHERE scope = $1 AND token = $2 AND state = 'in_flight' RETURNING scope, watched), \
+                 {}",
+                notify_if_watched("done")
             ),
             release: format!(
                 "WITH gone AS (\
                    DELETE FROM {t} WHERE scope = $1 AND token = $2 AND state = 'in_flight' \
-                   RETURNING scope) \
-                 SELECT pg_notify('{channel}', encode(scope, 'hex')) FROM gone"
+                   RETURNING scope, watched), \
+                 {}",
+                notify_if_watched("gone")
             ),
             renew: format!(
                 "UPDATE {t} SET expires_at = now() + $3::bigint * interval '1 millisecond' \
                  WHERE scope = $1 AND token = $2 AND state = 'in_flight'"
             ),
             forget: format!(
-                "WITH gone AS (DELETE FROM {t} WHERE scope = $1 RETURNING scope) \
-                 SELECT pg_notify('{channel}', encode(scope, 'hex')) FROM gone"
+                "WITH gone AS (DELETE FROM {t} WHERE scope = $1 RETURNING scope, watched), {}",
+                notify_if_watched("gone")
+            ),
+            watch: format!(
+                "UPDATE {t} SET watched = true \
+                 WHERE scope = $1 AND token = $2 AND state = 'in_flight' AND expires_at > now() \
+                 RETURNING GREATEST(0, extract(epoch FROM expires_at - now()) * 1000)::bigint"
             ),
             peek: format!(
                 "SELECT GREATEST(0, extract(epoch FROM expires_at - now()) * 1000)::bigint \
@@ -201,18 +241,12 @@ impl Sql {
                    SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED)"
             ),
             migrate: format!(
-                "CREATE SCHEMA IF NOT EXISTS \"{schema}\";\n\
-                 CREATE TABLE IF NOT EXISTS {t} (\n\
-                 \x20   scope       bytea       PRIMARY KEY,\n\
-                 \x20   state       text        NOT NULL CHECK (state IN ('in_flight', 'completed')),\n\
-                 \x20   token       uuid        NOT NULL,\n\
-                 \x20   fingerprint bytea       NOT NULL,\n\
-                 \x20   expires_at  timestamptz NOT NULL,\n\
-                 \x20   record      bytea,\n\
-                 \x20   CHECK ((state = 'completed') = (record IS NOT NULL))\n\
-                 );\n\
-                 CREATE INDEX IF NOT EXISTS \"{table}_expires_at\" ON {t} (expires_at);\n"
+                "{create_schema};\n{create_table};\n{add_watched};\n{create_index};\n"
             ),
+            create_schema,
+            create_table,
+            add_watched,
+            create_index,
         }
     }
 }
@@ -391,7 +425,6 @@ async fn listen_task(
     channel: String,
     timeout: Duration,
     waiters: Arc<Waiters>,
-    ready: watch::Sender<bool>,
     mut stop: oneshot::Receiver<()>,
 ) {
     let mut backoff = Duration::from_millis(50);
@@ -424,7 +457,6 @@ async fn listen_task(
             .await;
             if matches!(listened, Ok(Ok(()))) {
                 backoff = Duration::from_millis(50);
-                let _ = ready.send(true);
                 // Anything that ended before the LISTEN took effect: let the waiters look.
                 waiters.wake_all();
                 loop {
@@ -439,7 +471,6 @@ async fn listen_task(
                         },
                     }
                 }
-                let _ = ready.send(false);
             }
             driver.abort();
             drop(client);
@@ -475,17 +506,72 @@ impl PostgresStore {
         PostgresStore::builder(url).connect().await
     }
 
-    /// Creates the schema, the table and its index if absent (the SQL is in the
-    /// [type docs](PostgresStore)). Safe to run at every start.
+    /// Creates the schema, the table, its columns and its index where absent (the SQL is in
+    /// the [type docs](PostgresStore)). Safe to run at every start:
+    ///
+    /// - **by a least-privilege role**: it reads the catalog first and runs only the
+    ///   statements that something is missing for, so a role with no `CREATE` on the database
+    ///   (or on the schema) migrates fine once the schema (or the table) exists;
+    /// - **by N replicas at once**: the check and the statements run in one transaction that
+    ///   holds a transaction-level advisory lock of its own (`pg_advisory_xact_lock`, which
+    ///   needs no privilege), so replicas that start together take turns instead of racing on
+    ///   `pg_type`.
+    ///
+    /// A missing object the role may not create is an error that says which statement to run
+    /// as the owner ([`migration_sql`](Self::migration_sql)).
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        self.bounded(async {
-            let client = self.inner.pool.get().await.map_err(pool_error)?;
-            client
-                .batch_execute(&self.inner.sql.migrate)
+        let sql = &self.inner.sql;
+        let lock = i64::from_le_bytes(
+            blake3::hash(format!("idempotency-layer migrate {}", self.table()).as_bytes())
+                .as_bytes()[..8]
+                .try_into()
+                .expect("8 bytes"),
+        );
+        let index = format!("{}_expires_at", self.inner.table);
+        // DDL on a busy table may wait for locks longer than one statement's timeout.
+        let within = self.inner.timeout.max(Duration::from_secs(30));
+        let op = async {
+            let mut client = self.inner.pool.get().await.map_err(pool_error)?;
+            let tx = client.transaction().await.map_err(backend)?;
+            tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock])
                 .await
-                .map_err(backend)
-        })
-        .await
+                .map_err(backend)?;
+            // The catalog, not `to_regclass`: it needs no privilege on the schema.
+            let row = tx
+                .query_one(
+                    "SELECT                        EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1),                        EXISTS (SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace                                WHERE n.nspname = $1 AND c.relname = $2 AND c.relkind IN ('r', 'p')),                        EXISTS (SELECT 1 FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid                                JOIN pg_namespace n ON n.oid = c.relnamespace                                WHERE n.nspname = $1 AND c.relname = $2 AND a.attname = 'watched'                                AND NOT a.attisdropped),                        EXISTS (SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace                                WHERE n.nspname = $1 AND c.relname = $3 AND c.relkind = 'i')",
+                    &[&self.inner.schema, &self.inner.table, &index],
+                )
+                .await
+                .map_err(backend)?;
+            let (schema, table, watched, indexed): (bool, bool, bool, bool) =
+                (row.get(0), row.get(1), row.get(2), row.get(3));
+            let steps = [
+                (!schema, &sql.create_schema, "create the schema"),
+                (!table, &sql.create_table, "create the table"),
+                (
+                    table && !watched,
+                    &sql.add_watched,
+                    "add the `watched` column",
+                ),
+                (!indexed, &sql.create_index, "create the expiry index"),
+            ];
+            for (needed, statement, what) in steps {
+                if !needed {
+                    continue;
+                }
+                if let Err(e) = tx.batch_execute(statement).await {
+                    return Err(migrate_error(e, what, statement));
+                }
+            }
+            tx.commit().await.map_err(backend)
+        };
+        match tokio::time::timeout(within, op).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Backend(
+                format!("postgres migration did not finish within {within:?}").into(),
+            )),
+        }
     }
 
     /// The SQL that [`migrate`](Self::migrate) runs, for a migration tool of your own.
@@ -493,17 +579,26 @@ impl PostgresStore {
         &self.inner.sql.migrate
     }
 
+    /// The channel waiters `LISTEN` on (`idem_` + a hash of schema and table); a claim's end
+    /// is notified there (payload: the scope in hex) only when a waiter watches it.
+    pub fn channel(&self) -> &str {
+        &self.inner.channel
+    }
+
     /// The schema-qualified, quoted table name.
     pub fn table(&self) -> String {
         format!("\"{}\".\"{}\"", self.inner.schema, self.inner.table)
     }
 
-    /// Removes expired rows (records past their TTL, claims past their lease) in batches of
-    /// [`cleanup_batch`](PostgresStoreBuilder::cleanup_batch), at most 100 batches per call;
-    /// returns how many rows it removed. The background task calls this.
+    /// Removes every expired row (records past their TTL, claims past their lease), in
+    /// batches of [`cleanup_batch`](PostgresStoreBuilder::cleanup_batch) until a batch comes
+    /// back short; returns how many rows it removed. The background task calls this, so one
+    /// run clears whatever expired since the last, however fast rows are written (each batch
+    /// is one short transaction on a pooled connection; concurrent runs on other instances
+    /// skip each other's rows).
     pub async fn remove_expired(&self) -> Result<u64, StoreError> {
         let mut total = 0;
-        for _ in 0..100 {
+        loop {
             let n = self
                 .bounded(async {
                     let client = self.inner.pool.get().await.map_err(pool_error)?;
@@ -564,12 +659,21 @@ impl PostgresStore {
         .await
     }
 
-    async fn held(&self, scope: &ScopeKey, token: Token) -> Result<Option<Duration>, StoreError> {
+    /// The lease left of claim `token`, or `None` when it no longer holds. `watch` also marks
+    /// the claim watched, so that its end is notified.
+    async fn held(
+        &self,
+        scope: &ScopeKey,
+        token: Token,
+        watch: bool,
+    ) -> Result<Option<Duration>, StoreError> {
+        let sql = if watch {
+            &self.inner.sql.watch
+        } else {
+            &self.inner.sql.peek
+        };
         let rows = self
-            .query(
-                &self.inner.sql.peek,
-                &[&&scope.0[..], &Uuid::from_u128(token.0)],
-            )
+            .query(sql, &[&&scope.0[..], &Uuid::from_u128(token.0)])
             .await?;
         Ok(rows.first().map(|r| {
             let ms: i64 = r.try_get(0).unwrap_or(0);
@@ -579,18 +683,39 @@ impl PostgresStore {
 
     fn listener(&self) -> &Listener {
         self.inner.listener.get_or_init(|| {
-            let (ready_tx, ready) = watch::channel(false);
             let (stop, stop_rx) = oneshot::channel();
             tokio::spawn(listen_task(
                 self.inner.config.clone(),
                 self.inner.channel.clone(),
                 self.inner.timeout,
                 self.inner.waiters.clone(),
-                ready_tx,
                 stop_rx,
             ));
-            Listener { ready, _stop: stop }
+            Listener { _stop: stop }
         })
+    }
+}
+
+/// The rows a complete, release or forget changed (its one result row's first column).
+fn affected(rows: &[Row]) -> i64 {
+    rows.first()
+        .and_then(|r| r.try_get::<_, i64>(0).ok())
+        .unwrap_or(0)
+}
+
+/// A migration statement failed: say what to do when it is a missing privilege.
+fn migrate_error(e: tokio_postgres::Error, what: &str, statement: &str) -> StoreError {
+    if e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) {
+        StoreError::Backend(
+            format!(
+                "migrate: this role may not {what} ({e}); run `{statement}` once as the owner \
+                 (PostgresStore::migration_sql has it all), then grant this role USAGE on the \
+                 schema and SELECT, INSERT, UPDATE, DELETE on the table"
+            )
+            .into(),
+        )
+    } else {
+        backend(e)
     }
 }
 
@@ -681,7 +806,7 @@ impl IdempotencyStore for PostgresStore {
                 ],
             )
             .await?;
-        if rows.is_empty() {
+        if affected(&rows) == 0 {
             Err(StoreError::Fenced)
         } else {
             Ok(())
@@ -695,7 +820,7 @@ impl IdempotencyStore for PostgresStore {
                 &[&&scope.0[..], &Uuid::from_u128(token.0)],
             )
             .await?;
-        if rows.is_empty() {
+        if affected(&rows) == 0 {
             Err(StoreError::Fenced)
         } else {
             Ok(())
@@ -732,19 +857,25 @@ impl IdempotencyStore for PostgresStore {
     }
 
     async fn wait(&self, scope: ScopeKey, observed: Token) -> Result<(), StoreError> {
+        // Registered before the first check, which marks the claim watched: its end is then
+        // notified, and the notification finds this waiter. The listener is started, not
+        // waited for: a claim that already ended is seen at once even while the listener
+        // (re)connects. Until it listens, polling covers; when it does, it wakes every waiter
+        // to look again, so nothing notified before is missed.
         let guard = self.inner.waiters.register(scope.to_hex(), None);
-        // Listen before the first check, so a notification sent after it is not lost; if the
-        // listener is slow or down, polling covers.
-        let mut ready = self.listener().ready.clone();
-        let _ = tokio::time::timeout(self.inner.timeout, ready.wait_for(|r| *r)).await;
+        self.listener();
+        let mut first = true;
         guard
-            .wait(self.inner.polling, || self.held(&scope, observed))
+            .wait(self.inner.polling, || {
+                let watch = std::mem::replace(&mut first, false);
+                self.held(&scope, observed, watch)
+            })
             .await
     }
 
     async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
         let rows = self.query(&self.inner.sql.forget, &[&&scope.0[..]]).await?;
-        Ok(!rows.is_empty())
+        Ok(affected(&rows) > 0)
     }
 }
 
