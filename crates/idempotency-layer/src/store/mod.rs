@@ -168,7 +168,7 @@ impl<St: IdempotencyStore> Drop for OrphanGuard<St> {
         });
     }
 }
-pub use memory::MemoryStore;
+pub use memory::{MemoryStats, MemoryStore, MemoryStoreBuilder};
 
 /// The boxed error a store wraps from its backend.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -176,11 +176,23 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The hash of a scope (tenant + method + key), the only identifier a store sees.
 ///
 /// Made with [`Scope::key`](crate::Scope::key): a BLAKE3 hash of an unambiguous, length-prefixed
-/// encoding, so no raw tenant or key reaches the store.
+/// encoding, so no raw tenant or key reaches the store. Its first 8 bytes are a hash of the
+/// tenant alone ([`tenant`](Self::tenant)), so a store can keep each tenant to its share
+/// without learning who the tenant is; the other 24 bytes (192 bits) are the hash of the whole
+/// scope.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ScopeKey(pub [u8; 32]);
 
 impl ScopeKey {
+    /// The tenant of this scope, as a hash: equal for every key of one tenant (and, short of a
+    /// 64-bit collision, different between tenants). A store uses it to bound what one tenant
+    /// holds ([`MemoryStore`] does).
+    pub fn tenant(&self) -> u64 {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&self.0[..8]);
+        u64::from_le_bytes(b)
+    }
+
     /// The key as lowercase hex, 64 characters (for stores that need a string key).
     pub fn to_hex(&self) -> String {
         hex(&self.0)
@@ -261,7 +273,9 @@ pub enum StoreError {
     /// The token no longer holds the claim (lease lapsed and taken over, key forgotten, or the
     /// claim already ended). Nothing was changed.
     Fenced,
-    /// The store has no room: every entry is in flight. Nothing was changed.
+    /// The store has no room for a new claim (it is full, or the tenant's share of it is).
+    /// Nothing was claimed and nothing executes: the layer answers 503 / UNAVAILABLE with
+    /// `Retry-After`, which clients retry.
     Full,
     /// The backend failed or is unreachable.
     Backend(BoxError),
@@ -273,7 +287,11 @@ impl fmt::Display for StoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             StoreError::Fenced => f.write_str("the fencing token no longer holds the claim"),
-            StoreError::Full => f.write_str("the store is full of requests in flight"),
+            StoreError::Full => f.write_str(
+                "the idempotency store has no room for a new claim (it is full, or this \
+                 tenant's share of it is); nothing was executed: retry later, or raise the \
+                 store's bounds",
+            ),
             StoreError::Backend(e) => write!(f, "idempotency store backend failed: {e}"),
             StoreError::Corrupt(what) => write!(f, "idempotency store entry is corrupt: {what}"),
         }
