@@ -52,7 +52,6 @@ pub struct Scope<'a> {
 }
 
 const SCOPE_DOMAIN: &[u8] = b"idempotency-layer scope v1\0";
-const TENANT_DOMAIN: &[u8] = b"idempotency-layer tenant v1\0";
 const FINGERPRINT_DOMAIN: &[u8] = b"idempotency-layer fingerprint v1\0";
 
 impl<'a> Scope<'a> {
@@ -87,18 +86,12 @@ impl<'a> Scope<'a> {
         out
     }
 
-    /// The store key: the BLAKE3 hash of the encoding, its first 8 bytes replaced by a hash
-    /// of the tenant alone (see [`ScopeKey::tenant`]).
+    /// The store key: the BLAKE3 hash of the encoding.
     pub fn key(&self) -> ScopeKey {
         let mut h = blake3::Hasher::new();
         h.update(SCOPE_DOMAIN);
         h.update(&self.encode());
-        let mut key = *h.finalize().as_bytes();
-        let mut t = blake3::Hasher::new();
-        t.update(TENANT_DOMAIN);
-        t.update(self.tenant.as_bytes());
-        key[..8].copy_from_slice(&t.finalize().as_bytes()[..8]);
-        ScopeKey(key)
+        ScopeKey(*h.finalize().as_bytes())
     }
 }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token};
+use super::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, TenantKey, Token};
 
 /// How many expired records one operation on a shard removes at most, so cleanup is incremental
 /// and bounded.
@@ -48,7 +48,8 @@ const HEADER_OVERHEAD: usize = 32;
 ///   [`tenant_share_percent`](MemoryStoreBuilder::tenant_share_percent) of the entries and
 ///   bytes (default 50 %), so one tenant's flood is refused (or evicts its own records) while
 ///   the room left stays for the others. The tenant is the one the layer scoped the key with
-///   ([`ScopeKey::tenant`]); a service with a single tenant may raise the share to 100.
+///   ([`IdempotencyStore::begin_for_tenant`]); a service with a single tenant may raise the
+///   share to 100.
 /// - **Waiters** are woken by a [`tokio::sync::Notify`] per claim, made only when a duplicate
 ///   waits (a claim nobody waits for allocates nothing for waking), not by polling.
 /// - **Tokens** come from a counter per shard, taken under the shard's lock: no counter is
@@ -120,11 +121,12 @@ struct Shard {
     /// The bytes all entries cost.
     bytes: usize,
     /// What each tenant holds (tenants holding nothing are removed).
-    tenants: HashMap<u64, Usage>,
+    tenants: HashMap<TenantKey, Usage>,
 }
 
 enum Entry {
     InFlight {
+        tenant: TenantKey,
         token: Token,
         fingerprint: Fingerprint,
         lease_until: Instant,
@@ -132,6 +134,7 @@ enum Entry {
         wake: Wake,
     },
     Completed {
+        tenant: TenantKey,
         record: Arc<Record>,
         at: (Instant, u64),
         /// The bytes this entry costs.
@@ -144,6 +147,12 @@ impl Entry {
         match self {
             Entry::InFlight { .. } => ENTRY_OVERHEAD,
             Entry::Completed { size, .. } => *size,
+        }
+    }
+
+    fn tenant(&self) -> TenantKey {
+        match self {
+            Entry::InFlight { tenant, .. } | Entry::Completed { tenant, .. } => *tenant,
         }
     }
 }
@@ -220,6 +229,8 @@ impl MemoryStoreBuilder {
 
     /// The largest share of the entries and bytes one tenant may hold, in percent (default 50,
     /// clamped to 1..=100). 100 turns the per-tenant bound off (a single-tenant service).
+    /// Claims made with a plain [`begin`](IdempotencyStore::begin) (no tenant known) are bound
+    /// by the store's own bounds only.
     pub fn tenant_share_percent(mut self, percent: u8) -> Self {
         self.tenant_share = percent.clamp(1, 100);
         self
@@ -348,10 +359,8 @@ impl MemoryStore {
     }
 
     fn shard_at(&self, scope: &ScopeKey) -> (usize, MutexGuard<'_, Shard>) {
-        // Bytes 8..16: the first 8 name the tenant (see `ScopeKey::tenant`), and a tenant's
-        // keys must spread over every shard.
         let mut b = [0u8; 8];
-        b.copy_from_slice(&scope.0[8..16]);
+        b.copy_from_slice(&scope.0[..8]);
         let i = (u64::from_le_bytes(b) % self.inner.shards.len() as u64) as usize;
         (i, lock(&self.inner.shards[i]))
     }
@@ -396,14 +405,14 @@ impl Shard {
         Token((u128::from(self.next) << 64) | shard as u128)
     }
 
-    fn charge(&mut self, tenant: u64, entries: usize, bytes: usize) {
+    fn charge(&mut self, tenant: TenantKey, entries: usize, bytes: usize) {
         self.bytes += bytes;
         let u = self.tenants.entry(tenant).or_default();
         u.entries += entries;
         u.bytes += bytes;
     }
 
-    fn refund(&mut self, tenant: u64, entries: usize, bytes: usize) {
+    fn refund(&mut self, tenant: TenantKey, entries: usize, bytes: usize) {
         self.bytes -= bytes;
         if let Some(u) = self.tenants.get_mut(&tenant) {
             u.entries -= entries;
@@ -414,13 +423,13 @@ impl Shard {
         }
     }
 
-    fn usage(&self, tenant: u64) -> Usage {
+    fn usage(&self, tenant: TenantKey) -> Usage {
         self.tenants.get(&tenant).copied().unwrap_or_default()
     }
 
     /// Holds `entry` for `scope` (which holds nothing now), charging its tenant.
     fn insert(&mut self, scope: ScopeKey, entry: Entry) {
-        self.charge(scope.tenant(), 1, entry.size());
+        self.charge(entry.tenant(), 1, entry.size());
         if let Entry::Completed { at, .. } = &entry {
             self.expiry.insert(*at, scope);
         }
@@ -433,7 +442,7 @@ impl Shard {
         if let Entry::Completed { at, .. } = &entry {
             self.expiry.remove(at);
         }
-        self.refund(scope.tenant(), 1, entry.size());
+        self.refund(entry.tenant(), 1, entry.size());
         Some(entry)
     }
 
@@ -451,25 +460,29 @@ impl Shard {
 
     /// True when `tenant` may add an entry of `bytes` (to a shard already holding it, if
     /// `replacing` frees one of its entries of `freed` bytes).
-    fn fits(&self, limits: &Limits, tenant: u64, bytes: usize, freed: Option<usize>) -> bool {
+    fn fits(&self, limits: &Limits, tenant: TenantKey, bytes: usize, freed: Option<usize>) -> bool {
         let (entries, freed) = match freed {
             Some(f) => (0, f),
             None => (1, 0),
         };
         let u = self.usage(tenant);
+        // No tenant known (a direct `begin`): only the store's own bounds apply.
+        let shared = tenant == TenantKey::default();
         self.map.len() + entries <= limits.entries
             && self.bytes + bytes <= limits.bytes + freed
-            && u.entries + entries <= limits.tenant_entries
-            && u.bytes + bytes <= limits.tenant_bytes + freed
+            && (shared
+                || u.entries + entries <= limits.tenant_entries
+                    && u.bytes + bytes <= limits.tenant_bytes + freed)
     }
 
     /// Evicts one record before its TTL to make room for `tenant`: its own nearest expiry when
     /// it is over its share, else the nearest expiry of the tenant holding most bytes. False
     /// when there is no record to evict (everything is in flight).
-    fn evict_one(&mut self, limits: &Limits, tenant: u64) -> bool {
+    fn evict_one(&mut self, limits: &Limits, tenant: TenantKey) -> bool {
         let u = self.usage(tenant);
-        let over_share =
-            u.entries >= limits.tenant_entries || u.bytes + ENTRY_OVERHEAD > limits.tenant_bytes;
+        let over_share = tenant != TenantKey::default()
+            && (u.entries >= limits.tenant_entries
+                || u.bytes + ENTRY_OVERHEAD > limits.tenant_bytes);
         let victim_tenant = if over_share {
             tenant
         } else {
@@ -481,7 +494,7 @@ impl Shard {
         let own = self
             .expiry
             .values()
-            .find(|s| s.tenant() == victim_tenant)
+            .find(|s| self.map.get(s).map(Entry::tenant) == Some(victim_tenant))
             .copied();
         // A tenant over its share evicts only its own records; one within its share is owed
         // room, from whoever holds a record.
@@ -509,7 +522,7 @@ impl Shard {
         &mut self,
         now: Instant,
         limits: &Limits,
-        tenant: u64,
+        tenant: TenantKey,
         evicted: &AtomicU64,
     ) -> bool {
         if self.fits(limits, tenant, ENTRY_OVERHEAD, None) {
@@ -539,6 +552,17 @@ impl IdempotencyStore for MemoryStore {
         fingerprint: Fingerprint,
         lease: Duration,
     ) -> Result<Begin, StoreError> {
+        self.begin_for_tenant(TenantKey::default(), scope, fingerprint, lease)
+            .await
+    }
+
+    async fn begin_for_tenant(
+        &self,
+        tenant: TenantKey,
+        scope: ScopeKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+    ) -> Result<Begin, StoreError> {
         let now = Instant::now();
         let limits = self.inner.limits;
         let (index, mut shard) = self.shard_at(&scope);
@@ -564,7 +588,7 @@ impl IdempotencyStore for MemoryStore {
                 shard.remove(&scope);
             }
             None => {
-                if !shard.make_room(now, &limits, scope.tenant(), &self.inner.evicted) {
+                if !shard.make_room(now, &limits, tenant, &self.inner.evicted) {
                     self.inner.refused.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(
                         ?scope,
@@ -579,6 +603,7 @@ impl IdempotencyStore for MemoryStore {
         shard.insert(
             scope,
             Entry::InFlight {
+                tenant,
                 token,
                 fingerprint,
                 lease_until: now + lease,
@@ -597,11 +622,13 @@ impl IdempotencyStore for MemoryStore {
     ) -> Result<(), StoreError> {
         let now = Instant::now();
         let limits = self.inner.limits;
-        let tenant = scope.tenant();
         let mut shard = self.shard(&scope);
-        if !shard.holds(&scope, token) {
-            return Err(StoreError::Fenced);
-        }
+        let tenant = match shard.map.get(&scope) {
+            Some(Entry::InFlight {
+                token: t, tenant, ..
+            }) if *t == token => *tenant,
+            _ => return Err(StoreError::Fenced),
+        };
         // The handler has run: the record is kept whatever happens, in full if it fits.
         let mut size = record_size(&record);
         if !shard.fits(&limits, tenant, size, Some(ENTRY_OVERHEAD)) {
@@ -632,6 +659,7 @@ impl IdempotencyStore for MemoryStore {
         shard.insert(
             scope,
             Entry::Completed {
+                tenant,
                 record: Arc::new(record),
                 at,
                 size,
@@ -728,8 +756,17 @@ mod tests {
         crate::conformance::run_all(|| MemoryStore::with_capacity_and_shards(1000, 1)).await;
     }
 
-    fn tenant_scope(tenant: &str, i: u64) -> ScopeKey {
-        crate::Scope::new(tenant, "POST /orders", &format!("key-{i}")).key()
+    fn tenant_scope(tenant: &str, i: u64) -> (TenantKey, ScopeKey) {
+        (
+            TenantKey::of(tenant),
+            crate::Scope::new(tenant, "POST /orders", &format!("key-{i}")).key(),
+        )
+    }
+
+    impl From<ScopeKey> for (TenantKey, ScopeKey) {
+        fn from(scope: ScopeKey) -> Self {
+            (TenantKey::default(), scope)
+        }
     }
 
     fn record_of(body: usize) -> Record {
@@ -742,12 +779,14 @@ mod tests {
     /// Claims and completes `scope` with a record of `body` bytes; `Err(Full)` if refused.
     async fn write(
         store: &MemoryStore,
-        scope: ScopeKey,
+        scope: impl Into<(TenantKey, ScopeKey)>,
         body: usize,
         ttl: Duration,
     ) -> Result<(), StoreError> {
+        let (tenant, scope) = scope.into();
+        let lease = Duration::from_secs(60);
         match store
-            .begin(scope, Fingerprint([1; 32]), Duration::from_secs(60))
+            .begin_for_tenant(tenant, scope, Fingerprint([1; 32]), lease)
             .await?
         {
             Begin::New(t) => store.complete(scope, t, record_of(body), ttl).await,
@@ -755,7 +794,8 @@ mod tests {
         }
     }
 
-    async fn is_recorded(store: &MemoryStore, scope: ScopeKey) -> bool {
+    async fn is_recorded(store: &MemoryStore, scope: impl Into<(TenantKey, ScopeKey)>) -> bool {
+        let (_, scope) = scope.into();
         matches!(
             store
                 .begin(scope, Fingerprint([1; 32]), Duration::from_secs(60))

@@ -176,23 +176,31 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The hash of a scope (tenant + method + key), the only identifier a store sees.
 ///
 /// Made with [`Scope::key`](crate::Scope::key): a BLAKE3 hash of an unambiguous, length-prefixed
-/// encoding, so no raw tenant or key reaches the store. Its first 8 bytes are a hash of the
-/// tenant alone ([`tenant`](Self::tenant)), so a store can keep each tenant to its share
-/// without learning who the tenant is; the other 24 bytes (192 bits) are the hash of the whole
-/// scope.
+/// encoding, so no raw tenant or key reaches the store.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ScopeKey(pub [u8; 32]);
 
-impl ScopeKey {
-    /// The tenant of this scope, as a hash: equal for every key of one tenant (and, short of a
-    /// 64-bit collision, different between tenants). A store uses it to bound what one tenant
-    /// holds ([`MemoryStore`] does).
-    pub fn tenant(&self) -> u64 {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&self.0[..8]);
-        u64::from_le_bytes(b)
-    }
+/// The hash of a tenant alone: what a store needs to keep each tenant to its share (see
+/// [`IdempotencyStore::begin_for_tenant`]) without learning who the tenant is.
+///
+/// Equal for every scope of one tenant and, short of a 64-bit collision, different between
+/// tenants. [`TenantKey::default`] is "no tenant known" (a direct [`IdempotencyStore::begin`]).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Default)]
+pub struct TenantKey(pub u64);
 
+impl TenantKey {
+    /// The key of `tenant` (the tenant a [`Scope`](crate::Scope) is made with).
+    pub fn of(tenant: &str) -> TenantKey {
+        let mut h = blake3::Hasher::new();
+        h.update(b"idempotency-layer tenant v1\0");
+        h.update(tenant.as_bytes());
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&h.finalize().as_bytes()[..8]);
+        TenantKey(u64::from_le_bytes(b))
+    }
+}
+
+impl ScopeKey {
     /// The key as lowercase hex, 64 characters (for stores that need a string key).
     pub fn to_hex(&self) -> String {
         hex(&self.0)
@@ -321,6 +329,21 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         fingerprint: Fingerprint,
         lease: Duration,
     ) -> impl Future<Output = Result<Begin, StoreError>> + Send;
+
+    /// [`begin`](Self::begin) for a scope of `tenant`: what the layer calls. A store that
+    /// bounds what one tenant may hold ([`MemoryStore`]) charges the claim and its record to
+    /// `tenant`, and may refuse it with [`StoreError::Full`] when the tenant's share is full.
+    /// The default ignores the tenant and calls `begin`.
+    fn begin_for_tenant(
+        &self,
+        tenant: TenantKey,
+        scope: ScopeKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Begin, StoreError>> + Send {
+        let _ = tenant;
+        self.begin(scope, fingerprint, lease)
+    }
 
     /// Replaces the claim `token` with `record`, kept for `ttl`, and wakes the waiters.
     /// [`StoreError::Fenced`] if `token` no longer holds the claim.
