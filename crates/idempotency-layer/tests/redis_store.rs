@@ -270,3 +270,120 @@ async fn a_claim_whose_begin_was_dropped_in_flight_is_released() {
         .unwrap();
     dropped_begin(via_slow, direct, &slow).await;
 }
+
+/// The store reads `maxmemory-policy` at connect (a policy that can evict our keys is logged
+/// as an error), and a server that forbids `CONFIG` is accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn maxmemory_policy_is_read_at_connect_and_config_may_be_forbidden() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let mut admin = raw(&url).await;
+    let current: Vec<String> = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("maxmemory-policy")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let s = store(&url).await;
+    assert_eq!(s.maxmemory_policy(), Some(current[1].as_str()));
+    assert!(!idempotency_layer::store::maxmemory_policy_can_evict(
+        "noeviction"
+    ));
+    for p in [
+        "volatile-ttl",
+        "allkeys-lru",
+        "volatile-lru",
+        "allkeys-random",
+    ] {
+        assert!(
+            idempotency_layer::store::maxmemory_policy_can_evict(p),
+            "{p}"
+        );
+    }
+
+    // A user that may not run CONFIG (as on managed services): the store still connects.
+    let user = unique("idem_noconfig_");
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg(&user)
+        .arg("on")
+        .arg(">secret-pass")
+        .arg("~*")
+        .arg("&*")
+        .arg("+@all")
+        .arg("-config")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let rest = rest.split_once('@').map_or(rest, |(_, h)| h);
+    let limited = RedisStore::builder(format!("{scheme}://{user}:secret-pass@{rest}"))
+        .prefix(unique("test:idem:"))
+        .connect()
+        .await;
+    let worked = match &limited {
+        Ok(store) => {
+            let scope = order_scope(&unique("noconfig-"));
+            matches!(
+                store
+                    .begin(scope, Fingerprint([1; 32]), conformance::LONG)
+                    .await,
+                Ok(Begin::New(_))
+            )
+        }
+        Err(_) => false,
+    };
+    // Deleting the user disconnects its clients: only after the store was used.
+    let _: () = redis::cmd("ACL")
+        .arg("DELUSER")
+        .arg(&user)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let limited = limited.expect("a server that forbids CONFIG is accepted");
+    assert_eq!(limited.maxmemory_policy(), None);
+    assert!(worked, "the store works without CONFIG");
+}
+
+/// A store on the application's own client and connection manager.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_on_your_own_client_and_connection_manager() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let manager = client.get_connection_manager().await.unwrap();
+    let store = RedisStore::builder_from_client(client)
+        .connection_manager(manager.clone())
+        .prefix(unique("test:idem:"))
+        .connect()
+        .await
+        .unwrap();
+    conformance::run_all(|| store.clone()).await;
+    // The application's manager still works alongside.
+    let mut m = manager;
+    let pong: String = redis::cmd("PING").query_async(&mut m).await.unwrap();
+    assert_eq!(pong, "PONG");
+}
+
+/// Failed and refused lease renewals are counted (and logged).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_renewals_are_counted() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let s = store(&url).await;
+    let scope = order_scope(&unique("renew-"));
+    let Ok(Begin::New(t)) = s
+        .begin(scope, Fingerprint([1; 32]), conformance::LONG)
+        .await
+    else {
+        panic!("fresh scope");
+    };
+    s.renew(scope, t, conformance::LONG).await.unwrap();
+    assert_eq!(s.renewals_failed(), 0);
+    assert!(s.forget(scope).await.unwrap());
+    assert!(s.renew(scope, t, conformance::LONG).await.is_err());
+    assert_eq!(s.renewals_failed(), 1, "a refused renewal is counted");
+}

@@ -63,7 +63,7 @@ pub fn decode_record(bytes: &[u8]) -> Result<Record, StoreError> {
     codec::decode(bytes)
 }
 #[cfg(feature = "redis")]
-pub use self::redis::{RedisStore, RedisStoreBuilder};
+pub use self::redis::{maxmemory_policy_can_evict, RedisStore, RedisStoreBuilder};
 
 /// Runs a store operation through a brief store outage: a backend failure is retried with
 /// backoff (50 ms doubling to 1 s) for at most `within` (a claim's lease: after that the claim
