@@ -790,3 +790,19 @@ async fn a_wait_does_not_block_for_the_listener() {
     drop(store);
     drop_schema(&url, &schema).await;
 }
+
+/// A store chosen at run time from its URL (migrated on open).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_store_from_a_postgres_url() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let store = idempotency_layer::store::AnyStore::from_url(&url)
+        .await
+        .unwrap();
+    assert!(matches!(
+        store,
+        idempotency_layer::store::AnyStore::Postgres(_)
+    ));
+    conformance::run_all(|| store.clone()).await;
+}

@@ -387,3 +387,19 @@ async fn failed_renewals_are_counted() {
     assert!(s.renew(scope, t, conformance::LONG).await.is_err());
     assert_eq!(s.renewals_failed(), 1, "a refused renewal is counted");
 }
+
+/// A store chosen at run time from its URL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_store_from_a_redis_url() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let store = idempotency_layer::store::AnyStore::from_url(&url)
+        .await
+        .unwrap();
+    assert!(matches!(
+        store,
+        idempotency_layer::store::AnyStore::Redis(_)
+    ));
+    conformance::run_all(|| store.clone()).await;
+}

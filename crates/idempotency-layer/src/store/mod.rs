@@ -26,6 +26,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
 
+mod any;
 #[cfg(any(feature = "redis", feature = "postgres"))]
 mod codec;
 mod memory;
@@ -168,6 +169,7 @@ impl<St: IdempotencyStore> Drop for OrphanGuard<St> {
         });
     }
 }
+pub use any::AnyStore;
 pub use memory::{MemoryStats, MemoryStore, MemoryStoreBuilder};
 
 /// The boxed error a store wraps from its backend.
