@@ -806,3 +806,113 @@ async fn any_store_from_a_postgres_url() {
     ));
     conformance::run_all(|| store.clone()).await;
 }
+
+/// `url` with `params` added to its query.
+fn with_params(url: &str, params: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}{params}")
+}
+
+/// `sslmode=require` connects over TLS (this PostgreSQL has `ssl = on`): every connection of
+/// the store, the listener's too, is encrypted; with root certificates that did not sign the
+/// server's, the connection is refused.
+#[cfg(feature = "postgres-tls")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sslmode_require_connects_over_tls() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let app = unique("idem_tls_");
+    let tls_url = with_params(&url, &format!("sslmode=require&application_name={app}"));
+    let schema = unique("idem_test_");
+    let store = connect(PostgresStore::builder(&tls_url).schema(&schema)).await;
+    conformance::run_all(|| store.clone()).await;
+    // A waiter makes the listener connect too.
+    let scope = order_scope(&unique("tls-wait-"));
+    let fp = Fingerprint([4; 32]);
+    let Ok(Begin::New(t)) = store.begin(scope, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    let waiter = {
+        let store = store.clone();
+        tokio::spawn(async move { store.wait(scope, t).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let row = raw(&url)
+        .await
+        .query_one(
+            "SELECT count(*) FILTER (WHERE s.ssl), count(*) FILTER (WHERE NOT s.ssl) \
+             FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) WHERE a.application_name = $1",
+            &[&app],
+        )
+        .await
+        .unwrap();
+    let (tls, plain): (i64, i64) = (row.get(0), row.get(1));
+    eprintln!("{tls} TLS connections, {plain} plain");
+    assert!(tls >= 2, "pooled and listening connections are TLS: {tls}");
+    assert_eq!(plain, 0);
+    store
+        .complete(scope, t, conformance::sample_record(fp), conformance::LONG)
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+
+    // Roots of a CA that did not sign the server's certificate: refused.
+    let dir = std::env::temp_dir().join(unique("idem-ca-"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let status = std::process::Command::new("openssl")
+        .args([
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+        ])
+        .args(["-subj", "/CN=unrelated test CA"])
+        .arg("-keyout")
+        .arg(dir.join("ca.key"))
+        .arg("-out")
+        .arg(dir.join("ca.pem"))
+        .stderr(std::process::Stdio::null())
+        .status()
+        .expect("openssl makes a CA");
+    assert!(status.success());
+    let pem = std::fs::read(dir.join("ca.pem")).unwrap();
+    let refused = PostgresStore::builder(&tls_url)
+        .schema(&schema)
+        .tls_root_certificates(pem)
+        .connect()
+        .await;
+    assert!(refused.is_err(), "an unverifiable certificate is refused");
+    eprintln!("refused: {}", refused.unwrap_err());
+    let _ = std::fs::remove_dir_all(&dir);
+    drop_schema(&url, &schema).await;
+}
+
+/// A store on the application's own pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_on_your_own_pool() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let config: tokio_postgres::Config = url.parse().unwrap();
+    let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
+    let pool = deadpool_postgres::Pool::builder(manager)
+        .max_size(4)
+        .build()
+        .unwrap();
+    let schema = unique("idem_test_");
+    let store = connect(PostgresStore::builder_from_pool(pool.clone(), &url).schema(&schema)).await;
+    conformance::run_all(|| store.clone()).await;
+    // The pool is the application's: it serves its own queries alongside.
+    let n: i32 = pool
+        .get()
+        .await
+        .unwrap()
+        .query_one("SELECT 1", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1);
+    drop_schema(&url, &schema).await;
+}

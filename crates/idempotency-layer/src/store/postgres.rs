@@ -9,7 +9,8 @@ use std::time::Duration;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use futures_util::StreamExt;
 use tokio::sync::{mpsc, oneshot};
-use tokio_postgres::{AsyncMessage, NoTls, Row};
+use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
+use tokio_postgres::{AsyncMessage, NoTls, Row, Socket};
 use uuid::Uuid;
 
 use super::codec;
@@ -131,6 +132,7 @@ struct Inner {
     timeout: Duration,
     polling: Polling,
     cleanup_batch: i64,
+    tls: Connector,
     waiters: Arc<Waiters>,
     listener: OnceLock<Listener>,
 }
@@ -273,6 +275,9 @@ pub struct PostgresStoreBuilder {
     polling: Polling,
     cleanup_interval: Duration,
     cleanup_batch: i64,
+    pool: Option<Pool>,
+    #[cfg(feature = "postgres-tls")]
+    roots: Option<Vec<u8>>,
 }
 
 impl PostgresStoreBuilder {
@@ -324,6 +329,15 @@ impl PostgresStoreBuilder {
         self
     }
 
+    /// With `sslmode=require` in the URL, check the server's certificate (chain and host name)
+    /// against these PEM root certificates. Without them, `sslmode=require` means what it means
+    /// to libpq: the connection is encrypted and the certificate is not checked.
+    #[cfg(feature = "postgres-tls")]
+    pub fn tls_root_certificates(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.roots = Some(pem.into());
+        self
+    }
+
     /// Connects (the server must be reachable now; later outages are survived: broken pooled
     /// connections are replaced, the listener reconnects). Does not create the table: see
     /// [`PostgresStore::migrate`].
@@ -332,21 +346,39 @@ impl PostgresStoreBuilder {
         check_identifier("table", &self.table, 48)?;
         let mut config = tokio_postgres::Config::from_str(&self.url).map_err(backend)?;
         config.connect_timeout(self.timeout);
-        let manager = Manager::from_config(
-            config.clone(),
-            NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
-        let pool = Pool::builder(manager)
-            .max_size(self.pool_size)
-            .runtime(Runtime::Tokio1)
-            .wait_timeout(Some(self.timeout))
-            .create_timeout(Some(self.timeout))
-            .recycle_timeout(Some(self.timeout))
-            .build()
-            .map_err(|e| StoreError::Backend(Box::new(e)))?;
+        let tls = if config.get_ssl_mode() == tokio_postgres::config::SslMode::Require {
+            #[cfg(feature = "postgres-tls")]
+            {
+                Connector::Rustls(tls::connector(self.roots.as_deref())?)
+            }
+            #[cfg(not(feature = "postgres-tls"))]
+            return Err(StoreError::Backend(
+                "sslmode=require needs the idempotency-layer cargo feature `postgres-tls`".into(),
+            ));
+        } else {
+            Connector::Plain
+        };
+        let pool = match self.pool {
+            Some(pool) => pool,
+            None => {
+                let mc = ManagerConfig {
+                    recycling_method: RecyclingMethod::Fast,
+                };
+                let manager = match &tls {
+                    Connector::Plain => Manager::from_config(config.clone(), NoTls, mc),
+                    #[cfg(feature = "postgres-tls")]
+                    Connector::Rustls(t) => Manager::from_config(config.clone(), t.clone(), mc),
+                };
+                Pool::builder(manager)
+                    .max_size(self.pool_size)
+                    .runtime(Runtime::Tokio1)
+                    .wait_timeout(Some(self.timeout))
+                    .create_timeout(Some(self.timeout))
+                    .recycle_timeout(Some(self.timeout))
+                    .build()
+                    .map_err(|e| StoreError::Backend(Box::new(e)))?
+            }
+        };
         // Fail now if the server is unreachable.
         drop(pool.get().await.map_err(pool_error)?);
         let id = blake3::hash(format!("{}.{}", self.schema, self.table).as_bytes());
@@ -361,6 +393,7 @@ impl PostgresStoreBuilder {
             timeout: self.timeout,
             polling: self.polling,
             cleanup_batch: self.cleanup_batch,
+            tls,
             waiters: Arc::default(),
             listener: OnceLock::new(),
         });
@@ -368,6 +401,110 @@ impl PostgresStoreBuilder {
             tokio::spawn(cleanup_task(Arc::downgrade(&inner), self.cleanup_interval));
         }
         Ok(PostgresStore { inner })
+    }
+}
+
+/// How the store's connections are made.
+#[derive(Clone)]
+enum Connector {
+    Plain,
+    #[cfg(feature = "postgres-tls")]
+    Rustls(tokio_postgres_rustls::MakeRustlsConnect),
+}
+
+#[cfg(feature = "postgres-tls")]
+mod tls {
+    use std::sync::Arc;
+
+    use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+    use rustls::crypto::{verify_tls12_signature, verify_tls13_signature, CryptoProvider};
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+    use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
+
+    use super::StoreError;
+
+    /// `sslmode=require` as libpq has it: encrypted, the certificate not checked (signatures of
+    /// the handshake still are).
+    #[derive(Debug)]
+    struct EncryptOnly(Arc<CryptoProvider>);
+
+    impl ServerCertVerifier for EncryptOnly {
+        fn verify_server_cert(
+            &self,
+            _: &CertificateDer<'_>,
+            _: &[CertificateDer<'_>],
+            _: &ServerName<'_>,
+            _: &[u8],
+            _: UnixTime,
+        ) -> Result<ServerCertVerified, rustls::Error> {
+            Ok(ServerCertVerified::assertion())
+        }
+
+        fn verify_tls12_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            verify_tls12_signature(
+                message,
+                cert,
+                dss,
+                &self.0.signature_verification_algorithms,
+            )
+        }
+
+        fn verify_tls13_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            verify_tls13_signature(
+                message,
+                cert,
+                dss,
+                &self.0.signature_verification_algorithms,
+            )
+        }
+
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            self.0.signature_verification_algorithms.supported_schemes()
+        }
+    }
+
+    pub(super) fn connector(
+        roots: Option<&[u8]>,
+    ) -> Result<tokio_postgres_rustls::MakeRustlsConnect, StoreError> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| StoreError::Backend(Box::new(e)))?;
+        let config = match roots {
+            Some(pem) => {
+                let mut store = RootCertStore::empty();
+                for cert in CertificateDer::pem_slice_iter(pem) {
+                    let cert = cert.map_err(|e| {
+                        StoreError::Backend(format!("tls_root_certificates: {e}").into())
+                    })?;
+                    store
+                        .add(cert)
+                        .map_err(|e| StoreError::Backend(Box::new(e)))?;
+                }
+                if store.is_empty() {
+                    return Err(StoreError::Backend(
+                        "tls_root_certificates: no PEM certificate found".into(),
+                    ));
+                }
+                builder.with_root_certificates(store).with_no_client_auth()
+            }
+            None => builder
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(EncryptOnly(provider)))
+                .with_no_client_auth(),
+        };
+        Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
     }
 }
 
@@ -420,18 +557,24 @@ async fn cleanup_task(inner: Weak<Inner>, every: Duration) {
 /// Owns the store's listening connection: `LISTEN`s on the table's channel, wakes local
 /// waiters on notifications, and reconnects when the connection is lost (waking every waiter,
 /// so they poll for what they may have missed). Ends when the store is dropped.
-async fn listen_task(
+async fn listen_task<T>(
     config: tokio_postgres::Config,
+    tls: T,
     channel: String,
     timeout: Duration,
     waiters: Arc<Waiters>,
     mut stop: oneshot::Receiver<()>,
-) {
+) where
+    T: MakeTlsConnect<Socket> + Clone + Send + 'static,
+    T::Stream: Send + 'static,
+    T::TlsConnect: Send,
+    <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+{
     let mut backoff = Duration::from_millis(50);
     loop {
         let connected = tokio::select! {
             _ = &mut stop => return,
-            c = tokio::time::timeout(timeout, config.connect(NoTls)) => c,
+            c = tokio::time::timeout(timeout, config.connect(tls.clone())) => c,
         };
         if let Ok(Ok((client, mut connection))) = connected {
             let (tx, mut rx) = mpsc::unbounded_channel();
@@ -497,6 +640,21 @@ impl PostgresStore {
             polling: Polling::default(),
             cleanup_interval: Duration::from_secs(60),
             cleanup_batch: 1000,
+            pool: None,
+            #[cfg(feature = "postgres-tls")]
+            roots: None,
+        }
+    }
+
+    /// A builder for a store on your own pool: statements run on its connections (sized,
+    /// configured and shared as you like; [`pool_size`](PostgresStoreBuilder::pool_size) is
+    /// then ignored). `url` names the same database: the store's listener (one connection that
+    /// waits for notifications, which a pooled connection cannot) connects with it, and its
+    /// `sslmode` picks TLS for that connection.
+    pub fn builder_from_pool(pool: Pool, url: impl Into<String>) -> PostgresStoreBuilder {
+        PostgresStoreBuilder {
+            pool: Some(pool),
+            ..PostgresStore::builder(url)
         }
     }
 
@@ -684,13 +842,22 @@ impl PostgresStore {
     fn listener(&self) -> &Listener {
         self.inner.listener.get_or_init(|| {
             let (stop, stop_rx) = oneshot::channel();
-            tokio::spawn(listen_task(
-                self.inner.config.clone(),
-                self.inner.channel.clone(),
-                self.inner.timeout,
-                self.inner.waiters.clone(),
-                stop_rx,
-            ));
+            let (config, channel) = (self.inner.config.clone(), self.inner.channel.clone());
+            let (timeout, waiters) = (self.inner.timeout, self.inner.waiters.clone());
+            match &self.inner.tls {
+                Connector::Plain => tokio::spawn(listen_task(
+                    config, NoTls, channel, timeout, waiters, stop_rx,
+                )),
+                #[cfg(feature = "postgres-tls")]
+                Connector::Rustls(t) => tokio::spawn(listen_task(
+                    config,
+                    t.clone(),
+                    channel,
+                    timeout,
+                    waiters,
+                    stop_rx,
+                )),
+            };
             Listener { _stop: stop }
         })
     }
