@@ -403,3 +403,170 @@ async fn any_store_from_a_redis_url() {
     ));
     conformance::run_all(|| store.clone()).await;
 }
+
+/// A `redis-server` with TLS only, on a free loopback port, with a CA and a server certificate
+/// for 127.0.0.1 this test makes with `openssl`; killed when dropped.
+#[cfg(feature = "redis-tls")]
+struct TlsRedis {
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+    port: u16,
+}
+
+#[cfg(feature = "redis-tls")]
+impl Drop for TlsRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[cfg(feature = "redis-tls")]
+impl TlsRedis {
+    async fn start() -> TlsRedis {
+        use std::process::{Command, Stdio};
+        let dir = std::env::temp_dir().join(unique("idem-redis-tls-"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let run = |args: &[&str]| {
+            let ok = Command::new("openssl")
+                .args(args)
+                .current_dir(&dir)
+                .stderr(Stdio::null())
+                .status()
+                .expect("openssl")
+                .success();
+            assert!(ok, "openssl {args:?}");
+        };
+        run(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=idempotency test CA",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+        ]);
+        run(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-addext",
+            "basicConstraints=critical,CA:FALSE",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.pem",
+        ]);
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                "0",
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .args(["--tls-port", &port.to_string(), "--tls-auth-clients", "no"])
+            .args([
+                "--tls-cert-file",
+                "server.pem",
+                "--tls-key-file",
+                "server.key",
+            ])
+            .args([
+                "--tls-ca-cert-file",
+                "ca.pem",
+                "--maxmemory-policy",
+                "noeviction",
+            ])
+            .current_dir(&dir)
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server (with TLS support) is installed");
+        let tls = TlsRedis { child, dir, port };
+        for _ in 0..100 {
+            if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+            {
+                return tls;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("the TLS redis-server did not start within 5 s");
+    }
+}
+
+/// `rediss://` works: through a client that trusts the test's CA (the certificate is
+/// checked), and through the URL alone with `#insecure` (encrypted, not checked); a client
+/// that does not trust the CA is refused.
+#[cfg(feature = "redis-tls")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rediss_connects_over_tls() {
+    if env_url("REDIS_URL").is_none() {
+        return;
+    }
+    let server = TlsRedis::start().await;
+    let url = format!("rediss://127.0.0.1:{}", server.port);
+    let ca = std::fs::read(server.dir.join("ca.pem")).unwrap();
+    let client = redis::Client::build_with_tls(
+        url.as_str(),
+        redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(ca),
+        },
+    )
+    .unwrap();
+    let store = RedisStore::builder_from_client(client)
+        .prefix(unique("test:idem:"))
+        .connect()
+        .await
+        .expect("rediss with the test CA");
+    assert_eq!(store.maxmemory_policy(), Some("noeviction"));
+    conformance::run_all(|| store.clone()).await;
+
+    let insecure = RedisStore::builder(format!("{url}/#insecure"))
+        .prefix(unique("test:idem:"))
+        .connect()
+        .await
+        .expect("rediss://...#insecure");
+    let scope = order_scope(&unique("tls-"));
+    assert!(matches!(
+        insecure
+            .begin(scope, Fingerprint([1; 32]), conformance::LONG)
+            .await,
+        Ok(Begin::New(_))
+    ));
+
+    let untrusted = RedisStore::builder(&url).connect().await;
+    assert!(
+        untrusted.is_err(),
+        "a certificate from an unknown CA is refused"
+    );
+}
