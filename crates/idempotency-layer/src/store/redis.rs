@@ -291,7 +291,7 @@ pub struct RedisStoreBuilder {
 #[derive(Clone, Debug)]
 enum Source {
     Url(String),
-    Client(redis::Client),
+    Client(Box<redis::Client>),
 }
 
 impl fmt::Debug for RedisStoreBuilder {
@@ -350,7 +350,7 @@ impl RedisStoreBuilder {
     pub async fn connect(self) -> Result<RedisStore, StoreError> {
         let client = match self.source {
             Source::Url(url) => redis::Client::open(url.as_str()).map_err(backend)?,
-            Source::Client(client) => client,
+            Source::Client(client) => *client,
         };
         let mut conn = match self.conn {
             Some(conn) => conn,
@@ -485,7 +485,7 @@ impl RedisStore {
     /// [`connection_manager`](RedisStoreBuilder::connection_manager) to share its connection.
     pub fn builder_from_client(client: redis::Client) -> RedisStoreBuilder {
         RedisStoreBuilder {
-            source: Source::Client(client),
+            source: Source::Client(Box::new(client)),
             ..RedisStore::builder(String::new())
         }
     }
