@@ -37,6 +37,7 @@ const CLAIM_ATTEMPTS: usize = 10;
 ///     fingerprint bytea       NOT NULL,
 ///     expires_at  timestamptz NOT NULL,     -- in flight: end of the lease; completed: end of the TTL
 ///     record      bytea,                    -- the response (postcard), when completed
+///     watched     boolean     NOT NULL DEFAULT false, -- a waiter wants the end notified
 ///     CHECK ((state = 'completed') = (record IS NOT NULL))
 /// );
 /// CREATE INDEX IF NOT EXISTS "idempotency_records_expires_at"
@@ -54,7 +55,9 @@ const CLAIM_ATTEMPTS: usize = 10;
 ///   snapshot, the statement runs again.
 /// - `complete`, `release`, `renew` are fenced: `UPDATE`/`DELETE ... WHERE scope = $1 AND
 ///   token = $2 AND state = 'in_flight'`; no row matched is [`StoreError::Fenced`]. `complete`,
-///   `release` and `forget` call `pg_notify` in the same statement.
+///   `release` and `forget` call `pg_notify` in the same statement only when a waiter marked
+///   the row `watched`: a transaction that sent a NOTIFY holds a server-wide lock through its
+///   commit, which would serialize every completion in the server.
 /// - Statements are prepared once per pooled connection (`prepare_cached`).
 ///
 /// # Waiters
@@ -87,6 +90,24 @@ const CLAIM_ATTEMPTS: usize = 10;
 /// every statement writes or must see the latest write. Through PgBouncer, use session pooling
 /// for the listener (transaction pooling does not carry `LISTEN`; waiters then fall back to
 /// polling) and mind that statements are prepared by name.
+///
+/// # Deploying
+///
+/// - **Roles**: run the application as a role with `USAGE` on the schema and `SELECT, INSERT,
+///   UPDATE, DELETE` on the table; create the table once as its owner
+///   ([`migration_sql`](PostgresStore::migration_sql)). [`migrate`](PostgresStore::migrate)
+///   then changes nothing and needs no `CREATE`; it is safe for N replicas starting at once.
+/// - **TLS**: `sslmode=require` in the URL with the `postgres-tls` feature (rustls): encrypted,
+///   and with [`tls_root_certificates`](PostgresStoreBuilder::tls_root_certificates) the
+///   server's certificate is checked, like libpq's `sslrootcert`.
+/// - **Your own pool**: [`builder_from_pool`](PostgresStore::builder_from_pool).
+/// - **Sizing**: the table holds about `writes per second x TTL` rows; the cleanup removes
+///   every expired row each [`cleanup_interval`](PostgresStoreBuilder::cleanup_interval), in
+///   batches (measured here: ~200 000 rows/s), so it keeps up with any write rate the store
+///   itself sustains. Autovacuum reclaims the space.
+/// - **Failover**: committed rows are durable; with a synchronous standby a failover loses
+///   none. Point every instance at the primary (not a read replica).
+/// - **Eviction, cluster**: nothing is evicted; records go only when expired or forgotten.
 ///
 /// **Knobs**: [`pool_size`](PostgresStoreBuilder::pool_size) (default 16; each request holds a
 /// connection only for one statement), [`timeout`](PostgresStoreBuilder::timeout) (how fast an

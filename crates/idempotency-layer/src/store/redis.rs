@@ -183,10 +183,10 @@ fn scripts() -> &'static Scripts {
 ///   completed), `t` (fencing token), `f` (fingerprint), `r` (the record, postcard-encoded).
 ///   (The client itself talks to one endpoint: a single server, a primary, or a
 ///   cluster-aware proxy.)
-/// - **Expiry is Redis's own** (`PEXPIRE`): an in-flight key expires when its lease lapses (so
-///   a crashed leader's claim frees itself and the next `begin` takes over with a new token), a
-///   completed key when its TTL runs out. A late `complete` from a leader whose claim lapsed
-///   or was taken over is refused ([`StoreError::Fenced`]).
+/// - **Expiry**: a claim's lease end is kept in the entry (Redis's own clock): once it passed,
+///   the next `begin` takes the claim over with a new token, and the old leader's `complete` is
+///   refused ([`StoreError::Fenced`]); with no takeover, the old leader's late `complete` is
+///   kept, as with the other stores. A completed key expires with its TTL (`PEXPIRE`).
 /// - **Waiters** are woken by pub/sub: every `complete`, `release` and `forget` publishes on
 ///   the key's own channel (same name as the key). One dedicated pub/sub connection per store
 ///   carries the subscriptions of all its waiters, and reconnects by itself; a waiter also
@@ -214,9 +214,36 @@ fn scripts() -> &'static Scripts {
 /// **What a multi-instance deployment needs**: every instance on the same Redis (or cluster)
 /// with the same [prefix](RedisStoreBuilder::prefix) and the same layer configuration
 /// ([`lease`](crate::IdempotencyLayer::lease), [`ttl`](crate::IdempotencyLayer::ttl), key
-/// headers, tenant source), so that every instance computes the same scope for a request. Redis
-/// must not evict these keys early: use `maxmemory-policy noeviction` or `volatile-ttl`, not an
-/// `allkeys-*` policy, or size the memory for `requests per second x TTL x record size`.
+/// headers, tenant source), so that every instance computes the same scope for a request.
+///
+/// # Deploying
+///
+/// - **Eviction policy: `maxmemory-policy noeviction`.** Every other policy can evict this
+///   store's keys: `volatile-ttl` evicts the shortest TTLs first, which are the claims in
+///   flight (a duplicate then runs), and `allkeys-*` / `volatile-lru` evict records (a retry
+///   runs again). With `noeviction` a full Redis refuses writes: the layer fails closed with a
+///   retryable 503 and nothing runs. The store reads the policy at connect and logs an error
+///   for any other ([`RedisStore::maxmemory_policy`]); managed services that forbid `CONFIG`
+///   are accepted (check the policy in their console).
+/// - **Sizing**: `writes per second x TTL x (record size + ~200 bytes)`, plus claims in
+///   flight. A claim whose leader crashed stays (small, fenced) up to an hour after its lease,
+///   so that a late `complete` with no takeover is still kept.
+/// - **TLS**: `rediss://host:port` with the `redis-tls` feature (rustls; the certificate is
+///   checked against the system's roots). For a private CA or client certificates, build a
+///   `redis::Client::build_with_tls` and use [`RedisStore::builder_from_client`];
+///   `rediss://...#insecure` encrypts without checking.
+/// - **Your own connection**: [`builder_from_client`](RedisStore::builder_from_client) and
+///   [`connection_manager`](RedisStoreBuilder::connection_manager) reuse what your application
+///   already has.
+/// - **Cluster**: every script touches exactly one key, so the layout is cluster-safe, but this
+///   version's client talks to one endpoint (a standalone server, a primary, or a
+///   cluster-aware proxy); a native cluster client is not built yet.
+/// - **Failover**: replication is asynchronous; a claim or record written just before a
+///   failover can be lost, and that key can execute once more. Use `WAIT` / `min-replicas`
+///   settings on the server to narrow the window, or `PostgresStore` with a synchronous
+///   standby where a second execution is unacceptable.
+/// - **Renewals**: [`renewals_failed`](RedisStore::renewals_failed) counts lease renewals that
+///   failed or were refused; each is logged.
 ///
 /// **Knobs**: [`prefix`](RedisStoreBuilder::prefix) (one per service or environment),
 /// [`timeout`](RedisStoreBuilder::timeout) (how fast an outage fails closed, default 1 s),
