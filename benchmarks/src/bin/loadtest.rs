@@ -111,6 +111,12 @@ async fn serve(app: Router) -> (SocketAddr, tokio::task::JoinHandle<()>) {
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
+    // TCP_NODELAY as production servers set it: a response whose head is flushed before its
+    // body (the layer records the body before its last frame leaves, and a shared store takes
+    // a round trip there) otherwise waits ~40 ms for the client's delayed ACK (Nagle).
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     let task = tokio::spawn(async move {
         axum::serve(listener, app).await.expect("serve");
     });

@@ -39,6 +39,7 @@ pub async fn run_all<S: IdempotencyStore>(make: impl Fn() -> S) {
     release_frees_the_scope(make()).await;
     records_expire(make()).await;
     lapsed_lease_is_taken_over_and_old_leader_fenced(make()).await;
+    late_complete_without_takeover_is_kept(make()).await;
     renew_keeps_the_claim(make()).await;
     forget_clears_records_and_fences_claims(make()).await;
     wait_wakes_on_complete(make()).await;
@@ -256,6 +257,22 @@ pub async fn lapsed_lease_is_taken_over_and_old_leader_fenced<S: IdempotencyStor
     match store.begin(s, FP, LONG).await {
         Ok(Begin::Completed(r)) => assert_eq!(*r, mine),
         other => panic!("{other:?}"),
+    }
+}
+
+/// A leader whose lease lapsed while nobody took the scope over still completes (a slow
+/// handler whose renewals failed): its record is kept and replayed, and nothing runs twice.
+pub async fn late_complete_without_takeover_is_kept<S: IdempotencyStore>(store: S) {
+    let s = scope("late-complete");
+    let token = new_claim(&store, s, SHORT).await;
+    tokio::time::sleep(SHORT * 2).await;
+    store
+        .complete(s, token, sample_record(FP), LONG)
+        .await
+        .expect("a late complete with no takeover in between is accepted");
+    match store.begin(s, FP, LONG).await {
+        Ok(Begin::Completed(r)) => assert_eq!(*r, sample_record(FP)),
+        other => panic!("the late record must be kept, got {other:?}"),
     }
 }
 

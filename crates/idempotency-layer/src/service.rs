@@ -33,6 +33,7 @@ use crate::shared::Shared;
 use crate::stats::IdempotencyStats;
 use crate::store::{
     Begin, BoxError, Fingerprint, IdempotencyStore, MemoryStore, Record, ScopeKey, StoreError,
+    TenantKey,
 };
 use crate::IDEMPOTENT_BODY_OMITTED;
 
@@ -163,6 +164,7 @@ where
             Scope::http(req.method(), req.uri().path())
         };
         let scope = Scope::new(&tenant, &method, &key).key();
+        let tenant = TenantKey::of(&tenant);
         // A write may wait for a duplicate in flight before (if ever) it runs the handler, so it
         // must not hold the capacity `poll_ready` reserved (a `ConcurrencyLimit` permit, a
         // `Buffer` slot) while it waits: that stays with `self.inner` for the next call, and the
@@ -173,6 +175,7 @@ where
             config: self.config.clone(),
             shared: self.shared.clone(),
             scope,
+            tenant,
             protocol,
         };
         ResponseFuture::managed(Box::pin(write.handle(req)))
@@ -222,6 +225,8 @@ struct Write<S, St> {
     config: Arc<Config>,
     shared: Arc<Shared>,
     scope: ScopeKey,
+    /// The tenant the store charges this scope's claim and record to.
+    tenant: TenantKey,
     protocol: Protocol,
 }
 
@@ -297,7 +302,11 @@ where
         // This request's place among the waiters of its scope, held while it waits.
         let mut slot = None;
         loop {
-            match self.store.begin(scope, fp, cfg.lease).await {
+            match self
+                .store
+                .begin_for_tenant(self.tenant, scope, fp, cfg.lease)
+                .await
+            {
                 Ok(Begin::New(token)) => {
                     drop(slot.take());
                     let claim = Claim::new(

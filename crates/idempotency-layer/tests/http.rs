@@ -670,21 +670,55 @@ async fn records_expire_after_the_ttl() {
 
 #[tokio::test]
 async fn capacity_holds_with_ten_times_the_keys() {
+    // Full: new keys are refused retryably (503, nothing runs); no record is dropped early.
     let count = Arc::new(AtomicUsize::new(0));
-    let store = MemoryStore::with_capacity(50);
+    let store = MemoryStore::builder()
+        .max_entries(50)
+        .tenant_share_percent(100)
+        .build();
     let layer = IdempotencyLayer::new(store.clone()).default_tenant("t");
     let app = app(layer, &count);
+    let mut created = Vec::new();
     for i in 0..500 {
         let key = format!("cap-key-{i:05}");
         let r = call(&app, req_post("/orders", Some(&key), "{}")).await;
-        assert_eq!(r.status, StatusCode::CREATED);
+        match r.status {
+            StatusCode::CREATED => created.push(key),
+            StatusCode::SERVICE_UNAVAILABLE => {}
+            other => panic!("{other}"),
+        }
         for _ in 0..5 {
             tokio::task::yield_now().await; // let the spawned completion run
         }
         assert!(store.len() <= 50, "len {} after {i}", store.len());
     }
+    assert_eq!(count.load(Ordering::SeqCst), created.len());
+    assert_eq!(store.stats().refused as usize, 500 - created.len());
+    for key in &created {
+        let r = call(&app, req_post("/orders", Some(key), "{}")).await;
+        assert!(r.replayed(), "{key} was dropped before its TTL");
+    }
+
+    // Eviction opted in: every key executes, the newest is still replayed.
+    let count = Arc::new(AtomicUsize::new(0));
+    let store = MemoryStore::builder()
+        .max_entries(50)
+        .tenant_share_percent(100)
+        .evict_when_full(true)
+        .build();
+    let layer = IdempotencyLayer::new(store.clone()).default_tenant("t");
+    let app = self::app(layer, &count);
+    for i in 0..500 {
+        let key = format!("cap-key-{i:05}");
+        let r = call(&app, req_post("/orders", Some(&key), "{}")).await;
+        assert_eq!(r.status, StatusCode::CREATED);
+        for _ in 0..5 {
+            tokio::task::yield_now().await;
+        }
+        assert!(store.len() <= 50, "len {} after {i}", store.len());
+    }
     assert_eq!(count.load(Ordering::SeqCst), 500);
-    // The newest key is still replayed.
+    assert!(store.stats().evicted >= 450);
     let r = call(&app, req_post("/orders", Some("cap-key-00499"), "{}")).await;
     assert!(r.replayed());
 }

@@ -310,3 +310,609 @@ async fn a_claim_whose_begin_was_dropped_in_flight_is_released() {
     dropped_begin(via_slow, direct, &slow).await;
     drop_schema(&url, &schema).await;
 }
+
+/// `url` with its user replaced by `user` (`postgres://user@host...`).
+fn with_user(url: &str, user: &str) -> String {
+    let (scheme, rest) = url.split_once("://").expect("a URL with a scheme");
+    let rest = rest.split_once('@').map_or(rest, |(_, host)| host);
+    format!("{scheme}://{user}@{rest}")
+}
+
+/// A connection whose notifications on `channel` arrive on the returned receiver.
+async fn listen(
+    url: &str,
+    channel: &str,
+) -> (
+    tokio_postgres::Client,
+    tokio::sync::mpsc::UnboundedReceiver<String>,
+) {
+    use futures_util::StreamExt;
+    let (client, mut conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .expect("listening connection");
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut messages = futures_util::stream::poll_fn(move |cx| conn.poll_message(cx));
+        while let Some(Ok(m)) = messages.next().await {
+            if let tokio_postgres::AsyncMessage::Notification(n) = m {
+                let _ = tx.send(n.payload().to_owned());
+            }
+        }
+    });
+    client
+        .batch_execute(&format!("LISTEN \"{channel}\""))
+        .await
+        .unwrap();
+    (client, rx)
+}
+
+async fn next_notification(rx: &mut tokio::sync::mpsc::UnboundedReceiver<String>) -> String {
+    tokio::time::timeout(Duration::from_secs(10), rx.recv())
+        .await
+        .expect("a notification within 10 s")
+        .expect("the listening connection is open")
+}
+
+/// A completion, release or forget nobody waits for sends no NOTIFY (whose commit would take
+/// the server-wide notify lock); one a waiter watches does. Notifications arrive in commit
+/// order, so a marker sent afterwards shows what came before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notify_only_when_a_waiter_watches() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let (b, schema) = builder(&url);
+    let store = connect(b).await;
+    let (listener, mut notes) = listen(&url, store.channel()).await;
+    let fp = Fingerprint([5; 32]);
+    let lease = conformance::LONG;
+    let record = || conformance::sample_record(fp);
+    let claim = |name: &str| {
+        let (store, scope) = (store.clone(), order_scope(&unique(name)));
+        async move {
+            match store.begin(scope, fp, lease).await {
+                Ok(Begin::New(t)) => (scope, t),
+                other => panic!("fresh scope: {other:?}"),
+            }
+        }
+    };
+    // Nobody waits: complete, release, forget notify nothing.
+    let (s1, t1) = claim("quiet-complete-").await;
+    store.complete(s1, t1, record(), lease).await.unwrap();
+    let (s2, t2) = claim("quiet-release-").await;
+    store.release(s2, t2).await.unwrap();
+    assert!(store.forget(s1).await.unwrap());
+    listener
+        .execute("SELECT pg_notify($1, 'marker-1')", &[&store.channel()])
+        .await
+        .unwrap();
+    assert_eq!(
+        next_notification(&mut notes).await,
+        "marker-1",
+        "nothing was notified for claims nobody waited for"
+    );
+
+    // A waiter watches: its claim's end is notified.
+    let (s3, t3) = claim("watched-").await;
+    let waiter = {
+        let store = store.clone();
+        tokio::spawn(async move { store.wait(s3, t3).await })
+    };
+    let table = store.table();
+    let mut watched = false;
+    for _ in 0..500 {
+        let row = listener
+            .query_one(
+                &format!("SELECT watched FROM {table} WHERE scope = $1"),
+                &[&&s3.0[..]],
+            )
+            .await
+            .unwrap();
+        if row.get::<_, bool>(0) {
+            watched = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(watched, "the waiter marks the claim watched");
+    store.complete(s3, t3, record(), lease).await.unwrap();
+    assert_eq!(next_notification(&mut notes).await, s3.to_hex());
+    tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter wakes")
+        .unwrap()
+        .unwrap();
+    // A new claim of the scope (after forget) starts unwatched again.
+    assert!(store.forget(s3).await.unwrap());
+    assert_eq!(
+        next_notification(&mut notes).await,
+        s3.to_hex(),
+        "forgetting a watched record notifies"
+    );
+    let Ok(Begin::New(t4)) = store.begin(s3, fp, lease).await else {
+        panic!("free after forget");
+    };
+    store.release(s3, t4).await.unwrap();
+    listener
+        .execute("SELECT pg_notify($1, 'marker-2')", &[&store.channel()])
+        .await
+        .unwrap();
+    assert_eq!(next_notification(&mut notes).await, "marker-2");
+    drop_schema(&url, &schema).await;
+}
+
+/// A role with no CREATE on the database migrates once the schema exists (creating the
+/// table in it), and a role with only USAGE and table privileges migrates once the table
+/// exists; a role that may create nothing is told what to run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_works_for_a_least_privilege_role() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let admin = raw(&url).await;
+    let role = unique("idem_app_");
+    let (schema_a, schema_b, schema_c) = (
+        unique("idem_test_"),
+        unique("idem_test_"),
+        unique("idem_test_"),
+    );
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE \"{role}\" LOGIN;\n\
+             CREATE SCHEMA \"{schema_a}\"; GRANT USAGE, CREATE ON SCHEMA \"{schema_a}\" TO \"{role}\";\n\
+             CREATE SCHEMA \"{schema_b}\"; GRANT USAGE ON SCHEMA \"{schema_b}\" TO \"{role}\";\n\
+             CREATE SCHEMA \"{schema_c}\"; GRANT USAGE ON SCHEMA \"{schema_c}\" TO \"{role}\";"
+        ))
+        .await
+        .unwrap();
+    let can_create_in_db: bool = admin
+        .query_one(
+            "SELECT has_database_privilege($1, current_database(), 'CREATE')",
+            &[&role],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        !can_create_in_db,
+        "the role must not have CREATE on the database"
+    );
+    // The owner creates the table in schema B and grants the role what the store needs.
+    let owner = connect(PostgresStore::builder(&url).schema(&schema_b)).await;
+    admin
+        .batch_execute(&format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO \"{role}\"",
+            owner.table()
+        ))
+        .await
+        .unwrap();
+    let app_url = with_user(&url, &role);
+
+    // A: the schema exists, the role may create in it: migrate creates the table.
+    let a = PostgresStore::builder(&app_url)
+        .schema(&schema_a)
+        .connect()
+        .await
+        .expect("the role connects");
+    a.migrate()
+        .await
+        .expect("migrate with CREATE on the schema only");
+    a.migrate().await.expect("and again");
+    conformance::run_all(|| a.clone()).await;
+
+    // B: the table exists, the role has DML only: migrate changes nothing and succeeds.
+    let b = PostgresStore::builder(&app_url)
+        .schema(&schema_b)
+        .connect()
+        .await
+        .unwrap();
+    b.migrate()
+        .await
+        .expect("migrate with USAGE and table privileges only");
+    conformance::run_all(|| b.clone()).await;
+
+    // C: nothing exists and the role may create nothing: a clear error.
+    let c = PostgresStore::builder(&app_url)
+        .schema(&schema_c)
+        .connect()
+        .await
+        .unwrap();
+    let e = c
+        .migrate()
+        .await
+        .expect_err("the role cannot create the table");
+    let msg = e.to_string();
+    eprintln!("{msg}");
+    assert!(
+        msg.contains("migration_sql") && msg.contains("CREATE TABLE"),
+        "{msg}"
+    );
+
+    drop((a, b, c, owner));
+    for s in [&schema_a, &schema_b, &schema_c] {
+        drop_schema(&url, s).await;
+    }
+    admin
+        .batch_execute(&format!("DROP OWNED BY \"{role}\"; DROP ROLE \"{role}\""))
+        .await
+        .unwrap();
+}
+
+/// Eight replicas migrate one new schema at the same moment: every one succeeds, and the
+/// table works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_works_for_replicas_starting_at_once() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    for round in 0..3 {
+        let schema = unique("idem_test_");
+        let mut replicas = Vec::new();
+        for _ in 0..8 {
+            replicas.push(
+                PostgresStore::builder(&url)
+                    .schema(&schema)
+                    .pool_size(1)
+                    .connect()
+                    .await
+                    .unwrap(),
+            );
+        }
+        let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(replicas.len()));
+        let tasks: Vec<_> = replicas
+            .iter()
+            .cloned()
+            .map(|r| {
+                let barrier = barrier.clone();
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    r.migrate().await
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await
+                .unwrap()
+                .unwrap_or_else(|e| panic!("round {round}: a replica's migrate failed: {e}"));
+        }
+        let scope = order_scope(&unique("replicas-"));
+        assert!(matches!(
+            replicas[3]
+                .begin(scope, Fingerprint([1; 32]), conformance::LONG)
+                .await,
+            Ok(Begin::New(_))
+        ));
+        drop(replicas);
+        drop_schema(&url, &schema).await;
+    }
+}
+
+/// A table made by an earlier version (no `watched` column) is brought up to date.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_adds_the_watched_column_to_an_older_table() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let schema = unique("idem_test_");
+    raw(&url)
+        .await
+        .batch_execute(&format!(
+            "CREATE SCHEMA \"{schema}\";\n\
+             CREATE TABLE \"{schema}\".\"idempotency_records\" (\n\
+                 scope bytea PRIMARY KEY,\n\
+                 state text NOT NULL CHECK (state IN ('in_flight', 'completed')),\n\
+                 token uuid NOT NULL, fingerprint bytea NOT NULL, expires_at timestamptz NOT NULL,\n\
+                 record bytea, CHECK ((state = 'completed') = (record IS NOT NULL)));"
+        ))
+        .await
+        .unwrap();
+    let store = connect(PostgresStore::builder(&url).schema(&schema)).await;
+    conformance::run_all(|| store.clone()).await;
+    drop_schema(&url, &schema).await;
+}
+
+/// One cleanup run removes every expired row, however many piled up (the old cleanup removed
+/// at most 100 000 a run, so above ~1 700 writes/s expired rows grew without bound).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanup_keeps_up_with_any_backlog() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let (b, schema) = builder(&url);
+    let store = connect(b.cleanup_interval(Duration::ZERO)).await;
+    let admin = raw(&url).await;
+    let expired: i64 = 150_000;
+    admin
+        .execute(
+            &format!(
+                "INSERT INTO {} (scope, state, token, fingerprint, expires_at, record) \
+                 SELECT decode(md5(i::text) || md5((-i)::text), 'hex'), 'completed', \
+                        gen_random_uuid(), '\\x00'::bytea, now() - interval '1 second', '\\x00'::bytea \
+                 FROM generate_series(1, $1::bigint) i",
+                store.table()
+            ),
+            &[&expired],
+        )
+        .await
+        .unwrap();
+    let live = order_scope(&unique("live-"));
+    assert!(matches!(
+        store
+            .begin(live, Fingerprint([1; 32]), conformance::LONG)
+            .await,
+        Ok(Begin::New(_))
+    ));
+    let started = std::time::Instant::now();
+    let removed = store.remove_expired().await.expect("cleanup");
+    let took = started.elapsed();
+    eprintln!(
+        "removed {removed} expired rows in {took:?} ({:.0} rows/s)",
+        removed as f64 / took.as_secs_f64()
+    );
+    assert_eq!(removed, expired as u64, "one run removes the whole backlog");
+    let left: i64 = admin
+        .query_one(&format!("SELECT count(*) FROM {}", store.table()), &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 1, "only the live claim stays");
+
+    // The background task does the same on its own.
+    drop(store);
+    let store = connect(
+        PostgresStore::builder(&url)
+            .schema(&schema)
+            .cleanup_interval(Duration::from_millis(200)),
+    )
+    .await;
+    admin
+        .execute(
+            &format!(
+                "INSERT INTO {} (scope, state, token, fingerprint, expires_at, record) \
+                 SELECT decode(md5(i::text) || md5((-i)::text), 'hex'), 'completed', \
+                        gen_random_uuid(), '\\x00'::bytea, now() - interval '1 second', '\\x00'::bytea \
+                 FROM generate_series(1, 20000) i",
+                store.table()
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+    let mut cleared = false;
+    for _ in 0..600 {
+        let left: i64 = admin
+            .query_one(&format!("SELECT count(*) FROM {}", store.table()), &[])
+            .await
+            .unwrap()
+            .get(0);
+        if left == 1 {
+            cleared = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(cleared, "the background cleanup removed the expired rows");
+    drop_schema(&url, &schema).await;
+}
+
+/// A proxy that relays the first connection to `upstream` and holds every later one open
+/// without a byte (a listener that cannot get through).
+struct FirstOnly {
+    addr: std::net::SocketAddr,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for FirstOnly {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+impl FirstOnly {
+    async fn start(upstream: &str) -> FirstOnly {
+        let upstream = tokio::net::lookup_host(upstream)
+            .await
+            .unwrap()
+            .next()
+            .unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accept = tokio::spawn(async move {
+            let mut held = Vec::new();
+            let mut first = true;
+            while let Ok((mut client, _)) = listener.accept().await {
+                if std::mem::replace(&mut first, false) {
+                    tokio::spawn(async move {
+                        if let Ok(mut server) = tokio::net::TcpStream::connect(upstream).await {
+                            let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                        }
+                    });
+                } else {
+                    held.push(client);
+                }
+            }
+        });
+        FirstOnly { addr, accept }
+    }
+}
+
+/// While the listener cannot connect, a waiter still checks at once (an ended claim returns
+/// without waiting for the listener) and polling wakes it when a held claim ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_does_not_block_for_the_listener() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let proxy = FirstOnly::start(authority(&url)).await;
+    let schema = unique("idem_test_");
+    let direct = connect(PostgresStore::builder(&url).schema(&schema)).await;
+    // The one pooled connection gets through; the listener's hangs. A timeout far longer than
+    // the bounds below: the old wait blocked this long for the listener first.
+    let store = PostgresStore::builder(via(&url, proxy.addr))
+        .schema(&schema)
+        .pool_size(1)
+        .timeout(Duration::from_secs(60))
+        .connect()
+        .await
+        .unwrap();
+    let fp = Fingerprint([2; 32]);
+    let scope = order_scope(&unique("ended-"));
+    let Ok(Begin::New(t)) = store.begin(scope, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    store
+        .complete(scope, t, conformance::sample_record(fp), conformance::LONG)
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), store.wait(scope, t))
+        .await
+        .expect("a wait on an ended claim returns without waiting for the listener")
+        .unwrap();
+
+    let scope = order_scope(&unique("held-"));
+    let Ok(Begin::New(t)) = direct.begin(scope, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    let waiter = {
+        let store = store.clone();
+        tokio::spawn(async move { store.wait(scope, t).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    direct
+        .complete(scope, t, conformance::sample_record(fp), conformance::LONG)
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("polling wakes the waiter while the listener is down")
+        .unwrap()
+        .unwrap();
+    drop(store);
+    drop_schema(&url, &schema).await;
+}
+
+/// A store chosen at run time from its URL (migrated on open).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_store_from_a_postgres_url() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let store = idempotency_layer::store::AnyStore::from_url(&url)
+        .await
+        .unwrap();
+    assert!(matches!(
+        store,
+        idempotency_layer::store::AnyStore::Postgres(_)
+    ));
+    conformance::run_all(|| store.clone()).await;
+}
+
+/// `url` with `params` added to its query.
+fn with_params(url: &str, params: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}{params}")
+}
+
+/// `sslmode=require` connects over TLS (this PostgreSQL has `ssl = on`): every connection of
+/// the store, the listener's too, is encrypted; with root certificates that did not sign the
+/// server's, the connection is refused.
+#[cfg(feature = "postgres-tls")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sslmode_require_connects_over_tls() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let app = unique("idem_tls_");
+    let tls_url = with_params(&url, &format!("sslmode=require&application_name={app}"));
+    let schema = unique("idem_test_");
+    let store = connect(PostgresStore::builder(&tls_url).schema(&schema)).await;
+    conformance::run_all(|| store.clone()).await;
+    // A waiter makes the listener connect too.
+    let scope = order_scope(&unique("tls-wait-"));
+    let fp = Fingerprint([4; 32]);
+    let Ok(Begin::New(t)) = store.begin(scope, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    let waiter = {
+        let store = store.clone();
+        tokio::spawn(async move { store.wait(scope, t).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let row = raw(&url)
+        .await
+        .query_one(
+            "SELECT count(*) FILTER (WHERE s.ssl), count(*) FILTER (WHERE NOT s.ssl) \
+             FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) WHERE a.application_name = $1",
+            &[&app],
+        )
+        .await
+        .unwrap();
+    let (tls, plain): (i64, i64) = (row.get(0), row.get(1));
+    eprintln!("{tls} TLS connections, {plain} plain");
+    assert!(tls >= 2, "pooled and listening connections are TLS: {tls}");
+    assert_eq!(plain, 0);
+    store
+        .complete(scope, t, conformance::sample_record(fp), conformance::LONG)
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+
+    // Roots of a CA that did not sign the server's certificate: refused.
+    let dir = std::env::temp_dir().join(unique("idem-ca-"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let status = std::process::Command::new("openssl")
+        .args([
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+        ])
+        .args(["-subj", "/CN=unrelated test CA"])
+        .arg("-keyout")
+        .arg(dir.join("ca.key"))
+        .arg("-out")
+        .arg(dir.join("ca.pem"))
+        .stderr(std::process::Stdio::null())
+        .status()
+        .expect("openssl makes a CA");
+    assert!(status.success());
+    let pem = std::fs::read(dir.join("ca.pem")).unwrap();
+    let refused = PostgresStore::builder(&tls_url)
+        .schema(&schema)
+        .tls_root_certificates(pem)
+        .connect()
+        .await;
+    assert!(refused.is_err(), "an unverifiable certificate is refused");
+    eprintln!("refused: {}", refused.unwrap_err());
+    let _ = std::fs::remove_dir_all(&dir);
+    drop_schema(&url, &schema).await;
+}
+
+/// A store on the application's own pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_on_your_own_pool() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let config: tokio_postgres::Config = url.parse().unwrap();
+    let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
+    let pool = deadpool_postgres::Pool::builder(manager)
+        .max_size(4)
+        .build()
+        .unwrap();
+    let schema = unique("idem_test_");
+    let store = connect(PostgresStore::builder_from_pool(pool.clone(), &url).schema(&schema)).await;
+    conformance::run_all(|| store.clone()).await;
+    // The pool is the application's: it serves its own queries alongside.
+    let n: i32 = pool
+        .get()
+        .await
+        .unwrap()
+        .query_one("SELECT 1", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1);
+    drop_schema(&url, &schema).await;
+}

@@ -270,3 +270,303 @@ async fn a_claim_whose_begin_was_dropped_in_flight_is_released() {
         .unwrap();
     dropped_begin(via_slow, direct, &slow).await;
 }
+
+/// The store reads `maxmemory-policy` at connect (a policy that can evict our keys is logged
+/// as an error), and a server that forbids `CONFIG` is accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn maxmemory_policy_is_read_at_connect_and_config_may_be_forbidden() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let mut admin = raw(&url).await;
+    let current: Vec<String> = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("maxmemory-policy")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let s = store(&url).await;
+    assert_eq!(s.maxmemory_policy(), Some(current[1].as_str()));
+    assert!(!idempotency_layer::store::maxmemory_policy_can_evict(
+        "noeviction"
+    ));
+    for p in [
+        "volatile-ttl",
+        "allkeys-lru",
+        "volatile-lru",
+        "allkeys-random",
+    ] {
+        assert!(
+            idempotency_layer::store::maxmemory_policy_can_evict(p),
+            "{p}"
+        );
+    }
+
+    // A user that may not run CONFIG (as on managed services): the store still connects.
+    let user = unique("idem_noconfig_");
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg(&user)
+        .arg("on")
+        .arg(">secret-pass")
+        .arg("~*")
+        .arg("&*")
+        .arg("+@all")
+        .arg("-config")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let rest = rest.split_once('@').map_or(rest, |(_, h)| h);
+    let limited = RedisStore::builder(format!("{scheme}://{user}:secret-pass@{rest}"))
+        .prefix(unique("test:idem:"))
+        .connect()
+        .await;
+    let worked = match &limited {
+        Ok(store) => {
+            let scope = order_scope(&unique("noconfig-"));
+            matches!(
+                store
+                    .begin(scope, Fingerprint([1; 32]), conformance::LONG)
+                    .await,
+                Ok(Begin::New(_))
+            )
+        }
+        Err(_) => false,
+    };
+    // Deleting the user disconnects its clients: only after the store was used.
+    let _: () = redis::cmd("ACL")
+        .arg("DELUSER")
+        .arg(&user)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let limited = limited.expect("a server that forbids CONFIG is accepted");
+    assert_eq!(limited.maxmemory_policy(), None);
+    assert!(worked, "the store works without CONFIG");
+}
+
+/// A store on the application's own client and connection manager.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_on_your_own_client_and_connection_manager() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let manager = client.get_connection_manager().await.unwrap();
+    let store = RedisStore::builder_from_client(client)
+        .connection_manager(manager.clone())
+        .prefix(unique("test:idem:"))
+        .connect()
+        .await
+        .unwrap();
+    conformance::run_all(|| store.clone()).await;
+    // The application's manager still works alongside.
+    let mut m = manager;
+    let pong: String = redis::cmd("PING").query_async(&mut m).await.unwrap();
+    assert_eq!(pong, "PONG");
+}
+
+/// Failed and refused lease renewals are counted (and logged).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_renewals_are_counted() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let s = store(&url).await;
+    let scope = order_scope(&unique("renew-"));
+    let Ok(Begin::New(t)) = s
+        .begin(scope, Fingerprint([1; 32]), conformance::LONG)
+        .await
+    else {
+        panic!("fresh scope");
+    };
+    s.renew(scope, t, conformance::LONG).await.unwrap();
+    assert_eq!(s.renewals_failed(), 0);
+    assert!(s.forget(scope).await.unwrap());
+    assert!(s.renew(scope, t, conformance::LONG).await.is_err());
+    assert_eq!(s.renewals_failed(), 1, "a refused renewal is counted");
+}
+
+/// A store chosen at run time from its URL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_store_from_a_redis_url() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let store = idempotency_layer::store::AnyStore::from_url(&url)
+        .await
+        .unwrap();
+    assert!(matches!(
+        store,
+        idempotency_layer::store::AnyStore::Redis(_)
+    ));
+    conformance::run_all(|| store.clone()).await;
+}
+
+/// A `redis-server` with TLS only, on a free loopback port, with a CA and a server certificate
+/// for 127.0.0.1 this test makes with `openssl`; killed when dropped.
+#[cfg(feature = "redis-tls")]
+struct TlsRedis {
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+    port: u16,
+}
+
+#[cfg(feature = "redis-tls")]
+impl Drop for TlsRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[cfg(feature = "redis-tls")]
+impl TlsRedis {
+    async fn start() -> TlsRedis {
+        use std::process::{Command, Stdio};
+        let dir = std::env::temp_dir().join(unique("idem-redis-tls-"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let run = |args: &[&str]| {
+            let ok = Command::new("openssl")
+                .args(args)
+                .current_dir(&dir)
+                .stderr(Stdio::null())
+                .status()
+                .expect("openssl")
+                .success();
+            assert!(ok, "openssl {args:?}");
+        };
+        run(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=idempotency test CA",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+        ]);
+        run(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-addext",
+            "basicConstraints=critical,CA:FALSE",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.pem",
+        ]);
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                "0",
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .args(["--tls-port", &port.to_string(), "--tls-auth-clients", "no"])
+            .args([
+                "--tls-cert-file",
+                "server.pem",
+                "--tls-key-file",
+                "server.key",
+            ])
+            .args([
+                "--tls-ca-cert-file",
+                "ca.pem",
+                "--maxmemory-policy",
+                "noeviction",
+            ])
+            .current_dir(&dir)
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server (with TLS support) is installed");
+        let tls = TlsRedis { child, dir, port };
+        for _ in 0..100 {
+            if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+            {
+                return tls;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("the TLS redis-server did not start within 5 s");
+    }
+}
+
+/// `rediss://` works: through a client that trusts the test's CA (the certificate is
+/// checked), and through the URL alone with `#insecure` (encrypted, not checked); a client
+/// that does not trust the CA is refused.
+#[cfg(feature = "redis-tls")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rediss_connects_over_tls() {
+    if env_url("REDIS_URL").is_none() {
+        return;
+    }
+    let server = TlsRedis::start().await;
+    let url = format!("rediss://127.0.0.1:{}", server.port);
+    let ca = std::fs::read(server.dir.join("ca.pem")).unwrap();
+    let client = redis::Client::build_with_tls(
+        url.as_str(),
+        redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(ca),
+        },
+    )
+    .unwrap();
+    let store = RedisStore::builder_from_client(client)
+        .prefix(unique("test:idem:"))
+        .connect()
+        .await
+        .expect("rediss with the test CA");
+    assert_eq!(store.maxmemory_policy(), Some("noeviction"));
+    conformance::run_all(|| store.clone()).await;
+
+    let insecure = RedisStore::builder(format!("{url}/#insecure"))
+        .prefix(unique("test:idem:"))
+        .connect()
+        .await
+        .expect("rediss://...#insecure");
+    let scope = order_scope(&unique("tls-"));
+    assert!(matches!(
+        insecure
+            .begin(scope, Fingerprint([1; 32]), conformance::LONG)
+            .await,
+        Ok(Begin::New(_))
+    ));
+
+    let untrusted = RedisStore::builder(&url).connect().await;
+    assert!(
+        untrusted.is_err(),
+        "a certificate from an unknown CA is refused"
+    );
+}

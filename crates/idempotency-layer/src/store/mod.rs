@@ -26,6 +26,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
 
+mod any;
 #[cfg(any(feature = "redis", feature = "postgres"))]
 mod codec;
 mod memory;
@@ -63,7 +64,7 @@ pub fn decode_record(bytes: &[u8]) -> Result<Record, StoreError> {
     codec::decode(bytes)
 }
 #[cfg(feature = "redis")]
-pub use self::redis::{RedisStore, RedisStoreBuilder};
+pub use self::redis::{maxmemory_policy_can_evict, RedisStore, RedisStoreBuilder};
 
 /// Runs a store operation through a brief store outage: a backend failure is retried with
 /// backoff (50 ms doubling to 1 s) for at most `within` (a claim's lease: after that the claim
@@ -168,7 +169,8 @@ impl<St: IdempotencyStore> Drop for OrphanGuard<St> {
         });
     }
 }
-pub use memory::MemoryStore;
+pub use any::AnyStore;
+pub use memory::{MemoryStats, MemoryStore, MemoryStoreBuilder};
 
 /// The boxed error a store wraps from its backend (the workspace's one boxed error).
 pub use reason_code::BoxError;
@@ -179,6 +181,26 @@ pub use reason_code::BoxError;
 /// encoding, so no raw tenant or key reaches the store.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ScopeKey(pub [u8; 32]);
+
+/// The hash of a tenant alone: what a store needs to keep each tenant to its share (see
+/// [`IdempotencyStore::begin_for_tenant`]) without learning who the tenant is.
+///
+/// Equal for every scope of one tenant and, short of a 64-bit collision, different between
+/// tenants. [`TenantKey::default`] is "no tenant known" (a direct [`IdempotencyStore::begin`]).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Default)]
+pub struct TenantKey(pub u64);
+
+impl TenantKey {
+    /// The key of `tenant` (the tenant a [`Scope`](crate::Scope) is made with).
+    pub fn of(tenant: &str) -> TenantKey {
+        let mut h = blake3::Hasher::new();
+        h.update(b"idempotency-layer tenant v1\0");
+        h.update(tenant.as_bytes());
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&h.finalize().as_bytes()[..8]);
+        TenantKey(u64::from_le_bytes(b))
+    }
+}
 
 impl ScopeKey {
     /// The key as lowercase hex, 64 characters (for stores that need a string key).
@@ -261,7 +283,9 @@ pub enum StoreError {
     /// The token no longer holds the claim (lease lapsed and taken over, key forgotten, or the
     /// claim already ended). Nothing was changed.
     Fenced,
-    /// The store has no room: every entry is in flight. Nothing was changed.
+    /// The store has no room for a new claim (it is full, or the tenant's share of it is).
+    /// Nothing was claimed and nothing executes: the layer answers 503 / UNAVAILABLE with
+    /// `Retry-After`, which clients retry.
     Full,
     /// The backend failed or is unreachable.
     Backend(BoxError),
@@ -273,7 +297,11 @@ impl fmt::Display for StoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             StoreError::Fenced => f.write_str("the fencing token no longer holds the claim"),
-            StoreError::Full => f.write_str("the store is full of requests in flight"),
+            StoreError::Full => f.write_str(
+                "the idempotency store has no room for a new claim (it is full, or this \
+                 tenant's share of it is); nothing was executed: retry later, or raise the \
+                 store's bounds",
+            ),
             StoreError::Backend(e) => write!(f, "idempotency store backend failed: {e}"),
             StoreError::Corrupt(what) => write!(f, "idempotency store entry is corrupt: {what}"),
         }
@@ -303,6 +331,21 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         fingerprint: Fingerprint,
         lease: Duration,
     ) -> impl Future<Output = Result<Begin, StoreError>> + Send;
+
+    /// [`begin`](Self::begin) for a scope of `tenant`: what the layer calls. A store that
+    /// bounds what one tenant may hold ([`MemoryStore`]) charges the claim and its record to
+    /// `tenant`, and may refuse it with [`StoreError::Full`] when the tenant's share is full.
+    /// The default ignores the tenant and calls `begin`.
+    fn begin_for_tenant(
+        &self,
+        tenant: TenantKey,
+        scope: ScopeKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Begin, StoreError>> + Send {
+        let _ = tenant;
+        self.begin(scope, fingerprint, lease)
+    }
 
     /// Replaces the claim `token` with `record`, kept for `ttl`, and wakes the waiters.
     /// [`StoreError::Fenced`] if `token` no longer holds the claim.

@@ -1,6 +1,7 @@
 //! [`RedisStore`]: claims and records in Redis, shared by every instance of a service.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -13,23 +14,39 @@ use super::codec;
 use super::wake::{Polling, Waiters};
 use super::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token};
 
-/// Claims the key: free (absent, or expired by Redis) -> in flight; else reports what holds it.
+// The time in Redis's own clock, in ms (instances with skewed clocks agree).
+const NOW: &str = r#"
+local tm = redis.call('TIME')
+local now = tonumber(tm[1]) * 1000 + math.floor(tonumber(tm[2]) / 1000)
+"#;
+
+/// Claims the key: free (absent, expired by Redis, a claim whose lease lapsed, or the tombstone
+/// of a forgotten claim) -> in flight; else reports what holds it. A claim's lease end is its
+/// field `e` (ms); the key itself lives ARGV[4] ms longer, so that a leader whose lease lapsed
+/// with no takeover can still complete (as with the other stores).
 const CLAIM: &str = r#"
 local k = KEYS[1]
-local t = redis.call('TYPE', k)['ok']
-if t == 'none' then
-  redis.call('HSET', k, 's', 'i', 't', ARGV[1], 'f', ARGV[2])
-  redis.call('PEXPIRE', k, ARGV[3])
+local function claim()
+  redis.call('DEL', k)
+  redis.call('HSET', k, 's', 'i', 't', ARGV[1], 'f', ARGV[2], 'e', now + tonumber(ARGV[3]))
+  redis.call('PEXPIRE', k, tonumber(ARGV[3]) + tonumber(ARGV[4]))
   return {1}
 end
+local t = redis.call('TYPE', k)['ok']
+if t == 'none' then return claim() end
 if t ~= 'hash' then return {4, 'the key holds a ' .. t .. ', not an idempotency entry'} end
-local v = redis.call('HMGET', k, 's', 't', 'f', 'r')
+local v = redis.call('HMGET', k, 's', 't', 'f', 'r', 'e')
 if v[1] == 'c' and v[4] then return {3, v[4]} end
-if v[1] == 'i' and v[2] and v[3] then return {2, v[2], v[3]} end
+if v[1] == 'i' and v[2] and v[3] then
+  if v[5] and tonumber(v[5]) <= now then return claim() end
+  return {2, v[2], v[3]}
+end
+if v[1] == 'x' then return claim() end
 return {4, 'the entry has no valid state'}
 "#;
 
-/// Replaces the claim ARGV[1] with the record ARGV[2], kept ARGV[3] ms; wakes the waiters.
+/// Replaces the claim ARGV[1] (even one whose lease lapsed, if nobody took it over) with the
+/// record ARGV[2], kept ARGV[3] ms; wakes the waiters.
 const COMPLETE: &str = r#"
 local k = KEYS[1]
 if redis.call('TYPE', k)['ok'] ~= 'hash' then return 0 end
@@ -38,7 +55,7 @@ if v[1] ~= 'i' or v[2] ~= ARGV[1] then return 0 end
 redis.call('DEL', k)
 redis.call('HSET', k, 's', 'c', 'r', ARGV[2])
 redis.call('PEXPIRE', k, ARGV[3])
-redis.call('PUBLISH', k, 'c')
+redis.call(PUBLISH, k, 'c')
 return 1
 "#;
 
@@ -49,7 +66,7 @@ if redis.call('TYPE', k)['ok'] ~= 'hash' then return 0 end
 local v = redis.call('HMGET', k, 's', 't')
 if v[1] ~= 'i' or v[2] ~= ARGV[1] then return 0 end
 redis.call('DEL', k)
-redis.call('PUBLISH', k, 'r')
+redis.call(PUBLISH, k, 'r')
 return 1
 "#;
 
@@ -59,44 +76,99 @@ local k = KEYS[1]
 if redis.call('TYPE', k)['ok'] ~= 'hash' then return 0 end
 local v = redis.call('HMGET', k, 's', 't')
 if v[1] ~= 'i' or v[2] ~= ARGV[1] then return 0 end
-redis.call('PEXPIRE', k, ARGV[2])
+redis.call('HSET', k, 'e', now + tonumber(ARGV[2]))
+redis.call('PEXPIRE', k, tonumber(ARGV[2]) + tonumber(ARGV[3]))
 return 1
 "#;
 
-/// Removes whatever the key holds; wakes the waiters.
+/// Removes whatever the key holds; wakes the waiters. A claim leaves a tombstone with its
+/// token for as long as its key would have lived, so its leader's late complete is refused.
 const FORGET: &str = r#"
-local n = redis.call('DEL', KEYS[1])
-if n == 1 then redis.call('PUBLISH', KEYS[1], 'f') end
-return n
+local k = KEYS[1]
+local t = redis.call('TYPE', k)['ok']
+if t == 'none' then return 0 end
+if t == 'hash' then
+  local v = redis.call('HMGET', k, 's', 't')
+  if v[1] == 'x' then return 0 end
+  if v[1] == 'i' then
+    local ttl = redis.call('PTTL', k)
+    redis.call('DEL', k)
+    redis.call('HSET', k, 's', 'x', 't', v[2])
+    if ttl > 0 then redis.call('PEXPIRE', k, ttl) end
+    redis.call(PUBLISH, k, 'f')
+    return 1
+  end
+end
+redis.call('DEL', k)
+redis.call(PUBLISH, k, 'f')
+return 1
 "#;
 
-/// The lease left (ms, -1: no expiry) of the claim ARGV[1], or -2 if it no longer holds.
+/// The lease left (ms) of the claim ARGV[1], or -2 if it no longer holds (ended, taken over,
+/// or its lease lapsed: the waiter then begins again and takes it over).
 const PEEK: &str = r#"
 local k = KEYS[1]
 if redis.call('TYPE', k)['ok'] ~= 'hash' then return -2 end
-local v = redis.call('HMGET', k, 's', 't')
+local v = redis.call('HMGET', k, 's', 't', 'e')
 if v[1] ~= 'i' or v[2] ~= ARGV[1] then return -2 end
-return redis.call('PTTL', k)
+if not v[3] then return redis.call('PTTL', k) end
+local left = tonumber(v[3]) - now
+if left <= 0 then return -2 end
+return left
 "#;
 
+/// How long a claim's key outlives its lease: the time a leader whose lease lapsed with no
+/// takeover (a long GC pause, a slow handler whose renewals failed) still has to complete.
+const LATE_COMPLETE_GRACE: Duration = Duration::from_secs(3600);
+
+/// A script's source for the server: the clock prelude where it needs one, and `PUBLISH` or
+/// the cluster's `SPUBLISH` (sharded pub/sub: the message stays on the key's shard).
+fn source(body: &str, publish: &str) -> String {
+    let body = body.replace("redis.call(PUBLISH,", &format!("redis.call('{publish}',"));
+    if body.contains("now") {
+        format!("{NOW}{body}")
+    } else {
+        body
+    }
+}
+
+/// A script: its source and the SHA1 `EVALSHA` names it by.
+struct Lua {
+    source: String,
+    script: Script,
+}
+
+impl Lua {
+    fn new(body: &str, publish: &str) -> Lua {
+        let source = source(body, publish);
+        Lua {
+            script: Script::new(&source),
+            source,
+        }
+    }
+}
+
 struct Scripts {
-    claim: Script,
-    complete: Script,
-    release: Script,
-    renew: Script,
-    forget: Script,
-    peek: Script,
+    claim: Lua,
+    complete: Lua,
+    release: Lua,
+    renew: Lua,
+    forget: Lua,
+    peek: Lua,
 }
 
 fn scripts() -> &'static Scripts {
     static SCRIPTS: OnceLock<Scripts> = OnceLock::new();
-    SCRIPTS.get_or_init(|| Scripts {
-        claim: Script::new(CLAIM),
-        complete: Script::new(COMPLETE),
-        release: Script::new(RELEASE),
-        renew: Script::new(RENEW),
-        forget: Script::new(FORGET),
-        peek: Script::new(PEEK),
+    SCRIPTS.get_or_init(|| {
+        let publish = "PUBLISH";
+        Scripts {
+            claim: Lua::new(CLAIM, publish),
+            complete: Lua::new(COMPLETE, publish),
+            release: Lua::new(RELEASE, publish),
+            renew: Lua::new(RENEW, publish),
+            forget: Lua::new(FORGET, publish),
+            peek: Lua::new(PEEK, publish),
+        }
     })
 }
 
@@ -111,10 +183,10 @@ fn scripts() -> &'static Scripts {
 ///   completed), `t` (fencing token), `f` (fingerprint), `r` (the record, postcard-encoded).
 ///   (The client itself talks to one endpoint: a single server, a primary, or a
 ///   cluster-aware proxy.)
-/// - **Expiry is Redis's own** (`PEXPIRE`): an in-flight key expires when its lease lapses (so
-///   a crashed leader's claim frees itself and the next `begin` takes over with a new token), a
-///   completed key when its TTL runs out. A late `complete` from a leader whose claim lapsed
-///   or was taken over is refused ([`StoreError::Fenced`]).
+/// - **Expiry**: a claim's lease end is kept in the entry (Redis's own clock): once it passed,
+///   the next `begin` takes the claim over with a new token, and the old leader's `complete` is
+///   refused ([`StoreError::Fenced`]); with no takeover, the old leader's late `complete` is
+///   kept, as with the other stores. A completed key expires with its TTL (`PEXPIRE`).
 /// - **Waiters** are woken by pub/sub: every `complete`, `release` and `forget` publishes on
 ///   the key's own channel (same name as the key). One dedicated pub/sub connection per store
 ///   carries the subscriptions of all its waiters, and reconnects by itself; a waiter also
@@ -142,9 +214,36 @@ fn scripts() -> &'static Scripts {
 /// **What a multi-instance deployment needs**: every instance on the same Redis (or cluster)
 /// with the same [prefix](RedisStoreBuilder::prefix) and the same layer configuration
 /// ([`lease`](crate::IdempotencyLayer::lease), [`ttl`](crate::IdempotencyLayer::ttl), key
-/// headers, tenant source), so that every instance computes the same scope for a request. Redis
-/// must not evict these keys early: use `maxmemory-policy noeviction` or `volatile-ttl`, not an
-/// `allkeys-*` policy, or size the memory for `requests per second x TTL x record size`.
+/// headers, tenant source), so that every instance computes the same scope for a request.
+///
+/// # Deploying
+///
+/// - **Eviction policy: `maxmemory-policy noeviction`.** Every other policy can evict this
+///   store's keys: `volatile-ttl` evicts the shortest TTLs first, which are the claims in
+///   flight (a duplicate then runs), and `allkeys-*` / `volatile-lru` evict records (a retry
+///   runs again). With `noeviction` a full Redis refuses writes: the layer fails closed with a
+///   retryable 503 and nothing runs. The store reads the policy at connect and logs an error
+///   for any other ([`RedisStore::maxmemory_policy`]); managed services that forbid `CONFIG`
+///   are accepted (check the policy in their console).
+/// - **Sizing**: `writes per second x TTL x (record size + ~200 bytes)`, plus claims in
+///   flight. A claim whose leader crashed stays (small, fenced) up to an hour after its lease,
+///   so that a late `complete` with no takeover is still kept.
+/// - **TLS**: `rediss://host:port` with the `redis-tls` feature (rustls; the certificate is
+///   checked against the system's roots). For a private CA or client certificates, build a
+///   `redis::Client::build_with_tls` and use [`RedisStore::builder_from_client`];
+///   `rediss://...#insecure` encrypts without checking.
+/// - **Your own connection**: [`builder_from_client`](RedisStore::builder_from_client) and
+///   [`connection_manager`](RedisStoreBuilder::connection_manager) reuse what your application
+///   already has.
+/// - **Cluster**: every script touches exactly one key, so the layout is cluster-safe, but this
+///   version's client talks to one endpoint (a standalone server, a primary, or a
+///   cluster-aware proxy); a native cluster client is not built yet.
+/// - **Failover**: replication is asynchronous; a claim or record written just before a
+///   failover can be lost, and that key can execute once more. Use `WAIT` / `min-replicas`
+///   settings on the server to narrow the window, or `PostgresStore` with a synchronous
+///   standby where a second execution is unacceptable.
+/// - **Renewals**: [`renewals_failed`](RedisStore::renewals_failed) counts lease renewals that
+///   failed or were refused; each is logged.
 ///
 /// **Knobs**: [`prefix`](RedisStoreBuilder::prefix) (one per service or environment),
 /// [`timeout`](RedisStoreBuilder::timeout) (how fast an outage fails closed, default 1 s),
@@ -186,6 +285,10 @@ struct Inner {
     polling: Polling,
     waiters: Arc<Waiters>,
     pubsub: OnceLock<PubSub>,
+    /// Lease renewals that failed or were refused (shared by stores made `with_prefix`).
+    renewals_failed: Arc<AtomicU64>,
+    /// The server's `maxmemory-policy` as read at connect, if it could be read.
+    maxmemory_policy: Option<String>,
 }
 
 struct PubSub {
@@ -202,13 +305,38 @@ impl fmt::Debug for RedisStore {
     }
 }
 
-/// Builds a [`RedisStore`]: [`RedisStore::builder`].
-#[derive(Debug, Clone)]
+/// Builds a [`RedisStore`]: [`RedisStore::builder`] or [`RedisStore::builder_from_client`].
+#[derive(Clone)]
 pub struct RedisStoreBuilder {
-    url: String,
+    source: Source,
+    conn: Option<ConnectionManager>,
     prefix: String,
     timeout: Duration,
     polling: Polling,
+}
+
+#[derive(Clone, Debug)]
+enum Source {
+    Url(String),
+    Client(Box<redis::Client>),
+}
+
+impl fmt::Debug for RedisStoreBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStoreBuilder")
+            .field("source", &self.source)
+            .field("own_connection_manager", &self.conn.is_some())
+            .field("prefix", &self.prefix)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// True for a `maxmemory-policy` under which Redis may evict this store's keys (every policy
+/// but `noeviction`): an evicted claim lets a duplicate execute, an evicted record lets a retry
+/// execute again.
+pub fn maxmemory_policy_can_evict(policy: &str) -> bool {
+    !policy.eq_ignore_ascii_case("noeviction")
 }
 
 impl RedisStoreBuilder {
@@ -233,22 +361,43 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Connects (the server must be reachable now; later outages are survived by reconnecting).
+    /// Runs commands on this connection manager (yours, shared with the rest of your
+    /// application) instead of making one; the client given to the builder still opens the
+    /// store's pub/sub connection. Its own timeouts and reconnection settings apply; every
+    /// store operation is still bounded by [`timeout`](Self::timeout).
+    pub fn connection_manager(mut self, conn: ConnectionManager) -> Self {
+        self.conn = Some(conn);
+        self
+    }
+
+    /// Connects (the server must be reachable now; later outages are survived by reconnecting),
+    /// and reads the server's `maxmemory-policy`: a policy that can evict this store's keys is
+    /// logged as an error (see "Deploying" on [`RedisStore`]); a server that forbids `CONFIG`
+    /// is accepted, with a note in the log.
     pub async fn connect(self) -> Result<RedisStore, StoreError> {
-        let client = redis::Client::open(self.url.as_str()).map_err(backend)?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(self.timeout))
-            .set_response_timeout(Some(self.timeout))
-            .set_number_of_retries(2)
-            .set_min_delay(Duration::from_millis(10))
-            .set_max_delay(Duration::from_millis(500));
-        let conn = tokio::time::timeout(
-            self.timeout * 4,
-            client.get_connection_manager_with_config(config),
-        )
-        .await
-        .map_err(|_| timed_out(self.timeout * 4))?
-        .map_err(backend)?;
+        let client = match self.source {
+            Source::Url(url) => redis::Client::open(url.as_str()).map_err(backend)?,
+            Source::Client(client) => *client,
+        };
+        let mut conn = match self.conn {
+            Some(conn) => conn,
+            None => {
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(self.timeout))
+                    .set_response_timeout(Some(self.timeout))
+                    .set_number_of_retries(2)
+                    .set_min_delay(Duration::from_millis(10))
+                    .set_max_delay(Duration::from_millis(500));
+                tokio::time::timeout(
+                    self.timeout * 4,
+                    client.get_connection_manager_with_config(config),
+                )
+                .await
+                .map_err(|_| timed_out(self.timeout * 4))?
+                .map_err(backend)?
+            }
+        };
+        let maxmemory_policy = read_maxmemory_policy(&mut conn, self.timeout).await?;
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 conn,
@@ -258,10 +407,52 @@ impl RedisStoreBuilder {
                 polling: self.polling,
                 waiters: Arc::default(),
                 pubsub: OnceLock::new(),
+                renewals_failed: Arc::default(),
+                maxmemory_policy,
             }),
         })
     }
 }
+
+/// Reads `maxmemory-policy` and warns loudly when it can evict; `None` when the server does not
+/// let us read it (`CONFIG` renamed, disabled or denied by ACL, as managed services do).
+async fn read_maxmemory_policy(
+    conn: &mut ConnectionManager,
+    timeout: Duration,
+) -> Result<Option<String>, StoreError> {
+    let mut cmd = redis::cmd("CONFIG");
+    cmd.arg("GET").arg("maxmemory-policy");
+    let read = cmd.query_async::<Vec<String>>(conn);
+    let policy = match tokio::time::timeout(timeout, read).await {
+        Err(_) => return Err(timed_out(timeout)),
+        Ok(Ok(pair)) => pair.into_iter().nth(1),
+        // An error reply (unknown command, NOPERM): the server answered, it just won't say.
+        Ok(Err(e)) if e.code().is_some() => {
+            tracing::info!(
+                error = %e,
+                "idempotency: cannot read redis maxmemory-policy (CONFIG is not allowed); make \
+                 sure it is noeviction, or records and claims may be evicted early"
+            );
+            None
+        }
+        Ok(Err(e)) => return Err(backend(e)),
+    };
+    if let Some(p) = &policy {
+        if maxmemory_policy_can_evict(p) {
+            tracing::error!(
+                maxmemory_policy = %p,
+                "idempotency: redis maxmemory-policy can evict this store's keys: under memory \
+                 pressure an evicted claim lets a duplicate execute, an evicted record lets a \
+                 retry execute again. Set `maxmemory-policy noeviction` (writes then fail \
+                 closed with 503 when Redis is full), or give Redis room for \
+                 writes/s x TTL x record size"
+            );
+        }
+    }
+    Ok(policy)
+}
+
+impl RedisStoreBuilder {}
 
 fn backend(e: RedisError) -> StoreError {
     StoreError::Backend(Box::new(e))
@@ -304,14 +495,41 @@ fn bulk(v: &Value) -> Option<&[u8]> {
 }
 
 impl RedisStore {
-    /// A builder for a store on the server at `url` (`redis://host:port/db`).
+    /// A builder for a store on the server at `url` (`redis://host:port/db`, or
+    /// `rediss://host:port/db` for TLS with the `redis-tls` feature).
     pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
         RedisStoreBuilder {
-            url: url.into(),
+            source: Source::Url(url.into()),
+            conn: None,
             prefix: "idempotency:".to_owned(),
             timeout: Duration::from_secs(1),
             polling: Polling::default(),
         }
+    }
+
+    /// A builder for a store on a client you made (your own TLS certificates with
+    /// `redis::Client::build_with_tls`, credentials, protocol settings). Add your own
+    /// [`connection_manager`](RedisStoreBuilder::connection_manager) to share its connection.
+    pub fn builder_from_client(client: redis::Client) -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            source: Source::Client(Box::new(client)),
+            ..RedisStore::builder(String::new())
+        }
+    }
+
+    /// Lease renewals that failed (the server was unreachable) or were refused (the claim had
+    /// been taken over or forgotten) since the store was made; each is also logged. A rising
+    /// count means leaders are at risk of losing their claims: check the server and the
+    /// layer's [`lease`](crate::IdempotencyLayer::lease).
+    pub fn renewals_failed(&self) -> u64 {
+        self.inner.renewals_failed.load(Ordering::Relaxed)
+    }
+
+    /// The server's `maxmemory-policy` as read at connect; `None` if the server did not allow
+    /// `CONFIG GET`. Anything but `noeviction` can evict this store's keys (see
+    /// [`maxmemory_policy_can_evict`]).
+    pub fn maxmemory_policy(&self) -> Option<&str> {
+        self.inner.maxmemory_policy.as_deref()
     }
 
     /// Connects to the server at `url` with the defaults (prefix `idempotency:`, timeout 1 s).
@@ -341,19 +559,15 @@ impl RedisStore {
                 polling: self.inner.polling,
                 waiters: Arc::default(),
                 pubsub: OnceLock::new(),
+                renewals_failed: self.inner.renewals_failed.clone(),
+                maxmemory_policy: self.inner.maxmemory_policy.clone(),
             }),
         }
     }
 
     /// Runs `script` on `key` in one round trip: `EVALSHA`, and `EVAL` with the source when
     /// the server answers `NOSCRIPT`.
-    async fn run(
-        &self,
-        script: &Script,
-        source: &str,
-        key: &str,
-        args: &[&[u8]],
-    ) -> Result<Value, StoreError> {
+    async fn run(&self, lua: &Lua, key: &str, args: &[&[u8]]) -> Result<Value, StoreError> {
         let command = |name: &str, first: &str| {
             let mut cmd = Cmd::new();
             cmd.arg(name).arg(first).arg(1).arg(key);
@@ -364,12 +578,12 @@ impl RedisStore {
         };
         let mut conn = self.inner.conn.clone();
         let op = async {
-            match command("EVALSHA", script.get_hash())
+            match command("EVALSHA", lua.script.get_hash())
                 .query_async::<Value>(&mut conn)
                 .await
             {
                 Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                    command("EVAL", source)
+                    command("EVAL", &lua.source)
                         .query_async::<Value>(&mut conn)
                         .await
                 }
@@ -384,12 +598,11 @@ impl RedisStore {
 
     async fn run_flag(
         &self,
-        script: &Script,
-        source: &str,
+        lua: &Lua,
         scope: &ScopeKey,
         args: &[&[u8]],
     ) -> Result<(), StoreError> {
-        match self.run(script, source, &self.key(scope), args).await? {
+        match self.run(lua, &self.key(scope), args).await? {
             Value::Int(1) => Ok(()),
             Value::Int(0) => Err(StoreError::Fenced),
             other => Err(StoreError::Backend(
@@ -401,7 +614,7 @@ impl RedisStore {
     /// The lease left of claim `token` on `scope`, or `None` when it no longer holds.
     async fn held(&self, key: &str, token: Token) -> Result<Option<Duration>, StoreError> {
         let s = scripts();
-        match self.run(&s.peek, PEEK, key, &[&token_bytes(token)]).await? {
+        match self.run(&s.peek, key, &[&token_bytes(token)]).await? {
             Value::Int(-2) => Ok(None),
             Value::Int(ms) if ms >= 0 => Ok(Some(Duration::from_millis(ms as u64))),
             // No expiry at all (set by hand): keep polling at the slowest interval.
@@ -535,12 +748,12 @@ impl IdempotencyStore for RedisStore {
         let reply = self
             .run(
                 &s.claim,
-                CLAIM,
                 &self.key(&scope),
                 &[
                     &token_bytes(token),
                     &fingerprint.0,
                     millis(lease).to_string().as_bytes(),
+                    millis(LATE_COMPLETE_GRACE).to_string().as_bytes(),
                 ],
             )
             .await;
@@ -592,7 +805,6 @@ impl IdempotencyStore for RedisStore {
         let s = scripts();
         self.run_flag(
             &s.complete,
-            COMPLETE,
             &scope,
             &[
                 &token_bytes(token),
@@ -605,7 +817,7 @@ impl IdempotencyStore for RedisStore {
 
     async fn release(&self, scope: ScopeKey, token: Token) -> Result<(), StoreError> {
         let s = scripts();
-        self.run_flag(&s.release, RELEASE, &scope, &[&token_bytes(token)])
+        self.run_flag(&s.release, &scope, &[&token_bytes(token)])
             .await
     }
 
@@ -616,13 +828,33 @@ impl IdempotencyStore for RedisStore {
         lease: Duration,
     ) -> Result<(), StoreError> {
         let s = scripts();
-        self.run_flag(
-            &s.renew,
-            RENEW,
-            &scope,
-            &[&token_bytes(token), millis(lease).to_string().as_bytes()],
-        )
-        .await
+        let r = self
+            .run_flag(
+                &s.renew,
+                &scope,
+                &[
+                    &token_bytes(token),
+                    millis(lease).to_string().as_bytes(),
+                    millis(LATE_COMPLETE_GRACE).to_string().as_bytes(),
+                ],
+            )
+            .await;
+        if let Err(e) = &r {
+            self.inner.renewals_failed.fetch_add(1, Ordering::Relaxed);
+            match e {
+                StoreError::Fenced => tracing::warn!(
+                    key = %self.key(&scope),
+                    "idempotency: lease renewal refused: the claim was taken over or forgotten; \
+                     a duplicate may be executing this key"
+                ),
+                e => tracing::warn!(
+                    key = %self.key(&scope),
+                    error = %e,
+                    "idempotency: lease renewal failed; the claim lapses if this persists"
+                ),
+            }
+        }
+        r
     }
 
     async fn wait(&self, scope: ScopeKey, observed: Token) -> Result<(), StoreError> {
@@ -650,7 +882,7 @@ impl IdempotencyStore for RedisStore {
 
     async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
         let s = scripts();
-        match self.run(&s.forget, FORGET, &self.key(&scope), &[]).await? {
+        match self.run(&s.forget, &self.key(&scope), &[]).await? {
             Value::Int(n) => Ok(n > 0),
             other => Err(StoreError::Backend(
                 format!("unexpected script reply {other:?}").into(),

@@ -8,11 +8,10 @@ use std::time::Duration;
 use axum_orders::cli::{init_tracing, ServerOpts};
 use axum_orders::inventory::Inventory;
 use axum_orders::server::{app, bind, serve};
-use axum_orders::store::{self, WithStore};
+use axum_orders::store;
 use clap::Parser;
-use idempotency_layer::{IdempotencyLayer, IdempotencyStore};
+use idempotency_layer::IdempotencyLayer;
 use reason_code::RetryTable;
-use tokio::net::TcpListener;
 
 /// The orders service: writes run once per tenant + method + idempotency key.
 #[derive(Debug, Parser)]
@@ -34,30 +33,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let args = Args::parse();
     let inventory = Inventory::seeded(Duration::from_millis(args.opts.work_ms));
     let (listener, addr) = bind(args.listen).await?;
-    let serve_with = Serve {
-        inventory,
-        listener,
-        record_permanent_failures: args.record_permanent_failures,
-        addr,
-    };
-    store::open(&args.opts.store, serve_with).await??;
+    let store = store::open(&args.opts.store).await?;
+    let table = RetryTable::default().record_permanent_failures(args.record_permanent_failures);
+    let layer = IdempotencyLayer::new(store).table(table);
+    println!("listening on http://{addr}");
+    serve(listener, app(inventory, layer)).await?;
     Ok(())
-}
-
-struct Serve {
-    inventory: Inventory,
-    listener: TcpListener,
-    addr: SocketAddr,
-    record_permanent_failures: bool,
-}
-
-impl WithStore for Serve {
-    type Output = std::io::Result<()>;
-
-    async fn run<St: IdempotencyStore>(self, store: St) -> std::io::Result<()> {
-        let table = RetryTable::default().record_permanent_failures(self.record_permanent_failures);
-        let layer = IdempotencyLayer::new(store).table(table);
-        println!("listening on http://{}", self.addr);
-        serve(self.listener, app(self.inventory, layer)).await
-    }
 }

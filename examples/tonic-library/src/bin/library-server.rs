@@ -7,9 +7,8 @@ use std::time::Duration;
 
 use axum_orders::cli::{init_tracing, ServerOpts};
 use axum_orders::inventory::Inventory;
-use axum_orders::store::{self, WithStore};
+use axum_orders::store;
 use clap::Parser;
-use idempotency_layer::IdempotencyStore;
 use tokio_stream::wrappers::TcpListenerStream;
 
 /// The plume.linkd.v3.Library gRPC service: writes run once per idempotency key.
@@ -31,35 +30,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let addr = listener.local_addr()?;
     let incoming = TcpListenerStream::new(listener);
-    let serve_with = Serve {
-        inventory,
-        incoming,
-        addr,
+    let store = store::open(&args.opts.store).await?;
+    println!("listening on {addr}");
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
     };
-    store::open(&args.opts.store, serve_with).await??;
+    tonic_library::serve(
+        inventory,
+        tonic_library::idempotency(store),
+        incoming,
+        shutdown,
+    )
+    .await?;
     Ok(())
-}
-
-struct Serve {
-    inventory: Inventory,
-    incoming: TcpListenerStream,
-    addr: SocketAddr,
-}
-
-impl WithStore for Serve {
-    type Output = Result<(), tonic::transport::Error>;
-
-    async fn run<St: IdempotencyStore>(self, store: St) -> Self::Output {
-        println!("listening on {}", self.addr);
-        let shutdown = async {
-            let _ = tokio::signal::ctrl_c().await;
-        };
-        tonic_library::serve(
-            self.inventory,
-            tonic_library::idempotency(store),
-            self.incoming,
-            shutdown,
-        )
-        .await
-    }
 }

@@ -1,0 +1,187 @@
+//! [`AnyStore`]: a store chosen at run time, from a URL.
+
+use std::time::Duration;
+
+use super::{
+    Begin, Fingerprint, IdempotencyStore, MemoryStore, Record, ScopeKey, StoreError, TenantKey,
+    Token,
+};
+
+/// Any of the stores this crate has, chosen at run time (say from a `--store` flag or an
+/// environment variable) with [`AnyStore::from_url`].
+///
+/// A plain enum: each call is one `match` on the variant and then the store's own code, so the
+/// statically typed path (`IdempotencyLayer<RedisStore>` and friends) pays nothing for it, and
+/// a layer over `AnyStore` pays one branch per store operation. Build a variant yourself to
+/// configure its store (`AnyStore::Redis(RedisStore::builder(url).prefix("orders:")...)`).
+///
+/// ```
+/// use idempotency_layer::store::AnyStore;
+/// use idempotency_layer::IdempotencyLayer;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), idempotency_layer::StoreError> {
+/// let url = std::env::var("IDEMPOTENCY_STORE").unwrap_or_else(|_| "memory".into());
+/// let store = AnyStore::from_url(&url).await?; // memory, redis://..., postgres://...
+/// let layer = IdempotencyLayer::new(store);
+/// # let _ = layer;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum AnyStore {
+    /// [`MemoryStore`].
+    Memory(MemoryStore),
+    /// `RedisStore` (feature `redis`).
+    #[cfg(feature = "redis")]
+    Redis(super::RedisStore),
+    /// `PostgresStore` (feature `postgres`).
+    #[cfg(feature = "postgres")]
+    Postgres(super::PostgresStore),
+}
+
+impl AnyStore {
+    /// Opens the store `url` names, with that store's defaults:
+    ///
+    /// - `memory` (or `memory://`): a [`MemoryStore::new`];
+    /// - `redis://...` or `rediss://...` (TLS, feature `redis-tls`): `RedisStore::connect`;
+    /// - `postgres://...` or `postgresql://...`: `PostgresStore::connect`, then
+    ///   [`migrate`](super::PostgresStore::migrate).
+    ///
+    /// A scheme whose store this build does not have (its cargo feature is off) or an unknown
+    /// scheme is an error that says which.
+    pub async fn from_url(url: &str) -> Result<AnyStore, StoreError> {
+        let scheme = url.split_once("://").map_or(url, |(s, _)| s);
+        match scheme {
+            "memory" => Ok(AnyStore::Memory(MemoryStore::new())),
+            #[cfg(feature = "redis")]
+            "redis" | "rediss" => Ok(AnyStore::Redis(super::RedisStore::connect(url).await?)),
+            #[cfg(feature = "postgres")]
+            "postgres" | "postgresql" => {
+                let store = super::PostgresStore::connect(url).await?;
+                store.migrate().await?;
+                Ok(AnyStore::Postgres(store))
+            }
+            #[allow(unreachable_patterns)]
+            "redis" | "rediss" | "postgres" | "postgresql" => Err(StoreError::Backend(
+                format!(
+                    "this build has no {scheme} store: enable the idempotency-layer cargo feature \
+                     `{}`",
+                    if scheme.starts_with("redis") {
+                        "redis"
+                    } else {
+                        "postgres"
+                    }
+                )
+                .into(),
+            )),
+            other => Err(StoreError::Backend(
+                format!(
+                    "unknown idempotency store {other:?}: use memory, redis://HOST:PORT, \
+                     rediss://HOST:PORT or postgres://USER@HOST/DB"
+                )
+                .into(),
+            )),
+        }
+    }
+}
+
+impl From<MemoryStore> for AnyStore {
+    fn from(s: MemoryStore) -> Self {
+        AnyStore::Memory(s)
+    }
+}
+
+#[cfg(feature = "redis")]
+impl From<super::RedisStore> for AnyStore {
+    fn from(s: super::RedisStore) -> Self {
+        AnyStore::Redis(s)
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl From<super::PostgresStore> for AnyStore {
+    fn from(s: super::PostgresStore) -> Self {
+        AnyStore::Postgres(s)
+    }
+}
+
+/// Forwards a call to whichever store this is.
+macro_rules! each {
+    ($self:ident, $s:ident => $call:expr) => {
+        match $self {
+            AnyStore::Memory($s) => $call.await,
+            #[cfg(feature = "redis")]
+            AnyStore::Redis($s) => $call.await,
+            #[cfg(feature = "postgres")]
+            AnyStore::Postgres($s) => $call.await,
+        }
+    };
+}
+
+impl IdempotencyStore for AnyStore {
+    async fn begin(
+        &self,
+        scope: ScopeKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+    ) -> Result<Begin, StoreError> {
+        each!(self, s => s.begin(scope, fingerprint, lease))
+    }
+
+    async fn begin_for_tenant(
+        &self,
+        tenant: TenantKey,
+        scope: ScopeKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+    ) -> Result<Begin, StoreError> {
+        each!(self, s => s.begin_for_tenant(tenant, scope, fingerprint, lease))
+    }
+
+    async fn complete(
+        &self,
+        scope: ScopeKey,
+        token: Token,
+        record: Record,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        each!(self, s => s.complete(scope, token, record, ttl))
+    }
+
+    async fn release(&self, scope: ScopeKey, token: Token) -> Result<(), StoreError> {
+        each!(self, s => s.release(scope, token))
+    }
+
+    async fn renew(
+        &self,
+        scope: ScopeKey,
+        token: Token,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        each!(self, s => s.renew(scope, token, lease))
+    }
+
+    async fn wait(&self, scope: ScopeKey, observed: Token) -> Result<(), StoreError> {
+        each!(self, s => s.wait(scope, observed))
+    }
+
+    async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
+        each!(self, s => s.forget(scope))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn memory_from_url_passes_conformance_and_unknown_schemes_say_what_to_use() {
+        let store = AnyStore::from_url("memory").await.unwrap();
+        assert!(matches!(store, AnyStore::Memory(_)));
+        crate::conformance::run_all(|| store.clone()).await;
+        let e = AnyStore::from_url("mongodb://x").await.unwrap_err();
+        assert!(e.to_string().contains("use memory, redis://"), "{e}");
+    }
+}

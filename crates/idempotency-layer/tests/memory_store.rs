@@ -1,0 +1,100 @@
+//! `MemoryStore` bounds seen through the layer over a real socket: a full store (or a
+//! tenant's full share) answers 503 with `Retry-After` and executes nothing, counted by the
+//! store; another tenant keeps writing.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::routing::post;
+use axum::Router;
+use bytes::Bytes;
+use http::{HeaderName, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use idempotency_layer::{IdempotencyLayer, MemoryStore, RejectReason};
+
+#[tokio::test]
+async fn a_full_tenant_share_answers_503_with_retry_after_and_runs_nothing() {
+    let store = MemoryStore::builder()
+        .max_entries(200)
+        .shards(1)
+        .tenant_share_percent(50)
+        .build();
+    let executions = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(store.clone())
+        .tenant_from_header(HeaderName::from_static("x-tenant"));
+    let app = {
+        let executions = executions.clone();
+        Router::new()
+            .route(
+                "/orders",
+                post(move || {
+                    let executions = executions.clone();
+                    async move {
+                        executions.fetch_add(1, Ordering::SeqCst);
+                        (StatusCode::CREATED, "created")
+                    }
+                }),
+            )
+            .layer(layer.clone())
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let post = |tenant: &'static str, key: String| {
+        let client = client.clone();
+        async move {
+            let req = Request::post(format!("http://{addr}/orders"))
+                .header("x-tenant", tenant)
+                .header("x-idempotency-key", key)
+                .body(Full::new(Bytes::from_static(b"{}")))
+                .unwrap();
+            let res = tokio::time::timeout(Duration::from_secs(10), client.request(req))
+                .await
+                .expect("answered within 10 s")
+                .unwrap();
+            let status = res.status();
+            let retry_after = res.headers().contains_key("retry-after");
+            let _ = res.into_body().collect().await.unwrap();
+            (status, retry_after)
+        }
+    };
+
+    let mut created = 0;
+    let mut refused = 0;
+    for i in 0..150 {
+        match post("flooder", format!("flood-key-{i:04}")).await {
+            (StatusCode::CREATED, _) => created += 1,
+            (StatusCode::SERVICE_UNAVAILABLE, retry_after) => {
+                assert!(retry_after, "a refusal tells the client when to retry");
+                refused += 1;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(created, 100, "the flooder gets exactly its share");
+    assert_eq!(refused, 50);
+    assert_eq!(
+        executions.load(Ordering::SeqCst),
+        100,
+        "nothing executes when refused"
+    );
+    assert_eq!(store.stats().refused, 50);
+    assert_eq!(layer.metrics().rejected(RejectReason::StoreUnavailable), 50);
+    // Another tenant still writes.
+    for i in 0..50 {
+        assert_eq!(
+            post("quiet", format!("quiet-key-{i:04}")).await.0,
+            StatusCode::CREATED
+        );
+    }
+    // And the flooder's recorded keys still replay (nothing was dropped).
+    assert_eq!(
+        post("flooder", "flood-key-0000".to_owned()).await.0,
+        StatusCode::CREATED
+    );
+    assert_eq!(executions.load(Ordering::SeqCst), 150);
+}
