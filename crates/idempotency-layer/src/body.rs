@@ -227,6 +227,8 @@ where
 pub(crate) struct Recorder<B> {
     st: Option<RecState<B>>,
     finishing: Option<Finishing>,
+    /// What [`poll_first`](Self::poll_first) read, handed out before anything else.
+    first: Option<Result<Frame<Bytes>, BoxError>>,
 }
 
 /// The record being stored, and what to hand out once it is: the final frame, or the end.
@@ -289,6 +291,7 @@ where
         let grpc_web = head_code.is_none() && is_grpc_web(&headers);
         Recorder {
             finishing: None,
+            first: None,
             st: Some(RecState {
                 body: Box::pin(body),
                 claim,
@@ -309,24 +312,43 @@ where
         }
     }
 
-    /// True when the body has nothing to send: a server never polls it, so the record must be
-    /// stored before the response head goes out.
-    pub(crate) fn is_empty(&self) -> bool {
-        self.st
-            .as_ref()
-            .is_some_and(|st| st.body.is_end_stream() || st.stops_at == Some(0))
-    }
-
-    /// The store operation for an empty body, to await before the head goes out (see
-    /// [`is_empty`](Self::is_empty)).
-    pub(crate) fn finish_empty(mut self) -> BoxFuture {
-        match self.st.take() {
-            Some(st) => st.finish(),
-            None => Box::pin(std::future::ready(())),
+    /// Polls the handler's body once, before the response head goes out. When that produces the
+    /// final frame (or the end: an empty body, which a server never polls), the record is built
+    /// and its store operation returned, to be awaited before the head is handed to the server;
+    /// the frame is kept and handed out first. Otherwise the frame (if any) is kept, and the
+    /// body is recorded as it streams.
+    pub(crate) fn poll_first(&mut self, cx: &mut Context<'_>) -> Option<BoxFuture> {
+        let st = self.st.as_mut()?;
+        if st.body.is_end_stream() || st.stops_at == Some(0) {
+            return self.st.take().map(RecState::finish);
+        }
+        match st.body.as_mut().poll_frame(cx) {
+            Poll::Pending => None,
+            Poll::Ready(Some(Ok(frame))) => {
+                st.observe(&frame);
+                let last = st.is_last(&frame);
+                self.first = Some(Ok(frame));
+                if last {
+                    self.st.take().map(RecState::finish)
+                } else {
+                    None
+                }
+            }
+            Poll::Ready(None) => self.st.take().map(RecState::finish),
+            Poll::Ready(Some(Err(e))) => {
+                if let Some(st) = self.st.take() {
+                    spawn_detached(st.claim.release());
+                }
+                self.first = Some(Err(e.into()));
+                None
+            }
         }
     }
 
     fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(first) = self.first.take() {
+            return Poll::Ready(Some(first));
+        }
         loop {
             if let Some(finishing) = self.finishing.as_mut() {
                 ready!(finishing.store.as_mut().poll(cx));
@@ -368,12 +390,25 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        self.st.is_none() && self.finishing.is_none()
+        self.st.is_none() && self.finishing.is_none() && self.first.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {
+        let first = match &self.first {
+            Some(Ok(f)) => f.data_ref().map_or(0, |d| d.len() as u64),
+            _ => 0,
+        };
         match (&self.st, &self.finishing) {
-            (Some(st), _) => st.body.size_hint(),
+            (Some(st), _) => {
+                let rest = st.body.size_hint();
+                let mut hint = SizeHint::new();
+                hint.set_lower(rest.lower() + first);
+                if let Some(upper) = rest.upper() {
+                    hint.set_upper(upper + first);
+                }
+                hint
+            }
+            (None, None) if self.first.is_some() => SizeHint::with_exact(first),
             (None, Some(Finishing { then: Some(f), .. })) => {
                 SizeHint::with_exact(f.data_ref().map_or(0, |d| d.len() as u64))
             }

@@ -467,9 +467,13 @@ where
 }
 
 /// Polls a future; if dropped before it completes, finishes it in a spawned task.
-struct DetachOnDrop<F: Future<Output = T> + Send + 'static, T: Send + 'static>(Option<Pin<Box<F>>>);
+struct DetachOnDrop<F: Future<Output = T> + Send + ?Sized + 'static, T: Send + 'static>(
+    Option<Pin<Box<F>>>,
+);
 
-impl<F: Future<Output = T> + Send + 'static, T: Send + 'static> Future for DetachOnDrop<F, T> {
+impl<F: Future<Output = T> + Send + ?Sized + 'static, T: Send + 'static> Future
+    for DetachOnDrop<F, T>
+{
     type Output = T;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
@@ -483,7 +487,9 @@ impl<F: Future<Output = T> + Send + 'static, T: Send + 'static> Future for Detac
     }
 }
 
-impl<F: Future<Output = T> + Send + 'static, T: Send + 'static> Drop for DetachOnDrop<F, T> {
+impl<F: Future<Output = T> + Send + ?Sized + 'static, T: Send + 'static> Drop
+    for DetachOnDrop<F, T>
+{
     fn drop(&mut self) {
         if let Some(fut) = self.0.take() {
             spawn_detached(async move {
@@ -493,9 +499,9 @@ impl<F: Future<Output = T> + Send + 'static, T: Send + 'static> Drop for DetachO
     }
 }
 
-/// Readies the inner service, calls it, and wraps its response in a [`Recorder`] (or stores the
-/// record at once when the body is empty, or releases the claim when the head says the outcome
-/// is not recordable).
+/// Readies the inner service, calls it, and wraps its response in a [`Recorder`] (storing the
+/// record at once when the body is already whole, or releasing the claim when the head says the
+/// outcome is not recordable).
 ///
 /// A plain function returning a future, so the request and the service are held once (by the
 /// call), not twice (by the outer future too): the future stays small enough for the allocator's
@@ -554,10 +560,16 @@ where
             http1,
             head_code,
         );
-        if recorder.is_empty() {
-            // The server will not poll an empty body: record it before the head goes out.
-            recorder.finish_empty().await;
-            return Ok(Ok(Response::from_parts(parts, IdempotencyBody::empty())));
+        // Poll the body once before the head goes out. A body the handler made whole (a `Full`,
+        // a `String`, an empty body, which a server never polls) is recorded now, and its head
+        // and its one frame then leave together: one write, with no pause between the head and
+        // a small last packet while a shared store records it (Nagle and delayed ACKs would
+        // stretch that to tens of milliseconds). A streaming body is recorded as it streams.
+        let mut recorder = recorder;
+        let store_now = std::future::poll_fn(|cx| Poll::Ready(recorder.poll_first(cx))).await;
+        if let Some(store) = store_now {
+            // Dropped mid-store (the client went away), the store operation still completes.
+            DetachOnDrop(Some(store)).await;
         }
         Ok(Ok(Response::from_parts(
             parts,
