@@ -118,15 +118,11 @@ fn settle_key(
     grpc: bool,
     intent_key: Option<(HeaderName, HeaderValue)>,
 ) -> (bool, Option<HeaderValue>) {
-    if policy
-        .key_headers
-        .iter()
-        .any(|h| parts.headers.contains_key(h))
-    {
+    if policy.key_headers.is_keyed(&parts.headers) {
         return (true, None);
     }
     let by_method = if grpc {
-        is_declared_idempotent(&policy.idempotent_grpc, parts.uri.path())
+        policy.idempotent_grpc.contains(parts.uri.path())
     } else {
         classify::is_idempotent_method(&parts.method)
     };
@@ -146,7 +142,7 @@ fn settle_key(
     let value = HeaderValue::from_str(key).expect("a UUID is a valid header value");
     parts
         .headers
-        .insert(policy.key_headers[0].clone(), value.clone());
+        .insert(policy.key_headers.first().clone(), value.clone());
     (true, Some(value))
 }
 
@@ -210,20 +206,6 @@ where
                 generated_key,
             },
         }
-    }
-}
-
-fn is_declared_idempotent(set: &std::collections::HashSet<String>, path: &str) -> bool {
-    if set.is_empty() {
-        return false;
-    }
-    if set.contains(path) {
-        return true;
-    }
-    // "/package.Service/" declares every method of the service.
-    match path.rfind('/') {
-        Some(i) if i > 0 => set.contains(&path[..=i]),
-        _ => false,
     }
 }
 
@@ -460,6 +442,7 @@ where
         let intent_key = self.parts.as_ref().and_then(|old| {
             policy
                 .key_headers
+                .as_slice()
                 .iter()
                 .find_map(|h| old.headers.get(h).map(|v| (h.clone(), v.clone())))
         });

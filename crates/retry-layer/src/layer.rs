@@ -3,7 +3,7 @@ use std::sync::Arc;
 use tower_layer::Layer;
 
 use crate::budget::Budget;
-use crate::stats::{RetryStats, StatsSnapshot};
+use crate::stats::{Counters, RetryStats};
 use crate::{Retry, RetryPolicy};
 
 /// What every clone of a layer and of its services shares: the policy, the retry budget and the
@@ -12,7 +12,7 @@ use crate::{Retry, RetryPolicy};
 pub(crate) struct Shared {
     pub(crate) policy: RetryPolicy,
     pub(crate) budget: Arc<dyn Budget>,
-    pub(crate) stats: RetryStats,
+    pub(crate) stats: Counters,
 }
 
 /// Applies [`Retry`] to services. All services made by one layer (and their clones) share one
@@ -49,13 +49,13 @@ impl RetryLayer {
             shared: Arc::new(Shared {
                 policy,
                 budget,
-                stats: RetryStats::default(),
+                stats: Counters::default(),
             }),
         }
     }
 
     /// The counters of every service this layer made.
-    pub fn stats(&self) -> StatsSnapshot {
+    pub fn stats(&self) -> RetryStats {
         self.shared.stats.snapshot()
     }
 

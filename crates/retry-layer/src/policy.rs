@@ -1,6 +1,6 @@
 //! [`RetryPolicy`]: what is retried, how often, how long to wait, and within which budgets.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -8,8 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::HeaderName;
-use reason_code::{ClientRule, Code, ReasonCodes, RetryTable, X_IDEMPOTENCY_KEY};
+use reason_code::{ClientRule, Code, IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
 use serde::Deserialize;
 
 use crate::backoff::{Backoff, Jitter, JitterRng};
@@ -135,8 +134,8 @@ pub struct RetryPolicy {
     pub(crate) max_replay_bytes: usize,
     pub(crate) max_unsent_retries: u32,
     pub(crate) reason_codes: ReasonCodes,
-    pub(crate) idempotent_grpc: Arc<HashSet<String>>,
-    pub(crate) key_headers: Arc<[HeaderName]>,
+    pub(crate) idempotent_grpc: IdempotentGrpcMethods,
+    pub(crate) key_headers: KeyHeaders,
     pub(crate) ensure_key: bool,
     budget: BudgetConfig,
     pub(crate) rng: JitterRng,
@@ -242,8 +241,8 @@ impl Default for RetryPolicy {
             max_replay_bytes: 64 * 1024,
             max_unsent_retries: 2,
             reason_codes: ReasonCodes::default(),
-            idempotent_grpc: Arc::default(),
-            key_headers: Arc::new([X_IDEMPOTENCY_KEY, reason_code::IDEMPOTENCY_KEY]),
+            idempotent_grpc: IdempotentGrpcMethods::default(),
+            key_headers: KeyHeaders::default(),
             ensure_key: false,
             budget: BudgetConfig::Tps {
                 window: Duration::from_secs(10),
@@ -420,6 +419,16 @@ impl RetryPolicy {
     /// The retryability table (of requests no gRPC method config matches).
     pub fn table(&self) -> &RetryTable {
         &self.rules.table
+    }
+
+    /// The gRPC methods declared idempotent.
+    pub fn idempotent_grpc(&self) -> &IdempotentGrpcMethods {
+        &self.idempotent_grpc
+    }
+
+    /// The headers an idempotency key travels in.
+    pub fn key_headers(&self) -> &KeyHeaders {
+        &self.key_headers
     }
 
     /// The method config that applies to a gRPC request for `path`, if the policy has any.
@@ -625,28 +634,55 @@ impl RetryPolicyBuilder {
         self
     }
 
-    /// Declares a gRPC method idempotent (`/package.Service/Method`), or a whole service
-    /// (`/package.Service/`): its failures are retried like a PUT's.
-    pub fn idempotent_grpc_method(mut self, path: impl Into<String>) -> Self {
-        let path = path.into();
-        if !path.starts_with('/') || path.matches('/').count() != 2 {
-            return self.fail(format!(
-                "gRPC method {path:?} must look like /package.Service/Method or /package.Service/"
-            ));
-        }
-        Arc::make_mut(&mut self.policy.idempotent_grpc).insert(path);
+    /// Declares gRPC methods idempotent, replacing any declared before: their failures are
+    /// retried like a PUT's. `idempotency-layer`'s `IdempotencyLayer::idempotent_grpc_methods`
+    /// takes the same type, so one list declares the same methods on both sides.
+    ///
+    /// ```
+    /// use retry_layer::{IdempotentGrpcMethods, RetryPolicy};
+    ///
+    /// let reads = IdempotentGrpcMethods::new([
+    ///     "/plume.linkd.v3.Library/GetBook",
+    ///     "/grpc.health.v1.Health/",
+    /// ])
+    /// .unwrap();
+    /// let policy = RetryPolicy::builder().idempotent_grpc_methods(reads).build().unwrap();
+    /// assert!(policy.idempotent_grpc().contains("/grpc.health.v1.Health/Check"));
+    /// ```
+    pub fn idempotent_grpc_methods(mut self, methods: IdempotentGrpcMethods) -> Self {
+        self.policy.idempotent_grpc = methods;
         self
     }
 
-    /// The header that carries idempotency keys (default `x-idempotency-key`; `idempotency-key`
-    /// is always recognized too). [`ensure_idempotency_key`](Self::ensure_idempotency_key)
-    /// writes this one.
-    pub fn idempotency_key_header(mut self, name: HeaderName) -> Self {
-        let others = [X_IDEMPOTENCY_KEY, reason_code::IDEMPOTENCY_KEY]
-            .into_iter()
-            .filter(|n| *n != name);
-        let names: Vec<HeaderName> = std::iter::once(name.clone()).chain(others).collect();
-        self.policy.key_headers = names.into();
+    /// Declares one more gRPC method idempotent (`/package.Service/Method`), or a whole service
+    /// (`/package.Service/`). A path of another shape makes [`build`](Self::build) fail.
+    pub fn idempotent_grpc_method(mut self, path: impl AsRef<str>) -> Self {
+        // Taken, not cloned, so that the sets are not copied; after an error `build` fails anyway.
+        let declared = std::mem::take(&mut self.policy.idempotent_grpc);
+        match declared.with(path.as_ref()) {
+            Ok(methods) => {
+                self.policy.idempotent_grpc = methods;
+                self
+            }
+            Err(e) => self.fail(e.to_string()),
+        }
+    }
+
+    /// The headers an idempotency key travels in (default `x-idempotency-key`, then
+    /// `idempotency-key`): a request carrying any of them is keyed, and
+    /// [`ensure_idempotency_key`](Self::ensure_idempotency_key) writes the first.
+    /// `idempotency-layer`'s `IdempotencyLayer::key_headers` takes the same type.
+    ///
+    /// ```
+    /// use http::HeaderName;
+    /// use retry_layer::{KeyHeaders, RetryPolicy};
+    ///
+    /// let headers = KeyHeaders::new([HeaderName::from_static("idempotency-key")]).unwrap();
+    /// let policy = RetryPolicy::builder().key_headers(headers).build().unwrap();
+    /// assert_eq!(policy.key_headers().first().as_str(), "idempotency-key");
+    /// ```
+    pub fn key_headers(mut self, headers: KeyHeaders) -> Self {
+        self.policy.key_headers = headers;
         self
     }
 

@@ -8,7 +8,7 @@ use tower_service::Service;
 use crate::body::ReplayBody;
 use crate::future::ResponseFuture;
 use crate::layer::Shared;
-use crate::stats::StatsSnapshot;
+use crate::stats::RetryStats;
 use crate::{BoxError, RetryError, RetryLayer, RetryPolicy};
 
 /// Retries what is safe to retry. See the [crate docs](crate) for what that is.
@@ -38,7 +38,7 @@ impl<S> Retry<S> {
     }
 
     /// The counters shared with the layer and its other services.
-    pub fn stats(&self) -> StatsSnapshot {
+    pub fn stats(&self) -> RetryStats {
         self.shared.stats.snapshot()
     }
 

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use retry_layer::{BoxError, ReplayBody, Retry, RetryLayer, RetryPolicy};
+use retry_layer::{BoxError, IdempotentGrpcMethods, ReplayBody, Retry, RetryLayer, RetryPolicy};
 use tonic::transport::{Channel, Endpoint};
 use tower::util::MapRequest;
 
@@ -23,13 +23,19 @@ fn to_tonic_body(
     req.map(tonic::body::Body::new)
 }
 
-/// The retry policy of the example client: defaults, reads declared idempotent, writes keyed.
+/// The retry policy of the example client: defaults, reads declared idempotent (the same
+/// [`IDEMPOTENT_METHODS`] the server declares), writes keyed.
 pub fn policy() -> RetryPolicy {
-    let mut b = RetryPolicy::builder().ensure_idempotency_key();
-    for m in IDEMPOTENT_METHODS {
-        b = b.idempotent_grpc_method(m);
-    }
-    b.build().expect("a valid policy")
+    RetryPolicy::builder()
+        .ensure_idempotency_key()
+        .idempotent_grpc_methods(idempotent_methods())
+        .build()
+        .expect("a valid policy")
+}
+
+/// [`IDEMPOTENT_METHODS`], parsed.
+pub fn idempotent_methods() -> IdempotentGrpcMethods {
+    IdempotentGrpcMethods::new(IDEMPOTENT_METHODS).expect("valid gRPC method paths")
 }
 
 /// A Library client for `url` whose calls retry safely, and the layer (for its counters).

@@ -6,7 +6,7 @@ use tower::{Service, ServiceExt};
 
 use crate::support::*;
 
-async fn storm(policy: RetryPolicy, requests: usize) -> (usize, retry_layer::StatsSnapshot) {
+async fn storm(policy: RetryPolicy, requests: usize) -> (usize, retry_layer::RetryStats) {
     let (svc, script) = backend::<http_body_util::Full<bytes::Bytes>>(vec![status(503)]);
     let layer = RetryLayer::new(policy);
     let calls = (0..requests).map(|_| {
