@@ -3,7 +3,7 @@
 use std::error::Error as StdError;
 use std::time::{Duration, SystemTime};
 
-use http::{HeaderMap, Method, Response};
+use http::{HeaderMap, Response};
 use reason_code::{
     classify_head, parse_grpc_pushback, parse_grpc_status, parse_retry_after, Code, HeadClass,
     Outcome, Pushback, ReasonCodes, GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS,
@@ -121,14 +121,6 @@ pub(crate) fn error(err: &BoxError) -> Outcome {
         cur = e.source();
     }
     Outcome::Ambiguous
-}
-
-/// Safe and idempotent HTTP methods (RFC 9110 §9.2).
-pub(crate) fn is_idempotent_method(m: &Method) -> bool {
-    matches!(
-        *m,
-        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
-    )
 }
 
 #[cfg(test)]

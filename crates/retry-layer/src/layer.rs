@@ -1,22 +1,16 @@
+//! [`RetryLayer`]: makes the shared state once and hands it to every service it makes.
+
 use std::sync::Arc;
 
 use tower_layer::Layer;
 
-use crate::budget::Budget;
-use crate::stats::{Counters, RetryStats};
-use crate::{Retry, RetryPolicy};
-
-/// What every clone of a layer and of its services shares: the policy, the retry budget and the
-/// counters.
-#[derive(Debug)]
-pub(crate) struct Shared {
-    pub(crate) policy: RetryPolicy,
-    pub(crate) budget: Arc<dyn Budget>,
-    pub(crate) stats: Counters,
-}
+use crate::policy::RetryPolicy;
+use crate::service::Retry;
+use crate::shared::Shared;
+use crate::stats::RetryStats;
 
 /// Applies [`Retry`] to services. All services made by one layer (and their clones) share one
-/// retry budget and one set of counters.
+/// retry budget and one set of counters: cloning the layer does not make a new budget.
 ///
 /// ```
 /// use http_body_util::Full;
@@ -44,13 +38,8 @@ pub struct RetryLayer {
 impl RetryLayer {
     /// A layer with `policy`, creating the budget the policy describes.
     pub fn new(policy: RetryPolicy) -> Self {
-        let budget = policy.make_budget();
         RetryLayer {
-            shared: Arc::new(Shared {
-                policy,
-                budget,
-                stats: Counters::default(),
-            }),
+            shared: Arc::new(Shared::new(policy)),
         }
     }
 
@@ -62,6 +51,13 @@ impl RetryLayer {
     /// The policy.
     pub fn policy(&self) -> &RetryPolicy {
         &self.shared.policy
+    }
+}
+
+impl<S> Retry<S> {
+    /// A [`RetryLayer`] with `policy`: `Retry::layer(policy)` reads well in a `ServiceBuilder`.
+    pub fn layer(policy: RetryPolicy) -> RetryLayer {
+        RetryLayer::new(policy)
     }
 }
 

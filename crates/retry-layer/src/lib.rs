@@ -187,16 +187,22 @@
 pub mod backoff;
 mod body;
 pub mod budget;
+mod call;
 mod classify;
+mod deadline;
+mod decide;
 mod error;
 mod future;
 mod layer;
 mod policy;
+mod request;
 mod service;
+mod shared;
 mod stats;
 
 pub use body::{BodyNotReplayable, ReplayBody};
-pub use error::{AttemptTimedOut, Deadline, DeadlineExceeded, RetryError, RetryInfo};
+pub use deadline::Deadline;
+pub use error::{AttemptTimedOut, DeadlineExceeded, RetryError, RetryInfo};
 pub use future::ResponseFuture;
 pub use layer::RetryLayer;
 pub use policy::{
