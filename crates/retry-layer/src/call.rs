@@ -14,7 +14,7 @@ use tower_service::Service;
 use crate::body::{BodyHandle, ReplayBody};
 use crate::classify;
 use crate::deadline::{deadline_of, rewrite_grpc_timeout, Timer};
-use crate::decide::{decide, Attempt, Ended, Step, Stop};
+use crate::decide::{decide, Attempt, Ended, Step, Why};
 use crate::error::RetryError;
 use crate::policy::{Conflict, RebuildFuture};
 use crate::request::{
@@ -169,9 +169,9 @@ where
         let code = outcome.code();
         let attempt = self.attempt.sent;
         match step {
-            Step::Return(Stop::Final) => Next::Answer(result),
-            Step::Return(stop) => {
-                self.count_stop(stop, code);
+            Step::Return(Why::Final) => Next::Answer(result),
+            Step::Return(why) => {
+                self.count_and_trace(why, code);
                 Next::Answer(result)
             }
             Step::Retry {
@@ -241,31 +241,31 @@ where
     }
 
     /// Counts and traces why a retryable outcome is returned.
-    fn count_stop(&self, stop: Stop, code: reason_code::Code) {
+    fn count_and_trace(&self, why: Why, code: reason_code::Code) {
         let stats = &self.shared.stats;
         let attempt = self.attempt.sent;
-        match stop {
-            Stop::Final => {}
-            Stop::NotReplayable => {
+        match why {
+            Why::Final => {}
+            Why::NotReplayable => {
                 tracing::debug!(code = %code, "not retrying: the request body could not be kept");
             }
-            Stop::Exhausted => {
+            Why::Exhausted => {
                 stats.incr(Counter::Exhausted);
                 tracing::info!(attempt, code = %code, "giving up: no attempt left");
             }
-            Stop::PushbackSaysNo => {
+            Why::PushbackSaysNo => {
                 stats.incr(Counter::PushbackStops);
                 tracing::info!(attempt, code = %code, "giving up: server pushback says stop");
             }
-            Stop::PushbackTooLong(d) => {
+            Why::PushbackTooLong(d) => {
                 stats.incr(Counter::PushbackStops);
                 tracing::info!(attempt, code = %code, pushback_ms = d.as_millis() as u64, "giving up: pushback longer than max_pushback");
             }
-            Stop::DeadlineTooShort { delay, left } => {
+            Why::DeadlineTooShort { delay, left } => {
                 stats.incr(Counter::DeadlineStops);
                 tracing::info!(attempt, code = %code, delay_ms = delay.as_millis() as u64, left_ms = left.as_millis() as u64, "giving up: the deadline cannot fit another attempt");
             }
-            Stop::BudgetRefused => {
+            Why::BudgetRefused => {
                 stats.incr(Counter::BudgetRefusals);
                 tracing::warn!(attempt, code = %code, "retry budget exhausted: not retrying");
             }

@@ -66,7 +66,7 @@ pub(crate) struct Ended<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Step {
     /// Return the attempt's result as it is.
-    Return(Stop),
+    Return(Why),
     /// Send the request again after `delay`. The budget has granted the retry.
     Retry {
         delay: Duration,
@@ -84,7 +84,7 @@ pub(crate) enum Step {
 
 /// Why an attempt's result is returned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Stop {
+pub(crate) enum Why {
     /// The table says so: a success, a failure that is not retried for this request, or a
     /// conflict with no rebuild hook (or no response to show it).
     Final,
@@ -137,27 +137,27 @@ pub(crate) fn decide(
     }
     // The common case, a final answer, returns before anything else is looked at.
     if verdict == Verdict::Final {
-        return Step::Return(Stop::Final);
+        return Step::Return(Why::Final);
     }
     if rebuild && (policy.rebuild.is_none() || ended.headers.is_none()) {
-        return Step::Return(Stop::Final);
+        return Step::Return(Why::Final);
     }
     if !replayable() {
-        return Step::Return(Stop::NotReplayable);
+        return Step::Return(Why::NotReplayable);
     }
 
     let transparent =
         outcome == Outcome::Unsent && attempt.unsent_retries < policy.max_unsent_retries;
     let beyond_max_attempts = attempt.sent >= rules.max_attempts;
     if beyond_max_attempts && !transparent {
-        return Step::Return(Stop::Exhausted);
+        return Step::Return(Why::Exhausted);
     }
 
     let pushback = ended.headers.map_or(PushbackHint::None, classify::pushback);
     let (delay, pushed_back) = match pushback {
-        PushbackHint::Stop => return Step::Return(Stop::PushbackSaysNo),
+        PushbackHint::Stop => return Step::Return(Why::PushbackSaysNo),
         PushbackHint::After(d) if d > policy.max_pushback => {
-            return Step::Return(Stop::PushbackTooLong(d))
+            return Step::Return(Why::PushbackTooLong(d))
         }
         PushbackHint::After(d) => (d, true),
         // A rebuild re-reads the state first: it waits for the hook, not for a backoff.
@@ -171,8 +171,8 @@ pub(crate) fn decide(
 
     if let Some(deadline) = attempt.deadline {
         let left = deadline.saturating_duration_since(now());
-        if left < delay.saturating_add(policy.min_attempt_budget) {
-            return Step::Return(Stop::DeadlineTooShort { delay, left });
+        if left < delay.saturating_add(policy.min_attempt_time) {
+            return Step::Return(Why::DeadlineTooShort { delay, left });
         }
     }
 
@@ -180,7 +180,7 @@ pub(crate) fn decide(
         return Step::Rebuild { pushed_back };
     }
     if !budget.withdraw() {
-        return Step::Return(Stop::BudgetRefused);
+        return Step::Return(Why::BudgetRefused);
     }
     Step::Retry {
         delay,
@@ -341,7 +341,7 @@ mod tests {
         }
     }
 
-    const fn stop(why: Stop) -> Step {
+    const fn stop(why: Why) -> Step {
         Step::Return(why)
     }
 
@@ -358,14 +358,14 @@ mod tests {
 
     decide_table! {
         // Final by the table.
-        a_success_is_final: status(Code::Ok) => stop(Stop::Final);
-        a_permanent_failure_is_final: status(Code::InvalidArgument) => stop(Stop::Final);
-        internal_is_final_unless_opted_in: status(Code::Internal) => stop(Stop::Final);
-        data_loss_is_final: status(Code::DataLoss) => stop(Stop::Final);
+        a_success_is_final: status(Code::Ok) => stop(Why::Final);
+        a_permanent_failure_is_final: status(Code::InvalidArgument) => stop(Why::Final);
+        internal_is_final_unless_opted_in: status(Code::Internal) => stop(Why::Final);
+        data_loss_is_final: status(Code::DataLoss) => stop(Why::Final);
         unavailable_for_a_write_without_key_is_final:
-            status(Code::Unavailable).not_idempotent() => stop(Stop::Final);
+            status(Code::Unavailable).not_idempotent() => stop(Why::Final);
         ambiguous_for_a_write_without_key_is_final:
-            case(Outcome::Ambiguous).not_idempotent() => stop(Stop::Final);
+            case(Outcome::Ambiguous).not_idempotent() => stop(Why::Final);
 
         // Retry, with the computed backoff.
         unavailable_for_an_idempotent_request_is_retried:
@@ -380,7 +380,7 @@ mod tests {
         unsent_is_retried_for_a_write: case(Outcome::Unsent).not_idempotent() => retry(20 * MS);
 
         // Attempts exhausted, and the unsent cap.
-        no_attempt_left: status(Code::Unavailable).sent(3) => stop(Stop::Exhausted);
+        no_attempt_left: status(Code::Unavailable).sent(3) => stop(Why::Exhausted);
         an_unsent_request_may_go_beyond_max_attempts:
             case(Outcome::Unsent).not_idempotent().sent(3) => Step::Retry {
                 delay: 20 * MS,
@@ -388,21 +388,21 @@ mod tests {
                 beyond_max_attempts: true,
             };
         the_unsent_cap_ends_it:
-            case(Outcome::Unsent).sent(5).unsent_retries(2) => stop(Stop::Exhausted);
+            case(Outcome::Unsent).sent(5).unsent_retries(2) => stop(Why::Exhausted);
         an_ambiguous_outcome_gets_no_transparent_retry:
-            case(Outcome::Ambiguous).sent(3) => stop(Stop::Exhausted);
+            case(Outcome::Ambiguous).sent(3) => stop(Why::Exhausted);
 
         // The deadline.
         the_deadline_fits_the_delay_plus_min_attempt_time:
             status(Code::Unavailable).deadline_in(70 * MS) => retry(20 * MS);
         the_deadline_is_too_short:
-            status(Code::Unavailable).deadline_in(69 * MS) => stop(Stop::DeadlineTooShort {
+            status(Code::Unavailable).deadline_in(69 * MS) => stop(Why::DeadlineTooShort {
                 delay: 20 * MS,
                 left: 69 * MS,
             });
         min_attempt_time_is_the_policys:
             status(Code::Unavailable)
-                .policy(no_jitter().min_attempt_budget(Duration::ZERO))
+                .policy(no_jitter().min_attempt_time(Duration::ZERO))
                 .deadline_in(20 * MS) => retry(20 * MS);
 
         // Server pushback.
@@ -414,34 +414,34 @@ mod tests {
                 => retry_after(150 * MS);
         a_negative_grpc_pushback_stops:
             status(Code::Unavailable).header("grpc-retry-pushback-ms", "-1")
-                => stop(Stop::PushbackSaysNo);
+                => stop(Why::PushbackSaysNo);
         a_malformed_grpc_pushback_stops:
             status(Code::Unavailable).header("grpc-retry-pushback-ms", "soon")
-                => stop(Stop::PushbackSaysNo);
+                => stop(Why::PushbackSaysNo);
         a_malformed_retry_after_is_ignored:
             status(Code::Unavailable).header("retry-after", "soon") => retry(20 * MS);
         a_pushback_over_max_pushback_stops:
             status(Code::ResourceExhausted).header("retry-after", "31")
-                => stop(Stop::PushbackTooLong(Duration::from_secs(31)));
+                => stop(Why::PushbackTooLong(Duration::from_secs(31)));
         a_pushback_that_does_not_fit_the_deadline_stops:
             status(Code::ResourceExhausted).header("retry-after", "1").deadline_in(900 * MS)
-                => stop(Stop::DeadlineTooShort { delay: Duration::from_secs(1), left: 900 * MS });
+                => stop(Why::DeadlineTooShort { delay: Duration::from_secs(1), left: 900 * MS });
 
         // The budget, asked last.
-        the_budget_refuses: status(Code::Unavailable).refusing_budget() => stop(Stop::BudgetRefused);
+        the_budget_refuses: status(Code::Unavailable).refusing_budget() => stop(Why::BudgetRefused);
         a_final_answer_never_asks_the_budget:
-            status(Code::Ok).refusing_budget() => stop(Stop::Final);
+            status(Code::Ok).refusing_budget() => stop(Why::Final);
         no_attempt_left_is_reported_before_the_budget:
-            status(Code::Unavailable).sent(3).refusing_budget() => stop(Stop::Exhausted);
+            status(Code::Unavailable).sent(3).refusing_budget() => stop(Why::Exhausted);
 
         // The body.
         a_body_that_could_not_be_kept_stops:
-            status(Code::Unavailable).not_replayable() => stop(Stop::NotReplayable);
+            status(Code::Unavailable).not_replayable() => stop(Why::NotReplayable);
         a_final_answer_never_asks_about_the_body:
-            status(Code::Ok).not_replayable() => stop(Stop::Final);
+            status(Code::Ok).not_replayable() => stop(Why::Final);
 
         // Conflicts: rebuild.
-        a_conflict_without_hook_is_final: status(Code::Aborted) => stop(Stop::Final);
+        a_conflict_without_hook_is_final: status(Code::Aborted) => stop(Why::Final);
         a_conflict_with_a_hook_is_rebuilt:
             status(Code::Aborted).with_hook() => Step::Rebuild { pushed_back: false };
         a_conflict_of_a_write_is_rebuilt_too:
@@ -452,10 +452,10 @@ mod tests {
             status(Code::Aborted).with_hook().header("retry-after", "0")
                 => Step::Rebuild { pushed_back: true };
         a_rebuild_needs_an_attempt_left:
-            status(Code::Aborted).with_hook().sent(3) => stop(Stop::Exhausted);
+            status(Code::Aborted).with_hook().sent(3) => stop(Why::Exhausted);
         a_rebuild_needs_the_deadline_to_fit_min_attempt_time:
             status(Code::Aborted).with_hook().deadline_in(49 * MS)
-                => stop(Stop::DeadlineTooShort { delay: Duration::ZERO, left: 49 * MS });
+                => stop(Why::DeadlineTooShort { delay: Duration::ZERO, left: 49 * MS });
     }
 
     /// A gRPC method config's rules replace the policy's for the methods it names.
@@ -476,7 +476,7 @@ mod tests {
             matches!(c.decide(), Step::Retry { delay, .. } if delay <= 10 * MS),
             "full jitter up to initialBackoff"
         );
-        assert_eq!(c.sent(2).decide(), stop(Stop::Exhausted), "maxAttempts 2");
+        assert_eq!(c.sent(2).decide(), stop(Why::Exhausted), "maxAttempts 2");
         let mut c = status(Code::DeadlineExceeded);
         c.policy = RetryPolicy::from_grpc_service_config(
             r#"{"methodConfig": [{"name": [{"service": "a.S", "method": "M"}],
@@ -487,7 +487,7 @@ mod tests {
         c.attempt.method = method;
         assert_eq!(
             c.decide(),
-            stop(Stop::Final),
+            stop(Why::Final),
             "a code the method config does not list"
         );
     }

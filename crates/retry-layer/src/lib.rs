@@ -84,7 +84,7 @@
 //! - everything else is returned as it is.
 //!
 //! Before each retry three checks must all pass: the outcome is retryable, an attempt is left,
-//! and the deadline leaves at least the delay plus `min_attempt_budget`. Then the retry budget
+//! and the deadline leaves at least the delay plus `min_attempt_time`. Then the retry budget
 //! must grant it.
 //!
 //! # Why a deadline budget

@@ -27,7 +27,7 @@ pub use service_config::{GrpcRetryPolicy, GrpcRetryThrottling, StatusCodeName};
 /// | `max_attempts` (total, first included) | 3 |
 /// | `base_delay`, `multiplier`, `max_delay` | 20 ms, x2, 1 s |
 /// | `jitter` | +-20 % ([`Jitter::Proportional`]`(0.2)`) |
-/// | `min_attempt_budget` | 50 ms |
+/// | `min_attempt_time` | 50 ms |
 /// | `total_timeout`, `attempt_timeout` | none |
 /// | `max_pushback` | 30 s |
 /// | `max_replay_bytes` | 64 KiB |
@@ -56,7 +56,7 @@ pub struct RetryPolicy {
     pub(crate) rules: Rules,
     /// Per-method rules from a gRPC service config (`methodConfig`).
     pub(crate) methods: Option<Arc<GrpcMethods>>,
-    pub(crate) min_attempt_budget: Duration,
+    pub(crate) min_attempt_time: Duration,
     pub(crate) total_timeout: Option<Duration>,
     pub(crate) attempt_timeout: Option<Duration>,
     pub(crate) max_pushback: Duration,
@@ -157,7 +157,7 @@ impl Default for RetryPolicy {
         RetryPolicy {
             rules: Rules::default(),
             methods: None,
-            min_attempt_budget: Duration::from_millis(50),
+            min_attempt_time: Duration::from_millis(50),
             total_timeout: None,
             attempt_timeout: None,
             max_pushback: Duration::from_secs(30),
@@ -333,11 +333,11 @@ impl RetryPolicyBuilder {
 
     /// The least time an attempt must have left before the deadline for a retry to be sent (at
     /// most [`MAX_DURATION`]).
-    pub fn min_attempt_budget(mut self, d: Duration) -> Self {
-        if let Some(e) = duration_error("min_attempt_budget", d, true) {
+    pub fn min_attempt_time(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("min_attempt_time", d, true) {
             return self.fail(e);
         }
-        self.policy.min_attempt_budget = d;
+        self.policy.min_attempt_time = d;
         self
     }
 
@@ -531,7 +531,7 @@ mod tests {
         assert_eq!(p.rules.backoff.multiplier, 2.0);
         assert_eq!(p.rules.backoff.max_delay, Duration::from_secs(1));
         assert_eq!(p.rules.backoff.jitter, Jitter::Proportional(0.2));
-        assert_eq!(p.min_attempt_budget, Duration::from_millis(50));
+        assert_eq!(p.min_attempt_time, Duration::from_millis(50));
         assert_eq!(p.max_replay_bytes, 65_536);
     }
 

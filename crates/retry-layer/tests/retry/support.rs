@@ -123,7 +123,7 @@ async fn respond(reply: Reply) -> Result<Response<Full<Bytes>>, BoxError> {
 }
 
 /// Sends one request through `Retry` over a fresh scripted backend.
-pub(crate) async fn run(
+pub(crate) async fn call_scripted(
     policy: RetryPolicy,
     req: Request<Full<Bytes>>,
     replies: Vec<Reply>,
