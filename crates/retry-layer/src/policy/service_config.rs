@@ -398,23 +398,42 @@ mod tests {
         assert_eq!(p.max_attempts_of_grpc("/a.S/N"), 1);
         assert_eq!(p.max_attempts_of_grpc("/a.S/O"), 1);
 
-        for bad in [
-            policy(r#"{"method": "M"}"#, ""),
-            policy(
-                r#"{"service": "a.S", "method": "M"}, {"service": "a.S", "method": "M"}"#,
-                "",
+        // (config, what the message must say)
+        for (bad, says) in [
+            (policy(r#"{"method": "M"}"#, ""), "names no service"),
+            (
+                policy(
+                    r#"{"service": "a.S", "method": "M"}, {"service": "a.S", "method": "M"}"#,
+                    "",
+                ),
+                "named by two methodConfig entries",
             ),
-            policy(r#"{"service": "a/S", "method": "M"}"#, ""),
-            policy(r#"{}"#, r#", {"name": [{}]}"#),
-            r#"{"methodConfig": [{"retryPolicy": {}}]}"#.to_owned(),
-            r#"{"methodConfig": [{"name": [{}]}], "retryPolicy": {"maxAttempts": 2,
+            (
+                policy(r#"{"service": "a/S", "method": "M"}"#, ""),
+                "must not contain '/'",
+            ),
+            (
+                policy(r#"{}"#, r#", {"name": [{}]}"#),
+                "two methodConfig entries have an empty name",
+            ),
+            (
+                r#"{"methodConfig": [{"retryPolicy": {}}]}"#.to_owned(),
+                "service config:",
+            ),
+            (
+                r#"{"methodConfig": [{"name": [{}]}], "retryPolicy": {"maxAttempts": 2,
                "initialBackoff": "0.1s", "maxBackoff": "1s", "backoffMultiplier": 2,
                "retryableStatusCodes": [14]}}"#
-                .to_owned(),
-            r#"{"loadBalancingConfig": []}"#.to_owned(),
+                    .to_owned(),
+                "move the retryPolicy into a methodConfig entry",
+            ),
+            (
+                r#"{"loadBalancingConfig": []}"#.to_owned(),
+                "no methodConfig, retryPolicy or retryThrottling",
+            ),
         ] {
             let err = RetryPolicy::from_grpc_service_config(&bad).unwrap_err();
-            assert!(!err.to_string().is_empty(), "{bad}");
+            assert!(err.to_string().contains(says), "{bad}: {err}");
         }
 
         // retryThrottling alongside methodConfig.

@@ -81,9 +81,12 @@ async fn non_ascii_retry_after_is_ignored() {
         res
     });
     let mut retry = retry_layer::Retry::new(svc, RetryPolicy::default());
-    let res = tower::ServiceExt::oneshot(&mut retry, get("/books/b1"))
-        .await
-        .unwrap();
+    let res = within_a_day(
+        "the call",
+        tower::ServiceExt::oneshot(&mut retry, get("/books/b1")),
+    )
+    .await
+    .unwrap();
     assert_eq!(res.status(), 503);
     assert_eq!(
         script.attempts(),

@@ -13,7 +13,7 @@ async fn storm(policy: RetryPolicy, requests: usize) -> (usize, retry_layer::Ret
         let mut retry: Retry<_> = tower::Layer::layer(&layer, svc.clone());
         async move { retry.ready().await.unwrap().call(get("/books/b1")).await }
     });
-    let results = join_all(calls).await;
+    let results = within_a_day("the storm", join_all(calls)).await;
     assert!(results.iter().all(|r| r.as_ref().unwrap().status() == 503));
     (script.attempts(), layer.stats())
 }

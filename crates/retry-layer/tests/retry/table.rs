@@ -5,7 +5,7 @@ use std::io::ErrorKind;
 use bytes::Bytes;
 use http::Request;
 use reason_code::{ClientRule, Code, RetryTable};
-use retry_layer::{Conflict, RetryPolicy};
+use retry_layer::{Conflict, RetryError, RetryPolicy};
 
 use crate::support::*;
 
@@ -311,7 +311,14 @@ async fn a_rebuilt_request_is_judged_afresh() {
         vec![status(409), Reply::Io(ErrorKind::ConnectionReset)],
     )
     .await;
-    assert!(res.is_err());
+    let err = res.unwrap_err();
+    let err = RetryError::of(&*err).expect("a RetryError");
+    assert_eq!(err.attempts(), 2, "{err}");
+    assert_eq!(
+        err.downcast_ref::<std::io::Error>().map(|e| e.kind()),
+        Some(ErrorKind::ConnectionReset),
+        "{err}"
+    );
     assert_eq!(
         script.attempts(),
         2,
