@@ -106,7 +106,7 @@ fn idempotency(c: &mut Criterion) {
             async move { call(&mut svc, req).await }
         })
     });
-    let before = layer.metrics();
+    let before = layer.stats();
 
     let cache = Arc::new(NaiveCache::default());
     group.bench_function("naive_cache/first", |b| {
@@ -157,12 +157,12 @@ fn idempotency(c: &mut Criterion) {
     });
     group.finish();
 
-    let m = layer.metrics();
+    let m = layer.stats();
     assert_eq!(
         m.replayed, before.replayed,
         "no replay outside layer/replay"
     );
-    let w = waiting.metrics();
+    let w = waiting.stats();
     println!(
         "layer/waiters: {} executed, {} waited, {} replayed (waiters get the leader's response)",
         w.executed, w.waited, w.replayed

@@ -778,7 +778,7 @@ enum Checker {
 fn sum<St>(layers: &[IdempotencyLayer<St>]) -> [u64; 6] {
     let mut out = [0; 6];
     for l in layers {
-        let m = l.metrics();
+        let m = l.stats();
         for (o, v) in out.iter_mut().zip([
             m.executed,
             m.replayed,

@@ -10,6 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::Full;
+use idempotency_layer::{IdempotencyLayer, MemoryStore, RequestBody};
 use reason_code::IdempotentGrpcMethods;
 use retry_layer::{ReplayBody, RetryInfo, RetryLayer, RetryPolicy};
 use tower::{Layer, ServiceExt};
@@ -85,7 +86,39 @@ async fn the_client_retries_exactly_the_declared_methods() {
     }
 }
 
-// TODO(issue 18, server half): once `IdempotencyLayer::idempotent_grpc_methods` takes
-// `IdempotentGrpcMethods`, run the same CASES through the server layer: a declared method
-// without a key passes through to its handler, an undeclared one is refused with
-// INVALID_ARGUMENT before its handler runs.
+/// Server side: a declared method is a read that passes through to its handler without a key;
+/// an undeclared one is a write, refused with INVALID_ARGUMENT before its handler runs.
+#[tokio::test]
+async fn the_server_passes_exactly_the_declared_methods_without_a_key() {
+    for &(declared, path, idempotent) in CASES {
+        let methods = IdempotentGrpcMethods::new([declared]).unwrap();
+        let ran = Arc::new(AtomicUsize::new(0));
+        let handler = {
+            let ran = ran.clone();
+            tower::service_fn(move |_req: Request<RequestBody<Full<Bytes>>>| {
+                ran.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    Ok::<_, Infallible>(
+                        Response::builder()
+                            .header("content-type", "application/grpc")
+                            .header("grpc-status", "0")
+                            .body(Full::new(Bytes::new()))
+                            .unwrap(),
+                    )
+                }
+            })
+        };
+        let server = IdempotencyLayer::new(MemoryStore::new())
+            .default_tenant("t")
+            .idempotent_grpc_methods(methods)
+            .layer(handler);
+        let res = tokio::time::timeout(Duration::from_secs(10), server.oneshot(grpc_call(path)))
+            .await
+            .expect("the call ends")
+            .unwrap();
+        let case = format!("declared {declared:?}, called {path}");
+        let (runs, grpc_status) = if idempotent { (1, "0") } else { (0, "3") };
+        assert_eq!(ran.load(Ordering::SeqCst), runs, "{case}");
+        assert_eq!(res.headers()["grpc-status"], grpc_status, "{case}");
+    }
+}

@@ -7,9 +7,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::metrics::Counters;
 use crate::renewal::Renewals;
 use crate::shared::Shared;
+use crate::stats::Counters;
 use crate::store::{retry_through_outage, IdempotencyStore, Record, ScopeKey, StoreError, Token};
 
 /// A claim's store operation, boxed once (the store type is erased).

@@ -3,13 +3,12 @@
 //! Nothing here is shared state: counters, waiters and lease renewals live in
 //! [`Shared`](crate::shared::Shared), made once per layer and never copied by a setter.
 
-use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, Method, Uri};
-use reason_code::{ReasonCodes, RetryTable, IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY};
+use reason_code::{IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
 
 /// What a duplicate does when the first request with its key is still running.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -64,7 +63,7 @@ const DEFAULT_MAX_WAITERS: usize = 1024;
 
 #[derive(Clone)]
 pub(crate) struct Config {
-    pub(crate) key_headers: Vec<HeaderName>,
+    pub(crate) key_headers: KeyHeaders,
     pub(crate) ttl: Duration,
     pub(crate) lease: Duration,
     pub(crate) in_flight: InFlight,
@@ -75,7 +74,7 @@ pub(crate) struct Config {
     pub(crate) fail_open: bool,
     pub(crate) key_optional: bool,
     pub(crate) is_write: Option<WritePredicate>,
-    pub(crate) idempotent_grpc: HashSet<String>,
+    pub(crate) idempotent_grpc: IdempotentGrpcMethods,
     pub(crate) tenant: TenantSource,
     pub(crate) table: RetryTable,
     pub(crate) reasons: ReasonCodes,
@@ -85,7 +84,7 @@ pub(crate) struct Config {
 impl Default for Config {
     fn default() -> Self {
         Config {
-            key_headers: vec![X_IDEMPOTENCY_KEY, IDEMPOTENCY_KEY],
+            key_headers: KeyHeaders::default(),
             ttl: Duration::from_secs(24 * 3600),
             lease: Duration::from_secs(30),
             in_flight: InFlight::Wait,
@@ -96,7 +95,7 @@ impl Default for Config {
             fail_open: false,
             key_optional: false,
             is_write: None,
-            idempotent_grpc: HashSet::new(),
+            idempotent_grpc: IdempotentGrpcMethods::default(),
             tenant: TenantSource::Required,
             table: RetryTable::default(),
             reasons: ReasonCodes::default(),
@@ -129,9 +128,7 @@ impl Config {
     }
 
     pub(crate) fn key_header_name(&self) -> &str {
-        self.key_headers
-            .first()
-            .map_or("x-idempotency-key", HeaderName::as_str)
+        self.key_headers.first().as_str()
     }
 }
 

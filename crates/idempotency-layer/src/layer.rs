@@ -4,14 +4,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, Method, Uri};
-use reason_code::{ReasonCodes, RetryTable};
+use reason_code::{IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
 use tower_layer::Layer;
 
 use crate::config::{Config, InFlight, OnDisconnect, TenantSource};
 use crate::key::Scope;
-use crate::metrics::Metrics;
 use crate::service::Idempotency;
 use crate::shared::Shared;
+use crate::stats::IdempotencyStats;
 use crate::store::{IdempotencyStore, MemoryStore, StoreError};
 
 /// The tower [`Layer`] that makes duplicate writes execute once per tenant + method + key.
@@ -19,7 +19,7 @@ use crate::store::{IdempotencyStore, MemoryStore, StoreError};
 /// See the [crate docs](crate) for what it does and an example. Every builder method consumes
 /// and returns the layer.
 ///
-/// Cloning the layer shares the store, the [metrics](Self::metrics), the
+/// Cloning the layer shares the store, the [counters](Self::stats), the
 /// [`max_waiters`](Self::max_waiters) bound and the task that renews leases; a setter called on
 /// a clone changes that clone's settings only.
 #[derive(Clone, Debug)]
@@ -71,15 +71,21 @@ impl<St> IdempotencyLayer<St> {
         &self.store
     }
 
-    /// Reads the key from this header only (instead of `x-idempotency-key` and
-    /// `Idempotency-Key`).
-    pub fn header(self, name: HeaderName) -> Self {
-        self.config(|c| c.key_headers = vec![name])
-    }
-
-    /// Also reads the key from this header. A request with keys in two headers is refused.
-    pub fn also_header(self, name: HeaderName) -> Self {
-        self.config(|c| c.key_headers.push(name))
+    /// The headers a key is read from (default `x-idempotency-key`, then `Idempotency-Key`). A
+    /// request with keys in two of them is refused. `retry-layer`'s `key_headers` takes the same
+    /// type, so both halves agree on where keys travel.
+    ///
+    /// ```
+    /// use http::HeaderName;
+    /// use idempotency_layer::IdempotencyLayer;
+    /// use reason_code::KeyHeaders;
+    ///
+    /// let headers = KeyHeaders::new([HeaderName::from_static("x-request-key")]).unwrap();
+    /// let layer = IdempotencyLayer::default().key_headers(headers);
+    /// # let _ = layer;
+    /// ```
+    pub fn key_headers(self, headers: KeyHeaders) -> Self {
+        self.config(|c| c.key_headers = headers)
     }
 
     /// How long a record is kept (default 24 h).
@@ -159,19 +165,30 @@ impl<St> IdempotencyLayer<St> {
         self.config(|c| c.is_write = Some(Arc::new(predicate)))
     }
 
-    /// gRPC methods (paths such as `/library.Library/GetBook`) that are reads: they pass
-    /// through. Health checks (`/grpc.health.v1.Health/*`) and server reflection
-    /// (`/grpc.reflection.v1.ServerReflection/*`, `v1alpha`) always pass through.
+    /// gRPC methods declared idempotent (`/package.Service/Method`, or `/package.Service/` for a
+    /// whole service): reads that pass through. `retry-layer`'s `idempotent_grpc_methods` takes
+    /// the same type, so one string declares the same methods on both sides. Health checks
+    /// (`/grpc.health.v1.Health/*`) and server reflection (`/grpc.reflection.v1.ServerReflection/*`,
+    /// `v1alpha`) always pass through.
     ///
     /// Declare streaming-request methods here too (or exclude them with
     /// [`is_write`](Self::is_write)): the request body of a write is read in full, up to
     /// [`max_request_bytes`](Self::max_request_bytes), before its handler runs.
-    pub fn idempotent_grpc_methods<I>(self, paths: I) -> Self
-    where
-        I: IntoIterator,
-        I::Item: Into<String>,
-    {
-        self.config(|c| c.idempotent_grpc.extend(paths.into_iter().map(Into::into)))
+    ///
+    /// ```
+    /// use idempotency_layer::IdempotencyLayer;
+    /// use reason_code::IdempotentGrpcMethods;
+    ///
+    /// let reads = IdempotentGrpcMethods::new([
+    ///     "/plume.linkd.v3.Library/GetBook",
+    ///     "/plume.linkd.v3.Catalog/",
+    /// ])
+    /// .expect("valid method paths");
+    /// let layer = IdempotencyLayer::default().idempotent_grpc_methods(reads);
+    /// # let _ = layer;
+    /// ```
+    pub fn idempotent_grpc_methods(self, methods: IdempotentGrpcMethods) -> Self {
+        self.config(|c| c.idempotent_grpc = methods)
     }
 
     /// Takes the tenant from a request header when the request has no
@@ -209,7 +226,7 @@ impl<St> IdempotencyLayer<St> {
     }
 
     /// The counters of every service this layer (and its clones) made.
-    pub fn metrics(&self) -> Metrics {
+    pub fn stats(&self) -> IdempotencyStats {
         self.shared.counters.snapshot()
     }
 }

@@ -177,8 +177,9 @@
 //! # Observability
 //!
 //! `tracing` events at debug level for executions, replays, waits and rejections, and at warn
-//! level for store failures and fail-open executions; counters in [`Metrics`], read with
-//! [`IdempotencyLayer::metrics`].
+//! level for store failures and fail-open executions; counters in [`IdempotencyStats`], read with
+//! [`IdempotencyLayer::stats`].
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(rust_2018_idioms, warnings))))]
 
 mod body;
@@ -190,12 +191,12 @@ pub mod conformance;
 mod future;
 mod key;
 mod layer;
-mod metrics;
 mod protocol;
 mod reject;
 mod renewal;
 mod service;
 mod shared;
+mod stats;
 pub mod store;
 mod wait_limit;
 
@@ -204,9 +205,14 @@ pub use config::{InFlight, OnDisconnect};
 pub use future::ResponseFuture;
 pub use key::{validate_key, KeyError, Scope, Tenant};
 pub use layer::IdempotencyLayer;
-pub use metrics::{Metrics, RejectReason};
+/// The shared vocabulary ([`reason_code::RetryTable`], [`reason_code::ReasonCodes`],
+/// [`reason_code::IdempotentGrpcMethods`], [`reason_code::KeyHeaders`]), re-exported so a
+/// server needs no third dependency kept in lockstep.
+pub use reason_code;
 pub use reason_code::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY};
+pub use reject::RejectReason;
 pub use service::Idempotency;
+pub use stats::IdempotencyStats;
 pub use store::{IdempotencyStore, MemoryStore, StoreError};
 #[cfg(feature = "postgres")]
 pub use store::{PostgresStore, PostgresStoreBuilder};

@@ -35,12 +35,6 @@ impl Protocol {
     pub(crate) fn is_grpc(&self) -> bool {
         !matches!(self, Protocol::Http)
     }
-
-    /// A content type of gRPC or gRPC-Web (one header lookup serves both checks).
-    pub(crate) fn is_grpc_content_type(ct: &HeaderValue) -> bool {
-        let b = ct.as_bytes();
-        has_media_type(b, b"application/grpc") || is_grpc_web_content_type(b)
-    }
 }
 
 fn is_grpc_web_content_type(b: &[u8]) -> bool {

@@ -10,8 +10,65 @@ use reason_code::{
 };
 
 use crate::body::IdempotencyBody;
-use crate::metrics::RejectReason;
 use crate::protocol::Protocol;
+
+/// Why a request was answered by the layer instead of the handler.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RejectReason {
+    /// A write without an idempotency key (400 / INVALID_ARGUMENT).
+    MissingKey,
+    /// A key that breaks a rule (400 / INVALID_ARGUMENT).
+    InvalidKey,
+    /// No tenant where one is required (401 / UNAUTHENTICATED).
+    NoTenant,
+    /// The key was used with another request (422 / FAILED_PRECONDITION).
+    Mismatch,
+    /// The request body is larger than `max_request_bytes` (413 / RESOURCE_EXHAUSTED).
+    TooLarge,
+    /// The request body could not be read (400 / INVALID_ARGUMENT).
+    BadBody,
+    /// A duplicate is in flight and the layer rejects, or the wait ran out (409 / ABORTED).
+    InFlight,
+    /// The store failed and the layer fails closed (503 / UNAVAILABLE).
+    StoreUnavailable,
+    /// The handler panicked or its task was lost (500 / INTERNAL).
+    Internal,
+}
+
+impl RejectReason {
+    /// Every reason, in declaration order.
+    pub const ALL: [RejectReason; 9] = [
+        RejectReason::MissingKey,
+        RejectReason::InvalidKey,
+        RejectReason::NoTenant,
+        RejectReason::Mismatch,
+        RejectReason::TooLarge,
+        RejectReason::BadBody,
+        RejectReason::InFlight,
+        RejectReason::StoreUnavailable,
+        RejectReason::Internal,
+    ];
+
+    /// A short snake_case name for metric labels.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            RejectReason::MissingKey => "missing_key",
+            RejectReason::InvalidKey => "invalid_key",
+            RejectReason::NoTenant => "no_tenant",
+            RejectReason::Mismatch => "mismatch",
+            RejectReason::TooLarge => "too_large",
+            RejectReason::BadBody => "bad_body",
+            RejectReason::InFlight => "in_flight",
+            RejectReason::StoreUnavailable => "store_unavailable",
+            RejectReason::Internal => "internal",
+        }
+    }
+
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+}
 
 impl RejectReason {
     /// The HTTP status and gRPC code this rejection is answered with.

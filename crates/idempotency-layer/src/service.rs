@@ -26,10 +26,11 @@ use crate::classify;
 use crate::config::{Config, InFlight, OnDisconnect, TenantSource};
 use crate::future::ResponseFuture;
 use crate::key::{extract_key, fingerprint, Scope, Tenant};
-use crate::metrics::{Metrics, RejectReason};
 use crate::protocol::Protocol;
 use crate::reject::reject;
+use crate::reject::RejectReason;
 use crate::shared::Shared;
+use crate::stats::IdempotencyStats;
 use crate::store::{
     Begin, BoxError, Fingerprint, IdempotencyStore, MemoryStore, Record, ScopeKey, StoreError,
 };
@@ -94,7 +95,7 @@ impl<S, St> Idempotency<S, St> {
     }
 
     /// The layer's counters (shared with the layer and every clone).
-    pub fn metrics(&self) -> Metrics {
+    pub fn stats(&self) -> IdempotencyStats {
         self.shared.counters.snapshot()
     }
 }
@@ -133,7 +134,7 @@ where
             self.shared.counters.rejected(reason);
             ResponseFuture::ready(reject(reason, detail, &protocol, cfg.reasons.header_name()))
         };
-        let key = match extract_key(req.headers(), &cfg.key_headers) {
+        let key = match extract_key(req.headers(), cfg.key_headers.as_slice()) {
             Ok(Some(key)) => key.to_owned(),
             Ok(None) if cfg.key_optional => {
                 let clone = self.inner.clone();
@@ -414,19 +415,20 @@ where
             protocol,
             ..
         } = self;
+        let grpc = protocol.is_grpc();
         let out = match config.on_disconnect {
             OnDisconnect::Complete => {
                 // The handler runs in this future, and moves to a task of its own only if this
                 // future is dropped first (the client went away): it then completes, and an
                 // unsent response's body is drained and recorded by the recorder's drop. (A task
                 // per execution cost more than the rest of the layer; see BENCHMARKS.md.)
-                let run = call_and_record(inner, req, claim, config.clone(), fp);
+                let run = call_and_record(inner, req, claim, config.clone(), fp, grpc);
                 DetachOnDrop(Some(Box::pin(run))).await
             }
             // Boxed like the other arm: inline, the handler's future and the recorder would
             // more than double the size of every write's future.
             OnDisconnect::Release => {
-                Box::pin(call_and_record(inner, req, claim, config.clone(), fp)).await
+                Box::pin(call_and_record(inner, req, claim, config.clone(), fp, grpc)).await
             }
         };
         match out {
@@ -484,6 +486,7 @@ fn call_and_record<S, ReqB, ResB>(
     claim: Claim,
     cfg: Arc<Config>,
     fp: Fingerprint,
+    grpc: bool,
 ) -> impl Future<Output = Result<Answer<ResB, S::Error>, Panicked>>
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
@@ -510,7 +513,7 @@ where
             }
         };
         let (parts, body) = res.into_parts();
-        let head_code = classify::at_head(&cfg.reasons, parts.status, &parts.headers);
+        let head_code = classify::at_head(&cfg.reasons, grpc, parts.status, &parts.headers);
         if let Some(code) = head_code {
             if !cfg.table.may_record(code) {
                 tracing::debug!(%code, "idempotency: outcome not recordable; releasing");

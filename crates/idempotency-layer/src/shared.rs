@@ -6,8 +6,8 @@
 
 use std::sync::Arc;
 
-use crate::metrics::Counters;
 use crate::renewal::Renewals;
+use crate::stats::Counters;
 use crate::wait_limit::WaitLimit;
 
 #[derive(Debug, Default)]

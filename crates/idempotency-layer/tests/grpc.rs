@@ -130,7 +130,9 @@ async fn start(layer: IdempotencyLayer) -> (SocketAddr, Orders) {
 fn layer() -> IdempotencyLayer {
     IdempotencyLayer::new(MemoryStore::new())
         .default_tenant("t")
-        .idempotent_grpc_methods(["/shop.Orders/GetOrder"])
+        .idempotent_grpc_methods(
+            reason_code::IdempotentGrpcMethods::new(["/shop.Orders/GetOrder"]).unwrap(),
+        )
 }
 
 type Grpc = tonic::client::Grpc<tonic::transport::Channel>;

@@ -85,7 +85,7 @@ async fn thousand_concurrent_identical_posts_over_a_socket_run_once() {
         assert_eq!((r.status, &r.body), (first.status, &first.body));
         assert_eq!(r.headers["x-order"], "1");
     }
-    let m = layer.metrics();
+    let m = layer.stats();
     assert_eq!(m.executed, 1);
     assert_eq!(m.replayed, 999);
     assert_eq!(m.recorded, 1);
@@ -191,7 +191,7 @@ async fn mismatch_is_422_and_nothing_runs() {
     // Query is part of the fingerprint too.
     let r = call(&app, req_post("/orders?x=1", key, "{\"a\":1}")).await;
     assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY);
-    assert_eq!(layer.metrics().rejected(RejectReason::Mismatch), 2);
+    assert_eq!(layer.stats().rejected(RejectReason::Mismatch), 2);
 }
 
 #[tokio::test]
@@ -299,7 +299,7 @@ async fn a_503_is_not_recorded_and_the_retry_executes() {
     assert_eq!((r.status, r.replayed()), (StatusCode::OK, true));
     assert_eq!(r.body, "attempt 1");
     assert_eq!(count.load(Ordering::SeqCst), 2);
-    assert_eq!(layer.metrics().released, 1);
+    assert_eq!(layer.stats().released, 1);
 }
 
 #[tokio::test]
@@ -377,38 +377,73 @@ async fn a_panicking_handler_answers_500_and_releases_the_key() {
     let r = call(&app, req_post("/boom", Some("boom-00000001"), "{}")).await;
     assert_eq!((r.status, r.replayed()), (StatusCode::OK, false));
     assert_eq!(r.body, "fine now");
-    assert_eq!(layer.metrics().rejected(RejectReason::Internal), 1);
+    assert_eq!(layer.stats().rejected(RejectReason::Internal), 1);
 }
 
-/// A handler that signals when it starts and finishes only when the test says so.
-fn gated() -> (
-    Router,
-    Arc<AtomicUsize>,
-    Arc<tokio::sync::Notify>,
-    Arc<tokio::sync::Notify>,
-) {
+/// A handler that signals when it starts and finishes only when the test says so; `cancelled`
+/// counts handlers dropped before they finished.
+struct Gated {
+    router: Router,
+    count: Arc<AtomicUsize>,
+    cancelled: Arc<AtomicUsize>,
+    started: Arc<tokio::sync::Notify>,
+    gate: Arc<tokio::sync::Notify>,
+}
+
+/// Counts a cancellation unless disarmed.
+struct CancelGuard(Arc<AtomicUsize>, bool);
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        if !self.1 {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+fn gated() -> Gated {
     let count = Arc::new(AtomicUsize::new(0));
+    let cancelled = Arc::new(AtomicUsize::new(0));
     let started = Arc::new(tokio::sync::Notify::new());
     let gate = Arc::new(tokio::sync::Notify::new());
-    let (c, s, g) = (count.clone(), started.clone(), gate.clone());
+    let (c, x, s, g) = (
+        count.clone(),
+        cancelled.clone(),
+        started.clone(),
+        gate.clone(),
+    );
     let router = Router::new().route(
         "/slow",
         post(move || {
-            let (c, s, g) = (c.clone(), s.clone(), g.clone());
+            let (c, x, s, g) = (c.clone(), x.clone(), s.clone(), g.clone());
             async move {
+                let mut guard = CancelGuard(x, false);
                 s.notify_one();
                 g.notified().await;
+                guard.1 = true;
                 let n = c.fetch_add(1, Ordering::SeqCst) + 1;
                 format!("done {n}")
             }
         }),
     );
-    (router, count, started, gate)
+    Gated {
+        router,
+        count,
+        cancelled,
+        started,
+        gate,
+    }
 }
 
 #[tokio::test]
 async fn a_dropped_first_request_still_completes_and_the_retry_replays() {
-    let (router, count, started, gate) = gated();
+    let Gated {
+        router,
+        count,
+        cancelled,
+        started,
+        gate,
+    } = gated();
     let app = router.layer(layer());
     let first = tokio::spawn({
         let app = app.clone();
@@ -425,11 +460,22 @@ async fn a_dropped_first_request_still_completes_and_the_retry_replays() {
     assert_eq!(r.body, "done 1");
     assert!(r.replayed(), "the retry gets the first execution's outcome");
     assert_eq!(count.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        cancelled.load(Ordering::SeqCst),
+        0,
+        "Complete mode never cancels"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_disconnects_over_a_socket_still_gets_a_replay_on_retry() {
-    let (router, count, started, gate) = gated();
+    let Gated {
+        router,
+        count,
+        cancelled,
+        started,
+        gate,
+    } = gated();
     let addr = serve(router.layer(layer())).await;
     let send = move || {
         let req = Request::post(format!("http://{addr}/slow"))
@@ -448,11 +494,22 @@ async fn a_client_that_disconnects_over_a_socket_still_gets_a_replay_on_retry() 
     assert_eq!(r.body, "done 1");
     assert!(r.replayed());
     assert_eq!(count.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        cancelled.load(Ordering::SeqCst),
+        0,
+        "Complete mode never cancels"
+    );
 }
 
 #[tokio::test]
 async fn on_disconnect_release_cancels_and_releases() {
-    let (router, count, started, gate) = gated();
+    let Gated {
+        router,
+        count,
+        cancelled,
+        started,
+        gate,
+    } = gated();
     let layer = layer().on_disconnect(OnDisconnect::Release);
     let app = router.layer(layer.clone());
     let first = tokio::spawn({
@@ -465,6 +522,11 @@ async fn on_disconnect_release_cancels_and_releases() {
     started.notified().await;
     first.abort();
     let _ = first.await;
+    assert_eq!(
+        cancelled.load(Ordering::SeqCst),
+        1,
+        "Release mode drops the handler when its client goes away"
+    );
     // The release is spawned on drop; let it run.
     for _ in 0..10 {
         tokio::task::yield_now().await;
@@ -482,7 +544,7 @@ async fn on_disconnect_release_cancels_and_releases() {
         1,
         "the first handler was cancelled"
     );
-    assert_eq!(layer.metrics().executed, 2);
+    assert_eq!(layer.stats().executed, 2);
 }
 
 #[tokio::test]
@@ -516,9 +578,7 @@ async fn waiters_get_the_leaders_outcome_or_become_leader_after_a_release() {
             call(&app, req_post("/w", Some("wait-00000001"), "{}")).await
         }));
     }
-    while layer.metrics().waited < 9 {
-        tokio::task::yield_now().await;
-    }
+    eventually("nine duplicates wait", || layer.stats().waited >= 9).await;
     gate.notify_one();
     let mut statuses = Vec::new();
     for t in tasks {
@@ -535,7 +595,12 @@ async fn waiters_get_the_leaders_outcome_or_become_leader_after_a_release() {
 
 #[tokio::test]
 async fn in_flight_reject_answers_409_with_retry_after() {
-    let (router, _count, started, gate) = gated();
+    let Gated {
+        router,
+        started,
+        gate,
+        ..
+    } = gated();
     let app = router.layer(layer().in_flight(InFlight::Reject));
     let first = tokio::spawn({
         let app = app.clone();
@@ -552,15 +617,35 @@ async fn in_flight_reject_answers_409_with_retry_after() {
 
 #[tokio::test(start_paused = true)]
 async fn a_waiter_gives_up_at_max_wait() {
-    let (router, _count, started, gate) = gated();
-    let app = router.layer(layer().max_wait(Duration::from_secs(2)));
+    let Gated {
+        router,
+        started,
+        gate,
+        ..
+    } = gated();
+    let layer = layer().max_wait(Duration::from_secs(2));
+    let app = router.layer(layer.clone());
     let first = tokio::spawn({
         let app = app.clone();
         async move { call(&app, req_post("/slow", Some("slow-00000005"), "{}")).await }
     });
     started.notified().await;
+    let waited_from = tokio::time::Instant::now();
     let r = call(&app, req_post("/slow", Some("slow-00000005"), "{}")).await;
+    // Paused time: the clock moved exactly as far as the duplicate waited.
+    assert_eq!(
+        waited_from.elapsed(),
+        Duration::from_secs(2),
+        "the duplicate waited max_wait, then gave up"
+    );
     assert_eq!(r.status, StatusCode::CONFLICT);
+    assert_eq!(r.headers["retry-after"], "1");
+    assert_eq!(r.headers["x-reason-code"], "IDEMPOTENCY_IN_FLIGHT");
+    let stats = layer.stats();
+    assert_eq!(
+        (stats.waited, stats.rejected(RejectReason::InFlight)),
+        (1, 1)
+    );
     gate.notify_one();
     assert_eq!(first.await.unwrap().status, StatusCode::OK);
 }
@@ -692,7 +777,7 @@ async fn a_failing_store_fails_closed_by_default_and_open_when_configured() {
         0,
         "fail closed executes nothing"
     );
-    assert_eq!(closed.metrics().store_errors, 1);
+    assert_eq!(closed.stats().store_errors, 1);
 
     let open = closed.clone().fail_open(true);
     let app_open = Router::new().route("/orders", counting(&count)).layer(open);
@@ -749,7 +834,8 @@ async fn tenant_extension_from_an_auth_layer_is_used() {
 #[tokio::test]
 async fn the_key_header_is_configurable() {
     let count = Arc::new(AtomicUsize::new(0));
-    let app = app(layer().header("x-request-key".parse().unwrap()), &count);
+    let headers = reason_code::KeyHeaders::new(["x-request-key".parse().unwrap()]).unwrap();
+    let app = app(layer().key_headers(headers), &count);
     let r = call(&app, req_post("/orders", Some("order-00000001"), "{}")).await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
     assert_eq!(r.json()["detail"], "write operations require x-request-key");

@@ -200,7 +200,7 @@ async fn a_sequential_retry_after_a_delivered_response_is_a_replay() {
                         }
                     }
                     assert_eq!(counts.started(), 5, "{case}: one execution per key");
-                    let m = layer.metrics();
+                    let m = layer.stats();
                     assert_eq!((m.executed, m.replayed, m.recorded), (5, 5, 5), "{case}");
                 }
             }
@@ -564,7 +564,7 @@ async fn grpc_web_statuses_in_the_body_decide_what_is_recorded() {
         assert_eq!(missing.headers["content-type"], content_type);
         assert_eq!(missing.headers["grpc-status"], "3", "INVALID_ARGUMENT");
         assert_eq!(
-            layer.metrics().recorded,
+            layer.stats().recorded,
             2,
             "text={text}: the OK retry and the OK write"
         );

@@ -96,7 +96,14 @@ mod tests {
     use HeadClass::*;
 
     /// (grpc, status, headers, expected)
-    const CASES: &[(bool, u16, &[(&str, &str)], HeadClass)] = &[
+    type Case = (
+        bool,
+        u16,
+        &'static [(&'static str, &'static str)],
+        HeadClass,
+    );
+
+    const CASES: &[Case] = &[
         (false, 201, &[], Decided(Code::Ok)),
         (false, 303, &[], Decided(Code::Ok)),
         (false, 503, &[], Decided(Code::Unavailable)),

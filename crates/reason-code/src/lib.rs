@@ -34,6 +34,7 @@
 //! assert_eq!(table.verdict(Outcome::Status(code), /* idempotent */ true), Verdict::Retry);
 //! assert!(!table.may_record(code)); // the server releases the key: a retry executes again
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(rust_2018_idioms, warnings))))]
 
 mod classify;

@@ -182,6 +182,7 @@
 //!
 //! Each retry is a `DEBUG` tracing event, each give-up an `INFO` event, each budget refusal a
 //! `WARN` event, all with the attempt number and code. [`RetryLayer::stats`] returns counters.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(rust_2018_idioms, warnings))))]
 
 pub mod backoff;

@@ -2,12 +2,12 @@
 
 use std::time::Duration;
 
-use retry_layer::{BoxError, IdempotentGrpcMethods, ReplayBody, Retry, RetryLayer, RetryPolicy};
+use retry_layer::{BoxError, ReplayBody, Retry, RetryLayer, RetryPolicy};
 use tonic::transport::{Channel, Endpoint};
 use tower::util::MapRequest;
 
+use crate::idempotent_methods;
 use crate::pb::library_client::LibraryClient;
-use crate::IDEMPOTENT_METHODS;
 
 /// The channel stack: `RetryLayer`, then the body conversion tonic's `Channel` needs.
 pub type RetryChannel = Retry<
@@ -24,18 +24,13 @@ fn to_tonic_body(
 }
 
 /// The retry policy of the example client: defaults, reads declared idempotent (the same
-/// [`IDEMPOTENT_METHODS`] the server declares), writes keyed.
+/// [`IDEMPOTENT_METHODS`](crate::IDEMPOTENT_METHODS) the server declares), writes keyed.
 pub fn policy() -> RetryPolicy {
     RetryPolicy::builder()
         .ensure_idempotency_key()
         .idempotent_grpc_methods(idempotent_methods())
         .build()
         .expect("a valid policy")
-}
-
-/// [`IDEMPOTENT_METHODS`], parsed.
-pub fn idempotent_methods() -> IdempotentGrpcMethods {
-    IdempotentGrpcMethods::new(IDEMPOTENT_METHODS).expect("valid gRPC method paths")
 }
 
 /// A Library client for `url` whose calls retry safely, and the layer (for its counters).

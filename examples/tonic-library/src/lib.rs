@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use axum_orders::auth::demo_auth_layer;
 use axum_orders::inventory::{Inventory, InventoryError};
+use idempotency_layer::reason_code::IdempotentGrpcMethods;
 use idempotency_layer::{IdempotencyLayer, IdempotencyStore};
 use tonic::{Request, Response, Status};
 
@@ -121,9 +122,14 @@ impl Library for LibraryService {
     }
 }
 
+/// [`IDEMPOTENT_METHODS`] as the type both layers take.
+pub fn idempotent_methods() -> IdempotentGrpcMethods {
+    IdempotentGrpcMethods::new(IDEMPOTENT_METHODS).expect("the method paths above are valid")
+}
+
 /// The idempotency layer configured for this service: reads declared idempotent.
 pub fn idempotency<St: IdempotencyStore>(store: St) -> IdempotencyLayer<St> {
-    IdempotencyLayer::new(store).idempotent_grpc_methods(IDEMPOTENT_METHODS)
+    IdempotencyLayer::new(store).idempotent_grpc_methods(idempotent_methods())
 }
 
 /// Serves the Library over `incoming` with the demo auth layer in front of `idempotency`,

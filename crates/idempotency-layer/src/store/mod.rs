@@ -170,8 +170,8 @@ impl<St: IdempotencyStore> Drop for OrphanGuard<St> {
 }
 pub use memory::MemoryStore;
 
-/// The boxed error a store wraps from its backend.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// The boxed error a store wraps from its backend (the workspace's one boxed error).
+pub use reason_code::BoxError;
 
 /// The hash of a scope (tenant + method + key), the only identifier a store sees.
 ///

@@ -161,3 +161,15 @@ impl IdempotencyStore for FlakyStore {
         self.inner.forget(scope).await
     }
 }
+
+/// Yields until `cond` holds; panics naming `what` if it does not within 1 000 000 yields (a
+/// test that fails instead of hanging).
+pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    for _ in 0..1_000_000 {
+        if cond() {
+            return;
+        }
+        tokio::task::yield_now().await;
+    }
+    panic!("never happened: {what}");
+}

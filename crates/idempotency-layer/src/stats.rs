@@ -1,64 +1,9 @@
-//! Counters the layer keeps, readable at any time (for export to a metrics system).
+//! Counters the layer keeps, readable at any time with `stats()` (for export to a metrics
+//! system).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Why a request was answered by the layer instead of the handler.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum RejectReason {
-    /// A write without an idempotency key (400 / INVALID_ARGUMENT).
-    MissingKey,
-    /// A key that breaks a rule (400 / INVALID_ARGUMENT).
-    InvalidKey,
-    /// No tenant where one is required (401 / UNAUTHENTICATED).
-    NoTenant,
-    /// The key was used with another request (422 / FAILED_PRECONDITION).
-    Mismatch,
-    /// The request body is larger than `max_request_bytes` (413 / RESOURCE_EXHAUSTED).
-    TooLarge,
-    /// The request body could not be read (400 / INVALID_ARGUMENT).
-    BadBody,
-    /// A duplicate is in flight and the layer rejects, or the wait ran out (409 / ABORTED).
-    InFlight,
-    /// The store failed and the layer fails closed (503 / UNAVAILABLE).
-    StoreUnavailable,
-    /// The handler panicked or its task was lost (500 / INTERNAL).
-    Internal,
-}
-
-impl RejectReason {
-    /// Every reason, in declaration order.
-    pub const ALL: [RejectReason; 9] = [
-        RejectReason::MissingKey,
-        RejectReason::InvalidKey,
-        RejectReason::NoTenant,
-        RejectReason::Mismatch,
-        RejectReason::TooLarge,
-        RejectReason::BadBody,
-        RejectReason::InFlight,
-        RejectReason::StoreUnavailable,
-        RejectReason::Internal,
-    ];
-
-    /// A short snake_case name for metric labels.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            RejectReason::MissingKey => "missing_key",
-            RejectReason::InvalidKey => "invalid_key",
-            RejectReason::NoTenant => "no_tenant",
-            RejectReason::Mismatch => "mismatch",
-            RejectReason::TooLarge => "too_large",
-            RejectReason::BadBody => "bad_body",
-            RejectReason::InFlight => "in_flight",
-            RejectReason::StoreUnavailable => "store_unavailable",
-            RejectReason::Internal => "internal",
-        }
-    }
-
-    fn index(self) -> usize {
-        self as usize
-    }
-}
+use crate::reject::RejectReason;
 
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
@@ -69,7 +14,7 @@ pub(crate) struct Counters {
     released: AtomicU64,
     store_errors: AtomicU64,
     failed_open: AtomicU64,
-    rejected: [AtomicU64; 9],
+    rejected: [AtomicU64; RejectReason::ALL.len()],
 }
 
 fn inc(c: &AtomicU64) {
@@ -102,9 +47,9 @@ impl Counters {
         inc(&self.rejected[reason.index()])
     }
 
-    pub(crate) fn snapshot(&self) -> Metrics {
+    pub(crate) fn snapshot(&self) -> IdempotencyStats {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        Metrics {
+        IdempotencyStats {
             executed: get(&self.executed),
             replayed: get(&self.replayed),
             waited: get(&self.waited),
@@ -123,13 +68,13 @@ impl Counters {
 /// use idempotency_layer::{IdempotencyLayer, RejectReason};
 ///
 /// let layer = IdempotencyLayer::default();
-/// let m = layer.metrics();
+/// let m = layer.stats();
 /// assert_eq!(m.executed, 0);
 /// assert_eq!(m.rejected(RejectReason::MissingKey), 0);
 /// ```
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct Metrics {
+pub struct IdempotencyStats {
     /// Handler executions the layer led (first requests of a scope).
     pub executed: u64,
     /// Responses replayed from a record.
@@ -144,10 +89,10 @@ pub struct Metrics {
     pub store_errors: u64,
     /// Requests executed without protection because the store failed and `fail_open` is set.
     pub failed_open: u64,
-    rejected: [u64; 9],
+    rejected: [u64; RejectReason::ALL.len()],
 }
 
-impl Metrics {
+impl IdempotencyStats {
     /// How many requests were rejected for `reason`.
     pub fn rejected(&self, reason: RejectReason) -> u64 {
         self.rejected[reason.index()]
