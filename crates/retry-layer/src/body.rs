@@ -42,7 +42,7 @@ enum Inner<B> {
     Fixed(Option<Bytes>),
     /// One attempt's view of the shared original.
     Shared {
-        shared: Arc<Mutex<Shared<B>>>,
+        shared: Arc<Mutex<Kept<B>>>,
         /// The attempt this reader belongs to; only the newest may read.
         generation: u64,
         /// The index of the next kept chunk this attempt reads.
@@ -51,7 +51,9 @@ enum Inner<B> {
     },
 }
 
-struct Shared<B> {
+/// What is kept of the original body: shared by the readers of every attempt and the layer's
+/// handle.
+struct Kept<B> {
     /// The original, until it has produced its last frame.
     body: Option<Pin<Box<B>>>,
     /// Every chunk read so far, while the total stays within `max`.
@@ -76,7 +78,7 @@ struct Shared<B> {
     generation: u64,
 }
 
-impl<B> Shared<B> {
+impl<B> Kept<B> {
     fn finish(&mut self) {
         self.body = None;
         self.ended = true;
@@ -132,7 +134,7 @@ impl<B> fmt::Debug for ReplayBody<B> {
 /// The retry layer's handle on a wrapped body: makes the next attempt's body and says whether a
 /// retry can still carry it.
 pub(crate) struct BodyHandle<B> {
-    shared: Option<Arc<Mutex<Shared<B>>>>,
+    shared: Option<Arc<Mutex<Kept<B>>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -159,7 +161,7 @@ impl<B: Body> ReplayBody<B> {
         let hint = body.size_hint();
         // A body known to exceed the limit is never kept.
         let capped = hint.lower() > max as u64;
-        let shared = Arc::new(Mutex::new(Shared {
+        let shared = Arc::new(Mutex::new(Kept {
             body: Some(Box::pin(body)),
             chunks: Vec::new(),
             read: 0,

@@ -3,48 +3,55 @@
 use std::error::Error as StdError;
 use std::time::{Duration, SystemTime};
 
-use http::{HeaderMap, Method, Response, StatusCode};
+use http::{HeaderMap, Response};
 use reason_code::{
-    parse_grpc_pushback, parse_grpc_status, parse_retry_after, Code, Outcome, Pushback,
-    ReasonCodes, GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS,
+    classify_head, parse_grpc_pushback, parse_grpc_status, parse_retry_after, Code, HeadClass,
+    Outcome, Pushback, ReasonCodes, GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS,
 };
 
 use crate::error::AttemptTimedOut;
 use crate::BoxError;
 
-/// Classifies a response.
+/// Classifies a response with the one classifier both layers call
+/// ([`reason_code::classify_head`]), plus one rule of the client's own.
 ///
-/// - A gRPC response with HTTP 200 whose headers carry no `grpc-status` has started streaming:
-///   it is committed (gRFC A6) and final, whatever a reason-code header says.
-/// - Otherwise a business reason code wins over any status.
+/// - [`HeadClass::AtEnd`]: a gRPC response that has started streaming is committed (gRFC A6):
+///   final, and counted as a success by the budget, whatever its trailers say later.
 /// - 421 Misdirected Request (RFC 9110 §15.5.20) and 425 Too Early (RFC 8470 §5.2) were not
-///   processed by the server: unsent, retried for any method.
-/// - gRPC: `grpc-status` (a malformed one is UNKNOWN: not a success); without it, a non-200
-///   HTTP status maps as the gRPC spec says ([`Code::from_grpc_http_status`]).
-/// - HTTP: the status maps through [`Code::from_http_status`].
+///   processed by the server: unsent, retried for any method. The rule applies only where the
+///   HTTP status is what decided, that is when the head carries neither a business reason code
+///   nor a `grpc-status`: those say more than the status does.
 pub(crate) fn response<B>(res: &Response<B>, grpc: bool, reasons: &ReasonCodes) -> Outcome {
     let headers = res.headers();
     let status = res.status();
-    let grpc_status = if grpc { headers.get(GRPC_STATUS) } else { None };
-    if grpc && grpc_status.is_none() && status == StatusCode::OK {
-        return Outcome::Status(Code::Ok);
-    }
-    if let Some(code) = reasons.classify(headers) {
-        return Outcome::Status(code);
-    }
-    if let Some(v) = grpc_status {
-        return Outcome::Status(parse_grpc_status(v).unwrap_or_else(|e| {
-            tracing::warn!(error = %e, "malformed grpc-status: treated as UNKNOWN");
-            Code::Unknown
-        }));
-    }
-    if matches!(status.as_u16(), 421 | 425) {
+    let code = match classify_head(reasons, grpc, status, headers) {
+        HeadClass::AtEnd => return Outcome::Status(Code::Ok),
+        HeadClass::Decided(code) => code,
+        // `HeadClass` is non-exhaustive: a class this layer does not know yet is not a success.
+        _ => return Outcome::Status(Code::Unknown),
+    };
+    if matches!(status.as_u16(), 421 | 425) && decided_by_status(res, grpc, reasons) {
         return Outcome::Unsent;
     }
-    if grpc {
-        return Outcome::Status(Code::from_grpc_http_status(status));
+    if code == Code::Unknown && grpc {
+        warn_if_malformed_grpc_status(headers);
     }
-    Outcome::Status(Code::from_http_status(status))
+    Outcome::Status(code)
+}
+
+/// True when nothing in the head but its HTTP status spoke: no reason code the table knows, no
+/// `grpc-status` on a gRPC call.
+fn decided_by_status<B>(res: &Response<B>, grpc: bool, reasons: &ReasonCodes) -> bool {
+    let headers = res.headers();
+    reasons.classify(headers).is_none() && !(grpc && headers.contains_key(GRPC_STATUS))
+}
+
+/// The classifier reads a malformed `grpc-status` as UNKNOWN (never a success); say so, since
+/// it usually means a broken proxy.
+fn warn_if_malformed_grpc_status(headers: &HeaderMap) {
+    if let Some(Err(e)) = headers.get(GRPC_STATUS).map(parse_grpc_status) {
+        tracing::warn!(error = %e, "malformed grpc-status: treated as UNKNOWN");
+    }
 }
 
 /// What the server asked about the next attempt.
@@ -114,14 +121,6 @@ pub(crate) fn error(err: &BoxError) -> Outcome {
         cur = e.source();
     }
     Outcome::Ambiguous
-}
-
-/// Safe and idempotent HTTP methods (RFC 9110 §9.2).
-pub(crate) fn is_idempotent_method(m: &Method) -> bool {
-    matches!(
-        *m,
-        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
-    )
 }
 
 #[cfg(test)]
@@ -234,6 +233,20 @@ mod tests {
         let reasons = ReasonCodes::default();
         assert_eq!(response(&res(421, &[]), false, &reasons), Outcome::Unsent);
         assert_eq!(response(&res(425, &[]), false, &reasons), Outcome::Unsent);
+        assert_eq!(response(&res(421, &[]), true, &reasons), Outcome::Unsent);
+        // A reason code or a grpc-status says more than the status.
+        let r = res(421, &[("x-reason-code", "STOCK_CONFLICT")]);
+        assert_eq!(
+            response(&r, false, &reasons),
+            Outcome::Status(Code::Aborted)
+        );
+        let r = res(425, &[("grpc-status", "5")]);
+        assert_eq!(
+            response(&r, true, &reasons),
+            Outcome::Status(Code::NotFound)
+        );
+        // On an HTTP call a grpc-status is just a header.
+        assert_eq!(response(&r, false, &reasons), Outcome::Unsent);
     }
 
     #[test]

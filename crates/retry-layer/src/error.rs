@@ -1,12 +1,8 @@
-//! Errors the retry layer returns, and the deadline extension it reads.
-
-use std::error::Error as StdError;
-use std::fmt;
-use std::time::Duration;
-
-use tokio::time::Instant;
+//! Errors the retry layer returns, and what it tells about a response ([`RetryInfo`]).
 
 use crate::BoxError;
+use std::error::Error as StdError;
+use std::fmt;
 
 /// The call's deadline passed before a response arrived. Returned instead of waiting longer;
 /// downcast a `BoxError` to this type to tell it apart.
@@ -51,37 +47,6 @@ impl fmt::Display for AttemptTimedOut {
 }
 
 impl std::error::Error for AttemptTimedOut {}
-
-/// A deadline for the whole call, retries included, set as a request extension. It takes
-/// precedence over `grpc-timeout` and the policy's `total_timeout`.
-///
-/// ```
-/// use std::time::Duration;
-/// use retry_layer::Deadline;
-///
-/// # #[tokio::main(flavor = "current_thread")] async fn main() {
-/// let mut req = http::Request::new(());
-/// req.extensions_mut().insert(Deadline::after(Duration::from_millis(300)));
-/// # }
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Deadline(pub Instant);
-
-impl Deadline {
-    /// A deadline `d` from now (tokio's clock: paused time in tests moves it). A `d` too large
-    /// for the clock (`Duration::MAX`) means "no deadline in practice": about 30 years.
-    pub fn after(d: Duration) -> Self {
-        Deadline(after(Instant::now(), d))
-    }
-}
-
-/// `now + d` without overflow: a sum the clock cannot hold becomes about 30 years from now.
-pub(crate) fn after(now: Instant, d: Duration) -> Instant {
-    const FAR: Duration = Duration::from_secs(86_400 * 365 * 30);
-    now.checked_add(d.min(FAR))
-        .or_else(|| now.checked_add(Duration::from_secs(86_400)))
-        .unwrap_or(now)
-}
 
 /// What the layer did for a response, as a response extension: present when the response took
 /// more than one attempt or the layer generated its idempotency key; absent means one attempt.

@@ -1,22 +1,16 @@
+//! [`RetryLayer`]: makes the shared state once and hands it to every service it makes.
+
 use std::sync::Arc;
 
 use tower_layer::Layer;
 
-use crate::budget::Budget;
-use crate::stats::{RetryStats, StatsSnapshot};
-use crate::{Retry, RetryPolicy};
-
-/// What every clone of a layer and of its services shares: the policy, the retry budget and the
-/// counters.
-#[derive(Debug)]
-pub(crate) struct Shared {
-    pub(crate) policy: RetryPolicy,
-    pub(crate) budget: Arc<dyn Budget>,
-    pub(crate) stats: RetryStats,
-}
+use crate::policy::RetryPolicy;
+use crate::service::Retry;
+use crate::shared::Shared;
+use crate::stats::RetryStats;
 
 /// Applies [`Retry`] to services. All services made by one layer (and their clones) share one
-/// retry budget and one set of counters.
+/// retry budget and one set of counters: cloning the layer does not make a new budget.
 ///
 /// ```
 /// use http_body_util::Full;
@@ -44,24 +38,26 @@ pub struct RetryLayer {
 impl RetryLayer {
     /// A layer with `policy`, creating the budget the policy describes.
     pub fn new(policy: RetryPolicy) -> Self {
-        let budget = policy.make_budget();
         RetryLayer {
-            shared: Arc::new(Shared {
-                policy,
-                budget,
-                stats: RetryStats::default(),
-            }),
+            shared: Arc::new(Shared::new(policy)),
         }
     }
 
     /// The counters of every service this layer made.
-    pub fn stats(&self) -> StatsSnapshot {
+    pub fn stats(&self) -> RetryStats {
         self.shared.stats.snapshot()
     }
 
     /// The policy.
     pub fn policy(&self) -> &RetryPolicy {
         &self.shared.policy
+    }
+}
+
+impl<S> Retry<S> {
+    /// A [`RetryLayer`] with `policy`: `Retry::layer(policy)` reads well in a `ServiceBuilder`.
+    pub fn layer(policy: RetryPolicy) -> RetryLayer {
+        RetryLayer::new(policy)
     }
 }
 

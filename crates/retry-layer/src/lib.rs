@@ -48,7 +48,9 @@
 //! # What is retried
 //!
 //! Every attempt's outcome is classified once, and the [`RetryTable`](reason_code::RetryTable)
-//! decides. Classification, in order:
+//! decides. A response is classified by [`reason_code::classify_head`], the classifier
+//! `idempotency-layer` calls too, plus the client's rules for 421/425 and transport errors. In
+//! order:
 //!
 //! 1. a gRPC response with HTTP 200 whose headers carry no `grpc-status` has started streaming:
 //!    it is committed (gRFC A6), final, and no reason-code header reopens it;
@@ -70,8 +72,10 @@
 //! - 502/503/UNAVAILABLE, 504/DEADLINE_EXCEEDED, a connection lost after sending and an attempt
 //!   timeout are retried only for **idempotent** requests: GET, HEAD, OPTIONS, TRACE, PUT,
 //!   DELETE, gRPC methods declared with
-//!   [`idempotent_grpc_method`](RetryPolicyBuilder::idempotent_grpc_method), or any request that
-//!   carries an idempotency key (`x-idempotency-key` or `idempotency-key`);
+//!   [`idempotent_grpc_methods`](RetryPolicyBuilder::idempotent_grpc_methods) (the same
+//!   [`IdempotentGrpcMethods`] the server layer takes), or any request that carries an
+//!   idempotency key in one of the [`key_headers`](RetryPolicyBuilder::key_headers)
+//!   (`x-idempotency-key` or `idempotency-key` by default);
 //! - 429/RESOURCE_EXHAUSTED is retried for any request, after the server's pushback;
 //! - 409/ABORTED is returned, unless a [`rebuild_on_conflict`](RetryPolicyBuilder::rebuild_on_conflict)
 //!   hook rebuilds the request. The rebuilt request is judged afresh (method, gRPC method,
@@ -80,7 +84,7 @@
 //! - everything else is returned as it is.
 //!
 //! Before each retry three checks must all pass: the outcome is retryable, an attempt is left,
-//! and the deadline leaves at least the delay plus `min_attempt_budget`. Then the retry budget
+//! and the deadline leaves at least the delay plus `min_attempt_time`. Then the retry budget
 //! must grant it.
 //!
 //! # Why a deadline budget
@@ -184,16 +188,22 @@
 pub mod backoff;
 mod body;
 pub mod budget;
+mod call;
 mod classify;
+mod deadline;
+mod decide;
 mod error;
 mod future;
 mod layer;
 mod policy;
+mod request;
 mod service;
+mod shared;
 mod stats;
 
 pub use body::{BodyNotReplayable, ReplayBody};
-pub use error::{AttemptTimedOut, Deadline, DeadlineExceeded, RetryError, RetryInfo};
+pub use deadline::Deadline;
+pub use error::{AttemptTimedOut, DeadlineExceeded, RetryError, RetryInfo};
 pub use future::ResponseFuture;
 pub use layer::RetryLayer;
 pub use policy::{
@@ -201,7 +211,11 @@ pub use policy::{
     RetryPolicy, RetryPolicyBuilder, StatusCodeName, MAX_DURATION, MAX_UNSENT_RETRIES,
 };
 pub use service::Retry;
-pub use stats::{RetryStats, StatsSnapshot};
+pub use stats::RetryStats;
 
-/// The boxed error type the layer returns.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// The boxed error the layer returns: [`reason_code::BoxError`], the one both layers use.
+pub use reason_code::BoxError;
+/// The settings both layers take, re-exported so a client needs no direct `reason-code`
+/// dependency: see [`RetryPolicyBuilder::idempotent_grpc_methods`] and
+/// [`RetryPolicyBuilder::key_headers`].
+pub use reason_code::{IdempotentGrpcMethods, InvalidGrpcMethod, KeyHeaders, NoKeyHeader};

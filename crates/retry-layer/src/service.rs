@@ -1,3 +1,5 @@
+//! [`Retry`]: the service; `call` hands the request to a [`ResponseFuture`].
+
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -6,10 +8,12 @@ use http_body::Body;
 use tower_service::Service;
 
 use crate::body::ReplayBody;
+use crate::error::RetryError;
 use crate::future::ResponseFuture;
-use crate::layer::Shared;
-use crate::stats::StatsSnapshot;
-use crate::{BoxError, RetryError, RetryLayer, RetryPolicy};
+use crate::policy::RetryPolicy;
+use crate::shared::Shared;
+use crate::stats::RetryStats;
+use crate::BoxError;
 
 /// Retries what is safe to retry. See the [crate docs](crate) for what that is.
 ///
@@ -24,13 +28,7 @@ pub struct Retry<S> {
 impl<S> Retry<S> {
     /// Wraps `inner` with a layer of its own (its own budget and counters).
     pub fn new(inner: S, policy: RetryPolicy) -> Self {
-        use tower_layer::Layer;
-        RetryLayer::new(policy).layer(inner)
-    }
-
-    /// A [`RetryLayer`] with `policy`: `Retry::layer(policy)` reads well in a `ServiceBuilder`.
-    pub fn layer(policy: RetryPolicy) -> RetryLayer {
-        RetryLayer::new(policy)
+        Retry::from_shared(inner, Arc::new(Shared::new(policy)))
     }
 
     pub(crate) fn from_shared(inner: S, shared: Arc<Shared>) -> Self {
@@ -38,7 +36,7 @@ impl<S> Retry<S> {
     }
 
     /// The counters shared with the layer and its other services.
-    pub fn stats(&self) -> StatsSnapshot {
+    pub fn stats(&self) -> RetryStats {
         self.shared.stats.snapshot()
     }
 

@@ -2,9 +2,10 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Counters shared by all clones of a layer. Read them with [`RetryStats::snapshot`].
+/// Counters shared by all clones of a layer; [`RetryLayer::stats`](crate::RetryLayer::stats)
+/// reads them.
 #[derive(Debug, Default)]
-pub struct RetryStats {
+pub(crate) struct Counters {
     requests: AtomicU64,
     attempts: AtomicU64,
     retries: AtomicU64,
@@ -14,10 +15,12 @@ pub struct RetryStats {
     pushback_stops: AtomicU64,
 }
 
-/// A point-in-time copy of [`RetryStats`].
+/// The counters of a layer and every service it made, as read by
+/// [`RetryLayer::stats`](crate::RetryLayer::stats) or [`Retry::stats`](crate::Retry::stats): a
+/// point-in-time copy. (`idempotency-layer` has `IdempotencyStats`, read the same way.)
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct StatsSnapshot {
+pub struct RetryStats {
     /// Logical requests (calls of the service).
     pub requests: u64,
     /// Attempts sent, first attempts included.
@@ -45,7 +48,7 @@ pub(crate) enum Counter {
     PushbackStops,
 }
 
-impl RetryStats {
+impl Counters {
     pub(crate) fn incr(&self, c: Counter) {
         let counter = match c {
             Counter::Requests => &self.requests,
@@ -60,9 +63,9 @@ impl RetryStats {
     }
 
     /// The current values.
-    pub fn snapshot(&self) -> StatsSnapshot {
+    pub(crate) fn snapshot(&self) -> RetryStats {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        StatsSnapshot {
+        RetryStats {
             requests: get(&self.requests),
             attempts: get(&self.attempts),
             retries: get(&self.retries),

@@ -39,7 +39,7 @@ pub struct ClientOpts {
 impl ClientOpts {
     /// Makes `count` calls, `concurrency` at a time; each prints its own line and says whether
     /// it succeeded. The exit code is success when every call did.
-    pub async fn run<F, Fut>(&self, call: F) -> ExitCode
+    pub async fn make_calls<F, Fut>(&self, call: F) -> ExitCode
     where
         F: Fn() -> Fut,
         Fut: Future<Output = bool>,

@@ -6,8 +6,8 @@ use retry_layer::{BoxError, ReplayBody, Retry, RetryLayer, RetryPolicy};
 use tonic::transport::{Channel, Endpoint};
 use tower::util::MapRequest;
 
+use crate::idempotent_methods;
 use crate::pb::library_client::LibraryClient;
-use crate::IDEMPOTENT_METHODS;
 
 /// The channel stack: `RetryLayer`, then the body conversion tonic's `Channel` needs.
 pub type RetryChannel = Retry<
@@ -23,13 +23,14 @@ fn to_tonic_body(
     req.map(tonic::body::Body::new)
 }
 
-/// The retry policy of the example client: defaults, reads declared idempotent, writes keyed.
+/// The retry policy of the example client: defaults, reads declared idempotent (the same
+/// [`IDEMPOTENT_METHODS`](crate::IDEMPOTENT_METHODS) the server declares), writes keyed.
 pub fn policy() -> RetryPolicy {
-    let mut b = RetryPolicy::builder().ensure_idempotency_key();
-    for m in IDEMPOTENT_METHODS {
-        b = b.idempotent_grpc_method(m);
-    }
-    b.build().expect("a valid policy")
+    RetryPolicy::builder()
+        .ensure_idempotency_key()
+        .idempotent_grpc_methods(idempotent_methods())
+        .build()
+        .expect("a valid policy")
 }
 
 /// A Library client for `url` whose calls retry safely, and the layer (for its counters).

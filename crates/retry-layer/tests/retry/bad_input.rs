@@ -48,7 +48,7 @@ fn capture() -> (Captured, tracing::subscriber::DefaultGuard) {
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn garbage_retry_after_is_ignored_with_a_warning() {
     let (logs, _guard) = capture();
-    let (res, script, _) = run(
+    let (res, script, _) = call_scripted(
         RetryPolicy::default(),
         get("/books/b1"),
         vec![
@@ -81,9 +81,12 @@ async fn non_ascii_retry_after_is_ignored() {
         res
     });
     let mut retry = retry_layer::Retry::new(svc, RetryPolicy::default());
-    let res = tower::ServiceExt::oneshot(&mut retry, get("/books/b1"))
-        .await
-        .unwrap();
+    let res = within_a_day(
+        "the call",
+        tower::ServiceExt::oneshot(&mut retry, get("/books/b1")),
+    )
+    .await
+    .unwrap();
     assert_eq!(res.status(), 503);
     assert_eq!(
         script.attempts(),
@@ -102,7 +105,7 @@ async fn garbage_grpc_status_is_unknown_and_final() {
             ("grpc-status", "fourteen"),
         ],
     );
-    let (res, script, _) = run(
+    let (res, script, _) = call_scripted(
         RetryPolicy::default(),
         keyed(grpc_req("/lib.Library/GetBook")),
         vec![reply],
@@ -123,7 +126,7 @@ async fn garbage_grpc_timeout_is_ignored_with_a_warning() {
     let mut req = keyed(grpc_req("/lib.Library/GetBook"));
     req.headers_mut()
         .insert("grpc-timeout", "soon".parse().unwrap());
-    let (_, script, _) = run(RetryPolicy::default(), req, vec![grpc("14")]).await;
+    let (_, script, _) = call_scripted(RetryPolicy::default(), req, vec![grpc("14")]).await;
     assert_eq!(script.attempts(), 3, "no deadline: the attempts decide");
     assert_eq!(
         script.seen()[0].headers["grpc-timeout"],
@@ -147,7 +150,7 @@ async fn garbage_pushback_stops_retries() {
             ("grpc-retry-pushback-ms", "1e3"),
         ],
     );
-    let (_, script, layer) = run(
+    let (_, script, layer) = call_scripted(
         RetryPolicy::default(),
         keyed(grpc_req("/lib.Library/GetBook")),
         vec![reply],
@@ -173,7 +176,7 @@ fn out_of_range_durations_are_rejected_with_a_message() {
         ("max_pushback", |b, d| b.max_pushback(d)),
         ("base_delay", |b, d| b.base_delay(d)),
         ("max_delay", |b, d| b.max_delay(d)),
-        ("min_attempt_budget", |b, d| b.min_attempt_budget(d)),
+        ("min_attempt_time", |b, d| b.min_attempt_time(d)),
     ];
     for (name, set) in setters {
         for d in [
@@ -211,7 +214,8 @@ async fn huge_deadlines_and_pushbacks_do_not_panic() {
     let mut req = get("/books/b1");
     req.extensions_mut()
         .insert(retry_layer::Deadline::after(Duration::MAX));
-    let (res, script, _) = run(RetryPolicy::default(), req, vec![status(503), status(200)]).await;
+    let (res, script, _) =
+        call_scripted(RetryPolicy::default(), req, vec![status(503), status(200)]).await;
     assert_eq!(res.unwrap().status(), 200);
     assert_eq!(script.attempts(), 2);
 
@@ -220,7 +224,7 @@ async fn huge_deadlines_and_pushbacks_do_not_panic() {
         .max_pushback(retry_layer::MAX_DURATION)
         .build()
         .unwrap();
-    let (res, script, layer) = run(
+    let (res, script, layer) = call_scripted(
         policy,
         get("/books/b1"),
         vec![Reply::Status(
@@ -237,6 +241,7 @@ async fn huge_deadlines_and_pushbacks_do_not_panic() {
     let mut req = keyed(grpc_req("/lib.Library/GetBook"));
     req.headers_mut()
         .insert("grpc-timeout", "99999999H".parse().unwrap());
-    let (_, script, _) = run(RetryPolicy::default(), req, vec![grpc("14"), grpc("0")]).await;
+    let (_, script, _) =
+        call_scripted(RetryPolicy::default(), req, vec![grpc("14"), grpc("0")]).await;
     assert_eq!(script.attempts(), 2);
 }

@@ -25,7 +25,10 @@ async fn send(policy: RetryPolicy, body: Chunks, replies: Vec<Reply>) -> Vec<See
     let (svc, script) = backend::<Chunks>(replies);
     let mut retry: Retry<_> = tower::Layer::layer(&RetryLayer::new(policy), svc);
     let req = Request::put("http://svc/blobs/1").body(body).unwrap();
-    let _ = retry.ready().await.unwrap().call(req).await;
+    let _ = within_a_day("the call", async {
+        retry.ready().await.unwrap().call(req).await
+    })
+    .await;
     script.seen()
 }
 
@@ -59,7 +62,11 @@ async fn over_the_limit_the_request_goes_out_once_and_its_outcome_is_returned() 
     let req = Request::put("http://svc/blobs/1")
         .body(streaming(chunks))
         .unwrap();
-    let res = retry.ready().await.unwrap().call(req).await.unwrap();
+    let res = within_a_day("the call", async {
+        retry.ready().await.unwrap().call(req).await
+    })
+    .await
+    .unwrap();
     assert_eq!(res.status(), 503, "the first outcome is returned as is");
     let seen = script.seen();
     assert_eq!(seen.len(), 1);

@@ -6,14 +6,14 @@ use tower::{Service, ServiceExt};
 
 use crate::support::*;
 
-async fn storm(policy: RetryPolicy, requests: usize) -> (usize, retry_layer::StatsSnapshot) {
+async fn storm(policy: RetryPolicy, requests: usize) -> (usize, retry_layer::RetryStats) {
     let (svc, script) = backend::<http_body_util::Full<bytes::Bytes>>(vec![status(503)]);
     let layer = RetryLayer::new(policy);
     let calls = (0..requests).map(|_| {
         let mut retry: Retry<_> = tower::Layer::layer(&layer, svc.clone());
         async move { retry.ready().await.unwrap().call(get("/books/b1")).await }
     });
-    let results = join_all(calls).await;
+    let results = within_a_day("the storm", join_all(calls)).await;
     assert!(results.iter().all(|r| r.as_ref().unwrap().status() == 503));
     (script.attempts(), layer.stats())
 }

@@ -14,7 +14,7 @@ async fn no_retry_when_the_deadline_cannot_fit_delay_plus_min_budget() {
     let mut req = get("/books/b1");
     req.extensions_mut()
         .insert(Deadline::after(Duration::from_millis(90)));
-    let (res, script, layer) = run(policy, req, vec![status(503)]).await;
+    let (res, script, layer) = call_scripted(policy, req, vec![status(503)]).await;
     assert_eq!(res.unwrap().status(), 503);
     assert_eq!(script.attempts(), 2);
     assert_eq!(layer.stats().deadline_stops, 1);
@@ -26,7 +26,7 @@ async fn total_timeout_is_the_fallback_deadline() {
         .total_timeout(Duration::from_millis(60))
         .build()
         .unwrap();
-    let (_, script, _) = run(policy, get("/books/b1"), vec![status(503)]).await;
+    let (_, script, _) = call_scripted(policy, get("/books/b1"), vec![status(503)]).await;
     assert_eq!(script.attempts(), 1, "60 ms cannot fit ~20 ms + 50 ms");
 }
 
@@ -35,7 +35,7 @@ async fn an_attempt_running_past_the_deadline_ends_the_call() {
     let mut req = get("/books/b1");
     req.extensions_mut()
         .insert(Deadline::after(Duration::from_millis(200)));
-    let (res, script, _) = run(
+    let (res, script, _) = call_scripted(
         RetryPolicy::default(),
         req,
         vec![Reply::Slow(Duration::from_secs(10), 200)],
@@ -55,13 +55,13 @@ async fn attempt_timeout_is_ambiguous_and_retried_only_when_idempotent() {
         .build()
         .unwrap();
     let slow = || vec![Reply::Slow(Duration::from_secs(10), 200)];
-    let (res, script, _) = run(policy.clone(), get("/books/b1"), slow()).await;
+    let (res, script, _) = call_scripted(policy.clone(), get("/books/b1"), slow()).await;
     let err = res.unwrap_err();
     let err = RetryError::of(&*err).expect("a RetryError");
     assert!(err.is::<retry_layer::AttemptTimedOut>(), "{err}");
     assert_eq!(err.attempts(), 3);
     assert_eq!(script.attempts(), 3);
-    let (_, script, _) = run(policy, post("/orders"), slow()).await;
+    let (_, script, _) = call_scripted(policy, post("/orders"), slow()).await;
     assert_eq!(
         script.attempts(),
         1,
@@ -75,7 +75,7 @@ async fn grpc_timeout_shrinks_across_attempts() {
     req.headers_mut()
         .insert("grpc-timeout", "2S".parse().unwrap());
     let replies = vec![Reply::Slow(Duration::from_millis(300), 503)];
-    let (_, script, _) = run(RetryPolicy::default(), req, replies).await;
+    let (_, script, _) = call_scripted(RetryPolicy::default(), req, replies).await;
     let timeouts: Vec<Duration> = script
         .seen()
         .iter()
@@ -101,7 +101,7 @@ async fn deadline_extension_wins_over_grpc_timeout() {
         .insert("grpc-timeout", "10S".parse().unwrap());
     req.extensions_mut()
         .insert(Deadline::after(Duration::from_millis(500)));
-    let (_, script, _) = run(RetryPolicy::default(), req, vec![grpc("0")]).await;
+    let (_, script, _) = call_scripted(RetryPolicy::default(), req, vec![grpc("0")]).await;
     let sent = parse_grpc_timeout(&script.seen()[0].headers["grpc-timeout"]).unwrap();
     assert!(sent <= Duration::from_millis(500), "{sent:?}");
 }

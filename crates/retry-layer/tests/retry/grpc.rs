@@ -77,9 +77,8 @@ async fn grpc_server(
 }
 
 async fn call(addr: SocketAddr, path: &str) -> Response<tonic::body::Body> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect()
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap();
+    let channel = crate::wire::bounded("the connection", endpoint.connect())
         .await
         .unwrap();
     let policy = RetryPolicy::builder()
@@ -97,7 +96,9 @@ async fn call(addr: SocketAddr, path: &str) -> Response<tonic::body::Body> {
             Bytes::from_static(b"\0\0\0\0\x02\x0a\x00"),
         )))
         .unwrap();
-    svc.oneshot(req).await.unwrap()
+    crate::wire::bounded("the call", svc.oneshot(req))
+        .await
+        .unwrap()
 }
 
 #[tokio::test]

@@ -2,6 +2,7 @@
 
 mod support;
 
+mod backpressure;
 mod bad_input;
 mod bodies;
 mod budget;

@@ -12,10 +12,13 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use retry_layer::{RetryLayer, RetryPolicy};
+use retry_layer::{RetryError, RetryLayer, RetryPolicy};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
+use tokio::time::Duration;
 use tower::{Service, ServiceBuilder, ServiceExt};
+
+use crate::wire::bounded;
 
 /// Serves `handler` on 127.0.0.1:0 (HTTP/1 and HTTP/2) until the test ends.
 async fn serve<F, Fut>(handler: F) -> SocketAddr
@@ -88,7 +91,9 @@ async fn a_server_that_answers_503_twice_then_200() {
     let req = Request::post(format!("http://{addr}/orders"))
         .body(Full::new(Bytes::from("{\"quantity\":1}")))
         .unwrap();
-    let res = client(layer.clone()).oneshot(req).await.unwrap();
+    let res = bounded("the call", client(layer.clone()).oneshot(req))
+        .await
+        .unwrap();
     assert_eq!(res.status(), StatusCode::CREATED);
     assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "done");
     assert_eq!(hits.load(Ordering::SeqCst), 3);
@@ -156,37 +161,83 @@ async fn connection_closed_after_the_request_is_retried_only_when_keyed_or_idemp
     };
 
     // No key, not idempotent: it may have executed, so it is not retried.
-    let err = client(RetryLayer::new(RetryPolicy::default()))
-        .oneshot(post())
+    let layer = RetryLayer::new(RetryPolicy::default());
+    let err = bounded("the POST", client(layer.clone()).oneshot(post()))
         .await
         .unwrap_err();
-    assert!(!err.to_string().is_empty());
+    let err = RetryError::of(&*err).expect("a RetryError");
+    assert_lost_after_send(err);
+    assert_eq!(err.attempts(), 1, "{err}");
+    assert_eq!(err.idempotency_key(), None);
     assert_eq!(keys.lock().unwrap().len(), 1);
+    assert_eq!(layer.stats().retries, 0);
     keys.lock().unwrap().clear();
 
-    // With ensure_idempotency_key(): retried, with one key on every attempt.
+    // With ensure_idempotency_key(): retried, with one key on every attempt, and the error
+    // tells the caller that key.
     let layer = RetryLayer::new(
         RetryPolicy::builder()
             .ensure_idempotency_key()
             .build()
             .unwrap(),
     );
-    client(layer).oneshot(post()).await.unwrap_err();
+    let err = bounded("the keyed POST", client(layer.clone()).oneshot(post()))
+        .await
+        .unwrap_err();
+    let err = RetryError::of(&*err).expect("a RetryError");
+    assert_lost_after_send(err);
+    assert_eq!(err.attempts(), 3, "{err}");
+    assert_eq!(layer.stats().exhausted, 1);
     let seen = keys.lock().unwrap().clone();
     assert_eq!(seen.len(), 3, "{seen:?}");
-    assert!(seen[0].is_some());
-    assert!(seen.iter().all(|k| *k == seen[0]), "{seen:?}");
+    let key = err
+        .idempotency_key()
+        .expect("the generated key")
+        .to_str()
+        .unwrap();
+    assert!(
+        seen.iter().all(|k| k.as_deref() == Some(key)),
+        "{seen:?} vs {key}"
+    );
     keys.lock().unwrap().clear();
 
     // Idempotent method: retried.
     let get = Request::get(format!("http://{addr}/books/b1"))
         .body(Full::new(Bytes::new()))
         .unwrap();
-    client(RetryLayer::new(RetryPolicy::default()))
-        .oneshot(get)
-        .await
-        .unwrap_err();
+    let err = bounded(
+        "the GET",
+        client(RetryLayer::new(RetryPolicy::default())).oneshot(get),
+    )
+    .await
+    .unwrap_err();
+    let err = RetryError::of(&*err).expect("a RetryError");
+    assert_lost_after_send(err);
+    assert_eq!(err.attempts(), 3, "{err}");
+    assert_eq!(err.idempotency_key(), None, "a GET gets no key");
     assert_eq!(keys.lock().unwrap().len(), 3);
+}
+
+/// The error of a request the server read and then dropped: the client's own error (not a
+/// connect error: the request was sent), caused by the connection closing mid-message.
+fn assert_lost_after_send(err: &RetryError) {
+    let client_err = err
+        .downcast_ref::<hyper_util::client::legacy::Error>()
+        .unwrap_or_else(|| panic!("the hyper-util client's error, got {err:?}"));
+    assert!(
+        !client_err.is_connect(),
+        "the request was sent: {client_err:?}"
+    );
+    let hyper_err = std::iter::successors(
+        Some(client_err as &(dyn std::error::Error + 'static)),
+        |e| e.source(),
+    )
+    .find_map(|e| e.downcast_ref::<hyper::Error>())
+    .unwrap_or_else(|| panic!("a hyper error in the chain of {client_err:?}"));
+    assert!(
+        hyper_err.is_incomplete_message(),
+        "the connection closed before the response: {hyper_err:?}"
+    );
 }
 
 #[tokio::test]
@@ -201,8 +252,10 @@ async fn connection_refused_is_retried_even_for_a_post_without_key() {
     let req = Request::post(format!("http://{addr}/orders"))
         .body(Full::new(Bytes::new()))
         .unwrap();
-    let err = client(layer.clone()).oneshot(req).await.unwrap_err();
-    let err = retry_layer::RetryError::of(&*err)
+    let err = bounded("the call", client(layer.clone()).oneshot(req))
+        .await
+        .unwrap_err();
+    let err = RetryError::of(&*err)
         .expect("a RetryError")
         .downcast_ref::<hyper_util::client::legacy::Error>()
         .expect("the client's error");
@@ -211,14 +264,22 @@ async fn connection_refused_is_retried_even_for_a_post_without_key() {
     assert_eq!(layer.stats().attempts, 5);
 }
 
-#[tokio::test(start_paused = true)]
+/// `Retry-After: 1` over real sockets, measured where it matters: the gap between the two
+/// attempts as the server saw them. Real time (paused time could jump the clock while the
+/// client waits on I/O): at least the second asked for, and not much more (the computed
+/// backoff would be 20 ms; a wait of `max_pushback` would be 30 s).
+#[tokio::test]
 async fn too_many_requests_with_retry_after_1() {
-    let hits = Arc::new(AtomicUsize::new(0));
-    let h = hits.clone();
+    let arrivals = Arc::new(Mutex::new(Vec::new()));
+    let a = arrivals.clone();
     let addr = serve(move |_req: Request<Incoming>| {
-        let n = h.fetch_add(1, Ordering::SeqCst);
+        let n = {
+            let mut arrivals = a.lock().unwrap();
+            arrivals.push(std::time::Instant::now());
+            arrivals.len()
+        };
         async move {
-            if n == 0 {
+            if n == 1 {
                 Response::builder()
                     .status(StatusCode::TOO_MANY_REQUESTS)
                     .header("retry-after", "1")
@@ -230,18 +291,24 @@ async fn too_many_requests_with_retry_after_1() {
         }
     })
     .await;
-    let started = tokio::time::Instant::now();
     let req = Request::post(format!("http://{addr}/orders"))
         .body(Full::new(Bytes::new()))
         .unwrap();
-    let res = client(RetryLayer::new(RetryPolicy::default()))
-        .oneshot(req)
+    let layer = RetryLayer::new(RetryPolicy::default());
+    let res = bounded("the call", client(layer.clone()).oneshot(req))
         .await
         .unwrap();
     assert_eq!(res.status(), StatusCode::OK);
-    assert_eq!(hits.load(Ordering::SeqCst), 2);
+    assert_eq!(layer.stats().retries, 1);
+    let arrivals = arrivals.lock().unwrap().clone();
+    assert_eq!(arrivals.len(), 2, "one 429, then the retry");
+    let gap = arrivals[1] - arrivals[0];
     assert!(
-        started.elapsed() >= tokio::time::Duration::from_secs(1),
-        "waited as asked"
+        gap >= Duration::from_secs(1),
+        "the retry came {gap:?} after the 429, before the second it asked for"
+    );
+    assert!(
+        gap < Duration::from_secs(4),
+        "the retry came {gap:?} after the 429: far more than the second it asked for"
     );
 }

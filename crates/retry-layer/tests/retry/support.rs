@@ -5,6 +5,8 @@ use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use retry_layer::{BoxError, ReplayBody, Retry, RetryLayer, RetryPolicy};
+use std::future::Future;
+
 use tokio::time::{Duration, Instant};
 use tower::{Service, ServiceExt};
 
@@ -123,7 +125,7 @@ async fn respond(reply: Reply) -> Result<Response<Full<Bytes>>, BoxError> {
 }
 
 /// Sends one request through `Retry` over a fresh scripted backend.
-pub(crate) async fn run(
+pub(crate) async fn call_scripted(
     policy: RetryPolicy,
     req: Request<Full<Bytes>>,
     replies: Vec<Reply>,
@@ -135,7 +137,10 @@ pub(crate) async fn run(
     let (svc, script) = backend::<Full<Bytes>>(replies);
     let layer = RetryLayer::new(policy);
     let mut retry: Retry<_> = tower::Layer::layer(&layer, svc);
-    let result = retry.ready().await.unwrap().call(req).await;
+    let result = within_a_day("the call", async {
+        retry.ready().await.unwrap().call(req).await
+    })
+    .await;
     (result, script, layer)
 }
 
@@ -163,4 +168,14 @@ pub(crate) fn keyed(mut req: Request<Full<Bytes>>) -> Request<Full<Bytes>> {
     req.headers_mut()
         .insert("x-idempotency-key", "order-7f3a9c21".parse().unwrap());
     req
+}
+
+/// Bounds a wait of a paused-time test. With the clock paused, a call that hangs with no timer
+/// of its own would hang the test; this timer lets tokio advance to it and fail instead. (A day:
+/// longer than any deadline or pushback the tests set.)
+pub(crate) async fn within_a_day<F: Future>(what: &str, f: F) -> F::Output {
+    match tokio::time::timeout(Duration::from_secs(86_400), f).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what} did not finish within a day of (paused) time"),
+    }
 }

@@ -5,7 +5,7 @@ use std::io::ErrorKind;
 use bytes::Bytes;
 use http::Request;
 use reason_code::{ClientRule, Code, RetryTable};
-use retry_layer::{Conflict, RetryPolicy};
+use retry_layer::{Conflict, RetryError, RetryPolicy};
 
 use crate::support::*;
 
@@ -13,7 +13,7 @@ macro_rules! rows {
     ($($name:ident: $req:expr, [$($reply:expr),+] => $attempts:expr;)*) => {$(
         #[tokio::test(start_paused = true)]
         async fn $name() {
-            let (_, script, layer) = run(RetryPolicy::default(), $req, vec![$($reply),+]).await;
+            let (_, script, layer) = call_scripted(RetryPolicy::default(), $req, vec![$($reply),+]).await;
             assert_eq!(script.attempts(), $attempts, "attempts");
             assert_eq!(layer.stats().attempts, $attempts as u64);
         }
@@ -95,14 +95,14 @@ async fn grpc_declared_idempotent_method_is_retried() {
         .idempotent_grpc_method("/lib.Library/GetBook")
         .build()
         .unwrap();
-    let (_, script, _) = run(
+    let (_, script, _) = call_scripted(
         policy.clone(),
         grpc_req("/lib.Library/GetBook"),
         vec![grpc("14")],
     )
     .await;
     assert_eq!(script.attempts(), 3);
-    let (_, script, _) = run(
+    let (_, script, _) = call_scripted(
         policy,
         grpc_req("/lib.Library/CreateOrder"),
         vec![grpc("14")],
@@ -114,7 +114,8 @@ async fn grpc_declared_idempotent_method_is_retried() {
         .idempotent_grpc_method("/lib.Library/")
         .build()
         .unwrap();
-    let (_, script, _) = run(policy, grpc_req("/lib.Library/Anything"), vec![grpc("14")]).await;
+    let (_, script, _) =
+        call_scripted(policy, grpc_req("/lib.Library/Anything"), vec![grpc("14")]).await;
     assert_eq!(script.attempts(), 3);
 }
 
@@ -124,7 +125,8 @@ async fn internal_is_retried_when_opted_in() {
         .table(RetryTable::default().with_client_rule(Code::Internal, ClientRule::IfIdempotent))
         .build()
         .unwrap();
-    let (res, script, _) = run(policy, get("/books/b1"), vec![status(500), status(200)]).await;
+    let (res, script, _) =
+        call_scripted(policy, get("/books/b1"), vec![status(500), status(200)]).await;
     assert_eq!(res.unwrap().status(), 200);
     assert_eq!(script.attempts(), 2);
 }
@@ -148,7 +150,7 @@ async fn conflict_is_rebuilt_through_the_hook() {
         Reply::Status(409, vec![("x-reason-code", "STOCK_CONFLICT")]),
         status(201),
     ];
-    let (res, script, _) = run(policy, keyed(post("/books/b1/deduct")), replies).await;
+    let (res, script, _) = call_scripted(policy, keyed(post("/books/b1/deduct")), replies).await;
     assert_eq!(res.unwrap().status(), 201);
     let seen = script.seen();
     assert_eq!(seen.len(), 2);
@@ -161,7 +163,7 @@ async fn a_declining_hook_returns_the_conflict_response() {
         .rebuild_on_conflict(|_c: Conflict| async move { None })
         .build()
         .unwrap();
-    let (res, script, _) = run(policy, keyed(post("/orders")), vec![status(409)]).await;
+    let (res, script, _) = call_scripted(policy, keyed(post("/orders")), vec![status(409)]).await;
     assert_eq!(res.unwrap().status(), 409);
     assert_eq!(script.attempts(), 1);
 }
@@ -172,7 +174,7 @@ async fn ensure_idempotency_key_adds_one_key_and_keeps_callers() {
         .ensure_idempotency_key()
         .build()
         .unwrap();
-    let (res, script, _) = run(policy.clone(), post("/orders"), vec![status(503)]).await;
+    let (res, script, _) = call_scripted(policy.clone(), post("/orders"), vec![status(503)]).await;
     let info = retry_layer::RetryInfo::of(res.as_ref().unwrap())
         .unwrap()
         .clone();
@@ -193,7 +195,8 @@ async fn ensure_idempotency_key_adds_one_key_and_keeps_callers() {
     );
     assert_eq!(keys[0].len(), 36, "a UUID");
 
-    let (_, script, _) = run(policy.clone(), keyed(post("/orders")), vec![status(503)]).await;
+    let (_, script, _) =
+        call_scripted(policy.clone(), keyed(post("/orders")), vec![status(503)]).await;
     assert!(script
         .seen()
         .iter()
@@ -203,24 +206,25 @@ async fn ensure_idempotency_key_adds_one_key_and_keeps_callers() {
     let mut req = post("/orders");
     req.headers_mut()
         .insert("idempotency-key", "\"abc12345\"".parse().unwrap());
-    let (_, script, _) = run(policy.clone(), req, vec![status(201)]).await;
+    let (_, script, _) = call_scripted(policy.clone(), req, vec![status(201)]).await;
     assert!(!script.seen()[0].headers.contains_key("x-idempotency-key"));
 
     // Reads get no key, and a first-time success carries no RetryInfo.
-    let (res, script, _) = run(policy, get("/books/b1"), vec![status(200)]).await;
+    let (res, script, _) = call_scripted(policy, get("/books/b1"), vec![status(200)]).await;
     assert!(!script.seen()[0].headers.contains_key("x-idempotency-key"));
     assert!(retry_layer::RetryInfo::of(&res.unwrap()).is_none());
 }
 
 #[tokio::test(start_paused = true)]
 async fn retries_carry_the_attempt_header() {
-    let (_, script, _) = run(RetryPolicy::default(), get("/books/b1"), vec![status(503)]).await;
+    let (_, script, _) =
+        call_scripted(RetryPolicy::default(), get("/books/b1"), vec![status(503)]).await;
     let seen = script.seen();
     assert!(!seen[0].headers.contains_key("x-previous-attempts"));
     assert_eq!(seen[1].headers["x-previous-attempts"], "1");
     assert_eq!(seen[2].headers["x-previous-attempts"], "2");
 
-    let (_, script, _) = run(
+    let (_, script, _) = call_scripted(
         RetryPolicy::default(),
         keyed(grpc_req("/lib.Library/GetBook")),
         vec![grpc("14")],
@@ -233,12 +237,13 @@ async fn retries_carry_the_attempt_header() {
 
 #[tokio::test(start_paused = true)]
 async fn the_last_outcome_is_returned_when_attempts_run_out() {
-    let (res, _, layer) = run(RetryPolicy::default(), get("/books/b1"), vec![status(503)]).await;
+    let (res, _, layer) =
+        call_scripted(RetryPolicy::default(), get("/books/b1"), vec![status(503)]).await;
     assert_eq!(res.unwrap().status(), 503);
     let stats = layer.stats();
     assert_eq!((stats.requests, stats.retries, stats.exhausted), (1, 2, 1));
 
-    let (res, _, _) = run(
+    let (res, _, _) = call_scripted(
         RetryPolicy::default(),
         get("/books/b1"),
         vec![Reply::Io(ErrorKind::ConnectionReset)],
@@ -268,7 +273,7 @@ async fn a_rebuilt_request_is_judged_afresh() {
         })
         .build()
         .unwrap();
-    let (_, script, _) = run(
+    let (_, script, _) = call_scripted(
         policy,
         keyed(post("/orders")),
         vec![
@@ -300,13 +305,20 @@ async fn a_rebuilt_request_is_judged_afresh() {
         })
         .build()
         .unwrap();
-    let (res, script, _) = run(
+    let (res, script, _) = call_scripted(
         policy,
         get("/books/b1"),
         vec![status(409), Reply::Io(ErrorKind::ConnectionReset)],
     )
     .await;
-    assert!(res.is_err());
+    let err = res.unwrap_err();
+    let err = RetryError::of(&*err).expect("a RetryError");
+    assert_eq!(err.attempts(), 2, "{err}");
+    assert_eq!(
+        err.downcast_ref::<std::io::Error>().map(|e| e.kind()),
+        Some(ErrorKind::ConnectionReset),
+        "{err}"
+    );
     assert_eq!(
         script.attempts(),
         2,

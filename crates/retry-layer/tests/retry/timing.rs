@@ -32,7 +32,7 @@ async fn seeded_delays_are_the_documented_ones() {
         .no_budget()
         .build()
         .unwrap();
-    let (_, script, _) = run(policy, get("/books/b1"), vec![status(503)]).await;
+    let (_, script, _) = call_scripted(policy, get("/books/b1"), vec![status(503)]).await;
     let seen = script.seen();
     assert_eq!(seen.len(), 8);
     let gaps: Vec<Duration> = seen.windows(2).map(|w| w[1].at - w[0].at).collect();
@@ -56,7 +56,7 @@ async fn full_jitter_never_waits_longer_than_the_ceiling() {
         .no_budget()
         .build()
         .unwrap();
-    let (_, script, _) = run(policy, get("/books/b1"), vec![status(503)]).await;
+    let (_, script, _) = call_scripted(policy, get("/books/b1"), vec![status(503)]).await;
     let b = Backoff::default();
     for (i, w) in script.seen().windows(2).enumerate() {
         assert!(w[1].at - w[0].at <= b.ceiling(i as u32 + 1) + Duration::from_millis(1));
@@ -65,7 +65,7 @@ async fn full_jitter_never_waits_longer_than_the_ceiling() {
 
 #[tokio::test(start_paused = true)]
 async fn retry_after_replaces_the_backoff() {
-    let (res, script, _) = run(
+    let (res, script, _) = call_scripted(
         RetryPolicy::default(),
         keyed(post("/orders")),
         vec![Reply::Status(429, vec![("retry-after", "3")]), status(201)],
@@ -92,7 +92,7 @@ async fn grpc_pushback_replaces_the_backoff_and_negative_stops() {
             ],
         )
     };
-    let (_, script, _) = run(
+    let (_, script, _) = call_scripted(
         RetryPolicy::default(),
         keyed(grpc_req("/lib.Library/CreateOrder")),
         vec![pushback("250"), grpc("0")],
@@ -106,7 +106,7 @@ async fn grpc_pushback_replaces_the_backoff_and_negative_stops() {
         "{gap:?}"
     );
 
-    let (_, script, layer) = run(
+    let (_, script, layer) = call_scripted(
         RetryPolicy::default(),
         keyed(grpc_req("/lib.Library/CreateOrder")),
         vec![pushback("-1")],
@@ -122,7 +122,7 @@ async fn pushback_longer_than_the_maximum_stops() {
         .max_pushback(Duration::from_secs(5))
         .build()
         .unwrap();
-    let (res, script, layer) = run(
+    let (res, script, layer) = call_scripted(
         policy,
         get("/books/b1"),
         vec![Reply::Status(503, vec![("retry-after", "3600")])],
@@ -143,7 +143,7 @@ async fn backoff_restarts_from_the_base_after_a_pushback() {
         .no_budget()
         .build()
         .unwrap();
-    let (_, script, _) = run(
+    let (_, script, _) = call_scripted(
         policy,
         get("/books/b1"),
         vec![

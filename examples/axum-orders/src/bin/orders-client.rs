@@ -44,7 +44,7 @@ async fn main() -> ExitCode {
     let Command::Create { book, quantity } = &args.command;
     let key = args.opts.key.as_deref();
     args.opts
-        .run(|| async {
+        .make_calls(|| async {
             match client.create_order(book, *quantity, key).await {
                 Ok(line) => {
                     println!("{}", serde_json::to_string(&line).expect("serializable"));

@@ -85,7 +85,7 @@ async fn main() -> ExitCode {
         }
     };
     let opts = &args.opts;
-    opts.run(|| {
+    opts.make_calls(|| {
         let mut client = client.clone();
         let command = args.command.clone();
         async move {

@@ -1,16 +1,4 @@
-//! Retry budgets: how many retries all clones of a layer may send, in proportion to requests.
-//!
-//! # Why budgets and not only max attempts?
-//!
-//! `max_attempts = 3` bounds one request, not a fleet: when a backend is down every request is
-//! tried three times, and the dead backend sees 3x its load exactly when it can least take it.
-//! Three layers of services that each retry twice amplify one user click into 27 attempts at the
-//! bottom. A budget bounds the *ratio*: retries may be at most, say, 10 % of requests over the
-//! last ten seconds (plus a small floor per second so that a quiet client can still retry), so a
-//! dead backend sees about 1.1x its normal load instead of 3x.
-//!
-//! Two budgets are provided: [`TpsBudget`] (the default, a sliding window like Finagle's and
-//! tower's) and [`TokenBucket`] (gRFC A6 `retryThrottling`). Both are lock-free.
+//! [`TpsBudget`]: retries as a ratio of requests over a sliding window of one-second slots.
 
 use std::fmt;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -18,15 +6,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-/// A budget shared by every clone of a [`RetryLayer`](crate::RetryLayer).
-pub trait Budget: Send + Sync + fmt::Debug + 'static {
-    /// A new logical request started (called once, before its first attempt).
-    fn deposit(&self);
-    /// An attempt ended, successfully or not (`failed` is true for a retryable failure).
-    fn record(&self, failed: bool);
-    /// Asks to send one retry; `false` means the budget refuses it.
-    fn withdraw(&self) -> bool;
-}
+use super::{Budget, InvalidBudget};
 
 /// The default budget: retries may be at most `ratio` of requests deposited over a sliding
 /// `window`, plus `min_per_sec` retries per second that are always allowed.
@@ -73,11 +53,6 @@ impl fmt::Debug for TpsBudget {
             .finish()
     }
 }
-
-/// A budget's parameters were out of range.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid retry budget: {0}")]
-pub struct InvalidBudget(pub(crate) &'static str);
 
 impl TpsBudget {
     /// A budget of `ratio` retries per request (0.0 to 1000.0) over `window` (1 to 60 s,
@@ -165,83 +140,6 @@ impl Budget for TpsBudget {
     }
 }
 
-/// gRFC A6 retry throttling: a token bucket that starts full at `max_tokens`; every failed
-/// attempt takes one token, every success adds `token_ratio`; retries are allowed only while more
-/// than half the tokens are left.
-///
-/// ```
-/// use retry_layer::budget::{Budget, TokenBucket};
-///
-/// let bucket = TokenBucket::new(10, 0.1).unwrap();
-/// assert!(bucket.withdraw());
-/// for _ in 0..5 {
-///     bucket.record(true);
-/// }
-/// assert!(!bucket.withdraw()); // 5 tokens left: not more than half
-/// for _ in 0..20 {
-///     bucket.record(false); // +0.1 each
-/// }
-/// assert!(bucket.withdraw());
-/// ```
-#[derive(Debug)]
-pub struct TokenBucket {
-    /// Tokens in thousandths.
-    tokens: AtomicI64,
-    max: i64,
-    ratio: i64,
-}
-
-impl TokenBucket {
-    /// A bucket of `max_tokens` (1 to 1000) refilled by `token_ratio` (0.001 to 1000) per success.
-    pub fn new(max_tokens: u32, token_ratio: f64) -> Result<Self, InvalidBudget> {
-        if !(1..=1000).contains(&max_tokens) {
-            return Err(InvalidBudget("maxTokens must be between 1 and 1000"));
-        }
-        if !(0.001..=1000.0).contains(&token_ratio) || token_ratio.is_nan() {
-            return Err(InvalidBudget("tokenRatio must be between 0.001 and 1000"));
-        }
-        let max = i64::from(max_tokens) * 1000;
-        Ok(TokenBucket {
-            tokens: AtomicI64::new(max),
-            max,
-            ratio: (token_ratio * 1000.0).round() as i64,
-        })
-    }
-
-    fn add(&self, delta: i64) {
-        let _ = self
-            .tokens
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
-                Some((t + delta).clamp(0, self.max))
-            });
-    }
-}
-
-impl Budget for TokenBucket {
-    fn deposit(&self) {}
-
-    fn record(&self, failed: bool) {
-        self.add(if failed { -1000 } else { self.ratio });
-    }
-
-    fn withdraw(&self) -> bool {
-        self.tokens.load(Ordering::Acquire) > self.max / 2
-    }
-}
-
-/// No budget: every retry the other checks allow is sent. Use only where another layer bounds
-/// amplification.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Unlimited;
-
-impl Budget for Unlimited {
-    fn deposit(&self) {}
-    fn record(&self, _failed: bool) {}
-    fn withdraw(&self) -> bool {
-        true
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -277,8 +175,6 @@ mod tests {
         assert!(TpsBudget::new(Duration::from_secs(61), 1, 0.1).is_err());
         assert!(TpsBudget::new(Duration::from_secs(1), 1, f64::NAN).is_err());
         assert!(TpsBudget::new(Duration::from_secs(1), 1, -0.1).is_err());
-        assert!(TokenBucket::new(0, 0.1).is_err());
-        assert!(TokenBucket::new(10, 0.0).is_err());
     }
 
     #[test]

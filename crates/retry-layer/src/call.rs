@@ -1,0 +1,329 @@
+//! One call across its attempts: what the response future carries between them, and how it
+//! carries out each [`Step`] the decision returns (counters, tracing, the next request).
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{HeaderValue, Request, Response};
+use http_body::Body;
+use tokio::time::Instant;
+use tower_service::Service;
+
+use crate::body::{BodyHandle, ReplayBody};
+use crate::classify;
+use crate::deadline::{deadline_of, rewrite_grpc_timeout, Timer};
+use crate::decide::{decide, Attempt, Ended, Step, Why};
+use crate::error::RetryError;
+use crate::policy::{Conflict, RebuildFuture};
+use crate::request::{
+    clone_parts, intent_key, judge, remove_attempt_headers, write_previous_attempts,
+};
+use crate::shared::Shared;
+use crate::stats::Counter;
+use crate::{BoxError, RetryInfo};
+
+/// Everything an attempt after the first needs.
+pub(crate) struct Call<S, B> {
+    service: S,
+    shared: Arc<Shared>,
+    /// The request head to resend; `None` when the policy allows no retry at all.
+    parts: Option<Parts>,
+    body: BodyHandle<B>,
+    /// The body a rebuild hook supplied, replacing the original.
+    fixed_body: Option<Bytes>,
+    /// What the decision reads: attempts, backoff, idempotency, deadline.
+    attempt: Attempt,
+    grpc: bool,
+    /// The key `ensure_idempotency_key` generated, if it did.
+    generated_key: Option<HeaderValue>,
+}
+
+/// What the response future does next, once a [`Step`] is carried out.
+pub(crate) enum Next<R> {
+    /// Answer the caller.
+    Answer(Result<Response<R>, BoxError>),
+    /// Wait this long, then retry.
+    Wait(std::time::Duration),
+    /// Wait for the rebuild hook; the conflict response is the answer if it declines.
+    Rebuild(RebuildFuture, Response<R>),
+}
+
+impl<S, B> Call<S, B> {
+    /// Attempts sent so far.
+    pub(crate) fn attempts(&self) -> u32 {
+        self.attempt.sent
+    }
+
+    /// The call's deadline.
+    pub(crate) fn deadline(&self) -> Option<Instant> {
+        self.attempt.deadline
+    }
+
+    /// True when the call has a deadline and it has passed.
+    pub(crate) fn deadline_passed(&self) -> bool {
+        self.attempt.deadline.is_some_and(|d| Instant::now() >= d)
+    }
+
+    /// The call's answer: a response with its [`RetryInfo`], or the error as a [`RetryError`]
+    /// that carries the attempts and the generated key.
+    pub(crate) fn answer<R>(
+        &mut self,
+        result: Result<Response<R>, BoxError>,
+    ) -> Result<Response<R>, BoxError> {
+        match result {
+            Ok(res) => Ok(self.with_retry_info(res)),
+            Err(e) => Err(Box::new(RetryError::new(
+                e,
+                self.attempt.sent,
+                self.generated_key.take(),
+            ))),
+        }
+    }
+
+    /// Adds [`RetryInfo`] to a response that took retries or got a generated key; the common
+    /// first-time success is left alone (no allocation).
+    fn with_retry_info<R>(&mut self, mut res: Response<R>) -> Response<R> {
+        if self.attempt.sent > 1 || self.generated_key.is_some() {
+            res.extensions_mut().insert(RetryInfo {
+                attempts: self.attempt.sent,
+                idempotency_key: self.generated_key.take(),
+            });
+        }
+        res
+    }
+}
+
+impl<S, B, R> Call<S, B>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
+    S::Error: Into<BoxError>,
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    /// Sets the request up (its idempotency, key, deadline and `grpc-timeout`), keeps what a
+    /// retry needs, and sends the first attempt on `service`, which must be ready. Returns the
+    /// call, the attempt's future and its timer.
+    pub(crate) fn start(
+        mut service: S,
+        shared: Arc<Shared>,
+        req: Request<B>,
+    ) -> (Self, S::Future, Timer) {
+        let policy = &shared.policy;
+        let (mut parts, body) = req.into_parts();
+        let judged = judge(policy, &mut parts, None);
+        let deadline = deadline_of(&parts, judged.grpc, policy.total_timeout);
+        if judged.grpc {
+            rewrite_grpc_timeout(&mut parts, deadline, policy.attempt_timeout);
+        }
+
+        let content_length = parts
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok());
+        let (first_body, body) = ReplayBody::new(body, policy.max_replay_bytes, content_length);
+        let retries_possible =
+            policy.rules(judged.method).max_attempts > 1 || policy.max_unsent_retries > 0;
+        let kept = retries_possible.then(|| clone_parts(&parts));
+
+        shared.budget.deposit();
+        shared.stats.incr(Counter::Requests);
+        shared.stats.incr(Counter::Attempts);
+        let future = service.call(Request::from_parts(parts, first_body));
+        let timer = Timer::for_attempt(deadline, policy.attempt_timeout);
+        let call = Call {
+            service,
+            shared,
+            parts: kept,
+            body,
+            fixed_body: None,
+            attempt: Attempt::first(judged.idempotent, judged.method, deadline),
+            grpc: judged.grpc,
+            generated_key: judged.generated_key,
+        };
+        (call, future, timer)
+    }
+
+    /// Classifies an attempt's result, decides, and carries the step out.
+    pub(crate) fn after_attempt(&mut self, result: Result<Response<R>, BoxError>) -> Next<R> {
+        let shared = &*self.shared;
+        let policy = &shared.policy;
+        let outcome = match &result {
+            Ok(res) => classify::response(res, self.grpc, &policy.reason_codes),
+            Err(e) => classify::error(e),
+        };
+        let ended = Ended {
+            outcome,
+            headers: result.as_ref().ok().map(Response::headers),
+        };
+        let step = decide(
+            policy,
+            &*shared.budget,
+            &self.attempt,
+            ended,
+            Instant::now,
+            || self.parts.is_some() && (self.fixed_body.is_some() || self.body.is_replayable()),
+        );
+        let code = outcome.code();
+        let attempt = self.attempt.sent;
+        match step {
+            Step::Return(Why::Final) => Next::Answer(result),
+            Step::Return(why) => {
+                self.count_and_trace(why, code);
+                Next::Answer(result)
+            }
+            Step::Retry {
+                delay,
+                pushed_back,
+                beyond_max_attempts,
+            } => {
+                if beyond_max_attempts {
+                    self.attempt.unsent_retries += 1;
+                }
+                if pushed_back {
+                    self.restart_backoff();
+                } else {
+                    self.attempt.backoff_step = self.attempt.backoff_step.saturating_add(1);
+                    self.attempt.previous_delay = delay;
+                }
+                // Readers of the attempts so far must stop now: a transport may still be
+                // sending them.
+                self.body.cut_off();
+                self.shared.stats.incr(Counter::Retries);
+                tracing::debug!(attempt, code = %code, delay_ms = delay.as_millis() as u64, "retrying");
+                Next::Wait(delay)
+            }
+            Step::Rebuild { pushed_back } => {
+                // `decide` rebuilds only responses, and only with a hook.
+                let response = match result {
+                    Ok(response) => response,
+                    Err(e) => return Next::Answer(Err(e)),
+                };
+                // A rebuild needs the whole body the conflict answered; without it the conflict
+                // is the answer, and nothing is counted or taken from the budget.
+                let Some(body) = self
+                    .fixed_body
+                    .clone()
+                    .or_else(|| self.body.complete_bytes())
+                else {
+                    tracing::debug!(code = %code, "not rebuilding: the request body was not read whole");
+                    return Next::Answer(Ok(response));
+                };
+                let Some(hook) = self.shared.policy.rebuild.clone() else {
+                    return Next::Answer(Ok(response));
+                };
+                if pushed_back {
+                    self.restart_backoff();
+                }
+                self.body.cut_off();
+                let parts = clone_parts(self.parts.as_ref().expect("replayable: the head is kept"));
+                let mut head = Response::new(()).into_parts().0;
+                head.status = response.status();
+                head.version = response.version();
+                head.headers = response.headers().clone();
+                let conflict = Conflict {
+                    request: Request::from_parts(parts, body),
+                    code,
+                    response: head,
+                };
+                tracing::debug!(attempt, code = %code, "rebuilding the request");
+                Next::Rebuild(hook.rebuild(conflict), response)
+            }
+        }
+    }
+
+    /// After a server pushback the backoff schedule restarts from its base (gRFC A6).
+    fn restart_backoff(&mut self) {
+        self.attempt.backoff_step = 0;
+        self.attempt.previous_delay = std::time::Duration::ZERO;
+    }
+
+    /// Counts and traces why a retryable outcome is returned.
+    fn count_and_trace(&self, why: Why, code: reason_code::Code) {
+        let stats = &self.shared.stats;
+        let attempt = self.attempt.sent;
+        match why {
+            Why::Final => {}
+            Why::NotReplayable => {
+                tracing::debug!(code = %code, "not retrying: the request body could not be kept");
+            }
+            Why::Exhausted => {
+                stats.incr(Counter::Exhausted);
+                tracing::info!(attempt, code = %code, "giving up: no attempt left");
+            }
+            Why::PushbackSaysNo => {
+                stats.incr(Counter::PushbackStops);
+                tracing::info!(attempt, code = %code, "giving up: server pushback says stop");
+            }
+            Why::PushbackTooLong(d) => {
+                stats.incr(Counter::PushbackStops);
+                tracing::info!(attempt, code = %code, pushback_ms = d.as_millis() as u64, "giving up: pushback longer than max_pushback");
+            }
+            Why::DeadlineTooShort { delay, left } => {
+                stats.incr(Counter::DeadlineStops);
+                tracing::info!(attempt, code = %code, delay_ms = delay.as_millis() as u64, left_ms = left.as_millis() as u64, "giving up: the deadline cannot fit another attempt");
+            }
+            Why::BudgetRefused => {
+                stats.incr(Counter::BudgetRefusals);
+                tracing::warn!(attempt, code = %code, "retry budget exhausted: not retrying");
+            }
+        }
+    }
+
+    /// Takes the request a hook rebuilt: judges its idempotency and key afresh (a rebuilt write
+    /// keeps the intent's key unless the hook set another), then asks the budget. Returns false
+    /// when the budget refuses the retry.
+    pub(crate) fn take_rebuilt(&mut self, req: Request<Bytes>) -> bool {
+        let shared = self.shared.clone();
+        let policy = &shared.policy;
+        if !shared.budget.withdraw() {
+            shared.stats.incr(Counter::BudgetRefusals);
+            tracing::warn!(
+                attempt = self.attempt.sent,
+                "retry budget exhausted: not sending the rebuilt request"
+            );
+            return false;
+        }
+        shared.stats.incr(Counter::Retries);
+        let (mut parts, body) = req.into_parts();
+        let intent = self.parts.as_ref().and_then(|old| intent_key(policy, old));
+        remove_attempt_headers(&mut parts);
+        let judged = judge(policy, &mut parts, intent);
+        self.grpc = judged.grpc;
+        self.attempt.method = judged.method;
+        self.attempt.idempotent = judged.idempotent;
+        if judged.generated_key.is_some() {
+            self.generated_key = judged.generated_key;
+        }
+        self.parts = Some(parts);
+        self.fixed_body = Some(body);
+        true
+    }
+
+    /// Polls the inner service's readiness for the next attempt.
+    pub(crate) fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.service.poll_ready(cx).map_err(Into::into)
+    }
+
+    /// Sends the next attempt on the service, which must be ready. Returns its future and
+    /// timer.
+    pub(crate) fn send_retry(&mut self) -> (S::Future, Timer) {
+        let policy = &self.shared.policy;
+        let mut parts = clone_parts(self.parts.as_ref().expect("retries keep the head"));
+        write_previous_attempts(&mut parts, self.grpc, self.attempt.sent);
+        if self.grpc {
+            rewrite_grpc_timeout(&mut parts, self.attempt.deadline, policy.attempt_timeout);
+        }
+        let body = match &self.fixed_body {
+            Some(b) => ReplayBody::fixed(b.clone()),
+            None => self.body.replay(),
+        };
+        self.attempt.sent += 1;
+        self.shared.stats.incr(Counter::Attempts);
+        let future = self.service.call(Request::from_parts(parts, body));
+        let timer = Timer::for_attempt(self.attempt.deadline, policy.attempt_timeout);
+        (future, timer)
+    }
+}

@@ -1,0 +1,522 @@
+//! The decision after an attempt: a pure function from the policy, the attempt and its outcome
+//! to the next [`Step`]. No service, no request body and no timer are in scope, so every row of
+//! the decision is table-tested below; the response future only carries the step out.
+
+use std::time::Duration;
+
+use http::HeaderMap;
+use reason_code::{Code, Outcome, Verdict};
+use tokio::time::Instant;
+
+use crate::budget::Budget;
+use crate::classify::{self, PushbackHint};
+use crate::policy::RetryPolicy;
+
+/// What the decision knows of a call between attempts. The response future owns one and
+/// updates it as it carries out each [`Step`].
+#[derive(Debug, Clone)]
+pub(crate) struct Attempt {
+    /// Attempts sent so far, the one that just ended included.
+    pub(crate) sent: u32,
+    /// Transparent retries taken beyond `max_attempts` (for requests that were never sent).
+    pub(crate) unsent_retries: u32,
+    /// Computed backoff delays since the first attempt or the last server pushback: the next
+    /// computed delay is the schedule's `backoff_step + 1`-th.
+    pub(crate) backoff_step: u32,
+    /// The last computed delay (decorrelated jitter grows from it).
+    pub(crate) previous_delay: Duration,
+    /// A safe method, a declared gRPC method, or a keyed request.
+    pub(crate) idempotent: bool,
+    /// The gRPC method config that applies (see `RetryPolicy::from_grpc_service_config`).
+    pub(crate) method: Option<usize>,
+    /// The call's deadline.
+    pub(crate) deadline: Option<Instant>,
+}
+
+impl Attempt {
+    /// The first attempt of a call.
+    pub(crate) fn first(
+        idempotent: bool,
+        method: Option<usize>,
+        deadline: Option<Instant>,
+    ) -> Self {
+        Attempt {
+            sent: 1,
+            unsent_retries: 0,
+            backoff_step: 0,
+            previous_delay: Duration::ZERO,
+            idempotent,
+            method,
+            deadline,
+        }
+    }
+}
+
+/// How an attempt ended, as the decision reads it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Ended<'a> {
+    /// The classified outcome.
+    pub(crate) outcome: Outcome,
+    /// The response's headers (pushback, and a rebuild hook needs a response); `None` for a
+    /// transport error or an attempt timeout.
+    pub(crate) headers: Option<&'a HeaderMap>,
+}
+
+/// What to do after an attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Return the attempt's result as it is.
+    Return(Why),
+    /// Send the request again after `delay`. The budget has granted the retry.
+    Retry {
+        delay: Duration,
+        /// The delay is the server's pushback: the backoff restarts from its base (gRFC A6).
+        pushed_back: bool,
+        /// No attempt was left: this is one of the transparent retries of an unsent request.
+        beyond_max_attempts: bool,
+    },
+    /// Ask the rebuild hook for the next request. The budget is asked once the hook answers.
+    Rebuild {
+        /// The server sent a pushback: the backoff restarts from its base.
+        pushed_back: bool,
+    },
+}
+
+/// Why an attempt's result is returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Why {
+    /// The table says so: a success, a failure that is not retried for this request, or a
+    /// conflict with no rebuild hook (or no response to show it).
+    Final,
+    /// The request's head or body could not be kept for another attempt.
+    NotReplayable,
+    /// No attempt (and no transparent retry) is left.
+    Exhausted,
+    /// The server's pushback says stop (a negative or malformed `grpc-retry-pushback-ms`).
+    PushbackSaysNo,
+    /// The server's pushback is longer than `max_pushback`.
+    PushbackTooLong(Duration),
+    /// The deadline leaves less than the delay plus `min_attempt_time`.
+    DeadlineTooShort {
+        /// The delay before the retry.
+        delay: Duration,
+        /// What was left of the deadline.
+        left: Duration,
+    },
+    /// The retry budget refused the retry.
+    BudgetRefused,
+}
+
+/// Decides what follows an attempt: the three checks (the outcome is retryable, an attempt is
+/// left, the deadline fits the delay plus `min_attempt_time`), the server's pushback, then the
+/// retry budget, in that order.
+///
+/// It also keeps the budget's gRFC A6 accounting: a success adds to the budget; an attempt that
+/// failed in a way the policy would retry takes from it (a conflict only when a hook could
+/// retry it).
+///
+/// `now` and `replayable` are asked only when the outcome is retryable, so that a final answer
+/// (the common success) reads neither the clock nor the body's lock.
+pub(crate) fn decide(
+    policy: &RetryPolicy,
+    budget: &dyn Budget,
+    attempt: &Attempt,
+    ended: Ended<'_>,
+    now: impl FnOnce() -> Instant,
+    replayable: impl FnOnce() -> bool,
+) -> Step {
+    let rules = policy.rules(attempt.method);
+    let outcome = ended.outcome;
+    let verdict = rules.table.verdict(outcome, attempt.idempotent);
+    let rebuild = verdict == Verdict::Rebuild;
+    match (outcome, verdict) {
+        (Outcome::Status(Code::Ok), _) => budget.record(false),
+        (_, Verdict::Retry) => budget.record(true),
+        (_, Verdict::Rebuild) if policy.rebuild.is_some() => budget.record(true),
+        _ => {}
+    }
+    // The common case, a final answer, returns before anything else is looked at.
+    if verdict == Verdict::Final {
+        return Step::Return(Why::Final);
+    }
+    if rebuild && (policy.rebuild.is_none() || ended.headers.is_none()) {
+        return Step::Return(Why::Final);
+    }
+    if !replayable() {
+        return Step::Return(Why::NotReplayable);
+    }
+
+    let transparent =
+        outcome == Outcome::Unsent && attempt.unsent_retries < policy.max_unsent_retries;
+    let beyond_max_attempts = attempt.sent >= rules.max_attempts;
+    if beyond_max_attempts && !transparent {
+        return Step::Return(Why::Exhausted);
+    }
+
+    let pushback = ended.headers.map_or(PushbackHint::None, classify::pushback);
+    let (delay, pushed_back) = match pushback {
+        PushbackHint::Stop => return Step::Return(Why::PushbackSaysNo),
+        PushbackHint::After(d) if d > policy.max_pushback => {
+            return Step::Return(Why::PushbackTooLong(d))
+        }
+        PushbackHint::After(d) => (d, true),
+        // A rebuild re-reads the state first: it waits for the hook, not for a backoff.
+        PushbackHint::None if rebuild => (Duration::ZERO, false),
+        PushbackHint::None => {
+            let u = policy.rng.sample();
+            let n = attempt.backoff_step.saturating_add(1);
+            (rules.backoff.delay(n, u, attempt.previous_delay), false)
+        }
+    };
+
+    if let Some(deadline) = attempt.deadline {
+        let left = deadline.saturating_duration_since(now());
+        if left < delay.saturating_add(policy.min_attempt_time) {
+            return Step::Return(Why::DeadlineTooShort { delay, left });
+        }
+    }
+
+    if rebuild {
+        return Step::Rebuild { pushed_back };
+    }
+    if !budget.withdraw() {
+        return Step::Return(Why::BudgetRefused);
+    }
+    Step::Retry {
+        delay,
+        pushed_back,
+        beyond_max_attempts,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Arc;
+
+    use http::HeaderValue;
+
+    use super::*;
+    use crate::backoff::Jitter;
+    use crate::budget::Unlimited;
+    use crate::policy::Conflict;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    /// A budget that counts what the decision told it, and grants retries or not.
+    #[derive(Debug, Default)]
+    struct Counting {
+        refuse: bool,
+        successes: AtomicU32,
+        failures: AtomicU32,
+        withdrawals: AtomicU32,
+    }
+
+    impl Budget for Counting {
+        fn deposit(&self) {}
+        fn record(&self, failed: bool) {
+            let c = if failed {
+                &self.failures
+            } else {
+                &self.successes
+            };
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+        fn withdraw(&self) -> bool {
+            self.withdrawals.fetch_add(1, Ordering::Relaxed);
+            !self.refuse
+        }
+    }
+
+    /// One row of the table: the default policy without jitter (so delays are exact), the first
+    /// attempt of an idempotent call without deadline, an unlimited budget, a replayable body.
+    struct Case {
+        policy: RetryPolicy,
+        attempt: Attempt,
+        outcome: Outcome,
+        headers: Option<HeaderMap>,
+        budget: Arc<dyn Budget>,
+        replayable: bool,
+        now: Instant,
+    }
+
+    fn no_jitter() -> crate::policy::RetryPolicyBuilder {
+        RetryPolicy::builder().jitter(Jitter::None)
+    }
+
+    fn case(outcome: Outcome) -> Case {
+        let headers = match outcome {
+            Outcome::Status(_) => Some(HeaderMap::new()),
+            _ => None,
+        };
+        Case {
+            policy: no_jitter().build().unwrap(),
+            attempt: Attempt::first(true, None, None),
+            outcome,
+            headers,
+            budget: Arc::new(Unlimited),
+            replayable: true,
+            now: Instant::now(),
+        }
+    }
+
+    fn status(code: Code) -> Case {
+        case(Outcome::Status(code))
+    }
+
+    impl Case {
+        fn policy(mut self, builder: crate::policy::RetryPolicyBuilder) -> Self {
+            self.policy = builder.build().unwrap();
+            self
+        }
+        fn with_hook(self) -> Self {
+            self.policy(no_jitter().rebuild_on_conflict(|_c: Conflict| async { None }))
+        }
+        fn not_idempotent(mut self) -> Self {
+            self.attempt.idempotent = false;
+            self
+        }
+        fn sent(mut self, n: u32) -> Self {
+            self.attempt.sent = n;
+            self
+        }
+        fn unsent_retries(mut self, n: u32) -> Self {
+            self.attempt.unsent_retries = n;
+            self
+        }
+        fn backoff_step(mut self, n: u32, previous: Duration) -> Self {
+            self.attempt.backoff_step = n;
+            self.attempt.previous_delay = previous;
+            self
+        }
+        fn deadline_in(mut self, left: Duration) -> Self {
+            self.attempt.deadline = Some(self.now + left);
+            self
+        }
+        fn header(mut self, name: &'static str, value: &'static str) -> Self {
+            let headers = self.headers.as_mut().expect("a response");
+            headers.insert(name, HeaderValue::from_static(value));
+            self
+        }
+        fn refusing_budget(mut self) -> Self {
+            self.budget = Arc::new(Counting {
+                refuse: true,
+                ..Counting::default()
+            });
+            self
+        }
+        fn not_replayable(mut self) -> Self {
+            self.replayable = false;
+            self
+        }
+        fn decide(&self) -> Step {
+            let ended = Ended {
+                outcome: self.outcome,
+                headers: self.headers.as_ref(),
+            };
+            decide(
+                &self.policy,
+                &*self.budget,
+                &self.attempt,
+                ended,
+                || self.now,
+                || self.replayable,
+            )
+        }
+    }
+
+    fn retry(delay: Duration) -> Step {
+        Step::Retry {
+            delay,
+            pushed_back: false,
+            beyond_max_attempts: false,
+        }
+    }
+
+    fn retry_after(delay: Duration) -> Step {
+        Step::Retry {
+            delay,
+            pushed_back: true,
+            beyond_max_attempts: false,
+        }
+    }
+
+    const fn stop(why: Why) -> Step {
+        Step::Return(why)
+    }
+
+    macro_rules! decide_table {
+        ($($name:ident: $case:expr => $expected:expr;)*) => {
+            $(
+                #[test]
+                fn $name() {
+                    assert_eq!($case.decide(), $expected);
+                }
+            )*
+        };
+    }
+
+    decide_table! {
+        // Final by the table.
+        a_success_is_final: status(Code::Ok) => stop(Why::Final);
+        a_permanent_failure_is_final: status(Code::InvalidArgument) => stop(Why::Final);
+        internal_is_final_unless_opted_in: status(Code::Internal) => stop(Why::Final);
+        data_loss_is_final: status(Code::DataLoss) => stop(Why::Final);
+        unavailable_for_a_write_without_key_is_final:
+            status(Code::Unavailable).not_idempotent() => stop(Why::Final);
+        ambiguous_for_a_write_without_key_is_final:
+            case(Outcome::Ambiguous).not_idempotent() => stop(Why::Final);
+
+        // Retry, with the computed backoff.
+        unavailable_for_an_idempotent_request_is_retried:
+            status(Code::Unavailable) => retry(20 * MS);
+        deadline_exceeded_is_retried: status(Code::DeadlineExceeded) => retry(20 * MS);
+        ambiguous_for_an_idempotent_request_is_retried:
+            case(Outcome::Ambiguous) => retry(20 * MS);
+        the_backoff_grows_with_each_computed_delay:
+            status(Code::Unavailable).sent(2).backoff_step(1, 20 * MS) => retry(40 * MS);
+        too_many_requests_is_retried_for_a_write:
+            status(Code::ResourceExhausted).not_idempotent() => retry(20 * MS);
+        unsent_is_retried_for_a_write: case(Outcome::Unsent).not_idempotent() => retry(20 * MS);
+
+        // Attempts exhausted, and the unsent cap.
+        no_attempt_left: status(Code::Unavailable).sent(3) => stop(Why::Exhausted);
+        an_unsent_request_may_go_beyond_max_attempts:
+            case(Outcome::Unsent).not_idempotent().sent(3) => Step::Retry {
+                delay: 20 * MS,
+                pushed_back: false,
+                beyond_max_attempts: true,
+            };
+        the_unsent_cap_ends_it:
+            case(Outcome::Unsent).sent(5).unsent_retries(2) => stop(Why::Exhausted);
+        an_ambiguous_outcome_gets_no_transparent_retry:
+            case(Outcome::Ambiguous).sent(3) => stop(Why::Exhausted);
+
+        // The deadline.
+        the_deadline_fits_the_delay_plus_min_attempt_time:
+            status(Code::Unavailable).deadline_in(70 * MS) => retry(20 * MS);
+        the_deadline_is_too_short:
+            status(Code::Unavailable).deadline_in(69 * MS) => stop(Why::DeadlineTooShort {
+                delay: 20 * MS,
+                left: 69 * MS,
+            });
+        min_attempt_time_is_the_policys:
+            status(Code::Unavailable)
+                .policy(no_jitter().min_attempt_time(Duration::ZERO))
+                .deadline_in(20 * MS) => retry(20 * MS);
+
+        // Server pushback.
+        retry_after_replaces_the_backoff:
+            status(Code::ResourceExhausted).header("retry-after", "2")
+                => retry_after(Duration::from_secs(2));
+        grpc_pushback_replaces_the_backoff:
+            status(Code::Unavailable).header("grpc-retry-pushback-ms", "150")
+                => retry_after(150 * MS);
+        a_negative_grpc_pushback_stops:
+            status(Code::Unavailable).header("grpc-retry-pushback-ms", "-1")
+                => stop(Why::PushbackSaysNo);
+        a_malformed_grpc_pushback_stops:
+            status(Code::Unavailable).header("grpc-retry-pushback-ms", "soon")
+                => stop(Why::PushbackSaysNo);
+        a_malformed_retry_after_is_ignored:
+            status(Code::Unavailable).header("retry-after", "soon") => retry(20 * MS);
+        a_pushback_over_max_pushback_stops:
+            status(Code::ResourceExhausted).header("retry-after", "31")
+                => stop(Why::PushbackTooLong(Duration::from_secs(31)));
+        a_pushback_that_does_not_fit_the_deadline_stops:
+            status(Code::ResourceExhausted).header("retry-after", "1").deadline_in(900 * MS)
+                => stop(Why::DeadlineTooShort { delay: Duration::from_secs(1), left: 900 * MS });
+
+        // The budget, asked last.
+        the_budget_refuses: status(Code::Unavailable).refusing_budget() => stop(Why::BudgetRefused);
+        a_final_answer_never_asks_the_budget:
+            status(Code::Ok).refusing_budget() => stop(Why::Final);
+        no_attempt_left_is_reported_before_the_budget:
+            status(Code::Unavailable).sent(3).refusing_budget() => stop(Why::Exhausted);
+
+        // The body.
+        a_body_that_could_not_be_kept_stops:
+            status(Code::Unavailable).not_replayable() => stop(Why::NotReplayable);
+        a_final_answer_never_asks_about_the_body:
+            status(Code::Ok).not_replayable() => stop(Why::Final);
+
+        // Conflicts: rebuild.
+        a_conflict_without_hook_is_final: status(Code::Aborted) => stop(Why::Final);
+        a_conflict_with_a_hook_is_rebuilt:
+            status(Code::Aborted).with_hook() => Step::Rebuild { pushed_back: false };
+        a_conflict_of_a_write_is_rebuilt_too:
+            status(Code::Aborted).with_hook().not_idempotent() => Step::Rebuild { pushed_back: false };
+        a_rebuild_asks_the_budget_after_the_hook:
+            status(Code::Aborted).with_hook().refusing_budget() => Step::Rebuild { pushed_back: false };
+        a_rebuild_after_a_pushback_restarts_the_backoff:
+            status(Code::Aborted).with_hook().header("retry-after", "0")
+                => Step::Rebuild { pushed_back: true };
+        a_rebuild_needs_an_attempt_left:
+            status(Code::Aborted).with_hook().sent(3) => stop(Why::Exhausted);
+        a_rebuild_needs_the_deadline_to_fit_min_attempt_time:
+            status(Code::Aborted).with_hook().deadline_in(49 * MS)
+                => stop(Why::DeadlineTooShort { delay: Duration::ZERO, left: 49 * MS });
+    }
+
+    /// A gRPC method config's rules replace the policy's for the methods it names.
+    #[test]
+    fn a_method_config_chooses_the_attempts_and_codes() {
+        let policy = RetryPolicy::from_grpc_service_config(
+            r#"{"methodConfig": [{"name": [{"service": "a.S", "method": "M"}],
+                "retryPolicy": {"maxAttempts": 2, "initialBackoff": "0.01s", "maxBackoff": "1s",
+                "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]}"#,
+        )
+        .unwrap();
+        let method = policy.grpc_method("/a.S/M");
+        assert!(method.is_some());
+        let mut c = status(Code::Unavailable);
+        c.policy = policy;
+        c.attempt.method = method;
+        assert!(
+            matches!(c.decide(), Step::Retry { delay, .. } if delay <= 10 * MS),
+            "full jitter up to initialBackoff"
+        );
+        assert_eq!(c.sent(2).decide(), stop(Why::Exhausted), "maxAttempts 2");
+        let mut c = status(Code::DeadlineExceeded);
+        c.policy = RetryPolicy::from_grpc_service_config(
+            r#"{"methodConfig": [{"name": [{"service": "a.S", "method": "M"}],
+                "retryPolicy": {"maxAttempts": 2, "initialBackoff": "0.01s", "maxBackoff": "1s",
+                "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]}"#,
+        )
+        .unwrap();
+        c.attempt.method = method;
+        assert_eq!(
+            c.decide(),
+            stop(Why::Final),
+            "a code the method config does not list"
+        );
+    }
+
+    /// gRFC A6 accounting: successes add, retryable failures take, nothing else counts.
+    #[test]
+    fn the_budget_hears_successes_and_retryable_failures() {
+        let counted = |c: Case| {
+            let budget = Arc::new(Counting::default());
+            let c = Case {
+                budget: budget.clone(),
+                ..c
+            };
+            c.decide();
+            (
+                budget.successes.load(Ordering::Relaxed),
+                budget.failures.load(Ordering::Relaxed),
+                budget.withdrawals.load(Ordering::Relaxed),
+            )
+        };
+        assert_eq!(counted(status(Code::Ok)), (1, 0, 0));
+        assert_eq!(counted(status(Code::Unavailable)), (0, 1, 1));
+        assert_eq!(counted(status(Code::Unavailable).sent(3)), (0, 1, 0));
+        assert_eq!(
+            counted(status(Code::Unavailable).not_idempotent()),
+            (0, 0, 0)
+        );
+        assert_eq!(counted(status(Code::NotFound)), (0, 0, 0));
+        assert_eq!(counted(status(Code::Aborted)), (0, 0, 0), "no hook");
+        assert_eq!(counted(status(Code::Aborted).with_hook()), (0, 1, 0));
+    }
+}

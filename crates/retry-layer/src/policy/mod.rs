@@ -1,0 +1,560 @@
+//! [`RetryPolicy`]: what is retried, how often, how long to wait, and within which budgets.
+
+//!
+//! The policy and its builder live here; beside them, the gRPC service config that loads into
+//! a policy ([`service_config`]) and the hook that rebuilds a request after a conflict
+//! ([`rebuild`]).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use reason_code::{IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
+
+use crate::backoff::{Backoff, Jitter, JitterRng};
+use crate::budget::{Budget, BudgetChoice, InvalidBudget, TokenBucket, TpsBudget};
+
+mod rebuild;
+mod service_config;
+
+pub use rebuild::{Conflict, Rebuild, RebuildFuture};
+pub use service_config::{GrpcRetryPolicy, GrpcRetryThrottling, StatusCodeName};
+
+/// The retry policy of a [`RetryLayer`](crate::RetryLayer).
+///
+/// | setting | default |
+/// |---|---|
+/// | `max_attempts` (total, first included) | 3 |
+/// | `base_delay`, `multiplier`, `max_delay` | 20 ms, x2, 1 s |
+/// | `jitter` | +-20 % ([`Jitter::Proportional`]`(0.2)`) |
+/// | `min_attempt_time` | 50 ms |
+/// | `total_timeout`, `attempt_timeout` | none |
+/// | `max_pushback` | 30 s |
+/// | `max_replay_bytes` | 64 KiB |
+/// | `max_unsent_retries` | 2 |
+/// | budget | 10 % of requests over 10 s, plus 10 retries/s |
+/// | table | [`RetryTable::default`] (the design table) |
+/// | reason codes | [`ReasonCodes::default`] (`x-reason-code`) |
+///
+/// ```
+/// use std::time::Duration;
+/// use retry_layer::RetryPolicy;
+///
+/// let policy = RetryPolicy::builder()
+///     .max_attempts(4)
+///     .base_delay(Duration::from_millis(50))
+///     .total_timeout(Duration::from_secs(2))
+///     .idempotent_grpc_method("/plume.linkd.v3.Library/GetBook")
+///     .ensure_idempotency_key()
+///     .build()
+///     .expect("a valid policy");
+/// assert_eq!(policy.max_attempts(), 4);
+/// ```
+#[derive(Clone, Debug)]
+pub struct RetryPolicy {
+    /// Attempts, backoff and table of requests no gRPC method config matches.
+    pub(crate) rules: Rules,
+    /// Per-method rules from a gRPC service config (`methodConfig`).
+    pub(crate) methods: Option<Arc<GrpcMethods>>,
+    pub(crate) min_attempt_time: Duration,
+    pub(crate) total_timeout: Option<Duration>,
+    pub(crate) attempt_timeout: Option<Duration>,
+    pub(crate) max_pushback: Duration,
+    pub(crate) max_replay_bytes: usize,
+    pub(crate) max_unsent_retries: u32,
+    pub(crate) reason_codes: ReasonCodes,
+    pub(crate) idempotent_grpc: IdempotentGrpcMethods,
+    pub(crate) key_headers: KeyHeaders,
+    pub(crate) ensure_key: bool,
+    pub(crate) budget: BudgetChoice,
+    pub(crate) rng: JitterRng,
+    pub(crate) rebuild: Option<Arc<dyn Rebuild>>,
+}
+
+/// What may differ per gRPC method: attempts, backoff and the retryable codes.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Rules {
+    pub(crate) max_attempts: u32,
+    pub(crate) backoff: Backoff,
+    pub(crate) table: RetryTable,
+}
+
+impl Default for Rules {
+    fn default() -> Self {
+        Rules {
+            max_attempts: 3,
+            backoff: Backoff::default(),
+            table: RetryTable::default(),
+        }
+    }
+}
+
+/// Why a duration setting is out of range: over [`MAX_DURATION`], or zero where zero makes no
+/// sense.
+fn duration_error(name: &str, d: Duration, zero_ok: bool) -> Option<String> {
+    if d > MAX_DURATION {
+        return Some(format!(
+            "{name} must be at most {} s (one day), got {d:?}",
+            MAX_DURATION.as_secs()
+        ));
+    }
+    if !zero_ok && d.is_zero() {
+        return Some(format!("{name} must be greater than zero"));
+    }
+    None
+}
+
+/// The rules of a gRPC service config's `methodConfig` entries, by method path.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct GrpcMethods {
+    rules: Vec<Rules>,
+    /// `/package.Service/Method` or `/package.Service/` to an index in `rules`.
+    by_name: HashMap<String, usize>,
+    /// The entry with an empty name (`{}`): every method no other entry names.
+    default: Option<usize>,
+}
+
+impl GrpcMethods {
+    fn find(&self, path: &str) -> Option<usize> {
+        if let Some(i) = self.by_name.get(path) {
+            return Some(*i);
+        }
+        let service = match path.rfind('/') {
+            Some(i) if i > 0 => self.by_name.get(&path[..=i]).copied(),
+            _ => None,
+        };
+        service.or(self.default)
+    }
+
+    fn insert(&mut self, name: Option<String>, rules: Rules) -> Result<(), String> {
+        let i = self.rules.len();
+        match name {
+            None if self.default.is_some() => {
+                return Err("two methodConfig entries have an empty name".into())
+            }
+            None => self.default = Some(i),
+            Some(n) if self.by_name.contains_key(&n) => {
+                return Err(format!("{n:?} is named by two methodConfig entries"))
+            }
+            Some(n) => {
+                self.by_name.insert(n, i);
+            }
+        }
+        self.rules.push(rules);
+        Ok(())
+    }
+}
+
+/// The longest duration any setting takes: a day. Longer values are rejected so that no deadline
+/// or timer computed from them can overflow the clock.
+pub const MAX_DURATION: Duration = Duration::from_secs(86_400);
+
+/// The most transparent retries ([`RetryPolicyBuilder::max_unsent_retries`]).
+pub const MAX_UNSENT_RETRIES: u32 = 10;
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            rules: Rules::default(),
+            methods: None,
+            min_attempt_time: Duration::from_millis(50),
+            total_timeout: None,
+            attempt_timeout: None,
+            max_pushback: Duration::from_secs(30),
+            max_replay_bytes: 64 * 1024,
+            max_unsent_retries: 2,
+            reason_codes: ReasonCodes::default(),
+            idempotent_grpc: IdempotentGrpcMethods::default(),
+            key_headers: KeyHeaders::default(),
+            ensure_key: false,
+            budget: BudgetChoice::default(),
+            rng: JitterRng::default(),
+            rebuild: None,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// A builder starting from the defaults.
+    pub fn builder() -> RetryPolicyBuilder {
+        RetryPolicyBuilder {
+            policy: RetryPolicy::default(),
+            error: None,
+        }
+    }
+
+    /// A builder starting from this policy.
+    pub fn to_builder(&self) -> RetryPolicyBuilder {
+        RetryPolicyBuilder {
+            policy: self.clone(),
+            error: None,
+        }
+    }
+
+    /// Total attempts a gRPC request for `path` (`/package.Service/Method`) may take: the
+    /// matching method config's, else the policy's.
+    pub fn max_attempts_of_grpc(&self, path: &str) -> u32 {
+        self.rules(self.grpc_method(path)).max_attempts
+    }
+
+    /// Total attempts, the first included (of requests no gRPC method config matches).
+    pub fn max_attempts(&self) -> u32 {
+        self.rules.max_attempts
+    }
+
+    /// The backoff schedule (of requests no gRPC method config matches).
+    pub fn backoff(&self) -> &Backoff {
+        &self.rules.backoff
+    }
+
+    /// The retryability table (of requests no gRPC method config matches).
+    pub fn table(&self) -> &RetryTable {
+        &self.rules.table
+    }
+
+    /// The gRPC methods declared idempotent.
+    pub fn idempotent_grpc(&self) -> &IdempotentGrpcMethods {
+        &self.idempotent_grpc
+    }
+
+    /// The headers an idempotency key travels in.
+    pub fn key_headers(&self) -> &KeyHeaders {
+        &self.key_headers
+    }
+
+    /// The method config that applies to a gRPC request for `path`, if the policy has any.
+    pub(crate) fn grpc_method(&self, path: &str) -> Option<usize> {
+        self.methods.as_ref().and_then(|m| m.find(path))
+    }
+
+    /// The rules of a method config, or the policy's own.
+    pub(crate) fn rules(&self, method: Option<usize>) -> &Rules {
+        match (method, &self.methods) {
+            (Some(i), Some(m)) => &m.rules[i],
+            _ => &self.rules,
+        }
+    }
+}
+
+/// A [`RetryPolicy`] setting was out of range; the message says which and what is allowed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid retry policy: {message}")]
+pub struct InvalidPolicy {
+    message: String,
+}
+
+impl InvalidPolicy {
+    fn new(message: impl Into<String>) -> Self {
+        InvalidPolicy {
+            message: message.into(),
+        }
+    }
+}
+
+impl From<InvalidBudget> for InvalidPolicy {
+    fn from(e: InvalidBudget) -> Self {
+        InvalidPolicy::new(e.to_string())
+    }
+}
+
+/// Builds a validated [`RetryPolicy`]. Setters consume and return the builder; [`build`]
+/// reports the first invalid setting.
+///
+/// [`build`]: RetryPolicyBuilder::build
+#[derive(Debug, Clone)]
+pub struct RetryPolicyBuilder {
+    policy: RetryPolicy,
+    error: Option<InvalidPolicy>,
+}
+
+impl RetryPolicyBuilder {
+    fn fail(mut self, message: impl Into<String>) -> Self {
+        if self.error.is_none() {
+            self.error = Some(InvalidPolicy::new(message));
+        }
+        self
+    }
+
+    /// Total attempts, the first included (1 disables retries; at most 100).
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        if !(1..=100).contains(&n) {
+            return self.fail(format!("max_attempts must be between 1 and 100, got {n}"));
+        }
+        self.policy.rules.max_attempts = n;
+        self
+    }
+
+    /// The delay after the first failed attempt (at most [`MAX_DURATION`]).
+    pub fn base_delay(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("base_delay", d, true) {
+            return self.fail(e);
+        }
+        self.policy.rules.backoff.base = d;
+        self
+    }
+
+    /// The factor the delay grows by per attempt (finite, at least 1.0).
+    pub fn multiplier(mut self, m: f64) -> Self {
+        if !m.is_finite() || m < 1.0 {
+            return self.fail(format!(
+                "multiplier must be a finite number >= 1.0, got {m}"
+            ));
+        }
+        self.policy.rules.backoff.multiplier = m;
+        self
+    }
+
+    /// The largest computed delay (before jitter; at most [`MAX_DURATION`]).
+    pub fn max_delay(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("max_delay", d, true) {
+            return self.fail(e);
+        }
+        self.policy.rules.backoff.max_delay = d;
+        self
+    }
+
+    /// How delays are randomized.
+    pub fn jitter(mut self, jitter: Jitter) -> Self {
+        if let Jitter::Proportional(r) = jitter {
+            if !(0.0..=1.0).contains(&r) {
+                return self.fail(format!("proportional jitter must be in [0, 1], got {r}"));
+            }
+        }
+        self.policy.rules.backoff.jitter = jitter;
+        self
+    }
+
+    /// Seeds the jitter generator shared by all clones of the layer (deterministic delays, for
+    /// tests and simulations).
+    pub fn jitter_seed(mut self, seed: u64) -> Self {
+        self.policy.rng = JitterRng::seeded(seed);
+        self
+    }
+
+    /// The least time an attempt must have left before the deadline for a retry to be sent (at
+    /// most [`MAX_DURATION`]).
+    pub fn min_attempt_time(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("min_attempt_time", d, true) {
+            return self.fail(e);
+        }
+        self.policy.min_attempt_time = d;
+        self
+    }
+
+    /// A deadline for the whole call, retries included, used when the request carries neither a
+    /// [`Deadline`](crate::Deadline) extension nor `grpc-timeout` (greater than zero, at most
+    /// [`MAX_DURATION`]).
+    pub fn total_timeout(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("total_timeout", d, false) {
+            return self.fail(e);
+        }
+        self.policy.total_timeout = Some(d);
+        self
+    }
+
+    /// A timeout for each attempt (greater than zero, at most [`MAX_DURATION`]); an attempt that
+    /// times out is an ambiguous failure (it may have executed), retried only when the request
+    /// is idempotent or keyed. A gRPC attempt's `grpc-timeout` is capped at it, so the server
+    /// stops working on an attempt the client abandons.
+    pub fn attempt_timeout(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("attempt_timeout", d, false) {
+            return self.fail(e);
+        }
+        self.policy.attempt_timeout = Some(d);
+        self
+    }
+
+    /// The longest server pushback (`Retry-After`, `grpc-retry-pushback-ms`) honoured (at most
+    /// [`MAX_DURATION`]); a longer one ends retrying.
+    pub fn max_pushback(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("max_pushback", d, true) {
+            return self.fail(e);
+        }
+        self.policy.max_pushback = d;
+        self
+    }
+
+    /// The most request-body bytes kept for replay; larger bodies are sent once.
+    pub fn max_replay_bytes(mut self, n: usize) -> Self {
+        self.policy.max_replay_bytes = n;
+        self
+    }
+
+    /// How many extra attempts a request that provably never left the client may get beyond
+    /// `max_attempts` (gRFC A6 transparent retries), still bounded by deadline and budget (at
+    /// most [`MAX_UNSENT_RETRIES`]).
+    pub fn max_unsent_retries(mut self, n: u32) -> Self {
+        if n > MAX_UNSENT_RETRIES {
+            return self.fail(format!(
+                "max_unsent_retries must be at most {MAX_UNSENT_RETRIES}, got {n}"
+            ));
+        }
+        self.policy.max_unsent_retries = n;
+        self
+    }
+
+    /// Replaces the retryability table (to opt in to retrying INTERNAL, for instance).
+    pub fn table(mut self, table: RetryTable) -> Self {
+        self.policy.rules.table = table;
+        self
+    }
+
+    /// Replaces the business reason-code table.
+    pub fn reason_codes(mut self, reasons: ReasonCodes) -> Self {
+        self.policy.reason_codes = reasons;
+        self
+    }
+
+    /// Declares gRPC methods idempotent, replacing any declared before: their failures are
+    /// retried like a PUT's. `idempotency-layer`'s `IdempotencyLayer::idempotent_grpc_methods`
+    /// takes the same type, so one list declares the same methods on both sides.
+    ///
+    /// ```
+    /// use retry_layer::{IdempotentGrpcMethods, RetryPolicy};
+    ///
+    /// let reads = IdempotentGrpcMethods::new([
+    ///     "/plume.linkd.v3.Library/GetBook",
+    ///     "/grpc.health.v1.Health/",
+    /// ])
+    /// .unwrap();
+    /// let policy = RetryPolicy::builder().idempotent_grpc_methods(reads).build().unwrap();
+    /// assert!(policy.idempotent_grpc().contains("/grpc.health.v1.Health/Check"));
+    /// ```
+    pub fn idempotent_grpc_methods(mut self, methods: IdempotentGrpcMethods) -> Self {
+        self.policy.idempotent_grpc = methods;
+        self
+    }
+
+    /// Declares one more gRPC method idempotent (`/package.Service/Method`), or a whole service
+    /// (`/package.Service/`). A path of another shape makes [`build`](Self::build) fail.
+    pub fn idempotent_grpc_method(mut self, path: impl AsRef<str>) -> Self {
+        // Taken, not cloned, so that the sets are not copied; after an error `build` fails anyway.
+        let declared = std::mem::take(&mut self.policy.idempotent_grpc);
+        match declared.with(path.as_ref()) {
+            Ok(methods) => {
+                self.policy.idempotent_grpc = methods;
+                self
+            }
+            Err(e) => self.fail(e.to_string()),
+        }
+    }
+
+    /// The headers an idempotency key travels in (default `x-idempotency-key`, then
+    /// `idempotency-key`): a request carrying any of them is keyed, and
+    /// [`ensure_idempotency_key`](Self::ensure_idempotency_key) writes the first.
+    /// `idempotency-layer`'s `IdempotencyLayer::key_headers` takes the same type.
+    ///
+    /// ```
+    /// use http::HeaderName;
+    /// use retry_layer::{KeyHeaders, RetryPolicy};
+    ///
+    /// let headers = KeyHeaders::new([HeaderName::from_static("idempotency-key")]).unwrap();
+    /// let policy = RetryPolicy::builder().key_headers(headers).build().unwrap();
+    /// assert_eq!(policy.key_headers().first().as_str(), "idempotency-key");
+    /// ```
+    pub fn key_headers(mut self, headers: KeyHeaders) -> Self {
+        self.policy.key_headers = headers;
+        self
+    }
+
+    /// Gives a non-idempotent request that has no idempotency key a fresh UUID key before its
+    /// first attempt, so that every retry carries the same key and the server executes it once.
+    /// A key the caller set is never changed.
+    pub fn ensure_idempotency_key(mut self) -> Self {
+        self.policy.ensure_key = true;
+        self
+    }
+
+    /// The default budget shape with other numbers: `ratio` retries per request over `window`,
+    /// plus `min_per_sec`.
+    pub fn budget(mut self, window: Duration, min_per_sec: u32, ratio: f64) -> Self {
+        if let Err(e) = TpsBudget::new(window, min_per_sec, ratio) {
+            return self.fail(e.to_string());
+        }
+        self.policy.budget = BudgetChoice::Tps {
+            window,
+            min_per_sec,
+            ratio,
+        };
+        self
+    }
+
+    /// gRFC A6 retry throttling instead of the sliding window.
+    pub fn token_bucket(mut self, max_tokens: u32, token_ratio: f64) -> Self {
+        if let Err(e) = TokenBucket::new(max_tokens, token_ratio) {
+            return self.fail(e.to_string());
+        }
+        self.policy.budget = BudgetChoice::TokenBucket {
+            max_tokens,
+            token_ratio,
+        };
+        self
+    }
+
+    /// Disables the retry budget. Only do this where another layer bounds retry amplification.
+    pub fn no_budget(mut self) -> Self {
+        self.policy.budget = BudgetChoice::Unlimited;
+        self
+    }
+
+    /// Uses a budget of your own, shared as given (it may be shared across layers too).
+    pub fn custom_budget(mut self, budget: Arc<dyn Budget>) -> Self {
+        self.policy.budget = BudgetChoice::Custom(budget);
+        self
+    }
+
+    /// Installs the hook that may rebuild a request after an ABORTED outcome (409,
+    /// `STOCK_CONFLICT`). Without it such outcomes are returned as they are.
+    pub fn rebuild_on_conflict(mut self, hook: impl Rebuild) -> Self {
+        self.policy.rebuild = Some(Arc::new(hook));
+        self
+    }
+
+    /// Validates and returns the policy.
+    pub fn build(self) -> Result<RetryPolicy, InvalidPolicy> {
+        match self.error {
+            Some(e) => Err(e),
+            None => Ok(self.policy),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_the_documented_ones() {
+        let p = RetryPolicy::default();
+        assert_eq!(p.rules.max_attempts, 3);
+        assert_eq!(p.rules.backoff.base, Duration::from_millis(20));
+        assert_eq!(p.rules.backoff.multiplier, 2.0);
+        assert_eq!(p.rules.backoff.max_delay, Duration::from_secs(1));
+        assert_eq!(p.rules.backoff.jitter, Jitter::Proportional(0.2));
+        assert_eq!(p.min_attempt_time, Duration::from_millis(50));
+        assert_eq!(p.max_replay_bytes, 65_536);
+    }
+
+    #[test]
+    fn invalid_settings_are_reported() {
+        let err = RetryPolicy::builder().max_attempts(0).build().unwrap_err();
+        assert!(err.to_string().contains("max_attempts"), "{err}");
+        assert!(RetryPolicy::builder().multiplier(0.5).build().is_err());
+        assert!(RetryPolicy::builder()
+            .multiplier(f64::INFINITY)
+            .build()
+            .is_err());
+        assert!(RetryPolicy::builder()
+            .jitter(Jitter::Proportional(1.5))
+            .build()
+            .is_err());
+        assert!(RetryPolicy::builder()
+            .budget(Duration::ZERO, 1, 0.1)
+            .build()
+            .is_err());
+        assert!(RetryPolicy::builder()
+            .idempotent_grpc_method("GetBook")
+            .build()
+            .is_err());
+    }
+}

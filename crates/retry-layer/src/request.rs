@@ -1,0 +1,261 @@
+//! The request before each attempt: whether it is idempotent, the idempotency key it carries,
+//! the head kept for retries, and the headers each attempt writes afresh.
+
+use http::request::Parts;
+use http::{HeaderName, HeaderValue, Method, Request};
+use reason_code::{GRPC_PREVIOUS_RPC_ATTEMPTS, X_PREVIOUS_ATTEMPTS};
+
+use crate::policy::RetryPolicy;
+
+/// What the layer decided about a request (the first, or one a rebuild hook made) before
+/// sending it.
+#[derive(Debug)]
+pub(crate) struct Judged {
+    /// A gRPC call (by its content type).
+    pub(crate) grpc: bool,
+    /// The gRPC method config that applies (see `RetryPolicy::from_grpc_service_config`).
+    pub(crate) method: Option<usize>,
+    /// A safe method, a declared gRPC method, or a keyed request.
+    pub(crate) idempotent: bool,
+    /// The key `ensure_idempotency_key` generated, if it did.
+    pub(crate) generated_key: Option<HeaderValue>,
+}
+
+/// Judges a request and gives it its key.
+///
+/// A request with a key is idempotent. A write without one gets `intent_key`, the key of the
+/// request it replaces (a rebuilt write is the same intent), else a generated one when the
+/// policy ensures keys.
+pub(crate) fn judge(
+    policy: &RetryPolicy,
+    parts: &mut Parts,
+    intent_key: Option<(HeaderName, HeaderValue)>,
+) -> Judged {
+    let grpc = reason_code::is_grpc(&parts.headers);
+    let method = if grpc {
+        policy.grpc_method(parts.uri.path())
+    } else {
+        None
+    };
+    let (idempotent, generated_key) = settle_key(policy, parts, grpc, intent_key);
+    Judged {
+        grpc,
+        method,
+        idempotent,
+        generated_key,
+    }
+}
+
+/// Returns whether the request is idempotent and the key generated, if one was.
+fn settle_key(
+    policy: &RetryPolicy,
+    parts: &mut Parts,
+    grpc: bool,
+    intent_key: Option<(HeaderName, HeaderValue)>,
+) -> (bool, Option<HeaderValue>) {
+    if policy.key_headers.is_keyed(&parts.headers) {
+        return (true, None);
+    }
+    let by_method = if grpc {
+        policy.idempotent_grpc.contains(parts.uri.path())
+    } else {
+        is_idempotent_method(&parts.method)
+    };
+    if by_method {
+        return (true, None);
+    }
+    if let Some((name, value)) = intent_key {
+        parts.headers.insert(name, value);
+        return (true, None);
+    }
+    if !policy.ensure_key {
+        return (false, None);
+    }
+    let key = uuid::Uuid::new_v4();
+    let mut buf = uuid::Uuid::encode_buffer();
+    let key = key.hyphenated().encode_lower(&mut buf);
+    let value = HeaderValue::from_str(key).expect("a UUID is a valid header value");
+    parts
+        .headers
+        .insert(policy.key_headers.first().clone(), value.clone());
+    (true, Some(value))
+}
+
+/// Safe and idempotent HTTP methods (RFC 9110 §9.2).
+fn is_idempotent_method(m: &Method) -> bool {
+    matches!(
+        *m,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
+    )
+}
+
+/// The key a request carries, in the first of the policy's key headers that holds one: the
+/// intent a rebuilt request keeps.
+pub(crate) fn intent_key(policy: &RetryPolicy, parts: &Parts) -> Option<(HeaderName, HeaderValue)> {
+    policy
+        .key_headers
+        .as_slice()
+        .iter()
+        .find_map(|h| parts.headers.get(h).map(|v| (h.clone(), v.clone())))
+}
+
+/// A copy of a request head (`Parts` is not `Clone`).
+pub(crate) fn clone_parts(p: &Parts) -> Parts {
+    let (mut parts, ()) = Request::new(()).into_parts();
+    parts.method = p.method.clone();
+    parts.uri = p.uri.clone();
+    parts.version = p.version;
+    parts.headers = p.headers.clone();
+    parts.extensions = p.extensions.clone();
+    parts
+}
+
+/// Writes the attempts sent before this one: `grpc-previous-rpc-attempts` (gRPC) or
+/// `x-previous-attempts` (HTTP).
+pub(crate) fn write_previous_attempts(parts: &mut Parts, grpc: bool, previous: u32) {
+    let name = if grpc {
+        GRPC_PREVIOUS_RPC_ATTEMPTS
+    } else {
+        X_PREVIOUS_ATTEMPTS
+    };
+    parts.headers.insert(name, HeaderValue::from(previous));
+}
+
+/// Removes the headers the layer writes per attempt from a request a hook rebuilt: they are
+/// written afresh.
+pub(crate) fn remove_attempt_headers(parts: &mut Parts) {
+    parts.headers.remove(X_PREVIOUS_ATTEMPTS);
+    parts.headers.remove(GRPC_PREVIOUS_RPC_ATTEMPTS);
+}
+
+#[cfg(test)]
+mod tests {
+    use reason_code::{IdempotentGrpcMethods, KeyHeaders};
+
+    use super::*;
+
+    fn head(method: Method, path: &str, headers: &[(&'static str, &'static str)]) -> Parts {
+        let mut req = Request::builder()
+            .method(method)
+            .uri(format!("http://svc{path}"));
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        req.body(()).unwrap().into_parts().0
+    }
+
+    const GRPC: (&str, &str) = ("content-type", "application/grpc");
+
+    #[test]
+    fn the_idempotency_verdict() {
+        let policy = RetryPolicy::builder()
+            .idempotent_grpc_methods(IdempotentGrpcMethods::new(["/a.S/Get", "/a.R/"]).unwrap())
+            .build()
+            .unwrap();
+        // (method, path, headers, idempotent)
+        type Headers = &'static [(&'static str, &'static str)];
+        let cases: &[(Method, &str, Headers, bool)] = &[
+            (Method::GET, "/x", &[], true),
+            (Method::PUT, "/x", &[], true),
+            (Method::DELETE, "/x", &[], true),
+            (Method::POST, "/x", &[], false),
+            (Method::PATCH, "/x", &[], false),
+            (
+                Method::POST,
+                "/x",
+                &[("x-idempotency-key", "k-0000001")],
+                true,
+            ),
+            (
+                Method::POST,
+                "/x",
+                &[("idempotency-key", "\"k-0000001\"")],
+                true,
+            ),
+            (Method::POST, "/a.S/Get", &[GRPC], true),
+            (Method::POST, "/a.S/Put", &[GRPC], false),
+            (Method::POST, "/a.R/Anything", &[GRPC], true),
+            // Not gRPC: the path is just a path, and POST is not idempotent.
+            (Method::POST, "/a.S/Get", &[], false),
+        ];
+        for (method, path, headers, idempotent) in cases {
+            let mut parts = head(method.clone(), path, headers);
+            let judged = judge(&policy, &mut parts, None);
+            assert_eq!(
+                judged.idempotent, *idempotent,
+                "{method} {path} {headers:?}"
+            );
+            assert!(judged.generated_key.is_none());
+        }
+    }
+
+    #[test]
+    fn keys_are_generated_once_and_kept_when_given() {
+        let policy = RetryPolicy::builder()
+            .ensure_idempotency_key()
+            .build()
+            .unwrap();
+        let mut parts = head(Method::POST, "/orders", &[]);
+        let judged = judge(&policy, &mut parts, None);
+        let key = judged.generated_key.expect("a generated key");
+        assert_eq!(parts.headers["x-idempotency-key"], key);
+        assert_eq!(key.len(), 36, "a UUID");
+
+        // A caller's key is never changed; a read gets none.
+        let mut parts = head(Method::POST, "/orders", &[("idempotency-key", "mine-0001")]);
+        assert!(judge(&policy, &mut parts, None).generated_key.is_none());
+        assert_eq!(parts.headers["idempotency-key"], "mine-0001");
+        assert!(!parts.headers.contains_key("x-idempotency-key"));
+        let mut parts = head(Method::GET, "/orders", &[]);
+        assert!(judge(&policy, &mut parts, None).generated_key.is_none());
+        assert!(parts.headers.is_empty());
+
+        // A rebuilt write keeps the intent's key rather than getting a new one.
+        let intent = (
+            HeaderName::from_static("x-idempotency-key"),
+            HeaderValue::from_static("intent-0001"),
+        );
+        let mut parts = head(Method::POST, "/orders", &[]);
+        let judged = judge(&policy, &mut parts, Some(intent));
+        assert!(judged.idempotent && judged.generated_key.is_none());
+        assert_eq!(parts.headers["x-idempotency-key"], "intent-0001");
+    }
+
+    #[test]
+    fn the_first_key_header_is_where_keys_go_and_are_found() {
+        let headers = KeyHeaders::new([
+            HeaderName::from_static("x-request-key"),
+            HeaderName::from_static("x-idempotency-key"),
+        ])
+        .unwrap();
+        let policy = RetryPolicy::builder()
+            .key_headers(headers)
+            .ensure_idempotency_key()
+            .build()
+            .unwrap();
+        let mut parts = head(Method::POST, "/orders", &[]);
+        judge(&policy, &mut parts, None);
+        assert!(parts.headers.contains_key("x-request-key"));
+        assert!(!parts.headers.contains_key("x-idempotency-key"));
+        let (name, _) = intent_key(&policy, &parts).unwrap();
+        assert_eq!(name, "x-request-key");
+        // `idempotency-key` is not among these headers: such a request is not keyed.
+        let mut parts = head(Method::POST, "/orders", &[("idempotency-key", "k-0000001")]);
+        assert!(judge(&policy, &mut parts, None).generated_key.is_some());
+    }
+
+    #[test]
+    fn attempt_headers() {
+        let mut parts = head(Method::POST, "/a.S/M", &[GRPC]);
+        write_previous_attempts(&mut parts, true, 2);
+        assert_eq!(parts.headers["grpc-previous-rpc-attempts"], "2");
+        write_previous_attempts(&mut parts, false, 3);
+        assert_eq!(parts.headers["x-previous-attempts"], "3");
+        let copy = clone_parts(&parts);
+        assert_eq!(copy.headers, parts.headers);
+        assert_eq!(copy.uri, parts.uri);
+        remove_attempt_headers(&mut parts);
+        assert!(!parts.headers.contains_key("grpc-previous-rpc-attempts"));
+        assert!(!parts.headers.contains_key("x-previous-attempts"));
+    }
+}

@@ -1,0 +1,28 @@
+//! What every clone of a layer and of its services shares, made once per layer.
+
+use std::sync::Arc;
+
+use crate::budget::Budget;
+use crate::policy::RetryPolicy;
+use crate::stats::Counters;
+
+/// The policy (plain settings, never changed after the layer is made), the retry budget and the
+/// counters. A [`RetryLayer`](crate::RetryLayer) makes one in `new()`; cloning the layer or a
+/// service shares it, so all of them draw on one budget and add to one set of counters.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) policy: RetryPolicy,
+    pub(crate) budget: Arc<dyn Budget>,
+    pub(crate) stats: Counters,
+}
+
+impl Shared {
+    /// The shared state of a new layer: the budget the policy describes, counters at zero.
+    pub(crate) fn new(policy: RetryPolicy) -> Self {
+        Shared {
+            budget: policy.budget.make(),
+            policy,
+            stats: Counters::default(),
+        }
+    }
+}
