@@ -473,7 +473,13 @@ async fn logs_never_carry_keys_tenants_or_bodies() {
         .with_writer(move || writer.clone())
         .with_ansi(false)
         .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    // The process-wide subscriber, not a thread's: with a thread-local one, other tests of this
+    // binary running on other threads race tracing's per-callsite interest cache, and some of
+    // this test's events were missed (it passed or failed by chance). Only this test of the
+    // binary sets a subscriber; the other tests' events land here too, and carry none of the
+    // secrets below.
+    tracing::subscriber::set_global_default(subscriber)
+        .expect("no other test of this binary sets a subscriber");
 
     const KEY: &str = "SECRETKEY-7f3a9c";
     const TENANT: &str = "tenant-SECRET-acme";
