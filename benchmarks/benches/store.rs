@@ -25,14 +25,12 @@ const TTL: Duration = Duration::from_secs(24 * 3600);
 fn record() -> Record {
     let mut headers = HeaderMap::new();
     headers.insert("content-type", HeaderValue::from_static("application/json"));
-    Record {
-        fingerprint: Fingerprint([7; 32]),
-        status: StatusCode::CREATED,
+    Record::new(
+        Fingerprint([7; 32]),
+        StatusCode::CREATED,
         headers,
-        body: Bytes::from_static(RESPONSE_200),
-        body_omitted: false,
-        trailers: None,
-    }
+        Bytes::from_static(RESPONSE_200),
+    )
 }
 
 /// A well-spread scope for operation `i` of thread `t` (splitmix64 of the counter).
@@ -50,7 +48,7 @@ fn scope(t: u8, i: u64) -> ScopeKey {
 async fn pairs<S: IdempotencyStore>(store: &S, t: u8, iters: u64, rec: &Record) {
     for i in 0..iters {
         let s = scope(t, i);
-        let Ok(Begin::New(token)) = store.begin(s, rec.fingerprint, LEASE).await else {
+        let Ok(Begin::New(token)) = store.begin(s, rec.fingerprint(), LEASE).await else {
             panic!("a new scope is free");
         };
         store

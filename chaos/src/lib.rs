@@ -508,6 +508,7 @@ async fn in_flight<St: IdempotencyStore>(store: &St, keys: &[String]) -> (usize,
                     (false, Some(key))
                 }
                 Ok(Begin::Completed(_)) => (false, None),
+                Ok(other) => panic!("checking claims: unexpected {other:?}"),
                 Err(e) => panic!("checking claims: {e}"),
             }
         });

@@ -137,6 +137,7 @@ pub fn grpc_pushback(data: &[u8]) {
             assert!(!negative || n == 0, "{s:?}");
             assert_eq!(d, Duration::from_millis(n));
         }
+        other => panic!("{s:?} parsed as a pushback this check does not know: {other:?}"),
     }
 }
 

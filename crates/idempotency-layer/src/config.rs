@@ -12,6 +12,7 @@ use reason_code::{IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
 
 /// What a duplicate does when the first request with its key is still running.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum InFlight {
     /// Wait for the first request (bounded by the request's `grpc-timeout` and
     /// [`max_wait`](crate::IdempotencyLayer::max_wait)) and answer with its outcome. The default.
@@ -25,6 +26,7 @@ pub enum InFlight {
 
 /// What happens to the first request's handler when its client goes away.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum OnDisconnect {
     /// Drive the handler and its response body to completion in a spawned tokio task and record
     /// the outcome, so the client's retry gets the replay. The default.

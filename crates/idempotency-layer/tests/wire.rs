@@ -315,6 +315,7 @@ async fn a_client_that_disconnects_mid_handler() {
                     assert_eq!(counts.started(), 2, "{case}");
                     assert_eq!(counts.finished.load(Ordering::SeqCst), 1, "{case}");
                 }
+                other => unreachable!("the loop covers Complete and Release, not {other:?}"),
             }
         }
     }

@@ -244,6 +244,7 @@ pub fn encode_grpc_timeout(d: Duration) -> HeaderValue {
 
 /// What a server's pushback asks of the client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Pushback {
     /// Wait this long before the next attempt (replaces the computed backoff).
     After(Duration),

@@ -5,6 +5,7 @@ use crate::Code;
 
 /// What happened to one attempt, as the client sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Outcome {
     /// A response (HTTP status, `grpc-status` or reason code) classified into a code.
     Status(Code),
@@ -56,6 +57,7 @@ pub enum RecordRule {
 
 /// The client's verdict for one outcome, before the attempt, deadline and budget checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Verdict {
     /// The outcome may be retried.
     Retry,

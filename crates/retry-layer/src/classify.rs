@@ -73,7 +73,9 @@ pub(crate) fn pushback(headers: &HeaderMap) -> PushbackHint {
     if let Some(v) = headers.get(GRPC_RETRY_PUSHBACK_MS) {
         return match parse_grpc_pushback(v) {
             Ok(Pushback::After(d)) => PushbackHint::After(d),
-            Ok(Pushback::Stop) => PushbackHint::Stop,
+            // Stop, and any pushback a later reason-code may add that this client does not know:
+            // the safe reading of a server's pushback is "do not retry".
+            Ok(_) => PushbackHint::Stop,
             Err(e) => {
                 tracing::warn!(error = %e, "malformed grpc-retry-pushback-ms: not retrying");
                 PushbackHint::Stop
@@ -97,20 +99,9 @@ pub(crate) fn error(err: &BoxError) -> Outcome {
         if e.is::<AttemptTimedOut>() {
             return Outcome::Ambiguous;
         }
-        if let Some(e) = e.downcast_ref::<hyper_util::client::legacy::Error>() {
-            if e.is_connect() {
-                return Outcome::Unsent;
-            }
-        }
-        if let Some(e) = e.downcast_ref::<h2::Error>() {
-            if e.reason() == Some(h2::Reason::REFUSED_STREAM) {
-                return Outcome::Unsent;
-            }
-            // A graceful GOAWAY is delivered as an error only to streams beyond its
-            // last-stream-id, which the server promises it did not process.
-            if e.is_go_away() && e.is_remote() && e.reason() == Some(h2::Reason::NO_ERROR) {
-                return Outcome::Unsent;
-            }
+        #[cfg(feature = "hyper-util")]
+        if let Some(outcome) = hyper_error(e) {
+            return outcome;
         }
         if let Some(e) = e.downcast_ref::<std::io::Error>() {
             use std::io::ErrorKind::*;
@@ -121,6 +112,27 @@ pub(crate) fn error(err: &BoxError) -> Outcome {
         cur = e.source();
     }
     Outcome::Ambiguous
+}
+
+/// A hyper-util client or h2 error that proves the request was never sent.
+#[cfg(feature = "hyper-util")]
+fn hyper_error(e: &(dyn StdError + 'static)) -> Option<Outcome> {
+    if let Some(e) = e.downcast_ref::<hyper_util::client::legacy::Error>() {
+        if e.is_connect() {
+            return Some(Outcome::Unsent);
+        }
+    }
+    if let Some(e) = e.downcast_ref::<h2::Error>() {
+        if e.reason() == Some(h2::Reason::REFUSED_STREAM) {
+            return Some(Outcome::Unsent);
+        }
+        // A graceful GOAWAY is delivered as an error only to streams beyond its
+        // last-stream-id, which the server promises it did not process.
+        if e.is_go_away() && e.is_remote() && e.reason() == Some(h2::Reason::NO_ERROR) {
+            return Some(Outcome::Unsent);
+        }
+    }
+    None
 }
 
 #[cfg(test)]

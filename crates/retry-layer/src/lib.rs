@@ -207,9 +207,14 @@ pub use error::{AttemptTimedOut, DeadlineExceeded, RetryError, RetryInfo};
 pub use future::ResponseFuture;
 pub use layer::RetryLayer;
 pub use policy::{
-    Conflict, GrpcRetryPolicy, GrpcRetryThrottling, InvalidPolicy, Rebuild, RebuildFuture,
-    RetryPolicy, RetryPolicyBuilder, StatusCodeName, MAX_DURATION, MAX_UNSENT_RETRIES,
+    Conflict, InvalidPolicy, Rebuild, RebuildFuture, RetryPolicy, RetryPolicyBuilder, MAX_DURATION,
+    MAX_UNSENT_RETRIES,
 };
+#[cfg(feature = "service-config")]
+pub use policy::{GrpcRetryPolicy, GrpcRetryThrottling, StatusCodeName};
+/// The shared vocabulary ([`reason_code::RetryTable`], [`reason_code::ReasonCodes`], ...),
+/// re-exported so a client needs no third dependency kept in lockstep.
+pub use reason_code;
 pub use service::Retry;
 pub use stats::RetryStats;
 

@@ -242,25 +242,102 @@ fn hex(bytes: &[u8]) -> String {
 pub struct Token(pub u128);
 
 /// A recorded response: everything needed to replay it byte for byte.
+///
+/// Made by the layer when a response is recorded; a store keeps it and hands it back. Build one
+/// with [`Record::new`] (stores that decode their own format, tests); read it with the accessors.
+///
+/// ```
+/// use bytes::Bytes;
+/// use http::{HeaderMap, StatusCode};
+/// use idempotency_layer::store::{Fingerprint, Record};
+///
+/// let mut trailers = HeaderMap::new();
+/// trailers.insert("grpc-status", "0".parse().unwrap());
+/// let record = Record::new(Fingerprint([7; 32]), StatusCode::OK, HeaderMap::new(), Bytes::from("hi"))
+///     .with_trailers(trailers);
+/// assert_eq!(record.body(), "hi");
+/// assert_eq!(record.trailers().unwrap()["grpc-status"], "0");
+/// assert!(!record.body_omitted());
+/// assert!(record.clone().with_body_omitted().body().is_empty());
+/// ```
 #[derive(Clone, Debug, PartialEq)]
 pub struct Record {
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) status: StatusCode,
+    pub(crate) headers: HeaderMap,
+    pub(crate) body: Bytes,
+    pub(crate) body_omitted: bool,
+    pub(crate) trailers: Option<HeaderMap>,
+}
+
+impl Record {
+    /// A record of a response with this status, headers and whole body, made by a request with
+    /// this fingerprint; no trailers.
+    pub fn new(
+        fingerprint: Fingerprint,
+        status: StatusCode,
+        headers: HeaderMap,
+        body: Bytes,
+    ) -> Self {
+        Record {
+            fingerprint,
+            status,
+            headers,
+            body,
+            body_omitted: false,
+            trailers: None,
+        }
+    }
+
+    /// The same record with these trailers (a gRPC response's status lives there).
+    pub fn with_trailers(mut self, trailers: HeaderMap) -> Self {
+        self.trailers = Some(trailers);
+        self
+    }
+
+    /// The same record without its body, marked as omitted: its replays carry status, headers
+    /// and trailers only, and say so (for a body larger than the layer's `max_record_bytes`, or
+    /// one a store could not keep).
+    pub fn with_body_omitted(mut self) -> Self {
+        self.body = Bytes::new();
+        self.body_omitted = true;
+        self
+    }
+
     /// The fingerprint of the request that produced it.
-    pub fingerprint: Fingerprint,
+    pub fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint
+    }
+
     /// The response status.
-    pub status: StatusCode,
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
     /// The response headers, in order, repeated names kept.
-    pub headers: HeaderMap,
-    /// The response body (empty when `body_omitted`).
-    pub body: Bytes,
-    /// True when the body was larger than the layer's `max_record_bytes` and was not kept: the
-    /// replay carries status and headers only, and says so.
-    pub body_omitted: bool,
-    /// The trailers (gRPC status lives here), if the response had any.
-    pub trailers: Option<HeaderMap>,
+    pub fn headers(&self) -> &HeaderMap {
+        &self.headers
+    }
+
+    /// The response body (empty when [`body_omitted`](Self::body_omitted)).
+    pub fn body(&self) -> &Bytes {
+        &self.body
+    }
+
+    /// True when the body was not kept (too large); the replay says so.
+    pub fn body_omitted(&self) -> bool {
+        self.body_omitted
+    }
+
+    /// The trailers, if the response had any.
+    pub fn trailers(&self) -> Option<&HeaderMap> {
+        self.trailers.as_ref()
+    }
 }
 
 /// What [`IdempotencyStore::begin`] found.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub enum Begin {
     /// The scope was free (or its record had expired, or its lease had lapsed): the caller now
     /// holds the claim with this token and must complete or release it.

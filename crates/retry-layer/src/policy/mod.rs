@@ -15,9 +15,11 @@ use crate::backoff::{Backoff, Jitter, JitterRng};
 use crate::budget::{Budget, BudgetChoice, InvalidBudget, TokenBucket, TpsBudget};
 
 mod rebuild;
+#[cfg(feature = "service-config")]
 mod service_config;
 
 pub use rebuild::{Conflict, Rebuild, RebuildFuture};
+#[cfg(feature = "service-config")]
 pub use service_config::{GrpcRetryPolicy, GrpcRetryThrottling, StatusCodeName};
 
 /// The retry policy of a [`RetryLayer`](crate::RetryLayer).
@@ -126,6 +128,7 @@ impl GrpcMethods {
         service.or(self.default)
     }
 
+    #[cfg(feature = "service-config")]
     fn insert(&mut self, name: Option<String>, rules: Rules) -> Result<(), String> {
         let i = self.rules.len();
         match name {
