@@ -36,12 +36,8 @@ async fn short_soak_memory() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_soak_redis() {
-    let url = match std::env::var("REDIS_URL") {
-        Ok(u) if !u.trim().is_empty() => u,
-        _ => {
-            eprintln!("skipped: REDIS_URL is not set; set it to run the Redis soak");
-            return;
-        }
+    let Some(url) = e2e::scenario::env_url("REDIS_URL") else {
+        return;
     };
     let report = run(short(StoreKind::Redis, Some(url))).await;
     check(&report);

@@ -28,6 +28,9 @@ use crate::Scope;
 pub const SHORT: Duration = Duration::from_millis(300);
 /// A lease long enough never to lapse during a check.
 pub const LONG: Duration = Duration::from_secs(600);
+/// How long a waiter may take to notice that the claim it waits for ended: far less than a lease,
+/// so a store whose wake-up is broken and that only notices by polling slowly fails here.
+pub const WAKE: Duration = Duration::from_secs(10);
 
 /// Runs every check, each on a fresh store from `make`.
 pub async fn run_all<S: IdempotencyStore>(make: impl Fn() -> S) {
@@ -337,7 +340,7 @@ pub async fn wait_wakes_on_complete<S: IdempotencyStore>(store: S) {
         .complete(s, token, sample_record(FP), LONG)
         .await
         .unwrap();
-    tokio::time::timeout(LONG / 2, w)
+    tokio::time::timeout(WAKE, w)
         .await
         .expect("waiter must wake on complete")
         .expect("waiter task")
@@ -354,7 +357,7 @@ pub async fn wait_wakes_on_release<S: IdempotencyStore>(store: S) {
     let token = new_claim(&store, s, LONG).await;
     let w = waiter(&store, s, token).await;
     store.release(s, token).await.unwrap();
-    tokio::time::timeout(LONG / 2, w)
+    tokio::time::timeout(WAKE, w)
         .await
         .expect("waiter must wake on release")
         .expect("waiter task")
@@ -367,7 +370,7 @@ pub async fn wait_returns_at_once_when_claim_already_ended<S: IdempotencyStore>(
     let s = scope("wait-ended");
     let token = new_claim(&store, s, LONG).await;
     store.release(s, token).await.unwrap();
-    tokio::time::timeout(LONG / 2, store.wait(s, token))
+    tokio::time::timeout(WAKE, store.wait(s, token))
         .await
         .expect("wait on an ended claim must not block")
         .unwrap();
@@ -376,7 +379,7 @@ pub async fn wait_returns_at_once_when_claim_already_ended<S: IdempotencyStore>(
         .complete(s, token, sample_record(FP), LONG)
         .await
         .unwrap();
-    tokio::time::timeout(LONG / 2, store.wait(s, token))
+    tokio::time::timeout(WAKE, store.wait(s, token))
         .await
         .expect("wait on a completed claim must not block")
         .unwrap();

@@ -74,6 +74,18 @@ async fn two_instances_execute_each_key_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_at_production_timeouts_never_run_a_key_twice() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let (b, schema) = builder(&url);
+    let a = connect(b.clone()).await;
+    let b = connect(b).await;
+    multi_instance_at_production_timeouts(a, b).await;
+    drop_schema(&url, &schema).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_leader_is_taken_over_and_fenced() {
     let Some(url) = env_url("DATABASE_URL") else {
         return;
@@ -217,9 +229,29 @@ async fn a_waiter_is_woken_by_notify_not_by_polling() {
         let store = store.clone();
         tokio::spawn(async move { store.wait(scope, token).await })
     };
-    // Let the waiter's listener connect and LISTEN (if it is late, the waiter's first check
-    // still sees the claim ended).
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Wait (bounded) until the store's listener session has run LISTEN: from then on only a
+    // NOTIFY can wake the waiter within the bound below (its polling is once a minute).
+    let observer = raw(&url).await;
+    let listen = format!("LISTEN \"{}\"", store.channel());
+    let listening = async {
+        loop {
+            let row = observer
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity \
+                     WHERE datname = current_database() AND query = $1",
+                    &[&listen],
+                )
+                .await
+                .unwrap();
+            if row.get::<_, i64>(0) > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), listening)
+        .await
+        .expect("the store's listener runs LISTEN");
     store
         .complete(
             scope,

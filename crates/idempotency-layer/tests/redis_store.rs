@@ -68,6 +68,18 @@ async fn two_instances_execute_each_key_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_at_production_timeouts_never_run_a_key_twice() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let prefix = unique("test:idem:");
+    let connect = || RedisStore::builder(&url).prefix(&prefix).connect();
+    let a = connect().await.unwrap();
+    let b = connect().await.unwrap();
+    multi_instance_at_production_timeouts(a, b).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_leader_is_taken_over_and_fenced() {
     let Some(url) = env_url("REDIS_URL") else {
         return;
