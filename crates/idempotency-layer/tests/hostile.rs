@@ -243,10 +243,17 @@ async fn one_tenant_with_thousands_of_keys_cannot_grow_the_store_or_break_others
     // nothing of its was evicted or refused.
     for i in (0..5_000).step_by(500) {
         let again = call(&app, as_tenant("calm", format!("calm-key-{i:06}"))).await;
-        assert!(again.replayed(), "calm tenant's key {i} still replays after the flood");
+        assert!(
+            again.replayed(),
+            "calm tenant's key {i} still replays after the flood"
+        );
     }
     let late = call(&app, as_tenant("calm", "calm-key-late-0001".into())).await;
-    assert_eq!(late.status, StatusCode::CREATED, "the calm tenant still writes");
+    assert_eq!(
+        late.status,
+        StatusCode::CREATED,
+        "the calm tenant still writes"
+    );
     assert_eq!(count.load(Ordering::SeqCst), flood_created + 11);
     // The same key under the other tenant is another scope: it executes.
     let r = call(&app, as_tenant("calm", "flood-key-004999".into())).await;

@@ -200,6 +200,8 @@ mod request;
 mod service;
 mod shared;
 mod stats;
+#[cfg(feature = "tonic")]
+pub mod tonic;
 
 pub use body::{BodyNotReplayable, ReplayBody};
 pub use deadline::Deadline;

@@ -2,26 +2,14 @@
 
 use std::time::Duration;
 
-use retry_layer::{BoxError, ReplayBody, Retry, RetryLayer, RetryPolicy};
+use retry_layer::{BoxError, RetryLayer, RetryPolicy};
 use tonic::transport::{Channel, Endpoint};
-use tower::util::MapRequest;
 
 use crate::idempotent_methods;
 use crate::pb::library_client::LibraryClient;
 
-/// The channel stack: `RetryLayer`, then the body conversion tonic's `Channel` needs.
-pub type RetryChannel = Retry<
-    MapRequest<
-        Channel,
-        fn(http::Request<ReplayBody<tonic::body::Body>>) -> http::Request<tonic::body::Body>,
-    >,
->;
-
-fn to_tonic_body(
-    req: http::Request<ReplayBody<tonic::body::Body>>,
-) -> http::Request<tonic::body::Body> {
-    req.map(tonic::body::Body::new)
-}
+/// The channel stack: a tonic `Channel` behind `RetryLayer`, a plain nameable type.
+pub type RetryChannel = retry_layer::tonic::RetryChannel<Channel>;
 
 /// The retry policy of the example client: defaults, reads declared idempotent (the same
 /// [`IDEMPOTENT_METHODS`](crate::IDEMPOTENT_METHODS) the server declares), writes keyed.
@@ -42,9 +30,6 @@ pub fn connect_lazy(
         .connect_timeout(Duration::from_secs(5))
         .connect_lazy();
     let layer = RetryLayer::new(policy);
-    let svc = tower::Layer::layer(
-        &layer,
-        MapRequest::new(channel, to_tonic_body as fn(_) -> _),
-    );
+    let svc = layer.tonic_channel(channel);
     Ok((LibraryClient::new(svc), layer))
 }
