@@ -22,9 +22,6 @@ use common::{collect, serve, Collected};
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use http_body::Frame;
 use http_body_util::{Full, StreamBody};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use idempotency_layer::{IdempotencyLayer, InFlight, MemoryStore, OnDisconnect};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,15 +48,13 @@ const SHAPES: [Shape; 4] = [
     Shape::Trailers,
 ];
 
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
+use test_support::net::HttpClient;
 
 fn client(transport: Transport) -> HttpClient {
-    let mut b = Client::builder(TokioExecutor::new());
-    b.pool_max_idle_per_host(64);
-    if transport == Transport::Http2 {
-        b.http2_only(true);
+    match transport {
+        Transport::Http1 => test_support::net::client_h1(),
+        Transport::Http2 => test_support::net::client_h2(),
     }
-    b.build_http()
 }
 
 /// What the handlers did: executions started and finished, and handlers cancelled mid-run.

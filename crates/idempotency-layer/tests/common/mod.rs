@@ -1,9 +1,8 @@
 //! Helpers shared by the integration tests: servers on 127.0.0.1:0, a raw hyper client,
 //! a channel-fed body and a store that fails on demand.
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, unused_imports)]
 
 use std::convert::Infallible;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -11,65 +10,16 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderMap, Request, Response, StatusCode};
+use http::Request;
 use http_body::{Body, Frame};
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use idempotency_layer::store::{Begin, Fingerprint, Record, ScopeKey, Token};
 use idempotency_layer::{IdempotencyStore, MemoryStore, StoreError, Tenant};
 
-/// Serves an axum router on 127.0.0.1:0 until the test's runtime stops.
-pub async fn serve(app: axum::Router) -> SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    addr
-}
+pub use test_support::net::{collect, serve, Collected, HttpClient};
 
-pub type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
-
+/// An HTTP/1.1 keep-alive client.
 pub fn client() -> HttpClient {
-    Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(64)
-        .build_http()
-}
-
-/// A response read to the end: status, headers, body, trailers.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Collected {
-    pub status: StatusCode,
-    pub headers: HeaderMap,
-    pub body: Bytes,
-    pub trailers: Option<HeaderMap>,
-}
-
-impl Collected {
-    pub fn replayed(&self) -> bool {
-        self.headers
-            .get("idempotent-replayed")
-            .is_some_and(|v| v == "true")
-    }
-
-    pub fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.body).expect("JSON body")
-    }
-}
-
-pub async fn collect<B>(res: Response<B>) -> Collected
-where
-    B: Body,
-    B::Error: std::fmt::Debug,
-{
-    let (parts, body) = res.into_parts();
-    let c = body.collect().await.expect("body");
-    let trailers = c.trailers().cloned();
-    Collected {
-        status: parts.status,
-        headers: parts.headers,
-        body: c.to_bytes(),
-        trailers,
-    }
+    test_support::net::client_h1()
 }
 
 pub fn req_post(uri: &str, key: Option<&str>, body: &'static str) -> Request<axum::body::Body> {

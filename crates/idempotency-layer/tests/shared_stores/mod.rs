@@ -15,11 +15,8 @@ use axum::Router;
 use bytes::Bytes;
 use http::{HeaderMap, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use idempotency_layer::store::{Begin, Fingerprint, Record, ScopeKey, Token};
 use idempotency_layer::{IdempotencyLayer, IdempotencyStore, Scope, StoreError};
-use tokio::net::TcpListener;
 use tokio::sync::Notify;
 
 /// The URL in `var`, or `None` (after saying why the test skips) when it is unset.
@@ -49,26 +46,16 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
-// The cuttable store proxy is the e2e harness's (`tests/src/cut.rs`), included by path: the
-// e2e package depends on this crate, so this crate's tests cannot depend on it.
-#[path = "../../../../tests/src/cut.rs"]
-mod cut;
-pub use cut::{authority, via, CutProxy as Proxy};
+// The cuttable store proxy and the slow-replies proxy live in the workspace's test-support
+// crate (it depends on none of ours).
+pub use test_support::cut::{authority, via, CutProxy as Proxy};
+pub use test_support::slow::SlowReplies;
 
-/// Serves `app` on 127.0.0.1:0 until the test's runtime stops.
-pub async fn serve(app: Router) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    addr
-}
+pub use test_support::net::{serve, HttpClient};
 
-pub type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
-
+/// An HTTP/1.1 keep-alive client.
 pub fn client() -> HttpClient {
-    Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(256)
-        .build_http()
+    test_support::net::client_h1()
 }
 
 /// A response read to the end.
@@ -545,63 +532,6 @@ where
     let again = post_order(&client, addr, &key, body).await;
     assert_eq!(again.status, StatusCode::CREATED, "{again:?}");
     assert_eq!(executions.total(), 2);
-}
-
-/// A TCP proxy that, while `hold` is set, delays every reply from the server by `by`: the
-/// request runs on the server, its reply arrives after the client has timed out.
-pub struct SlowReplies {
-    pub addr: SocketAddr,
-    pub hold: Arc<std::sync::atomic::AtomicBool>,
-    accept: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for SlowReplies {
-    fn drop(&mut self) {
-        self.accept.abort();
-    }
-}
-
-impl SlowReplies {
-    pub async fn start(upstream: &str, by: Duration) -> SlowReplies {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let upstream = tokio::net::lookup_host(upstream)
-            .await
-            .unwrap()
-            .next()
-            .unwrap();
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let hold = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let h = hold.clone();
-        let accept = tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let Ok(server) = tokio::net::TcpStream::connect(upstream).await else {
-                    continue;
-                };
-                let hold = h.clone();
-                tokio::spawn(async move {
-                    let (mut cr, mut cw) = client.into_split();
-                    let (mut sr, mut sw) = server.into_split();
-                    let up = tokio::io::copy(&mut cr, &mut sw);
-                    let down = async {
-                        let mut buf = vec![0u8; 16 * 1024];
-                        loop {
-                            let n = sr.read(&mut buf).await?;
-                            if n == 0 {
-                                return Ok::<_, std::io::Error>(());
-                            }
-                            if hold.load(Ordering::SeqCst) {
-                                tokio::time::sleep(by).await;
-                            }
-                            cw.write_all(&buf[..n]).await?;
-                        }
-                    };
-                    let _ = tokio::join!(up, down);
-                });
-            }
-        });
-        SlowReplies { addr, hold, accept }
-    }
 }
 
 /// Found by the chaos soak: a `begin` whose reply is lost (it ran on the server, the client
