@@ -556,20 +556,38 @@ pub async fn lost_begin_reply<S: IdempotencyStore>(via_slow: S, direct: S, slow:
     tokio::time::sleep(Duration::from_secs(2)).await;
     slow.hold.store(false, Ordering::SeqCst);
     // Well before the 30 s lease, the orphan is gone and the key can be claimed.
+    claimable_soon(
+        &direct,
+        scope,
+        fp,
+        lease,
+        "the orphan claim still blocks the key",
+    )
+    .await;
+}
+
+/// Waits until `scope` can be claimed again (an orphaned claim was released), at most 5 s: far
+/// less than the 30 s lease it would otherwise block its key for.
+async fn claimable_soon<S: IdempotencyStore>(
+    store: &S,
+    scope: ScopeKey,
+    fp: Fingerprint,
+    lease: Duration,
+    blocked: &str,
+) {
     let started = Instant::now();
     loop {
-        match direct.begin(scope, fp, lease).await {
+        match store.begin(scope, fp, lease).await {
             Ok(Begin::New(token)) => {
-                direct.release(scope, token).await.unwrap();
-                break;
+                store.release(scope, token).await.unwrap();
+                return;
             }
             Ok(Begin::InFlight { .. }) if started.elapsed() < Duration::from_secs(5) => {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            other => panic!("the orphan claim still blocks the key: {other:?}"),
+            other => panic!("{blocked}: {other:?}"),
         }
     }
-    eprintln!("orphan released after {:?}", started.elapsed());
 }
 
 /// A `begin` whose request was dropped while the store ran it (the client went away): the
@@ -595,17 +613,12 @@ pub async fn dropped_begin<S: IdempotencyStore>(via_slow: S, direct: S, slow: &S
     );
     tokio::time::sleep(Duration::from_secs(2)).await;
     slow.hold.store(false, Ordering::SeqCst);
-    let started = Instant::now();
-    loop {
-        match direct.begin(scope, fp, lease).await {
-            Ok(Begin::New(token)) => {
-                direct.release(scope, token).await.unwrap();
-                break;
-            }
-            Ok(Begin::InFlight { .. }) if started.elapsed() < Duration::from_secs(5) => {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            other => panic!("the dropped begin's claim still blocks the key: {other:?}"),
-        }
-    }
+    claimable_soon(
+        &direct,
+        scope,
+        fp,
+        lease,
+        "the dropped begin's claim still blocks the key",
+    )
+    .await;
 }
