@@ -239,16 +239,16 @@ enum PubSubSource {
 ///   server does not know the script yet, for example after a restart or a failover).
 /// - **One key per scope**: `{prefix}` + the hex of the [`ScopeKey`] (a hash: no raw tenant or
 ///   idempotency key reaches Redis). Every operation touches exactly that key, so the layout
-///   works on Redis Cluster unchanged. The entry is a hash: `s` (state: `i` in flight, `c`
-///   completed), `t` (fencing token), `f` (fingerprint), `r` (the record, postcard-encoded).
-///   (The client itself talks to one endpoint: a single server, a primary, or a
-///   cluster-aware proxy.)
+///   works on Redis Cluster unchanged (see "Deploying"). The entry is a hash: `s` (state: `i`
+///   in flight, `c` completed), `t` (fencing token), `f` (fingerprint), `r` (the record,
+///   postcard-encoded).
 /// - **Expiry**: a claim's lease end is kept in the entry (Redis's own clock): once it passed,
 ///   the next `begin` takes the claim over with a new token, and the old leader's `complete` is
 ///   refused ([`StoreError::Fenced`]); with no takeover, the old leader's late `complete` is
 ///   kept, as with the other stores. A completed key expires with its TTL (`PEXPIRE`).
 /// - **Waiters** are woken by pub/sub: every `complete`, `release` and `forget` publishes on
-///   the key's own channel (same name as the key). One dedicated pub/sub connection per store
+///   the key's own channel (same name as the key; on a cluster, `SPUBLISH` on the shard
+///   channel, which lives on the key's slot). One dedicated pub/sub connection per store
 ///   carries the subscriptions of all its waiters, and reconnects by itself; a waiter also
 ///   polls with backoff (25 ms doubling to 1 s by default), so a lost message delays it at
 ///   most one poll interval and never hangs it.
@@ -295,9 +295,20 @@ enum PubSubSource {
 /// - **Your own connection**: [`builder_from_client`](RedisStore::builder_from_client) and
 ///   [`connection_manager`](RedisStoreBuilder::connection_manager) reuse what your application
 ///   already has.
-/// - **Cluster**: every script touches exactly one key, so the layout is cluster-safe, but this
-///   version's client talks to one endpoint (a standalone server, a primary, or a
-///   cluster-aware proxy); a native cluster client is not built yet.
+/// - **Cluster** (feature `redis-cluster`, Redis 7+): connect with
+///   [`RedisStore::builder_cluster`]`(["redis://node1:6379", "redis://node2:6379"])` (some
+///   seed nodes; the client discovers the rest), or `redis+cluster://node1:6379,node2:6379`
+///   with [`AnyStore::from_url`](crate::store::AnyStore::from_url). Every script touches
+///   exactly one key, so it runs on the master of that key's slot (the client follows
+///   `MOVED` / `ASK` and topology changes by itself); keys of different scopes spread over all
+///   masters. Waiters use **sharded pub/sub**: they `SSUBSCRIBE` to the key's channel on its
+///   shard, over one RESP3 cluster connection per store, and the scripts `SPUBLISH` there, so
+///   a wake-up never crosses the cluster bus. When a node's connection drops, every waiter
+///   re-checks at once and the client resubscribes; polling still bounds any lost message.
+///   `maxmemory-policy` is read from one node: set `noeviction` on every node. A prefix must
+///   not contain a `{hash tag}` (it would put every key in one slot). Failover within the
+///   cluster is asynchronous, as below. Tested against a local 3-master cluster
+///   (`.ci/redis-cluster.sh`).
 /// - **Failover**: replication is asynchronous; a claim or record written just before a
 ///   failover can be lost, and that key can execute once more. Use `WAIT` / `min-replicas`
 ///   settings on the server to narrow the window, or `PostgresStore` with a synchronous
