@@ -713,7 +713,16 @@ async fn main() {
     memory_task.abort();
 
     match &args.redis {
-        Some(url) => redis_scenarios(&[url.clone()], false, &args, &mut runs, &mut notes).await,
+        Some(url) => {
+            redis_scenarios(
+                std::slice::from_ref(url),
+                false,
+                &args,
+                &mut runs,
+                &mut notes,
+            )
+            .await
+        }
         None => notes.push("redis: skipped (REDIS_URL unset)".to_owned()),
     }
     if args.redis_cluster.is_empty() {

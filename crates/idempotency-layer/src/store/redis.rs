@@ -225,7 +225,7 @@ impl redis::aio::ConnectionLike for Conn {
 /// Where the store's pub/sub connection comes from.
 #[derive(Clone)]
 enum PubSubSource {
-    Single(redis::Client),
+    Single(Box<redis::Client>),
     /// The cluster's seed nodes: the store opens its own RESP3 cluster connection for sharded
     /// pub/sub.
     #[cfg(feature = "redis-cluster")]
@@ -504,7 +504,7 @@ impl RedisStoreBuilder {
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 conn,
-                client: PubSubSource::Single(client),
+                client: PubSubSource::Single(Box::new(client)),
                 prefix: self.prefix,
                 timeout: self.timeout,
                 polling: self.polling,
@@ -820,7 +820,7 @@ impl RedisStore {
             match &self.inner.client {
                 PubSubSource::Single(client) => {
                     tokio::spawn(pubsub_task(
-                        client.clone(),
+                        (**client).clone(),
                         self.inner.prefix.clone(),
                         self.inner.timeout,
                         self.inner.waiters.clone(),
