@@ -6,6 +6,7 @@
 //!
 //! ```text
 //! REDIS_URL=redis://127.0.0.1:6379 DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \
+//! REDIS_CLUSTER_URLS=$(.ci/redis-cluster.sh) \
 //!     cargo run --release -p benchmarks --bin loadtest -- --connections 16 --rounds 3 --seconds 1.5
 //! ```
 //!
@@ -59,6 +60,11 @@ struct Args {
     /// Redis URL (default: the REDIS_URL environment variable; unset: skipped).
     #[arg(long, env = "REDIS_URL")]
     redis: Option<String>,
+    /// Redis Cluster node URLs, comma separated (default: the REDIS_CLUSTER_URLS environment
+    /// variable, as `.ci/redis-cluster.sh` prints; unset: skipped): the Redis scenarios again,
+    /// as `redis-cluster/...`, on the cluster.
+    #[arg(long, env = "REDIS_CLUSTER_URLS", value_delimiter = ',')]
+    redis_cluster: Vec<String>,
     /// PostgreSQL URL (default: the DATABASE_URL environment variable; unset: skipped).
     #[arg(long, env = "DATABASE_URL")]
     postgres: Option<String>,
@@ -410,28 +416,63 @@ fn redis_trips(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>, se
     )
 }
 
-async fn redis_scenarios(url: &str, args: &Args, runs: &mut Vec<Run>, notes: &mut Vec<String>) {
+/// Command counts summed over every node (one for a standalone server, each master of a
+/// cluster).
+async fn commandstats_all(
+    conns: &mut [redis::aio::MultiplexedConnection],
+) -> BTreeMap<String, u64> {
+    let mut all = BTreeMap::new();
+    for conn in conns {
+        for (k, v) in commandstats(conn).await {
+            *all.entry(k).or_insert(0) += v;
+        }
+    }
+    all
+}
+
+/// The Redis scenarios on one server (`urls` = its URL) or on a cluster (`cluster`: `urls`
+/// are its masters).
+async fn redis_scenarios(
+    urls: &[String],
+    cluster: bool,
+    args: &Args,
+    runs: &mut Vec<Run>,
+    notes: &mut Vec<String>,
+) {
+    let label = if cluster { "redis-cluster" } else { "redis" };
     let prefix = format!("loadtest:{}:", std::process::id());
-    let store = match RedisStore::builder(url).prefix(&prefix).connect().await {
+    let builder = if cluster {
+        RedisStore::builder_cluster(urls.iter().cloned())
+    } else {
+        RedisStore::builder(&urls[0])
+    };
+    let store = match builder.prefix(&prefix).connect().await {
         Ok(s) => s,
         Err(e) => {
-            notes.push(format!("redis: skipped, cannot connect to {url}: {e}"));
+            notes.push(format!("{label}: skipped, cannot connect to {urls:?}: {e}"));
             return;
         }
     };
-    let mut conn = redis::Client::open(url)
-        .expect("redis url")
-        .get_multiplexed_async_connection()
-        .await
-        .expect("redis connection");
+    let mut conns = Vec::new();
+    for url in urls {
+        conns.push(
+            redis::Client::open(url.as_str())
+                .expect("redis url")
+                .get_multiplexed_async_connection()
+                .await
+                .expect("redis connection"),
+        );
+    }
     let (addr, server) = serve(idempotent_app(store)).await;
     let tag = format!("r{}", std::process::id());
     // Loads the scripts (EVALSHA answered NOSCRIPT, then EVAL) and records the replay keys.
     record_replay_keys(addr, &tag, args.connections).await;
-    let scenarios = [
-        ("redis/first", Keys::Unique),
-        ("redis/replay", Keys::PerConnection),
-    ];
+    let (first, replay) = if cluster {
+        ("redis-cluster/first", "redis-cluster/replay")
+    } else {
+        ("redis/first", "redis/replay")
+    };
+    let scenarios = [(first, Keys::Unique), (replay, Keys::PerConnection)];
     let mut rounds: Vec<Vec<Run>> = scenarios.iter().map(|_| Vec::new()).collect();
     let mut trips = vec![(BTreeMap::new(), 0u64); scenarios.len()];
     for round in 0..args.rounds {
@@ -439,13 +480,13 @@ async fn redis_scenarios(url: &str, args: &Args, runs: &mut Vec<Run>, notes: &mu
             if !selected(args, name) {
                 continue;
             }
-            let before = commandstats(&mut conn).await;
+            let before = commandstats_all(&mut conns).await;
             let prefix = match keys {
                 Keys::Unique => format!("{tag}x{round}"),
                 Keys::PerConnection => tag.clone(),
             };
             let (run, sent) = load_counted(name, client(), addr, keys, &prefix, args).await;
-            let after = commandstats(&mut conn).await;
+            let after = commandstats_all(&mut conns).await;
             for (k, v) in &after {
                 let d = v - before.get(k).copied().unwrap_or(0);
                 *trips[i].0.entry(k.clone()).or_insert(0) += d;
@@ -466,13 +507,17 @@ async fn redis_scenarios(url: &str, args: &Args, runs: &mut Vec<Run>, notes: &mu
         runs.push(merge(std::mem::take(&mut rounds[i])));
     }
     server.abort();
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{prefix}*"))
-        .query_async(&mut conn)
-        .await
-        .unwrap_or_default();
-    for chunk in keys.chunks(1000) {
-        let _: Result<(), _> = redis::cmd("DEL").arg(chunk).query_async(&mut conn).await;
+    for conn in &mut conns {
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{prefix}*"))
+            .query_async(conn)
+            .await
+            .unwrap_or_default();
+        // One key per DEL: a cluster node refuses a DEL of keys in several slots.
+        let step = if cluster { 1 } else { 1000 };
+        for chunk in keys.chunks(step) {
+            let _: Result<(), _> = redis::cmd("DEL").arg(chunk).query_async(conn).await;
+        }
     }
 }
 
@@ -668,8 +713,23 @@ async fn main() {
     memory_task.abort();
 
     match &args.redis {
-        Some(url) => redis_scenarios(url, &args, &mut runs, &mut notes).await,
+        Some(url) => {
+            redis_scenarios(
+                std::slice::from_ref(url),
+                false,
+                &args,
+                &mut runs,
+                &mut notes,
+            )
+            .await
+        }
         None => notes.push("redis: skipped (REDIS_URL unset)".to_owned()),
+    }
+    if args.redis_cluster.is_empty() {
+        notes.push("redis-cluster: skipped (REDIS_CLUSTER_URLS unset)".to_owned());
+    } else {
+        let urls = args.redis_cluster.clone();
+        redis_scenarios(&urls, true, &args, &mut runs, &mut notes).await;
     }
     match &args.postgres {
         Some(url) => postgres_scenarios(url, &args, &mut runs, &mut notes).await,

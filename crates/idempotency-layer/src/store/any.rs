@@ -46,6 +46,8 @@ impl AnyStore {
     ///
     /// - `memory` (or `memory://`): a [`MemoryStore::new`];
     /// - `redis://...` or `rediss://...` (TLS, feature `redis-tls`): `RedisStore::connect`;
+    /// - `redis+cluster://host1:port1,host2:port2` (feature `redis-cluster`; `rediss+cluster://`
+    ///   for TLS): `RedisStore::builder_cluster` on those seed nodes;
     /// - `postgres://...` or `postgresql://...`: `PostgresStore::connect`, then
     ///   [`migrate`](super::PostgresStore::migrate).
     ///
@@ -57,6 +59,13 @@ impl AnyStore {
             "memory" => Ok(AnyStore::Memory(MemoryStore::new())),
             #[cfg(feature = "redis")]
             "redis" | "rediss" => Ok(AnyStore::Redis(super::RedisStore::connect(url).await?)),
+            #[cfg(feature = "redis-cluster")]
+            "redis+cluster" | "rediss+cluster" => {
+                let nodes = super::RedisStore::cluster_nodes_from_url(url).unwrap_or_default();
+                Ok(AnyStore::Redis(
+                    super::RedisStore::builder_cluster(nodes).connect().await?,
+                ))
+            }
             #[cfg(feature = "postgres")]
             "postgres" | "postgresql" => {
                 let store = super::PostgresStore::connect(url).await?;
@@ -64,18 +73,22 @@ impl AnyStore {
                 Ok(AnyStore::Postgres(store))
             }
             #[allow(unreachable_patterns)]
-            "redis" | "rediss" | "postgres" | "postgresql" => Err(StoreError::Backend(
-                format!(
+            "redis" | "rediss" | "redis+cluster" | "rediss+cluster" | "postgres" | "postgresql" => {
+                Err(StoreError::Backend(
+                    format!(
                     "this build has no {scheme} store: enable the idempotency-layer cargo feature \
                      `{}`",
-                    if scheme.starts_with("redis") {
+                    if scheme.ends_with("+cluster") {
+                        "redis-cluster"
+                    } else if scheme.starts_with("redis") {
                         "redis"
                     } else {
                         "postgres"
                     }
                 )
-                .into(),
-            )),
+                    .into(),
+                ))
+            }
             other => Err(StoreError::Backend(
                 format!(
                     "unknown idempotency store {other:?}: use memory, redis://HOST:PORT, \

@@ -157,10 +157,8 @@ struct Scripts {
     peek: Lua,
 }
 
-fn scripts() -> &'static Scripts {
-    static SCRIPTS: OnceLock<Scripts> = OnceLock::new();
-    SCRIPTS.get_or_init(|| {
-        let publish = "PUBLISH";
+impl Scripts {
+    fn new(publish: &str) -> Scripts {
         Scripts {
             claim: Lua::new(CLAIM, publish),
             complete: Lua::new(COMPLETE, publish),
@@ -169,7 +167,69 @@ fn scripts() -> &'static Scripts {
             forget: Lua::new(FORGET, publish),
             peek: Lua::new(PEEK, publish),
         }
-    })
+    }
+}
+
+/// The scripts for a standalone server (`PUBLISH`) or a cluster (`SPUBLISH`: the message is
+/// delivered on the shard that owns the key's slot, where the waiters `SSUBSCRIBE`d).
+fn scripts(cluster: bool) -> &'static Scripts {
+    static STANDALONE: OnceLock<Scripts> = OnceLock::new();
+    static CLUSTER: OnceLock<Scripts> = OnceLock::new();
+    if cluster {
+        CLUSTER.get_or_init(|| Scripts::new("SPUBLISH"))
+    } else {
+        STANDALONE.get_or_init(|| Scripts::new("PUBLISH"))
+    }
+}
+
+/// The connection commands go through: a standalone server's connection manager, or a
+/// cluster connection that routes each command to the master of its key's slot.
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    #[cfg(feature = "redis-cluster")]
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl redis::aio::ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> redis::RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            #[cfg(feature = "redis-cluster")]
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(cmd, offset, count),
+            #[cfg(feature = "redis-cluster")]
+            Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            #[cfg(feature = "redis-cluster")]
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// Where the store's pub/sub connection comes from.
+#[derive(Clone)]
+enum PubSubSource {
+    Single(Box<redis::Client>),
+    /// The cluster's seed nodes: the store opens its own RESP3 cluster connection for sharded
+    /// pub/sub.
+    #[cfg(feature = "redis-cluster")]
+    Cluster(Arc<[String]>),
 }
 
 /// The Redis store: claims and records in Redis, visible to every instance of a service.
@@ -179,16 +239,16 @@ fn scripts() -> &'static Scripts {
 ///   server does not know the script yet, for example after a restart or a failover).
 /// - **One key per scope**: `{prefix}` + the hex of the [`ScopeKey`] (a hash: no raw tenant or
 ///   idempotency key reaches Redis). Every operation touches exactly that key, so the layout
-///   works on Redis Cluster unchanged. The entry is a hash: `s` (state: `i` in flight, `c`
-///   completed), `t` (fencing token), `f` (fingerprint), `r` (the record, postcard-encoded).
-///   (The client itself talks to one endpoint: a single server, a primary, or a
-///   cluster-aware proxy.)
+///   works on Redis Cluster unchanged (see "Deploying"). The entry is a hash: `s` (state: `i`
+///   in flight, `c` completed), `t` (fencing token), `f` (fingerprint), `r` (the record,
+///   postcard-encoded).
 /// - **Expiry**: a claim's lease end is kept in the entry (Redis's own clock): once it passed,
 ///   the next `begin` takes the claim over with a new token, and the old leader's `complete` is
 ///   refused ([`StoreError::Fenced`]); with no takeover, the old leader's late `complete` is
 ///   kept, as with the other stores. A completed key expires with its TTL (`PEXPIRE`).
 /// - **Waiters** are woken by pub/sub: every `complete`, `release` and `forget` publishes on
-///   the key's own channel (same name as the key). One dedicated pub/sub connection per store
+///   the key's own channel (same name as the key; on a cluster, `SPUBLISH` on the shard
+///   channel, which lives on the key's slot). One dedicated pub/sub connection per store
 ///   carries the subscriptions of all its waiters, and reconnects by itself; a waiter also
 ///   polls with backoff (25 ms doubling to 1 s by default), so a lost message delays it at
 ///   most one poll interval and never hangs it.
@@ -235,9 +295,20 @@ fn scripts() -> &'static Scripts {
 /// - **Your own connection**: [`builder_from_client`](RedisStore::builder_from_client) and
 ///   [`connection_manager`](RedisStoreBuilder::connection_manager) reuse what your application
 ///   already has.
-/// - **Cluster**: every script touches exactly one key, so the layout is cluster-safe, but this
-///   version's client talks to one endpoint (a standalone server, a primary, or a
-///   cluster-aware proxy); a native cluster client is not built yet.
+/// - **Cluster** (feature `redis-cluster`, Redis 7+): connect with
+///   [`RedisStore::builder_cluster`]`(["redis://node1:6379", "redis://node2:6379"])` (some
+///   seed nodes; the client discovers the rest), or `redis+cluster://node1:6379,node2:6379`
+///   with [`AnyStore::from_url`](crate::store::AnyStore::from_url). Every script touches
+///   exactly one key, so it runs on the master of that key's slot (the client follows
+///   `MOVED` / `ASK` and topology changes by itself); keys of different scopes spread over all
+///   masters. Waiters use **sharded pub/sub**: they `SSUBSCRIBE` to the key's channel on its
+///   shard, over one RESP3 cluster connection per store, and the scripts `SPUBLISH` there, so
+///   a wake-up never crosses the cluster bus. When a node's connection drops, every waiter
+///   re-checks at once and the client resubscribes; polling still bounds any lost message.
+///   `maxmemory-policy` is read from one node: set `noeviction` on every node. A prefix must
+///   not contain a `{hash tag}` (it would put every key in one slot). Failover within the
+///   cluster is asynchronous, as below. Tested against a local 3-master cluster
+///   (`.ci/redis-cluster.sh`).
 /// - **Failover**: replication is asynchronous; a claim or record written just before a
 ///   failover can be lost, and that key can execute once more. Use `WAIT` / `min-replicas`
 ///   settings on the server to narrow the window, or `PostgresStore` with a synchronous
@@ -278,8 +349,8 @@ pub struct RedisStore {
 }
 
 struct Inner {
-    conn: ConnectionManager,
-    client: redis::Client,
+    conn: Conn,
+    client: PubSubSource,
     prefix: String,
     timeout: Duration,
     polling: Polling,
@@ -319,6 +390,8 @@ pub struct RedisStoreBuilder {
 enum Source {
     Url(String),
     Client(Box<redis::Client>),
+    #[cfg(feature = "redis-cluster")]
+    Cluster(Vec<String>),
 }
 
 impl fmt::Debug for RedisStoreBuilder {
@@ -378,8 +451,37 @@ impl RedisStoreBuilder {
         let client = match self.source {
             Source::Url(url) => redis::Client::open(url.as_str()).map_err(backend)?,
             Source::Client(client) => *client,
+            #[cfg(feature = "redis-cluster")]
+            Source::Cluster(nodes) => {
+                if self.conn.is_some() {
+                    return Err(StoreError::Backend(
+                        "connection_manager is for a standalone server, not a cluster".into(),
+                    ));
+                }
+                let client = cluster_client(&nodes, self.timeout, None)?;
+                let mut conn = Conn::Cluster(
+                    tokio::time::timeout(self.timeout * 4, client.get_async_connection())
+                        .await
+                        .map_err(|_| timed_out(self.timeout * 4))?
+                        .map_err(backend)?,
+                );
+                let maxmemory_policy = read_maxmemory_policy(&mut conn, self.timeout).await?;
+                return Ok(RedisStore {
+                    inner: Arc::new(Inner {
+                        conn,
+                        client: PubSubSource::Cluster(nodes.into()),
+                        prefix: self.prefix,
+                        timeout: self.timeout,
+                        polling: self.polling,
+                        waiters: Arc::default(),
+                        pubsub: OnceLock::new(),
+                        renewals_failed: Arc::default(),
+                        maxmemory_policy,
+                    }),
+                });
+            }
         };
-        let mut conn = match self.conn {
+        let conn = match self.conn {
             Some(conn) => conn,
             None => {
                 let config = ConnectionManagerConfig::new()
@@ -397,11 +499,12 @@ impl RedisStoreBuilder {
                 .map_err(backend)?
             }
         };
+        let mut conn = Conn::Single(conn);
         let maxmemory_policy = read_maxmemory_policy(&mut conn, self.timeout).await?;
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 conn,
-                client,
+                client: PubSubSource::Single(Box::new(client)),
                 prefix: self.prefix,
                 timeout: self.timeout,
                 polling: self.polling,
@@ -417,7 +520,7 @@ impl RedisStoreBuilder {
 /// Reads `maxmemory-policy` and warns loudly when it can evict; `None` when the server does not
 /// let us read it (`CONFIG` renamed, disabled or denied by ACL, as managed services do).
 async fn read_maxmemory_policy(
-    conn: &mut ConnectionManager,
+    conn: &mut Conn,
     timeout: Duration,
 ) -> Result<Option<String>, StoreError> {
     let mut cmd = redis::cmd("CONFIG");
@@ -452,7 +555,32 @@ async fn read_maxmemory_policy(
     Ok(policy)
 }
 
-impl RedisStoreBuilder {}
+/// A cluster client on the seed `nodes`; with a push sender, it speaks RESP3 (pub/sub pushes
+/// arrive on the command connection).
+#[cfg(feature = "redis-cluster")]
+fn cluster_client(
+    nodes: &[String],
+    timeout: Duration,
+    pushes: Option<mpsc::UnboundedSender<redis::PushInfo>>,
+) -> Result<redis::cluster::ClusterClient, StoreError> {
+    if nodes.is_empty() {
+        return Err(StoreError::Backend(
+            "a redis cluster needs at least one seed node URL".into(),
+        ));
+    }
+    let mut builder = redis::cluster::ClusterClientBuilder::new(nodes.iter().map(String::as_str))
+        .connection_timeout(timeout)
+        .response_timeout(timeout)
+        .retries(2)
+        .min_retry_wait(10)
+        .max_retry_wait(500);
+    if let Some(tx) = pushes {
+        builder = builder
+            .use_protocol(redis::ProtocolVersion::RESP3)
+            .push_sender(tx);
+    }
+    builder.build().map_err(backend)
+}
 
 fn backend(e: RedisError) -> StoreError {
     StoreError::Backend(Box::new(e))
@@ -505,6 +633,66 @@ impl RedisStore {
             timeout: Duration::from_secs(1),
             polling: Polling::default(),
         }
+    }
+
+    /// A builder for a store on a Redis Cluster (feature `redis-cluster`), given the URLs of
+    /// some of its nodes (`redis://host:port`; `rediss://` with `redis-tls`): the client learns
+    /// the rest of the topology from them and follows slot moves and failovers by itself.
+    /// Each operation is one script on one key, routed to the master of that key's slot;
+    /// waiters `SSUBSCRIBE` to the key's channel and the scripts `SPUBLISH` on it (sharded
+    /// pub/sub, Redis 7+). [`connection_manager`](RedisStoreBuilder::connection_manager) does
+    /// not apply to a cluster.
+    #[cfg(feature = "redis-cluster")]
+    pub fn builder_cluster<I, S>(nodes: I) -> RedisStoreBuilder
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        RedisStoreBuilder {
+            source: Source::Cluster(nodes.into_iter().map(Into::into).collect()),
+            ..RedisStore::builder(String::new())
+        }
+    }
+
+    /// The node URLs a `redis+cluster://host1:port1,host2:port2` URL names (`rediss+cluster://`
+    /// for TLS): `["redis://host1:port1", "redis://host2:port2"]`; an item that has its own
+    /// scheme (`redis://...`) is kept as is. `None` for any other scheme.
+    pub fn cluster_nodes_from_url(url: &str) -> Option<Vec<String>> {
+        let (scheme, rest) = url.split_once("://")?;
+        let base = scheme.strip_suffix("+cluster")?;
+        if base != "redis" && base != "rediss" {
+            return None;
+        }
+        Some(
+            rest.split(',')
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .map(|n| {
+                    if n.contains("://") {
+                        n.to_owned()
+                    } else {
+                        format!("{base}://{n}")
+                    }
+                })
+                .collect(),
+        )
+    }
+
+    /// True when the store runs on a Redis Cluster ([`builder_cluster`](Self::builder_cluster)).
+    pub fn is_cluster(&self) -> bool {
+        self.cluster()
+    }
+
+    fn cluster(&self) -> bool {
+        match self.inner.conn {
+            Conn::Single(_) => false,
+            #[cfg(feature = "redis-cluster")]
+            Conn::Cluster(_) => true,
+        }
+    }
+
+    fn scripts(&self) -> &'static Scripts {
+        scripts(self.cluster())
     }
 
     /// A builder for a store on a client you made (your own TLS certificates with
@@ -613,7 +801,7 @@ impl RedisStore {
 
     /// The lease left of claim `token` on `scope`, or `None` when it no longer holds.
     async fn held(&self, key: &str, token: Token) -> Result<Option<Duration>, StoreError> {
-        let s = scripts();
+        let s = self.scripts();
         match self.run(&s.peek, key, &[&token_bytes(token)]).await? {
             Value::Int(-2) => Ok(None),
             Value::Int(ms) if ms >= 0 => Ok(Some(Duration::from_millis(ms as u64))),
@@ -629,14 +817,29 @@ impl RedisStore {
         self.inner.pubsub.get_or_init(|| {
             let (commands, rx) = mpsc::unbounded_channel();
             let (unsubscribe, unsub_rx) = mpsc::unbounded_channel();
-            tokio::spawn(pubsub_task(
-                self.inner.client.clone(),
-                self.inner.prefix.clone(),
-                self.inner.timeout,
-                self.inner.waiters.clone(),
-                rx,
-                unsub_rx,
-            ));
+            match &self.inner.client {
+                PubSubSource::Single(client) => {
+                    tokio::spawn(pubsub_task(
+                        (**client).clone(),
+                        self.inner.prefix.clone(),
+                        self.inner.timeout,
+                        self.inner.waiters.clone(),
+                        rx,
+                        unsub_rx,
+                    ));
+                }
+                #[cfg(feature = "redis-cluster")]
+                PubSubSource::Cluster(nodes) => {
+                    tokio::spawn(cluster_pubsub_task(
+                        nodes.clone(),
+                        self.inner.prefix.clone(),
+                        self.inner.timeout,
+                        self.inner.waiters.clone(),
+                        rx,
+                        unsub_rx,
+                    ));
+                }
+            }
             PubSub {
                 commands,
                 unsubscribe,
@@ -733,6 +936,115 @@ async fn pubsub_task(
     }
 }
 
+/// The cluster's counterpart of [`pubsub_task`]: one RESP3 cluster connection per store whose
+/// pushes come back on a channel. `SSUBSCRIBE` goes to the master of the channel's slot (the
+/// key's: the scripts `SPUBLISH` there); the client reconnects to a lost node and resubscribes
+/// its channels by itself, and a disconnection wakes every waiter so that they check at once.
+#[cfg(feature = "redis-cluster")]
+async fn cluster_pubsub_task(
+    nodes: Arc<[String]>,
+    prefix: String,
+    timeout: Duration,
+    waiters: Arc<Waiters>,
+    mut commands: mpsc::UnboundedReceiver<Command>,
+    mut unsubscribe: mpsc::UnboundedReceiver<String>,
+) {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let (tx, mut pushes) = mpsc::unbounded_channel();
+        let connected = match cluster_client(&nodes, timeout, Some(tx)) {
+            Ok(client) => {
+                match tokio::time::timeout(timeout * 4, client.get_async_connection()).await {
+                    Ok(Ok(conn)) => Some(conn),
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "idempotency: redis cluster pub/sub connect failed");
+                        None
+                    }
+                    Err(_) => None,
+                }
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "idempotency: redis cluster pub/sub client");
+                None
+            }
+        };
+        let Some(mut conn) = connected else {
+            waiters.wake_all();
+            let sleep = tokio::time::sleep(backoff);
+            tokio::pin!(sleep);
+            loop {
+                tokio::select! {
+                    _ = &mut sleep => break,
+                    c = commands.recv() => if c.is_none() { return },
+                    u = unsubscribe.recv() => if u.is_none() { return },
+                }
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+            continue;
+        };
+        backoff = Duration::from_millis(50);
+        for scope in waiters.scopes() {
+            let r =
+                tokio::time::timeout(timeout, conn.ssubscribe(format!("{prefix}{scope}"))).await;
+            if !matches!(r, Ok(Ok(()))) {
+                tracing::debug!("idempotency: redis cluster ssubscribe failed; the waiter polls");
+            }
+        }
+        loop {
+            tokio::select! {
+                c = commands.recv() => match c {
+                    None => return,
+                    Some(Command::Subscribe(channel, ack)) => {
+                        let r = tokio::time::timeout(timeout, conn.ssubscribe(&channel)).await;
+                        if matches!(r, Ok(Ok(()))) {
+                            let _ = ack.send(());
+                        } else {
+                            // The client reconnects by itself; meanwhile this waiter polls.
+                            tracing::debug!(
+                                channel,
+                                "idempotency: redis cluster ssubscribe failed; the waiter polls"
+                            );
+                        }
+                    }
+                },
+                u = unsubscribe.recv() => match u {
+                    None => return,
+                    Some(scope) if !waiters.has(&scope) => {
+                        let _ = tokio::time::timeout(
+                            timeout,
+                            conn.sunsubscribe(format!("{prefix}{scope}")),
+                        )
+                        .await;
+                    }
+                    Some(_) => {}
+                },
+                m = pushes.recv() => match m {
+                    Some(push) => match push.kind {
+                        redis::PushKind::SMessage | redis::PushKind::Message => {
+                            if let Some(scope) = push
+                                .data
+                                .first()
+                                .and_then(bulk)
+                                .and_then(|c| std::str::from_utf8(c).ok())
+                                .and_then(|c| c.strip_prefix(prefix.as_str()))
+                            {
+                                waiters.wake(scope);
+                            }
+                        }
+                        // A node's connection was lost (a failover, a restart): its
+                        // subscriptions come back with the reconnection; check now.
+                        redis::PushKind::Disconnection => waiters.wake_all(),
+                        _ => {}
+                    },
+                    None => break,
+                },
+            }
+        }
+        tracing::debug!("idempotency: redis cluster pub/sub connection lost; reconnecting");
+        waiters.wake_all();
+    }
+}
+
 impl IdempotencyStore for RedisStore {
     async fn begin(
         &self,
@@ -741,7 +1053,7 @@ impl IdempotencyStore for RedisStore {
         lease: Duration,
     ) -> Result<Begin, StoreError> {
         let token = codec::new_token();
-        let s = scripts();
+        let s = self.scripts();
         // Armed while the claim may be written with nobody knowing: the reply is pending (this
         // future may be dropped), or it was lost.
         let orphan = super::OrphanGuard::new(self, scope, token, lease);
@@ -802,7 +1114,7 @@ impl IdempotencyStore for RedisStore {
         ttl: Duration,
     ) -> Result<(), StoreError> {
         let bytes = codec::encode(&record)?;
-        let s = scripts();
+        let s = self.scripts();
         self.run_flag(
             &s.complete,
             &scope,
@@ -816,7 +1128,7 @@ impl IdempotencyStore for RedisStore {
     }
 
     async fn release(&self, scope: ScopeKey, token: Token) -> Result<(), StoreError> {
-        let s = scripts();
+        let s = self.scripts();
         self.run_flag(&s.release, &scope, &[&token_bytes(token)])
             .await
     }
@@ -827,7 +1139,7 @@ impl IdempotencyStore for RedisStore {
         token: Token,
         lease: Duration,
     ) -> Result<(), StoreError> {
-        let s = scripts();
+        let s = self.scripts();
         let r = self
             .run_flag(
                 &s.renew,
@@ -881,7 +1193,7 @@ impl IdempotencyStore for RedisStore {
     }
 
     async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
-        let s = scripts();
+        let s = self.scripts();
         match self.run(&s.forget, &self.key(&scope), &[]).await? {
             Value::Int(n) => Ok(n > 0),
             other => Err(StoreError::Backend(
@@ -912,6 +1224,27 @@ mod tests {
         let t = Token(0x0123_4567_89ab_cdef_0011_2233_4455_6677);
         assert_eq!(token_from(&token_bytes(t)).unwrap(), t);
         assert!(matches!(token_from(b"short"), Err(StoreError::Corrupt(_))));
+    }
+
+    #[test]
+    fn cluster_urls_name_their_nodes() {
+        assert_eq!(
+            RedisStore::cluster_nodes_from_url("redis+cluster://a:7000,b:7001/").unwrap(),
+            ["redis://a:7000", "redis://b:7001/"]
+        );
+        assert_eq!(
+            RedisStore::cluster_nodes_from_url("rediss+cluster://redis://a:1, b:2").unwrap(),
+            ["redis://a:1", "rediss://b:2"]
+        );
+        assert!(RedisStore::cluster_nodes_from_url("redis://a:1").is_none());
+        assert!(RedisStore::cluster_nodes_from_url("memory").is_none());
+    }
+
+    #[test]
+    fn cluster_scripts_publish_on_the_shard() {
+        assert!(scripts(true).complete.source.contains("'SPUBLISH'"));
+        assert!(scripts(false).complete.source.contains("'PUBLISH'"));
+        assert!(!scripts(false).forget.source.contains("SPUBLISH"));
     }
 
     #[test]

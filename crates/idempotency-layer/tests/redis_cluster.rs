@@ -1,0 +1,293 @@
+//! `RedisStore` on a real Redis Cluster (`REDIS_CLUSTER_URLS`, comma-separated node URLs, e.g.
+//! `redis://127.0.0.1:7000,redis://127.0.0.1:7001,redis://127.0.0.1:7002`, as
+//! `.ci/redis-cluster.sh` prints): the store conformance suite, two instances sharing the
+//! cluster with their keys spread over several masters, and waiters woken by sharded pub/sub.
+//! Unset: each test says so and passes, unless `CI` is set (then a skip is a failure).
+
+#[allow(unused_imports)] // the proxy helpers are for the other stores' tests
+mod shared_stores;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use idempotency_layer::store::{AnyStore, Begin, Fingerprint};
+use idempotency_layer::{conformance, IdempotencyStore, RedisStore};
+use shared_stores::*;
+
+/// The cluster's node URLs, or `None` (skip) when `REDIS_CLUSTER_URLS` is unset outside CI.
+fn cluster_urls() -> Option<Vec<String>> {
+    match std::env::var("REDIS_CLUSTER_URLS") {
+        Ok(v) if !v.trim().is_empty() => Some(v.split(',').map(|u| u.trim().to_owned()).collect()),
+        _ => {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "CI is set but REDIS_CLUSTER_URLS is not: start the cluster with \
+                 .ci/redis-cluster.sh (as .ci/run does) and export what it prints"
+            );
+            eprintln!(
+                "skipped: REDIS_CLUSTER_URLS is not set; run `export REDIS_CLUSTER_URLS=$(.ci/redis-cluster.sh)`"
+            );
+            None
+        }
+    }
+}
+
+async fn cluster_store(urls: &[String], prefix: &str) -> RedisStore {
+    RedisStore::builder_cluster(urls.iter().cloned())
+        .prefix(prefix)
+        // 2 000 concurrent requests on a shared 2-core box: this is about exactly-once.
+        .timeout(Duration::from_secs(10))
+        .connect()
+        .await
+        .expect("REDIS_CLUSTER_URLS is set, so the cluster must be reachable")
+}
+
+/// A plain connection to one node.
+async fn node(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connection to a cluster node")
+}
+
+/// How many keys starting with `prefix` each node holds (a master owns the keys of its slots).
+async fn keys_per_node(urls: &[String], prefix: &str) -> Vec<usize> {
+    let mut counts = Vec::new();
+    for url in urls {
+        let mut conn = node(url).await;
+        let mut cursor = 0u64;
+        let mut n = 0;
+        loop {
+            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{prefix}*"))
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            n += keys.len();
+            cursor = next;
+            if cursor == 0 {
+                break;
+            }
+        }
+        counts.push(n);
+    }
+    counts
+}
+
+/// Shard-channel subscribers of `channel` on each node (`PUBSUB SHARDNUMSUB` counts the node's
+/// own clients only).
+async fn shard_subscribers(urls: &[String], channel: &str) -> Vec<i64> {
+    let mut counts = Vec::new();
+    for url in urls {
+        let (_, n): (String, i64) = redis::cmd("PUBSUB")
+            .arg("SHARDNUMSUB")
+            .arg(channel)
+            .query_async(&mut node(url).await)
+            .await
+            .unwrap();
+        counts.push(n);
+    }
+    counts
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_is_three_masters_with_every_slot() {
+    let Some(urls) = cluster_urls() else {
+        return;
+    };
+    let info: String = redis::cmd("CLUSTER")
+        .arg("INFO")
+        .query_async(&mut node(&urls[0]).await)
+        .await
+        .unwrap();
+    assert!(info.contains("cluster_state:ok"), "{info}");
+    assert!(info.contains("cluster_slots_assigned:16384"), "{info}");
+    assert!(urls.len() >= 2, "a cluster of several masters: {urls:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_suite_on_the_cluster() {
+    let Some(urls) = cluster_urls() else {
+        return;
+    };
+    let prefix = unique("test:idem:");
+    let base = cluster_store(&urls, &prefix).await;
+    assert!(base.is_cluster());
+    let n = AtomicUsize::new(0);
+    conformance::run_all(|| {
+        base.with_prefix(format!(
+            "{}{}:",
+            base.prefix(),
+            n.fetch_add(1, Ordering::Relaxed)
+        ))
+    })
+    .await;
+    let spread = keys_per_node(&urls, &prefix).await;
+    assert!(
+        spread.iter().filter(|&&n| n > 0).count() >= 2,
+        "the suite's keys land on several masters: {spread:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_on_the_cluster_execute_each_key_once() {
+    let Some(urls) = cluster_urls() else {
+        return;
+    };
+    let prefix = unique("test:idem:");
+    // Two store clients (separate cluster connections) sharing the cluster and one prefix.
+    let a = cluster_store(&urls, &prefix).await;
+    let b = cluster_store(&urls, &prefix).await;
+    multi_instance(a, b).await;
+    // The 50 records are spread over the masters by their keys' slots.
+    let spread = keys_per_node(&urls, &prefix).await;
+    assert_eq!(spread.iter().sum::<usize>(), 50, "{spread:?}");
+    assert!(
+        spread.iter().filter(|&&n| n > 0).count() >= 2,
+        "the keys land on several masters: {spread:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_on_the_cluster_is_woken_by_sharded_pub_sub() {
+    let Some(urls) = cluster_urls() else {
+        return;
+    };
+    // Polling so slow that only the SPUBLISHed message can wake the waiters within the bound.
+    let slow = Duration::from_secs(120);
+    let prefix = unique("test:idem:");
+    let connect = || {
+        RedisStore::builder_cluster(urls.iter().cloned())
+            .prefix(&prefix)
+            .poll_interval(slow, slow)
+            .connect()
+    };
+    let leader = connect().await.unwrap();
+    let other = connect().await.unwrap();
+    // Scopes on at least two masters (their keys' slots say which).
+    let mut scopes = Vec::new();
+    let mut owners = std::collections::BTreeSet::new();
+    for i in 0..16 {
+        let scope = order_scope(&unique(&format!("sharded-{i}-")));
+        let slot: i64 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(leader.key(&scope))
+            .query_async(&mut node(&urls[0]).await)
+            .await
+            .unwrap();
+        owners.insert(slot * 3 / 16384); // the three equal ranges .ci/redis-cluster.sh makes
+        scopes.push(scope);
+        if owners.len() >= 2 && scopes.len() >= 4 {
+            break;
+        }
+    }
+    assert!(owners.len() >= 2, "scopes on several masters: {owners:?}");
+
+    let fp = Fingerprint([7; 32]);
+    let mut tokens = Vec::new();
+    let mut waiters = Vec::new();
+    for &scope in &scopes {
+        let Ok(Begin::New(token)) = leader.begin(scope, fp, conformance::LONG).await else {
+            panic!("fresh scope");
+        };
+        tokens.push(token);
+        // The waiter is another instance (its own cluster connection).
+        let other = other.clone();
+        waiters.push(tokio::spawn(async move { other.wait(scope, token).await }));
+    }
+    for &scope in &scopes {
+        let channel = leader.key(&scope);
+        let mut counts = Vec::new();
+        for _ in 0..500 {
+            counts = shard_subscribers(&urls, &channel).await;
+            if counts.iter().sum::<i64>() == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            counts.iter().sum::<i64>(),
+            1,
+            "one SSUBSCRIBE on the key's shard: {counts:?}"
+        );
+    }
+    for (&scope, &token) in scopes.iter().zip(&tokens) {
+        leader
+            .complete(
+                scope,
+                token,
+                conformance::sample_record(fp),
+                conformance::LONG,
+            )
+            .await
+            .unwrap();
+    }
+    for waiter in waiters {
+        tokio::time::timeout(Duration::from_secs(20), waiter)
+            .await
+            .expect("the SPUBLISHed message wakes the waiter (polling would take 120 s)")
+            .unwrap()
+            .unwrap();
+    }
+    // Woken waiters see the record.
+    for &scope in &scopes {
+        assert!(matches!(
+            other.begin(scope, fp, conformance::LONG).await,
+            Ok(Begin::Completed(_))
+        ));
+    }
+    // The last waiter gone, each shard channel is unsubscribed.
+    for &scope in &scopes {
+        let channel = leader.key(&scope);
+        let mut counts = Vec::new();
+        for _ in 0..500 {
+            counts = shard_subscribers(&urls, &channel).await;
+            if counts.iter().sum::<i64>() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(counts.iter().sum::<i64>(), 0, "{counts:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_store_from_a_redis_cluster_url() {
+    let Some(urls) = cluster_urls() else {
+        return;
+    };
+    let hosts: Vec<&str> = urls
+        .iter()
+        .map(|u| u.trim_start_matches("redis://").trim_end_matches('/'))
+        .collect();
+    let url = format!("redis+cluster://{}", hosts.join(","));
+    let store = AnyStore::from_url(&url).await.unwrap();
+    let AnyStore::Redis(redis) = &store else {
+        panic!("a redis store from {url}");
+    };
+    assert!(redis.is_cluster());
+    let scope = order_scope(&unique("any-"));
+    let fp = Fingerprint([3; 32]);
+    let Ok(Begin::New(token)) = store.begin(scope, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    store
+        .complete(
+            scope,
+            token,
+            conformance::sample_record(fp),
+            conformance::LONG,
+        )
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.begin(scope, fp, conformance::LONG).await,
+        Ok(Begin::Completed(_))
+    ));
+    assert!(store.forget(scope).await.unwrap());
+}
