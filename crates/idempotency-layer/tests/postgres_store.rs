@@ -43,71 +43,34 @@ async fn connect(b: PostgresStoreBuilder) -> PostgresStore {
     store
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn conformance_suite() {
-    let Some(url) = env_url("DATABASE_URL") else {
-        return;
-    };
-    let (b, schema) = builder(&url);
-    let store = connect(b).await;
-    // Migrating twice is harmless.
-    store.migrate().await.unwrap();
-    // Every check uses scopes of its own, so one table serves them all.
-    conformance::run_all(|| store.clone()).await;
-    drop_schema(&url, &schema).await;
+/// The shared store suite on PostgreSQL: a schema per test, dropped at its end.
+struct Postgres;
+
+impl Backend for Postgres {
+    type Store = PostgresStore;
+    const URL_VAR: &'static str = "DATABASE_URL";
+
+    fn namespace() -> String {
+        unique("idem_test_")
+    }
+
+    async fn connect(url: String, namespace: String, tuning: Tuning) -> PostgresStore {
+        let mut b = PostgresStore::builder(&url).schema(namespace);
+        if let Some(t) = tuning.timeout {
+            b = b.timeout(t);
+        }
+        if tuning.single_connection {
+            b = b.pool_size(1);
+        }
+        connect(b).await
+    }
+
+    async fn drop_namespace(url: String, namespace: String) {
+        drop_schema(&url, &namespace).await;
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_instances_execute_each_key_once() {
-    let Some(url) = env_url("DATABASE_URL") else {
-        return;
-    };
-    let (b, schema) = builder(&url);
-    // Separate store clients (separate pools) sharing one table. A generous timeout: 2 000
-    // concurrent requests on a shared 2-core CI box can exceed the 2 s default without
-    // anything being wrong; this test is about exactly-once, not latency.
-    let b = b.timeout(Duration::from_secs(10));
-    let a = connect(b.clone().pool_size(8)).await;
-    let b = connect(b.pool_size(8)).await;
-    multi_instance(a, b).await;
-    drop_schema(&url, &schema).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_instances_at_production_timeouts_never_run_a_key_twice() {
-    let Some(url) = env_url("DATABASE_URL") else {
-        return;
-    };
-    let (b, schema) = builder(&url);
-    let a = connect(b.clone()).await;
-    let b = connect(b).await;
-    multi_instance_at_production_timeouts(a, b).await;
-    drop_schema(&url, &schema).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stalled_leader_is_taken_over_and_fenced() {
-    let Some(url) = env_url("DATABASE_URL") else {
-        return;
-    };
-    let (b, schema) = builder(&url);
-    let a = connect(b.clone()).await;
-    let b = connect(b).await;
-    lease_takeover(a, b).await;
-    drop_schema(&url, &schema).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn outage_fails_closed_and_recovers_without_restart() {
-    let Some(url) = env_url("DATABASE_URL") else {
-        return;
-    };
-    let proxy = Proxy::start(authority(&url)).await;
-    let schema = unique("idem_test_");
-    let store = connect(PostgresStore::builder(via(&url, proxy.addr())).schema(&schema)).await;
-    outage(store, &proxy).await;
-    drop_schema(&url, &schema).await;
-}
+shared_store_suite!(Postgres, idempotency_layer::store::AnyStore::Postgres);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_row_is_a_clear_error() {
@@ -302,44 +265,6 @@ async fn a_lost_notification_does_not_hang_a_waiter() {
         .expect("polling wakes the waiter")
         .unwrap()
         .unwrap();
-    drop_schema(&url, &schema).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_whose_begin_reply_was_lost_is_released() {
-    let Some(url) = env_url("DATABASE_URL") else {
-        return;
-    };
-    let slow = SlowReplies::start(authority(&url), Duration::from_millis(800)).await;
-    let schema = unique("idem_test_");
-    let direct = connect(PostgresStore::builder(&url).schema(&schema)).await;
-    let via_slow = connect(
-        PostgresStore::builder(via(&url, slow.addr))
-            .schema(&schema)
-            .pool_size(1)
-            .timeout(Duration::from_millis(300)),
-    )
-    .await;
-    lost_begin_reply(via_slow, direct, &slow).await;
-    drop_schema(&url, &schema).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_whose_begin_was_dropped_in_flight_is_released() {
-    let Some(url) = env_url("DATABASE_URL") else {
-        return;
-    };
-    let slow = SlowReplies::start(authority(&url), Duration::from_millis(800)).await;
-    let schema = unique("idem_test_");
-    let direct = connect(PostgresStore::builder(&url).schema(&schema)).await;
-    let via_slow = connect(
-        PostgresStore::builder(via(&url, slow.addr))
-            .schema(&schema)
-            .pool_size(1)
-            .timeout(Duration::from_secs(10)),
-    )
-    .await;
-    dropped_begin(via_slow, direct, &slow).await;
     drop_schema(&url, &schema).await;
 }
 
@@ -824,21 +749,6 @@ async fn a_wait_does_not_block_for_the_listener() {
 }
 
 /// A store chosen at run time from its URL (migrated on open).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn any_store_from_a_postgres_url() {
-    let Some(url) = env_url("DATABASE_URL") else {
-        return;
-    };
-    let store = idempotency_layer::store::AnyStore::from_url(&url)
-        .await
-        .unwrap();
-    assert!(matches!(
-        store,
-        idempotency_layer::store::AnyStore::Postgres(_)
-    ));
-    conformance::run_all(|| store.clone()).await;
-}
-
 /// `url` with `params` added to its query.
 fn with_params(url: &str, params: &str) -> String {
     let sep = if url.contains('?') { '&' } else { '?' };

@@ -5,7 +5,6 @@
 
 mod shared_stores;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use idempotency_layer::store::{Begin, Fingerprint};
@@ -30,87 +29,35 @@ async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
         .expect("raw connection to REDIS_URL")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn conformance_suite() {
-    let Some(url) = env_url("REDIS_URL") else {
-        return;
-    };
-    let base = store(&url).await;
-    let n = AtomicUsize::new(0);
-    conformance::run_all(|| {
-        base.with_prefix(format!(
-            "{}{}:",
-            base.prefix(),
-            n.fetch_add(1, Ordering::Relaxed)
-        ))
-    })
-    .await;
+/// The shared store suite on Redis: a key prefix per test.
+struct Redis;
+
+impl Backend for Redis {
+    type Store = RedisStore;
+    const URL_VAR: &'static str = "REDIS_URL";
+
+    fn namespace() -> String {
+        unique("test:idem:")
+    }
+
+    async fn connect(url: String, namespace: String, tuning: Tuning) -> RedisStore {
+        let mut b = RedisStore::builder(&url).prefix(namespace);
+        if let Some(t) = tuning.timeout {
+            b = b.timeout(t);
+        }
+        // One multiplexed connection per store already: `single_connection` holds.
+        b.connect()
+            .await
+            .expect("REDIS_URL is set, so Redis must be reachable")
+    }
+
+    async fn drop_namespace(_url: String, _namespace: String) {
+        // Every key the suite writes expires on its own (claims by their lease, records by
+        // their TTL).
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_instances_execute_each_key_once() {
-    let Some(url) = env_url("REDIS_URL") else {
-        return;
-    };
-    let prefix = unique("test:idem:");
-    // Separate store clients (separate connections) sharing one Redis and one prefix. 2 000
-    // concurrent requests on a shared 2-core CI box can exceed the 1 s production timeout
-    // without anything being wrong; this test is about exactly-once, not latency.
-    let connect = || {
-        RedisStore::builder(&url)
-            .prefix(&prefix)
-            .timeout(Duration::from_secs(10))
-            .connect()
-    };
-    let a = connect().await.unwrap();
-    let b = connect().await.unwrap();
-    multi_instance(a, b).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_instances_at_production_timeouts_never_run_a_key_twice() {
-    let Some(url) = env_url("REDIS_URL") else {
-        return;
-    };
-    let prefix = unique("test:idem:");
-    let connect = || RedisStore::builder(&url).prefix(&prefix).connect();
-    let a = connect().await.unwrap();
-    let b = connect().await.unwrap();
-    multi_instance_at_production_timeouts(a, b).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stalled_leader_is_taken_over_and_fenced() {
-    let Some(url) = env_url("REDIS_URL") else {
-        return;
-    };
-    let prefix = unique("test:idem:");
-    let a = RedisStore::builder(&url)
-        .prefix(&prefix)
-        .connect()
-        .await
-        .unwrap();
-    let b = RedisStore::builder(&url)
-        .prefix(&prefix)
-        .connect()
-        .await
-        .unwrap();
-    lease_takeover(a, b).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn outage_fails_closed_and_recovers_without_restart() {
-    let Some(url) = env_url("REDIS_URL") else {
-        return;
-    };
-    let proxy = Proxy::start(authority(&url)).await;
-    let store = RedisStore::builder(via(&url, proxy.addr()))
-        .prefix(unique("test:idem:"))
-        .connect()
-        .await
-        .expect("Redis through the proxy");
-    outage(store, &proxy).await;
-}
+shared_store_suite!(Redis, idempotency_layer::store::AnyStore::Redis);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_entry_is_a_clear_error() {
@@ -241,48 +188,6 @@ async fn a_lost_message_does_not_hang_a_waiter() {
         .unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_whose_begin_reply_was_lost_is_released() {
-    let Some(url) = env_url("REDIS_URL") else {
-        return;
-    };
-    let slow = SlowReplies::start(authority(&url), Duration::from_millis(800)).await;
-    let prefix = unique("test:idem:");
-    let via_slow = RedisStore::builder(via(&url, slow.addr))
-        .prefix(&prefix)
-        .timeout(Duration::from_millis(300))
-        .connect()
-        .await
-        .expect("Redis through the slow proxy");
-    let direct = RedisStore::builder(&url)
-        .prefix(&prefix)
-        .connect()
-        .await
-        .unwrap();
-    lost_begin_reply(via_slow, direct, &slow).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_whose_begin_was_dropped_in_flight_is_released() {
-    let Some(url) = env_url("REDIS_URL") else {
-        return;
-    };
-    let slow = SlowReplies::start(authority(&url), Duration::from_millis(800)).await;
-    let prefix = unique("test:idem:");
-    let via_slow = RedisStore::builder(via(&url, slow.addr))
-        .prefix(&prefix)
-        .timeout(Duration::from_secs(10))
-        .connect()
-        .await
-        .expect("Redis through the slow proxy");
-    let direct = RedisStore::builder(&url)
-        .prefix(&prefix)
-        .connect()
-        .await
-        .unwrap();
-    dropped_begin(via_slow, direct, &slow).await;
-}
-
 /// The store reads `maxmemory-policy` at connect (a policy that can evict our keys is logged
 /// as an error), and a server that forbids `CONFIG` is accepted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -401,21 +306,6 @@ async fn failed_renewals_are_counted() {
 }
 
 /// A store chosen at run time from its URL.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn any_store_from_a_redis_url() {
-    let Some(url) = env_url("REDIS_URL") else {
-        return;
-    };
-    let store = idempotency_layer::store::AnyStore::from_url(&url)
-        .await
-        .unwrap();
-    assert!(matches!(
-        store,
-        idempotency_layer::store::AnyStore::Redis(_)
-    ));
-    conformance::run_all(|| store.clone()).await;
-}
-
 /// A `redis-server` with TLS only, on a free loopback port, with a CA and a server certificate
 /// for 127.0.0.1 this test makes with `openssl`; killed when dropped.
 #[cfg(feature = "redis-tls")]

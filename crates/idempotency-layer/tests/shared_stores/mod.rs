@@ -622,3 +622,170 @@ pub async fn dropped_begin<S: IdempotencyStore>(via_slow: S, direct: S, slow: &S
     )
     .await;
 }
+
+/// How the shared suite ([`shared_store_suite!`]) reaches one backend: a namespace of the test's
+/// own on the server (a Redis key prefix, a PostgreSQL schema), and stores on it.
+pub trait Backend {
+    /// The store under test.
+    type Store: IdempotencyStore;
+    /// The environment variable with the server's URL.
+    const URL_VAR: &'static str;
+    /// A fresh namespace.
+    fn namespace() -> String;
+    /// A store of its own (its own connections) on `namespace`, through `url` (the server's, or
+    /// a proxy's in front of it), migrated if the store needs it.
+    fn connect(
+        url: String,
+        namespace: String,
+        tuning: Tuning,
+    ) -> impl Future<Output = Self::Store> + Send;
+    /// Removes what the namespace holds on the server.
+    fn drop_namespace(url: String, namespace: String) -> impl Future<Output = ()> + Send;
+}
+
+/// How a test wants its store connected.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Tuning {
+    /// How long the store waits for the server; `None`: its production default.
+    pub timeout: Option<Duration>,
+    /// One connection only (so a test that warms it up knows which connection runs next).
+    pub single_connection: bool,
+}
+
+/// The tests every shared store passes, one `#[tokio::test]` each, for backend `$backend`
+/// ([`Backend`]): the conformance suite, two instances under load (generous and production
+/// timeouts), lease takeover with fencing, an outage through a cut proxy, a begin whose reply
+/// was lost, a begin dropped in flight, and the store opened from its URL by `AnyStore`.
+#[allow(unused_macros)] // the cluster tests include this module but bring their own tests
+macro_rules! shared_store_suite {
+    ($backend:ty, $any_variant:path) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn conformance_suite() {
+            let Some(url) = env_url(<$backend as Backend>::URL_VAR) else {
+                return;
+            };
+            let ns = <$backend as Backend>::namespace();
+            let store =
+                <$backend as Backend>::connect(url.clone(), ns.clone(), Tuning::default()).await;
+            // Every check uses scopes of its own, so one namespace serves them all.
+            conformance::run_all(|| store.clone()).await;
+            <$backend as Backend>::drop_namespace(url, ns).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn two_instances_execute_each_key_once() {
+            let Some(url) = env_url(<$backend as Backend>::URL_VAR) else {
+                return;
+            };
+            let ns = <$backend as Backend>::namespace();
+            // Separate store clients sharing one namespace. 2 000 concurrent requests on a
+            // shared 2-core CI box can exceed the production timeout without anything being
+            // wrong; this test is about exactly-once (the next one keeps the production timeout).
+            let tuning = Tuning {
+                timeout: Some(Duration::from_secs(10)),
+                ..Tuning::default()
+            };
+            let a = <$backend as Backend>::connect(url.clone(), ns.clone(), tuning).await;
+            let b = <$backend as Backend>::connect(url.clone(), ns.clone(), tuning).await;
+            multi_instance(a, b).await;
+            <$backend as Backend>::drop_namespace(url, ns).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn two_instances_at_production_timeouts_never_run_a_key_twice() {
+            let Some(url) = env_url(<$backend as Backend>::URL_VAR) else {
+                return;
+            };
+            let ns = <$backend as Backend>::namespace();
+            let a =
+                <$backend as Backend>::connect(url.clone(), ns.clone(), Tuning::default()).await;
+            let b =
+                <$backend as Backend>::connect(url.clone(), ns.clone(), Tuning::default()).await;
+            multi_instance_at_production_timeouts(a, b).await;
+            <$backend as Backend>::drop_namespace(url, ns).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_stalled_leader_is_taken_over_and_fenced() {
+            let Some(url) = env_url(<$backend as Backend>::URL_VAR) else {
+                return;
+            };
+            let ns = <$backend as Backend>::namespace();
+            let a =
+                <$backend as Backend>::connect(url.clone(), ns.clone(), Tuning::default()).await;
+            let b =
+                <$backend as Backend>::connect(url.clone(), ns.clone(), Tuning::default()).await;
+            lease_takeover(a, b).await;
+            <$backend as Backend>::drop_namespace(url, ns).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn outage_fails_closed_and_recovers_without_restart() {
+            let Some(url) = env_url(<$backend as Backend>::URL_VAR) else {
+                return;
+            };
+            let ns = <$backend as Backend>::namespace();
+            let proxy = Proxy::start(authority(&url)).await;
+            let store = <$backend as Backend>::connect(
+                via(&url, proxy.addr()),
+                ns.clone(),
+                Tuning::default(),
+            )
+            .await;
+            outage(store, &proxy).await;
+            <$backend as Backend>::drop_namespace(url, ns).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_claim_whose_begin_reply_was_lost_is_released() {
+            let Some(url) = env_url(<$backend as Backend>::URL_VAR) else {
+                return;
+            };
+            let ns = <$backend as Backend>::namespace();
+            let slow = SlowReplies::start(authority(&url), Duration::from_millis(800)).await;
+            let tuning = Tuning {
+                timeout: Some(Duration::from_millis(300)),
+                single_connection: true,
+            };
+            let via_slow =
+                <$backend as Backend>::connect(via(&url, slow.addr), ns.clone(), tuning).await;
+            let direct =
+                <$backend as Backend>::connect(url.clone(), ns.clone(), Tuning::default()).await;
+            lost_begin_reply(via_slow, direct, &slow).await;
+            <$backend as Backend>::drop_namespace(url, ns).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_claim_whose_begin_was_dropped_in_flight_is_released() {
+            let Some(url) = env_url(<$backend as Backend>::URL_VAR) else {
+                return;
+            };
+            let ns = <$backend as Backend>::namespace();
+            let slow = SlowReplies::start(authority(&url), Duration::from_millis(800)).await;
+            let tuning = Tuning {
+                timeout: Some(Duration::from_secs(10)),
+                single_connection: true,
+            };
+            let via_slow =
+                <$backend as Backend>::connect(via(&url, slow.addr), ns.clone(), tuning).await;
+            let direct =
+                <$backend as Backend>::connect(url.clone(), ns.clone(), Tuning::default()).await;
+            dropped_begin(via_slow, direct, &slow).await;
+            <$backend as Backend>::drop_namespace(url, ns).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn any_store_opens_it_from_its_url() {
+            let Some(url) = env_url(<$backend as Backend>::URL_VAR) else {
+                return;
+            };
+            let store = idempotency_layer::store::AnyStore::from_url(&url)
+                .await
+                .unwrap();
+            assert!(matches!(store, $any_variant(_)), "{store:?}");
+            conformance::run_all(|| store.clone()).await;
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use shared_store_suite;
