@@ -195,6 +195,7 @@ mod decide;
 mod error;
 mod future;
 mod layer;
+mod observe;
 mod policy;
 mod request;
 mod service;
