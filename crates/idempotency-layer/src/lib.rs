@@ -246,6 +246,7 @@ pub mod conformance;
 mod future;
 mod key;
 mod layer;
+mod observe;
 mod protocol;
 mod reject;
 mod renewal;
