@@ -306,7 +306,7 @@ pub(crate) fn store_error(op: Op, store: StoreKind) {
 /// failures alike). Without the `metrics` feature: `fut` itself.
 #[cfg(feature = "metrics")]
 pub(crate) async fn timed<F: Future>(op: Op, store: StoreKind, fut: F) -> F::Output {
-    let start = std::time::Instant::now();
+    let start = tokio::time::Instant::now();
     let out = fut.await;
     let seconds = start.elapsed().as_secs_f64();
     let key = &keys::STORE_SECONDS[op as usize][store as usize];
