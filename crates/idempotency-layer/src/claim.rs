@@ -7,6 +7,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::observe::{self, Op, StoreKind};
 use crate::renewal::Renewals;
 use crate::shared::Shared;
 use crate::stats::Counters;
@@ -42,7 +43,14 @@ impl<St: IdempotencyStore> ClaimOps for StoreClaim<St> {
     fn complete(self: Box<Self>, record: Record) -> BoxFuture {
         Box::pin(async move {
             let (store, scope, token, ttl) = (&self.store, self.scope, self.token, self.ttl);
-            let op = || store.complete(scope, token, record.clone(), ttl);
+            let kind = StoreKind::of(store);
+            let op = || {
+                observe::timed(
+                    Op::Complete,
+                    kind,
+                    store.complete(scope, token, record.clone(), ttl),
+                )
+            };
             // Through a brief store outage, while the lease could still hold (the renewal keeps
             // running meanwhile).
             match retry_through_outage(self.lease, "complete", op).await {
@@ -50,26 +58,35 @@ impl<St: IdempotencyStore> ClaimOps for StoreClaim<St> {
                     self.counters.recorded();
                     tracing::debug!(scope = ?self.scope, "idempotency: recorded");
                 }
-                Err(e) => log_store_error(&self.counters, "complete", &e),
+                Err(e) => log_store_error(&self.counters, kind, Op::Complete, &e),
             }
         })
     }
 
     fn release(self: Box<Self>) -> BoxFuture {
         Box::pin(async move {
-            let op = || self.store.release(self.scope, self.token);
+            let kind = StoreKind::of(&self.store);
+            let op = || {
+                observe::timed(
+                    Op::Release,
+                    kind,
+                    self.store.release(self.scope, self.token),
+                )
+            };
             match retry_through_outage(self.lease, "release", op).await {
                 Ok(()) => {
                     self.counters.released();
                     tracing::debug!(scope = ?self.scope, "idempotency: released");
                 }
-                Err(e) => log_store_error(&self.counters, "release", &e),
+                Err(e) => log_store_error(&self.counters, kind, Op::Release, &e),
             }
         })
     }
 }
 
-pub(crate) fn log_store_error(counters: &Counters, op: &'static str, e: &StoreError) {
+pub(crate) fn log_store_error(counters: &Counters, store: StoreKind, op: Op, e: &StoreError) {
+    let store_op = (op, store);
+    let op = op.as_str();
     match e {
         // Another leader took over (lease lapsed) or an admin forgot the key: not a failure
         // of the store, but worth knowing.
@@ -81,6 +98,7 @@ pub(crate) fn log_store_error(counters: &Counters, op: &'static str, e: &StoreEr
         }
         e => {
             counters.store_error();
+            observe::store_error(store_op.0, store_op.1);
             tracing::warn!(op, error = %e, "idempotency: store operation failed");
         }
     }

@@ -231,9 +231,37 @@
 //!
 //! # Observability
 //!
-//! `tracing` events at debug level for executions, replays, waits and rejections, and at warn
-//! level for store failures and fail-open executions; counters in [`IdempotencyStats`], read with
-//! [`IdempotencyLayer::stats`].
+//! **Counters** in [`IdempotencyStats`], read with [`IdempotencyLayer::stats`], always.
+//!
+//! **Tracing.** Each write the layer manages (a request with a key, or a rejected one) is a
+//! `DEBUG` span `idempotency_layer.write` with OpenTelemetry's attributes
+//! (`http.request.method` and `url.path`, or `rpc.system = "grpc"` and `rpc.method`) and how it
+//! ended: `idempotency.outcome` = `executed`, `replayed`, `waited` (it waited for the request in
+//! flight, then replayed its record) or `rejected`, with `idempotency.reject_reason`
+//! ([`RejectReason::as_str`]). Events: `DEBUG` for executions, replays, waits and rejections,
+//! `WARN` for store failures and fail-open executions. With no subscriber enabling `DEBUG` the
+//! span is `Span::none()` and none of its fields is evaluated.
+//!
+//! **Metrics** (feature `metrics`), through the [`metrics`](https://docs.rs/metrics) facade, to
+//! whatever recorder the application installs (a Prometheus exporter, say):
+//!
+//! | name | type | labels | counts |
+//! |---|---|---|---|
+//! | `idempotency_layer_executions_total` | counter | | handler executions the layer led |
+//! | `idempotency_layer_replays_total` | counter | | responses replayed from a record |
+//! | `idempotency_layer_waits_total` | counter | | duplicates that waited for the request in flight |
+//! | `idempotency_layer_records_total` | counter | | records stored |
+//! | `idempotency_layer_releases_total` | counter | | claims released without a record |
+//! | `idempotency_layer_failed_open_total` | counter | | writes executed unprotected (`fail_open`) |
+//! | `idempotency_layer_rejections_total` | counter | `reason` | rejections, by [`RejectReason::as_str`] |
+//! | `idempotency_layer_store_errors_total` | counter | `op`, `store` | failed store operations |
+//! | `idempotency_layer_store_seconds` | histogram | `op`, `store` | store latency, in seconds |
+//!
+//! `op` is `begin`, `wait`, `complete` or `release` (`store_seconds` times `begin`, `complete`
+//! and `release`: a `wait` lasts as long as the request in flight); `store` is `memory`,
+//! `redis`, `postgres` (an [`AnyStore`](store::AnyStore) by the store it holds) or `custom`.
+//! Every key is a `static` (label values are `&'static str`): counting allocates nothing; a
+//! store operation reads the clock twice. Without the feature nothing is compiled in.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(rust_2018_idioms, warnings))))]
 
@@ -246,6 +274,7 @@ pub mod conformance;
 mod future;
 mod key;
 mod layer;
+mod observe;
 mod protocol;
 mod reject;
 mod renewal;

@@ -19,6 +19,7 @@ use reason_code::{
 };
 use tokio::time::Instant;
 use tower_service::Service;
+use tracing::{Instrument, Span};
 
 use crate::body::{IdempotencyBody, Recorder, RequestBody};
 use crate::claim::{log_store_error, spawn_detached, Claim};
@@ -26,6 +27,7 @@ use crate::classify;
 use crate::config::{Config, InFlight, OnDisconnect, TenantSource};
 use crate::future::ResponseFuture;
 use crate::key::{extract_key, fingerprint, Scope, Tenant};
+use crate::observe::{self, Op, Outcome, StoreKind};
 use crate::protocol::Protocol;
 use crate::reject::reject;
 use crate::reject::RejectReason;
@@ -131,8 +133,10 @@ where
             let mut inner = std::mem::replace(&mut self.inner, clone);
             return ResponseFuture::passthrough(inner.call(req.map(RequestBody::streaming)));
         }
+        let span = observe::write_span(req.method(), req.uri().path(), protocol.is_grpc());
         let rejected = |reason: RejectReason, detail: &str| {
             self.shared.counters.rejected(reason);
+            observe::record_rejection(&span, reason);
             ResponseFuture::ready(reject(reason, detail, &protocol, cfg.reasons.header_name()))
         };
         let key = match extract_key(req.headers(), cfg.key_headers.as_slice()) {
@@ -177,8 +181,9 @@ where
             scope,
             tenant,
             protocol,
+            span: span.clone(),
         };
-        ResponseFuture::managed(Box::pin(write.handle(req)))
+        ResponseFuture::managed(Box::pin(write.handle(req).instrument(span)))
     }
 }
 
@@ -228,11 +233,14 @@ struct Write<S, St> {
     /// The tenant the store charges this scope's claim and record to.
     tenant: TenantKey,
     protocol: Protocol,
+    /// `idempotency_layer.write`: how the write ended is recorded on it.
+    span: Span,
 }
 
 impl<S, St> Write<S, St> {
     fn reject<B>(&self, reason: RejectReason, detail: &str) -> Response<IdempotencyBody<B>> {
         self.shared.counters.rejected(reason);
+        observe::record_rejection(&self.span, reason);
         reject(
             reason,
             detail,
@@ -261,6 +269,7 @@ where
         let cfg = &*self.config;
         let counters = &self.shared.counters;
         let scope = self.scope;
+        let kind = StoreKind::of(&self.store);
         let (parts, body) = req.into_parts();
         let wait = parts
             .headers
@@ -302,11 +311,10 @@ where
         // This request's place among the waiters of its scope, held while it waits.
         let mut slot = None;
         loop {
-            match self
+            let begin = self
                 .store
-                .begin_for_tenant(self.tenant, scope, fp, cfg.lease)
-                .await
-            {
+                .begin_for_tenant(self.tenant, scope, fp, cfg.lease);
+            match observe::timed(Op::Begin, kind, begin).await {
                 Ok(Begin::New(token)) => {
                     drop(slot.take());
                     let claim = Claim::new(
@@ -325,6 +333,12 @@ where
                         return Ok(self.reject(RejectReason::Mismatch, mismatch));
                     }
                     counters.replayed();
+                    let outcome = if waited {
+                        Outcome::Waited
+                    } else {
+                        Outcome::Replayed
+                    };
+                    observe::record_outcome(&self.span, outcome);
                     tracing::debug!(?scope, waited, "idempotency: replayed");
                     return Ok(replay(&record, &self.protocol, cfg.max_record_bytes));
                 }
@@ -363,7 +377,7 @@ where
                     match woken {
                         Ok(Ok(())) => continue,
                         Ok(Err(e)) => {
-                            log_store_error(counters, "wait", &e);
+                            log_store_error(counters, kind, Op::Wait, &e);
                             return Ok(self.reject(
                                 RejectReason::StoreUnavailable,
                                 "idempotency store unavailable while waiting; retry later",
@@ -383,6 +397,7 @@ where
                     // twice, so neither fail open nor answer a retryable 503. The key stays
                     // unusable until its entry expires or an operator forgets it.
                     counters.store_error();
+                    observe::store_error(Op::Begin, kind);
                     tracing::error!(?scope, error = %what, "idempotency: the stored entry of this key is corrupt; nothing executed");
                     let detail = format!(
                         "the stored record of this idempotency key cannot be read (corrupt \
@@ -392,9 +407,10 @@ where
                     return Ok(self.reject(RejectReason::Internal, &detail));
                 }
                 Err(e) => {
-                    log_store_error(counters, "begin", &e);
+                    log_store_error(counters, kind, Op::Begin, &e);
                     if cfg.fail_open {
                         counters.failed_open();
+                        observe::record_outcome(&self.span, Outcome::Executed);
                         tracing::warn!(error = %e, "idempotency: store failed; executing without protection (fail_open)");
                         let mut inner = self.inner;
                         std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
@@ -427,6 +443,7 @@ where
         ResB::Error: Into<BoxError>,
     {
         self.shared.counters.executed();
+        observe::record_outcome(&self.span, Outcome::Executed);
         tracing::debug!("idempotency: executing");
         let Write {
             inner,

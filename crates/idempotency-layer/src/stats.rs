@@ -3,6 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::observe;
 use crate::reject::RejectReason;
 
 #[derive(Debug, Default)]
@@ -22,29 +23,37 @@ fn inc(c: &AtomicU64) {
 }
 
 impl Counters {
+    // Each count also goes to the `metrics` facade (a no-op without the feature).
     pub(crate) fn executed(&self) {
-        inc(&self.executed)
+        inc(&self.executed);
+        observe::executed();
     }
     pub(crate) fn replayed(&self) {
-        inc(&self.replayed)
+        inc(&self.replayed);
+        observe::replayed();
     }
     pub(crate) fn waited(&self) {
-        inc(&self.waited)
+        inc(&self.waited);
+        observe::waited();
     }
     pub(crate) fn recorded(&self) {
-        inc(&self.recorded)
+        inc(&self.recorded);
+        observe::recorded();
     }
     pub(crate) fn released(&self) {
-        inc(&self.released)
+        inc(&self.released);
+        observe::released();
     }
     pub(crate) fn store_error(&self) {
         inc(&self.store_errors)
     }
     pub(crate) fn failed_open(&self) {
-        inc(&self.failed_open)
+        inc(&self.failed_open);
+        observe::failed_open();
     }
     pub(crate) fn rejected(&self, reason: RejectReason) {
-        inc(&self.rejected[reason.index()])
+        inc(&self.rejected[reason.index()]);
+        observe::rejected(reason);
     }
 
     pub(crate) fn snapshot(&self) -> IdempotencyStats {

@@ -10,12 +10,14 @@ use http::{HeaderValue, Request, Response};
 use http_body::Body;
 use tokio::time::Instant;
 use tower_service::Service;
+use tracing::Span;
 
 use crate::body::{BodyHandle, ReplayBody};
 use crate::classify;
 use crate::deadline::{deadline_of, rewrite_grpc_timeout, Timer};
 use crate::decide::{decide, Attempt, Ended, Step, Why};
 use crate::error::RetryError;
+use crate::observe::{self, GiveUp};
 use crate::policy::{Conflict, RebuildFuture};
 use crate::request::{
     clone_parts, intent_key, judge, remove_attempt_headers, write_previous_attempts,
@@ -38,6 +40,8 @@ pub(crate) struct Call<S, B> {
     grpc: bool,
     /// The key `ensure_idempotency_key` generated, if it did.
     generated_key: Option<HeaderValue>,
+    /// The code of the outcome a rebuild hook is answering (labels a budget refusal).
+    rebuilding: reason_code::Code,
 }
 
 /// What the response future does next, once a [`Step`] is carried out.
@@ -54,6 +58,11 @@ impl<S, B> Call<S, B> {
     /// Attempts sent so far.
     pub(crate) fn attempts(&self) -> u32 {
         self.attempt.sent
+    }
+
+    /// True when the request being sent is a gRPC call.
+    pub(crate) fn grpc(&self) -> bool {
+        self.grpc
     }
 
     /// The call's deadline.
@@ -104,12 +113,12 @@ where
 {
     /// Sets the request up (its idempotency, key, deadline and `grpc-timeout`), keeps what a
     /// retry needs, and sends the first attempt on `service`, which must be ready. Returns the
-    /// call, the attempt's future and its timer.
+    /// call, the attempt's future, its timer and the call's span.
     pub(crate) fn start(
         mut service: S,
         shared: Arc<Shared>,
         req: Request<B>,
-    ) -> (Self, S::Future, Timer) {
+    ) -> (Self, S::Future, Timer, Span) {
         let policy = &shared.policy;
         let (mut parts, body) = req.into_parts();
         let judged = judge(policy, &mut parts, None);
@@ -131,6 +140,8 @@ where
         shared.budget.deposit();
         shared.stats.incr(Counter::Requests);
         shared.stats.incr(Counter::Attempts);
+        observe::call_started();
+        let span = observe::call_span(&parts, judged.grpc);
         let future = service.call(Request::from_parts(parts, first_body));
         let timer = Timer::for_attempt(deadline, policy.attempt_timeout);
         let call = Call {
@@ -142,18 +153,26 @@ where
             attempt: Attempt::first(judged.idempotent, judged.method, deadline),
             grpc: judged.grpc,
             generated_key: judged.generated_key,
+            rebuilding: reason_code::Code::Aborted,
         };
-        (call, future, timer)
+        (call, future, timer, span)
     }
 
-    /// Classifies an attempt's result, decides, and carries the step out.
-    pub(crate) fn after_attempt(&mut self, result: Result<Response<R>, BoxError>) -> Next<R> {
+    /// Classifies an attempt's result (recording it on the attempt's `span`), decides, and
+    /// carries the step out.
+    pub(crate) fn after_attempt(
+        &mut self,
+        result: Result<Response<R>, BoxError>,
+        span: &Span,
+    ) -> Next<R> {
         let shared = &*self.shared;
         let policy = &shared.policy;
         let outcome = match &result {
             Ok(res) => classify::response(res, self.grpc, &policy.reason_codes),
             Err(e) => classify::error(e),
         };
+        observe::attempt_ended(outcome.code());
+        observe::record_attempt(span, &result, outcome, self.grpc);
         let ended = Ended {
             outcome,
             headers: result.as_ref().ok().map(Response::headers),
@@ -192,6 +211,7 @@ where
                 // sending them.
                 self.body.cut_off();
                 self.shared.stats.incr(Counter::Retries);
+                observe::retried(code);
                 tracing::debug!(attempt, code = %code, delay_ms = delay.as_millis() as u64, "retrying");
                 Next::Wait(delay)
             }
@@ -218,6 +238,7 @@ where
                     self.restart_backoff();
                 }
                 self.body.cut_off();
+                self.rebuilding = code;
                 let parts = clone_parts(self.parts.as_ref().expect("replayable: the head is kept"));
                 let mut head = Response::new(()).into_parts().0;
                 head.status = response.status();
@@ -240,36 +261,48 @@ where
         self.attempt.previous_delay = std::time::Duration::ZERO;
     }
 
-    /// Counts and traces why a retryable outcome is returned.
+    /// Counts and traces why a retryable outcome is returned. Each give-up and refusal is a
+    /// DEBUG event; the layer's WARN summary counts them (at most one WARN per period, so a dead
+    /// backend does not flood the logs).
     fn count_and_trace(&self, why: Why, code: reason_code::Code) {
         let stats = &self.shared.stats;
         let attempt = self.attempt.sent;
-        match why {
-            Why::Final => {}
+        let gave_up = match why {
+            Why::Final => return,
             Why::NotReplayable => {
                 tracing::debug!(code = %code, "not retrying: the request body could not be kept");
+                GiveUp::NotReplayable
             }
             Why::Exhausted => {
                 stats.incr(Counter::Exhausted);
-                tracing::info!(attempt, code = %code, "giving up: no attempt left");
+                tracing::debug!(attempt, code = %code, "giving up: no attempt left");
+                GiveUp::Exhausted
             }
             Why::PushbackSaysNo => {
                 stats.incr(Counter::PushbackStops);
-                tracing::info!(attempt, code = %code, "giving up: server pushback says stop");
+                tracing::debug!(attempt, code = %code, "giving up: server pushback says stop");
+                GiveUp::Pushback
             }
             Why::PushbackTooLong(d) => {
                 stats.incr(Counter::PushbackStops);
-                tracing::info!(attempt, code = %code, pushback_ms = d.as_millis() as u64, "giving up: pushback longer than max_pushback");
+                tracing::debug!(attempt, code = %code, pushback_ms = d.as_millis() as u64, "giving up: pushback longer than max_pushback");
+                GiveUp::Pushback
             }
             Why::DeadlineTooShort { delay, left } => {
                 stats.incr(Counter::DeadlineStops);
-                tracing::info!(attempt, code = %code, delay_ms = delay.as_millis() as u64, left_ms = left.as_millis() as u64, "giving up: the deadline cannot fit another attempt");
+                tracing::debug!(attempt, code = %code, delay_ms = delay.as_millis() as u64, left_ms = left.as_millis() as u64, "giving up: the deadline cannot fit another attempt");
+                GiveUp::Deadline
             }
             Why::BudgetRefused => {
                 stats.incr(Counter::BudgetRefusals);
-                tracing::warn!(attempt, code = %code, "retry budget exhausted: not retrying");
+                observe::budget_refused(code);
+                tracing::debug!(attempt, code = %code, "retry budget exhausted: not retrying");
+                self.shared.warnings.note(true);
+                return;
             }
-        }
+        };
+        observe::gave_up(gave_up, code);
+        self.shared.warnings.note(false);
     }
 
     /// Takes the request a hook rebuilt: judges its idempotency and key afresh (a rebuilt write
@@ -280,13 +313,16 @@ where
         let policy = &shared.policy;
         if !shared.budget.withdraw() {
             shared.stats.incr(Counter::BudgetRefusals);
-            tracing::warn!(
+            observe::budget_refused(self.rebuilding);
+            tracing::debug!(
                 attempt = self.attempt.sent,
                 "retry budget exhausted: not sending the rebuilt request"
             );
+            shared.warnings.note(true);
             return false;
         }
         shared.stats.incr(Counter::Retries);
+        observe::retried(self.rebuilding);
         let (mut parts, body) = req.into_parts();
         let intent = self.parts.as_ref().and_then(|old| intent_key(policy, old));
         remove_attempt_headers(&mut parts);

@@ -11,11 +11,13 @@ use http_body::Body;
 use pin_project_lite::pin_project;
 use tokio::time::Instant;
 use tower_service::Service;
+use tracing::Span;
 
 use crate::body::ReplayBody;
 use crate::call::{Call, Next};
 use crate::deadline::{instant_after, Timer};
 use crate::error::{AttemptTimedOut, DeadlineExceeded};
+use crate::observe;
 use crate::policy::RebuildFuture;
 use crate::shared::Shared;
 use crate::BoxError;
@@ -32,6 +34,11 @@ pin_project! {
         // while waiting for readiness or the rebuild hook.
         timer: Timer,
         call: Call<S, B>,
+        // `retry_layer.call`, entered while the future is polled, and the `retry_layer.attempt`
+        // of the attempt in flight, entered while its future is polled. Both are
+        // `Span::none()` unless a subscriber enables DEBUG.
+        call_span: Span,
+        attempt_span: Span,
     }
 }
 
@@ -67,11 +74,14 @@ where
 {
     /// Sends the first attempt on `service` (which must be ready).
     pub(crate) fn new(service: S, shared: std::sync::Arc<Shared>, req: Request<B>) -> Self {
-        let (call, future, timer) = Call::start(service, shared, req);
+        let (call, future, timer, call_span) = Call::start(service, shared, req);
+        let attempt_span = observe::attempt_span(&call_span, call.grpc(), 0);
         ResponseFuture {
             state: State::Called { future },
             timer,
             call,
+            call_span,
+            attempt_span,
         }
     }
 }
@@ -87,10 +97,11 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
-        loop {
+        let _entered = this.call_span.enter();
+        let answer = loop {
             match this.state.as_mut().project() {
                 StateProj::Called { future } => {
-                    let result = match future.poll(cx) {
+                    let result = match this.attempt_span.in_scope(|| future.poll(cx)) {
                         Poll::Ready(r) => r.map_err(Into::into),
                         Poll::Pending => {
                             if !this.timer.fired(cx) {
@@ -99,15 +110,15 @@ where
                             if this.call.deadline_passed() {
                                 this.state.set(State::Done);
                                 let e = DeadlineExceeded::new().into();
-                                return Poll::Ready(this.call.answer(Err(e)));
+                                break this.call.answer(Err(e));
                             }
                             Err(AttemptTimedOut::new().into())
                         }
                     };
-                    match this.call.after_attempt(result) {
+                    match this.call.after_attempt(result, this.attempt_span) {
                         Next::Answer(r) => {
                             this.state.set(State::Done);
-                            return Poll::Ready(this.call.answer(r));
+                            break this.call.answer(r);
                         }
                         Next::Wait(delay) => {
                             this.timer.set(instant_after(Instant::now(), delay));
@@ -140,7 +151,7 @@ where
                             }
                             this.state.set(State::Done);
                             let e = DeadlineExceeded::new().into();
-                            return Poll::Ready(this.call.answer(Err(e)));
+                            break this.call.answer(Err(e));
                         }
                     };
                     let accepted = match rebuilt {
@@ -152,7 +163,7 @@ where
                     } else {
                         let response = response.take().expect("held until the hook decides");
                         this.state.set(State::Done);
-                        return Poll::Ready(this.call.answer(Ok(response)));
+                        break this.call.answer(Ok(response));
                     }
                 }
                 StateProj::Retrying => {
@@ -160,7 +171,7 @@ where
                         Poll::Ready(Ok(())) => {}
                         Poll::Ready(Err(e)) => {
                             this.state.set(State::Done);
-                            return Poll::Ready(this.call.answer(Err(e)));
+                            break this.call.answer(Err(e));
                         }
                         Poll::Pending => {
                             if !this.timer.fired(cx) {
@@ -168,15 +179,28 @@ where
                             }
                             this.state.set(State::Done);
                             let e = DeadlineExceeded::new().into();
-                            return Poll::Ready(this.call.answer(Err(e)));
+                            break this.call.answer(Err(e));
                         }
                     }
                     let (future, timer) = this.call.send_retry();
+                    *this.attempt_span = observe::attempt_span(
+                        this.call_span,
+                        this.call.grpc(),
+                        this.call.attempts() - 1,
+                    );
                     *this.timer = timer;
                     this.state.set(State::Called { future });
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
             }
-        }
+        };
+        *this.attempt_span = Span::none();
+        observe::record_call(
+            this.call_span,
+            &answer,
+            this.call.grpc(),
+            this.call.attempts(),
+        );
+        Poll::Ready(answer)
     }
 }

@@ -180,8 +180,45 @@
 //!
 //! # Observability
 //!
-//! Each retry is a `DEBUG` tracing event, each give-up an `INFO` event, each budget refusal a
-//! `WARN` event, all with the attempt number and code. [`RetryLayer::stats`] returns counters.
+//! **Counters**: [`RetryLayer::stats`], always.
+//!
+//! **Tracing.** Each call is a `DEBUG` span `retry_layer.call`, and each attempt a
+//! `retry_layer.attempt` span inside it, with OpenTelemetry's attribute names:
+//!
+//! - HTTP: `http.request.method`, `url.full`, `server.address` on the call;
+//!   `http.request.resend_count` (0 for the first attempt) on each attempt;
+//!   `http.response.status_code` on both;
+//! - gRPC: `rpc.system = "grpc"`, `rpc.service`, `rpc.method`, `server.address` on the call,
+//!   `grpc.previous_rpc_attempts` on each attempt, and `rpc.grpc.status_code` on both when the
+//!   answer is trailers-only (a streamed answer's status is in its trailers, which the layer
+//!   does not wait for);
+//! - ours: `retry.code` (the attempt's classified code, [`Code::as_str`](reason_code::Code::as_str)),
+//!   `error.type` = `unsent` / `ambiguous` for a transport error, `retry.attempts` on the call.
+//!
+//! The inner service's future is polled inside its attempt's span, so the client's own spans
+//! nest under it. With no subscriber enabling `DEBUG`, both spans are `Span::none()` and no
+//! field is evaluated.
+//!
+//! Each retry, give-up and budget refusal is a `DEBUG` event with the attempt number and code.
+//! A dead backend makes every call give up, so the layer also writes a `WARN` summary, at most
+//! one per 10 s per layer, with how many calls gave up (`gave_up`) and how many retries the
+//! budget refused (`budget_refusals`) since the last one.
+//!
+//! **Metrics** (feature `metrics`), through the [`metrics`](https://docs.rs/metrics) facade, to
+//! whatever recorder the application installs:
+//!
+//! | name | type | labels | counts |
+//! |---|---|---|---|
+//! | `retry_layer_requests_total` | counter | | calls |
+//! | `retry_layer_attempts_total` | counter | `code` | attempts, by the code they ended with |
+//! | `retry_layer_retries_total` | counter | `code` | retries, by the code that caused them |
+//! | `retry_layer_budget_refusals_total` | counter | `code` | retries the budget refused |
+//! | `retry_layer_give_ups_total` | counter | `reason`, `code` | retryable outcomes returned |
+//!
+//! `code` is [`Code::as_str`](reason_code::Code::as_str) (`OK`, `UNAVAILABLE`, ...; a transport
+//! error is `UNAVAILABLE`); `reason` is `exhausted`, `deadline`, `pushback` or
+//! `not_replayable`. Every key is a `static`: counting is a few atomic increments, with no
+//! allocation. Without the feature nothing is compiled in.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(rust_2018_idioms, warnings))))]
 
@@ -195,6 +232,7 @@ mod decide;
 mod error;
 mod future;
 mod layer;
+mod observe;
 mod policy;
 mod request;
 mod service;

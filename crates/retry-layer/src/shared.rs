@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use crate::budget::Budget;
+use crate::observe::WarnSummary;
 use crate::policy::RetryPolicy;
 use crate::stats::Counters;
 
@@ -14,6 +15,8 @@ pub(crate) struct Shared {
     pub(crate) policy: RetryPolicy,
     pub(crate) budget: Arc<dyn Budget>,
     pub(crate) stats: Counters,
+    /// The layer's rate-limited WARN summary of give-ups and budget refusals.
+    pub(crate) warnings: WarnSummary,
 }
 
 impl Shared {
@@ -23,6 +26,7 @@ impl Shared {
             budget: policy.budget.make(),
             policy,
             stats: Counters::default(),
+            warnings: WarnSummary::default(),
         }
     }
 }

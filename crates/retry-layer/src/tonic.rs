@@ -1,6 +1,6 @@
 //! A nameable retrying tonic client (cargo feature `tonic`).
 //!
-//! [`RetryLayer`](crate::RetryLayer) hands its inner service requests whose body is a
+//! [`RetryLayer`] hands its inner service requests whose body is a
 //! [`ReplayBody`]; a tonic `Channel` takes `tonic::body::Body`. [`TonicBody`] converts between
 //! the two, so the retrying channel is a plain, nameable type, [`RetryChannel<Channel>`], that a
 //! generated client can hold in a struct field or a type alias (a `map_request` closure would

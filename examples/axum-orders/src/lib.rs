@@ -8,11 +8,13 @@
 //!
 //! The library holds what the binaries, the tonic example and the end-to-end tests share: the
 //! [`inventory`] (books, orders, counters of real side effects), the [`auth`] demo layer, the
-//! HTTP [`server`], the retrying [`client`] and the [`store`] selection.
+//! HTTP [`server`] and its Prometheus [`metrics`] page, the retrying [`client`] and the
+//! [`store`] selection.
 
 pub mod auth;
 pub mod cli;
 pub mod client;
 pub mod inventory;
+pub mod metrics;
 pub mod server;
 pub mod store;

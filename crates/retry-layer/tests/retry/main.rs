@@ -9,6 +9,8 @@ mod budget;
 mod deadline;
 mod grpc;
 mod grpc_wire;
+#[cfg(feature = "metrics")]
+mod metrics;
 mod on_the_wire;
 mod readiness;
 mod sockets;

@@ -1,12 +1,14 @@
 //! `orders-server [--listen ADDR] [--store memory|redis://...|postgres://...] [--work-ms N]`
 //!
-//! Prints exactly one line on stdout when ready: `listening on http://IP:PORT`.
+//! Prints exactly one line on stdout when ready: `listening on http://IP:PORT`. `GET /metrics`
+//! serves both layers' metrics in the Prometheus text format.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum_orders::cli::{init_tracing, ServerOpts};
 use axum_orders::inventory::Inventory;
+use axum_orders::metrics;
 use axum_orders::server::{app, bind, serve};
 use axum_orders::store;
 use clap::Parser;
@@ -30,6 +32,7 @@ struct Args {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     init_tracing();
+    let metrics = metrics::install()?;
     let args = Args::parse();
     let inventory = Inventory::seeded(Duration::from_millis(args.opts.work_ms));
     let (listener, addr) = bind(args.listen).await?;
@@ -37,6 +40,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let table = RetryTable::default().record_permanent_failures(args.record_permanent_failures);
     let layer = IdempotencyLayer::new(store).table(table);
     println!("listening on http://{addr}");
-    serve(listener, app(inventory, layer)).await?;
+    serve(
+        listener,
+        app(inventory, layer).merge(metrics::routes(metrics)),
+    )
+    .await?;
     Ok(())
 }

@@ -1,0 +1,349 @@
+//! What the layer tells the outside: a span per write and metrics (feature `metrics`).
+//!
+//! Without the `metrics` feature the metric functions are empty and inlined away, and
+//! [`timed`] returns the store's future as it is. With it, each counter is incremented under a
+//! `static` key (the label values are the reasons' and stores' own `&'static str`), so counting
+//! allocates nothing; a store operation reads the clock twice.
+
+use std::any::Any;
+use std::future::Future;
+
+use tracing::field::Empty;
+use tracing::Span;
+
+use crate::reject::RejectReason;
+use crate::store::{IdempotencyStore, MemoryStore};
+
+/// A store operation: the `op` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Op {
+    Begin,
+    Wait,
+    Complete,
+    Release,
+}
+
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+impl Op {
+    const ALL: [Op; 4] = [Op::Begin, Op::Wait, Op::Complete, Op::Release];
+
+    pub(crate) const fn as_str(self) -> &'static str {
+        match self {
+            Op::Begin => "begin",
+            Op::Wait => "wait",
+            Op::Complete => "complete",
+            Op::Release => "release",
+        }
+    }
+}
+
+/// The `store` label: which store a layer uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StoreKind {
+    Memory,
+    Redis,
+    Postgres,
+    /// Any other [`IdempotencyStore`].
+    Custom,
+}
+
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+impl StoreKind {
+    const ALL: [StoreKind; 4] = [
+        StoreKind::Memory,
+        StoreKind::Redis,
+        StoreKind::Postgres,
+        StoreKind::Custom,
+    ];
+
+    pub(crate) const fn as_str(self) -> &'static str {
+        match self {
+            StoreKind::Memory => "memory",
+            StoreKind::Redis => "redis",
+            StoreKind::Postgres => "postgres",
+            StoreKind::Custom => "custom",
+        }
+    }
+
+    /// The kind of `store` (an [`AnyStore`](crate::store::AnyStore) by the store it holds).
+    /// The type checks fold away once `St` is known.
+    pub(crate) fn of<St: IdempotencyStore>(store: &St) -> StoreKind {
+        let any = store as &dyn Any;
+        if any.is::<MemoryStore>() {
+            return StoreKind::Memory;
+        }
+        #[cfg(feature = "redis")]
+        if any.is::<crate::store::RedisStore>() {
+            return StoreKind::Redis;
+        }
+        #[cfg(feature = "postgres")]
+        if any.is::<crate::store::PostgresStore>() {
+            return StoreKind::Postgres;
+        }
+        match any.downcast_ref::<crate::store::AnyStore>() {
+            Some(crate::store::AnyStore::Memory(_)) => StoreKind::Memory,
+            #[cfg(feature = "redis")]
+            Some(crate::store::AnyStore::Redis(_)) => StoreKind::Redis,
+            #[cfg(feature = "postgres")]
+            Some(crate::store::AnyStore::Postgres(_)) => StoreKind::Postgres,
+            None => StoreKind::Custom,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The span of a write
+
+/// How a write ended: the `idempotency.outcome` attribute of its span.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// The handler ran (this request led, or the store failed and `fail_open` is set).
+    Executed,
+    /// The recorded response was replayed at once.
+    Replayed,
+    /// The request waited for the one in flight, then replayed its record.
+    Waited,
+    /// The layer answered with a rejection.
+    Rejected,
+}
+
+impl Outcome {
+    const fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Executed => "executed",
+            Outcome::Replayed => "replayed",
+            Outcome::Waited => "waited",
+            Outcome::Rejected => "rejected",
+        }
+    }
+}
+
+/// The span of one write (a request the layer manages): `Span::none()` unless a subscriber
+/// enables DEBUG for this crate, in which case no field is evaluated either.
+pub(crate) fn write_span(method: &http::Method, path: &str, grpc: bool) -> Span {
+    if grpc {
+        tracing::debug_span!(
+            "idempotency_layer.write",
+            rpc.system = "grpc",
+            rpc.method = path,
+            idempotency.outcome = Empty,
+            idempotency.reject_reason = Empty,
+        )
+    } else {
+        tracing::debug_span!(
+            "idempotency_layer.write",
+            http.request.method = %method,
+            url.path = path,
+            idempotency.outcome = Empty,
+            idempotency.reject_reason = Empty,
+        )
+    }
+}
+
+/// Records how the write of `span` ended.
+pub(crate) fn record_outcome(span: &Span, outcome: Outcome) {
+    span.record("idempotency.outcome", outcome.as_str());
+}
+
+/// Records that the write of `span` was rejected for `reason`.
+pub(crate) fn record_rejection(span: &Span, reason: RejectReason) {
+    if !span.is_disabled() {
+        span.record("idempotency.outcome", Outcome::Rejected.as_str());
+        span.record("idempotency.reject_reason", reason.as_str());
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Metrics
+
+#[cfg(feature = "metrics")]
+mod keys {
+    //! Every key is a `static`, its hash computed at compile time.
+
+    use metrics::{Key, Label, Level, Metadata};
+
+    use super::{Op, StoreKind};
+    use crate::reject::RejectReason;
+
+    pub(super) static META: Metadata<'static> =
+        Metadata::new("idempotency_layer", Level::INFO, Some("idempotency_layer"));
+
+    pub(super) static EXECUTIONS: Key = Key::from_static_name("idempotency_layer_executions_total");
+    pub(super) static REPLAYS: Key = Key::from_static_name("idempotency_layer_replays_total");
+    pub(super) static WAITS: Key = Key::from_static_name("idempotency_layer_waits_total");
+    pub(super) static RECORDS: Key = Key::from_static_name("idempotency_layer_records_total");
+    pub(super) static RELEASES: Key = Key::from_static_name("idempotency_layer_releases_total");
+    pub(super) static FAILED_OPEN: Key =
+        Key::from_static_name("idempotency_layer_failed_open_total");
+
+    const fn reason(i: usize) -> [Label; 1] {
+        [Label::from_static_parts(
+            "reason",
+            RejectReason::ALL[i].as_str(),
+        )]
+    }
+    static REASON: [[Label; 1]; 9] = [
+        reason(0),
+        reason(1),
+        reason(2),
+        reason(3),
+        reason(4),
+        reason(5),
+        reason(6),
+        reason(7),
+        reason(8),
+    ];
+    macro_rules! by_reason {
+        ($name:literal, [$($i:literal)*]) => {
+            [$(Key::from_static_parts($name, &REASON[$i])),*]
+        };
+    }
+    pub(super) static REJECTIONS: [Key; 9] =
+        by_reason!("idempotency_layer_rejections_total", [0 1 2 3 4 5 6 7 8]);
+
+    const fn op_store(op: usize, store: usize) -> [Label; 2] {
+        [
+            Label::from_static_parts("op", Op::ALL[op].as_str()),
+            Label::from_static_parts("store", StoreKind::ALL[store].as_str()),
+        ]
+    }
+    static OP_STORE: [[[Label; 2]; 4]; 4] = [
+        [
+            op_store(0, 0),
+            op_store(0, 1),
+            op_store(0, 2),
+            op_store(0, 3),
+        ],
+        [
+            op_store(1, 0),
+            op_store(1, 1),
+            op_store(1, 2),
+            op_store(1, 3),
+        ],
+        [
+            op_store(2, 0),
+            op_store(2, 1),
+            op_store(2, 2),
+            op_store(2, 3),
+        ],
+        [
+            op_store(3, 0),
+            op_store(3, 1),
+            op_store(3, 2),
+            op_store(3, 3),
+        ],
+    ];
+    macro_rules! by_op_store {
+        ($name:literal) => {
+            by_op_store!(@ $name, [0 1 2 3])
+        };
+        (@ $name:literal, [$($op:literal)*]) => {
+            [$([
+                Key::from_static_parts($name, &OP_STORE[$op][0]),
+                Key::from_static_parts($name, &OP_STORE[$op][1]),
+                Key::from_static_parts($name, &OP_STORE[$op][2]),
+                Key::from_static_parts($name, &OP_STORE[$op][3]),
+            ]),*]
+        };
+    }
+    pub(super) static STORE_ERRORS: [[Key; 4]; 4] =
+        by_op_store!("idempotency_layer_store_errors_total");
+    pub(super) static STORE_SECONDS: [[Key; 4]; 4] =
+        by_op_store!("idempotency_layer_store_seconds");
+}
+
+#[cfg(feature = "metrics")]
+#[inline]
+fn increment(key: &'static metrics::Key) {
+    metrics::with_recorder(|r| r.register_counter(key, &keys::META).increment(1));
+}
+
+macro_rules! counter_fns {
+    ($($(#[$doc:meta])* $name:ident => $key:ident;)*) => {$(
+        $(#[$doc])*
+        #[inline]
+        pub(crate) fn $name() {
+            #[cfg(feature = "metrics")]
+            increment(&keys::$key);
+        }
+    )*};
+}
+
+counter_fns! {
+    /// `idempotency_layer_executions_total`
+    executed => EXECUTIONS;
+    /// `idempotency_layer_replays_total`
+    replayed => REPLAYS;
+    /// `idempotency_layer_waits_total`
+    waited => WAITS;
+    /// `idempotency_layer_records_total`
+    recorded => RECORDS;
+    /// `idempotency_layer_releases_total`
+    released => RELEASES;
+    /// `idempotency_layer_failed_open_total`
+    failed_open => FAILED_OPEN;
+}
+
+/// `idempotency_layer_rejections_total{reason}`
+#[inline]
+pub(crate) fn rejected(reason: RejectReason) {
+    #[cfg(feature = "metrics")]
+    increment(&keys::REJECTIONS[reason.index()]);
+    #[cfg(not(feature = "metrics"))]
+    let _ = reason;
+}
+
+/// `idempotency_layer_store_errors_total{op,store}`
+#[inline]
+pub(crate) fn store_error(op: Op, store: StoreKind) {
+    #[cfg(feature = "metrics")]
+    increment(&keys::STORE_ERRORS[op as usize][store as usize]);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (op, store);
+}
+
+/// Times a store operation into `idempotency_layer_store_seconds{op,store}` (successes and
+/// failures alike). Without the `metrics` feature: `fut` itself.
+#[cfg(feature = "metrics")]
+pub(crate) async fn timed<F: Future>(op: Op, store: StoreKind, fut: F) -> F::Output {
+    let start = tokio::time::Instant::now();
+    let out = fut.await;
+    let seconds = start.elapsed().as_secs_f64();
+    let key = &keys::STORE_SECONDS[op as usize][store as usize];
+    metrics::with_recorder(|r| r.register_histogram(key, &keys::META).record(seconds));
+    out
+}
+
+/// Times a store operation into `idempotency_layer_store_seconds{op,store}` (successes and
+/// failures alike). Without the `metrics` feature: `fut` itself.
+#[cfg(not(feature = "metrics"))]
+#[inline]
+pub(crate) fn timed<F: Future>(op: Op, store: StoreKind, fut: F) -> F {
+    let _ = (op, store);
+    fut
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn label_enums_index_their_tables() {
+        for (i, op) in Op::ALL.into_iter().enumerate() {
+            assert_eq!(op as usize, i);
+        }
+        for (i, s) in StoreKind::ALL.into_iter().enumerate() {
+            assert_eq!(s as usize, i);
+        }
+        for (i, r) in RejectReason::ALL.into_iter().enumerate() {
+            assert_eq!(r.index(), i);
+        }
+    }
+
+    #[test]
+    fn stores_are_told_apart() {
+        assert_eq!(StoreKind::of(&MemoryStore::new()), StoreKind::Memory);
+        let any = crate::store::AnyStore::Memory(MemoryStore::new());
+        assert_eq!(StoreKind::of(&any), StoreKind::Memory);
+    }
+}
