@@ -8,7 +8,7 @@ use reason_code::{IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
 use tower_layer::Layer;
 
 use crate::config::{Config, InFlight, OnDisconnect, TenantFn, TenantSource};
-use crate::key::Scope;
+use crate::scope::Scope;
 use crate::service::Idempotency;
 use crate::shared::Shared;
 use crate::stats::IdempotencyStats;

@@ -278,6 +278,7 @@ mod observe;
 mod protocol;
 mod reject;
 mod renewal;
+mod scope;
 mod service;
 mod shared;
 mod stats;
@@ -287,7 +288,7 @@ mod wait_limit;
 pub use body::{IdempotencyBody, RequestBody};
 pub use config::{InFlight, OnDisconnect};
 pub use future::ResponseFuture;
-pub use key::{validate_key, KeyError, Scope, Tenant};
+pub use key::{validate_key, KeyError};
 pub use layer::IdempotencyLayer;
 /// The shared vocabulary ([`reason_code::RetryTable`], [`reason_code::ReasonCodes`],
 /// [`reason_code::IdempotentGrpcMethods`], [`reason_code::KeyHeaders`]), re-exported so a
@@ -295,6 +296,7 @@ pub use layer::IdempotencyLayer;
 pub use reason_code;
 pub use reason_code::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY};
 pub use reject::RejectReason;
+pub use scope::{Scope, Tenant};
 pub use service::Idempotency;
 pub use stats::IdempotencyStats;
 pub use store::{IdempotencyStore, MemoryStore, StoreError};

@@ -26,11 +26,12 @@ use crate::claim::{log_store_error, spawn_detached, Claim};
 use crate::classify;
 use crate::config::{Config, InFlight, OnDisconnect, TenantSource};
 use crate::future::ResponseFuture;
-use crate::key::{extract_key, fingerprint, Scope, Tenant};
+use crate::key::extract_key;
 use crate::observe::{self, Op, Outcome, StoreKind};
 use crate::protocol::Protocol;
 use crate::reject::reject;
 use crate::reject::RejectReason;
+use crate::scope::{fingerprint, Scope, Tenant};
 use crate::shared::Shared;
 use crate::stats::IdempotencyStats;
 use crate::store::{

@@ -1,0 +1,259 @@
+//! Tenants, scopes and fingerprints: what a key is scoped by, and what a request is compared by.
+
+use std::sync::Arc;
+
+use crate::store::{Fingerprint, ScopeKey};
+
+/// The authenticated tenant of a request: a request extension that an authentication layer
+/// placed before [`IdempotencyLayer`](crate::IdempotencyLayer) inserts.
+///
+/// Keys are scoped per tenant, so two tenants that pick the same key never see each other's
+/// responses. The layer never trusts a client header for this unless configured with
+/// [`tenant_from_header`](crate::IdempotencyLayer::tenant_from_header).
+///
+/// ```
+/// use idempotency_layer::Tenant;
+///
+/// let mut req = http::Request::new(());
+/// req.extensions_mut().insert(Tenant::new("acme"));
+/// assert_eq!(req.extensions().get::<Tenant>().unwrap().as_str(), "acme");
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Tenant(pub Arc<str>);
+
+impl Tenant {
+    /// A tenant with this identifier.
+    pub fn new(id: impl Into<Arc<str>>) -> Self {
+        Tenant(id.into())
+    }
+
+    /// The identifier.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// The three parts of a scope: one execution happens per distinct scope.
+///
+/// `method` is `"POST /orders"` (HTTP method, a space, the path) for HTTP requests and the gRPC
+/// path `"/package.Service/Method"` for gRPC requests: see [`Scope::http`] and [`Scope::grpc`].
+/// Use it with [`IdempotencyLayer::forget`](crate::IdempotencyLayer::forget).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scope<'a> {
+    /// The tenant identifier.
+    pub tenant: &'a str,
+    /// The method: `"POST /orders"` or `"/package.Service/Method"`.
+    pub method: &'a str,
+    /// The idempotency key.
+    pub key: &'a str,
+}
+
+const SCOPE_DOMAIN: &[u8] = b"idempotency-layer scope v1\0";
+const FINGERPRINT_DOMAIN: &[u8] = b"idempotency-layer fingerprint v1\0";
+
+impl<'a> Scope<'a> {
+    /// A scope from its parts.
+    pub fn new(tenant: &'a str, method: &'a str, key: &'a str) -> Self {
+        Scope {
+            tenant,
+            method,
+            key,
+        }
+    }
+
+    /// The method string of an HTTP request: `"POST /orders"`.
+    pub fn http(method: &http::Method, path: &str) -> String {
+        format!("{} {}", method.as_str(), path)
+    }
+
+    /// The method string of a gRPC request: its path, `"/package.Service/Method"`.
+    pub fn grpc(path: &str) -> String {
+        path.to_owned()
+    }
+
+    /// The unambiguous encoding: each part as an 8-byte little-endian length and its bytes.
+    /// Different scopes always encode differently (no `"a" + "bc"` vs `"ab" + "c"` collision).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out =
+            Vec::with_capacity(24 + self.tenant.len() + self.method.len() + self.key.len());
+        for part in [self.tenant, self.method, self.key] {
+            out.extend_from_slice(&(part.len() as u64).to_le_bytes());
+            out.extend_from_slice(part.as_bytes());
+        }
+        out
+    }
+
+    /// The store key: the BLAKE3 hash of the encoding.
+    pub fn key(&self) -> ScopeKey {
+        let mut h = blake3::Hasher::new();
+        h.update(SCOPE_DOMAIN);
+        h.update(&self.encode());
+        ScopeKey(*h.finalize().as_bytes())
+    }
+}
+
+/// The fingerprint of a request: method, path, query, content type and body, each
+/// length-prefixed, hashed with BLAKE3.
+pub(crate) fn fingerprint(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
+    let content_type = parts
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .map(|v| v.as_bytes())
+        .unwrap_or_default();
+    let mut h = blake3::Hasher::new();
+    h.update(FINGERPRINT_DOMAIN);
+    for part in [
+        parts.method.as_str().as_bytes(),
+        parts.uri.path().as_bytes(),
+        parts.uri.query().unwrap_or_default().as_bytes(),
+        content_type,
+        body,
+    ] {
+        h.update(&(part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
+    Fingerprint(*h.finalize().as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Stored records are found by scope key and checked by fingerprint across instances,
+    /// restarts and upgrades: a change to either encoding would orphan every stored record (and
+    /// let a retried write execute again). These values must never change within `v1`.
+    #[test]
+    fn scope_key_and_fingerprint_are_stable_across_versions() {
+        let scope = Scope::new("acme", "POST /orders", "order-0001").key();
+        assert_eq!(
+            scope.to_hex(),
+            "fc0970866b580da848999be4eefc6c092e402b8ffbd978d8e25015e428f6def1",
+            "the scope encoding changed: bump SCOPE_DOMAIN's version instead"
+        );
+        let parts = http::Request::post("/orders?x=1")
+            .header("content-type", "application/json")
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0;
+        let fp = fingerprint(&parts, b"{\"sku\":\"b1\"}");
+        assert_eq!(
+            crate::store::ScopeKey(fp.0).to_hex(),
+            "7c29b3d95cb2904c009feea9bdf32f34074c64ad0a2aaa66f814dfa4bc44e5b6",
+            "the fingerprint changed: bump FINGERPRINT_DOMAIN's version instead"
+        );
+    }
+
+    #[test]
+    fn fingerprint_covers_each_part() {
+        let base = || {
+            http::Request::post("/orders?x=1")
+                .header("content-type", "application/json")
+                .body(())
+                .unwrap()
+                .into_parts()
+                .0
+        };
+        let fp = fingerprint(&base(), b"{}");
+        assert_eq!(fp, fingerprint(&base(), b"{}"));
+        assert_ne!(fp, fingerprint(&base(), b"{ }"));
+        let mut p = base();
+        p.uri = "/orders?x=2".parse().unwrap();
+        assert_ne!(fp, fingerprint(&p, b"{}"));
+        let mut p = base();
+        p.uri = "/order?x=1".parse().unwrap();
+        assert_ne!(fp, fingerprint(&p, b"{}"));
+        let mut p = base();
+        p.method = http::Method::PUT;
+        assert_ne!(fp, fingerprint(&p, b"{}"));
+        let mut p = base();
+        p.headers
+            .insert("content-type", "text/plain".parse().unwrap());
+        assert_ne!(fp, fingerprint(&p, b"{}"));
+    }
+
+    proptest! {
+        /// Two triples built from the same characters split differently encode differently,
+        /// and equal triples encode equally: the encoding is injective.
+        #[test]
+        fn scope_encoding_is_injective(
+            s in "[a-c/ ]{0,12}",
+            cuts in (0usize..=12, 0usize..=12, 0usize..=12, 0usize..=12),
+        ) {
+            let split = |a: usize, b: usize| {
+                let (a, b) = (a.min(s.len()), b.min(s.len()));
+                let (a, b) = (a.min(b), a.max(b));
+                (&s[..a], &s[a..b], &s[b..])
+            };
+            let x = split(cuts.0, cuts.1);
+            let y = split(cuts.2, cuts.3);
+            let ex = Scope::new(x.0, x.1, x.2).encode();
+            let ey = Scope::new(y.0, y.1, y.2).encode();
+            prop_assert_eq!(ex == ey, x == y);
+            prop_assert_eq!(Scope::new(x.0, x.1, x.2).key() == Scope::new(y.0, y.1, y.2).key(), x == y);
+        }
+
+        /// Over arbitrary strings of any length (any Unicode, NUL, the separators people use):
+        /// the encoding reads back to exactly its three parts, so no two (tenant, method, key)
+        /// triples share an encoding, and their store keys differ.
+        #[test]
+        fn scope_encoding_reads_back_to_its_parts(
+            a in (any::<String>(), any::<String>(), any::<String>()),
+            b in (any::<String>(), any::<String>(), any::<String>()),
+        ) {
+            for t in [&a, &b] {
+                let e = Scope::new(&t.0, &t.1, &t.2).encode();
+                let mut rest = &e[..];
+                let mut parts = Vec::new();
+                for _ in 0..3 {
+                    let (len, tail) = rest.split_at(8);
+                    let len = u64::from_le_bytes(len.try_into().unwrap()) as usize;
+                    parts.push(&tail[..len]);
+                    rest = &tail[len..];
+                }
+                prop_assert!(rest.is_empty());
+                prop_assert_eq!(parts, vec![t.0.as_bytes(), t.1.as_bytes(), t.2.as_bytes()]);
+            }
+            let (ka, kb) = (Scope::new(&a.0, &a.1, &a.2).key(), Scope::new(&b.0, &b.1, &b.2).key());
+            prop_assert_eq!(ka == kb, a == b);
+            // Moving bytes between tenant and key never lands on another tenant's record.
+            let moved = format!("{}{}", a.0, a.2);
+            prop_assert_eq!(Scope::new("", &a.1, &moved).key() == ka, a.0.is_empty());
+        }
+
+        /// The fingerprint depends only on method, path, query, content type and body: other
+        /// headers, their order and extensions do not change it, and it is the same every time.
+        #[test]
+        fn fingerprint_is_stable(
+            body in proptest::collection::vec(any::<u8>(), 0..256),
+            noise in proptest::collection::vec(("x-[a-z]{1,8}", "[a-z0-9]{0,16}"), 0..6),
+        ) {
+            let parts = |noise: &[(String, String)]| {
+                let mut b = http::Request::post("/orders?a=1").header("content-type", "application/json");
+                for (k, v) in noise {
+                    b = b.header(k.as_str(), v.as_str());
+                }
+                b.body(()).unwrap().into_parts().0
+            };
+            let clean = fingerprint(&parts(&[]), &body);
+            prop_assert_eq!(clean, fingerprint(&parts(&noise), &body));
+            let mut reversed = noise.clone();
+            reversed.reverse();
+            prop_assert_eq!(clean, fingerprint(&parts(&reversed), &body));
+            let mut other = body.clone();
+            other.push(0);
+            prop_assert_ne!(clean, fingerprint(&parts(&[]), &other));
+        }
+
+        #[test]
+        fn scope_encoding_is_injective_for_any_strings(
+            a in (".{0,6}", ".{0,6}", ".{0,6}"),
+            b in (".{0,6}", ".{0,6}", ".{0,6}"),
+        ) {
+            let ea = Scope::new(&a.0, &a.1, &a.2).encode();
+            let eb = Scope::new(&b.0, &b.1, &b.2).encode();
+            prop_assert_eq!(ea == eb, a == b);
+        }
+    }
+}
