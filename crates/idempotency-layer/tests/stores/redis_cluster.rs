@@ -5,14 +5,12 @@
 //! Unset: each test says so and passes, unless `CI` is set (then a skip is a failure).
 
 #[allow(unused_imports)] // the proxy helpers are for the other stores' tests
-mod shared_stores;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use crate::support::*;
 use idempotency_layer::store::{AnyStore, Begin, Fingerprint};
 use idempotency_layer::{conformance, IdempotencyStore, RedisStore};
-use shared_stores::*;
 
 /// The cluster's node URLs, or `None` (skip) when `REDIS_CLUSTER_URLS` is unset outside CI.
 fn cluster_urls() -> Option<Vec<String>> {

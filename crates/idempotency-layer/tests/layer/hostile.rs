@@ -2,18 +2,16 @@
 //! tenant flooding the store with keys, a flood of duplicates of one key, bodies at and over
 //! the limit, a corrupt store entry, and what reaches the logs.
 
-mod common;
-
 use std::io::Write;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::*;
 use axum::body::Body;
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
-use common::*;
 use http::{HeaderValue, Request, StatusCode};
 use idempotency_layer::store::{Begin, Fingerprint, Record, ScopeKey, Token};
 use idempotency_layer::{

@@ -1,8 +1,6 @@
 //! The layer on a tonic server over a real socket, with a hand-written prost service (no
 //! protoc): replays with trailers, key validation and mismatches as gRPC statuses.
 
-mod common;
-
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -11,8 +9,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use crate::support::collect;
 use bytes::{BufMut, Bytes, BytesMut};
-use common::collect;
 use http::uri::PathAndQuery;
 use http_body_util::Full;
 use hyper_util::client::legacy::Client;

@@ -4,13 +4,11 @@
 //! batched cleanup of expired rows. Each test works in a schema of its own. Unset
 //! `DATABASE_URL`: each test says so and passes; set but unreachable: each test fails.
 
-mod shared_stores;
-
 use std::time::Duration;
 
+use crate::support::*;
 use idempotency_layer::store::{Begin, Fingerprint};
 use idempotency_layer::{conformance, IdempotencyStore, PostgresStore, PostgresStoreBuilder};
-use shared_stores::*;
 
 /// A builder on `url` in a schema of its own (returned, to drop it at the end).
 fn builder(url: &str) -> (PostgresStoreBuilder, String) {

@@ -6,19 +6,17 @@
 //! trailers are sent, and never poll an empty one; these tests are the ones that catch a layer
 //! that records only when a body returns `None`.
 
-mod common;
-
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::{collect, serve, Collected};
 use axum::body::Body;
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
-use common::{collect, serve, Collected};
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use http_body::Frame;
 use http_body_util::{Full, StreamBody};

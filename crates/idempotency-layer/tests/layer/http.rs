@@ -1,17 +1,15 @@
 //! The layer on axum routers: over real sockets where the issue asks for it, else through the
 //! router as a tower service.
 
-mod common;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::*;
 use axum::body::Body;
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
-use common::*;
 use http::{HeaderValue, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use idempotency_layer::{

@@ -3,14 +3,12 @@
 //! proxy, and a corrupt entry. Unset `REDIS_URL`: each test says so and passes; set but
 //! unreachable: each test fails.
 
-mod shared_stores;
-
 use std::time::Duration;
 
+use crate::support::*;
 use idempotency_layer::store::{Begin, Fingerprint};
 use idempotency_layer::{conformance, IdempotencyStore, RedisStore};
 use redis::AsyncCommands;
-use shared_stores::*;
 
 /// A store on `REDIS_URL` with a prefix of its own, or `None` (skip) when it is unset.
 async fn store(url: &str) -> RedisStore {

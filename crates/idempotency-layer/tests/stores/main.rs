@@ -1,0 +1,16 @@
+//! The stores' integration tests, one binary: `MemoryStore`, and `RedisStore` (standalone and
+//! Cluster) and `PostgresStore` against the real servers named by `REDIS_URL`,
+//! `REDIS_CLUSTER_URLS` and `DATABASE_URL`. The Redis and PostgreSQL suites share their tests
+//! through `support::shared_store_suite!`. Unset URLs: a test says so and passes, except in CI,
+//! where it fails.
+
+#[cfg(feature = "conformance")]
+mod support;
+
+mod memory;
+#[cfg(all(feature = "postgres", feature = "conformance"))]
+mod postgres;
+#[cfg(all(feature = "redis", feature = "conformance"))]
+mod redis;
+#[cfg(all(feature = "redis-cluster", feature = "conformance"))]
+mod redis_cluster;
