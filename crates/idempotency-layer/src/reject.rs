@@ -9,7 +9,6 @@ use reason_code::{
     IDEMPOTENCY_IN_FLIGHT, REQUEST_TOO_LARGE,
 };
 
-use crate::body::IdempotencyBody;
 use crate::protocol::Protocol;
 
 /// Why a request was answered by the layer instead of the handler.
@@ -120,17 +119,17 @@ impl RejectReason {
 }
 
 /// Builds the response for a rejection, in the request's protocol, with its reason code (if it
-/// has one) in `reason_header`.
-pub(crate) fn reject<B>(
+/// has one) in `reason_header`; its body is the whole of it (empty for gRPC).
+pub(crate) fn render(
     reason: RejectReason,
     detail: &str,
     protocol: &Protocol,
     reason_header: &HeaderName,
-) -> Response<IdempotencyBody<B>> {
+) -> Response<Bytes> {
     let (status, code) = reason.status();
     tracing::debug!(reason = reason.as_str(), detail, "idempotency: rejected");
     let mut res = if protocol.is_grpc() {
-        let mut res = Response::new(IdempotencyBody::empty());
+        let mut res = Response::new(Bytes::new());
         let h = res.headers_mut();
         let content_type = match protocol {
             Protocol::GrpcWeb(ct) => ct.clone(),
@@ -151,7 +150,7 @@ pub(crate) fn reject<B>(
             "detail": detail,
             "code": code.as_str(),
         });
-        let mut res = Response::new(IdempotencyBody::full(Bytes::from(body.to_string())));
+        let mut res = Response::new(Bytes::from(body.to_string()));
         *res.status_mut() = status;
         res.headers_mut().insert(
             CONTENT_TYPE,
@@ -206,7 +205,7 @@ mod tests {
                 RejectReason::InFlight | RejectReason::StoreUnavailable
             );
             for protocol in &protocols {
-                let res = reject::<()>(reason, "detail", protocol, &X_REASON_CODE);
+                let res = render(reason, "detail", protocol, &X_REASON_CODE);
                 let code = client_code(res.headers(), res.status(), protocol.is_grpc());
                 let verdict = RetryTable::default().verdict(Outcome::Status(code), true);
                 let expected = if retry {

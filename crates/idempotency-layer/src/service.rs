@@ -29,8 +29,7 @@ use crate::future::ResponseFuture;
 use crate::key::extract_key;
 use crate::observe::{self, Op, Outcome, StoreKind};
 use crate::protocol::Protocol;
-use crate::reject::reject;
-use crate::reject::RejectReason;
+use crate::reject::{render, RejectReason};
 use crate::scope::{fingerprint, Scope, Tenant};
 use crate::shared::Shared;
 use crate::stats::IdempotencyStats;
@@ -215,6 +214,16 @@ fn tenant<B>(cfg: &Config, req: Request<B>) -> (Option<Arc<str>>, Request<B>) {
         }
     };
     (found, req)
+}
+
+/// A rejection as the layer's response.
+fn reject<B>(
+    reason: RejectReason,
+    detail: &str,
+    protocol: &Protocol,
+    reason_header: &http::HeaderName,
+) -> Response<IdempotencyBody<B>> {
+    render(reason, detail, protocol, reason_header).map(IdempotencyBody::full)
 }
 
 /// Why the leader's handler produced no response.
