@@ -121,7 +121,8 @@
 //! what it replays.
 //!
 //! With a hyper-util client the body type is inferred. A tonic `Channel` takes
-//! `tonic::body::Body`; convert with `map_request`:
+//! `tonic::body::Body`: with the `tonic` feature, [`RetryLayer::tonic_channel`] makes a
+//! nameable `tonic::RetryChannel<Channel>`; without it, convert with `map_request`:
 //!
 //! ```
 //! # fn channel() -> tonic::transport::Channel {
