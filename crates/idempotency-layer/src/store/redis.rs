@@ -855,6 +855,27 @@ enum Command {
 /// Owns the store's pub/sub connection: subscribes and unsubscribes channels as waiters come
 /// and go, wakes local waiters on messages, and reconnects (resubscribing every channel that
 /// still has waiters) when the connection is lost. Ends when the store is dropped.
+/// Waits out `backoff` before the pub/sub connection is tried again, doubling it up to 2 s, while
+/// dropping the subscribe and unsubscribe requests that arrive meanwhile (their waiters poll).
+/// False when the store is gone (a channel closed): the task ends.
+async fn sit_out(
+    backoff: &mut Duration,
+    commands: &mut mpsc::UnboundedReceiver<Command>,
+    unsubscribe: &mut mpsc::UnboundedReceiver<String>,
+) -> bool {
+    let sleep = tokio::time::sleep(*backoff);
+    tokio::pin!(sleep);
+    loop {
+        tokio::select! {
+            _ = &mut sleep => break,
+            c = commands.recv() => if c.is_none() { return false },
+            u = unsubscribe.recv() => if u.is_none() { return false },
+        }
+    }
+    *backoff = (*backoff * 2).min(Duration::from_secs(2));
+    true
+}
+
 async fn pubsub_task(
     client: redis::Client,
     prefix: String,
@@ -876,16 +897,9 @@ async fn pubsub_task(
         let Some((mut sink, mut stream)) = connected else {
             // Waiters poll meanwhile; pending subscriptions are dropped (their waiters poll).
             waiters.wake_all();
-            let sleep = tokio::time::sleep(backoff);
-            tokio::pin!(sleep);
-            loop {
-                tokio::select! {
-                    _ = &mut sleep => break,
-                    c = commands.recv() => if c.is_none() { return },
-                    u = unsubscribe.recv() => if u.is_none() { return },
-                }
+            if !sit_out(&mut backoff, &mut commands, &mut unsubscribe).await {
+                return;
             }
-            backoff = (backoff * 2).min(Duration::from_secs(2));
             continue;
         };
         backoff = Duration::from_millis(50);
@@ -970,16 +984,9 @@ async fn cluster_pubsub_task(
         };
         let Some(mut conn) = connected else {
             waiters.wake_all();
-            let sleep = tokio::time::sleep(backoff);
-            tokio::pin!(sleep);
-            loop {
-                tokio::select! {
-                    _ = &mut sleep => break,
-                    c = commands.recv() => if c.is_none() { return },
-                    u = unsubscribe.recv() => if u.is_none() { return },
-                }
+            if !sit_out(&mut backoff, &mut commands, &mut unsubscribe).await {
+                return;
             }
-            backoff = (backoff * 2).min(Duration::from_secs(2));
             continue;
         };
         backoff = Duration::from_millis(50);
