@@ -103,6 +103,10 @@ pub(crate) fn error(err: &BoxError) -> Outcome {
         if let Some(outcome) = hyper_error(e) {
             return outcome;
         }
+        #[cfg(feature = "reqwest")]
+        if reqwest_connect_error(e) {
+            return Outcome::Unsent;
+        }
         if let Some(e) = e.downcast_ref::<std::io::Error>() {
             use std::io::ErrorKind::*;
             if matches!(e.kind(), ConnectionRefused | AddrNotAvailable) {
@@ -133,6 +137,21 @@ fn hyper_error(e: &(dyn StdError + 'static)) -> Option<Outcome> {
         }
     }
     None
+}
+
+/// A reqwest error that failed to connect: the request never left (reqwest's transport
+/// errors hide their source chain behind `reqwest_middleware::Error`'s transparent variant).
+#[cfg(feature = "reqwest")]
+fn reqwest_connect_error(e: &(dyn StdError + 'static)) -> bool {
+    let e = match e.downcast_ref::<reqwest_middleware::Error>() {
+        Some(reqwest_middleware::Error::Reqwest(e)) => e,
+        Some(_) => return false,
+        None => match e.downcast_ref::<reqwest::Error>() {
+            Some(e) => e,
+            None => return false,
+        },
+    };
+    e.is_connect()
 }
 
 #[cfg(test)]

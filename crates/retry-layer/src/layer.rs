@@ -52,6 +52,12 @@ impl RetryLayer {
     pub fn policy(&self) -> &RetryPolicy {
         &self.shared.policy
     }
+
+    /// The policy, budget and counters this layer shares with every service it made.
+    #[cfg_attr(not(feature = "reqwest"), allow(dead_code))]
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
 }
 
 impl<S> Retry<S> {

@@ -148,6 +148,11 @@
 //! # }
 //! ```
 //!
+//! A reqwest client is not a tower service: with the `reqwest` feature,
+//! [`reqwest::RetryMiddleware`] runs the same machinery as a
+//! [`reqwest-middleware`](https://docs.rs/reqwest-middleware) middleware (same policy, table,
+//! budget and keys; it can share a layer's budget with `RetryMiddleware::from(&layer)`).
+//!
 //! # Differences from `tower::retry` and gRFC A6
 //!
 //! - `tower::retry` asks every user to write the policy, clone the request (so bodies must be
@@ -236,6 +241,8 @@ mod layer;
 mod observe;
 mod policy;
 mod request;
+#[cfg(feature = "reqwest")]
+pub mod reqwest;
 mod service;
 mod shared;
 mod stats;

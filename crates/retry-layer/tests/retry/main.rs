@@ -13,6 +13,8 @@ mod grpc_wire;
 mod metrics;
 mod on_the_wire;
 mod readiness;
+#[cfg(feature = "reqwest")]
+mod reqwest_client;
 mod sockets;
 mod table;
 mod timing;
