@@ -15,6 +15,9 @@
 //!   code, then `grpc-status`, then the HTTP status; a streaming gRPC response at its end).
 //! - [`IdempotentGrpcMethods`] and [`KeyHeaders`]: the settings both layers take, as one type
 //!   each, so the same string means the same thing on both sides.
+//! - [`Hop`]: what a server hop knows of the request it serves (was it a retry? did the hop give
+//!   up on its own downstream?), shared with the outbound calls its handler makes, so that
+//!   retries happen at one tier only.
 //!
 //! # Example
 //!
@@ -40,6 +43,7 @@
 mod classify;
 mod code;
 mod headers;
+mod hop;
 mod http_status;
 mod reason;
 mod table;
@@ -53,7 +57,10 @@ pub use headers::{
     GRPC_MESSAGE, GRPC_PREVIOUS_RPC_ATTEMPTS, GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS, GRPC_TIMEOUT,
     IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY, X_PREVIOUS_ATTEMPTS, X_REASON_CODE,
 };
-pub use reason::{ReasonCodes, IDEMPOTENCY_IN_FLIGHT, REQUEST_TOO_LARGE};
+pub use hop::Hop;
+pub use reason::{
+    ReasonCodes, DO_NOT_RETRY, IDEMPOTENCY_IN_FLIGHT, REQUEST_TOO_LARGE, RETRIES_DEFERRED,
+};
 pub use table::{ClientRule, Outcome, RecordRule, RetryTable, Verdict};
 pub use vocabulary::{IdempotentGrpcMethods, InvalidGrpcMethod, KeyHeaders, NoKeyHeader};
 

@@ -25,11 +25,34 @@ pub const IDEMPOTENCY_IN_FLIGHT: &str = "IDEMPOTENCY_IN_FLIGHT";
 /// [`ReasonCodes`] knows it, even [`ReasonCodes::empty`].
 pub const REQUEST_TOO_LARGE: &str = "REQUEST_TOO_LARGE";
 
-/// The reasons every table knows: the idempotency layer's own answers, which both halves must
-/// read the same way whatever the user configured.
-const PROTOCOL_REASONS: [(&str, Code); 2] = [
+/// The reason code of a hop whose downstream failure no retry can help: its own downstream
+/// said "do not retry" (this same signal, or a negative `grpc-retry-pushback-ms`) or asked for a
+/// longer wait than the hop accepts, or the deadline is spent. The HTTP form of gRPC's negative
+/// `grpc-retry-pushback-ms`. See [`Hop`](crate::Hop).
+///
+/// It maps onto [`Code::Unavailable`] (the server records nothing, the budget counts a failure),
+/// and a `retry-layer` client that reads it does not retry. Every [`ReasonCodes`] knows it, even
+/// [`ReasonCodes::empty`].
+pub const DO_NOT_RETRY: &str = "DO_NOT_RETRY";
+
+/// The reason code of a hop that has done its share of retrying: its retries of the
+/// downstream failure ran out (attempts exhausted, budget refused, body not replayable), or the
+/// request it served was itself a retry and its outbound call sent once. See
+/// [`Hop`](crate::Hop).
+///
+/// It maps onto [`Code::Unavailable`]. A `retry-layer` client that reads it retries only while
+/// its own adaptive budget allows (gRFC A6 throttling: while nearly all of its calls succeed),
+/// so that a backend failing a few requests is still retried past a hop that ran out, while a
+/// dead one is not retried at every hop. Every [`ReasonCodes`] knows it.
+pub const RETRIES_DEFERRED: &str = "RETRIES_DEFERRED";
+
+/// The reasons every table knows: the layers' own answers, which both halves must read the same
+/// way whatever the user configured.
+const PROTOCOL_REASONS: [(&str, Code); 4] = [
     (IDEMPOTENCY_IN_FLIGHT, Code::Unavailable),
     (REQUEST_TOO_LARGE, Code::InvalidArgument),
+    (DO_NOT_RETRY, Code::Unavailable),
+    (RETRIES_DEFERRED, Code::Unavailable),
 ];
 
 /// The user-extensible map from business reason codes to [`Code`]s, and the header they travel in.
@@ -110,8 +133,24 @@ impl ReasonCodes {
     /// The code named by the reason-code header of `headers`, if the header is present, single,
     /// and names a known reason. Unknown reasons are ignored: the status decides.
     pub fn classify(&self, headers: &HeaderMap) -> Option<Code> {
-        let value = headers.get(&self.header)?;
-        self.get(value.to_str().ok()?.trim())
+        self.get(self.reason(headers)?)
+    }
+
+    /// True when `headers` carry [`DO_NOT_RETRY`]: no retry can help, the caller must not
+    /// retry.
+    pub fn says_do_not_retry(&self, headers: &HeaderMap) -> bool {
+        self.reason(headers) == Some(DO_NOT_RETRY)
+    }
+
+    /// True when `headers` carry [`RETRIES_DEFERRED`]: the server's hop has done its share of
+    /// retrying; the caller retries only within its adaptive budget.
+    pub fn says_retries_deferred(&self, headers: &HeaderMap) -> bool {
+        self.reason(headers) == Some(RETRIES_DEFERRED)
+    }
+
+    /// The reason named by the reason-code header, trimmed.
+    fn reason<'h>(&self, headers: &'h HeaderMap) -> Option<&'h str> {
+        Some(headers.get(&self.header)?.to_str().ok()?.trim())
     }
 }
 

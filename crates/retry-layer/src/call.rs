@@ -12,13 +12,16 @@ use tokio::time::Instant;
 use tower_service::Service;
 use tracing::Span;
 
+use reason_code::Hop;
+
 use crate::body::{BodyHandle, ReplayBody};
+use crate::budget::Budget;
 use crate::classify;
 use crate::deadline::{deadline_of, rewrite_grpc_timeout, Timer};
-use crate::decide::{decide, Attempt, Ended, Step, Why};
+use crate::decide::{decide, Attempt, Budgets, Ended, Step, Why};
 use crate::error::RetryError;
 use crate::observe::{self, GiveUp};
-use crate::policy::{Conflict, RebuildFuture};
+use crate::policy::{Conflict, InboundRetry, RebuildFuture};
 use crate::request::{
     clone_parts, intent_key, judge, remove_attempt_headers, write_previous_attempts,
 };
@@ -42,6 +45,11 @@ pub(crate) struct Call<S, B> {
     generated_key: Option<HeaderValue>,
     /// The code of the outcome a rebuild hook is answering (labels a budget refusal).
     rebuilding: reason_code::Code,
+    /// The server hop this call is made from, if the handler runs in one: told when the call
+    /// gives up, so the hop answers its caller "do not retry".
+    hop: Option<Arc<Hop>>,
+    /// The call draws on the budget kept for calls under an inbound retry.
+    inbound_retry_budget: bool,
 }
 
 /// What the response future does next, once a [`Step`] is carried out.
@@ -55,6 +63,22 @@ pub(crate) enum Next<R> {
 }
 
 impl<S, B> Call<S, B> {
+    /// The budget this call draws on.
+    fn budget(&self) -> &dyn Budget {
+        match &self.shared.inbound_retry_budget {
+            Some(b) if self.inbound_retry_budget => &**b,
+            _ => &*self.shared.budget,
+        }
+    }
+
+    /// The budgets a retry of this call may draw on.
+    fn budgets(&self) -> Budgets<'_> {
+        Budgets {
+            main: self.budget(),
+            deferred: &self.shared.deferred_budget,
+        }
+    }
+
     /// Attempts sent so far.
     pub(crate) fn attempts(&self) -> u32 {
         self.attempt.sent
@@ -133,11 +157,24 @@ where
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse().ok());
         let (first_body, body) = ReplayBody::new(body, policy.max_replay_bytes, content_length);
-        let retries_possible =
-            policy.rules(judged.method).max_attempts > 1 || policy.max_unsent_retries > 0;
+        let hop = parts
+            .extensions
+            .get::<Arc<Hop>>()
+            .cloned()
+            .or_else(Hop::current);
+        let under_retry = hop.as_ref().is_some_and(|h| h.arrived_as_retry());
+        let (send_once, inbound_retry_budget) = match policy.inbound_retry {
+            _ if !under_retry => (false, false),
+            InboundRetry::SendOnce => (true, false),
+            InboundRetry::RetryAsUsual => (false, false),
+            InboundRetry::Budget { .. } => (false, true),
+        };
+        let retries_possible = (!send_once && policy.rules(judged.method).max_attempts > 1)
+            || policy.max_unsent_retries > 0;
         let kept = retries_possible.then(|| clone_parts(&parts));
 
-        shared.budget.deposit();
+        let mut attempt = Attempt::first(judged.idempotent, judged.method, deadline);
+        attempt.send_once = send_once;
         shared.stats.incr(Counter::Requests);
         shared.stats.incr(Counter::Attempts);
         observe::call_started();
@@ -150,11 +187,14 @@ where
             parts: kept,
             body,
             fixed_body: None,
-            attempt: Attempt::first(judged.idempotent, judged.method, deadline),
+            attempt,
             grpc: judged.grpc,
             generated_key: judged.generated_key,
             rebuilding: reason_code::Code::Aborted,
+            hop,
+            inbound_retry_budget,
         };
+        call.budget().deposit();
         (call, future, timer, span)
     }
 
@@ -179,7 +219,7 @@ where
         };
         let step = decide(
             policy,
-            &*shared.budget,
+            self.budgets(),
             &self.attempt,
             ended,
             Instant::now,
@@ -267,6 +307,20 @@ where
     fn count_and_trace(&self, why: Why, code: reason_code::Code) {
         let stats = &self.shared.stats;
         let attempt = self.attempt.sent;
+        // The hop this call is made from answers its caller "do not retry" when no retry can
+        // help (a downstream stop, the deadline), and "retried below: retry only within your
+        // adaptive budget" when this call has done its share.
+        if let Some(hop) = &self.hop {
+            match why {
+                Why::Final => {}
+                Why::PushbackSaysNo | Why::PushbackTooLong(_) | Why::DeadlineTooShort { .. } => {
+                    hop.note_gave_up()
+                }
+                Why::Exhausted | Why::BudgetRefused | Why::InboundRetry | Why::NotReplayable => {
+                    hop.note_deferred()
+                }
+            }
+        }
         let gave_up = match why {
             Why::Final => return,
             Why::NotReplayable => {
@@ -293,6 +347,11 @@ where
                 tracing::debug!(attempt, code = %code, delay_ms = delay.as_millis() as u64, left_ms = left.as_millis() as u64, "giving up: the deadline cannot fit another attempt");
                 GiveUp::Deadline
             }
+            Why::InboundRetry => {
+                stats.incr(Counter::InboundRetryStops);
+                tracing::debug!(attempt, code = %code, "not retrying: the request being served is itself a retry of the hop above");
+                GiveUp::InboundRetry
+            }
             Why::BudgetRefused => {
                 stats.incr(Counter::BudgetRefusals);
                 observe::budget_refused(code);
@@ -311,7 +370,7 @@ where
     pub(crate) fn take_rebuilt(&mut self, req: Request<Bytes>) -> bool {
         let shared = self.shared.clone();
         let policy = &shared.policy;
-        if !shared.budget.withdraw() {
+        if !self.budget().withdraw() {
             shared.stats.incr(Counter::BudgetRefusals);
             observe::budget_refused(self.rebuilding);
             tracing::debug!(

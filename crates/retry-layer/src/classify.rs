@@ -63,13 +63,26 @@ pub(crate) enum PushbackHint {
     After(Duration),
     /// Do not retry.
     Stop,
+    /// A hop below did not retry for the other tiers' sake
+    /// ([`RETRIES_DEFERRED`](reason_code::RETRIES_DEFERRED)): retry only within the adaptive
+    /// budget.
+    Deferred,
 }
 
-/// Reads `grpc-retry-pushback-ms` (gRPC) or `Retry-After` (HTTP).
+/// Reads `grpc-retry-pushback-ms` (gRPC), the reason codes
+/// [`DO_NOT_RETRY`](reason_code::DO_NOT_RETRY) and
+/// [`RETRIES_DEFERRED`](reason_code::RETRIES_DEFERRED), or `Retry-After` (HTTP).
 ///
-/// As gRFC A6 says, a negative or malformed `grpc-retry-pushback-ms` stops retries. A malformed
+/// As gRFC A6 says, a negative or malformed `grpc-retry-pushback-ms` stops retries, and so does
+/// `DO_NOT_RETRY` (a hop below gave up: see [`hop`](crate::hop)). A malformed
 /// `Retry-After` is ignored with a warning: HTTP gives it no such meaning.
-pub(crate) fn pushback(headers: &HeaderMap) -> PushbackHint {
+pub(crate) fn pushback(headers: &HeaderMap, reasons: &ReasonCodes) -> PushbackHint {
+    if reasons.says_do_not_retry(headers) {
+        return PushbackHint::Stop;
+    }
+    if reasons.says_retries_deferred(headers) {
+        return PushbackHint::Deferred;
+    }
     if let Some(v) = headers.get(GRPC_RETRY_PUSHBACK_MS) {
         return match parse_grpc_pushback(v) {
             Ok(Pushback::After(d)) => PushbackHint::After(d),
@@ -287,6 +300,20 @@ mod tests {
             m.insert(k, v.parse().unwrap());
             m
         };
+        let pushback = |h: &HeaderMap| pushback(h, &ReasonCodes::default());
+        assert_eq!(
+            pushback(&h("x-reason-code", "DO_NOT_RETRY")),
+            PushbackHint::Stop,
+            "a hop below gave up"
+        );
+        assert_eq!(
+            pushback(&h("x-reason-code", "RETRIES_DEFERRED")),
+            PushbackHint::Deferred
+        );
+        assert_eq!(
+            pushback(&h("x-reason-code", "UPSTREAM_UNAVAILABLE")),
+            PushbackHint::None
+        );
         assert_eq!(
             pushback(&h("retry-after", "2")),
             PushbackHint::After(Duration::from_secs(2))

@@ -31,6 +31,10 @@ pub(crate) struct Attempt {
     pub(crate) method: Option<usize>,
     /// The call's deadline.
     pub(crate) deadline: Option<Instant>,
+    /// The request being served is a retry of the hop above, and the policy says send once
+    /// ([`InboundRetry::SendOnce`](crate::InboundRetry::SendOnce)): one attempt, plus the
+    /// transparent retries of unsent ones.
+    pub(crate) send_once: bool,
 }
 
 impl Attempt {
@@ -48,6 +52,7 @@ impl Attempt {
             idempotent,
             method,
             deadline,
+            send_once: false,
         }
     }
 }
@@ -60,6 +65,16 @@ pub(crate) struct Ended<'a> {
     /// The response's headers (pushback, and a rebuild hook needs a response); `None` for a
     /// transport error or an attempt timeout.
     pub(crate) headers: Option<&'a HeaderMap>,
+}
+
+/// The budgets a retry may draw on.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Budgets<'a> {
+    /// The policy's budget (or the inbound-retry budget, for a call made under one).
+    pub(crate) main: &'a dyn Budget,
+    /// The adaptive budget of retries a hop below deferred to this one
+    /// ([`RETRIES_DEFERRED`](reason_code::RETRIES_DEFERRED)).
+    pub(crate) deferred: &'a dyn Budget,
 }
 
 /// What to do after an attempt.
@@ -105,6 +120,8 @@ pub(crate) enum Why {
     },
     /// The retry budget refused the retry.
     BudgetRefused,
+    /// The request being served is itself a retry of the hop above: this call sends once.
+    InboundRetry,
 }
 
 /// Decides what follows an attempt: the three checks (the outcome is retryable, an attempt is
@@ -119,7 +136,7 @@ pub(crate) enum Why {
 /// (the common success) reads neither the clock nor the body's lock.
 pub(crate) fn decide(
     policy: &RetryPolicy,
-    budget: &dyn Budget,
+    budgets: Budgets<'_>,
     attempt: &Attempt,
     ended: Ended<'_>,
     now: impl FnOnce() -> Instant,
@@ -129,11 +146,15 @@ pub(crate) fn decide(
     let outcome = ended.outcome;
     let verdict = rules.table.verdict(outcome, attempt.idempotent);
     let rebuild = verdict == Verdict::Rebuild;
-    match (outcome, verdict) {
-        (Outcome::Status(Code::Ok), _) => budget.record(false),
-        (_, Verdict::Retry) => budget.record(true),
-        (_, Verdict::Rebuild) if policy.rebuild.is_some() => budget.record(true),
-        _ => {}
+    let failed = match (outcome, verdict) {
+        (Outcome::Status(Code::Ok), _) => Some(false),
+        (_, Verdict::Retry) => Some(true),
+        (_, Verdict::Rebuild) if policy.rebuild.is_some() => Some(true),
+        _ => None,
+    };
+    if let Some(failed) = failed {
+        budgets.main.record(failed);
+        budgets.deferred.record(failed);
     }
     // The common case, a final answer, returns before anything else is looked at.
     if verdict == Verdict::Final {
@@ -148,12 +169,26 @@ pub(crate) fn decide(
 
     let transparent =
         outcome == Outcome::Unsent && attempt.unsent_retries < policy.max_unsent_retries;
-    let beyond_max_attempts = attempt.sent >= rules.max_attempts;
+    let max_attempts = if attempt.send_once {
+        1
+    } else {
+        rules.max_attempts
+    };
+    let beyond_max_attempts = attempt.sent >= max_attempts;
     if beyond_max_attempts && !transparent {
+        if attempt.sent < rules.max_attempts {
+            return Step::Return(Why::InboundRetry);
+        }
         return Step::Return(Why::Exhausted);
     }
 
-    let pushback = ended.headers.map_or(PushbackHint::None, classify::pushback);
+    let pushback = ended.headers.map_or(PushbackHint::None, |h| {
+        classify::pushback(h, &policy.reason_codes)
+    });
+    let budget = match pushback {
+        PushbackHint::Deferred => budgets.deferred,
+        _ => budgets.main,
+    };
     let (delay, pushed_back) = match pushback {
         PushbackHint::Stop => return Step::Return(Why::PushbackSaysNo),
         PushbackHint::After(d) if d > policy.max_pushback => {
@@ -161,8 +196,8 @@ pub(crate) fn decide(
         }
         PushbackHint::After(d) => (d, true),
         // A rebuild re-reads the state first: it waits for the hook, not for a backoff.
-        PushbackHint::None if rebuild => (Duration::ZERO, false),
-        PushbackHint::None => {
+        PushbackHint::None | PushbackHint::Deferred if rebuild => (Duration::ZERO, false),
+        PushbackHint::None | PushbackHint::Deferred => {
             let u = policy.rng.sample();
             let n = attempt.backoff_step.saturating_add(1);
             (rules.backoff.delay(n, u, attempt.previous_delay), false)
@@ -236,6 +271,7 @@ mod tests {
         outcome: Outcome,
         headers: Option<HeaderMap>,
         budget: Arc<dyn Budget>,
+        deferred: Arc<dyn Budget>,
         replayable: bool,
         now: Instant,
     }
@@ -255,6 +291,7 @@ mod tests {
             outcome,
             headers,
             budget: Arc::new(Unlimited),
+            deferred: Arc::new(Unlimited),
             replayable: true,
             now: Instant::now(),
         }
@@ -309,6 +346,10 @@ mod tests {
             self.replayable = false;
             self
         }
+        fn under_inbound_retry(mut self) -> Self {
+            self.attempt.send_once = true;
+            self
+        }
         fn decide(&self) -> Step {
             let ended = Ended {
                 outcome: self.outcome,
@@ -316,7 +357,10 @@ mod tests {
             };
             decide(
                 &self.policy,
-                &*self.budget,
+                Budgets {
+                    main: &*self.budget,
+                    deferred: &*self.deferred,
+                },
                 &self.attempt,
                 ended,
                 || self.now,
@@ -357,6 +401,22 @@ mod tests {
     }
 
     decide_table! {
+        // Under a retry of the hop above (one tier of retries): send once, but an attempt that
+        // never left is still retried transparently, and a final answer stays final.
+        under_an_inbound_retry_a_503_is_not_retried:
+            status(Code::Unavailable).under_inbound_retry() => stop(Why::InboundRetry);
+        under_an_inbound_retry_an_unsent_attempt_is_still_retried:
+            case(Outcome::Unsent).under_inbound_retry() => Step::Retry {
+                delay: 20 * MS,
+                pushed_back: false,
+                beyond_max_attempts: true,
+            };
+        under_an_inbound_retry_a_success_is_final:
+            status(Code::Ok).under_inbound_retry() => stop(Why::Final);
+        a_hop_below_that_gave_up_stops_retries:
+            status(Code::Unavailable).header("x-reason-code", "DO_NOT_RETRY")
+                => stop(Why::PushbackSaysNo);
+
         // Final by the table.
         a_success_is_final: status(Code::Ok) => stop(Why::Final);
         a_permanent_failure_is_final: status(Code::InvalidArgument) => stop(Why::Final);
@@ -518,5 +578,32 @@ mod tests {
         assert_eq!(counted(status(Code::NotFound)), (0, 0, 0));
         assert_eq!(counted(status(Code::Aborted)), (0, 0, 0), "no hook");
         assert_eq!(counted(status(Code::Aborted).with_hook()), (0, 1, 0));
+    }
+
+    /// A hop below that deferred is retried within the adaptive budget, not the main one; the
+    /// adaptive budget hears every outcome the main one hears.
+    #[test]
+    fn a_deferred_failure_draws_on_the_adaptive_budget() {
+        let main = Arc::new(Counting::default());
+        let deferred = Arc::new(Counting {
+            refuse: true,
+            ..Counting::default()
+        });
+        let c = Case {
+            budget: main.clone(),
+            deferred: deferred.clone(),
+            ..status(Code::Unavailable).header("x-reason-code", "RETRIES_DEFERRED")
+        };
+        assert_eq!(c.decide(), stop(Why::BudgetRefused));
+        assert_eq!(deferred.withdrawals.load(Ordering::Relaxed), 1);
+        assert_eq!(main.withdrawals.load(Ordering::Relaxed), 0);
+        assert_eq!(deferred.failures.load(Ordering::Relaxed), 1);
+        assert_eq!(main.failures.load(Ordering::Relaxed), 1);
+
+        let c = Case {
+            deferred: Arc::new(Unlimited),
+            ..status(Code::Unavailable).header("x-reason-code", "RETRIES_DEFERRED")
+        };
+        assert_eq!(c.decide(), retry(20 * MS), "granted: the computed backoff");
     }
 }

@@ -222,8 +222,8 @@
 //! | `retry_layer_give_ups_total` | counter | `reason`, `code` | retryable outcomes returned |
 //!
 //! `code` is [`Code::as_str`](reason_code::Code::as_str) (`OK`, `UNAVAILABLE`, ...; a transport
-//! error is `UNAVAILABLE`); `reason` is `exhausted`, `deadline`, `pushback` or
-//! `not_replayable`. Every key is a `static`: counting is a few atomic increments, with no
+//! error is `UNAVAILABLE`); `reason` is `exhausted`, `deadline`, `pushback`, `not_replayable`
+//! or `inbound_retry` (see [`hop`]). Every key is a `static`: counting is a few atomic increments, with no
 //! allocation. Without the feature nothing is compiled in.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(rust_2018_idioms, warnings))))]
@@ -237,6 +237,7 @@ mod deadline;
 mod decide;
 mod error;
 mod future;
+pub mod hop;
 mod layer;
 mod observe;
 mod policy;
@@ -255,8 +256,8 @@ pub use error::{AttemptTimedOut, DeadlineExceeded, RetryError, RetryInfo};
 pub use future::ResponseFuture;
 pub use layer::RetryLayer;
 pub use policy::{
-    Conflict, InvalidPolicy, Rebuild, RebuildFuture, RetryPolicy, RetryPolicyBuilder, MAX_DURATION,
-    MAX_UNSENT_RETRIES,
+    Conflict, InboundRetry, InvalidPolicy, Rebuild, RebuildFuture, RetryPolicy, RetryPolicyBuilder,
+    MAX_DURATION, MAX_UNSENT_RETRIES,
 };
 #[cfg(feature = "service-config")]
 pub use policy::{GrpcRetryPolicy, GrpcRetryThrottling, StatusCodeName};

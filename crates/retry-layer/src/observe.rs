@@ -28,15 +28,18 @@ pub(crate) enum GiveUp {
     Pushback,
     /// The request's head or body could not be kept.
     NotReplayable,
+    /// The request being served is itself a retry of the hop above.
+    InboundRetry,
 }
 
 #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
 impl GiveUp {
-    const ALL: [GiveUp; 4] = [
+    const ALL: [GiveUp; 5] = [
         GiveUp::Exhausted,
         GiveUp::Deadline,
         GiveUp::Pushback,
         GiveUp::NotReplayable,
+        GiveUp::InboundRetry,
     ];
 
     /// The label value.
@@ -46,6 +49,7 @@ impl GiveUp {
             GiveUp::Deadline => "deadline",
             GiveUp::Pushback => "pushback",
             GiveUp::NotReplayable => "not_replayable",
+            GiveUp::InboundRetry => "inbound_retry",
         }
     }
 }
@@ -280,6 +284,7 @@ mod keys {
     static DEADLINE: [[Label; 2]; 17] = per_code!(reason_code_1);
     static PUSHBACK: [[Label; 2]; 17] = per_code!(reason_code_2);
     static NOT_REPLAYABLE: [[Label; 2]; 17] = per_code!(reason_code_3);
+    static INBOUND_RETRY: [[Label; 2]; 17] = per_code!(reason_code_4);
     const fn reason_code_0(i: usize) -> [Label; 2] {
         reason_code(0, i)
     }
@@ -291,6 +296,9 @@ mod keys {
     }
     const fn reason_code_3(i: usize) -> [Label; 2] {
         reason_code(3, i)
+    }
+    const fn reason_code_4(i: usize) -> [Label; 2] {
+        reason_code(4, i)
     }
 
     /// The keys of metric `$name` labelled by `$labels`, one per code.
@@ -307,11 +315,12 @@ mod keys {
     pub(super) static ATTEMPTS: [Key; 17] = keys!("retry_layer_attempts_total", CODE);
     pub(super) static RETRIES: [Key; 17] = keys!("retry_layer_retries_total", CODE);
     pub(super) static BUDGET_REFUSALS: [Key; 17] = keys!("retry_layer_budget_refusals_total", CODE);
-    pub(super) static GIVE_UPS: [[Key; 17]; 4] = [
+    pub(super) static GIVE_UPS: [[Key; 17]; 5] = [
         keys!("retry_layer_give_ups_total", EXHAUSTED),
         keys!("retry_layer_give_ups_total", DEADLINE),
         keys!("retry_layer_give_ups_total", PUSHBACK),
         keys!("retry_layer_give_ups_total", NOT_REPLAYABLE),
+        keys!("retry_layer_give_ups_total", INBOUND_RETRY),
     ];
 }
 

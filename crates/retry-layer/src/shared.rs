@@ -2,9 +2,9 @@
 
 use std::sync::Arc;
 
-use crate::budget::Budget;
+use crate::budget::{Budget, TokenBucket, TpsBudget};
 use crate::observe::WarnSummary;
-use crate::policy::RetryPolicy;
+use crate::policy::{InboundRetry, RetryPolicy};
 use crate::stats::Counters;
 
 /// The policy (plain settings, never changed after the layer is made), the retry budget and the
@@ -14,6 +14,11 @@ use crate::stats::Counters;
 pub(crate) struct Shared {
     pub(crate) policy: RetryPolicy,
     pub(crate) budget: Arc<dyn Budget>,
+    /// The adaptive budget (gRFC A6 throttling: 20 tokens, 0.1 per success) of retries that a
+    /// hop below deferred to this layer (`RETRIES_DEFERRED`).
+    pub(crate) deferred_budget: TokenBucket,
+    /// The budget of calls made under an inbound retry, with [`InboundRetry::Budget`].
+    pub(crate) inbound_retry_budget: Option<Arc<dyn Budget>>,
     pub(crate) stats: Counters,
     /// The layer's rate-limited WARN summary of give-ups and budget refusals.
     pub(crate) warnings: WarnSummary,
@@ -24,6 +29,17 @@ impl Shared {
     pub(crate) fn new(policy: RetryPolicy) -> Self {
         Shared {
             budget: policy.budget.make(),
+            deferred_budget: TokenBucket::new(20, 0.1).expect("valid parameters"),
+            inbound_retry_budget: match policy.inbound_retry {
+                InboundRetry::Budget {
+                    window,
+                    min_per_sec,
+                    ratio,
+                } => Some(Arc::new(
+                    TpsBudget::new(window, min_per_sec, ratio).expect("validated by the builder"),
+                )),
+                _ => None,
+            },
             policy,
             stats: Counters::default(),
             warnings: WarnSummary::default(),

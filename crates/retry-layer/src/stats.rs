@@ -13,6 +13,7 @@ pub(crate) struct Counters {
     exhausted: AtomicU64,
     deadline_stops: AtomicU64,
     pushback_stops: AtomicU64,
+    inbound_retry_stops: AtomicU64,
 }
 
 /// The counters of a layer and every service it made, as read by
@@ -33,8 +34,12 @@ pub struct RetryStats {
     pub exhausted: u64,
     /// Retryable outcomes returned because the deadline could not fit another attempt.
     pub deadline_stops: u64,
-    /// Retryable outcomes returned because the server's pushback said stop or was too long.
+    /// Retryable outcomes returned because the server's pushback said stop or was too long (a
+    /// hop below that gave up answers with such a pushback).
     pub pushback_stops: u64,
+    /// Retryable outcomes returned because the request being served is itself a retry of the
+    /// hop above ([`InboundRetry::SendOnce`](crate::InboundRetry::SendOnce)).
+    pub inbound_retry_stops: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -46,6 +51,7 @@ pub(crate) enum Counter {
     Exhausted,
     DeadlineStops,
     PushbackStops,
+    InboundRetryStops,
 }
 
 impl Counters {
@@ -58,6 +64,7 @@ impl Counters {
             Counter::Exhausted => &self.exhausted,
             Counter::DeadlineStops => &self.deadline_stops,
             Counter::PushbackStops => &self.pushback_stops,
+            Counter::InboundRetryStops => &self.inbound_retry_stops,
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }
@@ -73,6 +80,7 @@ impl Counters {
             exhausted: get(&self.exhausted),
             deadline_stops: get(&self.deadline_stops),
             pushback_stops: get(&self.pushback_stops),
+            inbound_retry_stops: get(&self.inbound_retry_stops),
         }
     }
 }

@@ -48,6 +48,11 @@ impl TokenBucket {
     }
 
     fn add(&self, delta: i64) {
+        // A full bucket stays full on a success: read, do not write (the common case of a
+        // healthy backend touches no shared cache line for writing).
+        if delta > 0 && self.tokens.load(Ordering::Relaxed) >= self.max {
+            return;
+        }
         let _ = self
             .tokens
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {

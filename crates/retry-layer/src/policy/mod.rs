@@ -35,6 +35,7 @@ pub use service_config::{GrpcRetryPolicy, GrpcRetryThrottling, StatusCodeName};
 /// | `max_replay_bytes` | 64 KiB |
 /// | `max_unsent_retries` | 2 |
 /// | budget | 10 % of requests over 10 s, plus 10 retries/s |
+/// | under a retry of the hop above ([`InboundRetry`]) | send once |
 /// | table | [`RetryTable::default`] (the design table) |
 /// | reason codes | [`ReasonCodes::default`] (`x-reason-code`) |
 ///
@@ -69,6 +70,7 @@ pub struct RetryPolicy {
     pub(crate) key_headers: KeyHeaders,
     pub(crate) ensure_key: bool,
     pub(crate) budget: BudgetChoice,
+    pub(crate) inbound_retry: InboundRetry,
     pub(crate) rng: JitterRng,
     pub(crate) rebuild: Option<Arc<dyn Rebuild>>,
 }
@@ -171,6 +173,7 @@ impl Default for RetryPolicy {
             key_headers: KeyHeaders::default(),
             ensure_key: false,
             budget: BudgetChoice::default(),
+            inbound_retry: InboundRetry::SendOnce,
             rng: JitterRng::default(),
             rebuild: None,
         }
@@ -225,6 +228,11 @@ impl RetryPolicy {
         &self.key_headers
     }
 
+    /// What a call made under a retry of the hop above does.
+    pub fn inbound_retry(&self) -> &InboundRetry {
+        &self.inbound_retry
+    }
+
     /// The method config that applies to a gRPC request for `path`, if the policy has any.
     pub(crate) fn grpc_method(&self, path: &str) -> Option<usize> {
         self.methods.as_ref().and_then(|m| m.find(path))
@@ -237,6 +245,34 @@ impl RetryPolicy {
             _ => &self.rules,
         }
     }
+}
+
+/// What a call does when the request its handler is serving is itself a retry of the hop above
+/// (it arrived with `grpc-previous-rpc-attempts` or `x-previous-attempts` above zero, as a
+/// [`Hop`](crate::reason_code::Hop) in scope says; see [`hop`](crate::hop)).
+///
+/// Retrying underneath a retry multiplies attempts: the hop above already retries this
+/// request, so each of its attempts would bring up to `max_attempts` here.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub enum InboundRetry {
+    /// Send once (requests that provably never left are still retried transparently). The
+    /// default: the hop above is retrying.
+    #[default]
+    SendOnce,
+    /// Retry as if the inbound request were new: retries at this hop and the one above
+    /// multiply. Only for a hop whose downstream fails independently of what failed above.
+    RetryAsUsual,
+    /// Retry within a second, smaller budget kept for calls made under an inbound retry (the
+    /// layer's own budget is left to first requests).
+    Budget {
+        /// The budget's window (1 to 60 s).
+        window: Duration,
+        /// Retries per second always allowed.
+        min_per_sec: u32,
+        /// Retries allowed per call made under an inbound retry.
+        ratio: f64,
+    },
 }
 
 /// A [`RetryPolicy`] setting was out of range; the message says which and what is allowed.
@@ -497,6 +533,24 @@ impl RetryPolicyBuilder {
     /// Disables the retry budget. Only do this where another layer bounds retry amplification.
     pub fn no_budget(mut self) -> Self {
         self.policy.budget = BudgetChoice::Unlimited;
+        self
+    }
+
+    /// What a call made while serving a retry of the hop above does (default
+    /// [`InboundRetry::SendOnce`]). It needs the server's hop in scope: [`hop::HopLayer`](crate::hop::HopLayer)
+    /// on the server that makes the call.
+    pub fn inbound_retry(mut self, inbound: InboundRetry) -> Self {
+        if let InboundRetry::Budget {
+            window,
+            min_per_sec,
+            ratio,
+        } = inbound
+        {
+            if let Err(e) = TpsBudget::new(window, min_per_sec, ratio) {
+                return self.fail(format!("inbound_retry budget: {e}"));
+            }
+        }
+        self.policy.inbound_retry = inbound;
         self
     }
 
