@@ -16,6 +16,8 @@ use tower_service::Service;
 #[derive(Debug, Clone)]
 pub struct Unavailable {
     p: f64,
+    /// Retries too, not only first attempts: a backend that is down.
+    every_attempt: bool,
     rng: Arc<Mutex<fastrand::Rng>>,
     injected: Arc<AtomicUsize>,
 }
@@ -25,8 +27,17 @@ impl Unavailable {
     pub fn first_attempts(p: f64, seed: u64) -> Self {
         Unavailable {
             p,
+            every_attempt: false,
             rng: Arc::new(Mutex::new(fastrand::Rng::with_seed(seed))),
             injected: Arc::default(),
+        }
+    }
+
+    /// Fails every attempt, retries included: a backend that is down.
+    pub fn every_attempt() -> Self {
+        Unavailable {
+            every_attempt: true,
+            ..Unavailable::first_attempts(1.0, 0)
         }
     }
 
@@ -70,7 +81,8 @@ where
         let h = req.headers();
         let first =
             !h.contains_key(X_PREVIOUS_ATTEMPTS) && !h.contains_key(GRPC_PREVIOUS_RPC_ATTEMPTS);
-        let fail = first && self.faults.rng.lock().unwrap().f64() < self.faults.p;
+        let fail = (first || self.faults.every_attempt)
+            && self.faults.rng.lock().unwrap().f64() < self.faults.p;
         if !fail {
             return Either::Left(self.inner.call(req));
         }

@@ -15,6 +15,7 @@ use axum_orders::auth::demo_auth_layer;
 use axum_orders::inventory::{Inventory, InventoryError};
 use idempotency_layer::reason_code::IdempotentGrpcMethods;
 use idempotency_layer::{IdempotencyLayer, IdempotencyStore};
+use retry_layer::hop::HopLayer;
 use tonic::{Request, Response, Status};
 
 /// The generated protobuf and gRPC code.
@@ -24,6 +25,7 @@ pub mod pb {
 }
 
 pub mod client;
+pub mod gateway;
 
 use pb::library_server::{Library, LibraryServer};
 
@@ -153,9 +155,36 @@ where
 {
     tonic::transport::Server::builder()
         .timeout(Duration::from_secs(30))
+        .layer(HopLayer::new())
         .layer(demo_auth_layer::<tonic::body::Body>())
         .layer(idempotency)
         .add_service(LibraryServer::new(LibraryService::new(inventory)))
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await
+}
+
+/// Serves a [`Gateway`](gateway::Gateway) (a second hop forwarding to `downstream`) over
+/// `incoming` with `HopLayer`, so that its retries and its callers' stay at one tier, until
+/// `shutdown` resolves.
+pub async fn serve_gateway<I, IO, IE>(
+    downstream: pb::library_client::LibraryClient<client::RetryChannel>,
+    incoming: I,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), tonic::transport::Error>
+where
+    I: tokio_stream::Stream<Item = Result<IO, IE>>,
+    IO: tokio::io::AsyncRead
+        + tokio::io::AsyncWrite
+        + tonic::transport::server::Connected
+        + Unpin
+        + Send
+        + 'static,
+    IE: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    tonic::transport::Server::builder()
+        .timeout(Duration::from_secs(30))
+        .layer(HopLayer::new())
+        .add_service(LibraryServer::new(gateway::Gateway::new(downstream)))
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
 }

@@ -9,6 +9,7 @@ mod budget;
 mod deadline;
 mod grpc;
 mod grpc_wire;
+mod hops;
 #[cfg(feature = "metrics")]
 mod metrics;
 mod on_the_wire;
