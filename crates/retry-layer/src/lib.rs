@@ -148,6 +148,9 @@
 //! # }
 //! ```
 //!
+//! A service that calls others while serving requests is a hop: [`hop::HopLayer`] on its server
+//! keeps retries at one tier across any number of hops (see [`hop`]).
+//!
 //! A reqwest client is not a tower service: with the `reqwest` feature,
 //! [`reqwest::RetryMiddleware`] runs the same machinery as a
 //! [`reqwest-middleware`](https://docs.rs/reqwest-middleware) middleware (same policy, table,
