@@ -54,7 +54,6 @@ impl RetryLayer {
     }
 
     /// The policy, budget and counters this layer shares with every service it made.
-    #[cfg_attr(not(feature = "reqwest"), allow(dead_code))]
     pub(crate) fn shared(&self) -> &Arc<Shared> {
         &self.shared
     }

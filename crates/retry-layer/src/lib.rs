@@ -240,6 +240,7 @@ mod deadline;
 mod decide;
 mod error;
 mod future;
+pub mod hedge;
 pub mod hop;
 mod layer;
 mod observe;

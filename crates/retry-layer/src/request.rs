@@ -82,7 +82,7 @@ fn settle_key(
 }
 
 /// Safe and idempotent HTTP methods (RFC 9110 §9.2).
-fn is_idempotent_method(m: &Method) -> bool {
+pub(crate) fn is_idempotent_method(m: &Method) -> bool {
     matches!(
         *m,
         Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE

@@ -16,7 +16,7 @@ use crate::budget::{Budget, BudgetChoice, InvalidBudget, TokenBucket, TpsBudget}
 
 mod rebuild;
 #[cfg(feature = "service-config")]
-mod service_config;
+pub(crate) mod service_config;
 
 pub use rebuild::{Conflict, Rebuild, RebuildFuture};
 #[cfg(feature = "service-config")]
@@ -109,17 +109,28 @@ fn duration_error(name: &str, d: Duration, zero_ok: bool) -> Option<String> {
 }
 
 /// The rules of a gRPC service config's `methodConfig` entries, by method path.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct GrpcMethods {
-    rules: Vec<Rules>,
+#[derive(Debug, Clone)]
+pub(crate) struct GrpcMethods<T = Rules> {
+    pub(crate) rules: Vec<T>,
     /// `/package.Service/Method` or `/package.Service/` to an index in `rules`.
     by_name: HashMap<String, usize>,
     /// The entry with an empty name (`{}`): every method no other entry names.
     default: Option<usize>,
 }
 
-impl GrpcMethods {
-    fn find(&self, path: &str) -> Option<usize> {
+impl<T> Default for GrpcMethods<T> {
+    fn default() -> Self {
+        GrpcMethods {
+            rules: Vec::new(),
+            by_name: HashMap::new(),
+            default: None,
+        }
+    }
+}
+
+impl<T> GrpcMethods<T> {
+    /// The entry that applies to `path`: its method's, else its service's, else the default.
+    pub(crate) fn find(&self, path: &str) -> Option<usize> {
         if let Some(i) = self.by_name.get(path) {
             return Some(*i);
         }
@@ -131,7 +142,7 @@ impl GrpcMethods {
     }
 
     #[cfg(feature = "service-config")]
-    fn insert(&mut self, name: Option<String>, rules: Rules) -> Result<(), String> {
+    pub(crate) fn insert(&mut self, name: Option<String>, rules: T) -> Result<(), String> {
         let i = self.rules.len();
         match name {
             None if self.default.is_some() => {
@@ -283,7 +294,7 @@ pub struct InvalidPolicy {
 }
 
 impl InvalidPolicy {
-    fn new(message: impl Into<String>) -> Self {
+    pub(crate) fn new(message: impl Into<String>) -> Self {
         InvalidPolicy {
             message: message.into(),
         }

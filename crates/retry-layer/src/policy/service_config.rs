@@ -63,14 +63,6 @@ impl RetryPolicy {
             name: Vec<MethodName>,
             retry_policy: Option<GrpcRetryPolicy>,
         }
-        #[derive(Deserialize)]
-        struct MethodName {
-            #[serde(default)]
-            service: String,
-            #[serde(default)]
-            method: String,
-        }
-
         let value: serde_json::Value = serde_json::from_str(json)
             .map_err(|e| InvalidPolicy::new(format!("service config is not JSON: {e}")))?;
         let is_bare_policy = value.get("maxAttempts").is_some();
@@ -108,28 +100,7 @@ impl RetryPolicy {
                     ..Rules::default()
                 },
             };
-            if mc.name.is_empty() {
-                return Err(InvalidPolicy::new(format!(
-                    "methodConfig[{i}] has no name; use [{{}}] to match every method"
-                )));
-            }
-            for n in &mc.name {
-                let name = match (n.service.as_str(), n.method.as_str()) {
-                    ("", "") => None,
-                    ("", m) => {
-                        return Err(InvalidPolicy::new(format!(
-                            "methodConfig[{i}]: method {m:?} names no service"
-                        )))
-                    }
-                    (s, "") => Some(format!("/{s}/")),
-                    (s, m) => Some(format!("/{s}/{m}")),
-                };
-                if name.as_ref().is_some_and(|n| n.matches('/').count() != 2) {
-                    return Err(InvalidPolicy::new(format!(
-                        "methodConfig[{i}]: {:?}/{:?} must not contain '/'",
-                        n.service, n.method
-                    )));
-                }
+            for name in method_config_names(i, &mc.name)? {
                 builder = builder.grpc_method_rules(name, rules.clone());
             }
         }
@@ -138,6 +109,50 @@ impl RetryPolicy {
         }
         builder.build()
     }
+}
+
+/// One `name` entry of a gRPC service config's `methodConfig`.
+#[derive(Deserialize)]
+pub(crate) struct MethodName {
+    #[serde(default)]
+    service: String,
+    #[serde(default)]
+    method: String,
+}
+
+/// The method paths `methodConfig[i].name` matches: `/service/method`, `/service/` for a whole
+/// service, `None` for every method (`{}`).
+pub(crate) fn method_config_names(
+    i: usize,
+    names: &[MethodName],
+) -> Result<Vec<Option<String>>, InvalidPolicy> {
+    if names.is_empty() {
+        return Err(InvalidPolicy::new(format!(
+            "methodConfig[{i}] has no name; use [{{}}] to match every method"
+        )));
+    }
+    names
+        .iter()
+        .map(|n| {
+            let name = match (n.service.as_str(), n.method.as_str()) {
+                ("", "") => None,
+                ("", m) => {
+                    return Err(InvalidPolicy::new(format!(
+                        "methodConfig[{i}]: method {m:?} names no service"
+                    )))
+                }
+                (s, "") => Some(format!("/{s}/")),
+                (s, m) => Some(format!("/{s}/{m}")),
+            };
+            if name.as_ref().is_some_and(|n| n.matches('/').count() != 2) {
+                return Err(InvalidPolicy::new(format!(
+                    "methodConfig[{i}]: {:?}/{:?} must not contain '/'",
+                    n.service, n.method
+                )));
+            }
+            Ok(name)
+        })
+        .collect()
 }
 
 impl RetryPolicyBuilder {
@@ -282,7 +297,7 @@ impl<'de> Deserialize<'de> for StatusCodeName {
 }
 
 /// Parses a proto3 JSON duration: decimal seconds with an `s` suffix, up to 9 fractional digits.
-fn parse_proto_duration(s: &str) -> Result<Duration, String> {
+pub(crate) fn parse_proto_duration(s: &str) -> Result<Duration, String> {
     let bad = || format!("{s:?} is not a duration such as \"0.1s\"");
     let num = s.strip_suffix('s').ok_or_else(bad)?;
     let (whole, frac) = num.split_once('.').unwrap_or((num, ""));

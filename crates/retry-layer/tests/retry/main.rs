@@ -9,6 +9,7 @@ mod budget;
 mod deadline;
 mod grpc;
 mod grpc_wire;
+mod hedging;
 mod hops;
 #[cfg(feature = "metrics")]
 mod metrics;

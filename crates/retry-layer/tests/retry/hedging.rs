@@ -1,0 +1,371 @@
+//! Hedged requests: scripted backends on tokio's paused clock (exact delays), and real sockets
+//! over HTTP/1.1 and h2c (the slow attempt is cancelled on the wire).
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use retry_layer::hedge::{HedgeLayer, HedgePolicy};
+use retry_layer::{BoxError, RetryLayer, RetryPolicy};
+use tokio::time::{Duration, Instant};
+use tower::{Layer, Service, ServiceExt};
+
+use crate::support::{
+    backend, get, grpc, grpc_req, keyed, post, status, within_a_day, Reply, Script,
+};
+
+const MS: Duration = Duration::from_millis(1);
+
+fn policy(max_attempts: u32, delay: Duration) -> HedgePolicy {
+    HedgePolicy::builder()
+        .max_attempts(max_attempts)
+        .hedging_delay(delay)
+        .build()
+        .unwrap()
+}
+
+/// Sends `req` through a `HedgeLayer` over a scripted backend; returns the answer, when it came
+/// (from the start), the script and the layer.
+async fn hedged(
+    layer: HedgeLayer,
+    req: Request<Full<Bytes>>,
+    replies: Vec<Reply>,
+) -> (
+    Result<Response<Full<Bytes>>, BoxError>,
+    Duration,
+    Arc<Script>,
+    HedgeLayer,
+) {
+    let (svc, script) = backend::<Full<Bytes>>(replies);
+    let mut svc = layer.layer(svc);
+    let started = Instant::now();
+    let result = within_a_day("the hedged call", async {
+        svc.ready().await.unwrap().call(req).await
+    })
+    .await;
+    (result, started.elapsed(), script, layer)
+}
+
+fn code(r: &Result<Response<Full<Bytes>>, BoxError>) -> u16 {
+    r.as_ref().expect("a response").status().as_u16()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_first_attempt_is_hedged_and_the_hedge_wins() {
+    let (r, took, script, layer) = hedged(
+        HedgeLayer::new(policy(2, 50 * MS)),
+        get("/books/b1"),
+        vec![Reply::Slow(Duration::from_secs(10), 200), status(203)],
+    )
+    .await;
+    assert_eq!(code(&r), 203, "the hedge's answer");
+    assert_eq!(
+        took,
+        50 * MS,
+        "answered as soon as the hedge was, not after 10 s"
+    );
+    let seen = script.seen();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(
+        seen[1].at - seen[0].at,
+        50 * MS,
+        "the hedge waited hedging_delay"
+    );
+    assert_eq!(seen[1].headers["x-previous-attempts"], "1");
+    let stats = layer.stats();
+    assert_eq!(
+        (stats.requests, stats.hedges, stats.won_by_hedge),
+        (1, 1, 1)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fast_answer_sends_no_hedge() {
+    let (r, took, script, layer) = hedged(
+        HedgeLayer::new(policy(3, 50 * MS)),
+        get("/books/b1"),
+        vec![Reply::Slow(49 * MS, 200)],
+    )
+    .await;
+    assert_eq!(code(&r), 200);
+    assert_eq!(took, 49 * MS);
+    assert_eq!(script.attempts(), 1);
+    assert_eq!(layer.stats().hedges, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn writes_without_a_key_are_never_hedged_and_keyed_ones_are() {
+    let slow = || vec![Reply::Slow(Duration::from_secs(1), 201), status(201)];
+    let (r, took, script, _) =
+        hedged(HedgeLayer::new(policy(2, 50 * MS)), post("/orders"), slow()).await;
+    assert_eq!(code(&r), 201);
+    assert_eq!(took, Duration::from_secs(1), "waited for its only attempt");
+    assert_eq!(script.attempts(), 1);
+
+    let (r, took, script, _) = hedged(
+        HedgeLayer::new(policy(2, 50 * MS)),
+        keyed(post("/orders")),
+        slow(),
+    )
+    .await;
+    assert_eq!(code(&r), 201);
+    assert_eq!(took, 50 * MS);
+    let seen = script.seen();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(
+        seen[1].body, seen[0].body,
+        "the hedge carries the whole body"
+    );
+    assert_eq!(seen[1].headers["x-idempotency-key"], "order-7f3a9c21");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_non_fatal_failure_sends_the_next_hedge_at_once() {
+    let (r, took, script, _) = hedged(
+        HedgeLayer::new(policy(3, Duration::from_secs(1))),
+        get("/books/b1"),
+        vec![status(503), status(200)],
+    )
+    .await;
+    assert_eq!(code(&r), 200);
+    assert_eq!(
+        took,
+        Duration::ZERO,
+        "no hedging_delay after a non-fatal failure"
+    );
+    assert_eq!(script.attempts(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn when_every_attempt_fails_non_fatally_the_last_failure_is_the_answer() {
+    let (r, _, script, layer) = hedged(
+        HedgeLayer::new(policy(3, 10 * MS)),
+        get("/books/b1"),
+        vec![status(503)],
+    )
+    .await;
+    assert_eq!(code(&r), 503);
+    assert_eq!(script.attempts(), 3, "max_attempts");
+    assert_eq!(layer.stats().hedges, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fatal_answer_wins_over_attempts_still_in_flight() {
+    let (r, took, script, _) = hedged(
+        HedgeLayer::new(policy(2, 50 * MS)),
+        get("/books/b1"),
+        vec![Reply::Slow(Duration::from_secs(1), 200), status(404)],
+    )
+    .await;
+    assert_eq!(code(&r), 404, "NOT_FOUND is not non-fatal: it commits");
+    assert_eq!(took, 50 * MS);
+    assert_eq!(script.attempts(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn pushback_stops_further_hedges() {
+    let stop = Reply::Status(503, vec![("x-reason-code", "DO_NOT_RETRY")]);
+    let (r, _, script, _) = hedged(
+        HedgeLayer::new(policy(3, 10 * MS)),
+        get("/books/b1"),
+        vec![stop],
+    )
+    .await;
+    assert_eq!(code(&r), 503);
+    assert_eq!(script.attempts(), 1);
+
+    let (r, _, script, _) = hedged(
+        HedgeLayer::new(policy(3, 10 * MS)),
+        grpc_req("/pkg.Svc/Get"),
+        vec![Reply::Status(
+            200,
+            vec![
+                ("content-type", "application/grpc"),
+                ("grpc-status", "14"),
+                ("grpc-retry-pushback-ms", "-1"),
+            ],
+        )],
+    )
+    .await;
+    // Not declared idempotent: sent once anyway; declared, the pushback stops it.
+    assert_eq!(code(&r), 200);
+    assert_eq!(script.attempts(), 1);
+    let declared = HedgePolicy::builder()
+        .max_attempts(3)
+        .hedging_delay(10 * MS)
+        .idempotent_grpc_methods(retry_layer::IdempotentGrpcMethods::new(["/pkg.Svc/Get"]).unwrap())
+        .build()
+        .unwrap();
+    let (_, _, script, _) = hedged(
+        HedgeLayer::new(declared.clone()),
+        grpc_req("/pkg.Svc/Get"),
+        vec![Reply::Status(
+            200,
+            vec![
+                ("content-type", "application/grpc"),
+                ("grpc-status", "14"),
+                ("grpc-retry-pushback-ms", "-1"),
+            ],
+        )],
+    )
+    .await;
+    assert_eq!(script.attempts(), 1, "a negative pushback stops hedging");
+    let (_, _, script, _) = hedged(
+        HedgeLayer::new(declared),
+        grpc_req("/pkg.Svc/Get"),
+        vec![grpc("14")],
+    )
+    .await;
+    assert_eq!(
+        script.attempts(),
+        3,
+        "UNAVAILABLE without pushback is hedged"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn hedges_draw_on_the_retry_budget() {
+    // A retry budget with no floor and no ratio grants nothing: no hedge is sent.
+    let retries = RetryLayer::new(
+        RetryPolicy::builder()
+            .budget(Duration::from_secs(10), 0, 0.0)
+            .build()
+            .unwrap(),
+    );
+    let (r, took, script, layer) = hedged(
+        retries.hedge_layer(policy(2, 50 * MS)),
+        get("/books/b1"),
+        vec![Reply::Slow(Duration::from_secs(1), 200)],
+    )
+    .await;
+    assert_eq!(code(&r), 200);
+    assert_eq!(took, Duration::from_secs(1));
+    assert_eq!(script.attempts(), 1);
+    assert_eq!(layer.stats().budget_refusals, 1);
+}
+
+#[test]
+fn a_service_config_chooses_hedging_per_method() {
+    let policy = HedgePolicy::from_grpc_service_config(
+        r#"{"methodConfig": [{
+            "name": [{"service": "pkg.Svc", "method": "Get"}],
+            "hedgingPolicy": {"maxAttempts": 3, "hedgingDelay": "0.02s", "nonFatalStatusCodes": ["UNAVAILABLE"]}
+        }]}"#,
+    )
+    .unwrap();
+    let _ = policy;
+    for bad in [
+        r#"{"methodConfig": [{"name": [{"service": "pkg.Svc"}], "hedgingPolicy": {"maxAttempts": 1}}]}"#,
+        r#"{"methodConfig": [{"name": [], "hedgingPolicy": {"maxAttempts": 2}}]}"#,
+        r#"{"methodConfig": [{"name": [{}], "hedgingPolicy": {"maxAttempts": 2, "hedgingDelay": "soon"}}]}"#,
+        "not json",
+    ] {
+        let e = HedgePolicy::from_grpc_service_config(bad).unwrap_err();
+        assert!(!e.to_string().is_empty(), "{bad}");
+    }
+    assert!(HedgePolicy::builder().max_attempts(6).build().is_err());
+    assert!(HedgePolicy::builder().max_attempts(0).build().is_err());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_service_config_hedges_the_methods_it_names_only() {
+    let policy = HedgePolicy::from_grpc_service_config(
+        r#"{"methodConfig": [{
+            "name": [{"service": "pkg.Svc", "method": "Get"}],
+            "hedgingPolicy": {"maxAttempts": 3, "hedgingDelay": "0.02s", "nonFatalStatusCodes": ["UNAVAILABLE"]}
+        }]}"#,
+    )
+    .unwrap()
+    .to_builder()
+    .idempotent_grpc_methods(
+        retry_layer::IdempotentGrpcMethods::new(["/pkg.Svc/Get", "/pkg.Svc/List"]).unwrap(),
+    )
+    .build()
+    .unwrap();
+    let (_, took, script, _) = hedged(
+        HedgeLayer::new(policy.clone()),
+        grpc_req("/pkg.Svc/Get"),
+        vec![grpc("14")],
+    )
+    .await;
+    assert_eq!(script.attempts(), 3);
+    assert_eq!(took, Duration::ZERO, "non-fatal: each next hedge at once");
+    let (_, _, script, _) = hedged(
+        HedgeLayer::new(policy),
+        grpc_req("/pkg.Svc/List"),
+        vec![Reply::Slow(Duration::from_secs(1), 200)],
+    )
+    .await;
+    assert_eq!(script.attempts(), 1, "no hedgingPolicy for List");
+}
+
+/// Over real sockets: the first attempt is held by the server until the test ends; the hedge
+/// is answered at once. The caller gets the hedge's answer, and the held attempt is cancelled
+/// on the wire (its handler is dropped by the server).
+#[tokio::test]
+async fn on_the_wire_the_hedge_answers_and_the_slow_attempt_is_cancelled() {
+    for h2 in [false, true] {
+        let hits = Arc::new(AtomicUsize::new(0));
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (h, d) = (hits.clone(), dropped.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let (h, d) = (h.clone(), d.clone());
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |_req| {
+                        let n = h.fetch_add(1, Ordering::SeqCst);
+                        let d = d.clone();
+                        async move {
+                            if n == 0 {
+                                struct Guard(Arc<AtomicUsize>);
+                                impl Drop for Guard {
+                                    fn drop(&mut self) {
+                                        self.0.fetch_add(1, Ordering::SeqCst);
+                                    }
+                                }
+                                let _guard = Guard(d);
+                                std::future::pending::<()>().await;
+                            }
+                            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("fast"))))
+                        }
+                    });
+                    let _ = hyper_util::server::conn::auto::Builder::new(
+                        hyper_util::rt::TokioExecutor::new(),
+                    )
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                    .await;
+                });
+            }
+        });
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .http2_only(h2)
+                .build_http::<retry_layer::ReplayBody<Full<Bytes>>>();
+        let layer = HedgeLayer::new(policy(2, 20 * MS));
+        let req = Request::get(format!("http://{addr}/books/b1"))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let res = crate::wire::bounded("the hedged GET", layer.layer(client).oneshot(req))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK, "h2 {h2}");
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(body, "fast");
+        assert_eq!(hits.load(Ordering::SeqCst), 2);
+        crate::wire::bounded("the slow attempt's cancellation", async {
+            while dropped.load(Ordering::SeqCst) == 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await;
+        assert_eq!(layer.stats().won_by_hedge, 1);
+    }
+}
