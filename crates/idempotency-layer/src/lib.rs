@@ -276,6 +276,7 @@ mod key;
 mod layer;
 mod observe;
 mod protocol;
+mod recording;
 mod reject;
 mod renewal;
 mod scope;
@@ -283,6 +284,10 @@ mod service;
 mod shared;
 mod stats;
 pub mod store;
+// Without a store that can complete in a transaction (feature `postgres`), the layer still
+// judges every leader's response by the ledger, but nothing ever writes one.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+mod tx_ledger;
 mod wait_limit;
 
 pub use body::{IdempotencyBody, RequestBody};
@@ -301,7 +306,7 @@ pub use service::Idempotency;
 pub use stats::IdempotencyStats;
 pub use store::{IdempotencyStore, MemoryStore, StoreError};
 #[cfg(feature = "postgres")]
-pub use store::{PostgresStore, PostgresStoreBuilder};
+pub use store::{PostgresStore, PostgresStoreBuilder, TxCompletion, TxCompletionError};
 #[cfg(feature = "redis")]
 pub use store::{RedisStore, RedisStoreBuilder};
 
