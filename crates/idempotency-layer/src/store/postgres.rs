@@ -79,6 +79,14 @@ const CLAIM_ATTEMPTS: usize = 10;
 /// every [`cleanup_interval`](PostgresStoreBuilder::cleanup_interval); or on demand with
 /// [`remove_expired`](PostgresStore::remove_expired).
 ///
+/// # Transactional completion
+///
+/// A handler whose side effects go to the same database can write the record in its own
+/// transaction, with the [`TxCompletion`] the layer puts in its request's extensions and a
+/// connection from [`pool`](PostgresStore::pool): the side effect and the record then commit
+/// or roll back together, and no crash between them can make a retry run twice. It runs the
+/// same fenced `complete` statement, on the handler's connection, unprepared (one round trip).
+///
 /// # Choosing a store
 ///
 /// Measured by the `benchmarks` loadtest (`pg_stat_database.xact_commit` deltas): a first
