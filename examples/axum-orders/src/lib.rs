@@ -16,5 +16,7 @@ pub mod cli;
 pub mod client;
 pub mod inventory;
 pub mod metrics;
+#[cfg(feature = "postgres")]
+pub mod pg_orders;
 pub mod server;
 pub mod store;
