@@ -99,7 +99,8 @@ where
 pin_project! {
     /// The response body of [`Idempotency`](crate::Idempotency): the handler's body passed
     /// through, the handler's body recorded as it streams to the client, a replayed record, or a
-    /// rejection.
+    /// rejection; also the whole body of a response a handler recorded in its own transaction
+    /// (`TxCompletion::complete_in`, feature `postgres`).
     ///
     /// Its data is [`Bytes`] and its error a boxed error, so axum and tonic both accept it.
     pub struct IdempotencyBody<B> {

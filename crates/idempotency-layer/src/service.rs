@@ -591,7 +591,7 @@ where
                 });
             }
             Err(_) => {
-                tracing::error!("idempotency: handler panicked; releasing the key");
+                tracing::error!("idempotency: handler panicked");
                 return match end_without_response(claim, ledger, fp).await {
                     Some(record) => Ok(Ok(replay(&record, grpc, cfg.max_record_bytes))),
                     None => Err(Panicked),
@@ -678,7 +678,8 @@ async fn end_without_response(
             claim.release().await;
             None
         }
-        _ => match claim.settle(fp).await {
+        // Dropped mid-way (the client went away), the store operations still complete.
+        _ => match DetachOnDrop(Some(claim.settle(fp))).await {
             Settled::Recorded(record) => Some(record),
             Settled::Released | Settled::Unknown => None,
         },

@@ -10,7 +10,7 @@ use http_body_util::BodyExt;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::Transaction;
 
-use super::{codec, fenced_unless_affected, CompleteParams, PostgresStore};
+use super::{affected, codec, CompleteParams, PostgresStore};
 use crate::body::IdempotencyBody;
 use crate::config::Config;
 use crate::recording::{self, AtHead, RecordBuilder};
@@ -280,7 +280,7 @@ impl TxCompletion {
                 Some(&SqlState::UNDEFINED_TABLE) => TxCompletionError::OtherDatabase,
                 _ => TxCompletionError::Postgres(e),
             })?;
-        if let Err(StoreError::Fenced) = fenced_unless_affected(&rows) {
+        if affected(&rows) == 0 {
             return Err(self.why_fenced().await);
         }
         tracing::debug!(scope = ?self.scope, "idempotency: recorded in the handler's transaction");

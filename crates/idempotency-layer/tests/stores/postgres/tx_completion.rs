@@ -430,6 +430,48 @@ async fn a_claim_taken_over_mid_transaction_is_fenced_and_the_handler_rolls_back
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_on_another_database_is_refused_and_the_claim_released() {
+    let Some(db) = Db::open().await else { return };
+    // The server's maintenance database: the store's table is not there.
+    let (server, _) = db
+        .url
+        .split_once('?')
+        .map_or(db.url.as_str(), |(u, _)| u)
+        .rsplit_once('/')
+        .unwrap();
+    let elsewhere = format!("{server}/postgres");
+    let layer = IdempotencyLayer::new(db.store.clone());
+    let (errors, mut error) = mpsc::unbounded_channel::<TxCompletionError>();
+    let handler = post(
+        move |Extension(completion): Extension<TxCompletion>| async move {
+            let mut other = raw(&elsewhere).await;
+            let tx = other.transaction().await.unwrap();
+            match completion.complete_in(&tx, created(1)).await {
+                Ok(_) => panic!("recorded in another database"),
+                Err(e) => {
+                    let answer = (StatusCode::SERVICE_UNAVAILABLE, e.to_string());
+                    errors.send(e).unwrap();
+                    answer.into_response()
+                }
+            }
+        },
+    );
+    let addr = serve(app(&layer, handler)).await;
+    let key = unique("order-");
+    let answer = send(&client(), order(addr, &key, "a book")).await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    let e = error.recv().await.unwrap();
+    assert!(matches!(e, TxCompletionError::OtherDatabase), "{e:?}");
+    assert!(e.to_string().contains("PostgresStore::pool"), "{e}");
+    assert_eq!(
+        db.entry(order_scope(&key)).await,
+        None,
+        "the claim is released"
+    );
+    db.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicates_at_once_make_one_order() {
     let Some(db) = Db::open().await else { return };
     const DUPLICATES: usize = 16;
