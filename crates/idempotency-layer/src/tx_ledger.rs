@@ -143,7 +143,7 @@ mod tests {
     fn only_the_last_writes_response_counts_as_committed() {
         let ledger = TxLedger::new(Token(7));
         let first = ledger.start_write().unwrap();
-        let second = ledger.start_write().unwrap();
+        ledger.start_write().unwrap();
         // The first transaction's response is stale once a second write was sent.
         assert_eq!(
             ledger.judge(Some(&mut response_carrying(first))),
@@ -163,7 +163,6 @@ mod tests {
             ledger.start_write().is_err(),
             "no write after the layer judged"
         );
-        let _ = second;
     }
 
     #[test]
