@@ -5,7 +5,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::header::CONTENT_LENGTH;
 use http::{HeaderMap, StatusCode};
 use http_body::{Body, Frame, SizeHint};
@@ -13,10 +13,9 @@ use pin_project_lite::pin_project;
 use reason_code::Code;
 
 use crate::claim::{spawn_detached, BoxFuture, Claim};
-use crate::classify;
 use crate::config::{Config, OnDisconnect};
-use crate::protocol::is_grpc_web;
-use crate::store::{BoxError, Fingerprint, Record};
+use crate::recording::RecordBuilder;
+use crate::store::{BoxError, Fingerprint};
 
 pin_project! {
     /// The request body handed to the inner service: the original body for requests the layer
@@ -100,7 +99,8 @@ where
 pin_project! {
     /// The response body of [`Idempotency`](crate::Idempotency): the handler's body passed
     /// through, the handler's body recorded as it streams to the client, a replayed record, or a
-    /// rejection.
+    /// rejection; also the whole body of a response a handler recorded in its own transaction
+    /// (`TxCompletion::complete_in`, feature `postgres`).
     ///
     /// Its data is [`Bytes`] and its error a boxed error, so axum and tonic both accept it.
     pub struct IdempotencyBody<B> {
@@ -241,23 +241,11 @@ struct RecState<B> {
     body: Pin<Box<B>>,
     claim: Claim,
     config: Arc<Config>,
-    fingerprint: Fingerprint,
-    status: StatusCode,
-    headers: HeaderMap,
-    data: BytesMut,
-    omitted: bool,
-    trailers: Option<HeaderMap>,
+    record: RecordBuilder,
     /// The body's length when the server will stop at it (HTTP/1 with an exact size or a
     /// Content-Length): the frame that reaches it is the last, whether or not the body says so.
     stops_at: Option<u64>,
     seen: u64,
-    /// For gRPC-Web: the last data frame, where the trailers frame is (used when the body is too
-    /// large to keep).
-    last_chunk: Option<Bytes>,
-    grpc_web: bool,
-    /// The code the head decided (a reason code, a trailers-only gRPC status, an HTTP status);
-    /// `None` when the status comes at the end (gRPC trailers, a gRPC-Web trailers frame).
-    head_code: Option<Code>,
     drain_on_drop: fn(RecState<B>),
 }
 
@@ -267,7 +255,7 @@ where
     B::Error: Into<BoxError>,
 {
     /// `http1`: the response goes out over HTTP/1, where the server stops at the body's length.
-    /// `head_code`: what [`classify::at_head`] said of the response's head.
+    /// `head_code`: what [`recording::at_head`](crate::recording::at_head) decided.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         body: B,
@@ -288,7 +276,13 @@ where
                 })
             })
             .flatten();
-        let grpc_web = head_code.is_none() && is_grpc_web(&headers);
+        let record = RecordBuilder::new(
+            fingerprint,
+            status,
+            headers,
+            head_code,
+            config.max_record_bytes,
+        );
         Recorder {
             finishing: None,
             first: None,
@@ -296,17 +290,9 @@ where
                 body: Box::pin(body),
                 claim,
                 config,
-                fingerprint,
-                status,
-                headers,
-                data: BytesMut::new(),
-                omitted: false,
-                trailers: None,
+                record,
                 stops_at,
                 seen: 0,
-                last_chunk: None,
-                grpc_web,
-                head_code,
                 drain_on_drop: drain_on_drop::<B>,
             }),
         }
@@ -425,23 +411,8 @@ where
     fn observe(&mut self, frame: &Frame<Bytes>) {
         if let Some(d) = frame.data_ref() {
             self.seen += d.len() as u64;
-            if self.grpc_web && !d.is_empty() {
-                self.last_chunk = Some(d.clone());
-            }
-            if !self.omitted {
-                if self.data.len() + d.len() > self.config.max_record_bytes {
-                    self.omitted = true;
-                    self.data = BytesMut::new();
-                } else {
-                    self.data.extend_from_slice(d);
-                }
-            }
-        } else if let Some(t) = frame.trailers_ref() {
-            match &mut self.trailers {
-                Some(all) => all.extend(t.clone()),
-                None => self.trailers = Some(t.clone()),
-            }
         }
+        self.record.observe(frame);
     }
 
     /// Is `frame` (just observed) the last one the server will take?
@@ -454,26 +425,12 @@ where
     /// The body ended: record it if the table allows, else release. The record is built here,
     /// synchronously, so the returned store operation holds only the record and the claim.
     fn finish(self) -> BoxFuture {
-        let kept: &[u8] = match (&self.last_chunk, self.omitted) {
-            (Some(last), true) => last,
-            _ => &self.data,
-        };
-        let code = self
-            .head_code
-            .unwrap_or_else(|| classify::at_end(&self.headers, self.trailers.as_ref(), kept));
-        if self.config.table.may_record(code) {
-            let record = Record {
-                fingerprint: self.fingerprint,
-                status: self.status,
-                headers: self.headers,
-                body: self.data.freeze(),
-                body_omitted: self.omitted,
-                trailers: self.trailers,
-            };
-            self.claim.complete(record)
-        } else {
-            tracing::debug!(%code, "idempotency: outcome not recordable; releasing");
-            self.claim.release()
+        match self.record.finish(&self.config) {
+            Ok(record) => self.claim.complete(record),
+            Err(code) => {
+                tracing::debug!(%code, "idempotency: outcome not recordable; releasing");
+                self.claim.release()
+            }
         }
     }
 

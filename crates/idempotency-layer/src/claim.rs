@@ -11,16 +11,37 @@ use crate::observe::{self, Op, StoreKind};
 use crate::renewal::Renewals;
 use crate::shared::Shared;
 use crate::stats::Counters;
-use crate::store::{retry_through_outage, IdempotencyStore, Record, ScopeKey, StoreError, Token};
+use crate::store::{
+    retry_through_outage, Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token,
+};
 
 /// A claim's store operation, boxed once (the store type is erased).
 pub(crate) type BoxFuture = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
+
+/// How a claim whose handler wrote its record in a transaction of its own turned out
+/// ([`Claim::settle`]).
+#[derive(Debug)]
+pub(crate) enum Settled {
+    /// No such transaction committed: the claim was still this request's, and is now released
+    /// (a retry executes again).
+    Released,
+    /// A transaction of the handler committed this record.
+    Recorded(Arc<Record>),
+    /// Neither could be established (the claim was taken over or forgotten, or the store is
+    /// unreachable): nothing was changed.
+    Unknown,
+}
 
 /// The store operations of one claim, with the store type erased (so bodies need not name it).
 trait ClaimOps: Send + Sync + 'static {
     fn complete(self: Box<Self>, record: Record) -> BoxFuture;
     fn release(self: Box<Self>) -> BoxFuture;
+    fn recorded_elsewhere(self: Box<Self>);
+    fn settle(self: Box<Self>, fingerprint: Fingerprint) -> SettleFuture;
 }
+
+/// [`Claim::settle`]'s store operations, boxed once.
+pub(crate) type SettleFuture = Pin<Box<dyn Future<Output = Settled> + Send + 'static>>;
 
 struct StoreClaim<St> {
     store: St,
@@ -79,6 +100,58 @@ impl<St: IdempotencyStore> ClaimOps for StoreClaim<St> {
                     tracing::debug!(scope = ?self.scope, "idempotency: released");
                 }
                 Err(e) => log_store_error(&self.counters, kind, Op::Release, &e),
+            }
+        })
+    }
+
+    fn recorded_elsewhere(self: Box<Self>) {
+        self.counters.recorded();
+        tracing::debug!(scope = ?self.scope, "idempotency: recorded in the handler's transaction");
+    }
+
+    fn settle(self: Box<Self>, fingerprint: Fingerprint) -> SettleFuture {
+        Box::pin(async move {
+            let (store, scope) = (&self.store, self.scope);
+            let kind = StoreKind::of(store);
+            // Fenced: the claim row is ours only while no transaction of the handler committed
+            // the record, so a release that succeeds proves none did.
+            let release = || observe::timed(Op::Release, kind, store.release(scope, self.token));
+            match retry_through_outage(self.lease, "release", release).await {
+                Ok(()) => {
+                    self.counters.released();
+                    tracing::debug!(
+                        ?scope,
+                        "idempotency: the handler's transaction did not commit; released"
+                    );
+                    return Settled::Released;
+                }
+                Err(StoreError::Fenced) => {}
+                Err(e) => {
+                    log_store_error(&self.counters, kind, Op::Release, &e);
+                    return Settled::Unknown;
+                }
+            }
+            // Not ours any more: committed by the handler's transaction, or taken over or
+            // forgotten meanwhile. What the scope holds now tells which.
+            let begin =
+                observe::timed(Op::Begin, kind, store.begin(scope, fingerprint, self.lease));
+            match begin.await {
+                Ok(Begin::Completed(record)) if record.fingerprint == fingerprint => {
+                    self.counters.recorded();
+                    Settled::Recorded(record)
+                }
+                Ok(Begin::New(token)) => {
+                    // Forgotten meanwhile: hand back the claim this look made.
+                    if let Err(e) = store.release(scope, token).await {
+                        log_store_error(&self.counters, kind, Op::Release, &e);
+                    }
+                    Settled::Unknown
+                }
+                Ok(_) => Settled::Unknown,
+                Err(e) => {
+                    log_store_error(&self.counters, kind, Op::Begin, &e);
+                    Settled::Unknown
+                }
             }
         })
     }
@@ -154,6 +227,25 @@ impl Claim {
         match self.ops.take() {
             Some(ops) => ops.release(),
             None => Box::pin(std::future::ready(())),
+        }
+    }
+
+    /// Ends the claim whose record the handler's own transaction stored: no store operation
+    /// (the lease renewal stops).
+    pub(crate) fn recorded_in_transaction(mut self) {
+        if let Some(ops) = self.ops.take() {
+            ops.recorded_elsewhere();
+        }
+    }
+
+    /// Ends the claim whose handler wrote the record (for a request with `fingerprint`) in a
+    /// transaction of its own but returned something other than that write's response: a fenced
+    /// release, which succeeds only if no such transaction committed; if it did, the record it
+    /// stored.
+    pub(crate) fn settle(mut self, fingerprint: Fingerprint) -> SettleFuture {
+        match self.ops.take() {
+            Some(ops) => ops.settle(fingerprint),
+            None => Box::pin(std::future::ready(Settled::Unknown)),
         }
     }
 }

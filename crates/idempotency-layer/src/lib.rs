@@ -131,9 +131,13 @@
 //!
 //! - **A crash between the side effect and the record.** The handler's write committed, then the
 //!   instance died (or lost the store for longer than the lease) before the record was stored:
-//!   the claim's lease lapses and the client's retry executes again. Keep the lease above the
-//!   handler's worst latency, and make the side effect itself refuse a second run where it can
-//!   (a unique constraint on the idempotency key in the same database).
+//!   the claim's lease lapses and the client's retry executes again. When the side effect lives
+//!   in the same PostgreSQL database as a `PostgresStore`, close the window: the handler writes
+//!   the record in its own transaction with [`TxCompletion`] (feature `postgres`; see
+//!   [Transactional completion](#transactional-completion-postgresql)), so the side effect and
+//!   the record commit or roll back together. Otherwise keep the lease above the handler's worst
+//!   latency, and make the side effect itself refuse a second run where it can (a unique
+//!   constraint on the idempotency key in the same database).
 //! - **A store partition longer than the lease.** The leader cannot renew its claim; after the
 //!   lease another instance takes the key over and executes again, and the first leader's late
 //!   record is refused by its fencing token (its client got a response that was never recorded;
@@ -211,13 +215,37 @@
 //!     as far as Redis persists them.
 //!   - `PostgresStore` (cargo feature `postgres`): one statement per claim, per completion and
 //!     per replay, waiters woken by LISTEN/NOTIFY, expired rows removed in batches. Records
-//!     survive restarts and failovers of the database like any other row.
+//!     survive restarts and failovers of the database like any other row; a handler whose side
+//!     effects live in the same database can commit its record with them
+//!     ([transactional completion](#transactional-completion-postgresql)).
 //!
 //!   Their own docs list what each guarantees and its knobs (prefix or table, lease, TTL, pool
 //!   size, timeouts).
 //!
 //! Every store runs the same [conformance suite](crate::conformance) (cargo feature
 //! `conformance`).
+//!
+//! # Transactional completion (PostgreSQL)
+//!
+//! The layer stores a record after its handler returns, so there is a moment when the handler's
+//! side effect has committed and the record does not exist yet; an instance that dies then
+//! leaves a claim that lapses, and the retry runs again. When the handler's side effects go to
+//! the same PostgreSQL database as the `PostgresStore`, the handler can write the record itself,
+//! in its own transaction: the layer hands it a [`TxCompletion`] (a request extension, on a
+//! first request whose store is a `PostgresStore` or an [`AnyStore`](store::AnyStore) holding
+//! one), and the handler calls `completion.complete_in(&tx, response)` before `tx.commit()`,
+//! then returns the response it got back. The record is written with the store's own fenced
+//! statement (a claim taken over meanwhile is refused with [`TxCompletionError::Fenced`], and
+//! the handler rolls back), and is byte for byte the one the layer would have stored. Then:
+//!
+//! - **committed**: the side effect and the record exist together; the layer writes nothing
+//!   more. If the instance dies before the response leaves, the retry gets the replay;
+//! - **rolled back**: neither exists; the layer releases the claim when the handler returns (or
+//!   its lease lapses, if the instance died), and the retry runs once.
+//!
+//! [`TxCompletion`]'s docs have an example and the rules (call it last, return its response
+//! after the commit, what happens to any other answer). The `axum-orders` example's PostgreSQL
+//! mode uses it, with a test that kills the server between the commit and the response.
 //!
 //! # Cost
 //!
@@ -276,6 +304,7 @@ mod key;
 mod layer;
 mod observe;
 mod protocol;
+mod recording;
 mod reject;
 mod renewal;
 mod scope;
@@ -283,6 +312,10 @@ mod service;
 mod shared;
 mod stats;
 pub mod store;
+// Without a store that can complete in a transaction (feature `postgres`), the layer still
+// judges every leader's response by the ledger, but nothing ever writes one.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+mod tx_ledger;
 mod wait_limit;
 
 pub use body::{IdempotencyBody, RequestBody};
@@ -301,7 +334,7 @@ pub use service::Idempotency;
 pub use stats::IdempotencyStats;
 pub use store::{IdempotencyStore, MemoryStore, StoreError};
 #[cfg(feature = "postgres")]
-pub use store::{PostgresStore, PostgresStoreBuilder};
+pub use store::{PostgresStore, PostgresStoreBuilder, TxCompletion, TxCompletionError};
 #[cfg(feature = "redis")]
 pub use store::{RedisStore, RedisStoreBuilder};
 

@@ -22,13 +22,13 @@ use tower_service::Service;
 use tracing::{Instrument, Span};
 
 use crate::body::{IdempotencyBody, Recorder, RequestBody};
-use crate::claim::{log_store_error, spawn_detached, Claim};
-use crate::classify;
+use crate::claim::{log_store_error, spawn_detached, Claim, Settled};
 use crate::config::{Config, InFlight, OnDisconnect, TenantSource};
 use crate::future::ResponseFuture;
 use crate::key::extract_key;
 use crate::observe::{self, Op, Outcome, StoreKind};
 use crate::protocol::Protocol;
+use crate::recording::{self, AtHead};
 use crate::reject::{render, RejectReason};
 use crate::scope::{fingerprint, Scope, Tenant};
 use crate::shared::Shared;
@@ -37,6 +37,7 @@ use crate::store::{
     Begin, BoxError, Fingerprint, IdempotencyStore, MemoryStore, Record, ScopeKey, StoreError,
     TenantKey,
 };
+use crate::tx_ledger::{self, Offer, TxLedger, Verdict};
 use crate::IDEMPOTENT_BODY_OMITTED;
 
 /// The service [`IdempotencyLayer`](crate::IdempotencyLayer) makes: writes with a key execute
@@ -280,7 +281,7 @@ where
         let counters = &self.shared.counters;
         let scope = self.scope;
         let kind = StoreKind::of(&self.store);
-        let (parts, body) = req.into_parts();
+        let (mut parts, body) = req.into_parts();
         let wait = parts
             .headers
             .get(GRPC_TIMEOUT)
@@ -335,8 +336,19 @@ where
                         cfg.lease,
                         &self.shared,
                     );
+                    let ledger = tx_ledger::offer(
+                        &self.store,
+                        &mut parts.extensions,
+                        Offer {
+                            scope,
+                            token,
+                            fingerprint: fp,
+                            config: &self.config,
+                            grpc: self.protocol.is_grpc(),
+                        },
+                    );
                     let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-                    return self.run_as_leader(req, claim, fp).await;
+                    return self.run_as_leader(req, claim, ledger, fp).await;
                 }
                 Ok(Begin::Completed(record)) => {
                     if record.fingerprint != fp {
@@ -350,7 +362,11 @@ where
                     };
                     observe::record_outcome(&self.span, outcome);
                     tracing::debug!(?scope, waited, "idempotency: replayed");
-                    return Ok(replay(&record, &self.protocol, cfg.max_record_bytes));
+                    return Ok(replay(
+                        &record,
+                        self.protocol.is_grpc(),
+                        cfg.max_record_bytes,
+                    ));
                 }
                 Ok(Begin::InFlight { token, fingerprint }) => {
                     if fingerprint != fp {
@@ -437,11 +453,13 @@ where
         }
     }
 
-    /// Runs the handler as the leader of the scope, and records its response as it streams.
+    /// Runs the handler as the leader of the scope, and records its response as it streams
+    /// (unless the handler recorded it in its own transaction: `ledger`).
     async fn run_as_leader<ReqB, ResB>(
         self,
         req: Request<RequestBody<ReqB>>,
         claim: Claim,
+        ledger: Option<Arc<TxLedger>>,
         fp: Fingerprint,
     ) -> Answer<ResB, S::Error>
     where
@@ -469,13 +487,22 @@ where
                 // future is dropped first (the client went away): it then completes, and an
                 // unsent response's body is drained and recorded by the recorder's drop. (A task
                 // per execution cost more than the rest of the layer; see BENCHMARKS.md.)
-                let run = call_and_record(inner, req, claim, config.clone(), fp, grpc);
+                let run = call_and_record(inner, req, claim, ledger, config.clone(), fp, grpc);
                 DetachOnDrop(Some(Box::pin(run))).await
             }
             // Boxed like the other arm: inline, the handler's future and the recorder would
             // more than double the size of every write's future.
             OnDisconnect::Release => {
-                Box::pin(call_and_record(inner, req, claim, config.clone(), fp, grpc)).await
+                Box::pin(call_and_record(
+                    inner,
+                    req,
+                    claim,
+                    ledger,
+                    config.clone(),
+                    fp,
+                    grpc,
+                ))
+                .await
             }
         };
         match out {
@@ -528,7 +555,8 @@ impl<F: Future<Output = T> + Send + ?Sized + 'static, T: Send + 'static> Drop
 
 /// Readies the inner service, calls it, and wraps its response in a [`Recorder`] (storing the
 /// record at once when the body is already whole, or releasing the claim when the head says the
-/// outcome is not recordable).
+/// outcome is not recordable). When the handler recorded its response in its own transaction
+/// (`ledger`), the claim is left as that transaction left it.
 ///
 /// A plain function returning a future, so the request and the service are held once (by the
 /// call), not twice (by the outer future too): the future stays small enough for the allocator's
@@ -537,6 +565,7 @@ fn call_and_record<S, ReqB, ResB>(
     mut inner: S,
     req: Request<RequestBody<ReqB>>,
     claim: Claim,
+    ledger: Option<Arc<TxLedger>>,
     cfg: Arc<Config>,
     fp: Fingerprint,
     grpc: bool,
@@ -556,19 +585,49 @@ where
         let res = match call.await {
             Ok(Ok(res)) => res,
             Ok(Err(e)) => {
-                claim.release().await;
-                return Ok(Err(e));
+                return Ok(match end_without_response(claim, ledger, fp).await {
+                    Some(record) => Ok(replay(&record, grpc, cfg.max_record_bytes)),
+                    None => Err(e),
+                });
             }
             Err(_) => {
-                tracing::error!("idempotency: handler panicked; releasing the key");
-                claim.release().await;
-                return Err(Panicked);
+                tracing::error!("idempotency: handler panicked");
+                return match end_without_response(claim, ledger, fp).await {
+                    Some(record) => Ok(Ok(replay(&record, grpc, cfg.max_record_bytes))),
+                    None => Err(Panicked),
+                };
             }
         };
-        let (parts, body) = res.into_parts();
-        let head_code = classify::at_head(&cfg.reasons, grpc, parts.status, &parts.headers);
-        if let Some(code) = head_code {
-            if !cfg.table.may_record(code) {
+        let (mut parts, body) = res.into_parts();
+        let verdict = ledger.map_or(Verdict::Unused, |l| l.judge(Some(&mut parts.extensions)));
+        match verdict {
+            Verdict::Unused => {}
+            Verdict::Committed => {
+                claim.recorded_in_transaction();
+                return Ok(Ok(Response::from_parts(
+                    parts,
+                    IdempotencyBody::inner(body),
+                )));
+            }
+            Verdict::InDoubt => {
+                // Dropped mid-way (the client went away), the store operations still complete.
+                let settled = DetachOnDrop(Some(claim.settle(fp))).await;
+                return Ok(Ok(match settled {
+                    Settled::Recorded(record) => {
+                        tracing::warn!(
+                            "idempotency: the handler recorded a response in its transaction, \
+                             committed, then returned another; answering with the recorded one"
+                        );
+                        replay(&record, grpc, cfg.max_record_bytes)
+                    }
+                    Settled::Released | Settled::Unknown => {
+                        Response::from_parts(parts, IdempotencyBody::inner(body))
+                    }
+                }));
+            }
+        }
+        let head_code = match recording::at_head(&cfg, grpc, parts.status, &parts.headers) {
+            AtHead::NotRecordable(code) => {
                 tracing::debug!(%code, "idempotency: outcome not recordable; releasing");
                 claim.release().await;
                 return Ok(Ok(Response::from_parts(
@@ -576,7 +635,8 @@ where
                     IdempotencyBody::inner(body),
                 )));
             }
-        }
+            AtHead::Record(head_code) => head_code,
+        };
         let recorder = Recorder::new(
             body,
             claim,
@@ -605,13 +665,30 @@ where
     }
 }
 
-/// The recorded response, for a duplicate.
-fn replay<B>(
-    record: &Record,
-    protocol: &Protocol,
-    max_record_bytes: usize,
-) -> Response<IdempotencyBody<B>> {
-    if record.body_omitted && protocol.is_grpc() {
+/// The handler returned no response (an error, a panic): release the claim, unless the handler
+/// recorded a response in its own transaction, which may have committed; then the record it
+/// stored, to answer with instead (the client gets what every duplicate will get).
+async fn end_without_response(
+    claim: Claim,
+    ledger: Option<Arc<TxLedger>>,
+    fp: Fingerprint,
+) -> Option<Arc<Record>> {
+    match ledger.map_or(Verdict::Unused, |l| l.judge(None)) {
+        Verdict::Unused => {
+            claim.release().await;
+            None
+        }
+        // Dropped mid-way (the client went away), the store operations still complete.
+        _ => match DetachOnDrop(Some(claim.settle(fp))).await {
+            Settled::Recorded(record) => Some(record),
+            Settled::Released | Settled::Unknown => None,
+        },
+    }
+}
+
+/// The recorded response, for a duplicate (`grpc`: the request's protocol).
+fn replay<B>(record: &Record, grpc: bool, max_record_bytes: usize) -> Response<IdempotencyBody<B>> {
+    if record.body_omitted && grpc {
         return replay_without_message(record, max_record_bytes);
     }
     let mut res = Response::new(IdempotencyBody::replay(

@@ -148,14 +148,34 @@ impl Inventory {
         book_id: &str,
         quantity: i64,
     ) -> Result<Order, InventoryError> {
+        let order = self.reserve(book_id, quantity).await?;
+        self.confirm(&order);
+        Ok(order)
+    }
+
+    /// The first half of [`create_order`](Self::create_order), for orders kept elsewhere (a
+    /// database): takes the stock and makes the order, not yet counted as created. Then
+    /// [`confirm`](Self::confirm) it once it is stored, or [`cancel`](Self::cancel) it.
+    pub async fn reserve(&self, book_id: &str, quantity: i64) -> Result<Order, InventoryError> {
         tokio::time::sleep(self.work).await;
         self.take(book_id, quantity)?;
-        self.orders_created.fetch_add(1, Ordering::SeqCst);
         Ok(Order {
             order_id: uuid::Uuid::new_v4().to_string(),
             book_id: book_id.to_owned(),
             quantity: quantity as i32,
         })
+    }
+
+    /// Counts a [`reserve`](Self::reserve)d order as created.
+    pub fn confirm(&self, _order: &Order) {
+        self.orders_created.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Puts a [`reserve`](Self::reserve)d order's stock back: it was never stored.
+    pub fn cancel(&self, order: &Order) {
+        if let Some(b) = self.lock().get_mut(&order.book_id) {
+            b.stock += i64::from(order.quantity);
+        }
     }
 
     /// Deducts stock; returns what remains.

@@ -10,11 +10,18 @@
 //! [`inventory`] (books, orders, counters of real side effects), the [`auth`] demo layer, the
 //! HTTP [`server`] and its Prometheus [`metrics`] page, the retrying [`client`] and the
 //! [`store`] selection.
+//!
+//! With `--store postgres://...`, orders go to an `orders` table in that database (`pg_orders`,
+//! feature `postgres`), and each is inserted in one transaction with its idempotency record
+//! (`idempotency_layer::TxCompletion`): a crash between the order's commit and its response
+//! cannot make the client's retry create a second order.
 
 pub mod auth;
 pub mod cli;
 pub mod client;
 pub mod inventory;
 pub mod metrics;
+#[cfg(feature = "postgres")]
+pub mod pg_orders;
 pub mod server;
 pub mod store;

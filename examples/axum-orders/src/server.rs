@@ -3,35 +3,82 @@
 use std::net::SocketAddr;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, State};
+use axum::extract::{FromRef, Path, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+#[cfg(feature = "postgres")]
+use axum::Extension;
 use axum::{Json, Router};
 use idempotency_layer::{IdempotencyLayer, IdempotencyStore};
+#[cfg(feature = "postgres")]
+use idempotency_layer::{Tenant, TxCompletion};
 use serde::Deserialize;
 use serde_json::json;
 use tokio::net::TcpListener;
 
 use crate::auth::demo_auth_layer;
 use crate::inventory::{Inventory, InventoryError};
+#[cfg(feature = "postgres")]
+use crate::pg_orders::PgOrders;
 
-/// The routes, without layers.
+/// Where created orders are kept.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub enum OrderBook {
+    /// Counted by the [`Inventory`] only (the in-memory and Redis modes).
+    #[default]
+    Memory,
+    /// In the PostgreSQL `orders` table, each order committed with its idempotency record in one
+    /// transaction (`--store postgres://...`).
+    #[cfg(feature = "postgres")]
+    Postgres(PgOrders),
+}
+
+/// What the handlers share.
+#[derive(Debug, Clone)]
+struct Shop {
+    inventory: Inventory,
+    orders: OrderBook,
+}
+
+impl FromRef<Shop> for Inventory {
+    fn from_ref(shop: &Shop) -> Inventory {
+        shop.inventory.clone()
+    }
+}
+
+/// The routes, without layers, with orders counted by the inventory ([`OrderBook::Memory`]).
 pub fn routes(inventory: Inventory) -> Router {
+    routes_with(inventory, OrderBook::Memory)
+}
+
+/// The routes, without layers, with orders kept in `orders`.
+pub fn routes_with(inventory: Inventory, orders: OrderBook) -> Router {
     Router::new()
         .route("/books/{book_id}", get(get_book))
         .route("/books/{book_id}/deduct", post(deduct))
         .route("/orders", post(create_order))
         .route("/stats", get(stats))
-        .with_state(inventory)
+        .with_state(Shop { inventory, orders })
 }
 
-/// The service: routes, then the idempotency layer, then the demo auth layer in front of it.
+/// The service: routes, then the idempotency layer, then the demo auth layer in front of it
+/// (orders counted by the inventory).
 pub fn app<St: IdempotencyStore>(
     inventory: Inventory,
     idempotency: IdempotencyLayer<St>,
 ) -> Router {
-    routes(inventory)
+    app_with(inventory, OrderBook::Memory, idempotency)
+}
+
+/// [`app`] with orders kept in `orders`.
+pub fn app_with<St: IdempotencyStore>(
+    inventory: Inventory,
+    orders: OrderBook,
+    idempotency: IdempotencyLayer<St>,
+) -> Router {
+    routes_with(inventory, orders)
         .layer(idempotency)
         .layer(demo_auth_layer::<Body>())
 }
@@ -99,15 +146,39 @@ async fn get_book(State(inv): State<Inventory>, Path(book_id): Path<String>) -> 
     }
 }
 
-async fn create_order(State(inv): State<Inventory>, body: Bytes) -> Response {
+/// `POST /orders`. With orders in PostgreSQL, the order row and the request's idempotency
+/// record commit in one transaction: the layer offers the handler a [`TxCompletion`] for that.
+async fn create_order(
+    State(shop): State<Shop>,
+    #[cfg(feature = "postgres")] completion: Option<Extension<TxCompletion>>,
+    #[cfg(feature = "postgres")] tenant: Option<Extension<Tenant>>,
+    body: Bytes,
+) -> Response {
     let req: CreateOrder = match parse(&body) {
         Ok(r) => r,
         Err(detail) => return bad_request(detail),
     };
-    match inv.create_order(&req.book_id, req.quantity).await {
-        Ok(order) => (StatusCode::CREATED, Json(order)).into_response(),
-        Err(e) => inventory_error(e),
-    }
+    let created = match &shop.orders {
+        OrderBook::Memory => shop
+            .inventory
+            .create_order(&req.book_id, req.quantity)
+            .await
+            .map(|order| (StatusCode::CREATED, Json(order)).into_response()),
+        #[cfg(feature = "postgres")]
+        OrderBook::Postgres(pg) => {
+            let tenant = tenant.as_ref().map_or("public", |t| t.as_str());
+            let completion = completion.as_ref().map(|Extension(c)| c);
+            pg.create_order(
+                &shop.inventory,
+                completion,
+                tenant,
+                &req.book_id,
+                req.quantity,
+            )
+            .await
+        }
+    };
+    created.unwrap_or_else(inventory_error)
 }
 
 async fn deduct(

@@ -38,7 +38,7 @@ mod redis;
 mod wake;
 
 #[cfg(feature = "postgres")]
-pub use self::postgres::{PostgresStore, PostgresStoreBuilder};
+pub use self::postgres::{PostgresStore, PostgresStoreBuilder, TxCompletion, TxCompletionError};
 
 /// Encodes a [`Record`] as the shared stores (`RedisStore`, `PostgresStore`) write it:
 /// a version byte and a postcard-encoded struct, which [`decode_record`] reads back.

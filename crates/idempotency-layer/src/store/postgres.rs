@@ -10,12 +10,17 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use futures_util::StreamExt;
 use tokio::sync::{mpsc, oneshot};
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
+use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{AsyncMessage, NoTls, Row, Socket};
 use uuid::Uuid;
 
 use super::codec;
 use super::wake::{Polling, Waiters};
 use super::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token};
+
+mod tx;
+
+pub use self::tx::{TxCompletion, TxCompletionError};
 
 /// How often `begin` runs its claim again when a concurrent transaction inserted the row after
 /// the statement's snapshot (the claim then neither inserts nor sees the row).
@@ -73,6 +78,14 @@ const CLAIM_ATTEMPTS: usize = 10;
 /// in batches (`DELETE ... WHERE ctid IN (SELECT ctid ... LIMIT n FOR UPDATE SKIP LOCKED)`),
 /// every [`cleanup_interval`](PostgresStoreBuilder::cleanup_interval); or on demand with
 /// [`remove_expired`](PostgresStore::remove_expired).
+///
+/// # Transactional completion
+///
+/// A handler whose side effects go to the same database can write the record in its own
+/// transaction, with the [`TxCompletion`] the layer puts in its request's extensions and a
+/// connection from [`pool`](PostgresStore::pool): the side effect and the record then commit
+/// or roll back together, and no crash between them can make a retry run twice. It runs the
+/// same fenced `complete` statement, on the handler's connection, unprepared (one round trip).
 ///
 /// # Choosing a store
 ///
@@ -769,6 +782,28 @@ impl PostgresStore {
         format!("\"{}\".\"{}\"", self.inner.schema, self.inner.table)
     }
 
+    /// The store's connection pool (the one it made, or yours from
+    /// [`builder_from_pool`](Self::builder_from_pool)): for handlers whose side effects go to
+    /// the same database, to open the transactions they complete their claims in
+    /// ([`TxCompletion`]). Such a handler holds a connection for its whole transaction; size
+    /// the pool for them too ([`pool_size`](PostgresStoreBuilder::pool_size)).
+    pub fn pool(&self) -> &Pool {
+        &self.inner.pool
+    }
+
+    /// `store` itself when it is a `PostgresStore`, or the one an [`AnyStore`](super::AnyStore)
+    /// holds. The type checks fold away once `St` is known.
+    pub(crate) fn of<St: IdempotencyStore>(store: &St) -> Option<&PostgresStore> {
+        let any = store as &dyn std::any::Any;
+        if let Some(pg) = any.downcast_ref::<PostgresStore>() {
+            return Some(pg);
+        }
+        match any.downcast_ref::<super::AnyStore>() {
+            Some(super::AnyStore::Postgres(pg)) => Some(pg),
+            _ => None,
+        }
+    }
+
     /// Removes every expired row (records past their TTL, claims past their lease), in
     /// batches of [`cleanup_batch`](PostgresStoreBuilder::cleanup_batch) until a batch comes
     /// back short; returns how many rows it removed. The background task calls this, so one
@@ -891,6 +926,52 @@ fn affected(rows: &[Row]) -> i64 {
         .unwrap_or(0)
 }
 
+/// A fenced complete or release that changed no row: the token no longer holds the claim.
+fn fenced_unless_affected(rows: &[Row]) -> Result<(), StoreError> {
+    if affected(rows) == 0 {
+        Err(StoreError::Fenced)
+    } else {
+        Ok(())
+    }
+}
+
+/// The parameters of the fenced `complete` statement, in its order (`$1`..`$4`): one list,
+/// whether the store runs the statement on a pooled connection or a handler runs it in its own
+/// transaction ([`TxCompletion`]).
+struct CompleteParams<'a> {
+    scope: &'a [u8],
+    token: Uuid,
+    record: &'a [u8],
+    ttl_ms: i64,
+}
+
+impl<'a> CompleteParams<'a> {
+    fn new(scope: &'a ScopeKey, token: Token, record: &'a [u8], ttl: Duration) -> Self {
+        CompleteParams {
+            scope: &scope.0,
+            token: Uuid::from_u128(token.0),
+            record,
+            ttl_ms: millis(ttl),
+        }
+    }
+
+    /// For a prepared statement, which knows its parameter types.
+    fn untyped(&self) -> [&(dyn ToSql + Sync); 4] {
+        [&self.scope, &self.token, &self.record, &self.ttl_ms]
+    }
+
+    /// For an unprepared one (`query_typed`: one round trip, no statement left on the
+    /// connection).
+    fn typed(&self) -> [(&(dyn ToSql + Sync), Type); 4] {
+        [
+            (&self.scope, Type::BYTEA),
+            (&self.token, Type::UUID),
+            (&self.record, Type::BYTEA),
+            (&self.ttl_ms, Type::INT8),
+        ]
+    }
+}
+
 /// A migration statement failed: say what to do when it is a missing privilege.
 fn migrate_error(e: tokio_postgres::Error, what: &str, statement: &str) -> StoreError {
     if e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) {
@@ -983,22 +1064,11 @@ impl IdempotencyStore for PostgresStore {
         ttl: Duration,
     ) -> Result<(), StoreError> {
         let bytes = codec::encode(&record)?;
+        let params = CompleteParams::new(&scope, token, &bytes, ttl);
         let rows = self
-            .query(
-                &self.inner.sql.complete,
-                &[
-                    &&scope.0[..],
-                    &Uuid::from_u128(token.0),
-                    &bytes,
-                    &millis(ttl),
-                ],
-            )
+            .query(&self.inner.sql.complete, &params.untyped())
             .await?;
-        if affected(&rows) == 0 {
-            Err(StoreError::Fenced)
-        } else {
-            Ok(())
-        }
+        fenced_unless_affected(&rows)
     }
 
     async fn release(&self, scope: ScopeKey, token: Token) -> Result<(), StoreError> {
@@ -1008,11 +1078,7 @@ impl IdempotencyStore for PostgresStore {
                 &[&&scope.0[..], &Uuid::from_u128(token.0)],
             )
             .await?;
-        if affected(&rows) == 0 {
-            Err(StoreError::Fenced)
-        } else {
-            Ok(())
-        }
+        fenced_unless_affected(&rows)
     }
 
     async fn renew(

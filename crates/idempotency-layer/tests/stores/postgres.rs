@@ -1,14 +1,17 @@
 //! `PostgresStore` against a real PostgreSQL (`DATABASE_URL`, e.g.
 //! postgres://postgres@127.0.0.1:5432/test): the store conformance suite, two instances
 //! sharing one database, lease takeover, an outage through a proxy, a corrupt row, and the
-//! batched cleanup of expired rows. Each test works in a schema of its own. Unset
-//! `DATABASE_URL`: each test says so and passes; set but unreachable: each test fails.
+//! batched cleanup of expired rows; transactional completion in `tx_completion`. Each test works
+//! in a schema of its own. Unset `DATABASE_URL`: each test says so and passes; set but
+//! unreachable: each test fails.
 
 use std::time::Duration;
 
 use crate::support::*;
 use idempotency_layer::store::{Begin, Fingerprint};
 use idempotency_layer::{conformance, IdempotencyStore, PostgresStore, PostgresStoreBuilder};
+
+mod tx_completion;
 
 /// A builder on `url` in a schema of its own (returned, to drop it at the end).
 fn builder(url: &str) -> (PostgresStoreBuilder, String) {

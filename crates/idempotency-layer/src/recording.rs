@@ -1,0 +1,128 @@
+//! What of a handler's response is recorded: the one set of rules that the streaming recorder
+//! ([`Recorder`](crate::body::Recorder)) and transactional completion (`TxCompletion`, feature
+//! `postgres`) both follow, so a record is the same bytes whichever of them stored it.
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, StatusCode};
+use http_body::Frame;
+use reason_code::Code;
+
+use crate::classify;
+use crate::config::Config;
+use crate::protocol::is_grpc_web;
+use crate::store::{Fingerprint, Record};
+
+/// What a response's head says about recording it.
+pub(crate) enum AtHead {
+    /// The head decided a code the table does not record (a 503, a 409, ...): the claim is
+    /// released, the body passes through unrecorded.
+    NotRecordable(Code),
+    /// Record the body as it comes; the code is the head's (`Some`) or comes at the end
+    /// (`None`: gRPC trailers, a gRPC-Web trailers frame).
+    Record(Option<Code>),
+}
+
+/// Classifies a response's head (`grpc`: the request's protocol) and asks the table.
+pub(crate) fn at_head(cfg: &Config, grpc: bool, status: StatusCode, headers: &HeaderMap) -> AtHead {
+    match classify::at_head(&cfg.reasons, grpc, status, headers) {
+        Some(code) if !cfg.table.may_record(code) => AtHead::NotRecordable(code),
+        head_code => AtHead::Record(head_code),
+    }
+}
+
+/// Builds the record of one response from its frames, in order: the body is kept up to
+/// `max_record_bytes` (beyond, it is omitted and the record says so), trailers are merged, and
+/// the code the head left open is read at the end.
+pub(crate) struct RecordBuilder {
+    fingerprint: Fingerprint,
+    status: StatusCode,
+    headers: HeaderMap,
+    max_record_bytes: usize,
+    data: BytesMut,
+    omitted: bool,
+    trailers: Option<HeaderMap>,
+    /// For gRPC-Web: the last data frame, where the trailers frame is (used when the body is too
+    /// large to keep).
+    last_chunk: Option<Bytes>,
+    grpc_web: bool,
+    /// The code the head decided (a reason code, a trailers-only gRPC status, an HTTP status);
+    /// `None` when the status comes at the end (gRPC trailers, a gRPC-Web trailers frame).
+    head_code: Option<Code>,
+}
+
+impl RecordBuilder {
+    /// `head_code`: what [`at_head`] decided ([`AtHead::Record`]).
+    pub(crate) fn new(
+        fingerprint: Fingerprint,
+        status: StatusCode,
+        headers: HeaderMap,
+        head_code: Option<Code>,
+        max_record_bytes: usize,
+    ) -> Self {
+        let grpc_web = head_code.is_none() && is_grpc_web(&headers);
+        RecordBuilder {
+            fingerprint,
+            status,
+            headers,
+            max_record_bytes,
+            data: BytesMut::new(),
+            omitted: false,
+            trailers: None,
+            last_chunk: None,
+            grpc_web,
+            head_code,
+        }
+    }
+
+    /// Takes one frame of the body into the record.
+    pub(crate) fn observe(&mut self, frame: &Frame<Bytes>) {
+        if let Some(d) = frame.data_ref() {
+            if self.grpc_web && !d.is_empty() {
+                self.last_chunk = Some(d.clone());
+            }
+            if !self.omitted {
+                if self.data.len() + d.len() > self.max_record_bytes {
+                    self.omitted = true;
+                    self.data = BytesMut::new();
+                } else {
+                    self.data.extend_from_slice(d);
+                }
+            }
+        } else if let Some(t) = frame.trailers_ref() {
+            match &mut self.trailers {
+                Some(all) => all.extend(t.clone()),
+                None => self.trailers = Some(t.clone()),
+            }
+        }
+    }
+
+    /// The trailers seen so far, merged (transactional completion sends them as well as
+    /// recording them).
+    #[cfg(feature = "postgres")]
+    pub(crate) fn trailers(&self) -> Option<&http::HeaderMap> {
+        self.trailers.as_ref()
+    }
+
+    /// The body has ended: the record, if the table records the response's code; else the code
+    /// (the claim is then released).
+    pub(crate) fn finish(self, cfg: &Config) -> Result<Record, Code> {
+        let kept: &[u8] = match (&self.last_chunk, self.omitted) {
+            (Some(last), true) => last,
+            _ => &self.data,
+        };
+        let code = self
+            .head_code
+            .unwrap_or_else(|| classify::at_end(&self.headers, self.trailers.as_ref(), kept));
+        if !cfg.table.may_record(code) {
+            return Err(code);
+        }
+        Ok(Record {
+            fingerprint: self.fingerprint,
+            status: self.status,
+            headers: self.headers,
+            body: self.data.freeze(),
+            body_omitted: self.omitted,
+            trailers: self.trailers,
+        })
+    }
+}
