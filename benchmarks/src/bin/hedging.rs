@@ -29,7 +29,9 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Body = ReplayBody<Full<Bytes>>;
 
 #[derive(Parser, Debug)]
-#[command(about = "Hedged reads against one slow replica of two: latency percentiles and extra load")]
+#[command(
+    about = "Hedged reads against one slow replica of two: latency percentiles and extra load"
+)]
 struct Args {
     /// Requests per scenario.
     #[arg(long, default_value_t = 20_000)]
@@ -53,24 +55,31 @@ struct Args {
 
 /// Serves a replica: answers 200 at once, or after `slow` for `share` of requests (seeded).
 async fn replica(share: f64, slow: Duration, seed: u64, hits: Arc<AtomicUsize>) -> SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
     let addr = listener.local_addr().expect("addr");
     let rng = Arc::new(Mutex::new(fastrand::Rng::with_seed(seed)));
     tokio::spawn(async move {
         loop {
-            let Ok((stream, _)) = listener.accept().await else { return };
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
             let (rng, hits) = (rng.clone(), hits.clone());
             tokio::spawn(async move {
-                let svc = hyper::service::service_fn(move |_req: Request<hyper::body::Incoming>| {
-                    hits.fetch_add(1, Ordering::Relaxed);
-                    let delayed = rng.lock().expect("rng").f64() < share;
-                    async move {
-                        if delayed {
-                            tokio::time::sleep(slow).await;
+                let svc =
+                    hyper::service::service_fn(move |_req: Request<hyper::body::Incoming>| {
+                        hits.fetch_add(1, Ordering::Relaxed);
+                        let delayed = rng.lock().expect("rng").f64() < share;
+                        async move {
+                            if delayed {
+                                tokio::time::sleep(slow).await;
+                            }
+                            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(
+                                b"book",
+                            ))))
                         }
-                        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"book"))))
-                    }
-                });
+                    });
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(stream), svc)
                     .await;
@@ -207,7 +216,9 @@ async fn main() {
         once.layer(balanced.clone()).map_err(Into::<BoxError>::into),
     );
     let hedged = tower::util::BoxCloneService::new(
-        hedge.layer(balanced.clone()).map_err(Into::<BoxError>::into),
+        hedge
+            .layer(balanced.clone())
+            .map_err(Into::<BoxError>::into),
     );
     for (name, svc) in [("no hedging", unhedged), ("HedgeLayer", hedged)] {
         // Warm the connections up.

@@ -148,6 +148,9 @@
 //! # }
 //! ```
 //!
+//! Idempotent reads can be hedged instead of retried ([`hedge::HedgeLayer`], gRFC A6
+//! `hedgingPolicy`): a second attempt after a delay, the first good answer wins.
+//!
 //! A service that calls others while serving requests is a hop: [`hop::HopLayer`] on its server
 //! keeps retries at one tier across any number of hops (see [`hop`]).
 //!

@@ -81,6 +81,9 @@ pub fn app_with<St: IdempotencyStore>(
     routes_with(inventory, orders)
         .layer(idempotency)
         .layer(demo_auth_layer::<Body>())
+        // One tier of retries: a handler calling other services through `RetryLayer` sends a
+        // request that arrived as a retry once, and says when it retried below.
+        .layer(retry_layer::hop::HopLayer::new())
 }
 
 /// Serves `app` on `listener` until the process ends.
