@@ -14,33 +14,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use benchmarks::{created, order_request, NaiveCache};
+use benchmarks::{call_to_end, created, order_request, roomy_memory_store, NaiveCache};
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use http::{Request, Response};
 use http_body_util::{BodyExt, Full};
 use idempotency_layer::{IdempotencyLayer, MemoryStore, RequestBody};
 use tokio::sync::Semaphore;
-use tower::{service_fn, Layer, Service, ServiceExt};
+use tower::{service_fn, Layer};
 
 const WAITERS: usize = 4;
-
-async fn call<S, B>(svc: &mut S, req: Request<Full<Bytes>>) -> Bytes
-where
-    S: Service<Request<Full<Bytes>>, Response = Response<B>>,
-    S::Error: std::fmt::Debug,
-    B: http_body::Body<Data = Bytes>,
-    B::Error: std::fmt::Debug,
-{
-    let res = svc
-        .ready()
-        .await
-        .expect("ready")
-        .call(req)
-        .await
-        .expect("ok");
-    res.into_body().collect().await.expect("body").to_bytes()
-}
 
 /// The hand-rolled peer: check the map, else run the handler and remember its body.
 async fn naive(cache: &NaiveCache, req: Request<Full<Bytes>>) -> Bytes {
@@ -84,26 +67,27 @@ fn idempotency(c: &mut Criterion) {
         b.to_async(&rt).iter(|| {
             let req = order_request(&next_key());
             let mut svc = svc;
-            async move { call(&mut svc, req).await }
+            async move { call_to_end(&mut svc, req).await }
         })
     });
 
-    let layer = IdempotencyLayer::new(MemoryStore::new()).default_tenant("bench");
+    let store = roomy_memory_store();
+    let layer = IdempotencyLayer::new(store.clone()).default_tenant("bench");
     let svc = layer.layer(service_fn(created::<RequestBody<Full<Bytes>>>));
     group.bench_function("layer/first", |b| {
         b.to_async(&rt).iter(|| {
             let req = order_request(&next_key());
             let mut svc = svc.clone();
-            async move { call(&mut svc, req).await }
+            async move { call_to_end(&mut svc, req).await }
         })
     });
     let replayed = next_key();
-    rt.block_on(call(&mut svc.clone(), order_request(&replayed)));
+    rt.block_on(call_to_end(&mut svc.clone(), order_request(&replayed)));
     group.bench_function("layer/replay", |b| {
         b.to_async(&rt).iter(|| {
             let req = order_request(&replayed);
             let mut svc = svc.clone();
-            async move { call(&mut svc, req).await }
+            async move { call_to_end(&mut svc, req).await }
         })
     });
     let before = layer.stats();
@@ -138,14 +122,16 @@ fn idempotency(c: &mut Criterion) {
                 leader.extensions_mut().insert(gate.clone());
                 let mut all = vec![tokio::spawn({
                     let mut svc = svc.clone();
-                    async move { call(&mut svc, leader).await }
+                    async move { call_to_end(&mut svc, leader).await }
                 })];
                 // Let the leader claim the key before the duplicates arrive.
                 tokio::task::yield_now().await;
                 for _ in 0..WAITERS {
                     let mut svc = svc.clone();
                     let req = order_request(&key);
-                    all.push(tokio::spawn(async move { call(&mut svc, req).await }));
+                    all.push(tokio::spawn(
+                        async move { call_to_end(&mut svc, req).await },
+                    ));
                 }
                 tokio::task::yield_now().await;
                 gate.add_permits(1);
@@ -157,6 +143,12 @@ fn idempotency(c: &mut Criterion) {
     });
     group.finish();
 
+    let held = store.stats();
+    assert_eq!(
+        (held.refused, held.evicted, held.bodies_dropped),
+        (0, 0, 0),
+        "every first execution ran and was recorded whole"
+    );
     let m = layer.stats();
     assert_eq!(
         m.replayed, before.replayed,

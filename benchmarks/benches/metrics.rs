@@ -16,38 +16,21 @@ use std::convert::Infallible;
 use std::future::{ready, Ready};
 use std::time::Duration;
 
-use benchmarks::{created, order_request};
+use benchmarks::{call_to_end, created, order_request, roomy_memory_store};
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, Criterion};
 use http::{Request, Response};
-use http_body_util::{BodyExt, Full};
-use idempotency_layer::{IdempotencyLayer, MemoryStore, RequestBody};
+use http_body_util::Full;
+use idempotency_layer::{IdempotencyLayer, RequestBody};
 #[cfg(feature = "metrics")]
 use metrics::Recorder;
 #[cfg(feature = "metrics")]
 use metrics_exporter_prometheus::PrometheusBuilder;
 use retry_layer::{RetryLayer, RetryPolicy};
-use tower::{service_fn, Layer, Service, ServiceExt};
+use tower::{service_fn, Layer};
 
 fn ok<B>(_req: Request<B>) -> Ready<Result<Response<Full<Bytes>>, Infallible>> {
     ready(Ok(Response::new(Full::new(Bytes::new()))))
-}
-
-async fn call<S, B>(svc: &mut S, req: Request<Full<Bytes>>) -> Bytes
-where
-    S: Service<Request<Full<Bytes>>, Response = Response<B>>,
-    S::Error: std::fmt::Debug,
-    B: http_body::Body<Data = Bytes>,
-    B::Error: std::fmt::Debug,
-{
-    let res = svc
-        .ready()
-        .await
-        .expect("ready")
-        .call(req)
-        .await
-        .expect("ok");
-    res.into_body().collect().await.expect("body").to_bytes()
 }
 
 /// Runs `f` with `recorder` as this thread's recorder (the benches run on a current-thread
@@ -91,7 +74,7 @@ fn metrics_cost(c: &mut Criterion) {
         b.to_async(&rt).iter(|| {
             let req = order_request("k").map(|_| Full::new(body.clone()));
             let mut svc = svc;
-            async move { call(&mut svc, req).await }
+            async move { call_to_end(&mut svc, req).await }
         })
     });
     let retry = RetryLayer::new(RetryPolicy::default());
@@ -102,7 +85,7 @@ fn metrics_cost(c: &mut Criterion) {
                 b.to_async(&rt).iter(|| {
                     let req = order_request("k").map(|_| Full::new(body.clone()));
                     let mut svc = svc.clone();
-                    async move { call(&mut svc, req).await }
+                    async move { call_to_end(&mut svc, req).await }
                 })
             })
         });
@@ -113,27 +96,21 @@ fn metrics_cost(c: &mut Criterion) {
         b.to_async(&rt).iter(|| {
             let req = order_request(&next_key());
             let mut svc = svc;
-            async move { call(&mut svc, req).await }
+            async move { call_to_end(&mut svc, req).await }
         })
     });
-    // Room for every first execution of the run: a full store would answer 503 without running
-    // anything, and the bench would time refusals.
-    let store = MemoryStore::builder()
-        .max_entries(8_000_000)
-        .max_bytes(8 << 30)
-        .tenant_share_percent(100)
-        .build();
+    let store = roomy_memory_store();
     let layer = IdempotencyLayer::new(store.clone()).default_tenant("bench");
     let svc = layer.layer(service_fn(created::<RequestBody<Full<Bytes>>>));
     let replayed = next_key();
-    rt.block_on(call(&mut svc.clone(), order_request(&replayed)));
+    rt.block_on(call_to_end(&mut svc.clone(), order_request(&replayed)));
     for (name, recorder) in recorders {
         group.bench_function(format!("idempotency/first/{name}"), |b| {
             recording(recorder, || {
                 b.to_async(&rt).iter(|| {
                     let req = order_request(&next_key());
                     let mut svc = svc.clone();
-                    async move { call(&mut svc, req).await }
+                    async move { call_to_end(&mut svc, req).await }
                 })
             })
         });
@@ -142,7 +119,7 @@ fn metrics_cost(c: &mut Criterion) {
                 b.to_async(&rt).iter(|| {
                     let req = order_request(&replayed);
                     let mut svc = svc.clone();
-                    async move { call(&mut svc, req).await }
+                    async move { call_to_end(&mut svc, req).await }
                 })
             })
         });

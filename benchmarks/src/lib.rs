@@ -34,6 +34,39 @@ pub fn order_request(key: &str) -> Request<Full<Bytes>> {
         .expect("a valid request")
 }
 
+/// A `MemoryStore` with room for every first execution of a benchmark run (millions): the
+/// default's 128 MiB, half of it per tenant, fills after about 85 000 records of these
+/// responses, and a full store answers 503 without running anything, so a benchmark would time
+/// refusals. Check `stats().refused == 0` after the run.
+pub fn roomy_memory_store() -> idempotency_layer::MemoryStore {
+    idempotency_layer::MemoryStore::builder()
+        .max_entries(8_000_000)
+        .max_bytes(8 << 30)
+        .tenant_share_percent(100)
+        .build()
+}
+
+/// Calls `svc` once it is ready and reads the response body to its end (when an idempotency
+/// layer stores its record).
+pub async fn call_to_end<S, B>(svc: &mut S, req: Request<Full<Bytes>>) -> Bytes
+where
+    S: tower::Service<Request<Full<Bytes>>, Response = Response<B>>,
+    S::Error: std::fmt::Debug,
+    B: http_body::Body<Data = Bytes>,
+    B::Error: std::fmt::Debug,
+{
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    let res = svc
+        .ready()
+        .await
+        .expect("ready")
+        .call(req)
+        .await
+        .expect("ok");
+    res.into_body().collect().await.expect("body").to_bytes()
+}
+
 /// A trivial handler: answers 201 with [`RESPONSE_200`], whatever the request.
 pub fn created<B>(_req: Request<B>) -> Ready<Result<Response<Full<Bytes>>, Infallible>> {
     let mut res = Response::new(Full::new(Bytes::from_static(RESPONSE_200)));

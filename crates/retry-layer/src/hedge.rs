@@ -64,7 +64,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::body::{BodyHandle, ReplayBody};
-use crate::budget::{Budget, BudgetChoice, TpsBudget};
+use crate::budget::{Budget, BudgetChoice};
 use crate::classify::{self, PushbackHint};
 use crate::deadline::{deadline_of, rewrite_grpc_timeout};
 use crate::policy::{GrpcMethods, InvalidPolicy, MAX_DURATION};
@@ -262,14 +262,10 @@ impl HedgePolicyBuilder {
     /// The budget shape of [`RetryPolicyBuilder::budget`](crate::RetryPolicyBuilder::budget),
     /// for hedges (ignored by [`RetryLayer::hedge_layer`], which shares the retry budget).
     pub fn budget(mut self, window: Duration, min_per_sec: u32, ratio: f64) -> Self {
-        if let Err(e) = TpsBudget::new(window, min_per_sec, ratio) {
-            return self.fail(e.to_string());
+        match BudgetChoice::tps(window, min_per_sec, ratio) {
+            Ok(budget) => self.policy.budget = budget,
+            Err(e) => return self.fail(e.to_string()),
         }
-        self.policy.budget = BudgetChoice::Tps {
-            window,
-            min_per_sec,
-            ratio,
-        };
         self
     }
 

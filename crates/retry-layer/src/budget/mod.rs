@@ -82,6 +82,20 @@ impl Default for BudgetChoice {
 }
 
 impl BudgetChoice {
+    /// The sliding-window budget of these parameters, validated.
+    pub(crate) fn tps(
+        window: Duration,
+        min_per_sec: u32,
+        ratio: f64,
+    ) -> Result<Self, InvalidBudget> {
+        TpsBudget::new(window, min_per_sec, ratio)?;
+        Ok(BudgetChoice::Tps {
+            window,
+            min_per_sec,
+            ratio,
+        })
+    }
+
     /// The budget itself (the parameters were validated when the choice was made).
     pub(crate) fn make(&self) -> Arc<dyn Budget> {
         match self {

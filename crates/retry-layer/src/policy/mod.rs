@@ -12,7 +12,7 @@ use std::time::Duration;
 use reason_code::{IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
 
 use crate::backoff::{Backoff, Jitter, JitterRng};
-use crate::budget::{Budget, BudgetChoice, InvalidBudget, TokenBucket, TpsBudget};
+use crate::budget::{Budget, BudgetChoice, InvalidBudget, TokenBucket};
 
 mod rebuild;
 #[cfg(feature = "service-config")]
@@ -518,14 +518,10 @@ impl RetryPolicyBuilder {
     /// The default budget shape with other numbers: `ratio` retries per request over `window`,
     /// plus `min_per_sec`.
     pub fn budget(mut self, window: Duration, min_per_sec: u32, ratio: f64) -> Self {
-        if let Err(e) = TpsBudget::new(window, min_per_sec, ratio) {
-            return self.fail(e.to_string());
+        match BudgetChoice::tps(window, min_per_sec, ratio) {
+            Ok(budget) => self.policy.budget = budget,
+            Err(e) => return self.fail(e.to_string()),
         }
-        self.policy.budget = BudgetChoice::Tps {
-            window,
-            min_per_sec,
-            ratio,
-        };
         self
     }
 
@@ -557,7 +553,7 @@ impl RetryPolicyBuilder {
             ratio,
         } = inbound
         {
-            if let Err(e) = TpsBudget::new(window, min_per_sec, ratio) {
+            if let Err(e) = BudgetChoice::tps(window, min_per_sec, ratio) {
                 return self.fail(format!("inbound_retry budget: {e}"));
             }
         }
