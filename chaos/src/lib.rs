@@ -250,10 +250,10 @@ async fn start_instance<St: IdempotencyStore>(
     addr
 }
 
-/// Picks each connection's fault from a seeded generator.
-fn chooser(o: &Options) -> Chooser {
-    let mut rng = fastrand::Rng::with_seed(o.seed);
-    let (drop_p, reset_p, delay_p) = (o.drop_p, o.reset_p, o.delay_p);
+/// Picks each connection's fault from a seeded generator: dropped after the request with
+/// probability `drop_p`, reset with `reset_p`, delayed by 20 to 200 ms with `delay_p`.
+fn chooser(seed: u64, drop_p: f64, reset_p: f64, delay_p: f64) -> Chooser {
+    let mut rng = fastrand::Rng::with_seed(seed);
     Box::new(move || {
         let x = rng.f64();
         if x < drop_p {
@@ -283,6 +283,15 @@ fn policy() -> RetryPolicy {
 }
 
 type HttpClient = Retry<Client<HttpConnector, ReplayBody<Full<Bytes>>>>;
+
+/// The clients' HTTP client: [`policy`] over a hyper client that opens a connection per attempt,
+/// so that the fault proxy can fault every attempt.
+fn retrying_client() -> HttpClient {
+    let layer = RetryLayer::new(policy());
+    let mut builder = Client::builder(TokioExecutor::new());
+    builder.pool_max_idle_per_host(0);
+    tower::Layer::layer(&layer, builder.build_http())
+}
 
 /// How one logical operation ended.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -631,7 +640,8 @@ pub async fn run(opts: Options) -> Report {
                 )
             }
         };
-    let proxy = Proxy::start(addrs.clone(), Protocol::Http1, chooser(&opts)).await;
+    let faults = chooser(opts.seed, opts.drop_p, opts.reset_p, opts.delay_p);
+    let proxy = Proxy::start(addrs.clone(), Protocol::Http1, faults).await;
     let base = format!("http://{}", proxy.addr);
 
     // The store outage: cut for `cut_for` every `cut_every`.
@@ -648,10 +658,7 @@ pub async fn run(opts: Options) -> Report {
     });
 
     // The clients.
-    let layer = RetryLayer::new(policy());
-    let mut builder = Client::builder(TokioExecutor::new());
-    builder.pool_max_idle_per_host(0); // a connection per attempt: every attempt can be faulted
-    let client: HttpClient = tower::Layer::layer(&layer, builder.build_http());
+    let client = retrying_client();
     let stop_at = Instant::now() + opts.duration;
     let results: Arc<Mutex<Vec<(String, Outcome)>>> = Arc::default();
     let attempts = Arc::new(AtomicUsize::new(0));
@@ -794,4 +801,5 @@ fn sum<St>(layers: &[IdempotencyLayer<St>]) -> [u64; 6] {
     out
 }
 
+pub mod kill;
 pub mod storm;

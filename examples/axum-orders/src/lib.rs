@@ -21,6 +21,7 @@ pub mod cli;
 pub mod client;
 pub mod inventory;
 pub mod metrics;
+pub mod orders_server;
 #[cfg(feature = "postgres")]
 pub mod pg_orders;
 pub mod server;

@@ -14,36 +14,70 @@ use serde_json::json;
 use crate::inventory::{Inventory, Order};
 
 /// The table, created at start if absent (in the schema the connection's search path names
-/// first, `public` by default).
+/// first, `public` by default). `idempotency_key` is the key of the request that created the
+/// order (NULL for a keyless one): counting rows per key is how the crash tests and the
+/// kill-chaos soak find duplicate side effects.
 pub const MIGRATION: &str = "CREATE TABLE IF NOT EXISTS orders (\n\
-    order_id   text        PRIMARY KEY,\n\
-    tenant     text        NOT NULL,\n\
-    book_id    text        NOT NULL,\n\
-    quantity   integer     NOT NULL,\n\
-    created_at timestamptz NOT NULL DEFAULT now()\n\
-)";
+    order_id        text        PRIMARY KEY,\n\
+    tenant          text        NOT NULL,\n\
+    book_id         text        NOT NULL,\n\
+    quantity        integer     NOT NULL,\n\
+    idempotency_key text,\n\
+    created_at      timestamptz NOT NULL DEFAULT now()\n\
+);\n\
+ALTER TABLE orders ADD COLUMN IF NOT EXISTS idempotency_key text";
 
 /// The environment variable that arms a [`Failpoint`] (unset: none).
 pub const FAILPOINT_VAR: &str = "ORDERS_FAILPOINT";
 
-/// A fault the server injects into itself, for the crash tests: armed by
+/// A fault the server injects into itself, for the crash tests and the kill-chaos soak: armed by
 /// [`FAILPOINT_VAR`] at start.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// - `abort-after-commit`: every order aborts the process right after its commit;
+/// - `abort-after-commit:P` (0 < P <= 1): each order does so with probability P, so a soak
+///   crashes in that window now and then while most orders complete.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Failpoint {
-    /// `abort-after-commit`: the process aborts (no unwinding, no response) right after an
-    /// order's transaction commits, before its response leaves: the crash that transactional
-    /// completion makes harmless.
-    AbortAfterCommit,
+    /// The process aborts (no unwinding, no response) right after an order's transaction
+    /// commits, before its response leaves, with this probability per order: the crash that
+    /// transactional completion makes harmless.
+    AbortAfterCommit(f64),
 }
 
 impl Failpoint {
-    /// The failpoint [`FAILPOINT_VAR`] names; an unknown name is an error that lists the known.
+    /// The failpoint [`FAILPOINT_VAR`] names; an unknown name or a bad probability is an error
+    /// that says what is accepted.
     pub fn from_env() -> Result<Option<Failpoint>, String> {
         match std::env::var(FAILPOINT_VAR) {
             Err(_) => Ok(None),
-            Ok(v) if v == "abort-after-commit" => Ok(Some(Failpoint::AbortAfterCommit)),
-            Ok(v) => Err(format!(
-                "{FAILPOINT_VAR}={v:?} is not a failpoint: use abort-after-commit, or unset it"
+            Ok(v) => v.parse().map(Some),
+        }
+    }
+
+    /// Whether this order crashes.
+    fn fires(&self) -> bool {
+        match *self {
+            Failpoint::AbortAfterCommit(p) => p >= 1.0 || fastrand::f64() < p,
+        }
+    }
+}
+
+impl std::str::FromStr for Failpoint {
+    type Err = String;
+
+    fn from_str(v: &str) -> Result<Failpoint, String> {
+        let (name, p) = v.split_once(':').unwrap_or((v, "1"));
+        let p: f64 = p.parse().map_err(|_| {
+            format!("{FAILPOINT_VAR}={v:?}: the probability after ':' must be a number")
+        })?;
+        match name {
+            "abort-after-commit" if p > 0.0 && p <= 1.0 => Ok(Failpoint::AbortAfterCommit(p)),
+            "abort-after-commit" => Err(format!(
+                "{FAILPOINT_VAR}={v:?}: the probability must be in (0, 1]"
+            )),
+            _ => Err(format!(
+                "{FAILPOINT_VAR}={v:?} is not a failpoint: use abort-after-commit or \
+                 abort-after-commit:P (0 < P <= 1), or unset it"
             )),
         }
     }
@@ -62,7 +96,7 @@ pub enum Recording {
     AfterCommit,
 }
 
-/// Orders in the idempotency store's database: cheap to clone.
+/// Orders in a PostgreSQL database (the idempotency store's, or `--orders-db`): cheap to clone.
 #[derive(Debug, Clone)]
 pub struct PgOrders {
     store: PostgresStore,
@@ -109,8 +143,8 @@ impl PgOrders {
         })
     }
 
-    /// Creates an order of `quantity` copies of `book_id` for `tenant`: takes the stock, then
-    /// inserts the order row and (unless [`Recording::AfterCommit`]) writes the request's
+    /// Creates an order of `quantity` copies of `book_id` for `tenant`, made by a request with
+    /// idempotency `key`: takes the stock, then inserts the order row and (unless [`Recording::AfterCommit`]) writes the request's
     /// idempotency record in the same transaction. The response: 201 and the order, or the
     /// inventory's refusal, or 503 when nothing could be committed (a retry runs again).
     pub async fn create_order(
@@ -118,14 +152,15 @@ impl PgOrders {
         inventory: &Inventory,
         completion: Option<&TxCompletion>,
         tenant: &str,
+        key: Option<&str>,
         book_id: &str,
         quantity: i64,
     ) -> Result<Response, crate::inventory::InventoryError> {
         let order = inventory.reserve(book_id, quantity).await?;
-        match self.insert(&order, tenant, completion).await {
+        match self.insert(&order, tenant, key, completion).await {
             Ok(response) => {
                 inventory.confirm(&order);
-                if self.failpoint == Some(Failpoint::AbortAfterCommit) {
+                if self.failpoint.is_some_and(|f| f.fires()) {
                     eprintln!("{FAILPOINT_VAR}=abort-after-commit: aborting after the commit");
                     std::process::abort();
                 }
@@ -149,6 +184,7 @@ impl PgOrders {
         &self,
         order: &Order,
         tenant: &str,
+        key: Option<&str>,
         completion: Option<&TxCompletion>,
     ) -> Result<Response, NotStored> {
         let mut db = self
@@ -159,8 +195,15 @@ impl PgOrders {
             .map_err(|e| NotStored::Pool(e.to_string()))?;
         let tx = db.transaction().await?;
         tx.execute(
-            "INSERT INTO orders (order_id, tenant, book_id, quantity) VALUES ($1, $2, $3, $4)",
-            &[&order.order_id, &tenant, &order.book_id, &order.quantity],
+            "INSERT INTO orders (order_id, tenant, book_id, quantity, idempotency_key) \
+             VALUES ($1, $2, $3, $4, $5)",
+            &[
+                &order.order_id,
+                &tenant,
+                &order.book_id,
+                &order.quantity,
+                &key,
+            ],
         )
         .await?;
         let response = (StatusCode::CREATED, Json(order)).into_response();

@@ -155,6 +155,7 @@ async fn create_order(
     State(shop): State<Shop>,
     #[cfg(feature = "postgres")] completion: Option<Extension<TxCompletion>>,
     #[cfg(feature = "postgres")] tenant: Option<Extension<Tenant>>,
+    #[cfg(feature = "postgres")] headers: axum::http::HeaderMap,
     body: Bytes,
 ) -> Response {
     let req: CreateOrder = match parse(&body) {
@@ -175,6 +176,7 @@ async fn create_order(
                 &shop.inventory,
                 completion,
                 tenant,
+                request_key(&headers),
                 &req.book_id,
                 req.quantity,
             )
@@ -182,6 +184,16 @@ async fn create_order(
         }
     };
     created.unwrap_or_else(inventory_error)
+}
+
+/// The request's idempotency key as the layer read it (`x-idempotency-key`, else the IETF
+/// `Idempotency-Key`, quoted or bare), to store with the order.
+#[cfg(feature = "postgres")]
+fn request_key(headers: &axum::http::HeaderMap) -> Option<&str> {
+    ["x-idempotency-key", "idempotency-key"]
+        .iter()
+        .find_map(|h| headers.get(*h)?.to_str().ok())
+        .map(|k| k.trim_matches('"'))
 }
 
 async fn deduct(

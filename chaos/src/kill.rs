@@ -1,0 +1,685 @@
+//! Kill chaos: the soak with instances that die. The instances are real `orders-server`
+//! processes (this crate's `kill` binary re-executed as `kill serve ...`, so that nothing but
+//! `cargo run -p chaos --bin kill` has to be built), sharing a store, with orders in a
+//! PostgreSQL `orders` table. Each is killed with SIGKILL at random moments and, through the
+//! failpoint `ORDERS_FAILPOINT=abort-after-commit:P`, aborts right after an order commits and
+//! before its response leaves; either way it is restarted at once on the same port. Clients
+//! with `RetryLayer` keep placing orders, each with a key of its own, through the fault proxy.
+//!
+//! The side-effect ledger is durable: the `orders` table (in a database of the run's own),
+//! whose rows carry the idempotency key that created them. A key with two rows or more is a
+//! duplicate side effect; a succeeded order whose row is missing is a lost write.
+//!
+//! - PostgreSQL store, record in the order's transaction (`TxCompletion`): no crash can leave
+//!   an order without its record, so duplicates must be 0.
+//! - PostgreSQL with `--record-after-commit`, Redis, memory: the record is written after the
+//!   order's commit, so a crash between the two lets the retry run the order again. Those
+//!   duplicates are counted, not failed; what is checked is that they come from crashes only
+//!   (a key runs at most once more per crash) and that nothing is ever lost.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+use std::net::SocketAddr;
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use e2e::proxy::{Protocol, Proxy};
+use http::{Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use retry_layer::RetryInfo;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::{mpsc, watch};
+use tower::ServiceExt;
+
+use crate::{chooser, error_kind, retrying_client, HttpClient, Outcome, StoreKind};
+
+/// The tenant the clients order as (`x-tenant-id`).
+const TENANT: &str = "chaos";
+/// How long a started server may take to say it listens.
+const READY_TIMEOUT: Duration = Duration::from_secs(20);
+/// The signal `std::process::abort` ends a process with.
+const SIGABRT: i32 = 6;
+/// Starts of one server in a row that may fail (its port still taken, the store unreachable)
+/// before the run gives up.
+const START_TRIES: usize = 50;
+
+/// How to start one server process: a program and the arguments that come before the
+/// `orders-server` options (`kill serve` for this crate's binary).
+#[derive(Debug, Clone)]
+pub struct ServerCommand {
+    /// The program.
+    pub program: PathBuf,
+    /// Its leading arguments.
+    pub args: Vec<String>,
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct KillOptions {
+    /// Where the idempotency records live: memory (one instance: a memory store is not
+    /// shared), Redis or PostgreSQL (two instances).
+    pub store: StoreKind,
+    /// The PostgreSQL server of the `orders` table (and of the records, for that store): the
+    /// run creates a database of its own there and drops it at the end.
+    pub database_url: String,
+    /// The Redis server, for that store.
+    pub redis_url: Option<String>,
+    /// PostgreSQL store only: the record commits in the order's transaction (true), or the
+    /// layer writes it after the commit (false: `--record-after-commit`).
+    pub transactional: bool,
+    /// The server processes.
+    pub server: ServerCommand,
+    /// How long clients start new orders.
+    pub duration: Duration,
+    /// Concurrent clients, each placing one order at a time.
+    pub clients: usize,
+    /// An instance is SIGKILLed every `kill_every.0` to `kill_every.1` (uniform); `None`: never.
+    pub kill_every: Option<(Duration, Duration)>,
+    /// The probability that an order aborts its server after its commit, before its response
+    /// (`ORDERS_FAILPOINT=abort-after-commit:P`); 0: the failpoint is off.
+    pub abort_p: f64,
+    /// The claims' lease: how soon the claim of a killed instance is taken over.
+    pub lease: Duration,
+    /// Share of connections the proxy drops after the request reached the server.
+    pub drop_p: f64,
+    /// Share of connections reset before anything was relayed.
+    pub reset_p: f64,
+    /// Share of connections whose answer is delayed by 20 to 200 ms.
+    pub delay_p: f64,
+    /// The seed of the kills and the proxy's faults.
+    pub seed: u64,
+    /// Let the servers' stderr through (off: discarded).
+    pub server_stderr: bool,
+}
+
+impl KillOptions {
+    /// The defaults: 16 clients, a kill every 2 to 5 s, 2 % of orders abort after their
+    /// commit, lease 1.5 s, proxy faults as the soak's (10 % drops, 5 % resets, 5 % delays).
+    pub fn new(
+        store: StoreKind,
+        database_url: String,
+        server: ServerCommand,
+        duration: Duration,
+    ) -> Self {
+        KillOptions {
+            store,
+            database_url,
+            redis_url: None,
+            transactional: true,
+            server,
+            duration,
+            clients: 16,
+            kill_every: Some((Duration::from_secs(2), Duration::from_secs(5))),
+            abort_p: 0.02,
+            lease: Duration::from_millis(1500),
+            drop_p: 0.10,
+            reset_p: 0.05,
+            delay_p: 0.05,
+            seed: 7,
+            server_stderr: false,
+        }
+    }
+
+    /// Whether no crash can separate an order from its record.
+    pub fn crash_safe(&self) -> bool {
+        self.store == StoreKind::Postgres && self.transactional
+    }
+
+    /// The store's name and path, as the report shows it.
+    fn mode(&self) -> String {
+        match self.store {
+            StoreKind::Postgres if self.transactional => "postgres, record in the order's tx",
+            StoreKind::Postgres => "postgres, --record-after-commit",
+            StoreKind::Redis => "redis records, orders in postgres",
+            StoreKind::Memory => "memory records, orders in postgres",
+        }
+        .into()
+    }
+}
+
+/// A database of the run's own on a PostgreSQL server, dropped by [`Database::drop_now`].
+struct Database {
+    admin: tokio_postgres::Client,
+    name: String,
+    url: String,
+}
+
+impl Database {
+    async fn create(server_url: &str, run_id: &str) -> Database {
+        let admin = connect(server_url).await;
+        let name = format!("chaos_kill_{run_id}");
+        admin
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .expect("create the run's database");
+        let url = with_database(server_url, &name);
+        // The tables, once, before any server starts: two servers starting together would
+        // race on `CREATE TABLE IF NOT EXISTS`.
+        connect(&url)
+            .await
+            .batch_execute(axum_orders::pg_orders::MIGRATION)
+            .await
+            .expect("create the orders table");
+        Database { admin, name, url }
+    }
+
+    async fn drop_now(self) {
+        let _ = self
+            .admin
+            .batch_execute(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name))
+            .await;
+    }
+}
+
+/// A client of `url` (its connection driven by a task).
+async fn connect(url: &str) -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .expect("DATABASE_URL must be reachable");
+    tokio::spawn(conn);
+    client
+}
+
+/// `postgres://user@host:port/db?params` with the database `name` instead of `db`.
+fn with_database(url: &str, name: &str) -> String {
+    let (base, params) = url
+        .split_once('?')
+        .map_or((url, None), |(b, p)| (b, Some(p)));
+    let server = base
+        .rsplit_once('/')
+        .map(|(server, _)| server)
+        .filter(|server| server.contains("://"))
+        .unwrap_or(base);
+    match params {
+        Some(p) => format!("{server}/{name}?{p}"),
+        None => format!("{server}/{name}"),
+    }
+}
+
+/// What the supervisors count.
+#[derive(Debug, Default)]
+struct Deaths {
+    /// SIGKILLs sent (and the process gone).
+    killed: AtomicUsize,
+    /// Processes that aborted at the failpoint (SIGABRT).
+    aborted: AtomicUsize,
+    /// Processes that ended otherwise (must be none).
+    unexpected: Mutex<Vec<String>>,
+    /// Restarts.
+    restarted: AtomicUsize,
+}
+
+/// Starts one server with `args` on `listen`; the process and its address, once it says it
+/// listens. `Err`: it ended or failed to say so.
+async fn start_server(
+    cmd: &ServerCommand,
+    args: &[String],
+    envs: &[(&str, String)],
+    listen: SocketAddr,
+    stderr: bool,
+) -> Result<(Child, SocketAddr), String> {
+    let listen = listen.to_string();
+    let mut child = Command::new(&cmd.program)
+        .args(&cmd.args)
+        .args(args)
+        .args(["--listen", &listen])
+        .env_remove("ORDERS_FAILPOINT")
+        .envs(envs.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(if stderr {
+            Stdio::inherit()
+        } else {
+            Stdio::null()
+        })
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("cannot start {}: {e}", cmd.program.display()))?;
+    let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
+    let mut line = String::new();
+    let read = tokio::time::timeout(READY_TIMEOUT, stdout.read_line(&mut line));
+    match read.await {
+        Ok(Ok(n)) if n > 0 => {}
+        _ => {
+            let _ = child.start_kill();
+            let status = child.wait().await;
+            return Err(format!("the server did not start: {status:?}"));
+        }
+    }
+    let addr = line
+        .trim()
+        .strip_prefix("listening on http://")
+        .and_then(|a| a.parse().ok())
+        .ok_or_else(|| format!("unexpected first line {line:?}"))?;
+    Ok((child, addr))
+}
+
+/// Keeps one instance alive until `stop`: starts it (the first time on a free port, then on
+/// the same one), kills it when `kill` says so, restarts it whenever it ended. Sends its address
+/// on `ready` once.
+#[allow(clippy::too_many_arguments)]
+async fn supervise(
+    cmd: ServerCommand,
+    args: Vec<String>,
+    envs: Vec<(&'static str, String)>,
+    stderr: bool,
+    ready: tokio::sync::oneshot::Sender<SocketAddr>,
+    mut kill: mpsc::Receiver<()>,
+    mut stop: watch::Receiver<bool>,
+    deaths: Arc<Deaths>,
+) {
+    let mut ready = Some(ready);
+    let mut listen: SocketAddr = "127.0.0.1:0".parse().expect("an address");
+    loop {
+        let mut tries = 0;
+        let mut child = loop {
+            match start_server(&cmd, &args, &envs, listen, stderr).await {
+                Ok((child, addr)) => {
+                    listen = addr;
+                    break child;
+                }
+                Err(e) if tries < START_TRIES => {
+                    tries += 1;
+                    eprintln!("kill chaos: a server start failed ({e}); trying again");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("{e} ({START_TRIES} tries)"),
+            }
+        };
+        if let Some(ready) = ready.take() {
+            let _ = ready.send(listen);
+        }
+        tokio::select! {
+            status = child.wait() => match status {
+                Ok(s) if s.signal() == Some(SIGABRT) => {
+                    deaths.aborted.fetch_add(1, Ordering::SeqCst);
+                }
+                other => deaths.unexpected.lock().unwrap().push(format!("{other:?}")),
+            },
+            Some(()) = kill.recv() => {
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+                deaths.killed.fetch_add(1, Ordering::SeqCst);
+            }
+            _ = stop.changed() => {
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+                return;
+            }
+        }
+        if *stop.borrow() {
+            return;
+        }
+        deaths.restarted.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// One order: a key of its own, retried by the layer until it succeeds or gives up. On
+/// success, the order's id.
+async fn place_order(client: &HttpClient, base: &str, key: &str) -> (Outcome, Option<String>, u32) {
+    let req = Request::post(format!("{base}/orders"))
+        .header("x-idempotency-key", key)
+        .header("x-tenant-id", TENANT)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(
+            br#"{"book_id":"b1","quantity":1}"#,
+        )))
+        .expect("a request");
+    let res = match client.clone().oneshot(req).await {
+        Ok(res) => res,
+        Err(e) => return (Outcome::Failed(error_kind(&*e)), None, 0),
+    };
+    let status = res.status();
+    let attempts = RetryInfo::attempts_of(&res);
+    let Ok(body) = res.into_body().collect().await.map(|b| b.to_bytes()) else {
+        return (Outcome::Failed("body cut".into()), None, attempts);
+    };
+    let order_id = serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| Some(v.get("order_id")?.as_str()?.to_owned()));
+    match (status, order_id) {
+        (StatusCode::CREATED, Some(id)) => (Outcome::Succeeded, Some(id), attempts),
+        _ => (
+            Outcome::Failed(format!("HTTP {}", status.as_u16())),
+            None,
+            attempts,
+        ),
+    }
+}
+
+/// What a kill-chaos run did and found.
+#[derive(Debug, Default)]
+pub struct KillReport {
+    /// The store and path.
+    pub mode: String,
+    /// Whether duplicates are failures (the transactional path) or counted.
+    pub crash_safe: bool,
+    /// Wall time of the run.
+    pub elapsed: Duration,
+    /// Server instances.
+    pub instances: usize,
+    /// Concurrent clients.
+    pub clients: usize,
+    /// SIGKILLs.
+    pub killed: usize,
+    /// Aborts at the failpoint (between an order's commit and its response).
+    pub aborted: usize,
+    /// Restarts.
+    pub restarted: usize,
+    /// Server exits that were neither (must be empty).
+    pub unexpected_exits: Vec<String>,
+    /// Orders started.
+    pub attempted: usize,
+    /// Orders whose client got a 201 with an order id.
+    pub succeeded: usize,
+    /// Orders whose client gave up, by reason.
+    pub failed: BTreeMap<String, usize>,
+    /// HTTP attempts (from `RetryInfo`, for answered orders).
+    pub http_attempts: u64,
+    /// Connections the proxy dropped after the request, reset, delayed.
+    pub proxy_faults: [usize; 3],
+    /// Rows in the `orders` table.
+    pub rows: u64,
+    /// Keys with more than one order row, and how many.
+    pub duplicates: Vec<(String, u64)>,
+    /// Succeeded orders whose row is missing (must be empty).
+    pub lost: Vec<String>,
+    /// Failed orders whose row exists (allowed: the client gave up on an ambiguous outcome; a
+    /// retry with the same key gets the replay).
+    pub failed_but_executed: usize,
+    /// Rows whose key no client used (must be 0).
+    pub unknown_keys: usize,
+}
+
+impl KillReport {
+    /// Crashes: SIGKILLs and aborts.
+    pub fn crashes(&self) -> usize {
+        self.killed + self.aborted
+    }
+
+    /// Executions beyond the first, over all keys.
+    pub fn extra_executions(&self) -> u64 {
+        self.duplicates.iter().map(|(_, n)| n - 1).sum()
+    }
+
+    /// Duplicates per 10 000 succeeded orders.
+    pub fn duplicate_rate(&self) -> f64 {
+        self.extra_executions() as f64 * 10_000.0 / self.succeeded.max(1) as f64
+    }
+
+    /// What went wrong; empty when every check passed.
+    pub fn problems(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        if self.attempted == 0 {
+            p.push("no order was attempted".into());
+        }
+        if !self.unexpected_exits.is_empty() {
+            p.push(format!(
+                "servers ended unexpectedly: {:?}",
+                self.unexpected_exits
+            ));
+        }
+        if !self.lost.is_empty() {
+            p.push(format!(
+                "{} succeeded orders have no row: {:?}",
+                self.lost.len(),
+                &self.lost[..self.lost.len().min(5)]
+            ));
+        }
+        if self.unknown_keys > 0 {
+            p.push(format!("{} rows of keys no client used", self.unknown_keys));
+        }
+        if self.crash_safe && !self.duplicates.is_empty() {
+            p.push(format!(
+                "{} keys ran more than once with the record in the order's transaction: {:?}",
+                self.duplicates.len(),
+                &self.duplicates[..self.duplicates.len().min(5)]
+            ));
+        }
+        // Without the transaction a crash may cost each order in its window one more run,
+        // never more: a key that ran more often than crashes happened ran twice otherwise.
+        let crashes = self.crashes() as u64;
+        if let Some((key, n)) = self.duplicates.iter().find(|(_, n)| n - 1 > crashes) {
+            p.push(format!(
+                "{key} ran {n} times in a run with {crashes} crashes: a duplicate no crash explains"
+            ));
+        }
+        p
+    }
+}
+
+impl fmt::Display for KillReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let failed: usize = self.failed.values().sum();
+        writeln!(
+            f,
+            "kill chaos: {}, {} instance(s), {} clients, {:.1} s",
+            self.mode,
+            self.instances,
+            self.clients,
+            self.elapsed.as_secs_f64()
+        )?;
+        writeln!(
+            f,
+            "  crashes                {} SIGKILL, {} abort after commit, {} restarts",
+            self.killed, self.aborted, self.restarted
+        )?;
+        writeln!(f, "  orders attempted       {}", self.attempted)?;
+        writeln!(f, "  succeeded              {}", self.succeeded)?;
+        writeln!(f, "  failed                 {failed}")?;
+        for (why, n) in &self.failed {
+            writeln!(f, "    {why}: {n}")?;
+        }
+        writeln!(f, "  HTTP attempts          {}", self.http_attempts)?;
+        let [dropped, reset, delayed] = self.proxy_faults;
+        writeln!(
+            f,
+            "  proxy faults           {dropped} dropped after request, {reset} reset, {delayed} delayed"
+        )?;
+        writeln!(f, "  order rows             {}", self.rows)?;
+        writeln!(
+            f,
+            "  duplicates             {} keys, {} extra orders ({:.1} per 10 000 succeeded)",
+            self.duplicates.len(),
+            self.extra_executions(),
+            self.duplicate_rate()
+        )?;
+        writeln!(f, "  lost (succeeded, 0)    {}", self.lost.len())?;
+        writeln!(f, "  failed but executed    {}", self.failed_but_executed)?;
+        writeln!(f, "  unknown keys           {}", self.unknown_keys)?;
+        match self.problems().as_slice() {
+            [] => write!(f, "  checks                 PASS"),
+            problems => write!(f, "  checks                 FAIL: {}", problems.join("; ")),
+        }
+    }
+}
+
+/// Runs kill chaos with `opts` and reports. Panics if PostgreSQL (or Redis) cannot be reached
+/// or a server cannot be started.
+pub async fn run_kill(opts: KillOptions) -> KillReport {
+    let started = Instant::now();
+    let run_id = format!("{:012x}", fastrand::u64(..) & 0xffff_ffff_ffff);
+    let db = Database::create(&opts.database_url, &run_id).await;
+
+    // The servers' options.
+    let mut args: Vec<String> = vec!["--lease-ms".into(), opts.lease.as_millis().to_string()];
+    let instances = match opts.store {
+        StoreKind::Postgres => {
+            args.extend(["--store".into(), db.url.clone()]);
+            if !opts.transactional {
+                args.push("--record-after-commit".into());
+            }
+            2
+        }
+        StoreKind::Redis => {
+            let redis = opts.redis_url.clone().expect("a Redis URL for this store");
+            args.extend(["--store".into(), redis, "--orders-db".into(), db.url.clone()]);
+            2
+        }
+        StoreKind::Memory => {
+            args.extend(["--store".into(), "memory".into()]);
+            args.extend(["--orders-db".into(), db.url.clone()]);
+            1
+        }
+    };
+    let mut envs = vec![(
+        "RUST_LOG",
+        std::env::var("RUST_LOG").unwrap_or_else(|_| "error".into()),
+    )];
+    if opts.abort_p > 0.0 {
+        envs.push((
+            "ORDERS_FAILPOINT",
+            format!("abort-after-commit:{}", opts.abort_p),
+        ));
+    }
+
+    // The instances, each under a supervisor.
+    let deaths = Arc::new(Deaths::default());
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut kill_txs = Vec::new();
+    let mut supervisors = Vec::new();
+    let mut addrs = Vec::new();
+    for _ in 0..instances {
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let (kill_tx, kill_rx) = mpsc::channel(1);
+        supervisors.push(tokio::spawn(supervise(
+            opts.server.clone(),
+            args.clone(),
+            envs.clone(),
+            opts.server_stderr,
+            ready_tx,
+            kill_rx,
+            stop_rx.clone(),
+            deaths.clone(),
+        )));
+        kill_txs.push(kill_tx);
+        addrs.push(ready_rx.await.expect("the first start of a server"));
+    }
+    let faults = chooser(opts.seed, opts.drop_p, opts.reset_p, opts.delay_p);
+    let proxy = Proxy::start(addrs.clone(), Protocol::Http1, faults).await;
+    let base = format!("http://{}", proxy.addr);
+
+    // The killer: one instance at a time, at random intervals.
+    let killer = opts.kill_every.map(|(min, max)| {
+        let mut rng = fastrand::Rng::with_seed(opts.seed ^ 0x6b11);
+        tokio::spawn(async move {
+            loop {
+                let wait = min.as_secs_f64() + rng.f64() * (max - min).as_secs_f64();
+                tokio::time::sleep(Duration::from_secs_f64(wait)).await;
+                let _ = kill_txs[rng.usize(..kill_txs.len())].try_send(());
+            }
+        })
+    });
+
+    // The clients.
+    let client = retrying_client();
+    let stop_at = Instant::now() + opts.duration;
+    type Placed = (String, Outcome, Option<String>);
+    let results: Arc<Mutex<Vec<Placed>>> = Arc::default();
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let mut workers = Vec::new();
+    for w in 0..opts.clients {
+        let (client, base, results, attempts) = (
+            client.clone(),
+            base.clone(),
+            results.clone(),
+            attempts.clone(),
+        );
+        workers.push(tokio::spawn(async move {
+            let mut i = 0u64;
+            while Instant::now() < stop_at {
+                let key = format!("kill-{w:03}-{i:08}-{:08x}", fastrand::u32(..));
+                i += 1;
+                let (outcome, order_id, n) = place_order(&client, &base, &key).await;
+                attempts.fetch_add(n as usize, Ordering::Relaxed);
+                results.lock().unwrap().push((key, outcome, order_id));
+            }
+        }));
+    }
+    for w in workers {
+        w.await.expect("a client task");
+    }
+    if let Some(k) = killer {
+        k.abort();
+    }
+    // Every order has been answered or given up on; a detached handler may still be finishing
+    // one the client gave up on. Let it land, then stop the servers.
+    tokio::time::sleep(opts.lease).await;
+    let _ = stop_tx.send(true);
+    for s in supervisors {
+        s.await.expect("a supervisor");
+    }
+
+    // The ledger.
+    let mut rows_by_key: HashMap<String, Vec<String>> = HashMap::new();
+    let orders = connect(&db.url).await;
+    let mut rows = 0;
+    for row in orders
+        .query("SELECT idempotency_key, order_id FROM orders", &[])
+        .await
+        .expect("read the orders")
+    {
+        rows += 1;
+        let key: Option<String> = row.get(0);
+        rows_by_key
+            .entry(key.unwrap_or_default())
+            .or_default()
+            .push(row.get(1));
+    }
+    drop(orders);
+    db.drop_now().await;
+
+    let results = std::mem::take(&mut *results.lock().unwrap());
+    let mut report = KillReport {
+        mode: opts.mode(),
+        crash_safe: opts.crash_safe(),
+        instances,
+        clients: opts.clients,
+        killed: deaths.killed.load(Ordering::SeqCst),
+        aborted: deaths.aborted.load(Ordering::SeqCst),
+        restarted: deaths.restarted.load(Ordering::SeqCst),
+        unexpected_exits: std::mem::take(&mut *deaths.unexpected.lock().unwrap()),
+        attempted: results.len(),
+        http_attempts: attempts.load(Ordering::Relaxed) as u64,
+        proxy_faults: [
+            proxy.stats.dropped.load(Ordering::SeqCst),
+            proxy.stats.reset.load(Ordering::SeqCst),
+            proxy.stats.delayed.load(Ordering::SeqCst),
+        ],
+        rows,
+        ..KillReport::default()
+    };
+    let used: HashSet<&str> = results.iter().map(|(k, _, _)| k.as_str()).collect();
+    report.unknown_keys = rows_by_key
+        .keys()
+        .filter(|k| !used.contains(k.as_str()))
+        .count();
+    for (key, outcome, order_id) in &results {
+        let ids = rows_by_key.get(key).map_or(&[][..], Vec::as_slice);
+        if ids.len() > 1 {
+            report.duplicates.push((key.clone(), ids.len() as u64));
+        }
+        match outcome {
+            Outcome::Succeeded => {
+                report.succeeded += 1;
+                if !order_id.as_ref().is_some_and(|id| ids.contains(id)) {
+                    report.lost.push(key.clone());
+                }
+            }
+            Outcome::Failed(why) => {
+                *report.failed.entry(why.clone()).or_default() += 1;
+                if !ids.is_empty() {
+                    report.failed_but_executed += 1;
+                }
+            }
+        }
+    }
+    report.elapsed = started.elapsed();
+    report
+}

@@ -1,0 +1,123 @@
+//! The `orders-server` program as a library: its options ([`OrdersServerArgs`]) and its main
+//! ([`run_orders_server`]), so that other programs can run the same server as a child process
+//! of their own (the kill-chaos soak re-executes itself as one).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use idempotency_layer::IdempotencyLayer;
+use reason_code::RetryTable;
+
+use crate::cli::{init_tracing, ServerOpts};
+use crate::inventory::Inventory;
+use crate::metrics;
+use crate::server::{app_with, bind, serve, OrderBook};
+use crate::store::{self, AnyStore};
+
+/// The options of `orders-server`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct OrdersServerArgs {
+    /// Address to listen on (port 0 picks a free port).
+    #[arg(long, default_value = "127.0.0.1:3000")]
+    pub listen: SocketAddr,
+    /// The store and the work time.
+    #[command(flatten)]
+    pub opts: ServerOpts,
+    /// Record permanent failures (400, 404, ...) too, so their duplicates get the replay.
+    #[arg(long)]
+    pub record_permanent_failures: bool,
+    /// The lease of an idempotency claim, in milliseconds: the claim of a server that died
+    /// mid-request is taken over after it.
+    #[arg(long, default_value_t = 30_000)]
+    pub lease_ms: u64,
+    /// With --store postgres://: commit each order alone and let the idempotency layer record
+    /// the response afterwards (as with other stores), instead of in the order's transaction.
+    /// Reopens the crash window between the two; for demonstrations.
+    #[arg(long)]
+    pub record_after_commit: bool,
+    /// With a store other than PostgreSQL (memory, redis://): keep orders in the `orders` table
+    /// of this PostgreSQL database all the same. The idempotency record is then written by the
+    /// layer after the order commits, in the other store: the crash window is open, as with
+    /// --record-after-commit.
+    #[arg(long, value_name = "postgres://...")]
+    pub orders_db: Option<String>,
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Runs `orders-server` with `args` until the process ends: logs to stderr, binds, opens the
+/// store, prints `listening on http://IP:PORT` on stdout, serves.
+pub async fn run_orders_server(args: OrdersServerArgs) -> Result<(), BoxError> {
+    init_tracing();
+    let metrics = metrics::install()?;
+    let inventory = Inventory::seeded(Duration::from_millis(args.opts.work_ms));
+    let (listener, addr) = bind(args.listen).await?;
+    let store = store::open(&args.opts.store).await?;
+    let orders = order_book(&store, &args).await?;
+    let table = RetryTable::default().record_permanent_failures(args.record_permanent_failures);
+    let layer = IdempotencyLayer::new(store)
+        .table(table)
+        .lease(Duration::from_millis(args.lease_ms));
+    println!("listening on http://{addr}");
+    serve(
+        listener,
+        app_with(inventory, orders, layer).merge(metrics::routes(metrics)),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Where orders go: the `orders` table of a PostgreSQL store's database, or of `--orders-db`,
+/// else the inventory.
+#[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
+async fn order_book(store: &AnyStore, args: &OrdersServerArgs) -> Result<OrderBook, BoxError> {
+    #[cfg(feature = "postgres")]
+    {
+        use crate::pg_orders::{Failpoint, PgOrders, Recording, FAILPOINT_VAR};
+        use idempotency_layer::PostgresStore;
+
+        let failpoint = Failpoint::from_env()?;
+        let recording = if args.record_after_commit {
+            Recording::AfterCommit
+        } else {
+            Recording::InTransaction
+        };
+        match (store, &args.orders_db) {
+            (AnyStore::Postgres(_), Some(_)) => {
+                return Err("--orders-db is for other stores: with --store postgres://, \
+                            orders go to the store's database"
+                    .into())
+            }
+            (AnyStore::Postgres(pg), None) => {
+                let orders = PgOrders::open(pg.clone(), recording, failpoint).await?;
+                return Ok(OrderBook::Postgres(orders));
+            }
+            (_, Some(url)) => {
+                // Only the pool is used (no idempotency table here, so no cleanup); the layer
+                // offers no transactional completion for this store: it records.
+                let db = PostgresStore::builder(url.as_str())
+                    .cleanup_interval(Duration::ZERO)
+                    .connect()
+                    .await?;
+                let orders = PgOrders::open(db, Recording::AfterCommit, failpoint).await?;
+                return Ok(OrderBook::Postgres(orders));
+            }
+            (_, None) if failpoint.is_some() => {
+                return Err(format!(
+                    "{FAILPOINT_VAR} needs orders in PostgreSQL: --store postgres://... or \
+                     --orders-db postgres://..."
+                )
+                .into())
+            }
+            (_, None) => {}
+        }
+    }
+    #[cfg(not(feature = "postgres"))]
+    if args.orders_db.is_some() {
+        return Err("--orders-db needs the feature `postgres`".into());
+    }
+    if args.record_after_commit {
+        return Err("--record-after-commit needs --store postgres://...".into());
+    }
+    Ok(OrderBook::Memory)
+}
