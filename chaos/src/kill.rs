@@ -172,7 +172,10 @@ impl Database {
     async fn drop_now(self) {
         let _ = self
             .admin
-            .batch_execute(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name))
+            .batch_execute(&format!(
+                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                self.name
+            ))
             .await;
     }
 }
@@ -519,7 +522,12 @@ pub async fn run_kill(opts: KillOptions) -> KillReport {
         }
         StoreKind::Redis => {
             let redis = opts.redis_url.clone().expect("a Redis URL for this store");
-            args.extend(["--store".into(), redis, "--orders-db".into(), db.url.clone()]);
+            args.extend([
+                "--store".into(),
+                redis,
+                "--orders-db".into(),
+                db.url.clone(),
+            ]);
             2
         }
         StoreKind::Memory => {

@@ -84,9 +84,11 @@ async fn order_book(store: &AnyStore, args: &OrdersServerArgs) -> Result<OrderBo
         };
         match (store, &args.orders_db) {
             (AnyStore::Postgres(_), Some(_)) => {
-                return Err("--orders-db is for other stores: with --store postgres://, \
+                return Err(
+                    "--orders-db is for other stores: with --store postgres://, \
                             orders go to the store's database"
-                    .into())
+                        .into(),
+                )
             }
             (AnyStore::Postgres(pg), None) => {
                 let orders = PgOrders::open(pg.clone(), recording, failpoint).await?;
