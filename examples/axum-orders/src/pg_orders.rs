@@ -220,3 +220,33 @@ impl PgOrders {
         Ok(response)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Failpoint;
+
+    macro_rules! failpoints {
+        ($($name:ident: $value:expr => $expected:expr;)*) => {$(
+            #[test]
+            fn $name() {
+                assert_eq!($value.parse::<Failpoint>().ok(), $expected);
+            }
+        )*};
+    }
+
+    failpoints! {
+        bare_name_always_fires: "abort-after-commit" => Some(Failpoint::AbortAfterCommit(1.0));
+        with_a_probability: "abort-after-commit:0.02" => Some(Failpoint::AbortAfterCommit(0.02));
+        probability_one: "abort-after-commit:1" => Some(Failpoint::AbortAfterCommit(1.0));
+        probability_zero_is_refused: "abort-after-commit:0" => None;
+        probability_above_one_is_refused: "abort-after-commit:1.5" => None;
+        not_a_number_is_refused: "abort-after-commit:often" => None;
+        unknown_name_is_refused: "abort-before-commit" => None;
+        empty_is_refused: "" => None;
+    }
+
+    #[test]
+    fn a_certain_failpoint_always_fires() {
+        assert!((0..100).all(|_| Failpoint::AbortAfterCommit(1.0).fires()));
+    }
+}
