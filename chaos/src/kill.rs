@@ -218,60 +218,62 @@ struct Deaths {
     restarted: AtomicUsize,
 }
 
-/// Starts one server with `args` on `listen`; the process and its address, once it says it
-/// listens. `Err`: it ended or failed to say so.
-async fn start_server(
-    cmd: &ServerCommand,
-    args: &[String],
-    envs: &[(&str, String)],
-    listen: SocketAddr,
+/// How the supervisors start a server: the command, the `orders-server` options, the
+/// environment.
+#[derive(Debug, Clone)]
+struct Launch {
+    cmd: ServerCommand,
+    args: Vec<String>,
+    envs: Vec<(&'static str, String)>,
     stderr: bool,
-) -> Result<(Child, SocketAddr), String> {
-    let listen = listen.to_string();
-    let mut child = Command::new(&cmd.program)
-        .args(&cmd.args)
-        .args(args)
-        .args(["--listen", &listen])
-        .env_remove("ORDERS_FAILPOINT")
-        .envs(envs.iter().map(|(k, v)| (k, v)))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(if stderr {
-            Stdio::inherit()
-        } else {
-            Stdio::null()
-        })
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|e| format!("cannot start {}: {e}", cmd.program.display()))?;
-    let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
-    let mut line = String::new();
-    let read = tokio::time::timeout(READY_TIMEOUT, stdout.read_line(&mut line));
-    match read.await {
-        Ok(Ok(n)) if n > 0 => {}
-        _ => {
-            let _ = child.start_kill();
-            let status = child.wait().await;
-            return Err(format!("the server did not start: {status:?}"));
+}
+
+impl Launch {
+    /// Starts one server on `listen`; the process and its address, once it says it listens.
+    /// `Err`: it ended or failed to say so.
+    async fn start(&self, listen: SocketAddr) -> Result<(Child, SocketAddr), String> {
+        let listen = listen.to_string();
+        let mut child = Command::new(&self.cmd.program)
+            .args(&self.cmd.args)
+            .args(&self.args)
+            .args(["--listen", &listen])
+            .env_remove("ORDERS_FAILPOINT")
+            .envs(self.envs.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(if self.stderr {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot start {}: {e}", self.cmd.program.display()))?;
+        let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
+        let mut line = String::new();
+        let read = tokio::time::timeout(READY_TIMEOUT, stdout.read_line(&mut line));
+        match read.await {
+            Ok(Ok(n)) if n > 0 => {}
+            _ => {
+                let _ = child.start_kill();
+                let status = child.wait().await;
+                return Err(format!("the server did not start: {status:?}"));
+            }
         }
+        let addr = line
+            .trim()
+            .strip_prefix("listening on http://")
+            .and_then(|a| a.parse().ok())
+            .ok_or_else(|| format!("unexpected first line {line:?}"))?;
+        Ok((child, addr))
     }
-    let addr = line
-        .trim()
-        .strip_prefix("listening on http://")
-        .and_then(|a| a.parse().ok())
-        .ok_or_else(|| format!("unexpected first line {line:?}"))?;
-    Ok((child, addr))
 }
 
 /// Keeps one instance alive until `stop`: starts it (the first time on a free port, then on
 /// the same one), kills it when `kill` says so, restarts it whenever it ended. Sends its address
 /// on `ready` once.
-#[allow(clippy::too_many_arguments)]
 async fn supervise(
-    cmd: ServerCommand,
-    args: Vec<String>,
-    envs: Vec<(&'static str, String)>,
-    stderr: bool,
+    launch: Launch,
     ready: tokio::sync::oneshot::Sender<SocketAddr>,
     mut kill: mpsc::Receiver<()>,
     mut stop: watch::Receiver<bool>,
@@ -282,7 +284,7 @@ async fn supervise(
     loop {
         let mut tries = 0;
         let mut child = loop {
-            match start_server(&cmd, &args, &envs, listen, stderr).await {
+            match launch.start(listen).await {
                 Ok((child, addr)) => {
                     listen = addr;
                     break child;
@@ -547,6 +549,13 @@ pub async fn run_kill(opts: KillOptions) -> KillReport {
         ));
     }
 
+    let launch = Launch {
+        cmd: opts.server.clone(),
+        args,
+        envs,
+        stderr: opts.server_stderr,
+    };
+
     // The instances, each under a supervisor.
     let deaths = Arc::new(Deaths::default());
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -557,10 +566,7 @@ pub async fn run_kill(opts: KillOptions) -> KillReport {
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
         let (kill_tx, kill_rx) = mpsc::channel(1);
         supervisors.push(tokio::spawn(supervise(
-            opts.server.clone(),
-            args.clone(),
-            envs.clone(),
-            opts.server_stderr,
+            launch.clone(),
             ready_tx,
             kill_rx,
             stop_rx.clone(),
