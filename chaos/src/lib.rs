@@ -5,7 +5,8 @@
 //! operation's effect happened exactly once, no key ran twice, and no claim was left in flight.
 //!
 //! `cargo run --release -p chaos -- --minutes 5 --store redis` runs it; a short run of each
-//! store is part of the test suite (`chaos/tests/short.rs`).
+//! store is part of the test suite (`chaos/tests/short.rs`). [`kill`] is the soak whose servers
+//! are processes that get killed (`--bin kill`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
