@@ -1,35 +1,4 @@
-//! One tier of retries across hops: what a server hop knows of the request it serves, shared
-//! with the outbound calls its handler makes.
-//!
-//! The seed's rule is "retry at one layer only". With a retrying client at every hop of
-//! `client -> A -> B -> C` and C down, each hop's retries multiply the ones above it (3 attempts
-//! at 3 hops is 27 attempts at C; with retry budgets still about 1.1 per hop, compounded). Two
-//! signals stop that, with no code in the handlers:
-//!
-//! 1. **No retry can help.** When a hop's outbound call ends on a failure because its own
-//!    downstream said "do not retry" (or asked for a longer wait than the hop accepts), or the
-//!    deadline is spent, the hop answers its caller "do not retry": a negative
-//!    `grpc-retry-pushback-ms` over gRPC (gRFC A6 already means that by it), the reason code
-//!    [`DO_NOT_RETRY`] over HTTP. The caller returns the failure as it is, and so does every hop
-//!    above it.
-//! 2. **Retried below.** When the hop has done its share of retrying (its attempts ran out, its
-//!    retry budget refused, or the request it serves is a retry and its outbound call sent
-//!    once), it answers [`RETRIES_DEFERRED`]: the caller may retry, but only within its own
-//!    adaptive budget (gRFC A6 throttling, which refuses once more than about one call in ten
-//!    fails). A backend that fails a few requests is still retried past a hop that ran out; a
-//!    dead one drains every adaptive budget above the bottom hop within a few calls, so it sees
-//!    about one hop's retries, not a product of them.
-//! 3. **The request is already a retry.** A request that arrived with
-//!    `grpc-previous-rpc-attempts` or `x-previous-attempts` above zero is a retry of the hop
-//!    above; its handler's outbound calls send once (by default) instead of retrying again
-//!    underneath.
-//!
-//! A server layer (`retry_layer::hop::HopLayer`) makes a [`Hop`] per request, runs the handler
-//! in [`Hop::scope`] (a tokio task-local, so outbound `RetryLayer`s see it through
-//! [`Hop::current`]) and marks the response with [`Hop::mark_response`].
-//!
-//! [`DO_NOT_RETRY`]: crate::DO_NOT_RETRY
-//! [`RETRIES_DEFERRED`]: crate::RETRIES_DEFERRED
+//! [`Hop`]: one tier of retries across hops.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -47,7 +16,37 @@ tokio::task_local! {
 }
 
 /// What a server hop knows of the inbound request it is serving, shared with the outbound
-/// calls its handler makes (see the [module docs](self)).
+/// calls its handler makes: one tier of retries across hops.
+///
+/// The seed's rule is "retry at one layer only". With a retrying client at every hop of
+/// `client -> A -> B -> C` and C down, each hop's retries multiply the ones above it (3 attempts
+/// at 3 hops is 27 attempts at C; with retry budgets still about 1.1 per hop, compounded). Three
+/// signals stop that, with no code in the handlers:
+///
+/// 1. **No retry can help.** When a hop's outbound call ends on a failure because its own
+///    downstream said "do not retry" (or asked for a longer wait than the hop accepts), or the
+///    deadline is spent, the hop answers its caller "do not retry": a negative
+///    `grpc-retry-pushback-ms` over gRPC (gRFC A6 already means that by it), the reason code
+///    [`DO_NOT_RETRY`] over HTTP. The caller returns the failure as it is, and so does every hop
+///    above it.
+/// 2. **Retried below.** When the hop has done its share of retrying (its attempts ran out, its
+///    retry budget refused, or the request it serves is a retry and its outbound call sent
+///    once), it answers [`RETRIES_DEFERRED`]: the caller may retry, but only within its own
+///    adaptive budget (gRFC A6 throttling, which refuses once more than about one call in ten
+///    fails). A backend that fails a few requests is still retried past a hop that ran out; a
+///    dead one drains every adaptive budget above the bottom hop within a few calls, so it sees
+///    about one hop's retries, not a product of them.
+/// 3. **The request is already a retry.** A request that arrived with
+///    `grpc-previous-rpc-attempts` or `x-previous-attempts` above zero is a retry of the hop
+///    above; its handler's outbound calls send once (by default) instead of retrying again
+///    underneath.
+///
+/// A server layer (`retry_layer::hop::HopLayer`) makes a [`Hop`] per request, runs the handler
+/// in [`Hop::scope`] (a tokio task-local, so outbound `RetryLayer`s see it through
+/// [`Hop::current`]) and marks the response with [`Hop::mark_response`].
+///
+/// [`DO_NOT_RETRY`]: crate::DO_NOT_RETRY
+/// [`RETRIES_DEFERRED`]: crate::RETRIES_DEFERRED
 ///
 /// ```
 /// use std::sync::Arc;
