@@ -31,13 +31,19 @@ use bytes::Bytes;
 use e2e::proxy::{Protocol, Proxy};
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
-use retry_layer::RetryInfo;
+use retry_layer::{RetryInfo, RetryLayer};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::{mpsc, watch};
 use tower::ServiceExt;
 
-use crate::{chooser, error_kind, retrying_client, HttpClient, Outcome, StoreKind};
+use crate::wire::http_client;
+use idempotency_layer::store::AnyStore;
+use idempotency_layer::Scope;
+
+use crate::{
+    chooser, drive, error_kind, settle_claims, HttpClient, Outcome, Policy, StoreKind, Wire,
+};
 
 /// The tenant the clients order as (`x-tenant-id`).
 const TENANT: &str = "chaos";
@@ -400,6 +406,12 @@ pub struct KillReport {
     pub failed_but_executed: usize,
     /// Rows whose key no client used (must be 0).
     pub unknown_keys: usize,
+    /// Claims still in flight after the run waited a lease (must be 0); `None` for the memory
+    /// store, which dies with its process.
+    pub in_flight_left: Option<usize>,
+    /// Succeeded orders whose key holds no record, so a retry would run again: the crash
+    /// window (must be empty on the transactional path); `None` for the memory store.
+    pub unrecorded: Option<Vec<String>>,
 }
 
 impl KillReport {
@@ -439,6 +451,17 @@ impl KillReport {
         }
         if self.unknown_keys > 0 {
             p.push(format!("{} rows of keys no client used", self.unknown_keys));
+        }
+        if let Some(n @ 1..) = self.in_flight_left {
+            p.push(format!("{n} claims left in flight a lease after the run"));
+        }
+        match &self.unrecorded {
+            Some(keys) if self.crash_safe && !keys.is_empty() => p.push(format!(
+                "{} succeeded orders have no record with the record in the order's transaction: {:?}",
+                keys.len(),
+                &keys[..keys.len().min(5)]
+            )),
+            _ => {}
         }
         if self.crash_safe && !self.duplicates.is_empty() {
             p.push(format!(
@@ -498,6 +521,16 @@ impl fmt::Display for KillReport {
         writeln!(f, "  lost (succeeded, 0)    {}", self.lost.len())?;
         writeln!(f, "  failed but executed    {}", self.failed_but_executed)?;
         writeln!(f, "  unknown keys           {}", self.unknown_keys)?;
+        match (self.in_flight_left, &self.unrecorded) {
+            (Some(n), Some(keys)) => {
+                writeln!(f, "  in-flight claims left  {n}")?;
+                writeln!(f, "  succeeded, no record   {}", keys.len())?;
+            }
+            _ => writeln!(
+                f,
+                "  claims and records     not checked (the memory store died with its process)"
+            )?,
+        }
         match self.problems().as_slice() {
             [] => write!(f, "  checks                 PASS"),
             problems => write!(f, "  checks                 FAIL: {}", problems.join("; ")),
@@ -592,33 +625,17 @@ pub async fn run_kill(opts: KillOptions) -> KillReport {
     });
 
     // The clients.
-    let client = retrying_client();
+    let client = http_client(Wire::Http1, &RetryLayer::new(Policy::Tuned.retry_policy()));
     let stop_at = Instant::now() + opts.duration;
-    type Placed = (String, Outcome, Option<String>);
-    let results: Arc<Mutex<Vec<Placed>>> = Arc::default();
-    let attempts = Arc::new(AtomicUsize::new(0));
-    let mut workers = Vec::new();
-    for w in 0..opts.clients {
-        let (client, base, results, attempts) = (
-            client.clone(),
-            base.clone(),
-            results.clone(),
-            attempts.clone(),
-        );
-        workers.push(tokio::spawn(async move {
-            let mut i = 0u64;
-            while Instant::now() < stop_at {
-                let key = format!("kill-{w:03}-{i:08}-{:08x}", fastrand::u32(..));
-                i += 1;
-                let (outcome, order_id, n) = place_order(&client, &base, &key).await;
-                attempts.fetch_add(n as usize, Ordering::Relaxed);
-                results.lock().unwrap().push((key, outcome, order_id));
-            }
-        }));
-    }
-    for w in workers {
-        w.await.expect("a client task");
-    }
+    let results = drive(opts.clients, stop_at, move |w, i| {
+        let (client, base) = (client.clone(), base.clone());
+        async move {
+            let key = format!("kill-{w:03}-{i:08}-{:08x}", fastrand::u32(..));
+            let (outcome, order_id, n) = place_order(&client, &base, &key).await;
+            (key, outcome, order_id, n)
+        }
+    })
+    .await;
     if let Some(k) = killer {
         k.abort();
     }
@@ -629,6 +646,38 @@ pub async fn run_kill(opts: KillOptions) -> KillReport {
     for s in supervisors {
         s.await.expect("a supervisor");
     }
+
+    // The store: claims left, and succeeded orders without a record.
+    let store_url = match opts.store {
+        StoreKind::Postgres => Some(db.url.clone()),
+        StoreKind::Redis => opts.redis_url.clone(),
+        StoreKind::Memory => None,
+    };
+    let checked = match store_url {
+        Some(url) => {
+            let store = AnyStore::from_url(&url)
+                .await
+                .expect("the run's store is reachable");
+            let method = Scope::http(&http::Method::POST, "/orders");
+            let scopes: Vec<(String, String)> = results
+                .iter()
+                .map(|(key, _, _, _)| (method.clone(), key.clone()))
+                .collect();
+            let claims = settle_claims(&store, &scopes, opts.lease / 2).await;
+            let succeeded: HashSet<&str> = results
+                .iter()
+                .filter(|(_, o, _, _)| *o == Outcome::Succeeded)
+                .map(|(k, _, _, _)| k.as_str())
+                .collect();
+            let unrecorded = claims
+                .free
+                .into_iter()
+                .filter(|k| succeeded.contains(k.as_str()))
+                .collect();
+            Some((claims.left, unrecorded))
+        }
+        None => None,
+    };
 
     // The ledger.
     let mut rows_by_key: HashMap<String, Vec<String>> = HashMap::new();
@@ -649,7 +698,6 @@ pub async fn run_kill(opts: KillOptions) -> KillReport {
     drop(orders);
     db.drop_now().await;
 
-    let results = std::mem::take(&mut *results.lock().unwrap());
     let mut report = KillReport {
         mode: opts.mode(),
         crash_safe: opts.crash_safe(),
@@ -660,21 +708,23 @@ pub async fn run_kill(opts: KillOptions) -> KillReport {
         restarted: deaths.restarted.load(Ordering::SeqCst),
         unexpected_exits: std::mem::take(&mut *deaths.unexpected.lock().unwrap()),
         attempted: results.len(),
-        http_attempts: attempts.load(Ordering::Relaxed) as u64,
+        http_attempts: results.iter().map(|(_, _, _, n)| u64::from(*n)).sum(),
         proxy_faults: [
             proxy.stats.dropped.load(Ordering::SeqCst),
             proxy.stats.reset.load(Ordering::SeqCst),
             proxy.stats.delayed.load(Ordering::SeqCst),
         ],
         rows,
+        in_flight_left: checked.as_ref().map(|(left, _)| *left),
+        unrecorded: checked.map(|(_, unrecorded)| unrecorded),
         ..KillReport::default()
     };
-    let used: HashSet<&str> = results.iter().map(|(k, _, _)| k.as_str()).collect();
+    let used: HashSet<&str> = results.iter().map(|(k, _, _, _)| k.as_str()).collect();
     report.unknown_keys = rows_by_key
         .keys()
         .filter(|k| !used.contains(k.as_str()))
         .count();
-    for (key, outcome, order_id) in &results {
+    for (key, outcome, order_id, _) in &results {
         let ids = rows_by_key.get(key).map_or(&[][..], Vec::as_slice);
         if ids.len() > 1 {
             report.duplicates.push((key.clone(), ids.len() as u64));

@@ -4,11 +4,16 @@
 //! ledger keyed by idempotency key. At the end, [`Report::problems`] checks that every succeeded
 //! operation's effect happened exactly once, no key ran twice, and no claim was left in flight.
 //!
+//! The clients come in [`Group`]s: each [`Wire`] (HTTP/1.1, HTTP/2, gRPC through tonic) with
+//! each [`Policy`] (one tuned for the faults, and `RetryPolicy::default()`), each group with a
+//! layer of its own. The report gives every group's failures at the caller by cause, and the
+//! layer's reasons for giving up.
+//!
 //! `cargo run --release -p chaos -- --minutes 5 --store redis` runs it; a short run of each
 //! store is part of the test suite (`chaos/tests/short.rs`). [`kill`] is the soak whose servers
 //! are processes that get killed (`--bin kill`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -23,17 +28,18 @@ use bytes::Bytes;
 use e2e::cut::{authority, via, CutProxy};
 use e2e::faults::Unavailable;
 use e2e::proxy::{Chooser, Mode, Protocol, Proxy};
-use http::Request;
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use idempotency_layer::store::{Begin, Fingerprint};
 use idempotency_layer::{
     IdempotencyLayer, IdempotencyStore, MemoryStore, PostgresStore, RedisStore, Scope,
 };
-use retry_layer::{ReplayBody, Retry, RetryInfo, RetryLayer, RetryPolicy};
-use tower::ServiceExt;
+use retry_layer::{ReplayBody, Retry, RetryLayer, RetryStats};
+use tokio_stream::wrappers::TcpListenerStream;
+
+pub use wire::{Group, Policy, Wire};
+use wire::{OpsServer, WireClient};
 
 /// The tenant every chaos client writes as.
 const TENANT: &str = "chaos";
@@ -68,15 +74,21 @@ pub struct Options {
     pub url: Option<String>,
     /// How long clients start new operations.
     pub duration: Duration,
-    /// Concurrent clients, each doing one logical operation at a time.
+    /// Concurrent clients, each doing one logical operation at a time, spread over the groups
+    /// (every wire with every policy).
     pub clients: usize,
+    /// The wires clients speak.
+    pub wires: Vec<Wire>,
+    /// The retry policies clients run.
+    pub policies: Vec<Policy>,
     /// The store connection is cut every `cut_every` ...
     pub cut_every: Duration,
     /// ... for `cut_for`.
     pub cut_for: Duration,
     /// Share of connections dropped after the request reached the server.
     pub drop_p: f64,
-    /// Share of connections reset before anything was relayed.
+    /// Share of connections reset before anything was relayed (HTTP/1.1 only: an HTTP/2
+    /// connection is shared by many calls).
     pub reset_p: f64,
     /// Share of connections whose answer is delayed by 20 to 200 ms.
     pub delay_p: f64,
@@ -89,14 +101,17 @@ pub struct Options {
 }
 
 impl Options {
-    /// The defaults of the long run: 32 clients, store cut for 2 s every 20 s, 10 % drops after
-    /// the request, 5 % resets, 5 % delays, 5 % injected 503s.
+    /// The defaults of the long run: 36 clients over every wire and policy (6 groups of 6),
+    /// store cut for 2 s every 20 s, 10 % drops after the request, 5 % resets, 5 % delays, 5 %
+    /// injected 503s.
     pub fn new(store: StoreKind, url: Option<String>, duration: Duration) -> Self {
         Options {
             store,
             url,
             duration,
-            clients: 32,
+            clients: 36,
+            wires: Wire::ALL.to_vec(),
+            policies: Policy::ALL.to_vec(),
             cut_every: Duration::from_secs(20),
             cut_for: Duration::from_secs(2),
             drop_p: 0.10,
@@ -131,7 +146,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 impl Ledger {
     /// Records one execution for `key`; returns the count after it.
-    async fn add(&self, key: &str) -> Result<u64, BoxError> {
+    pub(crate) async fn add(&self, key: &str) -> Result<u64, BoxError> {
         match self {
             Ledger::Memory(m) => {
                 let mut m = m.lock().unwrap();
@@ -230,25 +245,46 @@ async fn handle(State(ledger): State<Ledger>, headers: HeaderMap) -> (StatusCode
     }
 }
 
-/// Serves one instance on 127.0.0.1:0.
+/// One server instance: its HTTP listener (HTTP/1.1 and h2c) and its gRPC listener.
+#[derive(Debug, Clone, Copy)]
+struct Instance {
+    http: SocketAddr,
+    grpc: SocketAddr,
+}
+
+/// Serves one instance on 127.0.0.1:0: axum for HTTP/1.1 and h2c, tonic for gRPC, both behind
+/// `layer` with `faults` inside it.
 async fn start_instance<St: IdempotencyStore>(
     layer: IdempotencyLayer<St>,
     faults: Unavailable,
     ledger: Ledger,
-) -> SocketAddr {
+) -> Instance {
+    let bind = || async {
+        tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind")
+    };
     let app = Router::new()
         .route(PATH, post(handle))
-        .with_state(ledger)
-        .layer(faults)
-        .layer(layer);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
+        .with_state(ledger.clone())
+        .layer(faults.clone())
+        .layer(layer.clone());
+    let listener = bind().await;
+    let http = listener.local_addr().expect("addr");
     tokio::spawn(async move {
         let _ = axum::serve(listener, app).await;
     });
-    addr
+    let listener = bind().await;
+    let grpc = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let _ = tonic::transport::Server::builder()
+            .layer(layer)
+            .layer(faults)
+            .add_service(OpsServer::new(ledger))
+            .serve_with_incoming(TcpListenerStream::new(listener))
+            .await;
+    });
+    Instance { http, grpc }
 }
 
 /// Picks each connection's fault from a seeded generator: dropped after the request with
@@ -269,30 +305,8 @@ fn chooser(seed: u64, drop_p: f64, reset_p: f64, delay_p: f64) -> Chooser {
     })
 }
 
-/// The client policy: every operation carries its own key; retries back off up to 1 s and
-/// honour `Retry-After`, within 20 s per operation; the budget is sized for the injected faults
-/// (about 20 % of attempts fail, more while the store is cut).
-fn policy() -> RetryPolicy {
-    RetryPolicy::builder()
-        .max_attempts(12)
-        .base_delay(Duration::from_millis(10))
-        .max_delay(Duration::from_secs(1))
-        .total_timeout(Duration::from_secs(20))
-        .budget(Duration::from_secs(10), 1_000, 1.0)
-        .build()
-        .expect("a valid policy")
-}
-
-type HttpClient = Retry<Client<HttpConnector, ReplayBody<Full<Bytes>>>>;
-
-/// The clients' HTTP client: [`policy`] over a hyper client that opens a connection per attempt,
-/// so that the fault proxy can fault every attempt.
-fn retrying_client() -> HttpClient {
-    let layer = RetryLayer::new(policy());
-    let mut builder = Client::builder(TokioExecutor::new());
-    builder.pool_max_idle_per_host(0);
-    tower::Layer::layer(&layer, builder.build_http())
-}
+/// The hyper client the HTTP wires and kill chaos share, through `layer`.
+pub(crate) type HttpClient = Retry<Client<HttpConnector, ReplayBody<Full<Bytes>>>>;
 
 /// How one logical operation ended.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -301,32 +315,33 @@ enum Outcome {
     Failed(String),
 }
 
-/// One logical operation: a fresh key, retried by the layer until it succeeds or gives up.
-async fn operation(client: &HttpClient, base: &str, key: &str) -> (Outcome, u32) {
-    let req = Request::post(format!("{base}{PATH}"))
-        .header("x-idempotency-key", key)
-        .header("content-type", "text/plain")
-        .body(Full::new(Bytes::from(format!("op {key}"))))
-        .expect("a request");
-    let res = match client.clone().oneshot(req).await {
-        Ok(res) => res,
-        Err(e) => return (Outcome::Failed(error_kind(&*e)), 0),
-    };
-    let status = res.status();
-    let attempts = RetryInfo::attempts_of(&res);
-    let body = match res.into_body().collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(_) => return (Outcome::Failed("body cut".into()), attempts),
-    };
-    let expected = format!("{key} ");
-    if status == StatusCode::CREATED && body.starts_with(expected.as_bytes()) {
-        (Outcome::Succeeded, attempts)
-    } else {
-        (
-            Outcome::Failed(format!("HTTP {}", status.as_u16())),
-            attempts,
-        )
+/// Runs `clients` loops until `stop_at`, each starting one operation after the other: client
+/// `w`'s `i`-th operation is `op(w, i)`. Returns every operation's result.
+pub(crate) async fn drive<T, F, Fut>(clients: usize, stop_at: Instant, op: F) -> Vec<T>
+where
+    F: Fn(usize, u64) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = T> + Send,
+    T: Send + 'static,
+{
+    let workers: Vec<_> = (0..clients)
+        .map(|w| {
+            let op = op.clone();
+            tokio::spawn(async move {
+                let mut done = Vec::new();
+                let mut i = 0;
+                while Instant::now() < stop_at {
+                    done.push(op(w, i).await);
+                    i += 1;
+                }
+                done
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for w in workers {
+        all.extend(w.await.expect("a client task"));
     }
+    all
 }
 
 /// A short name for a client error: its outermost message, without variable parts.
@@ -388,8 +403,12 @@ pub struct Report {
     pub failed_but_executed: usize,
     /// Keys in the ledger that no client used (must be 0).
     pub unknown_keys: usize,
-    /// Claims still in flight after the drain (must be 0).
+    /// Claims still in flight after the drain (must be 0): looked up again every second for
+    /// up to half a lease.
     pub in_flight_left: usize,
+    /// Claims in flight 4 s after the drain that ended within half a lease (completions
+    /// retrying through a store cut at the end of the run).
+    pub claims_settled_late: usize,
     /// Succeeded operations whose key holds no record (must be empty: a retry would run again).
     pub unrecorded: Vec<String>,
     /// Layer counters summed over instances: executed, replayed, waited, recorded, released,
@@ -397,6 +416,38 @@ pub struct Report {
     pub layer: [u64; 6],
     /// RSS in KiB at start, middle and end.
     pub rss_kib: [u64; 3],
+    /// Each client group's operations and its layer's counters.
+    pub groups: BTreeMap<Group, GroupReport>,
+    /// Each wire's proxy faults: dropped after the request, reset, delayed.
+    pub wire_faults: BTreeMap<Wire, [usize; 3]>,
+}
+
+/// What one client group (a wire and a policy) saw.
+#[derive(Debug, Default, Clone)]
+pub struct GroupReport {
+    /// Concurrent clients in the group.
+    pub clients: usize,
+    /// Logical operations started.
+    pub attempted: usize,
+    /// Operations whose client got the handler's answer.
+    pub succeeded: usize,
+    /// Operations that ended in failure at the caller, by cause (the final status, or the
+    /// error).
+    pub failed: BTreeMap<String, usize>,
+    /// The group's retry layer counters: why it stopped retrying.
+    pub retry: RetryStats,
+}
+
+impl GroupReport {
+    /// Operations that failed at the caller.
+    pub fn failures(&self) -> usize {
+        self.failed.values().sum()
+    }
+
+    /// Failed operations per 10 000 attempted.
+    pub fn failure_rate(&self) -> f64 {
+        self.failures() as f64 * 10_000.0 / self.attempted.max(1) as f64
+    }
 }
 
 impl Report {
@@ -460,6 +511,38 @@ impl fmt::Display for Report {
             "  faults injected        {} dropped after request, {} reset, {} delayed, {} 503 in-layer, {} store cuts",
             self.dropped, self.reset, self.delayed, self.unavailable, self.cuts
         )?;
+        for (wire, [dropped, reset, delayed]) in &self.wire_faults {
+            writeln!(
+                f,
+                "    {:<6}               {dropped} dropped, {reset} reset, {delayed} delayed",
+                wire.name()
+            )?;
+        }
+        writeln!(
+            f,
+            "  by group               clients  attempted  succeeded  failed (per 10 000)  retries  budget-refused  exhausted  deadline  pushback"
+        )?;
+        for (group, g) in &self.groups {
+            let r = &g.retry;
+            writeln!(
+                f,
+                "    {:<20} {:>7}  {:>9}  {:>9}  {:>6} ({:>7.1})  {:>7}  {:>14}  {:>9}  {:>8}  {:>8}",
+                group.to_string(),
+                g.clients,
+                g.attempted,
+                g.succeeded,
+                g.failures(),
+                g.failure_rate(),
+                r.retries,
+                r.budget_refusals,
+                r.exhausted,
+                r.deadline_stops,
+                r.pushback_stops
+            )?;
+            for (why, n) in &g.failed {
+                writeln!(f, "      {why}: {n}")?;
+            }
+        }
         let [executed, replayed, waited, recorded, released, store_errors] = self.layer;
         writeln!(
             f,
@@ -470,7 +553,11 @@ impl fmt::Display for Report {
         writeln!(f, "  lost (succeeded, 0)    {}", self.lost.len())?;
         writeln!(f, "  failed but executed    {}", self.failed_but_executed)?;
         writeln!(f, "  unknown ledger keys    {}", self.unknown_keys)?;
-        writeln!(f, "  in-flight claims left  {}", self.in_flight_left)?;
+        writeln!(
+            f,
+            "  in-flight claims left  {} ({} more ended late)",
+            self.in_flight_left, self.claims_settled_late
+        )?;
         writeln!(f, "  succeeded, no record   {}", self.unrecorded.len())?;
         writeln!(
             f,
@@ -484,49 +571,96 @@ impl fmt::Display for Report {
     }
 }
 
-/// Looks up `keys` in `store`: how many are claimed in flight, and which hold no record (free).
-/// A scope found free is claimed and released again at once (the check must not leave
-/// anything behind).
-async fn in_flight<St: IdempotencyStore>(store: &St, keys: &[String]) -> (usize, Vec<String>) {
+/// The claims a run left, as [`settle_claims`] found them.
+#[derive(Debug, Default)]
+pub(crate) struct Claims {
+    /// Claims in flight at the first look that ended (completed or released) later.
+    pub(crate) late: usize,
+    /// Claims still in flight at the last look.
+    pub(crate) left: usize,
+    /// Keys that hold no record.
+    pub(crate) free: Vec<String>,
+}
+
+/// Looks up `scopes` in `store` (see [`in_flight`]); claims still in flight are looked up again
+/// every second for up to `patience`: a completion retrying through a store outage may end a
+/// few seconds after the run. `patience` must stay well under a lease, so that a claim left to
+/// lapse is still seen in flight.
+pub(crate) async fn settle_claims<St: IdempotencyStore>(
+    store: &St,
+    scopes: &[(String, String)],
+    patience: Duration,
+) -> Claims {
+    let until = Instant::now() + patience;
+    let (mut held, mut free) = in_flight(store, scopes).await;
+    let first = held.len();
+    while !held.is_empty() && Instant::now() < until {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let (still, freed) = in_flight(store, &held).await;
+        free.extend(freed);
+        held = still;
+    }
+    Claims {
+        late: first - held.len(),
+        left: held.len(),
+        free,
+    }
+}
+
+/// Looks up `scopes` (each a method and a key of the tenant `chaos`) in `store`: which are
+/// claimed in flight, and which keys hold no record (free). A scope found free is claimed and
+/// released again at once (the check must not leave anything behind).
+async fn in_flight<St: IdempotencyStore>(
+    store: &St,
+    scopes: &[(String, String)],
+) -> (Vec<(String, String)>, Vec<String>) {
     /// Lookups at once (a long run checks hundreds of thousands of keys).
     const CONCURRENCY: usize = 32;
-    let mut n = 0;
+    let mut held = Vec::new();
     let mut free = Vec::new();
     let mut set = tokio::task::JoinSet::new();
-    let mut tally = |r: Result<(bool, Option<String>), tokio::task::JoinError>| {
-        let (held, freed) = r.expect("a lookup task");
-        n += usize::from(held);
-        free.extend(freed);
+    type Look = ((String, String), Lookup);
+    let mut tally = |r: Result<Look, tokio::task::JoinError>| match r.expect("a lookup task") {
+        (scope, Lookup::Held) => held.push(scope),
+        ((_, key), Lookup::Free) => free.push(key),
+        (_, Lookup::Recorded) => {}
     };
-    for key in keys {
+    for (method, key) in scopes {
         if set.len() >= CONCURRENCY {
             if let Some(r) = set.join_next().await {
                 tally(r);
             }
         }
-        let (store, key) = (store.clone(), key.clone());
+        let (store, method, key) = (store.clone(), method.clone(), key.clone());
         set.spawn(async move {
-            let method = Scope::http(&http::Method::POST, PATH);
             let scope = Scope::new(TENANT, &method, &key).key();
-            match store
+            let look = match store
                 .begin(scope, Fingerprint([0; 32]), Duration::from_secs(5))
                 .await
             {
-                Ok(Begin::InFlight { .. }) => (true, None),
+                Ok(Begin::InFlight { .. }) => Lookup::Held,
                 Ok(Begin::New(token)) => {
                     let _ = store.release(scope, token).await;
-                    (false, Some(key))
+                    Lookup::Free
                 }
-                Ok(Begin::Completed(_)) => (false, None),
+                Ok(Begin::Completed(_)) => Lookup::Recorded,
                 Ok(other) => panic!("checking claims: unexpected {other:?}"),
                 Err(e) => panic!("checking claims: {e}"),
-            }
+            };
+            ((method, key), look)
         });
     }
     while let Some(r) = set.join_next().await {
         tally(r);
     }
-    (n, free)
+    (held, free)
+}
+
+/// What a scope holds.
+enum Lookup {
+    Held,
+    Free,
+    Recorded,
 }
 
 /// Runs the soak with `opts` and reports. Panics if a store cannot be reached.
@@ -537,7 +671,7 @@ pub async fn run(opts: Options) -> Report {
     let unavailable = Unavailable::first_attempts(opts.unavailable_p, opts.seed ^ 0x5eed);
     let url = || opts.url.clone().expect("a store URL for this store");
     // The instances and the handles the end-of-run checks need.
-    let (addrs, ledger, cut, checker): (Vec<SocketAddr>, Ledger, Option<Arc<CutProxy>>, Checker) =
+    let (instances, ledger, cut, checker): (Vec<Instance>, Ledger, Option<Arc<CutProxy>>, Checker) =
         match opts.store {
             StoreKind::Memory => {
                 // Sized for the run (peak writes x TTL), as the store's docs ask: the default
@@ -548,9 +682,10 @@ pub async fn run(opts: Options) -> Report {
                     .default_tenant(TENANT)
                     .ttl(RECORD_TTL)
                     .lease(opts.lease);
-                let addr = start_instance(layer.clone(), unavailable.clone(), ledger.clone()).await;
+                let instance =
+                    start_instance(layer.clone(), unavailable.clone(), ledger.clone()).await;
                 (
-                    vec![addr],
+                    vec![instance],
                     ledger,
                     None,
                     Checker::Memory(store, vec![layer]),
@@ -641,9 +776,21 @@ pub async fn run(opts: Options) -> Report {
                 )
             }
         };
-    let faults = chooser(opts.seed, opts.drop_p, opts.reset_p, opts.delay_p);
-    let proxy = Proxy::start(addrs.clone(), Protocol::Http1, faults).await;
-    let base = format!("http://{}", proxy.addr);
+    // A fault proxy per wire, in front of every instance's listener of that wire.
+    let mut proxies: BTreeMap<Wire, Proxy> = BTreeMap::new();
+    for (n, &wire) in opts.wires.iter().enumerate() {
+        let seed = opts.seed.wrapping_add(n as u64 * 0x9e37_79b9);
+        let (protocol, reset_p) = match wire {
+            Wire::Http1 => (Protocol::Http1, opts.reset_p),
+            Wire::Http2 | Wire::Grpc => (Protocol::Http2, 0.0),
+        };
+        let upstreams = instances
+            .iter()
+            .map(|i| if wire == Wire::Grpc { i.grpc } else { i.http })
+            .collect();
+        let faults = chooser(seed, opts.drop_p, reset_p, opts.delay_p);
+        proxies.insert(wire, Proxy::start(upstreams, protocol, faults).await);
+    }
 
     // The store outage: cut for `cut_for` every `cut_every`.
     let cutter = cut.clone().map(|cut| {
@@ -658,11 +805,24 @@ pub async fn run(opts: Options) -> Report {
         })
     });
 
-    // The clients.
-    let client = retrying_client();
-    let stop_at = Instant::now() + opts.duration;
-    let results: Arc<Mutex<Vec<(String, Outcome)>>> = Arc::default();
-    let attempts = Arc::new(AtomicUsize::new(0));
+    // The client groups, each with a layer of its own, and the clients spread over them.
+    let groups: Vec<(Group, RetryLayer, WireClient)> = opts
+        .wires
+        .iter()
+        .flat_map(|&wire| {
+            opts.policies
+                .iter()
+                .map(move |&policy| Group { wire, policy })
+        })
+        .map(|group| {
+            let layer = RetryLayer::new(group.policy.retry_policy());
+            let client = WireClient::new(group.wire, &layer, proxies[&group.wire].addr);
+            (group, layer, client)
+        })
+        .collect();
+    assert!(!groups.is_empty(), "at least one wire and one policy");
+    let clients: Arc<Vec<(Group, WireClient)>> =
+        Arc::new(groups.iter().map(|(g, _, c)| (*g, c.clone())).collect());
     let rss_middle = Arc::new(AtomicUsize::new(0));
     let sampler = {
         let rss_middle = rss_middle.clone();
@@ -672,28 +832,17 @@ pub async fn run(opts: Options) -> Report {
             rss_middle.store(rss_kib() as usize, Ordering::SeqCst);
         })
     };
-    let mut workers = Vec::new();
-    for w in 0..opts.clients {
-        let (client, base, results, attempts) = (
-            client.clone(),
-            base.clone(),
-            results.clone(),
-            attempts.clone(),
-        );
-        workers.push(tokio::spawn(async move {
-            let mut i = 0u64;
-            while Instant::now() < stop_at {
-                let key = format!("op-{w:03}-{i:08}-{:08x}", fastrand::u32(..));
-                i += 1;
-                let (outcome, n) = operation(&client, &base, &key).await;
-                attempts.fetch_add(n as usize, Ordering::Relaxed);
-                results.lock().unwrap().push((key, outcome));
-            }
-        }));
-    }
-    for w in workers {
-        w.await.expect("a client task");
-    }
+    let stop_at = Instant::now() + opts.duration;
+    let results = drive(opts.clients, stop_at, move |w, i| {
+        let clients = clients.clone();
+        async move {
+            let (group, client) = &clients[w % clients.len()];
+            let key = format!("op-{w:03}-{i:08}-{:08x}", fastrand::u32(..));
+            let (outcome, attempts) = client.operation(&key).await;
+            (*group, key, outcome, attempts)
+        }
+    })
+    .await;
     if let Some(c) = cutter {
         c.abort();
     }
@@ -704,58 +853,94 @@ pub async fn run(opts: Options) -> Report {
     // Let detached completions and releases land.
     tokio::time::sleep(SETTLE).await;
 
-    let results = std::mem::take(&mut *results.lock().unwrap());
-    let keys: Vec<String> = results.iter().map(|(k, _)| k.clone()).collect();
-    let succeeded_keys: std::collections::HashSet<&str> = results
+    let scopes: Vec<(String, String)> = results
         .iter()
-        .filter(|(_, o)| *o == Outcome::Succeeded)
-        .map(|(k, _)| k.as_str())
+        .map(|(g, k, _, _)| (g.wire.scope_method(), k.clone()))
+        .collect();
+    let succeeded_keys: HashSet<&str> = results
+        .iter()
+        .filter(|(_, _, o, _)| *o == Outcome::Succeeded)
+        .map(|(_, k, _, _)| k.as_str())
         .collect();
     let ledger_all = ledger.all().await.expect("read the ledger");
-    let ((in_flight_left, free), layers) = match &checker {
-        Checker::Memory(s, l) => (in_flight(s, &keys).await, sum(l)),
-        Checker::Redis(s, l) => (in_flight(s, &keys).await, sum(l)),
-        Checker::Postgres(s, l) => (in_flight(s, &keys).await, sum(l)),
+    let patience = opts.lease / 2;
+    let (claims, layers) = match &checker {
+        Checker::Memory(s, l) => (settle_claims(s, &scopes, patience).await, sum(l)),
+        Checker::Redis(s, l) => (settle_claims(s, &scopes, patience).await, sum(l)),
+        Checker::Postgres(s, l) => (settle_claims(s, &scopes, patience).await, sum(l)),
     };
+    let faults = |p: &Proxy| {
+        [
+            p.stats.dropped.load(Ordering::SeqCst),
+            p.stats.reset.load(Ordering::SeqCst),
+            p.stats.delayed.load(Ordering::SeqCst),
+        ]
+    };
+    let wire_faults: BTreeMap<Wire, [usize; 3]> =
+        proxies.iter().map(|(w, p)| (*w, faults(p))).collect();
+    let total = |i: usize| wire_faults.values().map(|f| f[i]).sum();
     let mut report = Report {
         store: format!("{:?}", opts.store).to_lowercase(),
-        instances: addrs.len(),
+        instances: instances.len(),
         lease: opts.lease,
         attempted: results.len(),
-        http_attempts: attempts.load(Ordering::Relaxed) as u64,
-        dropped: proxy.stats.dropped.load(Ordering::SeqCst),
-        reset: proxy.stats.reset.load(Ordering::SeqCst),
-        delayed: proxy.stats.delayed.load(Ordering::SeqCst),
+        http_attempts: results.iter().map(|(_, _, _, n)| u64::from(*n)).sum(),
+        dropped: total(0),
+        reset: total(1),
+        delayed: total(2),
         unavailable: unavailable.injected(),
         cuts: cut.as_ref().map_or(0, |c| c.cuts()),
         executions: ledger_all.values().sum(),
-        in_flight_left,
+        in_flight_left: claims.left,
+        claims_settled_late: claims.late,
         layer: layers,
-        unrecorded: free
+        unrecorded: claims
+            .free
             .into_iter()
             .filter(|k| succeeded_keys.contains(k.as_str()))
             .collect(),
+        wire_faults,
+        groups: groups
+            .iter()
+            .enumerate()
+            .map(|(n, (group, layer, _))| {
+                let clients = (0..opts.clients).filter(|w| w % groups.len() == n).count();
+                let report = GroupReport {
+                    clients,
+                    retry: layer.stats(),
+                    ..GroupReport::default()
+                };
+                (*group, report)
+            })
+            .collect(),
         ..Report::default()
     };
-    let used: std::collections::HashSet<&str> = keys.iter().map(String::as_str).collect();
+    let used: HashSet<&str> = results.iter().map(|(_, k, _, _)| k.as_str()).collect();
     report.unknown_keys = ledger_all
         .keys()
         .filter(|k| !used.contains(k.as_str()))
         .count();
-    for (key, outcome) in &results {
+    for (group, key, outcome, _) in &results {
         let n = ledger_all.get(key).copied().unwrap_or(0);
         if n > 1 {
             report.duplicates.push((key.clone(), n));
         }
+        let g = report
+            .groups
+            .get_mut(group)
+            .expect("every group is reported");
+        g.attempted += 1;
         match outcome {
             Outcome::Succeeded => {
                 report.succeeded += 1;
+                g.succeeded += 1;
                 if n == 0 {
                     report.lost.push(key.clone());
                 }
             }
             Outcome::Failed(why) => {
                 *report.failed.entry(why.clone()).or_default() += 1;
+                *g.failed.entry(why.clone()).or_default() += 1;
                 if n == 1 {
                     report.failed_but_executed += 1;
                 }
@@ -804,3 +989,4 @@ fn sum<St>(layers: &[IdempotencyLayer<St>]) -> [u64; 6] {
 
 pub mod kill;
 pub mod storm;
+mod wire;

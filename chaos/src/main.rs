@@ -1,9 +1,10 @@
 //! `cargo run --release -p chaos -- --minutes 5 --store redis`: the chaos soak, printed; exits
-//! with status 1 if a check fails.
+//! with status 1 if a check fails. Clients speak HTTP/1.1, HTTP/2 and gRPC, each with the tuned
+//! and the default retry policy, unless `--wire` and `--policy` choose fewer.
 
 use std::time::Duration;
 
-use chaos::{run, Options, StoreKind};
+use chaos::{run, Options, Policy, StoreKind, Wire};
 use clap::Parser;
 
 /// The chaos soak of the effectively-once workspace.
@@ -15,9 +16,15 @@ struct Args {
     /// The store the instances share (Redis: REDIS_URL, PostgreSQL: DATABASE_URL).
     #[arg(long, value_enum, default_value_t = StoreKind::Memory)]
     store: StoreKind,
-    /// Concurrent clients.
-    #[arg(long, default_value_t = 32)]
+    /// Concurrent clients, spread over the groups (every wire with every policy).
+    #[arg(long, default_value_t = 36)]
     clients: usize,
+    /// The wires clients speak (repeat or separate with commas; default: all).
+    #[arg(long = "wire", value_enum, value_delimiter = ',')]
+    wires: Vec<Wire>,
+    /// The retry policies clients run (repeat or separate with commas; default: both).
+    #[arg(long = "policy", value_enum, value_delimiter = ',')]
+    policies: Vec<Policy>,
     /// Seconds between store cuts.
     #[arg(long, default_value_t = 20.0)]
     cut_every: f64,
@@ -46,6 +53,12 @@ async fn main() {
         Duration::from_secs_f64(args.minutes * 60.0),
     );
     opts.clients = args.clients;
+    if !args.wires.is_empty() {
+        opts.wires = args.wires;
+    }
+    if !args.policies.is_empty() {
+        opts.policies = args.policies;
+    }
     opts.cut_every = Duration::from_secs_f64(args.cut_every);
     opts.cut_for = Duration::from_secs_f64(args.cut_for);
     opts.seed = args.seed;

@@ -1,13 +1,14 @@
 //! The short chaos soak of the test suite: memory (one instance) and Redis (two instances, the
-//! store cut twice), each under 30 s. The long runs are in RELIABILITY.md.
+//! store cut twice), each under 30 s, with clients on every wire (HTTP/1.1, HTTP/2, gRPC) and
+//! policy (tuned, default). The long runs are in RELIABILITY.md.
 
 use std::time::Duration;
 
-use chaos::{run, Options, StoreKind};
+use chaos::{run, Options, Policy, StoreKind, Wire};
 
 fn short(store: StoreKind, url: Option<String>) -> Options {
     let mut o = Options::new(store, url, Duration::from_secs(14));
-    o.clients = 16;
+    o.clients = 18;
     o.cut_every = Duration::from_secs(6);
     o.cut_for = Duration::from_secs(2);
     o
@@ -25,6 +26,18 @@ fn check(report: &chaos::Report) {
         report.layer[1] > 0,
         "dropped answers were replayed: {report}"
     );
+    // Every group ran, and every wire was faulted.
+    assert_eq!(report.groups.len(), Wire::ALL.len() * Policy::ALL.len());
+    for (group, g) in &report.groups {
+        assert!(g.succeeded > 10, "{group} made progress: {report}");
+        assert_eq!(g.clients, 3, "{report}");
+    }
+    for wire in Wire::ALL {
+        assert!(
+            report.wire_faults[&wire][0] > 0,
+            "{wire:?} answers were dropped: {report}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
