@@ -1,14 +1,18 @@
-//! Kill chaos, short: two `orders-server` processes (the `kill` binary re-executed) sharing a
-//! real PostgreSQL (`DATABASE_URL`), SIGKILLed every 1 to 2 s and aborting after 5 % of order
-//! commits, restarted at once, for 10 s of orders each. The long runs are in RELIABILITY.md.
+//! Kill chaos, short: `orders-server` processes (the `kill` binary re-executed) with their
+//! orders in a real PostgreSQL (`DATABASE_URL`), SIGKILLed every 1 to 2 s and aborting after
+//! 5 % of order commits, restarted at once, for 10 s of orders each. The long runs are in
+//! RELIABILITY.md.
 //!
-//! - With the record in the order's transaction: no duplicate, nothing lost.
-//! - With `--record-after-commit`: nothing lost, and every duplicate is one a crash explains
-//!   (a key runs at most once more per crash); how many there are depends on where the crashes
-//!   fall, so the count is reported, not asserted.
+//! - PostgreSQL store, record in the order's transaction: no duplicate, nothing lost, and every
+//!   succeeded order holds its record.
+//! - PostgreSQL with `--record-after-commit`, Redis (`REDIS_URL`) and memory (one instance, its
+//!   records die with it): nothing lost, and every duplicate is one a crash explains (a key runs
+//!   at most once more per crash); how many there are depends on where the crashes fall, so the
+//!   count is reported, not asserted.
+//! - For the shared stores, no claim is left in flight a lease after the last order.
 //!
-//! The two runs take turns (each starts its own servers). Unset `DATABASE_URL`: each test says so
-//! and passes, except under `CI`, where it fails.
+//! The runs take turns (each starts its own servers). Unset `DATABASE_URL` (or `REDIS_URL` for
+//! Redis): the test says so and passes, except under `CI`, where it fails.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -19,14 +23,19 @@ use chaos::StoreKind;
 /// One run at a time: each starts two servers on a machine with few cores.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-fn short(transactional: bool) -> Option<KillReport> {
+fn short(store: StoreKind, transactional: bool) -> Option<KillReport> {
     let url = e2e::scenario::env_url("DATABASE_URL")?;
+    let redis_url = match store {
+        StoreKind::Redis => Some(e2e::scenario::env_url("REDIS_URL")?),
+        _ => None,
+    };
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let server = ServerCommand {
         program: env!("CARGO_BIN_EXE_kill").into(),
         args: vec!["serve".into()],
     };
-    let mut o = KillOptions::new(StoreKind::Postgres, url, server, Duration::from_secs(10));
+    let mut o = KillOptions::new(store, url, server, Duration::from_secs(10));
+    o.redis_url = redis_url;
     o.transactional = transactional;
     o.clients = 8;
     o.kill_every = Some((Duration::from_secs(1), Duration::from_secs(2)));
@@ -50,23 +59,52 @@ fn short(transactional: bool) -> Option<KillReport> {
         "{report}"
     );
     assert!(report.lost.is_empty(), "{report}");
+    match store {
+        StoreKind::Memory => assert_eq!(report.in_flight_left, None, "{report}"),
+        _ => assert_eq!(report.in_flight_left, Some(0), "{report}"),
+    }
     Some(report)
 }
 
-#[test]
-fn kills_with_transactional_completion_make_no_duplicate_and_lose_nothing() {
-    let Some(report) = short(true) else { return };
-    assert!(report.crash_safe);
-    assert_eq!(report.duplicates, Vec::new(), "{report}");
-}
-
-#[test]
-fn kills_with_the_record_after_the_commit_duplicate_only_through_crashes() {
-    let Some(report) = short(false) else { return };
+/// A crash duplicates at most the orders in its window, each once: at most one per client.
+fn duplicates_only_through_crashes(report: &KillReport) {
     assert!(!report.crash_safe);
-    // A crash duplicates at most the orders in its window, each once: at most one per client.
     assert!(
         report.extra_executions() <= (report.crashes() * report.clients) as u64,
         "{report}"
     );
+}
+
+#[test]
+fn kills_with_transactional_completion_make_no_duplicate_and_lose_nothing() {
+    let Some(report) = short(StoreKind::Postgres, true) else {
+        return;
+    };
+    assert!(report.crash_safe);
+    assert_eq!(report.duplicates, Vec::new(), "{report}");
+    assert_eq!(report.unrecorded, Some(Vec::new()), "{report}");
+}
+
+#[test]
+fn kills_with_the_record_after_the_commit_duplicate_only_through_crashes() {
+    let Some(report) = short(StoreKind::Postgres, false) else {
+        return;
+    };
+    duplicates_only_through_crashes(&report);
+}
+
+#[test]
+fn kills_with_redis_records_duplicate_only_through_crashes() {
+    let Some(report) = short(StoreKind::Redis, false) else {
+        return;
+    };
+    duplicates_only_through_crashes(&report);
+}
+
+#[test]
+fn kills_with_memory_records_duplicate_only_through_crashes() {
+    let Some(report) = short(StoreKind::Memory, false) else {
+        return;
+    };
+    duplicates_only_through_crashes(&report);
 }
