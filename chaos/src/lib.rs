@@ -43,14 +43,19 @@ use wire::{OpsServer, WireClient};
 
 /// The tenant every chaos client writes as.
 const TENANT: &str = "chaos";
-/// How long records are kept: past the end of any run (Redis keys expire by themselves; the
-/// PostgreSQL tables are dropped at the end).
-const RECORD_TTL: Duration = Duration::from_secs(600);
+/// How long records outlive the run's last operation, so that the end-of-run check finds the
+/// record of every succeeded operation, the first one too (Redis keys expire by themselves;
+/// the PostgreSQL tables are dropped at the end).
+const RECORD_TTL_PAST_RUN: Duration = Duration::from_secs(600);
 /// How long the end of a run waits for detached completions and releases before checking that
 /// no claim is left in flight (much less than a lease: nothing may be left to lapse).
 const SETTLE: Duration = Duration::from_secs(4);
-/// The memory store's capacity: more than a long run writes within the record TTL.
+/// The memory store's capacity in entries: more than a 30-minute run writes (every record is
+/// kept to the end). Its bytes are bounded by [`MEMORY_MAX_BYTES`] only.
 const MEMORY_CAPACITY: usize = 8_000_000;
+/// The memory store's byte bound: the entries' bound times the cost of a chaos record, with
+/// room to spare (the default, 128 MiB, holds about 500 000 records).
+const MEMORY_MAX_BYTES: usize = MEMORY_CAPACITY * 1024;
 /// The one write endpoint.
 const PATH: &str = "/ops";
 
@@ -670,17 +675,23 @@ pub async fn run(opts: Options) -> Report {
     let run_id = format!("{:012x}", fastrand::u64(..) & 0xffff_ffff_ffff);
     let unavailable = Unavailable::first_attempts(opts.unavailable_p, opts.seed ^ 0x5eed);
     let url = || opts.url.clone().expect("a store URL for this store");
+    let record_ttl = opts.duration + RECORD_TTL_PAST_RUN;
     // The instances and the handles the end-of-run checks need.
     let (instances, ledger, cut, checker): (Vec<Instance>, Ledger, Option<Arc<CutProxy>>, Checker) =
         match opts.store {
             StoreKind::Memory => {
-                // Sized for the run (peak writes x TTL), as the store's docs ask: the default
-                // capacity (100 000) would evict records of a long run before their TTL.
-                let store = MemoryStore::with_capacity(MEMORY_CAPACITY);
+                // Sized for the run (peak writes x TTL), as the store's docs ask: with the
+                // defaults (100 000 entries, 128 MiB, half of it per tenant) a long run's
+                // claims would be refused once the store is full. One tenant: all of it.
+                let store = MemoryStore::builder()
+                    .max_entries(MEMORY_CAPACITY)
+                    .max_bytes(MEMORY_MAX_BYTES)
+                    .tenant_share_percent(100)
+                    .build();
                 let ledger = Ledger::Memory(Arc::default());
                 let layer = IdempotencyLayer::new(store.clone())
                     .default_tenant(TENANT)
-                    .ttl(RECORD_TTL)
+                    .ttl(record_ttl)
                     .lease(opts.lease);
                 let instance =
                     start_instance(layer.clone(), unavailable.clone(), ledger.clone()).await;
@@ -713,7 +724,7 @@ pub async fn run(opts: Options) -> Report {
                 for _ in 0..2 {
                     let layer = IdempotencyLayer::new(connect().await)
                         .default_tenant(TENANT)
-                        .ttl(RECORD_TTL)
+                        .ttl(record_ttl)
                         .lease(opts.lease);
                     addrs.push(
                         start_instance(layer.clone(), unavailable.clone(), ledger.clone()).await,
@@ -760,7 +771,7 @@ pub async fn run(opts: Options) -> Report {
                 for _ in 0..2 {
                     let layer = IdempotencyLayer::new(connect(via(&url, proxy.addr())).await)
                         .default_tenant(TENANT)
-                        .ttl(RECORD_TTL)
+                        .ttl(record_ttl)
                         .lease(opts.lease);
                     addrs.push(
                         start_instance(layer.clone(), unavailable.clone(), ledger.clone()).await,

@@ -330,7 +330,13 @@ fn print_runs(runs: &[Run]) {
 /// Resident bytes per record: fills a `MemoryStore` through the layer (trivial handler answering
 /// 200 bytes) with `n` first executions and reads VmRSS before and after.
 async fn record_memory(n: usize) {
-    let store = MemoryStore::with_capacity(2 * n);
+    // Room for every record: the default byte bound (128 MiB, half of it per tenant) would
+    // refuse claims before `n` records of this size.
+    let store = MemoryStore::builder()
+        .max_entries(2 * n)
+        .max_bytes(2 * n * 4096)
+        .tenant_share_percent(100)
+        .build();
     let svc = IdempotencyLayer::new(store.clone())
         .default_tenant("bench")
         .layer(tower::service_fn(
@@ -684,7 +690,14 @@ async fn main() {
     let tag = format!("m{}", std::process::id());
 
     let (plain, plain_task) = serve(handler_app()).await;
-    let (memory, memory_task) = serve(idempotent_app(MemoryStore::new())).await;
+    // Sized for every first execution of the run: the defaults (100 000 entries, 128 MiB, half
+    // per tenant) would start refusing claims (503) after about 100 000 of them.
+    let memory_store = MemoryStore::builder()
+        .max_entries(8_000_000)
+        .max_bytes(8 << 30)
+        .tenant_share_percent(100)
+        .build();
+    let (memory, memory_task) = serve(idempotent_app(memory_store)).await;
     record_replay_keys(memory, &tag, args.connections).await;
     let names = ["no_layers", "client_retry", "memory/first", "memory/replay"];
     let mut rounds: Vec<Vec<Run>> = names.iter().map(|_| Vec::new()).collect();

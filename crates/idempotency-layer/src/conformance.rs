@@ -74,7 +74,7 @@ pub fn sample_record(fingerprint: Fingerprint) -> Record {
         headers,
         body: Bytes::from_static(b"\x00\x00\x00\x00\x03abc binary \xff body"),
         body_omitted: false,
-        trailers: Some(trailers),
+        trailers: Some(Box::new(trailers)),
     }
 }
 

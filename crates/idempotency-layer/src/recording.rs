@@ -122,7 +122,7 @@ impl RecordBuilder {
             headers: self.headers,
             body: self.data.freeze(),
             body_omitted: self.omitted,
-            trailers: self.trailers,
+            trailers: self.trailers.map(Box::new),
         })
     }
 }

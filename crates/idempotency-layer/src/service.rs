@@ -693,7 +693,7 @@ fn replay<B>(record: &Record, grpc: bool, max_record_bytes: usize) -> Response<I
     }
     let mut res = Response::new(IdempotencyBody::replay(
         record.body.clone(),
-        record.trailers.clone(),
+        record.trailers.as_deref().cloned(),
     ));
     *res.status_mut() = record.status;
     *res.headers_mut() = record.headers.clone();

@@ -48,7 +48,7 @@ pub(crate) fn encode(record: &Record) -> Result<Vec<u8>, StoreError> {
         headers: pairs(&record.headers),
         body: record.body.clone(),
         body_omitted: record.body_omitted,
-        trailers: record.trailers.as_ref().map(pairs),
+        trailers: record.trailers.as_deref().map(pairs),
     };
     postcard::to_allocvec(&stored)
         .map_err(|e| StoreError::Backend(format!("encoding a record: {e}").into()))
@@ -72,7 +72,7 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<Record, StoreError> {
         headers: map(stored.headers)?,
         body: stored.body,
         body_omitted: stored.body_omitted,
-        trailers: stored.trailers.map(map).transpose()?,
+        trailers: stored.trailers.map(map).transpose()?.map(Box::new),
     })
 }
 
@@ -106,7 +106,7 @@ mod tests {
             headers,
             body: Bytes::from_static(b"\x00\xffbody"),
             body_omitted: false,
-            trailers: Some(trailers),
+            trailers: Some(Box::new(trailers)),
         };
         let back = decode(&encode(&record).unwrap()).unwrap();
         assert_eq!(back, record);

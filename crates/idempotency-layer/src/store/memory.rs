@@ -1,6 +1,6 @@
 //! The embedded store: sharded maps in this process.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -113,11 +113,18 @@ struct Usage {
 
 #[derive(Default)]
 struct Shard {
-    /// The last token and expiry sequence number handed out by this shard.
+    /// The last token number handed out by this shard.
     next: u64,
     map: HashMap<ScopeKey, Entry>,
-    /// Completed records by (expiry, sequence): the front is expired first, then the oldest.
-    expiry: BTreeMap<(Instant, u64), ScopeKey>,
+    /// Completed records' expiries, sorted by expiry (ties in the order they completed): the
+    /// front expires first. A record removed before it expires (forgotten, evicted, replaced)
+    /// leaves its element behind, skipped when it reaches the front and dropped when the queue
+    /// is compacted (see [`Shard::push_expiry`]). With one TTL per layer, completions arrive in
+    /// expiry order and each is a push at the back: a queue costs a fraction of a sorted map's
+    /// memory and time per record.
+    expiry: VecDeque<(Instant, ScopeKey)>,
+    /// The completed records held: the live elements of `expiry`.
+    records: usize,
     /// The bytes all entries cost.
     bytes: usize,
     /// What each tenant holds (tenants holding nothing are removed).
@@ -125,34 +132,41 @@ struct Shard {
 }
 
 enum Entry {
-    InFlight {
-        tenant: TenantKey,
-        token: Token,
-        fingerprint: Fingerprint,
-        lease_until: Instant,
-        /// Wakes the waiters when the claim ends (the entry is replaced or removed).
-        wake: Wake,
-    },
+    /// Boxed: a claim lasts as long as its handler, a record for its TTL, so the map's slots
+    /// are sized for records (48 bytes for the entry instead of 96, about 60 bytes less per
+    /// record held).
+    InFlight(Box<Claim>),
     Completed {
         tenant: TenantKey,
         record: Arc<Record>,
-        at: (Instant, u64),
+        expires: Instant,
         /// The bytes this entry costs.
         size: usize,
     },
 }
 
+/// A claim in flight.
+struct Claim {
+    tenant: TenantKey,
+    token: Token,
+    fingerprint: Fingerprint,
+    lease_until: Instant,
+    /// Wakes the waiters when the claim ends (the entry is replaced or removed).
+    wake: Wake,
+}
+
 impl Entry {
     fn size(&self) -> usize {
         match self {
-            Entry::InFlight { .. } => ENTRY_OVERHEAD,
+            Entry::InFlight(_) => ENTRY_OVERHEAD,
             Entry::Completed { size, .. } => *size,
         }
     }
 
     fn tenant(&self) -> TenantKey {
         match self {
-            Entry::InFlight { tenant, .. } | Entry::Completed { tenant, .. } => *tenant,
+            Entry::InFlight(claim) => claim.tenant,
+            Entry::Completed { tenant, .. } => *tenant,
         }
     }
 }
@@ -376,7 +390,7 @@ fn record_size(record: &Record) -> usize {
     ENTRY_OVERHEAD
         + record.body.len()
         + headers(&record.headers)
-        + record.trailers.as_ref().map_or(0, headers)
+        + record.trailers.as_deref().map_or(0, headers)
 }
 
 /// The waiters of one claim: a [`Notify`] made by the first waiter, notified when the claim's
@@ -390,6 +404,13 @@ impl Drop for Wake {
             n.notify_waiters();
         }
     }
+}
+
+/// True when `map` holds a completed record for `scope` that expires at `at`: the expiry
+/// queue's element `(at, scope)` is that record's, not a stale one. (Two elements can match
+/// only if the scope completed twice with the same expiry: either one removes it when due.)
+fn is_live(map: &HashMap<ScopeKey, Entry>, at: Instant, scope: &ScopeKey) -> bool {
+    matches!(map.get(scope), Some(Entry::Completed { expires, .. }) if *expires == at)
 }
 
 /// Locks a shard; a poisoned lock is still usable (every critical section leaves the map
@@ -430,8 +451,9 @@ impl Shard {
     /// Holds `entry` for `scope` (which holds nothing now), charging its tenant.
     fn insert(&mut self, scope: ScopeKey, entry: Entry) {
         self.charge(entry.tenant(), 1, entry.size());
-        if let Entry::Completed { at, .. } = &entry {
-            self.expiry.insert(*at, scope);
+        if let Entry::Completed { expires, .. } = &entry {
+            self.records += 1;
+            self.push_expiry(*expires, scope);
         }
         self.map.insert(scope, entry);
     }
@@ -439,23 +461,63 @@ impl Shard {
     /// Removes what `scope` holds, refunding its tenant.
     fn remove(&mut self, scope: &ScopeKey) -> Option<Entry> {
         let entry = self.map.remove(scope)?;
-        if let Entry::Completed { at, .. } = &entry {
-            self.expiry.remove(at);
+        if let Entry::Completed { .. } = &entry {
+            // Its element in `expiry` stays, stale, until it is popped or compacted away.
+            self.records -= 1;
         }
         self.refund(entry.tenant(), 1, entry.size());
         Some(entry)
     }
 
-    /// Removes up to `n` expired records from the front of the expiry index.
+    /// Queues the expiry of a record completing now. Compacts the queue first when stale
+    /// elements outnumber the live ones (plus some slack), so it stays within about twice the
+    /// records held, whatever is forgotten; each compaction follows at least as many pushes as
+    /// it visits elements, so a push costs O(1) amortized.
+    fn push_expiry(&mut self, expires: Instant, scope: ScopeKey) {
+        if self.expiry.len() >= 2 * self.records + 32 {
+            let map = &self.map;
+            self.expiry.retain(|(at, s)| is_live(map, *at, s));
+            if self.expiry.capacity() > 4 * self.expiry.len() + 64 {
+                self.expiry.shrink_to(2 * self.expiry.len() + 32);
+            }
+        }
+        match self.expiry.back() {
+            // A shorter TTL than the last record's (layers with different TTLs sharing the
+            // store): keep the queue sorted.
+            Some(&(last, _)) if last > expires => {
+                let i = self.expiry.partition_point(|&(at, _)| at <= expires);
+                self.expiry.insert(i, (expires, scope));
+            }
+            _ => self.expiry.push_back((expires, scope)),
+        }
+    }
+
+    /// Removes up to `n` expired records (or stale elements) from the front of the expiry
+    /// queue.
     fn clean(&mut self, now: Instant, n: usize) {
         for _ in 0..n {
-            match self.expiry.first_key_value() {
-                Some((&(at, _), &scope)) if at <= now => {
-                    self.remove(&scope);
+            match self.expiry.front() {
+                Some(&(at, scope)) if at <= now => {
+                    self.expiry.pop_front();
+                    if is_live(&self.map, at, &scope) {
+                        self.remove(&scope);
+                    }
                 }
                 _ => break,
             }
         }
+    }
+
+    /// The records in expiry order, nearest first.
+    fn records_by_expiry(&self) -> impl Iterator<Item = (ScopeKey, TenantKey)> + '_ {
+        self.expiry
+            .iter()
+            .filter_map(|(at, s)| match self.map.get(s) {
+                Some(Entry::Completed {
+                    expires, tenant, ..
+                }) if expires == at => Some((*s, *tenant)),
+                _ => None,
+            })
     }
 
     /// True when `tenant` may add an entry of `bytes` (to a shard already holding it, if
@@ -492,14 +554,13 @@ impl Shard {
             }
         };
         let own = self
-            .expiry
-            .values()
-            .find(|s| self.map.get(s).map(Entry::tenant) == Some(victim_tenant))
-            .copied();
+            .records_by_expiry()
+            .find(|(_, t)| *t == victim_tenant)
+            .map(|(s, _)| s);
         // A tenant over its share evicts only its own records; one within its share is owed
         // room, from whoever holds a record.
         let victim = match own {
-            None if !over_share => self.expiry.values().next().copied(),
+            None if !over_share => self.records_by_expiry().next().map(|(s, _)| s),
             v => v,
         };
         match victim {
@@ -541,7 +602,7 @@ impl Shard {
 
     /// The claim `token` on `scope`, if it still holds.
     fn holds(&mut self, scope: &ScopeKey, token: Token) -> bool {
-        matches!(self.map.get(scope), Some(Entry::InFlight { token: t, .. }) if *t == token)
+        matches!(self.map.get(scope), Some(Entry::InFlight(c)) if c.token == token)
     }
 }
 
@@ -568,18 +629,13 @@ impl IdempotencyStore for MemoryStore {
         let (index, mut shard) = self.shard_at(&scope);
         shard.clean(now, CLEANUP_PER_OP);
         match shard.map.get(&scope) {
-            Some(Entry::Completed { record, at, .. }) if at.0 > now => {
-                return Ok(Begin::Completed(record.clone()))
-            }
-            Some(Entry::InFlight {
-                token,
-                fingerprint,
-                lease_until,
-                ..
-            }) if *lease_until > now => {
+            Some(Entry::Completed {
+                record, expires, ..
+            }) if *expires > now => return Ok(Begin::Completed(record.clone())),
+            Some(Entry::InFlight(claim)) if claim.lease_until > now => {
                 return Ok(Begin::InFlight {
-                    token: *token,
-                    fingerprint: *fingerprint,
+                    token: claim.token,
+                    fingerprint: claim.fingerprint,
                 })
             }
             // Expired record or lapsed lease: take the scope over (dropping the old entry wakes
@@ -602,13 +658,13 @@ impl IdempotencyStore for MemoryStore {
         let token = shard.token(index);
         shard.insert(
             scope,
-            Entry::InFlight {
+            Entry::InFlight(Box::new(Claim {
                 tenant,
                 token,
                 fingerprint,
                 lease_until: now + lease,
                 wake: Wake::default(),
-            },
+            })),
         );
         Ok(Begin::New(token))
     }
@@ -624,9 +680,7 @@ impl IdempotencyStore for MemoryStore {
         let limits = self.inner.limits;
         let mut shard = self.shard(&scope);
         let tenant = match shard.map.get(&scope) {
-            Some(Entry::InFlight {
-                token: t, tenant, ..
-            }) if *t == token => *tenant,
+            Some(Entry::InFlight(claim)) if claim.token == token => claim.tenant,
             _ => return Err(StoreError::Fenced),
         };
         // The handler has run: the record is kept whatever happens, in full if it fits.
@@ -654,14 +708,12 @@ impl IdempotencyStore for MemoryStore {
         }
         // Removing the claim drops its `Wake`: the waiters wake (once the shard is unlocked).
         shard.remove(&scope);
-        shard.next += 1;
-        let at = (now + ttl, shard.next);
         shard.insert(
             scope,
             Entry::Completed {
                 tenant,
                 record: Arc::new(record),
-                at,
+                expires: now + ttl,
                 size,
             },
         );
@@ -687,12 +739,8 @@ impl IdempotencyStore for MemoryStore {
         let now = Instant::now();
         let mut shard = self.shard(&scope);
         match shard.map.get_mut(&scope) {
-            Some(Entry::InFlight {
-                token: t,
-                lease_until,
-                ..
-            }) if *t == token => {
-                *lease_until = now + lease;
+            Some(Entry::InFlight(claim)) if claim.token == token => {
+                claim.lease_until = now + lease;
                 Ok(())
             }
             _ => Err(StoreError::Fenced),
@@ -703,14 +751,9 @@ impl IdempotencyStore for MemoryStore {
         let (notified, until) = {
             let mut shard = self.shard(&scope);
             let (notify, until) = match shard.map.get_mut(&scope) {
-                Some(Entry::InFlight {
-                    token,
-                    lease_until,
-                    wake,
-                    ..
-                }) if *token == observed => (
-                    wake.0.get_or_insert_with(Default::default).clone(),
-                    *lease_until,
+                Some(Entry::InFlight(claim)) if claim.token == observed => (
+                    claim.wake.0.get_or_insert_with(Default::default).clone(),
+                    claim.lease_until,
                 ),
                 _ => return Ok(()),
             };
@@ -748,6 +791,16 @@ mod tests {
             body_omitted: false,
             trailers: None,
         }
+    }
+
+    /// The map's slots are sized for records: a claim's fields are boxed, a record's are not.
+    #[test]
+    fn an_entry_is_no_larger_than_a_records_fields() {
+        assert!(
+            std::mem::size_of::<Entry>() <= 48,
+            "{} bytes",
+            std::mem::size_of::<Entry>()
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -1042,5 +1095,87 @@ mod tests {
             20,
             "every expired record is gone after enough operations"
         );
+    }
+
+    /// Records forgotten (or evicted, or replaced) before they expire leave stale elements in
+    /// the expiry queue; compaction keeps the queue within about twice the records held, so a
+    /// client that writes and forgets keys forever does not grow the store.
+    #[tokio::test(start_paused = true)]
+    async fn forgotten_records_do_not_grow_the_expiry_queue() {
+        let store = MemoryStore::with_capacity_and_shards(1000, 1);
+        let day = Duration::from_secs(86_400);
+        for i in 0..100 {
+            write(&store, scope(i), 10, day).await.unwrap();
+        }
+        for i in 100..20_100 {
+            write(&store, scope(i), 10, day).await.unwrap();
+            assert!(store.forget(scope(i)).await.unwrap());
+            let shard = lock(&store.inner.shards[0]);
+            assert_eq!(shard.records, 100);
+            assert!(
+                shard.expiry.len() <= 2 * 101 + 32,
+                "queue of {} elements for 100 records at {i}",
+                shard.expiry.len()
+            );
+        }
+        for i in 0..100 {
+            assert!(is_recorded(&store, scope(i)).await, "record {i} kept");
+        }
+        assert_eq!(store.len(), 100);
+    }
+
+    /// Layers with different TTLs on one store: the queue stays sorted by expiry, so a shorter
+    /// TTL that completes later is still removed when it expires, and the longer ones are kept.
+    #[tokio::test(start_paused = true)]
+    async fn a_shorter_ttl_completed_later_expires_first() {
+        let store = MemoryStore::with_capacity_and_shards(1000, 1);
+        let secs = Duration::from_secs;
+        write(&store, scope(1), 10, secs(60)).await.unwrap();
+        write(&store, scope(2), 10, secs(10)).await.unwrap();
+        write(&store, scope(3), 10, secs(30)).await.unwrap();
+        write(&store, scope(4), 10, secs(10)).await.unwrap();
+        {
+            let shard = lock(&store.inner.shards[0]);
+            let order: Vec<_> = shard.expiry.iter().map(|(_, s)| *s).collect();
+            assert_eq!(order, [scope(2), scope(4), scope(3), scope(1)]);
+        }
+        tokio::time::advance(secs(11)).await;
+        write(&store, scope(5), 10, secs(60)).await.unwrap();
+        assert_eq!(
+            store.len(),
+            3,
+            "the two 10 s records are removed, nothing else"
+        );
+        assert!(is_recorded(&store, scope(1)).await);
+        assert!(is_recorded(&store, scope(3)).await);
+        tokio::time::advance(secs(20)).await;
+        write(&store, scope(6), 10, secs(60)).await.unwrap();
+        assert!(
+            !is_recorded(&store, scope(3)).await,
+            "the 30 s record expired"
+        );
+        assert!(is_recorded(&store, scope(1)).await);
+        assert!(is_recorded(&store, scope(5)).await);
+    }
+
+    /// A record forgotten and written again with the same expiry (paused time): the stale and
+    /// the live element both name it; the record is removed when due, exactly once.
+    #[tokio::test(start_paused = true)]
+    async fn a_record_written_again_with_the_same_expiry_expires_once() {
+        let store = MemoryStore::with_capacity_and_shards(1000, 1);
+        let ttl = Duration::from_secs(10);
+        write(&store, scope(1), 10, ttl).await.unwrap();
+        assert!(store.forget(scope(1)).await.unwrap());
+        write(&store, scope(1), 10, ttl).await.unwrap();
+        assert!(is_recorded(&store, scope(1)).await);
+        tokio::time::advance(ttl).await;
+        write(&store, scope(2), 10, ttl).await.unwrap();
+        assert!(!is_recorded(&store, scope(1)).await);
+        let stats = store.stats();
+        assert_eq!(
+            stats.entries, 2,
+            "scope 2 and the claim the check just made: {stats:?}"
+        );
+        assert_eq!(lock(&store.inner.shards[0]).records, 1);
     }
 }

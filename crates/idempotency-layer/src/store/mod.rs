@@ -267,7 +267,9 @@ pub struct Record {
     pub(crate) headers: HeaderMap,
     pub(crate) body: Bytes,
     pub(crate) body_omitted: bool,
-    pub(crate) trailers: Option<HeaderMap>,
+    /// Boxed: trailers are rare (gRPC's status), and every record in memory would otherwise
+    /// carry a whole `HeaderMap` for them.
+    pub(crate) trailers: Option<Box<HeaderMap>>,
 }
 
 impl Record {
@@ -291,7 +293,7 @@ impl Record {
 
     /// The same record with these trailers (a gRPC response's status lives there).
     pub fn with_trailers(mut self, trailers: HeaderMap) -> Self {
-        self.trailers = Some(trailers);
+        self.trailers = Some(Box::new(trailers));
         self
     }
 
@@ -331,7 +333,7 @@ impl Record {
 
     /// The trailers, if the response had any.
     pub fn trailers(&self) -> Option<&HeaderMap> {
-        self.trailers.as_ref()
+        self.trailers.as_deref()
     }
 }
 
