@@ -56,6 +56,12 @@ const MEMORY_CAPACITY: usize = 8_000_000;
 /// The memory store's byte bound: the entries' bound times the cost of a chaos record, with
 /// room to spare (the default, 128 MiB, holds about 500 000 records).
 const MEMORY_MAX_BYTES: usize = MEMORY_CAPACITY * 1024;
+/// An operation with no answer after this long is hung: given up on (so the run ends), counted
+/// and reported as a failed check. The tuned policy's deadline is 20 s; the default policy has
+/// none, but its 3 attempts end well within this unless a call gets no answer at all.
+const HUNG_AFTER: Duration = Duration::from_secs(120);
+/// The failure cause of a hung operation.
+const HUNG: &str = "hung: no answer within 120 s";
 /// The one write endpoint.
 const PATH: &str = "/ops";
 
@@ -416,6 +422,8 @@ pub struct Report {
     pub claims_settled_late: usize,
     /// Succeeded operations whose key holds no record (must be empty: a retry would run again).
     pub unrecorded: Vec<String>,
+    /// Operations that got no answer within 120 s, by group and key (must be empty).
+    pub hung: Vec<(Group, String)>,
     /// Layer counters summed over instances: executed, replayed, waited, recorded, released,
     /// store errors.
     pub layer: [u64; 6],
@@ -488,6 +496,13 @@ impl Report {
         }
         if self.in_flight_left > 0 {
             p.push(format!("{} claims left in flight", self.in_flight_left));
+        }
+        if !self.hung.is_empty() {
+            p.push(format!(
+                "{} operations got no answer within {HUNG_AFTER:?}: {:?}",
+                self.hung.len(),
+                &self.hung[..self.hung.len().min(5)]
+            ));
         }
         p
     }
@@ -564,6 +579,7 @@ impl fmt::Display for Report {
             self.in_flight_left, self.claims_settled_late
         )?;
         writeln!(f, "  succeeded, no record   {}", self.unrecorded.len())?;
+        writeln!(f, "  hung (no answer)       {}", self.hung.len())?;
         writeln!(
             f,
             "  RSS start/middle/end   {} / {} / {} KiB",
@@ -849,7 +865,11 @@ pub async fn run(opts: Options) -> Report {
         async move {
             let (group, client) = &clients[w % clients.len()];
             let key = format!("op-{w:03}-{i:08}-{:08x}", fastrand::u32(..));
-            let (outcome, attempts) = client.operation(&key).await;
+            let (outcome, attempts) =
+                match tokio::time::timeout(HUNG_AFTER, client.operation(&key)).await {
+                    Ok(done) => done,
+                    Err(_) => (Outcome::Failed(HUNG.into()), 0),
+                };
             (*group, key, outcome, attempts)
         }
     })
@@ -950,6 +970,9 @@ pub async fn run(opts: Options) -> Report {
                 }
             }
             Outcome::Failed(why) => {
+                if why == HUNG {
+                    report.hung.push((*group, key.clone()));
+                }
                 *report.failed.entry(why.clone()).or_default() += 1;
                 *g.failed.entry(why.clone()).or_default() += 1;
                 if n == 1 {
