@@ -406,11 +406,17 @@ impl Drop for Wake {
     }
 }
 
-/// True when `map` holds a completed record for `scope` that expires at `at`: the expiry
-/// queue's element `(at, scope)` is that record's, not a stale one. (Two elements can match
-/// only if the scope completed twice with the same expiry: either one removes it when due.)
-fn is_live(map: &HashMap<ScopeKey, Entry>, at: Instant, scope: &ScopeKey) -> bool {
-    matches!(map.get(scope), Some(Entry::Completed { expires, .. }) if *expires == at)
+/// The tenant of the completed record `map` holds for `scope` if it expires at `at`: then the
+/// expiry queue's element `(at, scope)` is that record's, not a stale one. (Two elements can
+/// match only if the scope completed twice with the same expiry: either one removes it when
+/// due.)
+fn live_record(map: &HashMap<ScopeKey, Entry>, at: Instant, scope: &ScopeKey) -> Option<TenantKey> {
+    match map.get(scope) {
+        Some(Entry::Completed {
+            expires, tenant, ..
+        }) if *expires == at => Some(*tenant),
+        _ => None,
+    }
 }
 
 /// Locks a shard; a poisoned lock is still usable (every critical section leaves the map
@@ -476,7 +482,8 @@ impl Shard {
     fn push_expiry(&mut self, expires: Instant, scope: ScopeKey) {
         if self.expiry.len() >= 2 * self.records + 32 {
             let map = &self.map;
-            self.expiry.retain(|(at, s)| is_live(map, *at, s));
+            self.expiry
+                .retain(|(at, s)| live_record(map, *at, s).is_some());
             if self.expiry.capacity() > 4 * self.expiry.len() + 64 {
                 self.expiry.shrink_to(2 * self.expiry.len() + 32);
             }
@@ -499,7 +506,7 @@ impl Shard {
             match self.expiry.front() {
                 Some(&(at, scope)) if at <= now => {
                     self.expiry.pop_front();
-                    if is_live(&self.map, at, &scope) {
+                    if live_record(&self.map, at, &scope).is_some() {
                         self.remove(&scope);
                     }
                 }
@@ -512,12 +519,7 @@ impl Shard {
     fn records_by_expiry(&self) -> impl Iterator<Item = (ScopeKey, TenantKey)> + '_ {
         self.expiry
             .iter()
-            .filter_map(|(at, s)| match self.map.get(s) {
-                Some(Entry::Completed {
-                    expires, tenant, ..
-                }) if expires == at => Some((*s, *tenant)),
-                _ => None,
-            })
+            .filter_map(|(at, s)| Some((*s, live_record(&self.map, *at, s)?)))
     }
 
     /// True when `tenant` may add an entry of `bytes` (to a shard already holding it, if
