@@ -30,6 +30,8 @@ mod any;
 #[cfg(any(feature = "redis", feature = "postgres"))]
 mod codec;
 mod memory;
+#[cfg(any(feature = "redis", feature = "postgres"))]
+mod near_cache;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "redis")]
@@ -37,6 +39,8 @@ mod redis;
 #[cfg(any(feature = "redis", feature = "postgres"))]
 mod wake;
 
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub use self::near_cache::{NearCache, NearCacheStats};
 #[cfg(feature = "postgres")]
 pub use self::postgres::{PostgresStore, PostgresStoreBuilder, TxCompletion, TxCompletionError};
 

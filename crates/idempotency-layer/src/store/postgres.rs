@@ -15,6 +15,7 @@ use tokio_postgres::{AsyncMessage, NoTls, Row, Socket};
 use uuid::Uuid;
 
 use super::codec;
+use super::near_cache::{scope_from_hex, Near, NearCache, NearCacheStats};
 use super::wake::{Polling, Waiters};
 use super::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token};
 
@@ -169,7 +170,13 @@ struct Inner {
     tls: Connector,
     waiters: Arc<Waiters>,
     listener: OnceLock<Listener>,
+    /// Completed records kept here, if the builder asked for a near cache.
+    near: Option<Arc<Near>>,
 }
+
+/// The payload prefix of a forgotten record's notification (then the scope in hex); any other
+/// payload is a claim's end, for waiters.
+const FORGET_PREFIX: &str = "forget:";
 
 struct Listener {
     /// Dropped with the store: the listener task ends.
@@ -234,9 +241,11 @@ impl Sql {
                      watched = false \
                    WHERE e.expires_at <= now() \
                    RETURNING e.state, e.token, e.fingerprint, e.record) \
-                 SELECT true AS claimed, state, token, fingerprint, record FROM claimed \
+                 SELECT true AS claimed, state, token, fingerprint, record, 0::bigint AS ttl_ms \
+                 FROM claimed \
                  UNION ALL \
-                 SELECT false, state, token, fingerprint, record FROM {t} \
+                 SELECT false, state, token, fingerprint, record, \
+                   GREATEST(0, extract(epoch FROM expires_at - now()) * 1000)::bigint FROM {t} \
                  WHERE scope = $1 AND expires_at > now() AND NOT EXISTS (SELECT 1 FROM claimed)"
             ),
             complete: format!(
@@ -258,9 +267,16 @@ impl Sql {
                 "UPDATE {t} SET expires_at = now() + $3::bigint * interval '1 millisecond' \
                  WHERE scope = $1 AND token = $2 AND state = 'in_flight'"
             ),
+            // A forgotten record is always announced (rare, so the NOTIFY's lock costs
+            // nothing that matters), for the near caches of every instance.
             forget: format!(
-                "WITH gone AS (DELETE FROM {t} WHERE scope = $1 RETURNING scope, watched), {}",
-                notify_if_watched("gone")
+                "WITH gone AS (DELETE FROM {t} WHERE scope = $1 RETURNING scope, watched, state), \
+                 invalidated AS (SELECT pg_notify('{channel}', '{FORGET_PREFIX}' || encode(scope, 'hex')) \
+                   FROM gone WHERE state = 'completed'), \
+                 notified AS (SELECT pg_notify('{channel}', encode(scope, 'hex')) FROM gone \
+                   WHERE watched) \
+                 SELECT (SELECT count(*) FROM gone) AS n, (SELECT count(*) FROM notified) AS woken, \
+                   (SELECT count(*) FROM invalidated) AS invalidated"
             ),
             watch: format!(
                 "UPDATE {t} SET watched = true \
@@ -310,6 +326,7 @@ pub struct PostgresStoreBuilder {
     cleanup_interval: Duration,
     cleanup_batch: i64,
     pool: Option<Pool>,
+    near: Option<NearCache>,
     #[cfg(feature = "postgres-tls")]
     roots: Option<Vec<u8>>,
 }
@@ -360,6 +377,33 @@ impl PostgresStoreBuilder {
     /// How many expired rows one cleanup statement removes at most (default 1000).
     pub fn cleanup_batch(mut self, rows: u32) -> Self {
         self.cleanup_batch = i64::from(rows.max(1));
+        self
+    }
+
+    /// Keeps recently replayed records in this instance's memory ([`NearCache`]): a replay of
+    /// a cached record costs no statement. Claims still always go to PostgreSQL; an entry never
+    /// outlives its record's TTL; a `forget` on any instance drops it from every instance's
+    /// cache (a `NOTIFY` on the store's [`channel`](PostgresStore::channel), which the store's
+    /// listening connection hears; while that connection is down, the cache is empty and off).
+    /// Off by default. See [`NearCache`] for what it promises and what it does not.
+    ///
+    /// ```
+    /// use idempotency_layer::store::NearCache;
+    /// use idempotency_layer::PostgresStore;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), idempotency_layer::StoreError> {
+    /// # let Ok(url) = std::env::var("DATABASE_URL") else { return Ok(()) };
+    /// let store = PostgresStore::builder(url)
+    ///     .near_cache(NearCache::new(64 << 20)) // up to 64 MiB of records
+    ///     .connect()
+    ///     .await?;
+    /// assert_eq!(store.near_cache_stats().unwrap().hits, 0);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn near_cache(mut self, near: NearCache) -> Self {
+        self.near = Some(near);
         self
     }
 
@@ -430,6 +474,7 @@ impl PostgresStoreBuilder {
             tls,
             waiters: Arc::default(),
             listener: OnceLock::new(),
+            near: self.near.map(Near::new),
         });
         if !self.cleanup_interval.is_zero() {
             tokio::spawn(cleanup_task(Arc::downgrade(&inner), self.cleanup_interval));
@@ -597,6 +642,7 @@ async fn listen_task<T>(
     channel: String,
     timeout: Duration,
     waiters: Arc<Waiters>,
+    near: Option<Arc<Near>>,
     mut stop: oneshot::Receiver<()>,
 ) where
     T: MakeTlsConnect<Socket> + Clone + Send + 'static,
@@ -636,6 +682,9 @@ async fn listen_task<T>(
                 backoff = Duration::from_millis(50);
                 // Anything that ended before the LISTEN took effect: let the waiters look.
                 waiters.wake_all();
+                if let Some(near) = &near {
+                    near.set_live(true);
+                }
                 loop {
                     tokio::select! {
                         _ = &mut stop => {
@@ -643,10 +692,26 @@ async fn listen_task<T>(
                             return;
                         }
                         m = rx.recv() => match m {
-                            Some(Some(scope)) => waiters.wake(&scope),
+                            Some(Some(payload)) => match payload.strip_prefix(FORGET_PREFIX) {
+                                Some(hex) => {
+                                    if let Some(near) = &near {
+                                        match scope_from_hex(hex) {
+                                            Some(scope) => near.invalidate(&scope),
+                                            None => {
+                                                near.set_live(false);
+                                                near.set_live(true);
+                                            }
+                                        }
+                                    }
+                                }
+                                None => waiters.wake(&payload),
+                            },
                             _ => break,
                         },
                     }
+                }
+                if let Some(near) = &near {
+                    near.set_live(false);
                 }
             }
             driver.abort();
@@ -675,6 +740,7 @@ impl PostgresStore {
             cleanup_interval: Duration::from_secs(60),
             cleanup_batch: 1000,
             pool: None,
+            near: None,
             #[cfg(feature = "postgres-tls")]
             roots: None,
         }
@@ -775,6 +841,11 @@ impl PostgresStore {
     /// is notified there (payload: the scope in hex) only when a waiter watches it.
     pub fn channel(&self) -> &str {
         &self.inner.channel
+    }
+
+    /// What the near cache did, if the store has one ([`PostgresStoreBuilder::near_cache`]).
+    pub fn near_cache_stats(&self) -> Option<NearCacheStats> {
+        self.inner.near.as_ref().map(|n| n.stats())
     }
 
     /// The schema-qualified, quoted table name.
@@ -900,9 +971,10 @@ impl PostgresStore {
             let (stop, stop_rx) = oneshot::channel();
             let (config, channel) = (self.inner.config.clone(), self.inner.channel.clone());
             let (timeout, waiters) = (self.inner.timeout, self.inner.waiters.clone());
+            let near = self.inner.near.clone();
             match &self.inner.tls {
                 Connector::Plain => tokio::spawn(listen_task(
-                    config, NoTls, channel, timeout, waiters, stop_rx,
+                    config, NoTls, channel, timeout, waiters, near, stop_rx,
                 )),
                 #[cfg(feature = "postgres-tls")]
                 Connector::Rustls(t) => tokio::spawn(listen_task(
@@ -911,6 +983,7 @@ impl PostgresStore {
                     channel,
                     timeout,
                     waiters,
+                    near,
                     stop_rx,
                 )),
             };
@@ -988,7 +1061,9 @@ fn migrate_error(e: tokio_postgres::Error, what: &str, statement: &str) -> Store
     }
 }
 
-fn decode_row(row: &Row, ours: Token) -> Result<Begin, StoreError> {
+/// The claim statement's row as a [`Begin`], and for a completed record the time it has left to
+/// live (for the near cache).
+fn decode_row(row: &Row, ours: Token) -> Result<(Begin, Duration), StoreError> {
     let corrupt = |e: tokio_postgres::Error| StoreError::Corrupt(format!("row: {e}"));
     let claimed: bool = row.try_get(0).map_err(corrupt)?;
     let state: &str = row.try_get(1).map_err(corrupt)?;
@@ -996,7 +1071,7 @@ fn decode_row(row: &Row, ours: Token) -> Result<Begin, StoreError> {
     let token = Token(token.as_u128());
     if claimed {
         return if token == ours {
-            Ok(Begin::New(token))
+            Ok((Begin::New(token), Duration::ZERO))
         } else {
             Err(StoreError::Corrupt("claimed row has another token".into()))
         };
@@ -1004,16 +1079,23 @@ fn decode_row(row: &Row, ours: Token) -> Result<Begin, StoreError> {
     match state {
         "in_flight" => {
             let fp: &[u8] = row.try_get(3).map_err(corrupt)?;
-            Ok(Begin::InFlight {
-                token,
-                fingerprint: codec::fingerprint(fp)?,
-            })
+            Ok((
+                Begin::InFlight {
+                    token,
+                    fingerprint: codec::fingerprint(fp)?,
+                },
+                Duration::ZERO,
+            ))
         }
         "completed" => {
             let record: Option<&[u8]> = row.try_get(4).map_err(corrupt)?;
             let record =
                 record.ok_or_else(|| StoreError::Corrupt("completed row has no record".into()))?;
-            Ok(Begin::Completed(Arc::new(codec::decode(record)?)))
+            let ttl_ms: i64 = row.try_get(5).map_err(corrupt)?;
+            Ok((
+                Begin::Completed(Arc::new(codec::decode(record)?)),
+                Duration::from_millis(ttl_ms.max(0) as u64),
+            ))
         }
         other => Err(StoreError::Corrupt(format!("row state {other:?}"))),
     }
@@ -1026,6 +1108,17 @@ impl IdempotencyStore for PostgresStore {
         fingerprint: Fingerprint,
         lease: Duration,
     ) -> Result<Begin, StoreError> {
+        let ticket = match &self.inner.near {
+            Some(near) => {
+                // The listener that keeps the cache honest runs from the first begin on.
+                self.listener();
+                if let Some(record) = near.get(&scope) {
+                    return Ok(Begin::Completed(record));
+                }
+                Some(near.ticket())
+            }
+            None => None,
+        };
         let token = codec::new_token();
         let uuid = Uuid::from_u128(token.0);
         for _ in 0..CLAIM_ATTEMPTS {
@@ -1048,7 +1141,13 @@ impl IdempotencyStore for PostgresStore {
             }
             let rows = rows?;
             if let Some(row) = rows.first() {
-                return decode_row(row, token);
+                let (begin, ttl_left) = decode_row(row, token)?;
+                if let (Begin::Completed(record), Some(near), Some(ticket)) =
+                    (&begin, &self.inner.near, ticket)
+                {
+                    near.offer(ticket, scope, record, ttl_left);
+                }
+                return Ok(begin);
             }
         }
         Err(StoreError::Backend(
@@ -1128,8 +1227,17 @@ impl IdempotencyStore for PostgresStore {
     }
 
     async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
-        let rows = self.query(&self.inner.sql.forget, &[&&scope.0[..]]).await?;
-        Ok(affected(&rows) > 0)
+        // Before (a begin of this instance in flight now must not cache what it reads) and
+        // after (one that read before the removal may have cached it meanwhile); the other
+        // instances hear the NOTIFY.
+        if let Some(near) = &self.inner.near {
+            near.invalidate(&scope);
+        }
+        let rows = self.query(&self.inner.sql.forget, &[&&scope.0[..]]).await;
+        if let Some(near) = &self.inner.near {
+            near.invalidate(&scope);
+        }
+        Ok(affected(&rows?) > 0)
     }
 }
 

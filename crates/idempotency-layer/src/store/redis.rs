@@ -11,6 +11,7 @@ use redis::{Cmd, ErrorKind, RedisError, Script, ServerErrorKind, Value};
 use tokio::sync::{mpsc, oneshot};
 
 use super::codec;
+use super::near_cache::{scope_from_hex, Near, NearCache, NearCacheStats};
 use super::wake::{Polling, Waiters};
 use super::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token};
 
@@ -36,7 +37,7 @@ local t = redis.call('TYPE', k)['ok']
 if t == 'none' then return claim() end
 if t ~= 'hash' then return {4, 'the key holds a ' .. t .. ', not an idempotency entry'} end
 local v = redis.call('HMGET', k, 's', 't', 'f', 'r', 'e')
-if v[1] == 'c' and v[4] then return {3, v[4]} end
+if v[1] == 'c' and v[4] then return {3, v[4], redis.call('PTTL', k)} end
 if v[1] == 'i' and v[2] and v[3] then
   if v[5] and tonumber(v[5]) <= now then return claim() end
   return {2, v[2], v[3]}
@@ -83,6 +84,9 @@ return 1
 
 /// Removes whatever the key holds; wakes the waiters. A claim leaves a tombstone with its
 /// token for as long as its key would have lived, so its leader's late complete is refused.
+/// A record's removal is also published on the store's invalidation channel ARGV[1] (plain
+/// `PUBLISH`: on a cluster it reaches every node), with the scope ARGV[2], for the instances'
+/// near caches.
 const FORGET: &str = r#"
 local k = KEYS[1]
 local t = redis.call('TYPE', k)['ok']
@@ -101,6 +105,7 @@ if t == 'hash' then
 end
 redis.call('DEL', k)
 redis.call(PUBLISH, k, 'f')
+redis.call('PUBLISH', ARGV[1], ARGV[2])
 return 1
 "#;
 
@@ -360,6 +365,8 @@ struct Inner {
     renewals_failed: Arc<AtomicU64>,
     /// The server's `maxmemory-policy` as read at connect, if it could be read.
     maxmemory_policy: Option<String>,
+    /// Completed records kept here, if the builder asked for a near cache.
+    near: Option<Arc<Near>>,
 }
 
 struct PubSub {
@@ -384,6 +391,7 @@ pub struct RedisStoreBuilder {
     prefix: String,
     timeout: Duration,
     polling: Polling,
+    near: Option<NearCache>,
 }
 
 #[derive(Clone, Debug)]
@@ -401,6 +409,7 @@ impl fmt::Debug for RedisStoreBuilder {
             .field("own_connection_manager", &self.conn.is_some())
             .field("prefix", &self.prefix)
             .field("timeout", &self.timeout)
+            .field("near_cache", &self.near)
             .finish_non_exhaustive()
     }
 }
@@ -431,6 +440,33 @@ impl RedisStoreBuilder {
     /// up to `max` (defaults 25 ms and 1 s).
     pub fn poll_interval(mut self, first: Duration, max: Duration) -> Self {
         self.polling = Polling::new(first, max);
+        self
+    }
+
+    /// Keeps recently replayed records in this instance's memory ([`NearCache`]): a replay of
+    /// a cached record costs no round trip. Claims still always go to Redis; an entry never
+    /// outlives its record's TTL; a `forget` on any instance drops it from every instance's
+    /// cache (published on the channel `{prefix}forget`, which every store with a near cache
+    /// subscribes to; while that subscription is down, the cache is empty and off). Off by
+    /// default. See [`NearCache`] for what it promises and what it does not.
+    ///
+    /// ```
+    /// use idempotency_layer::store::NearCache;
+    /// use idempotency_layer::RedisStore;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), idempotency_layer::StoreError> {
+    /// # let Ok(url) = std::env::var("REDIS_URL") else { return Ok(()) };
+    /// let store = RedisStore::builder(url)
+    ///     .near_cache(NearCache::new(64 << 20)) // up to 64 MiB of records
+    ///     .connect()
+    ///     .await?;
+    /// assert_eq!(store.near_cache_stats().unwrap().hits, 0);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn near_cache(mut self, near: NearCache) -> Self {
+        self.near = Some(near);
         self
     }
 
@@ -477,6 +513,7 @@ impl RedisStoreBuilder {
                         pubsub: OnceLock::new(),
                         renewals_failed: Arc::default(),
                         maxmemory_policy,
+                        near: self.near.map(Near::new),
                     }),
                 });
             }
@@ -512,6 +549,7 @@ impl RedisStoreBuilder {
                 pubsub: OnceLock::new(),
                 renewals_failed: Arc::default(),
                 maxmemory_policy,
+                near: self.near.map(Near::new),
             }),
         })
     }
@@ -623,6 +661,13 @@ fn bulk(v: &Value) -> Option<&[u8]> {
 }
 
 impl RedisStore {
+    fn near_listener(&self) -> Option<NearListener> {
+        self.inner.near.as_ref().map(|near| NearListener {
+            near: near.clone(),
+            channel: self.forget_channel(),
+        })
+    }
+
     /// A builder for a store on the server at `url` (`redis://host:port/db`, or
     /// `rediss://host:port/db` for TLS with the `redis-tls` feature).
     pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
@@ -632,6 +677,7 @@ impl RedisStore {
             prefix: "idempotency:".to_owned(),
             timeout: Duration::from_secs(1),
             polling: Polling::default(),
+            near: None,
         }
     }
 
@@ -725,6 +771,17 @@ impl RedisStore {
         RedisStore::builder(url).connect().await
     }
 
+    /// What the near cache did, if the store has one ([`RedisStoreBuilder::near_cache`]).
+    pub fn near_cache_stats(&self) -> Option<NearCacheStats> {
+        self.inner.near.as_ref().map(|n| n.stats())
+    }
+
+    /// The channel `forget` publishes forgotten scopes on, for the near caches of every
+    /// instance: the prefix + `forget`.
+    fn forget_channel(&self) -> String {
+        format!("{}forget", self.inner.prefix)
+    }
+
     /// The key (and pub/sub channel) of `scope`: the prefix + 64 hex characters.
     pub fn key(&self, scope: &ScopeKey) -> String {
         format!("{}{}", self.inner.prefix, scope.to_hex())
@@ -749,6 +806,8 @@ impl RedisStore {
                 pubsub: OnceLock::new(),
                 renewals_failed: self.inner.renewals_failed.clone(),
                 maxmemory_policy: self.inner.maxmemory_policy.clone(),
+                // Another prefix is other keys and another invalidation channel.
+                near: self.inner.near.as_ref().map(|n| Near::new(n.config())),
             }),
         }
     }
@@ -824,6 +883,7 @@ impl RedisStore {
                         self.inner.prefix.clone(),
                         self.inner.timeout,
                         self.inner.waiters.clone(),
+                        self.near_listener(),
                         rx,
                         unsub_rx,
                     ));
@@ -835,6 +895,7 @@ impl RedisStore {
                         self.inner.prefix.clone(),
                         self.inner.timeout,
                         self.inner.waiters.clone(),
+                        self.near_listener(),
                         rx,
                         unsub_rx,
                     ));
@@ -850,6 +911,35 @@ impl RedisStore {
 
 enum Command {
     Subscribe(String, oneshot::Sender<()>),
+}
+
+/// What the pub/sub task does for a near cache: subscribe to its invalidation channel and drop
+/// the scopes published there.
+struct NearListener {
+    near: Arc<Near>,
+    channel: String,
+}
+
+impl NearListener {
+    /// Handles a message on `channel`; true if it was an invalidation.
+    fn on_message(&self, channel: &[u8], payload: &[u8]) -> bool {
+        if channel != self.channel.as_bytes() {
+            return false;
+        }
+        match std::str::from_utf8(payload).ok().and_then(scope_from_hex) {
+            Some(scope) => self.near.invalidate(&scope),
+            None => {
+                // Not ours to read; to be safe, forget everything.
+                tracing::warn!(
+                    channel = %self.channel,
+                    "idempotency: unreadable near-cache invalidation; emptying the near cache"
+                );
+                self.near.set_live(false);
+                self.near.set_live(true);
+            }
+        }
+        true
+    }
 }
 
 /// Owns the store's pub/sub connection: subscribes and unsubscribes channels as waiters come
@@ -881,6 +971,7 @@ async fn pubsub_task(
     prefix: String,
     timeout: Duration,
     waiters: Arc<Waiters>,
+    near: Option<NearListener>,
     mut commands: mpsc::UnboundedReceiver<Command>,
     mut unsubscribe: mpsc::UnboundedReceiver<String>,
 ) {
@@ -904,6 +995,12 @@ async fn pubsub_task(
         };
         backoff = Duration::from_millis(50);
         let mut ok = true;
+        if let Some(n) = &near {
+            let r = tokio::time::timeout(timeout, sink.subscribe(&n.channel)).await;
+            ok = matches!(r, Ok(Ok(())));
+            // Served from only once every later invalidation is sure to arrive.
+            n.near.set_live(ok);
+        }
         for scope in waiters.scopes() {
             if sink.subscribe(format!("{prefix}{scope}")).await.is_err() {
                 ok = false;
@@ -937,7 +1034,14 @@ async fn pubsub_task(
                 },
                 m = stream.next() => match m {
                     Some(msg) => {
-                        if let Some(scope) = msg.get_channel_name().strip_prefix(prefix.as_str()) {
+                        let channel = msg.get_channel_name();
+                        let invalidation = near.as_ref().is_some_and(|n| {
+                            n.on_message(channel.as_bytes(), msg.get_payload_bytes())
+                        });
+                        if invalidation {
+                            continue;
+                        }
+                        if let Some(scope) = channel.strip_prefix(prefix.as_str()) {
                             waiters.wake(scope);
                         }
                     }
@@ -946,6 +1050,9 @@ async fn pubsub_task(
             }
         }
         tracing::debug!("idempotency: redis pub/sub connection lost; reconnecting");
+        if let Some(n) = &near {
+            n.near.set_live(false);
+        }
         waiters.wake_all();
     }
 }
@@ -960,6 +1067,7 @@ async fn cluster_pubsub_task(
     prefix: String,
     timeout: Duration,
     waiters: Arc<Waiters>,
+    near: Option<NearListener>,
     mut commands: mpsc::UnboundedReceiver<Command>,
     mut unsubscribe: mpsc::UnboundedReceiver<String>,
 ) {
@@ -990,6 +1098,12 @@ async fn cluster_pubsub_task(
             continue;
         };
         backoff = Duration::from_millis(50);
+        if let Some(n) = &near {
+            // A plain (not sharded) subscription: `forget` publishes with `PUBLISH`, which the
+            // cluster bus carries to every node.
+            let r = tokio::time::timeout(timeout, conn.subscribe(&n.channel)).await;
+            n.near.set_live(matches!(r, Ok(Ok(()))));
+        }
         for scope in waiters.scopes() {
             let r =
                 tokio::time::timeout(timeout, conn.ssubscribe(format!("{prefix}{scope}"))).await;
@@ -1027,6 +1141,13 @@ async fn cluster_pubsub_task(
                 },
                 m = pushes.recv() => match m {
                     Some(push) => match push.kind {
+                        redis::PushKind::Message
+                            if near.as_ref().is_some_and(|n| {
+                                n.on_message(
+                                    push.data.first().and_then(bulk).unwrap_or_default(),
+                                    push.data.get(1).and_then(bulk).unwrap_or_default(),
+                                )
+                            }) => {}
                         redis::PushKind::SMessage | redis::PushKind::Message => {
                             if let Some(scope) = push
                                 .data
@@ -1039,8 +1160,18 @@ async fn cluster_pubsub_task(
                             }
                         }
                         // A node's connection was lost (a failover, a restart): its
-                        // subscriptions come back with the reconnection; check now.
-                        redis::PushKind::Disconnection => waiters.wake_all(),
+                        // subscriptions come back with the reconnection; check now. The near
+                        // cache may have missed an invalidation: empty it, and serve again
+                        // once the invalidation channel is subscribed again.
+                        redis::PushKind::Disconnection => {
+                            waiters.wake_all();
+                            if let Some(n) = &near {
+                                n.near.set_live(false);
+                                let r = tokio::time::timeout(timeout, conn.subscribe(&n.channel))
+                                    .await;
+                                n.near.set_live(matches!(r, Ok(Ok(()))));
+                            }
+                        }
                         _ => {}
                     },
                     None => break,
@@ -1048,6 +1179,9 @@ async fn cluster_pubsub_task(
             }
         }
         tracing::debug!("idempotency: redis cluster pub/sub connection lost; reconnecting");
+        if let Some(n) = &near {
+            n.near.set_live(false);
+        }
         waiters.wake_all();
     }
 }
@@ -1059,6 +1193,17 @@ impl IdempotencyStore for RedisStore {
         fingerprint: Fingerprint,
         lease: Duration,
     ) -> Result<Begin, StoreError> {
+        let ticket = match &self.inner.near {
+            Some(near) => {
+                // The listener that keeps the cache honest runs from the first begin on.
+                self.pubsub();
+                if let Some(record) = near.get(&scope) {
+                    return Ok(Begin::Completed(record));
+                }
+                Some(near.ticket())
+            }
+            None => None,
+        };
         let token = codec::new_token();
         let s = self.scripts();
         // Armed while the claim may be written with nobody knowing: the reply is pending (this
@@ -1099,7 +1244,18 @@ impl IdempotencyStore for RedisStore {
             }
             Some(Value::Int(3)) => {
                 let r = items.get(1).and_then(bulk).ok_or_else(corrupt)?;
-                Ok(Begin::Completed(Arc::new(codec::decode(r)?)))
+                let record = Arc::new(codec::decode(r)?);
+                if let (Some(near), Some(ticket), Some(Value::Int(ttl_ms))) =
+                    (&self.inner.near, ticket, items.get(2))
+                {
+                    // -1 (no expiry, set by hand) is not cached: nothing would bound it but
+                    // max_age, and a record is meant to expire.
+                    if *ttl_ms > 0 {
+                        let ttl_left = Duration::from_millis(*ttl_ms as u64);
+                        near.offer(ticket, scope, &record, ttl_left);
+                    }
+                }
+                Ok(Begin::Completed(record))
             }
             Some(Value::Int(4)) => {
                 let why = items.get(1).and_then(bulk).unwrap_or(b"unknown");
@@ -1201,7 +1357,25 @@ impl IdempotencyStore for RedisStore {
 
     async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
         let s = self.scripts();
-        match self.run(&s.forget, &self.key(&scope), &[]).await? {
+        let channel = self.forget_channel();
+        let hex = scope.to_hex();
+        // Before (a begin of this instance in flight now must not cache what it reads) and
+        // after (one that read before the removal may have cached it meanwhile); the other
+        // instances hear it on the channel.
+        if let Some(near) = &self.inner.near {
+            near.invalidate(&scope);
+        }
+        let r = self
+            .run(
+                &s.forget,
+                &self.key(&scope),
+                &[channel.as_bytes(), hex.as_bytes()],
+            )
+            .await;
+        if let Some(near) = &self.inner.near {
+            near.invalidate(&scope);
+        }
+        match r? {
             Value::Int(n) => Ok(n > 0),
             other => Err(StoreError::Backend(
                 format!("unexpected script reply {other:?}").into(),

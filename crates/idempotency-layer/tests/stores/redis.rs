@@ -43,6 +43,9 @@ impl Backend for Redis {
         if let Some(t) = tuning.timeout {
             b = b.timeout(t);
         }
+        if tuning.near_cache {
+            b = b.near_cache(idempotency_layer::store::NearCache::new(16 << 20));
+        }
         // One multiplexed connection per store already: `single_connection` holds.
         b.connect()
             .await
@@ -52,6 +55,10 @@ impl Backend for Redis {
     async fn drop_namespace(_url: String, _namespace: String) {
         // Every key the suite writes expires on its own (claims by their lease, records by
         // their TTL).
+    }
+
+    fn near_stats(store: &RedisStore) -> Option<idempotency_layer::store::NearCacheStats> {
+        store.near_cache_stats()
     }
 }
 

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use crate::support::*;
-use idempotency_layer::store::{AnyStore, Begin, Fingerprint};
+use idempotency_layer::store::{AnyStore, Begin, Fingerprint, NearCache};
 use idempotency_layer::{conformance, IdempotencyStore, RedisStore};
 
 /// The cluster's node URLs, or `None` (skip) when `REDIS_CLUSTER_URLS` is unset outside CI.
@@ -31,11 +31,19 @@ fn cluster_urls() -> Option<Vec<String>> {
 }
 
 async fn cluster_store(urls: &[String], prefix: &str) -> RedisStore {
-    RedisStore::builder_cluster(urls.iter().cloned())
+    cluster_store_near(urls, prefix, false).await
+}
+
+/// [`cluster_store`], with a near cache if `near`.
+async fn cluster_store_near(urls: &[String], prefix: &str, near: bool) -> RedisStore {
+    let mut b = RedisStore::builder_cluster(urls.iter().cloned())
         .prefix(prefix)
         // 2 000 concurrent requests on a shared 2-core box: this is about exactly-once.
-        .timeout(Duration::from_secs(10))
-        .connect()
+        .timeout(Duration::from_secs(10));
+    if near {
+        b = b.near_cache(NearCache::new(16 << 20));
+    }
+    b.connect()
         .await
         .expect("REDIS_CLUSTER_URLS is set, so the cluster must be reachable")
 }
@@ -149,6 +157,40 @@ async fn two_instances_on_the_cluster_execute_each_key_once() {
         spread.iter().filter(|&&n| n > 0).count() >= 2,
         "the keys land on several masters: {spread:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_suite_on_the_cluster_with_near_cache() {
+    let Some(urls) = cluster_urls() else {
+        return;
+    };
+    let store = cluster_store_near(&urls, &unique("test:idem:"), true).await;
+    conformance::run_all(|| store.clone()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_with_near_caches_on_the_cluster_execute_each_key_once() {
+    let Some(urls) = cluster_urls() else {
+        return;
+    };
+    let prefix = unique("test:idem:");
+    let a = cluster_store_near(&urls, &prefix, true).await;
+    let b = cluster_store_near(&urls, &prefix, true).await;
+    multi_instance(a, b).await;
+}
+
+/// `forget` publishes on the invalidation channel with a plain `PUBLISH`, which the cluster bus
+/// carries to every node: the other instance's near cache hears it whichever node it
+/// subscribed on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forget_on_the_cluster_drops_the_record_from_every_near_cache() {
+    let Some(urls) = cluster_urls() else {
+        return;
+    };
+    let prefix = unique("test:idem:");
+    let a = cluster_store_near(&urls, &prefix, true).await;
+    let b = cluster_store_near(&urls, &prefix, true).await;
+    near_cache_forget_reaches_every_instance(a, b, RedisStore::near_cache_stats).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

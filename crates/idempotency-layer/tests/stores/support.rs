@@ -15,8 +15,8 @@ use axum::Router;
 use bytes::Bytes;
 use http::{HeaderMap, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
-use idempotency_layer::store::{Begin, Fingerprint, Record, ScopeKey, Token};
-use idempotency_layer::{IdempotencyLayer, IdempotencyStore, Scope, StoreError};
+use idempotency_layer::store::{Begin, Fingerprint, NearCacheStats, Record, ScopeKey, Token};
+use idempotency_layer::{conformance, IdempotencyLayer, IdempotencyStore, Scope, StoreError};
 use tokio::sync::Notify;
 
 /// The URL in `var`, or `None` (after saying why the test skips) when it is unset.
@@ -641,6 +641,8 @@ pub trait Backend {
     ) -> impl Future<Output = Self::Store> + Send;
     /// Removes what the namespace holds on the server.
     fn drop_namespace(url: String, namespace: String) -> impl Future<Output = ()> + Send;
+    /// What the store's near cache did, if it has one.
+    fn near_stats(store: &Self::Store) -> Option<NearCacheStats>;
 }
 
 /// How a test wants its store connected.
@@ -650,6 +652,180 @@ pub struct Tuning {
     pub timeout: Option<Duration>,
     /// One connection only (so a test that warms it up knows which connection runs next).
     pub single_connection: bool,
+    /// With a near cache (`near_cache(NearCache::new(16 MiB))`).
+    pub near_cache: bool,
+}
+
+impl Tuning {
+    /// The production defaults with a near cache.
+    pub fn near() -> Tuning {
+        Tuning {
+            near_cache: true,
+            ..Tuning::default()
+        }
+    }
+}
+
+/// Polls `check` every 20 ms for up to 10 s; panics with `what` if it never holds.
+pub async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    for _ in 0..500 {
+        if check() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("within 10 s: {what}");
+}
+
+/// Begins on `scope` until `store`'s near cache answers a begin (the cache starts listening
+/// at the first begin and caches only once it listens); every begin must find `record`.
+pub async fn cached_on<S: IdempotencyStore>(
+    store: &S,
+    stats: impl Fn(&S) -> Option<NearCacheStats>,
+    scope: ScopeKey,
+    record: &Record,
+) {
+    for _ in 0..500 {
+        let hits = stats(store).expect("a near cache").hits;
+        match store
+            .begin(scope, record.fingerprint(), conformance::LONG)
+            .await
+        {
+            Ok(Begin::Completed(r)) => assert_eq!(*r, *record),
+            other => panic!("a completed record, got {other:?}"),
+        }
+        if stats(store).unwrap().hits > hits {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the near cache never answered within 10 s");
+}
+
+/// Two instances with near caches, over HTTP: a record replayed on `b` is served from `b`'s
+/// cache; forgetting it through `a`'s layer drops it from `b`'s cache too, and `b` then
+/// executes the key again.
+pub async fn near_cache_forget_reaches_every_instance<S: IdempotencyStore>(
+    a: S,
+    b: S,
+    stats: impl Fn(&S) -> Option<NearCacheStats>,
+) {
+    let executions = Executions::default();
+    let layer_a = IdempotencyLayer::new(a).default_tenant("shop");
+    let addr_a = serve(orders_app(
+        layer_a.clone(),
+        "a",
+        executions.clone(),
+        Duration::ZERO,
+    ))
+    .await;
+    let addr_b = serve(orders_app(
+        IdempotencyLayer::new(b.clone()),
+        "b",
+        executions.clone(),
+        Duration::ZERO,
+    ))
+    .await;
+    let client = client();
+    let key = unique("near-");
+    let body = r#"{"sku":"n1"}"#;
+    let first = post_order(&client, addr_a, &key, body).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(!first.replayed);
+
+    // Replays on b until b's cache answers one: no round trip, same response.
+    let mut from_cache = false;
+    for _ in 0..500 {
+        let hits = stats(&b).unwrap().hits;
+        let replay = post_order(&client, addr_b, &key, body).await;
+        assert!(replay.replayed, "{replay:?}");
+        assert_eq!(replay.body, first.body);
+        if stats(&b).unwrap().hits > hits {
+            from_cache = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(from_cache, "b's near cache answered a replay");
+    assert_eq!(executions.of(&key), 1);
+
+    let invalidations = stats(&b).unwrap().invalidations;
+    let method = Scope::http(&http::Method::POST, "/orders");
+    assert!(layer_a
+        .forget(Scope::new("shop", &method, &key))
+        .await
+        .unwrap());
+    eventually("b's near cache hears the forget", || {
+        stats(&b).unwrap().invalidations > invalidations
+    })
+    .await;
+    let again = post_order(&client, addr_b, &key, body).await;
+    assert_eq!(again.status, StatusCode::CREATED, "{again:?}");
+    assert!(!again.replayed, "a forgotten key executes again: {again:?}");
+    assert!(again.body.starts_with(b"b executed #2"), "{again:?}");
+    assert_eq!(executions.of(&key), 2);
+}
+
+/// A near-cached store `via_proxy` loses its connections (the proxy is cut) while `direct`
+/// forgets a record it had cached: the invalidation is lost with the connection, so the cache
+/// must have been emptied and turned off; once the store is back, the forgotten record is gone.
+pub async fn near_cache_lost_subscription<S: IdempotencyStore>(
+    via_proxy: S,
+    direct: S,
+    proxy: &Proxy,
+    stats: impl Fn(&S) -> Option<NearCacheStats>,
+) {
+    let mut scope = [0u8; 32];
+    scope[..16].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
+    scope[16..].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
+    let scope = ScopeKey(scope);
+    let record = conformance::sample_record(Fingerprint([9; 32]));
+    let Ok(Begin::New(t)) = direct
+        .begin(scope, record.fingerprint(), conformance::LONG)
+        .await
+    else {
+        panic!("a new scope is claimed")
+    };
+    direct
+        .complete(scope, t, record.clone(), Duration::from_secs(600))
+        .await
+        .unwrap();
+    cached_on(&via_proxy, &stats, scope, &record).await;
+
+    proxy.cut();
+    eventually("the cut empties the near cache", || {
+        let s = stats(&via_proxy).unwrap();
+        s.resets >= 1 && s.entries == 0
+    })
+    .await;
+    assert!(direct.forget(scope).await.unwrap());
+    // While cut off, the cache serves nothing: the begin fails closed.
+    let cut_off = via_proxy
+        .begin(scope, record.fingerprint(), conformance::LONG)
+        .await;
+    assert!(
+        matches!(cut_off, Err(StoreError::Backend(_))),
+        "no stale replay while the store is unreachable: {cut_off:?}"
+    );
+
+    proxy.restore();
+    let mut back = None;
+    for _ in 0..200 {
+        match via_proxy
+            .begin(scope, record.fingerprint(), conformance::LONG)
+            .await
+        {
+            Err(StoreError::Backend(_)) => tokio::time::sleep(Duration::from_millis(50)).await,
+            other => {
+                back = Some(other);
+                break;
+            }
+        }
+    }
+    match back.expect("the store is reachable again within 10 s") {
+        Ok(Begin::New(t)) => via_proxy.release(scope, t).await.unwrap(),
+        other => panic!("the forgotten record must not come back from the cache: {other:?}"),
+    }
 }
 
 /// The tests every shared store passes, one `#[tokio::test]` each, for backend `$backend`
@@ -746,6 +922,7 @@ macro_rules! shared_store_suite {
             let tuning = Tuning {
                 timeout: Some(Duration::from_millis(300)),
                 single_connection: true,
+                near_cache: false,
             };
             let via_slow =
                 <$backend as Backend>::connect(via(&url, slow.addr), ns.clone(), tuning).await;
@@ -765,12 +942,78 @@ macro_rules! shared_store_suite {
             let tuning = Tuning {
                 timeout: Some(Duration::from_secs(10)),
                 single_connection: true,
+                near_cache: false,
             };
             let via_slow =
                 <$backend as Backend>::connect(via(&url, slow.addr), ns.clone(), tuning).await;
             let direct =
                 <$backend as Backend>::connect(url.clone(), ns.clone(), Tuning::default()).await;
             dropped_begin(via_slow, direct, &slow).await;
+            <$backend as Backend>::drop_namespace(url, ns).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn conformance_suite_with_near_cache() {
+            let Some(url) = env_url(<$backend as Backend>::URL_VAR) else {
+                return;
+            };
+            let ns = <$backend as Backend>::namespace();
+            let store =
+                <$backend as Backend>::connect(url.clone(), ns.clone(), Tuning::near()).await;
+            conformance::run_all(|| store.clone()).await;
+            <$backend as Backend>::drop_namespace(url, ns).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn two_instances_with_near_caches_execute_each_key_once() {
+            let Some(url) = env_url(<$backend as Backend>::URL_VAR) else {
+                return;
+            };
+            let ns = <$backend as Backend>::namespace();
+            let tuning = Tuning {
+                timeout: Some(Duration::from_secs(10)),
+                ..Tuning::near()
+            };
+            let a = <$backend as Backend>::connect(url.clone(), ns.clone(), tuning).await;
+            let b = <$backend as Backend>::connect(url.clone(), ns.clone(), tuning).await;
+            multi_instance(a.clone(), b.clone()).await;
+            <$backend as Backend>::drop_namespace(url, ns).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_forget_drops_the_record_from_every_instance_near_cache() {
+            let Some(url) = env_url(<$backend as Backend>::URL_VAR) else {
+                return;
+            };
+            let ns = <$backend as Backend>::namespace();
+            let a = <$backend as Backend>::connect(url.clone(), ns.clone(), Tuning::near()).await;
+            let b = <$backend as Backend>::connect(url.clone(), ns.clone(), Tuning::near()).await;
+            near_cache_forget_reaches_every_instance(a, b, <$backend as Backend>::near_stats).await;
+            <$backend as Backend>::drop_namespace(url, ns).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_lost_invalidation_channel_empties_the_near_cache() {
+            let Some(url) = env_url(<$backend as Backend>::URL_VAR) else {
+                return;
+            };
+            let ns = <$backend as Backend>::namespace();
+            let proxy = Proxy::start(authority(&url)).await;
+            let tuning = Tuning {
+                timeout: Some(Duration::from_millis(500)),
+                ..Tuning::near()
+            };
+            let via_proxy =
+                <$backend as Backend>::connect(via(&url, proxy.addr()), ns.clone(), tuning).await;
+            let direct =
+                <$backend as Backend>::connect(url.clone(), ns.clone(), Tuning::default()).await;
+            near_cache_lost_subscription(
+                via_proxy,
+                direct,
+                &proxy,
+                <$backend as Backend>::near_stats,
+            )
+            .await;
             <$backend as Backend>::drop_namespace(url, ns).await;
         }
 
