@@ -9,36 +9,24 @@
 //! - `naive_cache/first`, `naive_cache/replay`: the `Mutex<HashMap<key, body>>` a user might
 //!   write instead (no tenant, fingerprint, single-flight, TTL or streaming).
 //!
+//! The setup is `benchmarks::idempotency`, shared with the `targets` binary.
+//!
 //! `cargo bench -p benchmarks --bench idempotency`
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use benchmarks::{call_to_end, created, order_request, roomy_memory_store, NaiveCache};
+use benchmarks::idempotency::{assert_recorded_whole, bench_layer, naive, KeyGen};
+use benchmarks::{call_to_end, created, order_request, NaiveCache};
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use http::{Request, Response};
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use idempotency_layer::{IdempotencyLayer, MemoryStore, RequestBody};
 use tokio::sync::Semaphore;
 use tower::{service_fn, Layer};
 
 const WAITERS: usize = 4;
-
-/// The hand-rolled peer: check the map, else run the handler and remember its body.
-async fn naive(cache: &NaiveCache, req: Request<Full<Bytes>>) -> Bytes {
-    let key = req.headers()["x-idempotency-key"]
-        .to_str()
-        .expect("ascii")
-        .to_owned();
-    if let Some(b) = cache.get(&key) {
-        return b;
-    }
-    let res = created(req).await.expect("infallible");
-    let body = res.into_body().collect().await.expect("body").to_bytes();
-    cache.put(key, body.clone());
-    body
-}
 
 /// A handler that waits for a permit of the request's gate, then answers like `created`.
 async fn gated(
@@ -56,11 +44,8 @@ fn idempotency(c: &mut Criterion) {
         .build()
         .expect("runtime");
     let mut group = c.benchmark_group("idempotency");
-    let mut n = 0u64;
-    let mut next_key = move || {
-        n += 1;
-        format!("order-{n:012}")
-    };
+    let mut keys = KeyGen::new("order");
+    let mut next_key = move || keys.next_key();
 
     group.bench_function("no_layer", |b| {
         let svc = service_fn(created::<Full<Bytes>>);
@@ -71,8 +56,7 @@ fn idempotency(c: &mut Criterion) {
         })
     });
 
-    let store = roomy_memory_store();
-    let layer = IdempotencyLayer::new(store.clone()).default_tenant("bench");
+    let (layer, store) = bench_layer();
     let svc = layer.layer(service_fn(created::<RequestBody<Full<Bytes>>>));
     group.bench_function("layer/first", |b| {
         b.to_async(&rt).iter(|| {
@@ -143,12 +127,7 @@ fn idempotency(c: &mut Criterion) {
     });
     group.finish();
 
-    let held = store.stats();
-    assert_eq!(
-        (held.refused, held.evicted, held.bodies_dropped),
-        (0, 0, 0),
-        "every first execution ran and was recorded whole"
-    );
+    assert_recorded_whole(&store);
     let m = layer.stats();
     assert_eq!(
         m.replayed, before.replayed,

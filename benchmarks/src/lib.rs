@@ -2,11 +2,16 @@
 //! would write instead of our layers. See `BENCHMARKS.md` at the repository root for what is
 //! measured, how to run it, and the results.
 //!
-//! - `benches/retry.rs`: the retry success path (bare, `tower::retry` with a cloning policy, ours).
+//! - `benches/retry.rs`: the retry success path (bare, `tower::retry` with a cloning policy,
+//!   ours); its setup is [`retry`].
 //! - `benches/retry_budget.rs`: the retry budget under contention from two threads.
-//! - `benches/idempotency.rs`: the idempotency layer with a trivial handler.
-//! - `benches/store.rs`: `MemoryStore` against a `Mutex<HashMap>` store, on one and two threads.
-//! - `src/bin/loadtest.rs`: both layers over real sockets, with Redis and PostgreSQL stores.
+//! - `benches/idempotency.rs`: the idempotency layer with a trivial handler; its setup is
+//!   [`idempotency`].
+//! - `benches/store.rs`: `MemoryStore` against a `Mutex<HashMap>` store, on one and two
+//!   threads; its work is [`store_pairs`].
+//! - `src/bin/loadtest.rs`: both layers over real sockets (HTTP and gRPC), with Redis and
+//!   PostgreSQL stores; its machinery is [`load`] and [`grpc`].
+//! - `src/bin/targets.rs`: issue 14's whole target table in one run, from the same pieces.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -18,6 +23,11 @@ use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 
 pub mod baseline;
+pub mod grpc;
+pub mod idempotency;
+pub mod load;
+pub mod retry;
+pub mod store_pairs;
 
 /// The body every trivial handler answers with: 200 bytes of JSON.
 pub const RESPONSE_200: &[u8] = br#"{"order":"o-0000000001","status":"created","sku":"b1","quantity":1,"unit_price_cents":1299,"total_cents":1299,"currency":"EUR","warehouse":"fra-1","estimated_delivery":"2026-12-03","note":"benchmark"}"#;

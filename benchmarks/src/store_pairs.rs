@@ -1,0 +1,99 @@
+//! The store benchmark's work, shared by `benches/store.rs` and the `targets` binary: `begin`
+//! on a new scope (claim it) then `complete` (replace the claim by a 200-byte record), on
+//! several threads sharing one store, every measurement from an empty store.
+
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, StatusCode};
+use idempotency_layer::store::{Begin, Fingerprint, Record, ScopeKey};
+use idempotency_layer::{IdempotencyStore, MemoryStore};
+
+use crate::RESPONSE_200;
+
+const LEASE: Duration = Duration::from_secs(30);
+const TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// The record every `complete` stores: 201, a content type, [`RESPONSE_200`].
+pub fn record() -> Record {
+    let mut headers = HeaderMap::new();
+    headers.insert("content-type", HeaderValue::from_static("application/json"));
+    Record::new(
+        Fingerprint([7; 32]),
+        StatusCode::CREATED,
+        headers,
+        Bytes::from_static(RESPONSE_200),
+    )
+}
+
+/// A well-spread scope for operation `i` of thread `t` (splitmix64 of the counter).
+pub fn scope(t: u8, i: u64) -> ScopeKey {
+    let mut z = i.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    let mut k = [0u8; 32];
+    k[..8].copy_from_slice(&z.to_le_bytes());
+    k[8] = t;
+    ScopeKey(k)
+}
+
+/// `iters` begin+complete pairs of thread `t` on `store`.
+pub async fn pairs<S: IdempotencyStore>(store: &S, t: u8, iters: u64, rec: &Record) {
+    for i in 0..iters {
+        let s = scope(t, i);
+        let Ok(Begin::New(token)) = store.begin(s, rec.fingerprint(), LEASE).await else {
+            panic!("a new scope is free");
+        };
+        store
+            .complete(s, token, rec.clone(), TTL)
+            .await
+            .expect("the claim holds");
+    }
+}
+
+/// Wall time of `iters` pairs on each of `threads` threads (each with its own current-thread
+/// runtime) on one store made by `make`, all started at once: the time per pair per thread is
+/// this divided by `iters`.
+pub fn contended<S: IdempotencyStore>(
+    threads: usize,
+    iters: u64,
+    make: impl Fn() -> S,
+) -> Duration {
+    let store = make();
+    let barrier = Arc::new(Barrier::new(threads + 1));
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let store = store.clone();
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_time()
+                    .build()
+                    .expect("runtime");
+                let rec = record();
+                barrier.wait();
+                rt.block_on(pairs(&store, t as u8, iters, &rec));
+                barrier.wait();
+            })
+        })
+        .collect();
+    barrier.wait();
+    let start = Instant::now();
+    barrier.wait();
+    let elapsed = start.elapsed();
+    for h in handles {
+        h.join().expect("thread");
+    }
+    elapsed
+}
+
+/// The `MemoryStore` the store benchmark measures: unbounded, like the baseline (the default
+/// byte bound would refuse claims once a long measurement filled 128 MiB).
+pub fn unbounded_memory_store() -> MemoryStore {
+    MemoryStore::builder()
+        .max_entries(usize::MAX / 2)
+        .max_bytes(usize::MAX / 2)
+        .build()
+}
