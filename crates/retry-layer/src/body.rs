@@ -71,6 +71,8 @@ struct Kept<B> {
     capped: bool,
     /// The original body failed; its error went to the attempt that read it.
     failed: bool,
+    /// The error of an original that failed while it was wrapped, for the first attempt.
+    first_error: Option<BoxError>,
     /// The original produced its last frame (or said it had none left).
     ended: bool,
     trailers: Option<HeaderMap>,
@@ -134,35 +136,80 @@ impl<B> fmt::Debug for ReplayBody<B> {
 /// The retry layer's handle on a wrapped body: makes the next attempt's body and says whether a
 /// retry can still carry it.
 pub(crate) struct BodyHandle<B> {
-    shared: Option<Arc<Mutex<Kept<B>>>>,
+    kind: Handle<B>,
+}
+
+enum Handle<B> {
+    /// No bytes: every attempt's body is empty.
+    Empty,
+    /// The whole body, read when it was wrapped: every attempt gets these bytes (no lock, no
+    /// shared state, nothing to cut off).
+    Whole(Bytes),
+    /// The original, read by the attempts as it streams.
+    Shared(Arc<Mutex<Kept<B>>>),
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-impl<B: Body> ReplayBody<B> {
-    /// Wraps `body`, keeping up to `max` bytes for replay. `content_length` is the request's
-    /// Content-Length header, if any. Returns the first attempt's body and the handle the layer
-    /// keeps.
+impl<B: Body> ReplayBody<B>
+where
+    B::Error: Into<BoxError>,
+{
+    /// Wraps `body`, keeping up to `max` bytes for replay (0: nothing is kept, and the body is
+    /// replayable only until its first byte is read, that is while the request is unsent).
+    /// `content_length` is the request's Content-Length header, if any. Returns the first
+    /// attempt's body and the handle the layer keeps.
+    ///
+    /// A body whose exact size is known and within `max` is polled once right here: a body
+    /// that has all its bytes at hand (`Full<Bytes>`, a buffered body) hands them over in that
+    /// one frame, and is then replayed from those bytes by every attempt with no shared state.
+    /// Any other body streams as it arrives.
     pub(crate) fn new(
         body: B,
         max: usize,
         content_length: Option<u64>,
     ) -> (ReplayBody<B>, BodyHandle<B>) {
         if body.is_end_stream() {
-            return (
-                ReplayBody {
-                    inner: Inner::Empty,
-                },
-                BodyHandle { shared: None },
-            );
+            return Self::empty();
         }
         let hint = body.size_hint();
-        // A body known to exceed the limit is never kept.
-        let capped = hint.lower() > max as u64;
-        let shared = Arc::new(Mutex::new(Kept {
-            body: Some(Box::pin(body)),
+        let mut body = Box::pin(body);
+        let mut seed = Seed::default();
+        if hint.exact().is_some_and(|n| n <= max as u64) {
+            // A noop waker: if the body is not ready, nothing was consumed, and the transport's
+            // first poll registers its own waker.
+            let mut cx = Context::from_waker(std::task::Waker::noop());
+            match body.as_mut().poll_frame(&mut cx) {
+                Poll::Pending => {}
+                Poll::Ready(None) => return Self::empty(),
+                Poll::Ready(Some(Err(e))) => seed.error = Some(e.into()),
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(mut data) => {
+                        let chunk = data.copy_to_bytes(data.remaining());
+                        if body.is_end_stream() && hint.exact() == Some(chunk.len() as u64) {
+                            let first = ReplayBody {
+                                inner: Inner::Fixed(Some(chunk.clone())),
+                            };
+                            return (
+                                first,
+                                BodyHandle {
+                                    kind: Handle::Whole(chunk),
+                                },
+                            );
+                        }
+                        seed.chunk = Some(chunk);
+                    }
+                    Err(frame) => seed.trailers = frame.into_trailers().ok(),
+                },
+            }
+        }
+        // A body known to exceed the limit is never kept (unless nothing is kept at all: then
+        // it is replayable while unread, like any other).
+        let capped = max > 0 && hint.lower() > max as u64;
+        let mut kept = Kept {
+            body: Some(body),
             chunks: Vec::new(),
             read: 0,
             read_bytes: 0,
@@ -171,10 +218,13 @@ impl<B: Body> ReplayBody<B> {
             max,
             capped,
             failed: false,
+            first_error: None,
             ended: false,
             trailers: None,
             generation: 0,
-        }));
+        };
+        seed.plant(&mut kept);
+        let shared = Arc::new(Mutex::new(kept));
         let first = ReplayBody {
             inner: Inner::Shared {
                 shared: shared.clone(),
@@ -186,7 +236,18 @@ impl<B: Body> ReplayBody<B> {
         (
             first,
             BodyHandle {
-                shared: Some(shared),
+                kind: Handle::Shared(shared),
+            },
+        )
+    }
+
+    fn empty() -> (ReplayBody<B>, BodyHandle<B>) {
+        (
+            ReplayBody {
+                inner: Inner::Empty,
+            },
+            BodyHandle {
+                kind: Handle::Empty,
             },
         )
     }
@@ -199,12 +260,47 @@ impl<B: Body> ReplayBody<B> {
     }
 }
 
+/// What the first poll of a body read while it was wrapped: planted into what is kept as if the
+/// first attempt had read it.
+#[derive(Default)]
+struct Seed {
+    chunk: Option<Bytes>,
+    trailers: Option<HeaderMap>,
+    error: Option<BoxError>,
+}
+
+impl Seed {
+    fn plant<B: Body>(self, s: &mut Kept<B>) {
+        if let Some(chunk) = self.chunk {
+            let last = s.body.as_ref().is_some_and(|b| b.is_end_stream());
+            s.read = 1;
+            s.read_bytes = chunk.len() as u64;
+            if !s.capped && chunk.len() <= s.max {
+                s.kept_bytes = chunk.len();
+                s.chunks.push(chunk);
+            } else {
+                s.capped = true;
+            }
+            if last {
+                s.finish();
+            }
+        } else if let Some(trailers) = self.trailers {
+            s.trailers = Some(trailers);
+            s.finish();
+        } else if let Some(e) = self.error {
+            s.body = None;
+            s.failed = true;
+            s.first_error = Some(e);
+        }
+    }
+}
+
 impl<B> BodyHandle<B> {
     /// True when another attempt can carry the whole body.
     pub(crate) fn is_replayable(&self) -> bool {
-        match &self.shared {
-            None => true,
-            Some(shared) => {
+        match &self.kind {
+            Handle::Empty | Handle::Whole(_) => true,
+            Handle::Shared(shared) => {
                 let s = lock(shared);
                 !s.capped && !s.failed
             }
@@ -214,7 +310,7 @@ impl<B> BodyHandle<B> {
     /// Cuts off the readers of every attempt made so far: from now on they get an error instead
     /// of reading (or keeping) anything of the original body.
     pub(crate) fn cut_off(&self) {
-        if let Some(shared) = &self.shared {
+        if let Handle::Shared(shared) = &self.kind {
             lock(shared).generation += 1;
         }
     }
@@ -222,11 +318,14 @@ impl<B> BodyHandle<B> {
     /// The body of the next attempt, reading from the first byte. Earlier attempts' readers are
     /// cut off.
     pub(crate) fn replay(&self) -> ReplayBody<B> {
-        match &self.shared {
-            None => ReplayBody {
+        match &self.kind {
+            Handle::Empty => ReplayBody {
                 inner: Inner::Empty,
             },
-            Some(shared) => {
+            Handle::Whole(bytes) => ReplayBody {
+                inner: Inner::Fixed(Some(bytes.clone())),
+            },
+            Handle::Shared(shared) => {
                 let generation = {
                     let mut s = lock(shared);
                     s.generation += 1;
@@ -246,8 +345,10 @@ impl<B> BodyHandle<B> {
 
     /// The whole body, when every byte of it has been read and kept (for a rebuild hook).
     pub(crate) fn complete_bytes(&self) -> Option<Bytes> {
-        let Some(shared) = &self.shared else {
-            return Some(Bytes::new());
+        let shared = match &self.kind {
+            Handle::Empty => return Some(Bytes::new()),
+            Handle::Whole(bytes) => return Some(bytes.clone()),
+            Handle::Shared(shared) => shared,
         };
         let s = lock(shared);
         if !s.data_complete() {
@@ -306,7 +407,8 @@ where
         // At the head: read on from the original, or replay its end.
         let Some(body) = s.body.as_mut() else {
             if s.failed {
-                return Poll::Ready(Some(Err(BodyNotReplayable.into())));
+                let e = s.first_error.take();
+                return Poll::Ready(Some(Err(e.unwrap_or_else(|| BodyNotReplayable.into()))));
             }
             if !*trailers_sent {
                 *trailers_sent = true;
@@ -510,6 +612,123 @@ mod tests {
             "known too large before the first byte"
         );
         assert_eq!(collect(first).await.unwrap().len(), 9);
+    }
+
+    /// A body of known size whose frames arrive one poll at a time: the first poll is
+    /// `Pending` if `late`.
+    struct Known {
+        parts: std::collections::VecDeque<Result<Bytes, &'static str>>,
+        len: u64,
+        late: bool,
+    }
+
+    impl Known {
+        fn new(parts: &[Result<&'static str, &'static str>], late: bool) -> Known {
+            let len = parts.iter().flatten().map(|p| p.len() as u64).sum();
+            Known {
+                parts: parts
+                    .iter()
+                    .map(|p| p.map(|s| Bytes::from_static(s.as_bytes())))
+                    .collect(),
+                len,
+                late,
+            }
+        }
+    }
+
+    impl Body for Known {
+        type Data = Bytes;
+        type Error = BoxError;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            if std::mem::take(&mut self.late) {
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            Poll::Ready(self.parts.pop_front().map(|p| match p {
+                Ok(b) => Ok(Frame::data(b)),
+                Err(e) => Err(e.into()),
+            }))
+        }
+        fn is_end_stream(&self) -> bool {
+            self.parts.is_empty()
+        }
+        fn size_hint(&self) -> SizeHint {
+            let left: u64 = self.parts.iter().flatten().map(|p| p.len() as u64).sum();
+            SizeHint::with_exact(left.min(self.len))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_whole_body_at_hand_is_taken_once_and_shared_by_nothing() {
+        let (first, handle) = ReplayBody::new(
+            http_body_util::Full::new(Bytes::from_static(b"order")),
+            8,
+            None,
+        );
+        assert!(matches!(handle.kind, Handle::Whole(_)));
+        assert!(matches!(first.inner, Inner::Fixed(Some(_))));
+        assert_eq!(first.size_hint().exact(), Some(5));
+        assert!(handle.is_replayable());
+        assert_eq!(collect(first).await.unwrap(), "order");
+        handle.cut_off();
+        let replay = handle.replay();
+        assert_eq!(replay.size_hint().exact(), Some(5));
+        assert_eq!(collect(replay).await.unwrap(), "order");
+        assert_eq!(handle.complete_bytes().unwrap(), "order");
+    }
+
+    #[tokio::test]
+    async fn a_known_size_body_not_at_hand_streams_as_before() {
+        let (first, handle) = ReplayBody::new(Known::new(&[Ok("ab"), Ok("cd")], true), 8, None);
+        assert!(matches!(handle.kind, Handle::Shared(_)));
+        assert_eq!(collect(first).await.unwrap(), "abcd");
+        assert_eq!(collect(handle.replay()).await.unwrap(), "abcd");
+    }
+
+    #[tokio::test]
+    async fn a_first_frame_read_at_wrap_time_is_the_first_attempts_first_frame() {
+        let (first, handle) = ReplayBody::new(Known::new(&[Ok("ab"), Ok("cd")], false), 8, None);
+        assert!(matches!(handle.kind, Handle::Shared(_)));
+        assert_eq!(first.size_hint().exact(), Some(4));
+        assert!(handle.complete_bytes().is_none(), "half of it read");
+        assert_eq!(collect(first).await.unwrap(), "abcd");
+        assert_eq!(handle.complete_bytes().unwrap(), "abcd");
+        assert_eq!(collect(handle.replay()).await.unwrap(), "abcd");
+    }
+
+    #[tokio::test]
+    async fn a_body_that_fails_at_wrap_time_gives_the_first_attempt_its_error() {
+        let (first, handle) = ReplayBody::new(Known::new(&[Err("disk gone")], false), 8, None);
+        assert!(!handle.is_replayable());
+        let err = collect(first).await.unwrap_err();
+        assert_eq!(err.to_string(), "disk gone");
+        let err = collect(handle.replay()).await.unwrap_err();
+        assert!(err.is::<BodyNotReplayable>());
+    }
+
+    #[tokio::test]
+    async fn keeping_nothing_is_replayable_only_until_the_first_byte_is_read() {
+        let (first, handle) = ReplayBody::new(
+            http_body_util::Full::new(Bytes::from_static(b"order")),
+            0,
+            None,
+        );
+        assert!(matches!(handle.kind, Handle::Shared(_)), "not polled early");
+        assert!(handle.is_replayable(), "unsent: replayable");
+        drop(first);
+        // An unsent attempt's retry reads the original from the start.
+        let mut second = handle.replay();
+        assert!(handle.is_replayable());
+        let frame = second.frame().await.unwrap().unwrap();
+        assert_eq!(frame.into_data().unwrap(), "order");
+        assert!(!handle.is_replayable(), "read and not kept");
+        match &handle.kind {
+            Handle::Shared(s) => assert!(lock(s).chunks.is_empty()),
+            _ => unreachable!(),
+        }
     }
 
     #[tokio::test]

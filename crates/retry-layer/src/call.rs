@@ -156,7 +156,6 @@ where
             .get(http::header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse().ok());
-        let (first_body, body) = ReplayBody::new(body, policy.max_replay_bytes, content_length);
         let hop = parts
             .extensions
             .get::<Arc<Hop>>()
@@ -169,9 +168,17 @@ where
             InboundRetry::RetryAsUsual => (false, false),
             InboundRetry::Budget { .. } => (false, true),
         };
-        let retries_possible = (!send_once && policy.rules(judged.method).max_attempts > 1)
-            || policy.max_unsent_retries > 0;
+        let sent_retries_possible = !send_once && policy.rules(judged.method).max_attempts > 1;
+        let retries_possible = sent_retries_possible || policy.max_unsent_retries > 0;
         let kept = retries_possible.then(|| clone_parts(&parts));
+        // Only unsent retries possible: nothing of the body is kept (a retry can only carry a
+        // body nobody read yet).
+        let keep = if sent_retries_possible {
+            policy.max_replay_bytes
+        } else {
+            0
+        };
+        let (first_body, body) = ReplayBody::new(body, keep, content_length);
 
         let mut attempt = Attempt::first(judged.idempotent, judged.method, deadline);
         attempt.send_once = send_once;
