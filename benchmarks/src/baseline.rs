@@ -67,14 +67,14 @@ impl IdempotencyStore for MutexStore {
         &self,
         scope: ScopeKey,
         token: Token,
-        record: Record,
+        record: Arc<Record>,
         _ttl: Duration,
     ) -> Result<(), StoreError> {
         let mut map = self.lock();
         if !Self::holds(&map, &scope, token) {
             return Err(StoreError::Fenced);
         }
-        map.insert(scope, Entry::Completed(Arc::new(record)));
+        map.insert(scope, Entry::Completed(record));
         Ok(())
     }
 

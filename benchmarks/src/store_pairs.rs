@@ -47,7 +47,7 @@ pub async fn pairs<S: IdempotencyStore>(store: &S, t: u8, iters: u64, rec: &Reco
             panic!("a new scope is free");
         };
         store
-            .complete(s, token, rec.clone(), TTL)
+            .complete(s, token, rec.clone().into(), TTL)
             .await
             .expect("the claim holds");
     }

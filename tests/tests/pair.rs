@@ -44,7 +44,7 @@ impl IdempotencyStore for DownAtFirst {
         &self,
         s: ScopeKey,
         t: Token,
-        r: Record,
+        r: Arc<Record>,
         l: Duration,
     ) -> Result<(), StoreError> {
         self.inner.complete(s, t, r, l).await

@@ -64,6 +64,8 @@ impl<St: IdempotencyStore> ClaimOps for StoreClaim<St> {
     fn complete(self: Box<Self>, record: Record) -> BoxFuture {
         Box::pin(async move {
             let (store, scope, token, ttl) = (&self.store, self.scope, self.token, self.ttl);
+            // Shared, so that a retry through an outage resends it without copying it.
+            let record = Arc::new(record);
             let kind = StoreKind::of(store);
             let op = || {
                 observe::timed(

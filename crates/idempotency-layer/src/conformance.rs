@@ -136,7 +136,7 @@ pub async fn complete_then_begin_replays_the_record<S: IdempotencyStore>(store: 
     let s = scope("complete");
     let token = new_claim(&store, s, LONG).await;
     store
-        .complete(s, token, sample_record(FP), LONG)
+        .complete(s, token, sample_record(FP).into(), LONG)
         .await
         .expect("complete by the holder succeeds");
     match store.begin(s, FP, LONG).await {
@@ -147,7 +147,7 @@ pub async fn complete_then_begin_replays_the_record<S: IdempotencyStore>(store: 
     let mut other = sample_record(FP);
     other.body = Bytes::from_static(b"overwrite");
     assert!(matches!(
-        store.complete(s, token, other, LONG).await,
+        store.complete(s, token, other.into(), LONG).await,
         Err(StoreError::Fenced)
     ));
     match store.begin(s, FP, LONG).await {
@@ -163,7 +163,9 @@ pub async fn stale_token_complete_is_fenced<S: IdempotencyStore>(store: S) {
     let stale = Token(token.0 ^ 0x5555_5555);
     assert!(
         matches!(
-            store.complete(s, stale, sample_record(FP), LONG).await,
+            store
+                .complete(s, stale, sample_record(FP).into(), LONG)
+                .await,
             Err(StoreError::Fenced)
         ),
         "complete by a stale token must be fenced"
@@ -175,7 +177,7 @@ pub async fn stale_token_complete_is_fenced<S: IdempotencyStore>(store: S) {
     // And a complete on a scope nobody holds is fenced too.
     assert!(matches!(
         store
-            .complete(scope("nobody"), token, sample_record(FP), LONG)
+            .complete(scope("nobody"), token, sample_record(FP).into(), LONG)
             .await,
         Err(StoreError::Fenced)
     ));
@@ -196,7 +198,7 @@ pub async fn stale_token_release_is_fenced<S: IdempotencyStore>(store: S) {
     ));
     // Releasing a completed record with its old token is refused: the record stays.
     store
-        .complete(s, token, sample_record(FP), LONG)
+        .complete(s, token, sample_record(FP).into(), LONG)
         .await
         .unwrap();
     assert!(matches!(
@@ -223,7 +225,7 @@ pub async fn records_expire<S: IdempotencyStore>(store: S) {
     let s = scope("expiry");
     let token = new_claim(&store, s, LONG).await;
     store
-        .complete(s, token, sample_record(FP), SHORT)
+        .complete(s, token, sample_record(FP).into(), SHORT)
         .await
         .unwrap();
     assert!(matches!(
@@ -243,7 +245,7 @@ pub async fn lapsed_lease_is_taken_over_and_old_leader_fenced<S: IdempotencyStor
     let new = new_claim(&store, s, LONG).await;
     assert_ne!(old, new);
     assert!(matches!(
-        store.complete(s, old, sample_record(FP), LONG).await,
+        store.complete(s, old, sample_record(FP).into(), LONG).await,
         Err(StoreError::Fenced)
     ));
     assert!(matches!(
@@ -256,7 +258,10 @@ pub async fn lapsed_lease_is_taken_over_and_old_leader_fenced<S: IdempotencyStor
     ));
     let mut mine = sample_record(FP);
     mine.body = Bytes::from_static(b"new leader");
-    store.complete(s, new, mine.clone(), LONG).await.unwrap();
+    store
+        .complete(s, new, mine.clone().into(), LONG)
+        .await
+        .unwrap();
     match store.begin(s, FP, LONG).await {
         Ok(Begin::Completed(r)) => assert_eq!(*r, mine),
         other => panic!("{other:?}"),
@@ -270,7 +275,7 @@ pub async fn late_complete_without_takeover_is_kept<S: IdempotencyStore>(store: 
     let token = new_claim(&store, s, SHORT).await;
     tokio::time::sleep(SHORT * 2).await;
     store
-        .complete(s, token, sample_record(FP), LONG)
+        .complete(s, token, sample_record(FP).into(), LONG)
         .await
         .expect("a late complete with no takeover in between is accepted");
     match store.begin(s, FP, LONG).await {
@@ -299,7 +304,7 @@ pub async fn forget_clears_records_and_fences_claims<S: IdempotencyStore>(store:
     let s = scope("forget");
     let token = new_claim(&store, s, LONG).await;
     store
-        .complete(s, token, sample_record(FP), LONG)
+        .complete(s, token, sample_record(FP).into(), LONG)
         .await
         .unwrap();
     assert!(store.forget(s).await.unwrap(), "forget of a record");
@@ -310,7 +315,9 @@ pub async fn forget_clears_records_and_fences_claims<S: IdempotencyStore>(store:
     let claim = new_claim(&store, s, LONG).await;
     assert!(store.forget(s).await.unwrap(), "forget of a claim");
     assert!(matches!(
-        store.complete(s, claim, sample_record(FP), LONG).await,
+        store
+            .complete(s, claim, sample_record(FP).into(), LONG)
+            .await,
         Err(StoreError::Fenced)
     ));
     new_claim(&store, s, LONG).await;
@@ -337,7 +344,7 @@ pub async fn wait_wakes_on_complete<S: IdempotencyStore>(store: S) {
     let token = new_claim(&store, s, LONG).await;
     let w = waiter(&store, s, token).await;
     store
-        .complete(s, token, sample_record(FP), LONG)
+        .complete(s, token, sample_record(FP).into(), LONG)
         .await
         .unwrap();
     tokio::time::timeout(WAKE, w)
@@ -376,7 +383,7 @@ pub async fn wait_returns_at_once_when_claim_already_ended<S: IdempotencyStore>(
         .unwrap();
     let token = new_claim(&store, s, LONG).await;
     store
-        .complete(s, token, sample_record(FP), LONG)
+        .complete(s, token, sample_record(FP).into(), LONG)
         .await
         .unwrap();
     tokio::time::timeout(WAKE, store.wait(s, token))
@@ -392,7 +399,7 @@ pub async fn scopes_are_independent<S: IdempotencyStore>(store: S) {
     let ta = new_claim(&store, a, LONG).await;
     let tb = new_claim(&store, b, LONG).await;
     store
-        .complete(a, ta, sample_record(FP), LONG)
+        .complete(a, ta, sample_record(FP).into(), LONG)
         .await
         .unwrap();
     assert!(matches!(

@@ -1,5 +1,6 @@
 //! [`AnyStore`]: a store chosen at run time, from a URL.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::{
@@ -157,7 +158,7 @@ impl IdempotencyStore for AnyStore {
         &self,
         scope: ScopeKey,
         token: Token,
-        record: Record,
+        record: Arc<Record>,
         ttl: Duration,
     ) -> Result<(), StoreError> {
         each!(self, s => s.complete(scope, token, record, ttl))

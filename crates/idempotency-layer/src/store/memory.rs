@@ -675,7 +675,7 @@ impl IdempotencyStore for MemoryStore {
         &self,
         scope: ScopeKey,
         token: Token,
-        mut record: Record,
+        mut record: Arc<Record>,
         ttl: Duration,
     ) -> Result<(), StoreError> {
         let now = Instant::now();
@@ -703,8 +703,10 @@ impl IdempotencyStore for MemoryStore {
                      this response body; recorded without it (a retry gets status and headers)"
                 );
                 self.inner.bodies_dropped.fetch_add(1, Ordering::Relaxed);
-                record.body = bytes::Bytes::new();
-                record.body_omitted = true;
+                // Rare: the copy without its body (the caller may hold the record to retry).
+                let trimmed = Arc::make_mut(&mut record);
+                trimmed.body = bytes::Bytes::new();
+                trimmed.body_omitted = true;
                 size = record_size(&record);
             }
         }
@@ -714,7 +716,7 @@ impl IdempotencyStore for MemoryStore {
             scope,
             Entry::Completed {
                 tenant,
-                record: Arc::new(record),
+                record,
                 expires: now + ttl,
                 size,
             },
@@ -844,7 +846,7 @@ mod tests {
             .begin_for_tenant(tenant, scope, Fingerprint([1; 32]), lease)
             .await?
         {
-            Begin::New(t) => store.complete(scope, t, record_of(body), ttl).await,
+            Begin::New(t) => store.complete(scope, t, record_of(body).into(), ttl).await,
             other => panic!("fresh scope: {other:?}"),
         }
     }
@@ -908,7 +910,7 @@ mod tests {
                 store.begin(s, fp, lease).await.unwrap(),
                 Begin::InFlight { token, .. } if token == t
             ));
-            store.complete(s, t, record(), ttl).await.unwrap();
+            store.complete(s, t, record().into(), ttl).await.unwrap();
         }
         tokio::time::advance(ttl + Duration::from_secs(1)).await;
         for i in 2000..2050 {
@@ -1080,7 +1082,7 @@ mod tests {
                 panic!("fresh scope")
             };
             store
-                .complete(scope(i), t, record(), Duration::from_secs(10))
+                .complete(scope(i), t, record().into(), Duration::from_secs(10))
                 .await
                 .unwrap();
         }

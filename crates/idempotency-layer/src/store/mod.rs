@@ -432,11 +432,16 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
 
     /// Replaces the claim `token` with `record`, kept for `ttl`, and wakes the waiters.
     /// [`StoreError::Fenced`] if `token` no longer holds the claim.
+    ///
+    /// The record comes shared: the layer keeps it to call again through a brief store
+    /// outage without copying it, and an in-process store keeps this very `Arc` (replays share
+    /// it too); a store that needs its own copy makes one (`Arc::unwrap_or_clone`,
+    /// `Arc::make_mut`).
     fn complete(
         &self,
         scope: ScopeKey,
         token: Token,
-        record: Record,
+        record: Arc<Record>,
         ttl: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
@@ -495,7 +500,7 @@ mod orphan_tests {
             &self,
             _: ScopeKey,
             _: Token,
-            _: Record,
+            _: Arc<Record>,
             _: Duration,
         ) -> Result<(), StoreError> {
             std::future::pending().await

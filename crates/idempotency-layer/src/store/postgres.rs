@@ -1159,7 +1159,7 @@ impl IdempotencyStore for PostgresStore {
         &self,
         scope: ScopeKey,
         token: Token,
-        record: Record,
+        record: Arc<Record>,
         ttl: Duration,
     ) -> Result<(), StoreError> {
         let bytes = codec::encode(&record)?;

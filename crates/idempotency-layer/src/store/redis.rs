@@ -1273,7 +1273,7 @@ impl IdempotencyStore for RedisStore {
         &self,
         scope: ScopeKey,
         token: Token,
-        record: Record,
+        record: Arc<Record>,
         ttl: Duration,
     ) -> Result<(), StoreError> {
         let bytes = codec::encode(&record)?;

@@ -408,7 +408,7 @@ impl IdempotencyStore for CorruptStore {
         &self,
         s: ScopeKey,
         t: Token,
-        r: Record,
+        r: Arc<Record>,
         d: Duration,
     ) -> Result<(), StoreError> {
         self.inner.complete(s, t, r, d).await
@@ -584,7 +584,7 @@ impl IdempotencyStore for OutageAtTheEnd {
         &self,
         s: ScopeKey,
         t: Token,
-        r: Record,
+        r: Arc<Record>,
         d: Duration,
     ) -> Result<(), StoreError> {
         self.down()?;

@@ -83,7 +83,7 @@ impl IdempotencyStore for FlakyStore {
         &self,
         scope: ScopeKey,
         token: Token,
-        record: Record,
+        record: Arc<Record>,
         ttl: Duration,
     ) -> Result<(), StoreError> {
         self.check()?;

@@ -145,7 +145,7 @@ async fn expired_rows_are_ignored_then_removed_in_batches() {
             panic!("fresh scope");
         };
         store
-            .complete(scope, t, conformance::sample_record(fp), short)
+            .complete(scope, t, conformance::sample_record(fp).into(), short)
             .await
             .unwrap();
     }
@@ -227,7 +227,7 @@ async fn a_waiter_is_woken_by_notify_not_by_polling() {
         .complete(
             scope,
             token,
-            conformance::sample_record(fp),
+            conformance::sample_record(fp).into(),
             conformance::LONG,
         )
         .await
@@ -344,7 +344,10 @@ async fn notify_only_when_a_waiter_watches() {
     };
     // Nobody waits: complete, release, forget notify nothing.
     let (s1, t1) = claim("quiet-complete-").await;
-    store.complete(s1, t1, record(), lease).await.unwrap();
+    store
+        .complete(s1, t1, record().into(), lease)
+        .await
+        .unwrap();
     let (s2, t2) = claim("quiet-release-").await;
     store.release(s2, t2).await.unwrap();
     assert!(store.forget(s1).await.unwrap());
@@ -388,7 +391,10 @@ async fn notify_only_when_a_waiter_watches() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(watched, "the waiter marks the claim watched");
-    store.complete(s3, t3, record(), lease).await.unwrap();
+    store
+        .complete(s3, t3, record().into(), lease)
+        .await
+        .unwrap();
     assert_eq!(next_notification(&mut notes).await, s3.to_hex());
     tokio::time::timeout(Duration::from_secs(10), waiter)
         .await
@@ -740,7 +746,12 @@ async fn a_wait_does_not_block_for_the_listener() {
         panic!("fresh scope");
     };
     store
-        .complete(scope, t, conformance::sample_record(fp), conformance::LONG)
+        .complete(
+            scope,
+            t,
+            conformance::sample_record(fp).into(),
+            conformance::LONG,
+        )
         .await
         .unwrap();
     tokio::time::timeout(Duration::from_secs(10), store.wait(scope, t))
@@ -758,7 +769,12 @@ async fn a_wait_does_not_block_for_the_listener() {
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
     direct
-        .complete(scope, t, conformance::sample_record(fp), conformance::LONG)
+        .complete(
+            scope,
+            t,
+            conformance::sample_record(fp).into(),
+            conformance::LONG,
+        )
         .await
         .unwrap();
     tokio::time::timeout(Duration::from_secs(10), waiter)
@@ -816,7 +832,12 @@ async fn sslmode_require_connects_over_tls() {
     assert!(tls >= 2, "pooled and listening connections are TLS: {tls}");
     assert_eq!(plain, 0);
     store
-        .complete(scope, t, conformance::sample_record(fp), conformance::LONG)
+        .complete(
+            scope,
+            t,
+            conformance::sample_record(fp).into(),
+            conformance::LONG,
+        )
         .await
         .unwrap();
     tokio::time::timeout(Duration::from_secs(10), waiter)

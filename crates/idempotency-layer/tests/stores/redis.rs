@@ -146,7 +146,7 @@ async fn a_waiter_is_woken_by_pub_sub_not_by_polling() {
         .complete(
             scope,
             token,
-            conformance::sample_record(fp),
+            conformance::sample_record(fp).into(),
             conformance::LONG,
         )
         .await

@@ -261,7 +261,7 @@ async fn a_waiter_on_the_cluster_is_woken_by_sharded_pub_sub() {
             .complete(
                 scope,
                 token,
-                conformance::sample_record(fp),
+                conformance::sample_record(fp).into(),
                 conformance::LONG,
             )
             .await
@@ -320,7 +320,7 @@ async fn any_store_from_a_redis_cluster_url() {
         .complete(
             scope,
             token,
-            conformance::sample_record(fp),
+            conformance::sample_record(fp).into(),
             conformance::LONG,
         )
         .await

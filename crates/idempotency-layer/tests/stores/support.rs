@@ -297,7 +297,7 @@ impl<S: IdempotencyStore> IdempotencyStore for Stalling<S> {
         &self,
         scope: ScopeKey,
         token: Token,
-        record: Record,
+        record: Arc<Record>,
         ttl: Duration,
     ) -> Result<(), StoreError> {
         let r = self.inner.complete(scope, token, record, ttl).await;
@@ -787,7 +787,7 @@ pub async fn near_cache_lost_subscription<S: IdempotencyStore>(
         panic!("a new scope is claimed")
     };
     direct
-        .complete(scope, t, record.clone(), Duration::from_secs(600))
+        .complete(scope, t, record.clone().into(), Duration::from_secs(600))
         .await
         .unwrap();
     cached_on(&via_proxy, &stats, scope, &record).await;
