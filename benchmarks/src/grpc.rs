@@ -71,13 +71,13 @@ pub async fn serve_plain() -> (SocketAddr, tokio::task::JoinHandle<()>) {
     (addr, task)
 }
 
-/// Serves [`OrdersService`] behind `IdempotencyLayer` on `store` (tenant `bench`) on
-/// 127.0.0.1 until the handle is aborted.
+/// Serves [`OrdersService`] behind `layer` (e.g. `IdempotencyLayer::new(store)
+/// .default_tenant("bench")`; a clone of it keeps reading its counters) on 127.0.0.1 until the
+/// handle is aborted.
 pub async fn serve_idempotent<St: IdempotencyStore>(
-    store: St,
+    layer: IdempotencyLayer<St>,
 ) -> (SocketAddr, tokio::task::JoinHandle<()>) {
     let (addr, incoming) = incoming().await;
-    let layer = IdempotencyLayer::new(store).default_tenant("bench");
     let task = tokio::spawn(async move {
         Server::builder()
             .layer(layer)

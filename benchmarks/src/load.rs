@@ -185,9 +185,34 @@ pub fn handler_app() -> Router {
     )
 }
 
-/// [`handler_app`] behind `IdempotencyLayer` on `store` (tenant `bench`).
-pub fn idempotent_app<St: IdempotencyStore>(store: St) -> Router {
-    handler_app().layer(IdempotencyLayer::new(store).default_tenant("bench"))
+/// The layer every server scenario runs: `IdempotencyLayer` on `store`, tenant `bench`.
+pub fn bench_layer<St: IdempotencyStore>(store: St) -> IdempotencyLayer<St> {
+    IdempotencyLayer::new(store).default_tenant("bench")
+}
+
+/// A note if the layer's counters between `before` and `after` do not show what scenario
+/// `name` meant to run: every request sent executed (`.../first`) or replayed
+/// (`.../replay`). Otherwise the scenario timed something else (refusals, say).
+fn check_counters(
+    name: &str,
+    sent: u64,
+    before: &idempotency_layer::IdempotencyStats,
+    after: &idempotency_layer::IdempotencyStats,
+) -> Option<String> {
+    let executed = after.executed - before.executed;
+    let replayed = after.replayed - before.replayed;
+    let expected = if name.ends_with("/first") {
+        (sent, 0)
+    } else {
+        (0, sent)
+    };
+    ((executed, replayed) != expected).then(|| {
+        format!(
+            "WARNING {name}: the layer executed {executed} and replayed {replayed} of {sent} \
+             requests sent; expected {} and {}",
+            expected.0, expected.1
+        )
+    })
 }
 
 /// A `MemoryStore` sized for every first execution of a run: the defaults (100 000 entries,
@@ -397,10 +422,12 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
         "grpc/memory/replay",
     ];
     let (plain, plain_task) = serve(handler_app()).await;
-    let (memory, memory_task) = serve(idempotent_app(run_memory_store())).await;
+    let http_layer = bench_layer(run_memory_store());
+    let (memory, memory_task) = serve(handler_app().layer(http_layer.clone())).await;
     record_replay_keys(HttpCaller::new(client(), memory), tag, cfg.connections).await;
     let (grpc_plain, grpc_plain_task) = grpc::serve_plain().await;
-    let (grpc_memory, grpc_memory_task) = grpc::serve_idempotent(run_memory_store()).await;
+    let grpc_layer = bench_layer(run_memory_store());
+    let (grpc_memory, grpc_memory_task) = grpc::serve_idempotent(grpc_layer.clone()).await;
     record_replay_keys(
         grpc::caller(grpc_memory, None),
         &format!("{tag}g"),
@@ -408,8 +435,10 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
     )
     .await;
     // One retry layer per scenario, shared by its connections (one budget, as one client).
-    let retry = RetryLayer::new(RetryPolicy::default());
+    let http_retry = RetryLayer::new(RetryPolicy::default());
+    let grpc_retry = RetryLayer::new(RetryPolicy::default());
     let mut rounds: Vec<Vec<Run>> = NAMES.iter().map(|_| Vec::new()).collect();
+    let mut notes = Vec::new();
     for round in 0..cfg.rounds {
         let unique = format!("{tag}x{round}");
         let replay = tag.to_owned();
@@ -420,10 +449,16 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
                 continue;
             }
             let http = |addr| move |_| HttpCaller::new(client(), addr);
+            let layer = if name.starts_with("grpc/") {
+                &grpc_layer
+            } else {
+                &http_layer
+            };
+            let before = layer.stats();
             let run = match name {
                 "no_layers" => load(name, http(plain), Keys::Unique, &unique, cfg).await,
                 "client_retry" => {
-                    let make = |_| HttpCaller::new(retry.layer(client()), plain);
+                    let make = |_| HttpCaller::new(http_retry.layer(client()), plain);
                     load(name, make, Keys::Unique, &unique, cfg).await
                 }
                 "memory/first" => load(name, http(memory), Keys::Unique, &unique, cfg).await,
@@ -435,7 +470,7 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
                     load(name, make, Keys::Unique, &grpc_unique, cfg).await
                 }
                 "grpc/client_retry" => {
-                    let make = |_| grpc::caller(grpc_plain, Some(&retry));
+                    let make = |_| grpc::caller(grpc_plain, Some(&grpc_retry));
                     load(name, make, Keys::Unique, &grpc_unique, cfg).await
                 }
                 "grpc/memory/first" => {
@@ -447,6 +482,9 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
                     load(name, make, Keys::PerConnection, &grpc_replay, cfg).await
                 }
             };
+            if name.contains("memory/") {
+                notes.extend(check_counters(name, run.sent, &before, &layer.stats()));
+            }
             rounds[i].push(run);
         }
     }
@@ -459,6 +497,7 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
             .filter(|r| !r.is_empty())
             .map(merge)
             .collect(),
+        notes,
         ..Report::default()
     }
 }
@@ -618,7 +657,8 @@ pub async fn redis_scenarios(
                 .expect("redis connection"),
         );
     }
-    let (addr, server) = serve(idempotent_app(store)).await;
+    let layer = bench_layer(store);
+    let (addr, server) = serve(handler_app().layer(layer.clone())).await;
     let tag = format!("r{}", std::process::id());
     // Loads the scripts (EVALSHA answered NOSCRIPT, then EVAL) and records the replay keys.
     record_replay_keys(HttpCaller::new(client(), addr), &tag, cfg.connections).await;
@@ -636,7 +676,11 @@ pub async fn redis_scenarios(
                 Keys::PerConnection => tag.clone(),
             };
             let make = |_| HttpCaller::new(client(), addr);
+            let counted = layer.stats();
             let run = load(name, make, *keys, &key_prefix, cfg).await;
+            report
+                .notes
+                .extend(check_counters(name, run.sent, &counted, &layer.stats()));
             let after = commandstats_all(&mut conns).await;
             for (k, v) in &after {
                 let d = v - before.get(k).copied().unwrap_or(0);
@@ -888,7 +932,8 @@ pub async fn postgres_section(url: &str, cfg: &LoadConfig) -> Report {
     let tag = format!("p{}", std::process::id());
     let store = pg_store(&db_url).await;
     store.migrate().await.expect("migrate");
-    let (addr, server) = serve(idempotent_app(store)).await;
+    let layer = bench_layer(store);
+    let (addr, server) = serve(handler_app().layer(layer.clone())).await;
     record_replay_keys(HttpCaller::new(client(), addr), &tag, cfg.connections).await;
     let scenarios = [
         ("postgres/first", Keys::Unique),
@@ -914,7 +959,11 @@ pub async fn postgres_section(url: &str, cfg: &LoadConfig) -> Report {
                 None => None,
             };
             let make = |_| HttpCaller::new(client(), addr);
+            let counted = layer.stats();
             let run = load(name, make, keys, &prefix, cfg).await;
+            report
+                .notes
+                .extend(check_counters(name, run.sent, &counted, &layer.stats()));
             // pg_stat_statements counts a statement as it finishes executing, before the
             // client has its answer; every request of the run has been answered here.
             let after = match &counter {

@@ -1,0 +1,471 @@
+//! Issue 14's whole target table, measured in one run and printed side by side (a Markdown
+//! table: measured value, goal, met or missed), every ratio against a baseline of the same run:
+//!
+//! - the retry success path (RetryLayer / `tower::retry` with a cloning policy), timed loops
+//!   over `benchmarks::retry`, the setup of `benches/retry.rs`;
+//! - the idempotency layer's first execution in µs, with `no_layer` and the naive cache beside
+//!   it, over `benchmarks::idempotency`, the setup of `benches/idempotency.rs`;
+//! - `MemoryStore` speed over a `Mutex<HashMap>` store on 1 and 2 threads, over
+//!   `benchmarks::store_pairs`, the work of `benches/store.rs`;
+//! - memory per record, the loadtest's HTTP and gRPC ratios, `redis/replay` / `memory/replay`
+//!   and PostgreSQL statements per request, over `benchmarks::load`, the loadtest's machinery.
+//!
+//! ```text
+//! REDIS_URL=redis://127.0.0.1:6379 DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \
+//!     cargo run --release -p benchmarks --bin targets
+//! ```
+//!
+//! Without `REDIS_URL` / `DATABASE_URL` their rows say "skipped". About 2 minutes with the
+//! defaults; `--help` lists the knobs.
+
+use std::time::Duration;
+
+use benchmarks::baseline::MutexStore;
+use benchmarks::idempotency::{assert_recorded_whole, bench_layer, naive, time_requests, KeyGen};
+use benchmarks::load::{
+    in_process_scenarios, memory_per_record, postgres_section, redis_section, LoadConfig,
+    RedisTarget, Report,
+};
+use benchmarks::retry::{bare, retry_layer, time_calls, tower_retry, BODY_SIZES};
+use benchmarks::store_pairs::{contended, unbounded_memory_store};
+use benchmarks::{call_to_end, created, median, order_request, NaiveCache, RESPONSE_200};
+use bytes::Bytes;
+use clap::Parser;
+use http_body_util::Full;
+use idempotency_layer::RequestBody;
+use tower::{service_fn, Layer};
+
+#[derive(Parser, Debug)]
+#[command(about = "Issue 14's target table, measured in one run")]
+struct Args {
+    /// Load test: measured seconds per scenario and round.
+    #[arg(long, short = 't', default_value_t = 1.5)]
+    seconds: f64,
+    /// Load test: unmeasured warm-up seconds before each scenario and round.
+    #[arg(long, default_value_t = 0.5)]
+    warmup: f64,
+    /// Load test: rounds (scenarios interleaved, medians over rounds).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Load test: concurrent connections (one request in flight on each).
+    #[arg(long, short = 'c', default_value_t = 16)]
+    connections: usize,
+    /// Micro benchmarks (retry, idempotency, store): rounds, the cases interleaved, medians
+    /// over rounds.
+    #[arg(long, default_value_t = 7)]
+    micro_rounds: usize,
+    /// Micro benchmarks: milliseconds per case and round.
+    #[arg(long, default_value_t = 250)]
+    micro_ms: u64,
+    /// Records for the memory cost.
+    #[arg(long, default_value_t = 100_000)]
+    records: usize,
+    /// Redis URL (default: the REDIS_URL environment variable; unset: its row is skipped).
+    #[arg(long, env = "REDIS_URL")]
+    redis: Option<String>,
+    /// PostgreSQL URL (default: the DATABASE_URL environment variable; unset: its row is
+    /// skipped).
+    #[arg(long, env = "DATABASE_URL")]
+    postgres: Option<String>,
+}
+
+/// What a row asks of its value.
+#[derive(Clone, Copy)]
+enum Goal {
+    AtMost(f64),
+    AtLeast(f64),
+    /// Exactly this, as shown (3 decimals).
+    Exactly(f64),
+    /// No goal: printed for context.
+    Info,
+}
+
+struct Row {
+    target: String,
+    /// The value compared with the goal, and how it is shown; `Err` says why there is none.
+    measured: Result<(f64, String), String>,
+    goal: Goal,
+    goal_text: String,
+}
+
+impl Row {
+    fn new(target: impl Into<String>, goal: Goal, goal_text: impl Into<String>) -> Self {
+        Row {
+            target: target.into(),
+            measured: Err("not measured".into()),
+            goal,
+            goal_text: goal_text.into(),
+        }
+    }
+
+    fn value(mut self, value: f64, shown: impl Into<String>) -> Self {
+        self.measured = Ok((value, shown.into()));
+        self
+    }
+
+    fn missing(mut self, why: impl Into<String>) -> Self {
+        self.measured = Err(why.into());
+        self
+    }
+
+    /// `value(v, shown)` if `v` is there, else `missing(why)`.
+    fn maybe(self, v: Option<f64>, shown: impl FnOnce(f64) -> String, why: &str) -> Self {
+        match v {
+            Some(v) => {
+                let s = shown(v);
+                self.value(v, s)
+            }
+            None => self.missing(why),
+        }
+    }
+
+    fn verdict(&self) -> &'static str {
+        match (&self.measured, self.goal) {
+            (Err(_), _) => "-",
+            (Ok(_), Goal::Info) => "(context)",
+            // Rounded as shown (3 decimals) before comparing.
+            (Ok((v, _)), Goal::AtMost(g)) => {
+                if (v * 1000.0).round() <= (g * 1000.0).round() {
+                    "met"
+                } else {
+                    "**missed**"
+                }
+            }
+            (Ok((v, _)), Goal::Exactly(g)) => {
+                if (v * 1000.0).round() == (g * 1000.0).round() {
+                    "met"
+                } else {
+                    "**missed**"
+                }
+            }
+            (Ok((v, _)), Goal::AtLeast(g)) => {
+                if (v * 1000.0).round() >= (g * 1000.0).round() {
+                    "met"
+                } else {
+                    "**missed**"
+                }
+            }
+        }
+    }
+}
+
+/// Iterations that take about `ms` milliseconds, from a short trial of `trial` iterations.
+fn calibrate(ms: u64, trial: u64, mut time: impl FnMut(u64) -> Duration) -> u64 {
+    let per = time(trial).as_secs_f64().max(1e-9);
+    ((ms as f64 / 1e3) / per).clamp(100.0, 1e8) as u64
+}
+
+fn ns(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e9
+}
+
+/// Retry success path: ours / tower per body size, medians over interleaved rounds.
+fn retry_rows(args: &Args) -> Vec<Row> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (b, t, o) = (bare(), tower_retry(), retry_layer());
+    let mut rows = Vec::new();
+    for (size, label) in BODY_SIZES {
+        let body = Bytes::from(vec![b'x'; size]);
+        let iters = calibrate(args.micro_ms, 2000, |n| time_calls(&rt, &o, &body, n));
+        let (mut bs, mut ts, mut os) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..args.micro_rounds {
+            bs.push(ns(time_calls(&rt, &b, &body, iters)));
+            ts.push(ns(time_calls(&rt, &t, &body, iters)));
+            os.push(ns(time_calls(&rt, &o, &body, iters)));
+        }
+        let (bm, tm, om) = (median(&mut bs), median(&mut ts), median(&mut os));
+        rows.push(
+            Row::new(
+                format!("retry: RetryLayer / tower::retry (cloning policy), {label}"),
+                Goal::AtMost(1.0),
+                "<= 1.00",
+            )
+            .value(
+                om / tm,
+                format!("{:.2} ({om:.0} / {tm:.0} ns; bare {bm:.0} ns)", om / tm),
+            ),
+        );
+    }
+    rows
+}
+
+/// The idempotency layer's first execution, with `no_layer` and the naive cache's first
+/// execution, medians over interleaved rounds.
+fn idempotency_row(args: &Args) -> Row {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut keys = KeyGen::new("order");
+    let plain = service_fn(created::<Full<Bytes>>);
+    let (layer, store) = bench_layer();
+    let layered = layer.layer(service_fn(created::<RequestBody<Full<Bytes>>>));
+    let cache = NaiveCache::default();
+    let no_layer = |keys: &mut KeyGen, n| {
+        time_requests(&rt, n, keys, |k| {
+            let mut svc = plain;
+            async move { call_to_end(&mut svc, order_request(&k)).await }
+        })
+    };
+    let first = |keys: &mut KeyGen, n| {
+        time_requests(&rt, n, keys, |k| {
+            let mut svc = layered.clone();
+            async move { call_to_end(&mut svc, order_request(&k)).await }
+        })
+    };
+    let naive_first = |keys: &mut KeyGen, n| {
+        time_requests(&rt, n, keys, |k| {
+            let cache = &cache;
+            async move { naive(cache, order_request(&k)).await }
+        })
+    };
+    let iters = calibrate(args.micro_ms, 2000, |n| first(&mut keys, n));
+    let (mut ns_, mut fs, mut cs) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..args.micro_rounds {
+        ns_.push(no_layer(&mut keys, iters).as_secs_f64() * 1e6);
+        fs.push(first(&mut keys, iters).as_secs_f64() * 1e6);
+        cs.push(naive_first(&mut keys, iters).as_secs_f64() * 1e6);
+    }
+    assert_recorded_whole(&store);
+    let (n, f, c) = (median(&mut ns_), median(&mut fs), median(&mut cs));
+    Row::new("idempotency: `layer/first`", Goal::AtMost(2.5), "<= 2.5 µs").value(
+        f,
+        format!(
+            "{f:.2} µs (no_layer {n:.2} µs, naive cache first {c:.2} µs; {:.1}x no_layer)",
+            f / n
+        ),
+    )
+}
+
+/// `MemoryStore` speed over the `Mutex<HashMap>` store's, 1 and 2 threads.
+fn store_rows(args: &Args) -> Vec<Row> {
+    let mut rows = Vec::new();
+    for (threads, goal) in [(1usize, 1.0), (2, 1.5)] {
+        let iters = calibrate(args.micro_ms, 20_000, |n| {
+            contended(threads, n, unbounded_memory_store)
+        });
+        let (mut ms, mut xs) = (Vec::new(), Vec::new());
+        for _ in 0..args.micro_rounds {
+            ms.push(ns(contended(threads, iters, unbounded_memory_store)) / iters as f64);
+            xs.push(ns(contended(threads, iters, MutexStore::default)) / iters as f64);
+        }
+        let (m, x) = (median(&mut ms), median(&mut xs));
+        rows.push(
+            Row::new(
+                format!("store: MemoryStore speed / Mutex<HashMap> store, {threads} thread(s)"),
+                Goal::AtLeast(goal),
+                format!(">= {goal:.1}"),
+            )
+            .value(
+                x / m,
+                format!(
+                    "{:.2} ({m:.0} / {x:.0} ns per begin+complete per thread)",
+                    x / m
+                ),
+            ),
+        );
+    }
+    rows
+}
+
+fn ratio_row(report: &Report, target: &str, name: &str, goal: f64, skip: &str) -> Row {
+    let base = benchmarks::load::baseline_of(name);
+    Row::new(
+        format!("loadtest `{name}` / `{base}`: {target}"),
+        Goal::AtLeast(goal),
+        format!(">= {goal:.2}"),
+    )
+    .maybe(
+        report.ratio(name),
+        |v| {
+            let (r, b) = (
+                report.run(name).expect("ran"),
+                report.run(base).expect("ran"),
+            );
+            format!("{v:.3} ({:.0} / {:.0} req/s)", r.rps, b.rps)
+        },
+        skip,
+    )
+}
+
+fn main() {
+    let args = Args::parse();
+    let cfg = LoadConfig {
+        connections: args.connections,
+        seconds: args.seconds,
+        warmup: args.warmup,
+        rounds: args.rounds,
+        only: Vec::new(),
+    };
+    let load_rt = tokio::runtime::Runtime::new().expect("runtime");
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    eprintln!(
+        "targets: micro benchmarks {} rounds x {} ms per case; load test {} connections, {} rounds \
+         of {} s warm-up + {} s per scenario; {cores} cores",
+        args.micro_rounds, args.micro_ms, cfg.connections, cfg.rounds, cfg.warmup, cfg.seconds
+    );
+
+    // Memory first, on a young heap, as the loadtest measures it.
+    eprintln!("memory per record ({} records)...", args.records);
+    let per_record = load_rt.block_on(memory_per_record(args.records));
+    eprintln!("retry success path...");
+    let retry = retry_rows(&args);
+    eprintln!("idempotency layer/first...");
+    let idempotency = idempotency_row(&args);
+    eprintln!("store...");
+    let store = store_rows(&args);
+    eprintln!("load test, HTTP and gRPC...");
+    let mut report = load_rt.block_on(in_process_scenarios(
+        &cfg,
+        &format!("t{}", std::process::id()),
+    ));
+    let redis_skip = "skipped (set REDIS_URL)";
+    if let Some(url) = &args.redis {
+        eprintln!("load test, Redis...");
+        let target = RedisTarget {
+            urls: vec![url.clone()],
+            cluster: false,
+        };
+        report.extend(load_rt.block_on(redis_section(&target, &cfg)));
+    }
+    let pg_skip = "skipped (set DATABASE_URL)";
+    if let Some(url) = &args.postgres {
+        eprintln!("load test, PostgreSQL...");
+        report.extend(load_rt.block_on(postgres_section(url, &cfg)));
+    }
+
+    let mut rows = retry;
+    rows.push(ratio_row(
+        &report,
+        "client RetryLayer",
+        "client_retry",
+        0.99,
+        "-",
+    ));
+    rows.push(ratio_row(
+        &report,
+        "memory, first executions",
+        "memory/first",
+        0.90,
+        "-",
+    ));
+    rows.push(ratio_row(
+        &report,
+        "memory, replays",
+        "memory/replay",
+        1.00,
+        "-",
+    ));
+    rows.push(idempotency);
+    rows.extend(store);
+    let budget = 2.0 * RESPONSE_200.len() as f64 + 256.0;
+    rows.push(
+        Row::new(
+            format!("memory per record, {}-byte response", RESPONSE_200.len()),
+            Goal::AtMost(budget),
+            format!("<= {budget:.0} B"),
+        )
+        .maybe(
+            per_record,
+            |v| format!("{v:.0} B ({} records)", args.records),
+            "/proc/self/status unreadable",
+        ),
+    );
+    let redis_ratio = report.ratio_to("redis/replay", "memory/replay");
+    rows.push(
+        Row::new(
+            "loadtest `redis/replay` / `memory/replay`",
+            Goal::AtLeast(0.90),
+            ">= 0.90",
+        )
+        .maybe(
+            redis_ratio,
+            |v| {
+                let (r, m) = (
+                    report.run("redis/replay").expect("ran"),
+                    report.run("memory/replay").expect("ran"),
+                );
+                format!("{v:.3} ({:.0} / {:.0} req/s)", r.rps, m.rps)
+            },
+            if args.redis.is_some() {
+                "not measured (see the notes)"
+            } else {
+                redis_skip
+            },
+        ),
+    );
+    rows.push(ratio_row(
+        &report,
+        "RetryLayer on the Channel",
+        "grpc/client_retry",
+        0.97,
+        "-",
+    ));
+    rows.push(ratio_row(
+        &report,
+        "IdempotencyLayer memory, first executions",
+        "grpc/memory/first",
+        0.90,
+        "-",
+    ));
+    rows.push(ratio_row(
+        &report,
+        "IdempotencyLayer memory, replays",
+        "grpc/memory/replay",
+        1.00,
+        "-",
+    ));
+    rows.push(
+        Row::new(
+            "loadtest `grpc/no_layers` / `no_layers` (gRPC baseline against HTTP's)",
+            Goal::Info,
+            "-",
+        )
+        .maybe(
+            report.ratio_to("grpc/no_layers", "no_layers"),
+            |v| format!("{v:.3}"),
+            "-",
+        ),
+    );
+    for (name, goal) in [("postgres/first", 2.0), ("postgres/replay", 1.0)] {
+        let what = if name.ends_with("first") {
+            "first execution"
+        } else {
+            "replay"
+        };
+        let row = Row::new(
+            format!("PostgreSQL statements per {what} (`pg_stat_statements`)"),
+            Goal::Exactly(goal),
+            format!("{goal:.0}"),
+        );
+        rows.push(match (&args.postgres, report.per_request(name)) {
+            (None, _) => row.missing(pg_skip),
+            (Some(_), Some(v)) => {
+                let sent = report.run(name).map_or(0, |r| r.sent);
+                row.value(v, format!("{v:.3} ({sent} requests)"))
+            }
+            (Some(_), None) => row.missing("not counted (see the notes)"),
+        });
+    }
+
+    report.print();
+    println!();
+    println!("| target | measured | goal | |");
+    println!("|---|---|---|---|");
+    for r in &rows {
+        let measured = match &r.measured {
+            Ok((_, s)) => s.clone(),
+            Err(why) => why.clone(),
+        };
+        println!(
+            "| {} | {} | {} | {} |",
+            r.target,
+            measured,
+            r.goal_text,
+            r.verdict()
+        );
+    }
+}
