@@ -106,7 +106,8 @@ pub fn baseline_of(name: &str) -> &'static str {
 pub struct Report {
     /// The scenarios' results.
     pub runs: Vec<Run>,
-    /// Round trips (Redis) or statements (PostgreSQL) per request sent, by scenario name.
+    /// Round trips (Redis) or statements (PostgreSQL) per request sent, by scenario name;
+    /// `"{name} background"`: PostgreSQL statements off the requests' path (lease renewals).
     pub per_request: Vec<(String, f64)>,
     /// Lines to print after the table (skips, counts, caveats).
     pub notes: Vec<String>,
@@ -850,37 +851,65 @@ fn short_sql(sql: &str) -> String {
     s
 }
 
-/// Statements per request sent from the calls by statement `delta` of a scenario: the store's
-/// statements per request, and a note listing each statement's calls per request and the
-/// one-time statements apart.
-fn statements_per_request(delta: &BTreeMap<String, i64>, sent: u64) -> (f64, String) {
-    let mut per_request = 0i64;
-    let mut each = Vec::new();
-    let mut setup = Vec::new();
+/// Statements the store runs off the requests' path: lease renewals (the layer's renewal task
+/// extends every claim it holds each third of the lease, in one statement per claim) and the
+/// expiry cleanup (off in the loadtest).
+fn is_background_statement(sql: &str) -> bool {
+    let head = sql.trim_start().to_ascii_uppercase();
+    (head.starts_with("UPDATE") && head.contains("SET EXPIRES_AT"))
+        || (head.starts_with("DELETE") && head.contains("CTID"))
+}
+
+/// Statements counted for one scenario, per request sent.
+#[derive(Debug, Clone, Copy)]
+struct StatementCounts {
+    /// Statements on the requests' path (claims, records, lookups).
+    path: f64,
+    /// Statements off the path: lease renewals, cleanup.
+    background: f64,
+}
+
+/// Statements per request sent from the calls by statement `delta` of a scenario, and a note
+/// listing each statement's calls per request, with the background and one-time statements
+/// apart.
+fn statements_per_request(delta: &BTreeMap<String, i64>, sent: u64) -> (StatementCounts, String) {
+    let per = |d: i64| d as f64 / sent.max(1) as f64;
+    let (mut path, mut background) = (0i64, 0i64);
+    let (mut each, mut off_path, mut setup) = (Vec::new(), Vec::new(), Vec::new());
     for (sql, &d) in delta {
         if d == 0 {
             continue;
         }
         if is_setup_statement(sql) {
             setup.push(format!("`{}` {d}", short_sql(sql)));
+        } else if is_background_statement(sql) {
+            background += d;
+            off_path.push(format!("`{}` {:.3} ({d} calls)", short_sql(sql), per(d)));
         } else {
-            per_request += d;
-            each.push(format!(
-                "`{}` {:.3}",
-                short_sql(sql),
-                d as f64 / sent.max(1) as f64
-            ));
+            path += d;
+            each.push(format!("`{}` {:.3}", short_sql(sql), per(d)));
         }
     }
-    let per = per_request as f64 / sent.max(1) as f64;
-    let note =
-        format!(
-        "{per:.3} statements/request (pg_stat_statements calls in the run's database over {sent} \
-         requests: {}; one-time, not counted: {})",
-        if each.is_empty() { "none".to_owned() } else { each.join(", ") },
-        if setup.is_empty() { "none".to_owned() } else { setup.join(", ") }
+    let list = |v: Vec<String>| {
+        if v.is_empty() {
+            "none".to_owned()
+        } else {
+            v.join(", ")
+        }
+    };
+    let counts = StatementCounts {
+        path: per(path),
+        background: per(background),
+    };
+    let note = format!(
+        "{:.3} statements/request (pg_stat_statements calls in the run's database over {sent} \
+         requests: {}; off the requests' path, not counted: {}; one-time, not counted: {})",
+        counts.path,
+        list(each),
+        list(off_path),
+        list(setup)
     );
-    (per, note)
+    (counts, note)
 }
 
 async fn pg_store(url: &str) -> PostgresStore {
@@ -991,9 +1020,12 @@ pub async fn postgres_section(url: &str, cfg: &LoadConfig) -> Report {
         }
         let run = merge(std::mem::take(&mut rounds[i]));
         if let Some(delta) = &deltas[i] {
-            let (per, note) = statements_per_request(delta, run.sent);
+            let (counts, note) = statements_per_request(delta, run.sent);
             report.notes.push(format!("{name:<18} {note}"));
-            report.per_request.push((name.to_owned(), per));
+            report.per_request.push((name.to_owned(), counts.path));
+            report
+                .per_request
+                .push((format!("{name} background"), counts.background));
         } else if counter.is_some() {
             report.notes.push(format!(
                 "{name:<18} statements NOT counted: a pg_stat_statements reading failed"
@@ -1006,4 +1038,33 @@ pub async fn postgres_section(url: &str, cfg: &LoadConfig) -> Report {
         .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
         .await;
     report
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statements_are_split_into_path_background_and_one_time() {
+        let t = "\"public\".\"idempotency_records\"";
+        let delta: BTreeMap<String, i64> = [
+            (
+                format!("WITH claimed AS (INSERT INTO {t} AS e VALUES ($1))"),
+                1000,
+            ),
+            (format!("WITH done AS (UPDATE {t} SET state = $1)"), 1000),
+            (
+                format!("UPDATE {t} SET expires_at = now() + $3::bigint * interval $4"),
+                3,
+            ),
+            ("LISTEN \"idem_0123\"".to_owned(), 1),
+            (format!("CREATE TABLE IF NOT EXISTS {t} (scope bytea)"), 1),
+        ]
+        .into_iter()
+        .collect();
+        let (counts, note) = statements_per_request(&delta, 1000);
+        assert_eq!(counts.path, 2.0);
+        assert_eq!(counts.background, 0.003);
+        assert!(note.contains("LISTEN"), "{note}");
+    }
 }

@@ -255,7 +255,10 @@ fn store_rows(args: &Args) -> Vec<Row> {
         let (m, x) = (median(&mut ms), median(&mut xs));
         rows.push(
             Row::new(
-                format!("store: MemoryStore speed / Mutex<HashMap> store, {threads} thread(s)"),
+                format!(
+                    "store: MemoryStore speed / Mutex<HashMap> store, {threads} thread{}",
+                    if threads == 1 { "" } else { "s" }
+                ),
                 Goal::AtLeast(goal),
                 format!(">= {goal:.1}"),
             )
@@ -445,7 +448,13 @@ fn main() {
             (None, _) => row.missing(pg_skip),
             (Some(_), Some(v)) => {
                 let sent = report.run(name).map_or(0, |r| r.sent);
-                row.value(v, format!("{v:.3} ({sent} requests)"))
+                let background = report
+                    .per_request(&format!("{name} background"))
+                    .filter(|b| *b > 0.0)
+                    .map_or_else(String::new, |b| {
+                        format!("; and {b:.4} lease renewals off the path")
+                    });
+                row.value(v, format!("{v:.3} ({sent} requests{background})"))
             }
             (Some(_), None) => row.missing("not counted (see the notes)"),
         });
