@@ -614,15 +614,25 @@ impl RedisTarget {
     }
 }
 
-/// **The one place the Redis scenarios build their store.** A variant of the store (a near
-/// cache in front of Redis, say) is a new arm here with its own label, run by
-/// [`redis_scenarios`] as `{label}/first` and `{label}/replay`.
-pub async fn redis_store(target: &RedisTarget, prefix: &str) -> Result<RedisStore, String> {
-    let builder = if target.cluster {
+/// The near cache of the `+near` Redis scenarios: 64 MiB, the default `max_age`.
+pub const NEAR_CACHE_BYTES: usize = 64 << 20;
+
+/// **The one place the Redis scenarios build their store**: with a near cache
+/// ([`NEAR_CACHE_BYTES`]) if `near`, run by [`redis_scenarios`] as `{label}+near/first` and
+/// `{label}+near/replay`.
+pub async fn redis_store(
+    target: &RedisTarget,
+    prefix: &str,
+    near: bool,
+) -> Result<RedisStore, String> {
+    let mut builder = if target.cluster {
         RedisStore::builder_cluster(target.urls.iter().cloned())
     } else {
         RedisStore::builder(&target.urls[0])
     };
+    if near {
+        builder = builder.near_cache(idempotency_layer::store::NearCache::new(NEAR_CACHE_BYTES));
+    }
     builder.prefix(prefix).connect().await.map_err(|e| {
         format!(
             "{}: skipped, cannot connect to {:?}: {e}",
@@ -716,17 +726,33 @@ pub async fn redis_scenarios(
     report
 }
 
-/// The Redis scenarios on `target`: connects the store ([`redis_store`]) and runs
-/// [`redis_scenarios`], or says why they were skipped.
+/// The Redis scenarios on `target`, without and with a near cache: connects the store
+/// ([`redis_store`]) and runs [`redis_scenarios`], or says why they were skipped.
 pub async fn redis_section(target: &RedisTarget, cfg: &LoadConfig) -> Report {
-    let prefix = format!("loadtest:{}:", std::process::id());
-    match redis_store(target, &prefix).await {
-        Ok(store) => redis_scenarios(target.label(), store, target, &prefix, cfg).await,
-        Err(note) => Report {
-            notes: vec![note],
-            ..Report::default()
-        },
+    let mut report = Report::default();
+    for near in [false, true] {
+        let label = if near {
+            format!("{}+near", target.label())
+        } else {
+            target.label().to_owned()
+        };
+        let prefix = format!("loadtest:{}:{label}:", std::process::id());
+        match redis_store(target, &prefix, near).await {
+            Ok(store) => {
+                let cache = store.clone();
+                let mut part = redis_scenarios(&label, store, target, &prefix, cfg).await;
+                if let Some(stats) = cache.near_cache_stats() {
+                    part.notes.push(format!(
+                        "{label:<18} near cache: {} hits, {} misses, {} entries ({} bytes)",
+                        stats.hits, stats.misses, stats.entries, stats.bytes
+                    ));
+                }
+                report.extend(part);
+            }
+            Err(note) => report.notes.push(note),
+        }
     }
+    report
 }
 
 // ---------- PostgreSQL statements (pg_stat_statements) ----------
