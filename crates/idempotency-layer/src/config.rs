@@ -10,6 +10,8 @@ use std::time::Duration;
 use http::{HeaderMap, HeaderName, Method, Uri};
 use reason_code::{IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
 
+use crate::store::TenantKey;
+
 /// What a duplicate does when the first request with its key is still running.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[non_exhaustive]
@@ -45,8 +47,9 @@ pub enum OnDisconnect {
 pub(crate) enum TenantSource {
     /// The [`Tenant`](crate::Tenant) extension; none means 401 / UNAUTHENTICATED.
     Required,
-    /// The [`Tenant`](crate::Tenant) extension, or this tenant when there is none.
-    Default(Arc<str>),
+    /// The [`Tenant`](crate::Tenant) extension, or this tenant (and its key, computed once)
+    /// when there is none.
+    Default(Arc<str>, TenantKey),
     /// A request header (opt-in: clients choose it).
     Header(HeaderName),
     /// A function of the request head (for example a verified claim an auth layer left in the
@@ -60,7 +63,7 @@ impl fmt::Debug for TenantSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             TenantSource::Required => f.write_str("Required"),
-            TenantSource::Default(t) => f.debug_tuple("Default").field(t).finish(),
+            TenantSource::Default(t, _) => f.debug_tuple("Default").field(t).finish(),
             TenantSource::Header(h) => f.debug_tuple("Header").field(h).finish(),
             TenantSource::Fn(_) => f.write_str("Fn(..)"),
         }

@@ -12,7 +12,7 @@ use crate::scope::Scope;
 use crate::service::Idempotency;
 use crate::shared::Shared;
 use crate::stats::IdempotencyStats;
-use crate::store::{IdempotencyStore, MemoryStore, StoreError};
+use crate::store::{IdempotencyStore, MemoryStore, StoreError, TenantKey};
 
 /// The tower [`Layer`] that makes duplicate writes execute once per tenant + method + key.
 ///
@@ -201,7 +201,9 @@ impl<St> IdempotencyLayer<St> {
     /// Uses this tenant when a request has no [`Tenant`](crate::Tenant) extension (a
     /// single-tenant service), instead of answering 401 / UNAUTHENTICATED.
     pub fn default_tenant(self, tenant: impl Into<Arc<str>>) -> Self {
-        self.config(|c| c.tenant = TenantSource::Default(tenant.into()))
+        let tenant: Arc<str> = tenant.into();
+        let key = TenantKey::of(&tenant);
+        self.config(|c| c.tenant = TenantSource::Default(tenant, key))
     }
 
     /// Takes the tenant from a function of the request head when the request has no

@@ -6,14 +6,13 @@
 //! ticks every third of the shortest lease held, so layers built from one base with different
 //! [`lease`](crate::IdempotencyLayer::lease)s never renew a short lease too late.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::store::{IdempotencyStore, ScopeKey, StoreError, Token};
+use crate::store::{FastMap, IdempotencyStore, ScopeKey, StoreError, Token};
 
 /// The claims a layer holds, renewed by one task.
 ///
@@ -28,7 +27,7 @@ pub(crate) struct Renewals {
 
 #[derive(Default)]
 struct RenewState {
-    held: HashMap<Token, (ScopeKey, Duration)>,
+    held: FastMap<Token, (ScopeKey, Duration)>,
     running: bool,
     /// The task's current tick period: a third of the shortest lease it renews.
     period: Duration,

@@ -85,11 +85,41 @@ impl<'a> Scope<'a> {
 
     /// The store key: the BLAKE3 hash of the encoding.
     pub fn key(&self) -> ScopeKey {
-        let mut h = blake3::Hasher::new();
-        h.update(SCOPE_DOMAIN);
-        h.update(&self.encode());
-        ScopeKey(*h.finalize().as_bytes())
+        scope_key(self.tenant, &[self.method.as_bytes()], self.key)
     }
+}
+
+/// [`Scope::key`] of an HTTP request's scope (method string `"POST /orders"`), without making
+/// the method string: the same bytes are hashed in pieces.
+pub(crate) fn http_scope_key(
+    tenant: &str,
+    method: &http::Method,
+    path: &str,
+    key: &str,
+) -> ScopeKey {
+    scope_key(
+        tenant,
+        &[method.as_str().as_bytes(), b" ", path.as_bytes()],
+        key,
+    )
+}
+
+/// The BLAKE3 hash of [`Scope::encode`] of `tenant`, the method made of `method_pieces` (one
+/// part, its pieces concatenated) and `key`, fed to the hasher piece by piece (BLAKE3 hashes a
+/// stream: the result is the hash of the whole encoding, with no buffer to build).
+fn scope_key(tenant: &str, method_pieces: &[&[u8]], key: &str) -> ScopeKey {
+    let mut h = blake3::Hasher::new();
+    h.update(SCOPE_DOMAIN);
+    h.update(&(tenant.len() as u64).to_le_bytes());
+    h.update(tenant.as_bytes());
+    let method_len: usize = method_pieces.iter().map(|p| p.len()).sum();
+    h.update(&(method_len as u64).to_le_bytes());
+    for piece in method_pieces {
+        h.update(piece);
+    }
+    h.update(&(key.len() as u64).to_le_bytes());
+    h.update(key.as_bytes());
+    ScopeKey(*h.finalize().as_bytes())
 }
 
 /// The fingerprint of a request: method, path, query, content type and body, each
@@ -130,6 +160,11 @@ mod tests {
             scope.to_hex(),
             "fc0970866b580da848999be4eefc6c092e402b8ffbd978d8e25015e428f6def1",
             "the scope encoding changed: bump SCOPE_DOMAIN's version instead"
+        );
+        assert_eq!(
+            http_scope_key("acme", &http::Method::POST, "/orders", "order-0001"),
+            scope,
+            "the layer's HTTP shortcut hashes the same bytes"
         );
         let parts = http::Request::post("/orders?x=1")
             .header("content-type", "application/json")
@@ -174,6 +209,23 @@ mod tests {
     }
 
     proptest! {
+        /// The key is the hash of the encoding, and the layer's HTTP shortcut (no method
+        /// string made) gives the key of `Scope::http`'s method string.
+        #[test]
+        fn the_key_hashes_the_encoding(
+            t in any::<String>(), path in any::<String>(), k in any::<String>(),
+            m in prop::sample::select(vec!["GET", "POST", "PUT", "PATCH", "DELETE", "PURGE"]),
+        ) {
+            let method = http::Method::from_bytes(m.as_bytes()).unwrap();
+            let scope_method = Scope::http(&method, &path);
+            let scope = Scope::new(&t, &scope_method, &k);
+            let mut h = blake3::Hasher::new();
+            h.update(SCOPE_DOMAIN);
+            h.update(&scope.encode());
+            prop_assert_eq!(scope.key().0, *h.finalize().as_bytes());
+            prop_assert_eq!(http_scope_key(&t, &method, &path, &k), scope.key());
+        }
+
         /// Two triples built from the same characters split differently encode differently,
         /// and equal triples encode equally: the encoding is injective.
         #[test]

@@ -30,7 +30,7 @@ use crate::observe::{self, Op, Outcome, StoreKind};
 use crate::protocol::Protocol;
 use crate::recording::{self, AtHead};
 use crate::reject::{render, RejectReason};
-use crate::scope::{fingerprint, Scope, Tenant};
+use crate::scope::{fingerprint, http_scope_key, Scope, Tenant};
 use crate::shared::Shared;
 use crate::stats::IdempotencyStats;
 use crate::store::{
@@ -163,13 +163,16 @@ where
                 )
             }
         };
-        let method = if protocol.is_grpc() {
-            Scope::grpc(req.uri().path())
+        let scope = if protocol.is_grpc() {
+            Scope::new(&tenant, req.uri().path(), &key).key()
         } else {
-            Scope::http(req.method(), req.uri().path())
+            http_scope_key(&tenant, req.method(), req.uri().path(), &key)
         };
-        let scope = Scope::new(&tenant, &method, &key).key();
-        let tenant = TenantKey::of(&tenant);
+        let tenant = match &cfg.tenant {
+            // The layer's default tenant's key is computed once, when it is set.
+            TenantSource::Default(name, key) if Arc::ptr_eq(name, &tenant) => *key,
+            _ => TenantKey::of(&tenant),
+        };
         // A write may wait for a duplicate in flight before (if ever) it runs the handler, so it
         // must not hold the capacity `poll_ready` reserved (a `ConcurrencyLimit` permit, a
         // `Buffer` slot) while it waits: that stays with `self.inner` for the next call, and the
@@ -195,7 +198,7 @@ fn tenant<B>(cfg: &Config, req: Request<B>) -> (Option<Arc<str>>, Request<B>) {
     }
     let found = match &cfg.tenant {
         TenantSource::Required => None,
-        TenantSource::Default(t) => Some(t.clone()),
+        TenantSource::Default(t, _) => Some(t.clone()),
         TenantSource::Header(name) => {
             let mut values = req.headers().get_all(name).iter();
             match (values.next(), values.next()) {

@@ -2,10 +2,9 @@
 //!
 //! [`IdempotencyLayer::max_waiters`]: crate::IdempotencyLayer::max_waiters
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use crate::store::ScopeKey;
+use crate::store::{FastMap, ScopeKey};
 
 const SHARDS: usize = 16;
 
@@ -13,11 +12,11 @@ const SHARDS: usize = 16;
 /// waiter have an entry, so its size is bounded by the waiters themselves.
 #[derive(Debug, Default)]
 pub(crate) struct WaitLimit {
-    shards: [Mutex<HashMap<ScopeKey, usize>>; SHARDS],
+    shards: [Mutex<FastMap<ScopeKey, usize>>; SHARDS],
 }
 
 impl WaitLimit {
-    fn shard(&self, scope: &ScopeKey) -> &Mutex<HashMap<ScopeKey, usize>> {
+    fn shard(&self, scope: &ScopeKey) -> &Mutex<FastMap<ScopeKey, usize>> {
         &self.shards[usize::from(scope.0[0]) % SHARDS]
     }
 

@@ -1,6 +1,6 @@
 //! The embedded store: sharded maps in this process.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -9,7 +9,9 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, TenantKey, Token};
+use super::{
+    Begin, FastMap, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, TenantKey, Token,
+};
 
 /// How many expired records one operation on a shard removes at most, so cleanup is incremental
 /// and bounded.
@@ -115,7 +117,7 @@ struct Usage {
 struct Shard {
     /// The last token number handed out by this shard.
     next: u64,
-    map: HashMap<ScopeKey, Entry>,
+    map: FastMap<ScopeKey, Entry>,
     /// Completed records' expiries, sorted by expiry (ties in the order they completed): the
     /// front expires first. A record removed before it expires (forgotten, evicted, replaced)
     /// leaves its element behind, skipped when it reaches the front and dropped when the queue
@@ -128,7 +130,7 @@ struct Shard {
     /// The bytes all entries cost.
     bytes: usize,
     /// What each tenant holds (tenants holding nothing are removed).
-    tenants: HashMap<TenantKey, Usage>,
+    tenants: FastMap<TenantKey, Usage>,
 }
 
 enum Entry {
@@ -410,7 +412,7 @@ impl Drop for Wake {
 /// expiry queue's element `(at, scope)` is that record's, not a stale one. (Two elements can
 /// match only if the scope completed twice with the same expiry: either one removes it when
 /// due.)
-fn live_record(map: &HashMap<ScopeKey, Entry>, at: Instant, scope: &ScopeKey) -> Option<TenantKey> {
+fn live_record(map: &FastMap<ScopeKey, Entry>, at: Instant, scope: &ScopeKey) -> Option<TenantKey> {
     match map.get(scope) {
         Some(Entry::Completed {
             expires, tenant, ..

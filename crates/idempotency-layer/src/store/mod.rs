@@ -179,6 +179,13 @@ pub use memory::{MemoryStats, MemoryStore, MemoryStoreBuilder};
 /// The boxed error a store wraps from its backend (the workspace's one boxed error).
 pub use reason_code::BoxError;
 
+/// A map keyed by scope keys, tenant keys or tokens: foldhash, seeded per map, instead of
+/// SipHash. The keys are already uniform (BLAKE3 output, random tokens), so the strong but slow
+/// default hasher bought nothing but ~250 instructions per lookup, several per request; the
+/// per-map random seed still keeps an attacker who chooses idempotency keys from aiming at one
+/// bucket.
+pub(crate) type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+
 /// The hash of a scope (tenant + method + key), the only identifier a store sees.
 ///
 /// Made with [`Scope::key`](crate::Scope::key): a BLAKE3 hash of an unambiguous, length-prefixed

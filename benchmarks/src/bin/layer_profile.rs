@@ -1,0 +1,60 @@
+//! The idempotency layer's first execution and replay as one loop, for instruction counts
+//! under callgrind (instructions, not seconds: the same on a loaded machine as on an idle one).
+//! `bare` (the handler alone), `first` (a new key per request: claim, run, record) or `replay`
+//! (one recorded key), on the idempotency bench's handler and request:
+//!
+//! ```text
+//! cargo build --profile bench -p benchmarks --bin layer_profile
+//! for w in bare first replay; do
+//!   valgrind --tool=callgrind --callgrind-out-file=cg.$w target/release/layer_profile $w 20000
+//! done
+//! callgrind_annotate --inclusive=yes cg.first | head -80
+//! ```
+//!
+//! Instructions per request = (total - the `bare` total) / requests; see BENCHMARKS.md.
+
+use benchmarks::idempotency::{assert_recorded_whole, bench_layer, KeyGen};
+use benchmarks::{call_to_end, created, order_request};
+use bytes::Bytes;
+use http_body_util::Full;
+use idempotency_layer::RequestBody;
+use tower::{service_fn, Layer};
+
+fn main() {
+    let which = std::env::args().nth(1).unwrap_or_default();
+    let requests: usize = std::env::args()
+        .nth(2)
+        .map(|s| s.parse().expect("requests: a number"))
+        .unwrap_or(20_000);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut keys = KeyGen::new("order");
+    rt.block_on(async {
+        match which.as_str() {
+            "bare" => {
+                let mut svc = service_fn(created::<Full<Bytes>>);
+                for _ in 0..requests {
+                    call_to_end(&mut svc, order_request(&keys.next_key())).await;
+                }
+            }
+            "first" | "replay" => {
+                let (layer, store) = bench_layer();
+                let mut svc = layer.layer(service_fn(created::<RequestBody<Full<Bytes>>>));
+                let replayed = keys.next_key();
+                call_to_end(&mut svc, order_request(&replayed)).await;
+                for _ in 0..requests {
+                    let key = if which == "first" {
+                        keys.next_key()
+                    } else {
+                        replayed.clone()
+                    };
+                    call_to_end(&mut svc, order_request(&key)).await;
+                }
+                assert_recorded_whole(&store);
+            }
+            other => panic!("usage: layer_profile bare|first|replay [requests], not {other:?}"),
+        }
+    });
+}
