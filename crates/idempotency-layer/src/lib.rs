@@ -220,7 +220,10 @@
 //!     ([transactional completion](#transactional-completion-postgresql)).
 //!
 //!   Their own docs list what each guarantees and its knobs (prefix or table, lease, TTL, pool
-//!   size, timeouts).
+//!   size, timeouts). Either can keep recently replayed records in this instance's memory with a
+//!   near cache (`near_cache(store::NearCache::new(bytes))` on its builder): a replay then
+//!   costs no round trip, an entry never outlives its record's TTL, and a `forget` on any
+//!   instance drops it on every instance.
 //!
 //! Every store runs the same [conformance suite](crate::conformance) (cargo feature
 //! `conformance`).

@@ -273,7 +273,7 @@ enum PubSubSource {
 /// | survives a restart of the service | no | yes | yes |
 /// | survives a restart of the server | n/a | as far as Redis persistence goes (AOF `everysec`: up to ~1 s of writes lost; none: everything lost) | yes (committed rows are durable) |
 /// | failover | n/a | replication is asynchronous: a claim or record written just before a failover can be lost, and that key can execute once more | to a synchronous standby: nothing lost |
-/// | round trips: first execution / replay | 0 / 0 | 2 / 1 | 2 / 1 |
+/// | round trips: first execution / replay | 0 / 0 | 2 / 1 (0 on a [near cache](RedisStoreBuilder::near_cache) hit) | 2 / 1 (0 on a near cache hit) |
 /// | expiry | incremental, in process | Redis's own (`PEXPIRE`) | ignored at once, rows removed by a background task |
 ///
 /// **What a multi-instance deployment needs**: every instance on the same Redis (or cluster)
