@@ -22,7 +22,9 @@
 //!
 //! What it cannot promise: a `forget` on one instance reaches the others' caches after the
 //! invalidation's delivery time (sub-millisecond on one network), not at once: a request on
-//! another instance in that window may still be answered with the forgotten record.
+//! another instance in that window may still be answered with the forgotten record. And only
+//! instances of this version announce their forgets: during a rolling upgrade from an older
+//! version, turn the near cache on once every instance runs this one.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
