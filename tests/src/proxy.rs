@@ -137,6 +137,9 @@ async fn relay(
     server.set_nodelay(true)?;
     let (mut cr, mut cw) = client.into_split();
     let (mut sr, mut sw) = server.into_split();
+    // Set when the HTTP/2 cut closed the client's side with a FIN: the connection then ends
+    // without a reset.
+    let graceful = std::sync::atomic::AtomicBool::new(false);
     let up = async {
         let mut buf = vec![0u8; 16 * 1024];
         loop {
@@ -184,6 +187,12 @@ async fn relay(
                         // Relay what came before the answer, then cut both sides.
                         cw.write_all(&chunk[sent..at]).await?;
                         stats.dropped.fetch_add(1, Ordering::SeqCst);
+                        if protocol == Protocol::Http2 {
+                            // Over HTTP/2 what came before the cut holds other streams' whole
+                            // responses: end with a FIN after them (see below), not a reset.
+                            let _ = cw.shutdown().await;
+                            graceful.store(true, Ordering::SeqCst);
+                        }
                         return Err(std::io::Error::other("dropped by the fault proxy"));
                     }
                 }
@@ -192,10 +201,23 @@ async fn relay(
         }
     };
     // Whichever side ends first ends the connection (dropping both halves closes the sockets).
-    tokio::select! {
+    let ended = tokio::select! {
         r = up => r,
         r = down => r,
+    };
+    if graceful.load(Ordering::SeqCst) {
+        // Closing a socket with unread bytes from the client sends a reset, and a client's
+        // kernel that gets a reset discards what it had received and not yet read: responses
+        // the proxy relayed whole before the cut would be lost mid-stream (a failure after the
+        // response started, which no client may retry). So read what the client still sends
+        // (it is not relayed: the connection is cut) until it closes, for at most a second.
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(1), async {
+            let mut buf = vec![0u8; 16 * 1024];
+            while matches!(cr.read(&mut buf).await, Ok(n) if n > 0) {}
+        })
+        .await;
     }
+    ended
 }
 
 /// Finds where responses start in a server's HTTP/2 byte stream: the first HEADERS frame of
