@@ -241,3 +241,57 @@ async fn misdirected_and_too_early_are_retried_for_any_method() {
         }
     }
 }
+
+/// A body whose bytes are all at hand (`Full`, exact size) is taken once when the request is
+/// wrapped and sent whole by every attempt, over HTTP/1.1 and h2; with one attempt allowed
+/// (nothing of the body kept), the one attempt still carries it whole.
+#[tokio::test]
+async fn a_whole_body_is_sent_whole_by_every_attempt() {
+    const BODY: &str = "{\"sku\":\"b1\",\"qty\":3}";
+    for proto in BOTH {
+        let server = serve(|_, n| if n < 2 { status(503) } else { status(201) }).await;
+        let layer = RetryLayer::new(
+            RetryPolicy::builder()
+                .ensure_idempotency_key()
+                .build()
+                .unwrap(),
+        );
+        let req = Request::post(server.url("/orders"))
+            .body(full(BODY))
+            .unwrap();
+        let res = bounded("the call", client(&layer, proto).oneshot(req))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 201, "{proto:?}");
+        let seen = server.seen();
+        assert_eq!(seen.len(), 3, "{proto:?}");
+        for s in &seen {
+            assert_eq!(
+                s.body, BODY,
+                "{proto:?}: every attempt carries the whole body"
+            );
+            assert_eq!(
+                s.headers.get("content-length").map(|v| v.as_bytes()),
+                Some(BODY.len().to_string().as_bytes()),
+                "{proto:?}: the exact length is declared"
+            );
+        }
+
+        let once = serve(|_, _| status(503)).await;
+        let layer = RetryLayer::new(
+            RetryPolicy::builder()
+                .ensure_idempotency_key()
+                .max_attempts(1)
+                .build()
+                .unwrap(),
+        );
+        let req = Request::post(once.url("/orders")).body(full(BODY)).unwrap();
+        let res = bounded("the call", client(&layer, proto).oneshot(req))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 503, "{proto:?}");
+        let seen = once.seen();
+        assert_eq!(seen.len(), 1, "{proto:?}");
+        assert_eq!(seen[0].body, BODY, "{proto:?}");
+    }
+}
