@@ -189,6 +189,12 @@ impl Near {
         None
     }
 
+    /// What a store's `begin` asks first: the cached record of `scope` (`Ok`: answer with it,
+    /// no round trip), or the ticket to send the `begin` with (`Err`: a miss).
+    pub(crate) fn lookup(&self, scope: &ScopeKey) -> Result<Arc<Record>, Ticket> {
+        self.get(scope).ok_or_else(|| self.ticket())
+    }
+
     /// Taken just before a `begin` is sent to the shared store.
     pub(crate) fn ticket(&self) -> Ticket {
         Ticket {

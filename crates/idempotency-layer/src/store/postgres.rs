@@ -1108,14 +1108,13 @@ impl IdempotencyStore for PostgresStore {
         fingerprint: Fingerprint,
         lease: Duration,
     ) -> Result<Begin, StoreError> {
-        let ticket = match &self.inner.near {
-            Some(near) => {
-                // The listener that keeps the cache honest runs from the first begin on.
+        // With a near cache: its listener (which keeps it honest) runs from the first begin
+        // on, and a hit answers with no round trip.
+        let ticket = match self.inner.near.as_ref().map(|near| near.lookup(&scope)) {
+            Some(Ok(record)) => return Ok(Begin::Completed(record)),
+            Some(Err(ticket)) => {
                 self.listener();
-                if let Some(record) = near.get(&scope) {
-                    return Ok(Begin::Completed(record));
-                }
-                Some(near.ticket())
+                Some(ticket)
             }
             None => None,
         };
