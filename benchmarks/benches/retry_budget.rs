@@ -12,8 +12,8 @@
 //!
 //! `cargo bench -p benchmarks --bench retry_budget`
 
-use std::sync::{Arc, Barrier};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use retry_layer::budget::{Budget, TpsBudget};
@@ -26,28 +26,14 @@ fn contended<T: Send + Sync + 'static>(
     op: fn(&T),
 ) -> Duration {
     let shared = Arc::new(make());
-    let barrier = Arc::new(Barrier::new(threads + 1));
-    let handles: Vec<_> = (0..threads)
-        .map(|_| {
-            let shared = shared.clone();
-            let barrier = barrier.clone();
-            std::thread::spawn(move || {
-                barrier.wait();
-                for _ in 0..iters {
-                    op(std::hint::black_box(&shared));
-                }
-                barrier.wait();
-            })
-        })
-        .collect();
-    barrier.wait();
-    let start = Instant::now();
-    barrier.wait();
-    let elapsed = start.elapsed();
-    for h in handles {
-        h.join().expect("thread");
-    }
-    elapsed
+    benchmarks::timed_threads(threads, |_| {
+        let shared = shared.clone();
+        move || {
+            for _ in 0..iters {
+                op(std::hint::black_box(&shared));
+            }
+        }
+    })
 }
 
 fn ours() -> TpsBudget {

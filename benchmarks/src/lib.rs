@@ -16,7 +16,8 @@
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::{ready, Ready};
-use std::sync::Mutex;
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
@@ -124,4 +125,33 @@ impl NaiveCache {
     pub fn put(&self, key: String, body: Bytes) {
         self.map.lock().expect("not poisoned").insert(key, body);
     }
+}
+
+/// Wall time of `threads` threads running the work `make(t)` returns (made beforehand, on this
+/// thread: setup is not timed), all released at once by a barrier; the clock stops when the
+/// last one ends.
+pub fn timed_threads<W>(threads: usize, make: impl Fn(usize) -> W) -> Duration
+where
+    W: FnOnce() + Send + 'static,
+{
+    let barrier = Arc::new(Barrier::new(threads + 1));
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let work = make(t);
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                barrier.wait();
+                work();
+                barrier.wait();
+            })
+        })
+        .collect();
+    barrier.wait();
+    let start = Instant::now();
+    barrier.wait();
+    let elapsed = start.elapsed();
+    for h in handles {
+        h.join().expect("thread");
+    }
+    elapsed
 }

@@ -2,8 +2,7 @@
 //! on a new scope (claim it) then `complete` (replace the claim by a 200-byte record), on
 //! several threads sharing one store, every measurement from an empty store.
 
-use std::sync::{Arc, Barrier};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
@@ -62,31 +61,15 @@ pub fn contended<S: IdempotencyStore>(
     make: impl Fn() -> S,
 ) -> Duration {
     let store = make();
-    let barrier = Arc::new(Barrier::new(threads + 1));
-    let handles: Vec<_> = (0..threads)
-        .map(|t| {
-            let store = store.clone();
-            let barrier = barrier.clone();
-            std::thread::spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_time()
-                    .build()
-                    .expect("runtime");
-                let rec = record();
-                barrier.wait();
-                rt.block_on(pairs(&store, t as u8, iters, &rec));
-                barrier.wait();
-            })
-        })
-        .collect();
-    barrier.wait();
-    let start = Instant::now();
-    barrier.wait();
-    let elapsed = start.elapsed();
-    for h in handles {
-        h.join().expect("thread");
-    }
-    elapsed
+    crate::timed_threads(threads, |t| {
+        let store = store.clone();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("runtime");
+        let rec = record();
+        move || rt.block_on(pairs(&store, t as u8, iters, &rec))
+    })
 }
 
 /// The `MemoryStore` the store benchmark measures: unbounded, like the baseline (the default
