@@ -8,8 +8,10 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use futures_util::future::Either;
 use futures_util::FutureExt;
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
+use http::request::Parts;
 use http::{HeaderValue, Request, Response, Version};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -187,7 +189,10 @@ where
             protocol,
             span: span.clone(),
         };
-        ResponseFuture::managed(Box::pin(write.handle(req).instrument(span)))
+        // Taken apart here, so the write's future holds the request's parts once (an `async fn`
+        // keeps its arguments, and a request taken apart inside it would be held twice).
+        let (parts, body) = req.into_parts();
+        ResponseFuture::managed(Box::pin(write.handle(parts, body).instrument(span)))
     }
 }
 
@@ -270,7 +275,15 @@ where
 {
     /// The flow of one write: read and fingerprint the body, then claim the scope and run the
     /// handler, or replay the record, or wait for the request in flight.
-    async fn handle<ReqB, ResB>(self, req: Request<ReqB>) -> Answer<ResB, S::Error>
+    ///
+    /// A plain function returning an `async move` block, not an `async fn`: an `async fn` keeps
+    /// its arguments twice (as captured and as locals), and this future is moved into its box
+    /// and polled on every request.
+    fn handle<ReqB, ResB>(
+        self,
+        mut parts: Parts,
+        body: ReqB,
+    ) -> impl Future<Output = Answer<ResB, S::Error>>
     where
         S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
         S::Future: Send + 'static,
@@ -280,177 +293,195 @@ where
         ResB: Body<Data = Bytes> + Send + 'static,
         ResB::Error: Into<BoxError>,
     {
-        let cfg = &*self.config;
-        let counters = &self.shared.counters;
-        let scope = self.scope;
-        let kind = StoreKind::of(&self.store);
-        let (mut parts, body) = req.into_parts();
-        let wait = parts
-            .headers
-            .get(GRPC_TIMEOUT)
-            .and_then(|v| parse_grpc_timeout(v).ok())
-            .map_or(cfg.max_wait, |t| t.min(cfg.max_wait));
-        let deadline = Instant::now().checked_add(wait);
+        async move {
+            let cfg = &*self.config;
+            let counters = &self.shared.counters;
+            let scope = self.scope;
+            let kind = StoreKind::of(&self.store);
+            let wait = parts
+                .headers
+                .get(GRPC_TIMEOUT)
+                .and_then(|v| parse_grpc_timeout(v).ok())
+                .map_or(cfg.max_wait, |t| t.min(cfg.max_wait));
+            let deadline = Instant::now().checked_add(wait);
 
-        let too_large = || {
-            format!(
-                "request body is larger than {} bytes; send a smaller request",
-                cfg.max_request_bytes
-            )
-        };
-        let declared = parts
-            .headers
-            .get(CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-        if declared.is_some_and(|n| n > cfg.max_request_bytes as u64) {
-            return Ok(self.reject(RejectReason::TooLarge, &too_large()));
-        }
-        let bytes = match Limited::new(body, cfg.max_request_bytes).collect().await {
-            Ok(c) => c.to_bytes(),
-            Err(e) if e.is::<LengthLimitError>() => {
-                return Ok(self.reject(RejectReason::TooLarge, &too_large()))
+            let too_large = || {
+                format!(
+                    "request body is larger than {} bytes; send a smaller request",
+                    cfg.max_request_bytes
+                )
+            };
+            let declared = parts
+                .headers
+                .get(CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+            if declared.is_some_and(|n| n > cfg.max_request_bytes as u64) {
+                return Ok(self.reject(RejectReason::TooLarge, &too_large()));
             }
-            Err(e) => {
-                return Ok(self.reject(
-                    RejectReason::BadBody,
-                    &format!("request body could not be read: {e}"),
-                ))
-            }
-        };
-        let fp = fingerprint(&parts, &bytes);
-        let mismatch = "this idempotency key was used with a different request (method, path, \
-                        query, content type or body); use a new key for a new request";
-
-        let mut waited = false;
-        // This request's place among the waiters of its scope, held while it waits.
-        let mut slot = None;
-        loop {
-            let begin = self
-                .store
-                .begin_for_tenant(self.tenant, scope, fp, cfg.lease);
-            match observe::timed(Op::Begin, kind, begin).await {
-                Ok(Begin::New(token)) => {
-                    drop(slot.take());
-                    let claim = Claim::new(
-                        self.store.clone(),
-                        scope,
-                        token,
-                        cfg.ttl,
-                        cfg.lease,
-                        &self.shared,
-                    );
-                    let ledger = tx_ledger::offer(
-                        &self.store,
-                        &mut parts.extensions,
-                        Offer {
-                            scope,
-                            token,
-                            fingerprint: fp,
-                            config: &self.config,
-                            grpc: self.protocol.is_grpc(),
-                        },
-                    );
-                    let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-                    return self.run_as_leader(req, claim, ledger, fp).await;
-                }
-                Ok(Begin::Completed(record)) => {
-                    if record.fingerprint != fp {
-                        return Ok(self.reject(RejectReason::Mismatch, mismatch));
-                    }
-                    counters.replayed();
-                    let outcome = if waited {
-                        Outcome::Waited
-                    } else {
-                        Outcome::Replayed
-                    };
-                    observe::record_outcome(&self.span, outcome);
-                    tracing::debug!(?scope, waited, "idempotency: replayed");
-                    return Ok(replay(
-                        &record,
-                        self.protocol.is_grpc(),
-                        cfg.max_record_bytes,
-                    ));
-                }
-                Ok(Begin::InFlight { token, fingerprint }) => {
-                    if fingerprint != fp {
-                        return Ok(self.reject(RejectReason::Mismatch, mismatch));
-                    }
-                    if cfg.in_flight == InFlight::Reject {
-                        return Ok(self.reject(
-                            RejectReason::InFlight,
-                            "a request with this idempotency key is in flight; retry after it \
-                             completes",
-                        ));
-                    }
-                    if slot.is_none() {
-                        slot = self.shared.wait_limit.enter(scope, cfg.max_waiters);
-                        if slot.is_none() {
-                            return Ok(self.reject(
-                                RejectReason::InFlight,
-                                "too many requests with this idempotency key are waiting for \
-                                 the one in flight; retry after it completes",
-                            ));
-                        }
-                    }
-                    if !waited {
-                        waited = true;
-                        counters.waited();
-                        tracing::debug!(?scope, "idempotency: waiting for the request in flight");
-                    }
-                    let wake = self.store.wait(scope, token);
-                    let woken = match deadline {
-                        Some(deadline) => tokio::time::timeout_at(deadline, wake).await,
-                        // A wait too long for the clock to express: unbounded.
-                        None => Ok(wake.await),
-                    };
-                    match woken {
-                        Ok(Ok(())) => continue,
-                        Ok(Err(e)) => {
-                            log_store_error(counters, kind, Op::Wait, &e);
-                            return Ok(self.reject(
-                                RejectReason::StoreUnavailable,
-                                "idempotency store unavailable while waiting; retry later",
-                            ));
-                        }
-                        Err(_) => {
-                            return Ok(self.reject(
-                                RejectReason::InFlight,
-                                "a request with this idempotency key is still in flight; retry \
-                                 later",
-                            ))
-                        }
-                    }
-                }
-                Err(StoreError::Corrupt(what)) => {
-                    // Not an outage: retrying cannot help and executing could run the write
-                    // twice, so neither fail open nor answer a retryable 503. The key stays
-                    // unusable until its entry expires or an operator forgets it.
-                    counters.store_error();
-                    observe::store_error(Op::Begin, kind);
-                    tracing::error!(?scope, error = %what, "idempotency: the stored entry of this key is corrupt; nothing executed");
-                    let detail = format!(
-                        "the stored record of this idempotency key cannot be read (corrupt \
-                         entry {scope:?}); nothing was executed: use a new key, or have an \
-                         operator forget this one"
-                    );
-                    return Ok(self.reject(RejectReason::Internal, &detail));
+            let bytes = match Limited::new(body, cfg.max_request_bytes).collect().await {
+                Ok(c) => c.to_bytes(),
+                Err(e) if e.is::<LengthLimitError>() => {
+                    return Ok(self.reject(RejectReason::TooLarge, &too_large()))
                 }
                 Err(e) => {
-                    log_store_error(counters, kind, Op::Begin, &e);
-                    if cfg.fail_open {
-                        counters.failed_open();
-                        observe::record_outcome(&self.span, Outcome::Executed);
-                        tracing::warn!(error = %e, "idempotency: store failed; executing without protection (fail_open)");
-                        let mut inner = self.inner;
-                        std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
-                        let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-                        let res = inner.call(req).await?;
-                        return Ok(res.map(IdempotencyBody::inner));
-                    }
                     return Ok(self.reject(
-                        RejectReason::StoreUnavailable,
-                        "idempotency store unavailable; nothing was executed, retry later",
-                    ));
+                        RejectReason::BadBody,
+                        &format!("request body could not be read: {e}"),
+                    ))
+                }
+            };
+            let fp = fingerprint(&parts, &bytes);
+            let mismatch = "this idempotency key was used with a different request (method, path, \
+                            query, content type or body); use a new key for a new request";
+
+            let mut waited = false;
+            // This request's place among the waiters of its scope, held while it waits.
+            let mut slot = None;
+            loop {
+                let begin = self
+                    .store
+                    .begin_for_tenant(self.tenant, scope, fp, cfg.lease);
+                let begin = observe::timed(Op::Begin, kind, begin);
+                match begin.await {
+                    Ok(Begin::New(token)) => {
+                        drop(slot.take());
+                        // Built in a block, so the request and the claim it moves into the
+                        // leader are not kept beside it while it runs.
+                        let leader = {
+                            let claim = Claim::new(
+                                self.store.clone(),
+                                scope,
+                                token,
+                                cfg.ttl,
+                                cfg.lease,
+                                &self.shared,
+                            );
+                            let ledger = tx_ledger::offer(
+                                &self.store,
+                                &mut parts.extensions,
+                                Offer {
+                                    scope,
+                                    token,
+                                    fingerprint: fp,
+                                    config: &self.config,
+                                    grpc: self.protocol.is_grpc(),
+                                },
+                            );
+                            let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                            self.run_as_leader(req, claim, ledger, fp)
+                        };
+                        return leader.await;
+                    }
+                    Ok(Begin::Completed(record)) => {
+                        if record.fingerprint != fp {
+                            return Ok(self.reject(RejectReason::Mismatch, mismatch));
+                        }
+                        counters.replayed();
+                        let outcome = if waited {
+                            Outcome::Waited
+                        } else {
+                            Outcome::Replayed
+                        };
+                        observe::record_outcome(&self.span, outcome);
+                        tracing::debug!(?scope, waited, "idempotency: replayed");
+                        return Ok(replay(
+                            &record,
+                            self.protocol.is_grpc(),
+                            cfg.max_record_bytes,
+                        ));
+                    }
+                    Ok(Begin::InFlight { token, fingerprint }) => {
+                        if fingerprint != fp {
+                            return Ok(self.reject(RejectReason::Mismatch, mismatch));
+                        }
+                        if cfg.in_flight == InFlight::Reject {
+                            return Ok(self.reject(
+                                RejectReason::InFlight,
+                                "a request with this idempotency key is in flight; retry after it \
+                                 completes",
+                            ));
+                        }
+                        if slot.is_none() {
+                            slot = self.shared.wait_limit.enter(scope, cfg.max_waiters);
+                            if slot.is_none() {
+                                return Ok(self.reject(
+                                    RejectReason::InFlight,
+                                    "too many requests with this idempotency key are waiting for \
+                                     the one in flight; retry after it completes",
+                                ));
+                            }
+                        }
+                        if !waited {
+                            waited = true;
+                            counters.waited();
+                            tracing::debug!(
+                                ?scope,
+                                "idempotency: waiting for the request in flight"
+                            );
+                        }
+                        // Boxed: the store's wait and its timer are as large as the rest of the
+                        // write's future, and only a duplicate in flight needs them.
+                        let woken = Box::pin(async {
+                            let wake = self.store.wait(scope, token);
+                            match deadline {
+                                Some(deadline) => tokio::time::timeout_at(deadline, wake).await,
+                                // A wait too long for the clock to express: unbounded.
+                                None => Ok(wake.await),
+                            }
+                        });
+                        match woken.await {
+                            Ok(Ok(())) => continue,
+                            Ok(Err(e)) => {
+                                log_store_error(counters, kind, Op::Wait, &e);
+                                return Ok(self.reject(
+                                    RejectReason::StoreUnavailable,
+                                    "idempotency store unavailable while waiting; retry later",
+                                ));
+                            }
+                            Err(_) => return Ok(self.reject(
+                                RejectReason::InFlight,
+                                "a request with this idempotency key is still in flight; retry \
+                                     later",
+                            )),
+                        }
+                    }
+                    Err(StoreError::Corrupt(what)) => {
+                        // Not an outage: retrying cannot help and executing could run the write
+                        // twice, so neither fail open nor answer a retryable 503. The key stays
+                        // unusable until its entry expires or an operator forgets it.
+                        counters.store_error();
+                        observe::store_error(Op::Begin, kind);
+                        tracing::error!(?scope, error = %what, "idempotency: the stored entry of this key is corrupt; nothing executed");
+                        let detail = format!(
+                            "the stored record of this idempotency key cannot be read (corrupt \
+                             entry {scope:?}); nothing was executed: use a new key, or have an \
+                             operator forget this one"
+                        );
+                        return Ok(self.reject(RejectReason::Internal, &detail));
+                    }
+                    Err(e) => {
+                        log_store_error(counters, kind, Op::Begin, &e);
+                        if cfg.fail_open {
+                            counters.failed_open();
+                            observe::record_outcome(&self.span, Outcome::Executed);
+                            tracing::warn!(error = %e, "idempotency: store failed; executing without protection (fail_open)");
+                            // Boxed, like the leader's call: rare, and as large as the handler's
+                            // future.
+                            let run = {
+                                let mut inner = self.inner;
+                                let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                                Box::pin(async move {
+                                    std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
+                                    inner.call(req).await
+                                })
+                            };
+                            return Ok(run.await?.map(IdempotencyBody::inner));
+                        }
+                        return Ok(self.reject(
+                            RejectReason::StoreUnavailable,
+                            "idempotency store unavailable; nothing was executed, retry later",
+                        ));
+                    }
                 }
             }
         }
@@ -458,13 +489,17 @@ where
 
     /// Runs the handler as the leader of the scope, and records its response as it streams
     /// (unless the handler recorded it in its own transaction: `ledger`).
-    async fn run_as_leader<ReqB, ResB>(
+    ///
+    /// A plain function: the handler's call and the recording are boxed here, before anything
+    /// is awaited, and the future returned holds only that box and what it needs after it, so
+    /// the write's future (which holds this one) stays small and cheap to move.
+    fn run_as_leader<ReqB, ResB>(
         self,
         req: Request<RequestBody<ReqB>>,
         claim: Claim,
         ledger: Option<Arc<TxLedger>>,
         fp: Fingerprint,
-    ) -> Answer<ResB, S::Error>
+    ) -> impl Future<Output = Answer<ResB, S::Error>> + Send + 'static
     where
         S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
         S::Future: Send + 'static,
@@ -484,40 +519,36 @@ where
             ..
         } = self;
         let grpc = protocol.is_grpc();
-        let out = match config.on_disconnect {
-            OnDisconnect::Complete => {
-                // The handler runs in this future, and moves to a task of its own only if this
-                // future is dropped first (the client went away): it then completes, and an
-                // unsent response's body is drained and recorded by the recorder's drop. (A task
-                // per execution cost more than the rest of the layer; see BENCHMARKS.md.)
-                let run = call_and_record(inner, req, claim, ledger, config.clone(), fp, grpc);
-                DetachOnDrop(Some(Box::pin(run))).await
-            }
-            // Boxed like the other arm: inline, the handler's future and the recorder would
-            // more than double the size of every write's future.
-            OnDisconnect::Release => {
-                Box::pin(call_and_record(
-                    inner,
-                    req,
-                    claim,
-                    ledger,
-                    config.clone(),
-                    fp,
-                    grpc,
-                ))
-                .await
-            }
+        let run = Box::pin(call_and_record(
+            inner,
+            req,
+            claim,
+            ledger,
+            config.clone(),
+            fp,
+            grpc,
+        ));
+        // Dropped first (the client went away), `Complete` finishes the call and its recording
+        // in a task of its own, and an unsent response's body is drained and recorded by the
+        // recorder's drop; `Release` drops it (the claim is released). The handler runs in this
+        // future until then: a task per execution cost more than the rest of the layer (see
+        // BENCHMARKS.md).
+        let run = match config.on_disconnect {
+            OnDisconnect::Complete => Either::Left(DetachOnDrop(Some(run))),
+            OnDisconnect::Release => Either::Right(run),
         };
-        match out {
-            Ok(answer) => answer,
-            Err(Panicked) => {
-                shared.counters.rejected(RejectReason::Internal);
-                Ok(reject(
-                    RejectReason::Internal,
-                    "the handler failed; nothing was recorded, a retry executes again",
-                    &protocol,
-                    config.reasons.header_name(),
-                ))
+        async move {
+            match run.await {
+                Ok(answer) => answer,
+                Err(Panicked) => {
+                    shared.counters.rejected(RejectReason::Internal);
+                    Ok(reject(
+                        RejectReason::Internal,
+                        "the handler failed; nothing was recorded, a retry executes again",
+                        &protocol,
+                        config.reasons.header_name(),
+                    ))
+                }
             }
         }
     }
