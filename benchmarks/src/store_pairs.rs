@@ -72,6 +72,26 @@ pub fn contended<S: IdempotencyStore>(
     })
 }
 
+/// Like [`contended`], but every thread on a store of its own made by `make`: nothing shared
+/// between the threads, so no shared store can do better on the same machine. On more than one
+/// thread this is the machine's own ceiling for the contended measurement (its cores, caches,
+/// allocator and page faults), measured in the same run.
+pub fn independent<S: IdempotencyStore>(
+    threads: usize,
+    iters: u64,
+    make: impl Fn() -> S,
+) -> Duration {
+    crate::timed_threads(threads, |t| {
+        let store = make();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("runtime");
+        let rec = record();
+        move || rt.block_on(pairs(&store, t as u8, iters, &rec))
+    })
+}
+
 /// The `MemoryStore` the store benchmark measures: unbounded, like the baseline (the default
 /// byte bound would refuse claims once a long measurement filled 128 MiB).
 pub fn unbounded_memory_store() -> MemoryStore {

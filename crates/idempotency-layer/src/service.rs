@@ -279,6 +279,10 @@ where
     /// A plain function returning an `async move` block, not an `async fn`: an `async fn` keeps
     /// its arguments twice (as captured and as locals), and this future is moved into its box
     /// and polled on every request.
+    #[expect(
+        clippy::manual_async_fn,
+        reason = "an `async fn` would hold its arguments twice"
+    )]
     fn handle<ReqB, ResB>(
         self,
         mut parts: Parts,

@@ -17,6 +17,9 @@ use super::{
 /// and bounded.
 const CLEANUP_PER_OP: usize = 8;
 
+/// How many boxes of completed claims a shard keeps for its next claims.
+const SPARE_CLAIMS: usize = 4;
+
 /// The bytes an entry costs besides its record: its map slot, expiry index slot, token,
 /// fingerprint and the record's fixed fields (an estimate, on the high side).
 pub(crate) const ENTRY_OVERHEAD: usize = 256;
@@ -131,6 +134,13 @@ struct Shard {
     bytes: usize,
     /// What each tenant holds (tenants holding nothing are removed).
     tenants: FastMap<TenantKey, Usage>,
+    /// The boxes of claims that completed, reused by the next claims (at most
+    /// [`SPARE_CLAIMS`]): a first execution then allocates no claim of its own.
+    #[expect(
+        clippy::vec_box,
+        reason = "the boxes themselves are what is reused, moved into the map's entries"
+    )]
+    spare: Vec<Box<Claim>>,
 }
 
 enum Entry {
@@ -466,6 +476,45 @@ impl Shard {
         self.map.insert(scope, entry);
     }
 
+    /// Replaces the claim `scope` holds (checked by the caller) by its record, in its slot: one
+    /// lookup, and the tenant charged the difference, where a removal and an insertion would
+    /// hash the scope twice more and refund then charge the tenant. The claim's box is kept for
+    /// a next claim; returns its waiters, whose drop wakes them (`None`, and nothing changed, if
+    /// `scope` holds no claim).
+    fn complete_claim(
+        &mut self,
+        scope: &ScopeKey,
+        tenant: TenantKey,
+        record: Arc<Record>,
+        expires: Instant,
+        size: usize,
+    ) -> Option<Wake> {
+        let completed = Entry::Completed {
+            tenant,
+            record,
+            expires,
+            size,
+        };
+        let slot = self.map.get_mut(scope)?;
+        let Entry::InFlight(claim) = slot else {
+            return None;
+        };
+        let waiters = std::mem::take(&mut claim.wake);
+        if let Entry::InFlight(claim) = std::mem::replace(slot, completed) {
+            if self.spare.len() < SPARE_CLAIMS {
+                self.spare.push(claim);
+            }
+        }
+        // The claim was charged one entry of `ENTRY_OVERHEAD` bytes; the record costs `size`.
+        self.bytes = self.bytes + size - ENTRY_OVERHEAD;
+        if let Some(u) = self.tenants.get_mut(&tenant) {
+            u.bytes = u.bytes + size - ENTRY_OVERHEAD;
+        }
+        self.records += 1;
+        self.push_expiry(expires, *scope);
+        Some(waiters)
+    }
+
     /// Removes what `scope` holds, refunding its tenant.
     fn remove(&mut self, scope: &ScopeKey) -> Option<Entry> {
         let entry = self.map.remove(scope)?;
@@ -660,16 +709,21 @@ impl IdempotencyStore for MemoryStore {
             }
         }
         let token = shard.token(index);
-        shard.insert(
-            scope,
-            Entry::InFlight(Box::new(Claim {
-                tenant,
-                token,
-                fingerprint,
-                lease_until: now + lease,
-                wake: Wake::default(),
-            })),
-        );
+        let claim = Claim {
+            tenant,
+            token,
+            fingerprint,
+            lease_until: now + lease,
+            wake: Wake::default(),
+        };
+        let claim = match shard.spare.pop() {
+            Some(mut spare) => {
+                *spare = claim;
+                spare
+            }
+            None => Box::new(claim),
+        };
+        shard.insert(scope, Entry::InFlight(claim));
         Ok(Begin::New(token))
     }
 
@@ -712,17 +766,13 @@ impl IdempotencyStore for MemoryStore {
                 size = record_size(&record);
             }
         }
-        // Removing the claim drops its `Wake`: the waiters wake (once the shard is unlocked).
-        shard.remove(&scope);
-        shard.insert(
-            scope,
-            Entry::Completed {
-                tenant,
-                record,
-                expires: now + ttl,
-                size,
-            },
-        );
+        // Dropping the claim's `Wake` wakes its waiters (they run once the shard is unlocked).
+        // The claim was checked above, under this lock, which only expired records' removal and
+        // evictions (never a claim's) have released since.
+        match shard.complete_claim(&scope, tenant, record, now + ttl, size) {
+            Some(waiters) => drop(waiters),
+            None => return Err(StoreError::Fenced),
+        }
         shard.clean(now, CLEANUP_PER_OP);
         Ok(())
     }
@@ -920,6 +970,64 @@ mod tests {
                 .await
                 .expect("room again once records expired");
         }
+    }
+
+    /// A completed claim's box is reused by the next claim: the reused claim is the new one in
+    /// everything (token, fingerprint, lease, waiters), the old claim's waiters were woken when
+    /// it completed, and the new one's wait until it ends.
+    #[tokio::test(start_paused = true)]
+    async fn a_reused_claim_is_a_new_claim() {
+        let store = MemoryStore::with_capacity_and_shards(100, 1);
+        let lease = Duration::from_secs(60);
+        let ttl = Duration::from_secs(3600);
+        let (a, b) = (scope(1), scope(2));
+        let Begin::New(ta) = store.begin(a, Fingerprint([1; 32]), lease).await.unwrap() else {
+            panic!("a is free");
+        };
+        let waiter = tokio::spawn({
+            let store = store.clone();
+            async move { store.wait(a, ta).await }
+        });
+        tokio::task::yield_now().await;
+        store.complete(a, ta, record().into(), ttl).await.unwrap();
+        waiter.await.unwrap().unwrap();
+        let Begin::New(tb) = store.begin(b, Fingerprint([2; 32]), lease).await.unwrap() else {
+            panic!("b is free");
+        };
+        assert_ne!(ta, tb);
+        assert!(matches!(
+            store.begin(b, Fingerprint([2; 32]), lease).await.unwrap(),
+            Begin::InFlight { token, fingerprint } if token == tb && fingerprint == Fingerprint([2; 32])
+        ));
+        // A wait on the old claim's token returns at once; one on the new claim waits for it.
+        store.wait(a, ta).await.unwrap();
+        let waiter = tokio::spawn({
+            let store = store.clone();
+            async move { store.wait(b, tb).await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        assert!(matches!(
+            store.complete(b, ta, record().into(), ttl).await,
+            Err(StoreError::Fenced)
+        ));
+        store.complete(b, tb, record().into(), ttl).await.unwrap();
+        waiter.await.unwrap().unwrap();
+        assert_eq!(store.stats().entries, 2);
+        assert_eq!(store.stats().bytes, 2 * record_size(&record()));
+        // The new claim's lease is its own: it lapses a lease after it was taken, not before.
+        let Begin::New(tc) = store
+            .begin(scope(3), Fingerprint([3; 32]), lease)
+            .await
+            .unwrap()
+        else {
+            panic!("c is free");
+        };
+        tokio::time::advance(lease - Duration::from_secs(1)).await;
+        assert!(matches!(
+            store.begin(scope(3), Fingerprint([3; 32]), lease).await.unwrap(),
+            Begin::InFlight { token, .. } if token == tc
+        ));
     }
 
     /// The byte bound holds whatever the entry count, and the store counts what it holds.
