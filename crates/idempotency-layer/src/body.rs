@@ -111,10 +111,13 @@ pin_project! {
 
 pin_project! {
     #[project = KindProj]
+    // The recorder and the trailers are boxed: a response is moved through every layer of the
+    // stack on its way out, and inline they would make every response the layer answers, a
+    // replay's too, some hundreds of bytes larger to move.
     enum Kind<B> {
         Inner { #[pin] body: B },
-        Recording { rec: Recorder<B> },
-        Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
+        Recording { rec: Box<Recorder<B>> },
+        Full { data: Option<Bytes>, trailers: Option<Box<HeaderMap>> },
     }
 }
 
@@ -153,12 +156,12 @@ impl<B> IdempotencyBody<B> {
         IdempotencyBody {
             kind: Kind::Full {
                 data: (!data.is_empty()).then_some(data),
-                trailers,
+                trailers: trailers.map(Box::new),
             },
         }
     }
 
-    pub(crate) fn recording(rec: Recorder<B>) -> Self {
+    pub(crate) fn recording(rec: Box<Recorder<B>>) -> Self {
         IdempotencyBody {
             kind: Kind::Recording { rec },
         }
@@ -182,7 +185,7 @@ where
             KindProj::Recording { rec } => rec.poll_frame(cx),
             KindProj::Full { data, trailers } => Poll::Ready(match data.take() {
                 Some(d) => Some(Ok(Frame::data(d))),
-                None => trailers.take().map(|t| Ok(Frame::trailers(t))),
+                None => trailers.take().map(|t| Ok(Frame::trailers(*t))),
             }),
         }
     }
