@@ -800,7 +800,7 @@ mod tests {
     fn the_write_future_and_the_response_body_stay_small() {
         let svc = IdempotencyLayer::new(MemoryStore::new()).layer(service_fn(created));
         let write = Write {
-            inner: svc.inner.clone(),
+            inner: svc.inner,
             store: svc.store.clone(),
             config: svc.config.clone(),
             shared: svc.shared.clone(),
