@@ -241,8 +241,7 @@ fn idempotency_row(args: &Args) -> Row {
 }
 
 /// `MemoryStore` speed over the `Mutex<HashMap>` store's, 1 and 2 threads; on 2 threads also the
-/// same ratio for one `MemoryStore` per thread (nothing shared: what no shared store can beat on
-/// this machine).
+/// same ratio for one `MemoryStore` per thread (nothing shared between the threads).
 fn store_rows(args: &Args) -> Vec<Row> {
     let mut rows = Vec::new();
     for (threads, goal) in [(1usize, 1.0), (2, 1.5)] {
@@ -281,7 +280,8 @@ fn store_rows(args: &Args) -> Vec<Row> {
                 Row::new(
                     format!(
                         "store: one MemoryStore per thread (nothing shared) / Mutex<HashMap> \
-                         store, {threads} threads: this machine's ceiling for the row above"
+                         store, {threads} threads (what sharing one store costs; see \
+                         BENCHMARKS.md)"
                     ),
                     Goal::Info,
                     "-",
