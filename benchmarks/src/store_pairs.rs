@@ -61,15 +61,7 @@ pub fn contended<S: IdempotencyStore>(
     make: impl Fn() -> S,
 ) -> Duration {
     let store = make();
-    crate::timed_threads(threads, |t| {
-        let store = store.clone();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .expect("runtime");
-        let rec = record();
-        move || rt.block_on(pairs(&store, t as u8, iters, &rec))
-    })
+    on_threads(threads, iters, |_| store.clone())
 }
 
 /// Like [`contended`], but every thread on a store of its own made by `make`: nothing shared
@@ -80,8 +72,17 @@ pub fn independent<S: IdempotencyStore>(
     iters: u64,
     make: impl Fn() -> S,
 ) -> Duration {
+    on_threads(threads, iters, |_| make())
+}
+
+/// Wall time of `iters` pairs on each of `threads` threads, thread `t` on `store_of(t)`.
+fn on_threads<S: IdempotencyStore>(
+    threads: usize,
+    iters: u64,
+    store_of: impl Fn(usize) -> S,
+) -> Duration {
     crate::timed_threads(threads, |t| {
-        let store = make();
+        let store = store_of(t);
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_time()
             .build()
