@@ -189,8 +189,8 @@ where
             protocol,
             span: span.clone(),
         };
-        // Taken apart here, so the write's future holds the request's parts once (an `async fn`
-        // keeps its arguments, and a request taken apart inside it would be held twice).
+        // Taken apart here: the write's future then holds the parts and the body once, not the
+        // request beside the parts taken from it.
         let (parts, body) = req.into_parts();
         ResponseFuture::managed(Box::pin(write.handle(parts, body).instrument(span)))
     }
