@@ -484,22 +484,22 @@ impl Shard {
     fn complete_claim(
         &mut self,
         scope: &ScopeKey,
-        tenant: TenantKey,
         record: Arc<Record>,
         expires: Instant,
         size: usize,
     ) -> Option<Wake> {
+        let slot = self.map.get_mut(scope)?;
+        let Entry::InFlight(claim) = slot else {
+            return None;
+        };
+        let tenant = claim.tenant;
+        let waiters = std::mem::take(&mut claim.wake);
         let completed = Entry::Completed {
             tenant,
             record,
             expires,
             size,
         };
-        let slot = self.map.get_mut(scope)?;
-        let Entry::InFlight(claim) = slot else {
-            return None;
-        };
-        let waiters = std::mem::take(&mut claim.wake);
         if let Entry::InFlight(claim) = std::mem::replace(slot, completed) {
             if self.spare.len() < SPARE_CLAIMS {
                 self.spare.push(claim);
@@ -769,7 +769,7 @@ impl IdempotencyStore for MemoryStore {
         // Dropping the claim's `Wake` wakes its waiters (they run once the shard is unlocked).
         // The claim was checked above, under this lock, which only expired records' removal and
         // evictions (never a claim's) have released since.
-        match shard.complete_claim(&scope, tenant, record, now + ttl, size) {
+        match shard.complete_claim(&scope, record, now + ttl, size) {
             Some(waiters) => drop(waiters),
             None => return Err(StoreError::Fenced),
         }
