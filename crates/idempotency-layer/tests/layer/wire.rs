@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::support::{collect, serve, Collected};
+use crate::support::{collect, serve, Collected, FlakyStore};
 use axum::body::Body;
 use axum::routing::post;
 use axum::Router;
@@ -197,6 +197,64 @@ async fn a_sequential_retry_after_a_delivered_response_is_a_replay() {
                     assert_eq!((m.executed, m.replayed, m.recorded), (5, 5, 5), "{case}");
                 }
             }
+        }
+    }
+}
+
+/// A store that is down, with `fail_open`: every write executes without protection and its
+/// whole response (every body shape, trailers included) reaches the client unchanged, not
+/// marked as a replay; once the store is back, the same key is recorded and then replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_answers_the_handlers_whole_response_while_the_store_is_down() {
+    for transport in TRANSPORTS {
+        for shape in SHAPES {
+            let case = format!("{transport:?} {shape:?}");
+            let counts = Counts::default();
+            let store = FlakyStore::default();
+            store.down.store(true, Ordering::SeqCst);
+            let layer = IdempotencyLayer::new(store.clone())
+                .default_tenant("t")
+                .fail_open(true);
+            let router = {
+                let counts = counts.clone();
+                Router::new().route(
+                    "/orders",
+                    post(move || {
+                        let counts = counts.clone();
+                        async move {
+                            counts.started.fetch_add(1, Ordering::SeqCst);
+                            respond(shape, Finish(counts, false).done())
+                        }
+                    }),
+                )
+            };
+            let addr = serve(router.layer(layer.clone())).await;
+            let client = client(transport);
+            for n in 1..=2 {
+                let r = send(&client, addr, "order-fail-open-1").await;
+                assert_eq!(r.status, StatusCode::CREATED, "{case}");
+                assert!(!r.replayed(), "{case}: executed, not replayed");
+                assert_eq!(r.headers["x-order"], n.to_string().as_str(), "{case}");
+                if shape != Shape::Empty {
+                    assert_eq!(r.body, format!("order {n} created"), "{case}");
+                }
+                if shape == Shape::Trailers {
+                    let t = r.trailers.as_ref().expect("trailers reach the client");
+                    assert_eq!(t["x-order-total"], n.to_string().as_str(), "{case}");
+                }
+            }
+            assert_eq!(counts.started(), 2, "{case}: unprotected while down");
+            assert_eq!(layer.stats().failed_open, 2, "{case}");
+            store.down.store(false, Ordering::SeqCst);
+            let first = send(&client, addr, "order-fail-open-1").await;
+            let retry = send(&client, addr, "order-fail-open-1").await;
+            assert!(!first.replayed(), "{case}");
+            assert!(
+                retry.replayed(),
+                "{case}: protected again once the store is back"
+            );
+            assert_eq!(retry.body, first.body, "{case}");
+            assert_eq!(counts.started(), 3, "{case}");
         }
     }
 }
