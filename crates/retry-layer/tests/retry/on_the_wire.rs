@@ -9,10 +9,22 @@ use http::{Method, Request};
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use reason_code::Code;
-use retry_layer::{BoxError, Conflict, RetryError, RetryInfo, RetryLayer, RetryPolicy};
+use retry_layer::{
+    BoxError, Conflict, RetryError, RetryInfo, RetryLayer, RetryPolicy, RetryPolicyBuilder,
+};
 use tower::ServiceExt;
 
 use crate::wire::*;
+
+/// A layer whose policy generates a key for keyless writes (so they may be retried), tuned
+/// further by `tune`.
+fn keyed_layer(tune: impl FnOnce(RetryPolicyBuilder) -> RetryPolicyBuilder) -> RetryLayer {
+    RetryLayer::new(
+        tune(RetryPolicy::builder().ensure_idempotency_key())
+            .build()
+            .unwrap(),
+    )
+}
 
 /// Items 1 and 4: a 409 STOCK_CONFLICT reaches the rebuild hook over a real transport (before,
 /// hyper stopped at `is_end_stream()` and the hook never ran), with a body that streams in
@@ -114,12 +126,7 @@ async fn a_chunked_body_with_trailers_is_replayed_with_its_trailers() {
 async fn close_after_read_gives_an_error_that_carries_the_key() {
     for proto in BOTH {
         let server = serve(|_, _| Act::Close).await;
-        let layer = RetryLayer::new(
-            RetryPolicy::builder()
-                .ensure_idempotency_key()
-                .build()
-                .unwrap(),
-        );
+        let layer = keyed_layer(|p| p);
         let req = Request::post(server.url("/orders"))
             .body(full("{\"qty\":1}"))
             .unwrap();
@@ -250,12 +257,7 @@ async fn a_whole_body_is_sent_whole_by_every_attempt() {
     const BODY: &str = "{\"sku\":\"b1\",\"qty\":3}";
     for proto in BOTH {
         let server = serve(|_, n| if n < 2 { status(503) } else { status(201) }).await;
-        let layer = RetryLayer::new(
-            RetryPolicy::builder()
-                .ensure_idempotency_key()
-                .build()
-                .unwrap(),
-        );
+        let layer = keyed_layer(|p| p);
         let req = Request::post(server.url("/orders"))
             .body(full(BODY))
             .unwrap();
@@ -278,13 +280,7 @@ async fn a_whole_body_is_sent_whole_by_every_attempt() {
         }
 
         let once = serve(|_, _| status(503)).await;
-        let layer = RetryLayer::new(
-            RetryPolicy::builder()
-                .ensure_idempotency_key()
-                .max_attempts(1)
-                .build()
-                .unwrap(),
-        );
+        let layer = keyed_layer(|p| p.max_attempts(1));
         let req = Request::post(once.url("/orders")).body(full(BODY)).unwrap();
         let res = bounded("the call", client(&layer, proto).oneshot(req))
             .await
