@@ -59,10 +59,40 @@ impl KeyGen {
         KeyGen { prefix, n: 0 }
     }
 
-    /// The next key.
+    /// The next key. Written digit by digit into a string of the right capacity: `format!`
+    /// (its formatter, padding and the string's growth) cost ~1 500 instructions per key, a
+    /// quarter of the `no_layer` baseline's request, which every case of the benchmark paid.
     pub fn next_key(&mut self) -> String {
         self.n += 1;
-        format!("{}-{:012}", self.prefix, self.n)
+        let mut digits = [b'0'; 20];
+        let (mut n, mut start) = (self.n, digits.len());
+        while n > 0 {
+            start -= 1;
+            digits[start] = b'0' + (n % 10) as u8;
+            n /= 10;
+        }
+        let start = start.min(digits.len() - 12);
+        let mut key = String::with_capacity(self.prefix.len() + 1 + digits.len() - start);
+        key.push_str(self.prefix);
+        key.push('-');
+        key.push_str(std::str::from_utf8(&digits[start..]).expect("ASCII digits"));
+        key
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KeyGen;
+
+    #[test]
+    fn keys_are_the_prefix_and_twelve_digits() {
+        let mut keys = KeyGen::new("order");
+        assert_eq!(keys.next_key(), "order-000000000001");
+        keys.n = 999_999_999_998;
+        assert_eq!(keys.next_key(), "order-999999999999");
+        assert_eq!(keys.next_key(), "order-1000000000000");
+        keys.n = u64::MAX - 1;
+        assert_eq!(keys.next_key(), format!("order-{}", u64::MAX));
     }
 }
 
