@@ -7,12 +7,17 @@
 //! The time reported is per begin+complete per thread (wall time of `iters` pairs on every
 //! thread at once): with 2 threads, throughput is 2 / that.
 //!
+//! `store_steady_state` does the same pairs in a steady state: each pair also forgets the record
+//! `WINDOW` pairs back, so the store holds a constant number of records and reuses the memory
+//! it frees (from empty, both stores spend much of their time growing: the allocator's slow
+//! path and the kernel's page faults; see BENCHMARKS.md).
+//!
 //! `cargo bench -p benchmarks --bench store`
 
 use std::time::Duration;
 
 use benchmarks::baseline::MutexStore;
-use benchmarks::store_pairs::{contended, unbounded_memory_store};
+use benchmarks::store_pairs::{contended, contended_steady, unbounded_memory_store};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 
 fn store(c: &mut Criterion) {
@@ -23,6 +28,16 @@ fn store(c: &mut Criterion) {
         });
         group.bench_function(BenchmarkId::new("mutex_hashmap", threads), |b| {
             b.iter_custom(|iters| contended(threads, iters, MutexStore::default))
+        });
+    }
+    group.finish();
+    let mut group = c.benchmark_group("store_steady_state");
+    for threads in [1usize, 2] {
+        group.bench_function(BenchmarkId::new("memory_store", threads), |b| {
+            b.iter_custom(|iters| contended_steady(threads, iters, unbounded_memory_store))
+        });
+        group.bench_function(BenchmarkId::new("mutex_hashmap", threads), |b| {
+            b.iter_custom(|iters| contended_steady(threads, iters, MutexStore::default))
         });
     }
     group.finish();

@@ -80,22 +80,6 @@ impl KeyGen {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::KeyGen;
-
-    #[test]
-    fn keys_are_the_prefix_and_twelve_digits() {
-        let mut keys = KeyGen::new("order");
-        assert_eq!(keys.next_key(), "order-000000000001");
-        keys.n = 999_999_999_998;
-        assert_eq!(keys.next_key(), "order-999999999999");
-        assert_eq!(keys.next_key(), "order-1000000000000");
-        keys.n = u64::MAX - 1;
-        assert_eq!(keys.next_key(), format!("order-{}", u64::MAX));
-    }
-}
-
 /// Mean time per request of `iters` requests, one at a time on `rt`: `make(key)` builds each
 /// request's future from a fresh key of `keys` (or ignores it, for a replay).
 pub fn time_requests<F: Future>(
@@ -111,4 +95,20 @@ pub fn time_requests<F: Future>(
         }
         start.elapsed() / iters.max(1) as u32
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KeyGen;
+
+    #[test]
+    fn keys_are_the_prefix_and_twelve_digits() {
+        let mut keys = KeyGen::new("order");
+        assert_eq!(keys.next_key(), "order-000000000001");
+        keys.n = 999_999_999_998;
+        assert_eq!(keys.next_key(), "order-999999999999");
+        assert_eq!(keys.next_key(), "order-1000000000000");
+        keys.n = u64::MAX - 1;
+        assert_eq!(keys.next_key(), format!("order-{}", u64::MAX));
+    }
 }

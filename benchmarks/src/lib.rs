@@ -129,10 +129,11 @@ impl NaiveCache {
 
 /// Wall time of `threads` threads running the work `make(t)` returns (made beforehand, on this
 /// thread: setup is not timed), all released at once by a barrier; the clock stops when the
-/// last one ends.
-pub fn timed_threads<W>(threads: usize, make: impl Fn(usize) -> W) -> Duration
+/// last one ends. What a work returns is dropped after that (not timed).
+pub fn timed_threads<W, R>(threads: usize, make: impl Fn(usize) -> W) -> Duration
 where
-    W: FnOnce() + Send + 'static,
+    W: FnOnce() -> R + Send + 'static,
+    R: Send + 'static,
 {
     let barrier = Arc::new(Barrier::new(threads + 1));
     let handles: Vec<_> = (0..threads)
@@ -141,8 +142,11 @@ where
             let barrier = barrier.clone();
             std::thread::spawn(move || {
                 barrier.wait();
-                work();
+                let kept = work();
                 barrier.wait();
+                // Dropped after the clock stopped: a work's store or runtime, emptied here,
+                // is not part of its time.
+                drop(kept);
             })
         })
         .collect();

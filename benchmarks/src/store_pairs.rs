@@ -1,6 +1,9 @@
 //! The store benchmark's work, shared by `benches/store.rs` and the `targets` binary: `begin`
 //! on a new scope (claim it) then `complete` (replace the claim by a 200-byte record), on
-//! several threads sharing one store, every measurement from an empty store.
+//! several threads sharing one store, every measurement from an empty store; and the same in a
+//! steady state, where each pair also forgets the record [`WINDOW`] pairs back, so the store
+//! holds a constant number of records and reuses the memory it frees (as a server's store does
+//! once its records start to expire).
 
 use std::time::Duration;
 
@@ -52,6 +55,55 @@ pub async fn pairs<S: IdempotencyStore>(store: &S, t: u8, iters: u64, rec: &Reco
     }
 }
 
+/// Records each thread keeps in the steady state: pair `i` forgets the record of pair
+/// `i - WINDOW`.
+pub const WINDOW: u64 = 4096;
+
+/// The records' time to live in the steady state: longer than a window of pairs takes (the
+/// forget always finds its record), short enough that `MemoryStore`'s expiry queue, which
+/// still holds the forgotten records' deadlines, is emptied as it goes (its incremental
+/// cleanup pops them) instead of growing through the measurement.
+const STEADY_TTL: Duration = Duration::from_millis(10);
+
+/// `iters` begin+complete+forget triples of thread `t` on `store`: the steady state.
+pub async fn steady_pairs<S: IdempotencyStore>(store: &S, t: u8, iters: u64, rec: &Record) {
+    for i in 0..iters {
+        let s = scope(t, i);
+        let Ok(Begin::New(token)) = store.begin(s, rec.fingerprint(), LEASE).await else {
+            panic!("a new scope is free");
+        };
+        store
+            .complete(s, token, rec.clone().into(), STEADY_TTL)
+            .await
+            .expect("the claim holds");
+        if let Some(old) = i.checked_sub(WINDOW) {
+            store.forget(scope(t, old)).await.expect("forget");
+        }
+    }
+}
+
+/// Like [`contended`], in the steady state ([`steady_pairs`]): the time per pair includes its
+/// `forget`.
+pub fn contended_steady<S: IdempotencyStore>(
+    threads: usize,
+    iters: u64,
+    make: impl Fn() -> S,
+) -> Duration {
+    let store = make();
+    crate::timed_threads(threads, |t| {
+        let store = store.clone();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("runtime");
+        let rec = record();
+        move || {
+            rt.block_on(steady_pairs(&store, t as u8, iters, &rec));
+            (store, rt)
+        }
+    })
+}
+
 /// Wall time of `iters` pairs on each of `threads` threads (each with its own current-thread
 /// runtime) on one store made by `make`, all started at once: the time per pair per thread is
 /// this divided by `iters`.
@@ -88,7 +140,11 @@ fn on_threads<S: IdempotencyStore>(
             .build()
             .expect("runtime");
         let rec = record();
-        move || rt.block_on(pairs(&store, t as u8, iters, &rec))
+        move || {
+            rt.block_on(pairs(&store, t as u8, iters, &rec));
+            // Dropped once the clock has stopped (a store of its own is emptied then).
+            (store, rt)
+        }
     })
 }
 

@@ -1,6 +1,7 @@
 //! The store benchmark's loop (`begin` on a new scope, then `complete` with a 200-byte record,
 //! one thread, from an empty store) as one run, for instruction counts under callgrind:
-//! `memory` (`MemoryStore`) or `mutex` (the `Mutex<HashMap>` baseline):
+//! `memory` (`MemoryStore`) or `mutex` (the `Mutex<HashMap>` baseline), or `memory-steady` and
+//! `mutex-steady` for the steady state (each pair also forgets the record 4 096 pairs back):
 //!
 //! ```text
 //! cargo build --profile bench -p benchmarks --bin store_profile
@@ -14,7 +15,7 @@
 //! against 50 000 pairs); see BENCHMARKS.md.
 
 use benchmarks::baseline::MutexStore;
-use benchmarks::store_pairs::{contended, unbounded_memory_store};
+use benchmarks::store_pairs::{contended, contended_steady, unbounded_memory_store};
 
 fn main() {
     let which = std::env::args().nth(1).unwrap_or_default();
@@ -22,10 +23,18 @@ fn main() {
         .nth(2)
         .map(|s| s.parse().expect("pairs: a number"))
         .unwrap_or(50_000);
+    let threads: usize = std::env::args()
+        .nth(3)
+        .map(|s| s.parse().expect("threads: a number"))
+        .unwrap_or(1);
     let took = match which.as_str() {
-        "memory" => contended(1, pairs, unbounded_memory_store),
-        "mutex" => contended(1, pairs, MutexStore::default),
-        other => panic!("store_profile memory|mutex [pairs], not {other:?}"),
+        "memory" => contended(threads, pairs, unbounded_memory_store),
+        "mutex" => contended(threads, pairs, MutexStore::default),
+        "memory-steady" => contended_steady(threads, pairs, unbounded_memory_store),
+        "mutex-steady" => contended_steady(threads, pairs, MutexStore::default),
+        other => panic!(
+            "store_profile memory|mutex|memory-steady|mutex-steady [pairs [threads]], not {other:?}"
+        ),
     };
-    eprintln!("{which}: {pairs} pairs in {took:?}");
+    eprintln!("{which}: {pairs} pairs on each of {threads} threads in {took:?}");
 }

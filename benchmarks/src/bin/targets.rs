@@ -6,7 +6,9 @@
 //! - the idempotency layer's first execution in µs, with `no_layer` and the naive cache beside
 //!   it, over `benchmarks::idempotency`, the setup of `benches/idempotency.rs`;
 //! - `MemoryStore` speed over a `Mutex<HashMap>` store on 1 and 2 threads, over
-//!   `benchmarks::store_pairs`, the work of `benches/store.rs`;
+//!   `benchmarks::store_pairs`, the work of `benches/store.rs`, each measurement in a fresh
+//!   child process of this binary (in one long process each case inherits the heap the cases
+//!   before it left, and that decided the result more than the store did: see BENCHMARKS.md);
 //! - memory per record, the loadtest's HTTP and gRPC ratios, `redis/replay` / `memory/replay`
 //!   and PostgreSQL statements per request, over `benchmarks::load`, the loadtest's machinery.
 //!
@@ -27,7 +29,9 @@ use benchmarks::load::{
     RedisTarget, Report,
 };
 use benchmarks::retry::{bare, retry_layer, time_calls, tower_retry, BODY_SIZES};
-use benchmarks::store_pairs::{contended, independent, unbounded_memory_store};
+use benchmarks::store_pairs::{
+    contended, contended_steady, independent, unbounded_memory_store, WINDOW,
+};
 use benchmarks::{call_to_end, created, median, order_request, NaiveCache, RESPONSE_200};
 use bytes::Bytes;
 use clap::Parser;
@@ -240,23 +244,71 @@ fn idempotency_row(args: &Args) -> Row {
     )
 }
 
-/// `MemoryStore` speed over the `Mutex<HashMap>` store's, 1 and 2 threads; on 2 threads also the
-/// same ratio for one `MemoryStore` per thread (nothing shared between the threads).
+/// The hidden first argument that makes this binary time one store case and exit (see
+/// [`store_case_in_child`]).
+const STORE_CASE: &str = "__store-case";
+
+/// One store case, by name: its wall time for `iters` pairs on each of `threads` threads.
+fn store_case(case: &str, threads: usize, iters: u64) -> Duration {
+    match case {
+        "memory" => contended(threads, iters, unbounded_memory_store),
+        "mutex" => contended(threads, iters, MutexStore::default),
+        "memory-per-thread" => independent(threads, iters, unbounded_memory_store),
+        "memory-steady" => contended_steady(threads, iters, unbounded_memory_store),
+        "mutex-steady" => contended_steady(threads, iters, MutexStore::default),
+        other => panic!("no store case {other:?}"),
+    }
+}
+
+/// Nanoseconds per pair per thread of one store case, timed in a fresh child process (this
+/// binary run with [`STORE_CASE`]): every case starts from the same heap, the one a new
+/// process has, instead of the one the cases before it left behind.
+fn store_case_in_child(case: &str, threads: usize, iters: u64) -> f64 {
+    let exe = std::env::current_exe().expect("the path of this binary");
+    let out = std::process::Command::new(exe)
+        .args([STORE_CASE, case, &threads.to_string(), &iters.to_string()])
+        .output()
+        .expect("run this binary for one store case");
+    assert!(
+        out.status.success(),
+        "store case {case} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let nanos: f64 = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .expect("the child prints its nanoseconds");
+    nanos / iters as f64
+}
+
+/// `MemoryStore` speed over the `Mutex<HashMap>` store's, 1 and 2 threads, from empty (the
+/// goal rows) and in the steady state; on 2 threads also the ratio for one `MemoryStore` per
+/// thread (nothing shared between the threads). Rounds interleave the cases; each measurement
+/// is a child process of its own.
 fn store_rows(args: &Args) -> Vec<Row> {
     let mut rows = Vec::new();
     for (threads, goal) in [(1usize, 1.0), (2, 1.5)] {
         let iters = calibrate(args.micro_ms, 20_000, |n| {
             contended(threads, n, unbounded_memory_store)
         });
+        let steady_iters = calibrate(args.micro_ms, 20_000, |n| {
+            contended_steady(threads, n, unbounded_memory_store)
+        });
         let (mut ms, mut xs, mut is) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut sm, mut sx) = (Vec::new(), Vec::new());
         for _ in 0..args.micro_rounds {
-            ms.push(ns(contended(threads, iters, unbounded_memory_store)) / iters as f64);
-            xs.push(ns(contended(threads, iters, MutexStore::default)) / iters as f64);
+            ms.push(store_case_in_child("memory", threads, iters));
+            xs.push(store_case_in_child("mutex", threads, iters));
             if threads > 1 {
-                is.push(ns(independent(threads, iters, unbounded_memory_store)) / iters as f64);
+                is.push(store_case_in_child("memory-per-thread", threads, iters));
             }
+            // The same pairs in the steady state (each also forgets the record `WINDOW` pairs
+            // back): context, not the goal (the table's bench grows from empty).
+            sm.push(store_case_in_child("memory-steady", threads, steady_iters));
+            sx.push(store_case_in_child("mutex-steady", threads, steady_iters));
         }
         let (m, x) = (median(&mut ms), median(&mut xs));
+        let (sm, sx) = (median(&mut sm), median(&mut sx));
         let plural = if threads == 1 { "" } else { "s" };
         rows.push(
             Row::new(
@@ -271,6 +323,23 @@ fn store_rows(args: &Args) -> Vec<Row> {
                 format!(
                     "{:.2} ({m:.0} / {x:.0} ns per begin+complete per thread)",
                     x / m
+                ),
+            ),
+        );
+        rows.push(
+            Row::new(
+                format!(
+                    "store, steady state (each pair also forgets the record {WINDOW} pairs \
+                     back): MemoryStore speed / Mutex<HashMap> store, {threads} thread{plural}"
+                ),
+                Goal::Info,
+                "-",
+            )
+            .value(
+                sx / sm,
+                format!(
+                    "{:.2} ({sm:.0} / {sx:.0} ns per begin+complete+forget per thread)",
+                    sx / sm
                 ),
             ),
         );
@@ -320,6 +389,17 @@ fn ratio_row(report: &Report, target: &str, name: &str, goal: f64, skip: &str) -
 }
 
 fn main() {
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some(STORE_CASE) {
+        let [case, threads, iters] = [2, 3, 4].map(|i| argv.get(i).expect("store case arguments"));
+        let took = store_case(
+            case,
+            threads.parse().expect("threads"),
+            iters.parse().expect("iterations"),
+        );
+        println!("{}", ns(took));
+        return;
+    }
     let args = Args::parse();
     let cfg = LoadConfig {
         connections: args.connections,
