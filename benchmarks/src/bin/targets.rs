@@ -153,7 +153,8 @@ impl Row {
     }
 }
 
-/// Iterations that take about `ms` milliseconds, from a short trial of `trial` iterations.
+/// Iterations that take about `ms` milliseconds, from a short trial of `trial` iterations:
+/// `time(n)` returns the time per iteration of `n` iterations.
 fn calibrate(ms: u64, trial: u64, mut time: impl FnMut(u64) -> Duration) -> u64 {
     let per = time(trial).as_secs_f64().max(1e-9);
     ((ms as f64 / 1e3) / per).clamp(100.0, 1e8) as u64
@@ -288,11 +289,12 @@ fn store_case_in_child(case: &str, threads: usize, iters: u64) -> f64 {
 fn store_rows(args: &Args) -> Vec<Row> {
     let mut rows = Vec::new();
     for (threads, goal) in [(1usize, 1.0), (2, 1.5)] {
+        // `calibrate` wants the time per iteration; these return the time of all `n`.
         let iters = calibrate(args.micro_ms, 20_000, |n| {
-            contended(threads, n, unbounded_memory_store)
+            contended(threads, n, unbounded_memory_store) / n as u32
         });
         let steady_iters = calibrate(args.micro_ms, 20_000, |n| {
-            contended_steady(threads, n, unbounded_memory_store)
+            contended_steady(threads, n, unbounded_memory_store) / n as u32
         });
         let (mut ms, mut xs, mut is) = (Vec::new(), Vec::new(), Vec::new());
         let (mut sm, mut sx) = (Vec::new(), Vec::new());
