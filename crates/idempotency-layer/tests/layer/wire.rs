@@ -297,6 +297,87 @@ async fn concurrent_duplicates_run_once() {
     }
 }
 
+/// A handler that panics: over the wire the client gets a whole `500` problem document with the
+/// code `INTERNAL` (the connection stays usable), nothing is recorded, and the key runs again. With
+/// duplicates waiting on the panicking execution, exactly one of them runs the handler next
+/// and the rest get its response, in both `OnDisconnect` modes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_handler_answers_500_over_the_wire_and_its_key_runs_again() {
+    for transport in TRANSPORTS {
+        for on_disconnect in [OnDisconnect::Complete, OnDisconnect::Release] {
+            let case = format!("{transport:?} {on_disconnect:?}");
+            let counts = Counts::default();
+            let router = {
+                let counts = counts.clone();
+                Router::new().route(
+                    "/orders",
+                    post(move || {
+                        let counts = counts.clone();
+                        async move {
+                            let n = counts.started.fetch_add(1, Ordering::SeqCst) + 1;
+                            // The first execution of each key panics, after a while, so that
+                            // the concurrent duplicates below are waiting on it.
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            if n == 1 || n == 3 {
+                                panic!("handler bug (expected by the test)");
+                            }
+                            respond(Shape::ContentLength, n)
+                        }
+                    }),
+                )
+            };
+            let layer = layer(on_disconnect, InFlight::Wait);
+            let addr = serve(router.layer(layer.clone())).await;
+            let client = client(transport);
+
+            let failed = send(&client, addr, "order-panic-1").await;
+            assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR, "{case}");
+            assert!(
+                String::from_utf8_lossy(&failed.body).contains(r#""code":"INTERNAL""#),
+                "{case}: a problem document with the code: {failed:?}"
+            );
+            let again = send(&client, addr, "order-panic-1").await;
+            assert_eq!(again.status, StatusCode::CREATED, "{case}: {again:?}");
+            assert!(!again.replayed(), "{case}: executed again, not replayed");
+            assert_eq!(again.body, "order 2 created", "{case}");
+            let replay = send(&client, addr, "order-panic-1").await;
+            assert!(replay.replayed(), "{case}");
+            assert_eq!(replay.body, again.body, "{case}");
+
+            // Ten duplicates at once; the one that leads panics (execution 3).
+            let answers = futures_util::future::join_all(
+                (0..10).map(|_| send(&client, addr, "order-panic-2")),
+            )
+            .await;
+            let failed = answers
+                .iter()
+                .filter(|a| a.status == StatusCode::INTERNAL_SERVER_ERROR)
+                .count();
+            assert_eq!(
+                failed, 1,
+                "{case}: only the panicking execution's caller fails"
+            );
+            for a in answers
+                .iter()
+                .filter(|a| a.status != StatusCode::INTERNAL_SERVER_ERROR)
+            {
+                assert_eq!(a.status, StatusCode::CREATED, "{case}: {a:?}");
+                assert_eq!(
+                    a.body, "order 4 created",
+                    "{case}: the next execution's answer"
+                );
+            }
+            assert_eq!(
+                counts.started(),
+                4,
+                "{case}: one execution after each panic"
+            );
+            let m = layer.stats();
+            assert_eq!((m.executed, m.recorded), (4, 2), "{case}");
+        }
+    }
+}
+
 /// A client that goes away mid-handler: `Complete` finishes the handler and the retry gets the
 /// replay; `Release` cancels it (its drop guard fires) and the retry executes again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
