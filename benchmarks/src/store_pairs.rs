@@ -41,20 +41,6 @@ pub fn scope(t: u8, i: u64) -> ScopeKey {
     ScopeKey(k)
 }
 
-/// `iters` begin+complete pairs of thread `t` on `store`.
-pub async fn pairs<S: IdempotencyStore>(store: &S, t: u8, iters: u64, rec: &Record) {
-    for i in 0..iters {
-        let s = scope(t, i);
-        let Ok(Begin::New(token)) = store.begin(s, rec.fingerprint(), LEASE).await else {
-            panic!("a new scope is free");
-        };
-        store
-            .complete(s, token, rec.clone().into(), TTL)
-            .await
-            .expect("the claim holds");
-    }
-}
-
 /// Records each thread keeps in the steady state: pair `i` forgets the record of pair
 /// `i - WINDOW`.
 pub const WINDOW: u64 = 4096;
@@ -65,43 +51,36 @@ pub const WINDOW: u64 = 4096;
 /// cleanup pops them) instead of growing through the measurement.
 const STEADY_TTL: Duration = Duration::from_millis(10);
 
-/// `iters` begin+complete+forget triples of thread `t` on `store`: the steady state.
-pub async fn steady_pairs<S: IdempotencyStore>(store: &S, t: u8, iters: u64, rec: &Record) {
+/// How the pairs treat the store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Every record is kept: the store grows from empty.
+    FromEmpty,
+    /// Each pair also forgets the record [`WINDOW`] pairs back: the store holds a constant
+    /// number of records and reuses the memory it frees.
+    Steady,
+}
+
+/// `iters` begin+complete pairs of thread `t` on `store` (each followed by a `forget` in the
+/// steady state).
+pub async fn pairs<S: IdempotencyStore>(store: &S, t: u8, iters: u64, rec: &Record, mode: Mode) {
+    let ttl = match mode {
+        Mode::FromEmpty => TTL,
+        Mode::Steady => STEADY_TTL,
+    };
     for i in 0..iters {
         let s = scope(t, i);
         let Ok(Begin::New(token)) = store.begin(s, rec.fingerprint(), LEASE).await else {
             panic!("a new scope is free");
         };
         store
-            .complete(s, token, rec.clone().into(), STEADY_TTL)
+            .complete(s, token, rec.clone().into(), ttl)
             .await
             .expect("the claim holds");
-        if let Some(old) = i.checked_sub(WINDOW) {
+        if let (Mode::Steady, Some(old)) = (mode, i.checked_sub(WINDOW)) {
             store.forget(scope(t, old)).await.expect("forget");
         }
     }
-}
-
-/// Like [`contended`], in the steady state ([`steady_pairs`]): the time per pair includes its
-/// `forget`.
-pub fn contended_steady<S: IdempotencyStore>(
-    threads: usize,
-    iters: u64,
-    make: impl Fn() -> S,
-) -> Duration {
-    let store = make();
-    crate::timed_threads(threads, |t| {
-        let store = store.clone();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .expect("runtime");
-        let rec = record();
-        move || {
-            rt.block_on(steady_pairs(&store, t as u8, iters, &rec));
-            (store, rt)
-        }
-    })
 }
 
 /// Wall time of `iters` pairs on each of `threads` threads (each with its own current-thread
@@ -113,7 +92,18 @@ pub fn contended<S: IdempotencyStore>(
     make: impl Fn() -> S,
 ) -> Duration {
     let store = make();
-    on_threads(threads, iters, |_| store.clone())
+    on_threads(threads, iters, Mode::FromEmpty, |_| store.clone())
+}
+
+/// Like [`contended`], in the steady state ([`Mode::Steady`]): the time per pair includes its
+/// `forget`.
+pub fn contended_steady<S: IdempotencyStore>(
+    threads: usize,
+    iters: u64,
+    make: impl Fn() -> S,
+) -> Duration {
+    let store = make();
+    on_threads(threads, iters, Mode::Steady, |_| store.clone())
 }
 
 /// Like [`contended`], but every thread on a store of its own made by `make`: nothing shared
@@ -124,13 +114,14 @@ pub fn independent<S: IdempotencyStore>(
     iters: u64,
     make: impl Fn() -> S,
 ) -> Duration {
-    on_threads(threads, iters, |_| make())
+    on_threads(threads, iters, Mode::FromEmpty, |_| make())
 }
 
 /// Wall time of `iters` pairs on each of `threads` threads, thread `t` on `store_of(t)`.
 fn on_threads<S: IdempotencyStore>(
     threads: usize,
     iters: u64,
+    mode: Mode,
     store_of: impl Fn(usize) -> S,
 ) -> Duration {
     crate::timed_threads(threads, |t| {
@@ -141,7 +132,7 @@ fn on_threads<S: IdempotencyStore>(
             .expect("runtime");
         let rec = record();
         move || {
-            rt.block_on(pairs(&store, t as u8, iters, &rec));
+            rt.block_on(pairs(&store, t as u8, iters, &rec, mode));
             // Dropped once the clock has stopped (a store of its own is emptied then).
             (store, rt)
         }

@@ -120,25 +120,27 @@ fn respond(shape: Shape, n: usize) -> Response<Body> {
     res.body(body).unwrap()
 }
 
+/// `/orders`, answered by `handle` with the test's counts.
+fn orders<F, Fut>(counts: &Counts, handle: F) -> Router
+where
+    F: Fn(Counts) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Response<Body>> + Send + 'static,
+{
+    let counts = counts.clone();
+    Router::new().route("/orders", post(move || handle(counts.clone())))
+}
+
 /// `/orders` answers with `shape` after `work` (a real delay: the clients are real too).
 fn app(layer: IdempotencyLayer, shape: Shape, work: Duration, counts: &Counts) -> Router {
-    let counts = counts.clone();
-    Router::new()
-        .route(
-            "/orders",
-            post(move || {
-                let counts = counts.clone();
-                async move {
-                    counts.started.fetch_add(1, Ordering::SeqCst);
-                    let finish = Finish(counts, false);
-                    if !work.is_zero() {
-                        tokio::time::sleep(work).await;
-                    }
-                    respond(shape, finish.done())
-                }
-            }),
-        )
-        .layer(layer)
+    orders(counts, move |counts| async move {
+        counts.started.fetch_add(1, Ordering::SeqCst);
+        let finish = Finish(counts, false);
+        if !work.is_zero() {
+            tokio::time::sleep(work).await;
+        }
+        respond(shape, finish.done())
+    })
+    .layer(layer)
 }
 
 async fn send(client: &HttpClient, addr: SocketAddr, key: &str) -> Collected {
@@ -215,19 +217,10 @@ async fn fail_open_answers_the_handlers_whole_response_while_the_store_is_down()
             let layer = IdempotencyLayer::new(store.clone())
                 .default_tenant("t")
                 .fail_open(true);
-            let router = {
-                let counts = counts.clone();
-                Router::new().route(
-                    "/orders",
-                    post(move || {
-                        let counts = counts.clone();
-                        async move {
-                            counts.started.fetch_add(1, Ordering::SeqCst);
-                            respond(shape, Finish(counts, false).done())
-                        }
-                    }),
-                )
-            };
+            let router = orders(&counts, move |counts| async move {
+                counts.started.fetch_add(1, Ordering::SeqCst);
+                respond(shape, Finish(counts, false).done())
+            });
             let addr = serve(router.layer(layer.clone())).await;
             let client = client(transport);
             for n in 1..=2 {
@@ -307,25 +300,16 @@ async fn a_panicking_handler_answers_500_over_the_wire_and_its_key_runs_again() 
         for on_disconnect in [OnDisconnect::Complete, OnDisconnect::Release] {
             let case = format!("{transport:?} {on_disconnect:?}");
             let counts = Counts::default();
-            let router = {
-                let counts = counts.clone();
-                Router::new().route(
-                    "/orders",
-                    post(move || {
-                        let counts = counts.clone();
-                        async move {
-                            let n = counts.started.fetch_add(1, Ordering::SeqCst) + 1;
-                            // The first execution of each key panics, after a while, so that
-                            // the concurrent duplicates below are waiting on it.
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                            if n == 1 || n == 3 {
-                                panic!("handler bug (expected by the test)");
-                            }
-                            respond(Shape::ContentLength, n)
-                        }
-                    }),
-                )
-            };
+            let router = orders(&counts, |counts| async move {
+                let n = counts.started.fetch_add(1, Ordering::SeqCst) + 1;
+                // The first execution of each key panics, after a while, so that the
+                // concurrent duplicates below are waiting on it.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                if n == 1 || n == 3 {
+                    panic!("handler bug (expected by the test)");
+                }
+                respond(Shape::ContentLength, n)
+            });
             let layer = layer(on_disconnect, InFlight::Wait);
             let addr = serve(router.layer(layer.clone())).await;
             let client = client(transport);
