@@ -290,10 +290,10 @@ async fn concurrent_duplicates_run_once() {
     }
 }
 
-/// A handler that panics: over the wire the client gets a whole `500` problem document with the
-/// code `INTERNAL` (the connection stays usable), nothing is recorded, and the key runs again. With
-/// duplicates waiting on the panicking execution, exactly one of them runs the handler next
-/// and the rest get its response, in both `OnDisconnect` modes.
+/// A handler that panics: over the wire the client gets a whole `500` problem document with
+/// the code `INTERNAL` (on a connection that stays usable), nothing is recorded, and the key
+/// runs again. With duplicates waiting on the panicking execution, exactly one of them runs the
+/// handler next and the rest get its response, in both `OnDisconnect` modes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panicking_handler_answers_500_over_the_wire_and_its_key_runs_again() {
     for transport in TRANSPORTS {
