@@ -322,8 +322,8 @@ where
             if declared.is_some_and(|n| n > cfg.max_request_bytes as u64) {
                 return Ok(self.reject(RejectReason::TooLarge, &too_large()));
             }
-            let bytes = match Limited::new(body, cfg.max_request_bytes).collect().await {
-                Ok(c) => c.to_bytes(),
+            let bytes = match read_whole(body, cfg.max_request_bytes).await {
+                Ok(bytes) => bytes,
                 Err(e) if e.is::<LengthLimitError>() => {
                     return Ok(self.reject(RejectReason::TooLarge, &too_large()))
                 }
@@ -706,6 +706,38 @@ where
     })
 }
 
+/// The request body's data, at most `limit` bytes (else a [`LengthLimitError`]); trailers are
+/// read and left out. A body of one data frame, the common case, is that frame's bytes as they
+/// are: no copy and no queue of frames (`Collected` allocates one per body).
+async fn read_whole<B>(body: B, limit: usize) -> Result<Bytes, BoxError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let mut body = std::pin::pin!(Limited::new(body, limit));
+    let mut first = Bytes::new();
+    let mut more: Option<bytes::BytesMut> = None;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame?.into_data() else {
+            continue;
+        };
+        if data.is_empty() {
+            continue;
+        }
+        match &mut more {
+            Some(buf) => buf.extend_from_slice(&data),
+            None if first.is_empty() => first = data,
+            None => {
+                let mut buf = bytes::BytesMut::with_capacity(first.len() + data.len());
+                buf.extend_from_slice(&first);
+                buf.extend_from_slice(&data);
+                more = Some(buf);
+            }
+        }
+    }
+    Ok(more.map_or(first, bytes::BytesMut::freeze))
+}
+
 /// The handler returned no response (an error, a panic): release the claim, unless the handler
 /// recorded a response in its own transaction, which may have committed; then the record it
 /// stored, to answer with instead (the client gets what every duplicate will get).
@@ -793,6 +825,45 @@ mod tests {
         _: Request<RequestBody<Full<Bytes>>>,
     ) -> Result<Response<Full<Bytes>>, Infallible> {
         Ok(Response::new(Full::new(Bytes::from_static(b"{}"))))
+    }
+
+    fn frames(frames: Vec<http_body::Frame<Bytes>>) -> impl Body<Data = Bytes, Error = Infallible> {
+        http_body_util::StreamBody::new(futures_util::stream::iter(
+            frames.into_iter().map(Ok::<_, Infallible>),
+        ))
+    }
+
+    /// The body read for the fingerprint: every data frame in order, trailers left out, one
+    /// frame taken as it is (the same bytes, not a copy), and a body over the limit refused.
+    #[tokio::test]
+    async fn the_request_body_is_read_whole() {
+        use http_body::Frame;
+        let one = Bytes::from_static(b"{\"sku\":\"b1\"}");
+        let read = read_whole(frames(vec![Frame::data(one.clone())]), 64)
+            .await
+            .unwrap();
+        assert_eq!(read, one);
+        assert_eq!(read.as_ptr(), one.as_ptr(), "one frame is not copied");
+
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert("x-checksum", http::HeaderValue::from_static("1"));
+        let many = vec![
+            Frame::data(Bytes::new()),
+            Frame::data(Bytes::from_static(b"ab")),
+            Frame::data(Bytes::new()),
+            Frame::data(Bytes::from_static(b"cd")),
+            Frame::data(Bytes::from_static(b"e")),
+            Frame::trailers(trailers),
+        ];
+        assert_eq!(read_whole(frames(many), 64).await.unwrap(), "abcde");
+        assert_eq!(read_whole(frames(vec![]), 64).await.unwrap(), "");
+
+        let big = vec![
+            Frame::data(Bytes::from_static(b"abc")),
+            Frame::data(Bytes::from_static(b"def")),
+        ];
+        let err = read_whole(frames(big), 5).await.unwrap_err();
+        assert!(err.is::<LengthLimitError>(), "{err}");
     }
 
     /// Every write's future is boxed once and moved and polled on every request, and every
