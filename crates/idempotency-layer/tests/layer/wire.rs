@@ -290,6 +290,104 @@ async fn concurrent_duplicates_run_once() {
     }
 }
 
+/// A client whose request bodies are streamed frame by frame (chunked over HTTP/1.1, several
+/// DATA frames over HTTP/2).
+type StreamingClient = hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    http_body_util::combinators::BoxBody<Bytes, Infallible>,
+>;
+
+fn streaming_client(transport: Transport) -> StreamingClient {
+    let mut b = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new());
+    if transport == Transport::Http2 {
+        b.http2_only(true);
+    }
+    b.build_http()
+}
+
+/// `key` with `chunks` as the request body, one frame each and no Content-Length.
+async fn send_chunks(
+    client: &StreamingClient,
+    addr: SocketAddr,
+    key: &str,
+    chunks: &[&'static str],
+) -> Collected {
+    use http_body_util::BodyExt;
+    let frames = chunks
+        .iter()
+        .map(|c| Ok::<_, Infallible>(Frame::data(Bytes::from_static(c.as_bytes()))))
+        .collect::<Vec<_>>();
+    let body = StreamBody::new(futures_util::stream::iter(frames)).boxed();
+    let req = Request::post(format!("http://{addr}/orders"))
+        .header("x-idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(body)
+        .unwrap();
+    let res = tokio::time::timeout(Duration::from_secs(20), client.request(req))
+        .await
+        .expect("an answer within 20 s")
+        .expect("a response");
+    collect(res).await
+}
+
+/// The layer reads the whole request body before it fingerprints it, however it was framed: the
+/// same bytes sent in three frames and then as one frame are the same request (a replay), other
+/// bytes under the same key are refused as a mismatch, and a streamed body over the limit with no
+/// declared length is refused while it is read, with nothing run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_body_in_frames_is_fingerprinted_whole() {
+    for transport in TRANSPORTS {
+        let case = format!("{transport:?}");
+        let counts = Counts::default();
+        let layer = layer(OnDisconnect::Complete, InFlight::Wait).max_request_bytes(32);
+        let addr = serve(app(
+            layer.clone(),
+            Shape::ContentLength,
+            Duration::ZERO,
+            &counts,
+        ))
+        .await;
+        let streaming = streaming_client(transport);
+        const WHOLE: &str = "{\"sku\":\"b1\",\"n\":2}";
+        let chunks = ["{\"sku\":", "\"b1\",", "\"n\":2}"];
+        assert_eq!(chunks.concat(), WHOLE);
+
+        let first = send_chunks(&streaming, addr, "order-frames-1", &chunks).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{case}: {first:?}");
+        assert!(!first.replayed(), "{case}");
+        let whole = send_chunks(&streaming, addr, "order-frames-1", &[WHOLE]).await;
+        assert_eq!(whole.status, StatusCode::CREATED, "{case}: {whole:?}");
+        assert!(
+            whole.replayed(),
+            "{case}: the same bytes in one frame are the same request"
+        );
+        assert_eq!(whole.body, first.body, "{case}");
+
+        let other = send_chunks(
+            &streaming,
+            addr,
+            "order-frames-1",
+            &["{\"sku\":", "\"b2\"}"],
+        )
+        .await;
+        assert_eq!(
+            other.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{case}: {other:?}"
+        );
+
+        let big = ["0123456789", "0123456789", "0123456789", "0123456789"];
+        let over = send_chunks(&streaming, addr, "order-frames-2", &big).await;
+        assert_eq!(
+            over.status,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "{case}: {over:?}"
+        );
+        assert_eq!(over.headers["x-reason-code"], "REQUEST_TOO_LARGE", "{case}");
+        assert_eq!(counts.started(), 1, "{case}: only the first request ran");
+    }
+}
+
 /// A handler that panics: over the wire the client gets a whole `500` problem document with
 /// the code `INTERNAL` (on a connection that stays usable), nothing is recorded, and the key
 /// runs again. With duplicates waiting on the panicking execution, exactly one of them runs the
