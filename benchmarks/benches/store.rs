@@ -17,30 +17,25 @@
 use std::time::Duration;
 
 use benchmarks::baseline::MutexStore;
-use benchmarks::store_pairs::{contended, contended_steady, unbounded_memory_store};
+use benchmarks::store_pairs::{contended, unbounded_memory_store, Mode};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 
 fn store(c: &mut Criterion) {
-    let mut group = c.benchmark_group("store_begin_complete");
-    for threads in [1usize, 2] {
-        group.bench_function(BenchmarkId::new("memory_store", threads), |b| {
-            b.iter_custom(|iters| contended(threads, iters, unbounded_memory_store))
-        });
-        group.bench_function(BenchmarkId::new("mutex_hashmap", threads), |b| {
-            b.iter_custom(|iters| contended(threads, iters, MutexStore::default))
-        });
+    for (name, mode) in [
+        ("store_begin_complete", Mode::FromEmpty),
+        ("store_steady_state", Mode::Steady),
+    ] {
+        let mut group = c.benchmark_group(name);
+        for threads in [1usize, 2] {
+            group.bench_function(BenchmarkId::new("memory_store", threads), |b| {
+                b.iter_custom(|iters| contended(threads, iters, mode, unbounded_memory_store))
+            });
+            group.bench_function(BenchmarkId::new("mutex_hashmap", threads), |b| {
+                b.iter_custom(|iters| contended(threads, iters, mode, MutexStore::default))
+            });
+        }
+        group.finish();
     }
-    group.finish();
-    let mut group = c.benchmark_group("store_steady_state");
-    for threads in [1usize, 2] {
-        group.bench_function(BenchmarkId::new("memory_store", threads), |b| {
-            b.iter_custom(|iters| contended_steady(threads, iters, unbounded_memory_store))
-        });
-        group.bench_function(BenchmarkId::new("mutex_hashmap", threads), |b| {
-            b.iter_custom(|iters| contended_steady(threads, iters, MutexStore::default))
-        });
-    }
-    group.finish();
 }
 
 criterion_group! {

@@ -83,30 +83,20 @@ pub async fn pairs<S: IdempotencyStore>(store: &S, t: u8, iters: u64, rec: &Reco
     }
 }
 
-/// Wall time of `iters` pairs on each of `threads` threads (each with its own current-thread
-/// runtime) on one store made by `make`, all started at once: the time per pair per thread is
-/// this divided by `iters`.
+/// Wall time of `iters` pairs (in `mode`) on each of `threads` threads (each with its own
+/// current-thread runtime) on one store made by `make`, all started at once: the time per pair
+/// per thread is this divided by `iters`.
 pub fn contended<S: IdempotencyStore>(
     threads: usize,
     iters: u64,
+    mode: Mode,
     make: impl Fn() -> S,
 ) -> Duration {
     let store = make();
-    on_threads(threads, iters, Mode::FromEmpty, |_| store.clone())
+    on_threads(threads, iters, mode, |_| store.clone())
 }
 
-/// Like [`contended`], in the steady state ([`Mode::Steady`]): the time per pair includes its
-/// `forget`.
-pub fn contended_steady<S: IdempotencyStore>(
-    threads: usize,
-    iters: u64,
-    make: impl Fn() -> S,
-) -> Duration {
-    let store = make();
-    on_threads(threads, iters, Mode::Steady, |_| store.clone())
-}
-
-/// Like [`contended`], but every thread on a store of its own made by `make`: nothing shared
+/// Like [`contended`] from empty, but every thread on a store of its own made by `make`: nothing shared
 /// between the threads (no lock, no cache line), so against [`contended`] on the same number of
 /// threads it shows what sharing one store costs on this machine.
 pub fn independent<S: IdempotencyStore>(
@@ -115,6 +105,31 @@ pub fn independent<S: IdempotencyStore>(
     make: impl Fn() -> S,
 ) -> Duration {
     on_threads(threads, iters, Mode::FromEmpty, |_| make())
+}
+
+/// The store cases by name, as `targets` and `store_profile` run them: `MemoryStore` or the
+/// `Mutex<HashMap>` baseline, from empty or in the steady state, and one `MemoryStore` per
+/// thread.
+pub const CASES: [&str; 5] = [
+    "memory",
+    "mutex",
+    "memory-steady",
+    "mutex-steady",
+    "memory-per-thread",
+];
+
+/// Wall time of store case `name` (one of [`CASES`]): `iters` pairs on each of `threads`
+/// threads.
+pub fn case(name: &str, threads: usize, iters: u64) -> Duration {
+    use crate::baseline::MutexStore;
+    match name {
+        "memory" => contended(threads, iters, Mode::FromEmpty, unbounded_memory_store),
+        "mutex" => contended(threads, iters, Mode::FromEmpty, MutexStore::default),
+        "memory-steady" => contended(threads, iters, Mode::Steady, unbounded_memory_store),
+        "mutex-steady" => contended(threads, iters, Mode::Steady, MutexStore::default),
+        "memory-per-thread" => independent(threads, iters, unbounded_memory_store),
+        other => panic!("no store case {other:?}: one of {CASES:?}"),
+    }
 }
 
 /// Wall time of `iters` pairs on each of `threads` threads, thread `t` on `store_of(t)`.

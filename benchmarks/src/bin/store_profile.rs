@@ -1,7 +1,8 @@
 //! The store benchmark's loop (`begin` on a new scope, then `complete` with a 200-byte record,
-//! one thread, from an empty store) as one run, for instruction counts under callgrind:
-//! `memory` (`MemoryStore`) or `mutex` (the `Mutex<HashMap>` baseline), or `memory-steady` and
-//! `mutex-steady` for the steady state (each pair also forgets the record 4 096 pairs back):
+//! one thread by default) as one run, for instruction counts under callgrind: a case of
+//! `benchmarks::store_pairs::CASES`, such as `memory` (`MemoryStore`) or `mutex` (the
+//! `Mutex<HashMap>` baseline) from an empty store, or `memory-steady` and `mutex-steady` in the
+//! steady state (each pair also forgets the record 4 096 pairs back):
 //!
 //! ```text
 //! cargo build --profile bench -p benchmarks --bin store_profile
@@ -14,8 +15,7 @@
 //! Instructions per pair = total / pairs (the runtime's start-up is the same for both and small
 //! against 50 000 pairs); see BENCHMARKS.md.
 
-use benchmarks::baseline::MutexStore;
-use benchmarks::store_pairs::{contended, contended_steady, unbounded_memory_store};
+use benchmarks::store_pairs::{case, CASES};
 
 fn main() {
     let which = std::env::args().nth(1).unwrap_or_default();
@@ -27,14 +27,10 @@ fn main() {
         .nth(3)
         .map(|s| s.parse().expect("threads: a number"))
         .unwrap_or(1);
-    let took = match which.as_str() {
-        "memory" => contended(threads, pairs, unbounded_memory_store),
-        "mutex" => contended(threads, pairs, MutexStore::default),
-        "memory-steady" => contended_steady(threads, pairs, unbounded_memory_store),
-        "mutex-steady" => contended_steady(threads, pairs, MutexStore::default),
-        other => panic!(
-            "store_profile memory|mutex|memory-steady|mutex-steady [pairs [threads]], not {other:?}"
-        ),
-    };
+    assert!(
+        CASES.contains(&which.as_str()),
+        "usage: store_profile <case> [pairs [threads]], case one of {CASES:?}, not {which:?}"
+    );
+    let took = case(&which, threads, pairs);
     eprintln!("{which}: {pairs} pairs on each of {threads} threads in {took:?}");
 }

@@ -22,16 +22,13 @@
 
 use std::time::Duration;
 
-use benchmarks::baseline::MutexStore;
 use benchmarks::idempotency::{assert_recorded_whole, bench_layer, naive, time_requests, KeyGen};
 use benchmarks::load::{
     in_process_scenarios, memory_per_record, postgres_section, redis_section, LoadConfig,
     RedisTarget, Report,
 };
 use benchmarks::retry::{bare, retry_layer, time_calls, tower_retry, BODY_SIZES};
-use benchmarks::store_pairs::{
-    contended, contended_steady, independent, unbounded_memory_store, WINDOW,
-};
+use benchmarks::store_pairs::{self, contended, unbounded_memory_store, Mode, WINDOW};
 use benchmarks::{call_to_end, created, median, order_request, NaiveCache, RESPONSE_200};
 use bytes::Bytes;
 use clap::Parser;
@@ -249,18 +246,6 @@ fn idempotency_row(args: &Args) -> Row {
 /// [`store_case_in_child`]).
 const STORE_CASE: &str = "__store-case";
 
-/// One store case, by name: its wall time for `iters` pairs on each of `threads` threads.
-fn store_case(case: &str, threads: usize, iters: u64) -> Duration {
-    match case {
-        "memory" => contended(threads, iters, unbounded_memory_store),
-        "mutex" => contended(threads, iters, MutexStore::default),
-        "memory-per-thread" => independent(threads, iters, unbounded_memory_store),
-        "memory-steady" => contended_steady(threads, iters, unbounded_memory_store),
-        "mutex-steady" => contended_steady(threads, iters, MutexStore::default),
-        other => panic!("no store case {other:?}"),
-    }
-}
-
 /// Nanoseconds per pair per thread of one store case, timed in a fresh child process (this
 /// binary run with [`STORE_CASE`]): every case starts from the same heap, the one a new
 /// process has, instead of the one the cases before it left behind.
@@ -291,10 +276,10 @@ fn store_rows(args: &Args) -> Vec<Row> {
     for (threads, goal) in [(1usize, 1.0), (2, 1.5)] {
         // `calibrate` wants the time per iteration; these return the time of all `n`.
         let iters = calibrate(args.micro_ms, 20_000, |n| {
-            contended(threads, n, unbounded_memory_store) / n as u32
+            contended(threads, n, Mode::FromEmpty, unbounded_memory_store) / n as u32
         });
         let steady_iters = calibrate(args.micro_ms, 20_000, |n| {
-            contended_steady(threads, n, unbounded_memory_store) / n as u32
+            contended(threads, n, Mode::Steady, unbounded_memory_store) / n as u32
         });
         let (mut ms, mut xs, mut is) = (Vec::new(), Vec::new(), Vec::new());
         let (mut sm, mut sx) = (Vec::new(), Vec::new());
@@ -394,7 +379,7 @@ fn main() {
     let argv: Vec<String> = std::env::args().collect();
     if argv.get(1).map(String::as_str) == Some(STORE_CASE) {
         let [case, threads, iters] = [2, 3, 4].map(|i| argv.get(i).expect("store case arguments"));
-        let took = store_case(
+        let took = store_pairs::case(
             case,
             threads.parse().expect("threads"),
             iters.parse().expect("iterations"),

@@ -143,19 +143,38 @@ fn app(layer: IdempotencyLayer, shape: Shape, work: Duration, counts: &Counts) -
     .layer(layer)
 }
 
-async fn send(client: &HttpClient, addr: SocketAddr, key: &str) -> Collected {
+/// `POST /orders` with `key` and `body` on `client`, answered within 20 s, read whole.
+async fn post_order<B>(
+    client: &hyper_util::client::legacy::Client<
+        hyper_util::client::legacy::connect::HttpConnector,
+        B,
+    >,
+    addr: SocketAddr,
+    key: &str,
+    body: B,
+) -> Collected
+where
+    B: http_body::Body + Send + Unpin + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let req = Request::post(format!("http://{addr}/orders"))
         .header("x-idempotency-key", key)
         .header("content-type", "application/json")
         // HTTP/1.1 servers send trailers only to clients that accept them.
         .header("te", "trailers")
-        .body(Full::new(Bytes::from_static(b"{\"sku\":\"b1\"}")))
+        .body(body)
         .unwrap();
     let res = tokio::time::timeout(Duration::from_secs(20), client.request(req))
         .await
         .expect("an answer within 20 s")
         .expect("a response");
     collect(res).await
+}
+
+async fn send(client: &HttpClient, addr: SocketAddr, key: &str) -> Collected {
+    let body = Full::new(Bytes::from_static(b"{\"sku\":\"b1\"}"));
+    post_order(client, addr, key, body).await
 }
 
 fn layer(on_disconnect: OnDisconnect, in_flight: InFlight) -> IdempotencyLayer {
@@ -318,16 +337,7 @@ async fn send_chunks(
         .map(|c| Ok::<_, Infallible>(Frame::data(Bytes::from_static(c.as_bytes()))))
         .collect::<Vec<_>>();
     let body = StreamBody::new(futures_util::stream::iter(frames)).boxed();
-    let req = Request::post(format!("http://{addr}/orders"))
-        .header("x-idempotency-key", key)
-        .header("content-type", "application/json")
-        .body(body)
-        .unwrap();
-    let res = tokio::time::timeout(Duration::from_secs(20), client.request(req))
-        .await
-        .expect("an answer within 20 s")
-        .expect("a response");
-    collect(res).await
+    post_order(client, addr, key, body).await
 }
 
 /// The layer reads the whole request body before it fingerprints it, however it was framed: the
