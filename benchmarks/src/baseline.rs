@@ -1,13 +1,26 @@
-//! [`MutexStore`]: the store a user would hand-roll, one `Mutex<HashMap>` doing the same claim
-//! and record work as `MemoryStore`, without shards, TTL index, capacity or waiter channels.
+//! What a user would hand-roll instead of our pieces, as baselines of the same run:
+//! [`MutexStore`], one `Mutex<HashMap>` doing the same claim and record work as `MemoryStore`
+//! without shards, TTL index, capacity or waiter channels; and [`NaiveCacheLayer`], a server
+//! middleware that remembers response bodies by idempotency key and does nothing else.
 
 use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
+use bytes::Bytes;
+use http::header::CONTENT_TYPE;
+use http::{HeaderValue, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
 use idempotency_layer::store::{Begin, Fingerprint, Record, ScopeKey, Token};
 use idempotency_layer::{IdempotencyStore, StoreError};
+use tower::{Layer, Service};
+
+use crate::NaiveCache;
 
 enum Entry {
     InFlight {
@@ -104,5 +117,126 @@ impl IdempotencyStore for MutexStore {
 
     async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
         Ok(self.lock().remove(&scope).is_some())
+    }
+}
+
+/// The idempotency middleware a user might hand-roll for a server: a [`NaiveCache`] from the
+/// request's `x-idempotency-key` to the handler's response body. A key it holds is answered
+/// 201 (`application/json`) with that body, and the handler does not run; otherwise the handler
+/// runs and a successful response's body is read whole and remembered.
+///
+/// It is the floor of what any idempotency layer does on a first execution and a replay (a
+/// lookup, buffering the response, a copy of the body per replay) and none of the rest: it does
+/// not read the request body (no fingerprint), keeps no status or headers, no tenant, no single
+/// flight (two duplicates at once both run), no TTL and no bound. The load test runs it beside
+/// `IdempotencyLayer` (`naive/first`, `naive/replay`) to show what that floor costs on the same
+/// wire.
+#[derive(Clone, Debug, Default)]
+pub struct NaiveCacheLayer {
+    cache: Arc<NaiveCache>,
+}
+
+impl<S> Layer<S> for NaiveCacheLayer {
+    type Service = NaiveCacheService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        NaiveCacheService {
+            inner,
+            cache: self.cache.clone(),
+        }
+    }
+}
+
+/// The service [`NaiveCacheLayer`] makes.
+#[derive(Clone, Debug)]
+pub struct NaiveCacheService<S> {
+    inner: S,
+    cache: Arc<NaiveCache>,
+}
+
+impl<S, ReqB, ResB> Service<Request<ReqB>> for NaiveCacheService<S>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    ReqB: Send + 'static,
+    ResB: http_body::Body<Data = Bytes> + Send + 'static,
+{
+    type Response = Response<Full<Bytes>>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+        let key = req
+            .headers()
+            .get("x-idempotency-key")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        if let Some(body) = key.as_deref().and_then(|k| self.cache.get(k)) {
+            let mut res = Response::new(Full::new(body));
+            *res.status_mut() = StatusCode::CREATED;
+            res.headers_mut()
+                .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            return Box::pin(std::future::ready(Ok(res)));
+        }
+        let cache = self.cache.clone();
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        Box::pin(async move {
+            let (parts, body) = inner.call(req).await?.into_parts();
+            let Ok(body) = body.collect().await.map(|c| c.to_bytes()) else {
+                let mut res = Response::new(Full::default());
+                *res.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+                return Ok(res);
+            };
+            if let (Some(key), true) = (key, parts.status.is_success()) {
+                cache.put(key, body.clone());
+            }
+            Ok(Response::from_parts(parts, Full::new(body)))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tower::{service_fn, ServiceExt};
+
+    use super::*;
+    use crate::{created, order_request, RESPONSE_200};
+
+    /// The baseline does what the load test counts on: a first request runs the handler, a
+    /// duplicate is answered 201 with the same body and does not.
+    #[tokio::test]
+    async fn the_naive_cache_runs_a_key_once_and_replays_its_body() {
+        let runs = Arc::new(AtomicU64::new(0));
+        let handler = {
+            let runs = runs.clone();
+            service_fn(move |req: Request<Full<Bytes>>| {
+                runs.fetch_add(1, Ordering::Relaxed);
+                created(req)
+            })
+        };
+        let svc = NaiveCacheLayer::default().layer(handler);
+        for _ in 0..3 {
+            let res = svc
+                .clone()
+                .oneshot(order_request("order-000000000001"))
+                .await;
+            let res = res.expect("infallible");
+            assert_eq!(res.status(), StatusCode::CREATED);
+            let body = res.into_body().collect().await.expect("body").to_bytes();
+            assert_eq!(body, RESPONSE_200);
+        }
+        assert_eq!(runs.load(Ordering::Relaxed), 1, "the handler ran once");
+        svc.oneshot(order_request("order-000000000002"))
+            .await
+            .expect("infallible");
+        assert_eq!(runs.load(Ordering::Relaxed), 2, "a new key runs");
     }
 }

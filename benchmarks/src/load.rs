@@ -25,6 +25,8 @@ use idempotency_layer::{
 use retry_layer::{RetryLayer, RetryPolicy};
 use tower::{Layer, Service, ServiceExt};
 
+use crate::baseline::NaiveCacheLayer;
+use crate::retry::CloneOn503;
 use crate::{grpc, keys, resident_bytes, RESPONSE_200};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -410,13 +412,19 @@ pub async fn load<C: Caller>(
 
 /// The scenarios with no store server, interleaved in rounds: HTTP `no_layers`,
 /// `client_retry`, `memory/first`, `memory/replay`, and the same four over gRPC (`grpc/...`,
-/// see [`crate::grpc`]). `tag` makes this run's keys unique.
+/// see [`crate::grpc`]); and, as references of what the same work costs done the way a user
+/// would hand-roll it, `client_tower_retry` (`tower::retry` with a cloning policy,
+/// [`CloneOn503`]) and `naive/first`, `naive/replay` ([`NaiveCacheLayer`]). `tag` makes this
+/// run's keys unique.
 pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
-    const NAMES: [&str; 8] = [
+    const NAMES: [&str; 11] = [
         "no_layers",
         "client_retry",
+        "client_tower_retry",
         "memory/first",
         "memory/replay",
+        "naive/first",
+        "naive/replay",
         "grpc/no_layers",
         "grpc/client_retry",
         "grpc/memory/first",
@@ -426,6 +434,8 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
     let http_layer = bench_layer(run_memory_store());
     let (memory, memory_task) = serve(handler_app().layer(http_layer.clone())).await;
     record_replay_keys(HttpCaller::new(client(), memory), tag, cfg.connections).await;
+    let (naive, naive_task) = serve(handler_app().layer(NaiveCacheLayer::default())).await;
+    record_replay_keys(HttpCaller::new(client(), naive), tag, cfg.connections).await;
     let (grpc_plain, grpc_plain_task) = grpc::serve_plain().await;
     let grpc_layer = bench_layer(run_memory_store());
     let (grpc_memory, grpc_memory_task) = grpc::serve_idempotent(grpc_layer.clone()).await;
@@ -462,10 +472,17 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
                     let make = |_| HttpCaller::new(http_retry.layer(client()), plain);
                     load(name, make, Keys::Unique, &unique, cfg).await
                 }
+                "client_tower_retry" => {
+                    let tower_retry = tower::retry::RetryLayer::new(CloneOn503(2));
+                    let make = |_| HttpCaller::new(tower_retry.layer(client()), plain);
+                    load(name, make, Keys::Unique, &unique, cfg).await
+                }
                 "memory/first" => load(name, http(memory), Keys::Unique, &unique, cfg).await,
                 "memory/replay" => {
                     load(name, http(memory), Keys::PerConnection, &replay, cfg).await
                 }
+                "naive/first" => load(name, http(naive), Keys::Unique, &unique, cfg).await,
+                "naive/replay" => load(name, http(naive), Keys::PerConnection, &replay, cfg).await,
                 "grpc/no_layers" => {
                     let make = |_| grpc::caller(grpc_plain, None);
                     load(name, make, Keys::Unique, &grpc_unique, cfg).await
@@ -489,7 +506,13 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
             rounds[i].push(run);
         }
     }
-    for task in [plain_task, memory_task, grpc_plain_task, grpc_memory_task] {
+    for task in [
+        plain_task,
+        memory_task,
+        naive_task,
+        grpc_plain_task,
+        grpc_memory_task,
+    ] {
         task.abort();
     }
     Report {

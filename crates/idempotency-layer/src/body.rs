@@ -230,7 +230,7 @@ where
 pub(crate) struct Recorder<B> {
     st: Option<RecState<B>>,
     finishing: Option<Finishing>,
-    /// What [`poll_first`](Self::poll_first) read, handed out before anything else.
+    /// What [`Recording::start`] read, handed out before anything else.
     first: Option<Result<Frame<Bytes>, BoxError>>,
 }
 
@@ -252,7 +252,21 @@ struct RecState<B> {
     drain_on_drop: fn(RecState<B>),
 }
 
-impl<B> Recorder<B>
+/// A handler's response about to be recorded ([`start`](Self::start)): its body not yet
+/// polled, the claim, and the record's head.
+pub(crate) struct Recording<B>(RecState<B>);
+
+/// How a recording started: the response's body, and the record's store operation when the
+/// handler's body was already whole.
+pub(crate) struct Started<B> {
+    /// The body to answer with.
+    pub(crate) body: IdempotencyBody<B>,
+    /// The record's store operation (or the claim's release), to be awaited before the head is
+    /// handed to the server; `None` while the body streams (it is then recorded as it streams).
+    pub(crate) store: Option<BoxFuture>,
+}
+
+impl<B> Recording<B>
 where
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
@@ -286,54 +300,78 @@ where
             head_code,
             config.max_record_bytes,
         );
-        Recorder {
-            finishing: None,
-            first: None,
-            st: Some(RecState {
-                body: Box::pin(body),
-                claim,
-                config,
-                record,
-                stops_at,
-                seen: 0,
-                drain_on_drop: drain_on_drop::<B>,
-            }),
-        }
+        Recording(RecState {
+            body: Box::pin(body),
+            claim,
+            config,
+            record,
+            stops_at,
+            seen: 0,
+            drain_on_drop: drain_on_drop::<B>,
+        })
     }
 
-    /// Polls the handler's body once, before the response head goes out. When that produces the
-    /// final frame (or the end: an empty body, which a server never polls), the record is built
-    /// and its store operation returned, to be awaited before the head is handed to the server;
-    /// the frame is kept and handed out first. Otherwise the frame (if any) is kept, and the
-    /// body is recorded as it streams.
-    pub(crate) fn poll_first(&mut self, cx: &mut Context<'_>) -> Option<BoxFuture> {
-        let st = self.st.as_mut()?;
+    /// Polls the handler's body once, before the response head goes out (with `cx`, whose
+    /// waker may be a no-op: the server polls the body again with its own). When that produces
+    /// the final frame, or the end (an empty body, which a server never polls), the record is
+    /// built and its store operation returned, and a final data frame is answered as a whole
+    /// body, with no recorder left. Otherwise the frame (if any) is kept, handed out first, and
+    /// the body is recorded as it streams.
+    pub(crate) fn start(self, cx: &mut Context<'_>) -> Started<B> {
+        let mut st = self.0;
         if st.body.is_end_stream() || st.stops_at == Some(0) {
-            return self.st.take().map(RecState::finish);
+            return Started {
+                body: IdempotencyBody::empty(),
+                store: Some(st.finish()),
+            };
         }
-        match st.body.as_mut().poll_frame(cx) {
-            Poll::Pending => None,
+        let (st, first, store) = match st.body.as_mut().poll_frame(cx) {
+            Poll::Pending => (Some(st), None, None),
+            Poll::Ready(None) => {
+                return Started {
+                    body: IdempotencyBody::empty(),
+                    store: Some(st.finish()),
+                }
+            }
             Poll::Ready(Some(Ok(frame))) => {
                 st.observe(&frame);
-                let last = st.is_last(&frame);
-                self.first = Some(Ok(frame));
-                if last {
-                    self.st.take().map(RecState::finish)
+                if !st.is_last(&frame) {
+                    (Some(st), Some(Ok(frame)), None)
                 } else {
-                    None
+                    let store = st.finish();
+                    match frame.into_data() {
+                        Ok(data) => {
+                            return Started {
+                                body: IdempotencyBody::full(data),
+                                store: Some(store),
+                            }
+                        }
+                        // The trailers: handed out by a recorder, as the handler's body would.
+                        Err(trailers) => (None, Some(Ok(trailers)), Some(store)),
+                    }
                 }
             }
-            Poll::Ready(None) => self.st.take().map(RecState::finish),
             Poll::Ready(Some(Err(e))) => {
-                if let Some(st) = self.st.take() {
-                    spawn_detached(st.claim.release());
-                }
-                self.first = Some(Err(e.into()));
-                None
+                spawn_detached(st.claim.release());
+                (None, Some(Err(e.into())), None)
             }
+        };
+        Started {
+            body: IdempotencyBody::recording(Box::new(Recorder {
+                st,
+                finishing: None,
+                first,
+            })),
+            store,
         }
     }
+}
 
+impl<B> Recorder<B>
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
     fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         if let Some(first) = self.first.take() {
             return Poll::Ready(Some(first));

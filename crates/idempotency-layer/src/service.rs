@@ -5,7 +5,7 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
 use futures_util::future::Either;
@@ -23,7 +23,7 @@ use tokio::time::Instant;
 use tower_service::Service;
 use tracing::{Instrument, Span};
 
-use crate::body::{IdempotencyBody, Recorder, RequestBody};
+use crate::body::{IdempotencyBody, Recording, RequestBody};
 use crate::claim::{log_store_error, spawn_detached, Claim, Settled};
 use crate::config::{Config, InFlight, OnDisconnect, TenantSource};
 use crate::future::ResponseFuture;
@@ -142,12 +142,17 @@ where
             observe::record_rejection(&span, reason);
             ResponseFuture::ready(reject(reason, detail, &protocol, cfg.reasons.header_name()))
         };
-        let key = match extract_key(req.headers(), cfg.key_headers.as_slice()) {
-            Ok(Some(key)) => key.to_owned(),
+        // Taken apart here: the key and the tenant are read from the head where they are (the
+        // key is not copied), and the write's future holds the parts and the body once, not the
+        // request beside the parts taken from it.
+        let (parts, body) = req.into_parts();
+        let key = match extract_key(&parts.headers, cfg.key_headers.as_slice()) {
+            Ok(Some(key)) => key,
             Ok(None) if cfg.key_optional => {
                 let clone = self.inner.clone();
                 let mut inner = std::mem::replace(&mut self.inner, clone);
-                return ResponseFuture::passthrough(inner.call(req.map(RequestBody::streaming)));
+                let req = Request::from_parts(parts, RequestBody::streaming(body));
+                return ResponseFuture::passthrough(inner.call(req));
             }
             Ok(None) => {
                 let detail = format!("write operations require {}", cfg.key_header_name());
@@ -155,20 +160,16 @@ where
             }
             Err(e) => return rejected(RejectReason::InvalidKey, &e.to_string()),
         };
-        let (tenant, req) = tenant(cfg, req);
-        let tenant = match tenant {
-            Some(t) => t,
-            None => {
-                return rejected(
-                    RejectReason::NoTenant,
-                    "no authenticated tenant: writes with an idempotency key need one",
-                )
-            }
+        let Some(tenant) = tenant(cfg, &parts) else {
+            return rejected(
+                RejectReason::NoTenant,
+                "no authenticated tenant: writes with an idempotency key need one",
+            );
         };
         let scope = if protocol.is_grpc() {
-            Scope::new(&tenant, req.uri().path(), &key).key()
+            Scope::new(&tenant, parts.uri.path(), key).key()
         } else {
-            http_scope_key(&tenant, req.method(), req.uri().path(), &key)
+            http_scope_key(&tenant, &parts.method, parts.uri.path(), key)
         };
         let tenant = match &cfg.tenant {
             // The layer's default tenant's key is computed once, when it is set.
@@ -189,23 +190,20 @@ where
             protocol,
             span: span.clone(),
         };
-        // Taken apart here: the write's future then holds the parts and the body once, not the
-        // request beside the parts taken from it.
-        let (parts, body) = req.into_parts();
         ResponseFuture::managed(Box::pin(write.handle(parts, body).instrument(span)))
     }
 }
 
 /// The request's tenant: its [`Tenant`] extension, else what the layer is configured to use.
-fn tenant<B>(cfg: &Config, req: Request<B>) -> (Option<Arc<str>>, Request<B>) {
-    if let Some(t) = req.extensions().get::<Tenant>() {
-        return (Some(t.0.clone()), req);
+fn tenant(cfg: &Config, parts: &Parts) -> Option<Arc<str>> {
+    if let Some(t) = parts.extensions.get::<Tenant>() {
+        return Some(t.0.clone());
     }
-    let found = match &cfg.tenant {
+    match &cfg.tenant {
         TenantSource::Required => None,
         TenantSource::Default(t, _) => Some(t.clone()),
         TenantSource::Header(name) => {
-            let mut values = req.headers().get_all(name).iter();
+            let mut values = parts.headers.get_all(name).iter();
             match (values.next(), values.next()) {
                 (Some(v), None) => v
                     .to_str()
@@ -216,13 +214,8 @@ fn tenant<B>(cfg: &Config, req: Request<B>) -> (Option<Arc<str>>, Request<B>) {
                 _ => None,
             }
         }
-        TenantSource::Fn(f) => {
-            let (parts, body) = req.into_parts();
-            let found = f(&parts).filter(|t| !t.is_empty());
-            return (found, Request::from_parts(parts, body));
-        }
-    };
-    (found, req)
+        TenantSource::Fn(f) => f(parts).filter(|t| !t.is_empty()),
+    }
 }
 
 /// A rejection as the layer's response.
@@ -591,9 +584,9 @@ impl<F: Future<Output = T> + Send + ?Sized + 'static, T: Send + 'static> Drop
     }
 }
 
-/// Readies the inner service, calls it, and wraps its response in a [`Recorder`] (storing the
-/// record at once when the body is already whole, or releasing the claim when the head says the
-/// outcome is not recordable). When the handler recorded its response in its own transaction
+/// Readies the inner service, calls it, and records its response with a [`Recording`] (storing
+/// the record at once when the body is already whole, or releasing the claim when the head says
+/// the outcome is not recordable). When the handler recorded its response in its own transaction
 /// (`ledger`), the claim is left as that transaction left it.
 ///
 /// A plain function returning a future, so the request and the service are held once (by the
@@ -678,8 +671,14 @@ where
             }
             AtHead::Record(head_code) => head_code,
         };
-        // Boxed now, as the response's body will hold it: moved from here on as a pointer.
-        let mut recorder = Box::new(Recorder::new(
+        // Poll the body once before the head goes out. A body the handler made whole (a `Full`,
+        // a `String`, an empty body, which a server never polls) is recorded now, and its head
+        // and its one frame then leave together: one write, with no pause between the head and
+        // a small last packet while a shared store records it (Nagle and delayed ACKs would
+        // stretch that to tens of milliseconds); such a body is answered as it is, with no
+        // recorder. A streaming body is recorded as it streams. The poll's waker is a no-op: a
+        // body not ready now is polled again by the server, with the server's waker.
+        let started = Recording::new(
             body,
             claim,
             cfg,
@@ -688,21 +687,13 @@ where
             parts.headers.clone(),
             http1,
             head_code,
-        ));
-        // Poll the body once before the head goes out. A body the handler made whole (a `Full`,
-        // a `String`, an empty body, which a server never polls) is recorded now, and its head
-        // and its one frame then leave together: one write, with no pause between the head and
-        // a small last packet while a shared store records it (Nagle and delayed ACKs would
-        // stretch that to tens of milliseconds). A streaming body is recorded as it streams.
-        let store_now = std::future::poll_fn(|cx| Poll::Ready(recorder.poll_first(cx))).await;
-        if let Some(store) = store_now {
+        )
+        .start(&mut Context::from_waker(Waker::noop()));
+        if let Some(store) = started.store {
             // Dropped mid-store (the client went away), the store operation still completes.
             DetachOnDrop(Some(store)).await;
         }
-        Ok(Ok(Response::from_parts(
-            parts,
-            IdempotencyBody::recording(recorder),
-        )))
+        Ok(Ok(Response::from_parts(parts, started.body)))
     })
 }
 
