@@ -32,19 +32,20 @@ pub(crate) enum Settled {
     Unknown,
 }
 
-/// The store operations of one claim, with the store type erased (so bodies need not name it).
-trait ClaimOps: Send + Sync + 'static {
-    fn complete(self: Box<Self>, record: Record) -> BoxFuture;
-    fn release(self: Box<Self>) -> BoxFuture;
-    fn recorded_elsewhere(self: Box<Self>);
-    fn settle(self: Box<Self>, fingerprint: Fingerprint) -> SettleFuture;
+/// A claim's store operations, with the store type erased (so bodies need not name it). Every
+/// store has them, called on the layer's one `Arc` of it: a claim holds a clone of that `Arc`,
+/// not a box of its own.
+trait ClaimStore: Send + Sync + 'static {
+    fn complete(self: Arc<Self>, held: Lease, record: Record) -> BoxFuture;
+    fn release(self: Arc<Self>, held: Lease) -> BoxFuture;
+    fn settle(self: Arc<Self>, held: Lease, fingerprint: Fingerprint) -> SettleFuture;
 }
 
 /// [`Claim::settle`]'s store operations, boxed once.
 pub(crate) type SettleFuture = Pin<Box<dyn Future<Output = Settled> + Send + 'static>>;
 
-struct StoreClaim<St> {
-    store: St,
+/// What a held claim is: its scope and token, and the lease renewed while it is held.
+struct Lease {
     scope: ScopeKey,
     token: Token,
     ttl: Duration,
@@ -54,16 +55,16 @@ struct StoreClaim<St> {
     renewals: Arc<Renewals>,
 }
 
-impl<St> Drop for StoreClaim<St> {
+impl Drop for Lease {
     fn drop(&mut self) {
         self.renewals.remove(self.token);
     }
 }
 
-impl<St: IdempotencyStore> ClaimOps for StoreClaim<St> {
-    fn complete(self: Box<Self>, record: Record) -> BoxFuture {
+impl<St: IdempotencyStore> ClaimStore for St {
+    fn complete(self: Arc<Self>, held: Lease, record: Record) -> BoxFuture {
         Box::pin(async move {
-            let (store, scope, token, ttl) = (&self.store, self.scope, self.token, self.ttl);
+            let (store, scope, token, ttl) = (&*self, held.scope, held.token, held.ttl);
             // Shared, so that a retry through an outage resends it without copying it.
             let record = Arc::new(record);
             let kind = StoreKind::of(store);
@@ -76,51 +77,41 @@ impl<St: IdempotencyStore> ClaimOps for StoreClaim<St> {
             };
             // Through a brief store outage, while the lease could still hold (the renewal keeps
             // running meanwhile).
-            match retry_through_outage(self.lease, "complete", op).await {
+            match retry_through_outage(held.lease, "complete", op).await {
                 Ok(()) => {
-                    self.counters.recorded();
-                    tracing::debug!(scope = ?self.scope, "idempotency: recorded");
+                    held.counters.recorded();
+                    tracing::debug!(?scope, "idempotency: recorded");
                 }
-                Err(e) => log_store_error(&self.counters, kind, Op::Complete, &e),
+                Err(e) => log_store_error(&held.counters, kind, Op::Complete, &e),
             }
         })
     }
 
-    fn release(self: Box<Self>) -> BoxFuture {
+    fn release(self: Arc<Self>, held: Lease) -> BoxFuture {
         Box::pin(async move {
-            let kind = StoreKind::of(&self.store);
-            let op = || {
-                observe::timed(
-                    Op::Release,
-                    kind,
-                    self.store.release(self.scope, self.token),
-                )
-            };
-            match retry_through_outage(self.lease, "release", op).await {
+            let store = &*self;
+            let kind = StoreKind::of(store);
+            let op = || observe::timed(Op::Release, kind, store.release(held.scope, held.token));
+            match retry_through_outage(held.lease, "release", op).await {
                 Ok(()) => {
-                    self.counters.released();
-                    tracing::debug!(scope = ?self.scope, "idempotency: released");
+                    held.counters.released();
+                    tracing::debug!(scope = ?held.scope, "idempotency: released");
                 }
-                Err(e) => log_store_error(&self.counters, kind, Op::Release, &e),
+                Err(e) => log_store_error(&held.counters, kind, Op::Release, &e),
             }
         })
     }
 
-    fn recorded_elsewhere(self: Box<Self>) {
-        self.counters.recorded();
-        tracing::debug!(scope = ?self.scope, "idempotency: recorded in the handler's transaction");
-    }
-
-    fn settle(self: Box<Self>, fingerprint: Fingerprint) -> SettleFuture {
+    fn settle(self: Arc<Self>, held: Lease, fingerprint: Fingerprint) -> SettleFuture {
         Box::pin(async move {
-            let (store, scope) = (&self.store, self.scope);
+            let (store, scope) = (&*self, held.scope);
             let kind = StoreKind::of(store);
             // Fenced: the claim row is ours only while no transaction of the handler committed
             // the record, so a release that succeeds proves none did.
-            let release = || observe::timed(Op::Release, kind, store.release(scope, self.token));
-            match retry_through_outage(self.lease, "release", release).await {
+            let release = || observe::timed(Op::Release, kind, store.release(scope, held.token));
+            match retry_through_outage(held.lease, "release", release).await {
                 Ok(()) => {
-                    self.counters.released();
+                    held.counters.released();
                     tracing::debug!(
                         ?scope,
                         "idempotency: the handler's transaction did not commit; released"
@@ -129,29 +120,29 @@ impl<St: IdempotencyStore> ClaimOps for StoreClaim<St> {
                 }
                 Err(StoreError::Fenced) => {}
                 Err(e) => {
-                    log_store_error(&self.counters, kind, Op::Release, &e);
+                    log_store_error(&held.counters, kind, Op::Release, &e);
                     return Settled::Unknown;
                 }
             }
             // Not ours any more: committed by the handler's transaction, or taken over or
             // forgotten meanwhile. What the scope holds now tells which.
             let begin =
-                observe::timed(Op::Begin, kind, store.begin(scope, fingerprint, self.lease));
+                observe::timed(Op::Begin, kind, store.begin(scope, fingerprint, held.lease));
             match begin.await {
                 Ok(Begin::Completed(record)) if record.fingerprint == fingerprint => {
-                    self.counters.recorded();
+                    held.counters.recorded();
                     Settled::Recorded(record)
                 }
                 Ok(Begin::New(token)) => {
                     // Forgotten meanwhile: hand back the claim this look made.
                     if let Err(e) = store.release(scope, token).await {
-                        log_store_error(&self.counters, kind, Op::Release, &e);
+                        log_store_error(&held.counters, kind, Op::Release, &e);
                     }
                     Settled::Unknown
                 }
                 Ok(_) => Settled::Unknown,
                 Err(e) => {
-                    log_store_error(&self.counters, kind, Op::Begin, &e);
+                    log_store_error(&held.counters, kind, Op::Begin, &e);
                     Settled::Unknown
                 }
             }
@@ -181,53 +172,54 @@ pub(crate) fn log_store_error(counters: &Counters, store: StoreKind, op: Op, e: 
 
 /// A claim held by this process.
 pub(crate) struct Claim {
-    ops: Option<Box<dyn ClaimOps>>,
+    held: Option<(Arc<dyn ClaimStore>, Lease)>,
 }
 
 impl fmt::Debug for Claim {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Claim")
-            .field("held", &self.ops.is_some())
+            .field("held", &self.held.is_some())
             .finish()
     }
 }
 
 impl Claim {
+    /// The claim `token` on `scope`, its store operations made on `store` (the layer's).
     pub(crate) fn new<St: IdempotencyStore>(
-        store: St,
+        store: Arc<St>,
         scope: ScopeKey,
         token: Token,
         ttl: Duration,
         lease: Duration,
         shared: &Shared,
     ) -> Self {
-        shared.renewals.add(&store, scope, token, lease);
+        shared.renewals.add(&*store, scope, token, lease);
+        let held = Lease {
+            scope,
+            token,
+            ttl,
+            lease,
+            counters: shared.counters.clone(),
+            renewals: shared.renewals.clone(),
+        };
         Claim {
-            ops: Some(Box::new(StoreClaim {
-                store,
-                scope,
-                token,
-                ttl,
-                lease,
-                counters: shared.counters.clone(),
-                renewals: shared.renewals.clone(),
-            })),
+            held: Some((store, held)),
         }
     }
 
     /// Stores `record` in place of the claim. The future is the store operation itself (boxed
     /// once, by the store-erased claim), so callers can hold or spawn it without boxing again.
     pub(crate) fn complete(mut self, record: Record) -> BoxFuture {
-        match self.ops.take() {
-            Some(ops) => ops.complete(record),
+        match self.held.take() {
+            Some((store, held)) => store.complete(held, record),
             None => Box::pin(std::future::ready(())),
         }
     }
 
     /// Releases the claim so a retry executes again.
     pub(crate) fn release(mut self) -> BoxFuture {
-        match self.ops.take() {
-            Some(ops) => ops.release(),
+        match self.held.take() {
+            Some((store, held)) => store.release(held),
             None => Box::pin(std::future::ready(())),
         }
     }
@@ -235,8 +227,12 @@ impl Claim {
     /// Ends the claim whose record the handler's own transaction stored: no store operation
     /// (the lease renewal stops).
     pub(crate) fn recorded_in_transaction(mut self) {
-        if let Some(ops) = self.ops.take() {
-            ops.recorded_elsewhere();
+        if let Some((_, held)) = self.held.take() {
+            held.counters.recorded();
+            tracing::debug!(
+                scope = ?held.scope,
+                "idempotency: recorded in the handler's transaction"
+            );
         }
     }
 
@@ -245,8 +241,8 @@ impl Claim {
     /// release, which succeeds only if no such transaction committed; if it did, the record it
     /// stored.
     pub(crate) fn settle(mut self, fingerprint: Fingerprint) -> SettleFuture {
-        match self.ops.take() {
-            Some(ops) => ops.settle(fingerprint),
+        match self.held.take() {
+            Some((store, held)) => store.settle(held, fingerprint),
             None => Box::pin(std::future::ready(Settled::Unknown)),
         }
     }
@@ -266,8 +262,8 @@ pub(crate) fn spawn_detached(fut: impl Future<Output = ()> + Send + 'static) {
 
 impl Drop for Claim {
     fn drop(&mut self) {
-        if let Some(ops) = self.ops.take() {
-            spawn_detached(ops.release());
+        if let Some((store, held)) = self.held.take() {
+            spawn_detached(store.release(held));
         }
     }
 }

@@ -49,12 +49,14 @@ use crate::IDEMPOTENT_BODY_OMITTED;
 /// response, so no `HandleErrorLayer` is needed.
 pub struct Idempotency<S, St = MemoryStore> {
     inner: S,
-    store: St,
+    /// Shared by the service's clones and writes: a claim's store operations are made on it
+    /// through the `Arc`, with no box of their own.
+    store: Arc<St>,
     config: Arc<Config>,
     shared: Arc<Shared>,
 }
 
-impl<S: Clone, St: Clone> Clone for Idempotency<S, St> {
+impl<S: Clone, St> Clone for Idempotency<S, St> {
     fn clone(&self) -> Self {
         Idempotency {
             inner: self.inner.clone(),
@@ -79,7 +81,7 @@ impl<S, St> Idempotency<S, St> {
     pub(crate) fn new(inner: S, store: St, config: Arc<Config>, shared: Arc<Shared>) -> Self {
         Idempotency {
             inner,
-            store,
+            store: Arc::new(store),
             config,
             shared,
         }
@@ -238,7 +240,7 @@ type Answer<B, E> = Result<Response<IdempotencyBody<B>>, E>;
 struct Write<S, St> {
     /// A clone of the inner service, not yet ready: readied only if this write leads.
     inner: S,
-    store: St,
+    store: Arc<St>,
     config: Arc<Config>,
     shared: Arc<Shared>,
     scope: ScopeKey,
@@ -294,7 +296,7 @@ where
             let cfg = &*self.config;
             let counters = &self.shared.counters;
             let scope = self.scope;
-            let kind = StoreKind::of(&self.store);
+            let kind = StoreKind::of(&*self.store);
             let wait = parts
                 .headers
                 .get(GRPC_TIMEOUT)
@@ -354,7 +356,7 @@ where
                                 &self.shared,
                             );
                             let ledger = tx_ledger::offer(
-                                &self.store,
+                                &*self.store,
                                 &mut parts.extensions,
                                 Offer {
                                     scope,
