@@ -203,6 +203,14 @@ async fn a_sequential_retry_after_a_delivered_response_is_a_replay() {
                         let retry = send(&client, addr, &key).await;
                         assert_eq!(first.status, StatusCode::CREATED, "{case}");
                         assert!(!first.replayed(), "{case}");
+                        // The handler's whole body, as it made it (whole at once, streamed, or
+                        // none), both times.
+                        let n = first.headers["x-order"].to_str().unwrap();
+                        let made = match shape {
+                            Shape::Empty => String::new(),
+                            _ => format!("order {n} created"),
+                        };
+                        assert_eq!(first.body, made, "{case}");
                         assert_eq!(retry.status, StatusCode::CREATED, "{case}: {retry:?}");
                         assert!(retry.replayed(), "{case}: the retry must be a replay");
                         assert_eq!(retry.headers["x-order"], first.headers["x-order"], "{case}");
