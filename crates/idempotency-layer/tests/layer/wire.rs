@@ -1,6 +1,7 @@
 //! The layer's promises over real sockets: axum::serve with a hyper-util client over HTTP/1.1
-//! (keep-alive) and HTTP/2 (h2c), response bodies empty, with a Content-Length, chunked and with
-//! trailers, in every `OnDisconnect` and `InFlight` mode.
+//! (keep-alive) and HTTP/2 (h2c), response bodies empty, with a Content-Length, chunked, with
+//! trailers, and not ready when the layer first polls them, in every `OnDisconnect` and
+//! `InFlight` mode.
 //!
 //! Real servers stop polling a response body once its Content-Length is written or its
 //! trailers are sent, and never poll an empty one; these tests are the ones that catch a layer
@@ -37,13 +38,17 @@ enum Shape {
     ContentLength,
     Chunked,
     Trailers,
+    /// Chunked, its first frame a few milliseconds late: the layer's first poll of the body
+    /// (before the head goes out) finds it not ready, and the server's polls must get it all.
+    Late,
 }
 
-const SHAPES: [Shape; 4] = [
+const SHAPES: [Shape; 5] = [
     Shape::Empty,
     Shape::ContentLength,
     Shape::Chunked,
     Shape::Trailers,
+    Shape::Late,
 ];
 
 use test_support::net::HttpClient;
@@ -97,6 +102,15 @@ fn respond(shape: Shape, n: usize) -> Response<Body> {
             let chunks = ["order ", &n.to_string(), " created"]
                 .map(|c| Ok::<_, Infallible>(Bytes::from(c.to_owned())));
             Body::from_stream(futures_util::stream::iter(chunks))
+        }
+        Shape::Late => {
+            use futures_util::StreamExt;
+            let (head, tail) = (Bytes::from("order "), Bytes::from(format!("{n} created")));
+            let late = futures_util::stream::once(async move {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                Ok::<_, Infallible>(head)
+            });
+            Body::from_stream(late.chain(futures_util::stream::once(async move { Ok(tail) })))
         }
         Shape::Trailers => {
             let mut trailers = HeaderMap::new();
