@@ -36,16 +36,16 @@ pub(crate) enum Settled {
 /// store has them, called on the layer's one `Arc` of it: a claim holds a clone of that `Arc`,
 /// not a box of its own.
 trait ClaimStore: Send + Sync + 'static {
-    fn complete(self: Arc<Self>, held: Lease, record: Record) -> BoxFuture;
-    fn release(self: Arc<Self>, held: Lease) -> BoxFuture;
-    fn settle(self: Arc<Self>, held: Lease, fingerprint: Fingerprint) -> SettleFuture;
+    fn complete(self: Arc<Self>, held: Held, record: Record) -> BoxFuture;
+    fn release(self: Arc<Self>, held: Held) -> BoxFuture;
+    fn settle(self: Arc<Self>, held: Held, fingerprint: Fingerprint) -> SettleFuture;
 }
 
 /// [`Claim::settle`]'s store operations, boxed once.
 pub(crate) type SettleFuture = Pin<Box<dyn Future<Output = Settled> + Send + 'static>>;
 
 /// What a held claim is: its scope and token, and the lease renewed while it is held.
-struct Lease {
+struct Held {
     scope: ScopeKey,
     token: Token,
     ttl: Duration,
@@ -55,14 +55,14 @@ struct Lease {
     renewals: Arc<Renewals>,
 }
 
-impl Drop for Lease {
+impl Drop for Held {
     fn drop(&mut self) {
         self.renewals.remove(self.token);
     }
 }
 
 impl<St: IdempotencyStore> ClaimStore for St {
-    fn complete(self: Arc<Self>, held: Lease, record: Record) -> BoxFuture {
+    fn complete(self: Arc<Self>, held: Held, record: Record) -> BoxFuture {
         Box::pin(async move {
             let (store, scope, token, ttl) = (&*self, held.scope, held.token, held.ttl);
             // Shared, so that a retry through an outage resends it without copying it.
@@ -87,7 +87,7 @@ impl<St: IdempotencyStore> ClaimStore for St {
         })
     }
 
-    fn release(self: Arc<Self>, held: Lease) -> BoxFuture {
+    fn release(self: Arc<Self>, held: Held) -> BoxFuture {
         Box::pin(async move {
             let store = &*self;
             let kind = StoreKind::of(store);
@@ -102,7 +102,7 @@ impl<St: IdempotencyStore> ClaimStore for St {
         })
     }
 
-    fn settle(self: Arc<Self>, held: Lease, fingerprint: Fingerprint) -> SettleFuture {
+    fn settle(self: Arc<Self>, held: Held, fingerprint: Fingerprint) -> SettleFuture {
         Box::pin(async move {
             let (store, scope) = (&*self, held.scope);
             let kind = StoreKind::of(store);
@@ -172,7 +172,7 @@ pub(crate) fn log_store_error(counters: &Counters, store: StoreKind, op: Op, e: 
 
 /// A claim held by this process.
 pub(crate) struct Claim {
-    held: Option<(Arc<dyn ClaimStore>, Lease)>,
+    held: Option<(Arc<dyn ClaimStore>, Held)>,
 }
 
 impl fmt::Debug for Claim {
@@ -194,7 +194,7 @@ impl Claim {
         shared: &Shared,
     ) -> Self {
         shared.renewals.add(&*store, scope, token, lease);
-        let held = Lease {
+        let held = Held {
             scope,
             token,
             ttl,
