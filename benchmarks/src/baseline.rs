@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::future::Future;
+use std::future::{ready, Future, Ready};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -14,7 +14,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
-use http::{HeaderValue, Request, Response, StatusCode};
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http_body_util::combinators::WithTrailers;
 use http_body_util::{BodyExt, Full};
 use idempotency_layer::store::{Begin, Fingerprint, Record, ScopeKey, Token};
 use idempotency_layer::{IdempotencyStore, StoreError};
@@ -120,20 +121,47 @@ impl IdempotencyStore for MutexStore {
     }
 }
 
+/// What [`NaiveCacheLayer`] remembers of a response: its status, its `content-type`, its body
+/// and its trailers (a gRPC response's `grpc-status` is one).
+#[derive(Clone, Debug)]
+pub struct NaiveResponse {
+    status: StatusCode,
+    content_type: Option<HeaderValue>,
+    body: Bytes,
+    trailers: Option<HeaderMap>,
+}
+
+/// The body [`NaiveCacheService`] answers with: the whole body, then the trailers if any.
+pub type NaiveBody = WithTrailers<Full<Bytes>, Ready<Option<Result<HeaderMap, Infallible>>>>;
+
+impl NaiveResponse {
+    fn to_response(&self) -> Response<NaiveBody> {
+        let body = Full::new(self.body.clone()).with_trailers(ready(self.trailers.clone().map(Ok)));
+        let mut res = Response::new(body);
+        *res.status_mut() = self.status;
+        if let Some(ct) = &self.content_type {
+            res.headers_mut().insert(CONTENT_TYPE, ct.clone());
+        }
+        res
+    }
+}
+
 /// The idempotency middleware a user might hand-roll for a server: a [`NaiveCache`] from the
-/// request's `x-idempotency-key` to the handler's response body. A key it holds is answered
-/// 201 (`application/json`) with that body, and the handler does not run; otherwise the handler
-/// runs and a successful response's body is read whole and remembered.
+/// request's `x-idempotency-key` to the handler's response ([`NaiveResponse`]: status,
+/// `content-type`, body, trailers). A key it holds is answered with that response, and the
+/// handler does not run; otherwise the handler runs and a successful response (2xx) is read
+/// whole and remembered. The same layer serves HTTP (axum) and gRPC (tonic `Server::layer`: a
+/// gRPC response's trailers are kept).
 ///
 /// It is the floor of what any idempotency layer does on a first execution and a replay (a
-/// lookup, buffering the response, a copy of the body per replay) and none of the rest: it does
-/// not read the request body (no fingerprint), keeps no status or headers, no tenant, no single
-/// flight (two duplicates at once both run), no TTL and no bound. The load test runs it beside
-/// `IdempotencyLayer` (`naive/first`, `naive/replay`) to show what that floor costs on the same
-/// wire.
+/// lookup, buffering the response, a copy of it per replay) and none of the rest: it does not
+/// read the request body (no fingerprint), keeps no other headers, no tenant, no single flight
+/// (two duplicates at once both run), no TTL and no bound. The load test runs it beside
+/// `IdempotencyLayer` (`naive/first`, `naive/replay`, `grpc/naive/first`, `grpc/naive/replay`)
+/// to show what that floor costs on the same wire.
 #[derive(Clone, Debug, Default)]
 pub struct NaiveCacheLayer {
-    cache: Arc<NaiveCache>,
+    cache: Arc<NaiveCache<NaiveResponse>>,
 }
 
 impl<S> Layer<S> for NaiveCacheLayer {
@@ -151,7 +179,7 @@ impl<S> Layer<S> for NaiveCacheLayer {
 #[derive(Clone, Debug)]
 pub struct NaiveCacheService<S> {
     inner: S,
-    cache: Arc<NaiveCache>,
+    cache: Arc<NaiveCache<NaiveResponse>>,
 }
 
 impl<S, ReqB, ResB> Service<Request<ReqB>> for NaiveCacheService<S>
@@ -164,7 +192,7 @@ where
     ReqB: Send + 'static,
     ResB: http_body::Body<Data = Bytes> + Send + 'static,
 {
-    type Response = Response<Full<Bytes>>;
+    type Response = Response<NaiveBody>;
     type Error = Infallible;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
 
@@ -178,27 +206,32 @@ where
             .get("x-idempotency-key")
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
-        if let Some(body) = key.as_deref().and_then(|k| self.cache.get(k)) {
-            let mut res = Response::new(Full::new(body));
-            *res.status_mut() = StatusCode::CREATED;
-            res.headers_mut()
-                .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-            return Box::pin(std::future::ready(Ok(res)));
+        if let Some(recorded) = key.as_deref().and_then(|k| self.cache.get(k)) {
+            return Box::pin(ready(Ok(recorded.to_response())));
         }
         let cache = self.cache.clone();
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         Box::pin(async move {
             let (parts, body) = inner.call(req).await?.into_parts();
-            let Ok(body) = body.collect().await.map(|c| c.to_bytes()) else {
-                let mut res = Response::new(Full::default());
+            let Ok(collected) = body.collect().await else {
+                let mut res = Response::new(Full::default().with_trailers(ready(None)));
                 *res.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
                 return Ok(res);
             };
+            let trailers = collected.trailers().cloned();
+            let body = collected.to_bytes();
             if let (Some(key), true) = (key, parts.status.is_success()) {
-                cache.put(key, body.clone());
+                let recorded = NaiveResponse {
+                    status: parts.status,
+                    content_type: parts.headers.get(CONTENT_TYPE).cloned(),
+                    body: body.clone(),
+                    trailers: trailers.clone(),
+                };
+                cache.put(key, recorded);
             }
-            Ok(Response::from_parts(parts, Full::new(body)))
+            let body = Full::new(body).with_trailers(ready(trailers.map(Ok)));
+            Ok(Response::from_parts(parts, body))
         })
     }
 }
@@ -238,5 +271,40 @@ mod tests {
             .await
             .expect("infallible");
         assert_eq!(runs.load(Ordering::Relaxed), 2, "a new key runs");
+    }
+
+    /// A gRPC-shaped response (200, `application/grpc`, a body, then `grpc-status` in the
+    /// trailers) is replayed whole: status, content type, body and trailers.
+    #[tokio::test]
+    async fn the_naive_cache_replays_status_content_type_and_trailers() {
+        let runs = Arc::new(AtomicU64::new(0));
+        let handler = {
+            let runs = runs.clone();
+            service_fn(move |_req: Request<Full<Bytes>>| {
+                runs.fetch_add(1, Ordering::Relaxed);
+                let mut trailers = HeaderMap::new();
+                trailers.insert("grpc-status", HeaderValue::from_static("0"));
+                let body = Full::new(Bytes::from_static(RESPONSE_200))
+                    .with_trailers(ready(Some(Ok::<_, Infallible>(trailers))));
+                let mut res = Response::new(body);
+                res.headers_mut()
+                    .insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+                ready(Ok::<_, Infallible>(res))
+            })
+        };
+        let svc = NaiveCacheLayer::default().layer(handler);
+        for _ in 0..2 {
+            let res = svc
+                .clone()
+                .oneshot(order_request("order-000000000001"))
+                .await
+                .expect("infallible");
+            assert_eq!(res.status(), StatusCode::OK);
+            assert_eq!(res.headers()[CONTENT_TYPE], "application/grpc");
+            let collected = res.into_body().collect().await.expect("body");
+            assert_eq!(collected.trailers().expect("trailers")["grpc-status"], "0");
+            assert_eq!(collected.to_bytes(), RESPONSE_200);
+        }
+        assert_eq!(runs.load(Ordering::Relaxed), 1, "the handler ran once");
     }
 }

@@ -1,23 +1,34 @@
 //! The load test's gRPC scenarios' pieces: a tonic server of `bench.v1.Orders/CreateOrder`
 //! (`proto/bench/v1/orders.proto`, compiled by `build.rs` with protox as
 //! `examples/tonic-library` does), answering every write with the same 200 bytes as the HTTP
-//! handler, bare or behind `IdempotencyLayer`; and a client per connection: a tonic `Channel`
-//! (one HTTP/2 connection, one call in flight), bare or through `RetryLayer`
-//! ([`RetryLayer::tonic_channel`]), sending the idempotency key as `x-idempotency-key`
-//! metadata.
+//! handler, bare or behind a layer (`IdempotencyLayer`, or the hand-rolled
+//! [`NaiveCacheLayer`](crate::baseline::NaiveCacheLayer)); and a client per connection: a tonic
+//! `Channel` (one HTTP/2 connection, one call in flight), bare, through `RetryLayer`
+//! ([`RetryLayer::tonic_channel`]) or through `tower::retry` as a user would hand-roll it
+//! ([`TowerRetryChannel`]), sending the idempotency key as `x-idempotency-key` metadata.
 
 use std::net::SocketAddr;
 
+use std::future::{ready, Future, Ready};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
 use bytes::Bytes;
-use idempotency_layer::{IdempotencyLayer, IdempotencyStore};
+use http::StatusCode;
+use http_body_util::{BodyExt, Full};
 use retry_layer::tonic::RetryChannel;
 use retry_layer::RetryLayer;
+use tonic::service::Routes;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Endpoint, Server};
 use tonic::{Request, Response, Status};
+use tower::util::MapRequest;
+use tower::{Layer, Service};
 
 use crate::load::Caller;
 use crate::RESPONSE_200;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The generated protobuf and gRPC code of `bench.v1`.
 #[allow(
@@ -71,12 +82,21 @@ pub async fn serve_plain() -> (SocketAddr, tokio::task::JoinHandle<()>) {
     (addr, task)
 }
 
-/// Serves [`OrdersService`] behind `layer` (e.g. `IdempotencyLayer::new(store)
-/// .default_tenant("bench")`; a clone of it keeps reading its counters) on 127.0.0.1 until the
-/// handle is aborted.
-pub async fn serve_idempotent<St: IdempotencyStore>(
-    layer: IdempotencyLayer<St>,
-) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+/// Serves [`OrdersService`] behind `layer` on 127.0.0.1 until the handle is aborted: e.g.
+/// `IdempotencyLayer::new(store).default_tenant("bench")` (a clone of it keeps reading its
+/// counters) or [`NaiveCacheLayer`](crate::baseline::NaiveCacheLayer).
+pub async fn serve_layered<L, ResBody>(layer: L) -> (SocketAddr, tokio::task::JoinHandle<()>)
+where
+    L: Layer<Routes> + Clone + Send + 'static,
+    L::Service: Service<http::Request<tonic::body::Body>, Response = http::Response<ResBody>>
+        + Clone
+        + Send
+        + 'static,
+    <L::Service as Service<http::Request<tonic::body::Body>>>::Future: Send,
+    <L::Service as Service<http::Request<tonic::body::Body>>>::Error: Into<BoxError> + Send,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
     let (addr, incoming) = incoming().await;
     let task = tokio::spawn(async move {
         Server::builder()
@@ -96,23 +116,114 @@ fn channel(addr: SocketAddr) -> Channel {
         .connect_lazy()
 }
 
-/// A caller with a channel of its own to `addr` (connected on its first call), through
-/// `retry` if given (a clone of the layer: one budget for every connection, as one client).
-pub fn caller(addr: SocketAddr, retry: Option<&RetryLayer>) -> GrpcCaller {
-    let channel = channel(addr);
-    match retry {
-        None => GrpcCaller::Plain(OrdersClient::new(channel)),
-        Some(layer) => GrpcCaller::Retry(OrdersClient::new(layer.tonic_channel(channel))),
-    }
+/// A caller with a bare channel of its own to `addr` (connected on its first call).
+pub fn caller(addr: SocketAddr) -> GrpcCaller {
+    GrpcCaller::Plain(OrdersClient::new(channel(addr)))
 }
 
-/// One connection's gRPC client: a bare `Channel` or one through `RetryLayer`.
+/// A caller with a channel of its own to `addr` through `layer` (a clone of the layer: one
+/// budget for every connection, as one client).
+pub fn retry_caller(addr: SocketAddr, layer: &RetryLayer) -> GrpcCaller {
+    GrpcCaller::Retry(OrdersClient::new(layer.tonic_channel(channel(addr))))
+}
+
+/// A caller with a channel of its own to `addr` through [`TowerRetryChannel`].
+pub fn tower_retry_caller(addr: SocketAddr) -> GrpcCaller {
+    GrpcCaller::TowerRetry(OrdersClient::new(TowerRetryChannel::new(channel(addr))))
+}
+
+/// One connection's gRPC client: a bare `Channel`, one through `RetryLayer`, or one through
+/// `tower::retry`.
 #[derive(Debug, Clone)]
 pub enum GrpcCaller {
     /// A bare tonic `Channel`.
     Plain(OrdersClient<Channel>),
     /// A tonic `Channel` through `RetryLayer`.
     Retry(OrdersClient<RetryChannel<Channel>>),
+    /// A tonic `Channel` through [`TowerRetryChannel`].
+    TowerRetry(OrdersClient<TowerRetryChannel>),
+}
+
+/// The `tower::retry` policy a user writes for gRPC: clone the request
+/// ([`clone_request`](crate::retry::clone_request)), retry on `UNAVAILABLE` (a trailers-only
+/// `grpc-status: 14`, or an HTTP 503 from a proxy), at most `.0` retries.
+#[derive(Clone, Debug)]
+pub struct CloneOnUnavailable(pub usize);
+
+impl<B, E> tower::retry::Policy<http::Request<Full<Bytes>>, http::Response<B>, E>
+    for CloneOnUnavailable
+{
+    type Future = Ready<()>;
+
+    fn retry(
+        &mut self,
+        _req: &mut http::Request<Full<Bytes>>,
+        result: &mut Result<http::Response<B>, E>,
+    ) -> Option<Self::Future> {
+        let unavailable = |res: &http::Response<B>| {
+            res.status() == StatusCode::SERVICE_UNAVAILABLE
+                || res.headers().get("grpc-status").is_some_and(|s| s == "14")
+        };
+        match result {
+            Ok(res) if unavailable(res) && self.0 > 0 => {
+                self.0 -= 1;
+                Some(ready(()))
+            }
+            _ => None,
+        }
+    }
+
+    fn clone_request(
+        &mut self,
+        req: &http::Request<Full<Bytes>>,
+    ) -> Option<http::Request<Full<Bytes>>> {
+        Some(crate::retry::clone_request(req))
+    }
+}
+
+type FullToTonic = fn(http::Request<Full<Bytes>>) -> http::Request<tonic::body::Body>;
+
+/// `tower::retry` on a tonic `Channel`, the way a user would hand-roll it: a tonic request's
+/// body is a stream that cannot be cloned, so each call first reads it whole into `Bytes`, then
+/// goes through `tower::retry::Retry` with [`CloneOnUnavailable`] (2 retries), which sends a
+/// `Full` body on the channel. The load test's reference for `grpc/client_retry`
+/// (`grpc/client_tower_retry`).
+#[derive(Clone, Debug)]
+pub struct TowerRetryChannel {
+    inner: tower::retry::Retry<CloneOnUnavailable, MapRequest<Channel, FullToTonic>>,
+}
+
+impl TowerRetryChannel {
+    /// `tower::retry` over `channel`.
+    pub fn new(channel: Channel) -> Self {
+        let to_tonic: FullToTonic = |req| req.map(tonic::body::Body::new);
+        let channel = MapRequest::new(channel, to_tonic);
+        TowerRetryChannel {
+            inner: tower::retry::Retry::new(CloneOnUnavailable(2), channel),
+        }
+    }
+}
+
+impl Service<http::Request<tonic::body::Body>> for TowerRetryChannel {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        // The readied service goes into the future; a clone stays for the next call.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        Box::pin(async move {
+            let (parts, body) = req.into_parts();
+            let body = body.collect().await?.to_bytes();
+            let req = http::Request::from_parts(parts, Full::new(body));
+            inner.call(req).await.map_err(Into::into)
+        })
+    }
 }
 
 fn create_order(key: &str) -> Request<pb::CreateOrderRequest> {
@@ -131,6 +242,7 @@ impl Caller for GrpcCaller {
         let res = match self {
             GrpcCaller::Plain(c) => c.create_order(req).await,
             GrpcCaller::Retry(c) => c.create_order(req).await,
+            GrpcCaller::TowerRetry(c) => c.create_order(req).await,
         };
         matches!(res, Ok(r) if r.get_ref().body.len() == RESPONSE_200.len())
     }

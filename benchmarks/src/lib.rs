@@ -108,22 +108,30 @@ pub fn median(values: &mut [f64]) -> f64 {
 }
 
 /// A hand-rolled response cache a user might write instead of an idempotency layer: one
-/// `Mutex<HashMap>` from key to recorded body. No tenant scoping, fingerprint, single-flight,
-/// TTL or capacity.
-#[derive(Debug, Default)]
-pub struct NaiveCache {
-    map: Mutex<HashMap<String, Bytes>>,
+/// `Mutex<HashMap>` from key to a recorded value (a body, or [`baseline::NaiveResponse`]). No
+/// tenant scoping, fingerprint, single-flight, TTL or capacity.
+#[derive(Debug)]
+pub struct NaiveCache<V = Bytes> {
+    map: Mutex<HashMap<String, V>>,
 }
 
-impl NaiveCache {
-    /// The recorded body of `key`, if any.
-    pub fn get(&self, key: &str) -> Option<Bytes> {
+impl<V> Default for NaiveCache<V> {
+    fn default() -> Self {
+        NaiveCache {
+            map: Mutex::default(),
+        }
+    }
+}
+
+impl<V: Clone> NaiveCache<V> {
+    /// The recorded value of `key`, if any.
+    pub fn get(&self, key: &str) -> Option<V> {
         self.map.lock().expect("not poisoned").get(key).cloned()
     }
 
-    /// Records `body` for `key`.
-    pub fn put(&self, key: String, body: Bytes) {
-        self.map.lock().expect("not poisoned").insert(key, body);
+    /// Records `value` for `key`.
+    pub fn put(&self, key: String, value: V) {
+        self.map.lock().expect("not poisoned").insert(key, value);
     }
 }
 

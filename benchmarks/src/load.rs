@@ -414,10 +414,11 @@ pub async fn load<C: Caller>(
 /// `client_retry`, `memory/first`, `memory/replay`, and the same four over gRPC (`grpc/...`,
 /// see [`crate::grpc`]); and, as references of what the same work costs done the way a user
 /// would hand-roll it, `client_tower_retry` (`tower::retry` with a cloning policy,
-/// [`CloneOn503`]) and `naive/first`, `naive/replay` ([`NaiveCacheLayer`]). `tag` makes this
-/// run's keys unique.
+/// [`CloneOn503`]) and `naive/first`, `naive/replay` ([`NaiveCacheLayer`]), and the same three
+/// over gRPC (`tower::retry` through [`grpc::TowerRetryChannel`]). `tag` makes this run's keys
+/// unique.
 pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
-    const NAMES: [&str; 11] = [
+    const NAMES: [&str; 14] = [
         "no_layers",
         "client_retry",
         "client_tower_retry",
@@ -427,8 +428,11 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
         "naive/replay",
         "grpc/no_layers",
         "grpc/client_retry",
+        "grpc/client_tower_retry",
         "grpc/memory/first",
         "grpc/memory/replay",
+        "grpc/naive/first",
+        "grpc/naive/replay",
     ];
     let (plain, plain_task) = serve(handler_app()).await;
     let http_layer = bench_layer(run_memory_store());
@@ -438,13 +442,11 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
     record_replay_keys(HttpCaller::new(client(), naive), tag, cfg.connections).await;
     let (grpc_plain, grpc_plain_task) = grpc::serve_plain().await;
     let grpc_layer = bench_layer(run_memory_store());
-    let (grpc_memory, grpc_memory_task) = grpc::serve_idempotent(grpc_layer.clone()).await;
-    record_replay_keys(
-        grpc::caller(grpc_memory, None),
-        &format!("{tag}g"),
-        cfg.connections,
-    )
-    .await;
+    let (grpc_memory, grpc_memory_task) = grpc::serve_layered(grpc_layer.clone()).await;
+    let grpc_replay = format!("{tag}g");
+    record_replay_keys(grpc::caller(grpc_memory), &grpc_replay, cfg.connections).await;
+    let (grpc_naive, grpc_naive_task) = grpc::serve_layered(NaiveCacheLayer::default()).await;
+    record_replay_keys(grpc::caller(grpc_naive), &grpc_replay, cfg.connections).await;
     // One retry layer per scenario, shared by its connections (one budget, as one client).
     let http_retry = RetryLayer::new(RetryPolicy::default());
     let grpc_retry = RetryLayer::new(RetryPolicy::default());
@@ -454,7 +456,6 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
         let unique = format!("{tag}x{round}");
         let replay = tag.to_owned();
         let grpc_unique = format!("{tag}gx{round}");
-        let grpc_replay = format!("{tag}g");
         for (i, name) in NAMES.into_iter().enumerate() {
             if !cfg.selected(name) {
                 continue;
@@ -484,21 +485,34 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
                 "naive/first" => load(name, http(naive), Keys::Unique, &unique, cfg).await,
                 "naive/replay" => load(name, http(naive), Keys::PerConnection, &replay, cfg).await,
                 "grpc/no_layers" => {
-                    let make = |_| grpc::caller(grpc_plain, None);
+                    let make = |_| grpc::caller(grpc_plain);
                     load(name, make, Keys::Unique, &grpc_unique, cfg).await
                 }
                 "grpc/client_retry" => {
-                    let make = |_| grpc::caller(grpc_plain, Some(&grpc_retry));
+                    let make = |_| grpc::retry_caller(grpc_plain, &grpc_retry);
+                    load(name, make, Keys::Unique, &grpc_unique, cfg).await
+                }
+                "grpc/client_tower_retry" => {
+                    let make = |_| grpc::tower_retry_caller(grpc_plain);
                     load(name, make, Keys::Unique, &grpc_unique, cfg).await
                 }
                 "grpc/memory/first" => {
-                    let make = |_| grpc::caller(grpc_memory, None);
+                    let make = |_| grpc::caller(grpc_memory);
                     load(name, make, Keys::Unique, &grpc_unique, cfg).await
                 }
-                _ => {
-                    let make = |_| grpc::caller(grpc_memory, None);
+                "grpc/memory/replay" => {
+                    let make = |_| grpc::caller(grpc_memory);
                     load(name, make, Keys::PerConnection, &grpc_replay, cfg).await
                 }
+                "grpc/naive/first" => {
+                    let make = |_| grpc::caller(grpc_naive);
+                    load(name, make, Keys::Unique, &grpc_unique, cfg).await
+                }
+                "grpc/naive/replay" => {
+                    let make = |_| grpc::caller(grpc_naive);
+                    load(name, make, Keys::PerConnection, &grpc_replay, cfg).await
+                }
+                other => unreachable!("no scenario {other}"),
             };
             if name.contains("memory/") {
                 notes.extend(check_counters(name, run.sent, &before, &layer.stats()));
@@ -512,6 +526,7 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
         naive_task,
         grpc_plain_task,
         grpc_memory_task,
+        grpc_naive_task,
     ] {
         task.abort();
     }

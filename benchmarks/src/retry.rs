@@ -45,13 +45,19 @@ impl<B, E> Policy<Request<Full<Bytes>>, Response<B>, E> for CloneOn503 {
     }
 
     fn clone_request(&mut self, req: &Request<Full<Bytes>>) -> Option<Request<Full<Bytes>>> {
-        let mut clone = Request::new(req.body().clone());
-        *clone.method_mut() = req.method().clone();
-        *clone.uri_mut() = req.uri().clone();
-        *clone.version_mut() = req.version();
-        *clone.headers_mut() = req.headers().clone();
-        Some(clone)
+        Some(clone_request(req))
     }
+}
+
+/// What a user's `tower::retry` policy does to keep a request for a retry: a copy of its head
+/// (method, URI, version, headers) and of its whole body (a `Bytes`: a reference count).
+pub fn clone_request(req: &Request<Full<Bytes>>) -> Request<Full<Bytes>> {
+    let mut clone = Request::new(req.body().clone());
+    *clone.method_mut() = req.method().clone();
+    *clone.uri_mut() = req.uri().clone();
+    *clone.version_mut() = req.version();
+    *clone.headers_mut() = req.headers().clone();
+    clone
 }
 
 /// A keyed `POST` with `body`.

@@ -546,6 +546,22 @@ fn main() {
         Goal::AtLeast(1.00),
         "-",
     ));
+    for (what, name) in [
+        (
+            "tower::retry on the Channel, body read whole first (reference for `grpc/client_retry`)",
+            "grpc/client_tower_retry",
+        ),
+        (
+            "a hand-rolled key -> response cache (reference for `grpc/memory/first`)",
+            "grpc/naive/first",
+        ),
+        (
+            "a hand-rolled key -> response cache (reference for `grpc/memory/replay`)",
+            "grpc/naive/replay",
+        ),
+    ] {
+        rows.push(ratio_row(&report, what, name, Goal::Info, "-"));
+    }
     rows.push(
         Row::new(
             "loadtest `grpc/no_layers` / `no_layers` (gRPC baseline against HTTP's)",

@@ -162,10 +162,12 @@ where
     /// `content_length` is the request's Content-Length header, if any. Returns the first
     /// attempt's body and the handle the layer keeps.
     ///
-    /// A body whose exact size is known and within `max` is polled once right here: a body
-    /// that has all its bytes at hand (`Full<Bytes>`, a buffered body) hands them over in that
-    /// one frame, and is then replayed from those bytes by every attempt with no shared state.
-    /// Any other body streams as it arrives.
+    /// A body that may fit within `max` is polled right here with a no-op waker, while it has
+    /// frames ready and up to `max` bytes ([`EARLY_POLLS`] polls at most): a body that has all
+    /// its bytes at hand (`Full<Bytes>`, a buffered body, a tonic unary request's encoded
+    /// message) hands them over and ends, and is then replayed from those bytes by every
+    /// attempt with no shared state. What these polls read of any other body is planted into
+    /// what is kept, and the rest streams as it arrives.
     pub(crate) fn new(
         body: B,
         max: usize,
@@ -177,32 +179,57 @@ where
         let hint = body.size_hint();
         let mut body = Box::pin(body);
         let mut seed = Seed::default();
-        if hint.exact().is_some_and(|n| n <= max as u64) {
-            // A noop waker: if the body is not ready, nothing was consumed, and the transport's
+        // Nothing kept: the body must stay unread until it is sent (see above).
+        if max > 0 && hint.lower() <= max as u64 {
+            // A no-op waker: a body that is not ready consumed nothing, and the transport's
             // first poll registers its own waker.
             let mut cx = Context::from_waker(std::task::Waker::noop());
-            match body.as_mut().poll_frame(&mut cx) {
-                Poll::Pending => {}
-                Poll::Ready(None) => return Self::empty(),
-                Poll::Ready(Some(Err(e))) => seed.error = Some(e.into()),
-                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                    Ok(mut data) => {
-                        let chunk = data.copy_to_bytes(data.remaining());
-                        if body.is_end_stream() && hint.exact() == Some(chunk.len() as u64) {
-                            let first = ReplayBody {
-                                inner: Inner::Fixed(Some(chunk.clone())),
-                            };
-                            return (
-                                first,
-                                BodyHandle {
-                                    kind: Handle::Whole(chunk),
-                                },
-                            );
-                        }
-                        seed.chunk = Some(chunk);
+            let mut read = 0;
+            for _ in 0..EARLY_POLLS {
+                if read > max {
+                    break;
+                }
+                match body.as_mut().poll_frame(&mut cx) {
+                    Poll::Pending => break,
+                    Poll::Ready(None) => {
+                        seed.ended = true;
+                        break;
                     }
-                    Err(frame) => seed.trailers = frame.into_trailers().ok(),
-                },
+                    Poll::Ready(Some(Err(e))) => {
+                        seed.error = Some(e.into());
+                        break;
+                    }
+                    Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                        Ok(mut data) => {
+                            read += data.remaining();
+                            seed.chunks.push(data.copy_to_bytes(data.remaining()));
+                            if body.is_end_stream() {
+                                seed.ended = true;
+                                break;
+                            }
+                        }
+                        Err(frame) => {
+                            // Trailers end a body; an unknown frame kind is skipped, as the
+                            // readers skip it.
+                            seed.trailers = frame.into_trailers().ok();
+                            seed.ended = seed.trailers.is_some();
+                            break;
+                        }
+                    },
+                }
+            }
+            if let Some(whole) = seed.whole(hint.exact(), max) {
+                return match whole {
+                    None => Self::empty(),
+                    Some(bytes) => (
+                        ReplayBody {
+                            inner: Inner::Fixed(Some(bytes.clone())),
+                        },
+                        BodyHandle {
+                            kind: Handle::Whole(bytes),
+                        },
+                    ),
+                };
             }
         }
         // A body known to exceed the limit is never kept (unless nothing is kept at all: then
@@ -260,37 +287,67 @@ where
     }
 }
 
-/// What the first poll of a body read while it was wrapped: planted into what is kept as if the
+/// How many times [`ReplayBody::new`] polls a body for frames it has at hand.
+const EARLY_POLLS: usize = 16;
+
+/// What the polls of a body read while it was wrapped: planted into what is kept as if the
 /// first attempt had read it.
 #[derive(Default)]
 struct Seed {
-    chunk: Option<Bytes>,
+    /// The data frames read, in order.
+    chunks: Vec<Bytes>,
     trailers: Option<HeaderMap>,
     error: Option<BoxError>,
+    /// The body said it had nothing left (its last frame was read, or it returned `None`).
+    ended: bool,
 }
 
 impl Seed {
+    /// The whole body, if the polls read all of it, without trailers or an error, within
+    /// `max` and as long as its exact size hint said: `Some(None)` for no bytes at all.
+    fn whole(&mut self, exact: Option<u64>, max: usize) -> Option<Option<Bytes>> {
+        if !self.ended || self.trailers.is_some() || self.error.is_some() {
+            return None;
+        }
+        let len: usize = self.chunks.iter().map(Bytes::len).sum();
+        if len > max || exact.is_some_and(|n| n != len as u64) {
+            return None;
+        }
+        match self.chunks.len() {
+            0 => Some(None),
+            1 => self.chunks.pop().map(Some),
+            _ => {
+                let mut all = bytes::BytesMut::with_capacity(len);
+                for c in self.chunks.drain(..) {
+                    all.extend_from_slice(&c);
+                }
+                Some(Some(all.freeze()))
+            }
+        }
+    }
+
     fn plant<B: Body>(self, s: &mut Kept<B>) {
-        if let Some(chunk) = self.chunk {
-            let last = s.body.as_ref().is_some_and(|b| b.is_end_stream());
-            s.read = 1;
-            s.read_bytes = chunk.len() as u64;
-            if !s.capped && chunk.len() <= s.max {
-                s.kept_bytes = chunk.len();
-                s.chunks.push(chunk);
-            } else {
+        for chunk in self.chunks {
+            // The first attempt reads these from what is kept, so they are kept even past
+            // `max`; past it, the body is not replayable, and the first attempt's reader drops
+            // them once it has read them.
+            s.read += 1;
+            s.read_bytes += chunk.len() as u64;
+            s.kept_bytes += chunk.len();
+            s.chunks.push(chunk);
+            if s.kept_bytes > s.max {
                 s.capped = true;
             }
-            if last {
-                s.finish();
-            }
-        } else if let Some(trailers) = self.trailers {
+        }
+        if let Some(trailers) = self.trailers {
             s.trailers = Some(trailers);
-            s.finish();
-        } else if let Some(e) = self.error {
+        }
+        if let Some(e) = self.error {
             s.body = None;
             s.failed = true;
             s.first_error = Some(e);
+        } else if self.ended {
+            s.finish();
         }
     }
 }
@@ -395,13 +452,16 @@ where
         if generation != s.generation {
             return Poll::Ready(Some(Err(Superseded.into())));
         }
-        // Replay what an earlier attempt read.
+        // Replay what an earlier attempt (or the wrapping) read. Past the limit, nothing is
+        // kept, except what the wrapping read, for the first attempt only.
         if *next < s.read {
-            if s.capped {
+            let Some(chunk) = s.chunks.get(*next).cloned() else {
                 return Poll::Ready(Some(Err(BodyNotReplayable.into())));
-            }
-            let chunk = s.chunks[*next].clone();
+            };
             *next += 1;
+            if s.capped && *next == s.chunks.len() {
+                s.chunks = Vec::new();
+            }
             return Poll::Ready(Some(Ok(Frame::data(chunk))));
         }
         // At the head: read on from the original, or replay its end.
@@ -509,13 +569,12 @@ where
                 ..
             } => {
                 let s = lock(shared);
-                let kept: u64 = if s.capped {
-                    0
-                } else {
-                    s.chunks
-                        .get(*next..)
-                        .map_or(0, |c| c.iter().map(|c| c.len() as u64).sum())
-                };
+                // Past the limit, `chunks` holds only what the wrapping read and the first
+                // attempt has yet to send.
+                let kept: u64 = s
+                    .chunks
+                    .get(*next..)
+                    .map_or(0, |c| c.iter().map(|c| c.len() as u64).sum());
                 match &s.body {
                     // Trailers still to replay: not an exact size, or an HTTP/1 client would
                     // send a Content-Length, which cannot carry trailers.
@@ -582,7 +641,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_retry_continues_where_the_first_attempt_stopped() {
-        let (mut first, handle) = ReplayBody::new(chunks(&["a", "b", "c"]), 1024, None);
+        let (mut first, handle) =
+            ReplayBody::new(Known::paused(&[Ok("a"), Ok("b"), Ok("c")]), 1024, None);
         let frame = first.frame().await.unwrap().unwrap();
         assert_eq!(frame.into_data().unwrap(), "a");
         drop(first);
@@ -615,11 +675,12 @@ mod tests {
     }
 
     /// A body of known size whose frames arrive one poll at a time: the first poll is
-    /// `Pending` if `late`.
+    /// `Pending` if `late`; with `pause`, so is the poll after each frame.
     struct Known {
         parts: std::collections::VecDeque<Result<Bytes, &'static str>>,
         len: u64,
         late: bool,
+        pause: bool,
     }
 
     impl Known {
@@ -632,6 +693,15 @@ mod tests {
                     .collect(),
                 len,
                 late,
+                pause: false,
+            }
+        }
+
+        /// Each frame after the first arrives one poll after `Pending`.
+        fn paused(parts: &[Result<&'static str, &'static str>]) -> Known {
+            Known {
+                pause: true,
+                ..Known::new(parts, false)
             }
         }
     }
@@ -647,6 +717,7 @@ mod tests {
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }
+            self.late = self.pause;
             Poll::Ready(self.parts.pop_front().map(|p| match p {
                 Ok(b) => Ok(Frame::data(b)),
                 Err(e) => Err(e.into()),
@@ -680,6 +751,53 @@ mod tests {
         assert_eq!(handle.complete_bytes().unwrap(), "order");
     }
 
+    /// A tonic unary request: one encoded message, no size hint, and `is_end_stream()` false
+    /// until a second poll says `None`; or several frames, all at hand.
+    #[tokio::test]
+    async fn a_whole_body_at_hand_without_a_size_hint_is_taken_whole() {
+        for parts in [
+            &["order"][..],
+            &["or", "der"][..],
+            &["o", "r", "d", "e", "r"][..],
+        ] {
+            let (first, handle) = ReplayBody::new(chunks(parts), 8, None);
+            assert!(matches!(handle.kind, Handle::Whole(_)), "{parts:?}");
+            assert_eq!(first.size_hint().exact(), Some(5));
+            assert_eq!(collect(first).await.unwrap(), "order");
+            assert_eq!(collect(handle.replay()).await.unwrap(), "order");
+        }
+        // The first frame is read at wrap time, the others stream.
+        let (first, handle) =
+            ReplayBody::new(Known::paused(&[Ok("o"), Ok("r"), Ok("der")]), 8, None);
+        assert!(matches!(handle.kind, Handle::Shared(_)));
+        assert_eq!(collect(first).await.unwrap(), "order");
+        assert_eq!(handle.complete_bytes().unwrap(), "order");
+        assert_eq!(collect(handle.replay()).await.unwrap(), "order");
+    }
+
+    /// What the wrapping read past the limit still goes to the first attempt, whole, and the
+    /// body is not replayable.
+    #[tokio::test]
+    async fn a_body_read_past_the_limit_at_wrap_time_is_sent_once_whole() {
+        let (first, handle) = ReplayBody::new(chunks(&["123456789"]), 8, None);
+        assert!(matches!(handle.kind, Handle::Shared(_)));
+        assert!(!handle.is_replayable());
+        assert_eq!(first.size_hint().lower(), 9);
+        assert!(!first.is_end_stream());
+        assert_eq!(collect(first).await.unwrap(), "123456789");
+        assert!(handle.complete_bytes().is_none());
+        let err = collect(handle.replay()).await.unwrap_err();
+        assert!(err.is::<BodyNotReplayable>());
+        match &handle.kind {
+            Handle::Shared(s) => assert!(lock(s).chunks.is_empty(), "dropped once sent"),
+            _ => unreachable!(),
+        }
+        // Two frames read at wrap time, the second past the limit, the third streams.
+        let (first, handle) = ReplayBody::new(chunks(&["12345", "67890", "x"]), 8, None);
+        assert!(!handle.is_replayable());
+        assert_eq!(collect(first).await.unwrap(), "1234567890x");
+    }
+
     #[tokio::test]
     async fn a_known_size_body_not_at_hand_streams_as_before() {
         let (first, handle) = ReplayBody::new(Known::new(&[Ok("ab"), Ok("cd")], true), 8, None);
@@ -690,7 +808,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_first_frame_read_at_wrap_time_is_the_first_attempts_first_frame() {
-        let (first, handle) = ReplayBody::new(Known::new(&[Ok("ab"), Ok("cd")], false), 8, None);
+        let (first, handle) = ReplayBody::new(Known::paused(&[Ok("ab"), Ok("cd")]), 8, None);
         assert!(matches!(handle.kind, Handle::Shared(_)));
         assert_eq!(first.size_hint().exact(), Some(4));
         assert!(handle.complete_bytes().is_none(), "half of it read");
@@ -807,7 +925,8 @@ mod tests {
     #[tokio::test]
     async fn complete_once_the_declared_length_is_read() {
         // A streaming body sent with Content-Length: hyper stops after that many bytes.
-        let (mut first, handle) = ReplayBody::new(chunks(&["ab", "cd"]), 64, Some(4));
+        let (mut first, handle) =
+            ReplayBody::new(Known::paused(&[Ok("ab"), Ok("cd")]), 64, Some(4));
         first.frame().await.unwrap().unwrap();
         assert!(handle.complete_bytes().is_none(), "2 of 4 bytes");
         first.frame().await.unwrap().unwrap();
