@@ -189,13 +189,14 @@ type FullToTonic = fn(http::Request<Full<Bytes>>) -> http::Request<tonic::body::
 /// `Full` body on the channel. The load test's reference for `grpc/client_retry`
 /// (`grpc/client_tower_retry`).
 #[derive(Clone, Debug)]
-pub struct TowerRetryChannel {
-    inner: tower::retry::Retry<CloneOnUnavailable, MapRequest<Channel, FullToTonic>>,
+pub struct TowerRetryChannel<S = Channel> {
+    inner: tower::retry::Retry<CloneOnUnavailable, MapRequest<S, FullToTonic>>,
 }
 
-impl TowerRetryChannel {
-    /// `tower::retry` over `channel`.
-    pub fn new(channel: Channel) -> Self {
+impl<S> TowerRetryChannel<S> {
+    /// `tower::retry` over `channel` (a tonic `Channel`, or any service of
+    /// `http::Request<tonic::body::Body>`).
+    pub fn new(channel: S) -> Self {
         let to_tonic: FullToTonic = |req| req.map(tonic::body::Body::new);
         let channel = MapRequest::new(channel, to_tonic);
         TowerRetryChannel {
@@ -204,8 +205,17 @@ impl TowerRetryChannel {
     }
 }
 
-impl Service<http::Request<tonic::body::Body>> for TowerRetryChannel {
-    type Response = http::Response<tonic::body::Body>;
+impl<S, B> Service<http::Request<tonic::body::Body>> for TowerRetryChannel<S>
+where
+    S: Service<http::Request<tonic::body::Body>, Response = http::Response<B>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+    S::Error: Into<BoxError>,
+    B: Send + 'static,
+{
+    type Response = http::Response<B>;
     type Error = BoxError;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
 
@@ -245,5 +255,81 @@ impl Caller for GrpcCaller {
             GrpcCaller::TowerRetry(c) => c.create_order(req).await,
         };
         matches!(res, Ok(r) if r.get_ref().body.len() == RESPONSE_200.len())
+    }
+}
+
+/// `CreateOrder`'s answer as it arrives from a server: 200, `application/grpc`, the
+/// length-prefixed [`pb::Order`] of [`RESPONSE_200`], then `grpc-status: 0` in the trailers.
+pub fn encoded_answer() -> http::Response<tonic::body::Body> {
+    use prost::Message;
+    let message = pb::Order {
+        body: Bytes::from_static(RESPONSE_200),
+    }
+    .encode_to_vec();
+    let mut frame = Vec::with_capacity(5 + message.len());
+    frame.push(0); // not compressed
+    frame.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    frame.extend_from_slice(&message);
+    let mut trailers = http::HeaderMap::new();
+    trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+    let body = Full::new(Bytes::from(frame)).with_trailers(ready(Some(Ok(trailers))));
+    let mut res = http::Response::new(tonic::body::Body::new(body));
+    res.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    res
+}
+
+/// A gRPC backend with no wire, for instruction counts of the client side (`retry_profile`):
+/// reads the request body to its end, as a transport does, and answers [`encoded_answer`].
+pub fn in_process_backend() -> impl Service<
+    http::Request<tonic::body::Body>,
+    Response = http::Response<tonic::body::Body>,
+    Error = std::convert::Infallible,
+    Future = impl Send,
+> + Clone
+       + Send
+       + 'static {
+    tower::service_fn(|req: http::Request<tonic::body::Body>| async move {
+        let read = req.into_body().collect().await;
+        assert!(read.is_ok(), "the request body reads to its end");
+        Ok(encoded_answer())
+    })
+}
+
+/// One `CreateOrder` through a generated client over `svc` (key `key`); true if it answered
+/// OK with the 200-byte message.
+pub async fn create_order_on<S>(svc: S, key: &str) -> bool
+where
+    S: tonic::client::GrpcService<tonic::body::Body>,
+    S::Error: Into<BoxError>,
+    S::ResponseBody: http_body::Body<Data = Bytes> + Send + 'static,
+    <S::ResponseBody as http_body::Body>::Error: Into<BoxError> + Send,
+{
+    let res = OrdersClient::new(svc).create_order(create_order(key)).await;
+    matches!(res, Ok(r) if r.get_ref().body.len() == RESPONSE_200.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The in-process backend answers what a tonic server answers, through every client the
+    /// load test and the profile use.
+    #[tokio::test]
+    async fn the_in_process_backend_answers_through_every_client() {
+        let backend = in_process_backend();
+        assert!(create_order_on(backend.clone(), "order-000000000001").await);
+        assert!(
+            create_order_on(
+                TowerRetryChannel::new(backend.clone()),
+                "order-000000000002"
+            )
+            .await
+        );
+        let layer = RetryLayer::new(retry_layer::RetryPolicy::default());
+        assert!(create_order_on(layer.tonic_channel(backend), "order-000000000003").await);
+        assert_eq!(layer.stats().requests, 1);
     }
 }

@@ -1,18 +1,24 @@
 //! The retry success path as one loop, for instruction counts under callgrind (which counts
 //! instructions, not seconds: the same on a loaded machine as on an idle one). `bare`, `tower`
 //! (`tower::retry` with the cloning policy a user writes) or `ours` (`RetryLayer` with
-//! `RetryPolicy::default()`), each on the retry bench's trivial backend and 1 KiB request:
+//! `RetryPolicy::default()`), each on the retry bench's trivial backend and 1 KiB request; and
+//! the same three over gRPC, `grpc_bare`, `grpc_tower`
+//! ([`TowerRetryChannel`](benchmarks::grpc::TowerRetryChannel)) and `grpc_ours`
+//! (`RetryLayer::tonic_channel`), a generated client's `CreateOrder` on
+//! [`in_process_backend`](benchmarks::grpc::in_process_backend) (no wire):
 //!
 //! ```text
 //! cargo build --profile bench -p benchmarks --bin retry_profile
-//! for w in bare tower ours; do
+//! for w in bare tower ours grpc_bare grpc_tower grpc_ours; do
 //!   valgrind --tool=callgrind --callgrind-out-file=cg.$w target/release/retry_profile $w 20000
 //! done
 //! callgrind_annotate --inclusive=yes cg.ours | head -80
 //! ```
 //!
-//! Instructions per call = (total - the `bare` total) / calls; see BENCHMARKS.md.
+//! Instructions per call = (total - the `bare` or `grpc_bare` total) / calls; see
+//! BENCHMARKS.md.
 
+use benchmarks::grpc::{create_order_on, in_process_backend, TowerRetryChannel};
 use benchmarks::retry::{drive, ok, CloneOn503};
 use bytes::Bytes;
 use retry_layer::{RetryLayer, RetryPolicy};
@@ -49,7 +55,29 @@ fn main() {
                     drive(&mut svc, &body).await;
                 }
             }
-            other => panic!("usage: retry_profile bare|tower|ours [calls], not {other:?}"),
+            "grpc_bare" => {
+                let svc = in_process_backend();
+                for _ in 0..calls {
+                    assert!(create_order_on(svc.clone(), "order-7f3a9c21-5b1e").await);
+                }
+            }
+            "grpc_tower" => {
+                let svc = TowerRetryChannel::new(in_process_backend());
+                for _ in 0..calls {
+                    assert!(create_order_on(svc.clone(), "order-7f3a9c21-5b1e").await);
+                }
+            }
+            "grpc_ours" => {
+                let layer = RetryLayer::new(RetryPolicy::default());
+                let svc = layer.tonic_channel(in_process_backend());
+                for _ in 0..calls {
+                    assert!(create_order_on(svc.clone(), "order-7f3a9c21-5b1e").await);
+                }
+            }
+            other => panic!(
+                "usage: retry_profile bare|tower|ours|grpc_bare|grpc_tower|grpc_ours [calls], \
+                 not {other:?}"
+            ),
         }
     });
 }

@@ -5,7 +5,9 @@
 //! `max_replay_bytes`. A retry replays the kept chunks (and the trailers), then continues reading
 //! the original body where the earlier attempt stopped. A body that grows past the limit stops
 //! being kept and makes the request non-retryable: it is never truncated and never buffered
-//! without bound.
+//! without bound. What the body has at hand when it is wrapped (polled without waiting) is read
+//! right then: a body that is whole at that point (a `Full<Bytes>`, a tonic unary request) is
+//! sent and replayed from those bytes, with no shared state, and ends with its last data frame.
 //!
 //! Real transports stop polling a body early: hyper stops once `is_end_stream()` is true after
 //! the last data frame, once a Content-Length is written, or after the trailers frame. So the
@@ -760,10 +762,14 @@ mod tests {
             &["or", "der"][..],
             &["o", "r", "d", "e", "r"][..],
         ] {
-            let (first, handle) = ReplayBody::new(chunks(parts), 8, None);
+            let (mut first, handle) = ReplayBody::new(chunks(parts), 8, None);
             assert!(matches!(handle.kind, Handle::Whole(_)), "{parts:?}");
             assert_eq!(first.size_hint().exact(), Some(5));
-            assert_eq!(collect(first).await.unwrap(), "order");
+            let frame = first.frame().await.unwrap().unwrap();
+            assert_eq!(frame.into_data().unwrap(), "order");
+            // What hyper's h2 client reads after a data frame to set END_STREAM on it: the
+            // request goes out as one DATA frame, not a second, empty one.
+            assert!(first.is_end_stream());
             assert_eq!(collect(handle.replay()).await.unwrap(), "order");
         }
         // The first frame is read at wrap time, the others stream.

@@ -113,7 +113,8 @@
 //!
 //! The inner service receives [`ReplayBody<B>`]. The first attempt streams the body while up to
 //! `max_replay_bytes` (64 KiB) are kept, trailers included; a larger body is sent once and its
-//! outcome returned. The copy is complete as soon as the last frame is produced (hyper stops
+//! outcome returned. A body whose frames are at hand when the request is sent (a `Full<Bytes>`,
+//! a tonic unary request's message) is taken whole at once, and every attempt sends those bytes. The copy is complete as soon as the last frame is produced (hyper stops
 //! polling once `is_end_stream()` is true, a Content-Length is written, or the trailers are
 //! sent), which is what the rebuild hook needs. A transport may keep reading an abandoned
 //! attempt's body (h2 streams on, HTTP/1 keeps writing after an early answer): each new attempt

@@ -19,12 +19,13 @@ use tower::{ServiceBuilder, ServiceExt};
 type ResBody =
     StreamBody<futures_util::stream::Iter<std::vec::IntoIter<Result<Frame<Bytes>, Infallible>>>>;
 
+/// What the server saw of each call: its headers and its whole body.
+type Seen = Arc<Mutex<Vec<(HeaderMap, Bytes)>>>;
+
 /// A gRPC server answering `plan[n]` to the n-th call: `Some(code)` is a trailers-only
 /// response with that status; `None` streams a message, then trailers with `grpc-status: 14`
 /// (a committed response whose failure must not be retried).
-async fn grpc_server(
-    plan: Vec<Option<&'static str>>,
-) -> (SocketAddr, Arc<AtomicUsize>, Arc<Mutex<Vec<HeaderMap>>>) {
+async fn grpc_server(plan: Vec<Option<&'static str>>) -> (SocketAddr, Arc<AtomicUsize>, Seen) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let hits = Arc::new(AtomicUsize::new(0));
@@ -39,10 +40,12 @@ async fn grpc_server(
             tokio::spawn(async move {
                 let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
                     let n = h.fetch_add(1, Ordering::SeqCst);
-                    s.lock().unwrap().push(req.headers().clone());
+                    let headers = req.headers().clone();
                     let step = plan[n.min(plan.len() - 1)];
+                    let s = s.clone();
                     async move {
-                        let _ = req.into_body().collect().await;
+                        let body = req.into_body().collect().await.unwrap().to_bytes();
+                        s.lock().unwrap().push((headers, body));
                         let builder =
                             Response::builder().header("content-type", "application/grpc");
                         let frames: Vec<Result<Frame<Bytes>, Infallible>> = match step {
@@ -76,7 +79,19 @@ async fn grpc_server(
     (addr, hits, seen)
 }
 
+/// A gRPC request message: `GetBook { id: "" }`, length-prefixed.
+const MESSAGE: &[u8] = b"\0\0\0\0\x02\x0a\x00";
+
 async fn call(addr: SocketAddr, path: &str) -> Response<tonic::body::Body> {
+    let body = http_body_util::Full::new(Bytes::from_static(MESSAGE));
+    call_with(addr, path, tonic::body::Body::new(body)).await
+}
+
+async fn call_with(
+    addr: SocketAddr,
+    path: &str,
+    body: tonic::body::Body,
+) -> Response<tonic::body::Body> {
     let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap();
     let channel = crate::wire::bounded("the connection", endpoint.connect())
         .await
@@ -92,9 +107,7 @@ async fn call(addr: SocketAddr, path: &str) -> Response<tonic::body::Body> {
     let req = Request::post(format!("http://{addr}{path}"))
         .header("content-type", "application/grpc")
         .header("te", "trailers")
-        .body(tonic::body::Body::new(http_body_util::Full::new(
-            Bytes::from_static(b"\0\0\0\0\x02\x0a\x00"),
-        )))
+        .body(body)
         .unwrap();
     crate::wire::bounded("the call", svc.oneshot(req))
         .await
@@ -108,9 +121,32 @@ async fn trailers_only_unavailable_is_retried_through_a_tonic_channel() {
     assert_eq!(res.headers()["grpc-status"], "0");
     assert_eq!(hits.load(Ordering::SeqCst), 3);
     let seen = seen.lock().unwrap();
-    assert!(seen[0].get("grpc-previous-rpc-attempts").is_none());
-    assert_eq!(seen[1]["grpc-previous-rpc-attempts"], "1");
-    assert_eq!(seen[2]["grpc-previous-rpc-attempts"], "2");
+    assert!(seen[0].0.get("grpc-previous-rpc-attempts").is_none());
+    assert_eq!(seen[1].0["grpc-previous-rpc-attempts"], "1");
+    assert_eq!(seen[2].0["grpc-previous-rpc-attempts"], "2");
+    assert!(seen.iter().all(|(_, body)| body == MESSAGE));
+}
+
+/// A tonic unary request's body has no size hint and says it has ended only when polled past
+/// its one message: the layer reads it whole when the call starts, and every attempt carries
+/// the same message over the wire.
+#[tokio::test]
+async fn a_message_without_a_size_hint_is_replayed_to_every_attempt() {
+    let (addr, hits, seen) = grpc_server(vec![Some("14"), Some("14"), Some("0")]).await;
+    let frames: Vec<Result<Frame<Bytes>, tonic::Status>> =
+        vec![Ok(Frame::data(Bytes::from_static(MESSAGE)))];
+    let body = StreamBody::new(futures_util::stream::iter(frames));
+    assert!(http_body::Body::size_hint(&body).exact().is_none());
+    let res = call_with(
+        addr,
+        "/plume.linkd.v3.Library/GetBook",
+        tonic::body::Body::new(body),
+    )
+    .await;
+    assert_eq!(res.headers()["grpc-status"], "0");
+    assert_eq!(hits.load(Ordering::SeqCst), 3);
+    let seen = seen.lock().unwrap();
+    assert!(seen.iter().all(|(_, body)| body == MESSAGE), "{seen:?}");
 }
 
 #[tokio::test]
