@@ -76,10 +76,29 @@ pub struct Run {
     pub p50_us: f64,
     /// 99th percentile latency in µs (median over rounds).
     pub p99_us: f64,
+    /// Answered requests per second of each round, in order.
+    pub round_rps: Vec<f64>,
+    /// The rounds the scenario ran in: scenarios of one group ran interleaved, round `i` of
+    /// each right beside round `i` of the others.
+    pub group: RoundGroup,
 }
 
-/// One scenario over its rounds: medians of requests/s, p50 and p99, sums of the counts.
-pub fn merge(rounds: Vec<Run>) -> Run {
+/// A set of interleaved rounds (one section of the load test): [`Report::ratio_to`] compares
+/// two scenarios of the same group round by round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RoundGroup(u64);
+
+impl RoundGroup {
+    /// A group no other run belongs to yet.
+    pub fn new() -> RoundGroup {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        RoundGroup(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+/// One scenario over its rounds (of `group`): medians of requests/s, p50 and p99, sums of the
+/// counts.
+pub fn merge(rounds: Vec<Run>, group: RoundGroup) -> Run {
     let med = |f: fn(&Run) -> f64| crate::median(&mut rounds.iter().map(f).collect::<Vec<_>>());
     Run {
         name: rounds[0].name.clone(),
@@ -89,6 +108,11 @@ pub fn merge(rounds: Vec<Run>) -> Run {
         rps: med(|r| r.rps),
         p50_us: med(|r| r.p50_us),
         p99_us: med(|r| r.p99_us),
+        round_rps: rounds
+            .iter()
+            .flat_map(|r| r.round_rps.iter().copied())
+            .collect(),
+        group,
     }
 }
 
@@ -128,9 +152,20 @@ impl Report {
         self.runs.iter().find(|r| r.name == name)
     }
 
-    /// Requests/s of `name` over requests/s of `base`, both of this report.
+    /// Requests/s of `name` over requests/s of `base`, both of this report: the median of the
+    /// rounds' ratios when the two ran in the same interleaved rounds (each round's pair ran
+    /// seconds apart, so a slow drift of the machine cancels), else the ratio of the medians.
     pub fn ratio_to(&self, name: &str, base: &str) -> Option<f64> {
         let (r, b) = (self.run(name)?, self.run(base)?);
+        if r.group == b.group && r.round_rps.len() == b.round_rps.len() {
+            let mut ratios: Vec<f64> = (r.round_rps.iter().zip(&b.round_rps))
+                .filter(|(_, b)| **b > 0.0)
+                .map(|(r, b)| r / b)
+                .collect();
+            if ratios.len() == r.round_rps.len() && !ratios.is_empty() {
+                return Some(crate::median(&mut ratios));
+            }
+        }
         (b.rps > 0.0).then(|| r.rps / b.rps)
     }
 
@@ -162,7 +197,10 @@ impl Report {
                 r.name, r.requests, r.rps, r.p50_us, r.p99_us, ratio, r.errors
             );
         }
-        println!("(ratio: req/s over no_layers, gRPC scenarios over grpc/no_layers, same run)");
+        println!(
+            "(ratio: req/s over no_layers, gRPC scenarios over grpc/no_layers, same run; \
+             the median of the rounds' ratios where they ran in the same rounds)"
+        );
         if !self.notes.is_empty() {
             println!();
             for n in &self.notes {
@@ -405,6 +443,8 @@ pub async fn load<C: Caller>(
         rps: all.len() as f64 / cfg.seconds,
         p50_us: pct(0.50),
         p99_us: pct(0.99),
+        round_rps: vec![all.len() as f64 / cfg.seconds],
+        group: RoundGroup::default(),
     }
 }
 
@@ -451,6 +491,7 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
     let http_retry = RetryLayer::new(RetryPolicy::default());
     let grpc_retry = RetryLayer::new(RetryPolicy::default());
     let mut rounds: Vec<Vec<Run>> = NAMES.iter().map(|_| Vec::new()).collect();
+    let group = RoundGroup::new();
     let mut notes = Vec::new();
     for round in 0..cfg.rounds {
         let unique = format!("{tag}x{round}");
@@ -534,7 +575,7 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
         runs: rounds
             .into_iter()
             .filter(|r| !r.is_empty())
-            .map(merge)
+            .map(|r| merge(r, group))
             .collect(),
         notes,
         ..Report::default()
@@ -713,6 +754,7 @@ pub async fn redis_scenarios(
     record_replay_keys(HttpCaller::new(client(), addr), &tag, cfg.connections).await;
     let scenarios = [(first, Keys::Unique), (replay, Keys::PerConnection)];
     let mut rounds: Vec<Vec<Run>> = scenarios.iter().map(|_| Vec::new()).collect();
+    let group = RoundGroup::new();
     let mut deltas = vec![BTreeMap::<String, u64>::new(); scenarios.len()];
     for round in 0..cfg.rounds {
         for (i, (name, keys)) in scenarios.iter().enumerate() {
@@ -742,7 +784,7 @@ pub async fn redis_scenarios(
         if rounds[i].is_empty() {
             continue;
         }
-        let run = merge(std::mem::take(&mut rounds[i]));
+        let run = merge(std::mem::take(&mut rounds[i]), group);
         let (per, note) = redis_trips(&deltas[i], run.sent);
         report.notes.push(format!("{name:<18} {note}"));
         report.per_request.push((name.clone(), per));
@@ -1033,6 +1075,7 @@ pub async fn postgres_section(url: &str, cfg: &LoadConfig) -> Report {
         ("postgres/replay", Keys::PerConnection),
     ];
     let mut rounds: Vec<Vec<Run>> = scenarios.iter().map(|_| Vec::new()).collect();
+    let group = RoundGroup::new();
     // Calls by statement, summed over the rounds; `None` once a reading failed.
     let mut deltas: Vec<Option<BTreeMap<String, i64>>> = scenarios
         .iter()
@@ -1082,7 +1125,7 @@ pub async fn postgres_section(url: &str, cfg: &LoadConfig) -> Report {
         if rounds[i].is_empty() {
             continue;
         }
-        let run = merge(std::mem::take(&mut rounds[i]));
+        let run = merge(std::mem::take(&mut rounds[i]), group);
         if let Some(delta) = &deltas[i] {
             let (counts, note) = statements_per_request(delta, run.sent);
             report.notes.push(format!("{name:<18} {note}"));
@@ -1107,6 +1150,41 @@ pub async fn postgres_section(url: &str, cfg: &LoadConfig) -> Report {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn run(name: &str, round_rps: &[f64], group: RoundGroup) -> Run {
+        let mut rps = round_rps.to_vec();
+        Run {
+            name: name.to_owned(),
+            requests: 0,
+            sent: 0,
+            errors: 0,
+            rps: crate::median(&mut rps),
+            p50_us: 0.0,
+            p99_us: 0.0,
+            round_rps: round_rps.to_vec(),
+            group,
+        }
+    }
+
+    /// Scenarios of the same rounds are compared round by round, others by their medians.
+    #[test]
+    fn ratios_are_per_round_within_a_group_else_of_the_medians() {
+        let (a, b) = (RoundGroup::new(), RoundGroup::new());
+        assert_ne!(a, b);
+        let report = Report {
+            runs: vec![
+                // The machine slows down over the rounds; the scenario stays at 0.9x.
+                run("no_layers", &[100.0, 80.0, 60.0], a),
+                run("memory/first", &[90.0, 72.0, 54.0], a),
+                run("redis/first", &[45.0, 45.0, 45.0], b),
+            ],
+            ..Report::default()
+        };
+        let per_round = report.ratio("memory/first").expect("ratio");
+        assert!((per_round - 0.9).abs() < 1e-9, "{per_round}");
+        let of_medians = report.ratio("redis/first").expect("ratio");
+        assert!((of_medians - 45.0 / 80.0).abs() < 1e-9, "{of_medians}");
+    }
 
     #[test]
     fn statements_are_split_into_path_background_and_one_time() {
