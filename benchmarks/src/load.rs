@@ -723,7 +723,9 @@ pub async fn redis_store(
 
 /// `{label}/first` and `{label}/replay` with `store` (a Redis store on `target`, made by
 /// [`redis_store`] with key prefix `prefix`), the round trips per request read from the
-/// servers' `INFO commandstats`. Deletes the run's keys (`{prefix}*`) afterwards.
+/// servers' `INFO commandstats`; and `{label}/memory-replay`, the same replays on a
+/// `MemoryStore`, in the same rounds, for a round-by-round comparison
+/// ([`Report::ratio_to`]). Deletes the run's keys (`{prefix}*`) afterwards.
 pub async fn redis_scenarios(
     label: &str,
     store: RedisStore,
@@ -752,7 +754,20 @@ pub async fn redis_scenarios(
     let tag = format!("r{}", std::process::id());
     // Loads the scripts (EVALSHA answered NOSCRIPT, then EVAL) and records the replay keys.
     record_replay_keys(HttpCaller::new(client(), addr), &tag, cfg.connections).await;
-    let scenarios = [(first, Keys::Unique), (replay, Keys::PerConnection)];
+    let memory_layer = bench_layer(run_memory_store());
+    let (memory_addr, memory_server) = serve(handler_app().layer(memory_layer.clone())).await;
+    record_replay_keys(
+        HttpCaller::new(client(), memory_addr),
+        &tag,
+        cfg.connections,
+    )
+    .await;
+    let reference = format!("{label}/memory-replay");
+    let scenarios = [
+        (first, Keys::Unique),
+        (replay.clone(), Keys::PerConnection),
+        (reference.clone(), Keys::PerConnection),
+    ];
     let mut rounds: Vec<Vec<Run>> = scenarios.iter().map(|_| Vec::new()).collect();
     let group = RoundGroup::new();
     let mut deltas = vec![BTreeMap::<String, u64>::new(); scenarios.len()];
@@ -766,12 +781,21 @@ pub async fn redis_scenarios(
                 Keys::Unique => format!("{tag}x{round}"),
                 Keys::PerConnection => tag.clone(),
             };
+            let on_memory = *name == reference;
+            let stats = || {
+                if on_memory {
+                    memory_layer.stats()
+                } else {
+                    layer.stats()
+                }
+            };
+            let addr = if on_memory { memory_addr } else { addr };
             let make = |_| HttpCaller::new(client(), addr);
-            let counted = layer.stats();
+            let counted = stats();
             let run = load(name, make, *keys, &key_prefix, cfg).await;
             report
                 .notes
-                .extend(check_counters(name, run.sent, &counted, &layer.stats()));
+                .extend(check_counters(name, run.sent, &counted, &stats()));
             let after = commandstats_all(&mut conns).await;
             for (k, v) in &after {
                 let d = v - before.get(k).copied().unwrap_or(0);
@@ -785,12 +809,15 @@ pub async fn redis_scenarios(
             continue;
         }
         let run = merge(std::mem::take(&mut rounds[i]), group);
-        let (per, note) = redis_trips(&deltas[i], run.sent);
-        report.notes.push(format!("{name:<18} {note}"));
-        report.per_request.push((name.clone(), per));
+        if *name != reference {
+            let (per, note) = redis_trips(&deltas[i], run.sent);
+            report.notes.push(format!("{name:<18} {note}"));
+            report.per_request.push((name.clone(), per));
+        }
         report.runs.push(run);
     }
     server.abort();
+    memory_server.abort();
     for conn in &mut conns {
         let keys: Vec<String> = redis::cmd("KEYS")
             .arg(format!("{prefix}*"))

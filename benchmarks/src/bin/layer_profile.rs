@@ -1,11 +1,14 @@
 //! The idempotency layer's first execution and replay as one loop, for instruction counts
 //! under callgrind (instructions, not seconds: the same on a loaded machine as on an idle one).
 //! `bare` (the handler alone), `first` (a new key per request: claim, run, record) or `replay`
-//! (one recorded key), on the idempotency bench's handler and request:
+//! (one recorded key), on the idempotency bench's handler and request; and `near_replay`, the
+//! replay on a `RedisStore` with a near cache (`REDIS_URL` must be set: the record is stored in
+//! Redis once, the first replay reads it from Redis, and every later one is a near-cache hit,
+//! with no round trip):
 //!
 //! ```text
 //! cargo build --profile bench -p benchmarks --bin layer_profile
-//! for w in bare first replay; do
+//! for w in bare first replay near_replay; do
 //!   valgrind --tool=callgrind --callgrind-out-file=cg.$w target/release/layer_profile $w 20000
 //! done
 //! callgrind_annotate --inclusive=yes cg.first | head -80
@@ -17,7 +20,8 @@ use benchmarks::idempotency::{assert_recorded_whole, bench_layer, KeyGen};
 use benchmarks::{call_to_end, created, order_request};
 use bytes::Bytes;
 use http_body_util::Full;
-use idempotency_layer::RequestBody;
+use idempotency_layer::store::NearCache;
+use idempotency_layer::{IdempotencyLayer, RedisStore, RequestBody};
 use tower::{service_fn, Layer};
 
 fn main() {
@@ -54,7 +58,29 @@ fn main() {
                 }
                 assert_recorded_whole(&store);
             }
-            other => panic!("usage: layer_profile bare|first|replay [requests], not {other:?}"),
+            "near_replay" => {
+                let url = std::env::var("REDIS_URL").expect("near_replay needs REDIS_URL");
+                let prefix = format!("layer_profile:{}:", std::process::id());
+                let store = RedisStore::builder(&url)
+                    .near_cache(NearCache::new(1 << 20))
+                    .prefix(&prefix)
+                    .connect()
+                    .await
+                    .expect("connect to REDIS_URL");
+                let layer = IdempotencyLayer::new(store.clone()).default_tenant("bench");
+                let mut svc = layer.layer(service_fn(created::<RequestBody<Full<Bytes>>>));
+                let replayed = keys.next_key();
+                call_to_end(&mut svc, order_request(&replayed)).await;
+                for _ in 0..requests {
+                    call_to_end(&mut svc, order_request(&replayed)).await;
+                }
+                // The first replay reads Redis and fills the near cache; the rest are hits.
+                let stats = store.near_cache_stats().expect("a near cache");
+                assert_eq!(stats.hits + 1, requests as u64, "every later replay a hit");
+            }
+            other => panic!(
+                "usage: layer_profile bare|first|replay|near_replay [requests], not {other:?}"
+            ),
         }
     });
 }
