@@ -180,7 +180,8 @@ where
         }
         let hint = body.size_hint();
         let mut body = Box::pin(body);
-        let mut seed = Seed::default();
+        // Made on the first frame that is not a whole body at once: most bodies never need one.
+        let mut seed: Option<Seed> = None;
         // Nothing kept: the body must stay unread until it is sent (see above).
         if max > 0 && hint.lower() <= max as u64 {
             // A no-op waker: a body that is not ready consumed nothing, and the transport's
@@ -194,18 +195,29 @@ where
                 match body.as_mut().poll_frame(&mut cx) {
                     Poll::Pending => break,
                     Poll::Ready(None) => {
-                        seed.ended = true;
+                        seed.get_or_insert_default().ended = true;
                         break;
                     }
                     Poll::Ready(Some(Err(e))) => {
-                        seed.error = Some(e.into());
+                        seed.get_or_insert_default().error = Some(e.into());
                         break;
                     }
                     Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                         Ok(mut data) => {
-                            read += data.remaining();
-                            seed.chunks.push(data.copy_to_bytes(data.remaining()));
-                            if body.is_end_stream() {
+                            let chunk = data.copy_to_bytes(data.remaining());
+                            let last = body.is_end_stream();
+                            // The common case, a whole body in one frame, at once.
+                            if last
+                                && seed.is_none()
+                                && chunk.len() <= max
+                                && hint.exact().is_none_or(|n| n == chunk.len() as u64)
+                            {
+                                return Self::whole(chunk);
+                            }
+                            read += chunk.len();
+                            let seed = seed.get_or_insert_default();
+                            seed.push(chunk);
+                            if last {
                                 seed.ended = true;
                                 break;
                             }
@@ -213,6 +225,7 @@ where
                         Err(frame) => {
                             // Trailers end a body; an unknown frame kind is skipped, as the
                             // readers skip it.
+                            let seed = seed.get_or_insert_default();
                             seed.trailers = frame.into_trailers().ok();
                             seed.ended = seed.trailers.is_some();
                             break;
@@ -220,18 +233,8 @@ where
                     },
                 }
             }
-            if let Some(whole) = seed.whole(hint.exact(), max) {
-                return match whole {
-                    None => Self::empty(),
-                    Some(bytes) => (
-                        ReplayBody {
-                            inner: Inner::Fixed(Some(bytes.clone())),
-                        },
-                        BodyHandle {
-                            kind: Handle::Whole(bytes),
-                        },
-                    ),
-                };
+            if let Some(whole) = seed.as_mut().and_then(|s| s.whole(hint.exact(), max)) {
+                return whole.map_or_else(Self::empty, Self::whole);
             }
         }
         // A body known to exceed the limit is never kept (unless nothing is kept at all: then
@@ -252,7 +255,9 @@ where
             trailers: None,
             generation: 0,
         };
-        seed.plant(&mut kept);
+        if let Some(seed) = seed {
+            seed.plant(&mut kept);
+        }
         let shared = Arc::new(Mutex::new(kept));
         let first = ReplayBody {
             inner: Inner::Shared {
@@ -281,6 +286,19 @@ where
         )
     }
 
+    /// A body read whole at wrap time: every attempt sends `bytes`.
+    #[inline]
+    fn whole(bytes: Bytes) -> (ReplayBody<B>, BodyHandle<B>) {
+        (
+            ReplayBody {
+                inner: Inner::Fixed(Some(bytes.clone())),
+            },
+            BodyHandle {
+                kind: Handle::Whole(bytes),
+            },
+        )
+    }
+
     /// A body of fixed bytes (from a rebuild hook).
     pub(crate) fn fixed(bytes: Bytes) -> Self {
         ReplayBody {
@@ -296,8 +314,10 @@ const EARLY_POLLS: usize = 16;
 /// first attempt had read it.
 #[derive(Default)]
 struct Seed {
-    /// The data frames read, in order.
-    chunks: Vec<Bytes>,
+    /// The first data frame read (most bodies at hand have one: no allocation for them).
+    first: Option<Bytes>,
+    /// The data frames read after the first, in order.
+    more: Vec<Bytes>,
     trailers: Option<HeaderMap>,
     error: Option<BoxError>,
     /// The body said it had nothing left (its last frame was read, or it returned `None`).
@@ -305,31 +325,37 @@ struct Seed {
 }
 
 impl Seed {
+    fn push(&mut self, chunk: Bytes) {
+        if self.first.is_none() {
+            self.first = Some(chunk);
+        } else {
+            self.more.push(chunk);
+        }
+    }
+
     /// The whole body, if the polls read all of it, without trailers or an error, within
     /// `max` and as long as its exact size hint said: `Some(None)` for no bytes at all.
     fn whole(&mut self, exact: Option<u64>, max: usize) -> Option<Option<Bytes>> {
         if !self.ended || self.trailers.is_some() || self.error.is_some() {
             return None;
         }
-        let len: usize = self.chunks.iter().map(Bytes::len).sum();
+        let first = self.first.as_ref().map_or(0, Bytes::len);
+        let len = first + self.more.iter().map(Bytes::len).sum::<usize>();
         if len > max || exact.is_some_and(|n| n != len as u64) {
             return None;
         }
-        match self.chunks.len() {
-            0 => Some(None),
-            1 => self.chunks.pop().map(Some),
-            _ => {
-                let mut all = bytes::BytesMut::with_capacity(len);
-                for c in self.chunks.drain(..) {
-                    all.extend_from_slice(&c);
-                }
-                Some(Some(all.freeze()))
-            }
+        if self.more.is_empty() {
+            return Some(self.first.take());
         }
+        let mut all = bytes::BytesMut::with_capacity(len);
+        for c in self.first.take().into_iter().chain(self.more.drain(..)) {
+            all.extend_from_slice(&c);
+        }
+        Some(Some(all.freeze()))
     }
 
     fn plant<B: Body>(self, s: &mut Kept<B>) {
-        for chunk in self.chunks {
+        for chunk in self.first.into_iter().chain(self.more) {
             // The first attempt reads these from what is kept, so they are kept even past
             // `max`; past it, the body is not replayable, and the first attempt's reader drops
             // them once it has read them.
