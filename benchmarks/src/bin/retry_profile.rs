@@ -2,10 +2,9 @@
 //! instructions, not seconds: the same on a loaded machine as on an idle one). `bare`, `tower`
 //! (`tower::retry` with the cloning policy a user writes) or `ours` (`RetryLayer` with
 //! `RetryPolicy::default()`), each on the retry bench's trivial backend and 1 KiB request; and
-//! the same three over gRPC, `grpc_bare`, `grpc_tower`
-//! ([`TowerRetryChannel`](benchmarks::grpc::TowerRetryChannel)) and `grpc_ours`
-//! (`RetryLayer::tonic_channel`), a generated client's `CreateOrder` on
-//! [`in_process_backend`](benchmarks::grpc::in_process_backend) (no wire):
+//! the same three over gRPC, `grpc_bare`, `grpc_tower` ([`TowerRetryChannel`]) and `grpc_ours`
+//! (`RetryLayer::tonic_channel`), a generated client's `CreateOrder` on [`in_process_backend`]
+//! (no wire):
 //!
 //! ```text
 //! cargo build --profile bench -p benchmarks --bin retry_profile
