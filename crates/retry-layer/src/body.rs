@@ -151,6 +151,15 @@ enum Handle<B> {
     Shared(Arc<Mutex<Kept<B>>>),
 }
 
+/// `chunks` (`len` bytes in all) in one `Bytes`.
+fn concat<'a>(chunks: impl IntoIterator<Item = &'a Bytes>, len: usize) -> Bytes {
+    let mut all = bytes::BytesMut::with_capacity(len);
+    for c in chunks {
+        all.extend_from_slice(c);
+    }
+    all.freeze()
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
@@ -347,11 +356,7 @@ impl Seed {
         if self.more.is_empty() {
             return Some(self.first.take());
         }
-        let mut all = bytes::BytesMut::with_capacity(len);
-        for c in self.first.take().into_iter().chain(self.more.drain(..)) {
-            all.extend_from_slice(&c);
-        }
-        Some(Some(all.freeze()))
+        Some(Some(concat(self.first.iter().chain(&self.more), len)))
     }
 
     fn plant<B: Body>(self, s: &mut Kept<B>) {
@@ -442,11 +447,7 @@ impl<B> BodyHandle<B> {
         if let [one] = s.chunks.as_slice() {
             return Some(one.clone());
         }
-        let mut all = bytes::BytesMut::with_capacity(s.kept_bytes);
-        for c in &s.chunks {
-            all.extend_from_slice(c);
-        }
-        Some(all.freeze())
+        Some(concat(&s.chunks, s.kept_bytes))
     }
 }
 

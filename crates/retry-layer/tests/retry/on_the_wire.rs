@@ -291,3 +291,39 @@ async fn a_whole_body_is_sent_whole_by_every_attempt() {
         assert_eq!(seen[0].body, BODY, "{proto:?}");
     }
 }
+
+/// A streaming body with no size hint whose frames are all at hand when the request is sent
+/// (a tonic unary request is one) is read whole when it is wrapped: every attempt carries the
+/// whole body, now with its exact length declared (Content-Length on HTTP/1.1, not chunked),
+/// over HTTP/1.1 and h2.
+#[tokio::test]
+async fn a_streaming_body_at_hand_is_sent_whole_by_every_attempt() {
+    for proto in BOTH {
+        let server = serve(|_, n| if n < 2 { status(503) } else { status(201) }).await;
+        let layer = keyed_layer(|p| p);
+        let frames: Vec<Result<Frame<Bytes>, BoxError>> = ["{\"sku\":", "\"b1\"}"]
+            .iter()
+            .map(|c| Ok(Frame::data(Bytes::from_static(c.as_bytes()))))
+            .collect();
+        let body = StreamBody::new(futures_util::stream::iter(frames));
+        assert!(http_body::Body::size_hint(&body).exact().is_none());
+        let req = Request::post(server.url("/orders"))
+            .body(body.boxed())
+            .unwrap();
+        let res = bounded("the call", client(&layer, proto).oneshot(req))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 201, "{proto:?}");
+        let seen = server.seen();
+        assert_eq!(seen.len(), 3, "{proto:?}");
+        for s in &seen {
+            assert_eq!(s.body, "{\"sku\":\"b1\"}", "{proto:?}");
+            assert_eq!(
+                s.headers.get("content-length").map(|v| v.as_bytes()),
+                Some(&b"12"[..]),
+                "{proto:?}: the exact length is declared"
+            );
+            assert!(s.headers.get("transfer-encoding").is_none(), "{proto:?}");
+        }
+    }
+}
