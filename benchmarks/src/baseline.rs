@@ -161,7 +161,7 @@ impl NaiveResponse {
 /// to show what that floor costs on the same wire.
 #[derive(Clone, Debug, Default)]
 pub struct NaiveCacheLayer {
-    cache: Arc<NaiveCache<NaiveResponse>>,
+    cache: Arc<NaiveCache<Arc<NaiveResponse>>>,
 }
 
 impl<S> Layer<S> for NaiveCacheLayer {
@@ -179,7 +179,7 @@ impl<S> Layer<S> for NaiveCacheLayer {
 #[derive(Clone, Debug)]
 pub struct NaiveCacheService<S> {
     inner: S,
-    cache: Arc<NaiveCache<NaiveResponse>>,
+    cache: Arc<NaiveCache<Arc<NaiveResponse>>>,
 }
 
 impl<S, ReqB, ResB> Service<Request<ReqB>> for NaiveCacheService<S>
@@ -228,7 +228,7 @@ where
                     body: body.clone(),
                     trailers: trailers.clone(),
                 };
-                cache.put(key, recorded);
+                cache.put(key, Arc::new(recorded));
             }
             let body = Full::new(body).with_trailers(ready(trailers.map(Ok)));
             Ok(Response::from_parts(parts, body))

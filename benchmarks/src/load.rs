@@ -84,7 +84,8 @@ pub struct Run {
 }
 
 /// A set of interleaved rounds (one section of the load test): [`Report::ratio_to`] compares
-/// two scenarios of the same group round by round.
+/// two scenarios of the same group round by round. The default is no group: a run not yet
+/// [`merge`]d.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RoundGroup(u64);
 
@@ -157,7 +158,8 @@ impl Report {
     /// seconds apart, so a slow drift of the machine cancels), else the ratio of the medians.
     pub fn ratio_to(&self, name: &str, base: &str) -> Option<f64> {
         let (r, b) = (self.run(name)?, self.run(base)?);
-        if r.group == b.group && r.round_rps.len() == b.round_rps.len() {
+        let grouped = r.group != RoundGroup::default();
+        if grouped && r.group == b.group && r.round_rps.len() == b.round_rps.len() {
             let mut ratios: Vec<f64> = (r.round_rps.iter().zip(&b.round_rps))
                 .filter(|(_, b)| **b > 0.0)
                 .map(|(r, b)| r / b)
