@@ -87,7 +87,15 @@ async fn server() -> Server {
                 if uri.path() == "/in-flight" {
                     gate.acquire().await.unwrap().forget();
                 }
-                (StatusCode::CREATED, "created")
+                // A success that carries a business reason code (say, "created, but you are
+                // close to your rate limit"): still a success on both halves.
+                let reason = (uri.path() == "/success-with-reason")
+                    .then_some([("x-reason-code", "RATE_LIMITED")]);
+                (
+                    StatusCode::CREATED,
+                    axum::response::AppendHeaders(reason.into_iter().flatten()),
+                    "created",
+                )
             }
         }
     };
@@ -114,6 +122,7 @@ async fn server() -> Server {
             post(handler.clone()).layer(base().max_request_bytes(16)),
         )
         .route("/panic", post(handler.clone()).layer(base()))
+        .route("/success-with-reason", post(handler.clone()).layer(base()))
         .route(
             "/in-flight",
             post(handler.clone()).layer(base().in_flight(InFlight::Reject)),
@@ -206,6 +215,35 @@ async fn every_rejection_over_http_gets_the_verdict_the_table_promises() {
         assert_eq!(status, expected, "{what}");
         assert_eq!(attempts, 1, "{what}: a final answer is not retried");
     }
+
+    // A 201 carrying a reason code is a success: recorded by the server, not retried by the
+    // client, so the handler runs once; the same key again is the replay.
+    let executed = s.executions.load(Ordering::SeqCst);
+    let created = request(
+        s.addr,
+        "/success-with-reason",
+        Some("order-pair-0003"),
+        "{}",
+    );
+    let (status, attempts) = through_retry(&s, created).await;
+    assert_eq!(
+        (status, attempts),
+        (StatusCode::CREATED, 1),
+        "a success is final"
+    );
+    let again = request(
+        s.addr,
+        "/success-with-reason",
+        Some("order-pair-0003"),
+        "{}",
+    );
+    let (status, attempts) = through_retry(&s, again).await;
+    assert_eq!((status, attempts), (StatusCode::CREATED, 1));
+    assert_eq!(
+        s.executions.load(Ordering::SeqCst),
+        executed + 1,
+        "the success was recorded: the second call is its replay"
+    );
 
     // The same key with another request: 422, not retried.
     let (status, _) =

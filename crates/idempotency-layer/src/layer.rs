@@ -247,7 +247,8 @@ impl<St> IdempotencyLayer<St> {
         self.config(|c| c.table = table)
     }
 
-    /// The business reason codes read from responses (they take precedence over the status).
+    /// The business reason codes read from responses (they refine a failed status, never a
+    /// success).
     pub fn reason_codes(self, reasons: ReasonCodes) -> Self {
         self.config(|c| c.reasons = reasons)
     }

@@ -166,9 +166,10 @@
 //! # What is recorded and what is not
 //!
 //! Each handler outcome is classified into a [`Code`](reason_code::Code), exactly as the client
-//! side (`retry-layer`) classifies it: a business reason code header (`x-reason-code`, see
-//! [`ReasonCodes`](reason_code::ReasonCodes)) first; for gRPC the `grpc-status` of a
-//! trailers-only response or of the trailers; for HTTP the status. The one
+//! side (`retry-layer`) classifies it: for gRPC the `grpc-status` of a trailers-only response or
+//! of the trailers, for HTTP the status; a failure is then refined by a business reason code
+//! header (`x-reason-code`, see [`ReasonCodes`](reason_code::ReasonCodes)), a success never is
+//! (a 201 carrying `RATE_LIMITED` is recorded). The one
 //! [`RetryTable`](reason_code::RetryTable) then decides:
 //!
 //! | outcome | recorded? | so a retry... |

@@ -25,10 +25,14 @@ pub enum HeadClass {
 ///
 /// 1. A gRPC response with HTTP 200 and no `grpc-status` in its headers has started streaming:
 ///    [`HeadClass::AtEnd`], whatever a reason-code header says.
-/// 2. A business reason code ([`ReasonCodes::classify`]) wins over any status.
-/// 3. gRPC: `grpc-status` (a malformed one is UNKNOWN, never a success); without it, the HTTP
-///    status as the gRPC spec maps it ([`Code::from_grpc_http_status`]).
-/// 4. HTTP: [`Code::from_http_status`].
+/// 2. The status: gRPC `grpc-status` (a malformed one is UNKNOWN, never a success), else the
+///    HTTP status as the gRPC spec maps it ([`Code::from_grpc_http_status`]); HTTP
+///    [`Code::from_http_status`].
+/// 3. A success (2xx, 3xx, gRPC OK) is OK, whatever a reason-code header says: a reason code
+///    only refines a failure. A 201 that carries `x-reason-code: RATE_LIMITED` was executed,
+///    so the server records it and the client does not retry it.
+/// 4. A failure with a business reason code ([`ReasonCodes::classify`]) takes the reason code's
+///    code: a 409 with `UPSTREAM_UNAVAILABLE` is UNAVAILABLE.
 ///
 /// ```
 /// use http::{HeaderMap, StatusCode};
@@ -56,17 +60,15 @@ pub fn classify_head(
     if grpc && grpc_status.is_none() && status == StatusCode::OK {
         return HeadClass::AtEnd;
     }
-    if let Some(code) = reasons.classify(headers) {
+    let code = match grpc_status {
+        Some(v) => parse_grpc_status(v).unwrap_or(Code::Unknown),
+        None if grpc => Code::from_grpc_http_status(status),
+        None => Code::from_http_status(status),
+    };
+    if code == Code::Ok {
         return HeadClass::Decided(code);
     }
-    if let Some(v) = grpc_status {
-        return HeadClass::Decided(parse_grpc_status(v).unwrap_or(Code::Unknown));
-    }
-    HeadClass::Decided(if grpc {
-        Code::from_grpc_http_status(status)
-    } else {
-        Code::from_http_status(status)
-    })
+    HeadClass::Decided(reasons.classify(headers).unwrap_or(code))
 }
 
 /// Step two: the code of a gRPC response whose head said [`HeadClass::AtEnd`], from the
@@ -126,6 +128,37 @@ mod tests {
             Decided(Code::Aborted),
         ),
         (false, 200, &[("grpc-status", "14")], Decided(Code::Ok)),
+        // A reason code refines a failure, never a success.
+        (
+            false,
+            201,
+            &[("x-reason-code", "RATE_LIMITED")],
+            Decided(Code::Ok),
+        ),
+        (
+            false,
+            303,
+            &[("x-reason-code", "UPSTREAM_UNAVAILABLE")],
+            Decided(Code::Ok),
+        ),
+        (
+            false,
+            429,
+            &[("x-reason-code", "RATE_LIMITED")],
+            Decided(Code::ResourceExhausted),
+        ),
+        (
+            true,
+            200,
+            &[("grpc-status", "0"), ("x-reason-code", "RATE_LIMITED")],
+            Decided(Code::Ok),
+        ),
+        (
+            true,
+            503,
+            &[("x-reason-code", "STOCK_CONFLICT")],
+            Decided(Code::Aborted),
+        ),
         (true, 200, &[], AtEnd),
         (
             true,

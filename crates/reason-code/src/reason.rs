@@ -57,8 +57,9 @@ const PROTOCOL_REASONS: [(&str, Code); 4] = [
 
 /// The user-extensible map from business reason codes to [`Code`]s, and the header they travel in.
 ///
-/// A reason code in a response takes precedence over the HTTP or gRPC status: a 409 that says
-/// `UPSTREAM_UNAVAILABLE` is retried like a 503. Names match exactly (they are identifiers, not
+/// A reason code in a response refines a failure: it takes precedence over a failed HTTP or
+/// gRPC status (a 409 that says `UPSTREAM_UNAVAILABLE` is retried like a 503), never over a
+/// success (a 201 that carries one is OK; see [`classify_head`](crate::classify_head)). Names match exactly (they are identifiers, not
 /// prose). Cloning is cheap (the map is shared).
 ///
 /// ```

@@ -322,32 +322,46 @@ async fn permanent_failures_are_recorded_only_when_opted_in() {
     }
 }
 
+/// A reason code refines a failure (it takes precedence over a 409), never a success: a 200
+/// that carries one was executed and is recorded.
 #[tokio::test]
-async fn a_reason_code_takes_precedence_over_the_status() {
+async fn a_reason_code_refines_a_failure_never_a_success() {
     let count = Arc::new(AtomicUsize::new(0));
     let c = count.clone();
     let app = Router::new()
         .route(
             "/stock",
-            post(move || {
+            post(move |headers: http::HeaderMap| {
                 c.fetch_add(1, Ordering::SeqCst);
-                async {
+                let status = match headers["x-idempotency-key"].to_str().unwrap() {
+                    "stock-conflict-1" => StatusCode::CONFLICT,
+                    _ => StatusCode::OK,
+                };
+                async move {
                     (
+                        status,
                         [("x-reason-code", "UPSTREAM_UNAVAILABLE")],
-                        "degraded but 200",
+                        "answer",
                     )
                 }
             }),
         )
         .layer(layer());
-    call(&app, req_post("/stock", Some("stock-00000001"), "{}")).await;
-    let r = call(&app, req_post("/stock", Some("stock-00000001"), "{}")).await;
+    // 409 + UPSTREAM_UNAVAILABLE is UNAVAILABLE: never recorded, the retry executes.
+    call(&app, req_post("/stock", Some("stock-conflict-1"), "{}")).await;
+    let r = call(&app, req_post("/stock", Some("stock-conflict-1"), "{}")).await;
     assert!(!r.replayed());
     assert_eq!(
         count.load(Ordering::SeqCst),
         2,
         "UNAVAILABLE is never recorded"
     );
+    // 200 + UPSTREAM_UNAVAILABLE is a success: recorded, the retry is its replay.
+    let first = call(&app, req_post("/stock", Some("stock-success-1"), "{}")).await;
+    let r = call(&app, req_post("/stock", Some("stock-success-1"), "{}")).await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert!(r.replayed(), "a success with a reason code is recorded");
+    assert_eq!(count.load(Ordering::SeqCst), 3);
 }
 
 #[tokio::test]

@@ -78,11 +78,13 @@ rows! {
     // DATA_LOSS: never.
     grpc_data_loss: keyed(grpc_req("/lib.Library/GetBook")), [grpc("15")] => 1;
 
-    // A business reason code takes precedence over the status.
+    // A business reason code refines a failure's status, never a success.
     reason_code_upstream_unavailable: get("/books/b1"),
         [Reply::Status(409, vec![("x-reason-code", "UPSTREAM_UNAVAILABLE")])] => 3;
     reason_code_stock_conflict_on_503: keyed(post("/orders")),
         [Reply::Status(503, vec![("x-reason-code", "STOCK_CONFLICT")])] => 1;
+    reason_code_on_a_success: keyed(post("/orders")),
+        [Reply::Status(201, vec![("x-reason-code", "RATE_LIMITED")])] => 1;
 
     // A gRPC response that sent headers without a status is committed.
     grpc_committed_response: keyed(grpc_req("/lib.Library/GetBook")),
