@@ -1,19 +1,23 @@
 //! A held claim: completes or releases exactly once, renews its lease while held (through the
-//! layer's [`Renewals`]), and releases itself if dropped unfinished.
+//! layer's [`Renewals`](crate::renewal::Renewals)) until the end of its lifetime, hands its
+//! failure to the duplicates waiting for it, and releases itself if dropped unfinished.
 
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
 
+use tokio::time::Instant;
+
+use crate::config::Config;
+use crate::detached::{self, DetachTo};
 use crate::observe::{self, Op, StoreKind};
-use crate::renewal::Renewals;
 use crate::shared::Shared;
 use crate::stats::Counters;
 use crate::store::{
     retry_through_outage, Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token,
 };
+use crate::waiters::SharedFailure;
 
 /// A claim's store operation, boxed once (the store type is erased).
 pub(crate) type BoxFuture = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
@@ -44,27 +48,27 @@ trait ClaimStore: Send + Sync + 'static {
 /// [`Claim::settle`]'s store operations, boxed once.
 pub(crate) type SettleFuture = Pin<Box<dyn Future<Output = Settled> + Send + 'static>>;
 
-/// What a held claim is: its scope and token, and the lease renewed while it is held.
+/// What a held claim is: its scope and token, the layer's settings (its TTL, lease and
+/// limits), and what the layer shares (the renewal of its lease while it is held, its waiters).
 struct Held {
     scope: ScopeKey,
     token: Token,
-    ttl: Duration,
-    lease: Duration,
-    counters: Arc<Counters>,
-    /// Renews the lease while the claim is held; the claim leaves it when it ends.
-    renewals: Arc<Renewals>,
+    config: Arc<Config>,
+    shared: Arc<Shared>,
+    /// The end of its lifetime (`None`: too far for the clock).
+    until: Option<Instant>,
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        self.renewals.remove(self.token);
+        self.shared.renewals.remove(self.token);
     }
 }
 
 impl<St: IdempotencyStore> ClaimStore for St {
     fn complete(self: Arc<Self>, held: Held, record: Record) -> BoxFuture {
         Box::pin(async move {
-            let (store, scope, token, ttl) = (&*self, held.scope, held.token, held.ttl);
+            let (store, scope, token, ttl) = (&*self, held.scope, held.token, held.config.ttl);
             // Shared, so that a retry through an outage resends it without copying it.
             let record = Arc::new(record);
             let kind = StoreKind::of(store);
@@ -77,12 +81,13 @@ impl<St: IdempotencyStore> ClaimStore for St {
             };
             // Through a brief store outage, while the lease could still hold (the renewal keeps
             // running meanwhile).
-            match retry_through_outage(held.lease, "complete", op).await {
+            let counters = &held.shared.counters;
+            match retry_through_outage(held.config.lease, "complete", op).await {
                 Ok(()) => {
-                    held.counters.recorded();
+                    counters.recorded();
                     tracing::debug!(?scope, "idempotency: recorded");
                 }
-                Err(e) => log_store_error(&held.counters, kind, Op::Complete, &e),
+                Err(e) => log_store_error(counters, kind, Op::Complete, &e),
             }
         })
     }
@@ -92,26 +97,28 @@ impl<St: IdempotencyStore> ClaimStore for St {
             let store = &*self;
             let kind = StoreKind::of(store);
             let op = || observe::timed(Op::Release, kind, store.release(held.scope, held.token));
-            match retry_through_outage(held.lease, "release", op).await {
+            let counters = &held.shared.counters;
+            match retry_through_outage(held.config.lease, "release", op).await {
                 Ok(()) => {
-                    held.counters.released();
+                    counters.released();
                     tracing::debug!(scope = ?held.scope, "idempotency: released");
                 }
-                Err(e) => log_store_error(&held.counters, kind, Op::Release, &e),
+                Err(e) => log_store_error(counters, kind, Op::Release, &e),
             }
         })
     }
 
     fn settle(self: Arc<Self>, held: Held, fingerprint: Fingerprint) -> SettleFuture {
         Box::pin(async move {
-            let (store, scope) = (&*self, held.scope);
+            let (store, scope, lease) = (&*self, held.scope, held.config.lease);
+            let counters = &held.shared.counters;
             let kind = StoreKind::of(store);
             // Fenced: the claim row is ours only while no transaction of the handler committed
             // the record, so a release that succeeds proves none did.
             let release = || observe::timed(Op::Release, kind, store.release(scope, held.token));
-            match retry_through_outage(held.lease, "release", release).await {
+            match retry_through_outage(lease, "release", release).await {
                 Ok(()) => {
-                    held.counters.released();
+                    counters.released();
                     tracing::debug!(
                         ?scope,
                         "idempotency: the handler's transaction did not commit; released"
@@ -120,29 +127,28 @@ impl<St: IdempotencyStore> ClaimStore for St {
                 }
                 Err(StoreError::Fenced) => {}
                 Err(e) => {
-                    log_store_error(&held.counters, kind, Op::Release, &e);
+                    log_store_error(counters, kind, Op::Release, &e);
                     return Settled::Unknown;
                 }
             }
             // Not ours any more: committed by the handler's transaction, or taken over or
             // forgotten meanwhile. What the scope holds now tells which.
-            let begin =
-                observe::timed(Op::Begin, kind, store.begin(scope, fingerprint, held.lease));
+            let begin = observe::timed(Op::Begin, kind, store.begin(scope, fingerprint, lease));
             match begin.await {
                 Ok(Begin::Completed(record)) if record.fingerprint == fingerprint => {
-                    held.counters.recorded();
+                    counters.recorded();
                     Settled::Recorded(record)
                 }
                 Ok(Begin::New(token)) => {
                     // Forgotten meanwhile: hand back the claim this look made.
                     if let Err(e) = store.release(scope, token).await {
-                        log_store_error(&held.counters, kind, Op::Release, &e);
+                        log_store_error(counters, kind, Op::Release, &e);
                     }
                     Settled::Unknown
                 }
                 Ok(_) => Settled::Unknown,
                 Err(e) => {
-                    log_store_error(&held.counters, kind, Op::Begin, &e);
+                    log_store_error(counters, kind, Op::Begin, &e);
                     Settled::Unknown
                 }
             }
@@ -184,26 +190,87 @@ impl fmt::Debug for Claim {
 }
 
 impl Claim {
-    /// The claim `token` on `scope`, its store operations made on `store` (the layer's).
+    /// The claim `token` on `scope`, its store operations made on `store` (the layer's), held
+    /// from now for at most the layer's `max_claim_lifetime`.
     pub(crate) fn new<St: IdempotencyStore>(
         store: Arc<St>,
         scope: ScopeKey,
         token: Token,
-        ttl: Duration,
-        lease: Duration,
-        shared: &Shared,
+        config: &Arc<Config>,
+        shared: &Arc<Shared>,
     ) -> Self {
-        shared.renewals.add(&*store, scope, token, lease);
+        let until = Instant::now().checked_add(config.max_claim_lifetime);
+        shared
+            .renewals
+            .add(&*store, scope, token, config.lease, until);
         let held = Held {
             scope,
             token,
-            ttl,
-            lease,
-            counters: shared.counters.clone(),
-            renewals: shared.renewals.clone(),
+            config: config.clone(),
+            shared: shared.clone(),
+            until,
         };
         Claim {
             held: Some((store, held)),
+        }
+    }
+
+    fn held(&self) -> Option<&Held> {
+        self.held.as_ref().map(|(_, held)| held)
+    }
+
+    /// The end of the claim's lifetime (`None`: too far for the clock, or the claim ended).
+    pub(crate) fn until(&self) -> Option<Instant> {
+        self.held()?.until
+    }
+
+    /// The claim reached the end of its lifetime while its work went on: its lease is no longer
+    /// renewed (counted and logged, once).
+    pub(crate) fn lifetime_ended(&self) {
+        if let Some(held) = self.held() {
+            held.shared.renewals.expire(held.token);
+        }
+    }
+
+    /// Where work for this claim goes when its client goes away (`what`, for the log), bounded
+    /// by the layer's `max_detached` and the claim's lifetime.
+    pub(crate) fn detach_to(&self, what: &'static str) -> Option<DetachTo> {
+        let held = self.held()?;
+        Some(DetachTo {
+            shared: held.shared.clone(),
+            max: held.config.max_detached,
+            lifetime: held.until.map(|until| (held.token, until)),
+            what,
+        })
+    }
+
+    /// Does any duplicate wait for this claim in this process now?
+    pub(crate) fn has_waiters(&self) -> bool {
+        self.held()
+            .is_some_and(|held| held.shared.waiters.any(&held.scope))
+    }
+
+    /// The claim ends without a record: the duplicates waiting for it in this process take
+    /// `answer` (made only if any waits) instead of running the handler again. Call it before
+    /// the claim is released, so a waiter woken by the release finds it.
+    pub(crate) fn share_failure(&self, answer: impl FnOnce() -> SharedFailure) {
+        if let Some(held) = self.held() {
+            held.shared
+                .waiters
+                .share_failure(held.scope, held.token, answer);
+        }
+    }
+
+    /// Releases the claim in the background (detached work): the answer need not wait for the
+    /// store, which may be slow or down. Past `max_detached`, the claim lapses with its lease.
+    pub(crate) fn release_in_background(mut self) {
+        self.release_detached();
+    }
+
+    fn release_detached(&mut self) {
+        if let Some((store, held)) = self.held.take() {
+            let (shared, max) = (held.shared.clone(), held.config.max_detached);
+            let _ = detached::spawn(&shared, max, "release a claim", store.release(held));
         }
     }
 
@@ -216,19 +283,11 @@ impl Claim {
         }
     }
 
-    /// Releases the claim so a retry executes again.
-    pub(crate) fn release(mut self) -> BoxFuture {
-        match self.held.take() {
-            Some((store, held)) => store.release(held),
-            None => Box::pin(std::future::ready(())),
-        }
-    }
-
     /// Ends the claim whose record the handler's own transaction stored: no store operation
     /// (the lease renewal stops).
     pub(crate) fn recorded_in_transaction(mut self) {
         if let Some((_, held)) = self.held.take() {
-            held.counters.recorded();
+            held.shared.counters.recorded();
             tracing::debug!(
                 scope = ?held.scope,
                 "idempotency: recorded in the handler's transaction"
@@ -248,22 +307,9 @@ impl Claim {
     }
 }
 
-/// Spawns `fut` on the current tokio runtime; without one, logs that the claim is left to lapse.
-pub(crate) fn spawn_detached(fut: impl Future<Output = ()> + Send + 'static) {
-    match tokio::runtime::Handle::try_current() {
-        Ok(h) => {
-            h.spawn(fut);
-        }
-        Err(_) => tracing::warn!(
-            "idempotency: no tokio runtime to finish a claim; it is left to lapse with its lease"
-        ),
-    }
-}
-
 impl Drop for Claim {
+    /// Dropped unfinished (its handler was cancelled): released in the background.
     fn drop(&mut self) {
-        if let Some((store, held)) = self.held.take() {
-            spawn_detached(store.release(held));
-        }
+        self.release_detached();
     }
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, Method, Uri};
-use reason_code::{IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
+use reason_code::{GrpcMethods, IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
 
 use crate::store::TenantKey;
 
@@ -36,9 +36,9 @@ pub enum OnDisconnect {
     Complete,
     /// Drop the handler (cancelling it) and release the claim, so a retry executes again.
     ///
-    /// A response whose last frame was produced is recorded all the same: the record is stored
-    /// before that frame is handed to the server, so a client that received the whole response
-    /// and retries gets the replay.
+    /// This applies while the handler runs. Once it has answered with a head whose outcome is
+    /// recorded (a 2xx, say), its side effect has happened: its body is read to its end and
+    /// recorded whatever the client does, in both modes, so a retry gets the replay.
     Release,
 }
 
@@ -82,6 +82,15 @@ const INFRASTRUCTURE_GRPC_SERVICES: [&str; 3] = [
 /// The default of [`IdempotencyLayer::max_waiters`](crate::IdempotencyLayer::max_waiters).
 const DEFAULT_MAX_WAITERS: usize = 1024;
 
+/// The default of [`IdempotencyLayer::max_claim_lifetime`](crate::IdempotencyLayer::max_claim_lifetime).
+pub(crate) const DEFAULT_MAX_CLAIM_LIFETIME: Duration = Duration::from_secs(5 * 60);
+
+/// The default of [`IdempotencyLayer::request_body_timeout`](crate::IdempotencyLayer::request_body_timeout).
+pub(crate) const DEFAULT_REQUEST_BODY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The default of [`IdempotencyLayer::max_detached`](crate::IdempotencyLayer::max_detached).
+pub(crate) const DEFAULT_MAX_DETACHED: usize = 1024;
+
 #[derive(Clone)]
 pub(crate) struct Config {
     pub(crate) key_headers: KeyHeaders,
@@ -90,12 +99,21 @@ pub(crate) struct Config {
     pub(crate) in_flight: InFlight,
     pub(crate) max_wait: Duration,
     pub(crate) max_waiters: usize,
+    /// How long a claim may be held at most; renewal stops there.
+    pub(crate) max_claim_lifetime: Duration,
+    /// How long a write's request body may take to arrive.
+    pub(crate) request_body_timeout: Duration,
+    /// How much detached work (handlers and recordings whose client went away, background
+    /// releases) may run at once, layer-wide.
+    pub(crate) max_detached: usize,
     pub(crate) max_request_bytes: usize,
     pub(crate) max_record_bytes: usize,
     pub(crate) fail_open: bool,
     pub(crate) key_optional: bool,
     pub(crate) is_write: Option<WritePredicate>,
     pub(crate) idempotent_grpc: IdempotentGrpcMethods,
+    /// Client-streaming and bidirectional methods: passed through, never read whole.
+    pub(crate) streaming_grpc: GrpcMethods,
     pub(crate) tenant: TenantSource,
     pub(crate) table: RetryTable,
     pub(crate) reasons: ReasonCodes,
@@ -111,12 +129,16 @@ impl Default for Config {
             in_flight: InFlight::Wait,
             max_wait: Duration::from_secs(30),
             max_waiters: DEFAULT_MAX_WAITERS,
+            max_claim_lifetime: DEFAULT_MAX_CLAIM_LIFETIME,
+            request_body_timeout: DEFAULT_REQUEST_BODY_TIMEOUT,
+            max_detached: DEFAULT_MAX_DETACHED,
             max_request_bytes: 1024 * 1024,
             max_record_bytes: 1024 * 1024,
             fail_open: false,
             key_optional: false,
             is_write: None,
             idempotent_grpc: IdempotentGrpcMethods::default(),
+            streaming_grpc: GrpcMethods::default(),
             tenant: TenantSource::Required,
             table: RetryTable::default(),
             reasons: ReasonCodes::default(),
@@ -140,6 +162,7 @@ impl Config {
         if grpc {
             let path = uri.path();
             !self.idempotent_grpc.contains(path)
+                && !self.streaming_grpc.contains(path)
                 && !INFRASTRUCTURE_GRPC_SERVICES
                     .iter()
                     .any(|service| path.starts_with(service))
@@ -162,12 +185,16 @@ impl fmt::Debug for Config {
             .field("in_flight", &self.in_flight)
             .field("max_wait", &self.max_wait)
             .field("max_waiters", &self.max_waiters)
+            .field("max_claim_lifetime", &self.max_claim_lifetime)
+            .field("request_body_timeout", &self.request_body_timeout)
+            .field("max_detached", &self.max_detached)
             .field("max_request_bytes", &self.max_request_bytes)
             .field("max_record_bytes", &self.max_record_bytes)
             .field("fail_open", &self.fail_open)
             .field("key_optional", &self.key_optional)
             .field("custom_is_write", &self.is_write.is_some())
             .field("idempotent_grpc", &self.idempotent_grpc)
+            .field("streaming_grpc", &self.streaming_grpc)
             .field("tenant", &self.tenant)
             .field("on_disconnect", &self.on_disconnect)
             .finish_non_exhaustive()

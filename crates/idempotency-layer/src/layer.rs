@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, Method, Uri};
-use reason_code::{IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
+use reason_code::{GrpcMethods, IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
 use tower_layer::Layer;
 
 use crate::config::{Config, InFlight, OnDisconnect, TenantFn, TenantSource};
@@ -12,7 +12,7 @@ use crate::scope::Scope;
 use crate::service::Idempotency;
 use crate::shared::Shared;
 use crate::stats::IdempotencyStats;
-use crate::store::{IdempotencyStore, MemoryStore, StoreError, TenantKey};
+use crate::store::{IdempotencyStore, MemoryStore, StoreError, TenantKey, FOREVER};
 
 /// The tower [`Layer`] that makes duplicate writes execute once per tenant + method + key.
 ///
@@ -39,9 +39,13 @@ impl Default for IdempotencyLayer<MemoryStore> {
 impl<St> IdempotencyLayer<St> {
     /// A layer over `store`, with the defaults: keys from `x-idempotency-key` or
     /// `Idempotency-Key`; POST and PATCH (and every gRPC method) are writes; tenant required
-    /// from the [`Tenant`](crate::Tenant) extension; TTL 24 h; duplicates wait up to 30 s;
-    /// requests up to 1 MiB, records up to 1 MiB; fail closed; successes recorded, permanent
-    /// failures not.
+    /// from the [`Tenant`](crate::Tenant) extension; TTL 24 h; a write's request body must
+    /// arrive within 30 s; duplicates wait up to 30 s; a claim is held at most 5 minutes;
+    /// requests up to 1 MiB, records up to 1 MiB; at most 1024 pieces of detached work;
+    /// fail closed; successes recorded, permanent failures not.
+    ///
+    /// Every duration setting is clamped to 100 years ("keep forever"): `Duration::MAX` is a
+    /// valid setting, never an overflow.
     pub fn new(store: St) -> Self {
         IdempotencyLayer {
             store,
@@ -90,14 +94,54 @@ impl<St> IdempotencyLayer<St> {
 
     /// How long a record is kept (default 24 h).
     pub fn ttl(self, ttl: Duration) -> Self {
-        self.config(|c| c.ttl = ttl)
+        self.config(|c| c.ttl = ttl.min(FOREVER))
     }
 
     /// The lease of a claim in flight (default 30 s). The leader renews it every third of the
     /// lease while its handler runs; a shared store lets another instance take over a claim
     /// whose lease lapsed (its leader crashed).
     pub fn lease(self, lease: Duration) -> Self {
-        self.config(|c| c.lease = lease.max(Duration::from_millis(30)))
+        self.config(|c| c.lease = lease.clamp(Duration::from_millis(30), FOREVER))
+    }
+
+    /// The longest a claim is held (default 5 minutes), from the moment its write claimed the
+    /// key: the bound on how long one write can keep its key in flight.
+    ///
+    /// The leader's response is recorded as soon as its handler's body ends, independently of
+    /// how fast its client reads it, so only a handler that runs this long (or a response body
+    /// that streams this long, or one larger than
+    /// [`max_record_bytes`](Self::max_record_bytes) whose client stalls) reaches it. Then the
+    /// lease is no longer renewed and the claim lapses with it (a retry may then execute
+    /// again), counted in [`IdempotencyStats::lapsed`] and logged at `WARN`; work detached
+    /// from a gone client is cancelled; and a response whose head was already recorded-worthy
+    /// (a 2xx, say) is recorded without its body, and its client's stream ends with an error.
+    /// Set it above your slowest write.
+    pub fn max_claim_lifetime(self, max: Duration) -> Self {
+        self.config(|c| c.max_claim_lifetime = max.min(FOREVER))
+    }
+
+    /// How long a write's request body may take to arrive (default 30 s; a gRPC request's
+    /// `grpc-timeout` shortens it). The layer reads a write's whole body (to fingerprint it)
+    /// before anything is claimed or run; a body not received in time is answered 408 Request
+    /// Timeout / DEADLINE_EXCEEDED, and nothing was claimed and nothing ran. This is what keeps
+    /// a slow-loris client, or a client-streaming gRPC call that waits for a reply before
+    /// half-closing, from holding a request open forever: declare such methods with
+    /// [`streaming_grpc_methods`](Self::streaming_grpc_methods).
+    pub fn request_body_timeout(self, timeout: Duration) -> Self {
+        self.config(|c| c.request_body_timeout = timeout.min(FOREVER))
+    }
+
+    /// The most work the layer keeps running for requests whose client went away, layer-wide
+    /// (default 1024): handlers finished after their client left ([`OnDisconnect::Complete`]),
+    /// response bodies read to their end to record them, and background releases of claims.
+    /// Each piece of it also ends at [`max_claim_lifetime`](Self::max_claim_lifetime).
+    ///
+    /// Past the limit (an RST_STREAM flood, say), a handler whose client left is cancelled and
+    /// its claim released, as with [`OnDisconnect::Release`]; a response body not yet read to
+    /// its end is recorded without its body if its head is recorded-worthy; a release is left to
+    /// lapse with its lease. Each is counted in [`IdempotencyStats::detached_refused`].
+    pub fn max_detached(self, max: usize) -> Self {
+        self.config(|c| c.max_detached = max)
     }
 
     /// What a duplicate does while the first request runs (default [`InFlight::Wait`]).
@@ -105,13 +149,13 @@ impl<St> IdempotencyLayer<St> {
         self.config(|c| c.in_flight = mode)
     }
 
-    /// The longest a duplicate waits for the first request (default 30 s); a gRPC request's
-    /// `grpc-timeout` shortens it. When it runs out the duplicate gets 409 / ABORTED with
+    /// The longest a duplicate waits for the first request (default 30 s), counted from when it
+    /// arrived; a gRPC request's `grpc-timeout` shortens it. When it runs out the duplicate gets 409 / ABORTED with
     /// `Retry-After` and the reason code
     /// [`IDEMPOTENCY_IN_FLIGHT`](reason_code::IDEMPOTENCY_IN_FLIGHT), which `retry-layer`
     /// retries unchanged after the pushback.
     pub fn max_wait(self, max: Duration) -> Self {
-        self.config(|c| c.max_wait = max)
+        self.config(|c| c.max_wait = max.min(FOREVER))
     }
 
     /// The most duplicates of one key (one scope) that wait at once in this layer and its clones
@@ -171,9 +215,10 @@ impl<St> IdempotencyLayer<St> {
     /// (`/grpc.health.v1.Health/*`) and server reflection (`/grpc.reflection.v1.ServerReflection/*`,
     /// `v1alpha`) always pass through.
     ///
-    /// Declare streaming-request methods here too (or exclude them with
-    /// [`is_write`](Self::is_write)): the request body of a write is read in full, up to
-    /// [`max_request_bytes`](Self::max_request_bytes), before its handler runs.
+    /// Client-streaming and bidirectional methods are declared with
+    /// [`streaming_grpc_methods`](Self::streaming_grpc_methods): the request body of a write is
+    /// read in full, up to [`max_request_bytes`](Self::max_request_bytes) and within
+    /// [`request_body_timeout`](Self::request_body_timeout), before its handler runs.
     ///
     /// ```
     /// use idempotency_layer::IdempotencyLayer;
@@ -189,6 +234,30 @@ impl<St> IdempotencyLayer<St> {
     /// ```
     pub fn idempotent_grpc_methods(self, methods: IdempotentGrpcMethods) -> Self {
         self.config(|c| c.idempotent_grpc = methods)
+    }
+
+    /// gRPC methods whose request is a stream (client-streaming and bidirectional methods, by
+    /// path, or `/package.Service/` for a whole service): passed through untouched, like the
+    /// methods declared with [`idempotent_grpc_methods`](Self::idempotent_grpc_methods).
+    ///
+    /// A write's request body is read whole before its handler runs (its fingerprint covers all
+    /// of it), which a streaming call cannot allow: a bidirectional call that waits for a reply
+    /// before it half-closes would never reach its handler, and would be answered
+    /// DEADLINE_EXCEEDED after [`request_body_timeout`](Self::request_body_timeout). The layer
+    /// does not deduplicate such methods: make them idempotent in the handler (a key in the
+    /// first message, checked against your own table), or split the write into a unary call.
+    ///
+    /// ```
+    /// use idempotency_layer::IdempotencyLayer;
+    /// use reason_code::GrpcMethods;
+    ///
+    /// let streams = GrpcMethods::new(["/plume.linkd.v3.Library/ImportBooks"])
+    ///     .expect("valid method paths");
+    /// let layer = IdempotencyLayer::default().streaming_grpc_methods(streams);
+    /// # let _ = layer;
+    /// ```
+    pub fn streaming_grpc_methods(self, methods: GrpcMethods) -> Self {
+        self.config(|c| c.streaming_grpc = methods)
     }
 
     /// Takes the tenant from a request header when the request has no
@@ -260,7 +329,7 @@ impl<St> IdempotencyLayer<St> {
 
     /// The counters of every service this layer (and its clones) made.
     pub fn stats(&self) -> IdempotencyStats {
-        self.shared.counters.snapshot()
+        self.shared.stats()
     }
 }
 

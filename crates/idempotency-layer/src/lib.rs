@@ -304,11 +304,14 @@ mod classify;
 mod config;
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
+mod detached;
 mod future;
 mod key;
 mod layer;
 mod observe;
+mod pipe;
 mod protocol;
+mod recorder;
 mod recording;
 mod reject;
 mod renewal;
@@ -321,7 +324,7 @@ pub mod store;
 // judges every leader's response by the ledger, but nothing ever writes one.
 #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 mod tx_ledger;
-mod wait_limit;
+mod waiters;
 
 pub use body::{IdempotencyBody, RequestBody};
 pub use config::{InFlight, OnDisconnect};

@@ -103,6 +103,8 @@ pub(crate) enum Outcome {
     Replayed,
     /// The request waited for the one in flight, then replayed its record.
     Waited,
+    /// The request waited for the one in flight, which failed: it got the same failure.
+    SharedFailure,
     /// The layer answered with a rejection.
     Rejected,
 }
@@ -113,6 +115,7 @@ impl Outcome {
             Outcome::Executed => "executed",
             Outcome::Replayed => "replayed",
             Outcome::Waited => "waited",
+            Outcome::SharedFailure => "shared_failure",
             Outcome::Rejected => "rejected",
         }
     }
@@ -175,6 +178,11 @@ mod keys {
     pub(super) static RELEASES: Key = Key::from_static_name("idempotency_layer_releases_total");
     pub(super) static FAILED_OPEN: Key =
         Key::from_static_name("idempotency_layer_failed_open_total");
+    pub(super) static SHARED_FAILURES: Key =
+        Key::from_static_name("idempotency_layer_shared_failures_total");
+    pub(super) static LAPSED: Key = Key::from_static_name("idempotency_layer_lapsed_total");
+    pub(super) static DETACHED_REFUSED: Key =
+        Key::from_static_name("idempotency_layer_detached_refused_total");
 
     const fn reason(i: usize) -> [Label; 1] {
         [Label::from_static_parts(
@@ -182,7 +190,7 @@ mod keys {
             RejectReason::ALL[i].as_str(),
         )]
     }
-    static REASON: [[Label; 1]; 9] = [
+    static REASON: [[Label; 1]; 12] = [
         reason(0),
         reason(1),
         reason(2),
@@ -192,14 +200,17 @@ mod keys {
         reason(6),
         reason(7),
         reason(8),
+        reason(9),
+        reason(10),
+        reason(11),
     ];
     macro_rules! by_reason {
         ($name:literal, [$($i:literal)*]) => {
             [$(Key::from_static_parts($name, &REASON[$i])),*]
         };
     }
-    pub(super) static REJECTIONS: [Key; 9] =
-        by_reason!("idempotency_layer_rejections_total", [0 1 2 3 4 5 6 7 8]);
+    pub(super) static REJECTIONS: [Key; 12] =
+        by_reason!("idempotency_layer_rejections_total", [0 1 2 3 4 5 6 7 8 9 10 11]);
 
     const fn op_store(op: usize, store: usize) -> [Label; 2] {
         [
@@ -282,6 +293,12 @@ counter_fns! {
     released => RELEASES;
     /// `idempotency_layer_failed_open_total`
     failed_open => FAILED_OPEN;
+    /// `idempotency_layer_shared_failures_total`
+    shared_failure => SHARED_FAILURES;
+    /// `idempotency_layer_lapsed_total`
+    lapsed => LAPSED;
+    /// `idempotency_layer_detached_refused_total`
+    detached_refused => DETACHED_REFUSED;
 }
 
 /// `idempotency_layer_rejections_total{reason}`

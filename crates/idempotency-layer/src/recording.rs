@@ -30,6 +30,15 @@ pub(crate) fn at_head(cfg: &Config, grpc: bool, status: StatusCode, headers: &He
     }
 }
 
+/// How a response that ended turned out ([`RecordBuilder::finish`]).
+pub(crate) enum Finished {
+    /// Its record, to store.
+    Recorded(Record),
+    /// Its code, which the table does not record, and the response as it was (for the
+    /// duplicates waiting for it).
+    NotRecorded(Code, Record),
+}
+
 /// Builds the record of one response from its frames, in order: the body is kept up to
 /// `max_record_bytes` (beyond, it is omitted and the record says so), trailers are merged, and
 /// the code the head left open is read at the end.
@@ -104,8 +113,9 @@ impl RecordBuilder {
     }
 
     /// The body has ended: the record, if the table records the response's code; else the code
-    /// (the claim is then released).
-    pub(crate) fn finish(self, cfg: &Config) -> Result<Record, Code> {
+    /// and the response as it was (the claim is then released, and the duplicates waiting for
+    /// it get that response).
+    pub(crate) fn finish(self, cfg: &Config) -> Finished {
         let kept: &[u8] = match (&self.last_chunk, self.omitted) {
             (Some(last), true) => last,
             _ => &self.data,
@@ -113,16 +123,35 @@ impl RecordBuilder {
         let code = self
             .head_code
             .unwrap_or_else(|| classify::at_end(&self.headers, self.trailers.as_ref(), kept));
-        if !cfg.table.may_record(code) {
-            return Err(code);
+        let record = self.into_record();
+        if cfg.table.may_record(code) {
+            Finished::Recorded(record)
+        } else {
+            Finished::NotRecorded(code, record)
         }
-        Ok(Record {
+    }
+
+    /// The body broke off before its end (an error, the claim's lifetime, no room left to read
+    /// it for a client that went away): a record without its body if the head already decided
+    /// an outcome the table records (the handler answered a 2xx, say: its side effect happened,
+    /// and a retry must not run it again); `None` when the outcome was to come at the end
+    /// (a gRPC status in trailers), which it now never will.
+    pub(crate) fn broken(self, cfg: &Config) -> Option<Record> {
+        let code = self.head_code?;
+        if !cfg.table.may_record(code) {
+            return None;
+        }
+        Some(self.into_record().with_body_omitted())
+    }
+
+    fn into_record(self) -> Record {
+        Record {
             fingerprint: self.fingerprint,
             status: self.status,
             headers: self.headers,
             body: self.data.freeze(),
             body_omitted: self.omitted,
             trailers: self.trailers.map(Box::new),
-        })
+        }
     }
 }

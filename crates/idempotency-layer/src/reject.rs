@@ -27,25 +27,38 @@ pub enum RejectReason {
     TooLarge,
     /// The request body could not be read (400 / INVALID_ARGUMENT).
     BadBody,
+    /// The request body did not arrive within `request_body_timeout` (408 / DEADLINE_EXCEEDED):
+    /// nothing was claimed, nothing ran.
+    BodyTimeout,
     /// A duplicate is in flight and the layer rejects, or the wait ran out (409 / ABORTED).
     InFlight,
+    /// The request in flight that a duplicate waited for failed with no answer to share (its
+    /// handler returned an error, or its response broke off), and nothing was recorded
+    /// (503 / UNAVAILABLE): the key is free again, the client's retry runs it.
+    InFlightFailed,
     /// The store failed and the layer fails closed (503 / UNAVAILABLE).
     StoreUnavailable,
+    /// The store has no room for a new claim (503 / UNAVAILABLE): nothing ran, even with
+    /// `fail_open` (a full store is not a store that is down).
+    StoreFull,
     /// The handler panicked or its task was lost (500 / INTERNAL).
     Internal,
 }
 
 impl RejectReason {
     /// Every reason, in declaration order.
-    pub const ALL: [RejectReason; 9] = [
+    pub const ALL: [RejectReason; 12] = [
         RejectReason::MissingKey,
         RejectReason::InvalidKey,
         RejectReason::NoTenant,
         RejectReason::Mismatch,
         RejectReason::TooLarge,
         RejectReason::BadBody,
+        RejectReason::BodyTimeout,
         RejectReason::InFlight,
+        RejectReason::InFlightFailed,
         RejectReason::StoreUnavailable,
+        RejectReason::StoreFull,
         RejectReason::Internal,
     ];
 
@@ -58,8 +71,11 @@ impl RejectReason {
             RejectReason::Mismatch => "mismatch",
             RejectReason::TooLarge => "too_large",
             RejectReason::BadBody => "bad_body",
+            RejectReason::BodyTimeout => "body_timeout",
             RejectReason::InFlight => "in_flight",
+            RejectReason::InFlightFailed => "in_flight_failed",
             RejectReason::StoreUnavailable => "store_unavailable",
+            RejectReason::StoreFull => "store_full",
             RejectReason::Internal => "internal",
         }
     }
@@ -79,8 +95,11 @@ impl RejectReason {
             RejectReason::NoTenant => (StatusCode::UNAUTHORIZED, Code::Unauthenticated),
             RejectReason::Mismatch => (StatusCode::UNPROCESSABLE_ENTITY, Code::FailedPrecondition),
             RejectReason::TooLarge => (StatusCode::PAYLOAD_TOO_LARGE, Code::ResourceExhausted),
+            RejectReason::BodyTimeout => (StatusCode::REQUEST_TIMEOUT, Code::DeadlineExceeded),
             RejectReason::InFlight => (StatusCode::CONFLICT, Code::Aborted),
-            RejectReason::StoreUnavailable => (StatusCode::SERVICE_UNAVAILABLE, Code::Unavailable),
+            RejectReason::InFlightFailed
+            | RejectReason::StoreUnavailable
+            | RejectReason::StoreFull => (StatusCode::SERVICE_UNAVAILABLE, Code::Unavailable),
             RejectReason::Internal => (StatusCode::INTERNAL_SERVER_ERROR, Code::Internal),
         }
     }
@@ -93,8 +112,11 @@ impl RejectReason {
             RejectReason::Mismatch => "Idempotency key reused with another request",
             RejectReason::TooLarge => "Request body too large",
             RejectReason::BadBody => "Request body could not be read",
+            RejectReason::BodyTimeout => "Request body not received in time",
             RejectReason::InFlight => "Request with this key is in flight",
+            RejectReason::InFlightFailed => "Request with this key failed",
             RejectReason::StoreUnavailable => "Idempotency store unavailable",
+            RejectReason::StoreFull => "Idempotency store full",
             RejectReason::Internal => "Internal error",
         }
     }
@@ -113,7 +135,11 @@ impl RejectReason {
     const fn retry_after(self) -> bool {
         matches!(
             self,
-            RejectReason::InFlight | RejectReason::StoreUnavailable
+            RejectReason::BodyTimeout
+                | RejectReason::InFlight
+                | RejectReason::InFlightFailed
+                | RejectReason::StoreUnavailable
+                | RejectReason::StoreFull
         )
     }
 }
@@ -202,7 +228,11 @@ mod tests {
         for reason in RejectReason::ALL {
             let retry = matches!(
                 reason,
-                RejectReason::InFlight | RejectReason::StoreUnavailable
+                RejectReason::BodyTimeout
+                    | RejectReason::InFlight
+                    | RejectReason::InFlightFailed
+                    | RejectReason::StoreUnavailable
+                    | RejectReason::StoreFull
             );
             for protocol in &protocols {
                 let res = render(reason, "detail", protocol, &X_REASON_CODE);

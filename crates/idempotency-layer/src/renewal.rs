@@ -5,29 +5,47 @@
 //! the claims of one layer share one task. Each claim is renewed with its own lease; the task
 //! ticks every third of the shortest lease held, so layers built from one base with different
 //! [`lease`](crate::IdempotencyLayer::lease)s never renew a short lease too late.
+//!
+//! A claim is renewed until the end of its lifetime
+//! ([`max_claim_lifetime`](crate::IdempotencyLayer::max_claim_lifetime)), not longer: the first
+//! tick past it drops the claim (counted as lapsed, logged), and its lease runs out at most one
+//! lease later. So no write, however stuck, keeps its key in flight for longer than its
+//! lifetime and a lease.
 
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
+use crate::stats::Counters;
 use crate::store::{FastMap, IdempotencyStore, ScopeKey, StoreError, Token};
 
 /// The claims a layer holds, renewed by one task.
 ///
 /// The task is spawned by the first claim and ends when no claim is held at a tick (the next
 /// claim spawns it again), when the layer is gone, or with its runtime.
-#[derive(Default)]
 pub(crate) struct Renewals {
     state: Mutex<RenewState>,
     /// Wakes the task early when a claim with a shorter lease than any held arrives.
     shorter_lease: Notify,
+    /// Where claims that reach the end of their lifetime are counted.
+    counters: Arc<Counters>,
+}
+
+/// A claim renewed: its scope, its lease, and the end of its lifetime (`None`: too far for the
+/// clock to express).
+#[derive(Clone, Copy)]
+struct Renewed {
+    scope: ScopeKey,
+    lease: Duration,
+    until: Option<Instant>,
 }
 
 #[derive(Default)]
 struct RenewState {
-    held: FastMap<Token, (ScopeKey, Duration)>,
+    held: FastMap<Token, Renewed>,
     running: bool,
     /// The task's current tick period: a third of the shortest lease it renews.
     period: Duration,
@@ -50,22 +68,39 @@ fn renewal_period(lease: Duration) -> Duration {
 }
 
 impl Renewals {
+    pub(crate) fn new(counters: Arc<Counters>) -> Self {
+        Renewals {
+            state: Mutex::default(),
+            shorter_lease: Notify::new(),
+            counters,
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, RenewState> {
         // Every critical section leaves the map consistent: a poisoned lock is still usable.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Holds `token` on `scope` until [`remove`](Self::remove); starts the task if needed.
+    /// Holds `token` on `scope` until [`remove`](Self::remove), or until `until` (the end of its
+    /// lifetime); starts the task if needed.
     pub(crate) fn add<St: IdempotencyStore>(
         self: &Arc<Self>,
         store: &St,
         scope: ScopeKey,
         token: Token,
         lease: Duration,
+        until: Option<Instant>,
     ) {
         let period = renewal_period(lease);
         let mut st = self.lock();
-        st.held.insert(token, (scope, lease));
+        st.held.insert(
+            token,
+            Renewed {
+                scope,
+                lease,
+                until,
+            },
+        );
         if !st.running {
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
                 st.running = true;
@@ -81,6 +116,25 @@ impl Renewals {
 
     pub(crate) fn remove(&self, token: Token) {
         self.lock().held.remove(&token);
+    }
+
+    /// The claim `token` reached the end of its lifetime: it is no longer renewed; counted and
+    /// logged once, by whoever sees it first (this, or the task's tick). True if it was held.
+    pub(crate) fn expire(&self, token: Token) -> bool {
+        let Some(r) = self.lock().held.remove(&token) else {
+            return false;
+        };
+        self.lapsed(r.scope);
+        true
+    }
+
+    fn lapsed(&self, scope: ScopeKey) {
+        self.counters.lapsed();
+        tracing::warn!(
+            ?scope,
+            "idempotency: a claim reached max_claim_lifetime; its lease is no longer renewed and \
+             lapses (a retry may then execute again)"
+        );
     }
 
     /// The tick period of the running task (for tests).
@@ -125,9 +179,21 @@ async fn renew_task<St: IdempotencyStore>(store: St, renewals: Weak<Renewals>) {
                 return;
             };
             let mut st = r.lock();
+            // Claims past their lifetime are renewed no more.
+            let now = Instant::now();
+            let mut lapsed = Vec::new();
+            st.held.retain(|_, c| {
+                let live = c.until.is_none_or(|until| now < until);
+                if !live {
+                    lapsed.push(c.scope);
+                }
+                live
+            });
             if st.held.is_empty() {
                 st.running = false;
                 running.0 = None;
+                drop(st);
+                lapsed.into_iter().for_each(|scope| r.lapsed(scope));
                 return;
             }
             // The next period follows the leases still held: when the short ones are gone, the
@@ -135,13 +201,17 @@ async fn renew_task<St: IdempotencyStore>(store: St, renewals: Weak<Renewals>) {
             st.period = st
                 .held
                 .values()
-                .map(|&(_, lease)| renewal_period(lease))
+                .map(|c| renewal_period(c.lease))
                 .min()
                 .unwrap_or(st.period);
-            st.held
+            let batch = st
+                .held
                 .iter()
-                .map(|(t, &(s, lease))| (*t, s, lease))
-                .collect()
+                .map(|(t, c)| (*t, c.scope, c.lease))
+                .collect();
+            drop(st);
+            lapsed.into_iter().for_each(|scope| r.lapsed(scope));
+            batch
         };
         let renewed = futures_util::future::join_all(
             batch
@@ -182,7 +252,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn each_claim_is_renewed_within_its_own_lease() {
         let store = MemoryStore::new();
-        let renewals = Arc::new(Renewals::default());
+        let renewals = Arc::new(Renewals::new(Arc::default()));
         let (long, short) = (ScopeKey([1; 32]), ScopeKey([2; 32]));
         let claim = |scope, lease| {
             let store = store.clone();
@@ -194,12 +264,12 @@ mod tests {
             }
         };
         let long_token = claim(long, Duration::from_secs(300)).await;
-        renewals.add(&store, long, long_token, Duration::from_secs(300));
+        renewals.add(&store, long, long_token, Duration::from_secs(300), None);
         tokio::task::yield_now().await;
         assert_eq!(renewals.period(), Duration::from_secs(100));
 
         let short_token = claim(short, Duration::from_secs(3)).await;
-        renewals.add(&store, short, short_token, Duration::from_secs(3));
+        renewals.add(&store, short, short_token, Duration::from_secs(3), None);
         assert_eq!(renewals.period(), Duration::from_secs(1));
         // Ten short leases later, the short claim is still held by its token.
         tokio::time::sleep(Duration::from_secs(30)).await;

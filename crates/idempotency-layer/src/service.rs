@@ -3,12 +3,11 @@
 use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
 use bytes::Bytes;
-use futures_util::future::Either;
 use futures_util::FutureExt;
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use http::request::Parts;
@@ -23,13 +22,15 @@ use tokio::time::Instant;
 use tower_service::Service;
 use tracing::{Instrument, Span};
 
-use crate::body::{IdempotencyBody, Recording, RequestBody};
-use crate::claim::{log_store_error, spawn_detached, Claim, Settled};
+use crate::body::{IdempotencyBody, RequestBody};
+use crate::claim::{log_store_error, Claim, Settled};
 use crate::config::{Config, InFlight, OnDisconnect, TenantSource};
+use crate::detached::{DetachOnDrop, DetachTo};
 use crate::future::ResponseFuture;
 use crate::key::extract_key;
 use crate::observe::{self, Op, Outcome, StoreKind};
 use crate::protocol::Protocol;
+use crate::recorder::Recording;
 use crate::recording::{self, AtHead};
 use crate::reject::{render, RejectReason};
 use crate::scope::{fingerprint, http_scope_key, Scope, Tenant};
@@ -40,7 +41,11 @@ use crate::store::{
     TenantKey,
 };
 use crate::tx_ledger::{self, Offer, TxLedger, Verdict};
+use crate::waiters::SharedFailure;
 use crate::IDEMPOTENT_BODY_OMITTED;
+
+/// Why the leader's handler produced no response.
+struct Panicked;
 
 /// The service [`IdempotencyLayer`](crate::IdempotencyLayer) makes: writes with a key execute
 /// once per scope; duplicates get the recorded response.
@@ -104,7 +109,7 @@ impl<S, St> Idempotency<S, St> {
 
     /// The layer's counters (shared with the layer and every clone).
     pub fn stats(&self) -> IdempotencyStats {
-        self.shared.counters.snapshot()
+        self.shared.stats()
     }
 }
 
@@ -178,12 +183,16 @@ where
             TenantSource::Default(name, key) if Arc::ptr_eq(name, &tenant) => *key,
             _ => TenantKey::of(&tenant),
         };
-        // A write may wait for a duplicate in flight before (if ever) it runs the handler, so it
-        // must not hold the capacity `poll_ready` reserved (a `ConcurrencyLimit` permit, a
-        // `Buffer` slot) while it waits: that stays with `self.inner` for the next call, and the
-        // write readies a clone of its own only if it leads.
+        // The write takes the service `poll_ready` readied (and the capacity it reserved: a
+        // `ConcurrencyLimit` permit, a `Buffer` slot), leaving a fresh clone for the next call:
+        // a caller that readied this service (a `Buffer`'s worker) may not ready it again for
+        // the next request until this one has its answer, so a write that kept a clone for
+        // itself and left the readied one parked would wait for capacity held by the readied
+        // one. A write that waits for a duplicate in flight lets the readied service go (its
+        // capacity with it) and readies a clone only if it leads later.
+        let clone = self.inner.clone();
         let write = Write {
-            inner: self.inner.clone(),
+            inner: Inner::Ready(std::mem::replace(&mut self.inner, clone)),
             store: self.store.clone(),
             config: self.config.clone(),
             shared: self.shared.clone(),
@@ -194,6 +203,16 @@ where
         };
         ResponseFuture::managed(Box::pin(write.handle(parts, body).instrument(span)))
     }
+}
+
+/// `limit`, or the request's own `grpc-timeout` if shorter: a gRPC request's deadline bounds
+/// the reading of its body and its wait for a duplicate.
+fn within(parts: &Parts, limit: Duration) -> Duration {
+    parts
+        .headers
+        .get(GRPC_TIMEOUT)
+        .and_then(|v| parse_grpc_timeout(v).ok())
+        .map_or(limit, |t| t.min(limit))
 }
 
 /// The request's tenant: its [`Tenant`] extension, else what the layer is configured to use.
@@ -230,16 +249,29 @@ fn reject<B>(
     render(reason, detail, protocol, reason_header).map(IdempotencyBody::full)
 }
 
-/// Why the leader's handler produced no response.
-struct Panicked;
-
 type Answer<B, E> = Result<Response<IdempotencyBody<B>>, E>;
+
+/// The inner service a write holds: the one `poll_ready` readied (with the capacity it
+/// reserved), or a clone not yet ready (a write that waited let the readied one go).
+enum Inner<S> {
+    Ready(S),
+    NotReady(S),
+}
+
+impl<S: Clone> Inner<S> {
+    /// Lets the readied service go (and the capacity it holds), keeping a clone to ready later.
+    fn release_capacity(&mut self) {
+        if let Inner::Ready(s) = self {
+            *self = Inner::NotReady(s.clone());
+        }
+    }
+}
 
 /// One write whose key and tenant were accepted: everything its flow needs, owned, so the flow
 /// can outlive the request (a leader whose client went away is finished in a task).
 struct Write<S, St> {
-    /// A clone of the inner service, not yet ready: readied only if this write leads.
-    inner: S,
+    /// The inner service: readied by `poll_ready` until this write waits for a duplicate.
+    inner: Inner<S>,
     store: Arc<St>,
     config: Arc<Config>,
     shared: Arc<Shared>,
@@ -279,12 +311,12 @@ where
         reason = "an `async fn` would hold its arguments twice"
     )]
     fn handle<ReqB, ResB>(
-        self,
+        mut self,
         mut parts: Parts,
         body: ReqB,
     ) -> impl Future<Output = Answer<ResB, S::Error>>
     where
-        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
+        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Clone + Send + 'static,
         S::Future: Send + 'static,
         S::Error: Send + 'static,
         ReqB: Body<Data = Bytes> + Send + 'static,
@@ -297,12 +329,8 @@ where
             let counters = &self.shared.counters;
             let scope = self.scope;
             let kind = StoreKind::of(&*self.store);
-            let wait = parts
-                .headers
-                .get(GRPC_TIMEOUT)
-                .and_then(|v| parse_grpc_timeout(v).ok())
-                .map_or(cfg.max_wait, |t| t.min(cfg.max_wait));
-            let deadline = Instant::now().checked_add(wait);
+            let arrived = Instant::now();
+            let deadline = arrived.checked_add(within(&parts, cfg.max_wait));
 
             let too_large = || {
                 format!(
@@ -317,10 +345,25 @@ where
             if declared.is_some_and(|n| n > cfg.max_request_bytes as u64) {
                 return Ok(self.reject(RejectReason::TooLarge, &too_large()));
             }
-            let bytes = match read_whole(body, cfg.max_request_bytes).await {
+            let read = read_whole(
+                body,
+                cfg.max_request_bytes,
+                arrived.checked_add(within(&parts, cfg.request_body_timeout)),
+            );
+            let bytes = match read.await {
                 Ok(bytes) => bytes,
                 Err(e) if e.is::<LengthLimitError>() => {
                     return Ok(self.reject(RejectReason::TooLarge, &too_large()))
+                }
+                Err(e) if e.is::<BodyTimedOut>() => {
+                    let detail = format!(
+                        "request body not received within {:?} (the idempotency layer's \
+                         request_body_timeout, or the request's grpc-timeout); nothing was \
+                         executed: send the whole body promptly, or declare streaming gRPC \
+                         methods with streaming_grpc_methods",
+                        within(&parts, cfg.request_body_timeout)
+                    );
+                    return Ok(self.reject(RejectReason::BodyTimeout, &detail));
                 }
                 Err(e) => {
                     return Ok(self.reject(
@@ -351,8 +394,7 @@ where
                                 self.store.clone(),
                                 scope,
                                 token,
-                                cfg.ttl,
-                                cfg.lease,
+                                &self.config,
                                 &self.shared,
                             );
                             let ledger = tx_ledger::offer(
@@ -401,7 +443,7 @@ where
                             ));
                         }
                         if slot.is_none() {
-                            slot = self.shared.wait_limit.enter(scope, cfg.max_waiters);
+                            slot = self.shared.waiters.enter(scope, cfg.max_waiters);
                             if slot.is_none() {
                                 return Ok(self.reject(
                                     RejectReason::InFlight,
@@ -413,15 +455,32 @@ where
                         if !waited {
                             waited = true;
                             counters.waited();
+                            // A waiter holds none of the inner service's capacity.
+                            self.inner.release_capacity();
                             tracing::debug!(
                                 ?scope,
                                 "idempotency: waiting for the request in flight"
                             );
                         }
+                        let Some(place) = slot.as_ref() else {
+                            unreachable!("a waiter has its place")
+                        };
                         // Boxed: the store's wait and its timer are as large as the rest of the
                         // write's future, and only a duplicate in flight needs them.
                         let woken = Box::pin(async {
-                            let wake = self.store.wait(scope, token);
+                            // Registered before the failure is looked for: a hand-over in
+                            // between wakes it.
+                            let mut failed = std::pin::pin!(place.notified());
+                            failed.as_mut().enable();
+                            if place.failure(token).is_some() {
+                                return Ok(Ok(()));
+                            }
+                            let wake = async {
+                                tokio::select! {
+                                    r = self.store.wait(scope, token) => r,
+                                    () = failed => Ok(()),
+                                }
+                            };
                             match deadline {
                                 Some(deadline) => tokio::time::timeout_at(deadline, wake).await,
                                 // A wait too long for the clock to express: unbounded.
@@ -429,7 +488,29 @@ where
                             }
                         });
                         match woken.await {
-                            Ok(Ok(())) => continue,
+                            Ok(Ok(())) => {
+                                // The leader failed without a record: its failure is this
+                                // request's answer, and the key is free for the client's retry.
+                                if let Some(failure) = place.failure(token) {
+                                    counters.shared_failure();
+                                    observe::record_outcome(&self.span, Outcome::SharedFailure);
+                                    tracing::debug!(
+                                        ?scope,
+                                        "idempotency: the request in flight failed; answering \
+                                         with its failure"
+                                    );
+                                    return Ok(match failure {
+                                        SharedFailure::Answer(answer) => shared_failure(&answer),
+                                        SharedFailure::Reject(reason) => self.reject(
+                                            reason,
+                                            "the request in flight with this idempotency key \
+                                             failed and nothing was recorded; a retry executes \
+                                             again",
+                                        ),
+                                    });
+                                }
+                                continue;
+                            }
                             Ok(Err(e)) => {
                                 log_store_error(counters, kind, Op::Wait, &e);
                                 return Ok(self.reject(
@@ -458,6 +539,16 @@ where
                         );
                         return Ok(self.reject(RejectReason::Internal, &detail));
                     }
+                    Err(StoreError::Full) => {
+                        // Not an outage either: the store is up and refused to take more. Never
+                        // run a write without its claim for that, even with `fail_open`.
+                        tracing::warn!(?scope, "idempotency: the store is full; nothing executed");
+                        return Ok(self.reject(
+                            RejectReason::StoreFull,
+                            "the idempotency store has no room for a new request now; nothing \
+                             was executed, retry later",
+                        ));
+                    }
                     Err(e) => {
                         log_store_error(counters, kind, Op::Begin, &e);
                         if cfg.fail_open {
@@ -466,14 +557,8 @@ where
                             tracing::warn!(error = %e, "idempotency: store failed; executing without protection (fail_open)");
                             // Boxed, like the leader's call: rare, and as large as the handler's
                             // future.
-                            let run = {
-                                let mut inner = self.inner;
-                                let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-                                Box::pin(async move {
-                                    std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
-                                    inner.call(req).await
-                                })
-                            };
+                            let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                            let run = Box::pin(call_inner(self.inner, req));
                             return Ok(run.await?.map(IdempotencyBody::inner));
                         }
                         return Ok(self.reject(
@@ -517,6 +602,14 @@ where
             protocol,
             ..
         } = self;
+        // Dropped first (the client went away), `Complete` finishes the call and its recording
+        // as detached work (bounded by `max_detached` and the claim's lifetime); `Release`
+        // drops it (the claim is released). The handler runs in this future until then: a task
+        // per execution cost more than the rest of the layer (see BENCHMARKS.md).
+        let detach = match config.on_disconnect {
+            OnDisconnect::Complete => claim.detach_to("finish a handler whose client went away"),
+            OnDisconnect::Release => None,
+        };
         let grpc = protocol.is_grpc();
         let run = Box::pin(call_and_record(
             inner,
@@ -527,15 +620,7 @@ where
             fp,
             grpc,
         ));
-        // Dropped first (the client went away), `Complete` finishes the call and its recording
-        // in a task of its own, and an unsent response's body is drained and recorded by the
-        // recorder's drop; `Release` drops it (the claim is released). The handler runs in this
-        // future until then: a task per execution cost more than the rest of the layer (see
-        // BENCHMARKS.md).
-        let run = match config.on_disconnect {
-            OnDisconnect::Complete => Either::Left(DetachOnDrop(Some(run))),
-            OnDisconnect::Release => Either::Right(run),
-        };
+        let run = DetachOnDrop::new(run, detach);
         async move {
             match run.await {
                 Ok(answer) => answer,
@@ -553,49 +638,35 @@ where
     }
 }
 
-/// Polls a future; if dropped before it completes, finishes it in a spawned task.
-struct DetachOnDrop<F: Future<Output = T> + Send + ?Sized + 'static, T: Send + 'static>(
-    Option<Pin<Box<F>>>,
-);
-
-impl<F: Future<Output = T> + Send + ?Sized + 'static, T: Send + 'static> Future
-    for DetachOnDrop<F, T>
+/// Calls the inner service, readying it first unless `poll_ready` already did.
+fn call_inner<S, R>(inner: Inner<S>, req: R) -> impl Future<Output = Result<S::Response, S::Error>>
+where
+    S: Service<R>,
 {
-    type Output = T;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
-        let fut = self
-            .0
-            .as_mut()
-            .expect("DetachOnDrop polled after completion");
-        let out = std::task::ready!(fut.as_mut().poll(cx));
-        self.0 = None;
-        Poll::Ready(out)
-    }
-}
-
-impl<F: Future<Output = T> + Send + ?Sized + 'static, T: Send + 'static> Drop
-    for DetachOnDrop<F, T>
-{
-    fn drop(&mut self) {
-        if let Some(fut) = self.0.take() {
-            spawn_detached(async move {
-                drop(fut.await);
-            });
+    let (mut inner, ready) = match inner {
+        Inner::Ready(s) => (s, true),
+        Inner::NotReady(s) => (s, false),
+    };
+    async move {
+        if !ready {
+            std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
         }
+        inner.call(req).await
     }
 }
 
-/// Readies the inner service, calls it, and records its response with a [`Recording`] (storing
-/// the record at once when the body is already whole, or releasing the claim when the head says
-/// the outcome is not recordable). When the handler recorded its response in its own transaction
-/// (`ledger`), the claim is left as that transaction left it.
+/// Calls the inner service and records its response with a [`Recording`] (storing the record
+/// at once when the body is already whole; when the head says the outcome is not recordable,
+/// answering at once and releasing the claim in the background). When the handler recorded its
+/// response in its own transaction (`ledger`), the claim is left as that transaction left it.
+/// A handler that fails (an error, a panic) releases the claim, and its failure is the answer
+/// of the duplicates that were waiting for it.
 ///
 /// A plain function returning a future, so the request and the service are held once (by the
 /// call), not twice (by the outer future too): the future stays small enough for the allocator's
 /// fast path when it is boxed.
 fn call_and_record<S, ReqB, ResB>(
-    mut inner: S,
+    inner: Inner<S>,
     req: Request<RequestBody<ReqB>>,
     claim: Claim,
     ledger: Option<Arc<TxLedger>>,
@@ -609,11 +680,7 @@ where
     ResB::Error: Into<BoxError>,
 {
     let http1 = req.version() < Version::HTTP_2;
-    let call = AssertUnwindSafe(async move {
-        std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
-        inner.call(req).await
-    })
-    .catch_unwind();
+    let call = AssertUnwindSafe(call_inner(inner, req)).catch_unwind();
     // `then`, not an `async` block awaiting `call`: the handler's call and what follows it are
     // the two states of one future, so the request is held once, not also by an `.await` slot
     // beside the captured call.
@@ -621,14 +688,21 @@ where
         let res = match called {
             Ok(Ok(res)) => res,
             Ok(Err(e)) => {
-                return Ok(match end_without_response(claim, ledger, fp).await {
-                    Some(record) => Ok(replay(&record, grpc, cfg.max_record_bytes)),
-                    None => Err(e),
-                });
+                // The handler's error goes to its own client; its waiters have nothing to share
+                // but the failure itself.
+                let failed = || SharedFailure::Reject(RejectReason::InFlightFailed);
+                return Ok(
+                    match end_without_response(claim, ledger, fp, failed).await {
+                        Some(record) => Ok(replay(&record, grpc, cfg.max_record_bytes)),
+                        None => Err(e),
+                    },
+                );
             }
             Err(_) => {
                 tracing::error!("idempotency: handler panicked");
-                return match end_without_response(claim, ledger, fp).await {
+                // Its waiters get what its own client gets: 500 / INTERNAL.
+                let panicked = || SharedFailure::Reject(RejectReason::Internal);
+                return match end_without_response(claim, ledger, fp, panicked).await {
                     Some(record) => Ok(Ok(replay(&record, grpc, cfg.max_record_bytes))),
                     None => Err(Panicked),
                 };
@@ -647,7 +721,9 @@ where
             }
             Verdict::InDoubt => {
                 // Dropped mid-way (the client went away), the store operations still complete.
-                let settled = DetachOnDrop(Some(claim.settle(fp))).await;
+                let detach = claim.detach_to("settle a transactional completion");
+                let settled =
+                    DetachOnDrop::new(claim.settle(fp), detach.map(DetachTo::store_op)).await;
                 return Ok(Ok(match settled {
                     Settled::Recorded(record) => {
                         tracing::warn!(
@@ -663,23 +739,26 @@ where
             }
         }
         let head_code = match recording::at_head(&cfg, grpc, parts.status, &parts.headers) {
-            AtHead::NotRecordable(code) => {
+            AtHead::NotRecordable(code) if !claim.has_waiters() => {
+                // Answered at once; the store (which may be slow, or down) is told after.
                 tracing::debug!(%code, "idempotency: outcome not recordable; releasing");
-                claim.release().await;
+                claim.release_in_background();
                 return Ok(Ok(Response::from_parts(
                     parts,
                     IdempotencyBody::inner(body),
                 )));
             }
+            // Duplicates wait for it: read like a record (never stored), so they get it too.
+            AtHead::NotRecordable(code) => Some(code),
             AtHead::Record(head_code) => head_code,
         };
         // Poll the body once before the head goes out. A body the handler made whole (a `Full`,
         // a `String`, an empty body, which a server never polls) is recorded now, and its head
         // and its one frame then leave together: one write, with no pause between the head and
         // a small last packet while a shared store records it (Nagle and delayed ACKs would
-        // stretch that to tens of milliseconds); such a body is answered as it is, with no
-        // recorder. A streaming body is recorded as it streams. The poll's waker is a no-op: a
-        // body not ready now is polled again by the server, with the server's waker.
+        // stretch that to tens of milliseconds); such a body is answered as it is. A streaming
+        // body is read to its end by a task of its own and recorded when it ends. The poll's
+        // waker is a no-op: a body not ready now is polled again by that task.
         let started = Recording::new(
             body,
             claim,
@@ -693,16 +772,42 @@ where
         .start(&mut Context::from_waker(Waker::noop()));
         if let Some(store) = started.store {
             // Dropped mid-store (the client went away), the store operation still completes.
-            DetachOnDrop(Some(store)).await;
+            store.await;
         }
         Ok(Ok(Response::from_parts(parts, started.body)))
     })
 }
 
-/// The request body's data, at most `limit` bytes (else a [`LengthLimitError`]); trailers are
-/// read and left out. A body of one data frame, the common case, is that frame's bytes as they
-/// are: no copy and no queue of frames (`Collected` allocates one per body).
-async fn read_whole<B>(body: B, limit: usize) -> Result<Bytes, BoxError>
+/// The request body's data, at most `limit` bytes (else a [`LengthLimitError`]), received by
+/// `deadline` (else [`BodyTimedOut`]); trailers are read and left out. A body of one data frame,
+/// the common case, is that frame's bytes as they are: no copy and no queue of frames
+/// (`Collected` allocates one per body). A body already at hand is read without a timer.
+async fn read_whole<B>(body: B, limit: usize, deadline: Option<Instant>) -> Result<Bytes, BoxError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let mut read = std::pin::pin!(read_frames(body, limit));
+    // Boxed, and made only when the body is not at hand at the first poll: a timer is as large
+    // as the rest of the write's future.
+    let mut timer = None;
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(r) = read.as_mut().poll(cx) {
+            return Poll::Ready(r);
+        }
+        let Some(deadline) = deadline else {
+            return Poll::Pending;
+        };
+        let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(Box::new(BodyTimedOut) as BoxError)),
+            Poll::Pending => Poll::Pending,
+        }
+    })
+    .await
+}
+
+async fn read_frames<B>(body: B, limit: usize) -> Result<Bytes, BoxError>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
@@ -731,25 +836,55 @@ where
     Ok(more.map_or(first, bytes::BytesMut::freeze))
 }
 
-/// The handler returned no response (an error, a panic): release the claim, unless the handler
-/// recorded a response in its own transaction, which may have committed; then the record it
-/// stored, to answer with instead (the client gets what every duplicate will get).
+/// A write's request body did not arrive within `request_body_timeout`.
+#[derive(Debug)]
+struct BodyTimedOut;
+
+impl fmt::Display for BodyTimedOut {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("request body not received in time")
+    }
+}
+
+impl std::error::Error for BodyTimedOut {}
+
+/// The handler returned no response (an error, a panic): the duplicates waiting for it get
+/// `failure`, and the claim is released in the background; unless the handler recorded a
+/// response in its own transaction, which may have committed: then the record it stored, to
+/// answer with instead (the client gets what every duplicate will get).
 async fn end_without_response(
     claim: Claim,
     ledger: Option<Arc<TxLedger>>,
     fp: Fingerprint,
+    failure: impl FnOnce() -> SharedFailure,
 ) -> Option<Arc<Record>> {
     match ledger.map_or(Verdict::Unused, |l| l.judge(None)) {
         Verdict::Unused => {
-            claim.release().await;
+            claim.share_failure(failure);
+            claim.release_in_background();
             None
         }
         // Dropped mid-way (the client went away), the store operations still complete.
-        _ => match DetachOnDrop(Some(claim.settle(fp))).await {
-            Settled::Recorded(record) => Some(record),
-            Settled::Released | Settled::Unknown => None,
-        },
+        _ => {
+            let detach = claim.detach_to("settle a transactional completion");
+            match DetachOnDrop::new(claim.settle(fp), detach.map(DetachTo::store_op)).await {
+                Settled::Recorded(record) => Some(record),
+                Settled::Released | Settled::Unknown => None,
+            }
+        }
     }
+}
+
+/// The answer of a duplicate whose leader failed without a record: the leader's own answer,
+/// as it was (not marked as a replay: nothing was recorded).
+fn shared_failure<B>(answer: &Record) -> Response<IdempotencyBody<B>> {
+    let mut res = Response::new(IdempotencyBody::replay(
+        answer.body.clone(),
+        answer.trailers.as_deref().cloned(),
+    ));
+    *res.status_mut() = answer.status;
+    *res.headers_mut() = answer.headers.clone();
+    res
 }
 
 /// The recorded response, for a duplicate (`grpc`: the request's protocol).
@@ -832,7 +967,7 @@ mod tests {
     async fn the_request_body_is_read_whole() {
         use http_body::Frame;
         let one = Bytes::from_static(b"{\"sku\":\"b1\"}");
-        let read = read_whole(frames(vec![Frame::data(one.clone())]), 64)
+        let read = read_whole(frames(vec![Frame::data(one.clone())]), 64, None)
             .await
             .unwrap();
         assert_eq!(read, one);
@@ -848,14 +983,14 @@ mod tests {
             Frame::data(Bytes::from_static(b"e")),
             Frame::trailers(trailers),
         ];
-        assert_eq!(read_whole(frames(many), 64).await.unwrap(), "abcde");
-        assert_eq!(read_whole(frames(vec![]), 64).await.unwrap(), "");
+        assert_eq!(read_whole(frames(many), 64, None).await.unwrap(), "abcde");
+        assert_eq!(read_whole(frames(vec![]), 64, None).await.unwrap(), "");
 
         let big = vec![
             Frame::data(Bytes::from_static(b"abc")),
             Frame::data(Bytes::from_static(b"def")),
         ];
-        let err = read_whole(frames(big), 5).await.unwrap_err();
+        let err = read_whole(frames(big), 5, None).await.unwrap_err();
         assert!(err.is::<LengthLimitError>(), "{err}");
     }
 
@@ -867,7 +1002,7 @@ mod tests {
     fn the_write_future_and_the_response_body_stay_small() {
         let svc = IdempotencyLayer::new(MemoryStore::new()).layer(service_fn(created));
         let write = Write {
-            inner: svc.inner,
+            inner: Inner::Ready(svc.inner),
             store: svc.store.clone(),
             config: svc.config.clone(),
             shared: svc.shared.clone(),

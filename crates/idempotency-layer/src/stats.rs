@@ -15,6 +15,9 @@ pub(crate) struct Counters {
     released: AtomicU64,
     store_errors: AtomicU64,
     failed_open: AtomicU64,
+    shared_failures: AtomicU64,
+    lapsed: AtomicU64,
+    detached_refused: AtomicU64,
     rejected: [AtomicU64; RejectReason::ALL.len()],
 }
 
@@ -51,12 +54,25 @@ impl Counters {
         inc(&self.failed_open);
         observe::failed_open();
     }
+    pub(crate) fn shared_failure(&self) {
+        inc(&self.shared_failures);
+        observe::shared_failure();
+    }
+    pub(crate) fn lapsed(&self) {
+        inc(&self.lapsed);
+        observe::lapsed();
+    }
+    pub(crate) fn detached_refused(&self) {
+        inc(&self.detached_refused);
+        observe::detached_refused();
+    }
     pub(crate) fn rejected(&self, reason: RejectReason) {
         inc(&self.rejected[reason.index()]);
         observe::rejected(reason);
     }
 
-    pub(crate) fn snapshot(&self) -> IdempotencyStats {
+    /// The counts, with `detached` (running now) read by the caller.
+    pub(crate) fn snapshot(&self, detached: u64) -> IdempotencyStats {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         IdempotencyStats {
             executed: get(&self.executed),
@@ -66,6 +82,10 @@ impl Counters {
             released: get(&self.released),
             store_errors: get(&self.store_errors),
             failed_open: get(&self.failed_open),
+            shared_failures: get(&self.shared_failures),
+            lapsed: get(&self.lapsed),
+            detached_refused: get(&self.detached_refused),
+            detached,
             rejected: std::array::from_fn(|i| get(&self.rejected[i])),
         }
     }
@@ -98,6 +118,19 @@ pub struct IdempotencyStats {
     pub store_errors: u64,
     /// Requests executed without protection because the store failed and `fail_open` is set.
     pub failed_open: u64,
+    /// Duplicates that waited for a request in flight which failed without a record, and got
+    /// its failure instead of running the handler again (the key is then free for the
+    /// client's retry).
+    pub shared_failures: u64,
+    /// Claims held past [`max_claim_lifetime`](crate::IdempotencyLayer::max_claim_lifetime):
+    /// their lease was no longer renewed.
+    pub lapsed: u64,
+    /// Pieces of detached work (a handler or a response body whose client went away, a
+    /// background release) not run because
+    /// [`max_detached`](crate::IdempotencyLayer::max_detached) were running.
+    pub detached_refused: u64,
+    /// Pieces of detached work running now (a gauge).
+    pub detached: u64,
     rejected: [u64; RejectReason::ALL.len()],
 }
 

@@ -11,9 +11,10 @@
 //! - [`ReasonCodes`]: business reason codes (`x-reason-code: STOCK_CONFLICT`) mapped onto codes.
 //! - [`RetryTable`]: the retryability table, with the client's view ([`RetryTable::verdict`]) and
 //!   the server's view ([`RetryTable::may_record`]).
-//! - [`classify_head`] and [`classify_end`]: the one response classifier both layers call (reason
-//!   code, then `grpc-status`, then the HTTP status; a streaming gRPC response at its end).
-//! - [`IdempotentGrpcMethods`] and [`KeyHeaders`]: the settings both layers take, as one type
+//! - [`classify_head`] and [`classify_end`]: the one response classifier both layers call
+//!   (`grpc-status` or the HTTP status, a failure refined by its reason code; a streaming gRPC
+//!   response at its end).
+//! - [`GrpcMethods`] (as [`IdempotentGrpcMethods`]) and [`KeyHeaders`]: the settings both layers take, as one type
 //!   each, so the same string means the same thing on both sides.
 //! - [`Hop`]: what a server hop knows of the request it serves (was it a retry? did the hop give
 //!   up on its own downstream?), shared with the outbound calls its handler makes, so that
@@ -62,7 +63,9 @@ pub use reason::{
     ReasonCodes, DO_NOT_RETRY, IDEMPOTENCY_IN_FLIGHT, REQUEST_TOO_LARGE, RETRIES_DEFERRED,
 };
 pub use table::{ClientRule, Outcome, RecordRule, RetryTable, Verdict};
-pub use vocabulary::{IdempotentGrpcMethods, InvalidGrpcMethod, KeyHeaders, NoKeyHeader};
+pub use vocabulary::{
+    GrpcMethods, IdempotentGrpcMethods, InvalidGrpcMethod, KeyHeaders, NoKeyHeader,
+};
 
 /// The boxed error both layers use: a client's transport and retry errors, a store's backend
 /// errors.

@@ -1,5 +1,5 @@
 //! Settings both layers take, as one parsed, validated type each, so the same string means the
-//! same thing on both sides: [`IdempotentGrpcMethods`] and [`KeyHeaders`].
+//! same thing on both sides: [`GrpcMethods`] (as [`IdempotentGrpcMethods`]) and [`KeyHeaders`].
 
 use std::collections::HashSet;
 use std::fmt;
@@ -9,19 +9,24 @@ use http::header::{HeaderMap, HeaderName};
 
 use crate::headers::{IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY};
 
-/// gRPC methods declared idempotent: reads the server passes through without a key, and calls
-/// the client may retry like GET.
+/// A set of gRPC methods, declared by path: the methods a setting applies to.
 ///
 /// Each entry is a full method path, `/package.Service/Method`, or a whole service,
-/// `/package.Service/`, which declares every method of that service. `retry-layer`'s
-/// `RetryPolicyBuilder::idempotent_grpc_methods` and `idempotency-layer`'s
-/// `IdempotencyLayer::idempotent_grpc_methods` take this one type, so a string declares the same
-/// methods on both sides. Cloning is cheap (the sets are shared).
+/// `/package.Service/`, which declares every method of that service. Cloning is cheap (the sets
+/// are shared). Both layers take it:
+///
+/// - methods declared idempotent ([`IdempotentGrpcMethods`], the same type): reads the server
+///   passes through without a key, and calls the client may retry like GET. `retry-layer`'s
+///   `RetryPolicyBuilder::idempotent_grpc_methods` and `idempotency-layer`'s
+///   `IdempotencyLayer::idempotent_grpc_methods` take it, so a string declares the same methods
+///   on both sides;
+/// - `idempotency-layer`'s `IdempotencyLayer::streaming_grpc_methods`: client-streaming and
+///   bidirectional methods, which the server passes through (their request is never read whole).
 ///
 /// ```
-/// use reason_code::IdempotentGrpcMethods;
+/// use reason_code::GrpcMethods;
 ///
-/// let methods = IdempotentGrpcMethods::new([
+/// let methods = GrpcMethods::new([
 ///     "/plume.linkd.v3.Library/GetBook",
 ///     "/grpc.health.v1.Health/",
 /// ])
@@ -30,15 +35,19 @@ use crate::headers::{IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY};
 /// assert!(!methods.contains("/plume.linkd.v3.Library/CreateOrder"));
 /// assert!(methods.contains("/grpc.health.v1.Health/Watch"));
 ///
-/// let err = IdempotentGrpcMethods::new(["GetBook"]).unwrap_err();
+/// let err = GrpcMethods::new(["GetBook"]).unwrap_err();
 /// assert!(err.to_string().contains("/package.Service/Method"));
 /// ```
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct IdempotentGrpcMethods {
+pub struct GrpcMethods {
     methods: Arc<HashSet<Box<str>>>,
     /// Services declared whole, as `/package.Service/`.
     services: Arc<HashSet<Box<str>>>,
 }
+
+/// gRPC methods declared idempotent: a [`GrpcMethods`] set, under the name both layers'
+/// `idempotent_grpc_methods` setters use.
+pub type IdempotentGrpcMethods = GrpcMethods;
 
 /// A gRPC method path that is neither `/package.Service/Method` nor `/package.Service/`.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -50,7 +59,7 @@ pub struct InvalidGrpcMethod {
     path: String,
 }
 
-impl IdempotentGrpcMethods {
+impl GrpcMethods {
     /// Parses every path; the first invalid one is the error.
     pub fn new<I>(paths: I) -> Result<Self, InvalidGrpcMethod>
     where
@@ -59,7 +68,7 @@ impl IdempotentGrpcMethods {
     {
         paths
             .into_iter()
-            .try_fold(IdempotentGrpcMethods::default(), |m, p| m.with(p.as_ref()))
+            .try_fold(GrpcMethods::default(), |m, p| m.with(p.as_ref()))
     }
 
     /// Adds one path (a method, or a whole service ending in `/`).
@@ -202,7 +211,7 @@ mod tests {
 
     #[test]
     fn methods_and_services() {
-        let m = IdempotentGrpcMethods::new(["/a.B/Get", "/a.C/"]).unwrap();
+        let m = GrpcMethods::new(["/a.B/Get", "/a.C/"]).unwrap();
         assert!(m.contains("/a.B/Get"));
         assert!(!m.contains("/a.B/Put"));
         assert!(m.contains("/a.C/Anything"));
@@ -220,9 +229,9 @@ mod tests {
             "/a B/Get",
             "/a.B/G et",
         ] {
-            assert!(IdempotentGrpcMethods::new([bad]).is_err(), "{bad:?}");
+            assert!(GrpcMethods::new([bad]).is_err(), "{bad:?}");
         }
-        assert!(IdempotentGrpcMethods::default().is_empty());
+        assert!(GrpcMethods::default().is_empty());
     }
 
     #[test]

@@ -11,6 +11,7 @@ use tokio::time::Instant;
 
 use super::{
     Begin, FastMap, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, TenantKey, Token,
+    FOREVER,
 };
 
 /// How many expired records one operation on a shard removes at most, so cleanup is incremental
@@ -713,7 +714,7 @@ impl IdempotencyStore for MemoryStore {
             tenant,
             token,
             fingerprint,
-            lease_until: now + lease,
+            lease_until: now + lease.min(FOREVER),
             wake: Wake::default(),
         };
         let claim = match shard.spare.pop() {
@@ -769,7 +770,7 @@ impl IdempotencyStore for MemoryStore {
         // Dropping the claim's `Wake` wakes its waiters (they run once the shard is unlocked).
         // The claim was checked above, under this lock, which only expired records' removal and
         // evictions (never a claim's) have released since.
-        match shard.complete_claim(&scope, record, now + ttl, size) {
+        match shard.complete_claim(&scope, record, now + ttl.min(FOREVER), size) {
             Some(waiters) => drop(waiters),
             None => return Err(StoreError::Fenced),
         }
@@ -796,7 +797,7 @@ impl IdempotencyStore for MemoryStore {
         let mut shard = self.shard(&scope);
         match shard.map.get_mut(&scope) {
             Some(Entry::InFlight(claim)) if claim.token == token => {
-                claim.lease_until = now + lease;
+                claim.lease_until = now + lease.min(FOREVER);
                 Ok(())
             }
             _ => Err(StoreError::Fenced),

@@ -70,6 +70,11 @@ pub fn decode_record(bytes: &[u8]) -> Result<Record, StoreError> {
 #[cfg(feature = "redis")]
 pub use self::redis::{maxmemory_policy_can_evict, RedisStore, RedisStoreBuilder};
 
+/// The longest duration the layer and the stores work with: 100 years, "keep forever". Every
+/// duration setting (a TTL, a lease, a timeout) is clamped to it, so a setting of
+/// `Duration::MAX` never overflows a clock or a store's arithmetic.
+pub(crate) const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 /// Runs a store operation through a brief store outage: a backend failure is retried with
 /// backoff (50 ms doubling to 1 s) for at most `within` (a claim's lease: after that the claim
 /// may belong to someone else). Other outcomes (success, fenced, corrupt) return at once.

@@ -615,7 +615,10 @@ fn pool_error(e: deadpool_postgres::PoolError) -> StoreError {
 }
 
 fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX).max(1)
+    // At most "forever" (100 years): `now() + interval` would overflow PostgreSQL's timestamps.
+    i64::try_from(d.min(super::FOREVER).as_millis())
+        .unwrap_or(i64::MAX)
+        .max(1)
 }
 
 async fn cleanup_task(inner: Weak<Inner>, every: Duration) {

@@ -640,7 +640,10 @@ fn timed_out(after: Duration) -> StoreError {
 }
 
 fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+    // At most "forever" (100 years): Redis refuses an expiry past its clock's range.
+    u64::try_from(d.min(super::FOREVER).as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1)
 }
 
 fn token_bytes(t: Token) -> [u8; 16] {

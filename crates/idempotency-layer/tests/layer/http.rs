@@ -559,8 +559,11 @@ async fn on_disconnect_release_cancels_and_releases() {
     assert_eq!(layer.stats().executed, 2);
 }
 
+/// The seed's single-flight rule: duplicates waiting on a leader whose outcome is not recorded
+/// (a 503) share that failure instead of each running the handler again; the key is free, and
+/// the client's next retry (under its budget) runs it.
 #[tokio::test]
-async fn waiters_get_the_leaders_outcome_or_become_leader_after_a_release() {
+async fn waiters_share_the_leaders_failure_and_the_retry_runs_it() {
     // First execution: 503 (released); the second: 200.
     let count = Arc::new(AtomicUsize::new(0));
     let gate = Arc::new(tokio::sync::Notify::new());
@@ -592,17 +595,23 @@ async fn waiters_get_the_leaders_outcome_or_become_leader_after_a_release() {
     }
     eventually("nine duplicates wait", || layer.stats().waited >= 9).await;
     gate.notify_one();
-    let mut statuses = Vec::new();
     for t in tasks {
-        statuses.push(t.await.unwrap().status);
+        let answer = t.await.unwrap();
+        assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE, "{answer:?}");
+        assert_eq!(answer.body, "busy", "the leader's own answer");
+        assert!(!answer.replayed(), "nothing was recorded");
     }
-    statuses.sort();
-    assert_eq!(statuses.iter().filter(|s| **s == StatusCode::OK).count(), 9);
     assert_eq!(
         count.load(Ordering::SeqCst),
-        2,
-        "one waiter became the leader"
+        1,
+        "ten duplicates, one execution"
     );
+    let m = layer.stats();
+    assert_eq!((m.shared_failures, m.executed), (9, 1));
+    // The client's retry runs it.
+    let retry = call(&app, req_post("/w", Some("wait-00000001"), "{}")).await;
+    assert_eq!(retry.status, StatusCode::OK);
+    assert_eq!(count.load(Ordering::SeqCst), 2);
 }
 
 #[tokio::test]

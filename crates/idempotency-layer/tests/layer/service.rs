@@ -84,39 +84,67 @@ async fn grpc_status_in_trailers_decides_what_is_recorded() {
     }
 }
 
+/// A body that fails mid-stream after a head whose outcome is recorded (HTTP 200): the
+/// handler's side effect happened, so the record is kept without its body and the retry gets
+/// "executed once" instead of running it again. A gRPC response whose status was to come in its
+/// trailers never got one: not recorded, the retry runs again.
 #[tokio::test]
-async fn a_body_error_mid_stream_releases_the_key() {
-    let count = Arc::new(AtomicUsize::new(0));
-    let c = count.clone();
-    let svc = IdempotencyLayer::default()
-        .default_tenant("t")
-        .layer(service_fn(
-            move |_req: Request<RequestBody<Full<Bytes>>>| {
-                let n = c.fetch_add(1, Ordering::SeqCst);
-                async move {
-                    let mut frames = VecDeque::from([Ok(Frame::data(Bytes::from_static(b"part")))]);
-                    if n == 0 {
-                        frames.push_back(Err(std::io::Error::other("upstream reset")));
+async fn a_body_error_mid_stream_after_a_recorded_head_is_recorded_without_its_body() {
+    for grpc in [false, true] {
+        let count = Arc::new(AtomicUsize::new(0));
+        let c = count.clone();
+        let svc = IdempotencyLayer::default()
+            .default_tenant("t")
+            .layer(service_fn(
+                move |_req: Request<RequestBody<Full<Bytes>>>| {
+                    let n = c.fetch_add(1, Ordering::SeqCst);
+                    async move {
+                        let mut frames =
+                            VecDeque::from([Ok(Frame::data(Bytes::from_static(b"part")))]);
+                        if n == 0 {
+                            frames.push_back(Err(std::io::Error::other("upstream reset")));
+                        }
+                        let mut res = Response::new(Script(frames));
+                        if grpc {
+                            res.headers_mut()
+                                .insert("content-type", "application/grpc".parse().unwrap());
+                        }
+                        Ok::<_, Infallible>(res)
                     }
-                    Ok::<_, Infallible>(Response::new(Script(frames)))
-                }
-            },
-        ));
-    let req = || {
-        Request::post("/orders")
-            .header("x-idempotency-key", "body-error-1")
-            .body(Full::new(Bytes::new()))
-            .unwrap()
-    };
-    let res = svc.clone().oneshot(req()).await.unwrap();
-    assert!(res.into_body().collect().await.is_err());
-    for _ in 0..10 {
-        tokio::task::yield_now().await; // the release is spawned
+                },
+            ));
+        let req = || {
+            let mut req = Request::post("/shop.Orders/CreateOrder")
+                .header("x-idempotency-key", "body-error-1");
+            if grpc {
+                req = req.header("content-type", "application/grpc");
+            }
+            req.body(Full::new(Bytes::new())).unwrap()
+        };
+        let res = svc.clone().oneshot(req()).await.unwrap();
+        assert!(res.into_body().collect().await.is_err(), "grpc={grpc}");
+        for _ in 0..10 {
+            tokio::task::yield_now().await; // the release is spawned
+        }
+        let res = svc.clone().oneshot(req()).await.unwrap();
+        if grpc {
+            assert!(!res.headers().contains_key("idempotent-replayed"));
+            assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "part");
+            assert_eq!(count.load(Ordering::SeqCst), 2, "released: executed again");
+        } else {
+            assert_eq!(res.status(), StatusCode::OK);
+            assert_eq!(res.headers()["idempotent-replayed"], "true");
+            assert_eq!(res.headers()["idempotent-body-omitted"], "true");
+            assert!(res
+                .into_body()
+                .collect()
+                .await
+                .unwrap()
+                .to_bytes()
+                .is_empty());
+            assert_eq!(count.load(Ordering::SeqCst), 1, "recorded: executed once");
+        }
     }
-    let res = svc.clone().oneshot(req()).await.unwrap();
-    assert!(!res.headers().contains_key("idempotent-replayed"));
-    assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "part");
-    assert_eq!(count.load(Ordering::SeqCst), 2);
 }
 
 type Svc = tower::util::BoxCloneService<

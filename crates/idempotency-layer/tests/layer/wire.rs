@@ -422,25 +422,36 @@ async fn a_request_body_in_frames_is_fingerprinted_whole() {
 
 /// A handler that panics: over the wire the client gets a whole `500` problem document with
 /// the code `INTERNAL` (on a connection that stays usable), nothing is recorded, and the key
-/// runs again. With duplicates waiting on the panicking execution, exactly one of them runs the
-/// handler next and the rest get its response, in both `OnDisconnect` modes.
+/// runs again. Duplicates waiting on the panicking execution get its failure too (one execution
+/// for all of them, not one each), and the next call runs it, in both `OnDisconnect` modes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panicking_handler_answers_500_over_the_wire_and_its_key_runs_again() {
     for transport in TRANSPORTS {
         for on_disconnect in [OnDisconnect::Complete, OnDisconnect::Release] {
             let case = format!("{transport:?} {on_disconnect:?}");
             let counts = Counts::default();
-            let router = orders(&counts, |counts| async move {
-                let n = counts.started.fetch_add(1, Ordering::SeqCst) + 1;
-                // The first execution of each key panics, after a while, so that the
-                // concurrent duplicates below are waiting on it.
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                if n == 1 || n == 3 {
-                    panic!("handler bug (expected by the test)");
-                }
-                respond(Shape::ContentLength, n)
-            });
             let layer = layer(on_disconnect, InFlight::Wait);
+            let waiting = layer.clone();
+            let router = orders(&counts, move |counts| {
+                let waiting = waiting.clone();
+                async move {
+                    let n = counts.started.fetch_add(1, Ordering::SeqCst) + 1;
+                    if n == 3 {
+                        // The duplicates below are all waiting on this execution when it fails.
+                        let before = waiting.stats().waited;
+                        for _ in 0..10_000 {
+                            if waiting.stats().waited >= before + 9 {
+                                break;
+                            }
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                        }
+                    }
+                    if n == 1 || n == 3 {
+                        panic!("handler bug (expected by the test)");
+                    }
+                    respond(Shape::ContentLength, n)
+                }
+            });
             let addr = serve(router.layer(layer.clone())).await;
             let client = client(transport);
 
@@ -458,36 +469,34 @@ async fn a_panicking_handler_answers_500_over_the_wire_and_its_key_runs_again() 
             assert!(replay.replayed(), "{case}");
             assert_eq!(replay.body, again.body, "{case}");
 
-            // Ten duplicates at once; the one that leads panics (execution 3).
+            // Ten duplicates at once; the one that leads panics (execution 3) once the nine
+            // others wait for it: all ten get its 500.
             let answers = futures_util::future::join_all(
                 (0..10).map(|_| send(&client, addr, "order-panic-2")),
             )
             .await;
-            let failed = answers
-                .iter()
-                .filter(|a| a.status == StatusCode::INTERNAL_SERVER_ERROR)
-                .count();
-            assert_eq!(
-                failed, 1,
-                "{case}: only the panicking execution's caller fails"
-            );
-            for a in answers
-                .iter()
-                .filter(|a| a.status != StatusCode::INTERNAL_SERVER_ERROR)
-            {
-                assert_eq!(a.status, StatusCode::CREATED, "{case}: {a:?}");
-                assert_eq!(
-                    a.body, "order 4 created",
-                    "{case}: the next execution's answer"
+            for a in &answers {
+                assert_eq!(a.status, StatusCode::INTERNAL_SERVER_ERROR, "{case}: {a:?}");
+                assert!(
+                    String::from_utf8_lossy(&a.body).contains(r#""code":"INTERNAL""#),
+                    "{case}: {a:?}"
                 );
             }
             assert_eq!(
                 counts.started(),
-                4,
-                "{case}: one execution after each panic"
+                3,
+                "{case}: one execution for ten duplicates"
             );
+            let next = send(&client, addr, "order-panic-2").await;
+            assert_eq!(
+                next.status,
+                StatusCode::CREATED,
+                "{case}: the next call runs it"
+            );
+            assert_eq!(next.body, "order 4 created", "{case}");
             let m = layer.stats();
             assert_eq!((m.executed, m.recorded), (4, 2), "{case}");
+            assert_eq!(m.shared_failures, 9, "{case}");
         }
     }
 }

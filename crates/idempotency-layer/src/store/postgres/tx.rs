@@ -13,7 +13,7 @@ use tokio_postgres::Transaction;
 use super::{affected, codec, CompleteParams, PostgresStore};
 use crate::body::IdempotencyBody;
 use crate::config::Config;
-use crate::recording::{self, AtHead, RecordBuilder};
+use crate::recording::{self, AtHead, Finished, RecordBuilder};
 use crate::store::{BoxError, Fingerprint, ScopeKey, StoreError, Token};
 use crate::tx_ledger::{Offer, TxLedger};
 
@@ -258,8 +258,8 @@ impl TxCompletion {
         }
         let trailers = record.trailers().cloned();
         let record = match record.finish(&self.config) {
-            Ok(record) => record,
-            Err(code) => {
+            Finished::Recorded(record) => record,
+            Finished::NotRecorded(code, _) => {
                 tracing::debug!(%code, "idempotency: outcome not recordable; nothing written in the transaction");
                 return Ok(Response::from_parts(
                     parts,

@@ -1,0 +1,198 @@
+//! Work the layer runs for requests whose client went away: a handler finished after its client
+//! left ([`OnDisconnect::Complete`](crate::OnDisconnect::Complete)), a response body read to its
+//! end to record it, a store operation that must not be cut in half, a claim released in the
+//! background. It runs outside any limit of the server (its connection is gone), so the layer
+//! bounds it: at most [`max_detached`](crate::IdempotencyLayer::max_detached) pieces at once,
+//! layer-wide, each also ended at its claim's lifetime by whoever spawns it.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use tokio::time::Instant;
+
+use crate::claim::BoxFuture;
+use crate::shared::Shared;
+use crate::store::Token;
+
+/// How many pieces of detached work run now, layer-wide.
+#[derive(Debug, Default)]
+pub(crate) struct Detached {
+    running: AtomicUsize,
+}
+
+impl Detached {
+    pub(crate) fn running(&self) -> usize {
+        self.running.load(Ordering::Relaxed)
+    }
+}
+
+/// One running piece of detached work: its place among the `max_detached`, freed on drop.
+pub(crate) struct DetachedPermit(Arc<Detached>);
+
+impl fmt::Debug for DetachedPermit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("DetachedPermit")
+    }
+}
+
+impl Drop for DetachedPermit {
+    fn drop(&mut self) {
+        self.0.running.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A place for one more piece of detached work (`what`, for the log), or `None` (counted and
+/// logged) when `max` already run.
+pub(crate) fn permit(
+    shared: &Arc<Shared>,
+    max: usize,
+    what: &'static str,
+) -> Option<DetachedPermit> {
+    let running = &shared.detached.running;
+    if running.fetch_add(1, Ordering::Relaxed) >= max {
+        running.fetch_sub(1, Ordering::Relaxed);
+        shared.counters.detached_refused();
+        tracing::warn!(
+            what,
+            max,
+            "idempotency: max_detached pieces of work already run for clients that went away; \
+             this one is not run"
+        );
+        return None;
+    }
+    Some(DetachedPermit(shared.detached.clone()))
+}
+
+/// Spawns `fut` as detached work (`what`, for the log) if a place is free and a tokio runtime
+/// runs; else hands it back, not started.
+pub(crate) fn spawn<F>(
+    shared: &Arc<Shared>,
+    max: usize,
+    what: &'static str,
+    fut: F,
+) -> Result<(), F>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        tracing::warn!(
+            what,
+            "idempotency: no tokio runtime to run work for a client that went away"
+        );
+        return Err(fut);
+    };
+    let Some(permit) = permit(shared, max, what) else {
+        return Err(fut);
+    };
+    runtime.spawn(async move {
+        let _permit = permit;
+        fut.await
+    });
+    Ok(())
+}
+
+/// Where detached work goes, and when it must end: what [`DetachOnDrop`] needs.
+#[derive(Debug)]
+pub(crate) struct DetachTo {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) max: usize,
+    /// The claim this work serves, and the end of its lifetime: the work is cancelled there,
+    /// and the claim counted as lapsed.
+    pub(crate) lifetime: Option<(Token, Instant)>,
+    pub(crate) what: &'static str,
+}
+
+impl DetachTo {
+    /// Not ended at the claim's lifetime: a store operation, bounded by its own timeouts (a
+    /// record cut off half-way would leave the claim to lapse).
+    pub(crate) fn store_op(mut self) -> Self {
+        self.lifetime = None;
+        self
+    }
+}
+
+/// A claim's store operation that completes even if its client goes away.
+pub(crate) type StoreOp = DetachOnDrop<dyn Future<Output = ()> + Send + 'static>;
+
+/// `op`, detached to `to` if dropped before it completes.
+pub(crate) fn store_op(op: BoxFuture, to: Option<DetachTo>) -> StoreOp {
+    DetachOnDrop::new(op, to.map(DetachTo::store_op))
+}
+
+/// Polls a future; if dropped before it completes (its client went away), finishes it as
+/// detached work, cancelled at its claim's lifetime; when no place is free, drops it (which
+/// cancels it: whatever it holds, a claim say, cleans up after itself).
+pub(crate) struct DetachOnDrop<F: Future + Send + ?Sized + 'static>
+where
+    F::Output: Send + 'static,
+{
+    fut: Option<Pin<Box<F>>>,
+    to: Option<DetachTo>,
+}
+
+impl<F: Future + Send + ?Sized + 'static> DetachOnDrop<F>
+where
+    F::Output: Send + 'static,
+{
+    /// `fut`, detached to `to` if dropped before it completes (`None`: dropped, which cancels
+    /// it).
+    pub(crate) fn new(fut: Pin<Box<F>>, to: Option<DetachTo>) -> Self {
+        DetachOnDrop { fut: Some(fut), to }
+    }
+}
+
+impl<F: Future + Send + ?Sized + 'static> Future for DetachOnDrop<F>
+where
+    F::Output: Send + 'static,
+{
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let fut = self
+            .fut
+            .as_mut()
+            .expect("DetachOnDrop polled after completion");
+        let out = std::task::ready!(fut.as_mut().poll(cx));
+        self.fut = None;
+        Poll::Ready(out)
+    }
+}
+
+impl<F: Future + Send + ?Sized + 'static> Drop for DetachOnDrop<F>
+where
+    F::Output: Send + 'static,
+{
+    fn drop(&mut self) {
+        let (Some(fut), Some(to)) = (self.fut.take(), self.to.take()) else {
+            return;
+        };
+        let DetachTo {
+            shared,
+            max,
+            lifetime,
+            what,
+        } = to;
+        let bounded = {
+            let shared = shared.clone();
+            async move {
+                let Some((token, end)) = lifetime else {
+                    drop(fut.await);
+                    return;
+                };
+                if tokio::time::timeout_at(end, fut).await.is_err() {
+                    shared.renewals.expire(token);
+                    tracing::warn!(
+                        what,
+                        "idempotency: detached work reached max_claim_lifetime; cancelled"
+                    );
+                }
+            }
+        };
+        // Refused: dropped here, which cancels it.
+        let _ = spawn(&shared, max, what, bounded);
+    }
+}

@@ -1,0 +1,238 @@
+//! The duplicates waiting for a request in flight, per scope: bounded per scope
+//! ([`IdempotencyLayer::max_waiters`]), and told their leader's failure when it ends without a
+//! record.
+//!
+//! A leader whose outcome is not recorded (a 503, an error, a panic) releases its key, and a
+//! waiter would then claim it and run the handler again: N duplicates waiting on a failing
+//! dependency would hit it N times, outside any client's retry budget. Instead (the rule of the
+//! single-flight pattern: the shared call fails for all its callers, and the entry is removed)
+//! the leader hands its failure to the duplicates that were already waiting for it, and they
+//! answer with it; the key is free again, so a client's next retry, under its budget, runs it.
+//! A request that arrives after the leader answered is a retry, not a waiter of that failure:
+//! it waits for the release and runs.
+//!
+//! This is in-process: waiters in other instances of a shared store see the key released and
+//! the first of them runs it (at most one execution per instance, not one per duplicate).
+//!
+//! [`IdempotencyLayer::max_waiters`]: crate::IdempotencyLayer::max_waiters
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::futures::Notified;
+use tokio::sync::Notify;
+
+use crate::reject::RejectReason;
+use crate::store::{FastMap, Record, ScopeKey, Token};
+
+const SHARDS: usize = 16;
+
+/// The waiters of every scope that has one, shared by every clone of a layer. Only scopes with
+/// a waiter have an entry, so its size is bounded by the waiters themselves.
+#[derive(Debug, Default)]
+pub(crate) struct Waiters {
+    shards: [Mutex<FastMap<ScopeKey, Waiting>>; SHARDS],
+}
+
+/// The waiters of one scope.
+#[derive(Debug, Default)]
+struct Waiting {
+    count: usize,
+    /// Orders the waiters' arrivals and a failure's hand-over (under the shard's lock): a waiter
+    /// takes a failure handed over after it arrived, never one from before.
+    seq: u64,
+    failure: Option<Failure>,
+    notify: Arc<Notify>,
+}
+
+/// A leader's failure, handed to the waiters of its claim.
+#[derive(Debug)]
+struct Failure {
+    token: Token,
+    seq: u64,
+    answer: SharedFailure,
+}
+
+/// What a waiter answers when its leader failed.
+#[derive(Clone, Debug)]
+pub(crate) enum SharedFailure {
+    /// The leader's own answer (a 503, say), as it was.
+    Answer(Arc<Record>),
+    /// A rejection, in the waiter's protocol: the leader's handler panicked
+    /// ([`RejectReason::Internal`], as its own client got), or failed with nothing to share
+    /// (an error, a response that broke off: [`RejectReason::InFlightFailed`]).
+    Reject(RejectReason),
+}
+
+impl Waiters {
+    fn shard(&self, scope: &ScopeKey) -> MutexGuard<'_, FastMap<ScopeKey, Waiting>> {
+        // Every critical section leaves the map consistent: a poisoned lock is still usable.
+        self.shards[usize::from(scope.0[0]) % SHARDS]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A place among the waiters of `scope`, or `None` when `max` already wait.
+    pub(crate) fn enter(self: &Arc<Self>, scope: ScopeKey, max: usize) -> Option<WaiterSlot> {
+        let mut map = self.shard(&scope);
+        let w = map.entry(scope).or_default();
+        if w.count >= max {
+            if w.count == 0 {
+                map.remove(&scope);
+            }
+            return None;
+        }
+        w.count += 1;
+        w.seq += 1;
+        Some(WaiterSlot {
+            waiters: self.clone(),
+            scope,
+            seq: w.seq,
+            notify: w.notify.clone(),
+        })
+    }
+
+    /// Does anybody wait for `scope` now?
+    pub(crate) fn any(&self, scope: &ScopeKey) -> bool {
+        self.shard(scope).contains_key(scope)
+    }
+
+    /// The leader of `scope` (claim `token`) ended with `answer` and no record: the waiters
+    /// already waiting for it take it (and are woken). `answer` is made only if someone waits.
+    pub(crate) fn share_failure(
+        &self,
+        scope: ScopeKey,
+        token: Token,
+        answer: impl FnOnce() -> SharedFailure,
+    ) {
+        let mut map = self.shard(&scope);
+        let Some(w) = map.get_mut(&scope) else {
+            return;
+        };
+        w.seq += 1;
+        w.failure = Some(Failure {
+            token,
+            seq: w.seq,
+            answer: answer(),
+        });
+        w.notify.notify_waiters();
+    }
+
+    /// How many wait for `scope` now.
+    #[cfg(test)]
+    pub(crate) fn count(&self, scope: &ScopeKey) -> usize {
+        self.shard(scope).get(scope).map_or(0, |w| w.count)
+    }
+}
+
+/// One waiter's place; leaving (drop, including cancellation) frees it.
+#[derive(Debug)]
+pub(crate) struct WaiterSlot {
+    waiters: Arc<Waiters>,
+    scope: ScopeKey,
+    /// When it arrived, among its scope's waiters and failures.
+    seq: u64,
+    notify: Arc<Notify>,
+}
+
+impl WaiterSlot {
+    /// Resolves when a failure is handed to this scope's waiters. Enable it (or poll it) before
+    /// checking [`failure`](Self::failure), so a hand-over in between is not missed.
+    pub(crate) fn notified(&self) -> Notified<'_> {
+        self.notify.notified()
+    }
+
+    /// The failure of the claim `token` this waiter waited for, if its leader handed one over
+    /// after this waiter arrived: the waiter answers with it.
+    pub(crate) fn failure(&self, token: Token) -> Option<SharedFailure> {
+        let map = self.waiters.shard(&self.scope);
+        let f = map.get(&self.scope)?.failure.as_ref()?;
+        (f.token == token && f.seq > self.seq).then(|| f.answer.clone())
+    }
+}
+
+impl Drop for WaiterSlot {
+    fn drop(&mut self) {
+        let mut map = self.waiters.shard(&self.scope);
+        if let Some(w) = map.get_mut(&self.scope) {
+            w.count -= 1;
+            if w.count == 0 {
+                map.remove(&self.scope);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use http::{HeaderMap, StatusCode};
+
+    use super::*;
+    use crate::store::Fingerprint;
+
+    fn total(w: &Waiters) -> usize {
+        w.shards.iter().map(|s| s.lock().unwrap().len()).sum()
+    }
+
+    #[test]
+    fn bounded_per_scope_and_freed_on_drop() {
+        let w = Arc::new(Waiters::default());
+        let (a, b) = (ScopeKey([1; 32]), ScopeKey([2; 32]));
+        let slots: Vec<_> = (0..3).map(|_| w.enter(a, 3).expect("a place")).collect();
+        assert!(
+            w.enter(a, 3).is_none(),
+            "the fourth waiter of one scope is refused"
+        );
+        let other = w.enter(b, 3).expect("other scopes are unaffected");
+        assert_eq!(w.count(&a), 3);
+        assert!(w.any(&a) && w.any(&b));
+        drop(slots);
+        assert_eq!(w.count(&a), 0);
+        assert!(!w.any(&a));
+        assert_eq!(total(&w), 1);
+        drop(other);
+        assert_eq!(total(&w), 0);
+        assert!(w.enter(a, 0).is_none(), "max 0: nobody waits");
+        assert_eq!(total(&w), 0);
+    }
+
+    /// A failure goes to the waiters of its claim that arrived before it, and to nobody else;
+    /// with nobody waiting, nothing is kept (and the answer is never made).
+    #[tokio::test]
+    async fn a_failure_goes_to_the_waiters_that_were_waiting_for_it() {
+        let w = Arc::new(Waiters::default());
+        let scope = ScopeKey([3; 32]);
+        let (leader, other) = (Token(1), Token(2));
+        let answer = || {
+            SharedFailure::Answer(Arc::new(Record::new(
+                Fingerprint([0; 32]),
+                StatusCode::SERVICE_UNAVAILABLE,
+                HeaderMap::new(),
+                Bytes::from_static(b"down"),
+            )))
+        };
+        w.share_failure(scope, leader, || panic!("nobody waits: no answer is made"));
+        assert_eq!(total(&w), 0);
+
+        let early = w.enter(scope, 10).unwrap();
+        {
+            let notified = early.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            assert!(early.failure(leader).is_none());
+            w.share_failure(scope, leader, answer);
+            notified.await;
+        }
+        match early.failure(leader).expect("the early waiter takes it") {
+            SharedFailure::Answer(a) => assert_eq!(a.status(), StatusCode::SERVICE_UNAVAILABLE),
+            other => panic!("expected the leader's answer, got {other:?}"),
+        }
+        assert!(early.failure(other).is_none(), "only for its own claim");
+
+        // A request that arrives after the hand-over (the client's own retry) does not take it.
+        let late = w.enter(scope, 10).unwrap();
+        assert!(late.failure(leader).is_none());
+        drop((early, late));
+        assert_eq!(total(&w), 0, "gone with the last waiter");
+    }
+}
