@@ -83,7 +83,7 @@ async fn a_full_tenant_share_answers_503_with_retry_after_and_runs_nothing() {
         "nothing executes when refused"
     );
     assert_eq!(store.stats().refused, 50);
-    assert_eq!(layer.stats().rejected(RejectReason::StoreUnavailable), 50);
+    assert_eq!(layer.stats().rejected(RejectReason::StoreFull), 50);
     // Another tenant still writes.
     for i in 0..50 {
         assert_eq!(
