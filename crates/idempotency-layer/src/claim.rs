@@ -10,7 +10,7 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use crate::config::Config;
-use crate::detached::{self, DetachTo};
+use crate::detached::{self, DetachTo, Kind};
 use crate::observe::{self, Op, StoreKind};
 use crate::shared::Shared;
 use crate::stats::Counters;
@@ -239,6 +239,7 @@ impl Claim {
         Some(DetachTo {
             shared: held.shared.clone(),
             max: held.config.max_detached,
+            kind: Kind::Work,
             lifetime: held.until.map(|until| (held.token, until)),
             what,
         })
@@ -262,7 +263,8 @@ impl Claim {
     }
 
     /// Releases the claim in the background (detached work): the answer need not wait for the
-    /// store, which may be slow or down. Past `max_detached`, the claim lapses with its lease.
+    /// store, which may be slow or down. Past `max_detached` store operations running, the
+    /// claim lapses with its lease.
     pub(crate) fn release_in_background(mut self) {
         self.release_detached();
     }
@@ -270,7 +272,8 @@ impl Claim {
     fn release_detached(&mut self) {
         if let Some((store, held)) = self.held.take() {
             let (shared, max) = (held.shared.clone(), held.config.max_detached);
-            let _ = detached::spawn(&shared, max, "release a claim", store.release(held));
+            let release = store.release(held);
+            let _ = detached::spawn(&shared, max, Kind::StoreOp, "release a claim", release);
         }
     }
 

@@ -2,8 +2,10 @@
 //! left ([`OnDisconnect::Complete`](crate::OnDisconnect::Complete)), a response body read to its
 //! end to record it, a store operation that must not be cut in half, a claim released in the
 //! background. It runs outside any limit of the server (its connection is gone), so the layer
-//! bounds it: at most [`max_detached`](crate::IdempotencyLayer::max_detached) pieces at once,
-//! layer-wide, each also ended at its claim's lifetime by whoever spawns it.
+//! bounds it: at most [`max_detached`](crate::IdempotencyLayer::max_detached) pieces of work
+//! (handlers, bodies) at once, layer-wide, each also ended at its claim's lifetime; and as many
+//! store operations (a record, a release), each bounded by the store's own retries. The two are
+//! counted apart so that a handler cancelled past the bound still has its claim released.
 
 use std::fmt;
 use std::future::Future;
@@ -18,20 +20,31 @@ use crate::claim::BoxFuture;
 use crate::shared::Shared;
 use crate::store::Token;
 
-/// How many pieces of detached work run now, layer-wide.
+/// How much detached work runs now, layer-wide, of each kind.
 #[derive(Debug, Default)]
 pub(crate) struct Detached {
-    running: AtomicUsize,
+    running: [AtomicUsize; 2],
+}
+
+/// What detached work is: each kind has `max_detached` places of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// A handler, or a response body read to its end.
+    Work = 0,
+    /// A claim's store operation: storing a record, releasing a claim.
+    StoreOp = 1,
 }
 
 impl Detached {
+    /// Pieces of detached work of either kind running now.
     pub(crate) fn running(&self) -> usize {
-        self.running.load(Ordering::Relaxed)
+        self.running.iter().map(|r| r.load(Ordering::Relaxed)).sum()
     }
 }
 
-/// One running piece of detached work: its place among the `max_detached`, freed on drop.
-pub(crate) struct DetachedPermit(Arc<Detached>);
+/// One running piece of detached work: its place among the `max_detached` of its kind, freed on
+/// drop.
+pub(crate) struct DetachedPermit(Arc<Detached>, Kind);
 
 impl fmt::Debug for DetachedPermit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -41,18 +54,19 @@ impl fmt::Debug for DetachedPermit {
 
 impl Drop for DetachedPermit {
     fn drop(&mut self) {
-        self.0.running.fetch_sub(1, Ordering::Relaxed);
+        self.0.running[self.1 as usize].fetch_sub(1, Ordering::Relaxed);
     }
 }
 
-/// A place for one more piece of detached work (`what`, for the log), or `None` (counted and
-/// logged) when `max` already run.
+/// A place for one more piece of detached work of `kind` (`what`, for the log), or `None`
+/// (counted and logged) when `max` of its kind already run.
 pub(crate) fn permit(
     shared: &Arc<Shared>,
     max: usize,
+    kind: Kind,
     what: &'static str,
 ) -> Option<DetachedPermit> {
-    let running = &shared.detached.running;
+    let running = &shared.detached.running[kind as usize];
     if running.fetch_add(1, Ordering::Relaxed) >= max {
         running.fetch_sub(1, Ordering::Relaxed);
         shared.counters.detached_refused();
@@ -64,14 +78,15 @@ pub(crate) fn permit(
         );
         return None;
     }
-    Some(DetachedPermit(shared.detached.clone()))
+    Some(DetachedPermit(shared.detached.clone(), kind))
 }
 
-/// Spawns `fut` as detached work (`what`, for the log) if a place is free and a tokio runtime
-/// runs; else hands it back, not started.
+/// Spawns `fut` as detached work of `kind` (`what`, for the log) if a place is free and a tokio
+/// runtime runs; else hands it back, not started.
 pub(crate) fn spawn<F>(
     shared: &Arc<Shared>,
     max: usize,
+    kind: Kind,
     what: &'static str,
     fut: F,
 ) -> Result<(), F>
@@ -85,7 +100,7 @@ where
         );
         return Err(fut);
     };
-    let Some(permit) = permit(shared, max, what) else {
+    let Some(permit) = permit(shared, max, kind, what) else {
         return Err(fut);
     };
     runtime.spawn(async move {
@@ -100,6 +115,7 @@ where
 pub(crate) struct DetachTo {
     pub(crate) shared: Arc<Shared>,
     pub(crate) max: usize,
+    pub(crate) kind: Kind,
     /// The claim this work serves, and the end of its lifetime: the work is cancelled there,
     /// and the claim counted as lapsed.
     pub(crate) lifetime: Option<(Token, Instant)>,
@@ -107,9 +123,11 @@ pub(crate) struct DetachTo {
 }
 
 impl DetachTo {
-    /// Not ended at the claim's lifetime: a store operation, bounded by its own timeouts (a
-    /// record cut off half-way would leave the claim to lapse).
+    /// A store operation: counted apart from handlers and bodies, and not ended at the claim's
+    /// lifetime (it is bounded by its own retries; a record cut off half-way would leave the
+    /// claim to lapse).
     pub(crate) fn store_op(mut self) -> Self {
+        self.kind = Kind::StoreOp;
         self.lifetime = None;
         self
     }
@@ -173,6 +191,7 @@ where
         let DetachTo {
             shared,
             max,
+            kind,
             lifetime,
             what,
         } = to;
@@ -193,6 +212,6 @@ where
             }
         };
         // Refused: dropped here, which cancels it.
-        let _ = spawn(&shared, max, what, bounded);
+        let _ = spawn(&shared, max, kind, what, bounded);
     }
 }

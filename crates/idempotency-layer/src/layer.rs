@@ -132,14 +132,18 @@ impl<St> IdempotencyLayer<St> {
     }
 
     /// The most work the layer keeps running for requests whose client went away, layer-wide
-    /// (default 1024): handlers finished after their client left ([`OnDisconnect::Complete`]),
-    /// response bodies read to their end to record them, and background releases of claims.
-    /// Each piece of it also ends at [`max_claim_lifetime`](Self::max_claim_lifetime).
+    /// (default 1024): handlers finished after their client left ([`OnDisconnect::Complete`])
+    /// and response bodies read to their end to record them, each also ended at
+    /// [`max_claim_lifetime`](Self::max_claim_lifetime); and, counted apart, as many store
+    /// operations finishing in the background (a record whose client left while it was stored,
+    /// a claim released after its failure was answered), each bounded by the store's retries
+    /// within one lease.
     ///
     /// Past the limit (an RST_STREAM flood, say), a handler whose client left is cancelled and
     /// its claim released, as with [`OnDisconnect::Release`]; a response body not yet read to
-    /// its end is recorded without its body if its head is recorded-worthy; a release is left to
-    /// lapse with its lease. Each is counted in [`IdempotencyStats::detached_refused`].
+    /// its end is recorded without its body if its head is recorded-worthy; a store operation is
+    /// not made (its claim lapses with its lease). Each is counted in
+    /// [`IdempotencyStats::detached_refused`].
     pub fn max_detached(self, max: usize) -> Self {
         self.config(|c| c.max_detached = max)
     }

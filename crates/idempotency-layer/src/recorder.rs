@@ -326,7 +326,8 @@ where
                         .recording
                         .claim
                         .detach_to("read a response body to its end");
-                    self.permit = to.and_then(|to| detached::permit(&to.shared, to.max, to.what));
+                    self.permit =
+                        to.and_then(|to| detached::permit(&to.shared, to.max, to.kind, to.what));
                     if self.permit.is_none() {
                         let store = self.recording.broken("no room for detached work");
                         return finish(store, || self.pipe.fail(gone())).await;

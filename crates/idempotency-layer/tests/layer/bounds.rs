@@ -1,0 +1,880 @@
+//! Every wait the server holds has a bound, and every failure mid-response is safe: a stalled
+//! client, a hung handler, a slow request body, a `Buffer` in front of a limit, a response body
+//! that fails, a client that leaves mid-body, detached work, a full or unanswering store, and
+//! settings at their extremes. Over real sockets (HTTP/1.1 and h2) where a transport is
+//! involved, on paused time where time is the subject.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::support::{collect, serve, Collected};
+use axum::body::Body;
+use axum::routing::post;
+use axum::Router;
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body::Frame;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use idempotency_layer::store::{Begin, Fingerprint, Record, ScopeKey, Token};
+use idempotency_layer::{
+    IdempotencyLayer, IdempotencyStore, InFlight, MemoryStore, OnDisconnect, RejectReason,
+    RequestBody, StoreError,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tower::{service_fn, Layer, ServiceBuilder, ServiceExt};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Transport {
+    Http1,
+    Http2,
+}
+
+const TRANSPORTS: [Transport; 2] = [Transport::Http1, Transport::Http2];
+
+type StreamingClient =
+    Client<HttpConnector, http_body_util::combinators::BoxBody<Bytes, std::io::Error>>;
+
+fn client<B>(transport: Transport) -> Client<HttpConnector, B>
+where
+    B: http_body::Body + Send + 'static + Unpin,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let mut b = Client::builder(TokioExecutor::new());
+    if transport == Transport::Http2 {
+        b.http2_only(true);
+    }
+    b.build_http()
+}
+
+fn keyed(addr: SocketAddr, path: &str, key: &str) -> Request<Full<Bytes>> {
+    Request::post(format!("http://{addr}{path}"))
+        .header("x-idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap()
+}
+
+/// Sends `req` and reads the response whole, within 20 s.
+async fn send<B>(client: &Client<HttpConnector, B>, req: Request<B>) -> Collected
+where
+    B: http_body::Body + Send + 'static + Unpin,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let res = tokio::time::timeout(Duration::from_secs(20), client.request(req))
+        .await
+        .expect("an answer within 20 s")
+        .expect("a response");
+    collect(res).await
+}
+
+/// Waits (on real time, at most 20 s) until `cond` holds; panics naming `what` if it never does.
+async fn within_20s(what: &str, mut cond: impl FnMut() -> bool) {
+    for _ in 0..2000 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("never happened within 20 s: {what}");
+}
+
+/// A body of `chunks` chunks of `size` bytes each, made as the server asks for them.
+fn big_body(chunks: usize, size: usize) -> Body {
+    let chunk = Bytes::from(vec![b'x'; size]);
+    Body::from_stream(futures_util::stream::iter(
+        (0..chunks).map(move |_| Ok::<_, Infallible>(chunk.clone())),
+    ))
+}
+
+/// A router whose `/orders` answers 201 with `make()`'s body, counting executions.
+fn orders(executions: &Arc<AtomicUsize>, make: fn() -> Body) -> Router {
+    let executions = executions.clone();
+    Router::new().route(
+        "/orders",
+        post(move || {
+            executions.fetch_add(1, Ordering::SeqCst);
+            async move { (StatusCode::CREATED, make()) }
+        }),
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Item: a slow client does not hold its key.
+
+const STALL_CHUNK: usize = 64 * 1024;
+
+/// A client that reads the head of a large response and nothing of its body (a full
+/// flow-control window, a stalled or half-open peer) does not keep the key in flight: the layer
+/// reads the handler's body to its end by itself and records it, and a retry on another
+/// connection gets the replay, whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_does_not_hold_its_key() {
+    for transport in TRANSPORTS {
+        // HTTP/1.1: more than the socket buffers hold (up to 4 MiB on this kernel, plus hyper's
+        // own); h2: more than the stream's flow-control window the client grants (64 KiB).
+        let chunks = match transport {
+            Transport::Http1 => 128, // 8 MiB
+            Transport::Http2 => 8,   // 512 KiB
+        };
+        let executions = Arc::new(AtomicUsize::new(0));
+        let store = MemoryStore::builder()
+            .shards(1)
+            .max_bytes(64 << 20)
+            .tenant_share_percent(100)
+            .build();
+        let layer = IdempotencyLayer::new(store)
+            .default_tenant("t")
+            .max_record_bytes(16 << 20)
+            .in_flight(InFlight::Reject);
+        let make: fn() -> Body = match transport {
+            Transport::Http1 => || big_body(128, STALL_CHUNK),
+            Transport::Http2 => || big_body(8, STALL_CHUNK),
+        };
+        let addr = serve(orders(&executions, make).layer(layer.clone())).await;
+
+        // The stalled client: the request goes out, the response's body is never read.
+        let stalled = match transport {
+            Transport::Http1 => {
+                let socket = tokio::net::TcpSocket::new_v4().unwrap();
+                socket.set_recv_buffer_size(4096).unwrap();
+                let mut stream = socket.connect(addr).await.unwrap();
+                let request = "POST /orders HTTP/1.1\r\nhost: test\r\nx-idempotency-key: \
+                               order-stalled-1\r\ncontent-type: application/json\r\n\
+                               content-length: 2\r\n\r\n{}";
+                stream.write_all(request.as_bytes()).await.unwrap();
+                let mut head = [0u8; 12];
+                stream.read_exact(&mut head).await.unwrap();
+                assert_eq!(&head, b"HTTP/1.1 201");
+                Box::new(stream) as Box<dyn std::any::Any + Send>
+            }
+            Transport::Http2 => {
+                let client = Client::builder(TokioExecutor::new())
+                    .http2_only(true)
+                    .http2_initial_stream_window_size(65_535)
+                    .http2_initial_connection_window_size(65_535)
+                    .build_http::<Full<Bytes>>();
+                let res = client
+                    .request(keyed(addr, "/orders", "order-stalled-1"))
+                    .await
+                    .unwrap();
+                assert_eq!(res.status(), StatusCode::CREATED);
+                Box::new((client, res)) as Box<dyn std::any::Any + Send>
+            }
+        };
+        within_20s("the record is stored while the client stalls", || {
+            layer.stats().recorded == 1
+        })
+        .await;
+        let retry = send(
+            &client::<Full<Bytes>>(transport),
+            keyed(addr, "/orders", "order-stalled-1"),
+        )
+        .await;
+        assert_eq!(
+            retry.status,
+            StatusCode::CREATED,
+            "{transport:?}: {:?}",
+            retry.headers
+        );
+        assert!(retry.replayed(), "{transport:?}: a replay, not a 409");
+        assert_eq!(retry.body.len(), chunks * STALL_CHUNK, "{transport:?}");
+        assert_eq!(executions.load(Ordering::SeqCst), 1, "{transport:?}");
+        drop(stalled);
+    }
+}
+
+/// A response body that never ends is bounded by the claim's lifetime: its client's stream ends
+/// with an error there, the claim is counted as lapsed, and (its head being a 201) it is recorded
+/// without its body, so the retry gets "executed once" instead of running it again.
+#[tokio::test(start_paused = true)]
+async fn a_response_body_that_never_ends_stops_at_the_claims_lifetime() {
+    let executions = Arc::new(AtomicUsize::new(0));
+    let e = executions.clone();
+    let layer = IdempotencyLayer::default()
+        .default_tenant("t")
+        .max_claim_lifetime(Duration::from_secs(60));
+    let svc = layer.layer(service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
+        e.fetch_add(1, Ordering::SeqCst);
+        let first = futures_util::stream::once(async {
+            Ok::<_, Infallible>(Frame::data(Bytes::from_static(b"first")))
+        });
+        let never = futures_util::stream::pending();
+        let body = StreamBody::new(futures_util::StreamExt::chain(first, never));
+        async move {
+            Ok::<_, Infallible>(
+                Response::builder()
+                    .status(StatusCode::CREATED)
+                    .body(body)
+                    .unwrap(),
+            )
+        }
+    }));
+    let req = || {
+        Request::post("/orders")
+            .header("x-idempotency-key", "order-endless-1")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap()
+    };
+    let res = svc.clone().oneshot(req()).await.unwrap();
+    let read = tokio::spawn(async move { res.into_body().collect().await.map(|_| ()) });
+    let err = tokio::time::timeout(Duration::from_secs(3600), read)
+        .await
+        .expect("the body ends within an hour of virtual time")
+        .unwrap()
+        .expect_err("an endless body ends in an error");
+    assert!(err.to_string().contains("max_claim_lifetime"), "{err}");
+    let m = layer.stats();
+    assert_eq!((m.lapsed, m.recorded), (1, 1));
+    let retry = svc.clone().oneshot(req()).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert_eq!(retry.headers()["idempotent-body-omitted"], "true");
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+}
+
+/// A handler that never answers keeps its key no longer than its lifetime and a lease: its
+/// lease stops being renewed there (counted, logged), and a duplicate then takes the claim over
+/// and runs. Without the bound the lease was renewed for as long as the handler hung, and every
+/// duplicate waited `max_wait` for a 409.
+#[tokio::test(start_paused = true)]
+async fn a_hung_handler_keeps_its_key_no_longer_than_its_lifetime() {
+    let executions = Arc::new(AtomicUsize::new(0));
+    let e = executions.clone();
+    let layer = IdempotencyLayer::default()
+        .default_tenant("t")
+        .max_claim_lifetime(Duration::from_secs(120));
+    let svc = layer.layer(service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
+        let n = e.fetch_add(1, Ordering::SeqCst);
+        async move {
+            if n == 0 {
+                std::future::pending::<()>().await;
+            }
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"done"))))
+        }
+    }));
+    let req = || {
+        Request::post("/orders")
+            .header("x-idempotency-key", "order-hung-0001")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap()
+    };
+    let hung = tokio::spawn(svc.clone().oneshot(req()));
+    // Past the lifetime and one lease (30 s): the claim has lapsed.
+    tokio::time::sleep(Duration::from_secs(120 + 31)).await;
+    assert_eq!(layer.stats().lapsed, 1);
+    let duplicate = svc.clone().oneshot(req()).await.unwrap();
+    let body = duplicate.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "done", "the duplicate took the lapsed claim over");
+    assert_eq!(executions.load(Ordering::SeqCst), 2);
+    assert!(!hung.is_finished());
+    hung.abort();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Item: a write's request body is read with a time limit.
+
+/// A request body that does not arrive is answered 408 with a message naming the setting, and
+/// nothing is claimed or run: over HTTP/1.1 (a slow-loris client that sends its headers and a
+/// few bytes) and h2 (a body that stalls).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_body_that_does_not_arrive_is_408_and_nothing_runs() {
+    let executions = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .default_tenant("t")
+        .request_body_timeout(Duration::from_millis(300));
+    let addr = serve(orders(&executions, Body::empty).layer(layer.clone())).await;
+
+    // HTTP/1.1: 10 of the 100 bytes announced, then nothing.
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = "POST /orders HTTP/1.1\r\nhost: test\r\nx-idempotency-key: order-loris-1\r\n\
+                   content-length: 100\r\n\r\n0123456789";
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(20), stream.read(&mut answer))
+        .await
+        .expect("answered within 20 s")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("request_body_timeout"), "{answer}");
+
+    // h2: one frame of the body, then a stall.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(1);
+    tx.send(Ok(Frame::data(Bytes::from_static(b"{\"sku\":"))))
+        .await
+        .unwrap();
+    let stalled = StreamBody::new(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|f| (f, rx))
+    }))
+    .boxed();
+    let req = Request::post(format!("http://{addr}/orders"))
+        .header("x-idempotency-key", "order-loris-2")
+        .body(stalled)
+        .unwrap();
+    let h2: StreamingClient = client(Transport::Http2);
+    let res = send(&h2, req).await;
+    assert_eq!(res.status, StatusCode::REQUEST_TIMEOUT, "{res:?}");
+    drop(tx);
+
+    assert_eq!(executions.load(Ordering::SeqCst), 0, "nothing ran");
+    let m = layer.stats();
+    assert_eq!(m.rejected(RejectReason::BodyTimeout), 2);
+    assert_eq!(m.executed, 0, "nothing was claimed");
+}
+
+/// The default bound, as it ships: a body that never comes is answered 408 after 30 s.
+#[tokio::test(start_paused = true)]
+async fn by_default_a_request_body_is_awaited_30_seconds() {
+    let svc = IdempotencyLayer::default()
+        .default_tenant("t")
+        .layer(service_fn(|_: Request<RequestBody<Body>>| async {
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+        }));
+    let never = Body::from_stream(futures_util::stream::pending::<Result<Bytes, Infallible>>());
+    let req = Request::post("/orders")
+        .header("x-idempotency-key", "order-never-01")
+        .body(never)
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    let res = tokio::time::timeout(Duration::from_secs(3600), svc.oneshot(req))
+        .await
+        .expect("answered")
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::REQUEST_TIMEOUT);
+    assert_eq!(started.elapsed(), Duration::from_secs(30));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Items: a body that fails at its first poll, or mid-stream, after a recorded head.
+
+/// A body that fails: at its first frame, or after one. The client sees an error (never a clean,
+/// complete answer: over HTTP/1.1 a `Content-Length: 0` would have said the empty body was all
+/// of it), and since its head was a 201 (the handler's side effect happened) the retry gets
+/// "executed once", recorded without its body, instead of running it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_body_that_fails_is_an_error_on_the_wire_and_is_not_run_again() {
+    for transport in TRANSPORTS {
+        for at_once in [true, false] {
+            let case = format!("{transport:?} fails at once: {at_once}");
+            let executions = Arc::new(AtomicUsize::new(0));
+            let make: fn() -> Body = if at_once {
+                || {
+                    Body::from_stream(futures_util::stream::once(async {
+                        Err::<Bytes, _>(std::io::Error::other("the database cursor broke"))
+                    }))
+                }
+            } else {
+                || {
+                    Body::from_stream(futures_util::stream::iter([
+                        Ok(Bytes::from_static(b"part")),
+                        Err(std::io::Error::other("the database cursor broke")),
+                    ]))
+                }
+            };
+            let layer = IdempotencyLayer::new(MemoryStore::new()).default_tenant("t");
+            let addr = serve(orders(&executions, make).layer(layer.clone())).await;
+            let c = client::<Full<Bytes>>(transport);
+            let first = tokio::time::timeout(
+                Duration::from_secs(20),
+                c.request(keyed(addr, "/orders", "order-failing-1")),
+            )
+            .await
+            .expect("an answer within 20 s");
+            let outcome = match first {
+                Ok(res) => res
+                    .into_body()
+                    .collect()
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            assert!(outcome.is_err(), "{case}: the client must see the failure");
+            within_20s("recorded", || layer.stats().recorded == 1).await;
+            let retry = send(&c, keyed(addr, "/orders", "order-failing-1")).await;
+            assert_eq!(retry.status, StatusCode::CREATED, "{case}");
+            assert!(retry.replayed(), "{case}");
+            assert_eq!(retry.headers["idempotent-body-omitted"], "true", "{case}");
+            assert_eq!(executions.load(Ordering::SeqCst), 1, "{case}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Item: a `Buffer` in front and a limit behind.
+
+/// `ServiceBuilder::new().buffer(8).layer(idempotency).concurrency_limit(1)`: every keyed write
+/// is answered, one after another and all at once. The Buffer's worker readies the layer (which
+/// readies the limit, taking its one permit) and keeps that readied service for its next call,
+/// so a write that ran on a clone of its own would wait forever for the permit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_buffer_in_front_and_a_limit_behind_answer_every_write() {
+    let executions = Arc::new(AtomicUsize::new(0));
+    let router = orders(&executions, || Body::from("created"));
+    let svc = ServiceBuilder::new()
+        .layer(axum::error_handling::HandleErrorLayer::new(
+            |e: tower::BoxError| async move { (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()) },
+        ))
+        .buffer(8)
+        .layer(IdempotencyLayer::new(MemoryStore::new()).default_tenant("t"))
+        .concurrency_limit(1)
+        .service(router);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let make = axum::ServiceExt::<Request<Body>>::into_make_service(svc);
+    tokio::spawn(async move { axum::serve(listener, make).await });
+    for transport in TRANSPORTS {
+        let c = client::<Full<Bytes>>(transport);
+        let one_by_one = async {
+            for k in 0..5 {
+                let key = format!("order-buffer-{transport:?}-{k}");
+                let res = send(&c, keyed(addr, "/orders", &key)).await;
+                assert_eq!(res.status, StatusCode::CREATED, "{transport:?}: {res:?}");
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), one_by_one)
+            .await
+            .unwrap_or_else(|_| panic!("{transport:?}: a write was not answered within 5 s"));
+        let at_once = futures_util::future::join_all((0..8).map(|k| {
+            let key = format!("order-buffer-{transport:?}-all-{k}");
+            send(&c, keyed(addr, "/orders", &key))
+        }));
+        let answers = tokio::time::timeout(Duration::from_secs(10), at_once)
+            .await
+            .unwrap_or_else(|_| panic!("{transport:?}: concurrent writes were not answered"));
+        assert!(answers.iter().all(|a| a.status == StatusCode::CREATED));
+    }
+    assert_eq!(executions.load(Ordering::SeqCst), 26);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Items: a client that leaves mid-body; detached work.
+
+/// A body that streams its first frame now and the rest when `gate` opens.
+fn gated_body(gate: Arc<tokio::sync::Semaphore>) -> Body {
+    let first = futures_util::stream::once(async { Ok::<_, Infallible>(Bytes::from("order ")) });
+    let rest = futures_util::stream::once(async move {
+        gate.acquire().await.unwrap().forget();
+        Ok::<_, Infallible>(Bytes::from("created"))
+    });
+    Body::from_stream(futures_util::StreamExt::chain(first, rest))
+}
+
+/// `OnDisconnect::Release` cancels a handler whose client goes away, but once the handler has
+/// answered a recorded head its side effect has happened: a client that leaves mid-body does
+/// not make its retry run it again. The body is read to its end and recorded, and the retry
+/// gets the replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_mode_records_a_response_whose_client_left_mid_body() {
+    for transport in TRANSPORTS {
+        let executions = Arc::new(AtomicUsize::new(0));
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let router = {
+            let (executions, gate) = (executions.clone(), gate.clone());
+            Router::new().route(
+                "/orders",
+                post(move || {
+                    executions.fetch_add(1, Ordering::SeqCst);
+                    let gate = gate.clone();
+                    async move { (StatusCode::CREATED, gated_body(gate)) }
+                }),
+            )
+        };
+        let layer = IdempotencyLayer::new(MemoryStore::new())
+            .default_tenant("t")
+            .on_disconnect(OnDisconnect::Release);
+        let addr = serve(router.layer(layer.clone())).await;
+        {
+            // A client of its own, dropped after the first frame: its stream or connection
+            // closes mid-body.
+            let c = client::<Full<Bytes>>(transport);
+            let res = c
+                .request(keyed(addr, "/orders", "order-left-0001"))
+                .await
+                .unwrap();
+            assert_eq!(res.status(), StatusCode::CREATED);
+            let mut body = res.into_body();
+            let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+            assert_eq!(first, "order ");
+        }
+        gate.add_permits(1);
+        within_20s("recorded", || layer.stats().recorded == 1).await;
+        let retry = send(
+            &client::<Full<Bytes>>(transport),
+            keyed(addr, "/orders", "order-left-0001"),
+        )
+        .await;
+        assert!(retry.replayed(), "{transport:?}");
+        assert_eq!(retry.body, "order created", "{transport:?}");
+        assert_eq!(executions.load(Ordering::SeqCst), 1, "{transport:?}");
+    }
+}
+
+/// Handlers left running after their client went away are bounded layer-wide: with
+/// `max_detached(2)`, of four handlers whose clients leave, two are finished and recorded, and
+/// the two past the bound are cancelled (counted), their keys released to run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn detached_work_is_bounded_layer_wide() {
+    for transport in TRANSPORTS {
+        let started = Arc::new(AtomicUsize::new(0));
+        let cancelled = Arc::new(AtomicUsize::new(0));
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        struct Cancelled(Arc<AtomicUsize>, bool);
+        impl Drop for Cancelled {
+            fn drop(&mut self) {
+                if !self.1 {
+                    self.0.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }
+        let router = {
+            let (started, cancelled, gate) = (started.clone(), cancelled.clone(), gate.clone());
+            Router::new().route(
+                "/orders",
+                post(move || {
+                    let (started, cancelled, gate) =
+                        (started.clone(), cancelled.clone(), gate.clone());
+                    async move {
+                        started.fetch_add(1, Ordering::SeqCst);
+                        let mut guard = Cancelled(cancelled, false);
+                        gate.acquire().await.unwrap().forget();
+                        guard.1 = true;
+                        (StatusCode::CREATED, "created")
+                    }
+                }),
+            )
+        };
+        let layer = IdempotencyLayer::new(MemoryStore::new())
+            .default_tenant("t")
+            .max_detached(2);
+        let addr = serve(router.layer(layer.clone())).await;
+        let clients: Vec<_> = (0..4)
+            .map(|k| {
+                tokio::spawn(async move {
+                    let c = client::<Full<Bytes>>(transport);
+                    send(&c, keyed(addr, "/orders", &format!("order-detached-{k}"))).await
+                })
+            })
+            .collect();
+        within_20s("four handlers run", || started.load(Ordering::SeqCst) == 4).await;
+        for c in clients {
+            c.abort();
+        }
+        within_20s("two are cancelled past the bound", || {
+            cancelled.load(Ordering::SeqCst) == 2
+        })
+        .await;
+        assert_eq!(layer.stats().detached_refused, 2, "{transport:?}");
+        gate.add_permits(4);
+        within_20s("the detached ones are recorded", || {
+            layer.stats().recorded == 2
+        })
+        .await;
+        within_20s("no detached work is left", || layer.stats().detached == 0).await;
+        let c = client::<Full<Bytes>>(transport);
+        let mut replayed = 0;
+        for k in 0..4 {
+            gate.add_permits(1);
+            let retry = send(&c, keyed(addr, "/orders", &format!("order-detached-{k}"))).await;
+            assert_eq!(retry.status, StatusCode::CREATED, "{transport:?}");
+            replayed += usize::from(retry.replayed());
+        }
+        assert_eq!(replayed, 2, "{transport:?}: the finished ones replay");
+        assert_eq!(
+            started.load(Ordering::SeqCst),
+            6,
+            "{transport:?}: the others run again"
+        );
+    }
+}
+
+/// Detached work ends at the claim's lifetime: a handler whose client left and that never
+/// finishes is cancelled there (counted as lapsed), and its key is free again.
+#[tokio::test(start_paused = true)]
+async fn detached_work_ends_at_the_claims_lifetime() {
+    let executions = Arc::new(AtomicUsize::new(0));
+    let cancelled = Arc::new(AtomicUsize::new(0));
+    let (e, c) = (executions.clone(), cancelled.clone());
+    struct Cancelled(Arc<AtomicUsize>);
+    impl Drop for Cancelled {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let layer = IdempotencyLayer::default()
+        .default_tenant("t")
+        .max_claim_lifetime(Duration::from_secs(60));
+    let svc = layer.layer(service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
+        let n = e.fetch_add(1, Ordering::SeqCst);
+        let guard = Cancelled(c.clone());
+        async move {
+            if n == 0 {
+                std::future::pending::<()>().await;
+            }
+            std::mem::forget(guard);
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"done"))))
+        }
+    }));
+    let req = || {
+        Request::post("/orders")
+            .header("x-idempotency-key", "order-detached-hung")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap()
+    };
+    // The client goes away after a second: the handler goes on, detached.
+    let gone = tokio::time::timeout(Duration::from_secs(1), svc.clone().oneshot(req())).await;
+    assert!(gone.is_err());
+    assert_eq!(layer.stats().detached, 1);
+    tokio::time::sleep(Duration::from_secs(61)).await;
+    assert_eq!(
+        cancelled.load(Ordering::SeqCst),
+        1,
+        "cancelled at its lifetime"
+    );
+    let m = layer.stats();
+    assert_eq!((m.detached, m.lapsed), (0, 1));
+    let retry = svc.clone().oneshot(req()).await.unwrap();
+    assert_eq!(
+        retry.into_body().collect().await.unwrap().to_bytes(),
+        "done"
+    );
+    assert_eq!(executions.load(Ordering::SeqCst), 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Items: a full store; a failure's release.
+
+/// A full store is not a store that is down: even with `fail_open`, a write it has no room for
+/// is refused (503, retryable) and never runs without its claim.
+#[tokio::test]
+async fn a_full_store_never_fails_open() {
+    let executions = Arc::new(AtomicUsize::new(0));
+    let store = MemoryStore::builder()
+        .max_entries(1)
+        .shards(1)
+        .tenant_share_percent(100)
+        .build();
+    let layer = IdempotencyLayer::new(store)
+        .default_tenant("t")
+        .fail_open(true);
+    let app = orders(&executions, || Body::from("created")).layer(layer.clone());
+    let call = |key: &'static str| {
+        let app = app.clone();
+        async move {
+            let req = Request::post("/orders")
+                .header("x-idempotency-key", key)
+                .body(Body::from("{}"))
+                .unwrap();
+            collect(app.oneshot(req).await.unwrap()).await
+        }
+    };
+    assert_eq!(call("order-full-0001").await.status, StatusCode::CREATED);
+    let refused = call("order-full-0002").await;
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{refused:?}"
+    );
+    assert!(refused.headers.contains_key("retry-after"));
+    assert_eq!(
+        executions.load(Ordering::SeqCst),
+        1,
+        "nothing ran unprotected"
+    );
+    let m = layer.stats();
+    assert_eq!((m.failed_open, m.rejected(RejectReason::StoreFull)), (0, 1));
+}
+
+/// A store whose `release` never answers (it went away mid-request).
+#[derive(Clone, Default)]
+struct ReleaseHangs(MemoryStore);
+
+impl IdempotencyStore for ReleaseHangs {
+    async fn begin(&self, s: ScopeKey, f: Fingerprint, l: Duration) -> Result<Begin, StoreError> {
+        self.0.begin(s, f, l).await
+    }
+    async fn complete(
+        &self,
+        s: ScopeKey,
+        t: Token,
+        r: Arc<Record>,
+        l: Duration,
+    ) -> Result<(), StoreError> {
+        self.0.complete(s, t, r, l).await
+    }
+    async fn release(&self, _: ScopeKey, _: Token) -> Result<(), StoreError> {
+        std::future::pending().await
+    }
+    async fn renew(&self, s: ScopeKey, t: Token, l: Duration) -> Result<(), StoreError> {
+        self.0.renew(s, t, l).await
+    }
+    async fn wait(&self, s: ScopeKey, t: Token) -> Result<(), StoreError> {
+        self.0.wait(s, t).await
+    }
+    async fn forget(&self, s: ScopeKey) -> Result<bool, StoreError> {
+        self.0.forget(s).await
+    }
+}
+
+/// An outcome that is not recorded (a 503, a handler error, a panic) is answered at once; the
+/// claim is released after, in the background. The store being slow (or gone) does not hold the
+/// answer.
+#[tokio::test(start_paused = true)]
+async fn a_failure_is_answered_before_its_claim_is_released() {
+    let layer = IdempotencyLayer::new(ReleaseHangs::default()).default_tenant("t");
+    let svc = layer.layer(service_fn(
+        |req: Request<RequestBody<Full<Bytes>>>| async move {
+            match req.uri().path() {
+                "/unavailable" => Ok(Response::builder()
+                    .status(StatusCode::SERVICE_UNAVAILABLE)
+                    .body(Full::new(Bytes::from_static(b"try later")))
+                    .unwrap()),
+                "/error" => Err(std::io::Error::other("the handler failed")),
+                _ => panic!("the handler panicked (expected by the test)"),
+            }
+        },
+    ));
+    for path in ["/unavailable", "/error", "/panic"] {
+        let req = Request::post(path)
+            .header("x-idempotency-key", "order-slow-release")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(1), svc.clone().oneshot(req))
+            .await
+            .unwrap_or_else(|_| panic!("{path}: the answer waited for the release"));
+        match path {
+            "/unavailable" => assert_eq!(answer.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE),
+            "/error" => assert!(answer.is_err()),
+            _ => assert_eq!(answer.unwrap().status(), StatusCode::INTERNAL_SERVER_ERROR),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Item: settings at their extremes.
+
+/// A service that answers 201 with a body naming its execution.
+fn counting(
+    executions: &Arc<AtomicUsize>,
+) -> impl tower::Service<
+    Request<RequestBody<Full<Bytes>>>,
+    Response = Response<Full<Bytes>>,
+    Error = Infallible,
+    Future = Pin<Box<dyn Future<Output = Result<Response<Full<Bytes>>, Infallible>> + Send>>,
+> + Clone {
+    let executions = executions.clone();
+    service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
+        let n = executions.fetch_add(1, Ordering::SeqCst) + 1;
+        Box::pin(async move {
+            Ok(Response::builder()
+                .status(StatusCode::CREATED)
+                .body(Full::new(Bytes::from(format!("order {n}"))))
+                .unwrap())
+        }) as Pin<Box<dyn Future<Output = _> + Send>>
+    })
+}
+
+/// Every duration setting at `Duration::MAX` ("keep forever") and at zero, every count at its
+/// extremes: no panic, no overflow, and answers that follow from the setting.
+#[tokio::test(start_paused = true)]
+async fn settings_at_their_extremes_never_panic() {
+    let req = |key: &str| {
+        Request::post("/orders")
+            .header("x-idempotency-key", key)
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap()
+    };
+    let forever = Duration::MAX;
+    let huge = IdempotencyLayer::default()
+        .default_tenant("t")
+        .ttl(forever)
+        .lease(forever)
+        .max_wait(forever)
+        .max_claim_lifetime(forever)
+        .request_body_timeout(forever)
+        .max_waiters(usize::MAX)
+        .max_detached(usize::MAX)
+        .max_request_bytes(usize::MAX)
+        .max_record_bytes(usize::MAX);
+    let executions = Arc::new(AtomicUsize::new(0));
+    let svc = huge.layer(counting(&executions));
+    for _ in 0..2 {
+        let res = svc.clone().oneshot(req("order-extreme-1")).await.unwrap();
+        assert_eq!(res.status(), StatusCode::CREATED);
+    }
+    assert_eq!(
+        executions.load(Ordering::SeqCst),
+        1,
+        "kept forever: replayed"
+    );
+    tokio::time::sleep(Duration::from_secs(365 * 24 * 3600)).await;
+    let res = svc.clone().oneshot(req("order-extreme-1")).await.unwrap();
+    assert_eq!(res.headers()["idempotent-replayed"], "true", "a year later");
+
+    let zero = Duration::ZERO;
+    let tiny = IdempotencyLayer::default()
+        .default_tenant("t")
+        .ttl(zero)
+        .lease(zero)
+        .max_wait(zero)
+        .max_claim_lifetime(zero)
+        .request_body_timeout(zero)
+        .max_waiters(0)
+        .max_detached(0)
+        .max_record_bytes(0);
+    let executions = Arc::new(AtomicUsize::new(0));
+    let svc = tiny.layer(counting(&executions));
+    for _ in 0..2 {
+        // A body at hand is read without waiting; a TTL of zero keeps nothing.
+        let res = svc.clone().oneshot(req("order-extreme-2")).await.unwrap();
+        assert_eq!(res.status(), StatusCode::CREATED);
+    }
+    assert_eq!(
+        executions.load(Ordering::SeqCst),
+        2,
+        "a TTL of zero keeps nothing"
+    );
+    let too_large = tiny
+        .clone()
+        .max_request_bytes(0)
+        .layer(counting(&executions))
+        .oneshot(req("order-extreme-3"))
+        .await
+        .unwrap();
+    assert_eq!(too_large.status(), StatusCode::PAYLOAD_TOO_LARGE);
+
+    // The store itself, called directly with the extremes.
+    let store = MemoryStore::new();
+    let scope = ScopeKey([9; 32]);
+    let Begin::New(token) = store
+        .begin(scope, Fingerprint([1; 32]), forever)
+        .await
+        .unwrap()
+    else {
+        panic!("a new claim");
+    };
+    store.renew(scope, token, forever).await.unwrap();
+    let record = Record::new(
+        Fingerprint([1; 32]),
+        StatusCode::CREATED,
+        http::HeaderMap::new(),
+        Bytes::new(),
+    );
+    store
+        .complete(scope, token, Arc::new(record), forever)
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.begin(scope, Fingerprint([1; 32]), forever).await,
+        Ok(Begin::Completed(_))
+    ));
+}
