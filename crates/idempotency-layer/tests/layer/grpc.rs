@@ -107,10 +107,35 @@ impl Service<http::Request<tonic::body::Body>> for Orders {
             Ok(match req.uri().path() {
                 "/shop.Orders/CreateOrder" => grpc.unary(Create(created), req).await,
                 "/shop.Orders/GetOrder" => grpc.unary(Get, req).await,
+                CHAT => grpc.streaming(tower::service_fn(chat), req).await,
                 _ => Status::unimplemented("no such method").into_http(),
             })
         })
     }
+}
+
+/// `shop.Orders/Chat`, bidirectional: one reply per message, as each message arrives.
+const CHAT: &str = "/shop.Orders/Chat";
+
+type Replies = Pin<Box<dyn futures_util::Stream<Item = Result<Order, Status>> + Send>>;
+
+async fn chat(
+    req: tonic::Request<tonic::Streaming<CreateOrder>>,
+) -> Result<tonic::Response<Replies>, Status> {
+    let replies = futures_util::stream::unfold(req.into_inner(), |mut inbound| async move {
+        match inbound.message().await {
+            Ok(Some(m)) => Some((
+                Ok(Order {
+                    id: "echo".into(),
+                    sku: m.sku,
+                }),
+                inbound,
+            )),
+            Ok(None) => None,
+            Err(e) => Some((Err(e), inbound)),
+        }
+    });
+    Ok(tonic::Response::new(Box::pin(replies) as Replies))
 }
 
 async fn start(layer: IdempotencyLayer) -> (SocketAddr, Orders) {
@@ -389,4 +414,78 @@ async fn health_checks_and_reflection_pass_through_without_a_key() {
         // This test server serves neither: the answer comes from it, not from the layer.
         assert_eq!(err.code(), Code::Unimplemented, "{path}: {err:?}");
     }
+}
+
+/// A bidirectional call whose client waits for a reply before it half-closes: the layer reads a
+/// write's whole request before its handler runs, so undeclared it is answered DEADLINE_EXCEEDED
+/// at `request_body_timeout` (nothing ran), never left hanging; declared with
+/// `streaming_grpc_methods` it passes through and converses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streaming_call_is_bounded_or_passed_through_when_declared() {
+    let open_stream =
+        |key: &str| {
+            let (tx, rx) = tokio::sync::mpsc::channel::<CreateOrder>(4);
+            let outbound = futures_util::stream::unfold(rx, |mut rx| async move {
+                rx.recv().await.map(|m| (m, rx))
+            });
+            let mut req = tonic::Request::new(outbound);
+            req.metadata_mut()
+                .insert("x-idempotency-key", key.parse().unwrap());
+            (tx, req)
+        };
+    let codec = || ProstCodec::<CreateOrder, Order>::default();
+
+    let undeclared = layer().request_body_timeout(std::time::Duration::from_millis(300));
+    let (addr, _) = start(undeclared).await;
+    let mut client = grpc_client(addr).await;
+    let (tx, req) = open_stream("grpc-chat-0001");
+    tx.send(order("b1")).await.unwrap();
+    let answer = tokio::time::timeout(std::time::Duration::from_secs(20), async {
+        client.ready().await.unwrap();
+        let mut replies = client
+            .streaming(req, PathAndQuery::from_static(CHAT), codec())
+            .await?
+            .into_inner();
+        replies.message().await
+    })
+    .await
+    .expect("answered within 20 s, not left hanging");
+    let err = answer.expect_err("the body never ended: DEADLINE_EXCEEDED");
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
+    assert!(
+        err.message().contains("request_body_timeout"),
+        "{}",
+        err.message()
+    );
+    assert!(
+        err.message().contains("streaming_grpc_methods"),
+        "{}",
+        err.message()
+    );
+    drop(tx);
+
+    let declared = layer().streaming_grpc_methods(reason_code::GrpcMethods::new([CHAT]).unwrap());
+    let (addr, _) = start(declared).await;
+    let mut client = grpc_client(addr).await;
+    let (tx, req) = open_stream("grpc-chat-0002");
+    tx.send(order("b1")).await.unwrap();
+    client.ready().await.unwrap();
+    let mut replies = client
+        .streaming(req, PathAndQuery::from_static(CHAT), codec())
+        .await
+        .expect("passed through")
+        .into_inner();
+    let first = tokio::time::timeout(std::time::Duration::from_secs(20), replies.message())
+        .await
+        .expect("a reply while the stream is open")
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.sku, "b1");
+    tx.send(order("b2")).await.unwrap();
+    drop(tx);
+    assert_eq!(replies.message().await.unwrap().unwrap().sku, "b2");
+    assert!(
+        replies.message().await.unwrap().is_none(),
+        "ended with the client's stream"
+    );
 }
