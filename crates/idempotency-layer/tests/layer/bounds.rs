@@ -762,6 +762,8 @@ async fn a_failure_is_answered_before_its_claim_is_released() {
 // ---------------------------------------------------------------------------------------------
 // Item: settings at their extremes.
 
+type Answer = Pin<Box<dyn Future<Output = Result<Response<Full<Bytes>>, Infallible>> + Send>>;
+
 /// A service that answers 201 with a body naming its execution.
 fn counting(
     executions: &Arc<AtomicUsize>,
@@ -769,7 +771,7 @@ fn counting(
     Request<RequestBody<Full<Bytes>>>,
     Response = Response<Full<Bytes>>,
     Error = Infallible,
-    Future = Pin<Box<dyn Future<Output = Result<Response<Full<Bytes>>, Infallible>> + Send>>,
+    Future = Answer,
 > + Clone {
     let executions = executions.clone();
     service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
@@ -779,7 +781,7 @@ fn counting(
                 .status(StatusCode::CREATED)
                 .body(Full::new(Bytes::from(format!("order {n}"))))
                 .unwrap())
-        }) as Pin<Box<dyn Future<Output = _> + Send>>
+        }) as Answer
     })
 }
 
