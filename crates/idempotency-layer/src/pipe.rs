@@ -66,11 +66,11 @@ pub(crate) enum Room {
 }
 
 impl Pipe {
-    /// A pipe for a body with `declared` size hint, `first` already read, letting up to
-    /// `max_record_bytes` wait for the client.
+    /// A pipe for a body with `declared` size hint, the frames `read` already read, letting up
+    /// to `max_record_bytes` wait for the client.
     pub(crate) fn new(
         declared: SizeHint,
-        first: Option<Frame<Bytes>>,
+        read: Vec<Frame<Bytes>>,
         max_record_bytes: usize,
     ) -> Arc<Pipe> {
         let mut state = PipeState {
@@ -83,7 +83,7 @@ impl Pipe {
             writer: None,
             reader_gone: false,
         };
-        if let Some(frame) = first {
+        for frame in read {
             state.push(frame);
         }
         Arc::new(Pipe {
@@ -273,7 +273,7 @@ mod tests {
 
     #[test]
     fn frames_reach_the_reader_in_order_then_the_end() {
-        let pipe = Pipe::new(SizeHint::with_exact(5), Some(data("ab")), 1024);
+        let pipe = Pipe::new(SizeHint::with_exact(5), vec![data("ab")], 1024);
         let mut reader = PipeReader::new(pipe.clone(), None);
         assert_eq!(reader.size_hint().exact(), Some(5));
         pipe.push(data("cd"));
@@ -300,7 +300,7 @@ mod tests {
 
     #[test]
     fn an_error_reaches_the_reader_after_the_frames_before_it() {
-        let pipe = Pipe::new(SizeHint::new(), None, 1024);
+        let pipe = Pipe::new(SizeHint::new(), Vec::new(), 1024);
         let mut reader = PipeReader::new(pipe.clone(), None);
         pipe.push(data("ab"));
         pipe.fail("broken".into());
@@ -318,7 +318,7 @@ mod tests {
 
     #[test]
     fn room_is_bounded_and_the_reader_leaving_is_seen() {
-        let pipe = Pipe::new(SizeHint::new(), None, 0);
+        let pipe = Pipe::new(SizeHint::new(), Vec::new(), 0);
         let mut reader = PipeReader::new(pipe.clone(), None);
         assert!(matches!(pipe.room(&mut cx()), Room::Free));
         pipe.push(Frame::data(Bytes::from(vec![0; MIN_PIPE_BYTES])));

@@ -26,7 +26,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::header::CONTENT_LENGTH;
 use http::{HeaderMap, StatusCode};
 use http_body::{Body, Frame, SizeHint};
@@ -126,29 +126,90 @@ where
                 store: self.ended(),
             };
         }
-        match self.body.as_mut().poll_frame(cx) {
-            Poll::Pending => self.pump(None),
-            Poll::Ready(None) => Started {
-                body: IdempotencyBody::empty(),
-                store: self.ended(),
-            },
-            Poll::Ready(Some(Ok(frame))) => {
-                self.observe(&frame);
-                if !self.is_last(&frame) {
-                    return self.pump(Some(frame));
+        let first = match self.body.as_mut().poll_frame(cx) {
+            Poll::Pending => return self.pump(Vec::new()),
+            Poll::Ready(None) => {
+                return Started {
+                    body: IdempotencyBody::empty(),
+                    store: self.ended(),
                 }
-                let store = self.ended();
-                let body = match frame.into_data() {
-                    Ok(data) => IdempotencyBody::full(data),
-                    Err(frame) => IdempotencyBody::replay(Bytes::new(), frame.into_trailers().ok()),
-                };
-                Started { body, store }
             }
-            Poll::Ready(Some(Err(e))) => Started {
-                store: self.broken("the response body failed at its first frame"),
-                body: IdempotencyBody::failed(e.into()),
-            },
+            Poll::Ready(Some(Ok(frame))) => frame,
+            Poll::Ready(Some(Err(e))) => {
+                return Started {
+                    store: self.broken("the response body failed at its first frame"),
+                    body: IdempotencyBody::failed(e.into()),
+                }
+            }
+        };
+        self.observe(&first);
+        if self.is_last(&first) {
+            return self.whole(vec![first]);
         }
+        // More frames at hand (a gRPC message, then its trailers): a body that ends within a
+        // few polls is answered whole too, with no task of its own.
+        let mut read = vec![first];
+        for _ in 0..AT_HAND_POLLS {
+            match self.body.as_mut().poll_frame(cx) {
+                Poll::Pending => break,
+                Poll::Ready(None) => return self.whole(read),
+                Poll::Ready(Some(Ok(frame))) => {
+                    self.observe(&frame);
+                    let last = self.is_last(&frame);
+                    read.push(frame);
+                    if last {
+                        return self.whole(read);
+                    }
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    // What was read goes out, then the error.
+                    let declared = self.declared(&read);
+                    let store = self.broken("the response body failed");
+                    let pipe = Pipe::new(declared, read, 0);
+                    pipe.fail(e.into());
+                    let body = IdempotencyBody::recorded(PipeReader::new(pipe, None));
+                    return Started { body, store };
+                }
+            }
+        }
+        self.pump(read)
+    }
+
+    /// The body ended with the frames `read`: recorded now, answered as one data frame (the
+    /// frames' bytes, copied only if there are several) and its trailers.
+    fn whole(self, read: Vec<Frame<Bytes>>) -> Started<B> {
+        let store = self.ended();
+        let (mut data, mut more, mut trailers) = (Bytes::new(), None::<BytesMut>, None);
+        for frame in read {
+            match frame.into_data() {
+                Ok(d) => match &mut more {
+                    Some(buf) => buf.extend_from_slice(&d),
+                    None if data.is_empty() => data = d,
+                    None => {
+                        let mut buf = BytesMut::with_capacity(data.len() + d.len());
+                        buf.extend_from_slice(&data);
+                        buf.extend_from_slice(&d);
+                        more = Some(buf);
+                    }
+                },
+                Err(frame) => trailers = frame.into_trailers().ok(),
+            }
+        }
+        let data = more.map_or(data, BytesMut::freeze);
+        Started {
+            body: IdempotencyBody::replay(data, trailers),
+            store,
+        }
+    }
+
+    /// The body's size hint, with the frames `read` already taken from it.
+    fn declared(&self, read: &[Frame<Bytes>]) -> SizeHint {
+        let taken = read
+            .iter()
+            .filter_map(Frame::data_ref)
+            .map(|d| d.len() as u64)
+            .sum();
+        add(self.body.size_hint(), taken)
     }
 
     fn observe(&mut self, frame: &Frame<Bytes>) {
@@ -214,17 +275,11 @@ where
         }
     }
 
-    /// Reads the rest of the body in a task of its own; the client reads from the pipe.
-    fn pump(self, first: Option<Frame<Bytes>>) -> Started<B> {
-        let mut declared = self.body.size_hint();
-        if let Some(n) = first
-            .as_ref()
-            .and_then(Frame::data_ref)
-            .map(|d| d.len() as u64)
-        {
-            declared = add(declared, n);
-        }
-        let pipe = Pipe::new(declared, first, self.config.max_record_bytes);
+    /// Reads the rest of the body in a task of its own; the client reads from the pipe, first
+    /// the frames already `read`.
+    fn pump(self, read: Vec<Frame<Bytes>>) -> Started<B> {
+        let declared = self.declared(&read);
+        let pipe = Pipe::new(declared, read, self.config.max_record_bytes);
         let pump = Box::pin(
             Pump {
                 recording: self,
@@ -247,6 +302,10 @@ where
         }
     }
 }
+
+/// How many more times a body whose first frame was not its last is polled before its head goes
+/// out, while frames are at hand: one that ends within them needs no task of its own.
+const AT_HAND_POLLS: usize = 16;
 
 /// Stores `record` in place of `claim`: an operation that completes even if dropped.
 fn store(claim: Claim, record: crate::store::Record) -> StoreOp {
