@@ -54,7 +54,8 @@
 //!
 //! - **Reads pass through untouched** (GET, HEAD, PUT, DELETE, ... by default: only POST and
 //!   PATCH are writes; for gRPC and gRPC-Web every method is a write except those declared with
-//!   [`idempotent_grpc_methods`](IdempotencyLayer::idempotent_grpc_methods), health checks
+//!   [`idempotent_grpc_methods`](IdempotencyLayer::idempotent_grpc_methods) or
+//!   [`streaming_grpc_methods`](IdempotencyLayer::streaming_grpc_methods), health checks
 //!   (`grpc.health.v1.Health`) and server reflection; or a custom
 //!   [`is_write`](IdempotencyLayer::is_write) predicate).
 //! - **Writes need a key**, `[A-Za-z0-9_-]{8,64}` (a UUID fits), bare or as a quoted
@@ -70,7 +71,9 @@
 //!   FAILED_PRECONDITION and nothing runs. Bodies over
 //!   [`max_request_bytes`](IdempotencyLayer::max_request_bytes) get 413 / RESOURCE_EXHAUSTED
 //!   with the reason code [`REQUEST_TOO_LARGE`](reason_code::REQUEST_TOO_LARGE), which no client
-//!   retries.
+//!   retries; a body that does not arrive within
+//!   [`request_body_timeout`](IdempotencyLayer::request_body_timeout) gets 408 /
+//!   DEADLINE_EXCEEDED. Either way nothing was claimed and nothing ran.
 //! - The **first request** claims the scope in the store (with a lease and a fencing token),
 //!   runs the handler, and streams the response to its client while recording it. Duplicates
 //!   that arrive meanwhile **wait** for it ([`InFlight::Wait`], bounded by their
@@ -79,19 +82,28 @@
 //!   409 / ABORTED with `Retry-After` ([`InFlight::Reject`]). That answer carries the reason code
 //!   [`IDEMPOTENCY_IN_FLIGHT`](reason_code::IDEMPOTENCY_IN_FLIGHT): nothing ran for it, and
 //!   `retry-layer` retries it unchanged after the pushback. A waiter holds none of the inner
-//!   service's capacity (a `ConcurrencyLimit` permit, a `Buffer` slot): only a leader readies
-//!   the inner service. Later duplicates get the **replay**: status, headers, body and trailers
-//!   byte for byte, plus `idempotent-replayed: true`.
-//! - **When the record is stored:** before the response's final frame is handed to the server
-//!   (the last data frame of a body that ends or reaches its Content-Length, the trailers frame,
-//!   or, for an empty body, before the head goes out). hyper stops polling a body once it has
-//!   written its Content-Length or its trailers, and never polls an empty one; so a client that
-//!   has received the whole response and retries always finds the record, in every
-//!   [`OnDisconnect`] mode.
-//! - If the first client goes away, the handler moves to a spawned task, runs to completion and
-//!   its outcome is recorded ([`OnDisconnect::Complete`]; this needs a tokio runtime, which
-//!   axum and tonic servers have). A handler that panics releases the key and answers 500 /
-//!   INTERNAL. If a leader releases, one waiter becomes the leader: waiters never hang.
+//!   service's capacity (a `ConcurrencyLimit` permit, a `Buffer` slot): a write takes the
+//!   service that `poll_ready` readied, and lets it go when it waits. Later duplicates get the
+//!   **replay**: status, headers, body and trailers byte for byte, plus
+//!   `idempotent-replayed: true`.
+//! - **When the record is stored:** when the handler's body ends, and before the response's
+//!   final frame is handed to the server (the last data frame of a body that ends or reaches
+//!   its Content-Length, the trailers frame, or, for an empty body, before the head goes out).
+//!   hyper stops polling a body once it has written its Content-Length or its trailers, and
+//!   never polls an empty one; so a client that has received the whole response and retries
+//!   always finds the record, in every [`OnDisconnect`] mode. A body that is not whole at once
+//!   is read by a task of its own at the handler's pace, not the client's: a slow or stalled
+//!   client does not keep the key in flight.
+//! - If the first client goes away, the handler moves to a detached task, runs to completion
+//!   and its outcome is recorded ([`OnDisconnect::Complete`]; this needs a tokio runtime, which
+//!   axum and tonic servers have), within [`max_detached`](IdempotencyLayer::max_detached) and
+//!   [`max_claim_lifetime`](IdempotencyLayer::max_claim_lifetime). Once the handler has answered
+//!   a head that is recorded, a client leaving mid-body never makes a retry run it again, in
+//!   either mode. A handler that panics releases the key and answers 500 / INTERNAL.
+//! - **A leader that fails** without a record (a 503, an error, a panic) answers at once and
+//!   releases its key in the background; the duplicates that were waiting for it get the same
+//!   failure (one execution for all of them, as in the single-flight pattern), and the key is
+//!   free for the client's next retry, which its retry budget bounds.
 //! - If the store fails, the layer **fails closed**: 503 / UNAVAILABLE with `Retry-After`, and
 //!   nothing executes ([`fail_open`](IdempotencyLayer::fail_open) executes unprotected instead).
 //!
@@ -124,6 +136,24 @@
 //! - **[`default_tenant`](IdempotencyLayer::default_tenant)** for a single-tenant service, and
 //!   **[`tenant_from_header`](IdempotencyLayer::tenant_from_header)** only behind a proxy that
 //!   sets the header itself.
+//!
+//! # How long the layer holds a request
+//!
+//! Every wait has a bound with a default, and reaching it is a clear, classified answer:
+//!
+//! | wait | bound (default) | then |
+//! |---|---|---|
+//! | a write's request body | [`request_body_timeout`](IdempotencyLayer::request_body_timeout) (30 s), or the request's `grpc-timeout` | 408 / DEADLINE_EXCEEDED; nothing claimed, nothing ran |
+//! | a duplicate waiting for the request in flight | [`max_wait`](IdempotencyLayer::max_wait) (30 s), or its `grpc-timeout` | 409 / ABORTED with `IDEMPOTENCY_IN_FLIGHT`, which `retry-layer` retries after the pushback |
+//! | a claim in flight | [`max_claim_lifetime`](IdempotencyLayer::max_claim_lifetime) (5 min), plus one [`lease`](IdempotencyLayer::lease) (30 s) | the lease is no longer renewed and lapses (counted in [`IdempotencyStats::lapsed`], logged); a response body still streaming is ended with an error (recorded without its body after a 2xx head) |
+//! | recording a response | the handler's pace: its body is read to its end by the layer, whatever the client's | a stalled client holds no key |
+//! | work for a client that went away | [`max_detached`](IdempotencyLayer::max_detached) (1024) at once, each ended at `max_claim_lifetime` | past it, the handler is cancelled and its claim released ([`IdempotencyStats::detached_refused`]) |
+//! | a failure's release | answered first, released in the background (as many at once as `max_detached`) | a slow or unreachable store never holds an answer |
+//! | a store operation | the store's own timeouts; a record or release is retried through an outage for at most one lease | 503 / UNAVAILABLE (fail closed) |
+//!
+//! The layer never holds a handler itself past these: a handler that hangs while its client
+//! waits is the server's to bound (tower's `TimeoutLayer`, tonic's `timeout`), and after
+//! `max_claim_lifetime` it no longer holds its key.
 //!
 //! # Failure modes
 //!
@@ -161,7 +191,23 @@
 //!   refused when it wakes.
 //! - **Large responses.** A response over
 //!   [`max_record_bytes`](IdempotencyLayer::max_record_bytes) is replayed without its body
-//!   (`idempotent-body-omitted: true`; ALREADY_EXISTS over gRPC).
+//!   (`idempotent-body-omitted: true`; ALREADY_EXISTS over gRPC). Its client reads it at its
+//!   own pace (the layer keeps no more than `max_record_bytes` of it waiting), so a client that
+//!   stalls holds its key until `max_claim_lifetime`.
+//! - **A response that breaks off** after a head whose outcome is recorded (a 2xx, then a body
+//!   error, a client gone past `max_detached`, or `max_claim_lifetime`): its client sees the
+//!   error, and the record is kept without the body, like a large response: the side effect
+//!   happened, a retry gets "executed once". A gRPC response whose status was to come in its
+//!   trailers has none: it is released, and a retry executes again.
+//! - **A handler that runs longer than `max_claim_lifetime`.** Its lease lapses: a retry after
+//!   that executes it a second time (the first one's late record is refused by its fencing
+//!   token). Set the lifetime above your slowest write.
+//! - **Waiters on other instances.** A leader's failure is handed to the duplicates waiting for
+//!   it in the same process; with a shared store, a duplicate waiting on another instance sees
+//!   the key released and runs it (at most one execution per instance, not per duplicate).
+//! - **Streaming requests.** Client-streaming and bidirectional gRPC methods declared with
+//!   [`streaming_grpc_methods`](IdempotencyLayer::streaming_grpc_methods) pass through without
+//!   deduplication: their handlers must make them idempotent.
 //!
 //! # What is recorded and what is not
 //!
@@ -177,7 +223,8 @@
 //! | 2xx, 3xx (a 303 See Other after a POST is a completed create), gRPC OK | yes | gets the replay |
 //! | 503, 429, 504, 409, 500 (UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, ABORTED, INTERNAL, UNKNOWN), DATA_LOSS | no: the key is released | executes again |
 //! | 400, 401, 403, 404, 412, 501 ... (permanent failures) | only if opted in with `.table(RetryTable::default().record_permanent_failures(true))` | executes again, or gets the recorded failure |
-//! | handler error, panic, body error | no: released | executes again |
+//! | handler error, panic | no: released (its waiters get its failure) | executes again |
+//! | a body error after a recorded head (a 2xx) | yes, without its body | gets "executed once" (`idempotent-body-omitted: true`) |
 //!
 //! The client retries exactly what the server did not record. Responses larger than
 //! [`max_record_bytes`](IdempotencyLayer::max_record_bytes) still reach their first client in
@@ -196,9 +243,11 @@
 //! client's own retry after a timeout. Answering it 409 makes the client retry again and again
 //! until the first one finishes, and a client that gives up never learns the outcome. Waiting
 //! (single-flight) gives it the first request's response as soon as it exists, with no extra
-//! load on the handler. The wait is bounded, and a waiter whose leader released the key (a 503,
-//! a panic) becomes the leader itself. [`InFlight::Reject`] is there for servers that must not
-//! hold connections.
+//! load on the handler. The wait is bounded; a waiter whose leader failed without a record (a
+//! 503, a panic) gets that failure, and its client's retry (under its budget) runs the handler
+//! again, so a failing dependency is hit once per retry, not once per duplicate; a waiter whose
+//! leader's claim lapsed (a crashed instance) becomes the leader itself. [`InFlight::Reject`]
+//! is there for servers that must not hold connections.
 //!
 //! # Choosing a store
 //!
@@ -270,7 +319,8 @@
 //! `DEBUG` span `idempotency_layer.write` with OpenTelemetry's attributes
 //! (`http.request.method` and `url.path`, or `rpc.system = "grpc"` and `rpc.method`) and how it
 //! ended: `idempotency.outcome` = `executed`, `replayed`, `waited` (it waited for the request in
-//! flight, then replayed its record) or `rejected`, with `idempotency.reject_reason`
+//! flight, then replayed its record), `shared_failure` (it waited, and got its leader's
+//! unrecorded failure) or `rejected`, with `idempotency.reject_reason`
 //! ([`RejectReason::as_str`]). Events: `DEBUG` for executions, replays, waits and rejections,
 //! `WARN` for store failures and fail-open executions. With no subscriber enabling `DEBUG` the
 //! span is `Span::none()` and none of its fields is evaluated.
@@ -286,6 +336,9 @@
 //! | `idempotency_layer_records_total` | counter | | records stored |
 //! | `idempotency_layer_releases_total` | counter | | claims released without a record |
 //! | `idempotency_layer_failed_open_total` | counter | | writes executed unprotected (`fail_open`) |
+//! | `idempotency_layer_shared_failures_total` | counter | | duplicates answered with their leader's unrecorded failure |
+//! | `idempotency_layer_lapsed_total` | counter | | claims held past `max_claim_lifetime` (no longer renewed) |
+//! | `idempotency_layer_detached_refused_total` | counter | | detached work not run: `max_detached` already running |
 //! | `idempotency_layer_rejections_total` | counter | `reason` | rejections, by [`RejectReason::as_str`] |
 //! | `idempotency_layer_store_errors_total` | counter | `op`, `store` | failed store operations |
 //! | `idempotency_layer_store_seconds` | histogram | `op`, `store` | store latency, in seconds |
