@@ -184,12 +184,13 @@ where
             _ => TenantKey::of(&tenant),
         };
         // The write takes the service `poll_ready` readied (and the capacity it reserved: a
-        // `ConcurrencyLimit` permit, a `Buffer` slot), leaving a fresh clone for the next call:
-        // a caller that readied this service (a `Buffer`'s worker) may not ready it again for
-        // the next request until this one has its answer, so a write that kept a clone for
-        // itself and left the readied one parked would wait for capacity held by the readied
-        // one. A write that waits for a duplicate in flight lets the readied service go (its
-        // capacity with it) and readies a clone only if it leads later.
+        // `ConcurrencyLimit` permit, a `Buffer` slot), leaving a fresh clone for the next call.
+        // That capacity stays with the readied service until it is called: a write that readied
+        // a clone of its own instead would wait for capacity the readied one holds (with
+        // `buffer(n).layer(..).concurrency_limit(1)`, for ever: the Buffer's worker keeps the
+        // readied service parked until its next request). A write that waits for a duplicate in
+        // flight lets the readied service go (its capacity with it) and readies a clone only if
+        // it leads later.
         let clone = self.inner.clone();
         let write = Write {
             inner: Inner::Ready(std::mem::replace(&mut self.inner, clone)),
