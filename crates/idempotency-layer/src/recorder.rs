@@ -144,7 +144,13 @@ where
         };
         self.observe(&first);
         if self.is_last(&first) {
-            return self.whole(vec![first]);
+            // The common case (a whole body): answered as it is, nothing gathered.
+            let store = self.ended();
+            let body = match first.into_data() {
+                Ok(data) => IdempotencyBody::full(data),
+                Err(frame) => IdempotencyBody::replay(Bytes::new(), frame.into_trailers().ok()),
+            };
+            return Started { body, store };
         }
         // More frames at hand (a gRPC message, then its trailers): a body that ends within a
         // few polls is answered whole too, with no task of its own.

@@ -206,14 +206,12 @@ where
     }
 }
 
-/// `limit`, or the request's own `grpc-timeout` if shorter: a gRPC request's deadline bounds
-/// the reading of its body and its wait for a duplicate.
-fn within(parts: &Parts, limit: Duration) -> Duration {
+/// The request's `grpc-timeout`, if it has a valid one.
+fn grpc_timeout(parts: &Parts) -> Option<Duration> {
     parts
         .headers
         .get(GRPC_TIMEOUT)
         .and_then(|v| parse_grpc_timeout(v).ok())
-        .map_or(limit, |t| t.min(limit))
 }
 
 /// The request's tenant: its [`Tenant`] extension, else what the layer is configured to use.
@@ -330,8 +328,16 @@ where
             let counters = &self.shared.counters;
             let scope = self.scope;
             let kind = StoreKind::of(&*self.store);
-            let arrived = Instant::now();
-            let deadline = arrived.checked_add(within(&parts, cfg.max_wait));
+            // A gRPC request's own deadline bounds the reading of its body and its wait.
+            let (deadline, body_deadline) = {
+                let grpc_timeout = grpc_timeout(&parts);
+                let within = |limit: Duration| grpc_timeout.map_or(limit, |t| t.min(limit));
+                let arrived = Instant::now();
+                (
+                    arrived.checked_add(within(cfg.max_wait)),
+                    arrived.checked_add(within(cfg.request_body_timeout)),
+                )
+            };
 
             let too_large = || {
                 format!(
@@ -346,11 +352,7 @@ where
             if declared.is_some_and(|n| n > cfg.max_request_bytes as u64) {
                 return Ok(self.reject(RejectReason::TooLarge, &too_large()));
             }
-            let read = read_whole(
-                body,
-                cfg.max_request_bytes,
-                arrived.checked_add(within(&parts, cfg.request_body_timeout)),
-            );
+            let read = read_whole(body, cfg.max_request_bytes, body_deadline);
             let bytes = match read.await {
                 Ok(bytes) => bytes,
                 Err(e) if e.is::<LengthLimitError>() => {
@@ -362,7 +364,8 @@ where
                          request_body_timeout, or the request's grpc-timeout); nothing was \
                          executed: send the whole body promptly, or declare streaming gRPC \
                          methods with streaming_grpc_methods",
-                        within(&parts, cfg.request_body_timeout)
+                        grpc_timeout(&parts).map_or(cfg.request_body_timeout, |t| t
+                            .min(cfg.request_body_timeout))
                     );
                     return Ok(self.reject(RejectReason::BodyTimeout, &detail));
                 }
@@ -444,7 +447,12 @@ where
                             ));
                         }
                         if slot.is_none() {
-                            slot = self.shared.waiters.enter(scope, cfg.max_waiters);
+                            // Boxed: only a waiter needs it.
+                            slot = self
+                                .shared
+                                .waiters
+                                .enter(scope, cfg.max_waiters)
+                                .map(Box::new);
                             if slot.is_none() {
                                 return Ok(self.reject(
                                     RejectReason::InFlight,
