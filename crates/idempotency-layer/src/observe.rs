@@ -183,6 +183,10 @@ mod keys {
     pub(super) static LAPSED: Key = Key::from_static_name("idempotency_layer_lapsed_total");
     pub(super) static DETACHED_REFUSED: Key =
         Key::from_static_name("idempotency_layer_detached_refused_total");
+    pub(super) static MEMORY_NEARLY_FULL: Key =
+        Key::from_static_name("idempotency_layer_memory_store_nearly_full_total");
+    pub(super) static MEMORY_EVICTED: Key =
+        Key::from_static_name("idempotency_layer_memory_store_evicted_total");
 
     const fn reason(i: usize) -> [Label; 1] {
         [Label::from_static_parts(
@@ -299,6 +303,10 @@ counter_fns! {
     lapsed => LAPSED;
     /// `idempotency_layer_detached_refused_total`
     detached_refused => DETACHED_REFUSED;
+    /// `idempotency_layer_memory_store_nearly_full_total`
+    memory_store_nearly_full => MEMORY_NEARLY_FULL;
+    /// `idempotency_layer_memory_store_evicted_total`
+    memory_store_evicted => MEMORY_EVICTED;
 }
 
 /// `idempotency_layer_rejections_total{reason}`

@@ -1,8 +1,8 @@
-//! The embedded store: sharded maps in this process.
+//! The embedded store: sharded maps in this process, bounded as a whole.
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -17,6 +17,9 @@ use super::{
 /// How many expired records one operation on a shard removes at most, so cleanup is incremental
 /// and bounded.
 const CLEANUP_PER_OP: usize = 8;
+
+/// How many records from the front of a shard's expiry queue one eviction looks at, at most.
+const EVICTION_SCAN: usize = 256;
 
 /// How many boxes of completed claims a shard keeps for its next claims.
 const SPARE_CLAIMS: usize = 4;
@@ -34,28 +37,34 @@ const HEADER_OVERHEAD: usize = 32;
 /// - **TTL**: records expire after the layer's `ttl`, on [`tokio::time::Instant`] (so paused-time
 ///   tests work). An expired record is ignored at once and removed incrementally: every
 ///   operation on a shard removes up to a few expired records from the front of that shard's
-///   expiry index, so no request scans the whole map; a shard that runs out of room removes
-///   every expired record before it refuses anything.
-/// - **Bounded in entries and in bytes**, and it counts what it holds
-///   ([`stats`](MemoryStore::stats)): each entry costs its record's body, headers and trailers
-///   plus a fixed [overhead](MemoryStore::ENTRY_OVERHEAD). The bounds are split evenly over the
-///   shards.
-/// - **Never drops an unexpired record silently.** When a shard has no room for a new claim,
-///   `begin` answers [`StoreError::Full`] and nothing is claimed: the layer answers 503 /
-///   UNAVAILABLE with `Retry-After`, nothing executes, and the refusal is counted
-///   ([`MemoryStats::refused`]). A record that does not fit when its claim completes (the
-///   handler has already run, so it must be kept) is kept without its body, as for a response
-///   over the layer's `max_record_bytes`: a retry gets the status and headers, never a second
-///   execution; counted in [`MemoryStats::bodies_dropped`] and logged. Only with
-///   [`evict_when_full`](MemoryStoreBuilder::evict_when_full) does a full shard evict records
-///   before their TTL instead (the one nearest expiry of the tenant holding most), counted in
-///   [`MemoryStats::evicted`] and logged. Claims in flight are never evicted.
-/// - **Per-tenant share**: one tenant may hold at most
-///   [`tenant_share_percent`](MemoryStoreBuilder::tenant_share_percent) of the entries and
-///   bytes (default 50 %), so one tenant's flood is refused (or evicts its own records) while
-///   the room left stays for the others. The tenant is the one the layer scoped the key with
-///   ([`IdempotencyStore::begin_for_tenant`]); a service with a single tenant may raise the
-///   share to 100.
+///   expiry index, so no request scans the whole map; a store that needs room removes every
+///   expired record of a shard before it evicts anything there.
+/// - **Bounded in entries and in bytes, as a whole** (not per shard), and it counts what it
+///   holds ([`stats`](MemoryStore::stats)): each entry costs its record's body, headers and
+///   trailers plus a fixed [overhead](MemoryStore::ENTRY_OVERHEAD).
+/// - **A minimum retention.** A record younger than
+///   [`min_retention`](MemoryStoreBuilder::min_retention) (default 1 hour: longer than any
+///   client retries one call) is never dropped before its TTL. When the store is full, records
+///   older than that make room, the oldest first (the nearest expiry of the shard of the new
+///   claim, else of another shard), counted ([`MemoryStats::evicted`]) and logged (at `WARN` at
+///   most once a minute); if there is none, `begin` answers
+///   [`StoreError::Full`] and nothing is claimed: the layer answers 503 / UNAVAILABLE with
+///   `Retry-After`, nothing executes, and the refusal is counted ([`MemoryStats::refused`]). A
+///   record that does not fit when its claim completes (the handler has already run, so it must
+///   be kept) is kept without its body, as for a response over the layer's
+///   `max_record_bytes`: a retry gets the status and headers, never a second execution; counted
+///   in [`MemoryStats::bodies_dropped`] and logged. Claims in flight are never evicted.
+/// - **Per-tenant share, between the tenants present**: while other tenants hold entries, one
+///   tenant may hold at most [`tenant_share_percent`](MemoryStoreBuilder::tenant_share_percent)
+///   of the entries and bytes (default 50 %), so one tenant's flood is refused (or makes room
+///   from its own old records) while the room left stays for the others. A tenant alone in the
+///   store (a single-tenant service) has all of it; a tenant arriving in a store another one
+///   filled gets room as that one's records pass `min_retention` (the first is held to its
+///   share from then on). The tenant is the one the layer scoped the key with
+///   ([`IdempotencyStore::begin_for_tenant`]).
+/// - **A warning when it passes 80 %** of its entries or bytes: logged at `WARN` and counted
+///   ([`MemoryStats::nearly_full`], and `idempotency_layer_memory_store_nearly_full_total` with
+///   the `metrics` feature), once each time it passes (again after it fell below 70 %).
 /// - **Waiters** are woken by a [`tokio::sync::Notify`] per claim, made only when a duplicate
 ///   waits (a claim nobody waits for allocates nothing for waking), not by polling.
 /// - **Tokens** come from a counter per shard, taken under the shard's lock: no counter is
@@ -66,23 +75,28 @@ const HEADER_OVERHEAD: usize = 32;
 ///
 /// # Deploying
 ///
-/// - **Sizing**: it holds about `writes per second x TTL` records. The defaults (100 000
-///   entries, 128 MiB, 50 % per tenant, TTL 24 h) hold about 0.5 new keys per second per
-///   tenant for a day. Size it for your rate (`max_entries`, `max_bytes`), shorten the layer's
-///   [`ttl`](crate::IdempotencyLayer::ttl) to the longest time a client really retries, or use a
-///   shared store. Watch [`MemoryStats::refused`]: a refusal is a 503 your clients retry.
-/// - **Eviction**: off by default (a full store refuses, retryably). Turn it on only if a
-///   second execution of an old key is acceptable to you.
+/// - **Sizing**: the defaults (100 000 entries, 128 MiB, records kept at least an hour) serve a
+///   service writing up to about 25 new keys a second around the clock without a refusal
+///   (100 000 records younger than an hour), with the layer's default 24 h TTL: past 100 000
+///   records the oldest make room, so a retry within the hour always gets its replay and one a
+///   day later may not. Size it for your rate times the longest a client retries
+///   (`max_entries`, `max_bytes`, `min_retention`), or use a shared store to keep every record
+///   for its TTL. Watch [`MemoryStats::refused`] (a refusal is a 503 your clients retry) and
+///   [`MemoryStats::evicted`].
+/// - **Eviction** of records younger than `min_retention` never happens, unless
+///   [`evict_when_full`](MemoryStoreBuilder::evict_when_full) asks for it.
 /// - **Failover, restarts, several instances**: records live in this process only; a restart
 ///   forgets them and instances do not share them. Use `RedisStore` or `PostgresStore` then.
 ///
 /// ```
+/// use std::time::Duration;
 /// use idempotency_layer::MemoryStore;
 ///
 /// let store = MemoryStore::builder()
 ///     .max_entries(10_000)
 ///     .max_bytes(32 << 20)
 ///     .tenant_share_percent(25)
+///     .min_retention(Duration::from_secs(2 * 3600))
 ///     .build();
 /// assert!(store.is_empty());
 /// assert_eq!(store.stats().refused, 0);
@@ -94,27 +108,50 @@ pub struct MemoryStore {
 
 struct Inner {
     shards: Box<[Mutex<Shard>]>,
+    /// What the whole store holds: its bounds are checked against these.
+    entries: AtomicUsize,
+    bytes: AtomicUsize,
+    /// What each tenant holds, store-wide.
+    tenants: Tenants,
     limits: Limits,
+    /// Completion times are kept as whole seconds since this instant.
+    origin: Instant,
     refused: AtomicU64,
     evicted: AtomicU64,
     bodies_dropped: AtomicU64,
+    /// Over 80 % now (cleared below 70 %), and how many times it passed 80 %.
+    nearly_full: AtomicBool,
+    nearly_full_times: AtomicU64,
+    /// When (seconds since `origin`, plus one) an eviction was last logged at `WARN`.
+    eviction_warned: AtomicU64,
 }
 
-/// The bounds of one shard.
+/// The bounds of the store.
 #[derive(Clone, Copy, Debug)]
 struct Limits {
     entries: usize,
     bytes: usize,
+    /// One tenant's bounds while others are present.
     tenant_entries: usize,
     tenant_bytes: usize,
-    evict: bool,
+    /// Records younger than this are never evicted.
+    min_retention: Duration,
 }
 
-/// What one tenant holds in one shard.
-#[derive(Default, Clone, Copy)]
+/// What one tenant holds.
+#[derive(Default, Clone, Copy, Debug)]
 struct Usage {
     entries: usize,
     bytes: usize,
+}
+
+const TENANT_SHARDS: usize = 16;
+
+/// What each tenant holds, store-wide; and how many tenants hold something.
+#[derive(Default)]
+struct Tenants {
+    shards: [Mutex<FastMap<TenantKey, Usage>>; TENANT_SHARDS],
+    present: AtomicUsize,
 }
 
 #[derive(Default)]
@@ -131,10 +168,6 @@ struct Shard {
     expiry: VecDeque<(Instant, ScopeKey)>,
     /// The completed records held: the live elements of `expiry`.
     records: usize,
-    /// The bytes all entries cost.
-    bytes: usize,
-    /// What each tenant holds (tenants holding nothing are removed).
-    tenants: FastMap<TenantKey, Usage>,
     /// The boxes of claims that completed, reused by the next claims (at most
     /// [`SPARE_CLAIMS`]): a first execution then allocates no claim of its own.
     #[expect(
@@ -153,8 +186,11 @@ enum Entry {
         tenant: TenantKey,
         record: Arc<Record>,
         expires: Instant,
-        /// The bytes this entry costs.
-        size: usize,
+        /// The bytes this entry costs (a record is at most 4 GiB: bounded by the layer's
+        /// `max_record_bytes` and this store's `max_bytes`).
+        size: u32,
+        /// When it completed, in whole seconds since the store's origin.
+        completed: u32,
     },
 }
 
@@ -172,7 +208,7 @@ impl Entry {
     fn size(&self) -> usize {
         match self {
             Entry::InFlight(_) => ENTRY_OVERHEAD,
-            Entry::Completed { size, .. } => *size,
+            Entry::Completed { size, .. } => *size as usize,
         }
     }
 
@@ -193,23 +229,29 @@ pub struct MemoryStats {
     /// Bytes the entries cost (records' bodies, headers and trailers plus a fixed overhead
     /// each).
     pub bytes: usize,
-    /// Claims refused because the shard (or the tenant's share of it) was full: each was a
-    /// retryable 503 / UNAVAILABLE and nothing executed.
+    /// Tenants holding at least one entry.
+    pub tenants: usize,
+    /// Claims refused because the store (or the tenant's share of it) was full and no record
+    /// was old enough to make room: each was a retryable 503 / UNAVAILABLE and nothing
+    /// executed.
     pub refused: u64,
-    /// Records evicted before their TTL (only with
+    /// Records evicted before their TTL to make room: older than
+    /// [`min_retention`](MemoryStoreBuilder::min_retention) (any record, with
     /// [`evict_when_full`](MemoryStoreBuilder::evict_when_full)).
     pub evicted: u64,
     /// Records kept without their body because it did not fit.
     pub bodies_dropped: u64,
+    /// Times the store passed 80 % of its entries or bytes.
+    pub nearly_full: u64,
 }
 
 impl fmt::Debug for MemoryStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MemoryStore")
             .field("shards", &self.inner.shards.len())
-            .field("capacity", &self.capacity())
-            .field("max_bytes", &self.max_bytes())
             .field("limits", &self.inner.limits)
+            .field("entries", &self.inner.entries.load(Ordering::Relaxed))
+            .field("bytes", &self.inner.bytes.load(Ordering::Relaxed))
             .finish()
     }
 }
@@ -227,69 +269,85 @@ pub struct MemoryStoreBuilder {
     bytes: usize,
     shards: usize,
     tenant_share: u8,
-    evict: bool,
+    min_retention: Duration,
 }
 
 impl MemoryStoreBuilder {
-    /// The most entries (claims and records) held (default
-    /// [`DEFAULT_CAPACITY`](MemoryStore::DEFAULT_CAPACITY)); at least one per shard.
+    /// The most entries (claims and records) held, store-wide (default
+    /// [`DEFAULT_CAPACITY`](MemoryStore::DEFAULT_CAPACITY)); at least one.
     pub fn max_entries(mut self, entries: usize) -> Self {
         self.entries = entries.max(1);
         self
     }
 
-    /// The most bytes the entries may cost (default
-    /// [`DEFAULT_MAX_BYTES`](MemoryStore::DEFAULT_MAX_BYTES)); at least one entry's overhead
-    /// per shard.
+    /// The most bytes the entries may cost, store-wide (default
+    /// [`DEFAULT_MAX_BYTES`](MemoryStore::DEFAULT_MAX_BYTES)); at least one entry's overhead.
     pub fn max_bytes(mut self, bytes: usize) -> Self {
         self.bytes = bytes.max(ENTRY_OVERHEAD);
         self
     }
 
-    /// The number of shards (default [`DEFAULT_SHARDS`](MemoryStore::DEFAULT_SHARDS)),
-    /// lowered to the entry bound when that is smaller. Each shard gets an even part of both
-    /// bounds.
+    /// The number of shards the entries are spread over (default
+    /// [`DEFAULT_SHARDS`](MemoryStore::DEFAULT_SHARDS)), lowered to the entry bound when that
+    /// is smaller. More shards, less contention between threads; the bounds are the store's,
+    /// whatever the number.
     pub fn shards(mut self, shards: usize) -> Self {
         self.shards = shards.max(1);
         self
     }
 
-    /// The largest share of the entries and bytes one tenant may hold, in percent (default 50,
-    /// clamped to 1..=100). 100 turns the per-tenant bound off (a single-tenant service).
-    /// Claims made with a plain [`begin`](IdempotencyStore::begin) (no tenant known) are bound
-    /// by the store's own bounds only.
+    /// The largest share of the entries and bytes one tenant may hold while other tenants hold
+    /// entries too, in percent (default 50, clamped to 1..=100). A tenant alone in the store has
+    /// all of it; 100 turns the bound off. Claims made with a plain
+    /// [`begin`](IdempotencyStore::begin) (no tenant known) are bound by the store's own bounds
+    /// only.
     pub fn tenant_share_percent(mut self, percent: u8) -> Self {
         self.tenant_share = percent.clamp(1, 100);
         self
     }
 
-    /// When a shard is full, evict records before their TTL (the one nearest expiry of the
-    /// tenant holding most in that shard, counted and logged) instead of refusing new claims.
-    /// Off by default: an evicted record's retry executes again.
-    pub fn evict_when_full(mut self, evict: bool) -> Self {
-        self.evict = evict;
+    /// How long a record is kept at least, whatever the store's room (default
+    /// [`DEFAULT_MIN_RETENTION`](MemoryStore::DEFAULT_MIN_RETENTION), 1 hour; at most the
+    /// record's TTL, which ends it anyway): set it to the longest any of your clients retries a
+    /// call, so a retry always finds its record. When the store is full, records older than
+    /// this make room for new claims, the oldest first, counted and logged; if none is, the
+    /// claim is refused. `Duration::MAX` never evicts.
+    pub fn min_retention(mut self, retention: Duration) -> Self {
+        self.min_retention = retention.min(FOREVER);
         self
+    }
+
+    /// `true`: when the store is full, any record may make room, however young (its retry
+    /// executes again): `min_retention(Duration::ZERO)`. `false`: none ever does, the store
+    /// refuses instead: `min_retention(Duration::MAX)`.
+    pub fn evict_when_full(self, evict: bool) -> Self {
+        self.min_retention(if evict { Duration::ZERO } else { Duration::MAX })
     }
 
     /// The store.
     pub fn build(self) -> MemoryStore {
         let shards = self.shards.clamp(1, self.entries);
-        let entries = self.entries / shards;
-        let bytes = (self.bytes / shards).max(ENTRY_OVERHEAD);
         let share = |n: usize| (n * usize::from(self.tenant_share) / 100).max(1);
         MemoryStore {
             inner: Arc::new(Inner {
                 shards: (0..shards).map(|_| Mutex::default()).collect(),
+                entries: AtomicUsize::new(0),
+                bytes: AtomicUsize::new(0),
+                tenants: Tenants::default(),
                 limits: Limits {
-                    entries,
-                    bytes,
-                    tenant_entries: share(entries),
-                    tenant_bytes: share(bytes).max(ENTRY_OVERHEAD),
-                    evict: self.evict,
+                    entries: self.entries,
+                    bytes: self.bytes,
+                    tenant_entries: share(self.entries),
+                    tenant_bytes: share(self.bytes).max(ENTRY_OVERHEAD),
+                    min_retention: self.min_retention,
                 },
+                origin: Instant::now(),
                 refused: AtomicU64::new(0),
                 evicted: AtomicU64::new(0),
                 bodies_dropped: AtomicU64::new(0),
+                nearly_full: AtomicBool::new(false),
+                nearly_full_times: AtomicU64::new(0),
+                eviction_warned: AtomicU64::new(0),
             }),
         }
     }
@@ -302,8 +360,10 @@ impl MemoryStore {
     pub const DEFAULT_MAX_BYTES: usize = 128 << 20;
     /// The default number of shards.
     pub const DEFAULT_SHARDS: usize = 32;
-    /// The default share of one tenant, in percent.
+    /// The default share of one tenant while others are present, in percent.
     pub const DEFAULT_TENANT_SHARE_PERCENT: u8 = 50;
+    /// The default of [`min_retention`](MemoryStoreBuilder::min_retention): 1 hour.
+    pub const DEFAULT_MIN_RETENTION: Duration = Duration::from_secs(3600);
     /// The bytes each entry is counted for besides its record's body, headers and trailers.
     pub const ENTRY_OVERHEAD: usize = ENTRY_OVERHEAD;
 
@@ -314,15 +374,16 @@ impl MemoryStore {
 
     /// A builder with the defaults: [`DEFAULT_CAPACITY`](Self::DEFAULT_CAPACITY) entries,
     /// [`DEFAULT_MAX_BYTES`](Self::DEFAULT_MAX_BYTES), [`DEFAULT_SHARDS`](Self::DEFAULT_SHARDS)
-    /// shards, [`DEFAULT_TENANT_SHARE_PERCENT`](Self::DEFAULT_TENANT_SHARE_PERCENT) per
-    /// tenant, refusing (not evicting) when full.
+    /// shards, [`DEFAULT_TENANT_SHARE_PERCENT`](Self::DEFAULT_TENANT_SHARE_PERCENT) per tenant
+    /// while others are present, records kept at least
+    /// [`DEFAULT_MIN_RETENTION`](Self::DEFAULT_MIN_RETENTION).
     pub fn builder() -> MemoryStoreBuilder {
         MemoryStoreBuilder {
             entries: Self::DEFAULT_CAPACITY,
             bytes: Self::DEFAULT_MAX_BYTES,
             shards: Self::DEFAULT_SHARDS,
             tenant_share: Self::DEFAULT_TENANT_SHARE_PERCENT,
-            evict: false,
+            min_retention: Self::DEFAULT_MIN_RETENTION,
         }
     }
 
@@ -333,8 +394,7 @@ impl MemoryStore {
     }
 
     /// A store that keeps at most `capacity` entries spread over `shards` shards. Both are
-    /// raised to at least one; the shard count is lowered to the capacity when it is larger, and
-    /// the capacity rounded down to a multiple of the shard count.
+    /// raised to at least one; the shard count is lowered to the capacity when it is larger.
     pub fn with_capacity_and_shards(capacity: usize, shards: usize) -> Self {
         MemoryStore::builder()
             .max_entries(capacity)
@@ -344,18 +404,18 @@ impl MemoryStore {
 
     /// The most entries this store keeps.
     pub fn capacity(&self) -> usize {
-        self.inner.limits.entries * self.inner.shards.len()
+        self.inner.limits.entries
     }
 
     /// The most bytes this store's entries may cost.
     pub fn max_bytes(&self) -> usize {
-        self.inner.limits.bytes * self.inner.shards.len()
+        self.inner.limits.bytes
     }
 
     /// The number of entries held (claims and records, including expired records not yet
     /// removed).
     pub fn len(&self) -> usize {
-        self.inner.shards.iter().map(|s| lock(s).map.len()).sum()
+        self.inner.entries.load(Ordering::Relaxed)
     }
 
     /// True when no entry is held.
@@ -366,18 +426,15 @@ impl MemoryStore {
     /// What the store holds and what it refused, evicted or kept without a body so far
     /// (export these to your metrics).
     pub fn stats(&self) -> MemoryStats {
-        let (mut entries, mut bytes) = (0, 0);
-        for s in self.inner.shards.iter() {
-            let s = lock(s);
-            entries += s.map.len();
-            bytes += s.bytes;
-        }
+        let inner = &*self.inner;
         MemoryStats {
-            entries,
-            bytes,
-            refused: self.inner.refused.load(Ordering::Relaxed),
-            evicted: self.inner.evicted.load(Ordering::Relaxed),
-            bodies_dropped: self.inner.bodies_dropped.load(Ordering::Relaxed),
+            entries: inner.entries.load(Ordering::Relaxed),
+            bytes: inner.bytes.load(Ordering::Relaxed),
+            tenants: inner.tenants.present.load(Ordering::Relaxed),
+            refused: inner.refused.load(Ordering::Relaxed),
+            evicted: inner.evicted.load(Ordering::Relaxed),
+            bodies_dropped: inner.bodies_dropped.load(Ordering::Relaxed),
+            nearly_full: inner.nearly_full_times.load(Ordering::Relaxed),
         }
     }
 
@@ -385,11 +442,33 @@ impl MemoryStore {
         self.shard_at(scope).1
     }
 
-    fn shard_at(&self, scope: &ScopeKey) -> (usize, MutexGuard<'_, Shard>) {
+    fn shard_index(&self, scope: &ScopeKey) -> usize {
         let mut b = [0u8; 8];
         b.copy_from_slice(&scope.0[..8]);
-        let i = (u64::from_le_bytes(b) % self.inner.shards.len() as u64) as usize;
+        (u64::from_le_bytes(b) % self.inner.shards.len() as u64) as usize
+    }
+
+    fn shard_at(&self, scope: &ScopeKey) -> (usize, MutexGuard<'_, Shard>) {
+        let i = self.shard_index(scope);
         (i, lock(&self.inner.shards[i]))
+    }
+
+    /// Evicts one record (as [`Shard::evict_one`]) from a shard other than `held`'s, whose lock
+    /// the caller holds: the bounds are the store's, and the shard a claim lands in may hold no
+    /// record old enough while another does. Shards busy now are skipped (waiting for one while
+    /// holding another could deadlock).
+    fn evict_elsewhere(&self, held: usize, now: Instant, tenant: TenantKey, why: NoRoom) -> bool {
+        let shards = &self.inner.shards;
+        (1..shards.len()).any(|k| {
+            let other = &shards[(held + k) % shards.len()];
+            match other.try_lock() {
+                Ok(mut shard) => shard.evict_one(&self.inner, now, tenant, why),
+                Err(std::sync::TryLockError::Poisoned(e)) => {
+                    e.into_inner().evict_one(&self.inner, now, tenant, why)
+                }
+                Err(std::sync::TryLockError::WouldBlock) => false,
+            }
+        })
     }
 }
 
@@ -419,23 +498,172 @@ impl Drop for Wake {
     }
 }
 
-/// The tenant of the completed record `map` holds for `scope` if it expires at `at`: then the
-/// expiry queue's element `(at, scope)` is that record's, not a stale one. (Two elements can
-/// match only if the scope completed twice with the same expiry: either one removes it when
-/// due.)
-fn live_record(map: &FastMap<ScopeKey, Entry>, at: Instant, scope: &ScopeKey) -> Option<TenantKey> {
+/// The completed record `map` holds for `scope` if it expires at `at`: then the expiry queue's
+/// element `(at, scope)` is that record's, not a stale one (its tenant and completion time).
+/// (Two elements can match only if the scope completed twice with the same expiry: either one
+/// removes it when due.)
+fn live_record(
+    map: &FastMap<ScopeKey, Entry>,
+    at: Instant,
+    scope: &ScopeKey,
+) -> Option<(TenantKey, u32)> {
     match map.get(scope) {
         Some(Entry::Completed {
-            expires, tenant, ..
-        }) if *expires == at => Some(*tenant),
+            expires,
+            tenant,
+            completed,
+            ..
+        }) if *expires == at => Some((*tenant, *completed)),
         _ => None,
     }
 }
 
 /// Locks a shard; a poisoned lock is still usable (every critical section leaves the map
 /// consistent before it can panic).
-fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Why there was no room.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum NoRoom {
+    /// The store is full.
+    Store,
+    /// The tenant holds its share, and other tenants are present.
+    TenantShare,
+}
+
+impl Inner {
+    /// Seconds since the store's origin, now.
+    fn secs(&self, now: Instant) -> u32 {
+        u32::try_from(now.saturating_duration_since(self.origin).as_secs()).unwrap_or(u32::MAX)
+    }
+
+    /// Charges `tenant` `entries` more entries and `bytes` more bytes if the tenant's share and
+    /// the store's bounds allow it (the share is checked first: a tenant over it makes room
+    /// from its own records only).
+    fn reserve(&self, tenant: TenantKey, entries: usize, bytes: usize) -> Result<(), NoRoom> {
+        let limits = &self.limits;
+        let known = tenant != TenantKey::default();
+        let mut tenants = known.then(|| self.tenants.shard(tenant));
+        if let Some(map) = &tenants {
+            let u = map.get(&tenant).copied().unwrap_or_default();
+            let others = self.tenants.present.load(Ordering::Relaxed) - usize::from(u.entries > 0);
+            if others > 0
+                && (u.entries + entries > limits.tenant_entries
+                    || u.bytes + bytes > limits.tenant_bytes)
+            {
+                return Err(NoRoom::TenantShare);
+            }
+        }
+        if self.entries.fetch_add(entries, Ordering::Relaxed) + entries > limits.entries {
+            self.entries.fetch_sub(entries, Ordering::Relaxed);
+            return Err(NoRoom::Store);
+        }
+        if self.bytes.fetch_add(bytes, Ordering::Relaxed) + bytes > limits.bytes {
+            self.entries.fetch_sub(entries, Ordering::Relaxed);
+            self.bytes.fetch_sub(bytes, Ordering::Relaxed);
+            return Err(NoRoom::Store);
+        }
+        if let Some(map) = &mut tenants {
+            let u = map.entry(tenant).or_default();
+            if u.entries == 0 && entries > 0 {
+                self.tenants.present.fetch_add(1, Ordering::Relaxed);
+            }
+            u.entries += entries;
+            u.bytes += bytes;
+        }
+        drop(tenants);
+        self.watch_fill();
+        Ok(())
+    }
+
+    /// Charges `tenant` `bytes` more bytes whatever the bounds (a record kept without its body
+    /// must be kept).
+    fn force(&self, tenant: TenantKey, bytes: usize) {
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        if tenant != TenantKey::default() {
+            self.tenants.shard(tenant).entry(tenant).or_default().bytes += bytes;
+        }
+        self.watch_fill();
+    }
+
+    /// Gives back what an entry of `tenant` cost.
+    fn refund(&self, tenant: TenantKey, entries: usize, bytes: usize) {
+        self.entries.fetch_sub(entries, Ordering::Relaxed);
+        self.bytes.fetch_sub(bytes, Ordering::Relaxed);
+        if tenant != TenantKey::default() {
+            let mut map = self.tenants.shard(tenant);
+            if let Some(u) = map.get_mut(&tenant) {
+                u.entries -= entries;
+                u.bytes -= bytes;
+                if u.entries == 0 {
+                    map.remove(&tenant);
+                    self.tenants.present.fetch_sub(1, Ordering::Relaxed);
+                }
+            }
+        }
+        if self.nearly_full.load(Ordering::Relaxed) && !self.over_percent(70) {
+            self.nearly_full.store(false, Ordering::Relaxed);
+        }
+    }
+
+    fn over_percent(&self, percent: usize) -> bool {
+        let limits = &self.limits;
+        self.entries.load(Ordering::Relaxed) * 100 >= limits.entries * percent
+            || self.bytes.load(Ordering::Relaxed) * 100 >= limits.bytes * percent
+    }
+
+    /// Warns (once each time) when the store passes 80 % of its entries or bytes.
+    fn watch_fill(&self) {
+        if self.nearly_full.load(Ordering::Relaxed) || !self.over_percent(80) {
+            return;
+        }
+        if !self.nearly_full.swap(true, Ordering::Relaxed) {
+            self.nearly_full_times.fetch_add(1, Ordering::Relaxed);
+            crate::observe::memory_store_nearly_full();
+            tracing::warn!(
+                entries = self.entries.load(Ordering::Relaxed),
+                max_entries = self.limits.entries,
+                bytes = self.bytes.load(Ordering::Relaxed),
+                max_bytes = self.limits.bytes,
+                "idempotency: the memory store passed 80 % of its bounds; when full, records \
+                 older than min_retention make room and younger ones refuse new claims: raise \
+                 max_entries / max_bytes, or use a shared store"
+            );
+        }
+    }
+
+    /// Logs an eviction: at `WARN` at most once a minute, else at `DEBUG`.
+    fn log_eviction(&self, now: Instant, scope: &ScopeKey) {
+        let at = u64::from(self.secs(now)) + 1;
+        let last = self.eviction_warned.load(Ordering::Relaxed);
+        if (last == 0 || at >= last + 60)
+            && self
+                .eviction_warned
+                .compare_exchange(last, at, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(
+                ?scope,
+                evicted = self.evicted.load(Ordering::Relaxed),
+                "idempotency: memory store full; records older than min_retention make room \
+                 (a retry of an evicted key executes again): raise max_entries / max_bytes if \
+                 your clients retry that late"
+            );
+        } else {
+            tracing::debug!(
+                ?scope,
+                "idempotency: memory store full; evicted an old record"
+            );
+        }
+    }
+}
+
+impl Tenants {
+    fn shard(&self, tenant: TenantKey) -> MutexGuard<'_, FastMap<TenantKey, Usage>> {
+        lock(&self.shards[(tenant.0 % TENANT_SHARDS as u64) as usize])
+    }
 }
 
 impl Shard {
@@ -445,49 +673,17 @@ impl Shard {
         Token((u128::from(self.next) << 64) | shard as u128)
     }
 
-    fn charge(&mut self, tenant: TenantKey, entries: usize, bytes: usize) {
-        self.bytes += bytes;
-        let u = self.tenants.entry(tenant).or_default();
-        u.entries += entries;
-        u.bytes += bytes;
-    }
-
-    fn refund(&mut self, tenant: TenantKey, entries: usize, bytes: usize) {
-        self.bytes -= bytes;
-        if let Some(u) = self.tenants.get_mut(&tenant) {
-            u.entries -= entries;
-            u.bytes -= bytes;
-            if u.entries == 0 {
-                self.tenants.remove(&tenant);
-            }
-        }
-    }
-
-    fn usage(&self, tenant: TenantKey) -> Usage {
-        self.tenants.get(&tenant).copied().unwrap_or_default()
-    }
-
-    /// Holds `entry` for `scope` (which holds nothing now), charging its tenant.
-    fn insert(&mut self, scope: ScopeKey, entry: Entry) {
-        self.charge(entry.tenant(), 1, entry.size());
-        if let Entry::Completed { expires, .. } = &entry {
-            self.records += 1;
-            self.push_expiry(*expires, scope);
-        }
-        self.map.insert(scope, entry);
-    }
-
-    /// Replaces the claim `scope` holds (checked by the caller) by its record, in its slot: one
-    /// lookup, and the tenant charged the difference, where a removal and an insertion would
-    /// hash the scope twice more and refund then charge the tenant. The claim's box is kept for
-    /// a next claim; returns its waiters, whose drop wakes them (`None`, and nothing changed, if
-    /// `scope` holds no claim).
+    /// Replaces the claim `scope` holds (checked by the caller, and charged the record's size
+    /// by it) by its record, in its slot: one lookup, where a removal and an insertion would
+    /// hash the scope twice more. The claim's box is kept for a next claim; returns its
+    /// waiters, whose drop wakes them (`None`, and nothing changed, if `scope` holds no claim).
     fn complete_claim(
         &mut self,
         scope: &ScopeKey,
         record: Arc<Record>,
         expires: Instant,
         size: usize,
+        completed: u32,
     ) -> Option<Wake> {
         let slot = self.map.get_mut(scope)?;
         let Entry::InFlight(claim) = slot else {
@@ -499,17 +695,13 @@ impl Shard {
             tenant,
             record,
             expires,
-            size,
+            size: u32::try_from(size).unwrap_or(u32::MAX),
+            completed,
         };
         if let Entry::InFlight(claim) = std::mem::replace(slot, completed) {
             if self.spare.len() < SPARE_CLAIMS {
                 self.spare.push(claim);
             }
-        }
-        // The claim was charged one entry of `ENTRY_OVERHEAD` bytes; the record costs `size`.
-        self.bytes = self.bytes + size - ENTRY_OVERHEAD;
-        if let Some(u) = self.tenants.get_mut(&tenant) {
-            u.bytes = u.bytes + size - ENTRY_OVERHEAD;
         }
         self.records += 1;
         self.push_expiry(expires, *scope);
@@ -517,13 +709,13 @@ impl Shard {
     }
 
     /// Removes what `scope` holds, refunding its tenant.
-    fn remove(&mut self, scope: &ScopeKey) -> Option<Entry> {
+    fn remove(&mut self, inner: &Inner, scope: &ScopeKey) -> Option<Entry> {
         let entry = self.map.remove(scope)?;
         if let Entry::Completed { .. } = &entry {
             // Its element in `expiry` stays, stale, until it is popped or compacted away.
             self.records -= 1;
         }
-        self.refund(entry.tenant(), 1, entry.size());
+        inner.refund(entry.tenant(), 1, entry.size());
         Some(entry)
     }
 
@@ -553,13 +745,13 @@ impl Shard {
 
     /// Removes up to `n` expired records (or stale elements) from the front of the expiry
     /// queue.
-    fn clean(&mut self, now: Instant, n: usize) {
+    fn clean(&mut self, inner: &Inner, now: Instant, n: usize) {
         for _ in 0..n {
             match self.expiry.front() {
                 Some(&(at, scope)) if at <= now => {
                     self.expiry.pop_front();
                     if live_record(&self.map, at, &scope).is_some() {
-                        self.remove(&scope);
+                        self.remove(inner, &scope);
                     }
                 }
                 _ => break,
@@ -567,90 +759,45 @@ impl Shard {
         }
     }
 
-    /// The records in expiry order, nearest first.
-    fn records_by_expiry(&self) -> impl Iterator<Item = (ScopeKey, TenantKey)> + '_ {
-        self.expiry
-            .iter()
-            .filter_map(|(at, s)| Some((*s, live_record(&self.map, *at, s)?)))
-    }
-
-    /// True when `tenant` may add an entry of `bytes` (to a shard already holding it, if
-    /// `replacing` frees one of its entries of `freed` bytes).
-    fn fits(&self, limits: &Limits, tenant: TenantKey, bytes: usize, freed: Option<usize>) -> bool {
-        let (entries, freed) = match freed {
-            Some(f) => (0, f),
-            None => (1, 0),
-        };
-        let u = self.usage(tenant);
-        // No tenant known (a direct `begin`): only the store's own bounds apply.
-        let shared = tenant == TenantKey::default();
-        self.map.len() + entries <= limits.entries
-            && self.bytes + bytes <= limits.bytes + freed
-            && (shared
-                || u.entries + entries <= limits.tenant_entries
-                    && u.bytes + bytes <= limits.tenant_bytes + freed)
-    }
-
-    /// Evicts one record before its TTL to make room for `tenant`: its own nearest expiry when
-    /// it is over its share, else the nearest expiry of the tenant holding most bytes. False
-    /// when there is no record to evict (everything is in flight).
-    fn evict_one(&mut self, limits: &Limits, tenant: TenantKey) -> bool {
-        let u = self.usage(tenant);
-        let over_share = tenant != TenantKey::default()
-            && (u.entries >= limits.tenant_entries
-                || u.bytes + ENTRY_OVERHEAD > limits.tenant_bytes);
-        let victim_tenant = if over_share {
-            tenant
-        } else {
-            match self.tenants.iter().max_by_key(|(_, u)| u.bytes) {
-                Some((t, _)) => *t,
-                None => return false,
-            }
-        };
-        let own = self
-            .records_by_expiry()
-            .find(|(_, t)| *t == victim_tenant)
-            .map(|(s, _)| s);
-        // A tenant over its share evicts only its own records; one within its share is owed
-        // room, from whoever holds a record.
-        let victim = match own {
-            None if !over_share => self.records_by_expiry().next().map(|(s, _)| s),
-            v => v,
-        };
-        match victim {
-            Some(scope) => {
-                self.remove(&scope);
-                tracing::warn!(
-                    ?scope,
-                    "idempotency: memory store full; evicted a record before its TTL \
-                     (evict_when_full): a retry of its key executes again"
-                );
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// Makes room for a new claim of `tenant`; false (nothing changed but expired records
-    /// removed) when there is none.
-    fn make_room(
-        &mut self,
-        now: Instant,
-        limits: &Limits,
-        tenant: TenantKey,
-        evicted: &AtomicU64,
-    ) -> bool {
-        if self.fits(limits, tenant, ENTRY_OVERHEAD, None) {
+    /// Makes room for `tenant`: removes this shard's expired records, if any; else evicts one
+    /// record before its TTL: the nearest expiry (the oldest, with one TTL) among the records
+    /// older than the minimum retention, of `tenant` itself when it is over its share. False
+    /// when there is none.
+    fn evict_one(&mut self, inner: &Inner, now: Instant, tenant: TenantKey, why: NoRoom) -> bool {
+        let records = self.records;
+        self.clean(inner, now, usize::MAX);
+        if self.records < records {
             return true;
         }
-        // Out of room: every expired record goes first.
-        self.clean(now, usize::MAX);
-        while !self.fits(limits, tenant, ENTRY_OVERHEAD, None) {
-            if !limits.evict || !self.evict_one(limits, tenant) {
-                return false;
+        let retention = inner.limits.min_retention;
+        let now_secs = inner.secs(now);
+        let old_enough = |completed: u32| {
+            Duration::from_secs(u64::from(now_secs.saturating_sub(completed))) >= retention
+        };
+        // The elements of records evicted (or forgotten) before are dropped from the front, so
+        // the scan below sees records.
+        while let Some(&(at, s)) = self.expiry.front() {
+            if live_record(&self.map, at, &s).is_some() {
+                break;
             }
-            evicted.fetch_add(1, Ordering::Relaxed);
+            self.expiry.pop_front();
         }
+        let victim = self
+            .expiry
+            .iter()
+            .take(EVICTION_SCAN)
+            .filter_map(|(at, s)| Some((*s, live_record(&self.map, *at, s)?)))
+            .find(|(_, (t, completed))| {
+                old_enough(*completed) && (why == NoRoom::Store || *t == tenant)
+            })
+            .map(|(s, _)| s);
+        let Some(scope) = victim else {
+            return false;
+        };
+        self.remove(inner, &scope);
+        inner.evicted.fetch_add(1, Ordering::Relaxed);
+        crate::observe::memory_store_evicted();
+        inner.log_eviction(now, &scope);
         true
     }
 
@@ -679,9 +826,9 @@ impl IdempotencyStore for MemoryStore {
         lease: Duration,
     ) -> Result<Begin, StoreError> {
         let now = Instant::now();
-        let limits = self.inner.limits;
+        let inner = &*self.inner;
         let (index, mut shard) = self.shard_at(&scope);
-        shard.clean(now, CLEANUP_PER_OP);
+        shard.clean(inner, now, CLEANUP_PER_OP);
         match shard.map.get(&scope) {
             Some(Entry::Completed {
                 record, expires, ..
@@ -695,18 +842,24 @@ impl IdempotencyStore for MemoryStore {
             // Expired record or lapsed lease: take the scope over (dropping the old entry wakes
             // its waiters; the old leader is fenced). The tenant's room for it is freed with it.
             Some(_) => {
-                shard.remove(&scope);
+                shard.remove(inner, &scope);
             }
-            None => {
-                if !shard.make_room(now, &limits, tenant, &self.inner.evicted) {
-                    self.inner.refused.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(
-                        ?scope,
-                        "idempotency: memory store (or this tenant's share of it) is full; \
-                         claim refused, nothing executes"
-                    );
-                    return Err(StoreError::Full);
-                }
+            None => {}
+        }
+        while let Err(why) = inner.reserve(tenant, 1, ENTRY_OVERHEAD) {
+            // Out of room: expired records go first, then records past the minimum retention,
+            // in this shard, then in the others.
+            if !shard.evict_one(inner, now, tenant, why)
+                && !self.evict_elsewhere(index, now, tenant, why)
+            {
+                inner.refused.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(
+                    ?scope,
+                    ?why,
+                    "idempotency: memory store (or this tenant's share of it) is full and no \
+                     record is past min_retention; claim refused, nothing executes"
+                );
+                return Err(StoreError::Full);
             }
         }
         let token = shard.token(index);
@@ -724,7 +877,7 @@ impl IdempotencyStore for MemoryStore {
             }
             None => Box::new(claim),
         };
-        shard.insert(scope, Entry::InFlight(claim));
+        shard.map.insert(scope, Entry::InFlight(claim));
         Ok(Begin::New(token))
     }
 
@@ -736,45 +889,51 @@ impl IdempotencyStore for MemoryStore {
         ttl: Duration,
     ) -> Result<(), StoreError> {
         let now = Instant::now();
-        let limits = self.inner.limits;
+        let inner = &*self.inner;
         let mut shard = self.shard(&scope);
+        let index = self.shard_index(&scope);
         let tenant = match shard.map.get(&scope) {
             Some(Entry::InFlight(claim)) if claim.token == token => claim.tenant,
             _ => return Err(StoreError::Fenced),
         };
-        // The handler has run: the record is kept whatever happens, in full if it fits.
+        // The handler has run: the record is kept whatever happens, in full if it fits. The
+        // claim was charged one entry of `ENTRY_OVERHEAD` bytes; the record costs `size`.
         let mut size = record_size(&record);
-        if !shard.fits(&limits, tenant, size, Some(ENTRY_OVERHEAD)) {
-            shard.clean(now, usize::MAX);
-            while limits.evict
-                && !shard.fits(&limits, tenant, size, Some(ENTRY_OVERHEAD))
-                && shard.evict_one(&limits, tenant)
+        while let Err(why) = inner.reserve(tenant, 0, size - ENTRY_OVERHEAD) {
+            if shard.evict_one(inner, now, tenant, why)
+                || self.evict_elsewhere(index, now, tenant, why)
             {
-                self.inner.evicted.fetch_add(1, Ordering::Relaxed);
+                continue;
             }
-            if !shard.fits(&limits, tenant, size, Some(ENTRY_OVERHEAD)) && !record.body.is_empty() {
+            if !record.body.is_empty() {
                 tracing::warn!(
                     ?scope,
                     body_bytes = record.body.len(),
                     "idempotency: memory store (or this tenant's share of it) has no room for \
                      this response body; recorded without it (a retry gets status and headers)"
                 );
-                self.inner.bodies_dropped.fetch_add(1, Ordering::Relaxed);
+                inner.bodies_dropped.fetch_add(1, Ordering::Relaxed);
                 // Rare: the copy without its body (the caller may hold the record to retry).
                 let trimmed = Arc::make_mut(&mut record);
                 trimmed.body = bytes::Bytes::new();
                 trimmed.body_omitted = true;
-                size = record_size(&record);
             }
+            size = record_size(&record);
+            inner.force(tenant, size - ENTRY_OVERHEAD);
+            break;
         }
         // Dropping the claim's `Wake` wakes its waiters (they run once the shard is unlocked).
         // The claim was checked above, under this lock, which only expired records' removal and
         // evictions (never a claim's) have released since.
-        match shard.complete_claim(&scope, record, now + ttl.min(FOREVER), size) {
+        let completed = inner.secs(now);
+        match shard.complete_claim(&scope, record, now + ttl.min(FOREVER), size, completed) {
             Some(waiters) => drop(waiters),
-            None => return Err(StoreError::Fenced),
+            None => {
+                inner.refund(tenant, 0, size - ENTRY_OVERHEAD);
+                return Err(StoreError::Fenced);
+            }
         }
-        shard.clean(now, CLEANUP_PER_OP);
+        shard.clean(inner, now, CLEANUP_PER_OP);
         Ok(())
     }
 
@@ -783,7 +942,7 @@ impl IdempotencyStore for MemoryStore {
         if !shard.holds(&scope, token) {
             return Err(StoreError::Fenced);
         }
-        shard.remove(&scope);
+        shard.remove(&self.inner, &scope);
         Ok(())
     }
 
@@ -825,7 +984,7 @@ impl IdempotencyStore for MemoryStore {
     }
 
     async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
-        Ok(self.shard(&scope).remove(&scope).is_some())
+        Ok(self.shard(&scope).remove(&self.inner, &scope).is_some())
     }
 }
 
@@ -1095,8 +1254,8 @@ mod tests {
         assert!(store.stats().bytes <= store.max_bytes());
     }
 
-    /// One tenant floods: it is refused once it holds its share, and another tenant still
-    /// writes (and keeps every record).
+    /// One tenant floods while another is present: it is refused once it holds its share, and
+    /// the other tenant still writes (and keeps every record).
     #[tokio::test(start_paused = true)]
     async fn one_tenants_flood_cannot_refuse_another_tenants_writes() {
         let store = MemoryStore::builder()
@@ -1105,6 +1264,9 @@ mod tests {
             .tenant_share_percent(50)
             .build();
         let ttl = Duration::from_secs(3600);
+        write(&store, tenant_scope("quiet", 1000), 10, ttl)
+            .await
+            .unwrap();
         let mut flood_ok = 0;
         for i in 0..5000 {
             match write(&store, tenant_scope("flooder", i), 10, ttl).await {
@@ -1113,12 +1275,10 @@ mod tests {
                 Err(e) => panic!("{e}"),
             }
         }
-        assert!(
-            flood_ok <= 500,
-            "the flooder holds at most its share: {flood_ok}"
-        );
-        assert!(store.stats().refused >= 4500);
-        // The other tenant: 300 writes (well within what its share leaves, even per shard).
+        assert_eq!(flood_ok, 500, "the flooder holds exactly its share");
+        assert_eq!(store.stats().refused, 4500);
+        assert_eq!(store.stats().tenants, 2);
+        // The other tenant: 300 writes (well within what its share leaves).
         for i in 0..300 {
             write(&store, tenant_scope("quiet", i), 10, ttl)
                 .await
@@ -1161,6 +1321,140 @@ mod tests {
         }
         assert!(is_recorded(&store, tenant_scope("flooder", 1999)).await);
         assert!(!is_recorded(&store, tenant_scope("flooder", 0)).await);
+    }
+
+    /// A tenant alone in the store has all of it, whatever the shards: 32 shards and 1 000
+    /// entries take exactly 1 000 writes (split per shard, a shard filled early and refused
+    /// before the bound), then refuse while every record is younger than `min_retention`.
+    #[tokio::test(start_paused = true)]
+    async fn a_tenant_alone_has_the_whole_store_across_shards() {
+        let store = MemoryStore::builder().max_entries(1000).shards(32).build();
+        let ttl = Duration::from_secs(24 * 3600);
+        for i in 0..1000 {
+            write(&store, tenant_scope("shop", i), 10, ttl)
+                .await
+                .unwrap_or_else(|e| panic!("refused at write {i}: {e}"));
+        }
+        assert_eq!(store.len(), 1000);
+        assert!(matches!(
+            write(&store, tenant_scope("shop", 1000), 10, ttl).await,
+            Err(StoreError::Full)
+        ));
+        let stats = store.stats();
+        assert_eq!((stats.refused, stats.evicted, stats.tenants), (1, 0, 1));
+    }
+
+    /// When the store is full, records older than `min_retention` make room, the oldest first
+    /// (counted); younger ones never do: a claim is refused instead.
+    #[tokio::test(start_paused = true)]
+    async fn records_past_min_retention_make_room_oldest_first() {
+        let retention = Duration::from_secs(600);
+        let store = MemoryStore::builder()
+            .max_entries(100)
+            .shards(1)
+            .min_retention(retention)
+            .build();
+        let ttl = Duration::from_secs(24 * 3600);
+        for i in 0..100 {
+            write(&store, tenant_scope("shop", i), 10, ttl)
+                .await
+                .unwrap();
+            tokio::time::advance(Duration::from_secs(1)).await;
+        }
+        // Now the first record is 100 s old: nothing is past the retention yet.
+        assert!(matches!(
+            write(&store, tenant_scope("shop", 100), 10, ttl).await,
+            Err(StoreError::Full)
+        ));
+        // 10 records pass the retention (those of seconds 0 to 9): exactly those make room,
+        // oldest first.
+        tokio::time::advance(retention - Duration::from_secs(91)).await;
+        for i in 101..111 {
+            write(&store, tenant_scope("shop", i), 10, ttl)
+                .await
+                .unwrap_or_else(|e| panic!("an old record makes room for {i}: {e}"));
+        }
+        assert!(matches!(
+            write(&store, tenant_scope("shop", 111), 10, ttl).await,
+            Err(StoreError::Full)
+        ));
+        let stats = store.stats();
+        assert_eq!((stats.evicted, stats.refused), (10, 2));
+        for i in 10..100 {
+            assert!(
+                is_recorded(&store, tenant_scope("shop", i)).await,
+                "{i} kept"
+            );
+        }
+        for i in 0..10 {
+            assert!(
+                !is_recorded(&store, tenant_scope("shop", i)).await,
+                "{i} evicted"
+            );
+        }
+    }
+
+    /// Passing 80 % of the entries is counted once; again only after falling below 70 %.
+    #[tokio::test(start_paused = true)]
+    async fn passing_80_percent_is_counted_once_each_time() {
+        let store = MemoryStore::builder().max_entries(10).shards(1).build();
+        let ttl = Duration::from_secs(3600);
+        for i in 0..7 {
+            write(&store, scope(i), 10, ttl).await.unwrap();
+        }
+        assert_eq!(store.stats().nearly_full, 0);
+        write(&store, scope(7), 10, ttl).await.unwrap();
+        assert_eq!(store.stats().nearly_full, 1, "8 of 10");
+        write(&store, scope(8), 10, ttl).await.unwrap();
+        store.forget(scope(8)).await.unwrap();
+        write(&store, scope(8), 10, ttl).await.unwrap();
+        assert_eq!(store.stats().nearly_full, 1, "still over 70 % in between");
+        for i in 2..9 {
+            store.forget(scope(i)).await.unwrap();
+        }
+        for i in 2..8 {
+            write(&store, scope(i), 10, ttl).await.unwrap();
+        }
+        assert_eq!(
+            store.stats().nearly_full,
+            2,
+            "fell below 70 %, passed 80 % again"
+        );
+    }
+
+    /// The default store, as it ships, serves a single-tenant service writing 10 new keys a
+    /// second around the clock: 25 hours (900 000 writes) with the default 24 h TTL and no
+    /// refusal, and a retry of any key younger than `min_retention` (here at 1 minute and at 59
+    /// minutes) is always its replay. Past 100 000 records, the oldest make room.
+    #[tokio::test(start_paused = true)]
+    async fn the_default_store_serves_ten_keys_a_second_around_the_clock() {
+        let store = MemoryStore::new();
+        let ttl = Duration::from_secs(24 * 3600);
+        let per_second = 10u64;
+        let seconds = 25 * 3600u64;
+        for second in 0..seconds {
+            for k in 0..per_second {
+                let i = second * per_second + k;
+                write(&store, tenant_scope("shop", i), 200, ttl)
+                    .await
+                    .unwrap_or_else(|e| panic!("write {i} refused: {e}"));
+            }
+            for age in [60, 59 * 60] {
+                if second >= age {
+                    let i = (second - age) * per_second;
+                    assert!(
+                        is_recorded(&store, tenant_scope("shop", i)).await,
+                        "the retry of a key {age} s old at {second} s executed again"
+                    );
+                }
+            }
+            tokio::time::advance(Duration::from_secs(1)).await;
+        }
+        let stats = store.stats();
+        assert_eq!(stats.refused, 0);
+        assert!(stats.entries <= MemoryStore::DEFAULT_CAPACITY, "{stats:?}");
+        assert!(stats.evicted > 700_000, "the oldest made room: {stats:?}");
+        assert_eq!(stats.nearly_full, 1, "{stats:?}");
     }
 
     #[tokio::test(start_paused = true)]

@@ -1,6 +1,7 @@
 //! `MemoryStore` bounds seen through the layer over a real socket: a full store (or a
-//! tenant's full share) answers 503 with `Retry-After` and executes nothing, counted by the
-//! store; another tenant keeps writing.
+//! tenant's full share, while another tenant is present) answers 503 with `Retry-After` and
+//! executes nothing, counted by the store; the other tenant keeps writing. And the default
+//! store, as it ships, takes a single-tenant service's writes.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -63,6 +64,11 @@ async fn a_full_tenant_share_answers_503_with_retry_after_and_runs_nothing() {
         }
     };
 
+    // The quiet tenant is present: the flooder's share applies.
+    assert_eq!(
+        post("quiet", "quiet-key-first".to_owned()).await.0,
+        StatusCode::CREATED
+    );
     let mut created = 0;
     let mut refused = 0;
     for i in 0..150 {
@@ -79,7 +85,7 @@ async fn a_full_tenant_share_answers_503_with_retry_after_and_runs_nothing() {
     assert_eq!(refused, 50);
     assert_eq!(
         executions.load(Ordering::SeqCst),
-        100,
+        101,
         "nothing executes when refused"
     );
     assert_eq!(store.stats().refused, 50);
@@ -96,5 +102,53 @@ async fn a_full_tenant_share_answers_503_with_retry_after_and_runs_nothing() {
         post("flooder", "flood-key-0000".to_owned()).await.0,
         StatusCode::CREATED
     );
-    assert_eq!(executions.load(Ordering::SeqCst), 150);
+    assert_eq!(executions.load(Ordering::SeqCst), 151);
+}
+
+/// The default store, as it ships, behind a single-tenant service
+/// (`IdempotencyLayer::new(MemoryStore::new()).default_tenant("shop")`): 90 000 distinct keyed
+/// writes within the TTL all execute, none refused (the tenant is alone, so the store is all
+/// its own, bounded as a whole: before, the 50 % tenant share split per shard refused 40 016 of
+/// them from write 47 365 on), and each one's retry is its replay.
+#[tokio::test]
+async fn the_default_store_takes_a_single_tenant_services_writes() {
+    use tower::{Layer, ServiceExt};
+
+    let store = MemoryStore::new();
+    let executions = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(store.clone()).default_tenant("shop");
+    let svc = layer.layer(tower::service_fn({
+        let executions = executions.clone();
+        move |_: Request<idempotency_layer::RequestBody<Full<Bytes>>>| {
+            executions.fetch_add(1, Ordering::Relaxed);
+            async {
+                Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(
+                    Bytes::from_static(b"{\"id\":1}"),
+                )))
+            }
+        }
+    }));
+    let write = |i: usize| {
+        Request::post("/orders")
+            .header("x-idempotency-key", format!("order-{i:08}"))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(b"{\"sku\":\"b1\"}")))
+            .unwrap()
+    };
+    for i in 0..90_000 {
+        let res = svc.clone().oneshot(write(i)).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK, "write {i}");
+        let _ = res.into_body().collect().await.unwrap();
+    }
+    let stats = store.stats();
+    assert_eq!(
+        (stats.refused, stats.evicted, stats.entries),
+        (0, 0, 90_000)
+    );
+    assert_eq!(layer.stats().rejected(RejectReason::StoreFull), 0);
+    for i in (0..90_000).step_by(997) {
+        let res = svc.clone().oneshot(write(i)).await.unwrap();
+        assert_eq!(res.headers()["idempotent-replayed"], "true", "write {i}");
+    }
+    assert_eq!(executions.load(Ordering::Relaxed), 90_000);
 }
