@@ -850,12 +850,8 @@ pub async fn run(opts: Options) -> Report {
     assert!(!groups.is_empty(), "at least one wire and one policy");
     let clients: Arc<Vec<(Group, WireClient)>> =
         Arc::new(groups.iter().map(|(g, _, c)| (*g, c.clone())).collect());
-    let proxy_stats: Arc<BTreeMap<Wire, Arc<e2e::proxy::ProxyStats>>> = Arc::new(
-        proxies
-            .iter()
-            .map(|(w, p)| (*w, p.stats.clone()))
-            .collect(),
-    );
+    let proxy_stats: Arc<BTreeMap<Wire, Arc<e2e::proxy::ProxyStats>>> =
+        Arc::new(proxies.iter().map(|(w, p)| (*w, p.stats.clone())).collect());
     let rss_middle = Arc::new(AtomicUsize::new(0));
     let sampler = {
         let rss_middle = rss_middle.clone();
@@ -872,19 +868,22 @@ pub async fn run(opts: Options) -> Report {
         async move {
             let (group, client) = &clients[w % clients.len()];
             let key = format!("op-{w:03}-{i:08}-{:08x}", fastrand::u32(..));
-            let (outcome, attempts) =
-                match tokio::time::timeout(HUNG_AFTER, client.operation(&key)).await {
-                    Ok(done) => done,
-                    Err(_) => {
-                        // Where the call's stream waits, as the fault proxy saw it (F7).
-                        let seen = proxy_stats
-                            .get(&group.wire)
-                            .map(|s| s.h2_waiting_streams(Duration::from_secs(30)))
-                            .unwrap_or_default();
-                        eprintln!("{group} {key} hung; the proxy's HTTP/2 streams waiting over 30 s:\n{seen}");
-                        (Outcome::Failed(HUNG.into()), 0)
-                    }
-                };
+            let (outcome, attempts) = match tokio::time::timeout(HUNG_AFTER, client.operation(&key))
+                .await
+            {
+                Ok(done) => done,
+                Err(_) => {
+                    // Where the call's stream waits, as the fault proxy saw it (F7).
+                    let seen = proxy_stats
+                        .get(&group.wire)
+                        .map(|s| s.h2_waiting_streams(Duration::from_secs(30)))
+                        .unwrap_or_default();
+                    eprintln!(
+                        "{group} {key} hung; the proxy's HTTP/2 streams waiting over 30 s:\n{seen}"
+                    );
+                    (Outcome::Failed(HUNG.into()), 0)
+                }
+            };
             (*group, key, outcome, attempts)
         }
     })

@@ -94,6 +94,11 @@ impl<S, B> Call<S, B> {
         self.attempt.deadline
     }
 
+    /// How long an attempt (or the wait before it) may wait for a response head.
+    pub(crate) fn head_timeout(&self) -> std::time::Duration {
+        self.shared.policy.response_head_timeout
+    }
+
     /// True when the call has a deadline and it has passed.
     pub(crate) fn deadline_passed(&self) -> bool {
         self.attempt.deadline.is_some_and(|d| Instant::now() >= d)
@@ -137,12 +142,13 @@ where
 {
     /// Sets the request up (its idempotency, key, deadline and `grpc-timeout`), keeps what a
     /// retry needs, and sends the first attempt on `service`, which must be ready. Returns the
-    /// call, the attempt's future, its timer and the call's span.
+    /// call, the attempt's future (`None` when the deadline had passed already: nothing is
+    /// sent), its timer and the call's span.
     pub(crate) fn start(
         mut service: S,
         shared: Arc<Shared>,
         req: Request<B>,
-    ) -> (Self, S::Future, Timer, Span) {
+    ) -> (Self, Option<S::Future>, Timer, Span) {
         let policy = &shared.policy;
         let (mut parts, body) = req.into_parts();
         let judged = judge(policy, &mut parts, None);
@@ -183,11 +189,21 @@ where
         let mut attempt = Attempt::first(judged.idempotent, judged.method, deadline);
         attempt.send_once = send_once;
         shared.stats.incr(Counter::Requests);
-        shared.stats.incr(Counter::Attempts);
         observe::call_started();
         let span = observe::call_span(&parts, judged.grpc);
-        let future = service.call(Request::from_parts(parts, first_body));
-        let timer = Timer::for_attempt(deadline, policy.attempt_timeout);
+        let expired = deadline.is_some_and(|d| Instant::now() >= d);
+        let future = if expired {
+            attempt.sent = 0;
+            None
+        } else {
+            shared.stats.incr(Counter::Attempts);
+            Some(service.call(Request::from_parts(parts, first_body)))
+        };
+        let timer = Timer::for_attempt(
+            deadline,
+            policy.attempt_timeout,
+            policy.response_head_timeout,
+        );
         let call = Call {
             service,
             shared,
@@ -201,7 +217,9 @@ where
             hop,
             inbound_retry_budget,
         };
-        call.budget().deposit();
+        if future.is_some() {
+            call.budget().deposit();
+        }
         (call, future, timer, span)
     }
 
@@ -425,7 +443,11 @@ where
         self.attempt.sent += 1;
         self.shared.stats.incr(Counter::Attempts);
         let future = self.service.call(Request::from_parts(parts, body));
-        let timer = Timer::for_attempt(self.attempt.deadline, policy.attempt_timeout);
+        let timer = Timer::for_attempt(
+            self.attempt.deadline,
+            policy.attempt_timeout,
+            policy.response_head_timeout,
+        );
         (future, timer)
     }
 }

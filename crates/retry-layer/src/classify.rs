@@ -9,7 +9,7 @@ use reason_code::{
     Outcome, Pushback, ReasonCodes, GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS,
 };
 
-use crate::error::AttemptTimedOut;
+use crate::error::{AttemptTimedOut, ResponseHeadTimedOut};
 use crate::BoxError;
 
 /// Classifies a response with the one classifier both layers call
@@ -109,7 +109,7 @@ pub(crate) fn pushback(headers: &HeaderMap, reasons: &ReasonCodes) -> PushbackHi
 pub(crate) fn error(err: &BoxError) -> Outcome {
     let mut cur: Option<&(dyn StdError + 'static)> = Some(err.as_ref());
     while let Some(e) = cur {
-        if e.is::<AttemptTimedOut>() {
+        if e.is::<AttemptTimedOut>() || e.is::<ResponseHeadTimedOut>() {
             return Outcome::Ambiguous;
         }
         #[cfg(feature = "hyper-util")]

@@ -260,12 +260,12 @@ pub mod tonic;
 
 pub use body::{BodyNotReplayable, ReplayBody};
 pub use deadline::Deadline;
-pub use error::{AttemptTimedOut, DeadlineExceeded, RetryError, RetryInfo};
+pub use error::{AttemptTimedOut, DeadlineExceeded, ResponseHeadTimedOut, RetryError, RetryInfo};
 pub use future::ResponseFuture;
 pub use layer::RetryLayer;
 pub use policy::{
     Conflict, InboundRetry, InvalidPolicy, Rebuild, RebuildFuture, RetryPolicy, RetryPolicyBuilder,
-    MAX_DURATION, MAX_UNSENT_RETRIES,
+    DEFAULT_RESPONSE_HEAD_TIMEOUT, MAX_DURATION, MAX_UNSENT_RETRIES,
 };
 #[cfg(feature = "service-config")]
 pub use policy::{GrpcRetryPolicy, GrpcRetryThrottling, StatusCodeName};

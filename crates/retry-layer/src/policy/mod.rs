@@ -30,6 +30,7 @@ pub use service_config::{GrpcRetryPolicy, GrpcRetryThrottling, StatusCodeName};
 /// | `base_delay`, `multiplier`, `max_delay` | 20 ms, x2, 1 s |
 /// | `jitter` | +-20 % ([`Jitter::Proportional`]`(0.2)`) |
 /// | `min_attempt_time` | 50 ms |
+/// | `response_head_timeout` (each attempt's wait for the response head; not sent to the server) | 60 s |
 /// | `total_timeout`, `attempt_timeout` | none |
 /// | `max_pushback` | 30 s |
 /// | `max_replay_bytes` | 64 KiB |
@@ -62,6 +63,7 @@ pub struct RetryPolicy {
     pub(crate) min_attempt_time: Duration,
     pub(crate) total_timeout: Option<Duration>,
     pub(crate) attempt_timeout: Option<Duration>,
+    pub(crate) response_head_timeout: Duration,
     pub(crate) max_pushback: Duration,
     pub(crate) max_replay_bytes: usize,
     pub(crate) max_unsent_retries: u32,
@@ -165,6 +167,10 @@ impl<T> GrpcMethods<T> {
 /// or timer computed from them can overflow the clock.
 pub const MAX_DURATION: Duration = Duration::from_secs(86_400);
 
+/// The default [`RetryPolicyBuilder::response_head_timeout`]: 60 s, longer than any answer the
+/// server layer makes itself (its duplicates wait for their leader 30 s at most).
+pub const DEFAULT_RESPONSE_HEAD_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// The most transparent retries ([`RetryPolicyBuilder::max_unsent_retries`]).
 pub const MAX_UNSENT_RETRIES: u32 = 10;
 
@@ -176,6 +182,7 @@ impl Default for RetryPolicy {
             min_attempt_time: Duration::from_millis(50),
             total_timeout: None,
             attempt_timeout: None,
+            response_head_timeout: DEFAULT_RESPONSE_HEAD_TIMEOUT,
             max_pushback: Duration::from_secs(30),
             max_replay_bytes: 64 * 1024,
             max_unsent_retries: 2,
@@ -227,6 +234,12 @@ impl RetryPolicy {
     /// The retryability table (of requests no gRPC method config matches).
     pub fn table(&self) -> &RetryTable {
         &self.rules.table
+    }
+
+    /// How long each attempt waits for its response head (see
+    /// [`RetryPolicyBuilder::response_head_timeout`]).
+    pub fn response_head_timeout(&self) -> Duration {
+        self.response_head_timeout
     }
 
     /// The gRPC methods declared idempotent.
@@ -411,6 +424,24 @@ impl RetryPolicyBuilder {
             return self.fail(e);
         }
         self.policy.attempt_timeout = Some(d);
+        self
+    }
+
+    /// How long each attempt waits for its response head (greater than zero, at most
+    /// [`MAX_DURATION`]; default [`DEFAULT_RESPONSE_HEAD_TIMEOUT`], 60 s). It is always on, so
+    /// that a call to a server that never answers ends even when nothing else bounds it: the
+    /// attempt ends in [`ResponseHeadTimedOut`](crate::ResponseHeadTimedOut), an ambiguous
+    /// failure (it may have executed), retried only when the request is idempotent or keyed.
+    ///
+    /// Unlike [`attempt_timeout`](Self::attempt_timeout) it is the client's own bound, never
+    /// sent as `grpc-timeout`, and it ends with the head: a response that started in time
+    /// streams for as long as it takes (a watch, a download). Raise it for endpoints that take
+    /// longer to start answering.
+    pub fn response_head_timeout(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("response_head_timeout", d, false) {
+            return self.fail(e);
+        }
+        self.policy.response_head_timeout = d;
         self
     }
 

@@ -5,6 +5,7 @@ mod support;
 mod backpressure;
 mod bad_input;
 mod bodies;
+mod bounds;
 mod budget;
 mod deadline;
 mod grpc;
