@@ -868,22 +868,21 @@ pub async fn run(opts: Options) -> Report {
         async move {
             let (group, client) = &clients[w % clients.len()];
             let key = format!("op-{w:03}-{i:08}-{:08x}", fastrand::u32(..));
-            let (outcome, attempts) = match tokio::time::timeout(HUNG_AFTER, client.operation(&key))
-                .await
-            {
-                Ok(done) => done,
-                Err(_) => {
-                    // Where the call's stream waits, as the fault proxy saw it (F7).
-                    let seen = proxy_stats
-                        .get(&group.wire)
-                        .map(|s| s.h2_waiting_streams(Duration::from_secs(30)))
-                        .unwrap_or_default();
-                    eprintln!(
+            let (outcome, attempts) =
+                match tokio::time::timeout(HUNG_AFTER, client.operation(&key)).await {
+                    Ok(done) => done,
+                    Err(_) => {
+                        // Where the call's stream waits, as the fault proxy saw it (F7).
+                        let seen = proxy_stats
+                            .get(&group.wire)
+                            .map(|s| s.h2_waiting_streams(Duration::from_secs(30)))
+                            .unwrap_or_default();
+                        eprintln!(
                         "{group} {key} hung; the proxy's HTTP/2 streams waiting over 30 s:\n{seen}"
                     );
-                    (Outcome::Failed(HUNG.into()), 0)
-                }
-            };
+                        (Outcome::Failed(HUNG.into()), 0)
+                    }
+                };
             (*group, key, outcome, attempts)
         }
     })

@@ -151,6 +151,9 @@ where
     ) -> (Self, Option<S::Future>, Timer, Span) {
         let policy = &shared.policy;
         let (mut parts, body) = req.into_parts();
+        // The layer owns the attempt headers on every attempt: one forwarded from a request
+        // this service is serving would tell the hop below that a first attempt is a retry.
+        remove_attempt_headers(&mut parts);
         let judged = judge(policy, &mut parts, None);
         let deadline = deadline_of(&parts, judged.grpc, policy.total_timeout);
         if judged.grpc {

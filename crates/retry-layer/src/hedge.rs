@@ -68,7 +68,9 @@ use crate::budget::{Budget, BudgetChoice};
 use crate::classify::{self, PushbackHint};
 use crate::deadline::{deadline_of, rewrite_grpc_timeout};
 use crate::policy::{GrpcMethods, InvalidPolicy, MAX_DURATION};
-use crate::request::{clone_parts, is_idempotent_method, write_previous_attempts};
+use crate::request::{
+    clone_parts, is_idempotent_method, remove_attempt_headers, write_previous_attempts,
+};
 use crate::{BoxError, RetryLayer};
 
 /// Attempts, delay and non-fatal codes: what may differ per gRPC method.
@@ -526,6 +528,8 @@ where
         let shared = self.shared.clone();
         let policy = &shared.policy;
         let (mut parts, body) = req.into_parts();
+        // The hedge owns the attempt headers: a forwarded one is not this call's count.
+        remove_attempt_headers(&mut parts);
         let grpc = reason_code::is_grpc(&parts.headers);
         let rules = policy.rules_for(&parts, grpc);
         let hedged = rules.max_attempts > 1 && policy.is_idempotent(&parts, grpc);

@@ -121,8 +121,8 @@ pub(crate) fn write_previous_attempts(parts: &mut Parts, grpc: bool, previous: u
     parts.headers.insert(name, HeaderValue::from(previous));
 }
 
-/// Removes the headers the layer writes per attempt from a request a hook rebuilt: they are
-/// written afresh.
+/// Removes the headers the layer writes per attempt (from a request before its first attempt,
+/// and from one a hook rebuilt): each attempt's are written afresh.
 pub(crate) fn remove_attempt_headers(parts: &mut Parts) {
     parts.headers.remove(X_PREVIOUS_ATTEMPTS);
     parts.headers.remove(GRPC_PREVIOUS_RPC_ATTEMPTS);

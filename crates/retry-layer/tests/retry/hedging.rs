@@ -369,3 +369,27 @@ async fn on_the_wire_the_hedge_answers_and_the_slow_attempt_is_cancelled() {
         assert_eq!(layer.stats().won_by_hedge, 1);
     }
 }
+
+/// Issue 31 item 7: the hedge owns the attempt headers too: a forwarded one is not sent on the
+/// first attempt, and each hedge carries its own count.
+#[tokio::test(start_paused = true)]
+async fn forwarded_attempt_headers_are_not_sent_on_the_first_attempt() {
+    let mut req = get("/books/b1");
+    req.headers_mut()
+        .insert("x-previous-attempts", "3".parse().unwrap());
+    req.headers_mut()
+        .insert("grpc-previous-rpc-attempts", "3".parse().unwrap());
+    let (r, _, script, _) = hedged(
+        HedgeLayer::new(policy(2, 50 * MS)),
+        req,
+        vec![Reply::Slow(Duration::from_secs(1), 200), status(200)],
+    )
+    .await;
+    assert_eq!(code(&r), 200);
+    let seen = script.seen();
+    assert_eq!(seen.len(), 2);
+    assert!(seen[0].headers.get("x-previous-attempts").is_none());
+    assert!(seen[0].headers.get("grpc-previous-rpc-attempts").is_none());
+    assert_eq!(seen[1].headers["x-previous-attempts"], "1");
+    assert!(seen[1].headers.get("grpc-previous-rpc-attempts").is_none());
+}

@@ -164,3 +164,34 @@ async fn client_hop_and_bottom_together_multiply_no_more() {
         }
     }
 }
+
+/// Issue 31 item 7: a gateway that forwards its inbound metadata forwards its caller's attempt
+/// headers too. The layer owns them on every attempt, the first included: the hop below sees
+/// this hop's own count (before, the first attempt carried the caller's "2", and a `HopLayer`
+/// below served it as a retry, sending once underneath).
+#[tokio::test]
+async fn forwarded_attempt_headers_are_rewritten_on_every_attempt() {
+    for proto in BOTH {
+        let c = serve(|_, n| if n == 0 { status(503) } else { status(200) }).await;
+        let layer = RetryLayer::new(RetryPolicy::default());
+        let req = Request::get(c.url("/c"))
+            .header("x-previous-attempts", "2")
+            .header("grpc-previous-rpc-attempts", "2")
+            .body(full(""))
+            .unwrap();
+        let res = bounded("the call", client(&layer, proto).oneshot(req))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200, "{proto:?}");
+        let seen = c.seen();
+        assert_eq!(seen.len(), 2, "{proto:?}");
+        for name in ["x-previous-attempts", "grpc-previous-rpc-attempts"] {
+            assert!(
+                seen[0].headers.get(name).is_none(),
+                "{proto:?}: the first attempt carries no {name}"
+            );
+        }
+        assert_eq!(seen[1].headers["x-previous-attempts"], "1", "{proto:?}");
+        assert!(seen[1].headers.get("grpc-previous-rpc-attempts").is_none());
+    }
+}
