@@ -17,7 +17,7 @@ use reason_code::Hop;
 use crate::body::{BodyHandle, ReplayBody};
 use crate::budget::Budget;
 use crate::classify;
-use crate::deadline::{deadline_of, rewrite_grpc_timeout, Timer};
+use crate::deadline::{deadline_of, instant_after, rewrite_grpc_timeout, Timer};
 use crate::decide::{decide, Attempt, Budgets, Ended, Step, Why};
 use crate::error::RetryError;
 use crate::observe::{self, GiveUp};
@@ -45,6 +45,9 @@ pub(crate) struct Call<S, B> {
     generated_key: Option<HeaderValue>,
     /// The code of the outcome a rebuild hook is answering (labels a budget refusal).
     rebuilding: reason_code::Code,
+    /// When the server's pushback lets the rebuilt request go (the conflict's arrival plus the
+    /// pushback; the arrival alone without one). Set when a rebuild starts.
+    rebuild_not_before: Option<Instant>,
     /// The server hop this call is made from, if the handler runs in one: told when the call
     /// gives up, so the hop answers its caller "do not retry".
     hop: Option<Arc<Hop>>,
@@ -217,6 +220,7 @@ where
             grpc: judged.grpc,
             generated_key: judged.generated_key,
             rebuilding: reason_code::Code::Aborted,
+            rebuild_not_before: None,
             hop,
             inbound_retry_budget,
         };
@@ -283,7 +287,7 @@ where
                 tracing::debug!(attempt, code = %code, delay_ms = delay.as_millis() as u64, "retrying");
                 Next::Wait(delay)
             }
-            Step::Rebuild { pushed_back } => {
+            Step::Rebuild { delay, pushed_back } => {
                 // `decide` rebuilds only responses, and only with a hook.
                 let response = match result {
                     Ok(response) => response,
@@ -307,6 +311,7 @@ where
                 }
                 self.body.cut_off();
                 self.rebuilding = code;
+                self.rebuild_not_before = Some(instant_after(Instant::now(), delay));
                 let parts = clone_parts(self.parts.as_ref().expect("replayable: the head is kept"));
                 let mut head = Response::new(()).into_parts().0;
                 head.status = response.status();
@@ -392,12 +397,23 @@ where
         self.shared.warnings.note(false);
     }
 
-    /// Takes the request a hook rebuilt: judges its idempotency and key afresh (a rebuilt write
-    /// keeps the intent's key unless the hook set another), then asks the budget. Returns false
-    /// when the budget refuses the retry.
-    pub(crate) fn take_rebuilt(&mut self, req: Request<Bytes>) -> bool {
+    /// Takes the request a hook rebuilt: checks that the deadline still fits the server's
+    /// pushback plus `min_attempt_time`, asks the budget, then judges the request's idempotency
+    /// and key afresh (a rebuilt write keeps the intent's key unless the hook set another).
+    /// Returns when to send it, or `None` when the conflict is the answer.
+    pub(crate) fn take_rebuilt(&mut self, req: Request<Bytes>) -> Option<Instant> {
         let shared = self.shared.clone();
         let policy = &shared.policy;
+        let now = Instant::now();
+        let send_at = self.rebuild_not_before.unwrap_or(now);
+        if let Some(deadline) = self.attempt.deadline {
+            let delay = send_at.saturating_duration_since(now);
+            let left = deadline.saturating_duration_since(now);
+            if left < delay.saturating_add(policy.min_attempt_time) {
+                self.count_and_trace(Why::DeadlineTooShort { delay, left }, self.rebuilding);
+                return None;
+            }
+        }
         if !self.budget().withdraw() {
             shared.stats.incr(Counter::BudgetRefusals);
             observe::budget_refused(self.rebuilding);
@@ -406,7 +422,7 @@ where
                 "retry budget exhausted: not sending the rebuilt request"
             );
             shared.warnings.note(true);
-            return false;
+            return None;
         }
         shared.stats.incr(Counter::Retries);
         observe::retried(self.rebuilding);
@@ -422,7 +438,7 @@ where
         }
         self.parts = Some(parts);
         self.fixed_body = Some(body);
-        true
+        Some(send_at)
     }
 
     /// Polls the inner service's readiness for the next attempt.

@@ -90,8 +90,11 @@ pub(crate) enum Step {
         /// No attempt was left: this is one of the transparent retries of an unsent request.
         beyond_max_attempts: bool,
     },
-    /// Ask the rebuild hook for the next request. The budget is asked once the hook answers.
+    /// Ask the rebuild hook for the next request, and send it no sooner than `delay` after
+    /// this outcome. The deadline and the budget are asked again once the hook answers.
     Rebuild {
+        /// The server's pushback (zero without one: the hook re-reads the state first).
+        delay: Duration,
         /// The server sent a pushback: the backoff restarts from its base.
         pushed_back: bool,
     },
@@ -212,7 +215,7 @@ pub(crate) fn decide(
     }
 
     if rebuild {
-        return Step::Rebuild { pushed_back };
+        return Step::Rebuild { delay, pushed_back };
     }
     if !budget.withdraw() {
         return Step::Return(Why::BudgetRefused);
@@ -385,6 +388,10 @@ mod tests {
         }
     }
 
+    fn rebuild(delay: Duration, pushed_back: bool) -> Step {
+        Step::Rebuild { delay, pushed_back }
+    }
+
     const fn stop(why: Why) -> Step {
         Step::Return(why)
     }
@@ -503,14 +510,20 @@ mod tests {
         // Conflicts: rebuild.
         a_conflict_without_hook_is_final: status(Code::Aborted) => stop(Why::Final);
         a_conflict_with_a_hook_is_rebuilt:
-            status(Code::Aborted).with_hook() => Step::Rebuild { pushed_back: false };
+            status(Code::Aborted).with_hook() => rebuild(Duration::ZERO, false);
         a_conflict_of_a_write_is_rebuilt_too:
-            status(Code::Aborted).with_hook().not_idempotent() => Step::Rebuild { pushed_back: false };
+            status(Code::Aborted).with_hook().not_idempotent() => rebuild(Duration::ZERO, false);
         a_rebuild_asks_the_budget_after_the_hook:
-            status(Code::Aborted).with_hook().refusing_budget() => Step::Rebuild { pushed_back: false };
+            status(Code::Aborted).with_hook().refusing_budget() => rebuild(Duration::ZERO, false);
         a_rebuild_after_a_pushback_restarts_the_backoff:
             status(Code::Aborted).with_hook().header("retry-after", "0")
-                => Step::Rebuild { pushed_back: true };
+                => rebuild(Duration::ZERO, true);
+        a_rebuild_is_sent_after_the_servers_pushback:
+            status(Code::Aborted).with_hook().header("retry-after", "2")
+                => rebuild(Duration::from_secs(2), true);
+        a_rebuild_whose_pushback_does_not_fit_the_deadline_stops:
+            status(Code::Aborted).with_hook().header("retry-after", "2").deadline_in(Duration::from_secs(2))
+                => stop(Why::DeadlineTooShort { delay: Duration::from_secs(2), left: Duration::from_secs(2) });
         a_rebuild_needs_an_attempt_left:
             status(Code::Aborted).with_hook().sent(3) => stop(Why::Exhausted);
         a_rebuild_needs_the_deadline_to_fit_min_attempt_time:

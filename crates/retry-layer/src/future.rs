@@ -177,12 +177,14 @@ where
                             break this.call.answer(Ok(response));
                         }
                     };
-                    let accepted = match rebuilt {
+                    let send_at = match rebuilt {
                         Some(req) => this.call.take_rebuilt(req),
-                        None => false,
+                        None => None,
                     };
-                    if accepted {
-                        this.state.set(State::Retrying);
+                    if let Some(send_at) = send_at {
+                        // After the server's pushback, if it asked for one.
+                        this.timer.set_delay(send_at);
+                        this.state.set(State::Waiting);
                     } else {
                         let response = response.take().expect("held until the hook decides");
                         this.state.set(State::Done);
