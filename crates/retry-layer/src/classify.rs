@@ -5,8 +5,9 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, Response};
 use reason_code::{
-    classify_head, parse_grpc_pushback, parse_grpc_status, parse_retry_after, Code, HeadClass,
-    Outcome, Pushback, ReasonCodes, GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS,
+    classify_head, parse_grpc_pushback, parse_grpc_retry_info, parse_grpc_status,
+    parse_retry_after, Code, HeadClass, Outcome, Pushback, ReasonCodes, GRPC_RETRY_PUSHBACK_MS,
+    GRPC_STATUS, GRPC_STATUS_DETAILS_BIN,
 };
 
 use crate::error::{AttemptTimedOut, ResponseHeadTimedOut};
@@ -69,13 +70,13 @@ pub(crate) enum PushbackHint {
     Deferred,
 }
 
-/// Reads `grpc-retry-pushback-ms` (gRPC), the reason codes
-/// [`DO_NOT_RETRY`](reason_code::DO_NOT_RETRY) and
-/// [`RETRIES_DEFERRED`](reason_code::RETRIES_DEFERRED), or `Retry-After` (HTTP).
+/// Reads, in this order, the reason codes [`DO_NOT_RETRY`](reason_code::DO_NOT_RETRY) and
+/// [`RETRIES_DEFERRED`](reason_code::RETRIES_DEFERRED), `grpc-retry-pushback-ms` (gRFC A6), the
+/// `google.rpc.RetryInfo` in `grpc-status-details-bin` (AIP-194), and `Retry-After` (HTTP).
 ///
 /// As gRFC A6 says, a negative or malformed `grpc-retry-pushback-ms` stops retries, and so does
-/// `DO_NOT_RETRY` (a hop below gave up: see [`hop`](crate::hop)). A malformed
-/// `Retry-After` is ignored with a warning: HTTP gives it no such meaning.
+/// `DO_NOT_RETRY` (a hop below gave up: see [`hop`](crate::hop)). Malformed details and a
+/// malformed `Retry-After` are ignored with a warning: they are advisory.
 pub(crate) fn pushback(headers: &HeaderMap, reasons: &ReasonCodes) -> PushbackHint {
     if reasons.says_do_not_retry(headers) {
         return PushbackHint::Stop;
@@ -94,6 +95,13 @@ pub(crate) fn pushback(headers: &HeaderMap, reasons: &ReasonCodes) -> PushbackHi
                 PushbackHint::Stop
             }
         };
+    }
+    if let Some(v) = headers.get(GRPC_STATUS_DETAILS_BIN) {
+        match parse_grpc_retry_info(v) {
+            Ok(Some(d)) => return PushbackHint::After(d),
+            Ok(None) => {}
+            Err(e) => tracing::warn!(error = %e, "ignoring malformed grpc-status-details-bin"),
+        }
     }
     if let Some(v) = headers.get(http::header::RETRY_AFTER) {
         match parse_retry_after(v, SystemTime::now()) {
