@@ -343,15 +343,25 @@ where
         // The hop this call is made from answers its caller "do not retry" when no retry can
         // help (a downstream stop, the deadline), and "retried below: retry only within your
         // adaptive budget" when this call has done its share.
+        // A stop on a choice of this hop's own (its `max_pushback`, a deadline tighter than the
+        // inbound request's) is "retried below": its caller may well fit another attempt.
         if let Some(hop) = &self.hop {
             match why {
                 Why::Final => {}
-                Why::PushbackSaysNo | Why::PushbackTooLong(_) | Why::DeadlineTooShort { .. } => {
+                Why::PushbackSaysNo => hop.note_gave_up(),
+                Why::DeadlineTooShort { delay, .. }
+                    if hop.inbound_deadline_leaves_less_than(
+                        delay.saturating_add(self.shared.policy.min_attempt_time),
+                    ) =>
+                {
                     hop.note_gave_up()
                 }
-                Why::Exhausted | Why::BudgetRefused | Why::InboundRetry | Why::NotReplayable => {
-                    hop.note_deferred()
-                }
+                Why::DeadlineTooShort { .. }
+                | Why::PushbackTooLong(_)
+                | Why::Exhausted
+                | Why::BudgetRefused
+                | Why::InboundRetry
+                | Why::NotReplayable => hop.note_deferred(),
             }
         }
         let gave_up = match why {

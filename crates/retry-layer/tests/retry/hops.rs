@@ -25,7 +25,12 @@ struct HopA {
 }
 
 async fn hop_a(c: &Server, proto: Proto, with_hop_layer: bool) -> HopA {
-    let outbound = RetryLayer::new(RetryPolicy::default());
+    hop_with(c, proto, with_hop_layer, RetryPolicy::default()).await
+}
+
+/// Hop A with its own outbound policy.
+async fn hop_with(c: &Server, proto: Proto, with_hop_layer: bool, policy: RetryPolicy) -> HopA {
+    let outbound = RetryLayer::new(policy);
     // A `Full` body: the handler's future must be `Send` for axum, which rustc cannot prove
     // through a boxed body's `dyn Error` lifetimes.
     let client = tower::Layer::layer(
@@ -193,5 +198,57 @@ async fn forwarded_attempt_headers_are_rewritten_on_every_attempt() {
         }
         assert_eq!(seen[1].headers["x-previous-attempts"], "1", "{proto:?}");
         assert!(seen[1].headers.get("grpc-previous-rpc-attempts").is_none());
+    }
+}
+
+/// Issue 31 item 10: a hop that stops on a choice of its own (its short `total_timeout`, its
+/// `max_pushback`) says "retried below", not "do not retry": the caller, whose own deadline and
+/// pushback limit may well allow another attempt, still retries. Before, B's give-up on its own
+/// 60 ms deadline answered DO_NOT_RETRY and A sent once.
+#[tokio::test]
+async fn a_hops_local_give_up_does_not_stop_the_callers_retries() {
+    let short_deadline = || {
+        RetryPolicy::builder()
+            .total_timeout(std::time::Duration::from_millis(60))
+            .build()
+            .unwrap()
+    };
+    let short_pushback = || {
+        RetryPolicy::builder()
+            .max_pushback(std::time::Duration::from_secs(1))
+            .build()
+            .unwrap()
+    };
+    for proto in BOTH {
+        for (what, policy, c_answer) in [
+            ("total_timeout(60ms)", short_deadline(), status(503)),
+            (
+                "max_pushback(1s)",
+                short_pushback(),
+                Act::Status(503, vec![("retry-after", "60")]),
+            ),
+        ] {
+            let c = serve(move |_, _| c_answer.clone()).await;
+            let b = hop_with(&c, proto, true, policy).await;
+            let client_layer = RetryLayer::new(RetryPolicy::default());
+            let req = Request::get(format!("http://{}/call", b.addr))
+                .body(full(""))
+                .unwrap();
+            let res = bounded("the call", client(&client_layer, proto).oneshot(req))
+                .await
+                .unwrap();
+            assert_eq!(res.status(), 503, "{proto:?}, {what}");
+            assert_eq!(
+                res.headers()["x-reason-code"],
+                "RETRIES_DEFERRED",
+                "{proto:?}, {what}: a local give-up"
+            );
+            assert_eq!(
+                client_layer.stats().attempts,
+                3,
+                "{proto:?}, {what}: the client still retries"
+            );
+            assert_eq!(c.hits(), 3, "{proto:?}, {what}: B sends each attempt once");
+        }
     }
 }
