@@ -113,7 +113,7 @@ pub(crate) fn pushback(headers: &HeaderMap, reasons: &ReasonCodes) -> PushbackHi
 }
 
 /// Classifies a transport error from its source chain: provably unsent (connect refused, DNS,
-/// h2 `REFUSED_STREAM`) or ambiguous (anything that may have happened after the request left).
+/// h2 `REFUSED_STREAM`, a GOAWAY beyond the stream) or ambiguous (anything that may have happened after the request left).
 pub(crate) fn error(err: &BoxError) -> Outcome {
     let mut cur: Option<&(dyn StdError + 'static)> = Some(err.as_ref());
     while let Some(e) = cur {
@@ -151,9 +151,10 @@ fn hyper_error(e: &(dyn StdError + 'static)) -> Option<Outcome> {
         if e.reason() == Some(h2::Reason::REFUSED_STREAM) {
             return Some(Outcome::Unsent);
         }
-        // A graceful GOAWAY is delivered as an error only to streams beyond its
-        // last-stream-id, which the server promises it did not process.
-        if e.is_go_away() && e.is_remote() && e.reason() == Some(h2::Reason::NO_ERROR) {
+        // The server's GOAWAY is delivered as an error only to streams beyond its
+        // last-stream-id, which it promises it did not process, whatever its error code; the
+        // streams it covers end with the connection (an I/O error: ambiguous).
+        if e.is_go_away() && e.is_remote() {
             return Some(Outcome::Unsent);
         }
     }
