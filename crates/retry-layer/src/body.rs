@@ -386,13 +386,16 @@ impl Seed {
 }
 
 impl<B> BodyHandle<B> {
-    /// True when another attempt can carry the whole body.
+    /// True when another attempt can carry the whole body: every byte read from the original
+    /// so far is still kept. A body over the limit qualifies while nothing of it was read (or
+    /// what the wrapping read is still there): a request that was never sent can be retried
+    /// whatever its size.
     pub(crate) fn is_replayable(&self) -> bool {
         match &self.kind {
             Handle::Empty | Handle::Whole(_) => true,
             Handle::Shared(shared) => {
                 let s = lock(shared);
-                !s.capped && !s.failed
+                !s.failed && (!s.capped || s.chunks.len() == s.read)
             }
         }
     }
@@ -697,10 +700,11 @@ mod tests {
             ReplayBody::new(http_body_util::Full::new(Bytes::from(vec![0; 9])), 8, None);
         assert_eq!(first.size_hint().exact(), Some(9));
         assert!(
-            !handle.is_replayable(),
-            "known too large before the first byte"
+            handle.is_replayable(),
+            "known too large, but unread: an unsent attempt can be retried"
         );
         assert_eq!(collect(first).await.unwrap().len(), 9);
+        assert!(!handle.is_replayable(), "read and not kept");
     }
 
     /// A body of known size whose frames arrive one poll at a time: the first poll is
@@ -809,15 +813,17 @@ mod tests {
     }
 
     /// What the wrapping read past the limit still goes to the first attempt, whole, and the
-    /// body is not replayable.
+    /// body is not replayable once that attempt has read it (before, an attempt that never
+    /// sent it may still hand it to the next one).
     #[tokio::test]
     async fn a_body_read_past_the_limit_at_wrap_time_is_sent_once_whole() {
         let (first, handle) = ReplayBody::new(chunks(&["123456789"]), 8, None);
         assert!(matches!(handle.kind, Handle::Shared(_)));
-        assert!(!handle.is_replayable());
+        assert!(handle.is_replayable(), "what the wrapping read is all kept");
         assert_eq!(first.size_hint().lower(), 9);
         assert!(!first.is_end_stream());
         assert_eq!(collect(first).await.unwrap(), "123456789");
+        assert!(!handle.is_replayable());
         assert!(handle.complete_bytes().is_none());
         let err = collect(handle.replay()).await.unwrap_err();
         assert!(err.is::<BodyNotReplayable>());
@@ -827,8 +833,25 @@ mod tests {
         }
         // Two frames read at wrap time, the second past the limit, the third streams.
         let (first, handle) = ReplayBody::new(chunks(&["12345", "67890", "x"]), 8, None);
-        assert!(!handle.is_replayable());
+        assert!(handle.is_replayable());
         assert_eq!(collect(first).await.unwrap(), "1234567890x");
+        assert!(!handle.is_replayable());
+    }
+
+    /// Issue 31 item 8: an attempt that never read a body over the limit hands it whole to the
+    /// next one, what the wrapping read included.
+    #[tokio::test]
+    async fn an_unread_body_over_the_limit_goes_whole_to_the_next_attempt() {
+        let (first, handle) = ReplayBody::new(chunks(&["12345", "67890", "x"]), 8, None);
+        drop(first);
+        assert!(handle.is_replayable());
+        assert_eq!(collect(handle.replay()).await.unwrap(), "1234567890x");
+        assert!(!handle.is_replayable());
+        let (first, handle) =
+            ReplayBody::new(Known::new(&[Ok("12345"), Ok("6789")], true), 8, None);
+        drop(first);
+        assert!(handle.is_replayable(), "known too large and unread");
+        assert_eq!(collect(handle.replay()).await.unwrap(), "123456789");
     }
 
     #[tokio::test]
