@@ -19,7 +19,7 @@ use crate::budget::Budget;
 use crate::classify;
 use crate::deadline::{deadline_of, instant_after, rewrite_grpc_timeout, Timer};
 use crate::decide::{decide, Attempt, Budgets, Ended, Step, Why};
-use crate::error::RetryError;
+use crate::error::{DeadlineExceeded, RetryError};
 use crate::observe::{self, GiveUp};
 use crate::policy::{Conflict, InboundRetry, RebuildFuture};
 use crate::request::{
@@ -48,6 +48,8 @@ pub(crate) struct Call<S, B> {
     /// When the server's pushback lets the rebuilt request go (the conflict's arrival plus the
     /// pushback; the arrival alone without one). Set when a rebuild starts.
     rebuild_not_before: Option<Instant>,
+    /// Why nothing was sent, when nothing was: the answer.
+    not_sent: Option<BoxError>,
     /// The server hop this call is made from, if the handler runs in one: told when the call
     /// gives up, so the hop answers its caller "do not retry".
     hop: Option<Arc<Hop>>,
@@ -95,6 +97,14 @@ impl<S, B> Call<S, B> {
     /// The call's deadline.
     pub(crate) fn deadline(&self) -> Option<Instant> {
         self.attempt.deadline
+    }
+
+    /// Why the first attempt was not sent (the deadline had passed, or the body failed before
+    /// its first byte).
+    pub(crate) fn take_not_sent(&mut self) -> BoxError {
+        self.not_sent
+            .take()
+            .unwrap_or_else(|| DeadlineExceeded::new().into())
     }
 
     /// How long an attempt (or the wait before it) may wait for a response head.
@@ -190,20 +200,30 @@ where
         } else {
             0
         };
-        let (first_body, body) = ReplayBody::new(body, keep, content_length);
+        // Nothing is sent when the deadline has passed, or when the body failed before any
+        // byte of it was read (the server would see a request start and break off).
+        let expired = deadline.is_some_and(|d| Instant::now() >= d);
+        let wrapped = if expired {
+            Err(DeadlineExceeded::new().into())
+        } else {
+            ReplayBody::new(body, keep, content_length)
+        };
 
         let mut attempt = Attempt::first(judged.idempotent, judged.method, deadline);
         attempt.send_once = send_once;
         shared.stats.incr(Counter::Requests);
         observe::call_started();
         let span = observe::call_span(&parts, judged.grpc);
-        let expired = deadline.is_some_and(|d| Instant::now() >= d);
-        let future = if expired {
-            attempt.sent = 0;
-            None
-        } else {
-            shared.stats.incr(Counter::Attempts);
-            Some(service.call(Request::from_parts(parts, first_body)))
+        let (future, body, not_sent) = match wrapped {
+            Ok((first_body, body)) => {
+                shared.stats.incr(Counter::Attempts);
+                let future = service.call(Request::from_parts(parts, first_body));
+                (Some(future), body, None)
+            }
+            Err(e) => {
+                attempt.sent = 0;
+                (None, BodyHandle::empty(), Some(e))
+            }
         };
         let timer = Timer::for_attempt(
             deadline,
@@ -221,6 +241,7 @@ where
             generated_key: judged.generated_key,
             rebuilding: reason_code::Code::Aborted,
             rebuild_not_before: None,
+            not_sent,
             hop,
             inbound_retry_budget,
         };

@@ -50,8 +50,8 @@ pin_project! {
         // The conflict response is held until the hook decides: it is the answer if it declines.
         Rebuilding { future: RebuildFuture, response: Option<T> },
         Retrying,
-        // The deadline had passed before the first attempt: nothing was sent.
-        Expired,
+        // Nothing was sent: the deadline had passed, or the body failed before its first byte.
+        NotSent,
         Done,
     }
 }
@@ -80,7 +80,7 @@ where
         let attempt_span = observe::attempt_span(&call_span, call.grpc(), 0);
         let state = match future {
             Some(future) => State::Called { future },
-            None => State::Expired,
+            None => State::NotSent,
         };
         ResponseFuture {
             state,
@@ -219,9 +219,10 @@ where
                     *this.timer = timer;
                     this.state.set(State::Called { future });
                 }
-                StateProj::Expired => {
+                StateProj::NotSent => {
                     this.state.set(State::Done);
-                    break this.call.answer(Err(DeadlineExceeded::new().into()));
+                    let e = this.call.take_not_sent();
+                    break this.call.answer(Err(e));
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
             }

@@ -538,27 +538,38 @@ where
         if grpc {
             rewrite_grpc_timeout(&mut parts, deadline, None);
         }
-        let (first_body, body) = ReplayBody::new(body, max, None);
-        incr(&shared.stats.requests);
-        shared.budget.deposit();
-        let kept = hedged.then(|| clone_parts(&parts));
-        let first = service.call(Request::from_parts(parts, first_body));
         let (max_attempts, delay, non_fatal) = (rules.max_attempts, rules.delay, rules.non_fatal);
-        HedgeFuture {
+        incr(&shared.stats.requests);
+        let wrapped = ReplayBody::new(body, max, None);
+        let mut future = HedgeFuture {
             service,
             shared,
-            parts: kept,
-            body,
+            parts: None,
+            body: BodyHandle::empty(),
             grpc,
             deadline,
-            attempts: vec![(0, Box::pin(first))],
-            sent: 1,
+            attempts: Vec::new(),
+            sent: 0,
             max_attempts: if hedged { max_attempts } else { 1 },
             delay,
             non_fatal,
-            timer: hedged.then(|| Box::pin(tokio::time::sleep(delay))),
+            timer: None,
             last: None,
+        };
+        match wrapped {
+            Ok((first_body, body)) => {
+                future.shared.budget.deposit();
+                future.parts = hedged.then(|| clone_parts(&parts));
+                future.body = body;
+                let first = future.service.call(Request::from_parts(parts, first_body));
+                future.attempts.push((0, Box::pin(first)));
+                future.sent = 1;
+                future.timer = hedged.then(|| Box::pin(tokio::time::sleep(delay)));
+            }
+            // The body failed before its first byte: nothing is sent, its error is the answer.
+            Err(e) => future.last = Some(Err(e)),
         }
+        future
     }
 }
 

@@ -8,6 +8,7 @@ mod bodies;
 mod bounds;
 mod budget;
 mod deadline;
+mod early_read;
 mod grpc;
 mod grpc_wire;
 mod hedging;

@@ -20,13 +20,17 @@
 use std::fmt;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 
 use bytes::{Buf, Bytes};
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 
 use crate::BoxError;
+
+mod wake;
+
+use wake::{read_with_slot, WakeSlot};
 
 /// A request body that every attempt of a retried request reads from the start.
 ///
@@ -80,6 +84,12 @@ struct Kept<B> {
     trailers: Option<HeaderMap>,
     /// The newest attempt's generation; readers of older ones are cut off.
     generation: u64,
+    /// The waker the wrapping read polled with, if the original kept it: told each reader's
+    /// waker, so that the original's wake-ups reach the reader that polls it now.
+    early: Option<Arc<WakeSlot>>,
+    /// The waker of the reader that last found the original not ready: woken when that reader
+    /// is cut off, so that its transport learns at once that its attempt is abandoned.
+    parked: Option<Waker>,
 }
 
 impl<B> Kept<B> {
@@ -171,79 +181,93 @@ where
     /// Wraps `body`, keeping up to `max` bytes for replay (0: nothing is kept, and the body is
     /// replayable only until its first byte is read, that is while the request is unsent).
     /// `content_length` is the request's Content-Length header, if any. Returns the first
-    /// attempt's body and the handle the layer keeps.
+    /// attempt's body and the handle the layer keeps, or the body's error when it failed
+    /// before any byte of it was read: then nothing must be sent.
     ///
-    /// A body that may fit within `max` is polled right here with a no-op waker, while it has
-    /// frames ready and up to `max` bytes ([`EARLY_POLLS`] polls at most): a body that has all
-    /// its bytes at hand (`Full<Bytes>`, a buffered body, a tonic unary request's encoded
-    /// message) hands them over and ends, and is then replayed from those bytes by every
-    /// attempt with no shared state. What these polls read of any other body is planted into
-    /// what is kept, and the rest streams as it arrives.
+    /// A body that may fit within `max` is polled right here, while it has frames ready and up
+    /// to `max` bytes ([`EARLY_POLLS`] polls at most): a body that has all its bytes at hand
+    /// (`Full<Bytes>`, a buffered body, a tonic unary request's encoded message) hands them
+    /// over and ends, and is then replayed from those bytes by every attempt with no shared
+    /// state. What these polls read of any other body is planted into what is kept, and the
+    /// rest streams as it arrives. The polls' waker leads to the waker of whichever reader
+    /// polls the body later (see [`wake`]).
     pub(crate) fn new(
         body: B,
         max: usize,
         content_length: Option<u64>,
-    ) -> (ReplayBody<B>, BodyHandle<B>) {
+    ) -> Result<(ReplayBody<B>, BodyHandle<B>), BoxError> {
         if body.is_end_stream() {
-            return Self::empty();
+            return Ok(Self::empty());
         }
         let hint = body.size_hint();
         let mut body = Box::pin(body);
         // Made on the first frame that is not a whole body at once: most bodies never need one.
         let mut seed: Option<Seed> = None;
+        let mut early = None;
         // Nothing kept: the body must stay unread until it is sent (see above).
         if max > 0 && hint.lower() <= max as u64 {
-            // A no-op waker: a body that is not ready consumed nothing, and the transport's
-            // first poll registers its own waker.
-            let mut cx = Context::from_waker(std::task::Waker::noop());
-            let mut read = 0;
-            for _ in 0..EARLY_POLLS {
-                if read > max {
-                    break;
-                }
-                match body.as_mut().poll_frame(&mut cx) {
-                    Poll::Pending => break,
-                    Poll::Ready(None) => {
-                        seed.get_or_insert_default().ended = true;
+            // The waker of a slot that each reader later points at its own (see `wake`).
+            let (whole, slot) = read_with_slot(|cx| {
+                let mut read = 0;
+                for _ in 0..EARLY_POLLS {
+                    if read > max {
                         break;
                     }
-                    Poll::Ready(Some(Err(e))) => {
-                        seed.get_or_insert_default().error = Some(e.into());
-                        break;
-                    }
-                    Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                        Ok(mut data) => {
-                            let chunk = data.copy_to_bytes(data.remaining());
-                            let last = body.is_end_stream();
-                            // The common case, a whole body in one frame, at once.
-                            if last
-                                && seed.is_none()
-                                && chunk.len() <= max
-                                && hint.exact().is_none_or(|n| n == chunk.len() as u64)
-                            {
-                                return Self::whole(chunk);
-                            }
-                            read += chunk.len();
-                            let seed = seed.get_or_insert_default();
-                            seed.push(chunk);
-                            if last {
-                                seed.ended = true;
-                                break;
-                            }
-                        }
-                        Err(frame) => {
-                            // Trailers end a body; an unknown frame kind is skipped, as the
-                            // readers skip it.
-                            let seed = seed.get_or_insert_default();
-                            seed.trailers = frame.into_trailers().ok();
-                            seed.ended = seed.trailers.is_some();
+                    match body.as_mut().poll_frame(cx) {
+                        Poll::Pending => break,
+                        Poll::Ready(None) => {
+                            seed.get_or_insert_default().ended = true;
                             break;
                         }
-                    },
+                        Poll::Ready(Some(Err(e))) => {
+                            seed.get_or_insert_default().error = Some(e.into());
+                            break;
+                        }
+                        Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                            Ok(mut data) => {
+                                let chunk = data.copy_to_bytes(data.remaining());
+                                let last = body.is_end_stream();
+                                // The common case, a whole body in one frame, at once.
+                                if last
+                                    && seed.is_none()
+                                    && chunk.len() <= max
+                                    && hint.exact().is_none_or(|n| n == chunk.len() as u64)
+                                {
+                                    return Some(Self::whole(chunk));
+                                }
+                                read += chunk.len();
+                                let seed = seed.get_or_insert_default();
+                                seed.push(chunk);
+                                if last {
+                                    seed.ended = true;
+                                    break;
+                                }
+                            }
+                            Err(frame) => {
+                                // Trailers end a body; an unknown frame kind is skipped, as the
+                                // readers skip it.
+                                let seed = seed.get_or_insert_default();
+                                seed.trailers = frame.into_trailers().ok();
+                                seed.ended = seed.trailers.is_some();
+                                break;
+                            }
+                        },
+                    }
                 }
+                None
+            });
+            if let Some(whole) = whole {
+                return Ok(whole);
             }
+            early = slot;
             if let Some(whole) = seed.as_mut().and_then(|s| s.whole(hint.exact(), max)) {
-                return whole.map_or_else(Self::empty, Self::whole);
+                return Ok(whole.map_or_else(Self::empty, Self::whole));
+            }
+            // Failed before a byte was read: nothing must be sent.
+            if let Some(s) = seed.as_mut().filter(|s| s.first.is_none()) {
+                if let Some(e) = s.error.take() {
+                    return Err(e);
+                }
             }
         }
         // A body known to exceed the limit is never kept (unless nothing is kept at all: then
@@ -263,6 +287,8 @@ where
             ended: false,
             trailers: None,
             generation: 0,
+            early,
+            parked: None,
         };
         if let Some(seed) = seed {
             seed.plant(&mut kept);
@@ -276,12 +302,12 @@ where
                 trailers_sent: false,
             },
         };
-        (
+        Ok((
             first,
             BodyHandle {
                 kind: Handle::Shared(shared),
             },
-        )
+        ))
     }
 
     fn empty() -> (ReplayBody<B>, BodyHandle<B>) {
@@ -386,6 +412,13 @@ impl Seed {
 }
 
 impl<B> BodyHandle<B> {
+    /// The handle of a call that sends no body at all.
+    pub(crate) fn empty() -> Self {
+        BodyHandle {
+            kind: Handle::Empty,
+        }
+    }
+
     /// True when another attempt can carry the whole body: every byte read from the original
     /// so far is still kept. A body over the limit qualifies while nothing of it was read (or
     /// what the wrapping read is still there): a request that was never sent can be retried
@@ -404,7 +437,16 @@ impl<B> BodyHandle<B> {
     /// of reading (or keeping) anything of the original body.
     pub(crate) fn cut_off(&self) {
         if let Handle::Shared(shared) = &self.kind {
-            lock(shared).generation += 1;
+            let parked = {
+                let mut s = lock(shared);
+                s.generation += 1;
+                s.parked.take()
+            };
+            // The reader that waits for the original is now cut off: its transport must poll
+            // it again to learn so (and abandon its attempt).
+            if let Some(w) = parked {
+                w.wake();
+            }
         }
     }
 
@@ -419,11 +461,14 @@ impl<B> BodyHandle<B> {
                 inner: Inner::Fixed(Some(bytes.clone())),
             },
             Handle::Shared(shared) => {
-                let generation = {
+                let (generation, parked) = {
                     let mut s = lock(shared);
                     s.generation += 1;
-                    s.generation
+                    (s.generation, s.parked.take())
                 };
+                if let Some(w) = parked {
+                    w.wake();
+                }
                 ReplayBody {
                     inner: Inner::Shared {
                         shared: shared.clone(),
@@ -511,7 +556,17 @@ where
             return Poll::Ready(None);
         };
         match body.as_mut().poll_frame(cx) {
-            Poll::Pending => Poll::Pending,
+            Poll::Pending => {
+                // The original's wake-ups must reach this reader, and a newer attempt must be
+                // able to wake it to cut it off.
+                if let Some(slot) = &s.early {
+                    slot.forward_to(cx.waker());
+                }
+                if !s.parked.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                    s.parked = Some(cx.waker().clone());
+                }
+                Poll::Pending
+            }
             Poll::Ready(None) => {
                 s.finish();
                 *trailers_sent = true;
@@ -636,6 +691,18 @@ mod tests {
     use super::*;
     use http_body_util::{BodyExt, StreamBody};
 
+    /// Wraps a body that does not fail at wrap time.
+    fn wrap<B>(body: B, max: usize, content_length: Option<u64>) -> (ReplayBody<B>, BodyHandle<B>)
+    where
+        B: Body,
+        B::Error: Into<BoxError>,
+    {
+        match ReplayBody::new(body, max, content_length) {
+            Ok(wrapped) => wrapped,
+            Err(e) => panic!("the body failed at wrap time: {e}"),
+        }
+    }
+
     fn chunks(
         parts: &'static [&'static str],
     ) -> StreamBody<impl futures_util::Stream<Item = Result<Frame<Bytes>, BoxError>>> {
@@ -656,8 +723,7 @@ mod tests {
 
     #[tokio::test]
     async fn replays_a_streaming_body_byte_for_byte() {
-        let (first, handle) =
-            ReplayBody::new(chunks(&["hello ", "streaming ", "world"]), 1024, None);
+        let (first, handle) = wrap(chunks(&["hello ", "streaming ", "world"]), 1024, None);
         assert_eq!(collect(first).await.unwrap(), "hello streaming world");
         assert!(handle.is_replayable());
         assert_eq!(
@@ -673,8 +739,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_retry_continues_where_the_first_attempt_stopped() {
-        let (mut first, handle) =
-            ReplayBody::new(Known::paused(&[Ok("a"), Ok("b"), Ok("c")]), 1024, None);
+        let (mut first, handle) = wrap(Known::paused(&[Ok("a"), Ok("b"), Ok("c")]), 1024, None);
         let frame = first.frame().await.unwrap().unwrap();
         assert_eq!(frame.into_data().unwrap(), "a");
         drop(first);
@@ -684,7 +749,7 @@ mod tests {
 
     #[tokio::test]
     async fn over_the_limit_is_streamed_whole_and_not_replayable() {
-        let (first, handle) = ReplayBody::new(chunks(&["12345", "67890", "x"]), 8, None);
+        let (first, handle) = wrap(chunks(&["12345", "67890", "x"]), 8, None);
         assert_eq!(collect(first).await.unwrap(), "1234567890x");
         assert!(!handle.is_replayable());
         let err = collect(handle.replay()).await.unwrap_err();
@@ -693,11 +758,10 @@ mod tests {
 
     #[tokio::test]
     async fn empty_and_known_large_bodies() {
-        let (first, handle) = ReplayBody::new(http_body_util::Empty::<Bytes>::new(), 8, None);
+        let (first, handle) = wrap(http_body_util::Empty::<Bytes>::new(), 8, None);
         assert!(first.is_end_stream());
         assert!(handle.is_replayable());
-        let (first, handle) =
-            ReplayBody::new(http_body_util::Full::new(Bytes::from(vec![0; 9])), 8, None);
+        let (first, handle) = wrap(http_body_util::Full::new(Bytes::from(vec![0; 9])), 8, None);
         assert_eq!(first.size_hint().exact(), Some(9));
         assert!(
             handle.is_replayable(),
@@ -767,7 +831,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_whole_body_at_hand_is_taken_once_and_shared_by_nothing() {
-        let (first, handle) = ReplayBody::new(
+        let (first, handle) = wrap(
             http_body_util::Full::new(Bytes::from_static(b"order")),
             8,
             None,
@@ -793,7 +857,7 @@ mod tests {
             &["or", "der"][..],
             &["o", "r", "d", "e", "r"][..],
         ] {
-            let (mut first, handle) = ReplayBody::new(chunks(parts), 8, None);
+            let (mut first, handle) = wrap(chunks(parts), 8, None);
             assert!(matches!(handle.kind, Handle::Whole(_)), "{parts:?}");
             assert_eq!(first.size_hint().exact(), Some(5));
             let frame = first.frame().await.unwrap().unwrap();
@@ -804,8 +868,7 @@ mod tests {
             assert_eq!(collect(handle.replay()).await.unwrap(), "order");
         }
         // The first frame is read at wrap time, the others stream.
-        let (first, handle) =
-            ReplayBody::new(Known::paused(&[Ok("o"), Ok("r"), Ok("der")]), 8, None);
+        let (first, handle) = wrap(Known::paused(&[Ok("o"), Ok("r"), Ok("der")]), 8, None);
         assert!(matches!(handle.kind, Handle::Shared(_)));
         assert_eq!(collect(first).await.unwrap(), "order");
         assert_eq!(handle.complete_bytes().unwrap(), "order");
@@ -817,7 +880,7 @@ mod tests {
     /// sent it may still hand it to the next one).
     #[tokio::test]
     async fn a_body_read_past_the_limit_at_wrap_time_is_sent_once_whole() {
-        let (first, handle) = ReplayBody::new(chunks(&["123456789"]), 8, None);
+        let (first, handle) = wrap(chunks(&["123456789"]), 8, None);
         assert!(matches!(handle.kind, Handle::Shared(_)));
         assert!(handle.is_replayable(), "what the wrapping read is all kept");
         assert_eq!(first.size_hint().lower(), 9);
@@ -832,7 +895,7 @@ mod tests {
             _ => unreachable!(),
         }
         // Two frames read at wrap time, the second past the limit, the third streams.
-        let (first, handle) = ReplayBody::new(chunks(&["12345", "67890", "x"]), 8, None);
+        let (first, handle) = wrap(chunks(&["12345", "67890", "x"]), 8, None);
         assert!(handle.is_replayable());
         assert_eq!(collect(first).await.unwrap(), "1234567890x");
         assert!(!handle.is_replayable());
@@ -842,13 +905,12 @@ mod tests {
     /// next one, what the wrapping read included.
     #[tokio::test]
     async fn an_unread_body_over_the_limit_goes_whole_to_the_next_attempt() {
-        let (first, handle) = ReplayBody::new(chunks(&["12345", "67890", "x"]), 8, None);
+        let (first, handle) = wrap(chunks(&["12345", "67890", "x"]), 8, None);
         drop(first);
         assert!(handle.is_replayable());
         assert_eq!(collect(handle.replay()).await.unwrap(), "1234567890x");
         assert!(!handle.is_replayable());
-        let (first, handle) =
-            ReplayBody::new(Known::new(&[Ok("12345"), Ok("6789")], true), 8, None);
+        let (first, handle) = wrap(Known::new(&[Ok("12345"), Ok("6789")], true), 8, None);
         drop(first);
         assert!(handle.is_replayable(), "known too large and unread");
         assert_eq!(collect(handle.replay()).await.unwrap(), "123456789");
@@ -856,7 +918,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_known_size_body_not_at_hand_streams_as_before() {
-        let (first, handle) = ReplayBody::new(Known::new(&[Ok("ab"), Ok("cd")], true), 8, None);
+        let (first, handle) = wrap(Known::new(&[Ok("ab"), Ok("cd")], true), 8, None);
         assert!(matches!(handle.kind, Handle::Shared(_)));
         assert_eq!(collect(first).await.unwrap(), "abcd");
         assert_eq!(collect(handle.replay()).await.unwrap(), "abcd");
@@ -864,7 +926,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_first_frame_read_at_wrap_time_is_the_first_attempts_first_frame() {
-        let (first, handle) = ReplayBody::new(Known::paused(&[Ok("ab"), Ok("cd")]), 8, None);
+        let (first, handle) = wrap(Known::paused(&[Ok("ab"), Ok("cd")]), 8, None);
         assert!(matches!(handle.kind, Handle::Shared(_)));
         assert_eq!(first.size_hint().exact(), Some(4));
         assert!(handle.complete_bytes().is_none(), "half of it read");
@@ -874,8 +936,13 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_body_that_fails_at_wrap_time_gives_the_first_attempt_its_error() {
-        let (first, handle) = ReplayBody::new(Known::new(&[Err("disk gone")], false), 8, None);
+    async fn a_body_that_fails_at_wrap_time_is_not_sent() {
+        let err = ReplayBody::new(Known::new(&[Err("disk gone")], false), 8, None)
+            .err()
+            .expect("failed before its first byte: nothing to send");
+        assert_eq!(err.to_string(), "disk gone");
+        // After a first chunk, the error goes to the first attempt, which has started sending.
+        let (first, handle) = wrap(Known::new(&[Ok("ab"), Err("disk gone")], false), 8, None);
         assert!(!handle.is_replayable());
         let err = collect(first).await.unwrap_err();
         assert_eq!(err.to_string(), "disk gone");
@@ -883,9 +950,35 @@ mod tests {
         assert!(err.is::<BodyNotReplayable>());
     }
 
+    /// Issue 31 item 16: a reader waiting for the original is woken when a newer attempt cuts
+    /// it off, so that its transport abandons the attempt now rather than at the original's
+    /// next frame (which may never come).
+    #[tokio::test]
+    async fn a_reader_cut_off_while_waiting_is_woken() {
+        for cut in ["cut_off", "replay"] {
+            let (_tx, body) = channel_body();
+            let (mut stale, handle) = wrap(body, 64, None);
+            let (stale_flag, stale_waker) = flag();
+            assert!(poll(&mut stale, &stale_waker).is_pending());
+            assert!(!woken(&stale_flag));
+            let _live = match cut {
+                "cut_off" => {
+                    handle.cut_off();
+                    None
+                }
+                _ => Some(handle.replay()),
+            };
+            assert!(woken(&stale_flag), "{cut}");
+            assert!(matches!(
+                poll(&mut stale, &stale_waker),
+                Poll::Ready(Some(Err(_)))
+            ));
+        }
+    }
+
     #[tokio::test]
     async fn keeping_nothing_is_replayable_only_until_the_first_byte_is_read() {
-        let (first, handle) = ReplayBody::new(
+        let (first, handle) = wrap(
             http_body_util::Full::new(Bytes::from_static(b"order")),
             0,
             None,
@@ -907,7 +1000,7 @@ mod tests {
 
     #[tokio::test]
     async fn exact_size_hint_on_replay() {
-        let (first, handle) = ReplayBody::new(
+        let (first, handle) = wrap(
             http_body_util::Full::new(Bytes::from_static(b"abcd")),
             8,
             None,
@@ -965,7 +1058,7 @@ mod tests {
     #[tokio::test]
     async fn complete_as_soon_as_the_last_data_frame_is_produced() {
         // hyper stops after a frame once is_end_stream() is true: None is never polled.
-        let (mut first, handle) = ReplayBody::new(
+        let (mut first, handle) = wrap(
             http_body_util::Full::new(Bytes::from_static(b"{}")),
             64,
             None,
@@ -981,8 +1074,7 @@ mod tests {
     #[tokio::test]
     async fn complete_once_the_declared_length_is_read() {
         // A streaming body sent with Content-Length: hyper stops after that many bytes.
-        let (mut first, handle) =
-            ReplayBody::new(Known::paused(&[Ok("ab"), Ok("cd")]), 64, Some(4));
+        let (mut first, handle) = wrap(Known::paused(&[Ok("ab"), Ok("cd")]), 64, Some(4));
         first.frame().await.unwrap().unwrap();
         assert!(handle.complete_bytes().is_none(), "2 of 4 bytes");
         first.frame().await.unwrap().unwrap();
@@ -996,7 +1088,7 @@ mod tests {
             Ok(Frame::data(Bytes::from_static(b"chunk-2"))),
             Ok(Frame::trailers(trailers())),
         ];
-        let (mut first, handle) = ReplayBody::new(
+        let (mut first, handle) = wrap(
             StreamBody::new(futures_util::stream::iter(frames)),
             64,
             None,
@@ -1027,7 +1119,7 @@ mod tests {
     #[tokio::test]
     async fn a_stale_reader_cannot_steal_the_live_readers_wake_up() {
         let (tx, body) = channel_body();
-        let (mut stale, handle) = ReplayBody::new(body, 64, None);
+        let (mut stale, handle) = wrap(body, 64, None);
         let (_, w0) = flag();
         tx.send(Ok(Frame::data(Bytes::from_static(b"a")))).unwrap();
         assert!(matches!(poll(&mut stale, &w0), Poll::Ready(Some(Ok(_)))));
@@ -1061,7 +1153,7 @@ mod tests {
     #[tokio::test]
     async fn a_stale_reader_crossing_the_limit_does_not_spoil_the_replay() {
         let (tx, body) = channel_body();
-        let (mut stale, handle) = ReplayBody::new(body, 4, None);
+        let (mut stale, handle) = wrap(body, 4, None);
         let (_, w) = flag();
         tx.send(Ok(Frame::data(Bytes::from_static(b"ab")))).unwrap();
         assert!(matches!(poll(&mut stale, &w), Poll::Ready(Some(Ok(_)))));
