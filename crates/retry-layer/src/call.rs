@@ -206,7 +206,7 @@ where
         let wrapped = if expired {
             Err(DeadlineExceeded::new().into())
         } else {
-            ReplayBody::new(body, keep, content_length)
+            ReplayBody::new(body, keep, content_length, &shared.replay_memory)
         };
 
         let mut attempt = Attempt::first(judged.idempotent, judged.method, deadline);

@@ -63,11 +63,11 @@ use tokio::time::{Instant, Sleep};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::body::{BodyHandle, ReplayBody};
+use crate::body::{BodyHandle, ReplayBody, ReplayMemory};
 use crate::budget::{Budget, BudgetChoice};
 use crate::classify::{self, PushbackHint};
 use crate::deadline::{deadline_of, rewrite_grpc_timeout};
-use crate::policy::{GrpcMethods, InvalidPolicy, MAX_DURATION};
+use crate::policy::{GrpcMethods, InvalidPolicy, DEFAULT_MAX_REPLAY_BYTES_TOTAL, MAX_DURATION};
 use crate::request::{
     clone_parts, is_idempotent_method, remove_attempt_headers, write_previous_attempts,
 };
@@ -440,6 +440,8 @@ struct Shared {
     policy: HedgePolicy,
     budget: Arc<dyn Budget>,
     stats: Counters,
+    /// Request-body bytes kept for hedges (a retry layer's, shared by `hedge_layer`).
+    replay_memory: Arc<ReplayMemory>,
 }
 
 /// Hedges idempotent requests: see the [module docs](self).
@@ -457,6 +459,7 @@ impl HedgeLayer {
                 policy,
                 budget,
                 stats: Counters::default(),
+                replay_memory: Arc::new(ReplayMemory::new(DEFAULT_MAX_REPLAY_BYTES_TOTAL)),
             }),
         }
     }
@@ -483,6 +486,7 @@ impl RetryLayer {
                 policy,
                 budget: self.shared().budget.clone(),
                 stats: Counters::default(),
+                replay_memory: self.shared().replay_memory.clone(),
             }),
         }
     }
@@ -524,7 +528,7 @@ where
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let clone = self.inner.clone();
-        let mut service = std::mem::replace(&mut self.inner, clone);
+        let service = std::mem::replace(&mut self.inner, clone);
         let shared = self.shared.clone();
         let policy = &shared.policy;
         let (mut parts, body) = req.into_parts();
@@ -540,7 +544,7 @@ where
         }
         let (max_attempts, delay, non_fatal) = (rules.max_attempts, rules.delay, rules.non_fatal);
         incr(&shared.stats.requests);
-        let wrapped = ReplayBody::new(body, max, None);
+        let wrapped = ReplayBody::new(body, max, None, &shared.replay_memory);
         let mut future = HedgeFuture {
             service,
             shared,

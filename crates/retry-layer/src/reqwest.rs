@@ -77,7 +77,7 @@ impl RetryMiddleware {
 
     /// Counters since the middleware was made (shared with the layer it was made from, if any).
     pub fn stats(&self) -> RetryStats {
-        self.shared.stats.snapshot()
+        self.shared.snapshot()
     }
 
     /// The policy the middleware applies.

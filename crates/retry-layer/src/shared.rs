@@ -2,10 +2,11 @@
 
 use std::sync::Arc;
 
+use crate::body::ReplayMemory;
 use crate::budget::{Budget, TokenBucket, TpsBudget};
 use crate::observe::WarnSummary;
 use crate::policy::{InboundRetry, RetryPolicy};
-use crate::stats::Counters;
+use crate::stats::{Counters, RetryStats};
 
 /// The policy (plain settings, never changed after the layer is made), the retry budget and the
 /// counters. A [`RetryLayer`](crate::RetryLayer) makes one in `new()`; cloning the layer or a
@@ -20,11 +21,20 @@ pub(crate) struct Shared {
     /// The budget of calls made under an inbound retry, with [`InboundRetry::Budget`].
     pub(crate) inbound_retry_budget: Option<Arc<dyn Budget>>,
     pub(crate) stats: Counters,
+    /// The request-body bytes kept for replay by every call, within `max_replay_bytes_total`.
+    pub(crate) replay_memory: Arc<ReplayMemory>,
     /// The layer's rate-limited WARN summary of give-ups and budget refusals.
     pub(crate) warnings: WarnSummary,
 }
 
 impl Shared {
+    /// The counters, and the bytes kept for replay now.
+    pub(crate) fn snapshot(&self) -> RetryStats {
+        let mut stats = self.stats.snapshot();
+        stats.replay_bytes = self.replay_memory.used() as u64;
+        stats
+    }
+
     /// The shared state of a new layer: the budget the policy describes, counters at zero.
     pub(crate) fn new(policy: RetryPolicy) -> Self {
         Shared {
@@ -40,6 +50,7 @@ impl Shared {
                 )),
                 _ => None,
             },
+            replay_memory: Arc::new(ReplayMemory::new(policy.max_replay_bytes_total)),
             policy,
             stats: Counters::default(),
             warnings: WarnSummary::default(),

@@ -28,8 +28,11 @@ use http_body::{Body, Frame, SizeHint};
 
 use crate::BoxError;
 
+mod memory;
 mod wake;
 
+use memory::Charge;
+pub(crate) use memory::ReplayMemory;
 use wake::{read_with_slot, WakeSlot};
 
 /// A request body that every attempt of a retried request reads from the start.
@@ -44,8 +47,10 @@ pub struct ReplayBody<B> {
 enum Inner<B> {
     /// The original body had ended before it was wrapped.
     Empty,
-    /// Bytes a rebuild hook supplied.
+    /// Bytes a rebuild hook supplied, or the whole body read at wrap time.
     Fixed(Option<Bytes>),
+    /// A retry of a body that was not kept (never sent: the layer checks first).
+    NotReplayable,
     /// One attempt's view of the shared original.
     Shared {
         shared: Arc<Mutex<Kept<B>>>,
@@ -84,6 +89,16 @@ struct Kept<B> {
     trailers: Option<HeaderMap>,
     /// The newest attempt's generation; readers of older ones are cut off.
     generation: u64,
+    /// How far the newest attempt's reader got in `chunks` (`usize::MAX` once it is dropped).
+    live_next: usize,
+    /// `chunks` before this index were freed (after the handle went).
+    freed: usize,
+    /// The layer's handle is gone (the call has its answer): no attempt will replay the body
+    /// any more, so nothing more is kept and what the newest reader has read is freed.
+    released: bool,
+    /// The share of the layer's `max_replay_bytes_total` that `chunks` hold; `None` once
+    /// nothing is kept (over a limit, or nothing to keep).
+    charge: Option<Charge>,
     /// The waker the wrapping read polled with, if the original kept it: told each reader's
     /// waker, so that the original's wake-ups reach the reader that polls it now.
     early: Option<Arc<WakeSlot>>,
@@ -96,6 +111,46 @@ impl<B> Kept<B> {
     fn finish(&mut self) {
         self.body = None;
         self.ended = true;
+    }
+
+    /// Keeps a chunk just read, if it fits both limits; past either, nothing is kept any
+    /// longer and the body is not replayable.
+    fn keep(&mut self, chunk: &Bytes) {
+        if self.capped || self.released {
+            return;
+        }
+        let fits = self.kept_bytes + chunk.len() <= self.max
+            && self.charge.as_mut().is_some_and(|c| c.take(chunk.len()));
+        if fits {
+            self.kept_bytes += chunk.len();
+            self.chunks.push(chunk.clone());
+        } else {
+            self.cap();
+        }
+    }
+
+    /// Nothing is kept from now on; what is kept goes (its share of the layer's memory too).
+    fn cap(&mut self) {
+        self.capped = true;
+        self.chunks = Vec::new();
+        self.charge = None;
+    }
+
+    /// After the handle is gone: frees the chunks the newest reader has read.
+    fn free_read(&mut self) {
+        if !self.released {
+            return;
+        }
+        let upto = self.live_next.min(self.chunks.len());
+        let mut freed = 0;
+        for chunk in self.chunks.get_mut(self.freed..upto).into_iter().flatten() {
+            freed += chunk.len();
+            *chunk = Bytes::new();
+        }
+        self.freed = self.freed.max(upto);
+        if let Some(charge) = self.charge.as_mut() {
+            charge.give_back(freed);
+        }
     }
 
     /// True when every data byte of the original has been read and kept.
@@ -111,8 +166,10 @@ pub struct BodyNotReplayable;
 impl fmt::Display for BodyNotReplayable {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(
-            "request body exceeded max_replay_bytes and cannot be replayed; \
-             raise RetryPolicyBuilder::max_replay_bytes to retry such requests",
+            "the request body was not kept for replay: it exceeded max_replay_bytes, or the \
+             layer's max_replay_bytes_total was in use by other calls; raise \
+             RetryPolicyBuilder::max_replay_bytes (or max_replay_bytes_total) to retry such \
+             requests",
         )
     }
 }
@@ -134,11 +191,29 @@ impl fmt::Display for Superseded {
 
 impl std::error::Error for Superseded {}
 
+impl<B> Drop for ReplayBody<B> {
+    /// The newest attempt's reader is done: once the handle is gone too, nothing it kept is
+    /// needed.
+    fn drop(&mut self) {
+        if let Inner::Shared {
+            shared, generation, ..
+        } = &self.inner
+        {
+            let mut s = lock(shared);
+            if *generation == s.generation {
+                s.live_next = usize::MAX;
+                s.free_read();
+            }
+        }
+    }
+}
+
 impl<B> fmt::Debug for ReplayBody<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let kind = match &self.inner {
             Inner::Empty => "empty",
             Inner::Fixed(_) => "fixed",
+            Inner::NotReplayable => "not replayable",
             Inner::Shared { .. } => "shared",
         };
         f.debug_struct("ReplayBody").field("kind", &kind).finish()
@@ -155,10 +230,30 @@ enum Handle<B> {
     /// No bytes: every attempt's body is empty.
     Empty,
     /// The whole body, read when it was wrapped: every attempt gets these bytes (no lock, no
-    /// shared state, nothing to cut off).
-    Whole(Bytes),
+    /// shared state, nothing to cut off), and their share of the layer's memory.
+    Whole {
+        bytes: Bytes,
+        /// Held for its drop: the share is given back when the call ends.
+        _charge: Charge,
+    },
     /// The original, read by the attempts as it streams.
     Shared(Arc<Mutex<Kept<B>>>),
+    /// The whole body was read when it was wrapped, but the layer's `max_replay_bytes_total`
+    /// could not hold a copy: sent once.
+    Spent,
+}
+
+impl<B> Drop for BodyHandle<B> {
+    /// The call has its answer: no attempt will replay the body. A transport may go on
+    /// reading it (a client stream, h2 after an early answer); from now on nothing more is
+    /// kept, and what its reader has read is freed.
+    fn drop(&mut self) {
+        if let Handle::Shared(shared) = &self.kind {
+            let mut s = lock(shared);
+            s.released = true;
+            s.free_read();
+        }
+    }
 }
 
 /// `chunks` (`len` bytes in all) in one `Bytes`.
@@ -195,6 +290,7 @@ where
         body: B,
         max: usize,
         content_length: Option<u64>,
+        memory: &Arc<ReplayMemory>,
     ) -> Result<(ReplayBody<B>, BodyHandle<B>), BoxError> {
         if body.is_end_stream() {
             return Ok(Self::empty());
@@ -233,7 +329,7 @@ where
                                     && chunk.len() <= max
                                     && hint.exact().is_none_or(|n| n == chunk.len() as u64)
                                 {
-                                    return Some(Self::whole(chunk));
+                                    return Some(Self::whole(chunk, memory));
                                 }
                                 read += chunk.len();
                                 let seed = seed.get_or_insert_default();
@@ -261,7 +357,7 @@ where
             }
             early = slot;
             if let Some(whole) = seed.as_mut().and_then(|s| s.whole(hint.exact(), max)) {
-                return Ok(whole.map_or_else(Self::empty, Self::whole));
+                return Ok(whole.map_or_else(Self::empty, |b| Self::whole(b, memory)));
             }
             // Failed before a byte was read: nothing must be sent.
             if let Some(s) = seed.as_mut().filter(|s| s.first.is_none()) {
@@ -287,6 +383,12 @@ where
             ended: false,
             trailers: None,
             generation: 0,
+            live_next: 0,
+            freed: 0,
+            released: false,
+            charge: (max > 0 && !capped)
+                .then(|| Charge::of(memory, 0))
+                .flatten(),
             early,
             parked: None,
         };
@@ -321,16 +423,22 @@ where
         )
     }
 
-    /// A body read whole at wrap time: every attempt sends `bytes`.
+    /// A body read whole at wrap time: every attempt sends `bytes`, if the layer's memory
+    /// holds a copy; else it is sent once.
     #[inline]
-    fn whole(bytes: Bytes) -> (ReplayBody<B>, BodyHandle<B>) {
+    fn whole(bytes: Bytes, memory: &Arc<ReplayMemory>) -> (ReplayBody<B>, BodyHandle<B>) {
+        let kind = match Charge::of(memory, bytes.len()) {
+            Some(charge) => Handle::Whole {
+                bytes: bytes.clone(),
+                _charge: charge,
+            },
+            None => Handle::Spent,
+        };
         (
             ReplayBody {
-                inner: Inner::Fixed(Some(bytes.clone())),
+                inner: Inner::Fixed(Some(bytes)),
             },
-            BodyHandle {
-                kind: Handle::Whole(bytes),
-            },
+            BodyHandle { kind },
         )
     }
 
@@ -388,14 +496,19 @@ impl Seed {
     fn plant<B: Body>(self, s: &mut Kept<B>) {
         for chunk in self.first.into_iter().chain(self.more) {
             // The first attempt reads these from what is kept, so they are kept even past
-            // `max`; past it, the body is not replayable, and the first attempt's reader drops
-            // them once it has read them.
+            // `max` or the layer's memory; past either, the body is not replayable (and holds
+            // no share of the memory), and the first attempt's reader drops them once it has
+            // read them.
             s.read += 1;
             s.read_bytes += chunk.len() as u64;
             s.kept_bytes += chunk.len();
+            let charged = !s.capped
+                && s.kept_bytes <= s.max
+                && s.charge.as_mut().is_some_and(|c| c.take(chunk.len()));
             s.chunks.push(chunk);
-            if s.kept_bytes > s.max {
+            if !charged {
                 s.capped = true;
+                s.charge = None;
             }
         }
         if let Some(trailers) = self.trailers {
@@ -425,7 +538,8 @@ impl<B> BodyHandle<B> {
     /// whatever its size.
     pub(crate) fn is_replayable(&self) -> bool {
         match &self.kind {
-            Handle::Empty | Handle::Whole(_) => true,
+            Handle::Empty | Handle::Whole { .. } => true,
+            Handle::Spent => false,
             Handle::Shared(shared) => {
                 let s = lock(shared);
                 !s.failed && (!s.capped || s.chunks.len() == s.read)
@@ -457,13 +571,17 @@ impl<B> BodyHandle<B> {
             Handle::Empty => ReplayBody {
                 inner: Inner::Empty,
             },
-            Handle::Whole(bytes) => ReplayBody {
+            Handle::Whole { bytes, .. } => ReplayBody {
                 inner: Inner::Fixed(Some(bytes.clone())),
+            },
+            Handle::Spent => ReplayBody {
+                inner: Inner::NotReplayable,
             },
             Handle::Shared(shared) => {
                 let (generation, parked) = {
                     let mut s = lock(shared);
                     s.generation += 1;
+                    s.live_next = 0;
                     (s.generation, s.parked.take())
                 };
                 if let Some(w) = parked {
@@ -485,7 +603,8 @@ impl<B> BodyHandle<B> {
     pub(crate) fn complete_bytes(&self) -> Option<Bytes> {
         let shared = match &self.kind {
             Handle::Empty => return Some(Bytes::new()),
-            Handle::Whole(bytes) => return Some(bytes.clone()),
+            Handle::Whole { bytes, .. } => return Some(bytes.clone()),
+            Handle::Spent => return None,
             Handle::Shared(shared) => shared,
         };
         let s = lock(shared);
@@ -516,6 +635,7 @@ where
         let (shared, generation, next, trailers_sent) = match &mut this.inner {
             Inner::Empty => return Poll::Ready(None),
             Inner::Fixed(bytes) => return Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+            Inner::NotReplayable => return Poll::Ready(Some(Err(BodyNotReplayable.into()))),
             Inner::Shared {
                 shared,
                 generation,
@@ -536,8 +656,11 @@ where
                 return Poll::Ready(Some(Err(BodyNotReplayable.into())));
             };
             *next += 1;
+            s.live_next = *next;
             if s.capped && *next == s.chunks.len() {
                 s.chunks = Vec::new();
+            } else {
+                s.free_read();
             }
             return Poll::Ready(Some(Ok(Frame::data(chunk))));
         }
@@ -586,13 +709,8 @@ where
                     s.read += 1;
                     s.read_bytes += chunk.len() as u64;
                     *next += 1;
-                    if !s.capped && s.kept_bytes + chunk.len() <= s.max {
-                        s.kept_bytes += chunk.len();
-                        s.chunks.push(chunk.clone());
-                    } else if !s.capped {
-                        s.capped = true;
-                        s.chunks = Vec::new();
-                    }
+                    s.keep(&chunk);
+                    s.live_next = *next;
                     if last {
                         s.finish();
                         *trailers_sent = true;
@@ -622,6 +740,7 @@ where
         match &self.inner {
             Inner::Empty => true,
             Inner::Fixed(b) => b.is_none(),
+            Inner::NotReplayable => false,
             Inner::Shared {
                 shared,
                 generation,
@@ -649,6 +768,7 @@ where
         match &self.inner {
             Inner::Empty => SizeHint::with_exact(0),
             Inner::Fixed(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
+            Inner::NotReplayable => SizeHint::new(),
             Inner::Shared {
                 shared,
                 next,
@@ -691,13 +811,18 @@ mod tests {
     use super::*;
     use http_body_util::{BodyExt, StreamBody};
 
+    /// A layer's memory with room for every test.
+    fn memory() -> Arc<ReplayMemory> {
+        Arc::new(ReplayMemory::new(1 << 20))
+    }
+
     /// Wraps a body that does not fail at wrap time.
     fn wrap<B>(body: B, max: usize, content_length: Option<u64>) -> (ReplayBody<B>, BodyHandle<B>)
     where
         B: Body,
         B::Error: Into<BoxError>,
     {
-        match ReplayBody::new(body, max, content_length) {
+        match ReplayBody::new(body, max, content_length, &memory()) {
             Ok(wrapped) => wrapped,
             Err(e) => panic!("the body failed at wrap time: {e}"),
         }
@@ -836,7 +961,7 @@ mod tests {
             8,
             None,
         );
-        assert!(matches!(handle.kind, Handle::Whole(_)));
+        assert!(matches!(handle.kind, Handle::Whole { .. }));
         assert!(matches!(first.inner, Inner::Fixed(Some(_))));
         assert_eq!(first.size_hint().exact(), Some(5));
         assert!(handle.is_replayable());
@@ -858,7 +983,7 @@ mod tests {
             &["o", "r", "d", "e", "r"][..],
         ] {
             let (mut first, handle) = wrap(chunks(parts), 8, None);
-            assert!(matches!(handle.kind, Handle::Whole(_)), "{parts:?}");
+            assert!(matches!(handle.kind, Handle::Whole { .. }), "{parts:?}");
             assert_eq!(first.size_hint().exact(), Some(5));
             let frame = first.frame().await.unwrap().unwrap();
             assert_eq!(frame.into_data().unwrap(), "order");
@@ -937,7 +1062,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_body_that_fails_at_wrap_time_is_not_sent() {
-        let err = ReplayBody::new(Known::new(&[Err("disk gone")], false), 8, None)
+        let err = ReplayBody::new(Known::new(&[Err("disk gone")], false), 8, None, &memory())
             .err()
             .expect("failed before its first byte: nothing to send");
         assert_eq!(err.to_string(), "disk gone");

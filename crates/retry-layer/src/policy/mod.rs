@@ -33,7 +33,8 @@ pub use service_config::{GrpcRetryPolicy, GrpcRetryThrottling, StatusCodeName};
 /// | `response_head_timeout` (each attempt's wait for the response head; not sent to the server) | 60 s |
 /// | `total_timeout`, `attempt_timeout` | none |
 /// | `max_pushback` | 30 s |
-/// | `max_replay_bytes` | 64 KiB |
+/// | `max_replay_bytes` (per request) | 64 KiB |
+/// | `max_replay_bytes_total` (all calls of a layer at once) | 16 MiB |
 /// | `max_unsent_retries` | 2 |
 /// | budget | 10 % of requests over 10 s, plus 10 retries/s |
 /// | under a retry of the hop above ([`InboundRetry`]) | send once |
@@ -66,6 +67,7 @@ pub struct RetryPolicy {
     pub(crate) response_head_timeout: Duration,
     pub(crate) max_pushback: Duration,
     pub(crate) max_replay_bytes: usize,
+    pub(crate) max_replay_bytes_total: usize,
     pub(crate) max_unsent_retries: u32,
     pub(crate) reason_codes: ReasonCodes,
     pub(crate) idempotent_grpc: IdempotentGrpcMethods,
@@ -171,6 +173,10 @@ pub const MAX_DURATION: Duration = Duration::from_secs(86_400);
 /// server layer makes itself (its duplicates wait for their leader 30 s at most).
 pub const DEFAULT_RESPONSE_HEAD_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The default [`RetryPolicyBuilder::max_replay_bytes_total`]: 16 MiB, gRPC Java's default
+/// retry buffer per channel.
+pub const DEFAULT_MAX_REPLAY_BYTES_TOTAL: usize = 16 * 1024 * 1024;
+
 /// The most transparent retries ([`RetryPolicyBuilder::max_unsent_retries`]).
 pub const MAX_UNSENT_RETRIES: u32 = 10;
 
@@ -185,6 +191,7 @@ impl Default for RetryPolicy {
             response_head_timeout: DEFAULT_RESPONSE_HEAD_TIMEOUT,
             max_pushback: Duration::from_secs(30),
             max_replay_bytes: 64 * 1024,
+            max_replay_bytes_total: DEFAULT_MAX_REPLAY_BYTES_TOTAL,
             max_unsent_retries: 2,
             reason_codes: ReasonCodes::default(),
             idempotent_grpc: IdempotentGrpcMethods::default(),
@@ -455,9 +462,21 @@ impl RetryPolicyBuilder {
         self
     }
 
-    /// The most request-body bytes kept for replay; larger bodies are sent once.
+    /// The most request-body bytes kept for replay per request; larger bodies are sent once.
     pub fn max_replay_bytes(mut self, n: usize) -> Self {
         self.policy.max_replay_bytes = n;
+        self
+    }
+
+    /// The most request-body bytes all calls of a layer (and its clones) keep for replay at
+    /// once (default [`DEFAULT_MAX_REPLAY_BYTES_TOTAL`], 16 MiB; gRFC A6 bounds a channel's
+    /// retry buffer the same way). A body whose copy does not fit is sent without one: its
+    /// retries are refused as for a body over `max_replay_bytes` (a request that was never
+    /// sent is still retried). A copy is freed as soon as the call has its answer, even while
+    /// the transport still streams the body (a client stream).
+    /// [`RetryLayer::stats`](crate::RetryLayer::stats) reports the bytes kept now.
+    pub fn max_replay_bytes_total(mut self, n: usize) -> Self {
+        self.policy.max_replay_bytes_total = n;
         self
     }
 

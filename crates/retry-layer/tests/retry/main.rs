@@ -17,6 +17,7 @@ mod hops;
 mod metrics;
 mod on_the_wire;
 mod readiness;
+mod replay_memory;
 #[cfg(feature = "reqwest")]
 mod reqwest_client;
 mod sockets;
