@@ -38,6 +38,8 @@ use idempotency_layer::{
 use retry_layer::{ReplayBody, Retry, RetryLayer, RetryStats};
 use tokio_stream::wrappers::TcpListenerStream;
 
+mod attempts;
+
 pub use wire::{Group, Policy, Wire};
 use wire::{OpsServer, WireClient};
 
@@ -60,6 +62,9 @@ const MEMORY_MAX_BYTES: usize = MEMORY_CAPACITY * 1024;
 /// and reported as a failed check. The tuned policy's deadline is 20 s; the default policy has
 /// none, but its 3 attempts end well within this unless a call gets no answer at all.
 const HUNG_AFTER: Duration = Duration::from_secs(120);
+/// An HTTP attempt pending this long is reported with what the proxies saw (F7): far longer
+/// than any answer of the servers takes (their waits end within 30 s).
+const STUCK_AFTER: Duration = Duration::from_secs(40);
 /// The failure cause of a hung operation.
 const HUNG: &str = "hung: no answer within 120 s";
 /// The one write endpoint.
@@ -317,7 +322,8 @@ fn chooser(seed: u64, drop_p: f64, reset_p: f64, delay_p: f64) -> Chooser {
 }
 
 /// The hyper client the HTTP wires and kill chaos share, through `layer`.
-pub(crate) type HttpClient = Retry<Client<HttpConnector, ReplayBody<Full<Bytes>>>>;
+pub(crate) type HttpClient =
+    Retry<attempts::Attempts<Client<HttpConnector, ReplayBody<Full<Bytes>>>>>;
 
 /// How one logical operation ended.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -833,6 +839,7 @@ pub async fn run(opts: Options) -> Report {
     });
 
     // The client groups, each with a layer of its own, and the clients spread over them.
+    let attempt_log = attempts::AttemptLog::default();
     let groups: Vec<(Group, RetryLayer, WireClient)> = opts
         .wires
         .iter()
@@ -843,13 +850,46 @@ pub async fn run(opts: Options) -> Report {
         })
         .map(|group| {
             let layer = RetryLayer::new(group.policy.retry_policy());
-            let client = WireClient::new(group.wire, &layer, proxies[&group.wire].addr);
+            let client = WireClient::new(
+                group.wire,
+                &layer,
+                proxies[&group.wire].addr,
+                attempt_log.clone(),
+            );
             (group, layer, client)
         })
         .collect();
     assert!(!groups.is_empty(), "at least one wire and one policy");
     let clients: Arc<Vec<(Group, WireClient)>> =
         Arc::new(groups.iter().map(|(g, _, c)| (*g, c.clone())).collect());
+    // Reports HTTP attempts that wait far longer than any answer should take, with what the
+    // fault proxies saw then (F7).
+    let watchdog = {
+        let log = attempt_log.clone();
+        let stats: Vec<(Wire, Arc<e2e::proxy::ProxyStats>)> =
+            proxies.iter().map(|(w, p)| (*w, p.stats.clone())).collect();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                let stuck = log.stuck(STUCK_AFTER);
+                if stuck.is_empty() {
+                    continue;
+                }
+                let mut proxies = String::new();
+                for (wire, s) in &stats {
+                    proxies.push_str(&format!(
+                        "{}: {}",
+                        wire.name(),
+                        s.h2_waiting_streams(Duration::from_secs(20))
+                    ));
+                }
+                eprintln!(
+                    "attempts pending over {STUCK_AFTER:?}:\n{}\nthe fault proxies then:\n{proxies}",
+                    stuck.join("\n")
+                );
+            }
+        })
+    };
     let proxy_stats: Arc<BTreeMap<Wire, Arc<e2e::proxy::ProxyStats>>> =
         Arc::new(proxies.iter().map(|(w, p)| (*w, p.stats.clone())).collect());
     let rss_middle = Arc::new(AtomicUsize::new(0));
@@ -890,6 +930,7 @@ pub async fn run(opts: Options) -> Report {
     if let Some(c) = cutter {
         c.abort();
     }
+    watchdog.abort();
     let _ = sampler.await;
     if let Some(cut) = &cut {
         cut.restore();

@@ -31,6 +31,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic_prost::ProstCodec;
 use tower::ServiceExt;
 
+use crate::attempts::{AttemptLog, Attempts};
 use crate::{error_kind, HttpClient, Ledger, Outcome, PATH};
 
 /// The gRPC write: `/chaos.Ops/Write`.
@@ -126,18 +127,20 @@ impl fmt::Display for Group {
 /// A retrying client of one wire.
 #[derive(Clone)]
 pub(crate) enum WireClient {
-    /// HTTP/1.1 or HTTP/2, and the proxy's base URL.
-    Http(HttpClient, String),
+    /// HTTP/1.1 or HTTP/2, the proxy's base URL, and the log of the attempts in flight.
+    Http(HttpClient, String, AttemptLog),
     /// gRPC over a retrying tonic `Channel`.
     Grpc(tonic::client::Grpc<RetryChannel<Channel>>),
 }
 
 impl WireClient {
     /// A client of `wire` through `layer` to the proxy at `proxy`.
-    pub(crate) fn new(wire: Wire, layer: &RetryLayer, proxy: SocketAddr) -> Self {
+    pub(crate) fn new(wire: Wire, layer: &RetryLayer, proxy: SocketAddr, log: AttemptLog) -> Self {
         let base = format!("http://{proxy}");
         match wire {
-            Wire::Http1 | Wire::Http2 => WireClient::Http(http_client(wire, layer), base),
+            Wire::Http1 | Wire::Http2 => {
+                WireClient::Http(http_client(wire, layer, log.clone()), base, log)
+            }
             Wire::Grpc => {
                 let channel = Endpoint::from_shared(base)
                     .expect("a valid URI")
@@ -151,7 +154,11 @@ impl WireClient {
     /// the attempts it took (0 when the call ended in an error or a gRPC status).
     pub(crate) async fn operation(&self, key: &str) -> (Outcome, u32) {
         match self {
-            WireClient::Http(client, base) => http_operation(client, base, key).await,
+            WireClient::Http(client, base, log) => {
+                let done = http_operation(client, base, key).await;
+                log.finish(key);
+                done
+            }
             WireClient::Grpc(client) => grpc_operation(client.clone(), key).await,
         }
     }
@@ -186,13 +193,13 @@ async fn http_operation(client: &HttpClient, base: &str, key: &str) -> (Outcome,
 
 /// A hyper client through `layer`: for HTTP/1.1 a connection per attempt (so that the fault
 /// proxy can fault every attempt), for HTTP/2 one multiplexed h2c connection.
-pub(crate) fn http_client(wire: Wire, layer: &RetryLayer) -> HttpClient {
+pub(crate) fn http_client(wire: Wire, layer: &RetryLayer, log: AttemptLog) -> HttpClient {
     let mut builder = Client::builder(TokioExecutor::new());
     match wire {
         Wire::Http1 => builder.pool_max_idle_per_host(0),
         Wire::Http2 | Wire::Grpc => builder.http2_only(true),
     };
-    tower::Layer::layer(layer, builder.build_http())
+    tower::Layer::layer(layer, Attempts::new(builder.build_http(), log))
 }
 
 /// The gRPC message of both directions: the key, and in the answer the executions so far.

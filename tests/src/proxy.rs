@@ -57,6 +57,8 @@ pub struct ProxyStats {
     /// What the proxy saw of each HTTP/2 connection still open: to tell, when a call hangs,
     /// whether its stream is waiting on the server, on the proxy, or never left the client.
     open_h2: Mutex<std::collections::BTreeMap<u64, Arc<Mutex<H2Trace>>>>,
+    /// The last HTTP/2 connections that closed with streams unanswered: when, how, which.
+    closed_h2: Mutex<std::collections::VecDeque<String>>,
     next_id: AtomicUsize,
 }
 
@@ -71,6 +73,8 @@ struct H2Trace {
     /// Bytes relayed client to server, and server to client.
     up_bytes: u64,
     down_bytes: u64,
+    /// How the relay ended, once it has.
+    ended: &'static str,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -91,7 +95,29 @@ impl H2Trace {
             goaways: Vec::new(),
             up_bytes: 0,
             down_bytes: 0,
+            ended: "",
         }
+    }
+
+    /// The streams whose request went up and whose response did not end, one line each.
+    fn unanswered(&self, now: std::time::Instant, older_than: Duration) -> Vec<String> {
+        self.streams
+            .iter()
+            .filter(|(_, s)| {
+                s.request.is_some_and(|at| now - at >= older_than) && !s.response_ended
+            })
+            .map(|(n, s)| {
+                format!(
+                    "stream {n}: request {:?} ago (body ended: {}), response {}",
+                    now - s.request.unwrap(),
+                    s.request_ended,
+                    match s.response {
+                        Some(at) => format!("started {:?} ago, not ended", now - at),
+                        None => "not started".into(),
+                    }
+                )
+            })
+            .collect()
     }
 
     /// Notes the frames of one chunk relayed in one direction.
@@ -137,24 +163,7 @@ impl ProxyStats {
         let mut out = format!("{} HTTP/2 connections open\n", open.len());
         for (id, t) in open.iter() {
             let t = t.lock().unwrap();
-            let waiting: Vec<String> = t
-                .streams
-                .iter()
-                .filter(|(_, s)| {
-                    s.request.is_some_and(|at| now - at > older_than) && !s.response_ended
-                })
-                .map(|(n, s)| {
-                    format!(
-                        "stream {n}: request {:?} ago (body ended: {}), response {}",
-                        now - s.request.unwrap(),
-                        s.request_ended,
-                        match s.response {
-                            Some(at) => format!("started {:?} ago, not ended", now - at),
-                            None => "not started".into(),
-                        }
-                    )
-                })
-                .collect();
+            let waiting = t.unanswered(now, older_than);
             if waiting.is_empty() {
                 continue;
             }
@@ -166,6 +175,14 @@ impl ProxyStats {
                 t.goaways,
                 waiting.join("\n  ")
             ));
+        }
+        let closed = self.closed_h2.lock().unwrap();
+        out.push_str(&format!(
+            "the last {} connections closed with streams unanswered:\n",
+            closed.len()
+        ));
+        for line in closed.iter() {
+            out.push_str(line);
         }
         out
     }
@@ -336,10 +353,13 @@ async fn relay(
         }
     };
     // Whichever side ends first ends the connection (dropping both halves closes the sockets).
-    let ended = tokio::select! {
-        r = up => r,
-        r = down => r,
+    let (ended, how) = tokio::select! {
+        r = up => { let how = if r.is_ok() { "the client closed" } else { "reading the client or writing to the server failed" }; (r, how) }
+        r = down => { let how = match &r { Ok(()) => "the server closed", Err(e) if e.to_string().contains("fault proxy") => "cut by the proxy", Err(_) => "writing to the client failed" }; (r, how) }
     };
+    if let Some((_, t)) = &trace {
+        t.lock().unwrap().ended = how;
+    }
     if graceful.load(Ordering::SeqCst) {
         // Closing a socket with unread bytes from the client sends a reset, and a client's
         // kernel that gets a reset discards what it had received and not yet read: responses
@@ -360,9 +380,30 @@ struct Untrace<'a>(&'a ProxyStats, Option<u64>);
 
 impl Drop for Untrace<'_> {
     fn drop(&mut self) {
-        if let Some(id) = self.1 {
-            self.0.open_h2.lock().unwrap().remove(&id);
+        let Some(id) = self.1 else { return };
+        let Some(t) = self.0.open_h2.lock().unwrap().remove(&id) else {
+            return;
+        };
+        let t = t.lock().unwrap();
+        let now = std::time::Instant::now();
+        let unanswered = t.unanswered(now, Duration::ZERO);
+        if unanswered.is_empty() {
+            return;
         }
+        let mut closed = self.0.closed_h2.lock().unwrap();
+        if closed.len() == 64 {
+            closed.pop_front();
+        }
+        closed.push_back(format!(
+            "connection {id} closed at {:?} after {:?} ({}; {} bytes up, {} down, GOAWAYs {:?}):\n  {}\n",
+            now,
+            now - t.opened,
+            t.ended,
+            t.up_bytes,
+            t.down_bytes,
+            t.goaways,
+            unanswered.join("\n  ")
+        ));
     }
 }
 

@@ -55,6 +55,8 @@ pub(crate) struct Call<S, B> {
     hop: Option<Arc<Hop>>,
     /// The call draws on the budget kept for calls under an inbound retry.
     inbound_retry_budget: bool,
+    /// The budget of the request's authority, with `budget_per_authority`.
+    authority_budget: Option<Arc<dyn Budget>>,
 }
 
 /// What the response future does next, once a [`Step`] is carried out.
@@ -70,8 +72,9 @@ pub(crate) enum Next<R> {
 impl<S, B> Call<S, B> {
     /// The budget this call draws on.
     fn budget(&self) -> &dyn Budget {
-        match &self.shared.inbound_retry_budget {
-            Some(b) if self.inbound_retry_budget => &**b,
+        match (&self.shared.inbound_retry_budget, &self.authority_budget) {
+            (Some(b), _) if self.inbound_retry_budget => &**b,
+            (_, Some(b)) => &**b,
             _ => &*self.shared.budget,
         }
     }
@@ -214,6 +217,7 @@ where
         shared.stats.incr(Counter::Requests);
         observe::call_started();
         let span = observe::call_span(&parts, judged.grpc);
+        let authority_budget = shared.budget_for(&parts.uri);
         let (future, body, not_sent) = match wrapped {
             Ok((first_body, body)) => {
                 shared.stats.incr(Counter::Attempts);
@@ -244,6 +248,7 @@ where
             not_sent,
             hop,
             inbound_retry_budget,
+            authority_budget,
         };
         if future.is_some() {
             call.budget().deposit();

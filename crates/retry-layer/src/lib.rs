@@ -265,8 +265,8 @@ pub use future::ResponseFuture;
 pub use layer::RetryLayer;
 pub use policy::{
     Conflict, InboundRetry, InvalidPolicy, Rebuild, RebuildFuture, RetryPolicy, RetryPolicyBuilder,
-    DEFAULT_MAX_REPLAY_BYTES_TOTAL, DEFAULT_RESPONSE_HEAD_TIMEOUT, MAX_DURATION,
-    MAX_UNSENT_RETRIES,
+    DEFAULT_MAX_REPLAY_BYTES_TOTAL, DEFAULT_RESPONSE_HEAD_TIMEOUT, MAX_AUTHORITY_BUDGETS,
+    MAX_DURATION, MAX_UNSENT_RETRIES,
 };
 #[cfg(feature = "service-config")]
 pub use policy::{GrpcRetryPolicy, GrpcRetryThrottling, StatusCodeName};

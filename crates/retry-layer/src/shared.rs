@@ -3,9 +3,9 @@
 use std::sync::Arc;
 
 use crate::body::ReplayMemory;
-use crate::budget::{Budget, TokenBucket, TpsBudget};
+use crate::budget::{AuthorityBudgets, Budget, TokenBucket, TpsBudget};
 use crate::observe::WarnSummary;
-use crate::policy::{InboundRetry, RetryPolicy};
+use crate::policy::{InboundRetry, RetryPolicy, MAX_AUTHORITY_BUDGETS};
 use crate::stats::{Counters, RetryStats};
 
 /// The policy (plain settings, never changed after the layer is made), the retry budget and the
@@ -15,6 +15,8 @@ use crate::stats::{Counters, RetryStats};
 pub(crate) struct Shared {
     pub(crate) policy: RetryPolicy,
     pub(crate) budget: Arc<dyn Budget>,
+    /// A budget per authority, with `budget_per_authority`.
+    pub(crate) authority_budgets: Option<AuthorityBudgets>,
     /// The adaptive budget (gRFC A6 throttling: 20 tokens, 0.1 per success) of retries that a
     /// hop below deferred to this layer (`RETRIES_DEFERRED`).
     pub(crate) deferred_budget: TokenBucket,
@@ -28,6 +30,12 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The budget of a request for `uri`: its authority's with `budget_per_authority`, else
+    /// `None` (the layer's).
+    pub(crate) fn budget_for(&self, uri: &http::Uri) -> Option<Arc<dyn Budget>> {
+        self.authority_budgets.as_ref()?.of(uri.authority()?)
+    }
+
     /// The counters, and the bytes kept for replay now.
     pub(crate) fn snapshot(&self) -> RetryStats {
         let mut stats = self.stats.snapshot();
@@ -39,6 +47,9 @@ impl Shared {
     pub(crate) fn new(policy: RetryPolicy) -> Self {
         Shared {
             budget: policy.budget.make(),
+            authority_budgets: policy
+                .budget_per_authority
+                .then(|| AuthorityBudgets::new(policy.budget.clone(), MAX_AUTHORITY_BUDGETS)),
             deferred_budget: TokenBucket::new(20, 0.1).expect("valid parameters"),
             inbound_retry_budget: match policy.inbound_retry {
                 InboundRetry::Budget {

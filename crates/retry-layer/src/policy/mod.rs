@@ -74,6 +74,7 @@ pub struct RetryPolicy {
     pub(crate) key_headers: KeyHeaders,
     pub(crate) ensure_key: bool,
     pub(crate) budget: BudgetChoice,
+    pub(crate) budget_per_authority: bool,
     pub(crate) inbound_retry: InboundRetry,
     pub(crate) rng: JitterRng,
     pub(crate) rebuild: Option<Arc<dyn Rebuild>>,
@@ -177,6 +178,10 @@ pub const DEFAULT_RESPONSE_HEAD_TIMEOUT: Duration = Duration::from_secs(60);
 /// retry buffer per channel.
 pub const DEFAULT_MAX_REPLAY_BYTES_TOTAL: usize = 16 * 1024 * 1024;
 
+/// The most authorities that get a budget of their own with
+/// [`RetryPolicyBuilder::budget_per_authority`]; further ones share the layer's.
+pub const MAX_AUTHORITY_BUDGETS: usize = 1024;
+
 /// The most transparent retries ([`RetryPolicyBuilder::max_unsent_retries`]).
 pub const MAX_UNSENT_RETRIES: u32 = 10;
 
@@ -198,6 +203,7 @@ impl Default for RetryPolicy {
             key_headers: KeyHeaders::default(),
             ensure_key: false,
             budget: BudgetChoice::default(),
+            budget_per_authority: false,
             inbound_retry: InboundRetry::SendOnce,
             rng: JitterRng::default(),
             rebuild: None,
@@ -587,6 +593,20 @@ impl RetryPolicyBuilder {
         self
     }
 
+    /// Keeps a budget per authority (`host:port` of the request's URI) instead of one for the
+    /// whole layer: on a client shared by several hosts (a hyper-util `Client`, a reqwest
+    /// `Client`), a dead host then drains only its own budget, and the healthy ones keep
+    /// retrying. gRFC A6 throttles per channel, which is one authority. Each budget has the
+    /// shape set by [`budget`](Self::budget) or [`token_bucket`](Self::token_bucket); requests
+    /// without an authority (a tonic `Channel` adds its own below the layer: one channel, one
+    /// host) share the layer's. At most [`MAX_AUTHORITY_BUDGETS`] authorities get a budget of
+    /// their own; the others share the layer's. Not with
+    /// [`custom_budget`](Self::custom_budget), which is shared as given.
+    pub fn budget_per_authority(mut self) -> Self {
+        self.policy.budget_per_authority = true;
+        self
+    }
+
     /// Disables the retry budget. Only do this where another layer bounds retry amplification.
     pub fn no_budget(mut self) -> Self {
         self.policy.budget = BudgetChoice::Unlimited;
@@ -626,10 +646,17 @@ impl RetryPolicyBuilder {
 
     /// Validates and returns the policy.
     pub fn build(self) -> Result<RetryPolicy, InvalidPolicy> {
-        match self.error {
-            Some(e) => Err(e),
-            None => Ok(self.policy),
+        if let Some(e) = self.error {
+            return Err(e);
         }
+        if self.policy.budget_per_authority && matches!(self.policy.budget, BudgetChoice::Custom(_))
+        {
+            return Err(InvalidPolicy::new(
+                "budget_per_authority needs a budget the layer makes (budget or token_bucket); \
+                 a custom budget is shared as given",
+            ));
+        }
+        Ok(self.policy)
     }
 }
 
