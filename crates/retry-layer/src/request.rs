@@ -81,6 +81,14 @@ fn settle_key(
     (true, Some(value))
 }
 
+/// Safe HTTP methods (RFC 9110 §9.2.1): reads.
+pub(crate) fn is_safe_method(m: &Method) -> bool {
+    matches!(
+        *m,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+    )
+}
+
 /// Safe and idempotent HTTP methods (RFC 9110 §9.2).
 pub(crate) fn is_idempotent_method(m: &Method) -> bool {
     matches!(
