@@ -113,7 +113,7 @@ pub(crate) fn pushback(headers: &HeaderMap, reasons: &ReasonCodes) -> PushbackHi
 }
 
 /// Classifies a transport error from its source chain: provably unsent (connect refused, DNS,
-/// h2 `REFUSED_STREAM`, a GOAWAY beyond the stream) or ambiguous (anything that may have happened after the request left).
+/// TLS, a connect timeout, h2 `REFUSED_STREAM`, a GOAWAY beyond the stream) or ambiguous (anything that may have happened after the request left).
 pub(crate) fn error(err: &BoxError) -> Outcome {
     let mut cur: Option<&(dyn StdError + 'static)> = Some(err.as_ref());
     while let Some(e) = cur {
@@ -126,6 +126,12 @@ pub(crate) fn error(err: &BoxError) -> Outcome {
         }
         #[cfg(feature = "reqwest")]
         if reqwest_connect_error(e) {
+            return Outcome::Unsent;
+        }
+        // A tonic `Channel` that could not connect (refused, DNS, TLS, connect timeout): the
+        // request never left, as hyper-util's `is_connect` says.
+        #[cfg(feature = "tonic")]
+        if e.is::<tonic::ConnectError>() {
             return Outcome::Unsent;
         }
         if let Some(e) = e.downcast_ref::<std::io::Error>() {
