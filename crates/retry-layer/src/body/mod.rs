@@ -442,6 +442,20 @@ where
         )
     }
 
+    /// The whole body, when it is at hand (empty, or read whole when it was wrapped); else the
+    /// body itself, which streams.
+    #[cfg(feature = "reqwest")]
+    pub(crate) fn into_whole(mut self) -> Result<Bytes, Self> {
+        match std::mem::replace(&mut self.inner, Inner::Empty) {
+            Inner::Empty => Ok(Bytes::new()),
+            Inner::Fixed(Some(bytes)) => Ok(bytes),
+            inner => {
+                self.inner = inner;
+                Err(self)
+            }
+        }
+    }
+
     /// A body of fixed bytes (from a rebuild hook).
     pub(crate) fn fixed(bytes: Bytes) -> Self {
         ReplayBody {
