@@ -24,7 +24,7 @@ use http::uri::PathAndQuery;
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use retry_layer::tonic::RetryChannel;
 use retry_layer::{RetryInfo, RetryLayer, RetryPolicy};
 use tonic::transport::{Channel, Endpoint};
@@ -33,6 +33,11 @@ use tower::ServiceExt;
 
 use crate::attempts::{AttemptLog, Attempts};
 use crate::{error_kind, HttpClient, Ledger, Outcome, PATH};
+
+/// How often the HTTP/2 and gRPC clients ping their connection, and how long a PING may go
+/// unanswered before the connection is closed.
+const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The gRPC write: `/chaos.Ops/Write`.
 pub(crate) const GRPC_PATH: &str = "/chaos.Ops/Write";
@@ -144,6 +149,8 @@ impl WireClient {
             Wire::Grpc => {
                 let channel = Endpoint::from_shared(base)
                     .expect("a valid URI")
+                    .http2_keep_alive_interval(KEEP_ALIVE_INTERVAL)
+                    .keep_alive_timeout(KEEP_ALIVE_TIMEOUT)
                     .connect_lazy();
                 WireClient::Grpc(tonic::client::Grpc::new(layer.tonic_channel(channel)))
             }
@@ -197,7 +204,13 @@ pub(crate) fn http_client(wire: Wire, layer: &RetryLayer, log: AttemptLog) -> Ht
     let mut builder = Client::builder(TokioExecutor::new());
     match wire {
         Wire::Http1 => builder.pool_max_idle_per_host(0),
-        Wire::Http2 | Wire::Grpc => builder.http2_only(true),
+        // HTTP/2 keep-alive, as the retry layer's docs advise: a connection whose peer went
+        // away without a word is found by a missed PING and closed.
+        Wire::Http2 | Wire::Grpc => builder
+            .http2_only(true)
+            .timer(TokioTimer::new())
+            .http2_keep_alive_interval(Some(KEEP_ALIVE_INTERVAL))
+            .http2_keep_alive_timeout(KEEP_ALIVE_TIMEOUT),
     };
     tower::Layer::layer(layer, Attempts::new(builder.build_http(), log))
 }
