@@ -65,16 +65,20 @@ impl AttemptLog {
     }
 
     /// Operations with an attempt pending longer than `longer_than` not reported yet, with
-    /// every attempt of theirs (each reported once).
-    pub(crate) fn stuck(&self, longer_than: Duration) -> Vec<String> {
+    /// every attempt of theirs (each reported once), and when the earliest pending one started.
+    pub(crate) fn stuck(&self, longer_than: Duration) -> (Vec<String>, Option<Instant>) {
         let now = Instant::now();
         let mut out = Vec::new();
+        let mut earliest: Option<Instant> = None;
         for (key, attempts) in self.ops.lock().unwrap().iter_mut() {
             let stuck = attempts
                 .iter()
                 .any(|a| a.ended.is_none() && !a.reported && now - a.started > longer_than);
             if !stuck {
                 continue;
+            }
+            for a in attempts.iter().filter(|a| a.ended.is_none()) {
+                earliest = Some(earliest.map_or(a.started, |e| e.min(a.started)));
             }
             let lines: Vec<String> = attempts
                 .iter_mut()
@@ -93,7 +97,7 @@ impl AttemptLog {
                 .collect();
             out.push(format!("{key}:\n  {}", lines.join("\n  ")));
         }
-        out
+        (out, earliest)
     }
 }
 

@@ -57,15 +57,29 @@ pub struct ProxyStats {
     /// What the proxy saw of each HTTP/2 connection still open: to tell, when a call hangs,
     /// whether its stream is waiting on the server, on the proxy, or never left the client.
     open_h2: Mutex<std::collections::BTreeMap<u64, Arc<Mutex<H2Trace>>>>,
-    /// The last HTTP/2 connections that closed with streams unanswered: when, how, which.
-    closed_h2: Mutex<std::collections::VecDeque<String>>,
+    /// The last HTTP/2 connections that closed with streams unanswered.
+    closed_h2: Mutex<std::collections::VecDeque<ClosedH2>>,
     next_id: AtomicUsize,
+}
+
+/// An HTTP/2 connection that closed with streams unanswered.
+#[derive(Debug)]
+struct ClosedH2 {
+    id: u64,
+    accepted: std::time::Instant,
+    closed: std::time::Instant,
+    how: &'static str,
+    /// Each unanswered stream and when its request came.
+    unanswered: Vec<(u32, std::time::Instant)>,
 }
 
 /// What the proxy saw of one HTTP/2 connection: when each stream's request and response
 /// started, and how it ended.
 #[derive(Debug)]
 struct H2Trace {
+    /// When the client's connection was accepted, and when the server's was made.
+    accepted: std::time::Instant,
+    upstream: Option<std::time::Instant>,
     opened: std::time::Instant,
     streams: std::collections::BTreeMap<u32, StreamTrace>,
     /// GOAWAY frames seen: (from the server?, last stream id).
@@ -90,6 +104,8 @@ struct StreamTrace {
 impl H2Trace {
     fn new() -> Self {
         H2Trace {
+            accepted: std::time::Instant::now(),
+            upstream: None,
             opened: std::time::Instant::now(),
             streams: Default::default(),
             goaways: Vec::new(),
@@ -155,6 +171,52 @@ impl H2Trace {
 }
 
 impl ProxyStats {
+    /// What the proxy saw around `at` (a hung call's attempt started then): every HTTP/2
+    /// connection open now (when accepted, whether its server connection was made, its streams
+    /// still unanswered), and the connections that closed with an unanswered stream whose
+    /// request came within 2 s of `at`.
+    pub fn h2_report_around(&self, at: std::time::Instant) -> String {
+        let now = std::time::Instant::now();
+        let ago = |t: std::time::Instant| now.saturating_duration_since(t);
+        let near = |t: std::time::Instant| {
+            t.saturating_duration_since(at) < Duration::from_secs(2)
+                && at.saturating_duration_since(t) < Duration::from_secs(2)
+        };
+        let mut out = String::new();
+        for (id, t) in self.open_h2.lock().unwrap().iter() {
+            let t = t.lock().unwrap();
+            out.push_str(&format!(
+                "open connection {id}: accepted {:?} ago, server connection {}, {} bytes up, {} down, GOAWAYs {:?}; unanswered: {:?}\n",
+                ago(t.accepted),
+                t.upstream.map_or("not made".to_owned(), |u| format!("made {:?} ago", ago(u))),
+                t.up_bytes,
+                t.down_bytes,
+                t.goaways,
+                t.unanswered(now, Duration::ZERO)
+            ));
+        }
+        for c in self.closed_h2.lock().unwrap().iter() {
+            let near_streams: Vec<(u32, Duration)> = c
+                .unanswered
+                .iter()
+                .filter(|(_, t)| near(*t))
+                .map(|(n, t)| (*n, ago(*t)))
+                .collect();
+            if near_streams.is_empty() {
+                continue;
+            }
+            out.push_str(&format!(
+                "closed connection {}: accepted {:?} ago, closed {:?} ago ({}); unanswered streams near then (stream, request ago): {:?}\n",
+                c.id,
+                ago(c.accepted),
+                ago(c.closed),
+                c.how,
+                near_streams
+            ));
+        }
+        out
+    }
+
     /// Every HTTP/2 connection still open with a stream whose request has waited longer than
     /// `older_than` for a response (or for its end), described one per line; and a summary.
     pub fn h2_waiting_streams(&self, older_than: Duration) -> String {
@@ -175,14 +237,6 @@ impl ProxyStats {
                 t.goaways,
                 waiting.join("\n  ")
             ));
-        }
-        let closed = self.closed_h2.lock().unwrap();
-        out.push_str(&format!(
-            "the last {} connections closed with streams unanswered:\n",
-            closed.len()
-        ));
-        for line in closed.iter() {
-            out.push_str(line);
         }
         out
     }
@@ -264,12 +318,8 @@ async fn relay(
     if matches!(connection_mode, Mode::Delay(_)) {
         stats.delayed.fetch_add(1, Ordering::SeqCst);
     }
-    let server = TcpStream::connect(upstream).await?;
-    client.set_nodelay(true)?;
-    server.set_nodelay(true)?;
-    let (mut cr, mut cw) = client.into_split();
-    let (mut sr, mut sw) = server.into_split();
-    // HTTP/2 connections are traced while they are open (see `ProxyStats::h2_waiting_streams`).
+    // HTTP/2 connections are traced while they are open (see `ProxyStats::h2_report_around`),
+    // from their accept on.
     let trace = (protocol == Protocol::Http2).then(|| {
         let id = stats.next_id.fetch_add(1, Ordering::SeqCst) as u64;
         let t = Arc::new(Mutex::new(H2Trace::new()));
@@ -277,6 +327,14 @@ async fn relay(
         (id, t)
     });
     let _untrace = Untrace(stats, trace.as_ref().map(|(id, _)| *id));
+    let server = TcpStream::connect(upstream).await?;
+    if let Some((_, t)) = &trace {
+        t.lock().unwrap().upstream = Some(std::time::Instant::now());
+    }
+    client.set_nodelay(true)?;
+    server.set_nodelay(true)?;
+    let (mut cr, mut cw) = client.into_split();
+    let (mut sr, mut sw) = server.into_split();
     // Set when the HTTP/2 cut closed the client's side with a FIN: the connection then ends
     // without a reset.
     let graceful = std::sync::atomic::AtomicBool::new(false);
@@ -385,25 +443,26 @@ impl Drop for Untrace<'_> {
             return;
         };
         let t = t.lock().unwrap();
-        let now = std::time::Instant::now();
-        let unanswered = t.unanswered(now, Duration::ZERO);
+        let unanswered: Vec<(u32, std::time::Instant)> = t
+            .streams
+            .iter()
+            .filter(|(_, s)| !s.response_ended)
+            .filter_map(|(n, s)| s.request.map(|at| (*n, at)))
+            .collect();
         if unanswered.is_empty() {
             return;
         }
         let mut closed = self.0.closed_h2.lock().unwrap();
-        if closed.len() == 64 {
+        if closed.len() == 4096 {
             closed.pop_front();
         }
-        closed.push_back(format!(
-            "connection {id} closed at {:?} after {:?} ({}; {} bytes up, {} down, GOAWAYs {:?}):\n  {}\n",
-            now,
-            now - t.opened,
-            t.ended,
-            t.up_bytes,
-            t.down_bytes,
-            t.goaways,
-            unanswered.join("\n  ")
-        ));
+        closed.push_back(ClosedH2 {
+            id,
+            accepted: t.accepted,
+            closed: std::time::Instant::now(),
+            how: t.ended,
+            unanswered,
+        });
     }
 }
 

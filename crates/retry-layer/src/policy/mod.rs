@@ -31,12 +31,12 @@ pub use service_config::{GrpcRetryPolicy, GrpcRetryThrottling, StatusCodeName};
 /// | `jitter` | +-20 % ([`Jitter::Proportional`]`(0.2)`) |
 /// | `min_attempt_time` | 50 ms |
 /// | `response_head_timeout` (each attempt's wait for the response head; not sent to the server) | 60 s |
-/// | `total_timeout`, `attempt_timeout` | none |
+/// | `total_timeout`, `attempt_timeout` | none (the deadline is the earliest of a `Deadline` extension, `grpc-timeout` and `total_timeout`) |
 /// | `max_pushback` | 30 s |
 /// | `max_replay_bytes` (per request) | 64 KiB |
 /// | `max_replay_bytes_total` (all calls of a layer at once) | 16 MiB |
 /// | `max_unsent_retries` | 2 |
-/// | budget | 10 % of requests over 10 s, plus 10 retries/s |
+/// | budget | 10 % of requests over 10 s, plus 10 retries/s, one per layer (or per authority: `budget_per_authority`) |
 /// | under a retry of the hop above ([`InboundRetry`]) | send once |
 /// | table | [`RetryTable::default`] (the design table) |
 /// | reason codes | [`ReasonCodes::default`] (`x-reason-code`) |
