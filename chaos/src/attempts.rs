@@ -25,6 +25,8 @@ struct Attempt {
 pub(crate) struct AttemptLog {
     ops: Arc<Mutex<HashMap<String, Vec<Attempt>>>>,
     off: bool,
+    /// The client's connections, as the client sees them.
+    pub(crate) conns: crate::conn_trace::ConnLog,
 }
 
 impl AttemptLog {

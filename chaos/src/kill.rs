@@ -629,6 +629,7 @@ pub async fn run_kill(opts: KillOptions) -> KillReport {
         Wire::Http1,
         &RetryLayer::new(Policy::Tuned.retry_policy()),
         crate::attempts::AttemptLog::off(),
+        true,
     );
     let stop_at = Instant::now() + opts.duration;
     let results = drive(opts.clients, stop_at, move |w, i| {

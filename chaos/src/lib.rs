@@ -29,7 +29,6 @@ use e2e::cut::{authority, via, CutProxy};
 use e2e::faults::Unavailable;
 use e2e::proxy::{Chooser, Mode, Protocol, Proxy};
 use http_body_util::Full;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use idempotency_layer::store::{Begin, Fingerprint};
 use idempotency_layer::{
@@ -39,6 +38,7 @@ use retry_layer::{ReplayBody, Retry, RetryLayer, RetryStats};
 use tokio_stream::wrappers::TcpListenerStream;
 
 mod attempts;
+mod conn_trace;
 
 pub use wire::{Group, Policy, Wire};
 use wire::{OpsServer, WireClient};
@@ -115,6 +115,8 @@ pub struct Options {
     pub seed: u64,
     /// The claims' lease (the layer's default is 30 s).
     pub lease: Duration,
+    /// HTTP/2 keep-alive on the HTTP/2 and gRPC clients (PING every 10 s, 5 s to answer).
+    pub h2_keep_alive: bool,
 }
 
 impl Options {
@@ -137,6 +139,7 @@ impl Options {
             unavailable_p: 0.05,
             seed: 7,
             lease: Duration::from_secs(30),
+            h2_keep_alive: true,
         }
     }
 }
@@ -324,7 +327,7 @@ fn chooser(seed: u64, drop_p: f64, reset_p: f64, delay_p: f64) -> Chooser {
 
 /// The hyper client the HTTP wires and kill chaos share, through `layer`.
 pub(crate) type HttpClient =
-    Retry<attempts::Attempts<Client<HttpConnector, ReplayBody<Full<Bytes>>>>>;
+    Retry<attempts::Attempts<Client<conn_trace::TracedConnector, ReplayBody<Full<Bytes>>>>>;
 
 /// How one logical operation ended.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -856,6 +859,7 @@ pub async fn run(opts: Options) -> Report {
                 &layer,
                 proxies[&group.wire].addr,
                 attempt_log.clone(),
+                opts.h2_keep_alive,
             );
             (group, layer, client)
         })
@@ -876,7 +880,7 @@ pub async fn run(opts: Options) -> Report {
                 let Some(since) = since else {
                     continue;
                 };
-                let mut proxies = String::new();
+                let mut proxies = log.conns.report();
                 for (wire, s) in &stats {
                     proxies.push_str(&format!("{}:\n{}", wire.name(), s.h2_report_around(since)));
                 }

@@ -32,6 +32,7 @@ use tonic_prost::ProstCodec;
 use tower::ServiceExt;
 
 use crate::attempts::{AttemptLog, Attempts};
+use crate::conn_trace::TracedConnector;
 use crate::{error_kind, HttpClient, Ledger, Outcome, PATH};
 
 /// How often the HTTP/2 and gRPC clients ping their connection, and how long a PING may go
@@ -140,18 +141,26 @@ pub(crate) enum WireClient {
 
 impl WireClient {
     /// A client of `wire` through `layer` to the proxy at `proxy`.
-    pub(crate) fn new(wire: Wire, layer: &RetryLayer, proxy: SocketAddr, log: AttemptLog) -> Self {
+    pub(crate) fn new(
+        wire: Wire,
+        layer: &RetryLayer,
+        proxy: SocketAddr,
+        log: AttemptLog,
+        keep_alive: bool,
+    ) -> Self {
         let base = format!("http://{proxy}");
         match wire {
             Wire::Http1 | Wire::Http2 => {
-                WireClient::Http(http_client(wire, layer, log.clone()), base, log)
+                WireClient::Http(http_client(wire, layer, log.clone(), keep_alive), base, log)
             }
             Wire::Grpc => {
-                let channel = Endpoint::from_shared(base)
-                    .expect("a valid URI")
-                    .http2_keep_alive_interval(KEEP_ALIVE_INTERVAL)
-                    .keep_alive_timeout(KEEP_ALIVE_TIMEOUT)
-                    .connect_lazy();
+                let mut endpoint = Endpoint::from_shared(base).expect("a valid URI");
+                if keep_alive {
+                    endpoint = endpoint
+                        .http2_keep_alive_interval(KEEP_ALIVE_INTERVAL)
+                        .keep_alive_timeout(KEEP_ALIVE_TIMEOUT);
+                }
+                let channel = endpoint.connect_lazy();
                 WireClient::Grpc(tonic::client::Grpc::new(layer.tonic_channel(channel)))
             }
         }
@@ -200,19 +209,27 @@ async fn http_operation(client: &HttpClient, base: &str, key: &str) -> (Outcome,
 
 /// A hyper client through `layer`: for HTTP/1.1 a connection per attempt (so that the fault
 /// proxy can fault every attempt), for HTTP/2 one multiplexed h2c connection.
-pub(crate) fn http_client(wire: Wire, layer: &RetryLayer, log: AttemptLog) -> HttpClient {
+pub(crate) fn http_client(
+    wire: Wire,
+    layer: &RetryLayer,
+    log: AttemptLog,
+    keep_alive: bool,
+) -> HttpClient {
     let mut builder = Client::builder(TokioExecutor::new());
     match wire {
         Wire::Http1 => builder.pool_max_idle_per_host(0),
-        // HTTP/2 keep-alive, as the retry layer's docs advise: a connection whose peer went
-        // away without a word is found by a missed PING and closed.
-        Wire::Http2 | Wire::Grpc => builder
-            .http2_only(true)
+        Wire::Http2 | Wire::Grpc => builder.http2_only(true),
+    };
+    // HTTP/2 keep-alive, as the retry layer's docs advise: a connection whose peer went away
+    // without a word is found by a missed PING and closed.
+    if keep_alive && wire != Wire::Http1 {
+        builder
             .timer(TokioTimer::new())
             .http2_keep_alive_interval(Some(KEEP_ALIVE_INTERVAL))
-            .http2_keep_alive_timeout(KEEP_ALIVE_TIMEOUT),
-    };
-    tower::Layer::layer(layer, Attempts::new(builder.build_http(), log))
+            .http2_keep_alive_timeout(KEEP_ALIVE_TIMEOUT);
+    }
+    let connector = TracedConnector::new(log.conns.clone());
+    tower::Layer::layer(layer, Attempts::new(builder.build(connector), log))
 }
 
 /// The gRPC message of both directions: the key, and in the answer the executions so far.
