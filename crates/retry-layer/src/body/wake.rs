@@ -8,7 +8,7 @@
 //! [`WakeSlot`], and the reader that polls the body for the transport later tells the slot its
 //! own waker: a wake-up of the body always reaches whoever reads it now.
 
-use std::cell::RefCell;
+use std::cell::Cell;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Wake, Waker};
 
@@ -45,7 +45,7 @@ impl Wake for WakeSlot {
 thread_local! {
     /// A slot no body kept, for the next wrap on this thread: a body whose frames are at hand
     /// (the common case) never keeps the waker, and then wrapping allocates nothing.
-    static SPARE: RefCell<Option<Arc<WakeSlot>>> = const { RefCell::new(None) };
+    static SPARE: Cell<Option<Arc<WakeSlot>>> = const { Cell::new(None) };
 }
 
 /// Runs `read` with a context whose waker is a [`WakeSlot`]. Returns `read`'s result, and the
@@ -53,15 +53,13 @@ thread_local! {
 pub(super) fn read_with_slot<R>(
     read: impl FnOnce(&mut Context<'_>) -> R,
 ) -> (R, Option<Arc<WakeSlot>>) {
-    let slot = SPARE
-        .with(|spare| spare.borrow_mut().take())
-        .unwrap_or_default();
+    let slot = SPARE.take().unwrap_or_default();
     let waker = Waker::from(slot.clone());
     let result = read(&mut Context::from_waker(&waker));
     drop(waker);
     if Arc::strong_count(&slot) == 1 {
         // Nobody kept a clone, and nobody can make one any more: reuse it.
-        SPARE.with(|spare| *spare.borrow_mut() = Some(slot));
+        SPARE.set(Some(slot));
         (result, None)
     } else {
         (result, Some(slot))
@@ -94,10 +92,16 @@ mod tests {
 
         let (_, none) = read_with_slot(|_| ());
         assert!(none.is_none());
-        let first = SPARE.with(|s| s.borrow().as_ref().map(|a| Arc::as_ptr(a) as usize));
+        let spare = || {
+            let slot = SPARE.take();
+            let ptr = slot.as_ref().map(|a| Arc::as_ptr(a) as usize);
+            SPARE.set(slot);
+            ptr
+        };
+        let first = spare();
         let (_, none) = read_with_slot(|_| ());
         assert!(none.is_none());
-        let second = SPARE.with(|s| s.borrow().as_ref().map(|a| Arc::as_ptr(a) as usize));
+        let second = spare();
         assert_eq!(first, second, "the spare slot is reused");
     }
 }
