@@ -10,6 +10,9 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use http::{Request, Response};
+use hyper_util::client::legacy::connect::{capture_connection, CaptureConnection};
+
+use crate::conn_trace::LocalPort;
 use tower::Service;
 
 /// One attempt: when it was handed to the transport, and how it ended.
@@ -18,6 +21,8 @@ struct Attempt {
     started: Instant,
     ended: Option<(Instant, String)>,
     reported: bool,
+    /// The connection hyper-util hands the request to, once it does.
+    connection: CaptureConnection,
 }
 
 /// The attempts of the operations in flight, by idempotency key.
@@ -38,13 +43,14 @@ impl AttemptLog {
         }
     }
 
-    fn started(&self, key: &str) -> usize {
+    fn started(&self, key: &str, connection: CaptureConnection) -> usize {
         let mut ops = self.ops.lock().unwrap();
         let attempts = ops.entry(key.to_owned()).or_default();
         attempts.push(Attempt {
             started: Instant::now(),
             ended: None,
             reported: false,
+            connection,
         });
         attempts.len() - 1
     }
@@ -93,7 +99,30 @@ impl AttemptLog {
                             now - a.started,
                             *at - a.started
                         ),
-                        None => format!("attempt {i}: started {:?} ago, pending", now - a.started),
+                        None => {
+                            let port = a.connection.connection_metadata().as_ref().map(|c| {
+                                let mut ext = http::Extensions::new();
+                                c.get_extras(&mut ext);
+                                ext.get::<LocalPort>().map_or(0, |p| p.0)
+                            });
+                            let on = match port {
+                                None => {
+                                    "no connection handed to it yet (hyper-util's pool)".to_owned()
+                                }
+                                Some(p) => format!(
+                                    "sent on the connection from port {p}, which hyper {}",
+                                    if self.conns.holds(p) {
+                                        "still holds"
+                                    } else {
+                                        "has dropped"
+                                    }
+                                ),
+                            };
+                            format!(
+                                "attempt {i}: started {:?} ago, pending: {on}",
+                                now - a.started
+                            )
+                        }
                     }
                 })
                 .collect();
@@ -130,18 +159,19 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request<B>) -> Self::Future {
+    fn call(&mut self, mut req: Request<B>) -> Self::Future {
         let key = req
             .headers()
             .get("x-idempotency-key")
             .and_then(|v| v.to_str().ok())
             .unwrap_or("")
             .to_owned();
-        let future = self.inner.call(req);
         if self.log.off {
-            return Box::pin(future);
+            return Box::pin(self.inner.call(req));
         }
-        let n = self.log.started(&key);
+        let connection = capture_connection(&mut req);
+        let future = self.inner.call(req);
+        let n = self.log.started(&key, connection);
         let log = self.log.clone();
         Box::pin(async move {
             let result = future.await;

@@ -38,6 +38,11 @@ pub(crate) struct ConnLog {
 }
 
 impl ConnLog {
+    /// True when hyper still holds the connection from `port`.
+    pub(crate) fn holds(&self, port: u16) -> bool {
+        self.held.lock().unwrap().values().any(|c| c.port == port)
+    }
+
     /// Every connection hyper holds now, one line each.
     pub(crate) fn report(&self) -> String {
         let now = Instant::now();
@@ -129,9 +134,13 @@ impl Drop for TracedIo {
     }
 }
 
+/// The local port of the connection a request went out on, as `Connected` extra data.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LocalPort(pub(crate) u16);
+
 impl Connection for TracedIo {
     fn connected(&self) -> Connected {
-        self.io.connected()
+        self.io.connected().extra(LocalPort(self.info.port))
     }
 }
 
