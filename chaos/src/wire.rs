@@ -134,7 +134,7 @@ impl fmt::Display for Group {
 #[derive(Clone)]
 pub(crate) enum WireClient {
     /// HTTP/1.1 or HTTP/2, the proxy's base URL, and the log of the attempts in flight.
-    Http(HttpClient, String, AttemptLog),
+    Http(Box<HttpClient>, String, AttemptLog),
     /// gRPC over a retrying tonic `Channel`.
     Grpc(tonic::client::Grpc<RetryChannel<Channel>>),
 }
@@ -150,9 +150,11 @@ impl WireClient {
     ) -> Self {
         let base = format!("http://{proxy}");
         match wire {
-            Wire::Http1 | Wire::Http2 => {
-                WireClient::Http(http_client(wire, layer, log.clone(), keep_alive), base, log)
-            }
+            Wire::Http1 | Wire::Http2 => WireClient::Http(
+                Box::new(http_client(wire, layer, log.clone(), keep_alive)),
+                base,
+                log,
+            ),
             Wire::Grpc => {
                 let mut endpoint = Endpoint::from_shared(base).expect("a valid URI");
                 if keep_alive {

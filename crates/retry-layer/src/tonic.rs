@@ -6,11 +6,11 @@
 //! generated client can hold in a struct field or a type alias (a `map_request` closure would
 //! make it unnameable).
 //!
-//! Its errors are [`tonic::Status`](::tonic::Status)es, so that a tonic client sees the
+//! Its errors are `tonic::Status`es, so that a tonic client sees the
 //! classified outcome rather than `Unknown` (which every tier above would take as final): the
-//! layer's timeouts ([`DeadlineExceeded`](crate::DeadlineExceeded),
-//! [`AttemptTimedOut`](crate::AttemptTimedOut),
-//! [`ResponseHeadTimedOut`](crate::ResponseHeadTimedOut), and the channel's own
+//! layer's timeouts ([`DeadlineExceeded`],
+//! [`AttemptTimedOut`],
+//! [`ResponseHeadTimedOut`], and the channel's own
 //! `TimeoutExpired` at the `grpc-timeout` the layer wrote) are DEADLINE_EXCEEDED, a status
 //! tonic or the server made is kept as it is, and every other failure of the transport
 //! (connection refused or reset, DNS, TLS) is UNAVAILABLE. The [`RetryError`] (attempts, the
