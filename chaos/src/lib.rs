@@ -39,6 +39,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 
 mod attempts;
 mod conn_trace;
+mod trace_ring;
 
 pub use wire::{Group, Policy, Wire};
 use wire::{OpsServer, WireClient};
@@ -696,6 +697,7 @@ enum Lookup {
 
 /// Runs the soak with `opts` and reports. Panics if a store cannot be reached.
 pub async fn run(opts: Options) -> Report {
+    trace_ring::install_from_env();
     let started = Instant::now();
     let rss_start = rss_kib();
     let run_id = format!("{:012x}", fastrand::u64(..) & 0xffff_ffff_ffff);
@@ -883,6 +885,12 @@ pub async fn run(opts: Options) -> Report {
                 let mut proxies = log.conns.report();
                 for (wire, s) in &stats {
                     proxies.push_str(&format!("{}:\n{}", wire.name(), s.h2_report_around(since)));
+                }
+                let events =
+                    trace_ring::around(since, Duration::from_millis(3), Duration::from_millis(15));
+                if !events.is_empty() {
+                    proxies.push_str("client events around the earliest stuck attempt's start:\n");
+                    proxies.push_str(&events);
                 }
                 eprintln!(
                     "attempts pending over {STUCK_AFTER:?}:\n{}\nthe fault proxies then:\n{proxies}",
