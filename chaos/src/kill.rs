@@ -625,7 +625,12 @@ pub async fn run_kill(opts: KillOptions) -> KillReport {
     });
 
     // The clients.
-    let client = http_client(Wire::Http1, &RetryLayer::new(Policy::Tuned.retry_policy()));
+    let client = http_client(
+        Wire::Http1,
+        &RetryLayer::new(Policy::Tuned.retry_policy()),
+        crate::attempts::AttemptLog::off(),
+        true,
+    );
     let stop_at = Instant::now() + opts.duration;
     let results = drive(opts.clients, stop_at, move |w, i| {
         let (client, base) = (client.clone(), base.clone());

@@ -29,7 +29,6 @@ use e2e::cut::{authority, via, CutProxy};
 use e2e::faults::Unavailable;
 use e2e::proxy::{Chooser, Mode, Protocol, Proxy};
 use http_body_util::Full;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use idempotency_layer::store::{Begin, Fingerprint};
 use idempotency_layer::{
@@ -37,6 +36,10 @@ use idempotency_layer::{
 };
 use retry_layer::{ReplayBody, Retry, RetryLayer, RetryStats};
 use tokio_stream::wrappers::TcpListenerStream;
+
+mod attempts;
+mod conn_trace;
+mod trace_ring;
 
 pub use wire::{Group, Policy, Wire};
 use wire::{OpsServer, WireClient};
@@ -57,11 +60,15 @@ const MEMORY_CAPACITY: usize = 8_000_000;
 /// room to spare (the default, 128 MiB, holds about 500 000 records).
 const MEMORY_MAX_BYTES: usize = MEMORY_CAPACITY * 1024;
 /// An operation with no answer after this long is hung: given up on (so the run ends), counted
-/// and reported as a failed check. The tuned policy's deadline is 20 s; the default policy has
-/// none, but its 3 attempts end well within this unless a call gets no answer at all.
-const HUNG_AFTER: Duration = Duration::from_secs(120);
+/// and reported as a failed check. It is past every bound of both policies: the tuned one's
+/// deadline is 20 s; the default one has none, and its 3 attempts end within 3 x 60 s
+/// (`response_head_timeout`) plus two backoffs of at most 1.2 s.
+const HUNG_AFTER: Duration = Duration::from_secs(200);
+/// An HTTP attempt pending this long is reported with what the proxies saw (F7): far longer
+/// than any answer of the servers takes (their waits end within 30 s).
+const STUCK_AFTER: Duration = Duration::from_secs(40);
 /// The failure cause of a hung operation.
-const HUNG: &str = "hung: no answer within 120 s";
+const HUNG: &str = "hung: no answer within 200 s";
 /// The one write endpoint.
 const PATH: &str = "/ops";
 
@@ -109,6 +116,8 @@ pub struct Options {
     pub seed: u64,
     /// The claims' lease (the layer's default is 30 s).
     pub lease: Duration,
+    /// HTTP/2 keep-alive on the HTTP/2 and gRPC clients (PING every 10 s, 5 s to answer).
+    pub h2_keep_alive: bool,
 }
 
 impl Options {
@@ -131,6 +140,7 @@ impl Options {
             unavailable_p: 0.05,
             seed: 7,
             lease: Duration::from_secs(30),
+            h2_keep_alive: true,
         }
     }
 }
@@ -317,7 +327,8 @@ fn chooser(seed: u64, drop_p: f64, reset_p: f64, delay_p: f64) -> Chooser {
 }
 
 /// The hyper client the HTTP wires and kill chaos share, through `layer`.
-pub(crate) type HttpClient = Retry<Client<HttpConnector, ReplayBody<Full<Bytes>>>>;
+pub(crate) type HttpClient =
+    Retry<attempts::Attempts<Client<conn_trace::TracedConnector, ReplayBody<Full<Bytes>>>>>;
 
 /// How one logical operation ended.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -422,7 +433,7 @@ pub struct Report {
     pub claims_settled_late: usize,
     /// Succeeded operations whose key holds no record (must be empty: a retry would run again).
     pub unrecorded: Vec<String>,
-    /// Operations that got no answer within 120 s, by group and key (must be empty).
+    /// Operations that got no answer within 200 s, by group and key (must be empty).
     pub hung: Vec<(Group, String)>,
     /// Layer counters summed over instances: executed, replayed, waited, recorded, released,
     /// store errors.
@@ -686,6 +697,7 @@ enum Lookup {
 
 /// Runs the soak with `opts` and reports. Panics if a store cannot be reached.
 pub async fn run(opts: Options) -> Report {
+    trace_ring::install_from_env();
     let started = Instant::now();
     let rss_start = rss_kib();
     let run_id = format!("{:012x}", fastrand::u64(..) & 0xffff_ffff_ffff);
@@ -833,6 +845,7 @@ pub async fn run(opts: Options) -> Report {
     });
 
     // The client groups, each with a layer of its own, and the clients spread over them.
+    let attempt_log = attempts::AttemptLog::default();
     let groups: Vec<(Group, RetryLayer, WireClient)> = opts
         .wires
         .iter()
@@ -843,13 +856,51 @@ pub async fn run(opts: Options) -> Report {
         })
         .map(|group| {
             let layer = RetryLayer::new(group.policy.retry_policy());
-            let client = WireClient::new(group.wire, &layer, proxies[&group.wire].addr);
+            let client = WireClient::new(
+                group.wire,
+                &layer,
+                proxies[&group.wire].addr,
+                attempt_log.clone(),
+                opts.h2_keep_alive,
+            );
             (group, layer, client)
         })
         .collect();
     assert!(!groups.is_empty(), "at least one wire and one policy");
     let clients: Arc<Vec<(Group, WireClient)>> =
         Arc::new(groups.iter().map(|(g, _, c)| (*g, c.clone())).collect());
+    // Reports HTTP attempts that wait far longer than any answer should take, with what the
+    // fault proxies saw then (F7).
+    let watchdog = {
+        let log = attempt_log.clone();
+        let stats: Vec<(Wire, Arc<e2e::proxy::ProxyStats>)> =
+            proxies.iter().map(|(w, p)| (*w, p.stats.clone())).collect();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                let (stuck, since) = log.stuck(STUCK_AFTER);
+                let Some(since) = since else {
+                    continue;
+                };
+                let mut proxies = log.conns.report();
+                for (wire, s) in &stats {
+                    proxies.push_str(&format!("{}:\n{}", wire.name(), s.h2_report_around(since)));
+                }
+                let events =
+                    trace_ring::around(since, Duration::from_millis(3), Duration::from_millis(15));
+                if !events.is_empty() {
+                    proxies.push_str("client events around the earliest stuck attempt's start:\n");
+                    proxies.push_str(&events);
+                }
+                eprintln!(
+                    "attempts pending over {STUCK_AFTER:?}:\n{}\nthe fault proxies then:\n{proxies}",
+                    stuck.join("\n")
+                );
+            }
+        })
+    };
+    let proxy_stats: Arc<BTreeMap<Wire, Arc<e2e::proxy::ProxyStats>>> =
+        Arc::new(proxies.iter().map(|(w, p)| (*w, p.stats.clone())).collect());
     let rss_middle = Arc::new(AtomicUsize::new(0));
     let sampler = {
         let rss_middle = rss_middle.clone();
@@ -862,13 +913,24 @@ pub async fn run(opts: Options) -> Report {
     let stop_at = Instant::now() + opts.duration;
     let results = drive(opts.clients, stop_at, move |w, i| {
         let clients = clients.clone();
+        let proxy_stats = proxy_stats.clone();
         async move {
             let (group, client) = &clients[w % clients.len()];
             let key = format!("op-{w:03}-{i:08}-{:08x}", fastrand::u32(..));
             let (outcome, attempts) =
                 match tokio::time::timeout(HUNG_AFTER, client.operation(&key)).await {
                     Ok(done) => done,
-                    Err(_) => (Outcome::Failed(HUNG.into()), 0),
+                    Err(_) => {
+                        // Where the call's stream waits, as the fault proxy saw it (F7).
+                        let seen = proxy_stats
+                            .get(&group.wire)
+                            .map(|s| s.h2_waiting_streams(Duration::from_secs(30)))
+                            .unwrap_or_default();
+                        eprintln!(
+                        "{group} {key} hung; the proxy's HTTP/2 streams waiting over 30 s:\n{seen}"
+                    );
+                        (Outcome::Failed(HUNG.into()), 0)
+                    }
                 };
             (*group, key, outcome, attempts)
         }
@@ -877,6 +939,7 @@ pub async fn run(opts: Options) -> Report {
     if let Some(c) = cutter {
         c.abort();
     }
+    watchdog.abort();
     let _ = sampler.await;
     if let Some(cut) = &cut {
         cut.restore();

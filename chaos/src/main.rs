@@ -37,6 +37,10 @@ struct Args {
     /// The claims' lease in seconds (the layer's default: 30).
     #[arg(long, default_value_t = 30.0)]
     lease: f64,
+    /// Turn HTTP/2 keep-alive off on the HTTP/2 and gRPC clients (on by default: PING every
+    /// 10 s).
+    #[arg(long)]
+    no_h2_keep_alive: bool,
 }
 
 #[tokio::main]
@@ -63,6 +67,7 @@ async fn main() {
     opts.cut_for = Duration::from_secs_f64(args.cut_for);
     opts.seed = args.seed;
     opts.lease = Duration::from_secs_f64(args.lease);
+    opts.h2_keep_alive = !args.no_h2_keep_alive;
     let report = run(opts).await;
     println!("{report}");
     if !report.problems().is_empty() {

@@ -24,14 +24,21 @@ use http::uri::PathAndQuery;
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use retry_layer::tonic::RetryChannel;
 use retry_layer::{RetryInfo, RetryLayer, RetryPolicy};
 use tonic::transport::{Channel, Endpoint};
 use tonic_prost::ProstCodec;
 use tower::ServiceExt;
 
+use crate::attempts::{AttemptLog, Attempts};
+use crate::conn_trace::TracedConnector;
 use crate::{error_kind, HttpClient, Ledger, Outcome, PATH};
+
+/// How often the HTTP/2 and gRPC clients ping their connection, and how long a PING may go
+/// unanswered before the connection is closed.
+const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The gRPC write: `/chaos.Ops/Write`.
 pub(crate) const GRPC_PATH: &str = "/chaos.Ops/Write";
@@ -126,22 +133,36 @@ impl fmt::Display for Group {
 /// A retrying client of one wire.
 #[derive(Clone)]
 pub(crate) enum WireClient {
-    /// HTTP/1.1 or HTTP/2, and the proxy's base URL.
-    Http(HttpClient, String),
+    /// HTTP/1.1 or HTTP/2, the proxy's base URL, and the log of the attempts in flight.
+    Http(Box<HttpClient>, String, AttemptLog),
     /// gRPC over a retrying tonic `Channel`.
     Grpc(tonic::client::Grpc<RetryChannel<Channel>>),
 }
 
 impl WireClient {
     /// A client of `wire` through `layer` to the proxy at `proxy`.
-    pub(crate) fn new(wire: Wire, layer: &RetryLayer, proxy: SocketAddr) -> Self {
+    pub(crate) fn new(
+        wire: Wire,
+        layer: &RetryLayer,
+        proxy: SocketAddr,
+        log: AttemptLog,
+        keep_alive: bool,
+    ) -> Self {
         let base = format!("http://{proxy}");
         match wire {
-            Wire::Http1 | Wire::Http2 => WireClient::Http(http_client(wire, layer), base),
+            Wire::Http1 | Wire::Http2 => WireClient::Http(
+                Box::new(http_client(wire, layer, log.clone(), keep_alive)),
+                base,
+                log,
+            ),
             Wire::Grpc => {
-                let channel = Endpoint::from_shared(base)
-                    .expect("a valid URI")
-                    .connect_lazy();
+                let mut endpoint = Endpoint::from_shared(base).expect("a valid URI");
+                if keep_alive {
+                    endpoint = endpoint
+                        .http2_keep_alive_interval(KEEP_ALIVE_INTERVAL)
+                        .keep_alive_timeout(KEEP_ALIVE_TIMEOUT);
+                }
+                let channel = endpoint.connect_lazy();
                 WireClient::Grpc(tonic::client::Grpc::new(layer.tonic_channel(channel)))
             }
         }
@@ -151,7 +172,11 @@ impl WireClient {
     /// the attempts it took (0 when the call ended in an error or a gRPC status).
     pub(crate) async fn operation(&self, key: &str) -> (Outcome, u32) {
         match self {
-            WireClient::Http(client, base) => http_operation(client, base, key).await,
+            WireClient::Http(client, base, log) => {
+                let done = http_operation(client, base, key).await;
+                log.finish(key);
+                done
+            }
             WireClient::Grpc(client) => grpc_operation(client.clone(), key).await,
         }
     }
@@ -186,13 +211,27 @@ async fn http_operation(client: &HttpClient, base: &str, key: &str) -> (Outcome,
 
 /// A hyper client through `layer`: for HTTP/1.1 a connection per attempt (so that the fault
 /// proxy can fault every attempt), for HTTP/2 one multiplexed h2c connection.
-pub(crate) fn http_client(wire: Wire, layer: &RetryLayer) -> HttpClient {
+pub(crate) fn http_client(
+    wire: Wire,
+    layer: &RetryLayer,
+    log: AttemptLog,
+    keep_alive: bool,
+) -> HttpClient {
     let mut builder = Client::builder(TokioExecutor::new());
     match wire {
         Wire::Http1 => builder.pool_max_idle_per_host(0),
         Wire::Http2 | Wire::Grpc => builder.http2_only(true),
     };
-    tower::Layer::layer(layer, builder.build_http())
+    // HTTP/2 keep-alive, as the retry layer's docs advise: a connection whose peer went away
+    // without a word is found by a missed PING and closed.
+    if keep_alive && wire != Wire::Http1 {
+        builder
+            .timer(TokioTimer::new())
+            .http2_keep_alive_interval(Some(KEEP_ALIVE_INTERVAL))
+            .http2_keep_alive_timeout(KEEP_ALIVE_TIMEOUT);
+    }
+    let connector = TracedConnector::new(log.conns.clone());
+    tower::Layer::layer(layer, Attempts::new(builder.build(connector), log))
 }
 
 /// The gRPC message of both directions: the key, and in the answer the executions so far.

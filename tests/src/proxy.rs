@@ -54,6 +54,192 @@ pub struct ProxyStats {
     pub reset: AtomicUsize,
     /// Connections (HTTP/1) or responses (HTTP/2) delayed.
     pub delayed: AtomicUsize,
+    /// What the proxy saw of each HTTP/2 connection still open: to tell, when a call hangs,
+    /// whether its stream is waiting on the server, on the proxy, or never left the client.
+    open_h2: Mutex<std::collections::BTreeMap<u64, Arc<Mutex<H2Trace>>>>,
+    /// The last HTTP/2 connections that closed with streams unanswered.
+    closed_h2: Mutex<std::collections::VecDeque<ClosedH2>>,
+    next_id: AtomicUsize,
+}
+
+/// An HTTP/2 connection that closed with streams unanswered.
+#[derive(Debug)]
+struct ClosedH2 {
+    id: u64,
+    accepted: std::time::Instant,
+    closed: std::time::Instant,
+    how: &'static str,
+    /// Each unanswered stream and when its request came.
+    unanswered: Vec<(u32, std::time::Instant)>,
+}
+
+/// What the proxy saw of one HTTP/2 connection: when each stream's request and response
+/// started, and how it ended.
+#[derive(Debug)]
+struct H2Trace {
+    /// When the client's connection was accepted, and when the server's was made.
+    accepted: std::time::Instant,
+    upstream: Option<std::time::Instant>,
+    opened: std::time::Instant,
+    streams: std::collections::BTreeMap<u32, StreamTrace>,
+    /// GOAWAY frames seen: (from the server?, last stream id).
+    goaways: Vec<(bool, u32)>,
+    /// Bytes relayed client to server, and server to client.
+    up_bytes: u64,
+    down_bytes: u64,
+    /// How the relay ended, once it has.
+    ended: &'static str,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct StreamTrace {
+    request: Option<std::time::Instant>,
+    request_ended: bool,
+    response: Option<std::time::Instant>,
+    response_ended: bool,
+    /// RST_STREAM: (from the server?, error code).
+    reset: Option<(bool, u32)>,
+}
+
+impl H2Trace {
+    fn new() -> Self {
+        H2Trace {
+            accepted: std::time::Instant::now(),
+            upstream: None,
+            opened: std::time::Instant::now(),
+            streams: Default::default(),
+            goaways: Vec::new(),
+            up_bytes: 0,
+            down_bytes: 0,
+            ended: "",
+        }
+    }
+
+    /// The streams whose request went up and whose response did not end, one line each.
+    fn unanswered(&self, now: std::time::Instant, older_than: Duration) -> Vec<String> {
+        self.streams
+            .iter()
+            .filter(|(_, s)| {
+                s.request.is_some_and(|at| now - at >= older_than) && !s.response_ended
+            })
+            .map(|(n, s)| {
+                format!(
+                    "stream {n}: request {:?} ago (body ended: {}), response {}",
+                    now - s.request.unwrap(),
+                    s.request_ended,
+                    match s.response {
+                        Some(at) => format!("started {:?} ago, not ended", now - at),
+                        None => "not started".into(),
+                    }
+                )
+            })
+            .collect()
+    }
+
+    /// Notes the frames of one chunk relayed in one direction.
+    fn note(&mut self, from_server: bool, frames: &[(u8, u8, u32, u32)]) {
+        const END_STREAM: u8 = 0x1;
+        let now = std::time::Instant::now();
+        for &(kind, flags, stream, code) in frames {
+            if stream == 0 {
+                if kind == 0x7 {
+                    self.goaways.push((from_server, code & 0x7fff_ffff));
+                }
+                continue;
+            }
+            let s = self.streams.entry(stream).or_default();
+            let ends = flags & END_STREAM != 0 && matches!(kind, 0x0 | 0x1);
+            match (kind, from_server) {
+                (0x1, false) => {
+                    s.request.get_or_insert(now);
+                    s.request_ended |= ends;
+                }
+                (0x0, false) => s.request_ended |= ends,
+                (0x1, true) => {
+                    s.response.get_or_insert(now);
+                    s.response_ended |= ends;
+                }
+                (0x0, true) => s.response_ended |= ends,
+                (0x3, _) => s.reset = Some((from_server, code)),
+                _ => {}
+            }
+        }
+        // Forget streams that are done, so that a long-lived connection stays small.
+        self.streams
+            .retain(|_, s| !(s.reset.is_some() || (s.response_ended && s.request_ended)));
+    }
+}
+
+impl ProxyStats {
+    /// What the proxy saw around `at` (a hung call's attempt started then): every HTTP/2
+    /// connection open now (when accepted, whether its server connection was made, its streams
+    /// still unanswered), and the connections that closed with an unanswered stream whose
+    /// request came within 2 s of `at`.
+    pub fn h2_report_around(&self, at: std::time::Instant) -> String {
+        let now = std::time::Instant::now();
+        let ago = |t: std::time::Instant| now.saturating_duration_since(t);
+        let near = |t: std::time::Instant| {
+            t.saturating_duration_since(at) < Duration::from_secs(2)
+                && at.saturating_duration_since(t) < Duration::from_secs(2)
+        };
+        let mut out = String::new();
+        for (id, t) in self.open_h2.lock().unwrap().iter() {
+            let t = t.lock().unwrap();
+            out.push_str(&format!(
+                "open connection {id}: accepted {:?} ago, server connection {}, {} bytes up, {} down, GOAWAYs {:?}; unanswered: {:?}\n",
+                ago(t.accepted),
+                t.upstream.map_or("not made".to_owned(), |u| format!("made {:?} ago", ago(u))),
+                t.up_bytes,
+                t.down_bytes,
+                t.goaways,
+                t.unanswered(now, Duration::ZERO)
+            ));
+        }
+        for c in self.closed_h2.lock().unwrap().iter() {
+            let near_streams: Vec<(u32, Duration)> = c
+                .unanswered
+                .iter()
+                .filter(|(_, t)| near(*t))
+                .map(|(n, t)| (*n, ago(*t)))
+                .collect();
+            if near_streams.is_empty() {
+                continue;
+            }
+            out.push_str(&format!(
+                "closed connection {}: accepted {:?} ago, closed {:?} ago ({}); unanswered streams near then (stream, request ago): {:?}\n",
+                c.id,
+                ago(c.accepted),
+                ago(c.closed),
+                c.how,
+                near_streams
+            ));
+        }
+        out
+    }
+
+    /// Every HTTP/2 connection still open with a stream whose request has waited longer than
+    /// `older_than` for a response (or for its end), described one per line; and a summary.
+    pub fn h2_waiting_streams(&self, older_than: Duration) -> String {
+        let now = std::time::Instant::now();
+        let open = self.open_h2.lock().unwrap();
+        let mut out = format!("{} HTTP/2 connections open\n", open.len());
+        for (id, t) in open.iter() {
+            let t = t.lock().unwrap();
+            let waiting = t.unanswered(now, older_than);
+            if waiting.is_empty() {
+                continue;
+            }
+            out.push_str(&format!(
+                "connection {id} (open {:?}, {} bytes up, {} down, GOAWAYs {:?}):\n  {}\n",
+                now - t.opened,
+                t.up_bytes,
+                t.down_bytes,
+                t.goaways,
+                waiting.join("\n  ")
+            ));
+        }
+        out
+    }
 }
 
 /// A running proxy.
@@ -132,7 +318,19 @@ async fn relay(
     if matches!(connection_mode, Mode::Delay(_)) {
         stats.delayed.fetch_add(1, Ordering::SeqCst);
     }
+    // HTTP/2 connections are traced while they are open (see `ProxyStats::h2_report_around`),
+    // from their accept on.
+    let trace = (protocol == Protocol::Http2).then(|| {
+        let id = stats.next_id.fetch_add(1, Ordering::SeqCst) as u64;
+        let t = Arc::new(Mutex::new(H2Trace::new()));
+        stats.open_h2.lock().unwrap().insert(id, t.clone());
+        (id, t)
+    });
+    let _untrace = Untrace(stats, trace.as_ref().map(|(id, _)| *id));
     let server = TcpStream::connect(upstream).await?;
+    if let Some((_, t)) = &trace {
+        t.lock().unwrap().upstream = Some(std::time::Instant::now());
+    }
     client.set_nodelay(true)?;
     server.set_nodelay(true)?;
     let (mut cr, mut cw) = client.into_split();
@@ -142,11 +340,17 @@ async fn relay(
     let graceful = std::sync::atomic::AtomicBool::new(false);
     let up = async {
         let mut buf = vec![0u8; 16 * 1024];
+        let mut frames = FrameHeaders::client();
         loop {
             let n = cr.read(&mut buf).await?;
             if n == 0 {
                 let _ = sw.shutdown().await;
                 return Ok::<_, std::io::Error>(());
+            }
+            if let Some((_, t)) = &trace {
+                let mut t = t.lock().unwrap();
+                t.up_bytes += n as u64;
+                t.note(false, &frames.scan(&buf[..n]));
             }
             sw.write_all(&buf[..n]).await?;
         }
@@ -154,6 +358,7 @@ async fn relay(
     let down = async {
         let mut buf = vec![0u8; 16 * 1024];
         let mut frames = FrameScanner::default();
+        let mut traced = FrameHeaders::default();
         loop {
             let n = sr.read(&mut buf).await?;
             if n == 0 {
@@ -161,6 +366,11 @@ async fn relay(
                 return Ok(());
             }
             let chunk = &buf[..n];
+            if let Some((_, t)) = &trace {
+                let mut t = t.lock().unwrap();
+                t.down_bytes += n as u64;
+                t.note(true, &traced.scan(chunk));
+            }
             // The offsets in this chunk where a response starts, and what to do there.
             let mut cuts: Vec<(usize, Mode)> = Vec::new();
             match protocol {
@@ -201,10 +411,13 @@ async fn relay(
         }
     };
     // Whichever side ends first ends the connection (dropping both halves closes the sockets).
-    let ended = tokio::select! {
-        r = up => r,
-        r = down => r,
+    let (ended, how) = tokio::select! {
+        r = up => { let how = if r.is_ok() { "the client closed" } else { "reading the client or writing to the server failed" }; (r, how) }
+        r = down => { let how = match &r { Ok(()) => "the server closed", Err(e) if e.to_string().contains("fault proxy") => "cut by the proxy", Err(_) => "writing to the client failed" }; (r, how) }
     };
+    if let Some((_, t)) = &trace {
+        t.lock().unwrap().ended = how;
+    }
     if graceful.load(Ordering::SeqCst) {
         // Closing a socket with unread bytes from the client sends a reset, and a client's
         // kernel that gets a reset discards what it had received and not yet read: responses
@@ -218,6 +431,102 @@ async fn relay(
         .await;
     }
     ended
+}
+
+/// Removes a connection's trace when its relay ends.
+struct Untrace<'a>(&'a ProxyStats, Option<u64>);
+
+impl Drop for Untrace<'_> {
+    fn drop(&mut self) {
+        let Some(id) = self.1 else { return };
+        let Some(t) = self.0.open_h2.lock().unwrap().remove(&id) else {
+            return;
+        };
+        let t = t.lock().unwrap();
+        let unanswered: Vec<(u32, std::time::Instant)> = t
+            .streams
+            .iter()
+            .filter(|(_, s)| !s.response_ended)
+            .filter_map(|(n, s)| s.request.map(|at| (*n, at)))
+            .collect();
+        if unanswered.is_empty() {
+            return;
+        }
+        let mut closed = self.0.closed_h2.lock().unwrap();
+        if closed.len() == 4096 {
+            closed.pop_front();
+        }
+        closed.push_back(ClosedH2 {
+            id,
+            accepted: t.accepted,
+            closed: std::time::Instant::now(),
+            how: t.ended,
+            unanswered,
+        });
+    }
+}
+
+/// Splits an HTTP/2 byte stream into frames: (type, flags, stream, the first 4 bytes of the
+/// payload as a number, for RST_STREAM's error code and GOAWAY's last stream id).
+#[derive(Debug, Default)]
+struct FrameHeaders {
+    /// Bytes to skip first (the client's connection preface).
+    skip: usize,
+    header: Vec<u8>,
+    /// Payload bytes of the current frame still to come, and the first 4 of them.
+    left: usize,
+    first4: Vec<u8>,
+    current: Option<(u8, u8, u32)>,
+}
+
+impl FrameHeaders {
+    /// The scanner of a client's bytes, which start with the connection preface.
+    fn client() -> Self {
+        FrameHeaders {
+            skip: b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".len(),
+            ..FrameHeaders::default()
+        }
+    }
+
+    fn scan(&mut self, mut chunk: &[u8]) -> Vec<(u8, u8, u32, u32)> {
+        let mut out = Vec::new();
+        let skip = self.skip.min(chunk.len());
+        self.skip -= skip;
+        chunk = &chunk[skip..];
+        while !chunk.is_empty() {
+            if let Some((kind, flags, stream)) = self.current {
+                let n = self.left.min(chunk.len());
+                let want = 4usize.saturating_sub(self.first4.len()).min(n);
+                self.first4.extend_from_slice(&chunk[..want]);
+                self.left -= n;
+                chunk = &chunk[n..];
+                if self.left == 0 {
+                    let mut b = [0u8; 4];
+                    b[..self.first4.len()].copy_from_slice(&self.first4);
+                    out.push((kind, flags, stream, u32::from_be_bytes(b)));
+                    self.current = None;
+                    self.first4.clear();
+                }
+                continue;
+            }
+            let need = 9 - self.header.len();
+            let take = need.min(chunk.len());
+            self.header.extend_from_slice(&chunk[..take]);
+            chunk = &chunk[take..];
+            if self.header.len() == 9 {
+                let h = std::mem::take(&mut self.header);
+                let len = (usize::from(h[0]) << 16) | (usize::from(h[1]) << 8) | usize::from(h[2]);
+                let stream = u32::from_be_bytes([h[5] & 0x7f, h[6], h[7], h[8]]);
+                self.current = Some((h[3], h[4], stream));
+                self.left = len;
+                if len == 0 {
+                    out.push((h[3], h[4], stream, 0));
+                    self.current = None;
+                }
+            }
+        }
+        out
+    }
 }
 
 /// Finds where responses start in a server's HTTP/2 byte stream: the first HEADERS frame of
@@ -317,5 +626,29 @@ mod tests {
         ]
         .concat();
         assert_eq!(s.response_headers(&frames), vec![48]);
+    }
+}
+
+#[cfg(test)]
+mod trace_tests {
+    use super::{FrameHeaders, H2Trace};
+
+    #[test]
+    fn frames_are_split_across_chunks_after_the_preface() {
+        let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        // HEADERS on stream 1 (END_HEADERS), then RST_STREAM on stream 1 with code 8.
+        bytes.extend_from_slice(&[0, 0, 2, 0x1, 0x4, 0, 0, 0, 1, 0x88, 0x89]);
+        bytes.extend_from_slice(&[0, 0, 4, 0x3, 0, 0, 0, 0, 1, 0, 0, 0, 8]);
+        let mut f = FrameHeaders::client();
+        let mut frames = Vec::new();
+        for piece in bytes.chunks(5) {
+            frames.extend(f.scan(piece));
+        }
+        assert_eq!(frames, vec![(0x1, 0x4, 1, 0x8889_0000), (0x3, 0, 1, 8)]);
+        let mut t = H2Trace::new();
+        t.note(false, &frames[..1]);
+        assert!(t.streams[&1].request.is_some());
+        t.note(false, &frames[1..]);
+        assert!(t.streams.is_empty(), "a reset stream is forgotten");
     }
 }

@@ -5,9 +5,13 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use http::{HeaderMap, HeaderValue, StatusCode};
+use tokio::time::Instant;
 
 use crate::classify::{classify_head, HeadClass};
-use crate::headers::{GRPC_PREVIOUS_RPC_ATTEMPTS, GRPC_RETRY_PUSHBACK_MS, X_PREVIOUS_ATTEMPTS};
+use crate::headers::{
+    parse_grpc_timeout, GRPC_PREVIOUS_RPC_ATTEMPTS, GRPC_RETRY_PUSHBACK_MS, GRPC_TIMEOUT,
+    X_PREVIOUS_ATTEMPTS,
+};
 use crate::reason::{DO_NOT_RETRY, RETRIES_DEFERRED};
 use crate::{Outcome, ReasonCodes, RetryTable, Verdict};
 
@@ -24,14 +28,15 @@ tokio::task_local! {
 /// signals stop that, with no code in the handlers:
 ///
 /// 1. **No retry can help.** When a hop's outbound call ends on a failure because its own
-///    downstream said "do not retry" (or asked for a longer wait than the hop accepts), or the
-///    deadline is spent, the hop answers its caller "do not retry": a negative
+///    downstream said "do not retry", or the deadline the inbound request carried is spent,
+///    the hop answers its caller "do not retry": a negative
 ///    `grpc-retry-pushback-ms` over gRPC (gRFC A6 already means that by it), the reason code
 ///    [`DO_NOT_RETRY`] over HTTP. The caller returns the failure as it is, and so does every hop
 ///    above it.
 /// 2. **Retried below.** When the hop has done its share of retrying (its attempts ran out, its
-///    retry budget refused, or the request it serves is a retry and its outbound call sent
-///    once), it answers [`RETRIES_DEFERRED`]: the caller may retry, but only within its own
+///    retry budget refused, the request it serves is a retry and its outbound call sent
+///    once, or it stopped on a choice of its own: its `total_timeout` or `max_pushback`), it
+///    answers [`RETRIES_DEFERRED`]: the caller may retry, but only within its own
 ///    adaptive budget (gRFC A6 throttling, which refuses once more than about one call in ten
 ///    fails). A backend that fails a few requests is still retried past a hop that ran out; a
 ///    dead one drains every adaptive budget above the bottom hop within a few calls, so it sees
@@ -78,6 +83,9 @@ tokio::task_local! {
 #[derive(Debug, Default)]
 pub struct Hop {
     previous_attempts: u32,
+    /// The deadline the inbound request carried (its `grpc-timeout`, or one the server layer
+    /// knew of): only a deadline the caller set makes a give-up on it "do not retry".
+    inbound_deadline: Option<Instant>,
     /// [`NOTHING`], [`DEFERRED`] or [`GAVE_UP`]: the strongest an outbound call noted.
     outcome: AtomicU8,
 }
@@ -91,13 +99,15 @@ impl Hop {
     pub fn new(previous_attempts: u32) -> Self {
         Hop {
             previous_attempts,
+            inbound_deadline: None,
             outcome: AtomicU8::new(NOTHING),
         }
     }
 
     /// The hop of a request with these headers: `grpc-previous-rpc-attempts` (gRPC) or
-    /// `x-previous-attempts` (HTTP). A malformed value is read as 0 (not a retry): the
-    /// request is served as usual.
+    /// `x-previous-attempts` (HTTP), and the inbound deadline of its `grpc-timeout`. A
+    /// malformed attempt count is read as 0 (not a retry), a malformed `grpc-timeout` as no
+    /// deadline: the request is served as usual.
     pub fn from_request_headers(headers: &HeaderMap) -> Self {
         let previous = [GRPC_PREVIOUS_RPC_ATTEMPTS, X_PREVIOUS_ATTEMPTS]
             .iter()
@@ -105,7 +115,34 @@ impl Hop {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.trim().parse::<u32>().ok())
             .unwrap_or(0);
-        Hop::new(previous)
+        let mut hop = Hop::new(previous);
+        if let Some(Ok(timeout)) = headers.get(GRPC_TIMEOUT).map(parse_grpc_timeout) {
+            hop.inbound_deadline = Instant::now().checked_add(timeout);
+        }
+        hop
+    }
+
+    /// This hop with the deadline its caller set (the earlier one wins if it already has
+    /// one): a server layer that knows of a deadline beyond `grpc-timeout` adds it here.
+    pub fn with_inbound_deadline(mut self, deadline: Instant) -> Self {
+        self.inbound_deadline = Some(match self.inbound_deadline {
+            Some(d) => d.min(deadline),
+            None => deadline,
+        });
+        self
+    }
+
+    /// The deadline the request being served carried, if any.
+    pub fn inbound_deadline(&self) -> Option<Instant> {
+        self.inbound_deadline
+    }
+
+    /// True when the inbound request's deadline leaves less than `needed` from now: the caller
+    /// cannot fit another attempt through this hop either. Without an inbound deadline, false:
+    /// a deadline of this hop's own is its local choice, which says nothing of its caller's.
+    pub fn inbound_deadline_leaves_less_than(&self, needed: std::time::Duration) -> bool {
+        self.inbound_deadline
+            .is_some_and(|d| d.saturating_duration_since(Instant::now()) < needed)
     }
 
     /// Attempts of the caller that preceded the request being served.
@@ -119,7 +156,9 @@ impl Hop {
     }
 
     /// Records that an outbound call of this hop ended on a failure no retry can help (a
-    /// downstream "do not retry", or the deadline): the hop's answer says [`DO_NOT_RETRY`].
+    /// downstream "do not retry", or the inbound request's deadline spent): the hop's answer
+    /// says [`DO_NOT_RETRY`]. A give-up on a choice of the hop's own (its `total_timeout`, its
+    /// `max_pushback`) is [`note_deferred`](Self::note_deferred): the caller may still retry.
     pub fn note_gave_up(&self) {
         self.outcome.fetch_max(GAVE_UP, Ordering::Relaxed);
     }
@@ -283,6 +322,22 @@ mod tests {
         assert!(hop.mark_response(true, StatusCode::OK, &mut h, &reasons));
         assert!(reasons.says_retries_deferred(&h));
         assert!(h.get(GRPC_RETRY_PUSHBACK_MS).is_none(), "not a stop");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_inbound_deadline_comes_from_grpc_timeout() {
+        let hop = Hop::from_request_headers(&headers(&[("grpc-timeout", "100m")]));
+        let d = hop.inbound_deadline().expect("a deadline");
+        assert_eq!(d, Instant::now() + std::time::Duration::from_millis(100));
+        assert!(!hop.inbound_deadline_leaves_less_than(std::time::Duration::from_millis(100)));
+        assert!(hop.inbound_deadline_leaves_less_than(std::time::Duration::from_millis(101)));
+        let hop = Hop::from_request_headers(&headers(&[("grpc-timeout", "soon")]));
+        assert_eq!(hop.inbound_deadline(), None, "malformed: no deadline");
+        assert!(!hop.inbound_deadline_leaves_less_than(std::time::Duration::MAX));
+        let earlier = Instant::now() + std::time::Duration::from_millis(10);
+        let hop = Hop::from_request_headers(&headers(&[("grpc-timeout", "1S")]))
+            .with_inbound_deadline(earlier);
+        assert_eq!(hop.inbound_deadline(), Some(earlier));
     }
 
     #[tokio::test]

@@ -7,7 +7,8 @@
 //! - [`Code`]: the 17 gRPC status codes, with the HTTP status mapping both ways
 //!   ([`Code::from_http_status`], [`Code::http_status`]).
 //! - Parsers that never panic, for `grpc-status`, `grpc-message`, `grpc-timeout`,
-//!   `grpc-retry-pushback-ms` and `Retry-After`, returning a typed [`HeaderError`].
+//!   `grpc-retry-pushback-ms`, `Retry-After` and the `google.rpc.RetryInfo` in
+//!   `grpc-status-details-bin`, returning a typed [`HeaderError`].
 //! - [`ReasonCodes`]: business reason codes (`x-reason-code: STOCK_CONFLICT`) mapped onto codes.
 //! - [`RetryTable`]: the retryability table, with the client's view ([`RetryTable::verdict`]) and
 //!   the server's view ([`RetryTable::may_record`]).
@@ -47,6 +48,7 @@ mod headers;
 mod hop;
 mod http_status;
 mod reason;
+mod status_details;
 mod table;
 mod vocabulary;
 
@@ -62,6 +64,7 @@ pub use hop::Hop;
 pub use reason::{
     ReasonCodes, DO_NOT_RETRY, IDEMPOTENCY_IN_FLIGHT, REQUEST_TOO_LARGE, RETRIES_DEFERRED,
 };
+pub use status_details::{parse_grpc_retry_info, GRPC_STATUS_DETAILS_BIN};
 pub use table::{ClientRule, Outcome, RecordRule, RetryTable, Verdict};
 pub use vocabulary::{
     GrpcMethods, IdempotentGrpcMethods, InvalidGrpcMethod, KeyHeaders, NoKeyHeader,

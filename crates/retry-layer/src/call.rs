@@ -17,9 +17,9 @@ use reason_code::Hop;
 use crate::body::{BodyHandle, ReplayBody};
 use crate::budget::Budget;
 use crate::classify;
-use crate::deadline::{deadline_of, rewrite_grpc_timeout, Timer};
+use crate::deadline::{deadline_of, instant_after, rewrite_grpc_timeout, Timer};
 use crate::decide::{decide, Attempt, Budgets, Ended, Step, Why};
-use crate::error::RetryError;
+use crate::error::{DeadlineExceeded, RetryError};
 use crate::observe::{self, GiveUp};
 use crate::policy::{Conflict, InboundRetry, RebuildFuture};
 use crate::request::{
@@ -45,11 +45,18 @@ pub(crate) struct Call<S, B> {
     generated_key: Option<HeaderValue>,
     /// The code of the outcome a rebuild hook is answering (labels a budget refusal).
     rebuilding: reason_code::Code,
+    /// When the server's pushback lets the rebuilt request go (the conflict's arrival plus the
+    /// pushback; the arrival alone without one). Set when a rebuild starts.
+    rebuild_not_before: Option<Instant>,
+    /// Why nothing was sent, when nothing was: the answer.
+    not_sent: Option<BoxError>,
     /// The server hop this call is made from, if the handler runs in one: told when the call
     /// gives up, so the hop answers its caller "do not retry".
     hop: Option<Arc<Hop>>,
     /// The call draws on the budget kept for calls under an inbound retry.
     inbound_retry_budget: bool,
+    /// The budget of the request's authority, with `budget_per_authority`.
+    authority_budget: Option<Arc<dyn Budget>>,
 }
 
 /// What the response future does next, once a [`Step`] is carried out.
@@ -65,8 +72,9 @@ pub(crate) enum Next<R> {
 impl<S, B> Call<S, B> {
     /// The budget this call draws on.
     fn budget(&self) -> &dyn Budget {
-        match &self.shared.inbound_retry_budget {
-            Some(b) if self.inbound_retry_budget => &**b,
+        match (&self.shared.inbound_retry_budget, &self.authority_budget) {
+            (Some(b), _) if self.inbound_retry_budget => &**b,
+            (_, Some(b)) => &**b,
             _ => &*self.shared.budget,
         }
     }
@@ -92,6 +100,19 @@ impl<S, B> Call<S, B> {
     /// The call's deadline.
     pub(crate) fn deadline(&self) -> Option<Instant> {
         self.attempt.deadline
+    }
+
+    /// Why the first attempt was not sent (the deadline had passed, or the body failed before
+    /// its first byte).
+    pub(crate) fn take_not_sent(&mut self) -> BoxError {
+        self.not_sent
+            .take()
+            .unwrap_or_else(|| DeadlineExceeded::new().into())
+    }
+
+    /// How long an attempt (or the wait before it) may wait for a response head.
+    pub(crate) fn head_timeout(&self) -> std::time::Duration {
+        self.shared.policy.response_head_timeout
     }
 
     /// True when the call has a deadline and it has passed.
@@ -137,14 +158,18 @@ where
 {
     /// Sets the request up (its idempotency, key, deadline and `grpc-timeout`), keeps what a
     /// retry needs, and sends the first attempt on `service`, which must be ready. Returns the
-    /// call, the attempt's future, its timer and the call's span.
+    /// call, the attempt's future (`None` when the deadline had passed already: nothing is
+    /// sent), its timer and the call's span.
     pub(crate) fn start(
         mut service: S,
         shared: Arc<Shared>,
         req: Request<B>,
-    ) -> (Self, S::Future, Timer, Span) {
+    ) -> (Self, Option<S::Future>, Timer, Span) {
         let policy = &shared.policy;
         let (mut parts, body) = req.into_parts();
+        // The layer owns the attempt headers on every attempt: one forwarded from a request
+        // this service is serving would tell the hop below that a first attempt is a retry.
+        remove_attempt_headers(&mut parts);
         let judged = judge(policy, &mut parts, None);
         let deadline = deadline_of(&parts, judged.grpc, policy.total_timeout);
         if judged.grpc {
@@ -178,16 +203,37 @@ where
         } else {
             0
         };
-        let (first_body, body) = ReplayBody::new(body, keep, content_length);
+        // Nothing is sent when the deadline has passed, or when the body failed before any
+        // byte of it was read (the server would see a request start and break off).
+        let expired = deadline.is_some_and(|d| Instant::now() >= d);
+        let wrapped = if expired {
+            Err(DeadlineExceeded::new().into())
+        } else {
+            ReplayBody::new(body, keep, content_length, &shared.replay_memory)
+        };
 
         let mut attempt = Attempt::first(judged.idempotent, judged.method, deadline);
         attempt.send_once = send_once;
         shared.stats.incr(Counter::Requests);
-        shared.stats.incr(Counter::Attempts);
         observe::call_started();
         let span = observe::call_span(&parts, judged.grpc);
-        let future = service.call(Request::from_parts(parts, first_body));
-        let timer = Timer::for_attempt(deadline, policy.attempt_timeout);
+        let authority_budget = shared.budget_for(&parts.uri);
+        let (future, body, not_sent) = match wrapped {
+            Ok((first_body, body)) => {
+                shared.stats.incr(Counter::Attempts);
+                let future = service.call(Request::from_parts(parts, first_body));
+                (Some(future), body, None)
+            }
+            Err(e) => {
+                attempt.sent = 0;
+                (None, BodyHandle::empty(), Some(e))
+            }
+        };
+        let timer = Timer::for_attempt(
+            deadline,
+            policy.attempt_timeout,
+            policy.response_head_timeout,
+        );
         let call = Call {
             service,
             shared,
@@ -198,10 +244,15 @@ where
             grpc: judged.grpc,
             generated_key: judged.generated_key,
             rebuilding: reason_code::Code::Aborted,
+            rebuild_not_before: None,
+            not_sent,
             hop,
             inbound_retry_budget,
+            authority_budget,
         };
-        call.budget().deposit();
+        if future.is_some() {
+            call.budget().deposit();
+        }
         (call, future, timer, span)
     }
 
@@ -262,7 +313,7 @@ where
                 tracing::debug!(attempt, code = %code, delay_ms = delay.as_millis() as u64, "retrying");
                 Next::Wait(delay)
             }
-            Step::Rebuild { pushed_back } => {
+            Step::Rebuild { delay, pushed_back } => {
                 // `decide` rebuilds only responses, and only with a hook.
                 let response = match result {
                     Ok(response) => response,
@@ -286,6 +337,7 @@ where
                 }
                 self.body.cut_off();
                 self.rebuilding = code;
+                self.rebuild_not_before = Some(instant_after(Instant::now(), delay));
                 let parts = clone_parts(self.parts.as_ref().expect("replayable: the head is kept"));
                 let mut head = Response::new(()).into_parts().0;
                 head.status = response.status();
@@ -317,15 +369,25 @@ where
         // The hop this call is made from answers its caller "do not retry" when no retry can
         // help (a downstream stop, the deadline), and "retried below: retry only within your
         // adaptive budget" when this call has done its share.
+        // A stop on a choice of this hop's own (its `max_pushback`, a deadline tighter than the
+        // inbound request's) is "retried below": its caller may well fit another attempt.
         if let Some(hop) = &self.hop {
             match why {
                 Why::Final => {}
-                Why::PushbackSaysNo | Why::PushbackTooLong(_) | Why::DeadlineTooShort { .. } => {
+                Why::PushbackSaysNo => hop.note_gave_up(),
+                Why::DeadlineTooShort { delay, .. }
+                    if hop.inbound_deadline_leaves_less_than(
+                        delay.saturating_add(self.shared.policy.min_attempt_time),
+                    ) =>
+                {
                     hop.note_gave_up()
                 }
-                Why::Exhausted | Why::BudgetRefused | Why::InboundRetry | Why::NotReplayable => {
-                    hop.note_deferred()
-                }
+                Why::DeadlineTooShort { .. }
+                | Why::PushbackTooLong(_)
+                | Why::Exhausted
+                | Why::BudgetRefused
+                | Why::InboundRetry
+                | Why::NotReplayable => hop.note_deferred(),
             }
         }
         let gave_up = match why {
@@ -371,12 +433,23 @@ where
         self.shared.warnings.note(false);
     }
 
-    /// Takes the request a hook rebuilt: judges its idempotency and key afresh (a rebuilt write
-    /// keeps the intent's key unless the hook set another), then asks the budget. Returns false
-    /// when the budget refuses the retry.
-    pub(crate) fn take_rebuilt(&mut self, req: Request<Bytes>) -> bool {
+    /// Takes the request a hook rebuilt: checks that the deadline still fits the server's
+    /// pushback plus `min_attempt_time`, asks the budget, then judges the request's idempotency
+    /// and key afresh (a rebuilt write keeps the intent's key unless the hook set another).
+    /// Returns when to send it, or `None` when the conflict is the answer.
+    pub(crate) fn take_rebuilt(&mut self, req: Request<Bytes>) -> Option<Instant> {
         let shared = self.shared.clone();
         let policy = &shared.policy;
+        let now = Instant::now();
+        let send_at = self.rebuild_not_before.unwrap_or(now);
+        if let Some(deadline) = self.attempt.deadline {
+            let delay = send_at.saturating_duration_since(now);
+            let left = deadline.saturating_duration_since(now);
+            if left < delay.saturating_add(policy.min_attempt_time) {
+                self.count_and_trace(Why::DeadlineTooShort { delay, left }, self.rebuilding);
+                return None;
+            }
+        }
         if !self.budget().withdraw() {
             shared.stats.incr(Counter::BudgetRefusals);
             observe::budget_refused(self.rebuilding);
@@ -385,7 +458,7 @@ where
                 "retry budget exhausted: not sending the rebuilt request"
             );
             shared.warnings.note(true);
-            return false;
+            return None;
         }
         shared.stats.incr(Counter::Retries);
         observe::retried(self.rebuilding);
@@ -401,7 +474,7 @@ where
         }
         self.parts = Some(parts);
         self.fixed_body = Some(body);
-        true
+        Some(send_at)
     }
 
     /// Polls the inner service's readiness for the next attempt.
@@ -425,7 +498,11 @@ where
         self.attempt.sent += 1;
         self.shared.stats.incr(Counter::Attempts);
         let future = self.service.call(Request::from_parts(parts, body));
-        let timer = Timer::for_attempt(self.attempt.deadline, policy.attempt_timeout);
+        let timer = Timer::for_attempt(
+            self.attempt.deadline,
+            policy.attempt_timeout,
+            policy.response_head_timeout,
+        );
         (future, timer)
     }
 }

@@ -5,11 +5,12 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, Response};
 use reason_code::{
-    classify_head, parse_grpc_pushback, parse_grpc_status, parse_retry_after, Code, HeadClass,
-    Outcome, Pushback, ReasonCodes, GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS,
+    classify_head, parse_grpc_pushback, parse_grpc_retry_info, parse_grpc_status,
+    parse_retry_after, Code, HeadClass, Outcome, Pushback, ReasonCodes, GRPC_RETRY_PUSHBACK_MS,
+    GRPC_STATUS, GRPC_STATUS_DETAILS_BIN,
 };
 
-use crate::error::AttemptTimedOut;
+use crate::error::{AttemptTimedOut, ResponseHeadTimedOut};
 use crate::BoxError;
 
 /// Classifies a response with the one classifier both layers call
@@ -69,13 +70,13 @@ pub(crate) enum PushbackHint {
     Deferred,
 }
 
-/// Reads `grpc-retry-pushback-ms` (gRPC), the reason codes
-/// [`DO_NOT_RETRY`](reason_code::DO_NOT_RETRY) and
-/// [`RETRIES_DEFERRED`](reason_code::RETRIES_DEFERRED), or `Retry-After` (HTTP).
+/// Reads, in this order, the reason codes [`DO_NOT_RETRY`](reason_code::DO_NOT_RETRY) and
+/// [`RETRIES_DEFERRED`](reason_code::RETRIES_DEFERRED), `grpc-retry-pushback-ms` (gRFC A6), the
+/// `google.rpc.RetryInfo` in `grpc-status-details-bin` (AIP-194), and `Retry-After` (HTTP).
 ///
 /// As gRFC A6 says, a negative or malformed `grpc-retry-pushback-ms` stops retries, and so does
-/// `DO_NOT_RETRY` (a hop below gave up: see [`hop`](crate::hop)). A malformed
-/// `Retry-After` is ignored with a warning: HTTP gives it no such meaning.
+/// `DO_NOT_RETRY` (a hop below gave up: see [`hop`](crate::hop)). Malformed details and a
+/// malformed `Retry-After` are ignored with a warning: they are advisory.
 pub(crate) fn pushback(headers: &HeaderMap, reasons: &ReasonCodes) -> PushbackHint {
     if reasons.says_do_not_retry(headers) {
         return PushbackHint::Stop;
@@ -95,6 +96,13 @@ pub(crate) fn pushback(headers: &HeaderMap, reasons: &ReasonCodes) -> PushbackHi
             }
         };
     }
+    if let Some(v) = headers.get(GRPC_STATUS_DETAILS_BIN) {
+        match parse_grpc_retry_info(v) {
+            Ok(Some(d)) => return PushbackHint::After(d),
+            Ok(None) => {}
+            Err(e) => tracing::warn!(error = %e, "ignoring malformed grpc-status-details-bin"),
+        }
+    }
     if let Some(v) = headers.get(http::header::RETRY_AFTER) {
         match parse_retry_after(v, SystemTime::now()) {
             Ok(d) => return PushbackHint::After(d),
@@ -105,11 +113,11 @@ pub(crate) fn pushback(headers: &HeaderMap, reasons: &ReasonCodes) -> PushbackHi
 }
 
 /// Classifies a transport error from its source chain: provably unsent (connect refused, DNS,
-/// h2 `REFUSED_STREAM`) or ambiguous (anything that may have happened after the request left).
+/// TLS, a connect timeout, h2 `REFUSED_STREAM`, a GOAWAY beyond the stream) or ambiguous (anything that may have happened after the request left).
 pub(crate) fn error(err: &BoxError) -> Outcome {
     let mut cur: Option<&(dyn StdError + 'static)> = Some(err.as_ref());
     while let Some(e) = cur {
-        if e.is::<AttemptTimedOut>() {
+        if e.is::<AttemptTimedOut>() || e.is::<ResponseHeadTimedOut>() {
             return Outcome::Ambiguous;
         }
         #[cfg(feature = "hyper-util")]
@@ -118,6 +126,12 @@ pub(crate) fn error(err: &BoxError) -> Outcome {
         }
         #[cfg(feature = "reqwest")]
         if reqwest_connect_error(e) {
+            return Outcome::Unsent;
+        }
+        // A tonic `Channel` that could not connect (refused, DNS, TLS, connect timeout): the
+        // request never left, as hyper-util's `is_connect` says.
+        #[cfg(feature = "tonic")]
+        if e.is::<tonic::ConnectError>() {
             return Outcome::Unsent;
         }
         if let Some(e) = e.downcast_ref::<std::io::Error>() {
@@ -143,9 +157,10 @@ fn hyper_error(e: &(dyn StdError + 'static)) -> Option<Outcome> {
         if e.reason() == Some(h2::Reason::REFUSED_STREAM) {
             return Some(Outcome::Unsent);
         }
-        // A graceful GOAWAY is delivered as an error only to streams beyond its
-        // last-stream-id, which the server promises it did not process.
-        if e.is_go_away() && e.is_remote() && e.reason() == Some(h2::Reason::NO_ERROR) {
+        // The server's GOAWAY is delivered as an error only to streams beyond its
+        // last-stream-id, which it promises it did not process, whatever its error code; the
+        // streams it covers end with the connection (an I/O error: ambiguous).
+        if e.is_go_away() && e.is_remote() {
             return Some(Outcome::Unsent);
         }
     }

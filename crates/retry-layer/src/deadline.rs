@@ -42,23 +42,32 @@ pub(crate) fn instant_after(now: Instant, d: Duration) -> Instant {
         .unwrap_or(now)
 }
 
-/// The call's deadline: the [`Deadline`] extension, else `grpc-timeout` (gRPC only), else the
-/// policy's total timeout.
+/// The call's deadline: the earliest of the [`Deadline`] extension, `grpc-timeout` (gRPC only)
+/// and the policy's total timeout. A source never extends a shorter one.
 pub(crate) fn deadline_of(parts: &Parts, grpc: bool, total: Option<Duration>) -> Option<Instant> {
-    if let Some(Deadline(d)) = parts.extensions.get::<Deadline>() {
-        return Some(*d);
-    }
-    if grpc {
-        match single(&parts.headers, "grpc-timeout") {
-            Ok(Some(v)) => match parse_grpc_timeout(v) {
-                Ok(d) => return Some(instant_after(Instant::now(), d)),
-                Err(e) => tracing::warn!(error = %e, "ignoring malformed grpc-timeout"),
-            },
-            Ok(None) => {}
-            Err(e) => tracing::warn!(error = %e, "ignoring repeated grpc-timeout"),
+    let extension = parts.extensions.get::<Deadline>().map(|d| d.0);
+    let inbound = if grpc { grpc_timeout_of(parts) } else { None };
+    let total = total.map(|t| instant_after(Instant::now(), t));
+    [extension, inbound, total].into_iter().flatten().min()
+}
+
+/// The deadline a request's `grpc-timeout` sets; a malformed or repeated one is ignored with a
+/// warning.
+fn grpc_timeout_of(parts: &Parts) -> Option<Instant> {
+    match single(&parts.headers, "grpc-timeout") {
+        Ok(Some(v)) => match parse_grpc_timeout(v) {
+            Ok(d) => Some(instant_after(Instant::now(), d)),
+            Err(e) => {
+                tracing::warn!(error = %e, "ignoring malformed grpc-timeout");
+                None
+            }
+        },
+        Ok(None) => None,
+        Err(e) => {
+            tracing::warn!(error = %e, "ignoring repeated grpc-timeout");
+            None
         }
     }
-    total.map(|t| instant_after(Instant::now(), t))
 }
 
 /// Writes an attempt's `grpc-timeout`: the time left before the deadline, capped at the
@@ -86,58 +95,102 @@ fn grpc_timeout(
     Some(encode_grpc_timeout(t))
 }
 
+/// What a [`Timer`] bounds when it fires.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum Bound {
+    /// The call's deadline.
+    #[default]
+    Deadline,
+    /// The policy's `attempt_timeout`.
+    Attempt,
+    /// The policy's `response_head_timeout`, counted from when the wait began.
+    Head,
+    /// A backoff or pushback delay.
+    Delay,
+}
+
 /// The one timer of a response future: the attempt's end while an attempt runs, the backoff
-/// while waiting, the deadline while waiting for readiness or the rebuild hook.
+/// while waiting, the deadline (or the head bound) while waiting for readiness or the rebuild
+/// hook.
 ///
-/// Boxed: a `Sleep` is larger than the rest of the future, and the common path (no deadline, no
-/// attempt timeout, first attempt succeeds) never makes one, so the future that is moved on
-/// every call stays small.
+/// Boxed, and made only when a wait begins: a `Sleep` is larger than the rest of the future,
+/// and an inner service whose future is ready at once (a mock, a cache) never needs one, so the
+/// future that is moved on every call stays small and such a call never touches the timer
+/// wheel.
 #[derive(Debug, Default)]
-pub(crate) struct Timer(Option<Pin<Box<Sleep>>>);
+pub(crate) struct Timer {
+    sleep: Option<Pin<Box<Sleep>>>,
+    /// An attempt's bounds, armed at its first wait: the earlier of the deadline and the attempt
+    /// timeout (with which it is), and the head bound, counted from that wait.
+    unarmed: Option<(Option<(Instant, Bound)>, Duration)>,
+    bound: Bound,
+}
 
 impl Timer {
-    /// An attempt's timer: the earlier of the deadline and the attempt timeout; none without
-    /// either.
+    /// An attempt's timer: the earliest of the deadline, the attempt timeout and the head bound
+    /// (counted from the attempt's first wait).
     pub(crate) fn for_attempt(
         deadline: Option<Instant>,
         attempt_timeout: Option<Duration>,
+        head_timeout: Duration,
     ) -> Self {
         let per_attempt = attempt_timeout.map(|t| instant_after(Instant::now(), t));
         let end = match (deadline, per_attempt) {
-            (Some(d), Some(a)) => Some(d.min(a)),
-            (d, a) => d.or(a),
+            (Some(d), Some(a)) if a < d => Some((a, Bound::Attempt)),
+            (Some(d), _) => Some((d, Bound::Deadline)),
+            (None, a) => a.map(|a| (a, Bound::Attempt)),
         };
-        Timer(end.map(|end| Box::pin(sleep_until(end))))
+        Timer {
+            sleep: None,
+            unarmed: Some((end, head_timeout)),
+            bound: Bound::Deadline,
+        }
     }
 
-    /// Points the timer at `until`, making it if there is none yet.
-    pub(crate) fn set(&mut self, until: Instant) {
-        match self.0.as_mut() {
+    /// What the timer bounds (once it has fired: what ended the wait).
+    pub(crate) fn bound(&self) -> Bound {
+        self.bound
+    }
+
+    /// Points the timer at `until`, a wait that `bound` ends, making it if there is none yet.
+    fn arm(&mut self, until: Instant, bound: Bound) {
+        self.unarmed = None;
+        self.bound = bound;
+        match self.sleep.as_mut() {
             Some(t) => t.as_mut().reset(until),
-            None => self.0 = Some(Box::pin(sleep_until(until))),
+            None => self.sleep = Some(Box::pin(sleep_until(until))),
         }
     }
 
-    /// Points the timer at the deadline, or removes it when there is none: what waiting for
-    /// readiness and for the rebuild hook is bounded by.
-    pub(crate) fn set_to_deadline(&mut self, deadline: Option<Instant>) {
+    /// Points the timer at the end of a backoff or pushback delay.
+    pub(crate) fn set_delay(&mut self, until: Instant) {
+        self.arm(until, Bound::Delay);
+    }
+
+    /// Points the timer at the deadline, or at `head_timeout` from now if that is earlier or
+    /// there is no deadline: what waiting for readiness and for the rebuild hook is bounded by.
+    pub(crate) fn set_to_deadline(&mut self, deadline: Option<Instant>, head_timeout: Duration) {
+        let head = instant_after(Instant::now(), head_timeout);
         match deadline {
-            Some(d) => self.set(d),
-            None => self.0 = None,
+            Some(d) if d <= head => self.arm(d, Bound::Deadline),
+            _ => self.arm(head, Bound::Head),
         }
     }
 
-    /// True when the timer exists and has fired (registers a wake-up otherwise).
+    /// True when the timer has fired (registers a wake-up otherwise). An attempt's timer is
+    /// armed here, at its first wait.
     pub(crate) fn fired(&mut self, cx: &mut Context<'_>) -> bool {
-        match self.0.as_mut() {
+        if let Some((end, head_timeout)) = self.unarmed.take() {
+            let head = instant_after(Instant::now(), head_timeout);
+            match end {
+                Some((end, bound)) if end <= head => self.arm(end, bound),
+                _ => self.arm(head, Bound::Head),
+            }
+        }
+        match self.sleep.as_mut() {
             Some(t) => t.as_mut().poll(cx).is_ready(),
             None => false,
         }
-    }
-
-    /// True when there is no timer or it has fired: a wait on it is over.
-    pub(crate) fn elapsed_or_unset(&mut self, cx: &mut Context<'_>) -> bool {
-        self.0.is_none() || self.fired(cx)
     }
 }
 
@@ -157,12 +210,22 @@ mod tests {
     async fn where_the_deadline_comes_from() {
         let now = Instant::now();
         let total = Some(Duration::from_secs(9));
-        // The extension wins over grpc-timeout and the total timeout.
+        // The earliest source wins: an extension never extends a shorter grpc-timeout.
         let mut p = parts(&[("grpc-timeout", "1S")]);
         p.extensions.insert(Deadline(now + Duration::from_secs(3)));
         assert_eq!(
             deadline_of(&p, true, total),
-            Some(now + Duration::from_secs(3))
+            Some(now + Duration::from_secs(1))
+        );
+        p.extensions
+            .insert(Deadline(now + Duration::from_millis(500)));
+        assert_eq!(
+            deadline_of(&p, true, total),
+            Some(now + Duration::from_millis(500))
+        );
+        assert_eq!(
+            deadline_of(&p, true, Some(Duration::from_millis(200))),
+            Some(now + Duration::from_millis(200))
         );
         // grpc-timeout, on gRPC calls only.
         let p = parts(&[("grpc-timeout", "1S")]);

@@ -10,7 +10,7 @@ use tokio::time::Instant;
 
 use crate::budget::Budget;
 use crate::classify::{self, PushbackHint};
-use crate::policy::RetryPolicy;
+use crate::policy::{RetryPolicy, Rules};
 
 /// What the decision knows of a call between attempts. The response future owns one and
 /// updates it as it carries out each [`Step`].
@@ -90,8 +90,11 @@ pub(crate) enum Step {
         /// No attempt was left: this is one of the transparent retries of an unsent request.
         beyond_max_attempts: bool,
     },
-    /// Ask the rebuild hook for the next request. The budget is asked once the hook answers.
+    /// Ask the rebuild hook for the next request, and send it no sooner than `delay` after
+    /// this outcome. The deadline and the budget are asked again once the hook answers.
     Rebuild {
+        /// The server's pushback (zero without one: the hook re-reads the state first).
+        delay: Duration,
         /// The server sent a pushback: the backoff restarts from its base.
         pushed_back: bool,
     },
@@ -194,14 +197,14 @@ pub(crate) fn decide(
         PushbackHint::After(d) if d > policy.max_pushback => {
             return Step::Return(Why::PushbackTooLong(d))
         }
-        PushbackHint::After(d) => (d, true),
-        // A rebuild re-reads the state first: it waits for the hook, not for a backoff.
-        PushbackHint::None | PushbackHint::Deferred if rebuild => (Duration::ZERO, false),
-        PushbackHint::None | PushbackHint::Deferred => {
-            let u = policy.rng.sample();
-            let n = attempt.backoff_step.saturating_add(1);
-            (rules.backoff.delay(n, u, attempt.previous_delay), false)
+        // A quota answered "come back in 0": never resend at once, use the backoff.
+        PushbackHint::After(d)
+            if d.is_zero() && outcome == Outcome::Status(Code::ResourceExhausted) =>
+        {
+            backoff(policy, rules, attempt, rebuild)
         }
+        PushbackHint::After(d) => (d, true),
+        PushbackHint::None | PushbackHint::Deferred => backoff(policy, rules, attempt, rebuild),
     };
 
     if let Some(deadline) = attempt.deadline {
@@ -212,7 +215,7 @@ pub(crate) fn decide(
     }
 
     if rebuild {
-        return Step::Rebuild { pushed_back };
+        return Step::Rebuild { delay, pushed_back };
     }
     if !budget.withdraw() {
         return Step::Return(Why::BudgetRefused);
@@ -222,6 +225,22 @@ pub(crate) fn decide(
         pushed_back,
         beyond_max_attempts,
     }
+}
+
+/// The computed delay, when the server asked for none: the backoff schedule's next one; zero
+/// before a rebuild (it re-reads the state first: it waits for the hook, not for a backoff).
+fn backoff(
+    policy: &RetryPolicy,
+    rules: &Rules,
+    attempt: &Attempt,
+    rebuild: bool,
+) -> (Duration, bool) {
+    if rebuild {
+        return (Duration::ZERO, false);
+    }
+    let u = policy.rng.sample();
+    let n = attempt.backoff_step.saturating_add(1);
+    (rules.backoff.delay(n, u, attempt.previous_delay), false)
 }
 
 #[cfg(test)]
@@ -237,6 +256,19 @@ mod tests {
     use crate::policy::Conflict;
 
     const MS: Duration = Duration::from_millis(1);
+
+    /// `google.rpc.Status { code: 8, message: "slow down", details: [RetryInfo { retry_delay:
+    /// 2 s }] }`, base64 as gRPC sends it.
+    const RETRY_INFO_2S: &str =
+        "CAgSCXNsb3cgZG93bhowCih0eXBlLmdvb2dsZWFwaXMuY29tL2dvb2dsZS5ycGMuUmV0cnlJbmZvEgQKAggC";
+    /// `RetryInfo { retry_delay: 1.5 s }` (seconds and nanos), padded.
+    const RETRY_INFO_1_5S: &str =
+        "CA4aNgoodHlwZS5nb29nbGVhcGlzLmNvbS9nb29nbGUucnBjLlJldHJ5SW5mbxIKCggIARCAyrXuAQ==";
+    /// `RetryInfo { retry_delay: 0 s }`.
+    const RETRY_INFO_0S: &str =
+        "CAgaLgoodHlwZS5nb29nbGVhcGlzLmNvbS9nb29nbGUucnBjLlJldHJ5SW5mbxICCgA=";
+    /// A `google.rpc.DebugInfo` detail only.
+    const OTHER_DETAIL: &str = "CAgaLAoodHlwZS5nb29nbGVhcGlzLmNvbS9nb29nbGUucnBjLkRlYnVnSW5mbxIA";
 
     /// A budget that counts what the decision told it, and grants retries or not.
     #[derive(Debug, Default)]
@@ -385,6 +417,10 @@ mod tests {
         }
     }
 
+    fn rebuild(delay: Duration, pushed_back: bool) -> Step {
+        Step::Rebuild { delay, pushed_back }
+    }
+
     const fn stop(why: Why) -> Step {
         Step::Return(why)
     }
@@ -480,6 +516,35 @@ mod tests {
                 => stop(Why::PushbackSaysNo);
         a_malformed_retry_after_is_ignored:
             status(Code::Unavailable).header("retry-after", "soon") => retry(20 * MS);
+        // google.rpc.RetryInfo in grpc-status-details-bin is a pushback (issue 31 item 14) ...
+        retry_info_is_a_pushback:
+            status(Code::ResourceExhausted).header("grpc-status-details-bin", RETRY_INFO_2S)
+                => retry_after(Duration::from_secs(2));
+        retry_info_with_nanos_is_a_pushback:
+            status(Code::Unavailable).header("grpc-status-details-bin", RETRY_INFO_1_5S)
+                => retry_after(1_500 * MS);
+        grpc_pushback_wins_over_retry_info:
+            status(Code::ResourceExhausted)
+                .header("grpc-status-details-bin", RETRY_INFO_2S)
+                .header("grpc-retry-pushback-ms", "150")
+                => retry_after(150 * MS);
+        details_without_retry_info_use_the_backoff:
+            status(Code::ResourceExhausted).header("grpc-status-details-bin", OTHER_DETAIL)
+                => retry(20 * MS);
+        malformed_details_are_ignored:
+            status(Code::ResourceExhausted).header("grpc-status-details-bin", "%%%")
+                => retry(20 * MS);
+        // ... and a pushback of 0 on RESOURCE_EXHAUSTED means "use the backoff", never "at once".
+        a_zero_retry_info_on_resource_exhausted_uses_the_backoff:
+            status(Code::ResourceExhausted).header("grpc-status-details-bin", RETRY_INFO_0S)
+                => retry(20 * MS);
+        a_zero_retry_after_on_resource_exhausted_uses_the_backoff:
+            status(Code::ResourceExhausted).header("retry-after", "0") => retry(20 * MS);
+        a_zero_grpc_pushback_on_resource_exhausted_uses_the_backoff:
+            status(Code::ResourceExhausted).header("grpc-retry-pushback-ms", "0") => retry(20 * MS);
+        a_zero_pushback_on_unavailable_is_honoured:
+            status(Code::Unavailable).header("grpc-retry-pushback-ms", "0")
+                => retry_after(Duration::ZERO);
         a_pushback_over_max_pushback_stops:
             status(Code::ResourceExhausted).header("retry-after", "31")
                 => stop(Why::PushbackTooLong(Duration::from_secs(31)));
@@ -503,14 +568,20 @@ mod tests {
         // Conflicts: rebuild.
         a_conflict_without_hook_is_final: status(Code::Aborted) => stop(Why::Final);
         a_conflict_with_a_hook_is_rebuilt:
-            status(Code::Aborted).with_hook() => Step::Rebuild { pushed_back: false };
+            status(Code::Aborted).with_hook() => rebuild(Duration::ZERO, false);
         a_conflict_of_a_write_is_rebuilt_too:
-            status(Code::Aborted).with_hook().not_idempotent() => Step::Rebuild { pushed_back: false };
+            status(Code::Aborted).with_hook().not_idempotent() => rebuild(Duration::ZERO, false);
         a_rebuild_asks_the_budget_after_the_hook:
-            status(Code::Aborted).with_hook().refusing_budget() => Step::Rebuild { pushed_back: false };
+            status(Code::Aborted).with_hook().refusing_budget() => rebuild(Duration::ZERO, false);
         a_rebuild_after_a_pushback_restarts_the_backoff:
             status(Code::Aborted).with_hook().header("retry-after", "0")
-                => Step::Rebuild { pushed_back: true };
+                => rebuild(Duration::ZERO, true);
+        a_rebuild_is_sent_after_the_servers_pushback:
+            status(Code::Aborted).with_hook().header("retry-after", "2")
+                => rebuild(Duration::from_secs(2), true);
+        a_rebuild_whose_pushback_does_not_fit_the_deadline_stops:
+            status(Code::Aborted).with_hook().header("retry-after", "2").deadline_in(Duration::from_secs(2))
+                => stop(Why::DeadlineTooShort { delay: Duration::from_secs(2), left: Duration::from_secs(2) });
         a_rebuild_needs_an_attempt_left:
             status(Code::Aborted).with_hook().sent(3) => stop(Why::Exhausted);
         a_rebuild_needs_the_deadline_to_fit_min_attempt_time:

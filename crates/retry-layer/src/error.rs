@@ -48,6 +48,37 @@ impl fmt::Display for AttemptTimedOut {
 
 impl std::error::Error for AttemptTimedOut {}
 
+/// An attempt got no response head within
+/// [`response_head_timeout`](crate::RetryPolicyBuilder::response_head_timeout); earlier
+/// attempts, if any, failed too. The server may have executed it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResponseHeadTimedOut {
+    timeout: std::time::Duration,
+}
+
+impl ResponseHeadTimedOut {
+    pub(crate) fn new(timeout: std::time::Duration) -> Self {
+        ResponseHeadTimedOut { timeout }
+    }
+
+    /// The bound that was reached.
+    pub fn timeout(&self) -> std::time::Duration {
+        self.timeout
+    }
+}
+
+impl fmt::Display for ResponseHeadTimedOut {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "no response head within {:?} (response_head_timeout); the server may have executed              the request; raise RetryPolicyBuilder::response_head_timeout for endpoints that take              longer to start answering",
+            self.timeout
+        )
+    }
+}
+
+impl std::error::Error for ResponseHeadTimedOut {}
+
 /// What the layer did for a response, as a response extension: present when the response took
 /// more than one attempt or the layer generated its idempotency key; absent means one attempt.
 ///

@@ -15,8 +15,8 @@ use tracing::Span;
 
 use crate::body::ReplayBody;
 use crate::call::{Call, Next};
-use crate::deadline::{instant_after, Timer};
-use crate::error::{AttemptTimedOut, DeadlineExceeded};
+use crate::deadline::{instant_after, Bound, Timer};
+use crate::error::{AttemptTimedOut, DeadlineExceeded, ResponseHeadTimedOut};
 use crate::observe;
 use crate::policy::RebuildFuture;
 use crate::shared::Shared;
@@ -50,6 +50,8 @@ pin_project! {
         // The conflict response is held until the hook decides: it is the answer if it declines.
         Rebuilding { future: RebuildFuture, response: Option<T> },
         Retrying,
+        // Nothing was sent: the deadline had passed, or the body failed before its first byte.
+        NotSent,
         Done,
     }
 }
@@ -76,8 +78,12 @@ where
     pub(crate) fn new(service: S, shared: std::sync::Arc<Shared>, req: Request<B>) -> Self {
         let (call, future, timer, call_span) = Call::start(service, shared, req);
         let attempt_span = observe::attempt_span(&call_span, call.grpc(), 0);
+        let state = match future {
+            Some(future) => State::Called { future },
+            None => State::NotSent,
+        };
         ResponseFuture {
-            state: State::Called { future },
+            state,
             timer,
             call,
             call_span,
@@ -112,7 +118,12 @@ where
                                 let e = DeadlineExceeded::new().into();
                                 break this.call.answer(Err(e));
                             }
-                            Err(AttemptTimedOut::new().into())
+                            match this.timer.bound() {
+                                Bound::Head => {
+                                    Err(ResponseHeadTimedOut::new(this.call.head_timeout()).into())
+                                }
+                                _ => Err(AttemptTimedOut::new().into()),
+                            }
                         }
                     };
                     match this.call.after_attempt(result, this.attempt_span) {
@@ -121,12 +132,13 @@ where
                             break this.call.answer(r);
                         }
                         Next::Wait(delay) => {
-                            this.timer.set(instant_after(Instant::now(), delay));
+                            this.timer.set_delay(instant_after(Instant::now(), delay));
                             this.state.set(State::Waiting);
                         }
                         Next::Rebuild(future, response) => {
-                            // The hook runs within the call's deadline.
-                            this.timer.set_to_deadline(this.call.deadline());
+                            // The hook runs within the call's deadline (or the head bound).
+                            this.timer
+                                .set_to_deadline(this.call.deadline(), this.call.head_timeout());
                             this.state.set(State::Rebuilding {
                                 future,
                                 response: Some(response),
@@ -135,11 +147,13 @@ where
                     }
                 }
                 StateProj::Waiting => {
-                    if !this.timer.elapsed_or_unset(cx) {
+                    if !this.timer.fired(cx) {
                         return Poll::Pending;
                     }
-                    // Waiting for the inner service to be ready is bounded by the deadline.
-                    this.timer.set_to_deadline(this.call.deadline());
+                    // Waiting for the inner service to be ready is bounded by the deadline, or
+                    // without one by the head bound: the next head cannot come before.
+                    this.timer
+                        .set_to_deadline(this.call.deadline(), this.call.head_timeout());
                     this.state.set(State::Retrying);
                 }
                 StateProj::Rebuilding { future, response } => {
@@ -149,17 +163,28 @@ where
                             if !this.timer.fired(cx) {
                                 return Poll::Pending;
                             }
+                            if this.timer.bound() == Bound::Deadline {
+                                this.state.set(State::Done);
+                                let e = DeadlineExceeded::new().into();
+                                break this.call.answer(Err(e));
+                            }
+                            // A hook that does not answer within the head bound declines.
+                            tracing::debug!(
+                                "the rebuild hook did not answer in time: returning the conflict"
+                            );
+                            let response = response.take().expect("held until the hook decides");
                             this.state.set(State::Done);
-                            let e = DeadlineExceeded::new().into();
-                            break this.call.answer(Err(e));
+                            break this.call.answer(Ok(response));
                         }
                     };
-                    let accepted = match rebuilt {
+                    let send_at = match rebuilt {
                         Some(req) => this.call.take_rebuilt(req),
-                        None => false,
+                        None => None,
                     };
-                    if accepted {
-                        this.state.set(State::Retrying);
+                    if let Some(send_at) = send_at {
+                        // After the server's pushback, if it asked for one.
+                        this.timer.set_delay(send_at);
+                        this.state.set(State::Waiting);
                     } else {
                         let response = response.take().expect("held until the hook decides");
                         this.state.set(State::Done);
@@ -178,7 +203,10 @@ where
                                 return Poll::Pending;
                             }
                             this.state.set(State::Done);
-                            let e = DeadlineExceeded::new().into();
+                            let e = match this.timer.bound() {
+                                Bound::Deadline => DeadlineExceeded::new().into(),
+                                _ => ResponseHeadTimedOut::new(this.call.head_timeout()).into(),
+                            };
                             break this.call.answer(Err(e));
                         }
                     }
@@ -190,6 +218,11 @@ where
                     );
                     *this.timer = timer;
                     this.state.set(State::Called { future });
+                }
+                StateProj::NotSent => {
+                    this.state.set(State::Done);
+                    let e = this.call.take_not_sent();
+                    break this.call.answer(Err(e));
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
             }

@@ -45,7 +45,7 @@ impl RetryLayer {
 
     /// The counters of every service this layer made.
     pub fn stats(&self) -> RetryStats {
-        self.shared.stats.snapshot()
+        self.shared.snapshot()
     }
 
     /// The policy.

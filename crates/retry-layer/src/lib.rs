@@ -89,14 +89,64 @@
 //!
 //! # Why a deadline budget
 //!
-//! A retry that cannot finish before the caller gives up only adds load. The deadline comes from
-//! a [`Deadline`] request extension, else `grpc-timeout`, else the policy's `total_timeout`; each
-//! gRPC attempt's `grpc-timeout` is rewritten to the time really left, capped at
-//! `attempt_timeout`, so the server stops working when the client has stopped waiting. Every
-//! wait of the layer ends at the deadline: an attempt, the backoff, the inner service's
-//! readiness between attempts (a tonic `Channel` is a buffer whose `poll_ready` stays pending
-//! under load) and the rebuild hook. Without any deadline, readiness and the hook are waited for
-//! as long as they take: set `total_timeout` to bound them.
+//! A retry that cannot finish before the caller gives up only adds load. The deadline is the
+//! earliest of a [`Deadline`] request extension, `grpc-timeout` and the policy's
+//! `total_timeout` (a source never extends a shorter one); a call whose deadline has already
+//! passed sends nothing. Each gRPC attempt's `grpc-timeout` is rewritten to the time really
+//! left, capped at `attempt_timeout`, so the server stops working when the client has stopped
+//! waiting. Every wait of the layer ends at the deadline: an attempt, the backoff, the inner
+//! service's readiness between attempts (a tonic `Channel` is a buffer whose `poll_ready` stays
+//! pending under load) and the rebuild hook. Without a deadline, `response_head_timeout` bounds
+//! them instead (see "Failure modes").
+//!
+//! # Failure modes
+//!
+//! Every wait of the client has a bound with a default, and reaching it ends in a classified
+//! answer, never in silence:
+//!
+//! | wait | bound | default | when it is reached |
+//! |---|---|---|---|
+//! | the whole call, retries included | the earliest of the [`Deadline`] extension, an inbound `grpc-timeout` and `total_timeout` | none: set one (the examples use 10 s) | [`DeadlineExceeded`]; no retry that cannot fit `min_attempt_time` (50 ms) is sent |
+//! | one attempt's response head | `response_head_timeout`; not sent to the server | 60 s | [`ResponseHeadTimedOut`], ambiguous: retried only when idempotent or keyed |
+//! | one attempt, sent to the server as the `grpc-timeout` cap | `attempt_timeout` | none | [`AttemptTimedOut`], ambiguous |
+//! | the backoff between attempts | `max_delay` (x jitter) and the deadline | 1 s (+-20 %) | |
+//! | a server pushback (`Retry-After`, `grpc-retry-pushback-ms`, `google.rpc.RetryInfo`) | `max_pushback` and the deadline | 30 s | the answer is returned as it is (`pushback_stops`) |
+//! | the inner service's readiness between attempts | the deadline, else `response_head_timeout` | 60 s | [`DeadlineExceeded`] or [`ResponseHeadTimedOut`] |
+//! | the rebuild hook | the deadline, else `response_head_timeout` | 60 s | [`DeadlineExceeded`], or the conflict returned |
+//! | hedges ([`hedge::HedgeLayer`]) | `max_pushback`, the deadline, `response_head_timeout` per attempt | 30 s, none, 60 s | the last failure, or [`DeadlineExceeded`] |
+//! | attempts per call | `max_attempts`, plus `max_unsent_retries` for requests never sent | 3 + 2 | the last answer (`exhausted`) |
+//! | retries across calls | the retry budget, per layer or per authority | 10 % of requests + 10/s | the answer (`budget_refusals`) |
+//! | memory kept for replay | `max_replay_bytes` per request, `max_replay_bytes_total` per layer | 64 KiB, 16 MiB | sent without replay; freed when the call has its answer |
+//!
+//! So `RetryPolicy::default()` ends every call: a server that never answers costs an
+//! idempotent request three head timeouts and two backoffs (about three minutes), a write
+//! without key one (a minute). Give real calls a deadline (`total_timeout`, or a
+//! [`Deadline`] per request) far below that.
+//!
+//! Two waits are not the layer's to bound:
+//!
+//! - **The response body.** The layer's answer is the response head; a body that stops
+//!   streaming is the caller's to bound (read it under a timeout). A gRPC response that has
+//!   started streaming is committed (gRFC A6) and never retried.
+//! - **A connection that died without a word.** A call on an HTTP/2 connection whose peer
+//!   vanished (a NAT that dropped it, a host that lost power) waits for its head until
+//!   `response_head_timeout`, and every call sent on that connection meanwhile too. Turn on
+//!   HTTP/2 keep-alive, so that such a connection is found by a missed PING and closed (its
+//!   calls then fail, and are retried, within seconds):
+//!
+//! ```
+//! use std::time::Duration;
+//! use hyper_util::client::legacy::Client;
+//! use hyper_util::rt::{TokioExecutor, TokioTimer};
+//!
+//! let client = Client::builder(TokioExecutor::new())
+//!     .timer(TokioTimer::new())
+//!     .http2_keep_alive_interval(Some(Duration::from_secs(20)))
+//!     .http2_keep_alive_timeout(Duration::from_secs(10))
+//!     .build_http::<retry_layer::ReplayBody<http_body_util::Full<bytes::Bytes>>>();
+//! // For tonic: Endpoint::http2_keep_alive_interval(..).keep_alive_timeout(..).
+//! # let _ = client;
+//! ```
 //!
 //! # Why a retry budget
 //!
@@ -260,11 +310,12 @@ pub mod tonic;
 
 pub use body::{BodyNotReplayable, ReplayBody};
 pub use deadline::Deadline;
-pub use error::{AttemptTimedOut, DeadlineExceeded, RetryError, RetryInfo};
+pub use error::{AttemptTimedOut, DeadlineExceeded, ResponseHeadTimedOut, RetryError, RetryInfo};
 pub use future::ResponseFuture;
 pub use layer::RetryLayer;
 pub use policy::{
     Conflict, InboundRetry, InvalidPolicy, Rebuild, RebuildFuture, RetryPolicy, RetryPolicyBuilder,
+    DEFAULT_MAX_REPLAY_BYTES_TOTAL, DEFAULT_RESPONSE_HEAD_TIMEOUT, MAX_AUTHORITY_BUDGETS,
     MAX_DURATION, MAX_UNSENT_RETRIES,
 };
 #[cfg(feature = "service-config")]

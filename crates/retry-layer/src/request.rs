@@ -81,6 +81,14 @@ fn settle_key(
     (true, Some(value))
 }
 
+/// Safe HTTP methods (RFC 9110 §9.2.1): reads.
+pub(crate) fn is_safe_method(m: &Method) -> bool {
+    matches!(
+        *m,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+    )
+}
+
 /// Safe and idempotent HTTP methods (RFC 9110 §9.2).
 pub(crate) fn is_idempotent_method(m: &Method) -> bool {
     matches!(
@@ -121,11 +129,19 @@ pub(crate) fn write_previous_attempts(parts: &mut Parts, grpc: bool, previous: u
     parts.headers.insert(name, HeaderValue::from(previous));
 }
 
-/// Removes the headers the layer writes per attempt from a request a hook rebuilt: they are
-/// written afresh.
+/// Removes the headers the layer writes per attempt (from a request before its first attempt,
+/// and from one a hook rebuilt): each attempt's are written afresh.
 pub(crate) fn remove_attempt_headers(parts: &mut Parts) {
-    parts.headers.remove(X_PREVIOUS_ATTEMPTS);
-    parts.headers.remove(GRPC_PREVIOUS_RPC_ATTEMPTS);
+    // Most requests carry neither: a scan of their few names is cheaper than two removals,
+    // each of which hashes its name.
+    let present = parts
+        .headers
+        .keys()
+        .any(|k| *k == X_PREVIOUS_ATTEMPTS || *k == GRPC_PREVIOUS_RPC_ATTEMPTS);
+    if present {
+        parts.headers.remove(X_PREVIOUS_ATTEMPTS);
+        parts.headers.remove(GRPC_PREVIOUS_RPC_ATTEMPTS);
+    }
 }
 
 #[cfg(test)]

@@ -34,6 +34,9 @@
 //!   [`RetryInfo`] in `Response::extensions()`.
 //! - **Timeouts.** A timeout set with `RequestBuilder::timeout` bounds each attempt, as it does
 //!   without the middleware; the policy's `total_timeout` bounds the whole call.
+//! - **Redirects.** A whole request body (what `RequestBuilder::body` takes: a string, bytes,
+//!   JSON) reaches reqwest as bytes, so it follows a 307 or 308 with the body as it does without
+//!   the middleware; a streaming body does not follow them, as without it.
 //! - **Middleware extensions.** Each attempt runs the rest of the chain with a copy of the
 //!   `Extensions` the middleware was given; what inner middleware write there is not seen by the
 //!   middleware before this one.
@@ -77,7 +80,7 @@ impl RetryMiddleware {
 
     /// Counters since the middleware was made (shared with the layer it was made from, if any).
     pub fn stats(&self) -> RetryStats {
-        self.shared.stats.snapshot()
+        self.shared.snapshot()
     }
 
     /// The policy the middleware applies.
@@ -166,8 +169,14 @@ impl<'a> Service<http::Request<ReplayBody<Body>>> for Chain<'a> {
         let next = self.next.clone();
         let mut extensions = self.extensions.clone();
         let timeout = self.timeout;
+        // A whole body goes to reqwest as bytes, which it can send again to follow a 307 or
+        // 308 redirect; a streaming one as a stream, which it cannot.
+        let req = req.map(|body| match body.into_whole() {
+            Ok(bytes) => Body::from(bytes),
+            Err(streaming) => Body::wrap(streaming),
+        });
         Box::pin(async move {
-            let mut req = Request::try_from(req.map(Body::wrap))?;
+            let mut req = Request::try_from(req)?;
             *req.timeout_mut() = timeout;
             let res = next.run(req, &mut extensions).await?;
             Ok(into_http(res))

@@ -37,7 +37,7 @@ impl<S> Retry<S> {
 
     /// The counters shared with the layer and its other services.
     pub fn stats(&self) -> RetryStats {
-        self.shared.stats.snapshot()
+        self.shared.snapshot()
     }
 
     /// The inner service.

@@ -40,6 +40,9 @@ pub struct RetryStats {
     /// Retryable outcomes returned because the request being served is itself a retry of the
     /// hop above ([`InboundRetry::SendOnce`](crate::InboundRetry::SendOnce)).
     pub inbound_retry_stops: u64,
+    /// Request-body bytes kept for replay right now, by every call in flight (bounded by
+    /// [`max_replay_bytes_total`](crate::RetryPolicyBuilder::max_replay_bytes_total)).
+    pub replay_bytes: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -81,6 +84,7 @@ impl Counters {
             deadline_stops: get(&self.deadline_stops),
             pushback_stops: get(&self.pushback_stops),
             inbound_retry_stops: get(&self.inbound_retry_stops),
+            replay_bytes: 0,
         }
     }
 }

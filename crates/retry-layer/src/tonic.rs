@@ -6,6 +6,16 @@
 //! generated client can hold in a struct field or a type alias (a `map_request` closure would
 //! make it unnameable).
 //!
+//! Its errors are `tonic::Status`es, so that a tonic client sees the
+//! classified outcome rather than `Unknown` (which every tier above would take as final): the
+//! layer's timeouts ([`DeadlineExceeded`],
+//! [`AttemptTimedOut`],
+//! [`ResponseHeadTimedOut`], and the channel's own
+//! `TimeoutExpired` at the `grpc-timeout` the layer wrote) are DEADLINE_EXCEEDED, a status
+//! tonic or the server made is kept as it is, and every other failure of the transport
+//! (connection refused or reset, DNS, TLS) is UNAVAILABLE. The [`RetryError`] (attempts, the
+//! generated key, the cause) is the status's source: [`retry_error`] finds it.
+//!
 //! ```no_run
 //! use retry_layer::tonic::RetryChannel;
 //! use retry_layer::{RetryLayer, RetryPolicy};
@@ -23,13 +33,20 @@
 //! # let _ = clients.channel;
 //! ```
 
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http_body::Body;
+use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use crate::{BoxError, ReplayBody, Retry, RetryLayer};
+use crate::{
+    AttemptTimedOut, BoxError, DeadlineExceeded, ReplayBody, ResponseHeadTimedOut, Retry,
+    RetryError, RetryLayer,
+};
 
 /// Adapts a service of `http::Request<tonic::body::Body>` (a tonic `Channel`) to the
 /// [`ReplayBody`] requests that [`Retry`] sends.
@@ -79,13 +96,141 @@ where
     }
 }
 
-/// A tonic channel that retries what is safe to retry: `RetryChannel<Channel>`.
-pub type RetryChannel<S> = Retry<TonicBody<S>>;
+/// A tonic channel that retries what is safe to retry: `RetryChannel<Channel>`. Made by
+/// [`RetryLayer::tonic_channel`]; its errors are `tonic::Status`es (see the
+/// [module docs](self)).
+#[derive(Clone, Debug)]
+pub struct RetryChannel<S> {
+    inner: Retry<TonicBody<S>>,
+}
+
+impl<S> RetryChannel<S> {
+    /// The retry service inside.
+    pub fn get_ref(&self) -> &Retry<TonicBody<S>> {
+        &self.inner
+    }
+
+    /// The retry service inside, mutably.
+    pub fn get_mut(&mut self) -> &mut Retry<TonicBody<S>> {
+        &mut self.inner
+    }
+
+    /// Consumes the channel, returning the retry service inside.
+    pub fn into_inner(self) -> Retry<TonicBody<S>> {
+        self.inner
+    }
+}
+
+impl<S, B, R> Service<http::Request<B>> for RetryChannel<S>
+where
+    Retry<TonicBody<S>>: Service<http::Request<B>, Response = http::Response<R>, Error = BoxError>,
+{
+    type Response = http::Response<R>;
+    type Error = BoxError;
+    type Future = RetryChannelFuture<<Retry<TonicBody<S>> as Service<http::Request<B>>>::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner
+            .poll_ready(cx)
+            .map_err(|e| Box::new(status_of(e)) as BoxError)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        RetryChannelFuture {
+            inner: self.inner.call(req),
+        }
+    }
+}
+
+pin_project! {
+    /// The response future of [`RetryChannel`]: the layer's, with its error as a
+    /// `tonic::Status`.
+    #[derive(Debug)]
+    pub struct RetryChannelFuture<F> {
+        #[pin]
+        inner: F,
+    }
+}
+
+impl<F, T> Future for RetryChannelFuture<F>
+where
+    F: Future<Output = Result<T, BoxError>>,
+{
+    type Output = Result<T, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.project()
+            .inner
+            .poll(cx)
+            .map_err(|e| Box::new(status_of(e)) as BoxError)
+    }
+}
+
+/// The `tonic::Status` of an error of the layer: a status in its source chain as it is, the
+/// layer's timeouts as DEADLINE_EXCEEDED, anything else (a transport failure) as UNAVAILABLE;
+/// the error itself is the status's source.
+fn status_of(e: BoxError) -> ::tonic::Status {
+    let mut status = match find_status(&*e) {
+        Some(s) => ::tonic::Status::with_details_and_metadata(
+            s.code(),
+            s.message(),
+            s.details().to_vec().into(),
+            s.metadata().clone(),
+        ),
+        None => {
+            let code = if timed_out(&*e) {
+                ::tonic::Code::DeadlineExceeded
+            } else {
+                ::tonic::Code::Unavailable
+            };
+            ::tonic::Status::new(code, e.to_string())
+        }
+    };
+    status.set_source(Arc::from(e));
+    status
+}
+
+/// The errors in `e`'s source chain, `e` first.
+fn chain<'a>(
+    e: &'a (dyn std::error::Error + 'static),
+) -> impl Iterator<Item = &'a (dyn std::error::Error + 'static)> {
+    std::iter::successors(Some(e), |e| e.source())
+}
+
+fn find_status<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a ::tonic::Status> {
+    chain(e).find_map(|e| e.downcast_ref::<::tonic::Status>())
+}
+
+fn timed_out(e: &(dyn std::error::Error + 'static)) -> bool {
+    // `TimeoutExpired`: a tonic `Channel` ends a call at the `grpc-timeout` the layer wrote.
+    chain(e).any(|e| {
+        e.is::<DeadlineExceeded>()
+            || e.is::<AttemptTimedOut>()
+            || e.is::<ResponseHeadTimedOut>()
+            || e.is::<::tonic::TimeoutExpired>()
+    })
+}
+
+/// The [`RetryError`] behind a status a [`RetryChannel`] returned: the attempts it took, the
+/// idempotency key it generated (resend with it to stay one intent), and the cause. `None` for
+/// a status the server sent.
+///
+/// ```
+/// use retry_layer::tonic::retry_error;
+///
+/// let status = tonic::Status::unavailable("from the server");
+/// assert!(retry_error(&status).is_none());
+/// ```
+pub fn retry_error(status: &::tonic::Status) -> Option<&RetryError> {
+    std::error::Error::source(status)?.downcast_ref::<RetryError>()
+}
 
 impl RetryLayer {
     /// Wraps a tonic `Channel` (or any service of `http::Request<tonic::body::Body>`) in this
     /// layer: a [`RetryChannel`], ready for a generated client's `new`.
     pub fn tonic_channel<S>(&self, channel: S) -> RetryChannel<S> {
-        tower_layer::Layer::layer(self, TonicBody::new(channel))
+        RetryChannel {
+            inner: tower_layer::Layer::layer(self, TonicBody::new(channel)),
+        }
     }
 }

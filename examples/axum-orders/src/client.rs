@@ -1,14 +1,23 @@
 //! The orders client: CreateOrder through `RetryLayer` with a stable idempotency key.
 
+use std::time::Duration;
+
 use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use retry_layer::{BoxError, ReplayBody, Retry, RetryInfo, RetryLayer, RetryPolicy};
 use serde::Serialize;
 use tower::ServiceExt;
+
+/// The deadline of every call of [`OrdersClient::new`], retries included.
+pub const CALL_DEADLINE: Duration = Duration::from_secs(10);
+
+/// How often an idle HTTP/2 connection is pinged, and how long a PING may go unanswered.
+const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(20);
+const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One line of the client's output.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
@@ -34,10 +43,13 @@ pub struct OrdersClient {
 
 impl OrdersClient {
     /// A client of the service at `base` (`http://127.0.0.1:3000`) for `tenant`, with the
-    /// default retry policy and `ensure_idempotency_key()`.
+    /// default retry policy, `ensure_idempotency_key()`, and a deadline of
+    /// [`CALL_DEADLINE`] for every call, retries included: a caller should always say how long
+    /// it waits.
     pub fn new(base: impl Into<String>, tenant: impl Into<String>) -> Self {
         let policy = RetryPolicy::builder()
             .ensure_idempotency_key()
+            .total_timeout(CALL_DEADLINE)
             .build()
             .expect("the default policy is valid");
         Self::with_policy(base, tenant, policy)
@@ -70,6 +82,13 @@ impl OrdersClient {
     ) -> Self {
         let layer = RetryLayer::new(policy);
         let mut builder = Client::builder(TokioExecutor::new());
+        // HTTP/2 keep-alive (for a server that speaks it): a connection whose peer went away
+        // without a word is found by its missed PING and closed, and its calls fail (and are
+        // retried) instead of waiting on it. RELIABILITY.md, F7.
+        builder
+            .timer(TokioTimer::new())
+            .http2_keep_alive_interval(Some(KEEP_ALIVE_INTERVAL))
+            .http2_keep_alive_timeout(KEEP_ALIVE_TIMEOUT);
         if !keep_alive {
             builder.pool_max_idle_per_host(0);
         }

@@ -13,14 +13,18 @@
 //! tower's) and [`TokenBucket`] (gRFC A6 `retryThrottling`). Both are lock-free.
 //!
 //! A budget is chosen with [`RetryPolicyBuilder`](crate::RetryPolicyBuilder)'s `budget`,
-//! `token_bucket`, `no_budget` or `custom_budget`; every clone of a layer shares the one it makes.
+//! `token_bucket`, `no_budget` or `custom_budget`; every clone of a layer shares the one it makes,
+//! or with `budget_per_authority` one per host it calls (a dead host then drains only its own).
 
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+mod per_authority;
 mod token_bucket;
 mod tps;
+
+pub(crate) use per_authority::AuthorityBudgets;
 
 pub use token_bucket::TokenBucket;
 pub use tps::TpsBudget;

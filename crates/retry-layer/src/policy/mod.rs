@@ -30,11 +30,13 @@ pub use service_config::{GrpcRetryPolicy, GrpcRetryThrottling, StatusCodeName};
 /// | `base_delay`, `multiplier`, `max_delay` | 20 ms, x2, 1 s |
 /// | `jitter` | +-20 % ([`Jitter::Proportional`]`(0.2)`) |
 /// | `min_attempt_time` | 50 ms |
-/// | `total_timeout`, `attempt_timeout` | none |
+/// | `response_head_timeout` (each attempt's wait for the response head; not sent to the server) | 60 s |
+/// | `total_timeout`, `attempt_timeout` | none (the deadline is the earliest of a `Deadline` extension, `grpc-timeout` and `total_timeout`) |
 /// | `max_pushback` | 30 s |
-/// | `max_replay_bytes` | 64 KiB |
+/// | `max_replay_bytes` (per request) | 64 KiB |
+/// | `max_replay_bytes_total` (all calls of a layer at once) | 16 MiB |
 /// | `max_unsent_retries` | 2 |
-/// | budget | 10 % of requests over 10 s, plus 10 retries/s |
+/// | budget | 10 % of requests over 10 s, plus 10 retries/s, one per layer (or per authority: `budget_per_authority`) |
 /// | under a retry of the hop above ([`InboundRetry`]) | send once |
 /// | table | [`RetryTable::default`] (the design table) |
 /// | reason codes | [`ReasonCodes::default`] (`x-reason-code`) |
@@ -62,14 +64,17 @@ pub struct RetryPolicy {
     pub(crate) min_attempt_time: Duration,
     pub(crate) total_timeout: Option<Duration>,
     pub(crate) attempt_timeout: Option<Duration>,
+    pub(crate) response_head_timeout: Duration,
     pub(crate) max_pushback: Duration,
     pub(crate) max_replay_bytes: usize,
+    pub(crate) max_replay_bytes_total: usize,
     pub(crate) max_unsent_retries: u32,
     pub(crate) reason_codes: ReasonCodes,
     pub(crate) idempotent_grpc: IdempotentGrpcMethods,
     pub(crate) key_headers: KeyHeaders,
     pub(crate) ensure_key: bool,
     pub(crate) budget: BudgetChoice,
+    pub(crate) budget_per_authority: bool,
     pub(crate) inbound_retry: InboundRetry,
     pub(crate) rng: JitterRng,
     pub(crate) rebuild: Option<Arc<dyn Rebuild>>,
@@ -165,6 +170,18 @@ impl<T> GrpcMethods<T> {
 /// or timer computed from them can overflow the clock.
 pub const MAX_DURATION: Duration = Duration::from_secs(86_400);
 
+/// The default [`RetryPolicyBuilder::response_head_timeout`]: 60 s, longer than any answer the
+/// server layer makes itself (its duplicates wait for their leader 30 s at most).
+pub const DEFAULT_RESPONSE_HEAD_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The default [`RetryPolicyBuilder::max_replay_bytes_total`]: 16 MiB, gRPC Java's default
+/// retry buffer per channel.
+pub const DEFAULT_MAX_REPLAY_BYTES_TOTAL: usize = 16 * 1024 * 1024;
+
+/// The most authorities that get a budget of their own with
+/// [`RetryPolicyBuilder::budget_per_authority`]; further ones share the layer's.
+pub const MAX_AUTHORITY_BUDGETS: usize = 1024;
+
 /// The most transparent retries ([`RetryPolicyBuilder::max_unsent_retries`]).
 pub const MAX_UNSENT_RETRIES: u32 = 10;
 
@@ -176,14 +193,17 @@ impl Default for RetryPolicy {
             min_attempt_time: Duration::from_millis(50),
             total_timeout: None,
             attempt_timeout: None,
+            response_head_timeout: DEFAULT_RESPONSE_HEAD_TIMEOUT,
             max_pushback: Duration::from_secs(30),
             max_replay_bytes: 64 * 1024,
+            max_replay_bytes_total: DEFAULT_MAX_REPLAY_BYTES_TOTAL,
             max_unsent_retries: 2,
             reason_codes: ReasonCodes::default(),
             idempotent_grpc: IdempotentGrpcMethods::default(),
             key_headers: KeyHeaders::default(),
             ensure_key: false,
             budget: BudgetChoice::default(),
+            budget_per_authority: false,
             inbound_retry: InboundRetry::SendOnce,
             rng: JitterRng::default(),
             rebuild: None,
@@ -227,6 +247,12 @@ impl RetryPolicy {
     /// The retryability table (of requests no gRPC method config matches).
     pub fn table(&self) -> &RetryTable {
         &self.rules.table
+    }
+
+    /// How long each attempt waits for its response head (see
+    /// [`RetryPolicyBuilder::response_head_timeout`]).
+    pub fn response_head_timeout(&self) -> Duration {
+        self.response_head_timeout
     }
 
     /// The gRPC methods declared idempotent.
@@ -414,6 +440,24 @@ impl RetryPolicyBuilder {
         self
     }
 
+    /// How long each attempt waits for its response head (greater than zero, at most
+    /// [`MAX_DURATION`]; default [`DEFAULT_RESPONSE_HEAD_TIMEOUT`], 60 s). It is always on, so
+    /// that a call to a server that never answers ends even when nothing else bounds it: the
+    /// attempt ends in [`ResponseHeadTimedOut`](crate::ResponseHeadTimedOut), an ambiguous
+    /// failure (it may have executed), retried only when the request is idempotent or keyed.
+    ///
+    /// Unlike [`attempt_timeout`](Self::attempt_timeout) it is the client's own bound, never
+    /// sent as `grpc-timeout`, and it ends with the head: a response that started in time
+    /// streams for as long as it takes (a watch, a download). Raise it for endpoints that take
+    /// longer to start answering.
+    pub fn response_head_timeout(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("response_head_timeout", d, false) {
+            return self.fail(e);
+        }
+        self.policy.response_head_timeout = d;
+        self
+    }
+
     /// The longest server pushback (`Retry-After`, `grpc-retry-pushback-ms`) honoured (at most
     /// [`MAX_DURATION`]); a longer one ends retrying.
     pub fn max_pushback(mut self, d: Duration) -> Self {
@@ -424,9 +468,21 @@ impl RetryPolicyBuilder {
         self
     }
 
-    /// The most request-body bytes kept for replay; larger bodies are sent once.
+    /// The most request-body bytes kept for replay per request; larger bodies are sent once.
     pub fn max_replay_bytes(mut self, n: usize) -> Self {
         self.policy.max_replay_bytes = n;
+        self
+    }
+
+    /// The most request-body bytes all calls of a layer (and its clones) keep for replay at
+    /// once (default [`DEFAULT_MAX_REPLAY_BYTES_TOTAL`], 16 MiB; gRFC A6 bounds a channel's
+    /// retry buffer the same way). A body whose copy does not fit is sent without one: its
+    /// retries are refused as for a body over `max_replay_bytes` (a request that was never
+    /// sent is still retried). A copy is freed as soon as the call has its answer, even while
+    /// the transport still streams the body (a client stream).
+    /// [`RetryLayer::stats`](crate::RetryLayer::stats) reports the bytes kept now.
+    pub fn max_replay_bytes_total(mut self, n: usize) -> Self {
+        self.policy.max_replay_bytes_total = n;
         self
     }
 
@@ -537,6 +593,20 @@ impl RetryPolicyBuilder {
         self
     }
 
+    /// Keeps a budget per authority (`host:port` of the request's URI) instead of one for the
+    /// whole layer: on a client shared by several hosts (a hyper-util `Client`, a reqwest
+    /// `Client`), a dead host then drains only its own budget, and the healthy ones keep
+    /// retrying. gRFC A6 throttles per channel, which is one authority. Each budget has the
+    /// shape set by [`budget`](Self::budget) or [`token_bucket`](Self::token_bucket); requests
+    /// without an authority (a tonic `Channel` adds its own below the layer: one channel, one
+    /// host) share the layer's. At most [`MAX_AUTHORITY_BUDGETS`] authorities get a budget of
+    /// their own; the others share the layer's. Not with
+    /// [`custom_budget`](Self::custom_budget), which is shared as given.
+    pub fn budget_per_authority(mut self) -> Self {
+        self.policy.budget_per_authority = true;
+        self
+    }
+
     /// Disables the retry budget. Only do this where another layer bounds retry amplification.
     pub fn no_budget(mut self) -> Self {
         self.policy.budget = BudgetChoice::Unlimited;
@@ -576,10 +646,17 @@ impl RetryPolicyBuilder {
 
     /// Validates and returns the policy.
     pub fn build(self) -> Result<RetryPolicy, InvalidPolicy> {
-        match self.error {
-            Some(e) => Err(e),
-            None => Ok(self.policy),
+        if let Some(e) = self.error {
+            return Err(e);
         }
+        if self.policy.budget_per_authority && matches!(self.policy.budget, BudgetChoice::Custom(_))
+        {
+            return Err(InvalidPolicy::new(
+                "budget_per_authority needs a budget the layer makes (budget or token_bucket); \
+                 a custom budget is shared as given",
+            ));
+        }
+        Ok(self.policy)
     }
 }
 

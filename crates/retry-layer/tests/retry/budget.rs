@@ -49,3 +49,80 @@ async fn token_bucket_throttles_once_half_empty() {
     assert!(attempts < 110, "{attempts}");
     assert!(stats.budget_refusals > 0);
 }
+
+/// Issue 31 item 15: one client (hyper-util or reqwest) shared by the calls to two hosts. A
+/// dead host drains the layer's budget (gRFC A6 throttling: retries stop once half the 10
+/// tokens are gone), and then the healthy host's one 503 is not retried either. With a budget
+/// per authority, the healthy host keeps its own.
+#[tokio::test]
+async fn a_budget_per_authority_keeps_a_dead_host_from_draining_the_others() {
+    use crate::wire::{bounded, serve, status as answer};
+
+    for per_authority in [false, true] {
+        let dead = serve(|_, _| answer(503)).await;
+        let healthy = serve(|_, n| if n == 0 { answer(503) } else { answer(200) }).await;
+        let mut builder = RetryPolicy::builder().token_bucket(10, 0.1);
+        if per_authority {
+            builder = builder.budget_per_authority();
+        }
+        let policy = builder.build().unwrap();
+        let get = |url: String| {
+            http::Request::get(url)
+                .body(http_body_util::Full::new(bytes::Bytes::new()))
+                .unwrap()
+        };
+
+        // hyper-util
+        let layer = RetryLayer::new(policy.clone());
+        let client = tower::Layer::layer(
+            &layer,
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build_http::<retry_layer::ReplayBody<http_body_util::Full<bytes::Bytes>>>(),
+        );
+        for _ in 0..5 {
+            let res = bounded(
+                "a call to the dead host",
+                client.clone().oneshot(get(dead.url("/x"))),
+            )
+            .await
+            .unwrap();
+            assert_eq!(res.status(), 503);
+        }
+        let res = bounded(
+            "the healthy host",
+            client.clone().oneshot(get(healthy.url("/x"))),
+        )
+        .await
+        .unwrap();
+        let expected = if per_authority { 200 } else { 503 };
+        assert_eq!(
+            res.status(),
+            expected,
+            "hyper-util, per authority: {per_authority}"
+        );
+
+        // reqwest, through the middleware, the same way.
+        #[cfg(feature = "reqwest")]
+        {
+            let dead = serve(|_, _| answer(503)).await;
+            let healthy = serve(|_, n| if n == 0 { answer(503) } else { answer(200) }).await;
+            let http = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+                .with(retry_layer::reqwest::RetryMiddleware::new(policy))
+                .build();
+            for _ in 0..5 {
+                let res = bounded("a call to the dead host", http.get(dead.url("/x")).send())
+                    .await
+                    .unwrap();
+                assert_eq!(res.status(), 503);
+            }
+            let res = bounded("the healthy host", http.get(healthy.url("/x")).send())
+                .await
+                .unwrap();
+            assert_eq!(
+                res.status(),
+                expected,
+                "reqwest, per authority: {per_authority}"
+            );
+        }
+    }
+}

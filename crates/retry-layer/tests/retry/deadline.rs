@@ -105,3 +105,48 @@ async fn deadline_extension_wins_over_grpc_timeout() {
     let sent = parse_grpc_timeout(&script.seen()[0].headers["grpc-timeout"]).unwrap();
     assert!(sent <= Duration::from_millis(500), "{sent:?}");
 }
+
+/// Issue 31 item 10: whether a hop's give-up on a deadline is "do not retry" depends on whose
+/// deadline it was: the inbound request's (spent: its caller cannot fit another attempt
+/// either) or the hop's own `total_timeout` (a local choice: "retried below").
+#[tokio::test(start_paused = true)]
+async fn a_hop_gives_up_only_on_the_inbound_deadline() {
+    use std::sync::Arc;
+
+    use reason_code::Hop;
+
+    let inbound = |timeout: &'static str| {
+        let mut h = http::HeaderMap::new();
+        h.insert("grpc-timeout", timeout.parse().unwrap());
+        Arc::new(Hop::from_request_headers(&h))
+    };
+    // The handler passes its inbound deadline on: 60 ms cannot fit ~20 ms + 50 ms.
+    let hop = inbound("60m");
+    let mut req = get("/c");
+    req.extensions_mut()
+        .insert(Deadline(hop.inbound_deadline().unwrap()));
+    let (res, _, layer) = hop
+        .clone()
+        .scope(call_scripted(
+            RetryPolicy::default(),
+            req,
+            vec![status(503)],
+        ))
+        .await;
+    assert_eq!(res.unwrap().status(), 503);
+    assert_eq!(layer.stats().deadline_stops, 1);
+    assert!(hop.gave_up(), "the caller's own deadline is spent");
+
+    // The hop's own 60 ms, under an inbound deadline of 10 s: the caller may still retry.
+    let hop = inbound("10S");
+    let policy = RetryPolicy::builder()
+        .total_timeout(Duration::from_millis(60))
+        .build()
+        .unwrap();
+    let (_, _, layer) = hop
+        .clone()
+        .scope(call_scripted(policy, get("/c"), vec![status(503)]))
+        .await;
+    assert_eq!(layer.stats().deadline_stops, 1);
+    assert!(hop.deferred() && !hop.gave_up(), "a local choice");
+}

@@ -361,6 +361,14 @@ async fn refused_stream_retries_a_post_and_replays_its_body() {
 /// (last-stream-id 0, NO_ERROR): the stream is beyond it, so the server promises it did not
 /// process it. Later connections are served by the `h2` crate.
 async fn goaway_server() -> (SocketAddr, Arc<Mutex<Vec<(Bytes, Option<HeaderMap>)>>>) {
+    goaway_server_with(0, 0).await
+}
+
+/// [`goaway_server`] with the GOAWAY's last-stream-id and error code.
+async fn goaway_server_with(
+    last_stream_id: u32,
+    code: u32,
+) -> (SocketAddr, Arc<Mutex<Vec<(Bytes, Option<HeaderMap>)>>>) {
     let (upstream, seen) = refusing_server(0).await;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -403,11 +411,13 @@ async fn goaway_server() -> (SocketAddr, Arc<Mutex<Vec<(Bytes, Option<HeaderMap>
                         4 if head[4] & 1 == 0 => {
                             let _ = stream.write_all(&[0, 0, 0, 4, 1, 0, 0, 0, 0]).await;
                         }
-                        // HEADERS: the request was sent. GOAWAY, last-stream-id 0, NO_ERROR.
+                        // HEADERS: the request was sent. GOAWAY with the planned
+                        // last-stream-id and code.
                         1 => {
-                            let _ = stream
-                                .write_all(&[0, 0, 8, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0])
-                                .await;
+                            let mut goaway = vec![0, 0, 8, 7, 0, 0, 0, 0, 0];
+                            goaway.extend_from_slice(&last_stream_id.to_be_bytes());
+                            goaway.extend_from_slice(&code.to_be_bytes());
+                            let _ = stream.write_all(&goaway).await;
                             let _ = stream.flush().await;
                             tokio::time::sleep(Duration::from_millis(100)).await;
                             return;
@@ -440,4 +450,155 @@ async fn goaway_beyond_the_stream_retries_a_post() {
     assert_eq!(seen.len(), 1);
     assert_eq!(seen[0].0, "{\"qty\":2}");
     assert_eq!(seen[0].1, Some(checksum_trailers()));
+}
+
+/// Issue 31 item 11: a GOAWAY with an error code (here ENHANCE_YOUR_CALM, and PROTOCOL_ERROR)
+/// still promises that streams past its last-stream-id were not processed: unsent, so a POST
+/// without a key is retried on a new connection. Before, only NO_ERROR counted, and this POST
+/// was returned as an error (ambiguous).
+#[tokio::test]
+async fn goaway_with_an_error_code_beyond_the_stream_retries_a_post() {
+    for code in [0xb, 0x1] {
+        let (addr, seen) = goaway_server_with(0, code).await;
+        let layer = RetryLayer::new(RetryPolicy::default());
+        let req = streaming_request(
+            http::Method::POST,
+            format!("http://{addr}/orders"),
+            &["{\"qty\":", "2}"],
+        );
+        let res = bounded("the call", client(&layer, Proto::H2).oneshot(req))
+            .await
+            .unwrap_or_else(|e| panic!("code {code:#x}: {e}"));
+        assert_eq!(res.status(), 201, "code {code:#x}");
+        assert_eq!(seen.lock().unwrap().len(), 1, "code {code:#x}");
+    }
+}
+
+/// Issue 31 item 11: the stream a GOAWAY covers (last-stream-id 1, the request's) may have been
+/// processed, whatever the code: a POST without a key is not retried.
+#[tokio::test]
+async fn goaway_covering_the_stream_is_ambiguous_whatever_its_code() {
+    for code in [0x0, 0xb] {
+        let (addr, seen) = goaway_server_with(1, code).await;
+        let layer = RetryLayer::new(RetryPolicy::default());
+        let req = streaming_request(
+            http::Method::POST,
+            format!("http://{addr}/orders"),
+            &["{\"qty\":", "2}"],
+        );
+        let err = bounded("the call", client(&layer, Proto::H2).oneshot(req))
+            .await
+            .expect_err("the stream may have run: not retried");
+        let err = retry_layer::RetryError::of(&*err).expect("a RetryError");
+        assert_eq!(err.attempts(), 1, "code {code:#x}: {err}");
+        assert_eq!(seen.lock().unwrap().len(), 0, "code {code:#x}");
+    }
+}
+
+/// Issue 31 item 9: what a tonic client sees of the layer's failures through `RetryChannel`:
+/// a classified `tonic::Status` (DEADLINE_EXCEEDED, UNAVAILABLE), never `Unknown`, which every
+/// tier above would take as final; the `RetryError` is its source.
+#[tokio::test]
+async fn tonic_callers_get_classified_statuses() {
+    use retry_layer::tonic::retry_error;
+
+    // A server that reads each request and never answers.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(|req: Request<Incoming>| async move {
+                    let _ = req.into_body().collect().await;
+                    std::future::pending::<Result<Response<Full<Bytes>>, Infallible>>().await
+                });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_lazy();
+    let layer = RetryLayer::new(declared());
+    let mut req = grpc_request(addr, GET_BOOK);
+    req.extensions_mut()
+        .insert(retry_layer::Deadline::after(Duration::from_millis(200)));
+    let err = bounded("the call", layer.tonic_channel(channel).oneshot(req))
+        .await
+        .unwrap_err();
+    // What tonic's generated clients do with a transport error.
+    let status = tonic::Status::from_error(err);
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
+    let retry = retry_error(&status).expect("the RetryError is the source");
+    // The channel ends the call at the grpc-timeout the layer wrote, or the layer at its
+    // deadline: a timeout either way.
+    assert!(
+        retry.is::<retry_layer::DeadlineExceeded>()
+            || std::iter::successors(
+                Some(retry.inner() as &(dyn std::error::Error + 'static)),
+                |e| e.source()
+            )
+            .any(|e| e.is::<tonic::TimeoutExpired>()),
+        "{retry}"
+    );
+    assert_eq!(retry.attempts(), 1);
+
+    // A connection reset after the request was sent: UNAVAILABLE (it may have run; a caller
+    // that retries it keeps the key).
+    let (addr, _) = goaway_server_with(1, 0).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_lazy();
+    let err = bounded(
+        "the call",
+        RetryLayer::new(RetryPolicy::default())
+            .tonic_channel(channel)
+            .oneshot(grpc_request(addr, CREATE_ORDER)),
+    )
+    .await
+    .unwrap_err();
+    let status = tonic::Status::from_error(err);
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert!(retry_error(&status).is_some());
+}
+
+/// Issue 31 item 9: a tonic `Channel` that cannot connect (DNS, TLS, a connect timeout: here a
+/// connector that fails) never sent the request: a write without key gets its transparent
+/// retries, as with hyper-util's `is_connect` (before: ambiguous, sent once).
+#[tokio::test]
+async fn a_tonic_connect_error_is_unsent() {
+    let connects = Arc::new(AtomicUsize::new(0));
+    let c = connects.clone();
+    let connector = tower::service_fn(move |_uri: http::Uri| {
+        c.fetch_add(1, Ordering::SeqCst);
+        async {
+            Err::<hyper_util::rt::TokioIo<tokio::net::TcpStream>, _>(std::io::Error::other(
+                "TLS handshake failed",
+            ))
+        }
+    });
+    let channel = tonic::transport::Endpoint::from_static("http://orders.internal:50051")
+        .connect_with_connector_lazy(connector);
+    let layer = RetryLayer::new(RetryPolicy::default());
+    let err = bounded(
+        "the call",
+        layer
+            .tonic_channel(channel)
+            .oneshot(grpc_request("127.0.0.1:1".parse().unwrap(), CREATE_ORDER)),
+    )
+    .await
+    .unwrap_err();
+    let status = tonic::Status::from_error(err);
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert_eq!(
+        layer.stats().attempts,
+        5,
+        "3 attempts and 2 transparent retries"
+    );
+    assert_eq!(connects.load(Ordering::SeqCst), 5);
 }

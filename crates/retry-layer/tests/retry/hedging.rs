@@ -14,7 +14,7 @@ use tokio::time::{Duration, Instant};
 use tower::{Layer, Service, ServiceExt};
 
 use crate::support::{
-    backend, get, grpc, grpc_req, keyed, post, status, within_a_day, Reply, Script,
+    backend, get, grpc, grpc_req, keyed, post, status, within, within_a_day, Reply, Script,
 };
 
 const MS: Duration = Duration::from_millis(1);
@@ -96,30 +96,55 @@ async fn a_fast_answer_sends_no_hedge() {
     assert_eq!(layer.stats().hedges, 0);
 }
 
+/// Issue 31 item 12: only reads are hedged by default (GET, HEAD, OPTIONS, TRACE, declared gRPC
+/// methods): a hedge of a write is a concurrent duplicate, which even a keyed write with
+/// `IdempotencyLayer` on the server pays for in load. Idempotent and keyed writes are hedged
+/// when asked for (`hedge_writes`); a write without a key never is. Before, keyed writes (and
+/// PUT, DELETE) were hedged by default, though the docs said writes never are.
 #[tokio::test(start_paused = true)]
-async fn writes_without_a_key_are_never_hedged_and_keyed_ones_are() {
+async fn writes_are_hedged_only_when_asked_and_never_without_a_key() {
     let slow = || vec![Reply::Slow(Duration::from_secs(1), 201), status(201)];
-    let (r, took, script, _) =
-        hedged(HedgeLayer::new(policy(2, 50 * MS)), post("/orders"), slow()).await;
-    assert_eq!(code(&r), 201);
-    assert_eq!(took, Duration::from_secs(1), "waited for its only attempt");
-    assert_eq!(script.attempts(), 1);
+    let put = || {
+        Request::put("http://svc/books/b1")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap()
+    };
+    for (what, req) in [
+        ("a POST without key", post("/orders")),
+        ("a keyed POST", keyed(post("/orders"))),
+        ("a PUT", put()),
+    ] {
+        let (r, took, script, _) = hedged(HedgeLayer::new(policy(2, 50 * MS)), req, slow()).await;
+        assert_eq!(code(&r), 201, "{what}");
+        assert_eq!(
+            took,
+            Duration::from_secs(1),
+            "{what}: waited for its only attempt"
+        );
+        assert_eq!(script.attempts(), 1, "{what}");
+    }
 
-    let (r, took, script, _) = hedged(
-        HedgeLayer::new(policy(2, 50 * MS)),
-        keyed(post("/orders")),
-        slow(),
-    )
-    .await;
-    assert_eq!(code(&r), 201);
-    assert_eq!(took, 50 * MS);
-    let seen = script.seen();
-    assert_eq!(seen.len(), 2);
-    assert_eq!(
-        seen[1].body, seen[0].body,
-        "the hedge carries the whole body"
-    );
-    assert_eq!(seen[1].headers["x-idempotency-key"], "order-7f3a9c21");
+    let asked = || {
+        HedgePolicy::builder()
+            .max_attempts(2)
+            .hedging_delay(50 * MS)
+            .hedge_writes()
+            .build()
+            .unwrap()
+    };
+    let (_, _, script, _) = hedged(HedgeLayer::new(asked()), post("/orders"), slow()).await;
+    assert_eq!(script.attempts(), 1, "a write without key is never hedged");
+    for (what, req) in [("a keyed POST", keyed(post("/orders"))), ("a PUT", put())] {
+        let (r, took, script, _) = hedged(HedgeLayer::new(asked()), req, slow()).await;
+        assert_eq!(code(&r), 201, "{what}");
+        assert_eq!(took, 50 * MS, "{what}");
+        let seen = script.seen();
+        assert_eq!(seen.len(), 2, "{what}");
+        assert_eq!(
+            seen[1].body, seen[0].body,
+            "the hedge carries the whole body"
+        );
+    }
 }
 
 #[tokio::test(start_paused = true)]
@@ -368,4 +393,100 @@ async fn on_the_wire_the_hedge_answers_and_the_slow_attempt_is_cancelled() {
         .await;
         assert_eq!(layer.stats().won_by_hedge, 1);
     }
+}
+
+/// Issue 31 item 7: the hedge owns the attempt headers too: a forwarded one is not sent on the
+/// first attempt, and each hedge carries its own count.
+#[tokio::test(start_paused = true)]
+async fn forwarded_attempt_headers_are_not_sent_on_the_first_attempt() {
+    let mut req = get("/books/b1");
+    req.headers_mut()
+        .insert("x-previous-attempts", "3".parse().unwrap());
+    req.headers_mut()
+        .insert("grpc-previous-rpc-attempts", "3".parse().unwrap());
+    let (r, _, script, _) = hedged(
+        HedgeLayer::new(policy(2, 50 * MS)),
+        req,
+        vec![Reply::Slow(Duration::from_secs(1), 200), status(200)],
+    )
+    .await;
+    assert_eq!(code(&r), 200);
+    let seen = script.seen();
+    assert_eq!(seen.len(), 2);
+    assert!(seen[0].headers.get("x-previous-attempts").is_none());
+    assert!(seen[0].headers.get("grpc-previous-rpc-attempts").is_none());
+    assert_eq!(seen[1].headers["x-previous-attempts"], "1");
+    assert!(seen[1].headers.get("grpc-previous-rpc-attempts").is_none());
+}
+
+/// Issue 31 item 3: a hedge answered with a pushback longer than `max_pushback`, or one its
+/// deadline cannot wait for, sends no more hedges: the pushback's answer is returned at once.
+/// Before, the next hedge was scheduled an hour (or up to a day) ahead and nothing else woke the
+/// call.
+#[tokio::test(start_paused = true)]
+async fn a_hedged_read_honours_max_pushback_and_its_deadline() {
+    for (retry_after, deadline) in [("3600", None), ("10", Some(Duration::from_secs(5)))] {
+        let mut req = get("/books/b1");
+        if let Some(d) = deadline {
+            req.extensions_mut().insert(retry_layer::Deadline::after(d));
+        }
+        let (r, took, script, _) = within(
+            Duration::from_secs(60),
+            "the hedged call",
+            hedged(
+                HedgeLayer::new(policy(3, 50 * MS)),
+                req,
+                vec![
+                    Reply::Status(503, vec![("retry-after", retry_after)]),
+                    status(200),
+                ],
+            ),
+        )
+        .await;
+        assert_eq!(code(&r), 503, "Retry-After {retry_after}");
+        assert_eq!(took, Duration::ZERO, "Retry-After {retry_after}");
+        assert_eq!(script.attempts(), 1, "Retry-After {retry_after}");
+    }
+}
+
+/// Issue 31 item 3: a hedged call ends at its deadline even when no attempt answers.
+#[tokio::test(start_paused = true)]
+async fn a_hedged_read_ends_at_its_deadline() {
+    let mut req = get("/books/b1");
+    req.extensions_mut()
+        .insert(retry_layer::Deadline::after(Duration::from_secs(5)));
+    let (r, took, script, _) = within(
+        Duration::from_secs(60),
+        "the hedged call",
+        hedged(HedgeLayer::new(policy(2, 50 * MS)), req, vec![Reply::Never]),
+    )
+    .await;
+    let err = r.unwrap_err();
+    assert!(err.is::<retry_layer::DeadlineExceeded>(), "{err}");
+    assert_eq!(took, Duration::from_secs(5));
+    assert_eq!(script.attempts(), 2);
+}
+
+/// Issue 31 items 1 and 3: without a deadline, each attempt waits `response_head_timeout` for
+/// its head (60 s by default), so a hedged call to a server that never answers ends.
+#[tokio::test(start_paused = true)]
+async fn a_hedged_read_to_a_server_that_never_answers_ends() {
+    let (r, took, script, _) = within(
+        Duration::from_secs(600),
+        "the hedged call",
+        hedged(
+            HedgeLayer::new(policy(2, 50 * MS)),
+            get("/books/b1"),
+            vec![Reply::Never],
+        ),
+    )
+    .await;
+    let err = r.unwrap_err();
+    assert!(err.is::<retry_layer::ResponseHeadTimedOut>(), "{err}");
+    assert_eq!(
+        took,
+        Duration::from_secs(60) + 50 * MS,
+        "the last attempt's 60 s"
+    );
+    assert_eq!(script.attempts(), 2);
 }

@@ -25,7 +25,12 @@ struct HopA {
 }
 
 async fn hop_a(c: &Server, proto: Proto, with_hop_layer: bool) -> HopA {
-    let outbound = RetryLayer::new(RetryPolicy::default());
+    hop_with(c, proto, with_hop_layer, RetryPolicy::default()).await
+}
+
+/// Hop A with its own outbound policy.
+async fn hop_with(c: &Server, proto: Proto, with_hop_layer: bool, policy: RetryPolicy) -> HopA {
+    let outbound = RetryLayer::new(policy);
     // A `Full` body: the handler's future must be `Send` for axum, which rustc cannot prove
     // through a boxed body's `dyn Error` lifetimes.
     let client = tower::Layer::layer(
@@ -161,6 +166,89 @@ async fn client_hop_and_bottom_together_multiply_no_more() {
                 "{proto:?}, HopLayer {with_hop_layer}: attempts at C"
             );
             assert_eq!(client_layer.stats().attempts, 3);
+        }
+    }
+}
+
+/// Issue 31 item 7: a gateway that forwards its inbound metadata forwards its caller's attempt
+/// headers too. The layer owns them on every attempt, the first included: the hop below sees
+/// this hop's own count (before, the first attempt carried the caller's "2", and a `HopLayer`
+/// below served it as a retry, sending once underneath).
+#[tokio::test]
+async fn forwarded_attempt_headers_are_rewritten_on_every_attempt() {
+    for proto in BOTH {
+        let c = serve(|_, n| if n == 0 { status(503) } else { status(200) }).await;
+        let layer = RetryLayer::new(RetryPolicy::default());
+        let req = Request::get(c.url("/c"))
+            .header("x-previous-attempts", "2")
+            .header("grpc-previous-rpc-attempts", "2")
+            .body(full(""))
+            .unwrap();
+        let res = bounded("the call", client(&layer, proto).oneshot(req))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200, "{proto:?}");
+        let seen = c.seen();
+        assert_eq!(seen.len(), 2, "{proto:?}");
+        for name in ["x-previous-attempts", "grpc-previous-rpc-attempts"] {
+            assert!(
+                seen[0].headers.get(name).is_none(),
+                "{proto:?}: the first attempt carries no {name}"
+            );
+        }
+        assert_eq!(seen[1].headers["x-previous-attempts"], "1", "{proto:?}");
+        assert!(seen[1].headers.get("grpc-previous-rpc-attempts").is_none());
+    }
+}
+
+/// Issue 31 item 10: a hop that stops on a choice of its own (its short `total_timeout`, its
+/// `max_pushback`) says "retried below", not "do not retry": the caller, whose own deadline and
+/// pushback limit may well allow another attempt, still retries. Before, B's give-up on its own
+/// 60 ms deadline answered DO_NOT_RETRY and A sent once.
+#[tokio::test]
+async fn a_hops_local_give_up_does_not_stop_the_callers_retries() {
+    let short_deadline = || {
+        RetryPolicy::builder()
+            .total_timeout(std::time::Duration::from_millis(60))
+            .build()
+            .unwrap()
+    };
+    let short_pushback = || {
+        RetryPolicy::builder()
+            .max_pushback(std::time::Duration::from_secs(1))
+            .build()
+            .unwrap()
+    };
+    for proto in BOTH {
+        for (what, policy, c_answer) in [
+            ("total_timeout(60ms)", short_deadline(), status(503)),
+            (
+                "max_pushback(1s)",
+                short_pushback(),
+                Act::Status(503, vec![("retry-after", "60")]),
+            ),
+        ] {
+            let c = serve(move |_, _| c_answer.clone()).await;
+            let b = hop_with(&c, proto, true, policy).await;
+            let client_layer = RetryLayer::new(RetryPolicy::default());
+            let req = Request::get(format!("http://{}/call", b.addr))
+                .body(full(""))
+                .unwrap();
+            let res = bounded("the call", client(&client_layer, proto).oneshot(req))
+                .await
+                .unwrap();
+            assert_eq!(res.status(), 503, "{proto:?}, {what}");
+            assert_eq!(
+                res.headers()["x-reason-code"],
+                "RETRIES_DEFERRED",
+                "{proto:?}, {what}: a local give-up"
+            );
+            assert_eq!(
+                client_layer.stats().attempts,
+                3,
+                "{proto:?}, {what}: the client still retries"
+            );
+            assert_eq!(c.hits(), 3, "{proto:?}, {what}: B sends each attempt once");
         }
     }
 }

@@ -5,8 +5,10 @@ mod support;
 mod backpressure;
 mod bad_input;
 mod bodies;
+mod bounds;
 mod budget;
 mod deadline;
+mod early_read;
 mod grpc;
 mod grpc_wire;
 mod hedging;
@@ -15,6 +17,7 @@ mod hops;
 mod metrics;
 mod on_the_wire;
 mod readiness;
+mod replay_memory;
 #[cfg(feature = "reqwest")]
 mod reqwest_client;
 mod sockets;

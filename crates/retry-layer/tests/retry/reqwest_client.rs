@@ -250,3 +250,36 @@ async fn the_middleware_and_the_tower_layer_share_one_budget() {
         "the layer counts the middleware's refusal"
     );
 }
+
+/// Issue 31 item 13: a POST answered 307 (or 308) is followed by reqwest with its body, as it
+/// is without the middleware: a whole body goes to reqwest as one it can send again. Before,
+/// every body became a stream reqwest cannot resend, and the 307 was returned.
+#[tokio::test]
+async fn a_post_follows_a_307_and_a_308_with_its_body() {
+    for redirect in [307, 308] {
+        for proto in BOTH {
+            let server = serve(move |path, _| match path {
+                "/orders" => Act::Status(redirect, vec![("location", "/v2/orders")]),
+                _ => status(201),
+            })
+            .await;
+            let http = client(RetryMiddleware::new(keyed()), proto);
+            let res = bounded(
+                "the POST",
+                http.post(server.url("/orders"))
+                    .body("{\"quantity\":1}")
+                    .send(),
+            )
+            .await
+            .unwrap();
+            assert_eq!(res.status(), 201, "{redirect} {proto:?}");
+            assert_eq!(res.url().path(), "/v2/orders");
+            let seen = server.seen();
+            assert_eq!(seen.len(), 2, "{redirect} {proto:?}");
+            assert_eq!(
+                seen[1].body, "{\"quantity\":1}",
+                "the body follows the redirect"
+            );
+        }
+    }
+}

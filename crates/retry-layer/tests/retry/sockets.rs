@@ -312,3 +312,53 @@ async fn too_many_requests_with_retry_after_1() {
         "the retry came {gap:?} after the 429: far more than the second it asked for"
     );
 }
+
+/// Issue 31 item 8: a body over `max_replay_bytes` that was never sent can still be retried:
+/// nothing of it was read, so a new attempt reads it from its first byte. A 100 KiB POST that
+/// meets a refused connection gets its transparent retries with the default 64 KiB limit, as it
+/// did with `max_replay_bytes(0)` (before: sent once, with the default).
+#[tokio::test]
+async fn an_unsent_body_over_the_replay_limit_is_still_retried() {
+    let addr = TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    for policy in [
+        RetryPolicy::default(),
+        RetryPolicy::builder().max_replay_bytes(0).build().unwrap(),
+    ] {
+        let layer = RetryLayer::new(policy);
+        // A whole body with a known size, and one that streams without a size hint.
+        let bodies: [http_body_util::combinators::BoxBody<Bytes, retry_layer::BoxError>; 2] = [
+            Full::new(Bytes::from(vec![b'x'; 100 * 1024]))
+                .map_err(|e| match e {})
+                .boxed(),
+            http_body_util::StreamBody::new(futures_util::stream::iter(
+                (0..100).map(|_| Ok(http_body::Frame::data(Bytes::from(vec![b'x'; 1024])))),
+            ))
+            .boxed(),
+        ];
+        for body in bodies {
+            let before = layer.stats().attempts;
+            let req = Request::post(format!("http://{addr}/orders"))
+                .body(body)
+                .unwrap();
+            let svc = ServiceBuilder::new()
+                .layer(layer.clone())
+                .service(Client::builder(TokioExecutor::new()).build_http());
+            let err = bounded("the call", svc.oneshot(req)).await.unwrap_err();
+            let err = RetryError::of(&*err).expect("a RetryError");
+            assert!(
+                err.downcast_ref::<hyper_util::client::legacy::Error>()
+                    .is_some_and(|e| e.is_connect()),
+                "{err}"
+            );
+            assert_eq!(
+                layer.stats().attempts - before,
+                5,
+                "3 attempts plus 2 transparent retries: nothing was ever sent"
+            );
+        }
+    }
+}

@@ -19,6 +19,8 @@ pub(crate) enum Reply {
     Io(std::io::ErrorKind),
     /// Answer after this long.
     Slow(Duration, u16),
+    /// Never answer.
+    Never,
 }
 
 pub(crate) fn status(code: u16) -> Reply {
@@ -114,6 +116,7 @@ async fn respond(reply: Reply) -> Result<Response<Full<Bytes>>, BoxError> {
             Ok(r.body(Full::new(Bytes::from_static(b"body"))).unwrap())
         }
         Reply::Io(kind) => Err(Box::new(std::io::Error::from(kind))),
+        Reply::Never => std::future::pending().await,
         Reply::Slow(d, code) => {
             tokio::time::sleep(d).await;
             Ok(Response::builder()
@@ -168,6 +171,14 @@ pub(crate) fn keyed(mut req: Request<Full<Bytes>>) -> Request<Full<Bytes>> {
     req.headers_mut()
         .insert("x-idempotency-key", "order-7f3a9c21".parse().unwrap());
     req
+}
+
+/// Bounds a wait of a paused-time test by `limit` of (paused) time: fails instead of hanging.
+pub(crate) async fn within<F: Future>(limit: Duration, what: &str, f: F) -> F::Output {
+    match tokio::time::timeout(limit, f).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what} was still waiting after {limit:?} of (paused) time"),
+    }
 }
 
 /// Bounds a wait of a paused-time test. With the clock paused, a call that hangs with no timer

@@ -7,6 +7,8 @@ use http::Request;
 use reason_code::{ClientRule, Code, RetryTable};
 use retry_layer::{Conflict, RetryError, RetryPolicy};
 
+use tokio::time::Duration;
+
 use crate::support::*;
 
 macro_rules! rows {
@@ -157,6 +159,60 @@ async fn conflict_is_rebuilt_through_the_hook() {
     let seen = script.seen();
     assert_eq!(seen.len(), 2);
     assert_eq!(seen[1].body, "{\"book_id\":\"b1\",\"v\":2}");
+}
+
+/// The same request, rebuilt with its own body.
+async fn same_again(c: Conflict) -> Option<Request<Bytes>> {
+    Some(c.request)
+}
+
+/// Issue 31 item 5: a conflict answered with a pushback is rebuilt, then sent after that
+/// pushback (before, the rebuilt request was sent as soon as the hook answered).
+#[tokio::test(start_paused = true)]
+async fn a_rebuild_waits_for_the_servers_pushback() {
+    let policy = RetryPolicy::builder()
+        .rebuild_on_conflict(same_again)
+        .build()
+        .unwrap();
+    let replies = vec![
+        Reply::Status(
+            409,
+            vec![("x-reason-code", "STOCK_CONFLICT"), ("retry-after", "2")],
+        ),
+        status(201),
+    ];
+    let (res, script, _) = call_scripted(policy, keyed(post("/books/b1/deduct")), replies).await;
+    assert_eq!(res.unwrap().status(), 201);
+    let seen = script.seen();
+    assert_eq!(seen.len(), 2);
+    let gap = seen[1].at - seen[0].at;
+    assert!(gap >= Duration::from_secs(2), "sent {gap:?} after the 409");
+    assert!(
+        gap < Duration::from_millis(2_100),
+        "sent {gap:?} after the 409"
+    );
+}
+
+/// Issue 31 item 5: the deadline is checked again once the hook has answered: a hook that took
+/// most of what was left gets the conflict back instead of an attempt with no time to run.
+#[tokio::test(start_paused = true)]
+async fn a_rebuild_that_leaves_no_time_for_an_attempt_is_not_sent() {
+    let policy = RetryPolicy::builder()
+        .rebuild_on_conflict(|c: Conflict| async move {
+            tokio::time::sleep(Duration::from_millis(980)).await;
+            Some(c.request)
+        })
+        .build()
+        .unwrap();
+    let mut req = keyed(post("/books/b1/deduct"));
+    req.extensions_mut()
+        .insert(retry_layer::Deadline::after(Duration::from_secs(1)));
+    let replies = vec![status(409), status(201)];
+    let (res, script, layer) = call_scripted(policy, req, replies).await;
+    assert_eq!(res.unwrap().status(), 409, "the conflict is the answer");
+    assert_eq!(script.attempts(), 1);
+    assert_eq!(layer.stats().deadline_stops, 1);
+    assert_eq!(layer.stats().retries, 0);
 }
 
 #[tokio::test(start_paused = true)]

@@ -164,3 +164,56 @@ async fn backoff_restarts_from_the_base_after_a_pushback() {
     // 100, 200, the 1 s pushback, then the base again (before: 800, as if never reset).
     assert_eq!(gaps, [100, 200, 1000, 100], "{gaps:?}");
 }
+
+/// `google.rpc.Status { code: 8, message: "slow down", details: [RetryInfo { retry_delay:
+/// 2 s }] }`, serialized.
+fn status_with_retry_info_2s() -> Vec<u8> {
+    let tu = b"type.googleapis.com/google.rpc.RetryInfo";
+    let mut any = vec![0x0a, tu.len() as u8];
+    any.extend_from_slice(tu);
+    any.extend_from_slice(&[0x12, 4, 0x0a, 2, 0x08, 2]);
+    let mut status = vec![0x08, 8, 0x12, 9];
+    status.extend_from_slice(b"slow down");
+    status.extend_from_slice(&[0x1a, any.len() as u8]);
+    status.extend_from_slice(&any);
+    status
+}
+
+/// Issue 31 item 14: a RESOURCE_EXHAUSTED whose `grpc-status-details-bin` carries a
+/// `google.rpc.RetryInfo` is retried after that delay (as tonic writes the header), not after
+/// the computed backoff.
+#[tokio::test(start_paused = true)]
+async fn retry_info_in_the_status_details_is_the_pushback() {
+    let status = tonic::Status::with_details(
+        tonic::Code::ResourceExhausted,
+        "slow down",
+        bytes::Bytes::from(status_with_retry_info_2s()),
+    );
+    let head = status.into_http::<()>();
+    let details: &'static str = head.headers()["grpc-status-details-bin"]
+        .to_str()
+        .unwrap()
+        .to_owned()
+        .leak();
+    let replies = vec![
+        Reply::Status(
+            200,
+            vec![
+                ("content-type", "application/grpc"),
+                ("grpc-status", "8"),
+                ("grpc-status-details-bin", details),
+            ],
+        ),
+        grpc("0"),
+    ];
+    let req = keyed(grpc_req("/lib.Library/CreateOrder"));
+    let (res, script, _) = call_scripted(RetryPolicy::default(), req, replies).await;
+    assert_eq!(res.unwrap().headers()["grpc-status"], "0");
+    let seen = script.seen();
+    assert_eq!(seen.len(), 2);
+    let gap = seen[1].at - seen[0].at;
+    assert!(
+        gap >= Duration::from_secs(2) && gap <= Duration::from_millis(2_001),
+        "retried {gap:?} after the RESOURCE_EXHAUSTED, not after the 2 s it asked for"
+    );
+}

@@ -20,13 +20,20 @@
 use std::fmt;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 
 use bytes::{Buf, Bytes};
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 
 use crate::BoxError;
+
+mod memory;
+mod wake;
+
+use memory::Charge;
+pub(crate) use memory::ReplayMemory;
+use wake::{read_with_slot, WakeSlot};
 
 /// A request body that every attempt of a retried request reads from the start.
 ///
@@ -40,8 +47,10 @@ pub struct ReplayBody<B> {
 enum Inner<B> {
     /// The original body had ended before it was wrapped.
     Empty,
-    /// Bytes a rebuild hook supplied.
+    /// Bytes a rebuild hook supplied, or the whole body read at wrap time.
     Fixed(Option<Bytes>),
+    /// A retry of a body that was not kept (never sent: the layer checks first).
+    NotReplayable,
     /// One attempt's view of the shared original.
     Shared {
         shared: Arc<Mutex<Kept<B>>>,
@@ -80,12 +89,68 @@ struct Kept<B> {
     trailers: Option<HeaderMap>,
     /// The newest attempt's generation; readers of older ones are cut off.
     generation: u64,
+    /// How far the newest attempt's reader got in `chunks` (`usize::MAX` once it is dropped).
+    live_next: usize,
+    /// `chunks` before this index were freed (after the handle went).
+    freed: usize,
+    /// The layer's handle is gone (the call has its answer): no attempt will replay the body
+    /// any more, so nothing more is kept and what the newest reader has read is freed.
+    released: bool,
+    /// The share of the layer's `max_replay_bytes_total` that `chunks` hold; `None` once
+    /// nothing is kept (over a limit, or nothing to keep).
+    charge: Option<Charge>,
+    /// The waker the wrapping read polled with, if the original kept it: told each reader's
+    /// waker, so that the original's wake-ups reach the reader that polls it now.
+    early: Option<Arc<WakeSlot>>,
+    /// The waker of the reader that last found the original not ready: woken when that reader
+    /// is cut off, so that its transport learns at once that its attempt is abandoned.
+    parked: Option<Waker>,
 }
 
 impl<B> Kept<B> {
     fn finish(&mut self) {
         self.body = None;
         self.ended = true;
+    }
+
+    /// Keeps a chunk just read, if it fits both limits; past either, nothing is kept any
+    /// longer and the body is not replayable.
+    fn keep(&mut self, chunk: &Bytes) {
+        if self.capped || self.released {
+            return;
+        }
+        let fits = self.kept_bytes + chunk.len() <= self.max
+            && self.charge.as_mut().is_some_and(|c| c.take(chunk.len()));
+        if fits {
+            self.kept_bytes += chunk.len();
+            self.chunks.push(chunk.clone());
+        } else {
+            self.cap();
+        }
+    }
+
+    /// Nothing is kept from now on; what is kept goes (its share of the layer's memory too).
+    fn cap(&mut self) {
+        self.capped = true;
+        self.chunks = Vec::new();
+        self.charge = None;
+    }
+
+    /// After the handle is gone: frees the chunks the newest reader has read.
+    fn free_read(&mut self) {
+        if !self.released {
+            return;
+        }
+        let upto = self.live_next.min(self.chunks.len());
+        let mut freed = 0;
+        for chunk in self.chunks.get_mut(self.freed..upto).into_iter().flatten() {
+            freed += chunk.len();
+            *chunk = Bytes::new();
+        }
+        self.freed = self.freed.max(upto);
+        if let Some(charge) = self.charge.as_mut() {
+            charge.give_back(freed);
+        }
     }
 
     /// True when every data byte of the original has been read and kept.
@@ -101,8 +166,10 @@ pub struct BodyNotReplayable;
 impl fmt::Display for BodyNotReplayable {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(
-            "request body exceeded max_replay_bytes and cannot be replayed; \
-             raise RetryPolicyBuilder::max_replay_bytes to retry such requests",
+            "the request body was not kept for replay: it exceeded max_replay_bytes, or the \
+             layer's max_replay_bytes_total was in use by other calls; raise \
+             RetryPolicyBuilder::max_replay_bytes (or max_replay_bytes_total) to retry such \
+             requests",
         )
     }
 }
@@ -124,11 +191,29 @@ impl fmt::Display for Superseded {
 
 impl std::error::Error for Superseded {}
 
+impl<B> Drop for ReplayBody<B> {
+    /// The newest attempt's reader is done: once the handle is gone too, nothing it kept is
+    /// needed.
+    fn drop(&mut self) {
+        if let Inner::Shared {
+            shared, generation, ..
+        } = &self.inner
+        {
+            let mut s = lock(shared);
+            if *generation == s.generation {
+                s.live_next = usize::MAX;
+                s.free_read();
+            }
+        }
+    }
+}
+
 impl<B> fmt::Debug for ReplayBody<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let kind = match &self.inner {
             Inner::Empty => "empty",
             Inner::Fixed(_) => "fixed",
+            Inner::NotReplayable => "not replayable",
             Inner::Shared { .. } => "shared",
         };
         f.debug_struct("ReplayBody").field("kind", &kind).finish()
@@ -145,10 +230,30 @@ enum Handle<B> {
     /// No bytes: every attempt's body is empty.
     Empty,
     /// The whole body, read when it was wrapped: every attempt gets these bytes (no lock, no
-    /// shared state, nothing to cut off).
-    Whole(Bytes),
+    /// shared state, nothing to cut off), and their share of the layer's memory.
+    Whole {
+        bytes: Bytes,
+        /// Held for its drop: the share is given back when the call ends.
+        _charge: Charge,
+    },
     /// The original, read by the attempts as it streams.
     Shared(Arc<Mutex<Kept<B>>>),
+    /// The whole body was read when it was wrapped, but the layer's `max_replay_bytes_total`
+    /// could not hold a copy: sent once.
+    Spent,
+}
+
+impl<B> Drop for BodyHandle<B> {
+    /// The call has its answer: no attempt will replay the body. A transport may go on
+    /// reading it (a client stream, h2 after an early answer); from now on nothing more is
+    /// kept, and what its reader has read is freed.
+    fn drop(&mut self) {
+        if let Handle::Shared(shared) = &self.kind {
+            let mut s = lock(shared);
+            s.released = true;
+            s.free_read();
+        }
+    }
 }
 
 /// `chunks` (`len` bytes in all) in one `Bytes`.
@@ -171,79 +276,94 @@ where
     /// Wraps `body`, keeping up to `max` bytes for replay (0: nothing is kept, and the body is
     /// replayable only until its first byte is read, that is while the request is unsent).
     /// `content_length` is the request's Content-Length header, if any. Returns the first
-    /// attempt's body and the handle the layer keeps.
+    /// attempt's body and the handle the layer keeps, or the body's error when it failed
+    /// before any byte of it was read: then nothing must be sent.
     ///
-    /// A body that may fit within `max` is polled right here with a no-op waker, while it has
-    /// frames ready and up to `max` bytes ([`EARLY_POLLS`] polls at most): a body that has all
-    /// its bytes at hand (`Full<Bytes>`, a buffered body, a tonic unary request's encoded
-    /// message) hands them over and ends, and is then replayed from those bytes by every
-    /// attempt with no shared state. What these polls read of any other body is planted into
-    /// what is kept, and the rest streams as it arrives.
+    /// A body that may fit within `max` is polled right here, while it has frames ready and up
+    /// to `max` bytes ([`EARLY_POLLS`] polls at most): a body that has all its bytes at hand
+    /// (`Full<Bytes>`, a buffered body, a tonic unary request's encoded message) hands them
+    /// over and ends, and is then replayed from those bytes by every attempt with no shared
+    /// state. What these polls read of any other body is planted into what is kept, and the
+    /// rest streams as it arrives. The polls' waker leads to the waker of whichever reader
+    /// polls the body later (see [`wake`]).
     pub(crate) fn new(
         body: B,
         max: usize,
         content_length: Option<u64>,
-    ) -> (ReplayBody<B>, BodyHandle<B>) {
+        memory: &Arc<ReplayMemory>,
+    ) -> Result<(ReplayBody<B>, BodyHandle<B>), BoxError> {
         if body.is_end_stream() {
-            return Self::empty();
+            return Ok(Self::empty());
         }
         let hint = body.size_hint();
         let mut body = Box::pin(body);
         // Made on the first frame that is not a whole body at once: most bodies never need one.
         let mut seed: Option<Seed> = None;
+        let mut early = None;
         // Nothing kept: the body must stay unread until it is sent (see above).
         if max > 0 && hint.lower() <= max as u64 {
-            // A no-op waker: a body that is not ready consumed nothing, and the transport's
-            // first poll registers its own waker.
-            let mut cx = Context::from_waker(std::task::Waker::noop());
-            let mut read = 0;
-            for _ in 0..EARLY_POLLS {
-                if read > max {
-                    break;
-                }
-                match body.as_mut().poll_frame(&mut cx) {
-                    Poll::Pending => break,
-                    Poll::Ready(None) => {
-                        seed.get_or_insert_default().ended = true;
+            // The waker of a slot that each reader later points at its own (see `wake`).
+            let (whole, slot) = read_with_slot(|cx| {
+                let mut read = 0;
+                for _ in 0..EARLY_POLLS {
+                    if read > max {
                         break;
                     }
-                    Poll::Ready(Some(Err(e))) => {
-                        seed.get_or_insert_default().error = Some(e.into());
-                        break;
-                    }
-                    Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                        Ok(mut data) => {
-                            let chunk = data.copy_to_bytes(data.remaining());
-                            let last = body.is_end_stream();
-                            // The common case, a whole body in one frame, at once.
-                            if last
-                                && seed.is_none()
-                                && chunk.len() <= max
-                                && hint.exact().is_none_or(|n| n == chunk.len() as u64)
-                            {
-                                return Self::whole(chunk);
-                            }
-                            read += chunk.len();
-                            let seed = seed.get_or_insert_default();
-                            seed.push(chunk);
-                            if last {
-                                seed.ended = true;
-                                break;
-                            }
-                        }
-                        Err(frame) => {
-                            // Trailers end a body; an unknown frame kind is skipped, as the
-                            // readers skip it.
-                            let seed = seed.get_or_insert_default();
-                            seed.trailers = frame.into_trailers().ok();
-                            seed.ended = seed.trailers.is_some();
+                    match body.as_mut().poll_frame(cx) {
+                        Poll::Pending => break,
+                        Poll::Ready(None) => {
+                            seed.get_or_insert_default().ended = true;
                             break;
                         }
-                    },
+                        Poll::Ready(Some(Err(e))) => {
+                            seed.get_or_insert_default().error = Some(e.into());
+                            break;
+                        }
+                        Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                            Ok(mut data) => {
+                                let chunk = data.copy_to_bytes(data.remaining());
+                                let last = body.is_end_stream();
+                                // The common case, a whole body in one frame, at once.
+                                if last
+                                    && seed.is_none()
+                                    && chunk.len() <= max
+                                    && hint.exact().is_none_or(|n| n == chunk.len() as u64)
+                                {
+                                    return Some(Self::whole(chunk, memory));
+                                }
+                                read += chunk.len();
+                                let seed = seed.get_or_insert_default();
+                                seed.push(chunk);
+                                if last {
+                                    seed.ended = true;
+                                    break;
+                                }
+                            }
+                            Err(frame) => {
+                                // Trailers end a body; an unknown frame kind is skipped, as the
+                                // readers skip it.
+                                let seed = seed.get_or_insert_default();
+                                seed.trailers = frame.into_trailers().ok();
+                                seed.ended = seed.trailers.is_some();
+                                break;
+                            }
+                        },
+                    }
                 }
+                None
+            });
+            if let Some(whole) = whole {
+                return Ok(whole);
             }
+            early = slot;
             if let Some(whole) = seed.as_mut().and_then(|s| s.whole(hint.exact(), max)) {
-                return whole.map_or_else(Self::empty, Self::whole);
+                return Ok(whole.map_or_else(Self::empty, |b| Self::whole(b, memory)));
+            }
+            // Failed before a byte was read: nothing must be sent.
+            if let Some(s) = seed.as_mut().filter(|s| s.first.is_none()) {
+                if let Some(e) = s.error.take() {
+                    return Err(e);
+                }
             }
         }
         // A body known to exceed the limit is never kept (unless nothing is kept at all: then
@@ -263,6 +383,14 @@ where
             ended: false,
             trailers: None,
             generation: 0,
+            live_next: 0,
+            freed: 0,
+            released: false,
+            charge: (max > 0 && !capped)
+                .then(|| Charge::of(memory, 0))
+                .flatten(),
+            early,
+            parked: None,
         };
         if let Some(seed) = seed {
             seed.plant(&mut kept);
@@ -276,12 +404,12 @@ where
                 trailers_sent: false,
             },
         };
-        (
+        Ok((
             first,
             BodyHandle {
                 kind: Handle::Shared(shared),
             },
-        )
+        ))
     }
 
     fn empty() -> (ReplayBody<B>, BodyHandle<B>) {
@@ -295,17 +423,37 @@ where
         )
     }
 
-    /// A body read whole at wrap time: every attempt sends `bytes`.
+    /// A body read whole at wrap time: every attempt sends `bytes`, if the layer's memory
+    /// holds a copy; else it is sent once.
     #[inline]
-    fn whole(bytes: Bytes) -> (ReplayBody<B>, BodyHandle<B>) {
+    fn whole(bytes: Bytes, memory: &Arc<ReplayMemory>) -> (ReplayBody<B>, BodyHandle<B>) {
+        let kind = match Charge::of(memory, bytes.len()) {
+            Some(charge) => Handle::Whole {
+                bytes: bytes.clone(),
+                _charge: charge,
+            },
+            None => Handle::Spent,
+        };
         (
             ReplayBody {
-                inner: Inner::Fixed(Some(bytes.clone())),
+                inner: Inner::Fixed(Some(bytes)),
             },
-            BodyHandle {
-                kind: Handle::Whole(bytes),
-            },
+            BodyHandle { kind },
         )
+    }
+
+    /// The whole body, when it is at hand (empty, or read whole when it was wrapped); else the
+    /// body itself, which streams.
+    #[cfg(feature = "reqwest")]
+    pub(crate) fn into_whole(mut self) -> Result<Bytes, Self> {
+        match std::mem::replace(&mut self.inner, Inner::Empty) {
+            Inner::Empty => Ok(Bytes::new()),
+            Inner::Fixed(Some(bytes)) => Ok(bytes),
+            inner => {
+                self.inner = inner;
+                Err(self)
+            }
+        }
     }
 
     /// A body of fixed bytes (from a rebuild hook).
@@ -362,14 +510,19 @@ impl Seed {
     fn plant<B: Body>(self, s: &mut Kept<B>) {
         for chunk in self.first.into_iter().chain(self.more) {
             // The first attempt reads these from what is kept, so they are kept even past
-            // `max`; past it, the body is not replayable, and the first attempt's reader drops
-            // them once it has read them.
+            // `max` or the layer's memory; past either, the body is not replayable (and holds
+            // no share of the memory), and the first attempt's reader drops them once it has
+            // read them.
             s.read += 1;
             s.read_bytes += chunk.len() as u64;
             s.kept_bytes += chunk.len();
+            let charged = !s.capped
+                && s.kept_bytes <= s.max
+                && s.charge.as_mut().is_some_and(|c| c.take(chunk.len()));
             s.chunks.push(chunk);
-            if s.kept_bytes > s.max {
+            if !charged {
                 s.capped = true;
+                s.charge = None;
             }
         }
         if let Some(trailers) = self.trailers {
@@ -386,13 +539,24 @@ impl Seed {
 }
 
 impl<B> BodyHandle<B> {
-    /// True when another attempt can carry the whole body.
+    /// The handle of a call that sends no body at all.
+    pub(crate) fn empty() -> Self {
+        BodyHandle {
+            kind: Handle::Empty,
+        }
+    }
+
+    /// True when another attempt can carry the whole body: every byte read from the original
+    /// so far is still kept. A body over the limit qualifies while nothing of it was read (or
+    /// what the wrapping read is still there): a request that was never sent can be retried
+    /// whatever its size.
     pub(crate) fn is_replayable(&self) -> bool {
         match &self.kind {
-            Handle::Empty | Handle::Whole(_) => true,
+            Handle::Empty | Handle::Whole { .. } => true,
+            Handle::Spent => false,
             Handle::Shared(shared) => {
                 let s = lock(shared);
-                !s.capped && !s.failed
+                !s.failed && (!s.capped || s.chunks.len() == s.read)
             }
         }
     }
@@ -401,7 +565,16 @@ impl<B> BodyHandle<B> {
     /// of reading (or keeping) anything of the original body.
     pub(crate) fn cut_off(&self) {
         if let Handle::Shared(shared) = &self.kind {
-            lock(shared).generation += 1;
+            let parked = {
+                let mut s = lock(shared);
+                s.generation += 1;
+                s.parked.take()
+            };
+            // The reader that waits for the original is now cut off: its transport must poll
+            // it again to learn so (and abandon its attempt).
+            if let Some(w) = parked {
+                w.wake();
+            }
         }
     }
 
@@ -412,15 +585,22 @@ impl<B> BodyHandle<B> {
             Handle::Empty => ReplayBody {
                 inner: Inner::Empty,
             },
-            Handle::Whole(bytes) => ReplayBody {
+            Handle::Whole { bytes, .. } => ReplayBody {
                 inner: Inner::Fixed(Some(bytes.clone())),
             },
+            Handle::Spent => ReplayBody {
+                inner: Inner::NotReplayable,
+            },
             Handle::Shared(shared) => {
-                let generation = {
+                let (generation, parked) = {
                     let mut s = lock(shared);
                     s.generation += 1;
-                    s.generation
+                    s.live_next = 0;
+                    (s.generation, s.parked.take())
                 };
+                if let Some(w) = parked {
+                    w.wake();
+                }
                 ReplayBody {
                     inner: Inner::Shared {
                         shared: shared.clone(),
@@ -437,7 +617,8 @@ impl<B> BodyHandle<B> {
     pub(crate) fn complete_bytes(&self) -> Option<Bytes> {
         let shared = match &self.kind {
             Handle::Empty => return Some(Bytes::new()),
-            Handle::Whole(bytes) => return Some(bytes.clone()),
+            Handle::Whole { bytes, .. } => return Some(bytes.clone()),
+            Handle::Spent => return None,
             Handle::Shared(shared) => shared,
         };
         let s = lock(shared);
@@ -468,6 +649,7 @@ where
         let (shared, generation, next, trailers_sent) = match &mut this.inner {
             Inner::Empty => return Poll::Ready(None),
             Inner::Fixed(bytes) => return Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+            Inner::NotReplayable => return Poll::Ready(Some(Err(BodyNotReplayable.into()))),
             Inner::Shared {
                 shared,
                 generation,
@@ -488,8 +670,11 @@ where
                 return Poll::Ready(Some(Err(BodyNotReplayable.into())));
             };
             *next += 1;
+            s.live_next = *next;
             if s.capped && *next == s.chunks.len() {
                 s.chunks = Vec::new();
+            } else {
+                s.free_read();
             }
             return Poll::Ready(Some(Ok(Frame::data(chunk))));
         }
@@ -508,7 +693,17 @@ where
             return Poll::Ready(None);
         };
         match body.as_mut().poll_frame(cx) {
-            Poll::Pending => Poll::Pending,
+            Poll::Pending => {
+                // The original's wake-ups must reach this reader, and a newer attempt must be
+                // able to wake it to cut it off.
+                if let Some(slot) = &s.early {
+                    slot.forward_to(cx.waker());
+                }
+                if !s.parked.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                    s.parked = Some(cx.waker().clone());
+                }
+                Poll::Pending
+            }
             Poll::Ready(None) => {
                 s.finish();
                 *trailers_sent = true;
@@ -528,13 +723,8 @@ where
                     s.read += 1;
                     s.read_bytes += chunk.len() as u64;
                     *next += 1;
-                    if !s.capped && s.kept_bytes + chunk.len() <= s.max {
-                        s.kept_bytes += chunk.len();
-                        s.chunks.push(chunk.clone());
-                    } else if !s.capped {
-                        s.capped = true;
-                        s.chunks = Vec::new();
-                    }
+                    s.keep(&chunk);
+                    s.live_next = *next;
                     if last {
                         s.finish();
                         *trailers_sent = true;
@@ -564,6 +754,7 @@ where
         match &self.inner {
             Inner::Empty => true,
             Inner::Fixed(b) => b.is_none(),
+            Inner::NotReplayable => false,
             Inner::Shared {
                 shared,
                 generation,
@@ -591,6 +782,7 @@ where
         match &self.inner {
             Inner::Empty => SizeHint::with_exact(0),
             Inner::Fixed(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
+            Inner::NotReplayable => SizeHint::new(),
             Inner::Shared {
                 shared,
                 next,
@@ -633,6 +825,23 @@ mod tests {
     use super::*;
     use http_body_util::{BodyExt, StreamBody};
 
+    /// A layer's memory with room for every test.
+    fn memory() -> Arc<ReplayMemory> {
+        Arc::new(ReplayMemory::new(1 << 20))
+    }
+
+    /// Wraps a body that does not fail at wrap time.
+    fn wrap<B>(body: B, max: usize, content_length: Option<u64>) -> (ReplayBody<B>, BodyHandle<B>)
+    where
+        B: Body,
+        B::Error: Into<BoxError>,
+    {
+        match ReplayBody::new(body, max, content_length, &memory()) {
+            Ok(wrapped) => wrapped,
+            Err(e) => panic!("the body failed at wrap time: {e}"),
+        }
+    }
+
     fn chunks(
         parts: &'static [&'static str],
     ) -> StreamBody<impl futures_util::Stream<Item = Result<Frame<Bytes>, BoxError>>> {
@@ -653,8 +862,7 @@ mod tests {
 
     #[tokio::test]
     async fn replays_a_streaming_body_byte_for_byte() {
-        let (first, handle) =
-            ReplayBody::new(chunks(&["hello ", "streaming ", "world"]), 1024, None);
+        let (first, handle) = wrap(chunks(&["hello ", "streaming ", "world"]), 1024, None);
         assert_eq!(collect(first).await.unwrap(), "hello streaming world");
         assert!(handle.is_replayable());
         assert_eq!(
@@ -670,8 +878,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_retry_continues_where_the_first_attempt_stopped() {
-        let (mut first, handle) =
-            ReplayBody::new(Known::paused(&[Ok("a"), Ok("b"), Ok("c")]), 1024, None);
+        let (mut first, handle) = wrap(Known::paused(&[Ok("a"), Ok("b"), Ok("c")]), 1024, None);
         let frame = first.frame().await.unwrap().unwrap();
         assert_eq!(frame.into_data().unwrap(), "a");
         drop(first);
@@ -681,7 +888,7 @@ mod tests {
 
     #[tokio::test]
     async fn over_the_limit_is_streamed_whole_and_not_replayable() {
-        let (first, handle) = ReplayBody::new(chunks(&["12345", "67890", "x"]), 8, None);
+        let (first, handle) = wrap(chunks(&["12345", "67890", "x"]), 8, None);
         assert_eq!(collect(first).await.unwrap(), "1234567890x");
         assert!(!handle.is_replayable());
         let err = collect(handle.replay()).await.unwrap_err();
@@ -690,17 +897,17 @@ mod tests {
 
     #[tokio::test]
     async fn empty_and_known_large_bodies() {
-        let (first, handle) = ReplayBody::new(http_body_util::Empty::<Bytes>::new(), 8, None);
+        let (first, handle) = wrap(http_body_util::Empty::<Bytes>::new(), 8, None);
         assert!(first.is_end_stream());
         assert!(handle.is_replayable());
-        let (first, handle) =
-            ReplayBody::new(http_body_util::Full::new(Bytes::from(vec![0; 9])), 8, None);
+        let (first, handle) = wrap(http_body_util::Full::new(Bytes::from(vec![0; 9])), 8, None);
         assert_eq!(first.size_hint().exact(), Some(9));
         assert!(
-            !handle.is_replayable(),
-            "known too large before the first byte"
+            handle.is_replayable(),
+            "known too large, but unread: an unsent attempt can be retried"
         );
         assert_eq!(collect(first).await.unwrap().len(), 9);
+        assert!(!handle.is_replayable(), "read and not kept");
     }
 
     /// A body of known size whose frames arrive one poll at a time: the first poll is
@@ -763,12 +970,12 @@ mod tests {
 
     #[tokio::test]
     async fn a_whole_body_at_hand_is_taken_once_and_shared_by_nothing() {
-        let (first, handle) = ReplayBody::new(
+        let (first, handle) = wrap(
             http_body_util::Full::new(Bytes::from_static(b"order")),
             8,
             None,
         );
-        assert!(matches!(handle.kind, Handle::Whole(_)));
+        assert!(matches!(handle.kind, Handle::Whole { .. }));
         assert!(matches!(first.inner, Inner::Fixed(Some(_))));
         assert_eq!(first.size_hint().exact(), Some(5));
         assert!(handle.is_replayable());
@@ -789,8 +996,8 @@ mod tests {
             &["or", "der"][..],
             &["o", "r", "d", "e", "r"][..],
         ] {
-            let (mut first, handle) = ReplayBody::new(chunks(parts), 8, None);
-            assert!(matches!(handle.kind, Handle::Whole(_)), "{parts:?}");
+            let (mut first, handle) = wrap(chunks(parts), 8, None);
+            assert!(matches!(handle.kind, Handle::Whole { .. }), "{parts:?}");
             assert_eq!(first.size_hint().exact(), Some(5));
             let frame = first.frame().await.unwrap().unwrap();
             assert_eq!(frame.into_data().unwrap(), "order");
@@ -800,8 +1007,7 @@ mod tests {
             assert_eq!(collect(handle.replay()).await.unwrap(), "order");
         }
         // The first frame is read at wrap time, the others stream.
-        let (first, handle) =
-            ReplayBody::new(Known::paused(&[Ok("o"), Ok("r"), Ok("der")]), 8, None);
+        let (first, handle) = wrap(Known::paused(&[Ok("o"), Ok("r"), Ok("der")]), 8, None);
         assert!(matches!(handle.kind, Handle::Shared(_)));
         assert_eq!(collect(first).await.unwrap(), "order");
         assert_eq!(handle.complete_bytes().unwrap(), "order");
@@ -809,15 +1015,17 @@ mod tests {
     }
 
     /// What the wrapping read past the limit still goes to the first attempt, whole, and the
-    /// body is not replayable.
+    /// body is not replayable once that attempt has read it (before, an attempt that never
+    /// sent it may still hand it to the next one).
     #[tokio::test]
     async fn a_body_read_past_the_limit_at_wrap_time_is_sent_once_whole() {
-        let (first, handle) = ReplayBody::new(chunks(&["123456789"]), 8, None);
+        let (first, handle) = wrap(chunks(&["123456789"]), 8, None);
         assert!(matches!(handle.kind, Handle::Shared(_)));
-        assert!(!handle.is_replayable());
+        assert!(handle.is_replayable(), "what the wrapping read is all kept");
         assert_eq!(first.size_hint().lower(), 9);
         assert!(!first.is_end_stream());
         assert_eq!(collect(first).await.unwrap(), "123456789");
+        assert!(!handle.is_replayable());
         assert!(handle.complete_bytes().is_none());
         let err = collect(handle.replay()).await.unwrap_err();
         assert!(err.is::<BodyNotReplayable>());
@@ -826,14 +1034,30 @@ mod tests {
             _ => unreachable!(),
         }
         // Two frames read at wrap time, the second past the limit, the third streams.
-        let (first, handle) = ReplayBody::new(chunks(&["12345", "67890", "x"]), 8, None);
-        assert!(!handle.is_replayable());
+        let (first, handle) = wrap(chunks(&["12345", "67890", "x"]), 8, None);
+        assert!(handle.is_replayable());
         assert_eq!(collect(first).await.unwrap(), "1234567890x");
+        assert!(!handle.is_replayable());
+    }
+
+    /// Issue 31 item 8: an attempt that never read a body over the limit hands it whole to the
+    /// next one, what the wrapping read included.
+    #[tokio::test]
+    async fn an_unread_body_over_the_limit_goes_whole_to_the_next_attempt() {
+        let (first, handle) = wrap(chunks(&["12345", "67890", "x"]), 8, None);
+        drop(first);
+        assert!(handle.is_replayable());
+        assert_eq!(collect(handle.replay()).await.unwrap(), "1234567890x");
+        assert!(!handle.is_replayable());
+        let (first, handle) = wrap(Known::new(&[Ok("12345"), Ok("6789")], true), 8, None);
+        drop(first);
+        assert!(handle.is_replayable(), "known too large and unread");
+        assert_eq!(collect(handle.replay()).await.unwrap(), "123456789");
     }
 
     #[tokio::test]
     async fn a_known_size_body_not_at_hand_streams_as_before() {
-        let (first, handle) = ReplayBody::new(Known::new(&[Ok("ab"), Ok("cd")], true), 8, None);
+        let (first, handle) = wrap(Known::new(&[Ok("ab"), Ok("cd")], true), 8, None);
         assert!(matches!(handle.kind, Handle::Shared(_)));
         assert_eq!(collect(first).await.unwrap(), "abcd");
         assert_eq!(collect(handle.replay()).await.unwrap(), "abcd");
@@ -841,7 +1065,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_first_frame_read_at_wrap_time_is_the_first_attempts_first_frame() {
-        let (first, handle) = ReplayBody::new(Known::paused(&[Ok("ab"), Ok("cd")]), 8, None);
+        let (first, handle) = wrap(Known::paused(&[Ok("ab"), Ok("cd")]), 8, None);
         assert!(matches!(handle.kind, Handle::Shared(_)));
         assert_eq!(first.size_hint().exact(), Some(4));
         assert!(handle.complete_bytes().is_none(), "half of it read");
@@ -851,8 +1075,13 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_body_that_fails_at_wrap_time_gives_the_first_attempt_its_error() {
-        let (first, handle) = ReplayBody::new(Known::new(&[Err("disk gone")], false), 8, None);
+    async fn a_body_that_fails_at_wrap_time_is_not_sent() {
+        let err = ReplayBody::new(Known::new(&[Err("disk gone")], false), 8, None, &memory())
+            .err()
+            .expect("failed before its first byte: nothing to send");
+        assert_eq!(err.to_string(), "disk gone");
+        // After a first chunk, the error goes to the first attempt, which has started sending.
+        let (first, handle) = wrap(Known::new(&[Ok("ab"), Err("disk gone")], false), 8, None);
         assert!(!handle.is_replayable());
         let err = collect(first).await.unwrap_err();
         assert_eq!(err.to_string(), "disk gone");
@@ -860,9 +1089,35 @@ mod tests {
         assert!(err.is::<BodyNotReplayable>());
     }
 
+    /// Issue 31 item 16: a reader waiting for the original is woken when a newer attempt cuts
+    /// it off, so that its transport abandons the attempt now rather than at the original's
+    /// next frame (which may never come).
+    #[tokio::test]
+    async fn a_reader_cut_off_while_waiting_is_woken() {
+        for cut in ["cut_off", "replay"] {
+            let (_tx, body) = channel_body();
+            let (mut stale, handle) = wrap(body, 64, None);
+            let (stale_flag, stale_waker) = flag();
+            assert!(poll(&mut stale, &stale_waker).is_pending());
+            assert!(!woken(&stale_flag));
+            let _live = match cut {
+                "cut_off" => {
+                    handle.cut_off();
+                    None
+                }
+                _ => Some(handle.replay()),
+            };
+            assert!(woken(&stale_flag), "{cut}");
+            assert!(matches!(
+                poll(&mut stale, &stale_waker),
+                Poll::Ready(Some(Err(_)))
+            ));
+        }
+    }
+
     #[tokio::test]
     async fn keeping_nothing_is_replayable_only_until_the_first_byte_is_read() {
-        let (first, handle) = ReplayBody::new(
+        let (first, handle) = wrap(
             http_body_util::Full::new(Bytes::from_static(b"order")),
             0,
             None,
@@ -884,7 +1139,7 @@ mod tests {
 
     #[tokio::test]
     async fn exact_size_hint_on_replay() {
-        let (first, handle) = ReplayBody::new(
+        let (first, handle) = wrap(
             http_body_util::Full::new(Bytes::from_static(b"abcd")),
             8,
             None,
@@ -942,7 +1197,7 @@ mod tests {
     #[tokio::test]
     async fn complete_as_soon_as_the_last_data_frame_is_produced() {
         // hyper stops after a frame once is_end_stream() is true: None is never polled.
-        let (mut first, handle) = ReplayBody::new(
+        let (mut first, handle) = wrap(
             http_body_util::Full::new(Bytes::from_static(b"{}")),
             64,
             None,
@@ -958,8 +1213,7 @@ mod tests {
     #[tokio::test]
     async fn complete_once_the_declared_length_is_read() {
         // A streaming body sent with Content-Length: hyper stops after that many bytes.
-        let (mut first, handle) =
-            ReplayBody::new(Known::paused(&[Ok("ab"), Ok("cd")]), 64, Some(4));
+        let (mut first, handle) = wrap(Known::paused(&[Ok("ab"), Ok("cd")]), 64, Some(4));
         first.frame().await.unwrap().unwrap();
         assert!(handle.complete_bytes().is_none(), "2 of 4 bytes");
         first.frame().await.unwrap().unwrap();
@@ -973,7 +1227,7 @@ mod tests {
             Ok(Frame::data(Bytes::from_static(b"chunk-2"))),
             Ok(Frame::trailers(trailers())),
         ];
-        let (mut first, handle) = ReplayBody::new(
+        let (mut first, handle) = wrap(
             StreamBody::new(futures_util::stream::iter(frames)),
             64,
             None,
@@ -1004,7 +1258,7 @@ mod tests {
     #[tokio::test]
     async fn a_stale_reader_cannot_steal_the_live_readers_wake_up() {
         let (tx, body) = channel_body();
-        let (mut stale, handle) = ReplayBody::new(body, 64, None);
+        let (mut stale, handle) = wrap(body, 64, None);
         let (_, w0) = flag();
         tx.send(Ok(Frame::data(Bytes::from_static(b"a")))).unwrap();
         assert!(matches!(poll(&mut stale, &w0), Poll::Ready(Some(Ok(_)))));
@@ -1038,7 +1292,7 @@ mod tests {
     #[tokio::test]
     async fn a_stale_reader_crossing_the_limit_does_not_spoil_the_replay() {
         let (tx, body) = channel_body();
-        let (mut stale, handle) = ReplayBody::new(body, 4, None);
+        let (mut stale, handle) = wrap(body, 4, None);
         let (_, w) = flag();
         tx.send(Ok(Frame::data(Bytes::from_static(b"ab")))).unwrap();
         assert!(matches!(poll(&mut stale, &w), Poll::Ready(Some(Ok(_)))));

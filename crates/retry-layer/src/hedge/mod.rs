@@ -9,12 +9,18 @@
 //! one connection is slow: the p99 becomes about `hedging_delay` plus a fast answer.
 //!
 //! As in gRFC A6:
-//! - only idempotent requests are hedged (GET, HEAD, OPTIONS, TRACE, PUT, DELETE, declared gRPC
-//!   methods, keyed requests); the others are sent once;
+//! - only reads are hedged by default (GET, HEAD, OPTIONS, TRACE, gRPC methods declared
+//!   idempotent); idempotent and keyed writes (PUT, DELETE, a request with an idempotency key)
+//!   only with [`hedge_writes`](HedgePolicyBuilder::hedge_writes); a write without a key never;
 //! - every hedge after the first draws on the retry budget, and is not sent when it refuses
 //!   ([`RetryLayer::hedge_layer`](crate::RetryLayer::hedge_layer) shares a retry layer's);
-//! - server pushback stops further hedges (a negative `grpc-retry-pushback-ms`, `DO_NOT_RETRY`)
-//!   or delays the next one (a positive pushback, `Retry-After`);
+//! - server pushback stops further hedges (a negative `grpc-retry-pushback-ms`, `DO_NOT_RETRY`,
+//!   a pushback longer than `max_pushback` or than the deadline leaves) or delays the next one
+//!   (a positive pushback, `Retry-After`, `google.rpc.RetryInfo`);
+//! - every wait has a bound: the call ends at its deadline (a [`Deadline`](crate::Deadline)
+//!   extension or `grpc-timeout`, the earlier) with the last failure or
+//!   [`DeadlineExceeded`](crate::DeadlineExceeded), and each attempt waits at most
+//!   `response_head_timeout` (60 s) for its head;
 //! - each hedge carries `grpc-previous-rpc-attempts` / `x-previous-attempts`, and its
 //!   `grpc-timeout` is what is left of the call's deadline;
 //! - the policy loads from a service config's `hedgingPolicy`
@@ -38,8 +44,10 @@
 //!
 //! # When not to
 //!
-//! - Writes: never hedged (a hedged write runs twice unless it is keyed and the server has
-//!   `IdempotencyLayer`; even then both attempts take the server's time).
+//! - Writes: not hedged unless asked ([`hedge_writes`](HedgePolicyBuilder::hedge_writes)), and
+//!   a write without a key never: a hedged write runs twice unless it is idempotent or keyed
+//!   and the server has `IdempotencyLayer`, and even then the duplicate waits for the first or
+//!   replays it, taking the server's time for nothing unless the first attempt was lost.
 //! - A backend whose slowness is load: hedging adds load (up to `max_attempts` times for the
 //!   slow share) exactly when the backend is slow. Keep `hedging_delay` near the p95 so that
 //!   only the slowest few percent are hedged, and keep the retry budget on.
@@ -48,8 +56,6 @@
 //!   hedged. Request trailers are not sent with hedges.
 //! - Do not put `HedgeLayer` and `RetryLayer` on the same requests: hedging already resends.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -58,18 +64,25 @@ use std::time::Duration;
 use http::request::Parts;
 use http::{Request, Response};
 use http_body::Body;
-use reason_code::{Code, IdempotentGrpcMethods, KeyHeaders, Outcome, ReasonCodes};
-use tokio::time::{Instant, Sleep};
+use reason_code::{Code, IdempotentGrpcMethods, KeyHeaders, ReasonCodes};
+use tokio::time::Instant;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::body::{BodyHandle, ReplayBody};
+use crate::body::{ReplayBody, ReplayMemory};
 use crate::budget::{Budget, BudgetChoice};
-use crate::classify::{self, PushbackHint};
 use crate::deadline::{deadline_of, rewrite_grpc_timeout};
-use crate::policy::{GrpcMethods, InvalidPolicy, MAX_DURATION};
-use crate::request::{clone_parts, is_idempotent_method, write_previous_attempts};
+use crate::policy::{
+    GrpcMethods, InvalidPolicy, DEFAULT_MAX_REPLAY_BYTES_TOTAL, DEFAULT_RESPONSE_HEAD_TIMEOUT,
+    MAX_DURATION,
+};
+use crate::request::{clone_parts, is_idempotent_method, is_safe_method, remove_attempt_headers};
 use crate::{BoxError, RetryLayer};
+
+mod future;
+
+pub use future::HedgeFuture;
+use future::Plan;
 
 /// Attempts, delay and non-fatal codes: what may differ per gRPC method.
 #[derive(Debug, Clone, PartialEq)]
@@ -102,6 +115,9 @@ pub const MAX_HEDGED_ATTEMPTS: u32 = 5;
 /// | `max_attempts` (first included, at most 5) | 2 |
 /// | `hedging_delay` | 50 ms |
 /// | `non_fatal_codes` | UNAVAILABLE (and transport errors) |
+/// | `max_pushback` (a longer one stops hedging) | 30 s |
+/// | `response_head_timeout` (each attempt) | 60 s |
+/// | writes (PUT, DELETE, keyed) | not hedged ([`hedge_writes`](HedgePolicyBuilder::hedge_writes)) |
 /// | `max_replay_bytes` | 64 KiB |
 /// | budget | 10 % of requests over 10 s, plus 10 hedges/s |
 #[derive(Debug, Clone)]
@@ -109,6 +125,9 @@ pub struct HedgePolicy {
     rules: HedgeRules,
     methods: Option<Arc<GrpcMethods<HedgeRules>>>,
     max_replay_bytes: usize,
+    max_pushback: Duration,
+    response_head_timeout: Duration,
+    hedge_writes: bool,
     reason_codes: ReasonCodes,
     idempotent_grpc: IdempotentGrpcMethods,
     key_headers: KeyHeaders,
@@ -121,6 +140,9 @@ impl Default for HedgePolicy {
             rules: HedgeRules::default(),
             methods: None,
             max_replay_bytes: 64 * 1024,
+            max_pushback: Duration::from_secs(30),
+            response_head_timeout: DEFAULT_RESPONSE_HEAD_TIMEOUT,
+            hedge_writes: false,
             reason_codes: ReasonCodes::default(),
             idempotent_grpc: IdempotentGrpcMethods::default(),
             key_headers: KeyHeaders::default(),
@@ -169,15 +191,17 @@ impl HedgePolicy {
         }
     }
 
-    fn is_idempotent(&self, parts: &Parts, grpc: bool) -> bool {
-        if self.key_headers.is_keyed(&parts.headers) {
-            return true;
-        }
-        if grpc {
+    /// A read (a safe method, a gRPC method declared idempotent); with `hedge_writes`, also an
+    /// idempotent or keyed write.
+    fn may_hedge(&self, parts: &Parts, grpc: bool) -> bool {
+        let read = if grpc {
             self.idempotent_grpc.contains(parts.uri.path())
         } else {
-            is_idempotent_method(&parts.method)
-        }
+            is_safe_method(&parts.method)
+        };
+        read || (self.hedge_writes
+            && (self.key_headers.is_keyed(&parts.headers)
+                || (!grpc && is_idempotent_method(&parts.method))))
     }
 }
 
@@ -250,6 +274,40 @@ impl HedgePolicyBuilder {
     /// The reason codes responses are classified with.
     pub fn reason_codes(mut self, reasons: ReasonCodes) -> Self {
         self.policy.reason_codes = reasons;
+        self
+    }
+
+    /// Also hedges idempotent writes (PUT, DELETE) and writes that carry an idempotency key. A
+    /// write without a key is never hedged. Only for a server that runs `IdempotencyLayer` (or
+    /// whose writes are idempotent by design): the hedge is a concurrent duplicate, which the
+    /// server waits out or replays, at the cost of its time.
+    pub fn hedge_writes(mut self) -> Self {
+        self.policy.hedge_writes = true;
+        self
+    }
+
+    /// The longest server pushback (`Retry-After`, `grpc-retry-pushback-ms`,
+    /// `google.rpc.RetryInfo`) a next hedge waits for (at most a day; default 30 s); a longer
+    /// one stops hedging.
+    pub fn max_pushback(mut self, d: Duration) -> Self {
+        if d > MAX_DURATION {
+            return self.fail(format!("max_pushback must be at most one day, got {d:?}"));
+        }
+        self.policy.max_pushback = d;
+        self
+    }
+
+    /// How long each attempt waits for its response head (greater than zero, at most a day;
+    /// default 60 s), as [`RetryPolicyBuilder::response_head_timeout`](crate::RetryPolicyBuilder::response_head_timeout):
+    /// an attempt past it counts as a transport failure, and the call ends once no attempt is
+    /// left.
+    pub fn response_head_timeout(mut self, d: Duration) -> Self {
+        if d.is_zero() || d > MAX_DURATION {
+            return self.fail(format!(
+                "response_head_timeout must be greater than zero and at most one day, got {d:?}"
+            ));
+        }
+        self.policy.response_head_timeout = d;
         self
     }
 
@@ -438,6 +496,8 @@ struct Shared {
     policy: HedgePolicy,
     budget: Arc<dyn Budget>,
     stats: Counters,
+    /// Request-body bytes kept for hedges (a retry layer's, shared by `hedge_layer`).
+    replay_memory: Arc<ReplayMemory>,
 }
 
 /// Hedges idempotent requests: see the [module docs](self).
@@ -455,6 +515,7 @@ impl HedgeLayer {
                 policy,
                 budget,
                 stats: Counters::default(),
+                replay_memory: Arc::new(ReplayMemory::new(DEFAULT_MAX_REPLAY_BYTES_TOTAL)),
             }),
         }
     }
@@ -481,6 +542,7 @@ impl RetryLayer {
                 policy,
                 budget: self.shared().budget.clone(),
                 stats: Counters::default(),
+                replay_memory: self.shared().replay_memory.clone(),
             }),
         }
     }
@@ -521,232 +583,52 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
+        // The service that was driven to readiness is the one that must be called (tower-service
+        // docs, "Be careful when cloning inner services").
         let clone = self.inner.clone();
-        let mut service = std::mem::replace(&mut self.inner, clone);
+        let service = std::mem::replace(&mut self.inner, clone);
         let shared = self.shared.clone();
         let policy = &shared.policy;
         let (mut parts, body) = req.into_parts();
+        // The hedge owns the attempt headers: a forwarded one is not this call's count.
+        remove_attempt_headers(&mut parts);
         let grpc = reason_code::is_grpc(&parts.headers);
         let rules = policy.rules_for(&parts, grpc);
-        let hedged = rules.max_attempts > 1 && policy.is_idempotent(&parts, grpc);
+        let hedged = rules.max_attempts > 1 && policy.may_hedge(&parts, grpc);
         let max = if hedged { policy.max_replay_bytes } else { 0 };
         let deadline = deadline_of(&parts, grpc, None);
         if grpc {
             rewrite_grpc_timeout(&mut parts, deadline, None);
         }
-        let (first_body, body) = ReplayBody::new(body, max, None);
         incr(&shared.stats.requests);
-        shared.budget.deposit();
-        let kept = hedged.then(|| clone_parts(&parts));
-        let first = service.call(Request::from_parts(parts, first_body));
-        let (max_attempts, delay, non_fatal) = (rules.max_attempts, rules.delay, rules.non_fatal);
-        HedgeFuture {
-            service,
-            shared,
-            parts: kept,
-            body,
+        let plan = Plan {
+            max_attempts: if hedged { rules.max_attempts } else { 1 },
+            delay: rules.delay,
+            non_fatal: rules.non_fatal,
             grpc,
             deadline,
-            attempts: vec![(0, Box::pin(first))],
-            sent: 1,
-            max_attempts: if hedged { max_attempts } else { 1 },
-            delay,
-            non_fatal,
-            timer: hedged.then(|| Box::pin(tokio::time::sleep(delay))),
-            last: None,
-        }
-    }
-}
-
-/// The response future of [`Hedge`].
-pub struct HedgeFuture<S, B>
-where
-    S: Service<Request<ReplayBody<B>>>,
-{
-    service: S,
-    shared: Arc<Shared>,
-    /// The head hedges are sent with; `None` when the request is not hedged.
-    parts: Option<Parts>,
-    body: BodyHandle<B>,
-    grpc: bool,
-    deadline: Option<Instant>,
-    /// Attempts in flight, with their number (0 for the first).
-    attempts: Vec<(u32, Pin<Box<S::Future>>)>,
-    sent: u32,
-    max_attempts: u32,
-    delay: Duration,
-    non_fatal: [bool; 17],
-    /// When the next hedge is due; `None` when no more will be sent.
-    timer: Option<Pin<Box<Sleep>>>,
-    /// The last non-fatal result, the answer if nothing better comes.
-    last: Option<Result<S::Response, BoxError>>,
-}
-
-impl<S, B> std::fmt::Debug for HedgeFuture<S, B>
-where
-    S: Service<Request<ReplayBody<B>>>,
-{
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HedgeFuture")
-            .field("sent", &self.sent)
-            .field("in_flight", &self.attempts.len())
-            .finish_non_exhaustive()
-    }
-}
-
-// Every field is either `Unpin` or pinned in a box.
-impl<S, B> Unpin for HedgeFuture<S, B> where S: Service<Request<ReplayBody<B>>> {}
-
-impl<S, B, R> HedgeFuture<S, B>
-where
-    S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
-    S::Error: Into<BoxError>,
-    B: Body,
-    B::Error: Into<BoxError>,
-{
-    /// Reads one finished attempt: `Some` is the answer; `None` means it failed non-fatally
-    /// (kept as the fallback answer) and the next hedge is due now or after the pushback.
-    fn settle(
-        &mut self,
-        n: u32,
-        result: Result<Response<R>, BoxError>,
-    ) -> Option<Result<Response<R>, BoxError>> {
-        let shared = &self.shared;
-        let outcome = match &result {
-            Ok(res) => classify::response(res, self.grpc, &shared.policy.reason_codes),
-            Err(e) => classify::error(e),
         };
-        let non_fatal = match outcome {
-            Outcome::Status(code) => self.non_fatal[code.as_i32() as usize],
-            // A transport error of an idempotent request: try another attempt.
-            _ => self.parts.is_some(),
+        let wrapped = if deadline.is_some_and(|d| Instant::now() >= d) {
+            Err(crate::DeadlineExceeded::new().into())
+        } else {
+            ReplayBody::new(body, max, None, &shared.replay_memory)
         };
-        if !non_fatal {
-            if outcome == Outcome::Status(Code::Ok) {
-                shared.budget.record(false);
+        match wrapped {
+            Ok((first_body, body)) => {
+                shared.budget.deposit();
+                let kept = hedged.then(|| clone_parts(&parts));
+                HedgeFuture::start(
+                    service,
+                    shared,
+                    plan,
+                    Request::from_parts(parts, first_body),
+                    kept,
+                    body,
+                )
             }
-            if n > 0 {
-                incr(&shared.stats.won_by_hedge);
-            }
-            return Some(result);
-        }
-        shared.budget.record(true);
-        let pushback = match &result {
-            Ok(res) => classify::pushback(res.headers(), &shared.policy.reason_codes),
-            Err(_) => PushbackHint::None,
-        };
-        match pushback {
-            PushbackHint::Stop => self.timer = None,
-            PushbackHint::After(d) => {
-                if let Some(t) = &mut self.timer {
-                    t.as_mut().reset(Instant::now() + d.min(MAX_DURATION));
-                }
-            }
-            PushbackHint::None | PushbackHint::Deferred => {
-                if let Some(t) = &mut self.timer {
-                    t.as_mut().reset(Instant::now());
-                }
-            }
-        }
-        self.last = Some(result);
-        None
-    }
-
-    /// Sends the next hedge if the body, the budget and the service allow it. `Pending` when
-    /// the service is not ready yet.
-    fn send_hedge(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        let Some(bytes) = self.body.complete_bytes() else {
-            tracing::debug!("not hedging: the request body is not complete yet");
-            self.timer = None;
-            return Poll::Ready(());
-        };
-        match self.service.poll_ready(cx) {
-            Poll::Pending => return Poll::Pending,
-            Poll::Ready(Err(e)) => {
-                let e: BoxError = e.into();
-                tracing::debug!(error = %e, "not hedging: the service failed readiness");
-                self.timer = None;
-                return Poll::Ready(());
-            }
-            Poll::Ready(Ok(())) => {}
-        }
-        if !self.shared.budget.withdraw() {
-            incr(&self.shared.stats.budget_refusals);
-            tracing::debug!("not hedging: the retry budget refused");
-            self.timer = None;
-            return Poll::Ready(());
-        }
-        let mut parts = clone_parts(self.parts.as_ref().expect("hedged requests keep the head"));
-        write_previous_attempts(&mut parts, self.grpc, self.sent);
-        if self.grpc {
-            rewrite_grpc_timeout(&mut parts, self.deadline, None);
-        }
-        let n = self.sent;
-        let future = self
-            .service
-            .call(Request::from_parts(parts, ReplayBody::fixed(bytes)));
-        self.attempts.push((n, Box::pin(future)));
-        self.sent += 1;
-        incr(&self.shared.stats.hedges);
-        match &mut self.timer {
-            Some(t) if self.sent < self.max_attempts => {
-                t.as_mut().reset(Instant::now() + self.delay)
-            }
-            _ => self.timer = None,
-        }
-        Poll::Ready(())
-    }
-}
-
-impl<S, B, R> Future for HedgeFuture<S, B>
-where
-    S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
-    S::Error: Into<BoxError>,
-    B: Body,
-    B::Error: Into<BoxError>,
-{
-    type Output = Result<Response<R>, BoxError>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.get_mut();
-        loop {
-            let mut i = 0;
-            while i < this.attempts.len() {
-                let (n, future) = &mut this.attempts[i];
-                let n = *n;
-                match future.as_mut().poll(cx) {
-                    Poll::Pending => i += 1,
-                    Poll::Ready(result) => {
-                        drop(this.attempts.swap_remove(i));
-                        if let Some(answer) = this.settle(n, result.map_err(Into::into)) {
-                            // The others are cancelled as they drop with the future.
-                            this.attempts.clear();
-                            return Poll::Ready(answer);
-                        }
-                    }
-                }
-            }
-            if this.sent >= this.max_attempts {
-                this.timer = None;
-            }
-            let due = match &mut this.timer {
-                Some(t) => t.as_mut().poll(cx).is_ready(),
-                None => false,
-            };
-            if due {
-                if this.send_hedge(cx).is_pending() {
-                    return Poll::Pending;
-                }
-                continue;
-            }
-            if this.attempts.is_empty() && this.timer.is_none() {
-                return Poll::Ready(
-                    this.last
-                        .take()
-                        .expect("an attempt ended before the last one was settled"),
-                );
-            }
-            return Poll::Pending;
+            // Nothing is sent: the deadline had passed, or the body failed before its first
+            // byte. That is the answer.
+            Err(e) => HedgeFuture::not_sent(service, shared, plan, e),
         }
     }
 }

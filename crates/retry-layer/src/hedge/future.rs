@@ -1,0 +1,349 @@
+//! [`HedgeFuture`]: the attempts of one hedged call in flight, the next hedge, and the bounds
+//! that end the call (its deadline, each attempt's head timeout).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::request::Parts;
+use http::{Request, Response};
+use http_body::Body;
+use reason_code::{Code, Outcome};
+use tokio::time::{sleep_until, Instant, Sleep};
+use tower_service::Service;
+
+use super::{incr, Shared};
+use crate::body::{BodyHandle, ReplayBody};
+use crate::classify::{self, PushbackHint};
+use crate::deadline::{instant_after, rewrite_grpc_timeout};
+use crate::error::{DeadlineExceeded, ResponseHeadTimedOut};
+use crate::request::{clone_parts, write_previous_attempts};
+use crate::BoxError;
+
+/// What a call's hedging follows, from its policy and request.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Plan {
+    pub(super) max_attempts: u32,
+    pub(super) delay: Duration,
+    /// By code number.
+    pub(super) non_fatal: [bool; 17],
+    pub(super) grpc: bool,
+    pub(super) deadline: Option<Instant>,
+}
+
+/// One attempt in flight: its number (0 for the first), and when its head is due at the latest.
+struct InFlight<F> {
+    n: u32,
+    head_by: Instant,
+    future: Pin<Box<F>>,
+}
+
+/// The response future of [`Hedge`](super::Hedge).
+///
+/// Its attempts are boxed (there may be up to five at once, each the inner service's future);
+/// the call ends at the first answer that is not a non-fatal failure, at its deadline, or once
+/// no attempt is in flight and no hedge is due.
+pub struct HedgeFuture<S, B>
+where
+    S: Service<Request<ReplayBody<B>>>,
+{
+    service: S,
+    shared: Arc<Shared>,
+    plan: Plan,
+    /// The head hedges are sent with; `None` when the request is not hedged.
+    parts: Option<Parts>,
+    body: BodyHandle<B>,
+    attempts: Vec<InFlight<S::Future>>,
+    sent: u32,
+    /// When the next hedge is due; `None` when no more will be sent.
+    next_hedge: Option<Instant>,
+    /// The one timer: the next hedge, the deadline, or the earliest head due.
+    timer: Option<Pin<Box<Sleep>>>,
+    /// The last non-fatal result, the answer if nothing better comes.
+    last: Option<Result<S::Response, BoxError>>,
+}
+
+impl<S, B> std::fmt::Debug for HedgeFuture<S, B>
+where
+    S: Service<Request<ReplayBody<B>>>,
+{
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HedgeFuture")
+            .field("sent", &self.sent)
+            .field("in_flight", &self.attempts.len())
+            .finish_non_exhaustive()
+    }
+}
+
+// Every field is either `Unpin` or pinned in a box.
+impl<S, B> Unpin for HedgeFuture<S, B> where S: Service<Request<ReplayBody<B>>> {}
+
+impl<S, B, R> HedgeFuture<S, B>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
+    S::Error: Into<BoxError>,
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    /// Sends the first attempt on `service` (which must be ready). `parts` is kept for hedges
+    /// when the request is hedged.
+    pub(super) fn start(
+        mut service: S,
+        shared: Arc<Shared>,
+        plan: Plan,
+        first: Request<ReplayBody<B>>,
+        parts: Option<Parts>,
+        body: BodyHandle<B>,
+    ) -> Self {
+        let now = Instant::now();
+        let head_by = instant_after(now, shared.policy.response_head_timeout);
+        let future = Box::pin(service.call(first));
+        HedgeFuture {
+            service,
+            shared,
+            plan,
+            parts,
+            body,
+            attempts: vec![InFlight {
+                n: 0,
+                head_by,
+                future,
+            }],
+            sent: 1,
+            next_hedge: (plan.max_attempts > 1).then(|| instant_after(now, plan.delay)),
+            timer: None,
+            last: None,
+        }
+    }
+
+    /// A call that sends nothing: `error` is its answer.
+    pub(super) fn not_sent(service: S, shared: Arc<Shared>, plan: Plan, error: BoxError) -> Self {
+        HedgeFuture {
+            service,
+            shared,
+            plan,
+            parts: None,
+            body: BodyHandle::empty(),
+            attempts: Vec::new(),
+            sent: 0,
+            next_hedge: None,
+            timer: None,
+            last: Some(Err(error)),
+        }
+    }
+
+    /// Reads one finished attempt: `Some` is the answer; `None` means it failed non-fatally
+    /// (kept as the fallback answer), and the next hedge is due now, after the pushback, or
+    /// never (a pushback that says stop, is longer than `max_pushback`, or than the deadline
+    /// leaves).
+    fn settle(
+        &mut self,
+        n: u32,
+        result: Result<Response<R>, BoxError>,
+    ) -> Option<Result<Response<R>, BoxError>> {
+        let shared = &*self.shared;
+        let outcome = match &result {
+            Ok(res) => classify::response(res, self.plan.grpc, &shared.policy.reason_codes),
+            Err(e) => classify::error(e),
+        };
+        let non_fatal = match outcome {
+            Outcome::Status(code) => self.plan.non_fatal[code.as_i32() as usize],
+            // A transport error (or a head that did not come) of a hedged request: try another.
+            _ => self.parts.is_some(),
+        };
+        if !non_fatal {
+            if outcome == Outcome::Status(Code::Ok) {
+                shared.budget.record(false);
+            }
+            if n > 0 {
+                incr(&shared.stats.won_by_hedge);
+            }
+            return Some(result);
+        }
+        shared.budget.record(true);
+        let pushback = match &result {
+            Ok(res) => classify::pushback(res.headers(), &shared.policy.reason_codes),
+            Err(_) => PushbackHint::None,
+        };
+        let now = Instant::now();
+        let next = match pushback {
+            PushbackHint::Stop => None,
+            PushbackHint::After(d) if d > shared.policy.max_pushback => {
+                tracing::debug!(
+                    pushback_ms = d.as_millis() as u64,
+                    "not hedging: pushback longer than max_pushback"
+                );
+                None
+            }
+            // A quota answered "come back in 0": not at once, after the hedging delay.
+            PushbackHint::After(d)
+                if d.is_zero() && outcome == Outcome::Status(Code::ResourceExhausted) =>
+            {
+                Some(instant_after(now, self.plan.delay))
+            }
+            PushbackHint::After(d) => Some(instant_after(now, d)),
+            PushbackHint::None | PushbackHint::Deferred => Some(now),
+        };
+        self.next_hedge = match (next, self.plan.deadline) {
+            (Some(at), Some(deadline)) if at >= deadline => {
+                tracing::debug!("not hedging: the pushback does not fit the deadline");
+                None
+            }
+            (next, _) => next.filter(|_| self.sent < self.plan.max_attempts),
+        };
+        self.last = Some(result);
+        None
+    }
+
+    /// Sends the next hedge if the body, the budget and the service allow it. `Pending` while
+    /// the service is not ready.
+    fn send_hedge(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(bytes) = self.body.complete_bytes() else {
+            tracing::debug!("not hedging: the request body is not complete yet");
+            self.next_hedge = None;
+            return Poll::Ready(());
+        };
+        match self.service.poll_ready(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(Err(e)) => {
+                let e: BoxError = e.into();
+                tracing::debug!(error = %e, "not hedging: the service failed readiness");
+                self.next_hedge = None;
+                return Poll::Ready(());
+            }
+            Poll::Ready(Ok(())) => {}
+        }
+        if !self.shared.budget.withdraw() {
+            incr(&self.shared.stats.budget_refusals);
+            tracing::debug!("not hedging: the retry budget refused");
+            self.next_hedge = None;
+            return Poll::Ready(());
+        }
+        let mut parts = clone_parts(self.parts.as_ref().expect("hedged requests keep the head"));
+        write_previous_attempts(&mut parts, self.plan.grpc, self.sent);
+        if self.plan.grpc {
+            rewrite_grpc_timeout(&mut parts, self.plan.deadline, None);
+        }
+        let now = Instant::now();
+        let future = self
+            .service
+            .call(Request::from_parts(parts, ReplayBody::fixed(bytes)));
+        self.attempts.push(InFlight {
+            n: self.sent,
+            head_by: instant_after(now, self.shared.policy.response_head_timeout),
+            future: Box::pin(future),
+        });
+        self.sent += 1;
+        incr(&self.shared.stats.hedges);
+        self.next_hedge =
+            (self.sent < self.plan.max_attempts).then(|| instant_after(now, self.plan.delay));
+        Poll::Ready(())
+    }
+
+    /// Ends the attempts whose head is overdue, as transport failures. `Some` is the answer.
+    fn expire_heads(&mut self, now: Instant) -> Option<Result<Response<R>, BoxError>> {
+        let mut i = 0;
+        while i < self.attempts.len() {
+            if self.attempts[i].head_by > now {
+                i += 1;
+                continue;
+            }
+            // Dropping the future cancels the attempt (hyper and h2 abandon the request).
+            let n = self.attempts.swap_remove(i).n;
+            let e = ResponseHeadTimedOut::new(self.shared.policy.response_head_timeout);
+            if let Some(answer) = self.settle(n, Err(e.into())) {
+                return Some(answer);
+            }
+        }
+        None
+    }
+
+    /// Points the timer at `at` and polls it: true when it has fired.
+    fn timer_fired(&mut self, at: Instant, cx: &mut Context<'_>) -> bool {
+        let timer = match &mut self.timer {
+            Some(t) => {
+                if t.deadline() != at {
+                    t.as_mut().reset(at);
+                }
+                t
+            }
+            None => self.timer.insert(Box::pin(sleep_until(at))),
+        };
+        timer.as_mut().poll(cx).is_ready()
+    }
+
+    /// The earliest of the deadline and the heads due, and `also` if given.
+    fn next_wake(&self, also: Option<Instant>) -> Option<Instant> {
+        let heads = self.attempts.iter().map(|a| a.head_by).min();
+        [self.plan.deadline, heads, also]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+}
+
+impl<S, B, R> Future for HedgeFuture<S, B>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
+    S::Error: Into<BoxError>,
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    type Output = Result<Response<R>, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        loop {
+            let mut i = 0;
+            while i < this.attempts.len() {
+                match this.attempts[i].future.as_mut().poll(cx) {
+                    Poll::Pending => i += 1,
+                    Poll::Ready(result) => {
+                        let n = this.attempts.swap_remove(i).n;
+                        if let Some(answer) = this.settle(n, result.map_err(Into::into)) {
+                            // The others are cancelled as they drop with the future.
+                            this.attempts.clear();
+                            return Poll::Ready(answer);
+                        }
+                    }
+                }
+            }
+            let now = Instant::now();
+            if this.plan.deadline.is_some_and(|d| now >= d) {
+                this.attempts.clear();
+                let answer = this
+                    .last
+                    .take()
+                    .unwrap_or_else(|| Err(DeadlineExceeded::new().into()));
+                return Poll::Ready(answer);
+            }
+            if let Some(answer) = this.expire_heads(now) {
+                this.attempts.clear();
+                return Poll::Ready(answer);
+            }
+            if this.next_hedge.is_some_and(|at| at <= now) {
+                if this.send_hedge(cx).is_pending() {
+                    // Waiting for readiness, bounded by the deadline and the heads due.
+                    match this.next_wake(None) {
+                        Some(at) if this.timer_fired(at, cx) => continue,
+                        _ => return Poll::Pending,
+                    }
+                }
+                continue;
+            }
+            if this.attempts.is_empty() && this.next_hedge.is_none() {
+                return Poll::Ready(
+                    this.last
+                        .take()
+                        .expect("an attempt ended before the last one was settled"),
+                );
+            }
+            match this.next_wake(this.next_hedge) {
+                Some(at) if this.timer_fired(at, cx) => continue,
+                _ => return Poll::Pending,
+            }
+        }
+    }
+}
