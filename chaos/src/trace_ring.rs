@@ -10,7 +10,10 @@ use std::time::{Duration, Instant};
 /// The ring's size in events.
 const KEPT: usize = 400_000;
 
-static RING: OnceLock<Arc<Mutex<VecDeque<(Instant, String)>>>> = OnceLock::new();
+/// The events kept, each with when it happened.
+type Ring = Arc<Mutex<VecDeque<(Instant, String)>>>;
+
+static RING: OnceLock<Ring> = OnceLock::new();
 
 /// Installs the ring as the global subscriber when `CHAOS_TRACE` is set.
 pub(crate) fn install_from_env() {
