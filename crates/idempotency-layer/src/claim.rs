@@ -62,6 +62,7 @@ struct Held {
 impl Drop for Held {
     fn drop(&mut self) {
         self.shared.renewals.remove(self.token);
+        self.shared.counters.claim_ended();
     }
 }
 
@@ -203,6 +204,7 @@ impl Claim {
         shared
             .renewals
             .add(&*store, scope, token, config.lease, until);
+        shared.counters.claim_held();
         let held = Held {
             scope,
             token,

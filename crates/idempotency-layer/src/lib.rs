@@ -339,6 +339,9 @@
 //! | `idempotency_layer_shared_failures_total` | counter | | duplicates answered with their leader's unrecorded failure |
 //! | `idempotency_layer_lapsed_total` | counter | | claims held past `max_claim_lifetime` (no longer renewed) |
 //! | `idempotency_layer_detached_refused_total` | counter | | detached work not run: `max_detached` already running |
+//! | `idempotency_layer_in_flight` | gauge | | claims held now (leaders running or recording) |
+//! | `idempotency_layer_memory_store_nearly_full_total` | counter | | times a `MemoryStore` passed 80 % of its bounds |
+//! | `idempotency_layer_memory_store_evicted_total` | counter | | records a full `MemoryStore` evicted (older than `min_retention`) |
 //! | `idempotency_layer_rejections_total` | counter | `reason` | rejections, by [`RejectReason::as_str`] |
 //! | `idempotency_layer_store_errors_total` | counter | `op`, `store` | failed store operations |
 //! | `idempotency_layer_store_seconds` | histogram | `op`, `store` | store latency, in seconds |

@@ -185,6 +185,7 @@ mod keys {
         Key::from_static_name("idempotency_layer_detached_refused_total");
     pub(super) static MEMORY_NEARLY_FULL: Key =
         Key::from_static_name("idempotency_layer_memory_store_nearly_full_total");
+    pub(super) static IN_FLIGHT: Key = Key::from_static_name("idempotency_layer_in_flight");
     pub(super) static MEMORY_EVICTED: Key =
         Key::from_static_name("idempotency_layer_memory_store_evicted_total");
 
@@ -307,6 +308,18 @@ counter_fns! {
     memory_store_nearly_full => MEMORY_NEARLY_FULL;
     /// `idempotency_layer_memory_store_evicted_total`
     memory_store_evicted => MEMORY_EVICTED;
+}
+
+/// `idempotency_layer_in_flight` (a gauge): one more claim held (`+1`) or one fewer (`-1`).
+#[inline]
+pub(crate) fn in_flight(delta: f64) {
+    #[cfg(feature = "metrics")]
+    metrics::with_recorder(|r| {
+        r.register_gauge(&keys::IN_FLIGHT, &keys::META)
+            .increment(delta)
+    });
+    #[cfg(not(feature = "metrics"))]
+    let _ = delta;
 }
 
 /// `idempotency_layer_rejections_total{reason}`

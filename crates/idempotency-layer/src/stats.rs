@@ -18,6 +18,7 @@ pub(crate) struct Counters {
     shared_failures: AtomicU64,
     lapsed: AtomicU64,
     detached_refused: AtomicU64,
+    in_flight: AtomicU64,
     rejected: [AtomicU64; RejectReason::ALL.len()],
 }
 
@@ -66,6 +67,16 @@ impl Counters {
         inc(&self.detached_refused);
         observe::detached_refused();
     }
+    /// A claim is held from now on (a leader runs).
+    pub(crate) fn claim_held(&self) {
+        inc(&self.in_flight);
+        observe::in_flight(1.0);
+    }
+    /// A claim is held no more.
+    pub(crate) fn claim_ended(&self) {
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        observe::in_flight(-1.0);
+    }
     pub(crate) fn rejected(&self, reason: RejectReason) {
         inc(&self.rejected[reason.index()]);
         observe::rejected(reason);
@@ -86,6 +97,7 @@ impl Counters {
             lapsed: get(&self.lapsed),
             detached_refused: get(&self.detached_refused),
             detached,
+            in_flight: get(&self.in_flight),
             rejected: std::array::from_fn(|i| get(&self.rejected[i])),
         }
     }
@@ -131,6 +143,9 @@ pub struct IdempotencyStats {
     pub detached_refused: u64,
     /// Pieces of detached work running now (a gauge).
     pub detached: u64,
+    /// Claims this layer holds now (a gauge): writes whose handler runs or whose response is
+    /// being recorded, here (the seed's `inFlightCount`).
+    pub in_flight: u64,
     rejected: [u64; RejectReason::ALL.len()],
 }
 

@@ -880,3 +880,51 @@ async fn settings_at_their_extremes_never_panic() {
         Ok(Begin::Completed(_))
     ));
 }
+
+/// The in-flight gauge (the seed's `inFlightCount`): the claims the layer holds now, over the
+/// wire; duplicates waiting are not counted, and it returns to zero when the writes end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_in_flight_gauge_counts_the_claims_held() {
+    for transport in TRANSPORTS {
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let router = {
+            let gate = gate.clone();
+            Router::new().route(
+                "/orders",
+                post(move || {
+                    let gate = gate.clone();
+                    async move {
+                        gate.acquire().await.unwrap().forget();
+                        (StatusCode::CREATED, "created")
+                    }
+                }),
+            )
+        };
+        let layer = IdempotencyLayer::new(MemoryStore::new()).default_tenant("t");
+        let addr = serve(router.layer(layer.clone())).await;
+        let c = client::<Full<Bytes>>(transport);
+        let calls: Vec<_> = ["order-gauge-01", "order-gauge-02", "order-gauge-01"]
+            .into_iter()
+            .map(|key| tokio::spawn(send_owned(c.clone(), keyed(addr, "/orders", key))))
+            .collect();
+        within_20s("two leaders and a waiter", || {
+            let m = layer.stats();
+            m.executed == 2 && m.waited == 1
+        })
+        .await;
+        assert_eq!(
+            layer.stats().in_flight,
+            2,
+            "{transport:?}: the waiter holds no claim"
+        );
+        gate.add_permits(2);
+        for call in calls {
+            assert_eq!(call.await.unwrap().status, StatusCode::CREATED);
+        }
+        assert_eq!(layer.stats().in_flight, 0, "{transport:?}");
+    }
+}
+
+async fn send_owned(c: Client<HttpConnector, Full<Bytes>>, req: Request<Full<Bytes>>) -> Collected {
+    send(&c, req).await
+}

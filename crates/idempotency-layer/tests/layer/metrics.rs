@@ -67,6 +67,7 @@ fn an_execution_then_a_replay_are_counted() {
 
     let mut counters = HashMap::new();
     let mut histograms = HashMap::new();
+    let mut gauges = HashMap::new();
     for (key, _, _, value) in snapshotter.snapshot().into_vec() {
         let key = key.key();
         let labels: Vec<String> = key
@@ -81,7 +82,9 @@ fn an_execution_then_a_replay_are_counted() {
             DebugValue::Histogram(v) => {
                 histograms.insert(name, v.len());
             }
-            DebugValue::Gauge(_) => {}
+            DebugValue::Gauge(v) => {
+                gauges.insert(name, v.into_inner());
+            }
         }
     }
     let c = &counters;
@@ -106,6 +109,12 @@ fn an_execution_then_a_replay_are_counted() {
         "{c:?}"
     );
     assert_eq!(c.get("idempotency_layer_waits_total{}"), None, "{c:?}");
+    // One claim was held, and ended.
+    assert_eq!(
+        gauges.get("idempotency_layer_in_flight{}"),
+        Some(&0.0),
+        "{gauges:?}"
+    );
     let h = &histograms;
     // Two writes began a scope in the memory store; one completed it.
     assert_eq!(
