@@ -275,7 +275,7 @@
 //!   costs no round trip, an entry never outlives its record's TTL, and a `forget` on any
 //!   instance drops it on every instance.
 //!
-//! Every store runs the same [conformance suite](crate::conformance) (cargo feature
+//! Every store runs the same [conformance suite][conformance] (cargo feature
 //! `conformance`).
 //!
 //! # Transactional completion (PostgreSQL)
@@ -351,6 +351,22 @@
 //! `redis`, `postgres` (an [`AnyStore`](store::AnyStore) by the store it holds) or `custom`.
 //! Every key is a `static` (label values are `&'static str`): counting allocates nothing; a
 //! store operation reads the clock twice. Without the feature nothing is compiled in.
+// Links to items behind features: to the items themselves when they are built, else to docs.rs
+// (built with every feature), so the docs of every feature set link somewhere.
+#![doc = ""]
+#![cfg_attr(
+    feature = "postgres",
+    doc = "[`TxCompletion`]: crate::TxCompletion\n[`TxCompletionError::Fenced`]: crate::TxCompletionError::Fenced"
+)]
+#![cfg_attr(
+    not(feature = "postgres"),
+    doc = "[`TxCompletion`]: https://docs.rs/idempotency-layer/latest/idempotency_layer/struct.TxCompletion.html\n[`TxCompletionError::Fenced`]: https://docs.rs/idempotency-layer/latest/idempotency_layer/enum.TxCompletionError.html#variant.Fenced"
+)]
+#![cfg_attr(feature = "conformance", doc = "[conformance]: crate::conformance")]
+#![cfg_attr(
+    not(feature = "conformance"),
+    doc = "[conformance]: https://docs.rs/idempotency-layer/latest/idempotency_layer/conformance/index.html"
+)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(rust_2018_idioms, warnings))))]
 

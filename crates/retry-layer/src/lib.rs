@@ -282,6 +282,25 @@
 //! error is `UNAVAILABLE`); `reason` is `exhausted`, `deadline`, `pushback`, `not_replayable`
 //! or `inbound_retry` (see [`hop`]). Every key is a `static`: counting is a few atomic increments, with no
 //! allocation. Without the feature nothing is compiled in.
+// Links to items behind features: to the items themselves when they are built, else to docs.rs
+// (built with every feature), so the docs of every feature set link somewhere.
+#![doc = ""]
+#![cfg_attr(
+    feature = "tonic",
+    doc = "[`RetryLayer::tonic_channel`]: crate::RetryLayer::tonic_channel"
+)]
+#![cfg_attr(
+    not(feature = "tonic"),
+    doc = "[`RetryLayer::tonic_channel`]: https://docs.rs/retry-layer/latest/retry_layer/struct.RetryLayer.html#method.tonic_channel"
+)]
+#![cfg_attr(
+    feature = "reqwest",
+    doc = "[`reqwest::RetryMiddleware`]: crate::reqwest::RetryMiddleware"
+)]
+#![cfg_attr(
+    not(feature = "reqwest"),
+    doc = "[`reqwest::RetryMiddleware`]: https://docs.rs/retry-layer/latest/retry_layer/reqwest/struct.RetryMiddleware.html"
+)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(rust_2018_idioms, warnings))))]
 

@@ -50,7 +50,7 @@ impl AnyStore {
     /// - `redis+cluster://host1:port1,host2:port2` (feature `redis-cluster`; `rediss+cluster://`
     ///   for TLS): `RedisStore::builder_cluster` on those seed nodes;
     /// - `postgres://...` or `postgresql://...`: `PostgresStore::connect`, then
-    ///   [`migrate`](super::PostgresStore::migrate).
+    ///   `PostgresStore::migrate`.
     ///
     /// A scheme whose store this build does not have (its cargo feature is off) or an unknown
     /// scheme is an error that says which.
