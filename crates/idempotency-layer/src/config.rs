@@ -10,7 +10,9 @@ use std::time::Duration;
 use http::{HeaderMap, HeaderName, Method, Uri};
 use reason_code::{GrpcMethods, IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
 
-use crate::store::TenantKey;
+use crate::key::KeyRuleFn;
+use crate::reject::RejectionBodyFn;
+use crate::store::{Fingerprint, TenantKey};
 
 /// What a duplicate does when the first request with its key is still running.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -72,6 +74,10 @@ impl fmt::Debug for TenantSource {
 
 type WritePredicate = Arc<dyn Fn(&Method, &Uri, &HeaderMap) -> bool + Send + Sync>;
 
+/// A fingerprint of the layer's own: of a request's head and whole body.
+pub(crate) type FingerprintFn =
+    Arc<dyn Fn(&http::request::Parts, &bytes::Bytes) -> Fingerprint + Send + Sync>;
+
 /// gRPC services whose methods are never writes: health probes and server reflection.
 const INFRASTRUCTURE_GRPC_SERVICES: [&str; 3] = [
     "/grpc.health.v1.Health/",
@@ -118,6 +124,9 @@ pub(crate) struct Config {
     pub(crate) table: RetryTable,
     pub(crate) reasons: ReasonCodes,
     pub(crate) on_disconnect: OnDisconnect,
+    pub(crate) fingerprint: Option<FingerprintFn>,
+    pub(crate) key_rule: Option<KeyRuleFn>,
+    pub(crate) rejection_body: Option<RejectionBodyFn>,
 }
 
 impl Default for Config {
@@ -143,6 +152,9 @@ impl Default for Config {
             table: RetryTable::default(),
             reasons: ReasonCodes::default(),
             on_disconnect: OnDisconnect::Complete,
+            fingerprint: None,
+            key_rule: None,
+            rejection_body: None,
         }
     }
 }
@@ -197,6 +209,9 @@ impl fmt::Debug for Config {
             .field("streaming_grpc", &self.streaming_grpc)
             .field("tenant", &self.tenant)
             .field("on_disconnect", &self.on_disconnect)
+            .field("custom_fingerprint", &self.fingerprint.is_some())
+            .field("custom_key_rule", &self.key_rule.is_some())
+            .field("custom_rejection_body", &self.rejection_body.is_some())
             .finish_non_exhaustive()
     }
 }

@@ -18,6 +18,9 @@ pub enum KeyError {
     TooLong(usize),
     /// A character outside `A-Z a-z 0-9 _ -`.
     InvalidCharacter,
+    /// The key breaks the layer's own [`key_rule`](crate::IdempotencyLayer::key_rule): its
+    /// message.
+    Rule(String),
 }
 
 impl KeyError {
@@ -29,6 +32,7 @@ impl KeyError {
             KeyError::TooShort(_) => "too-short",
             KeyError::TooLong(_) => "too-long",
             KeyError::InvalidCharacter => "invalid-character",
+            KeyError::Rule(_) => "rule",
         }
     }
 }
@@ -53,6 +57,7 @@ impl fmt::Display for KeyError {
             KeyError::InvalidCharacter => f.write_str(
                 "idempotency key has an invalid character: use only A-Z, a-z, 0-9, '_' and '-'",
             ),
+            KeyError::Rule(message) => f.write_str(message),
         }
     }
 }
@@ -149,6 +154,7 @@ fn structured_string(s: &str) -> Result<&str, KeyError> {
 pub(crate) fn extract_key<'h>(
     headers: &'h HeaderMap,
     names: &[HeaderName],
+    rule: Option<&KeyRuleFn>,
 ) -> Result<Option<&'h str>, KeyError> {
     let mut found = None;
     for name in names {
@@ -159,10 +165,40 @@ pub(crate) fn extract_key<'h>(
             found = Some(value);
         }
     }
-    match found {
-        None => Ok(None),
-        Some(v) => validate_key(v.as_bytes()).map(Some),
+    match (found, rule) {
+        (None, _) => Ok(None),
+        (Some(v), None) => validate_key(v.as_bytes()).map(Some),
+        (Some(v), Some(rule)) => {
+            let key = unwrap_key(v.as_bytes())?;
+            rule(key).map_err(KeyError::Rule)?;
+            Ok(Some(key))
+        }
     }
+}
+
+/// A key rule of the layer's own ([`key_rule`](crate::IdempotencyLayer::key_rule)).
+pub(crate) type KeyRuleFn = std::sync::Arc<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
+
+/// The key a header value carries, bare or as a structured-field string, before any rule of
+/// length or characters: visible ASCII, with no escapes, not empty.
+fn unwrap_key(raw: &[u8]) -> Result<&str, KeyError> {
+    let s = std::str::from_utf8(raw).map_err(|_| KeyError::NotAscii)?;
+    if !s.is_ascii() {
+        return Err(KeyError::NotAscii);
+    }
+    let s = s.trim_matches(|c| c == ' ' || c == '\t');
+    let s = if s.starts_with('"') {
+        structured_string(s)?
+    } else {
+        s
+    };
+    if s.is_empty() {
+        return Err(KeyError::TooShort(0));
+    }
+    if s.bytes().any(|b| b == b' ' || b == b'\t' || b == b'"') {
+        return Err(KeyError::InvalidCharacter);
+    }
+    Ok(s)
 }
 
 #[cfg(test)]

@@ -326,6 +326,85 @@ impl<St> IdempotencyLayer<St> {
         self.config(|c| c.reasons = reasons)
     }
 
+    /// Fingerprints writes with a function of your own instead of the layer's (method, path,
+    /// query, content type and body bytes): a request with the same scope and another
+    /// fingerprint is refused with 422 / FAILED_PRECONDITION. Use it when equal requests can
+    /// differ in bytes, for example a client that re-serialises its JSON body on a retry: hash a
+    /// canonical form, with [`Fingerprint::of_request`](crate::store::Fingerprint::of_request).
+    /// The function sees the request's head and whole body (read up to
+    /// [`max_request_bytes`](Self::max_request_bytes)). Changing it changes the fingerprint of
+    /// every request: records made before are then refused as mismatches until they expire.
+    ///
+    /// ```
+    /// use idempotency_layer::store::Fingerprint;
+    /// use idempotency_layer::IdempotencyLayer;
+    ///
+    /// // JSON bodies fingerprinted in a canonical form: keys sorted, no insignificant spaces.
+    /// let layer = IdempotencyLayer::default().fingerprint_fn(|parts, body| {
+    ///     match serde_json::from_slice::<serde_json::Value>(body) {
+    ///         Ok(json) => Fingerprint::of_request(parts, json.to_string().as_bytes()),
+    ///         Err(_) => Fingerprint::of_request(parts, body),
+    ///     }
+    /// });
+    /// # let _ = layer;
+    /// ```
+    pub fn fingerprint_fn<F>(self, fingerprint: F) -> Self
+    where
+        F: Fn(&http::request::Parts, &bytes::Bytes) -> crate::store::Fingerprint
+            + Send
+            + Sync
+            + 'static,
+    {
+        self.config(|c| c.fingerprint = Some(Arc::new(fingerprint)))
+    }
+
+    /// Validates keys with a rule of your own instead of `[A-Za-z0-9_-]{8,64}` (Stripe allows
+    /// 255 characters; the IETF draft sets no format). The rule gets the key (bare, or the
+    /// string of a structured-field string, as for the default rule; always visible ASCII,
+    /// without spaces or quotes) and answers `Err(message)` to refuse it: 400 /
+    /// INVALID_ARGUMENT with that message. Keys are hashed into the scope, so their length
+    /// costs the store nothing.
+    ///
+    /// ```
+    /// use idempotency_layer::IdempotencyLayer;
+    ///
+    /// let layer = IdempotencyLayer::default().key_rule(|key| match key.len() {
+    ///     1..=255 => Ok(()),
+    ///     n => Err(format!("idempotency key is {n} characters long: use 1 to 255")),
+    /// });
+    /// # let _ = layer;
+    /// ```
+    pub fn key_rule<F>(self, rule: F) -> Self
+    where
+        F: Fn(&str) -> Result<(), String> + Send + Sync + 'static,
+    {
+        self.config(|c| c.key_rule = Some(Arc::new(rule)))
+    }
+
+    /// Shapes the body of the layer's own HTTP answers (rejections: a missing key, a mismatch,
+    /// a full store, ...) instead of the default `application/problem+json` document: the
+    /// function gets the [`Rejection`](crate::Rejection) and answers the content type and the
+    /// bytes. Their status, `Retry-After` and reason code are the layer's, so clients read them
+    /// as the one table says. gRPC answers are trailers-only and keep their `grpc-message`.
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use http::HeaderValue;
+    /// use idempotency_layer::IdempotencyLayer;
+    ///
+    /// let layer = IdempotencyLayer::default().rejection_body(|r| {
+    ///     let body = serde_json::json!({ "error": { "code": r.code.as_str(), "message": r.detail } });
+    ///     (HeaderValue::from_static("application/json"), Bytes::from(body.to_string()))
+    /// });
+    /// # let _ = layer;
+    /// ```
+    pub fn rejection_body<F>(self, body: F) -> Self
+    where
+        F: Fn(&crate::Rejection<'_>) -> (http::HeaderValue, bytes::Bytes) + Send + Sync + 'static,
+    {
+        self.config(|c| c.rejection_body = Some(Arc::new(body)))
+    }
+
     /// What happens to the handler when the first request's client goes away.
     pub fn on_disconnect(self, mode: OnDisconnect) -> Self {
         self.config(|c| c.on_disconnect = mode)

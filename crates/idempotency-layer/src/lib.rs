@@ -408,7 +408,7 @@ pub use layer::IdempotencyLayer;
 /// server needs no third dependency kept in lockstep.
 pub use reason_code;
 pub use reason_code::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY};
-pub use reject::RejectReason;
+pub use reject::{RejectReason, Rejection};
 pub use scope::{Scope, Tenant};
 pub use service::Idempotency;
 pub use stats::IdempotencyStats;

@@ -144,6 +144,42 @@ impl RejectReason {
     }
 }
 
+/// A rejection about to be answered over HTTP: what a
+/// [`rejection_body`](crate::IdempotencyLayer::rejection_body) hook shapes a body from.
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub struct Rejection<'a> {
+    /// Why.
+    pub reason: RejectReason,
+    /// The status it is answered with (the hook cannot change it: clients read it).
+    pub status: StatusCode,
+    /// The code of that status, as the one table names it.
+    pub code: Code,
+    /// A short title (`Idempotency key required`).
+    pub title: &'static str,
+    /// What happened and what to do, for a person.
+    pub detail: &'a str,
+}
+
+/// A hook that shapes the body of the layer's HTTP rejections: their content type and bytes.
+pub(crate) type RejectionBodyFn =
+    std::sync::Arc<dyn Fn(&Rejection<'_>) -> (HeaderValue, Bytes) + Send + Sync>;
+
+/// The default body of an HTTP rejection: an RFC 9457 problem document with the code.
+fn problem_json(r: &Rejection<'_>) -> (HeaderValue, Bytes) {
+    let body = serde_json::json!({
+        "type": "about:blank",
+        "title": r.title,
+        "status": r.status.as_u16(),
+        "detail": r.detail,
+        "code": r.code.as_str(),
+    });
+    (
+        HeaderValue::from_static("application/problem+json"),
+        Bytes::from(body.to_string()),
+    )
+}
+
 /// Builds the response for a rejection, in the request's protocol, with its reason code (if it
 /// has one) in `reason_header`; its body is the whole of it (empty for gRPC).
 pub(crate) fn render(
@@ -151,6 +187,7 @@ pub(crate) fn render(
     detail: &str,
     protocol: &Protocol,
     reason_header: &HeaderName,
+    body: Option<&RejectionBodyFn>,
 ) -> Response<Bytes> {
     let (status, code) = reason.status();
     tracing::debug!(reason = reason.as_str(), detail, "idempotency: rejected");
@@ -169,19 +206,20 @@ pub(crate) fn render(
         }
         res
     } else {
-        let body = serde_json::json!({
-            "type": "about:blank",
-            "title": reason.title(),
-            "status": status.as_u16(),
-            "detail": detail,
-            "code": code.as_str(),
-        });
-        let mut res = Response::new(Bytes::from(body.to_string()));
+        let rejection = Rejection {
+            reason,
+            status,
+            code,
+            title: reason.title(),
+            detail,
+        };
+        let (content_type, body) = match body {
+            Some(shape) => shape(&rejection),
+            None => problem_json(&rejection),
+        };
+        let mut res = Response::new(body);
         *res.status_mut() = status;
-        res.headers_mut().insert(
-            CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        );
+        res.headers_mut().insert(CONTENT_TYPE, content_type);
         res
     };
     if reason.retry_after() {
@@ -235,7 +273,7 @@ mod tests {
                     | RejectReason::StoreFull
             );
             for protocol in &protocols {
-                let res = render(reason, "detail", protocol, &X_REASON_CODE);
+                let res = render(reason, "detail", protocol, &X_REASON_CODE, None);
                 let code = client_code(res.headers(), res.status(), protocol.is_grpc());
                 let verdict = RetryTable::default().verdict(Outcome::Status(code), true);
                 let expected = if retry {

@@ -179,7 +179,7 @@ impl Batched {
 }
 
 /// The fingerprint of a request: method, path, query, content type and body, each
-/// length-prefixed, hashed with BLAKE3.
+/// length-prefixed, hashed with BLAKE3. [`Fingerprint::of_request`] is this, public.
 pub(crate) fn fingerprint(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
     let content_type = parts
         .headers

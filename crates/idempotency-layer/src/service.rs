@@ -147,13 +147,17 @@ where
         let rejected = |reason: RejectReason, detail: &str| {
             self.shared.counters.rejected(reason);
             observe::record_rejection(&span, reason);
-            ResponseFuture::ready(reject(reason, detail, &protocol, cfg.reasons.header_name()))
+            ResponseFuture::ready(reject(reason, detail, &protocol, cfg))
         };
         // Taken apart here: the key and the tenant are read from the head where they are (the
         // key is not copied), and the write's future holds the parts and the body once, not the
         // request beside the parts taken from it.
         let (parts, body) = req.into_parts();
-        let key = match extract_key(&parts.headers, cfg.key_headers.as_slice()) {
+        let key = match extract_key(
+            &parts.headers,
+            cfg.key_headers.as_slice(),
+            cfg.key_rule.as_ref(),
+        ) {
             Ok(Some(key)) => key,
             Ok(None) if cfg.key_optional => {
                 let clone = self.inner.clone();
@@ -243,9 +247,17 @@ fn reject<B>(
     reason: RejectReason,
     detail: &str,
     protocol: &Protocol,
-    reason_header: &http::HeaderName,
+    cfg: &Config,
 ) -> Response<IdempotencyBody<B>> {
-    render(reason, detail, protocol, reason_header).map(IdempotencyBody::full)
+    let reason_header = cfg.reasons.header_name();
+    render(
+        reason,
+        detail,
+        protocol,
+        reason_header,
+        cfg.rejection_body.as_ref(),
+    )
+    .map(IdempotencyBody::full)
 }
 
 type Answer<B, E> = Result<Response<IdempotencyBody<B>>, E>;
@@ -286,12 +298,7 @@ impl<S, St> Write<S, St> {
     fn reject<B>(&self, reason: RejectReason, detail: &str) -> Response<IdempotencyBody<B>> {
         self.shared.counters.rejected(reason);
         observe::record_rejection(&self.span, reason);
-        reject(
-            reason,
-            detail,
-            &self.protocol,
-            self.config.reasons.header_name(),
-        )
+        reject(reason, detail, &self.protocol, &self.config)
     }
 }
 
@@ -376,7 +383,10 @@ where
                     ))
                 }
             };
-            let fp = fingerprint(&parts, &bytes);
+            let fp = match &cfg.fingerprint {
+                Some(of) => of(&parts, &bytes),
+                None => fingerprint(&parts, &bytes),
+            };
             let mismatch = "this idempotency key was used with a different request (method, path, \
                             query, content type or body); use a new key for a new request";
 
@@ -639,7 +649,7 @@ where
                         RejectReason::Internal,
                         "the handler failed; nothing was recorded, a retry executes again",
                         &protocol,
-                        config.reasons.header_name(),
+                        &config,
                     ))
                 }
             }

@@ -248,6 +248,17 @@ impl fmt::Debug for ScopeKey {
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint(pub [u8; 32]);
 
+impl Fingerprint {
+    /// The layer's own fingerprint of a request: its method, path, query, content type and
+    /// `body`, each length-prefixed, hashed with BLAKE3 (a stable encoding: stored records are
+    /// checked against it across versions). A
+    /// [`fingerprint_fn`](crate::IdempotencyLayer::fingerprint_fn) of your own can call it with
+    /// a canonical form of the body.
+    pub fn of_request(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
+        crate::scope::fingerprint(parts, body)
+    }
+}
+
 impl fmt::Debug for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Fingerprint({})", &hex(&self.0)[..16])

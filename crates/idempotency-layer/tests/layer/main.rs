@@ -5,6 +5,7 @@
 mod support;
 
 mod bounds;
+mod extend;
 mod grpc;
 mod hostile;
 mod http;
