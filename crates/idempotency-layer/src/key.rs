@@ -257,13 +257,13 @@ mod tests {
     fn extraction_rejects_repeats_across_headers() {
         let names = [crate::X_IDEMPOTENCY_KEY, crate::IDEMPOTENCY_KEY];
         let mut h = HeaderMap::new();
-        assert_eq!(extract_key(&h, &names), Ok(None));
+        assert_eq!(extract_key(&h, &names, None), Ok(None));
         h.insert(crate::IDEMPOTENCY_KEY, "\"order-0001\"".parse().unwrap());
-        assert_eq!(extract_key(&h, &names), Ok(Some("order-0001")));
+        assert_eq!(extract_key(&h, &names, None), Ok(Some("order-0001")));
         h.insert(crate::X_IDEMPOTENCY_KEY, "order-0001".parse().unwrap());
-        assert_eq!(extract_key(&h, &names), Err(KeyError::Repeated));
+        assert_eq!(extract_key(&h, &names, None), Err(KeyError::Repeated));
         h.remove(crate::IDEMPOTENCY_KEY);
         h.append(crate::X_IDEMPOTENCY_KEY, "order-0002".parse().unwrap());
-        assert_eq!(extract_key(&h, &names), Err(KeyError::Repeated));
+        assert_eq!(extract_key(&h, &names, None), Err(KeyError::Repeated));
     }
 }
