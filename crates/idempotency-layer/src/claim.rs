@@ -62,7 +62,7 @@ struct Held {
 impl Drop for Held {
     fn drop(&mut self) {
         self.shared.renewals.remove(self.token);
-        self.shared.counters.claim_ended();
+        self.shared.claim_ended();
     }
 }
 

@@ -416,6 +416,81 @@ impl<St> IdempotencyLayer<St> {
     }
 }
 
+/// How a [`drain`](IdempotencyLayer::drain) ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Drained {
+    /// Claims still held when the grace ran out (their handlers or recordings had not
+    /// finished): no longer renewed, they lapse with their leases, and a retry after that runs
+    /// them again. 0: everything the layer had started is recorded or released.
+    pub left: u64,
+}
+
+impl<St> IdempotencyLayer<St> {
+    /// Drains the layer for a graceful shutdown (a rolling deploy's SIGTERM): from now on every
+    /// write is answered 503 / UNAVAILABLE with `Retry-After` (`RejectReason::ShuttingDown`;
+    /// nothing runs, a client retries it elsewhere or later), and the claims this layer and its
+    /// clones hold (handlers running, responses being recorded, work detached from clients
+    /// that went away) get up to `grace` to finish and store their records. Then renewal stops:
+    /// what is left lapses with its lease. Reads pass through as before.
+    ///
+    /// Run it beside the server's own graceful shutdown (axum's `with_graceful_shutdown`,
+    /// tonic's `serve_with_shutdown`), which stops accepting connections and lets the responses
+    /// in flight go out, and exit the process only after both: a process that exits between a
+    /// handler's side effect and its record makes the client's retry run it again.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// use std::time::Duration;
+    /// use idempotency_layer::IdempotencyLayer;
+    ///
+    /// let layer = IdempotencyLayer::default();
+    /// // ... serve with `layer.clone()`; on SIGTERM:
+    /// let drained = layer.drain(Duration::from_secs(30)).await;
+    /// assert_eq!(drained.left, 0);
+    /// assert!(layer.is_draining());
+    /// # }
+    /// ```
+    pub async fn drain(&self, grace: Duration) -> Drained {
+        let drain = &self.shared.draining;
+        drain.on.store(true, std::sync::atomic::Ordering::Relaxed);
+        tracing::info!(?grace, "idempotency: draining; new writes are refused");
+        let until = tokio::time::Instant::now().checked_add(grace.min(FOREVER));
+        loop {
+            let idle = drain.idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if self.shared.counters.in_flight() == 0 {
+                tracing::info!("idempotency: drained");
+                return Drained { left: 0 };
+            }
+            let woken = match until {
+                Some(until) => tokio::time::timeout_at(until, idle).await.is_ok(),
+                None => {
+                    idle.await;
+                    true
+                }
+            };
+            if !woken {
+                let left = self.shared.counters.in_flight();
+                let stopped = self.shared.renewals.stop_all();
+                tracing::warn!(
+                    left,
+                    stopped,
+                    "idempotency: drain's grace ran out; the claims left lapse with their leases"
+                );
+                return Drained { left };
+            }
+        }
+    }
+
+    /// True once [`drain`](Self::drain) has started.
+    pub fn is_draining(&self) -> bool {
+        self.shared.draining.is_on()
+    }
+}
+
 impl<St: IdempotencyStore> IdempotencyLayer<St> {
     /// Forgets what the store holds for `scope` (for example a recorded permanent failure), so
     /// the next request with that key executes again. True if there was something.

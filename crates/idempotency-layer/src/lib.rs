@@ -402,7 +402,7 @@ pub use body::{IdempotencyBody, RequestBody};
 pub use config::{InFlight, OnDisconnect};
 pub use future::ResponseFuture;
 pub use key::{validate_key, KeyError};
-pub use layer::IdempotencyLayer;
+pub use layer::{Drained, IdempotencyLayer};
 /// The shared vocabulary ([`reason_code::RetryTable`], [`reason_code::ReasonCodes`],
 /// [`reason_code::IdempotentGrpcMethods`], [`reason_code::KeyHeaders`]), re-exported so a
 /// server needs no third dependency kept in lockstep.

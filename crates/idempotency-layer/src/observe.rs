@@ -195,7 +195,7 @@ mod keys {
             RejectReason::ALL[i].as_str(),
         )]
     }
-    static REASON: [[Label; 1]; 12] = [
+    static REASON: [[Label; 1]; 13] = [
         reason(0),
         reason(1),
         reason(2),
@@ -208,14 +208,15 @@ mod keys {
         reason(9),
         reason(10),
         reason(11),
+        reason(12),
     ];
     macro_rules! by_reason {
         ($name:literal, [$($i:literal)*]) => {
             [$(Key::from_static_parts($name, &REASON[$i])),*]
         };
     }
-    pub(super) static REJECTIONS: [Key; 12] =
-        by_reason!("idempotency_layer_rejections_total", [0 1 2 3 4 5 6 7 8 9 10 11]);
+    pub(super) static REJECTIONS: [Key; 13] =
+        by_reason!("idempotency_layer_rejections_total", [0 1 2 3 4 5 6 7 8 9 10 11 12]);
 
     const fn op_store(op: usize, store: usize) -> [Label; 2] {
         [

@@ -41,13 +41,17 @@ pub enum RejectReason {
     /// The store has no room for a new claim (503 / UNAVAILABLE): nothing ran, even with
     /// `fail_open` (a full store is not a store that is down).
     StoreFull,
+    /// The layer is draining ([`IdempotencyLayer::drain`](crate::IdempotencyLayer::drain):
+    /// the server is shutting down) and takes no new write (503 / UNAVAILABLE): nothing ran; a
+    /// retry reaches another instance, or this one once it is back.
+    ShuttingDown,
     /// The handler panicked or its task was lost (500 / INTERNAL).
     Internal,
 }
 
 impl RejectReason {
     /// Every reason, in declaration order.
-    pub const ALL: [RejectReason; 12] = [
+    pub const ALL: [RejectReason; 13] = [
         RejectReason::MissingKey,
         RejectReason::InvalidKey,
         RejectReason::NoTenant,
@@ -59,6 +63,7 @@ impl RejectReason {
         RejectReason::InFlightFailed,
         RejectReason::StoreUnavailable,
         RejectReason::StoreFull,
+        RejectReason::ShuttingDown,
         RejectReason::Internal,
     ];
 
@@ -76,6 +81,7 @@ impl RejectReason {
             RejectReason::InFlightFailed => "in_flight_failed",
             RejectReason::StoreUnavailable => "store_unavailable",
             RejectReason::StoreFull => "store_full",
+            RejectReason::ShuttingDown => "shutting_down",
             RejectReason::Internal => "internal",
         }
     }
@@ -99,7 +105,8 @@ impl RejectReason {
             RejectReason::InFlight => (StatusCode::CONFLICT, Code::Aborted),
             RejectReason::InFlightFailed
             | RejectReason::StoreUnavailable
-            | RejectReason::StoreFull => (StatusCode::SERVICE_UNAVAILABLE, Code::Unavailable),
+            | RejectReason::StoreFull
+            | RejectReason::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, Code::Unavailable),
             RejectReason::Internal => (StatusCode::INTERNAL_SERVER_ERROR, Code::Internal),
         }
     }
@@ -117,6 +124,7 @@ impl RejectReason {
             RejectReason::InFlightFailed => "Request with this key failed",
             RejectReason::StoreUnavailable => "Idempotency store unavailable",
             RejectReason::StoreFull => "Idempotency store full",
+            RejectReason::ShuttingDown => "Server shutting down",
             RejectReason::Internal => "Internal error",
         }
     }
@@ -140,6 +148,7 @@ impl RejectReason {
                 | RejectReason::InFlightFailed
                 | RejectReason::StoreUnavailable
                 | RejectReason::StoreFull
+                | RejectReason::ShuttingDown
         )
     }
 }
@@ -271,6 +280,7 @@ mod tests {
                     | RejectReason::InFlightFailed
                     | RejectReason::StoreUnavailable
                     | RejectReason::StoreFull
+                    | RejectReason::ShuttingDown
             );
             for protocol in &protocols {
                 let res = render(reason, "detail", protocol, &X_REASON_CODE, None);

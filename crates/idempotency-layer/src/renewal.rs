@@ -114,6 +114,14 @@ impl Renewals {
         }
     }
 
+    /// Stops renewing every claim held (a drained layer's claims lapse with their leases).
+    pub(crate) fn stop_all(&self) -> usize {
+        let mut st = self.lock();
+        let n = st.held.len();
+        st.held.clear();
+        n
+    }
+
     pub(crate) fn remove(&self, token: Token) {
         self.lock().held.remove(&token);
     }

@@ -149,6 +149,12 @@ where
             observe::record_rejection(&span, reason);
             ResponseFuture::ready(reject(reason, detail, &protocol, cfg))
         };
+        if self.shared.draining.is_on() {
+            return rejected(
+                RejectReason::ShuttingDown,
+                "the server is shutting down and takes no new write; nothing was executed, retry",
+            );
+        }
         // Taken apart here: the key and the tenant are read from the head where they are (the
         // key is not copied), and the write's future holds the parts and the body once, not the
         // request beside the parts taken from it.

@@ -5,7 +5,10 @@
 //! setter, so two layers configured from one base (say with different leases) share their
 //! counters but never mix their settings.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+
+use tokio::sync::Notify;
 
 use crate::detached::Detached;
 use crate::renewal::Renewals;
@@ -19,6 +22,22 @@ pub(crate) struct Shared {
     /// The claims this layer holds, renewed by one task through the layer's one store.
     pub(crate) renewals: Arc<Renewals>,
     pub(crate) detached: Arc<Detached>,
+    /// Set by [`IdempotencyLayer::drain`](crate::IdempotencyLayer::drain): new writes are
+    /// refused, and the claims held are let finish.
+    pub(crate) draining: Arc<Drain>,
+}
+
+/// A layer's drain: on once it started; woken each time the last claim held ends.
+#[derive(Debug, Default)]
+pub(crate) struct Drain {
+    pub(crate) on: AtomicBool,
+    pub(crate) idle: Notify,
+}
+
+impl Drain {
+    pub(crate) fn is_on(&self) -> bool {
+        self.on.load(Ordering::Relaxed)
+    }
 }
 
 impl Default for Shared {
@@ -29,6 +48,7 @@ impl Default for Shared {
             counters,
             waiters: Arc::default(),
             detached: Arc::default(),
+            draining: Arc::default(),
         }
     }
 }
@@ -42,6 +62,14 @@ impl Shared {
             waiters: self.waiters.clone(),
             renewals: Arc::new(Renewals::new(self.counters.clone())),
             detached: self.detached.clone(),
+            draining: self.draining.clone(),
+        }
+    }
+
+    /// A claim ends: counted, and a drain waiting for the last one is woken.
+    pub(crate) fn claim_ended(&self) {
+        if self.counters.claim_ended() == 0 {
+            self.draining.idle.notify_waiters();
         }
     }
 

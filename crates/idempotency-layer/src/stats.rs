@@ -72,10 +72,15 @@ impl Counters {
         inc(&self.in_flight);
         observe::in_flight(1.0);
     }
-    /// A claim is held no more.
-    pub(crate) fn claim_ended(&self) {
-        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+    /// A claim is held no more; how many are held now.
+    pub(crate) fn claim_ended(&self) -> u64 {
         observe::in_flight(-1.0);
+        self.in_flight.fetch_sub(1, Ordering::AcqRel) - 1
+    }
+
+    /// How many claims are held now.
+    pub(crate) fn in_flight(&self) -> u64 {
+        self.in_flight.load(Ordering::Acquire)
     }
     pub(crate) fn rejected(&self, reason: RejectReason) {
         inc(&self.rejected[reason.index()]);

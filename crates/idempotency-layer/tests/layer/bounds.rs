@@ -928,3 +928,79 @@ async fn the_in_flight_gauge_counts_the_claims_held() {
 async fn send_owned(c: Client<HttpConnector, Full<Bytes>>, req: Request<Full<Bytes>>) -> Collected {
     send(&c, req).await
 }
+
+/// A drain for a graceful shutdown, over the wire: new writes are refused retryably at once
+/// (nothing runs), the write in flight finishes and is recorded, and the drain ends when it
+/// has; the replay is there for the retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_refuses_new_writes_and_lets_the_ones_in_flight_finish() {
+    for transport in TRANSPORTS {
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let executions = Arc::new(AtomicUsize::new(0));
+        let router = {
+            let (gate, executions) = (gate.clone(), executions.clone());
+            Router::new().route(
+                "/orders",
+                post(move || {
+                    let (gate, executions) = (gate.clone(), executions.clone());
+                    async move {
+                        executions.fetch_add(1, Ordering::SeqCst);
+                        gate.acquire().await.unwrap().forget();
+                        (StatusCode::CREATED, "created")
+                    }
+                }),
+            )
+        };
+        let layer = IdempotencyLayer::new(MemoryStore::new()).default_tenant("t");
+        let addr = serve(router.layer(layer.clone())).await;
+        let c = client::<Full<Bytes>>(transport);
+        let first = tokio::spawn(send_owned(
+            c.clone(),
+            keyed(addr, "/orders", "order-drain-01"),
+        ));
+        within_20s("the handler runs", || layer.stats().in_flight == 1).await;
+        let drain = tokio::spawn({
+            let layer = layer.clone();
+            async move { layer.drain(Duration::from_secs(20)).await }
+        });
+        within_20s("draining", || layer.is_draining()).await;
+        let refused = send(&c, keyed(addr, "/orders", "order-drain-02")).await;
+        assert_eq!(
+            refused.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{transport:?}"
+        );
+        assert!(refused.headers.contains_key("retry-after"), "{transport:?}");
+        assert!(!drain.is_finished(), "{transport:?}: a claim is still held");
+        gate.add_permits(1);
+        assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+        let drained = drain.await.unwrap();
+        assert_eq!(drained.left, 0, "{transport:?}");
+        assert_eq!(layer.stats().recorded, 1, "{transport:?}");
+        assert_eq!(executions.load(Ordering::SeqCst), 1, "{transport:?}");
+        assert_eq!(layer.stats().rejected(RejectReason::ShuttingDown), 1);
+    }
+}
+
+/// A drain's grace is its bound: a handler that does not finish in time is left to lapse (its
+/// claim no longer renewed), and the drain says how many were left.
+#[tokio::test(start_paused = true)]
+async fn a_drain_ends_at_its_grace() {
+    let layer = IdempotencyLayer::default().default_tenant("t");
+    let svc = layer.layer(service_fn(|_: Request<RequestBody<Full<Bytes>>>| async {
+        std::future::pending::<()>().await;
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    }));
+    let req = Request::post("/orders")
+        .header("x-idempotency-key", "order-drain-hung")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    let hung = tokio::spawn(svc.oneshot(req));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(layer.stats().in_flight, 1);
+    let started = tokio::time::Instant::now();
+    let drained = layer.drain(Duration::from_secs(30)).await;
+    assert_eq!(drained.left, 1);
+    assert_eq!(started.elapsed(), Duration::from_secs(30));
+    hung.abort();
+}
