@@ -8,7 +8,9 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
-use retry_layer::{BoxError, ReplayBody, Retry, RetryInfo, RetryLayer, RetryPolicy};
+use retry_layer::{
+    BoxError, Conflict, Rebuild, ReplayBody, Retry, RetryInfo, RetryLayer, RetryPolicy,
+};
 use serde::Serialize;
 use tower::ServiceExt;
 
@@ -32,6 +34,21 @@ pub struct OrderLine {
     pub key: String,
 }
 
+/// One line of the client's output for a deduction.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct DeductLine {
+    /// The final HTTP status.
+    pub status: u16,
+    /// Copies left after the deduction (-1 when it failed).
+    pub remaining: i64,
+    /// The book's version after the deduction (0 when it failed).
+    pub version: u64,
+    /// Attempts the request took (a rebuild after `STOCK_CONFLICT` is one).
+    pub attempts: u32,
+    /// The idempotency key every attempt carried.
+    pub key: String,
+}
+
 /// The retrying HTTP client of the orders service.
 #[derive(Debug, Clone)]
 pub struct OrdersClient {
@@ -43,13 +60,14 @@ pub struct OrdersClient {
 
 impl OrdersClient {
     /// A client of the service at `base` (`http://127.0.0.1:3000`) for `tenant`, with the
-    /// default retry policy, `ensure_idempotency_key()`, and a deadline of
-    /// [`CALL_DEADLINE`] for every call, retries included: a caller should always say how long
-    /// it waits.
+    /// default retry policy, `ensure_idempotency_key()`, a deadline of [`CALL_DEADLINE`] for
+    /// every call, retries included (a caller should always say how long it waits), and
+    /// [`rebuild_deduction`] as its rebuild hook.
     pub fn new(base: impl Into<String>, tenant: impl Into<String>) -> Self {
         let policy = RetryPolicy::builder()
             .ensure_idempotency_key()
             .total_timeout(CALL_DEADLINE)
+            .rebuild_on_conflict(rebuild_deduction())
             .build()
             .expect("the default policy is valid");
         Self::with_policy(base, tenant, policy)
@@ -125,14 +143,7 @@ impl OrdersClient {
         let res = self.svc.clone().oneshot(req).await?;
         let status = res.status();
         let attempts = RetryInfo::attempts_of(&res);
-        let key = match (
-            key,
-            RetryInfo::of(&res).and_then(|i| i.idempotency_key.clone()),
-        ) {
-            (Some(k), _) => k.to_owned(),
-            (None, Some(k)) => k.to_str().unwrap_or_default().to_owned(),
-            (None, None) => String::new(),
-        };
+        let key = call_key(key, RetryInfo::of(&res));
         let body = res.into_body().collect().await?.to_bytes();
         let order_id = if status == StatusCode::CREATED {
             serde_json::from_slice::<serde_json::Value>(&body)?
@@ -151,6 +162,67 @@ impl OrdersClient {
         })
     }
 
+    /// POST /books/{book}/deduct, computed from `expected_version` (the version of the book the
+    /// caller read; `None` reads it first). The deduction names that version, so a book that
+    /// changed meanwhile answers 409 `STOCK_CONFLICT`; the policy's [`rebuild_deduction`] hook
+    /// then re-reads the book and sends the deduction again from its current version, under
+    /// the same key. `key` fixes the idempotency key; otherwise the retry layer generates one.
+    pub async fn deduct(
+        &self,
+        book_id: &str,
+        quantity: i64,
+        expected_version: Option<u64>,
+        key: Option<&str>,
+    ) -> Result<DeductLine, BoxError> {
+        let expected_version = match expected_version {
+            Some(v) => v,
+            None => self.book(book_id).await?.version,
+        };
+        let body = serde_json::json!({"quantity": quantity, "expected_version": expected_version});
+        let mut req = Request::post(format!("{}/books/{book_id}/deduct", self.base))
+            .header("content-type", "application/json")
+            .header(crate::auth::TENANT_HEADER, &self.tenant);
+        if let Some(key) = key {
+            req = req.header("x-idempotency-key", key);
+        }
+        let req = req.body(Full::new(Bytes::from(body.to_string())))?;
+        let res = self.svc.clone().oneshot(req).await?;
+        let status = res.status();
+        let attempts = RetryInfo::attempts_of(&res);
+        let key = call_key(key, RetryInfo::of(&res));
+        let body = res.into_body().collect().await?.to_bytes();
+        let (remaining, version) = if status.is_success() {
+            let v: serde_json::Value = serde_json::from_slice(&body)?;
+            (
+                v["remaining"].as_i64().unwrap_or(-1),
+                v["version"].as_u64().unwrap_or(0),
+            )
+        } else {
+            (-1, 0)
+        };
+        Ok(DeductLine {
+            status: status.as_u16(),
+            remaining,
+            version,
+            attempts,
+            key,
+        })
+    }
+
+    /// GET /books/{book}, through the retry layer (a read retries on its own).
+    pub async fn book(&self, book_id: &str) -> Result<crate::inventory::Book, BoxError> {
+        let req = Request::get(format!("{}/books/{book_id}", self.base))
+            .header(crate::auth::TENANT_HEADER, &self.tenant)
+            .body(Full::new(Bytes::new()))?;
+        let res = self.svc.clone().oneshot(req).await?;
+        let status = res.status();
+        let body = res.into_body().collect().await?.to_bytes();
+        if !status.is_success() {
+            return Err(format!("GET /books/{book_id}: {status}").into());
+        }
+        Ok(serde_json::from_slice(&body)?)
+    }
+
     /// GET /stats: how many times each side effect really executed.
     pub async fn stats(&self) -> Result<crate::inventory::Stats, BoxError> {
         let req = Request::get(format!("{}/stats", self.base)).body(Full::new(Bytes::new()))?;
@@ -161,5 +233,69 @@ impl OrdersClient {
             orders_created: v["orders_created"].as_i64().unwrap_or(-1),
             deductions: v["deductions"].as_i64().unwrap_or(-1),
         })
+    }
+}
+
+/// The key a call carried: the one given, else the one the retry layer generated.
+fn call_key(given: Option<&str>, info: Option<&RetryInfo>) -> String {
+    match (given, info.and_then(|i| i.idempotency_key.as_ref())) {
+        (Some(k), _) => k.to_owned(),
+        (None, Some(k)) => k.to_str().unwrap_or_default().to_owned(),
+        (None, None) => String::new(),
+    }
+}
+
+/// The orders client's rebuild hook, the seed's rule for `STOCK_CONFLICT`: never send the
+/// conflicting write as it was; re-read what changed, rebuild the write from it, and send that.
+///
+/// For a deduction (`POST /books/{id}/deduct`) refused because the book changed since the
+/// version it names, the hook reads the book again (one plain GET, not retried: if it fails,
+/// the conflict is the answer) and rebuilds the deduction with the book's current version, the
+/// same quantity, headers and idempotency key (a conflict is not recorded, so the key is free).
+/// It declines (the caller gets the 409) for any other request, or when the book no longer has
+/// the stock: that is a decision for the caller, not for a retry.
+pub fn rebuild_deduction() -> impl Rebuild {
+    let reader: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    move |conflict: Conflict| {
+        let reader = reader.clone();
+        async move {
+            let (parts, body) = conflict.request.into_parts();
+            let book_id = parts
+                .uri
+                .path()
+                .strip_prefix("/books/")?
+                .strip_suffix("/deduct")?
+                .to_owned();
+            let mut write: serde_json::Value = serde_json::from_slice(&body).ok()?;
+            let quantity = write["quantity"].as_i64()?;
+            let mut read = Request::get(format!(
+                "{}://{}/books/{book_id}",
+                parts.uri.scheme_str()?,
+                parts.uri.authority()?
+            ));
+            if let Some(tenant) = parts.headers.get(crate::auth::TENANT_HEADER) {
+                read = read.header(crate::auth::TENANT_HEADER, tenant);
+            }
+            let res = reader
+                .request(read.body(Full::default()).ok()?)
+                .await
+                .ok()?;
+            if !res.status().is_success() {
+                return None;
+            }
+            let book: crate::inventory::Book =
+                serde_json::from_slice(&res.into_body().collect().await.ok()?.to_bytes()).ok()?;
+            if book.stock < quantity {
+                tracing::info!(book = %book_id, stock = book.stock, quantity, "not rebuilding the deduction: not enough stock left");
+                return None;
+            }
+            tracing::info!(book = %book_id, version = book.version, "STOCK_CONFLICT: rebuilding the deduction from the book's current version");
+            write["expected_version"] = book.version.into();
+            let body = Bytes::from(write.to_string());
+            let mut rebuilt = Request::from_parts(parts, body);
+            rebuilt.headers_mut().remove(http::header::CONTENT_LENGTH);
+            Some(rebuilt)
+        }
     }
 }

@@ -5,10 +5,10 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// A book and its stock.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Book {
     /// The book's id (`b1`..`b5` in the seed).
     pub book_id: String,
@@ -16,6 +16,18 @@ pub struct Book {
     pub title: String,
     /// Copies in stock.
     pub stock: i64,
+    /// Bumped by every change of the stock: a write that names the version it read
+    /// ([`Inventory::deduct`]) is refused with a conflict when the stock changed since.
+    pub version: u64,
+}
+
+/// What a deduction left.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct Deducted {
+    /// Copies left.
+    pub remaining: i64,
+    /// The book's version after the deduction.
+    pub version: u64,
 }
 
 /// A created order.
@@ -43,12 +55,24 @@ pub struct Stats {
 pub enum InventoryError {
     /// No book with this id.
     NoSuchBook(String),
-    /// Not enough stock: the `STOCK_CONFLICT` reason code.
+    /// Not enough stock: a failed precondition (HTTP 422, gRPC `FAILED_PRECONDITION`), which a
+    /// retry does not change.
     NotEnoughStock {
         /// The book.
         book_id: String,
         /// What is left.
         stock: i64,
+    },
+    /// The book changed since the version the write was computed from: the `STOCK_CONFLICT`
+    /// reason code (HTTP 409, gRPC `ABORTED`). Re-read the book, rebuild the write from what
+    /// it says now, and send that (the seed's rule; never the same write as it was).
+    VersionConflict {
+        /// The book.
+        book_id: String,
+        /// The version the write named.
+        expected: u64,
+        /// The book's version now.
+        current: u64,
     },
     /// The quantity is below 1.
     BadQuantity(i64),
@@ -61,6 +85,15 @@ impl std::fmt::Display for InventoryError {
             InventoryError::NotEnoughStock { book_id, stock } => {
                 write!(f, "not enough stock of {book_id}: {stock} left")
             }
+            InventoryError::VersionConflict {
+                book_id,
+                expected,
+                current,
+            } => write!(
+                f,
+                "{book_id} changed: the write was computed from version {expected}, it is at \
+                 version {current} now; re-read it and rebuild the write"
+            ),
             InventoryError::BadQuantity(q) => write!(f, "quantity must be at least 1, got {q}"),
         }
     }
@@ -96,6 +129,7 @@ impl Inventory {
                     book_id: id.clone(),
                     title: (*t).to_owned(),
                     stock: 1_000_000,
+                    version: 1,
                 };
                 (id, book)
             })
@@ -112,6 +146,7 @@ impl Inventory {
     pub fn set_stock(&self, book_id: &str, stock: i64) {
         if let Some(b) = self.lock().get_mut(book_id) {
             b.stock = stock;
+            b.version += 1;
         }
     }
 
@@ -124,7 +159,12 @@ impl Inventory {
         self.lock().get(book_id).cloned()
     }
 
-    fn take(&self, book_id: &str, quantity: i64) -> Result<i64, InventoryError> {
+    fn take(
+        &self,
+        book_id: &str,
+        quantity: i64,
+        expected_version: Option<u64>,
+    ) -> Result<Deducted, InventoryError> {
         if quantity < 1 {
             return Err(InventoryError::BadQuantity(quantity));
         }
@@ -132,6 +172,13 @@ impl Inventory {
         let book = books
             .get_mut(book_id)
             .ok_or_else(|| InventoryError::NoSuchBook(book_id.to_owned()))?;
+        if let Some(expected) = expected_version.filter(|v| *v != book.version) {
+            return Err(InventoryError::VersionConflict {
+                book_id: book_id.to_owned(),
+                expected,
+                current: book.version,
+            });
+        }
         if book.stock < quantity {
             return Err(InventoryError::NotEnoughStock {
                 book_id: book_id.to_owned(),
@@ -139,7 +186,11 @@ impl Inventory {
             });
         }
         book.stock -= quantity;
-        Ok(book.stock)
+        book.version += 1;
+        Ok(Deducted {
+            remaining: book.stock,
+            version: book.version,
+        })
     }
 
     /// Creates an order: the side effect an idempotency key must protect.
@@ -158,7 +209,7 @@ impl Inventory {
     /// [`confirm`](Self::confirm) it once it is stored, or [`cancel`](Self::cancel) it.
     pub async fn reserve(&self, book_id: &str, quantity: i64) -> Result<Order, InventoryError> {
         tokio::time::sleep(self.work).await;
-        self.take(book_id, quantity)?;
+        self.take(book_id, quantity, None)?;
         Ok(Order {
             order_id: uuid::Uuid::new_v4().to_string(),
             book_id: book_id.to_owned(),
@@ -175,15 +226,22 @@ impl Inventory {
     pub fn cancel(&self, order: &Order) {
         if let Some(b) = self.lock().get_mut(&order.book_id) {
             b.stock += i64::from(order.quantity);
+            b.version += 1;
         }
     }
 
-    /// Deducts stock; returns what remains.
-    pub async fn deduct(&self, book_id: &str, quantity: i64) -> Result<i64, InventoryError> {
+    /// Deducts stock, if the book is still at `expected_version` when one is given (the
+    /// version the caller read: optimistic concurrency); returns what remains.
+    pub async fn deduct(
+        &self,
+        book_id: &str,
+        quantity: i64,
+        expected_version: Option<u64>,
+    ) -> Result<Deducted, InventoryError> {
         tokio::time::sleep(self.work).await;
-        let remaining = self.take(book_id, quantity)?;
+        let deducted = self.take(book_id, quantity, expected_version)?;
         self.deductions.fetch_add(1, Ordering::SeqCst);
-        Ok(remaining)
+        Ok(deducted)
     }
 
     /// The side-effect counters.

@@ -9,7 +9,7 @@
 //! The library holds what the binaries, the tonic example and the end-to-end tests share: the
 //! [`inventory`] (books, orders, counters of real side effects), the [`auth`] demo layer, the
 //! HTTP [`server`] and its Prometheus [`metrics`] page, the retrying [`client`] and the
-//! [`store`] selection.
+//! [`store`] selection, and the graceful [`shutdown`] both example servers use.
 //!
 //! With `--store postgres://...`, orders go to an `orders` table in that database (`pg_orders`,
 //! feature `postgres`), and each is inserted in one transaction with its idempotency record
@@ -25,4 +25,5 @@ pub mod orders_server;
 #[cfg(feature = "postgres")]
 pub mod pg_orders;
 pub mod server;
+pub mod shutdown;
 pub mod store;

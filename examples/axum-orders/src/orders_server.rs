@@ -11,7 +11,7 @@ use reason_code::RetryTable;
 use crate::cli::{init_tracing, ServerOpts};
 use crate::inventory::Inventory;
 use crate::metrics;
-use crate::server::{app_with, bind, serve, OrderBook};
+use crate::server::{app_with, bind, serve_until_sigterm, OrderBook};
 use crate::store::{self, AnyStore};
 
 /// The options of `orders-server`.
@@ -35,6 +35,10 @@ pub struct OrdersServerArgs {
     /// Reopens the crash window between the two; for demonstrations.
     #[arg(long)]
     pub record_after_commit: bool,
+    /// On SIGTERM (or Ctrl-C), how long the writes in flight get to finish and store their
+    /// records before the process exits, in milliseconds (new writes are refused at once).
+    #[arg(long, default_value_t = 30_000)]
+    pub shutdown_grace_ms: u64,
     /// With a store other than PostgreSQL (memory, redis://): keep orders in the `orders` table
     /// of this PostgreSQL database all the same. The idempotency record is then written by the
     /// layer after the order commits, in the other store: the crash window is open, as with
@@ -45,8 +49,9 @@ pub struct OrdersServerArgs {
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// Runs `orders-server` with `args` until the process ends: logs to stderr, binds, opens the
-/// store, prints `listening on http://IP:PORT` on stdout, serves.
+/// Runs `orders-server` with `args` until SIGTERM: logs to stderr, binds, opens the store,
+/// prints `listening on http://IP:PORT` on stdout, serves; on SIGTERM (or Ctrl-C) drains the
+/// writes in flight ([`serve_until_sigterm`]) and returns.
 pub async fn run_orders_server(args: OrdersServerArgs) -> Result<(), BoxError> {
     init_tracing();
     let metrics = metrics::install()?;
@@ -59,11 +64,9 @@ pub async fn run_orders_server(args: OrdersServerArgs) -> Result<(), BoxError> {
         .table(table)
         .lease(Duration::from_millis(args.lease_ms));
     println!("listening on http://{addr}");
-    serve(
-        listener,
-        app_with(inventory, orders, layer).merge(metrics::routes(metrics)),
-    )
-    .await?;
+    let app = app_with(inventory, orders, layer.clone()).merge(metrics::routes(metrics));
+    let grace = Duration::from_millis(args.shutdown_grace_ms);
+    serve_until_sigterm(listener, app, layer, grace).await?;
     Ok(())
 }
 

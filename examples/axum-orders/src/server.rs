@@ -91,6 +91,27 @@ pub async fn serve(listener: TcpListener, app: Router) -> std::io::Result<()> {
     axum::serve(listener, app).await
 }
 
+/// Serves `app` on `listener` until SIGTERM (or Ctrl-C), then shuts down gracefully: the
+/// server stops accepting connections and lets the responses in flight go out, while
+/// `idempotency` [drains](IdempotencyLayer::drain) within `grace`
+/// ([`serve_until_signal`](crate::shutdown::serve_until_signal)).
+pub async fn serve_until_sigterm<St>(
+    listener: TcpListener,
+    app: Router,
+    idempotency: IdempotencyLayer<St>,
+    grace: std::time::Duration,
+) -> std::io::Result<()>
+where
+    St: Send + Sync + 'static,
+{
+    crate::shutdown::serve_until_signal(idempotency, grace, |stop| {
+        std::future::IntoFuture::into_future(
+            axum::serve(listener, app).with_graceful_shutdown(stop),
+        )
+    })
+    .await
+}
+
 /// Binds `addr` (port 0 picks one) and returns the listener and its real address.
 pub async fn bind(addr: SocketAddr) -> std::io::Result<(TcpListener, SocketAddr)> {
     let listener = TcpListener::bind(addr).await?;
@@ -107,6 +128,10 @@ struct CreateOrder {
 #[derive(Deserialize)]
 struct Deduct {
     quantity: i64,
+    /// The book's version the caller read; the deduction is refused with `STOCK_CONFLICT` if
+    /// the book changed since.
+    #[serde(default)]
+    expected_version: Option<u64>,
 }
 
 fn bad_request(detail: impl Into<String>) -> Response {
@@ -124,10 +149,18 @@ fn inventory_error(e: InventoryError) -> Response {
             Json(json!({"error": "not_found", "detail": e.to_string()})),
         )
             .into_response(),
-        InventoryError::NotEnoughStock { .. } => {
+        // A failed precondition: a retry would get the same answer (FAILED_PRECONDITION).
+        InventoryError::NotEnoughStock { .. } => (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Json(json!({"error": "out_of_stock", "detail": e.to_string()})),
+        )
+            .into_response(),
+        // A conflict (ABORTED): the client re-reads the book and rebuilds the write.
+        InventoryError::VersionConflict { current, .. } => {
             let mut res = (
                 StatusCode::CONFLICT,
-                Json(json!({"error": "stock_conflict", "detail": e.to_string()})),
+                Json(json!({"error": "stock_conflict", "detail": e.to_string(),
+                    "current_version": current})),
             )
                 .into_response();
             res.headers_mut()
@@ -205,8 +238,12 @@ async fn deduct(
         Ok(r) => r,
         Err(detail) => return bad_request(detail),
     };
-    match inv.deduct(&book_id, req.quantity).await {
-        Ok(remaining) => Json(json!({"book_id": book_id, "remaining": remaining})).into_response(),
+    match inv
+        .deduct(&book_id, req.quantity, req.expected_version)
+        .await
+    {
+        Ok(d) => Json(json!({"book_id": book_id, "remaining": d.remaining, "version": d.version}))
+            .into_response(),
         Err(e) => inventory_error(e),
     }
 }

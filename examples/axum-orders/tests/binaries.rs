@@ -116,3 +116,124 @@ fn a_client_exits_non_zero_when_an_order_fails() {
     assert!(!ok);
     assert_eq!(lines[0]["status"], 404);
 }
+
+/// The server's side-effect counters, as `orders-client stats` prints them.
+fn stats(url: &str) -> serde_json::Value {
+    let (ok, lines) = client(url, &["stats"]);
+    assert!(ok, "{lines:?}");
+    lines[0].clone()
+}
+
+#[test]
+fn a_repeated_deduction_key_deducts_once() {
+    let (_server, url) = start_server();
+    let args = [
+        "--key",
+        "deduct-key-0001",
+        "--count",
+        "4",
+        "--concurrency",
+        "4",
+        "deduct",
+        "--book",
+        "b1",
+        "--quantity",
+        "3",
+    ];
+    let (ok, lines) = client(&url, &args);
+    assert!(ok, "{lines:?}");
+    assert_eq!(lines.len(), 4);
+    for l in &lines {
+        assert_eq!(l["status"], 200, "{l}");
+        assert_eq!(
+            l["remaining"],
+            1_000_000 - 3,
+            "every duplicate gets the one deduction"
+        );
+        assert_eq!(l["version"], lines[0]["version"]);
+        assert_eq!(l["key"], "deduct-key-0001");
+    }
+    assert_eq!(stats(&url)["deductions"], 1, "the stock was deducted once");
+}
+
+/// The seed's rule for STOCK_CONFLICT: the client does not resend the conflicting write; its
+/// rebuild hook re-reads the book's version and rebuilds the deduction from it.
+#[test]
+fn a_stale_version_is_re_read_and_the_deduction_rebuilt() {
+    let (_server, url) = start_server();
+    // Another writer moves the book from version 1 to 2.
+    let (ok, lines) = client(
+        &url,
+        &[
+            "deduct",
+            "--book",
+            "b2",
+            "--quantity",
+            "5",
+            "--expected-version",
+            "1",
+        ],
+    );
+    assert!(ok, "{lines:?}");
+    assert_eq!(lines[0]["version"], 2);
+
+    // A deduction computed from version 1: a conflict, then a rebuild from version 2.
+    let (ok, lines) = client(
+        &url,
+        &[
+            "deduct",
+            "--book",
+            "b2",
+            "--quantity",
+            "2",
+            "--expected-version",
+            "1",
+        ],
+    );
+    assert!(ok, "the rebuilt deduction succeeds: {lines:?}");
+    let line = &lines[0];
+    assert_eq!(line["status"], 200);
+    assert_eq!(
+        line["attempts"], 2,
+        "the conflict, then the rebuilt deduction"
+    );
+    assert_eq!(line["remaining"], 1_000_000 - 5 - 2);
+    assert_eq!(line["version"], 3);
+    assert_eq!(stats(&url)["deductions"], 2, "each deduction ran once");
+}
+
+#[test]
+fn not_enough_stock_is_a_failed_precondition_and_is_not_retried() {
+    let (_server, url) = start_server();
+    let (ok, lines) = client(&url, &["deduct", "--book", "b3", "--quantity", "2000000"]);
+    assert!(!ok);
+    assert_eq!(lines[0]["status"], 422, "{lines:?}");
+    assert_eq!(lines[0]["attempts"], 1, "a retry would get the same answer");
+    assert_eq!(stats(&url)["deductions"], 0);
+}
+
+/// A server that accepts connections and never answers: the client's deadline ends the call
+/// with an error that names it, instead of waiting forever.
+#[test]
+fn the_client_gives_up_at_its_deadline_on_a_server_that_never_answers() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let silent = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in listener.incoming().take(8) {
+            match conn {
+                Ok(conn) => held.push(conn),
+                Err(_) => break,
+            }
+        }
+        held
+    });
+    let (ok, lines) = client(&url, &["create", "--book", "b1", "--quantity", "1"]);
+    assert!(!ok);
+    let error = lines[0]["error"]
+        .as_str()
+        .unwrap_or_default()
+        .to_lowercase();
+    assert!(error.contains("deadline"), "{lines:?}");
+    drop(silent);
+}

@@ -26,6 +26,25 @@ impl Gateway {
     }
 }
 
+/// The metadata that scopes a write and goes down with it: the idempotency key, and the tenant
+/// (`x-tenant-id`, which the demo auth layer reads). Forwarding the key without the tenant would
+/// scope every caller's key to one tenant below (the seed's mistake 2): two tenants' writes that
+/// happen to share a key would get each other's replays.
+const FORWARDED: [&str; 2] = ["x-idempotency-key", axum_orders::auth::TENANT_HEADER];
+
+/// The caller's message as a request to the downstream service, with only the caller's
+/// [`FORWARDED`] metadata (its deadline goes down as the channel's `grpc-timeout`).
+fn downstream<T>(caller: Request<T>) -> Request<T> {
+    let (metadata, _, msg) = caller.into_parts();
+    let mut down = Request::new(msg);
+    for name in FORWARDED {
+        if let Some(value) = metadata.get(name) {
+            down.metadata_mut().insert(name, value.clone());
+        }
+    }
+    down
+}
+
 /// The downstream call's outcome as this hop's answer: the status with its message and
 /// metadata (a reason code from below travels up as it is).
 fn forward<T>(result: Result<Response<T>, Status>) -> Result<Response<T>, Status> {
@@ -38,19 +57,17 @@ impl Library for Gateway {
         &self,
         req: Request<pb::GetBookRequest>,
     ) -> Result<Response<pb::Book>, Status> {
-        forward(self.downstream.clone().get_book(req.into_inner()).await)
+        let down = downstream(req);
+        forward(self.downstream.clone().get_book(down).await)
     }
 
     async fn create_order(
         &self,
         req: Request<pb::CreateOrderRequest>,
     ) -> Result<Response<pb::Order>, Status> {
-        // The caller's idempotency key goes down with the order, so the library runs it once.
-        let key = req.metadata().get("x-idempotency-key").cloned();
-        let mut down = Request::new(req.into_inner());
-        if let Some(key) = key {
-            down.metadata_mut().insert("x-idempotency-key", key);
-        }
+        // The caller's key and tenant go down with the order, so the library runs it once per
+        // tenant and key.
+        let down = downstream(req);
         forward(self.downstream.clone().create_order(down).await)
     }
 
@@ -58,11 +75,7 @@ impl Library for Gateway {
         &self,
         req: Request<pb::DeductStockRequest>,
     ) -> Result<Response<pb::Stock>, Status> {
-        let key = req.metadata().get("x-idempotency-key").cloned();
-        let mut down = Request::new(req.into_inner());
-        if let Some(key) = key {
-            down.metadata_mut().insert("x-idempotency-key", key);
-        }
+        let down = downstream(req);
         forward(self.downstream.clone().deduct_stock(down).await)
     }
 
@@ -70,6 +83,7 @@ impl Library for Gateway {
         &self,
         req: Request<pb::GetStatsRequest>,
     ) -> Result<Response<pb::Stats>, Status> {
-        forward(self.downstream.clone().get_stats(req.into_inner()).await)
+        let down = downstream(req);
+        forward(self.downstream.clone().get_stats(down).await)
     }
 }

@@ -52,7 +52,8 @@ fn status(e: InventoryError) -> Status {
     match &e {
         InventoryError::NoSuchBook(_) => Status::not_found(e.to_string()),
         InventoryError::BadQuantity(_) => Status::invalid_argument(e.to_string()),
-        InventoryError::NotEnoughStock { .. } => {
+        InventoryError::NotEnoughStock { .. } => Status::failed_precondition(e.to_string()),
+        InventoryError::VersionConflict { .. } => {
             let mut s = Status::aborted(e.to_string());
             s.metadata_mut()
                 .insert("x-reason-code", "STOCK_CONFLICT".parse().expect("ASCII"));
@@ -76,6 +77,7 @@ impl Library for LibraryService {
             book_id: book.book_id,
             title: book.title,
             stock: book.stock,
+            version: book.version,
         }))
     }
 
@@ -101,14 +103,15 @@ impl Library for LibraryService {
         req: Request<pb::DeductStockRequest>,
     ) -> Result<Response<pb::Stock>, Status> {
         let r = req.into_inner();
-        let remaining = self
+        let deducted = self
             .inventory
-            .deduct(&r.book_id, i64::from(r.quantity))
+            .deduct(&r.book_id, i64::from(r.quantity), r.expected_version)
             .await
             .map_err(status)?;
         Ok(Response::new(pb::Stock {
             book_id: r.book_id,
-            remaining,
+            remaining: deducted.remaining,
+            version: deducted.version,
         }))
     }
 

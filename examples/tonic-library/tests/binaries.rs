@@ -1,5 +1,6 @@
 //! The binaries as the README runs them: `library-server` prints its address; `library-client`
-//! prints one JSON line per call; a repeated key executes once; reads need no key.
+//! prints one JSON line per call; a repeated key executes once; reads need no key; a gateway
+//! (`library-server --forward-to`) keeps each caller's tenant; a call has a deadline.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -14,8 +15,13 @@ impl Drop for Server {
 }
 
 fn start_server() -> (Server, String) {
+    start_server_with(&[])
+}
+
+fn start_server_with(args: &[&str]) -> (Server, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_library-server"))
         .args(["--listen", "127.0.0.1:0"])
+        .args(args)
         .stdout(Stdio::piped())
         .spawn()
         .expect("library-server starts");
@@ -102,4 +108,122 @@ fn create_order_once_per_key_and_get_book() {
     );
     assert!(!ok);
     assert_eq!(parse(&lines[0])["status"], 9);
+}
+
+/// The Library's side-effect counters, as `library-client get-stats` prints them.
+fn stats(url: &str) -> serde_json::Value {
+    let (ok, lines) = client(url, &["get-stats"]);
+    assert!(ok, "{lines:?}");
+    parse(&lines[0])
+}
+
+#[test]
+fn deduct_stock_once_per_key_and_a_stale_version_is_a_conflict() {
+    let (_server, url) = start_server();
+    let args = [
+        "--key",
+        "grpc-deduct-0001",
+        "--count",
+        "3",
+        "--concurrency",
+        "3",
+        "deduct-stock",
+        "--book",
+        "b1",
+        "--quantity",
+        "4",
+    ];
+    let (ok, lines) = client(&url, &args);
+    assert!(ok, "{lines:?}");
+    for l in &lines {
+        let l = parse(l);
+        assert_eq!(l["remaining"], 1_000_000 - 4, "{l}");
+        assert_eq!(l["version"], 2);
+    }
+    assert_eq!(stats(&url)["deductions"], 1, "the stock was deducted once");
+
+    // Computed from version 1, the book now at 2: ABORTED (10) with STOCK_CONFLICT, which a
+    // client never resends as it was.
+    let (ok, lines) = client(
+        &url,
+        &[
+            "deduct-stock",
+            "--book",
+            "b1",
+            "--quantity",
+            "1",
+            "--expected-version",
+            "1",
+        ],
+    );
+    assert!(!ok);
+    let line = parse(&lines[0]);
+    assert_eq!(line["status"], 10, "{line}");
+    assert_eq!(line["reason"], "STOCK_CONFLICT");
+    assert_eq!(stats(&url)["deductions"], 1);
+
+    // Not enough stock: FAILED_PRECONDITION (9).
+    let (ok, lines) = client(
+        &url,
+        &["deduct-stock", "--book", "b2", "--quantity", "2000000"],
+    );
+    assert!(!ok);
+    assert_eq!(parse(&lines[0])["status"], 9, "{lines:?}");
+}
+
+/// The seed's mistake 2: a gateway that forwards the key but not the tenant scopes every
+/// caller's key to one tenant below, so two tenants sharing a key get each other's order.
+#[test]
+fn a_gateway_forwards_the_tenant_with_the_key() {
+    let (_library, library_url) = start_server();
+    let (_gateway, url) = start_server_with(&["--forward-to", &library_url]);
+    let order = |tenant: &str| {
+        let (ok, lines) = client(
+            &url,
+            &[
+                "--tenant",
+                tenant,
+                "--key",
+                "shared-key-0001",
+                "create-order",
+                "--book",
+                "b1",
+                "--quantity",
+                "1",
+            ],
+        );
+        assert!(ok, "{lines:?}");
+        parse(&lines[0])["order_id"].as_str().unwrap().to_owned()
+    };
+    let acme = order("acme");
+    let globex = order("globex");
+    assert_ne!(acme, globex, "each tenant's key is its own");
+    assert_eq!(
+        order("acme"),
+        acme,
+        "a tenant's retry is the replay of its own order"
+    );
+    assert_eq!(stats(&library_url)["orders_created"], 2);
+}
+
+/// A server that accepts connections and never answers: the client's deadline ends the call
+/// with DEADLINE_EXCEEDED (4) instead of waiting forever.
+#[test]
+fn the_client_gives_up_at_its_deadline_on_a_server_that_never_answers() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let silent = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in listener.incoming().take(8) {
+            match conn {
+                Ok(conn) => held.push(conn),
+                Err(_) => break,
+            }
+        }
+        held
+    });
+    let (ok, lines) = client(&url, &["create-order", "--book", "b1", "--quantity", "1"]);
+    assert!(!ok);
+    assert_eq!(parse(&lines[0])["status"], 4, "{lines:?}");
+    drop(silent);
 }

@@ -1,8 +1,15 @@
-//! `orders-client --url URL [--tenant T] [--key K] [--count N] [--concurrency C] create --book ID --quantity Q`
+//! `orders-client --url URL [--tenant T] [--key K] [--count N] [--concurrency C] COMMAND`
 //!
-//! Sends CreateOrder through `RetryLayer` (default policy, `ensure_idempotency_key`) and prints
-//! one JSON line per order: `{"status":201,"order_id":"...","attempts":k,"key":"..."}`. Exits 0
-//! when every order succeeded.
+//! - `create --book ID --quantity Q`: CreateOrder; prints
+//!   `{"status":201,"order_id":"...","attempts":k,"key":"..."}` per order.
+//! - `deduct --book ID --quantity Q [--expected-version V]`: DeductStock, computed from the
+//!   book's version (read first unless given); on `STOCK_CONFLICT` the client re-reads the book
+//!   and rebuilds the deduction. Prints
+//!   `{"status":200,"remaining":n,"version":v,"attempts":k,"key":"..."}` per deduction.
+//! - `stats`: how many orders and deductions really executed.
+//!
+//! Every call goes through `RetryLayer` (default policy, `ensure_idempotency_key`, a 10 s
+//! deadline). Exits 0 when every call succeeded.
 
 use std::process::ExitCode;
 
@@ -34,6 +41,32 @@ enum Command {
         #[arg(long)]
         quantity: i64,
     },
+    /// Deduct stock from a book.
+    Deduct {
+        /// The book's id.
+        #[arg(long)]
+        book: String,
+        /// How many copies.
+        #[arg(long)]
+        quantity: i64,
+        /// The book's version the deduction is computed from (default: read it first). A stale
+        /// one shows the conflict and its rebuild.
+        #[arg(long)]
+        expected_version: Option<u64>,
+    },
+    /// Print how many orders and deductions the server really executed.
+    Stats,
+}
+
+fn print_line(line: &impl serde::Serialize) {
+    println!("{}", serde_json::to_string(line).expect("serializable"));
+}
+
+fn print_error(e: &retry_layer::BoxError) {
+    println!(
+        "{}",
+        serde_json::json!({"status": 0, "error": e.to_string()})
+    );
 }
 
 #[tokio::main]
@@ -41,22 +74,47 @@ async fn main() -> ExitCode {
     init_tracing();
     let args = Args::parse();
     let client = OrdersClient::new(&args.url, &args.opts.tenant);
-    let Command::Create { book, quantity } = &args.command;
     let key = args.opts.key.as_deref();
+    let command = &args.command;
     args.opts
         .make_calls(|| async {
-            match client.create_order(book, *quantity, key).await {
-                Ok(line) => {
-                    println!("{}", serde_json::to_string(&line).expect("serializable"));
-                    line.status == 201
+            match command {
+                Command::Create { book, quantity } => {
+                    match client.create_order(book, *quantity, key).await {
+                        Ok(line) => {
+                            print_line(&line);
+                            line.status == 201
+                        }
+                        Err(e) => {
+                            print_error(&e);
+                            false
+                        }
+                    }
                 }
-                Err(e) => {
-                    println!(
-                        "{}",
-                        serde_json::json!({"status": 0, "error": e.to_string()})
-                    );
-                    false
-                }
+                Command::Deduct {
+                    book,
+                    quantity,
+                    expected_version,
+                } => match client.deduct(book, *quantity, *expected_version, key).await {
+                    Ok(line) => {
+                        print_line(&line);
+                        line.status == 200
+                    }
+                    Err(e) => {
+                        print_error(&e);
+                        false
+                    }
+                },
+                Command::Stats => match client.stats().await {
+                    Ok(stats) => {
+                        print_line(&stats);
+                        true
+                    }
+                    Err(e) => {
+                        print_error(&e);
+                        false
+                    }
+                },
             }
         })
         .await

@@ -1,5 +1,6 @@
 //! `library-client --url URL [--tenant T] [--key K] [--count N] [--concurrency C] create-order --book ID --quantity Q`
-//! (and `get-book --book ID`)
+//! (and `deduct-stock --book ID --quantity Q [--expected-version V]`, `get-book --book ID`,
+//! `get-stats`)
 //!
 //! A tonic `Channel` wrapped in `RetryLayer`. Prints one JSON line per call, like
 //! `orders-client`: `{"status":0,"order_id":"...","attempts":k,"key":"..."}` where `status` is
@@ -39,12 +40,27 @@ enum Command {
         #[arg(long)]
         quantity: i32,
     },
+    /// DeductStock, computed from `--expected-version` when given (a stale one fails with
+    /// ABORTED and `STOCK_CONFLICT`, which this client does not rebuild: see `orders-client`).
+    DeductStock {
+        /// The book's id.
+        #[arg(long)]
+        book: String,
+        /// How many copies.
+        #[arg(long)]
+        quantity: i32,
+        /// The book's version the deduction is computed from.
+        #[arg(long)]
+        expected_version: Option<u64>,
+    },
     /// GetBook.
     GetBook {
         /// The book's id.
         #[arg(long)]
         book: String,
     },
+    /// GetStats: how many orders and deductions really executed.
+    GetStats,
 }
 
 /// A request with the tenant and (when given) the key as metadata.
@@ -69,8 +85,13 @@ fn attempts_and_key<T>(res: &tonic::Response<T>, given: Option<&str>) -> (u32, S
     (info.map_or(1, |i| i.attempts), key)
 }
 
+/// A failed call's line: the gRPC code, the message, and the business reason code if any.
 fn failure(s: &tonic::Status) -> String {
-    json!({"status": s.code() as i32, "error": s.message()}).to_string()
+    let reason = s
+        .metadata()
+        .get("x-reason-code")
+        .and_then(|v| v.to_str().ok());
+    json!({"status": s.code() as i32, "error": s.message(), "reason": reason}).to_string()
 }
 
 #[tokio::main]
@@ -110,6 +131,39 @@ async fn main() -> ExitCode {
                         Err(s) => (false, failure(&s)),
                     }
                 }
+                Command::DeductStock {
+                    book,
+                    quantity,
+                    expected_version,
+                } => {
+                    let msg = pb::DeductStockRequest {
+                        book_id: book,
+                        quantity,
+                        expected_version,
+                    };
+                    match client.deduct_stock(request(msg, opts)).await {
+                        Ok(res) => {
+                            let (attempts, key) = attempts_and_key(&res, opts.key.as_deref());
+                            let s = res.into_inner();
+                            let line = json!({"status": 0, "remaining": s.remaining,
+                                "version": s.version, "attempts": attempts, "key": key});
+                            (true, line.to_string())
+                        }
+                        Err(s) => (false, failure(&s)),
+                    }
+                }
+                Command::GetStats => match client
+                    .get_stats(request(pb::GetStatsRequest {}, opts))
+                    .await
+                {
+                    Ok(res) => {
+                        let s = res.into_inner();
+                        let line = json!({"status": 0, "orders_created": s.orders_created,
+                            "deductions": s.deductions});
+                        (true, line.to_string())
+                    }
+                    Err(s) => (false, failure(&s)),
+                },
                 Command::GetBook { book } => {
                     let msg = pb::GetBookRequest { book_id: book };
                     match client.get_book(request(msg, opts)).await {
@@ -117,7 +171,7 @@ async fn main() -> ExitCode {
                             let (attempts, _) = attempts_and_key(&res, None);
                             let b = res.into_inner();
                             let line = json!({"status": 0, "book_id": b.book_id, "title": b.title,
-                                "stock": b.stock, "attempts": attempts});
+                                "stock": b.stock, "version": b.version, "attempts": attempts});
                             (true, line.to_string())
                         }
                         Err(s) => (false, failure(&s)),

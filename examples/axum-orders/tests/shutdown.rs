@@ -1,0 +1,139 @@
+//! A rolling deploy's SIGTERM between a write's side effect and its record: `orders-server`
+//! drains (new writes refused, the write in flight finishes and stores its record) before it
+//! exits, so the client gets its answer and its retry, on the server started next on the same
+//! shared store (Redis, `REDIS_URL`), is the replay: the same order, executed once.
+//!
+//! Unset `REDIS_URL`: the test says so and passes, except under `CI`, where it fails.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct Server {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    fn start(store: &str) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_orders-server"))
+            .args(["--listen", "127.0.0.1:0", "--store", store])
+            // Each order takes 2 s: long enough to send SIGTERM while it runs.
+            .args(["--work-ms", "2000", "--shutdown-grace-ms", "20000"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("orders-server starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let url = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+            .to_owned();
+        Server { child, url }
+    }
+
+    /// The server's `/metrics` text.
+    fn metrics(&self) -> String {
+        let addr = self.url.trim_start_matches("http://");
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        write!(s, "GET /metrics HTTP/1.0\r\nhost: {addr}\r\n\r\n").unwrap();
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        out
+    }
+
+    fn sigterm(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success());
+    }
+
+    /// Waits (at most 30 s) for the process to end by itself.
+    fn wait_for_exit(&mut self) -> std::process::ExitStatus {
+        let give_up = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                Instant::now() < give_up,
+                "orders-server runs 30 s after SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn create_order(url: &str, key: &str) -> (bool, serde_json::Value) {
+    let out = Command::new(env!("CARGO_BIN_EXE_orders-client"))
+        .args(["--url", url, "--key", key])
+        .args(["create", "--book", "b1", "--quantity", "1"])
+        .output()
+        .expect("orders-client runs");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let line = stdout.lines().next().expect("a JSON line");
+    (out.status.success(), serde_json::from_str(line).unwrap())
+}
+
+fn redis_url() -> Option<String> {
+    match std::env::var("REDIS_URL") {
+        Ok(v) if !v.trim().is_empty() => Some(v),
+        _ if std::env::var_os("CI").is_some() => {
+            panic!("REDIS_URL is not set, but CI is: the shutdown test never skips in CI")
+        }
+        _ => {
+            eprintln!("skipped: REDIS_URL is not set");
+            None
+        }
+    }
+}
+
+#[test]
+fn sigterm_mid_handler_drains_and_the_retry_replays() {
+    let Some(store) = redis_url() else {
+        return;
+    };
+    let key = format!("order-sigterm-{}", uuid::Uuid::new_v4());
+    let mut server = Server::start(&store);
+    let url = server.url.clone();
+    let first = {
+        let (url, key) = (url.clone(), key.clone());
+        std::thread::spawn(move || create_order(&url, &key))
+    };
+    // SIGTERM once the handler runs (the layer holds its claim), not on a timer.
+    let give_up = Instant::now() + Duration::from_secs(20);
+    while !server.metrics().contains("idempotency_layer_in_flight 1") {
+        assert!(Instant::now() < give_up, "the order never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    server.sigterm();
+    let (ok, first) = first.join().unwrap();
+    assert!(ok, "the order in flight is answered: {first}");
+    assert_eq!(first["status"], 201);
+    assert!(
+        server.wait_for_exit().success(),
+        "a clean exit after the drain"
+    );
+
+    let server = Server::start(&store);
+    let (ok, retry) = create_order(&server.url, &key);
+    assert!(ok, "{retry}");
+    assert_eq!(
+        retry["order_id"], first["order_id"],
+        "the retry is the replay of the order that ran before the shutdown"
+    );
+}
