@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -165,9 +165,22 @@ impl fmt::Debug for Ledger {
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// Ledger writes that failed, in this process (the report shows a run's share).
+static LEDGER_ERRORS: AtomicU64 = AtomicU64::new(0);
+
 impl Ledger {
-    /// Records one execution for `key`; returns the count after it.
+    /// Records one execution for `key`; returns the count after it. An error is ambiguous (the
+    /// write may have been applied and only its reply lost): the handlers answer it with a
+    /// failure no client retries, never with one that says nothing ran.
     pub(crate) async fn add(&self, key: &str) -> Result<u64, BoxError> {
+        let added = self.try_add(key).await;
+        if added.is_err() {
+            LEDGER_ERRORS.fetch_add(1, Ordering::Relaxed);
+        }
+        added
+    }
+
+    async fn try_add(&self, key: &str) -> Result<u64, BoxError> {
         match self {
             Ledger::Memory(m) => {
                 let mut m = m.lock().unwrap();
@@ -261,8 +274,8 @@ async fn handle(State(ledger): State<Ledger>, headers: HeaderMap) -> (StatusCode
     };
     match ledger.add(key).await {
         Ok(n) => (StatusCode::CREATED, format!("{key} {n}")),
-        // The effect did not happen: a 503 is not recorded and the client retries.
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("ledger: {e}")),
+        // The effect may have happened (a lost reply): a 500 is not recorded and not retried.
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("ledger: {e}")),
     }
 }
 
@@ -436,8 +449,10 @@ pub struct Report {
     /// Operations that got no answer within 200 s, by group and key (must be empty).
     pub hung: Vec<(Group, String)>,
     /// Layer counters summed over instances: executed, replayed, waited, recorded, released,
-    /// store errors.
-    pub layer: [u64; 6],
+    /// store errors, lapsed claims, detached work refused.
+    pub layer: [u64; 8],
+    /// Ledger writes that failed (answered 500 / INTERNAL, never retried: they may have run).
+    pub ledger_errors: u64,
     /// RSS in KiB at start, middle and end.
     pub rss_kib: [u64; 3],
     /// Each client group's operations and its layer's counters.
@@ -574,11 +589,13 @@ impl fmt::Display for Report {
                 writeln!(f, "      {why}: {n}")?;
             }
         }
-        let [executed, replayed, waited, recorded, released, store_errors] = self.layer;
+        let [executed, replayed, waited, recorded, released, store_errors, lapsed, detached_refused] =
+            self.layer;
         writeln!(
             f,
-            "  layer                  {executed} executed, {replayed} replayed, {waited} waited, {recorded} recorded, {released} released, {store_errors} store errors"
+            "  layer                  {executed} executed, {replayed} replayed, {waited} waited, {recorded} recorded, {released} released, {store_errors} store errors, {lapsed} lapsed, {detached_refused} detached refused"
         )?;
+        writeln!(f, "  ledger errors          {}", self.ledger_errors)?;
         writeln!(f, "  ledger executions      {}", self.executions)?;
         writeln!(f, "  duplicates (key > 1)   {}", self.duplicates.len())?;
         writeln!(f, "  lost (succeeded, 0)    {}", self.lost.len())?;
@@ -699,6 +716,7 @@ enum Lookup {
 pub async fn run(opts: Options) -> Report {
     trace_ring::install_from_env();
     let started = Instant::now();
+    let ledger_errors_before = LEDGER_ERRORS.load(Ordering::Relaxed);
     let rss_start = rss_kib();
     let run_id = format!("{:012x}", fastrand::u64(..) & 0xffff_ffff_ffff);
     let unavailable = Unavailable::first_attempts(opts.unavailable_p, opts.seed ^ 0x5eed);
@@ -742,8 +760,11 @@ pub async fn run(opts: Options) -> Report {
                         .expect("REDIS_URL must be reachable")
                 };
                 let client = redis::Client::open(url.as_str()).expect("a Redis URL");
+                // No response timeout (redis-rs has 500 ms by default): a slow reply on a
+                // loaded machine must not turn an applied HINCRBY into an error (F10).
+                let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
                 let conn = client
-                    .get_multiplexed_async_connection()
+                    .get_multiplexed_async_connection_with_config(&config)
                     .await
                     .expect("REDIS_URL must be reachable");
                 let ledger = Ledger::Redis(conn, format!("chaos:{run_id}:ledger"));
@@ -1050,6 +1071,7 @@ pub async fn run(opts: Options) -> Report {
             .batch_execute(&format!("DROP TABLE IF EXISTS {}", store.table()))
             .await;
     }
+    report.ledger_errors = LEDGER_ERRORS.load(Ordering::Relaxed) - ledger_errors_before;
     report.rss_kib = [
         rss_start,
         rss_middle.load(Ordering::SeqCst) as u64,
@@ -1066,8 +1088,8 @@ enum Checker {
     Postgres(PostgresStore, Vec<IdempotencyLayer<PostgresStore>>),
 }
 
-fn sum<St>(layers: &[IdempotencyLayer<St>]) -> [u64; 6] {
-    let mut out = [0; 6];
+fn sum<St>(layers: &[IdempotencyLayer<St>]) -> [u64; 8] {
+    let mut out = [0; 8];
     for l in layers {
         let m = l.stats();
         for (o, v) in out.iter_mut().zip([
@@ -1077,6 +1099,8 @@ fn sum<St>(layers: &[IdempotencyLayer<St>]) -> [u64; 6] {
             m.recorded,
             m.released,
             m.store_errors,
+            m.lapsed,
+            m.detached_refused,
         ]) {
             *o += v;
         }

@@ -353,7 +353,8 @@ impl tonic::server::UnaryService<Op> for Write {
                 .to_owned();
             match ledger.add(&key).await {
                 Ok(count) => Ok(tonic::Response::new(Op { key, count })),
-                Err(e) => Err(tonic::Status::unavailable(format!("ledger: {e}"))),
+                // The effect may have happened (a lost reply): INTERNAL, never retried.
+                Err(e) => Err(tonic::Status::internal(format!("ledger: {e}"))),
             }
         })
     }
