@@ -167,15 +167,22 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Ledger writes that failed, in this process (the report shows a run's share).
 static LEDGER_ERRORS: AtomicU64 = AtomicU64::new(0);
+/// Ledger writes whose reply took longer than redis-rs's default response timeout (500 ms):
+/// each would have been an error, its write applied, with that default (F10).
+static LEDGER_SLOW: AtomicU64 = AtomicU64::new(0);
 
 impl Ledger {
     /// Records one execution for `key`; returns the count after it. An error is ambiguous (the
     /// write may have been applied and only its reply lost): the handlers answer it with a
     /// failure no client retries, never with one that says nothing ran.
     pub(crate) async fn add(&self, key: &str) -> Result<u64, BoxError> {
+        let started = Instant::now();
         let added = self.try_add(key).await;
         if added.is_err() {
             LEDGER_ERRORS.fetch_add(1, Ordering::Relaxed);
+        }
+        if started.elapsed() > Duration::from_millis(500) {
+            LEDGER_SLOW.fetch_add(1, Ordering::Relaxed);
         }
         added
     }
@@ -453,6 +460,8 @@ pub struct Report {
     pub layer: [u64; 8],
     /// Ledger writes that failed (answered 500 / INTERNAL, never retried: they may have run).
     pub ledger_errors: u64,
+    /// Ledger writes whose reply took longer than 500 ms.
+    pub ledger_slow: u64,
     /// RSS in KiB at start, middle and end.
     pub rss_kib: [u64; 3],
     /// Each client group's operations and its layer's counters.
@@ -595,7 +604,11 @@ impl fmt::Display for Report {
             f,
             "  layer                  {executed} executed, {replayed} replayed, {waited} waited, {recorded} recorded, {released} released, {store_errors} store errors, {lapsed} lapsed, {detached_refused} detached refused"
         )?;
-        writeln!(f, "  ledger errors          {}", self.ledger_errors)?;
+        writeln!(
+            f,
+            "  ledger errors          {} ({} replies over 500 ms)",
+            self.ledger_errors, self.ledger_slow
+        )?;
         writeln!(f, "  ledger executions      {}", self.executions)?;
         writeln!(f, "  duplicates (key > 1)   {}", self.duplicates.len())?;
         writeln!(f, "  lost (succeeded, 0)    {}", self.lost.len())?;
@@ -717,6 +730,7 @@ pub async fn run(opts: Options) -> Report {
     trace_ring::install_from_env();
     let started = Instant::now();
     let ledger_errors_before = LEDGER_ERRORS.load(Ordering::Relaxed);
+    let ledger_slow_before = LEDGER_SLOW.load(Ordering::Relaxed);
     let rss_start = rss_kib();
     let run_id = format!("{:012x}", fastrand::u64(..) & 0xffff_ffff_ffff);
     let unavailable = Unavailable::first_attempts(opts.unavailable_p, opts.seed ^ 0x5eed);
@@ -1072,6 +1086,7 @@ pub async fn run(opts: Options) -> Report {
             .await;
     }
     report.ledger_errors = LEDGER_ERRORS.load(Ordering::Relaxed) - ledger_errors_before;
+    report.ledger_slow = LEDGER_SLOW.load(Ordering::Relaxed) - ledger_slow_before;
     report.rss_kib = [
         rss_start,
         rss_middle.load(Ordering::SeqCst) as u64,
