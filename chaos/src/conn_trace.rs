@@ -21,6 +21,7 @@ use tower::Service;
 /// What the client saw of one connection.
 #[derive(Debug)]
 struct ConnInfo {
+    id: u64,
     port: u16,
     opened: Instant,
     written: AtomicU64,
@@ -30,17 +31,26 @@ struct ConnInfo {
     shutdown: AtomicBool,
 }
 
-/// The connections hyper still holds, by local port.
+/// How many dropped connections [`ConnLog`] remembers.
+const DROPPED_KEPT: usize = 100_000;
+
+/// The connections hyper still holds, by id, and when the last ones it dropped were dropped.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct ConnLog {
     held: Arc<Mutex<BTreeMap<u64, Arc<ConnInfo>>>>,
+    dropped: Arc<Mutex<BTreeMap<u64, Instant>>>,
     next: Arc<AtomicU64>,
 }
 
 impl ConnLog {
-    /// True when hyper still holds the connection from `port`.
-    pub(crate) fn holds(&self, port: u16) -> bool {
-        self.held.lock().unwrap().values().any(|c| c.port == port)
+    /// True when hyper still holds the connection `id`.
+    pub(crate) fn holds(&self, id: u64) -> bool {
+        self.held.lock().unwrap().contains_key(&id)
+    }
+
+    /// When hyper dropped the connection `id` (its IO), if it has.
+    pub(crate) fn dropped_at(&self, id: u64) -> Option<Instant> {
+        self.dropped.lock().unwrap().get(&id).copied()
     }
 
     /// Every connection hyper holds now, one line each.
@@ -50,7 +60,8 @@ impl ConnLog {
         let mut out = format!("{} client connections held\n", held.len());
         for c in held.values() {
             out.push_str(&format!(
-                "client connection from port {}: opened {:?} ago, {} bytes written, {} read, end of stream read: {}, write failed: {}, shut down: {}\n",
+                "client connection {} from port {}: opened {:?} ago, {} bytes written, {} read, end of stream read: {}, write failed: {}, shut down: {}\n",
+                c.id,
                 c.port,
                 now - c.opened,
                 c.written.load(Ordering::Relaxed),
@@ -104,6 +115,7 @@ impl Service<Uri> for TracedConnector {
             let port = io.local_addr().map_or(0, |a| a.port());
             let id = log.next.fetch_add(1, Ordering::Relaxed);
             let info = Arc::new(ConnInfo {
+                id,
                 port,
                 opened: Instant::now(),
                 written: AtomicU64::new(0),
@@ -113,6 +125,7 @@ impl Service<Uri> for TracedConnector {
                 shutdown: AtomicBool::new(false),
             });
             log.held.lock().unwrap().insert(id, info.clone());
+            tracing::trace!("conn {id} (port {port}) connected");
             Ok(TokioIo::new(TracedIo { io, info, log, id }))
         })
     }
@@ -131,16 +144,30 @@ pub(crate) struct TracedIo {
 impl Drop for TracedIo {
     fn drop(&mut self) {
         self.log.held.lock().unwrap().remove(&self.id);
+        let mut dropped = self.log.dropped.lock().unwrap();
+        if dropped.len() >= DROPPED_KEPT {
+            dropped.pop_first();
+        }
+        dropped.insert(self.id, Instant::now());
+        let (id, port) = (self.id, self.info.port);
+        tracing::trace!("conn {id} (port {port}) dropped by hyper");
     }
 }
 
-/// The local port of the connection a request went out on, as `Connected` extra data.
+/// The connection a request went out on (its id in the [`ConnLog`] and its local port), as
+/// `Connected` extra data.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct LocalPort(pub(crate) u16);
+pub(crate) struct ConnTag {
+    pub(crate) id: u64,
+    pub(crate) port: u16,
+}
 
 impl Connection for TracedIo {
     fn connected(&self) -> Connected {
-        self.io.connected().extra(LocalPort(self.info.port))
+        self.io.connected().extra(ConnTag {
+            id: self.id,
+            port: self.info.port,
+        })
     }
 }
 
@@ -155,10 +182,15 @@ impl AsyncRead for TracedIo {
         let result = Pin::new(&mut this.io).poll_read(cx, buf);
         if let Poll::Ready(Ok(())) = &result {
             let n = buf.filled().len() - before;
-            if n == 0 && buf.remaining() > 0 {
-                this.info.eof.store(true, Ordering::Relaxed);
+            if n == 0 && buf.remaining() > 0 && !this.info.eof.swap(true, Ordering::Relaxed) {
+                let id = this.id;
+                tracing::trace!("conn {id} read the end of stream");
             }
             this.info.read.fetch_add(n as u64, Ordering::Relaxed);
+        }
+        if let Poll::Ready(Err(e)) = &result {
+            let id = this.id;
+            tracing::trace!("conn {id} read failed: {e}");
         }
         result
     }
@@ -176,7 +208,12 @@ impl AsyncWrite for TracedIo {
             Poll::Ready(Ok(n)) => {
                 this.info.written.fetch_add(*n as u64, Ordering::Relaxed);
             }
-            Poll::Ready(Err(_)) => this.info.write_error.store(true, Ordering::Relaxed),
+            Poll::Ready(Err(e)) => {
+                if !this.info.write_error.swap(true, Ordering::Relaxed) {
+                    let id = this.id;
+                    tracing::trace!("conn {id} write failed: {e}");
+                }
+            }
             Poll::Pending => {}
         }
         result
@@ -188,7 +225,10 @@ impl AsyncWrite for TracedIo {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         let this = self.get_mut();
-        this.info.shutdown.store(true, Ordering::Relaxed);
+        if !this.info.shutdown.swap(true, Ordering::Relaxed) {
+            let id = this.id;
+            tracing::trace!("conn {id} shut down by hyper");
+        }
         Pin::new(&mut this.io).poll_shutdown(cx)
     }
 }

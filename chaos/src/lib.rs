@@ -67,6 +67,12 @@ const HUNG_AFTER: Duration = Duration::from_secs(200);
 /// An HTTP attempt pending this long is reported with what the proxies saw (F7): far longer
 /// than any answer of the servers takes (their waits end within 30 s).
 const STUCK_AFTER: Duration = Duration::from_secs(40);
+/// An HTTP attempt still pending this long after hyper dropped the connection it was handed
+/// is reported at once (F7): when a connection goes, every request on it fails within
+/// milliseconds.
+const SUSPECT_AFTER: Duration = Duration::from_secs(1);
+/// At most this many trace files are written per run.
+const TRACE_DUMPS: usize = 20;
 /// The failure cause of a hung operation.
 const HUNG: &str = "hung: no answer within 200 s";
 /// The one write endpoint.
@@ -347,8 +353,11 @@ fn chooser(seed: u64, drop_p: f64, reset_p: f64, delay_p: f64) -> Chooser {
 }
 
 /// The hyper client the HTTP wires and kill chaos share, through `layer`.
-pub(crate) type HttpClient =
-    Retry<attempts::Attempts<Client<conn_trace::TracedConnector, ReplayBody<Full<Bytes>>>>>;
+pub(crate) type HttpClient = Retry<
+    attempts::Attempts<
+        Client<conn_trace::TracedConnector, attempts::TracedBody<ReplayBody<Full<Bytes>>>>,
+    >,
+>;
 
 /// How one logical operation ended.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -718,6 +727,54 @@ async fn in_flight<St: IdempotencyStore>(
     (held, free)
 }
 
+/// Reports attempts pending after their connection is gone: what became of each, the fault
+/// proxy's view of the connection, and with `CHAOS_TRACE` the client's events from the first
+/// one's start to a little after the connection's drop, written to a file in `CHAOS_TRACE_DIR`
+/// (default: the current directory).
+fn report_suspects(
+    suspects: &[attempts::Suspect],
+    stats: &[(Wire, Arc<e2e::proxy::ProxyStats>)],
+    dumps: &mut usize,
+) {
+    let mut by_conn: BTreeMap<u64, Vec<&attempts::Suspect>> = BTreeMap::new();
+    for s in suspects {
+        by_conn.entry(s.conn.id).or_default().push(s);
+    }
+    for (id, group) in by_conn {
+        let first = group.iter().map(|s| s.started).min().expect("a group");
+        let dropped = group[0].conn_dropped;
+        let port = group[0].conn.port;
+        let mut out = format!(
+            "{} attempt(s) pending {:?} after connection {id} (port {port}) was dropped by hyper:\n",
+            group.len(),
+            dropped.elapsed()
+        );
+        for s in &group {
+            out.push_str(&format!("  {}\n", s.describe()));
+        }
+        for (wire, st) in stats {
+            out.push_str(&format!(
+                "  the {} proxy's view of port {port}: {}\n",
+                wire.name(),
+                st.h2_connection_from(port)
+            ));
+        }
+        if trace_ring::enabled() && *dumps < TRACE_DUMPS {
+            *dumps += 1;
+            let dir = std::env::var("CHAOS_TRACE_DIR").unwrap_or_else(|_| ".".into());
+            let path = format!("{dir}/f7-conn-{id}.trace");
+            let from = first.min(dropped) - Duration::from_millis(50);
+            let events = trace_ring::between(first, from, dropped + Duration::from_millis(50));
+            let header = format!("{out}events from 50 ms before the first attempt's start to 50 ms after the connection's drop, times from the first attempt's start:\n");
+            match std::fs::write(&path, header + &events) {
+                Ok(()) => out.push_str(&format!("  client trace written to {path}\n")),
+                Err(e) => out.push_str(&format!("  client trace not written to {path}: {e}\n")),
+            }
+        }
+        eprint!("{out}");
+    }
+}
+
 /// What a scope holds.
 enum Lookup {
     Held,
@@ -905,14 +962,44 @@ pub async fn run(opts: Options) -> Report {
     let clients: Arc<Vec<(Group, WireClient)>> =
         Arc::new(groups.iter().map(|(g, _, c)| (*g, c.clone())).collect());
     // Reports HTTP attempts that wait far longer than any answer should take, with what the
-    // fault proxies saw then (F7).
+    // fault proxies saw then; and, within seconds, attempts still pending after the connection
+    // they were handed is gone, with the client's trace around them when `CHAOS_TRACE` is set
+    // (F7).
     let watchdog = {
         let log = attempt_log.clone();
         let stats: Vec<(Wire, Arc<e2e::proxy::ProxyStats>)> =
             proxies.iter().map(|(w, p)| (*w, p.stats.clone())).collect();
         tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_secs(5)).await;
+            let mut followups: Vec<(Instant, Vec<attempts::Suspect>)> = Vec::new();
+            let mut dumps = 0usize;
+            for tick in 1u64.. {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let suspects = log.suspects(SUSPECT_AFTER);
+                if !suspects.is_empty() {
+                    report_suspects(&suspects, &stats, &mut dumps);
+                    followups.push((Instant::now(), suspects));
+                }
+                followups.retain(|(since, suspects)| {
+                    let settled = suspects.iter().all(attempts::Suspect::body_dropped);
+                    if settled || since.elapsed() > HUNG_AFTER {
+                        let lines: Vec<String> =
+                            suspects.iter().map(attempts::Suspect::describe).collect();
+                        eprintln!(
+                            "attempts pending after their connection was gone, {}:\n  {}",
+                            if settled {
+                                "now settled"
+                            } else {
+                                "still unsettled"
+                            },
+                            lines.join("\n  ")
+                        );
+                        return false;
+                    }
+                    true
+                });
+                if tick % 5 != 0 {
+                    continue;
+                }
                 let (stuck, since) = log.stuck(STUCK_AFTER);
                 let Some(since) = since else {
                     continue;

@@ -24,14 +24,14 @@ use http::uri::PathAndQuery;
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+use hyper_util::rt::TokioTimer;
 use retry_layer::tonic::RetryChannel;
 use retry_layer::{RetryInfo, RetryLayer, RetryPolicy};
 use tonic::transport::{Channel, Endpoint};
 use tonic_prost::ProstCodec;
 use tower::ServiceExt;
 
-use crate::attempts::{AttemptLog, Attempts};
+use crate::attempts::{AttemptLog, Attempts, SpanExec};
 use crate::conn_trace::TracedConnector;
 use crate::{error_kind, HttpClient, Ledger, Outcome, PATH};
 
@@ -217,7 +217,7 @@ pub(crate) fn http_client(
     log: AttemptLog,
     keep_alive: bool,
 ) -> HttpClient {
-    let mut builder = Client::builder(TokioExecutor::new());
+    let mut builder = Client::builder(SpanExec);
     match wire {
         Wire::Http1 => builder.pool_max_idle_per_host(0),
         Wire::Http2 | Wire::Grpc => builder.http2_only(true),

@@ -57,15 +57,18 @@ pub struct ProxyStats {
     /// What the proxy saw of each HTTP/2 connection still open: to tell, when a call hangs,
     /// whether its stream is waiting on the server, on the proxy, or never left the client.
     open_h2: Mutex<std::collections::BTreeMap<u64, Arc<Mutex<H2Trace>>>>,
-    /// The last HTTP/2 connections that closed with streams unanswered.
+    /// The last HTTP/2 connections that closed, with their streams unanswered.
     closed_h2: Mutex<std::collections::VecDeque<ClosedH2>>,
     next_id: AtomicUsize,
 }
 
-/// An HTTP/2 connection that closed with streams unanswered.
+/// An HTTP/2 connection that closed, and its streams unanswered.
 #[derive(Debug)]
 struct ClosedH2 {
     id: u64,
+    /// The client's port.
+    peer_port: u16,
+    last_stream: u32,
     accepted: std::time::Instant,
     closed: std::time::Instant,
     how: &'static str,
@@ -77,6 +80,10 @@ struct ClosedH2 {
 /// started, and how it ended.
 #[derive(Debug)]
 struct H2Trace {
+    /// The client's port.
+    peer_port: u16,
+    /// The highest stream the client opened (sent HEADERS on).
+    last_stream: u32,
     /// When the client's connection was accepted, and when the server's was made.
     accepted: std::time::Instant,
     upstream: Option<std::time::Instant>,
@@ -102,8 +109,10 @@ struct StreamTrace {
 }
 
 impl H2Trace {
-    fn new() -> Self {
+    fn new(peer_port: u16) -> Self {
         H2Trace {
+            peer_port,
+            last_stream: 0,
             accepted: std::time::Instant::now(),
             upstream: None,
             opened: std::time::Instant::now(),
@@ -151,6 +160,7 @@ impl H2Trace {
             let ends = flags & END_STREAM != 0 && matches!(kind, 0x0 | 0x1);
             match (kind, from_server) {
                 (0x1, false) => {
+                    self.last_stream = self.last_stream.max(stream);
                     s.request.get_or_insert(now);
                     s.request_ended |= ends;
                 }
@@ -186,7 +196,8 @@ impl ProxyStats {
         for (id, t) in self.open_h2.lock().unwrap().iter() {
             let t = t.lock().unwrap();
             out.push_str(&format!(
-                "open connection {id}: accepted {:?} ago, server connection {}, {} bytes up, {} down, GOAWAYs {:?}; unanswered: {:?}\n",
+                "open connection {id} (client port {}): accepted {:?} ago, server connection {}, {} bytes up, {} down, GOAWAYs {:?}; unanswered: {:?}\n",
+                t.peer_port,
                 ago(t.accepted),
                 t.upstream.map_or("not made".to_owned(), |u| format!("made {:?} ago", ago(u))),
                 t.up_bytes,
@@ -206,8 +217,9 @@ impl ProxyStats {
                 continue;
             }
             out.push_str(&format!(
-                "closed connection {}: accepted {:?} ago, closed {:?} ago ({}); unanswered streams near then (stream, request ago): {:?}\n",
+                "closed connection {} (client port {}): accepted {:?} ago, closed {:?} ago ({}); unanswered streams near then (stream, request ago): {:?}\n",
                 c.id,
+                c.peer_port,
                 ago(c.accepted),
                 ago(c.closed),
                 c.how,
@@ -215,6 +227,43 @@ impl ProxyStats {
             ));
         }
         out
+    }
+
+    /// What the proxy saw of the HTTP/2 connection from the client's `port` (the last one, if
+    /// the port was used more than once): open, or closed (among the last 4 096 closed).
+    pub fn h2_connection_from(&self, port: u16) -> String {
+        let now = std::time::Instant::now();
+        let ago = |t: std::time::Instant| now.saturating_duration_since(t);
+        for (id, t) in self.open_h2.lock().unwrap().iter() {
+            let t = t.lock().unwrap();
+            if t.peer_port == port {
+                return format!(
+                    "open connection {id}: accepted {:?} ago, streams opened up to {}, {} bytes up, {} down, GOAWAYs {:?}; unanswered: {:?}",
+                    ago(t.accepted),
+                    t.last_stream,
+                    t.up_bytes,
+                    t.down_bytes,
+                    t.goaways,
+                    t.unanswered(now, Duration::ZERO)
+                );
+            }
+        }
+        let closed = self.closed_h2.lock().unwrap();
+        match closed.iter().rev().find(|c| c.peer_port == port) {
+            Some(c) => format!(
+                "closed connection {}: accepted {:?} ago, closed {:?} ago ({}), streams opened up to {}; unanswered streams (stream, request ago): {:?}",
+                c.id,
+                ago(c.accepted),
+                ago(c.closed),
+                c.how,
+                c.last_stream,
+                c.unanswered
+                    .iter()
+                    .map(|(n, t)| (*n, ago(*t)))
+                    .collect::<Vec<_>>()
+            ),
+            None => "no connection from that port open, nor among the last closed".into(),
+        }
     }
 
     /// Every HTTP/2 connection still open with a stream whose request has waited longer than
@@ -263,7 +312,7 @@ impl Proxy {
         tokio::spawn(async move {
             let mut next = 0usize;
             loop {
-                let Ok((client, _)) = listener.accept().await else {
+                let Ok((client, peer)) = listener.accept().await else {
                     return;
                 };
                 s.connections.fetch_add(1, Ordering::SeqCst);
@@ -271,7 +320,7 @@ impl Proxy {
                 next += 1;
                 let (s, chooser) = (s.clone(), chooser.clone());
                 tokio::spawn(async move {
-                    let _ = relay(client, upstream, protocol, chooser, &s).await;
+                    let _ = relay(client, peer.port(), upstream, protocol, chooser, &s).await;
                 });
             }
         });
@@ -299,6 +348,7 @@ pub fn drop_with_probability(p: f64, seed: u64) -> Chooser {
 
 async fn relay(
     client: TcpStream,
+    peer_port: u16,
     upstream: SocketAddr,
     protocol: Protocol,
     chooser: SharedChooser,
@@ -322,7 +372,7 @@ async fn relay(
     // from their accept on.
     let trace = (protocol == Protocol::Http2).then(|| {
         let id = stats.next_id.fetch_add(1, Ordering::SeqCst) as u64;
-        let t = Arc::new(Mutex::new(H2Trace::new()));
+        let t = Arc::new(Mutex::new(H2Trace::new(peer_port)));
         stats.open_h2.lock().unwrap().insert(id, t.clone());
         (id, t)
     });
@@ -449,15 +499,14 @@ impl Drop for Untrace<'_> {
             .filter(|(_, s)| !s.response_ended)
             .filter_map(|(n, s)| s.request.map(|at| (*n, at)))
             .collect();
-        if unanswered.is_empty() {
-            return;
-        }
         let mut closed = self.0.closed_h2.lock().unwrap();
         if closed.len() == 4096 {
             closed.pop_front();
         }
         closed.push_back(ClosedH2 {
             id,
+            peer_port: t.peer_port,
+            last_stream: t.last_stream,
             accepted: t.accepted,
             closed: std::time::Instant::now(),
             how: t.ended,
@@ -645,7 +694,7 @@ mod trace_tests {
             frames.extend(f.scan(piece));
         }
         assert_eq!(frames, vec![(0x1, 0x4, 1, 0x8889_0000), (0x3, 0, 1, 8)]);
-        let mut t = H2Trace::new();
+        let mut t = H2Trace::new(0);
         t.note(false, &frames[..1]);
         assert!(t.streams[&1].request.is_some());
         t.note(false, &frames[1..]);
