@@ -124,6 +124,9 @@ pub struct Options {
     pub lease: Duration,
     /// HTTP/2 keep-alive on the HTTP/2 and gRPC clients (PING every 10 s, 5 s to answer).
     pub h2_keep_alive: bool,
+    /// With the memory store: `MemoryStore::new()` as it ships (100 000 records, 128 MiB, a
+    /// 50 % share per tenant while others are present), instead of a store sized for the run.
+    pub memory_defaults: bool,
 }
 
 impl Options {
@@ -147,6 +150,7 @@ impl Options {
             seed: 7,
             lease: Duration::from_secs(30),
             h2_keep_alive: true,
+            memory_defaults: false,
         }
     }
 }
@@ -471,6 +475,8 @@ pub struct Report {
     pub ledger_errors: u64,
     /// Ledger writes whose reply took longer than 500 ms.
     pub ledger_slow: u64,
+    /// The memory store's claims refused because it was full, and records it evicted.
+    pub memory_store: Option<(u64, u64)>,
     /// RSS in KiB at start, middle and end.
     pub rss_kib: [u64; 3],
     /// Each client group's operations and its layer's counters.
@@ -619,6 +625,12 @@ impl fmt::Display for Report {
             self.ledger_errors, self.ledger_slow
         )?;
         writeln!(f, "  ledger executions      {}", self.executions)?;
+        if let Some((refused, evicted)) = self.memory_store {
+            writeln!(
+                f,
+                "  memory store           {refused} claims refused as full, {evicted} records evicted"
+            )?;
+        }
         writeln!(f, "  duplicates (key > 1)   {}", self.duplicates.len())?;
         writeln!(f, "  lost (succeeded, 0)    {}", self.lost.len())?;
         writeln!(f, "  failed but executed    {}", self.failed_but_executed)?;
@@ -798,13 +810,16 @@ pub async fn run(opts: Options) -> Report {
         match opts.store {
             StoreKind::Memory => {
                 // Sized for the run (peak writes x TTL), as the store's docs ask: with the
-                // defaults (100 000 entries, 128 MiB, half of it per tenant) a long run's
-                // claims would be refused once the store is full. One tenant: all of it.
-                let store = MemoryStore::builder()
-                    .max_entries(MEMORY_CAPACITY)
-                    .max_bytes(MEMORY_MAX_BYTES)
-                    .tenant_share_percent(100)
-                    .build();
+                // defaults (100 000 records, 128 MiB) a long run's claims would be refused once
+                // the store is full of records younger than its minimum retention (1 h).
+                let store = if opts.memory_defaults {
+                    MemoryStore::new()
+                } else {
+                    MemoryStore::builder()
+                        .max_entries(MEMORY_CAPACITY)
+                        .max_bytes(MEMORY_MAX_BYTES)
+                        .build()
+                };
                 let ledger = Ledger::Memory(Arc::default());
                 let layer = IdempotencyLayer::new(store.clone())
                     .default_tenant(TENANT)
@@ -1173,6 +1188,10 @@ pub async fn run(opts: Options) -> Report {
             .await;
     }
     report.ledger_errors = LEDGER_ERRORS.load(Ordering::Relaxed) - ledger_errors_before;
+    if let Checker::Memory(store, _) = &checker {
+        let stats = store.stats();
+        report.memory_store = Some((stats.refused, stats.evicted));
+    }
     report.ledger_slow = LEDGER_SLOW.load(Ordering::Relaxed) - ledger_slow_before;
     report.rss_kib = [
         rss_start,

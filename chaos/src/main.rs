@@ -41,6 +41,10 @@ struct Args {
     /// 10 s).
     #[arg(long)]
     no_h2_keep_alive: bool,
+    /// With the memory store: `MemoryStore::new()` as it ships, instead of a store sized for
+    /// the run.
+    #[arg(long)]
+    memory_defaults: bool,
 }
 
 #[tokio::main]
@@ -68,6 +72,7 @@ async fn main() {
     opts.seed = args.seed;
     opts.lease = Duration::from_secs_f64(args.lease);
     opts.h2_keep_alive = !args.no_h2_keep_alive;
+    opts.memory_defaults = args.memory_defaults;
     let report = run(opts).await;
     println!("{report}");
     if !report.problems().is_empty() {
