@@ -30,7 +30,7 @@ use e2e::faults::Unavailable;
 use e2e::proxy::{Chooser, Mode, Protocol, Proxy};
 use http_body_util::Full;
 use hyper_util::client::legacy::Client;
-use idempotency_layer::store::{Begin, Fingerprint};
+use idempotency_layer::store::{Begin, Fingerprint, StoreError};
 use idempotency_layer::{
     IdempotencyLayer, IdempotencyStore, MemoryStore, PostgresStore, RedisStore, Scope,
 };
@@ -727,6 +727,8 @@ async fn in_flight<St: IdempotencyStore>(
                     Lookup::Free
                 }
                 Ok(Begin::Completed(_)) => Lookup::Recorded,
+                // A full store refuses only a claim it has no entry for: the scope is free.
+                Err(StoreError::Full) => Lookup::Free,
                 Ok(other) => panic!("checking claims: unexpected {other:?}"),
                 Err(e) => panic!("checking claims: {e}"),
             };

@@ -102,7 +102,8 @@ impl OrdersClient {
         let mut builder = Client::builder(TokioExecutor::new());
         // HTTP/2 keep-alive (for a server that speaks it): a connection whose peer went away
         // without a word is found by its missed PING and closed, and its calls fail (and are
-        // retried) instead of waiting on it. RELIABILITY.md, F7.
+        // retried) instead of waiting on it. (A request hyper strands on a connection that
+        // ends as it is sent, RELIABILITY.md F7, is ended by the call's deadline instead.)
         builder
             .timer(TokioTimer::new())
             .http2_keep_alive_interval(Some(KEEP_ALIVE_INTERVAL))

@@ -34,7 +34,6 @@ pub fn connect_lazy(
 ) -> Result<(LibraryClient<RetryChannel>, RetryLayer), BoxError> {
     // HTTP/2 keep-alive: a connection whose peer went away without a word is found by its
     // missed PING and closed, and its calls fail (and are retried) instead of waiting on it.
-    // RELIABILITY.md, F7.
     let channel = Endpoint::from_shared(url.to_owned())?
         .connect_timeout(Duration::from_secs(5))
         .http2_keep_alive_interval(Duration::from_secs(20))
