@@ -10,8 +10,9 @@
 //! whose rows carry the idempotency key that created them. A key with two rows or more is a
 //! duplicate side effect; a succeeded order whose row is missing is a lost write.
 //!
-//! - PostgreSQL store, record in the order's transaction (`TxCompletion`): no crash can leave
-//!   an order without its record, so duplicates must be 0.
+//! - PostgreSQL store, record in the order's transaction (`TxCompletion`, on tokio-postgres or,
+//!   with `--orders-driver sqlx`, on sqlx): no crash can leave an order without its record, so
+//!   duplicates must be 0.
 //! - PostgreSQL with `--record-after-commit`, Redis, memory: the record is written after the
 //!   order's commit, so a crash between the two lets the retry run the order again. Those
 //!   duplicates are counted, not failed; what is checked is that they come from crashes only
@@ -38,6 +39,7 @@ use tokio::sync::{mpsc, watch};
 use tower::ServiceExt;
 
 use crate::wire::http_client;
+pub use axum_orders::orders_server::OrdersDriver;
 use idempotency_layer::store::AnyStore;
 use idempotency_layer::Scope;
 
@@ -79,6 +81,9 @@ pub struct KillOptions {
     /// PostgreSQL store only: the record commits in the order's transaction (true), or the
     /// layer writes it after the commit (false: `--record-after-commit`).
     pub transactional: bool,
+    /// The client of the servers' order transactions (`orders-server --orders-driver`):
+    /// tokio-postgres, or sqlx.
+    pub orders_driver: OrdersDriver,
     /// The server processes.
     pub server: ServerCommand,
     /// How long clients start new orders.
@@ -118,6 +123,7 @@ impl KillOptions {
             database_url,
             redis_url: None,
             transactional: true,
+            orders_driver: OrdersDriver::TokioPostgres,
             server,
             duration,
             clients: 16,
@@ -139,13 +145,16 @@ impl KillOptions {
 
     /// The store's name and path, as the report shows it.
     fn mode(&self) -> String {
-        match self.store {
+        let mode = match self.store {
             StoreKind::Postgres if self.transactional => "postgres, record in the order's tx",
             StoreKind::Postgres => "postgres, --record-after-commit",
             StoreKind::Redis => "redis records, orders in postgres",
             StoreKind::Memory => "memory records, orders in postgres",
+        };
+        match self.orders_driver {
+            OrdersDriver::TokioPostgres => mode.into(),
+            OrdersDriver::Sqlx => format!("{mode}, orders on sqlx"),
         }
-        .into()
     }
 }
 
@@ -547,6 +556,9 @@ pub async fn run_kill(opts: KillOptions) -> KillReport {
 
     // The servers' options.
     let mut args: Vec<String> = vec!["--lease-ms".into(), opts.lease.as_millis().to_string()];
+    if opts.orders_driver == OrdersDriver::Sqlx {
+        args.extend(["--orders-driver".into(), "sqlx".into()]);
+    }
     let instances = match opts.store {
         StoreKind::Postgres => {
             args.extend(["--store".into(), db.url.clone()]);

@@ -3,8 +3,9 @@
 //! 5 % of order commits, restarted at once, for 10 s of orders each. The long runs are in
 //! RELIABILITY.md.
 //!
-//! - PostgreSQL store, record in the order's transaction: no duplicate, nothing lost, and every
-//!   succeeded order holds its record.
+//! - PostgreSQL store, record in the order's transaction, on tokio-postgres and on sqlx
+//!   (`--orders-driver sqlx`): no duplicate, nothing lost, and every succeeded order holds its
+//!   record.
 //! - PostgreSQL with `--record-after-commit`, Redis (`REDIS_URL`) and memory (one instance, its
 //!   records die with it): nothing lost, and every duplicate is one a crash explains (a key runs
 //!   at most once more per crash); how many there are depends on where the crashes fall, so the
@@ -17,13 +18,17 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use chaos::kill::{run_kill, KillOptions, KillReport, ServerCommand};
+use chaos::kill::{run_kill, KillOptions, KillReport, OrdersDriver, ServerCommand};
 use chaos::StoreKind;
 
 /// One run at a time: each starts two servers on a machine with few cores.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn short(store: StoreKind, transactional: bool) -> Option<KillReport> {
+    short_on(store, transactional, OrdersDriver::TokioPostgres)
+}
+
+fn short_on(store: StoreKind, transactional: bool, driver: OrdersDriver) -> Option<KillReport> {
     let url = e2e::scenario::env_url("DATABASE_URL")?;
     let redis_url = match store {
         StoreKind::Redis => Some(e2e::scenario::env_url("REDIS_URL")?),
@@ -37,6 +42,7 @@ fn short(store: StoreKind, transactional: bool) -> Option<KillReport> {
     let mut o = KillOptions::new(store, url, server, Duration::from_secs(10));
     o.redis_url = redis_url;
     o.transactional = transactional;
+    o.orders_driver = driver;
     o.clients = 8;
     o.kill_every = Some((Duration::from_secs(1), Duration::from_secs(2)));
     o.abort_p = 0.05;
@@ -81,6 +87,17 @@ fn kills_with_transactional_completion_make_no_duplicate_and_lose_nothing() {
         return;
     };
     assert!(report.crash_safe);
+    assert_eq!(report.duplicates, Vec::new(), "{report}");
+    assert_eq!(report.unrecorded, Some(Vec::new()), "{report}");
+}
+
+#[test]
+fn kills_with_transactional_completion_on_sqlx_make_no_duplicate_and_lose_nothing() {
+    let Some(report) = short_on(StoreKind::Postgres, true, OrdersDriver::Sqlx) else {
+        return;
+    };
+    assert!(report.crash_safe);
+    assert!(report.mode.contains("sqlx"), "{report}");
     assert_eq!(report.duplicates, Vec::new(), "{report}");
     assert_eq!(report.unrecorded, Some(Vec::new()), "{report}");
 }

@@ -1,10 +1,11 @@
 //! `cargo run --release -p chaos --bin kill -- --minutes 3 --store postgres
-//! [--record-after-commit]`: kill chaos, printed; exits with status 1 if a check fails.
+//! [--record-after-commit] [--orders-driver sqlx]`: kill chaos, printed; exits with status 1 if
+//! a check fails.
 
 use std::time::Duration;
 
 use axum_orders::orders_server::{run_orders_server, OrdersServerArgs};
-use chaos::kill::{run_kill, KillOptions, ServerCommand};
+use chaos::kill::{run_kill, KillOptions, OrdersDriver, ServerCommand};
 use chaos::StoreKind;
 use clap::{Parser, Subcommand};
 
@@ -47,6 +48,11 @@ struct Args {
     /// instead of in the order's transaction (reopens the crash window).
     #[arg(long)]
     record_after_commit: bool,
+    /// The PostgreSQL client of the servers' order transactions: tokio-postgres (the store's
+    /// pool, `TxCompletion::complete_in`) or sqlx (a `PgPool` of the same database,
+    /// `TxCompletion::complete_in_sqlx`).
+    #[arg(long, value_enum, default_value_t = OrdersDriver::TokioPostgres)]
+    orders_driver: OrdersDriver,
     /// Concurrent clients.
     #[arg(long, default_value_t = 16)]
     clients: usize,
@@ -108,6 +114,7 @@ fn main() {
         opts.redis_url = Some(env("REDIS_URL"));
     }
     opts.transactional = !args.record_after_commit;
+    opts.orders_driver = args.orders_driver;
     opts.clients = args.clients;
     opts.kill_every = (args.kill_max > 0.0).then(|| {
         (

@@ -287,9 +287,11 @@
 //! in its own transaction: the layer hands it a [`TxCompletion`] (a request extension, on a
 //! first request whose store is a `PostgresStore` or an [`AnyStore`](store::AnyStore) holding
 //! one), and the handler calls `completion.complete_in(&tx, response)` before `tx.commit()`,
-//! then returns the response it got back. The record is written with the store's own fenced
-//! statement (a claim taken over meanwhile is refused with [`TxCompletionError::Fenced`], and
-//! the handler rolls back), and is byte for byte the one the layer would have stored. Then:
+//! then returns the response it got back (on sqlx, cargo feature `sqlx`:
+//! `completion.complete_in_sqlx(&mut tx, response)` with the `sqlx::Transaction` of a pool on
+//! the same database). The record is written with the store's own fenced statement (a claim
+//! taken over meanwhile is refused with [`TxCompletionError::Fenced`], and the handler rolls
+//! back), and is byte for byte the one the layer would have stored. Then:
 //!
 //! - **committed**: the side effect and the record exist together; the layer writes nothing
 //!   more. If the instance dies before the response leaves, the retry gets the replay;

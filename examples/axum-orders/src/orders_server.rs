@@ -39,12 +39,27 @@ pub struct OrdersServerArgs {
     /// records before the process exits, in milliseconds (new writes are refused at once).
     #[arg(long, default_value_t = 30_000)]
     pub shutdown_grace_ms: u64,
+    /// The PostgreSQL client of the order handler's transactions, wherever orders go to
+    /// PostgreSQL: tokio-postgres on the store's own pool (`TxCompletion::complete_in`), or sqlx
+    /// on a `PgPool` of the same database (`TxCompletion::complete_in_sqlx`; feature `sqlx`).
+    #[arg(long, value_enum, default_value_t = OrdersDriver::TokioPostgres)]
+    pub orders_driver: OrdersDriver,
     /// With a store other than PostgreSQL (memory, redis://): keep orders in the `orders` table
     /// of this PostgreSQL database all the same. The idempotency record is then written by the
     /// layer after the order commits, in the other store: the crash window is open, as with
     /// --record-after-commit.
     #[arg(long, value_name = "postgres://...")]
     pub orders_db: Option<String>,
+}
+
+/// The PostgreSQL client of the order handler's transactions (`--orders-driver`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum OrdersDriver {
+    /// tokio-postgres, on the `PostgresStore`'s pool.
+    #[default]
+    TokioPostgres,
+    /// sqlx, on a `PgPool` of the same database (feature `sqlx`).
+    Sqlx,
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -94,17 +109,31 @@ async fn order_book(store: &AnyStore, args: &OrdersServerArgs) -> Result<OrderBo
                 )
             }
             (AnyStore::Postgres(pg), None) => {
-                let orders = PgOrders::open(pg.clone(), recording, failpoint).await?;
+                let orders = match args.orders_driver {
+                    OrdersDriver::TokioPostgres => {
+                        PgOrders::open(pg.clone(), recording, failpoint).await?
+                    }
+                    OrdersDriver::Sqlx => {
+                        sqlx_orders(&args.opts.store.0, recording, failpoint).await?
+                    }
+                };
                 return Ok(OrderBook::Postgres(orders));
             }
             (_, Some(url)) => {
-                // Only the pool is used (no idempotency table here, so no cleanup); the layer
-                // offers no transactional completion for this store: it records.
-                let db = PostgresStore::builder(url.as_str())
-                    .cleanup_interval(Duration::ZERO)
-                    .connect()
-                    .await?;
-                let orders = PgOrders::open(db, Recording::AfterCommit, failpoint).await?;
+                // The layer offers no transactional completion for this store: it records.
+                let orders = match args.orders_driver {
+                    OrdersDriver::TokioPostgres => {
+                        // Only the pool is used (no idempotency table here, so no cleanup).
+                        let db = PostgresStore::builder(url.as_str())
+                            .cleanup_interval(Duration::ZERO)
+                            .connect()
+                            .await?;
+                        PgOrders::open(db, Recording::AfterCommit, failpoint).await?
+                    }
+                    OrdersDriver::Sqlx => {
+                        sqlx_orders(url, Recording::AfterCommit, failpoint).await?
+                    }
+                };
                 return Ok(OrderBook::Postgres(orders));
             }
             (_, None) if failpoint.is_some() => {
@@ -117,6 +146,13 @@ async fn order_book(store: &AnyStore, args: &OrdersServerArgs) -> Result<OrderBo
             (_, None) => {}
         }
     }
+    if args.orders_driver == OrdersDriver::Sqlx {
+        return Err(
+            "--orders-driver sqlx is for orders in PostgreSQL: --store postgres://... or \
+             --orders-db postgres://..."
+                .into(),
+        );
+    }
     #[cfg(not(feature = "postgres"))]
     if args.orders_db.is_some() {
         return Err("--orders-db needs the feature `postgres`".into());
@@ -125,4 +161,20 @@ async fn order_book(store: &AnyStore, args: &OrdersServerArgs) -> Result<OrderBo
         return Err("--record-after-commit needs --store postgres://...".into());
     }
     Ok(OrderBook::Memory)
+}
+
+/// Orders on a sqlx pool of `url`'s database (`--orders-driver sqlx`).
+#[cfg(feature = "postgres")]
+async fn sqlx_orders(
+    url: &str,
+    recording: crate::pg_orders::Recording,
+    failpoint: Option<crate::pg_orders::Failpoint>,
+) -> Result<crate::pg_orders::PgOrders, BoxError> {
+    #[cfg(feature = "sqlx")]
+    return crate::pg_orders::PgOrders::open_sqlx(url, recording, failpoint).await;
+    #[cfg(not(feature = "sqlx"))]
+    {
+        let _ = (url, recording, failpoint);
+        Err("--orders-driver sqlx needs the feature `sqlx` of axum-orders".into())
+    }
 }

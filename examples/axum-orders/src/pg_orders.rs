@@ -1,6 +1,9 @@
 //! Orders in PostgreSQL (`--store postgres://...`): an `orders` table in the idempotency store's
 //! database, and the order insert that completes the request's idempotency claim in the same
 //! transaction ([`TxCompletion`]), so the order row and its idempotency record commit together.
+//! The transaction is on tokio-postgres (the store's pool, [`TxCompletion::complete_in`]) or,
+//! with `--orders-driver sqlx` (feature `sqlx`), on a sqlx `PgPool` of the same database
+//! (`TxCompletion::complete_in_sqlx`).
 //!
 //! Stock stays in the in-memory [`Inventory`]: an order takes it before the transaction and
 //! puts it back if the transaction does not commit.
@@ -86,7 +89,8 @@ impl std::str::FromStr for Failpoint {
 /// Who writes an order's idempotency record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Recording {
-    /// The order's own transaction ([`TxCompletion::complete_in`]): no crash can leave the order
+    /// The order's own transaction ([`TxCompletion::complete_in`], or `complete_in_sqlx`): no
+    /// crash can leave the order
     /// without its record. The default.
     #[default]
     InTransaction,
@@ -99,9 +103,19 @@ pub enum Recording {
 /// Orders in a PostgreSQL database (the idempotency store's, or `--orders-db`): cheap to clone.
 #[derive(Debug, Clone)]
 pub struct PgOrders {
-    store: PostgresStore,
+    db: Db,
     recording: Recording,
     failpoint: Option<Failpoint>,
+}
+
+/// The pool the order transactions are on.
+#[derive(Debug, Clone)]
+enum Db {
+    /// tokio-postgres: the store's own pool.
+    TokioPostgres(PostgresStore),
+    /// sqlx: a pool of the same database.
+    #[cfg(feature = "sqlx")]
+    Sqlx(sqlx::PgPool),
 }
 
 /// Why an order was not stored (nothing committed).
@@ -109,6 +123,8 @@ pub struct PgOrders {
 enum NotStored {
     Pool(String),
     Postgres(tokio_postgres::Error),
+    #[cfg(feature = "sqlx")]
+    Sqlx(sqlx::Error),
     Completion(TxCompletionError),
 }
 
@@ -117,6 +133,8 @@ impl std::fmt::Display for NotStored {
         match self {
             NotStored::Pool(e) => write!(f, "no database connection: {e}"),
             NotStored::Postgres(e) => write!(f, "the order's transaction failed: {e}"),
+            #[cfg(feature = "sqlx")]
+            NotStored::Sqlx(e) => write!(f, "the order's transaction failed: {e}"),
             NotStored::Completion(e) => e.fmt(f),
         }
     }
@@ -128,6 +146,17 @@ impl From<tokio_postgres::Error> for NotStored {
     }
 }
 
+#[cfg(feature = "sqlx")]
+impl From<sqlx::Error> for NotStored {
+    fn from(e: sqlx::Error) -> Self {
+        NotStored::Sqlx(e)
+    }
+}
+
+/// The order row.
+const INSERT: &str = "INSERT INTO orders (order_id, tenant, book_id, quantity, idempotency_key) \
+                      VALUES ($1, $2, $3, $4, $5)";
+
 impl PgOrders {
     /// Orders in `store`'s database, on its pool; creates the table if absent ([`MIGRATION`]).
     pub async fn open(
@@ -137,7 +166,24 @@ impl PgOrders {
     ) -> Result<PgOrders, Box<dyn std::error::Error + Send + Sync>> {
         store.pool().get().await?.batch_execute(MIGRATION).await?;
         Ok(PgOrders {
-            store,
+            db: Db::TokioPostgres(store),
+            recording,
+            failpoint,
+        })
+    }
+
+    /// Orders in the database of `url` on a sqlx pool of their own (the store's database, for
+    /// [`Recording::InTransaction`]); creates the table if absent ([`MIGRATION`]).
+    #[cfg(feature = "sqlx")]
+    pub async fn open_sqlx(
+        url: &str,
+        recording: Recording,
+        failpoint: Option<Failpoint>,
+    ) -> Result<PgOrders, Box<dyn std::error::Error + Send + Sync>> {
+        let pool = sqlx::PgPool::connect(url).await?;
+        sqlx::raw_sql(MIGRATION).execute(&pool).await?;
+        Ok(PgOrders {
+            db: Db::Sqlx(pool),
             recording,
             failpoint,
         })
@@ -187,37 +233,62 @@ impl PgOrders {
         key: Option<&str>,
         completion: Option<&TxCompletion>,
     ) -> Result<Response, NotStored> {
-        let mut db = self
-            .store
-            .pool()
-            .get()
-            .await
-            .map_err(|e| NotStored::Pool(e.to_string()))?;
-        let tx = db.transaction().await?;
-        tx.execute(
-            "INSERT INTO orders (order_id, tenant, book_id, quantity, idempotency_key) \
-             VALUES ($1, $2, $3, $4, $5)",
-            &[
-                &order.order_id,
-                &tenant,
-                &order.book_id,
-                &order.quantity,
-                &key,
-            ],
-        )
-        .await?;
+        // No claim (a keyless request the layer let through), or the layer records it: `None`.
+        let completion = completion.filter(|_| self.recording == Recording::InTransaction);
         let response = (StatusCode::CREATED, Json(order)).into_response();
-        let response = match (completion, self.recording) {
-            (Some(completion), Recording::InTransaction) => completion
-                .complete_in(&tx, response)
-                .await
-                .map_err(NotStored::Completion)?
-                .into_response(),
-            // No claim (a keyless request the layer let through), or the layer records it.
-            _ => response,
-        };
-        tx.commit().await?;
-        Ok(response)
+        match &self.db {
+            Db::TokioPostgres(store) => {
+                let mut db = store
+                    .pool()
+                    .get()
+                    .await
+                    .map_err(|e| NotStored::Pool(e.to_string()))?;
+                let tx = db.transaction().await?;
+                tx.execute(
+                    INSERT,
+                    &[
+                        &order.order_id,
+                        &tenant,
+                        &order.book_id,
+                        &order.quantity,
+                        &key,
+                    ],
+                )
+                .await?;
+                let response = match completion {
+                    Some(completion) => completion
+                        .complete_in(&tx, response)
+                        .await
+                        .map_err(NotStored::Completion)?
+                        .into_response(),
+                    None => response,
+                };
+                tx.commit().await?;
+                Ok(response)
+            }
+            #[cfg(feature = "sqlx")]
+            Db::Sqlx(pool) => {
+                let mut tx = pool.begin().await?;
+                sqlx::query(INSERT)
+                    .bind(&order.order_id)
+                    .bind(tenant)
+                    .bind(&order.book_id)
+                    .bind(order.quantity)
+                    .bind(key)
+                    .execute(&mut *tx)
+                    .await?;
+                let response = match completion {
+                    Some(completion) => completion
+                        .complete_in_sqlx(&mut tx, response)
+                        .await
+                        .map_err(NotStored::Completion)?
+                        .into_response(),
+                    None => response,
+                };
+                tx.commit().await?;
+                Ok(response)
+            }
+        }
     }
 }
 

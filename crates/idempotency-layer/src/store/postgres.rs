@@ -1046,6 +1046,23 @@ impl<'a> CompleteParams<'a> {
             (&self.ttl_ms, Type::INT8),
         ]
     }
+
+    /// Bound to a sqlx `query` of the statement, in the same order
+    /// ([`TxCompletion::complete_in_sqlx`]).
+    #[cfg(feature = "sqlx")]
+    fn bind<'q>(
+        &self,
+        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>
+    where
+        'a: 'q,
+    {
+        query
+            .bind(self.scope)
+            .bind(self.token)
+            .bind(self.record)
+            .bind(self.ttl_ms)
+    }
 }
 
 /// A migration statement failed: say what to do when it is a missing privilege.

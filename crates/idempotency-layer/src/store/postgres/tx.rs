@@ -15,7 +15,7 @@ use crate::body::IdempotencyBody;
 use crate::config::Config;
 use crate::recording::{self, AtHead, Finished, RecordBuilder};
 use crate::store::{BoxError, Fingerprint, ScopeKey, StoreError, Token};
-use crate::tx_ledger::{Offer, TxLedger};
+use crate::tx_ledger::{Offer, RecordedInTx, TxLedger};
 
 /// Completes the claim of the request being handled inside the handler's own PostgreSQL
 /// transaction, so the handler's side effects and the idempotency record commit (or roll back)
@@ -55,6 +55,19 @@ use crate::tx_ledger::{Offer, TxLedger};
 /// The layer recognizes that response as the one recorded by the handler's last `complete_in`,
 /// and leaves the claim as the commit left it: no second write, no release. Replays are the same
 /// as if the layer had recorded the response itself.
+///
+/// A handler on sqlx does the same in a `sqlx::Transaction` (`pool.begin()`, on a pool of the
+/// store's database) with [`complete_in_sqlx`] (feature `sqlx`): the same record, statement
+/// and rules.
+///
+#[cfg_attr(
+    feature = "sqlx",
+    doc = "[`complete_in_sqlx`]: TxCompletion::complete_in_sqlx"
+)]
+#[cfg_attr(
+    not(feature = "sqlx"),
+    doc = "[`complete_in_sqlx`]: https://docs.rs/idempotency-layer/latest/idempotency_layer/struct.TxCompletion.html#method.complete_in_sqlx"
+)]
 ///
 /// # Example
 ///
@@ -213,7 +226,17 @@ impl TxCompletion {
     ///
     /// `tx` may be a `deadpool_postgres::Transaction` (`&tx` dereferences to the
     /// `tokio_postgres` one). The statement is sent unprepared with its parameter types (one
-    /// round trip, nothing left on the connection).
+    /// round trip, nothing left on the connection). A handler on sqlx calls
+    /// [`complete_in_sqlx`] (feature `sqlx`) instead.
+    ///
+    #[cfg_attr(
+        feature = "sqlx",
+        doc = "[`complete_in_sqlx`]: TxCompletion::complete_in_sqlx"
+    )]
+    #[cfg_attr(
+        not(feature = "sqlx"),
+        doc = "[`complete_in_sqlx`]: https://docs.rs/idempotency-layer/latest/idempotency_layer/struct.TxCompletion.html#method.complete_in_sqlx"
+    )]
     ///
     /// # Errors
     ///
@@ -227,7 +250,161 @@ impl TxCompletion {
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        let (mut parts, body) = response.into_parts();
+        let write = match self.prepare(response).await? {
+            Prepared::NotRecordable(response) => return Ok(response),
+            Prepared::Write(write) => write,
+        };
+        let params = write.params(self);
+        let rows = tx
+            .query_typed(&self.store.inner.sql.complete, &params.typed())
+            .await
+            .map_err(|e| match e.code() {
+                Some(&SqlState::UNDEFINED_TABLE) => TxCompletionError::OtherDatabase,
+                _ => TxCompletionError::Postgres(e),
+            })?;
+        self.finish(write, affected(&rows)).await
+    }
+
+    /// [`complete_in`](Self::complete_in) for a handler on [sqlx](https://docs.rs/sqlx)
+    /// (feature `sqlx`): records `response` as the outcome of this request's claim inside `tx`,
+    /// fenced by the claim's token, and returns the response to send (its body read whole):
+    /// commit `tx`, then return it from the handler. The same record, statement, fencing and
+    /// [rules](Self#rules) as `complete_in`.
+    ///
+    /// `tx` is the transaction of `pool.begin()` or `conn.begin()`: pass `&mut tx`. Its pool must
+    /// be on the store's database (the same `DATABASE_URL`; sqlx keeps a pool of its own beside
+    /// the store's). The statement is prepared and cached on the connection as sqlx does for
+    /// every query (one round trip once cached).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use axum::extract::State;
+    /// use axum::http::StatusCode;
+    /// use axum::response::{IntoResponse, Response};
+    /// use axum::routing::post;
+    /// use axum::{Extension, Router};
+    /// use idempotency_layer::{IdempotencyLayer, PostgresStore, TxCompletion};
+    /// use sqlx::PgPool;
+    /// use tower::ServiceExt;
+    ///
+    /// /// Creates an order: the order row and the idempotency record commit in one transaction.
+    /// async fn create_order(
+    ///     State(db): State<PgPool>,
+    ///     Extension(completion): Extension<TxCompletion>,
+    ///     item: String,
+    /// ) -> Result<Response, Failed> {
+    ///     let mut tx = db.begin().await?;
+    ///     let (id,): (i64,) = sqlx::query_as("INSERT INTO orders (item) VALUES ($1) RETURNING id")
+    ///         .bind(item)
+    ///         .fetch_one(&mut *tx)
+    ///         .await?;
+    ///     let response = (StatusCode::CREATED, format!("order {id}")).into_response();
+    ///     // Fenced by the claim's token; an error means: roll back (dropping `tx` does).
+    ///     let response = completion.complete_in_sqlx(&mut tx, response).await?;
+    ///     tx.commit().await?;
+    ///     Ok(response.into_response())
+    /// }
+    ///
+    /// /// Nothing committed: 503, which clients retry (the claim is released, the retry runs once).
+    /// struct Failed(String);
+    ///
+    /// impl<E: std::error::Error> From<E> for Failed {
+    ///     fn from(e: E) -> Self {
+    ///         Failed(e.to_string())
+    ///     }
+    /// }
+    ///
+    /// impl IntoResponse for Failed {
+    ///     fn into_response(self) -> Response {
+    ///         (StatusCode::SERVICE_UNAVAILABLE, self.0).into_response()
+    ///     }
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let Ok(url) = std::env::var("DATABASE_URL") else { return Ok(()) };
+    /// # // A schema of this run's own, where the pools' connections also find `orders`.
+    /// # let schema = format!("doc_{}", uuid::Uuid::new_v4().simple());
+    /// # let url = format!("{url}{}options=-csearch_path%3D{schema}", if url.contains('?') { '&' } else { '?' });
+    /// let store = PostgresStore::builder(&url).schema(&schema).connect().await?;
+    /// store.migrate().await?;
+    /// let db = PgPool::connect(&url).await?; // the same database
+    /// sqlx::query("CREATE TABLE orders (id bigserial PRIMARY KEY, item text NOT NULL)")
+    ///     .execute(&db)
+    ///     .await?;
+    /// let app = Router::new()
+    ///     .route("/orders", post(create_order))
+    ///     .with_state(db.clone())
+    ///     .layer(IdempotencyLayer::new(store.clone()).default_tenant("shop"));
+    ///
+    /// let order = || {
+    ///     http::Request::post("/orders")
+    ///         .header("x-idempotency-key", "order-7f3a9c21")
+    ///         .body(axum::body::Body::from("a book"))
+    ///         .unwrap()
+    /// };
+    /// let first = app.clone().oneshot(order()).await?;
+    /// assert_eq!(first.status(), StatusCode::CREATED);
+    /// let retry = app.clone().oneshot(order()).await?;
+    /// assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    /// let body = |r: Response| async move { axum::body::to_bytes(r.into_body(), 1024).await.unwrap() };
+    /// assert_eq!(body(retry).await, body(first).await);
+    ///
+    /// let (orders,): (i64,) = sqlx::query_as("SELECT count(*) FROM orders").fetch_one(&db).await?;
+    /// assert_eq!(orders, 1, "the handler ran once");
+    /// # sqlx::query(&format!("DROP SCHEMA {schema} CASCADE")).execute(&db).await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// Nothing was recorded; roll the transaction back. See [`TxCompletionError`]; sqlx's own
+    /// errors are [`TxCompletionError::Sqlx`].
+    #[cfg(feature = "sqlx")]
+    pub async fn complete_in_sqlx<B>(
+        &self,
+        tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+        response: Response<B>,
+    ) -> Result<Response<IdempotencyBody<B>>, TxCompletionError>
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        use sqlx::Row as _;
+
+        let write = match self.prepare(response).await? {
+            Prepared::NotRecordable(response) => return Ok(response),
+            Prepared::Write(write) => write,
+        };
+        let params = write.params(self);
+        let row = params
+            .bind(sqlx::query(&self.store.inner.sql.complete))
+            .fetch_one(&mut **tx)
+            .await
+            .map_err(|e| match &e {
+                sqlx::Error::Database(db)
+                    if db.code().as_deref() == Some(SqlState::UNDEFINED_TABLE.code()) =>
+                {
+                    TxCompletionError::OtherDatabase
+                }
+                _ => TxCompletionError::Sqlx(e),
+            })?;
+        let affected = row.try_get::<i64, _>(0).map_err(TxCompletionError::Sqlx)?;
+        self.finish(write, affected).await
+    }
+
+    /// What every transaction client shares before the fenced statement: the response
+    /// classified as the layer would ([`recording::at_head`], then at its end), its body read
+    /// whole, the record built and encoded, and the write counted in the ledger (refused once
+    /// the handler has returned).
+    async fn prepare<B>(&self, response: Response<B>) -> Result<Prepared<B>, TxCompletionError>
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let (parts, body) = response.into_parts();
         let head_code = match recording::at_head(
             &self.config,
             self.grpc,
@@ -236,7 +413,10 @@ impl TxCompletion {
         ) {
             AtHead::NotRecordable(code) => {
                 tracing::debug!(%code, "idempotency: outcome not recordable; nothing written in the transaction");
-                return Ok(Response::from_parts(parts, IdempotencyBody::inner(body)));
+                return Ok(Prepared::NotRecordable(Response::from_parts(
+                    parts,
+                    IdempotencyBody::inner(body),
+                )));
             }
             AtHead::Record(head_code) => head_code,
         };
@@ -261,10 +441,10 @@ impl TxCompletion {
             Finished::Recorded(record) => record,
             Finished::NotRecorded(code, _) => {
                 tracing::debug!(%code, "idempotency: outcome not recordable; nothing written in the transaction");
-                return Ok(Response::from_parts(
+                return Ok(Prepared::NotRecordable(Response::from_parts(
                     parts,
                     IdempotencyBody::replay(concat(chunks), trailers),
-                ));
+                )));
             }
         };
         let encoded = codec::encode(&record).map_err(TxCompletionError::Store)?;
@@ -272,24 +452,40 @@ impl TxCompletion {
             .ledger
             .start_write()
             .map_err(|_| TxCompletionError::HandlerReturned)?;
-        let params = CompleteParams::new(&self.scope, self.token, &encoded, self.config.ttl);
-        let rows = tx
-            .query_typed(&self.store.inner.sql.complete, &params.typed())
-            .await
-            .map_err(|e| match e.code() {
-                Some(&SqlState::UNDEFINED_TABLE) => TxCompletionError::OtherDatabase,
-                _ => TxCompletionError::Postgres(e),
-            })?;
-        if affected(&rows) == 0 {
-            return Err(self.why_fenced().await);
-        }
-        tracing::debug!(scope = ?self.scope, "idempotency: recorded in the handler's transaction");
-        parts.extensions.insert(marker);
         let data = if record.body_omitted {
             concat(chunks)
         } else {
-            record.body.clone()
+            record.body
         };
+        Ok(Prepared::Write(PendingWrite {
+            parts,
+            data,
+            trailers,
+            encoded,
+            marker,
+        }))
+    }
+
+    /// What every transaction client shares after the fenced statement changed `affected` rows:
+    /// none, the claim is not this request's (or the transaction is elsewhere); one, the
+    /// response to send, marked as the one this write recorded.
+    async fn finish<B>(
+        &self,
+        write: PendingWrite,
+        affected: i64,
+    ) -> Result<Response<IdempotencyBody<B>>, TxCompletionError> {
+        if affected == 0 {
+            return Err(self.why_fenced().await);
+        }
+        tracing::debug!(scope = ?self.scope, "idempotency: recorded in the handler's transaction");
+        let PendingWrite {
+            mut parts,
+            data,
+            trailers,
+            marker,
+            ..
+        } = write;
+        parts.extensions.insert(marker);
         Ok(Response::from_parts(
             parts,
             IdempotencyBody::replay(data, trailers),
@@ -320,7 +516,40 @@ fn concat(chunks: Vec<Bytes>) -> Bytes {
     }
 }
 
-/// Why [`TxCompletion::complete_in`] recorded nothing. In every case, roll the transaction back.
+/// A response handed to a completion, once read: sent as it is, or recorded first.
+enum Prepared<B> {
+    /// The layer would not record it: nothing is written in the transaction.
+    NotRecordable(Response<IdempotencyBody<B>>),
+    /// Its record, for the fenced statement.
+    Write(PendingWrite),
+}
+
+/// A record ready for the fenced statement, and the response to send once it is written.
+struct PendingWrite {
+    parts: http::response::Parts,
+    /// The body to send (all of it, also when the record omits it).
+    data: Bytes,
+    trailers: Option<http::HeaderMap>,
+    /// The record, encoded: the statement's `$3`.
+    encoded: Vec<u8>,
+    /// Which write of the claim this is, for the response's extensions.
+    marker: RecordedInTx,
+}
+
+impl PendingWrite {
+    /// The fenced statement's parameters.
+    fn params<'a>(&'a self, completion: &'a TxCompletion) -> CompleteParams<'a> {
+        CompleteParams::new(
+            &completion.scope,
+            completion.token,
+            &self.encoded,
+            completion.config.ttl,
+        )
+    }
+}
+
+/// Why [`TxCompletion::complete_in`] (or `complete_in_sqlx`) recorded nothing. In every case,
+/// roll the transaction back.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum TxCompletionError {
@@ -338,6 +567,11 @@ pub enum TxCompletionError {
     /// PostgreSQL failed the statement; the transaction is aborted. A serialization failure
     /// (SQLSTATE 40001) may be retried in a new transaction.
     Postgres(tokio_postgres::Error),
+    /// [`complete_in_sqlx`](TxCompletion::complete_in_sqlx): sqlx or PostgreSQL failed the
+    /// statement (feature `sqlx`); the transaction is aborted or its connection lost. A
+    /// serialization failure (SQLSTATE 40001) may be retried in a new transaction.
+    #[cfg(feature = "sqlx")]
+    Sqlx(sqlx::Error),
     /// The record could not be encoded.
     Store(StoreError),
 }
@@ -353,7 +587,8 @@ impl fmt::Display for TxCompletionError {
             ),
             TxCompletionError::OtherDatabase => f.write_str(
                 "the transaction is not on the idempotency store's database: roll it back, and \
-                 open the handler's transaction on the store's database (PostgresStore::pool)",
+                 open the handler's transaction on the store's database (PostgresStore::pool, \
+                 or a sqlx pool of the same database URL)",
             ),
             TxCompletionError::HandlerReturned => f.write_str(
                 "the handler had already returned its response: call complete_in, and commit, \
@@ -363,11 +598,9 @@ impl fmt::Display for TxCompletionError {
                 f,
                 "the response body failed while it was recorded ({e}): roll the transaction back"
             ),
-            TxCompletionError::Postgres(e) => write!(
-                f,
-                "recording the response in the transaction failed ({e}): roll it back (a \
-                 serialization failure may be retried in a new transaction)"
-            ),
+            TxCompletionError::Postgres(e) => statement_failed(f, e),
+            #[cfg(feature = "sqlx")]
+            TxCompletionError::Sqlx(e) => statement_failed(f, e),
             TxCompletionError::Store(e) => write!(
                 f,
                 "the response could not be recorded ({e}): roll the transaction back"
@@ -376,11 +609,22 @@ impl fmt::Display for TxCompletionError {
     }
 }
 
+/// The database failed the fenced statement (`e`, from either client).
+fn statement_failed(f: &mut fmt::Formatter<'_>, e: &dyn fmt::Display) -> fmt::Result {
+    write!(
+        f,
+        "recording the response in the transaction failed ({e}): roll it back (a serialization \
+         failure may be retried in a new transaction)"
+    )
+}
+
 impl std::error::Error for TxCompletionError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             TxCompletionError::Body(e) => Some(&**e),
             TxCompletionError::Postgres(e) => Some(e),
+            #[cfg(feature = "sqlx")]
+            TxCompletionError::Sqlx(e) => Some(e),
             TxCompletionError::Store(e) => Some(e),
             _ => None,
         }
