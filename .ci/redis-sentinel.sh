@@ -41,7 +41,7 @@ start() { # port, extra args...
   local p="$1"; shift
   if ! redis-cli -p "$p" ping >/dev/null 2>&1; then
     redis-server --port "$p" --bind 127.0.0.1 --daemonize yes --save "" --appendonly no \
-      --dir "$DIR" --logfile "$DIR/redis-$p.log" "$@" >&2
+      --enable-debug-command local --dir "$DIR" --logfile "$DIR/redis-$p.log" "$@" >&2
   fi
   for _ in $(seq 50); do redis-cli -p "$p" ping >/dev/null 2>&1 && return 0; sleep 0.1; done
   echo "redis on port $p did not start (see $DIR/redis-$p.log)" >&2

@@ -15,6 +15,10 @@ use super::near_cache::{scope_from_hex, Near, NearCache, NearCacheStats};
 use super::wake::{Polling, Waiters};
 use super::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token};
 
+mod replicas;
+#[cfg(feature = "redis-sentinel")]
+mod sentinel;
+
 // The time in Redis's own clock, in ms (instances with skewed clocks agree).
 const NOW: &str = r#"
 local tm = redis.call('TIME')
@@ -194,6 +198,9 @@ enum Conn {
     Single(ConnectionManager),
     #[cfg(feature = "redis-cluster")]
     Cluster(redis::cluster_async::ClusterConnection),
+    /// The primary the Sentinels name, followed through failovers.
+    #[cfg(feature = "redis-sentinel")]
+    Sentinel(sentinel::SentinelConn),
 }
 
 impl redis::aio::ConnectionLike for Conn {
@@ -202,6 +209,8 @@ impl redis::aio::ConnectionLike for Conn {
             Conn::Single(c) => c.req_packed_command(cmd),
             #[cfg(feature = "redis-cluster")]
             Conn::Cluster(c) => c.req_packed_command(cmd),
+            #[cfg(feature = "redis-sentinel")]
+            Conn::Sentinel(c) => c.req_packed_command(cmd),
         }
     }
 
@@ -215,6 +224,8 @@ impl redis::aio::ConnectionLike for Conn {
             Conn::Single(c) => c.req_packed_commands(cmd, offset, count),
             #[cfg(feature = "redis-cluster")]
             Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+            #[cfg(feature = "redis-sentinel")]
+            Conn::Sentinel(c) => c.req_packed_commands(cmd, offset, count),
         }
     }
 
@@ -223,6 +234,8 @@ impl redis::aio::ConnectionLike for Conn {
             Conn::Single(c) => c.get_db(),
             #[cfg(feature = "redis-cluster")]
             Conn::Cluster(c) => c.get_db(),
+            #[cfg(feature = "redis-sentinel")]
+            Conn::Sentinel(c) => c.get_db(),
         }
     }
 }
@@ -235,6 +248,25 @@ enum PubSubSource {
     /// pub/sub.
     #[cfg(feature = "redis-cluster")]
     Cluster(Arc<[String]>),
+    /// The primary the store's command connection follows.
+    #[cfg(feature = "redis-sentinel")]
+    Sentinel(sentinel::SentinelConn),
+}
+
+impl PubSubSource {
+    /// A pub/sub connection to a standalone server (or the Sentinels' current primary).
+    async fn open_pubsub(&self) -> redis::RedisResult<redis::aio::PubSub> {
+        match self {
+            PubSubSource::Single(client) => client.get_async_pubsub().await,
+            #[cfg(feature = "redis-sentinel")]
+            PubSubSource::Sentinel(conn) => sentinel::open_pubsub(conn).await,
+            #[cfg(feature = "redis-cluster")]
+            PubSubSource::Cluster(_) => Err(RedisError::from((
+                ErrorKind::InvalidClientConfig,
+                "a cluster's pub/sub is sharded (cluster_pubsub_task)",
+            ))),
+        }
+    }
 }
 
 /// The Redis store: claims and records in Redis, visible to every instance of a service.
@@ -367,6 +399,8 @@ struct Inner {
     maxmemory_policy: Option<String>,
     /// Completed records kept here, if the builder asked for a near cache.
     near: Option<Arc<Near>>,
+    /// [`RedisStoreBuilder::wait_for_replicas`], if asked for.
+    wait_for_replicas: Option<replicas::WaitForReplicas>,
 }
 
 struct PubSub {
@@ -392,6 +426,7 @@ pub struct RedisStoreBuilder {
     timeout: Duration,
     polling: Polling,
     near: Option<NearCache>,
+    wait_for_replicas: Option<replicas::WaitForReplicas>,
 }
 
 #[derive(Clone, Debug)]
@@ -400,6 +435,9 @@ enum Source {
     Client(Box<redis::Client>),
     #[cfg(feature = "redis-cluster")]
     Cluster(Vec<String>),
+    /// Sentinel URLs and the master name.
+    #[cfg(feature = "redis-sentinel")]
+    Sentinel(Vec<String>, String),
 }
 
 impl fmt::Debug for RedisStoreBuilder {
@@ -410,6 +448,7 @@ impl fmt::Debug for RedisStoreBuilder {
             .field("prefix", &self.prefix)
             .field("timeout", &self.timeout)
             .field("near_cache", &self.near)
+            .field("wait_for_replicas", &self.wait_for_replicas)
             .finish_non_exhaustive()
     }
 }
@@ -470,6 +509,44 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// Closes the asynchronous-replication gap for claims and records: after a claim is
+    /// written (`begin` answers [`Begin::New`]) and after a record is written (`complete`),
+    /// the store sends `WAIT replicas timeout` in the same round trip as the script, and the
+    /// operation succeeds only if at least `replicas` replicas acknowledged the write within
+    /// `timeout`. Off by default (a failover can then lose what was acknowledged just before
+    /// it; see "Deploying" on [`RedisStore`]).
+    ///
+    /// When too few replicas acknowledge, the operation is a [`StoreError::Backend`] (the layer
+    /// fails closed, 503 / UNAVAILABLE, and the client retries): a claim is then released in
+    /// the background like any claim whose caller never learnt of it; a record stays written on
+    /// the primary (Redis cannot take a write back) but `complete` does not report it `Ok`.
+    /// `release`, `renew` and `forget` do not wait (a lost release or renewal only lets a
+    /// claim lapse; a lost `forget` brings a record back).
+    ///
+    /// Costs: the primary answers only after a replica's acknowledgement (about one
+    /// primary-replica round trip more per first execution; replays that find a record pay it
+    /// too, since `WAIT` goes with every claim script), and a waiting `WAIT` holds back the
+    /// commands queued behind it on the store's one multiplexed connection. Measured in
+    /// BENCHMARKS.md ("Redis wait_for_replicas"). `WAIT` narrows the gap, it does not make
+    /// Redis a consensus store: a primary whose replica acknowledged can still lose the
+    /// write if Sentinel promotes another replica that had not.
+    ///
+    /// ```
+    /// use idempotency_layer::RedisStore;
+    /// use std::time::Duration;
+    ///
+    /// let builder = RedisStore::builder("redis://127.0.0.1:6380")
+    ///     .wait_for_replicas(1, Duration::from_millis(100));
+    /// # let _ = builder;
+    /// ```
+    pub fn wait_for_replicas(mut self, replicas: usize, timeout: Duration) -> Self {
+        self.wait_for_replicas = Some(replicas::WaitForReplicas {
+            replicas,
+            timeout: timeout.max(Duration::from_millis(1)),
+        });
+        self
+    }
+
     /// Runs commands on this connection manager (yours, shared with the rest of your
     /// application) instead of making one; the client given to the builder still opens the
     /// store's pub/sub connection. Its own timeouts and reconnection settings apply; every
@@ -487,6 +564,39 @@ impl RedisStoreBuilder {
         let client = match self.source {
             Source::Url(url) => redis::Client::open(url.as_str()).map_err(backend)?,
             Source::Client(client) => *client,
+            #[cfg(feature = "redis-sentinel")]
+            Source::Sentinel(nodes, master) => {
+                if self.conn.is_some() {
+                    return Err(StoreError::Backend(
+                        "connection_manager is for a standalone server, not a sentinel".into(),
+                    ));
+                }
+                let conn = sentinel::SentinelConn::connect(
+                    &nodes,
+                    &master,
+                    manager_config(self.timeout),
+                    self.timeout,
+                )
+                .await?;
+                let client = PubSubSource::Sentinel(conn.clone());
+                let mut conn = Conn::Sentinel(conn);
+                let maxmemory_policy = read_maxmemory_policy(&mut conn, self.timeout).await?;
+                return Ok(RedisStore {
+                    inner: Arc::new(Inner {
+                        conn,
+                        client,
+                        prefix: self.prefix,
+                        timeout: self.timeout,
+                        polling: self.polling,
+                        waiters: Arc::default(),
+                        pubsub: OnceLock::new(),
+                        renewals_failed: Arc::default(),
+                        maxmemory_policy,
+                        near: self.near.map(Near::new),
+                        wait_for_replicas: self.wait_for_replicas,
+                    }),
+                });
+            }
             #[cfg(feature = "redis-cluster")]
             Source::Cluster(nodes) => {
                 if self.conn.is_some() {
@@ -514,6 +624,7 @@ impl RedisStoreBuilder {
                         renewals_failed: Arc::default(),
                         maxmemory_policy,
                         near: self.near.map(Near::new),
+                        wait_for_replicas: self.wait_for_replicas,
                     }),
                 });
             }
@@ -521,12 +632,7 @@ impl RedisStoreBuilder {
         let conn = match self.conn {
             Some(conn) => conn,
             None => {
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(self.timeout))
-                    .set_response_timeout(Some(self.timeout))
-                    .set_number_of_retries(2)
-                    .set_min_delay(Duration::from_millis(10))
-                    .set_max_delay(Duration::from_millis(500));
+                let config = manager_config(self.timeout);
                 tokio::time::timeout(
                     self.timeout * 4,
                     client.get_connection_manager_with_config(config),
@@ -550,9 +656,20 @@ impl RedisStoreBuilder {
                 renewals_failed: Arc::default(),
                 maxmemory_policy,
                 near: self.near.map(Near::new),
+                wait_for_replicas: self.wait_for_replicas,
             }),
         })
     }
+}
+
+/// The settings of the connection managers the store makes.
+fn manager_config(timeout: Duration) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(timeout))
+        .set_response_timeout(Some(timeout))
+        .set_number_of_retries(2)
+        .set_min_delay(Duration::from_millis(10))
+        .set_max_delay(Duration::from_millis(500))
 }
 
 /// Reads `maxmemory-policy` and warns loudly when it can evict; `None` when the server does not
@@ -681,6 +798,7 @@ impl RedisStore {
             timeout: Duration::from_secs(1),
             polling: Polling::default(),
             near: None,
+            wait_for_replicas: None,
         }
     }
 
@@ -700,6 +818,64 @@ impl RedisStore {
         RedisStoreBuilder {
             source: Source::Cluster(nodes.into_iter().map(Into::into).collect()),
             ..RedisStore::builder(String::new())
+        }
+    }
+
+    /// A builder for a store on the primary that Redis Sentinel names `master` (feature
+    /// `redis-sentinel`), given the URLs of some of the Sentinels (`redis://host:26379`).
+    /// The store asks them for the primary at connect, and again whenever the node it talks to
+    /// stops being the primary: a write refused with `READONLY` (a demoted primary; the
+    /// command is sent again to the new one: it wrote nothing), or a connection refused or
+    /// dropped (the command is not sent again: it may have run). The pub/sub connection
+    /// follows. Data nodes are reached without credentials on database 0: for others, connect
+    /// through a [`builder_from_client`](Self::builder_from_client) of your own and follow the
+    /// primary yourself. [`connection_manager`](RedisStoreBuilder::connection_manager) does not
+    /// apply.
+    ///
+    /// ```no_run
+    /// use idempotency_layer::RedisStore;
+    /// use std::time::Duration;
+    ///
+    /// # async fn f() -> Result<(), idempotency_layer::StoreError> {
+    /// let store = RedisStore::builder_sentinel(["redis://127.0.0.1:26379"], "mymaster")
+    ///     .wait_for_replicas(1, Duration::from_millis(100))
+    ///     .connect()
+    ///     .await?;
+    /// # let _ = store;
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[cfg(feature = "redis-sentinel")]
+    pub fn builder_sentinel<I, S>(sentinels: I, master: impl Into<String>) -> RedisStoreBuilder
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        RedisStoreBuilder {
+            source: Source::Sentinel(
+                sentinels.into_iter().map(Into::into).collect(),
+                master.into(),
+            ),
+            ..RedisStore::builder(String::new())
+        }
+    }
+
+    /// The Sentinel URLs and master name a `redis+sentinel://host1:port1,host2:port2/master`
+    /// URL names (`rediss+sentinel://` for TLS): `(["redis://host1:port1",
+    /// "redis://host2:port2"], "master")`, for [`builder_sentinel`](Self::builder_sentinel).
+    /// `None` for any other scheme or without a master name.
+    #[cfg(feature = "redis-sentinel")]
+    pub fn sentinel_from_url(url: &str) -> Option<(Vec<String>, String)> {
+        sentinel::sentinel_from_url(url)
+    }
+
+    /// How many times the store moved to another primary since it connected (a store made
+    /// with [`builder_sentinel`](Self::builder_sentinel); 0 for any other).
+    pub fn primary_switches(&self) -> u64 {
+        match &self.inner.conn {
+            #[cfg(feature = "redis-sentinel")]
+            Conn::Sentinel(c) => c.switches(),
+            _ => 0,
         }
     }
 
@@ -737,6 +913,8 @@ impl RedisStore {
             Conn::Single(_) => false,
             #[cfg(feature = "redis-cluster")]
             Conn::Cluster(_) => true,
+            #[cfg(feature = "redis-sentinel")]
+            Conn::Sentinel(_) => false,
         }
     }
 
@@ -811,6 +989,7 @@ impl RedisStore {
                 maxmemory_policy: self.inner.maxmemory_policy.clone(),
                 // Another prefix is other keys and another invalidation channel.
                 near: self.inner.near.as_ref().map(|n| Near::new(n.config())),
+                wait_for_replicas: self.inner.wait_for_replicas,
             }),
         }
     }
@@ -880,9 +1059,21 @@ impl RedisStore {
             let (commands, rx) = mpsc::unbounded_channel();
             let (unsubscribe, unsub_rx) = mpsc::unbounded_channel();
             match &self.inner.client {
-                PubSubSource::Single(client) => {
+                #[cfg(feature = "redis-sentinel")]
+                PubSubSource::Sentinel(_) => {
                     tokio::spawn(pubsub_task(
-                        (**client).clone(),
+                        self.inner.client.clone(),
+                        self.inner.prefix.clone(),
+                        self.inner.timeout,
+                        self.inner.waiters.clone(),
+                        self.near_listener(),
+                        rx,
+                        unsub_rx,
+                    ));
+                }
+                PubSubSource::Single(_) => {
+                    tokio::spawn(pubsub_task(
+                        self.inner.client.clone(),
                         self.inner.prefix.clone(),
                         self.inner.timeout,
                         self.inner.waiters.clone(),
@@ -970,7 +1161,7 @@ async fn sit_out(
 }
 
 async fn pubsub_task(
-    client: redis::Client,
+    client: PubSubSource,
     prefix: String,
     timeout: Duration,
     waiters: Arc<Waiters>,
@@ -980,7 +1171,7 @@ async fn pubsub_task(
 ) {
     let mut backoff = Duration::from_millis(50);
     loop {
-        let connected = match tokio::time::timeout(timeout, client.get_async_pubsub()).await {
+        let connected = match tokio::time::timeout(timeout, client.open_pubsub()).await {
             Ok(Ok(ps)) => Some(ps.split()),
             Ok(Err(e)) => {
                 tracing::debug!(error = %e, "idempotency: redis pub/sub connect failed");
@@ -1212,7 +1403,7 @@ impl IdempotencyStore for RedisStore {
         // future may be dropped), or it was lost.
         let orphan = super::OrphanGuard::new(self, scope, token, lease);
         let reply = self
-            .run(
+            .run_replicated(
                 &s.claim,
                 &self.key(&scope),
                 &[
@@ -1222,7 +1413,13 @@ impl IdempotencyStore for RedisStore {
                     millis(LATE_COMPLETE_GRACE).to_string().as_bytes(),
                 ],
             )
-            .await;
+            .await
+            // With wait_for_replicas: a claim too few replicas acknowledged is an error, and an
+            // orphan like any claim nobody knows they hold (released in the background).
+            .and_then(|(reply, replicated)| match replicated {
+                Err(e) if replicas::is_new_claim(&reply) => Err(e),
+                _ => Ok(reply),
+            });
         match &reply {
             Err(e) if may_have_run(e) => drop(orphan),
             _ => orphan.disarm(),
@@ -1280,7 +1477,7 @@ impl IdempotencyStore for RedisStore {
     ) -> Result<(), StoreError> {
         let bytes = codec::encode(&record)?;
         let s = self.scripts();
-        self.run_flag(
+        self.run_flag_replicated(
             &s.complete,
             &scope,
             &[

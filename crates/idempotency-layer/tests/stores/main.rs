@@ -1,6 +1,6 @@
 //! The stores' integration tests, one binary: `MemoryStore`, and `RedisStore` (standalone and
-//! Cluster) and `PostgresStore` against the real servers named by `REDIS_URL`,
-//! `REDIS_CLUSTER_URLS` and `DATABASE_URL`. The Redis and PostgreSQL suites share their tests
+//! Cluster, and on a Sentinel-managed primary) and `PostgresStore` against the real servers named
+//! by `REDIS_URL`, `REDIS_CLUSTER_URLS`, `REDIS_SENTINEL_URL` and `DATABASE_URL`. The Redis and PostgreSQL suites share their tests
 //! through `support::shared_store_suite!`. Unset URLs: a test says so and passes, except in CI,
 //! where it fails.
 
@@ -14,3 +14,5 @@ mod postgres;
 mod redis;
 #[cfg(all(feature = "redis-cluster", feature = "conformance"))]
 mod redis_cluster;
+#[cfg(all(feature = "redis-sentinel", feature = "conformance"))]
+mod redis_sentinel;

@@ -1,0 +1,339 @@
+//! `RedisStore` on a Sentinel-managed primary (feature `redis-sentinel`): the connection asks the
+//! Sentinels for the current primary at connect, and again when the node it talks to stops
+//! being the primary (a write answered `READONLY`, the connection was refused or dropped).
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::sentinel::{SentinelClient, SentinelServerType};
+use redis::{
+    Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, RedisResult, ServerErrorKind, Value,
+};
+use tokio::time::Instant;
+
+use super::{backend, timed_out, StoreError};
+
+/// The Sentinels are asked at most this often while the primary they name does not change
+/// (during the seconds a failover takes, every failed command would otherwise ask again).
+const MIN_ASK_INTERVAL: Duration = Duration::from_millis(100);
+
+/// The sentinel URLs and the master name of a `redis+sentinel://host1:port1,host2:port2/name`
+/// URL (`rediss+sentinel://` for TLS to the sentinels and the data nodes); `None` for any other
+/// scheme or a URL without a master name.
+pub(super) fn sentinel_from_url(url: &str) -> Option<(Vec<String>, String)> {
+    let (scheme, rest) = url.split_once("://")?;
+    let base = scheme.strip_suffix("+sentinel")?;
+    if base != "redis" && base != "rediss" {
+        return None;
+    }
+    let (nodes, name) = rest.rsplit_once('/')?;
+    let name = name.trim();
+    if name.is_empty() {
+        return None;
+    }
+    let nodes: Vec<String> = nodes
+        .split(',')
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+        .map(|n| {
+            if n.contains("://") {
+                n.to_owned()
+            } else {
+                format!("{base}://{n}")
+            }
+        })
+        .collect();
+    (!nodes.is_empty()).then(|| (nodes, name.to_owned()))
+}
+
+/// The store's command connection on a Sentinel-managed primary: a [`ConnectionManager`] on
+/// the primary the Sentinels named last, replaced when that node is no longer the primary.
+#[derive(Clone)]
+pub(super) struct SentinelConn(Arc<Shared>);
+
+struct Shared {
+    master: String,
+    sentinel: tokio::sync::Mutex<Asker>,
+    current: RwLock<Current>,
+    config: ConnectionManagerConfig,
+    timeout: Duration,
+    /// How many times the store moved to another primary.
+    switches: AtomicU64,
+}
+
+struct Asker {
+    client: SentinelClient,
+    last_asked: Option<Instant>,
+}
+
+#[derive(Clone)]
+struct Current {
+    /// Bumped at each switch: a command that failed on generation g asks again only if nobody
+    /// switched since.
+    generation: u64,
+    client: redis::Client,
+    conn: ConnectionManager,
+}
+
+impl fmt::Debug for SentinelConn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let current = self.current();
+        f.debug_struct("SentinelConn")
+            .field("master", &self.0.master)
+            .field("primary", &current.client.get_connection_info().addr())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SentinelConn {
+    /// Asks the Sentinels at `nodes` for the primary of `master` and connects to it.
+    pub(super) async fn connect(
+        nodes: &[String],
+        master: &str,
+        config: ConnectionManagerConfig,
+        timeout: Duration,
+    ) -> Result<SentinelConn, StoreError> {
+        if nodes.is_empty() {
+            return Err(StoreError::Backend(
+                "a redis sentinel store needs at least one sentinel URL".into(),
+            ));
+        }
+        let mut sentinel = SentinelClient::build(
+            nodes.iter().map(String::as_str).collect(),
+            master.to_owned(),
+            None,
+            SentinelServerType::Master,
+        )
+        .map_err(backend)?;
+        let client = tokio::time::timeout(timeout * 4, sentinel.async_get_client())
+            .await
+            .map_err(|_| timed_out(timeout * 4))?
+            .map_err(backend)?;
+        let conn = tokio::time::timeout(
+            timeout * 4,
+            client.get_connection_manager_with_config(config.clone()),
+        )
+        .await
+        .map_err(|_| timed_out(timeout * 4))?
+        .map_err(backend)?;
+        Ok(SentinelConn(Arc::new(Shared {
+            master: master.to_owned(),
+            sentinel: tokio::sync::Mutex::new(Asker {
+                client: sentinel,
+                last_asked: Some(Instant::now()),
+            }),
+            current: RwLock::new(Current {
+                generation: 0,
+                client,
+                conn,
+            }),
+            config,
+            timeout,
+            switches: AtomicU64::new(0),
+        })))
+    }
+
+    fn current(&self) -> Current {
+        self.0
+            .current
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// A client for the primary as last named by the Sentinels (the pub/sub connection's).
+    pub(super) fn client(&self) -> redis::Client {
+        self.current().client
+    }
+
+    /// How many times the store moved to another primary since it connected.
+    pub(super) fn switches(&self) -> u64 {
+        self.0.switches.load(Ordering::Relaxed)
+    }
+
+    /// Asks the Sentinels again, unless someone switched since generation `seen` or asked less
+    /// than [`MIN_ASK_INTERVAL`] ago; switches to the primary they name if it is another node.
+    /// Runs in its own task: a command whose future is dropped does not cut it short.
+    async fn ask_again(&self, seen: u64) -> Current {
+        let shared = self.0.clone();
+        let task = tokio::spawn(async move { shared.ask_again(seen).await });
+        match task.await {
+            Ok(current) => current,
+            Err(_) => self.current(),
+        }
+    }
+}
+
+impl Shared {
+    async fn ask_again(&self, seen: u64) -> Current {
+        let mut asker = self.sentinel.lock().await;
+        let current = self
+            .current
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if current.generation != seen
+            || asker
+                .last_asked
+                .is_some_and(|t| t.elapsed() < MIN_ASK_INTERVAL)
+        {
+            return current;
+        }
+        asker.last_asked = Some(Instant::now());
+        let asked = tokio::time::timeout(self.timeout, asker.client.async_get_client()).await;
+        let client = match asked {
+            Ok(Ok(client)) => client,
+            Ok(Err(e)) => {
+                tracing::debug!(master = %self.master, error = %e, "idempotency: redis sentinel: no primary named yet");
+                return current;
+            }
+            Err(_) => return current,
+        };
+        if client.get_connection_info().addr() == current.client.get_connection_info().addr() {
+            // Same node (the failover has not happened yet): its manager reconnects by itself.
+            return current;
+        }
+        let made = tokio::time::timeout(
+            self.timeout * 4,
+            client.get_connection_manager_with_config(self.config.clone()),
+        )
+        .await;
+        let conn = match made {
+            Ok(Ok(conn)) => conn,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "idempotency: redis sentinel: the new primary does not answer yet");
+                return current;
+            }
+            Err(_) => return current,
+        };
+        tracing::warn!(
+            master = %self.master,
+            from = %current.client.get_connection_info().addr(),
+            to = %client.get_connection_info().addr(),
+            "idempotency: redis sentinel: the primary moved; the store follows it"
+        );
+        let next = Current {
+            generation: current.generation + 1,
+            client,
+            conn,
+        };
+        *self.current.write().unwrap_or_else(|e| e.into_inner()) = next.clone();
+        self.switches.fetch_add(1, Ordering::Relaxed);
+        next
+    }
+}
+
+/// An error that proves the command did not run on a primary: a replica refused the write
+/// (`READONLY`), or no connection was made. The command is sent again to the primary the
+/// Sentinels name now.
+fn not_run_on_a_primary(e: &RedisError) -> bool {
+    e.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly) || e.is_connection_refusal()
+}
+
+/// An error after which the node may be gone (the command may have run: not sent again).
+fn node_may_be_gone(e: &RedisError) -> bool {
+    e.is_io_error() || e.is_connection_dropped() || e.is_unrecoverable_error()
+}
+
+fn readonly_in(values: &[Value]) -> bool {
+    values
+        .iter()
+        .any(|v| matches!(v, Value::ServerError(e) if e.code() == "READONLY"))
+}
+
+impl ConnectionLike for SentinelConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        Box::pin(async move {
+            let current = self.current();
+            let mut conn = current.conn.clone();
+            match conn.req_packed_command(cmd).await {
+                Err(e) if not_run_on_a_primary(&e) => {
+                    let mut conn = self.ask_again(current.generation).await.conn;
+                    conn.req_packed_command(cmd).await
+                }
+                Err(e) => {
+                    if node_may_be_gone(&e) {
+                        self.ask_again(current.generation).await;
+                    }
+                    Err(e)
+                }
+                ok => ok,
+            }
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        Box::pin(async move {
+            let current = self.current();
+            let mut conn = current.conn.clone();
+            match conn.req_packed_commands(cmd, offset, count).await {
+                // A pipeline with `ignore_errors` has its errors among its values: a script
+                // refused by a replica wrote nothing (it fails at its first write).
+                Ok(values) if readonly_in(&values) => {
+                    let mut conn = self.ask_again(current.generation).await.conn;
+                    conn.req_packed_commands(cmd, offset, count).await
+                }
+                Err(e) if not_run_on_a_primary(&e) => {
+                    let mut conn = self.ask_again(current.generation).await.conn;
+                    conn.req_packed_commands(cmd, offset, count).await
+                }
+                Err(e) => {
+                    if node_may_be_gone(&e) {
+                        self.ask_again(current.generation).await;
+                    }
+                    Err(e)
+                }
+                ok => ok,
+            }
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        self.current().conn.get_db()
+    }
+}
+
+impl fmt::Debug for Current {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Current")
+            .field("generation", &self.generation)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Opens a pub/sub connection on the primary as last named (pub/sub messages also reach the
+/// replicas through replication, so a connection left on a demoted primary still hears them).
+pub(super) async fn open_pubsub(conn: &SentinelConn) -> RedisResult<redis::aio::PubSub> {
+    conn.client().get_async_pubsub().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sentinel_urls_name_their_sentinels_and_master() {
+        assert_eq!(
+            sentinel_from_url("redis+sentinel://a:26379,b:26380/idem").unwrap(),
+            (
+                vec!["redis://a:26379".to_owned(), "redis://b:26380".to_owned()],
+                "idem".to_owned()
+            )
+        );
+        assert_eq!(
+            sentinel_from_url("rediss+sentinel://a:1/m").unwrap().0,
+            ["rediss://a:1"]
+        );
+        assert!(sentinel_from_url("redis+sentinel://a:1").is_none());
+        assert!(sentinel_from_url("redis+sentinel://a:1/").is_none());
+        assert!(sentinel_from_url("redis://a:1/idem").is_none());
+    }
+}

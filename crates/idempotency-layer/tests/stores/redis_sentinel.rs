@@ -1,0 +1,328 @@
+//! `RedisStore` on a Sentinel-managed primary (`REDIS_SENTINEL_URL`,
+//! `redis+sentinel://127.0.0.1:26380/idem` as `.ci/redis-sentinel.sh` prints): the conformance
+//! suite through the Sentinel, and a forced failover that would lose acknowledged records
+//! without `wait_for_replicas` and loses none with it. The failover kills the primary's process
+//! and restarts it as a replica (through `.ci/redis-sentinel.sh`), so these tests need the nodes
+//! on this machine, with `DEBUG` enabled for local connections (as the script starts them).
+//! Unset: each test says so and passes, unless `CI` is set (then a skip is a failure).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use crate::support::*;
+use idempotency_layer::store::{Begin, Fingerprint, ScopeKey, Token};
+use idempotency_layer::{conformance, IdempotencyStore, RedisStore, StoreError};
+use tokio::time::Instant;
+
+/// The tests of this file change the topology: one at a time.
+static TOPOLOGY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// How long a forced failover may take (Sentinel: down-after 1 s, then the election).
+const FAILOVER: Duration = Duration::from_secs(60);
+
+fn sentinel() -> Option<(Vec<String>, String)> {
+    let url = env_url("REDIS_SENTINEL_URL")?;
+    Some(RedisStore::sentinel_from_url(&url).unwrap_or_else(|| {
+        panic!("REDIS_SENTINEL_URL={url} is not redis+sentinel://HOST:PORT/MASTER")
+    }))
+}
+
+async fn store(sentinels: &[String], master: &str, wait: Option<Duration>) -> RedisStore {
+    let mut b = RedisStore::builder_sentinel(sentinels.iter().cloned(), master)
+        .prefix(unique("test:sentinel:"))
+        .timeout(Duration::from_secs(2));
+    if let Some(timeout) = wait {
+        b = b.wait_for_replicas(1, timeout);
+    }
+    b.connect()
+        .await
+        .expect("REDIS_SENTINEL_URL is set, so the Sentinel and its primary must be reachable")
+}
+
+async fn conn(port: u16) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(format!("redis://127.0.0.1:{port}"))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| panic!("redis on port {port}: {e}"))
+}
+
+/// The port of the primary the Sentinel names now.
+async fn primary_port(sentinels: &[String], master: &str) -> u16 {
+    let mut s = redis::Client::open(sentinels[0].as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .expect("the Sentinel answers");
+    let (_, port): (String, u16) = redis::cmd("SENTINEL")
+        .arg("get-master-addr-by-name")
+        .arg(master)
+        .query_async(&mut s)
+        .await
+        .expect("the Sentinel names a primary");
+    port
+}
+
+/// `field:value` from an `INFO` section.
+async fn info(port: u16, section: &str, field: &str) -> Option<String> {
+    let text: String = redis::cmd("INFO")
+        .arg(section)
+        .query_async(&mut conn(port).await)
+        .await
+        .ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .map(str::to_owned)
+}
+
+/// Polls `check` until it holds, for at most `within`.
+async fn until<F, Fut>(what: &str, within: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let give_up = Instant::now() + within;
+    while !check().await {
+        assert!(Instant::now() < give_up, "{what}: not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The primary's port and its replica's, once the replica's link is up.
+async fn healthy_pair(sentinels: &[String], master: &str) -> (u16, u16) {
+    let give_up = Instant::now() + Duration::from_secs(30);
+    loop {
+        let primary = primary_port(sentinels, master).await;
+        let replica = info(primary, "replication", "slave0").await.and_then(|l| {
+            l.contains("state=online")
+                .then(|| {
+                    l.split(',')
+                        .find_map(|kv| kv.strip_prefix("port=")?.parse().ok())
+                })
+                .flatten()
+        });
+        if let Some(replica) = replica {
+            return (primary, replica);
+        }
+        assert!(
+            Instant::now() < give_up,
+            "no primary with a replica online within 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Puts the topology right after a test: the killed node back as a replica of the new primary.
+fn restore() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../.ci/redis-sentinel.sh");
+    let out = std::process::Command::new(script)
+        .output()
+        .expect("run .ci/redis-sentinel.sh");
+    assert!(
+        out.status.success(),
+        ".ci/redis-sentinel.sh could not restore the topology: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Restores the topology when dropped (also when the test fails).
+struct Restore;
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../.ci/redis-sentinel.sh");
+            let _ = std::process::Command::new(script).output();
+        } else {
+            restore();
+        }
+    }
+}
+
+/// `begin` until the store answers (it follows the failover), at most [`FAILOVER`].
+async fn begin_through_failover(store: &RedisStore, scope: ScopeKey) -> Begin {
+    let give_up = Instant::now() + FAILOVER;
+    loop {
+        match store.begin(scope, Fingerprint([1; 32]), LEASE).await {
+            Ok(b) => return b,
+            Err(StoreError::Backend(e)) if Instant::now() < give_up => {
+                eprintln!("begin during the failover: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("begin after the failover: {e}"),
+        }
+    }
+}
+
+const LEASE: Duration = Duration::from_secs(60);
+
+fn record() -> std::sync::Arc<idempotency_layer::store::Record> {
+    conformance::sample_record(Fingerprint([1; 32])).into()
+}
+
+async fn claim(store: &RedisStore, scope: ScopeKey) -> Token {
+    match store.begin(scope, Fingerprint([1; 32]), LEASE).await {
+        Ok(Begin::New(token)) => token,
+        other => panic!("a fresh scope is claimed: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_suite_through_the_sentinel() {
+    let Some((sentinels, master)) = sentinel() else {
+        return;
+    };
+    let _one = TOPOLOGY.lock().await;
+    for wait in [None, Some(Duration::from_secs(1))] {
+        let base = store(&sentinels, &master, wait).await;
+        let n = AtomicUsize::new(0);
+        conformance::run_all(|| {
+            base.with_prefix(format!(
+                "{}{}:",
+                base.prefix(),
+                n.fetch_add(1, Ordering::Relaxed)
+            ))
+        })
+        .await;
+    }
+}
+
+/// The replication gap, made deterministic: the replica drops its link to the primary and
+/// sleeps (`DEBUG SLEEP`, so it cannot reconnect), records are written on the primary alone,
+/// the primary's process is killed, and the Sentinel promotes the replica.
+///
+/// - Records completed before, with `wait_for_replicas(1, ..)`: all on the new primary.
+/// - During the gap, with `wait_for_replicas`: `complete` and a new claim fail (not `Ok`).
+/// - During the gap, without it: `complete` answers `Ok`, and every such record is missing on
+///   the new primary (the key would execute again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_for_replicas_keeps_acknowledged_records_through_a_failover() {
+    let Some((sentinels, master)) = sentinel() else {
+        return;
+    };
+    let _one = TOPOLOGY.lock().await;
+    let (primary, replica) = healthy_pair(&sentinels, &master).await;
+    let waiting = store(&sentinels, &master, Some(Duration::from_millis(500))).await;
+    let plain = store(&sentinels, &master, None).await;
+    // From here on, the topology is put right however the test ends.
+    let _restore = Restore;
+
+    // Before the gap: replicated records.
+    let before: Vec<ScopeKey> = (0..20)
+        .map(|i| conformance::scope(&format!("before-{i}")))
+        .collect();
+    for &s in &before {
+        let t = claim(&waiting, s).await;
+        waiting
+            .complete(s, t, record(), LEASE)
+            .await
+            .expect("replicated");
+    }
+    // Claimed before the gap, completed during it.
+    let pending: Vec<(ScopeKey, Token)> = {
+        let mut v = Vec::new();
+        for i in 0..5 {
+            let s = conformance::scope(&format!("pending-{i}"));
+            v.push((s, claim(&waiting, s).await));
+        }
+        v
+    };
+
+    // The gap: the replica drops its link and sleeps (the reply comes when it wakes).
+    let sleeper = tokio::spawn(async move {
+        let mut r = conn(replica).await;
+        let _: Result<Vec<redis::Value>, _> = redis::pipe()
+            .cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg("master")
+            .cmd("DEBUG")
+            .arg("SLEEP")
+            .arg(4)
+            .query_async(&mut r)
+            .await;
+    });
+    until(
+        "the primary lost its replica",
+        Duration::from_secs(5),
+        || async {
+            info(primary, "replication", "connected_slaves")
+                .await
+                .as_deref()
+                == Some("0")
+        },
+    )
+    .await;
+
+    for &(s, t) in &pending {
+        let r = waiting.complete(s, t, record(), LEASE).await;
+        assert!(
+            matches!(r, Err(StoreError::Backend(_))),
+            "a record no replica acknowledged is not Ok: {r:?}"
+        );
+    }
+    let refused = waiting
+        .begin(conformance::scope("gap-claim"), Fingerprint([1; 32]), LEASE)
+        .await;
+    assert!(
+        matches!(refused, Err(StoreError::Backend(_))),
+        "a claim no replica acknowledged is an error: {refused:?}"
+    );
+    let acknowledged: Vec<ScopeKey> = (0..10)
+        .map(|i| conformance::scope(&format!("gap-{i}")))
+        .collect();
+    for &s in &acknowledged {
+        let t = claim(&plain, s).await;
+        plain
+            .complete(s, t, record(), LEASE)
+            .await
+            .expect("without wait_for_replicas the primary alone acknowledges");
+    }
+    assert_eq!(
+        info(primary, "replication", "connected_slaves")
+            .await
+            .as_deref(),
+        Some("0"),
+        "the replica stayed cut off while the records were written"
+    );
+
+    // The failover: the primary's process dies; the Sentinel promotes the replica.
+    let pid = info(primary, "server", "process_id")
+        .await
+        .expect("the primary's pid");
+    let killed = std::process::Command::new("kill")
+        .args(["-9", &pid])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    until("the Sentinel promoted the replica", FAILOVER, || async {
+        primary_port(&sentinels, &master).await == replica
+    })
+    .await;
+    let _ = sleeper.await;
+
+    // The new primary, through the same stores (they follow the Sentinel).
+    for &s in &before {
+        assert!(
+            matches!(
+                begin_through_failover(&waiting, s).await,
+                Begin::Completed(_)
+            ),
+            "a record acknowledged with wait_for_replicas survived the failover"
+        );
+    }
+    let mut lost = 0;
+    for &s in &acknowledged {
+        if matches!(begin_through_failover(&plain, s).await, Begin::New(_)) {
+            lost += 1;
+        }
+    }
+    assert_eq!(
+        lost,
+        acknowledged.len(),
+        "every record acknowledged by the primary alone was lost with it"
+    );
+    assert!(waiting.primary_switches() >= 1 && plain.primary_switches() >= 1);
+    drop((waiting, plain, _restore));
+    healthy_pair(&sentinels, &master).await;
+}
