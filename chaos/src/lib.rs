@@ -1231,6 +1231,7 @@ fn sum<St>(layers: &[IdempotencyLayer<St>]) -> [u64; 8] {
     out
 }
 
+pub mod failover;
 pub mod kill;
 pub mod storm;
 mod wire;

@@ -326,3 +326,63 @@ async fn wait_for_replicas_keeps_acknowledged_records_through_a_failover() {
     drop((waiting, plain, _restore));
     healthy_pair(&sentinels, &master).await;
 }
+
+/// A `SENTINEL FAILOVER` (the old primary stays up and is demoted): the store moves to the new
+/// primary, and its writes land there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_follows_a_sentinel_failover() {
+    let Some((sentinels, master)) = sentinel() else {
+        return;
+    };
+    let _one = TOPOLOGY.lock().await;
+    let (primary, replica) = healthy_pair(&sentinels, &master).await;
+    let store = store(&sentinels, &master, None).await;
+    let _restore = Restore;
+    let s = conformance::scope("before");
+    let t = claim(&store, s).await;
+    store.complete(s, t, record(), LEASE).await.unwrap();
+
+    let mut sc = redis::Client::open(sentinels[0].as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: String = redis::cmd("SENTINEL")
+        .arg("FAILOVER")
+        .arg(&master)
+        .query_async(&mut sc)
+        .await
+        .expect("SENTINEL FAILOVER");
+    until("the Sentinel promoted the replica", FAILOVER, || async {
+        primary_port(&sentinels, &master).await == replica
+    })
+    .await;
+    // The old primary demoted (the Sentinel does it when it next sees it; the script now).
+    restore();
+    assert_eq!(
+        info(primary, "replication", "role").await.as_deref(),
+        Some("slave")
+    );
+
+    let after = conformance::scope("after");
+    let t = match begin_through_failover(&store, after).await {
+        Begin::New(t) => t,
+        other => panic!("a fresh scope is claimed: {other:?}"),
+    };
+    store.complete(after, t, record(), LEASE).await.unwrap();
+    assert!(
+        store.primary_switches() >= 1,
+        "the store moved to the new primary"
+    );
+    let state: Option<String> = redis::cmd("HGET")
+        .arg(store.key(&after))
+        .arg("s")
+        .query_async(&mut conn(replica).await)
+        .await
+        .unwrap();
+    assert_eq!(
+        state.as_deref(),
+        Some("c"),
+        "the record is on the new primary"
+    );
+}

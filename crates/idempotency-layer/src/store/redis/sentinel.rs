@@ -250,6 +250,11 @@ impl ConnectionLike for SentinelConn {
             let current = self.current();
             let mut conn = current.conn.clone();
             match conn.req_packed_command(cmd).await {
+                // Error replies come back as values here; the caller makes them errors.
+                Ok(value) if readonly_in(std::slice::from_ref(&value)) => {
+                    let mut conn = self.ask_again(current.generation).await.conn;
+                    conn.req_packed_command(cmd).await
+                }
                 Err(e) if not_run_on_a_primary(&e) => {
                     let mut conn = self.ask_again(current.generation).await.conn;
                     conn.req_packed_command(cmd).await

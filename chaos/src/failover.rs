@@ -1,0 +1,503 @@
+//! Redis failover chaos: concurrent `begin` + `complete` through two [`RedisStore`]s on a
+//! Sentinel-managed primary, one plain and one with
+//! [`wait_for_replicas`](idempotency_layer::RedisStoreBuilder::wait_for_replicas), while the run
+//! forces failovers; at the end, every record a `complete` acknowledged (`Ok`) is looked up on
+//! the primary of the day: a missing one is a record the failover lost (its key would execute
+//! again). Before the failovers, the cost of `wait_for_replicas` is measured on the healthy
+//! pair: ops/s and latency of begin + complete, with and without, in the same run.
+//!
+//! `cargo run --release -p chaos --bin failover -- --help`.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, StatusCode};
+use idempotency_layer::store::{Begin, Fingerprint, Record, ScopeKey};
+use idempotency_layer::{IdempotencyStore, RedisStore, Scope};
+use tokio::time::Instant;
+
+/// How a failover is forced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum How {
+    /// `SENTINEL FAILOVER`: the Sentinel promotes the replica, then demotes the old primary,
+    /// which accepts writes until then.
+    Sentinel,
+    /// SIGKILL of the primary's process; the Sentinel promotes the replica once it is seen
+    /// down; the killed node is restarted as a replica.
+    Kill,
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct FailoverOptions {
+    /// The Sentinel URLs and master name.
+    pub sentinels: Vec<String>,
+    /// The master name the Sentinels watch.
+    pub master: String,
+    /// Failovers to force.
+    pub failovers: usize,
+    /// How.
+    pub how: How,
+    /// With [`How::Kill`]: the replica drops its link and sleeps this long just before the
+    /// kill (`DEBUG SLEEP`), a replica this far behind (0: none).
+    pub cut_replica: Duration,
+    /// Load between two failovers.
+    pub between: Duration,
+    /// Concurrent tasks per store.
+    pub concurrency: usize,
+    /// `wait_for_replicas(replicas, wait_timeout)` of the waiting store.
+    pub replicas: usize,
+    /// See `replicas`.
+    pub wait_timeout: Duration,
+    /// How long each store is measured for the cost figures (in two slices each, alternating).
+    pub cost: Duration,
+    /// The command that restarts a killed node as a replica (`.ci/redis-sentinel.sh`).
+    pub restore: PathBuf,
+}
+
+/// Latency and throughput of begin + complete for one store.
+#[derive(Clone, Debug, Default)]
+pub struct Cost {
+    /// Pairs that both answered `Ok`.
+    pub ops: u64,
+    /// Over this long.
+    pub elapsed: Duration,
+    /// Median latency of one pair.
+    pub p50: Duration,
+    /// 99th percentile.
+    pub p99: Duration,
+}
+
+impl Cost {
+    fn ops_per_sec(&self) -> f64 {
+        self.ops as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}
+
+/// What one store saw during the failovers.
+#[derive(Clone, Debug, Default)]
+pub struct Losses {
+    /// Records `complete` acknowledged.
+    pub acknowledged: u64,
+    /// Of those, missing on the final primary.
+    pub lost: u64,
+    /// `begin` or `complete` errors (the store unreachable, or too few replicas).
+    pub errors: u64,
+    /// Times the store moved to another primary.
+    pub switches: u64,
+}
+
+/// The run's figures.
+#[derive(Clone, Debug, Default)]
+pub struct FailoverReport {
+    /// Without `wait_for_replicas`.
+    pub plain_cost: Cost,
+    /// With it.
+    pub wait_cost: Cost,
+    /// Without `wait_for_replicas`.
+    pub plain: Losses,
+    /// With it.
+    pub wait: Losses,
+    /// Failovers forced, and how long each took until the Sentinel named the new primary.
+    pub failovers: Vec<Duration>,
+}
+
+impl FailoverReport {
+    /// Failed checks: a record acknowledged with `wait_for_replicas` that is missing.
+    pub fn problems(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        if self.wait.lost > 0 {
+            p.push(format!(
+                "{} records acknowledged with wait_for_replicas were lost",
+                self.wait.lost
+            ));
+        }
+        p
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+impl fmt::Display for FailoverReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (p, w) = (&self.plain_cost, &self.wait_cost);
+        writeln!(
+            f,
+            "cost of begin + complete on the healthy pair (same run):"
+        )?;
+        for (name, c) in [("plain", p), ("wait_for_replicas", w)] {
+            writeln!(
+                f,
+                "  {name:18} {:>9.0} ops/s  p50 {:>6.2} ms  p99 {:>6.2} ms  ({} pairs in {:.1} s)",
+                c.ops_per_sec(),
+                ms(c.p50),
+                ms(c.p99),
+                c.ops,
+                c.elapsed.as_secs_f64()
+            )?;
+        }
+        writeln!(
+            f,
+            "  ratio wait/plain:  ops/s x{:.2}  p50 x{:.2}  p99 x{:.2}",
+            w.ops_per_sec() / p.ops_per_sec().max(1e-9),
+            ms(w.p50) / ms(p.p50).max(1e-9),
+            ms(w.p99) / ms(p.p99).max(1e-9)
+        )?;
+        let took: Vec<String> = self
+            .failovers
+            .iter()
+            .map(|d| format!("{:.1}s", d.as_secs_f64()))
+            .collect();
+        writeln!(
+            f,
+            "failovers: {} (until the Sentinel named the new primary: {})",
+            self.failovers.len(),
+            took.join(", ")
+        )?;
+        for (name, l) in [("plain", &self.plain), ("wait_for_replicas", &self.wait)] {
+            writeln!(
+                f,
+                "  {name:18} acknowledged {:>7}  lost {:>5}  errors {:>6}  primary switches {}",
+                l.acknowledged, l.lost, l.errors, l.switches
+            )?;
+        }
+        let problems = self.problems();
+        if problems.is_empty() {
+            write!(f, "checks: PASS")
+        } else {
+            write!(f, "checks: FAIL: {}", problems.join("; "))
+        }
+    }
+}
+
+/// One store's load: acknowledged scopes, errors, and (when timed) pair latencies.
+#[derive(Default)]
+struct Load {
+    acknowledged: Mutex<Vec<ScopeKey>>,
+    errors: AtomicU64,
+    latencies: Mutex<Vec<Duration>>,
+}
+
+fn record() -> Arc<Record> {
+    Arc::new(Record::new(
+        Fingerprint([7; 32]),
+        StatusCode::CREATED,
+        HeaderMap::new(),
+        Bytes::from_static(b"{\"order\":\"placed\"}"),
+    ))
+}
+
+const LEASE: Duration = Duration::from_secs(30);
+const TTL: Duration = Duration::from_secs(3600);
+
+/// Runs begin + complete on fresh scopes until `stop`.
+async fn drive(
+    store: RedisStore,
+    label: String,
+    load: Arc<Load>,
+    stop: Arc<AtomicBool>,
+    timed: bool,
+) {
+    let record = record();
+    let mut n = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        n += 1;
+        let scope = Scope::new("failover", &label, &n.to_string()).key();
+        let started = Instant::now();
+        let token = match store.begin(scope, Fingerprint([7; 32]), LEASE).await {
+            Ok(Begin::New(token)) => token,
+            Ok(_) => continue,
+            Err(_) => {
+                load.errors.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+        };
+        match store.complete(scope, token, record.clone(), TTL).await {
+            Ok(()) => {
+                let took = started.elapsed();
+                load.acknowledged.lock().unwrap().push(scope);
+                if timed {
+                    load.latencies.lock().unwrap().push(took);
+                }
+            }
+            Err(_) => {
+                load.errors.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+}
+
+/// Runs `concurrency` drivers on `store` for `during`; returns their load.
+async fn run_load(
+    store: &RedisStore,
+    label: &str,
+    concurrency: usize,
+    stop: Arc<AtomicBool>,
+    timed: bool,
+) -> (Arc<Load>, Vec<tokio::task::JoinHandle<()>>) {
+    let load = Arc::new(Load::default());
+    let tasks = (0..concurrency)
+        .map(|i| {
+            tokio::spawn(drive(
+                store.clone(),
+                format!("{label}-{i}"),
+                load.clone(),
+                stop.clone(),
+                timed,
+            ))
+        })
+        .collect();
+    (load, tasks)
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let i = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[i]
+}
+
+/// Measures each store alone for `each` (two alternating slices per store).
+async fn measure_cost(
+    plain: &RedisStore,
+    wait: &RedisStore,
+    opts: &FailoverOptions,
+) -> (Cost, Cost) {
+    let slice = opts.cost / 2;
+    let mut lat = [Vec::new(), Vec::new()];
+    let mut ops = [0u64, 0];
+    let mut elapsed = [Duration::ZERO, Duration::ZERO];
+    for round in 0..4 {
+        let which = round % 2;
+        let store = if which == 0 { plain } else { wait };
+        let stop = Arc::new(AtomicBool::new(false));
+        let (load, tasks) = run_load(
+            store,
+            &format!("cost{round}"),
+            opts.concurrency,
+            stop.clone(),
+            true,
+        )
+        .await;
+        let started = Instant::now();
+        tokio::time::sleep(slice).await;
+        stop.store(true, Ordering::Relaxed);
+        for t in tasks {
+            let _ = t.await;
+        }
+        elapsed[which] += started.elapsed();
+        let l = std::mem::take(&mut *load.latencies.lock().unwrap());
+        ops[which] += l.len() as u64;
+        lat[which].extend(l);
+    }
+    let mut cost = |i: usize| {
+        lat[i].sort_unstable();
+        Cost {
+            ops: ops[i],
+            elapsed: elapsed[i],
+            p50: percentile(&lat[i], 0.50),
+            p99: percentile(&lat[i], 0.99),
+        }
+    };
+    let plain_cost = cost(0);
+    let wait_cost = cost(1);
+    (plain_cost, wait_cost)
+}
+
+async fn sentinel_conn(opts: &FailoverOptions) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(opts.sentinels[0].as_str())
+        .expect("a sentinel URL")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("the Sentinel answers")
+}
+
+async fn primary(opts: &FailoverOptions) -> (String, u16) {
+    redis::cmd("SENTINEL")
+        .arg("get-master-addr-by-name")
+        .arg(&opts.master)
+        .query_async(&mut sentinel_conn(opts).await)
+        .await
+        .expect("the Sentinel names a primary")
+}
+
+async fn node(host: &str, port: u16) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+    redis::Client::open(format!("redis://{host}:{port}"))?
+        .get_multiplexed_async_connection()
+        .await
+}
+
+async fn info_field(host: &str, port: u16, section: &str, field: &str) -> Option<String> {
+    let text: String = redis::cmd("INFO")
+        .arg(section)
+        .query_async(&mut node(host, port).await.ok()?)
+        .await
+        .ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .map(str::to_owned)
+}
+
+/// Runs the restore command (it waits for a healthy primary + replica).
+async fn restore(opts: &FailoverOptions) {
+    let cmd = opts.restore.clone();
+    let out = tokio::task::spawn_blocking(move || std::process::Command::new(&cmd).output())
+        .await
+        .expect("the restore task")
+        .unwrap_or_else(|e| panic!("{}: {e}", opts.restore.display()));
+    assert!(
+        out.status.success(),
+        "{} failed: {}",
+        opts.restore.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Forces one failover; answers how long until the Sentinel named another primary.
+async fn force_failover(opts: &FailoverOptions) -> Duration {
+    let (host, port) = primary(opts).await;
+    let started = Instant::now();
+    match opts.how {
+        How::Sentinel => {
+            let _: redis::RedisResult<String> = redis::cmd("SENTINEL")
+                .arg("FAILOVER")
+                .arg(&opts.master)
+                .query_async(&mut sentinel_conn(opts).await)
+                .await;
+        }
+        How::Kill => {
+            if !opts.cut_replica.is_zero() {
+                let slave = info_field(&host, port, "replication", "slave0").await;
+                let replica: Option<u16> = slave.as_deref().and_then(|l| {
+                    l.split(',')
+                        .find_map(|kv| kv.strip_prefix("port=")?.parse().ok())
+                });
+                if let Some(r) = replica {
+                    let secs = opts.cut_replica.as_secs_f64();
+                    let host = host.clone();
+                    tokio::spawn(async move {
+                        if let Ok(mut c) = node(&host, r).await {
+                            let _: redis::RedisResult<Vec<redis::Value>> = redis::pipe()
+                                .cmd("CLIENT")
+                                .arg("KILL")
+                                .arg("TYPE")
+                                .arg("master")
+                                .cmd("DEBUG")
+                                .arg("SLEEP")
+                                .arg(secs)
+                                .query_async(&mut c)
+                                .await;
+                        }
+                    });
+                    // The load writes on the primary alone for the length of the cut.
+                    tokio::time::sleep(opts.cut_replica / 2).await;
+                }
+            }
+            if let Some(pid) = info_field(&host, port, "server", "process_id").await {
+                let _ = std::process::Command::new("kill")
+                    .args(["-9", &pid])
+                    .status();
+            }
+        }
+    }
+    let give_up = Instant::now() + Duration::from_secs(120);
+    loop {
+        if primary(opts).await.1 != port {
+            break;
+        }
+        assert!(Instant::now() < give_up, "no failover within 120 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let took = started.elapsed();
+    restore(opts).await;
+    took
+}
+
+/// How many of `scopes` have no record on the current primary.
+async fn missing(store: &RedisStore, scopes: &[ScopeKey], opts: &FailoverOptions) -> u64 {
+    let (host, port) = primary(opts).await;
+    let mut conn = node(&host, port).await.expect("the primary answers");
+    let mut lost = 0;
+    for chunk in scopes.chunks(1000) {
+        let mut pipe = redis::pipe();
+        for s in chunk {
+            pipe.cmd("HGET").arg(store.key(s)).arg("s");
+        }
+        let states: Vec<Option<String>> = pipe.query_async(&mut conn).await.expect("HGET");
+        lost += states.iter().filter(|s| s.as_deref() != Some("c")).count() as u64;
+    }
+    lost
+}
+
+/// Runs it: the cost on the healthy pair, then load on both stores through the failovers.
+pub async fn run_failover(opts: FailoverOptions) -> FailoverReport {
+    restore(&opts).await;
+    let prefix = format!("failover:{}:", std::process::id());
+    let connect = |wait: bool, prefix: String| {
+        let mut b =
+            RedisStore::builder_sentinel(opts.sentinels.iter().cloned(), opts.master.clone())
+                .prefix(prefix);
+        if wait {
+            b = b.wait_for_replicas(opts.replicas, opts.wait_timeout);
+        }
+        b.connect()
+    };
+    let plain = connect(false, format!("{prefix}plain:"))
+        .await
+        .expect("connect");
+    let wait = connect(true, format!("{prefix}wait:"))
+        .await
+        .expect("connect");
+
+    let (plain_cost, wait_cost) = measure_cost(&plain, &wait, &opts).await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let (plain_load, mut tasks) =
+        run_load(&plain, "plain", opts.concurrency, stop.clone(), false).await;
+    let (wait_load, wait_tasks) =
+        run_load(&wait, "wait", opts.concurrency, stop.clone(), false).await;
+    tasks.extend(wait_tasks);
+    let mut failovers = Vec::new();
+    for _ in 0..opts.failovers {
+        tokio::time::sleep(opts.between).await;
+        failovers.push(force_failover(&opts).await);
+    }
+    tokio::time::sleep(opts.between).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        let _ = t.await;
+    }
+
+    let losses = |store: &RedisStore, load: &Load| {
+        let scopes = load.acknowledged.lock().unwrap().clone();
+        let errors = load.errors.load(Ordering::Relaxed);
+        let store = store.clone();
+        let opts = opts.clone();
+        async move {
+            Losses {
+                acknowledged: scopes.len() as u64,
+                lost: missing(&store, &scopes, &opts).await,
+                errors,
+                switches: store.primary_switches(),
+            }
+        }
+    };
+    let plain_losses = losses(&plain, &plain_load).await;
+    let wait_losses = losses(&wait, &wait_load).await;
+    FailoverReport {
+        plain_cost,
+        wait_cost,
+        plain: plain_losses,
+        wait: wait_losses,
+        failovers,
+    }
+}
