@@ -127,11 +127,18 @@ fn ms(d: Duration) -> f64 {
 impl fmt::Display for FailoverReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (p, w) = (&self.plain_cost, &self.wait_cost);
-        writeln!(
-            f,
-            "cost of begin + complete on the healthy pair (same run):"
-        )?;
-        for (name, c) in [("plain", p), ("wait_for_replicas", w)] {
+        if p.ops == 0 || w.ops == 0 {
+            writeln!(f, "cost: not measured (--cost-secs 0)")?;
+        } else {
+            writeln!(
+                f,
+                "cost of begin + complete on the healthy pair (same run):"
+            )?;
+        }
+        for (name, c) in [("plain", p), ("wait_for_replicas", w)]
+            .into_iter()
+            .filter(|_| p.ops > 0 && w.ops > 0)
+        {
             writeln!(
                 f,
                 "  {name:18} {:>9.0} ops/s  p50 {:>6.2} ms  p99 {:>6.2} ms  ({} pairs in {:.1} s)",
@@ -142,13 +149,15 @@ impl fmt::Display for FailoverReport {
                 c.elapsed.as_secs_f64()
             )?;
         }
-        writeln!(
-            f,
-            "  ratio wait/plain:  ops/s x{:.2}  p50 x{:.2}  p99 x{:.2}",
-            w.ops_per_sec() / p.ops_per_sec().max(1e-9),
-            ms(w.p50) / ms(p.p50).max(1e-9),
-            ms(w.p99) / ms(p.p99).max(1e-9)
-        )?;
+        if p.ops > 0 && w.ops > 0 {
+            writeln!(
+                f,
+                "  ratio wait/plain:  ops/s x{:.2}  p50 x{:.2}  p99 x{:.2}",
+                w.ops_per_sec() / p.ops_per_sec(),
+                ms(w.p50) / ms(p.p50).max(1e-9),
+                ms(w.p99) / ms(p.p99).max(1e-9)
+            )?;
+        }
         let took: Vec<String> = self
             .failovers
             .iter()
@@ -458,7 +467,11 @@ pub async fn run_failover(opts: FailoverOptions) -> FailoverReport {
         .await
         .expect("connect");
 
-    let (plain_cost, wait_cost) = measure_cost(&plain, &wait, &opts).await;
+    let (plain_cost, wait_cost) = if opts.cost.is_zero() {
+        (Cost::default(), Cost::default())
+    } else {
+        measure_cost(&plain, &wait, &opts).await
+    };
 
     let stop = Arc::new(AtomicBool::new(false));
     let (plain_load, mut tasks) =
