@@ -89,6 +89,9 @@ pub struct Losses {
     pub errors: u64,
     /// Times the store moved to another primary.
     pub switches: u64,
+    /// Lost records by when they were acknowledged: (seconds from the failover they preceded
+    /// or followed most closely, count), in 100 ms buckets.
+    pub lost_when: Vec<(f64, u64)>,
 }
 
 /// The run's figures.
@@ -175,6 +178,18 @@ impl fmt::Display for FailoverReport {
                 "  {name:18} acknowledged {:>7}  lost {:>5}  errors {:>6}  primary switches {}",
                 l.acknowledged, l.lost, l.errors, l.switches
             )?;
+            if !l.lost_when.is_empty() {
+                let when: Vec<String> = l
+                    .lost_when
+                    .iter()
+                    .map(|(t, n)| format!("{t:+.1}s: {n}"))
+                    .collect();
+                writeln!(
+                    f,
+                    "    lost, by when acknowledged relative to the nearest forced failover: {}",
+                    when.join(", ")
+                )?;
+            }
         }
         let problems = self.problems();
         if problems.is_empty() {
@@ -188,7 +203,7 @@ impl fmt::Display for FailoverReport {
 /// One store's load: acknowledged scopes, errors, and (when timed) pair latencies.
 #[derive(Default)]
 struct Load {
-    acknowledged: Mutex<Vec<ScopeKey>>,
+    acknowledged: Mutex<Vec<(ScopeKey, Instant)>>,
     errors: AtomicU64,
     latencies: Mutex<Vec<Duration>>,
 }
@@ -203,7 +218,8 @@ fn record() -> Arc<Record> {
 }
 
 const LEASE: Duration = Duration::from_secs(30);
-const TTL: Duration = Duration::from_secs(3600);
+/// Long enough for the end-of-run check; the run removes its keys after it anyway.
+const TTL: Duration = Duration::from_secs(600);
 
 /// Runs begin + complete on fresh scopes until `stop`.
 async fn drive(
@@ -231,7 +247,10 @@ async fn drive(
         match store.complete(scope, token, record.clone(), TTL).await {
             Ok(()) => {
                 let took = started.elapsed();
-                load.acknowledged.lock().unwrap().push(scope);
+                load.acknowledged
+                    .lock()
+                    .unwrap()
+                    .push((scope, Instant::now()));
                 if timed {
                     load.latencies.lock().unwrap().push(took);
                 }
@@ -431,20 +450,82 @@ async fn force_failover(opts: &FailoverOptions) -> Duration {
     took
 }
 
-/// How many of `scopes` have no record on the current primary.
-async fn missing(store: &RedisStore, scopes: &[ScopeKey], opts: &FailoverOptions) -> u64 {
+/// When the records of `scopes` that have no record on the current primary were acknowledged.
+async fn missing(
+    store: &RedisStore,
+    scopes: &[(ScopeKey, Instant)],
+    opts: &FailoverOptions,
+) -> Vec<Instant> {
     let (host, port) = primary(opts).await;
     let mut conn = node(&host, port).await.expect("the primary answers");
-    let mut lost = 0;
+    let mut lost = Vec::new();
     for chunk in scopes.chunks(1000) {
         let mut pipe = redis::pipe();
-        for s in chunk {
+        for (s, _) in chunk {
             pipe.cmd("HGET").arg(store.key(s)).arg("s");
         }
         let states: Vec<Option<String>> = pipe.query_async(&mut conn).await.expect("HGET");
-        lost += states.iter().filter(|s| s.as_deref() != Some("c")).count() as u64;
+        for ((_, at), state) in chunk.iter().zip(states) {
+            if state.as_deref() != Some("c") {
+                lost.push(*at);
+            }
+        }
     }
     lost
+}
+
+/// Removes the run's keys (a full resync of a replica carries every key: a large data set
+/// makes the next failovers slower).
+async fn remove_keys(prefix: &str, opts: &FailoverOptions) {
+    let (host, port) = primary(opts).await;
+    let Ok(mut conn) = node(&host, port).await else {
+        return;
+    };
+    let mut cursor = 0u64;
+    loop {
+        let Ok((next, keys)) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{prefix}*"))
+            .arg("COUNT")
+            .arg(10_000)
+            .query_async::<(u64, Vec<String>)>(&mut conn)
+            .await
+        else {
+            return;
+        };
+        if !keys.is_empty() {
+            let _: redis::RedisResult<u64> =
+                redis::cmd("UNLINK").arg(&keys).query_async(&mut conn).await;
+        }
+        cursor = next;
+        if cursor == 0 {
+            return;
+        }
+    }
+}
+
+/// `lost` in 100 ms buckets around the nearest of `forced` (the instants failovers were forced).
+fn lost_when(lost: &[Instant], forced: &[Instant]) -> Vec<(f64, u64)> {
+    let mut buckets = std::collections::BTreeMap::<i64, u64>::new();
+    for &at in lost {
+        let offset = forced
+            .iter()
+            .map(|&f| {
+                if at >= f {
+                    (at - f).as_secs_f64()
+                } else {
+                    -(f - at).as_secs_f64()
+                }
+            })
+            .min_by(|a, b| a.abs().total_cmp(&b.abs()))
+            .unwrap_or(0.0);
+        *buckets.entry((offset * 10.0).floor() as i64).or_default() += 1;
+    }
+    buckets
+        .into_iter()
+        .map(|(b, n)| (b as f64 / 10.0, n))
+        .collect()
 }
 
 /// Runs it: the cost on the healthy pair, then load on both stores through the failovers.
@@ -480,8 +561,10 @@ pub async fn run_failover(opts: FailoverOptions) -> FailoverReport {
         run_load(&wait, "wait", opts.concurrency, stop.clone(), false).await;
     tasks.extend(wait_tasks);
     let mut failovers = Vec::new();
+    let mut forced = Vec::new();
     for _ in 0..opts.failovers {
         tokio::time::sleep(opts.between).await;
+        forced.push(Instant::now());
         failovers.push(force_failover(&opts).await);
     }
     tokio::time::sleep(opts.between).await;
@@ -495,17 +578,21 @@ pub async fn run_failover(opts: FailoverOptions) -> FailoverReport {
         let errors = load.errors.load(Ordering::Relaxed);
         let store = store.clone();
         let opts = opts.clone();
+        let forced = forced.clone();
         async move {
+            let lost = missing(&store, &scopes, &opts).await;
             Losses {
                 acknowledged: scopes.len() as u64,
-                lost: missing(&store, &scopes, &opts).await,
+                lost: lost.len() as u64,
                 errors,
                 switches: store.primary_switches(),
+                lost_when: lost_when(&lost, &forced),
             }
         }
     };
     let plain_losses = losses(&plain, &plain_load).await;
     let wait_losses = losses(&wait, &wait_load).await;
+    remove_keys(&prefix, &opts).await;
     FailoverReport {
         plain_cost,
         wait_cost,

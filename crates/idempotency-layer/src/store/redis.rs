@@ -304,7 +304,7 @@ impl PubSubSource {
 /// | shared by instances | no | yes | yes |
 /// | survives a restart of the service | no | yes | yes |
 /// | survives a restart of the server | n/a | as far as Redis persistence goes (AOF `everysec`: up to ~1 s of writes lost; none: everything lost) | yes (committed rows are durable) |
-/// | failover | n/a | replication is asynchronous: a claim or record written just before a failover can be lost, and that key can execute once more | to a synchronous standby: nothing lost |
+/// | failover | n/a | replication is asynchronous: a claim or record written just before a failover can be lost, and that key can execute once more, unless [`wait_for_replicas`](RedisStoreBuilder::wait_for_replicas) | to a synchronous standby: nothing lost |
 /// | round trips: first execution / replay | 0 / 0 | 2 / 1 (0 on a [near cache](RedisStoreBuilder::near_cache) hit) | 2 / 1 (0 on a near cache hit) |
 /// | expiry | incremental, in process | Redis's own (`PEXPIRE`) | ignored at once, rows removed by a background task |
 ///
@@ -346,10 +346,30 @@ impl PubSubSource {
 ///   not contain a `{hash tag}` (it would put every key in one slot). Failover within the
 ///   cluster is asynchronous, as below. Tested against a local 3-master cluster
 ///   (`.ci/redis-cluster.sh`).
-/// - **Failover**: replication is asynchronous; a claim or record written just before a
-///   failover can be lost, and that key can execute once more. Use `WAIT` / `min-replicas`
-///   settings on the server to narrow the window, or `PostgresStore` with a synchronous
-///   standby where a second execution is unacceptable.
+/// - **Sentinel** (feature `redis-sentinel`): connect with
+///   [`RedisStore::builder_sentinel`]`(["redis://sentinel1:26379"], "mymaster")`. The store
+///   asks the Sentinels for the primary, and asks again when the node it talks to is no longer
+///   the primary (a write refused `READONLY` by a demoted primary is sent again to the new one;
+///   a refused or dropped connection fails that operation, the next goes to the new primary);
+///   [`primary_switches`](RedisStore::primary_switches) counts the moves. Tested against a
+///   local primary + replica + Sentinel (`.ci/redis-sentinel.sh`), with forced failovers.
+/// - **Failover**: replication is asynchronous. The primary acknowledges a claim or a record
+///   before any replica has it; a failover then promotes a replica without it, and the record
+///   is gone (the key executes once more) or the claim is gone (a duplicate runs beside its
+///   leader). Two windows: the replica's lag when the primary dies (usually milliseconds,
+///   seconds if the replica was cut off), and a `SENTINEL FAILOVER` or a partition, where the
+///   old primary keeps acknowledging writes until it is demoted: RELIABILITY.md ("Redis
+///   failover") measured 10 % of the acknowledged records lost that way.
+///   [`wait_for_replicas`](RedisStoreBuilder::wait_for_replicas)`(1, timeout)` closes the gap
+///   for claims and records: each is acknowledged only once a replica has it (`WAIT`, in the
+///   same round trip), and fails closed otherwise; no record it acknowledged was lost in those
+///   runs. It costs a primary-replica round trip per operation, and `WAIT` holds the store's
+///   one multiplexed connection while it waits: BENCHMARKS.md ("Redis wait_for_replicas")
+///   measured the throughput and latency of begin + complete against the same run without it.
+///   Sentinel may still promote a replica that had not acknowledged (with two replicas and
+///   `WAIT 1`); `min-replicas-to-write` on the server bounds how long an isolated primary
+///   accepts writes. Where a second execution is unacceptable, use `PostgresStore` with a
+///   synchronous standby.
 /// - **Renewals**: [`renewals_failed`](RedisStore::renewals_failed) counts lease renewals that
 ///   failed or were refused; each is logged.
 ///
