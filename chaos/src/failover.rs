@@ -49,6 +49,9 @@ pub struct FailoverOptions {
     pub between: Duration,
     /// Concurrent tasks per store.
     pub concurrency: usize,
+    /// During the failovers, at most this many begin + complete per second per store (0: as
+    /// fast as they go). The cost figures are always measured flat out.
+    pub rate: f64,
     /// `wait_for_replicas(replicas, wait_timeout)` of the waiting store.
     pub replicas: usize,
     /// See `replicas`.
@@ -228,10 +231,19 @@ async fn drive(
     load: Arc<Load>,
     stop: Arc<AtomicBool>,
     timed: bool,
+    pace: Option<Duration>,
 ) {
     let record = record();
     let mut n = 0u64;
+    let mut ticks = pace.map(|every| {
+        let mut t = tokio::time::interval(every);
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        t
+    });
     while !stop.load(Ordering::Relaxed) {
+        if let Some(t) = &mut ticks {
+            t.tick().await;
+        }
         n += 1;
         let scope = Scope::new("failover", &label, &n.to_string()).key();
         let started = Instant::now();
@@ -270,8 +282,11 @@ async fn run_load(
     concurrency: usize,
     stop: Arc<AtomicBool>,
     timed: bool,
+    rate: f64,
 ) -> (Arc<Load>, Vec<tokio::task::JoinHandle<()>>) {
     let load = Arc::new(Load::default());
+    // Each task's share of the rate.
+    let pace = (rate > 0.0).then(|| Duration::from_secs_f64(concurrency as f64 / rate));
     let tasks = (0..concurrency)
         .map(|i| {
             tokio::spawn(drive(
@@ -280,6 +295,7 @@ async fn run_load(
                 load.clone(),
                 stop.clone(),
                 timed,
+                pace,
             ))
         })
         .collect();
@@ -314,6 +330,7 @@ async fn measure_cost(
             opts.concurrency,
             stop.clone(),
             true,
+            0.0,
         )
         .await;
         let started = Instant::now();
@@ -555,10 +572,24 @@ pub async fn run_failover(opts: FailoverOptions) -> FailoverReport {
     };
 
     let stop = Arc::new(AtomicBool::new(false));
-    let (plain_load, mut tasks) =
-        run_load(&plain, "plain", opts.concurrency, stop.clone(), false).await;
-    let (wait_load, wait_tasks) =
-        run_load(&wait, "wait", opts.concurrency, stop.clone(), false).await;
+    let (plain_load, mut tasks) = run_load(
+        &plain,
+        "plain",
+        opts.concurrency,
+        stop.clone(),
+        false,
+        opts.rate,
+    )
+    .await;
+    let (wait_load, wait_tasks) = run_load(
+        &wait,
+        "wait",
+        opts.concurrency,
+        stop.clone(),
+        false,
+        opts.rate,
+    )
+    .await;
     tasks.extend(wait_tasks);
     let mut failovers = Vec::new();
     let mut forced = Vec::new();

@@ -37,6 +37,11 @@ struct Args {
     /// Concurrent tasks per store.
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
+    /// During the failovers, at most this many begin + complete per second per store (0: flat
+    /// out; a large data set makes each failover's resync slow). The cost figures are always
+    /// measured flat out.
+    #[arg(long, default_value_t = 2000.0)]
+    rate: f64,
     /// The waiting store's `wait_for_replicas(N, ..)`.
     #[arg(long, default_value_t = 1)]
     replicas: usize,
@@ -72,6 +77,7 @@ fn main() {
         cut_replica: Duration::from_millis(args.cut_replica_ms),
         between: Duration::from_secs_f64(args.between),
         concurrency: args.concurrency.max(1),
+        rate: args.rate,
         replicas: args.replicas,
         wait_timeout: Duration::from_millis(args.wait_timeout_ms),
         cost: Duration::from_secs_f64(args.cost_secs),
