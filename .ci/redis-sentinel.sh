@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Starts a local Sentinel-managed Redis on loopback, unless one is already up: a primary
 # (127.0.0.1:6380), one replica (6381) and one Sentinel (26380) watching the master name `idem`
-# (down-after-milliseconds 1000, failover-timeout 3000, quorum 1; no persistence). Waits until the
+# (down-after-milliseconds 1000, failover-timeout 3000, quorum 1; no persistence; DEBUG allowed from
+# loopback: the failover tests put a replica to sleep). Waits until the
 # Sentinel names a master that answers and has a replica with its link up, and prints the URL for
 # REDIS_SENTINEL_URL. Used by .ci/run; a developer can run it too:
 #   export REDIS_SENTINEL_URL=$(.ci/redis-sentinel.sh)

@@ -358,8 +358,8 @@ impl PubSubSource {
 ///   is gone (the key executes once more) or the claim is gone (a duplicate runs beside its
 ///   leader). Two windows: the replica's lag when the primary dies (usually milliseconds,
 ///   seconds if the replica was cut off), and a `SENTINEL FAILOVER` or a partition, where the
-///   old primary keeps acknowledging writes until it is demoted: RELIABILITY.md ("Redis
-///   failover") measured 10 % of the acknowledged records lost that way.
+///   old primary keeps acknowledging writes until it is demoted: in RELIABILITY.md ("Redis
+///   failover"), 7 % of the records acknowledged in a run with 3 such failovers were lost.
 ///   [`wait_for_replicas`](RedisStoreBuilder::wait_for_replicas)`(1, timeout)` closes the gap
 ///   for claims and records: each is acknowledged only once a replica has it (`WAIT`, in the
 ///   same round trip), and fails closed otherwise; no record it acknowledged was lost in those
