@@ -890,7 +890,7 @@ impl RedisStore {
     }
 
     /// How many times the store moved to another primary since it connected (a store made
-    /// with [`builder_sentinel`](Self::builder_sentinel); 0 for any other).
+    /// with `builder_sentinel`, feature `redis-sentinel`; 0 for any other).
     pub fn primary_switches(&self) -> u64 {
         match &self.inner.conn {
             #[cfg(feature = "redis-sentinel")]

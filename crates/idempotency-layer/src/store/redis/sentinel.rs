@@ -101,6 +101,8 @@ impl SentinelConn {
                 "a redis sentinel store needs at least one sentinel URL".into(),
             ));
         }
+        // A `String` without redis's `tls-rustls` feature, an `impl AsRef<str>` with it.
+        #[allow(clippy::unnecessary_to_owned)]
         let mut sentinel = SentinelClient::build(
             nodes.iter().map(String::as_str).collect(),
             master.to_owned(),
