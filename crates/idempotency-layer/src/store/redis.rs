@@ -852,16 +852,20 @@ impl RedisStore {
     /// primary yourself. [`connection_manager`](RedisStoreBuilder::connection_manager) does not
     /// apply.
     ///
-    /// ```no_run
+    /// ```
     /// use idempotency_layer::RedisStore;
     /// use std::time::Duration;
     ///
-    /// # async fn f() -> Result<(), idempotency_layer::StoreError> {
-    /// let store = RedisStore::builder_sentinel(["redis://127.0.0.1:26379"], "mymaster")
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), idempotency_layer::StoreError> {
+    /// # let Some((sentinels, master)) = std::env::var("REDIS_SENTINEL_URL").ok()
+    /// #     .and_then(|url| RedisStore::sentinel_from_url(&url)) else { return Ok(()) };
+    /// // e.g. (["redis://127.0.0.1:26379"], "mymaster")
+    /// let store = RedisStore::builder_sentinel(sentinels, master)
     ///     .wait_for_replicas(1, Duration::from_millis(100))
     ///     .connect()
     ///     .await?;
-    /// # let _ = store;
+    /// assert_eq!(store.primary_switches(), 0);
     /// # Ok(())
     /// # }
     /// ```
