@@ -75,6 +75,14 @@ pub use self::redis::{maxmemory_policy_can_evict, RedisStore, RedisStoreBuilder}
 /// `Duration::MAX` never overflows a clock or a store's arithmetic.
 pub(crate) const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
+/// How long a shared store keeps a claim whose lease lapsed with no takeover: the time a leader
+/// that is late (a long GC pause, a slow handler whose renewals failed) still has to complete
+/// and store its record. Until then a new `begin` takes the claim over (its lease lapsed), but
+/// no cleanup removes it; the same on Redis (the key outlives its lease) and PostgreSQL (the
+/// cleanup spares it).
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) const LATE_COMPLETE_GRACE: Duration = Duration::from_secs(3600);
+
 /// Runs a store operation through a brief store outage: a backend failure is retried with
 /// backoff (50 ms doubling to 1 s) for at most `within` (a claim's lease: after that the claim
 /// may belong to someone else). Other outcomes (success, fenced, corrupt) return at once.

@@ -17,7 +17,9 @@ use uuid::Uuid;
 use super::codec;
 use super::near_cache::{scope_from_hex, Near, NearCache, NearCacheStats};
 use super::wake::{Polling, Waiters};
-use super::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token};
+use super::{
+    Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token, LATE_COMPLETE_GRACE,
+};
 
 mod tx;
 
@@ -78,7 +80,10 @@ const CLAIM_ATTEMPTS: usize = 10;
 /// Expired rows are ignored by `begin` at once (taken over), and removed by a background task
 /// in batches (`DELETE ... WHERE ctid IN (SELECT ctid ... LIMIT n FOR UPDATE SKIP LOCKED)`),
 /// every [`cleanup_interval`](PostgresStoreBuilder::cleanup_interval); or on demand with
-/// [`remove_expired`](PostgresStore::remove_expired).
+/// [`remove_expired`](PostgresStore::remove_expired). The cleanup removes records past their TTL
+/// at once, but a claim only an hour after its lease lapsed: until then a new `begin` takes it
+/// over, and a late leader that nobody took it from can still complete it and store its record
+/// (the same grace as on Redis, where a claim's key outlives its lease by an hour).
 ///
 /// # Transactional completion
 ///
@@ -288,9 +293,15 @@ impl Sql {
                  FROM {t} \
                  WHERE scope = $1 AND token = $2 AND state = 'in_flight' AND expires_at > now()"
             ),
+            // Records past their TTL; claims only once their lease lapsed longer than
+            // `LATE_COMPLETE_GRACE` ago ($2 ms): a late leader that was never taken over can
+            // still complete its claim and store its record, as on Redis.
             cleanup: format!(
                 "DELETE FROM {t} WHERE ctid IN (\
-                   SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED)"
+                   SELECT ctid FROM {t} WHERE expires_at <= now() \
+                     AND (state = 'completed' \
+                          OR expires_at <= now() - $2::bigint * interval '1 millisecond') \
+                   LIMIT $1 FOR UPDATE SKIP LOCKED)"
             ),
             migrate: format!(
                 "{create_schema};\n{create_table};\n{add_watched};\n{create_index};\n"
@@ -878,7 +889,8 @@ impl PostgresStore {
         }
     }
 
-    /// Removes every expired row (records past their TTL, claims past their lease), in
+    /// Removes every expired row (records past their TTL; claims whose lease lapsed more than an
+    /// hour ago, so that a late leader never taken over can still complete), in
     /// batches of [`cleanup_batch`](PostgresStoreBuilder::cleanup_batch) until a batch comes
     /// back short; returns how many rows it removed. The background task calls this, so one
     /// run clears whatever expired since the last, however fast rows are written (each batch
@@ -895,7 +907,10 @@ impl PostgresStore {
                         .await
                         .map_err(backend)?;
                     client
-                        .execute(&stmt, &[&self.inner.cleanup_batch])
+                        .execute(
+                            &stmt,
+                            &[&self.inner.cleanup_batch, &millis(LATE_COMPLETE_GRACE)],
+                        )
                         .await
                         .map_err(backend)
                 })

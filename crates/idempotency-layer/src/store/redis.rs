@@ -10,7 +10,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, ErrorKind, RedisError, Script, ServerErrorKind, Value};
 use tokio::sync::{mpsc, oneshot};
 
-use super::codec;
+use super::{codec, LATE_COMPLETE_GRACE};
 use super::near_cache::{scope_from_hex, Near, NearCache, NearCacheStats};
 use super::wake::{Polling, Waiters};
 use super::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token};
@@ -122,9 +122,6 @@ if left <= 0 then return -2 end
 return left
 "#;
 
-/// How long a claim's key outlives its lease: the time a leader whose lease lapsed with no
-/// takeover (a long GC pause, a slow handler whose renewals failed) still has to complete.
-const LATE_COMPLETE_GRACE: Duration = Duration::from_secs(3600);
 
 /// A script's source for the server: the clock prelude where it needs one, and `PUBLISH` or
 /// the cluster's `SPUBLISH` (sharded pub/sub: the message stays on the key's shard).

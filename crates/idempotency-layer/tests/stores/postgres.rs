@@ -171,14 +171,75 @@ async fn expired_rows_are_ignored_then_removed_in_batches() {
         Ok(Begin::New(_))
     ));
     let removed = store.remove_expired().await.unwrap();
-    assert_eq!(removed, 19 + 5, "every expired row, in batches of 7");
-    let left: i64 = raw(&url)
+    assert_eq!(removed, 19, "every expired record, in batches of 7");
+    let admin = raw(&url).await;
+    let count = || async {
+        let n: i64 = admin
+            .query_one(&format!("SELECT count(*) FROM {}", store.table()), &[])
+            .await
+            .unwrap()
+            .get(0);
+        n
+    };
+    assert_eq!(
+        count().await,
+        2 + 5,
+        "the live claim, the re-claimed scope and the lapsed claims (within their grace) stay"
+    );
+    // Lapsed for longer than the grace (an hour): removed.
+    admin
+        .execute(
+            &format!(
+                "UPDATE {} SET expires_at = now() - interval '61 minutes' \
+                 WHERE state = 'in_flight' AND expires_at <= now()",
+                store.table()
+            ),
+            &[],
+        )
         .await
-        .query_one(&format!("SELECT count(*) FROM {}", store.table()), &[])
+        .unwrap();
+    assert_eq!(store.remove_expired().await.unwrap(), 5);
+    assert_eq!(count().await, 2, "the live claim and the re-claimed scope stay");
+    drop_schema(&url, &schema).await;
+}
+
+/// A leader whose lease lapsed and whom nobody took over (its renewals failed, it paused) still
+/// completes after a cleanup ran, and its record is replayed: the cleanup spares a lapsed claim
+/// for an hour, as Redis keeps its key. (It used to delete the claim, so the late leader's
+/// record was refused as fenced and the next retry executed the write again.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanup_spares_a_late_leader_never_taken_over() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let (b, schema) = builder(&url);
+    let store = connect(b.cleanup_interval(Duration::ZERO)).await;
+    let fp = Fingerprint([4; 32]);
+    let scope = order_scope("late-leader");
+    let Ok(Begin::New(token)) = store.begin(scope, fp, Duration::from_secs(60)).await else {
+        panic!("fresh scope");
+    };
+    // Its lease lapsed a minute ago (set on the server's clock, no sleep).
+    raw(&url)
         .await
-        .unwrap()
-        .get(0);
-    assert_eq!(left, 2, "the live claim and the re-claimed scope stay");
+        .execute(
+            &format!(
+                "UPDATE {} SET expires_at = now() - interval '1 minute'",
+                store.table()
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(store.remove_expired().await.unwrap(), 0, "the claim is spared");
+    store
+        .complete(scope, token, conformance::sample_record(fp).into(), conformance::LONG)
+        .await
+        .expect("the late leader completes its claim");
+    match store.begin(scope, fp, Duration::from_secs(60)).await {
+        Ok(Begin::Completed(_)) => {}
+        other => panic!("the retry must replay the late leader's record, got {other:?}"),
+    }
     drop_schema(&url, &schema).await;
 }
 
