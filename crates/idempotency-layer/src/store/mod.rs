@@ -504,6 +504,27 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         lease: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// Extends the leases of many claims at once, each `(scope, token, lease)` to its `lease`
+    /// from now; one result per claim, in order ([`StoreError::Fenced`] for a claim its token
+    /// no longer holds). The layer's renewal task calls this once per tick with every claim it
+    /// holds.
+    ///
+    /// The default renews each claim with [`renew`](Self::renew), concurrently. A store with a
+    /// connection pool should override it with one round trip (one statement, one script): a
+    /// thousand renewals at once would otherwise queue for the pool's connections, and those
+    /// still waiting when the store's timeout ends would fail, and their leases could lapse
+    /// under live handlers.
+    fn renew_many(
+        &self,
+        claims: &[(ScopeKey, Token, Duration)],
+    ) -> impl Future<Output = Vec<Result<(), StoreError>>> + Send {
+        futures_util::future::join_all(
+            claims
+                .iter()
+                .map(|&(scope, token, lease)| self.renew(scope, token, lease)),
+        )
+    }
+
     /// Resolves when the claim `observed` on `scope` has ended (completed, released, forgotten,
     /// taken over) or its lease has lapsed; immediately if it already has. It may resolve early;
     /// the caller calls `begin` again either way. It must not resolve only after a claim ends

@@ -193,6 +193,7 @@ struct Sql {
     complete: String,
     release: String,
     renew: String,
+    renew_many: String,
     forget: String,
     watch: String,
     peek: String,
@@ -271,6 +272,14 @@ impl Sql {
             renew: format!(
                 "UPDATE {t} SET expires_at = now() + $3::bigint * interval '1 millisecond' \
                  WHERE scope = $1 AND token = $2 AND state = 'in_flight'"
+            ),
+            // Every claim of a renewal tick in one statement: ($1, $2, $3) are the claims'
+            // scopes, tokens and leases (ms); returns the tokens that still held.
+            renew_many: format!(
+                "UPDATE {t} AS e SET expires_at = now() + c.ms * interval '1 millisecond' \
+                 FROM unnest($1::bytea[], $2::uuid[], $3::bigint[]) AS c(scope, token, ms) \
+                 WHERE e.scope = c.scope AND e.token = c.token AND e.state = 'in_flight' \
+                 RETURNING e.token"
             ),
             // A forgotten record is always announced (rare, so the NOTIFY's lock costs
             // nothing that matters), for the near caches of every instance.
@@ -616,6 +625,9 @@ fn check_identifier(what: &str, name: &str, max: usize) -> Result<(), StoreError
         ))
     }
 }
+
+/// The most claims one renewal statement carries (a tick with more sends several).
+const RENEW_CHUNK: usize = 4096;
 
 fn backend(e: tokio_postgres::Error) -> StoreError {
     StoreError::Backend(Box::new(e))
@@ -1112,6 +1124,8 @@ fn decode_row(row: &Row, ours: Token) -> Result<(Begin, Duration), StoreError> {
         };
     }
     match state {
+        // Our own token: the claim this very statement wrote (a resent statement).
+        "in_flight" if token == ours => Ok((Begin::New(token), Duration::ZERO)),
         "in_flight" => {
             let fp: &[u8] = row.try_get(3).map_err(corrupt)?;
             Ok((
@@ -1241,6 +1255,43 @@ impl IdempotencyStore for PostgresStore {
         } else {
             Ok(())
         }
+    }
+
+    async fn renew_many(
+        &self,
+        claims: &[(ScopeKey, Token, Duration)],
+    ) -> Vec<Result<(), StoreError>> {
+        let mut results = Vec::with_capacity(claims.len());
+        for chunk in claims.chunks(RENEW_CHUNK) {
+            let scopes: Vec<&[u8]> = chunk.iter().map(|(s, _, _)| &s.0[..]).collect();
+            let tokens: Vec<Uuid> = chunk.iter().map(|(_, t, _)| Uuid::from_u128(t.0)).collect();
+            let leases: Vec<i64> = chunk.iter().map(|&(_, _, l)| millis(l)).collect();
+            match self
+                .query(&self.inner.sql.renew_many, &[&scopes, &tokens, &leases])
+                .await
+            {
+                Ok(rows) => {
+                    let held: std::collections::HashSet<Uuid> =
+                        rows.iter().filter_map(|r| r.try_get(0).ok()).collect();
+                    results.extend(tokens.iter().map(|t| {
+                        if held.contains(t) {
+                            Ok(())
+                        } else {
+                            Err(StoreError::Fenced)
+                        }
+                    }));
+                }
+                Err(e) => {
+                    let e = e.to_string();
+                    results.extend(
+                        chunk
+                            .iter()
+                            .map(|_| Err(StoreError::Backend(e.clone().into()))),
+                    );
+                }
+            }
+        }
+        results
     }
 
     async fn wait(&self, scope: ScopeKey, observed: Token) -> Result<(), StoreError> {

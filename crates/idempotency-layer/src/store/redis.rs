@@ -10,9 +10,9 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, ErrorKind, RedisError, Script, ServerErrorKind, Value};
 use tokio::sync::{mpsc, oneshot};
 
-use super::{codec, LATE_COMPLETE_GRACE};
-use super::near_cache::{scope_from_hex, Near, NearCache, NearCacheStats};
+use super::near_cache::{scope_from_hex, Near, NearCache, NearCacheStats, Ticket};
 use super::wake::{Polling, Waiters};
+use super::{codec, LATE_COMPLETE_GRACE};
 use super::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token};
 
 // The time in Redis's own clock, in ms (instances with skewed clocks agree).
@@ -22,7 +22,10 @@ local now = tonumber(tm[1]) * 1000 + math.floor(tonumber(tm[2]) / 1000)
 "#;
 
 /// Claims the key: free (absent, expired by Redis, a claim whose lease lapsed, or the tombstone
-/// of a forgotten claim) -> in flight; else reports what holds it. A claim's lease end is its
+/// of a forgotten claim) -> in flight; else reports what holds it. A claim that already holds
+/// this call's own token ARGV[1] is this call's: the command ran once already and is being
+/// resent (a cluster connection resends after a lost reply), so it answers "claimed" again
+/// rather than "in flight" (which would make the request wait for itself). A claim's lease end is its
 /// field `e` (ms); the key itself lives ARGV[4] ms longer, so that a leader whose lease lapsed
 /// with no takeover can still complete (as with the other stores).
 const CLAIM: &str = r#"
@@ -38,6 +41,7 @@ if t == 'none' then return claim() end
 if t ~= 'hash' then return {4, 'the key holds a ' .. t .. ', not an idempotency entry'} end
 local v = redis.call('HMGET', k, 's', 't', 'f', 'r', 'e')
 if v[1] == 'c' and v[4] then return {3, v[4], redis.call('PTTL', k)} end
+if v[1] == 'i' and v[2] == ARGV[1] then return {1} end
 if v[1] == 'i' and v[2] and v[3] then
   if v[5] and tonumber(v[5]) <= now then return claim() end
   return {2, v[2], v[3]}
@@ -82,6 +86,31 @@ redis.call('PEXPIRE', k, tonumber(ARGV[2]) + tonumber(ARGV[3]))
 return 1
 "#;
 
+/// [`RENEW`] for every key of KEYS in one call: ARGV[1] is how long a key outlives its lease
+/// (ms), and claim i's token and lease (ms) are ARGV[2i] and ARGV[2i + 1]; answers 1 (renewed)
+/// or 0 (no longer held) per key.
+const RENEW_MANY: &str = r#"
+local grace = tonumber(ARGV[1])
+local out = {}
+for i, k in ipairs(KEYS) do
+  local token, lease = ARGV[2 * i], tonumber(ARGV[2 * i + 1])
+  out[i] = 0
+  if redis.call('TYPE', k)['ok'] == 'hash' then
+    local v = redis.call('HMGET', k, 's', 't')
+    if v[1] == 'i' and v[2] == token then
+      redis.call('HSET', k, 'e', now + lease)
+      redis.call('PEXPIRE', k, lease + grace)
+      out[i] = 1
+    end
+  end
+end
+return out
+"#;
+
+/// The most claims one `RENEW_MANY` call carries: the script blocks the server while it runs,
+/// so a tick with more claims sends several (each well under a millisecond).
+const RENEW_CHUNK: usize = 512;
+
 /// Removes whatever the key holds; wakes the waiters. A claim leaves a tombstone with its
 /// token for as long as its key would have lived, so its leader's late complete is refused.
 /// A record's removal is also published on the store's invalidation channel ARGV[1] (plain
@@ -122,7 +151,6 @@ if left <= 0 then return -2 end
 return left
 "#;
 
-
 /// A script's source for the server: the clock prelude where it needs one, and `PUBLISH` or
 /// the cluster's `SPUBLISH` (sharded pub/sub: the message stays on the key's shard).
 fn source(body: &str, publish: &str) -> String {
@@ -155,6 +183,7 @@ struct Scripts {
     complete: Lua,
     release: Lua,
     renew: Lua,
+    renew_many: Lua,
     forget: Lua,
     peek: Lua,
 }
@@ -166,6 +195,7 @@ impl Scripts {
             complete: Lua::new(COMPLETE, publish),
             release: Lua::new(RELEASE, publish),
             renew: Lua::new(RENEW, publish),
+            renew_many: Lua::new(RENEW_MANY, publish),
             forget: Lua::new(FORGET, publish),
             peek: Lua::new(PEEK, publish),
         }
@@ -617,6 +647,21 @@ fn cluster_client(
     builder.build().map_err(backend)
 }
 
+fn warn_renewal_failed(key: &str, e: &StoreError) {
+    match e {
+        StoreError::Fenced => tracing::warn!(
+            key,
+            "idempotency: lease renewal refused: the claim was taken over or forgotten; \
+             a duplicate may be executing this key"
+        ),
+        e => tracing::warn!(
+            key,
+            error = %e,
+            "idempotency: lease renewal failed; the claim lapses if this persists"
+        ),
+    }
+}
+
 fn backend(e: RedisError) -> StoreError {
     StoreError::Backend(Box::new(e))
 }
@@ -815,9 +860,19 @@ impl RedisStore {
     /// Runs `script` on `key` in one round trip: `EVALSHA`, and `EVAL` with the source when
     /// the server answers `NOSCRIPT`.
     async fn run(&self, lua: &Lua, key: &str, args: &[&[u8]]) -> Result<Value, StoreError> {
+        self.run_keys(lua, &[key], args).await
+    }
+
+    /// [`run`](Self::run) on several keys (on a cluster, all in one slot).
+    async fn run_keys(
+        &self,
+        lua: &Lua,
+        keys: &[&str],
+        args: &[&[u8]],
+    ) -> Result<Value, StoreError> {
         let command = |name: &str, first: &str| {
             let mut cmd = Cmd::new();
-            cmd.arg(name).arg(first).arg(1).arg(key);
+            cmd.arg(name).arg(first).arg(keys.len()).arg(keys);
             for a in args {
                 cmd.arg(*a);
             }
@@ -855,6 +910,85 @@ impl RedisStore {
             other => Err(StoreError::Backend(
                 format!("unexpected script reply {other:?}").into(),
             )),
+        }
+    }
+
+    /// Claims `scope` with `token` (a fresh one per call: see `begin`).
+    async fn claim(
+        &self,
+        scope: ScopeKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        token: Token,
+        ticket: Option<Ticket>,
+    ) -> Result<Begin, StoreError> {
+        let s = self.scripts();
+        // Armed while the claim may be written with nobody knowing: the reply is pending (this
+        // future may be dropped), or it was lost.
+        let orphan = super::OrphanGuard::new(self, scope, token, lease);
+        let reply = self
+            .run(
+                &s.claim,
+                &self.key(&scope),
+                &[
+                    &token_bytes(token),
+                    &fingerprint.0,
+                    millis(lease).to_string().as_bytes(),
+                    millis(LATE_COMPLETE_GRACE).to_string().as_bytes(),
+                ],
+            )
+            .await;
+        match &reply {
+            Err(e) if may_have_run(e) => drop(orphan),
+            _ => orphan.disarm(),
+        }
+        let reply = reply?;
+        let Value::Array(items) = reply else {
+            return Err(StoreError::Backend(
+                format!("unexpected claim reply {reply:?}").into(),
+            ));
+        };
+        let corrupt = || StoreError::Corrupt("malformed claim reply".to_owned());
+        match items.first() {
+            Some(Value::Int(1)) => Ok(Begin::New(token)),
+            Some(Value::Int(2)) => {
+                let t = items.get(1).and_then(bulk).ok_or_else(corrupt)?;
+                let f = items.get(2).and_then(bulk).ok_or_else(corrupt)?;
+                let holder = token_from(t)?;
+                // Our own token: this call's claim, written by an earlier send of the same
+                // command (a resend after a lost reply, by a script older than this one).
+                if holder == token {
+                    return Ok(Begin::New(token));
+                }
+                Ok(Begin::InFlight {
+                    token: holder,
+                    fingerprint: codec::fingerprint(f)?,
+                })
+            }
+            Some(Value::Int(3)) => {
+                let r = items.get(1).and_then(bulk).ok_or_else(corrupt)?;
+                let record = Arc::new(codec::decode(r)?);
+                if let (Some(near), Some(ticket), Some(Value::Int(ttl_ms))) =
+                    (&self.inner.near, ticket, items.get(2))
+                {
+                    // -1 (no expiry, set by hand) is not cached: nothing would bound it but
+                    // max_age, and a record is meant to expire.
+                    if *ttl_ms > 0 {
+                        let ttl_left = Duration::from_millis(*ttl_ms as u64);
+                        near.offer(ticket, scope, &record, ttl_left);
+                    }
+                }
+                Ok(Begin::Completed(record))
+            }
+            Some(Value::Int(4)) => {
+                let why = items.get(1).and_then(bulk).unwrap_or(b"unknown");
+                Err(StoreError::Corrupt(format!(
+                    "redis key {}: {}",
+                    self.key(&scope),
+                    String::from_utf8_lossy(why)
+                )))
+            }
+            _ => Err(corrupt()),
         }
     }
 
@@ -1203,69 +1337,8 @@ impl IdempotencyStore for RedisStore {
             }
             None => None,
         };
-        let token = codec::new_token();
-        let s = self.scripts();
-        // Armed while the claim may be written with nobody knowing: the reply is pending (this
-        // future may be dropped), or it was lost.
-        let orphan = super::OrphanGuard::new(self, scope, token, lease);
-        let reply = self
-            .run(
-                &s.claim,
-                &self.key(&scope),
-                &[
-                    &token_bytes(token),
-                    &fingerprint.0,
-                    millis(lease).to_string().as_bytes(),
-                    millis(LATE_COMPLETE_GRACE).to_string().as_bytes(),
-                ],
-            )
-            .await;
-        match &reply {
-            Err(e) if may_have_run(e) => drop(orphan),
-            _ => orphan.disarm(),
-        }
-        let reply = reply?;
-        let Value::Array(items) = reply else {
-            return Err(StoreError::Backend(
-                format!("unexpected claim reply {reply:?}").into(),
-            ));
-        };
-        let corrupt = || StoreError::Corrupt("malformed claim reply".to_owned());
-        match items.first() {
-            Some(Value::Int(1)) => Ok(Begin::New(token)),
-            Some(Value::Int(2)) => {
-                let t = items.get(1).and_then(bulk).ok_or_else(corrupt)?;
-                let f = items.get(2).and_then(bulk).ok_or_else(corrupt)?;
-                Ok(Begin::InFlight {
-                    token: token_from(t)?,
-                    fingerprint: codec::fingerprint(f)?,
-                })
-            }
-            Some(Value::Int(3)) => {
-                let r = items.get(1).and_then(bulk).ok_or_else(corrupt)?;
-                let record = Arc::new(codec::decode(r)?);
-                if let (Some(near), Some(ticket), Some(Value::Int(ttl_ms))) =
-                    (&self.inner.near, ticket, items.get(2))
-                {
-                    // -1 (no expiry, set by hand) is not cached: nothing would bound it but
-                    // max_age, and a record is meant to expire.
-                    if *ttl_ms > 0 {
-                        let ttl_left = Duration::from_millis(*ttl_ms as u64);
-                        near.offer(ticket, scope, &record, ttl_left);
-                    }
-                }
-                Ok(Begin::Completed(record))
-            }
-            Some(Value::Int(4)) => {
-                let why = items.get(1).and_then(bulk).unwrap_or(b"unknown");
-                Err(StoreError::Corrupt(format!(
-                    "redis key {}: {}",
-                    self.key(&scope),
-                    String::from_utf8_lossy(why)
-                )))
-            }
-            _ => Err(corrupt()),
-        }
+        self.claim(scope, fingerprint, lease, codec::new_token(), ticket)
+            .await
     }
 
     async fn complete(
@@ -1315,20 +1388,71 @@ impl IdempotencyStore for RedisStore {
             .await;
         if let Err(e) = &r {
             self.inner.renewals_failed.fetch_add(1, Ordering::Relaxed);
-            match e {
-                StoreError::Fenced => tracing::warn!(
-                    key = %self.key(&scope),
-                    "idempotency: lease renewal refused: the claim was taken over or forgotten; \
-                     a duplicate may be executing this key"
-                ),
-                e => tracing::warn!(
-                    key = %self.key(&scope),
-                    error = %e,
-                    "idempotency: lease renewal failed; the claim lapses if this persists"
-                ),
-            }
+            warn_renewal_failed(&self.key(&scope), e);
         }
         r
+    }
+
+    async fn renew_many(
+        &self,
+        claims: &[(ScopeKey, Token, Duration)],
+    ) -> Vec<Result<(), StoreError>> {
+        if self.cluster() {
+            // A script's keys must share a slot, and a cluster spreads claims over all of
+            // them: one `RENEW` per claim, concurrently, over the cluster's multiplexed
+            // connections (no pool to queue for).
+            return futures_util::future::join_all(
+                claims
+                    .iter()
+                    .map(|&(scope, token, lease)| self.renew(scope, token, lease)),
+            )
+            .await;
+        }
+        let s = self.scripts();
+        let grace = millis(LATE_COMPLETE_GRACE).to_string();
+        let mut results = Vec::with_capacity(claims.len());
+        for chunk in claims.chunks(RENEW_CHUNK) {
+            let keys: Vec<String> = chunk.iter().map(|(scope, _, _)| self.key(scope)).collect();
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let fields: Vec<([u8; 16], String)> = chunk
+                .iter()
+                .map(|&(_, token, lease)| (token_bytes(token), millis(lease).to_string()))
+                .collect();
+            let mut args: Vec<&[u8]> = Vec::with_capacity(1 + 2 * chunk.len());
+            args.push(grace.as_bytes());
+            for (token, lease) in &fields {
+                args.push(token);
+                args.push(lease.as_bytes());
+            }
+            let flags = match self.run_keys(&s.renew_many, &keys, &args).await {
+                Ok(Value::Array(flags)) if flags.len() == chunk.len() => Ok(flags),
+                Ok(other) => Err(StoreError::Backend(
+                    format!("unexpected script reply {other:?}").into(),
+                )),
+                Err(e) => Err(e),
+            };
+            match flags {
+                Ok(flags) => results.extend(flags.iter().map(|f| match f {
+                    Value::Int(1) => Ok(()),
+                    _ => Err(StoreError::Fenced),
+                })),
+                Err(e) => {
+                    let e = e.to_string();
+                    results.extend(
+                        chunk
+                            .iter()
+                            .map(|_| Err(StoreError::Backend(e.clone().into()))),
+                    );
+                }
+            }
+        }
+        for ((scope, _, _), r) in claims.iter().zip(&results) {
+            if let Err(e) = r {
+                self.inner.renewals_failed.fetch_add(1, Ordering::Relaxed);
+                warn_renewal_failed(&self.key(scope), e);
+            }
+        }
+        results
     }
 
     async fn wait(&self, scope: ScopeKey, observed: Token) -> Result<(), StoreError> {
@@ -1386,6 +1510,72 @@ impl IdempotencyStore for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A server's URL from `var`: `None` (the test passes, saying so) when unset, except in
+    /// CI, where `.ci/run` sets it and a missing one fails.
+    fn env_url(var: &str) -> Option<String> {
+        match std::env::var(var) {
+            Ok(v) if !v.trim().is_empty() => Some(v),
+            _ if std::env::var_os("CI").is_some() => panic!("{var} is not set, but CI is"),
+            _ => {
+                eprintln!("skipped: {var} is not set");
+                None
+            }
+        }
+    }
+
+    /// The claim command sent twice with one token (what a cluster connection's resend after a
+    /// lost reply does): both sends answer "claimed", and the key holds that one claim. (Before,
+    /// the resend answered "in flight" with the request's own token: it waited for itself, got
+    /// 409, and its key stayed blocked for a lease.) Another token still sees it in flight.
+    async fn resent_claim_is_ours(store: RedisStore) {
+        let scope =
+            ScopeKey(*blake3::hash(codec::new_token().0.to_le_bytes().as_slice()).as_bytes());
+        let fp = Fingerprint([5; 32]);
+        let lease = Duration::from_secs(60);
+        let token = codec::new_token();
+        for send in ["first send", "resend"] {
+            match store.claim(scope, fp, lease, token, None).await {
+                Ok(Begin::New(t)) => assert_eq!(t, token, "{send}"),
+                other => panic!("{send} of the same claim must answer New, got {other:?}"),
+            }
+        }
+        match store.begin(scope, fp, lease).await {
+            Ok(Begin::InFlight { token: t, .. }) => assert_eq!(t, token),
+            other => panic!("another call must see the claim in flight, got {other:?}"),
+        }
+        store
+            .release(scope, token)
+            .await
+            .expect("the one claim is released");
+    }
+
+    #[tokio::test]
+    async fn a_resent_claim_is_the_senders_own_claim() {
+        let Some(url) = env_url("REDIS_URL") else {
+            return;
+        };
+        let store = RedisStore::builder(url)
+            .prefix(format!("idem-resend-{}:", codec::new_token().0))
+            .connect()
+            .await
+            .expect("REDIS_URL is set, so Redis must be reachable");
+        resent_claim_is_ours(store).await;
+    }
+
+    #[cfg(feature = "redis-cluster")]
+    #[tokio::test]
+    async fn a_resent_claim_is_the_senders_own_claim_on_a_cluster() {
+        let Some(urls) = env_url("REDIS_CLUSTER_URLS") else {
+            return;
+        };
+        let store = RedisStore::builder_cluster(urls.split(',').map(str::trim))
+            .prefix(format!("idem-resend-{}:", codec::new_token().0))
+            .connect()
+            .await
+            .expect("REDIS_CLUSTER_URLS is set, so the cluster must be reachable");
+        resent_claim_is_ours(store).await;
+    }
 
     /// Only an error that may follow a sent claim arms the orphan release: a refused
     /// connection sent nothing, so no release task is spawned for it.

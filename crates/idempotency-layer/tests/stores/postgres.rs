@@ -199,7 +199,11 @@ async fn expired_rows_are_ignored_then_removed_in_batches() {
         .await
         .unwrap();
     assert_eq!(store.remove_expired().await.unwrap(), 5);
-    assert_eq!(count().await, 2, "the live claim and the re-claimed scope stay");
+    assert_eq!(
+        count().await,
+        2,
+        "the live claim and the re-claimed scope stay"
+    );
     drop_schema(&url, &schema).await;
 }
 
@@ -231,9 +235,18 @@ async fn cleanup_spares_a_late_leader_never_taken_over() {
         )
         .await
         .unwrap();
-    assert_eq!(store.remove_expired().await.unwrap(), 0, "the claim is spared");
+    assert_eq!(
+        store.remove_expired().await.unwrap(),
+        0,
+        "the claim is spared"
+    );
     store
-        .complete(scope, token, conformance::sample_record(fp).into(), conformance::LONG)
+        .complete(
+            scope,
+            token,
+            conformance::sample_record(fp).into(),
+            conformance::LONG,
+        )
         .await
         .expect("the late leader completes its claim");
     match store.begin(scope, fp, Duration::from_secs(60)).await {
