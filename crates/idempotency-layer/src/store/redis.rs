@@ -314,9 +314,11 @@ enum PubSubSource {
 ///   store's keys: `volatile-ttl` evicts the shortest TTLs first, which are the claims in
 ///   flight (a duplicate then runs), and `allkeys-*` / `volatile-lru` evict records (a retry
 ///   runs again). With `noeviction` a full Redis refuses writes: the layer fails closed with a
-///   retryable 503 and nothing runs. The store reads the policy at connect and logs an error
-///   for any other ([`RedisStore::maxmemory_policy`]); managed services that forbid `CONFIG`
-///   are accepted (check the policy in their console).
+///   retryable 503 and nothing runs. The store reads the policy at connect (on a cluster, every
+///   master's) and logs an error for any other ([`RedisStore::maxmemory_policy`]); with
+///   [`require_noeviction(true)`](RedisStoreBuilder::require_noeviction) it refuses to start
+///   instead: use that wherever you control the servers. Managed services that forbid `CONFIG`
+///   are accepted without it (check the policy in their console).
 /// - **Sizing**: `writes per second x TTL x (record size + ~200 bytes)`, plus claims in
 ///   flight. A claim whose leader crashed stays (small, fenced) up to an hour after its lease,
 ///   so that a late `complete` with no takeover is still kept.
@@ -337,7 +339,7 @@ enum PubSubSource {
 ///   shard, over one RESP3 cluster connection per store, and the scripts `SPUBLISH` there, so
 ///   a wake-up never crosses the cluster bus. When a node's connection drops, every waiter
 ///   re-checks at once and the client resubscribes; polling still bounds any lost message.
-///   `maxmemory-policy` is read from one node: set `noeviction` on every node. A prefix must
+///   `maxmemory-policy` is read from every master: set `noeviction` on every node. A prefix must
 ///   not contain a `{hash tag}` (it would put every key in one slot). Failover within the
 ///   cluster is asynchronous, as below. Tested against a local 3-master cluster
 ///   (`.ci/redis-cluster.sh`).
@@ -419,6 +421,7 @@ pub struct RedisStoreBuilder {
     timeout: Duration,
     polling: Polling,
     near: Option<NearCache>,
+    require_noeviction: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -506,10 +509,38 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// Refuses to start ([`connect`](Self::connect) fails) unless every server this store
+    /// writes to (on a cluster, every master) has `maxmemory-policy noeviction`, or when the
+    /// policy cannot be read (`CONFIG` forbidden, as on some managed services: check it in their
+    /// console, then leave this off). Off by default: an evicting policy is then logged as an
+    /// error at connect and the store runs. Turn it on wherever you control the servers: an
+    /// evicting policy turns memory pressure into duplicate executions, silently.
+    ///
+    /// ```
+    /// use idempotency_layer::RedisStore;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), idempotency_layer::StoreError> {
+    /// # let Ok(url) = std::env::var("REDIS_URL") else { return Ok(()) };
+    /// let store = RedisStore::builder(url)
+    ///     .require_noeviction(true) // fails here if Redis could evict a claim or a record
+    ///     .connect()
+    ///     .await?;
+    /// assert_eq!(store.maxmemory_policy(), Some("noeviction"));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn require_noeviction(mut self, require: bool) -> Self {
+        self.require_noeviction = require;
+        self
+    }
+
     /// Connects (the server must be reachable now; later outages are survived by reconnecting),
-    /// and reads the server's `maxmemory-policy`: a policy that can evict this store's keys is
-    /// logged as an error (see "Deploying" on [`RedisStore`]); a server that forbids `CONFIG`
-    /// is accepted, with a note in the log.
+    /// and reads the server's `maxmemory-policy` (on a cluster, every master's): a policy that
+    /// can evict this store's keys is logged as an error, or refused with
+    /// [`require_noeviction`](Self::require_noeviction) (see "Deploying" on [`RedisStore`]); a
+    /// server that forbids `CONFIG` is accepted, with a note in the log, unless
+    /// `require_noeviction` is on.
     pub async fn connect(self) -> Result<RedisStore, StoreError> {
         let client = match self.source {
             Source::Url(url) => redis::Client::open(url.as_str()).map_err(backend)?,
@@ -528,7 +559,9 @@ impl RedisStoreBuilder {
                         .map_err(|_| timed_out(self.timeout * 4))?
                         .map_err(backend)?,
                 );
-                let maxmemory_policy = read_maxmemory_policy(&mut conn, self.timeout).await?;
+                let maxmemory_policy =
+                    check_maxmemory_policy(&mut conn, self.timeout, self.require_noeviction)
+                        .await?;
                 return Ok(RedisStore {
                     inner: Arc::new(Inner {
                         conn,
@@ -564,7 +597,8 @@ impl RedisStoreBuilder {
             }
         };
         let mut conn = Conn::Single(conn);
-        let maxmemory_policy = read_maxmemory_policy(&mut conn, self.timeout).await?;
+        let maxmemory_policy =
+            check_maxmemory_policy(&mut conn, self.timeout, self.require_noeviction).await?;
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 conn,
@@ -582,42 +616,111 @@ impl RedisStoreBuilder {
     }
 }
 
-/// Reads `maxmemory-policy` and warns loudly when it can evict; `None` when the server does not
-/// let us read it (`CONFIG` renamed, disabled or denied by ACL, as managed services do).
-async fn read_maxmemory_policy(
+/// Reads `maxmemory-policy` from every server the store writes to (on a cluster, every
+/// master) and warns loudly when one can evict, or refuses it with `require`; returns the policy
+/// (the first that can evict, if any), `None` when no server would say.
+async fn check_maxmemory_policy(
     conn: &mut Conn,
     timeout: Duration,
+    require: bool,
 ) -> Result<Option<String>, StoreError> {
     let mut cmd = redis::cmd("CONFIG");
     cmd.arg("GET").arg("maxmemory-policy");
-    let read = cmd.query_async::<Vec<String>>(conn);
-    let policy = match tokio::time::timeout(timeout, read).await {
-        Err(_) => return Err(timed_out(timeout)),
-        Ok(Ok(pair)) => pair.into_iter().nth(1),
-        // An error reply (unknown command, NOPERM): the server answered, it just won't say.
-        Ok(Err(e)) if e.code().is_some() => {
-            tracing::info!(
-                error = %e,
-                "idempotency: cannot read redis maxmemory-policy (CONFIG is not allowed); make \
-                 sure it is noeviction, or records and claims may be evicted early"
-            );
-            None
+    let read = async {
+        match conn {
+            Conn::Single(c) => Ok::<_, RedisError>(vec![(
+                "the server".to_owned(),
+                c.send_packed_command(&cmd).await?,
+            )]),
+            #[cfg(feature = "redis-cluster")]
+            Conn::Cluster(c) => {
+                use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+                let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                match c.route_command(cmd.clone(), routing).await? {
+                    Value::Map(nodes) => Ok(nodes
+                        .into_iter()
+                        .map(|(node, v)| (format!("master {}", value_text(&node)), v))
+                        .collect()),
+                    other => Ok(vec![("the cluster".to_owned(), other)]),
+                }
+            }
         }
-        Ok(Err(e)) => return Err(backend(e)),
     };
-    if let Some(p) = &policy {
-        if maxmemory_policy_can_evict(p) {
-            tracing::error!(
-                maxmemory_policy = %p,
-                "idempotency: redis maxmemory-policy can evict this store's keys: under memory \
-                 pressure an evicted claim lets a duplicate execute, an evicted record lets a \
-                 retry execute again. Set `maxmemory-policy noeviction` (writes then fail \
-                 closed with 503 when Redis is full), or give Redis room for \
-                 writes/s x TTL x record size"
-            );
+    let replies: Vec<(String, Value)> = match tokio::time::timeout(timeout, read).await {
+        Err(_) => return Err(timed_out(timeout)),
+        Ok(Err(e)) if e.code().is_some() => vec![("the server".to_owned(), Value::Nil)],
+        Ok(Err(e)) => return Err(backend(e)),
+        Ok(Ok(replies)) => replies,
+    };
+    let mut policy = None;
+    for (node, reply) in replies {
+        match policy_in(&reply) {
+            None => {
+                let refusal = format!(
+                    "cannot read maxmemory-policy on {node} (CONFIG is not allowed?); make sure \
+                     it is noeviction, or records and claims may be evicted early"
+                );
+                if require {
+                    return Err(StoreError::Backend(
+                        format!(
+                            "{refusal}. require_noeviction is on, so the store refuses to start: \
+                             allow CONFIG GET for this user, or check the policy yourself and \
+                             turn require_noeviction off"
+                        )
+                        .into(),
+                    ));
+                }
+                tracing::info!("idempotency: {refusal}");
+            }
+            Some(p) if maxmemory_policy_can_evict(&p) => {
+                if require {
+                    return Err(StoreError::Backend(
+                        format!(
+                            "{node} has maxmemory-policy {p}, which can evict this store's keys \
+                             (an evicted claim lets a duplicate execute, an evicted record lets a \
+                             retry execute again); require_noeviction is on, so the store refuses \
+                             to start: run CONFIG SET maxmemory-policy noeviction on every node \
+                             (and in its config file)"
+                        )
+                        .into(),
+                    ));
+                }
+                tracing::error!(
+                    %node,
+                    maxmemory_policy = %p,
+                    "idempotency: redis maxmemory-policy can evict this store's keys: under memory \
+                     pressure an evicted claim lets a duplicate execute, an evicted record lets a \
+                     retry execute again. Set `maxmemory-policy noeviction` (writes then fail \
+                     closed with 503 when Redis is full), or give Redis room for \
+                     writes/s x TTL x record size"
+                );
+                policy = Some(p);
+            }
+            Some(p) => {
+                policy.get_or_insert(p);
+            }
         }
     }
     Ok(policy)
+}
+
+/// The policy in a `CONFIG GET maxmemory-policy` reply (`[name, value]`, or a map in RESP3);
+/// `None` for an error reply or anything else.
+fn policy_in(reply: &Value) -> Option<String> {
+    match reply {
+        Value::Array(items) if items.len() == 2 => Some(value_text(&items[1])),
+        Value::Map(pairs) if pairs.len() == 1 => Some(value_text(&pairs[0].1)),
+        _ => None,
+    }
+}
+
+fn value_text(v: &Value) -> String {
+    match v {
+        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        Value::SimpleString(s) => s.clone(),
+        Value::VerbatimString { text, .. } => text.clone(),
+        other => format!("{other:?}"),
+    }
 }
 
 /// A cluster client on the seed `nodes`; with a push sender, it speaks RESP3 (pub/sub pushes
@@ -723,6 +826,7 @@ impl RedisStore {
             timeout: Duration::from_secs(1),
             polling: Polling::default(),
             near: None,
+            require_noeviction: false,
         }
     }
 
