@@ -21,7 +21,10 @@ use super::{
     Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token, LATE_COMPLETE_GRACE,
 };
 
+mod busy;
 mod tx;
+
+use busy::Busy;
 
 pub use self::tx::{TxCompletion, TxCompletionError};
 
@@ -125,7 +128,22 @@ const CLAIM_ATTEMPTS: usize = 10;
 ///   batches (measured here: ~200 000 rows/s), so it keeps up with any write rate the store
 ///   itself sustains. Autovacuum reclaims the space.
 /// - **Failover**: committed rows are durable; with a synchronous standby a failover loses
-///   none. Point every instance at the primary (not a read replica).
+///   none. Point every instance at the primary (not a read replica), through an address that
+///   follows it (a DNS name, a proxy, or libpq-style `target_session_attrs=read-write` with
+///   several hosts). After a failover the pool's connections may still reach the old primary,
+///   now read-only: the first statement that fails there (SQLSTATE 25006, or a shutdown error)
+///   drops that connection and every idle one, so one request per instance in flight at that
+///   moment answers 503 (retryable, nothing ran), and the next connections go to the new
+///   primary.
+/// - **Timeouts**: the store's own pools set `statement_timeout` and `lock_timeout` to the
+///   store's [timeout](PostgresStoreBuilder::timeout) on their sessions (a pool of your own
+///   keeps its settings: set them there). A statement still running when its request gives up
+///   (the timeout, or a client that went away) is cancelled on the server and its connection
+///   leaves the pool, so it neither stalls the next statements (behind the row lock of an open
+///   `TxCompletion` transaction, say) nor lands later: a claim abandoned that way is released
+///   by its token in the background, once at once and once more twice the timeout later.
+///   Your own transactions on [`pool`](PostgresStore::pool) connections inherit those
+///   settings: `SET LOCAL statement_timeout` in a transaction that needs longer.
 /// - **Eviction, cluster**: nothing is evicted; records go only when expired or forgotten.
 ///
 /// **Knobs**: [`pool_size`](PostgresStoreBuilder::pool_size) (default 16; each request holds a
@@ -456,6 +474,17 @@ impl PostgresStoreBuilder {
         } else {
             Connector::Plain
         };
+        // The server ends any of the store's statements that outlives the store's timeout
+        // (and any wait for a lock that long), even when the client that sent it is gone: an
+        // abandoned claim cannot land long after its orphan release ran. (A pool of your own,
+        // `builder_from_pool`, keeps its sessions' settings: set these there.)
+        let ms = millis(self.timeout);
+        let options = format!(
+            "{} -c statement_timeout={ms} -c lock_timeout={ms}",
+            config.get_options().unwrap_or_default()
+        );
+        let mut pooled = config.clone();
+        pooled.options(options.trim());
         let pool = match self.pool {
             Some(pool) => pool,
             None => {
@@ -463,9 +492,9 @@ impl PostgresStoreBuilder {
                     recycling_method: RecyclingMethod::Fast,
                 };
                 let manager = match &tls {
-                    Connector::Plain => Manager::from_config(config.clone(), NoTls, mc),
+                    Connector::Plain => Manager::from_config(pooled, NoTls, mc),
                     #[cfg(feature = "postgres-tls")]
-                    Connector::Rustls(t) => Manager::from_config(config.clone(), t.clone(), mc),
+                    Connector::Rustls(t) => Manager::from_config(pooled, t.clone(), mc),
                 };
                 Pool::builder(manager)
                     .max_size(self.pool_size)
@@ -817,6 +846,13 @@ impl PostgresStore {
         let op = async {
             let mut client = self.inner.pool.get().await.map_err(pool_error)?;
             let tx = client.transaction().await.map_err(backend)?;
+            // DDL may wait for locks longer than the sessions' statement timeout allows.
+            let ms = millis(within);
+            tx.batch_execute(&format!(
+                "SET LOCAL statement_timeout = {ms}; SET LOCAL lock_timeout = {ms}"
+            ))
+            .await
+            .map_err(backend)?;
             tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock])
                 .await
                 .map_err(backend)?;
@@ -913,18 +949,17 @@ impl PostgresStore {
         loop {
             let n = self
                 .bounded(async {
-                    let client = self.inner.pool.get().await.map_err(pool_error)?;
-                    let stmt = client
-                        .prepare_cached(&self.inner.sql.cleanup)
-                        .await
-                        .map_err(backend)?;
-                    client
+                    let mut busy = self.busy().await?;
+                    let stmt = busy.client().prepare_cached(&self.inner.sql.cleanup).await;
+                    let stmt = busy.finish_if_err(stmt).map_err(backend)?;
+                    let n = busy
+                        .client()
                         .execute(
                             &stmt,
                             &[&self.inner.cleanup_batch, &millis(LATE_COMPLETE_GRACE)],
                         )
-                        .await
-                        .map_err(backend)
+                        .await;
+                    busy.finish(n).map_err(backend)
                 })
                 .await?;
             total += n;
@@ -933,6 +968,24 @@ impl PostgresStore {
             }
         }
         Ok(total)
+    }
+
+    /// How long after its sender gave up a claim statement may still run: the sessions'
+    /// `statement_timeout` is the store's timeout, from when the server starts it; twice that
+    /// covers a statement that reached the server late.
+    fn settle(&self) -> Duration {
+        self.inner.timeout * 2
+    }
+
+    /// A pooled connection for one statement (see [`Busy`]).
+    async fn busy(&self) -> Result<Busy<'_>, StoreError> {
+        let conn = self.inner.pool.get().await.map_err(pool_error)?;
+        Ok(Busy::new(
+            conn,
+            &self.inner.pool,
+            &self.inner.tls,
+            self.inner.timeout,
+        ))
     }
 
     async fn bounded<T>(
@@ -966,10 +1019,12 @@ impl PostgresStore {
         sent: &AtomicBool,
     ) -> Result<Vec<Row>, StoreError> {
         self.bounded(async {
-            let client = self.inner.pool.get().await.map_err(pool_error)?;
-            let stmt = client.prepare_cached(sql).await.map_err(backend)?;
+            let mut busy = self.busy().await?;
+            let stmt = busy.client().prepare_cached(sql).await;
+            let stmt = busy.finish_if_err(stmt).map_err(backend)?;
             sent.store(true, Ordering::Relaxed);
-            client.query(&stmt, params).await.map_err(backend)
+            let rows = busy.client().query(&stmt, params).await;
+            busy.finish(rows).map_err(backend)
         })
         .await
     }
@@ -1172,7 +1227,7 @@ impl IdempotencyStore for PostgresStore {
         for _ in 0..CLAIM_ATTEMPTS {
             // Armed while the claim may be written with nobody knowing: the statement is in
             // flight (this future may be dropped), or its reply was lost.
-            let orphan = super::OrphanGuard::new(self, scope, token, lease);
+            let orphan = super::OrphanGuard::new(self, scope, token, lease, self.settle());
             let sent = AtomicBool::new(false);
             let rows = self
                 .query_noting_sent(
@@ -1236,18 +1291,17 @@ impl IdempotencyStore for PostgresStore {
     ) -> Result<(), StoreError> {
         let n = self
             .bounded(async {
-                let client = self.inner.pool.get().await.map_err(pool_error)?;
-                let stmt = client
-                    .prepare_cached(&self.inner.sql.renew)
-                    .await
-                    .map_err(backend)?;
-                client
+                let mut busy = self.busy().await?;
+                let stmt = busy.client().prepare_cached(&self.inner.sql.renew).await;
+                let stmt = busy.finish_if_err(stmt).map_err(backend)?;
+                let n = busy
+                    .client()
                     .execute(
                         &stmt,
                         &[&&scope.0[..], &Uuid::from_u128(token.0), &millis(lease)],
                     )
-                    .await
-                    .map_err(backend)
+                    .await;
+                busy.finish(n).map_err(backend)
             })
             .await?;
         if n == 0 {

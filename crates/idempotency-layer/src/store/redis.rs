@@ -348,7 +348,24 @@ enum PubSubSource {
 ///   settings on the server to narrow the window, or `PostgresStore` with a synchronous
 ///   standby where a second execution is unacceptable.
 /// - **Renewals**: [`renewals_failed`](RedisStore::renewals_failed) counts lease renewals that
-///   failed or were refused; each is logged.
+///   failed or were refused; each is logged. The layer renews every claim it holds in one
+///   script per tick (512 claims per script; on a cluster, one per claim, since a script's keys
+///   must share a slot).
+/// - **What each fault costs**:
+///   - *A lost reply* (a dropped connection, the [timeout](RedisStoreBuilder::timeout)): the
+///     claim may have been written; the request answers 503 (retryable) and releases the claim
+///     by its token in the background (the orphan release), so a retry is not blocked for a
+///     lease. A cluster connection that *resends* the claim after a lost reply finds its own
+///     token and answers "claimed": the request does not wait for itself.
+///   - *A command still in flight when its request gives up*: Redis runs it whenever it reads
+///     it. On one connection commands run in order, so the orphan release, sent after the claim,
+///     runs after it; after a reconnection it can overtake a claim still buffered on the old
+///     socket. What bounds that: Redis reads a socket's buffered commands at once unless a slow
+///     command blocks it, and the connection's response timeout (the store's timeout) drops
+///     the old socket; the orphan release tries again twice the timeout after the request gave
+///     up, and removes a claim that landed late. A Redis blocked for longer (a slow script, a
+///     `DEBUG SLEEP`) can still leave such a claim in place for one lease.
+///   - *Eviction*: see above; *failover*: see below.
 ///
 /// **Knobs**: [`prefix`](RedisStoreBuilder::prefix) (one per service or environment),
 /// [`timeout`](RedisStoreBuilder::timeout) (how fast an outage fails closed, default 1 s),
@@ -1017,6 +1034,14 @@ impl RedisStore {
         }
     }
 
+    /// How long after its sender gave up a claim may still be written: a script runs at once
+    /// when the server reads it, and a command already written to a connection is read within
+    /// the connection's response timeout (the store's timeout) or the connection is dropped;
+    /// twice that covers a command still queued to be written.
+    fn settle(&self) -> Duration {
+        self.inner.timeout * 2
+    }
+
     /// Claims `scope` with `token` (a fresh one per call: see `begin`).
     async fn claim(
         &self,
@@ -1029,7 +1054,7 @@ impl RedisStore {
         let s = self.scripts();
         // Armed while the claim may be written with nobody knowing: the reply is pending (this
         // future may be dropped), or it was lost.
-        let orphan = super::OrphanGuard::new(self, scope, token, lease);
+        let orphan = super::OrphanGuard::new(self, scope, token, lease, self.settle());
         let reply = self
             .run(
                 &s.claim,
