@@ -41,7 +41,7 @@ use crate::store::{
     TenantKey,
 };
 use crate::tx_ledger::{self, Offer, TxLedger, Verdict};
-use crate::waiters::SharedFailure;
+use crate::waiters::{Refused, SharedFailure};
 use crate::IDEMPOTENT_BODY_OMITTED;
 
 /// Why the leader's handler produced no response.
@@ -463,18 +463,30 @@ where
                             ));
                         }
                         if slot.is_none() {
-                            // Boxed: only a waiter needs it.
-                            slot = self
-                                .shared
-                                .waiters
-                                .enter(scope, cfg.max_waiters)
-                                .map(Box::new);
-                            if slot.is_none() {
-                                return Ok(self.reject(
-                                    RejectReason::InFlight,
-                                    "too many requests with this idempotency key are waiting for \
-                                     the one in flight; retry after it completes",
-                                ));
+                            let entered = self.shared.waiters.enter(
+                                scope,
+                                cfg.max_waiters,
+                                bytes.len(),
+                                cfg.max_waiting_bytes,
+                            );
+                            match entered {
+                                // Boxed: only a waiter needs it.
+                                Ok(place) => slot = Some(Box::new(place)),
+                                Err(Refused::KeyFull) => {
+                                    return Ok(self.reject(
+                                        RejectReason::InFlight,
+                                        "too many requests with this idempotency key are waiting \
+                                         for the one in flight; retry after it completes",
+                                    ))
+                                }
+                                Err(Refused::LayerFull) => {
+                                    return Ok(self.reject(
+                                        RejectReason::InFlight,
+                                        "too many duplicate requests are waiting in this server \
+                                         (max_waiting_bytes); retry after the one in flight \
+                                         completes",
+                                    ))
+                                }
                             }
                         }
                         if !waited {
