@@ -14,3 +14,5 @@ mod postgres;
 mod redis;
 #[cfg(all(feature = "redis-cluster", feature = "conformance"))]
 mod redis_cluster;
+#[cfg(all(feature = "redis-cluster", feature = "conformance"))]
+mod redis_cluster_lost_reply;
