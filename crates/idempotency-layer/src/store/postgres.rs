@@ -476,15 +476,13 @@ impl PostgresStoreBuilder {
         };
         // The server ends any of the store's statements that outlives the store's timeout
         // (and any wait for a lock that long), even when the client that sent it is gone: an
-        // abandoned claim cannot land long after its orphan release ran. (A pool of your own,
-        // `builder_from_pool`, keeps its sessions' settings: set these there.)
-        let ms = millis(self.timeout);
-        let options = format!(
-            "{} -c statement_timeout={ms} -c lock_timeout={ms}",
-            config.get_options().unwrap_or_default()
-        );
-        let mut pooled = config.clone();
-        pooled.options(options.trim());
+        // abandoned claim cannot land long after its orphan release ran. Set by a `SET` on each
+        // new session rather than as startup options, which PgBouncer refuses. (A pool of your
+        // own, `builder_from_pool`, keeps its sessions' settings: set these there.)
+        let session_timeouts = {
+            let ms = millis(self.timeout);
+            format!("SET statement_timeout = {ms}; SET lock_timeout = {ms}")
+        };
         let pool = match self.pool {
             Some(pool) => pool,
             None => {
@@ -492,11 +490,20 @@ impl PostgresStoreBuilder {
                     recycling_method: RecyclingMethod::Fast,
                 };
                 let manager = match &tls {
-                    Connector::Plain => Manager::from_config(pooled, NoTls, mc),
+                    Connector::Plain => Manager::from_config(config.clone(), NoTls, mc),
                     #[cfg(feature = "postgres-tls")]
-                    Connector::Rustls(t) => Manager::from_config(pooled, t.clone(), mc),
+                    Connector::Rustls(t) => Manager::from_config(config.clone(), t.clone(), mc),
                 };
                 Pool::builder(manager)
+                    .post_create(deadpool_postgres::Hook::async_fn(move |client, _| {
+                        let set = session_timeouts.clone();
+                        Box::pin(async move {
+                            client
+                                .batch_execute(&set)
+                                .await
+                                .map_err(deadpool_postgres::HookError::Backend)
+                        })
+                    }))
                     .max_size(self.pool_size)
                     .runtime(Runtime::Tokio1)
                     .wait_timeout(Some(self.timeout))
