@@ -15,8 +15,8 @@ use http::{HeaderValue, Request, Response, Version};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use reason_code::{
-    encode_grpc_message, parse_grpc_timeout, Code, GRPC_MESSAGE, GRPC_STATUS, GRPC_TIMEOUT,
-    IDEMPOTENT_REPLAYED,
+    encode_grpc_message, parse_grpc_timeout, Code, InboundWrite, GRPC_MESSAGE, GRPC_STATUS,
+    GRPC_TIMEOUT, IDEMPOTENT_REPLAYED,
 };
 use tokio::time::Instant;
 use tower_service::Service;
@@ -637,6 +637,7 @@ where
             config,
             shared,
             protocol,
+            scope,
             ..
         } = self;
         // Dropped first (the client went away), `Complete` finishes the call and its recording
@@ -654,7 +655,7 @@ where
             claim,
             ledger,
             config.clone(),
-            fp,
+            (scope, fp),
             grpc,
         ));
         let run = DetachOnDrop::new(run, detach);
@@ -708,7 +709,7 @@ fn call_and_record<S, ReqB, ResB>(
     claim: Claim,
     ledger: Option<Arc<TxLedger>>,
     cfg: Arc<Config>,
-    fp: Fingerprint,
+    (scope, fp): (ScopeKey, Fingerprint),
     grpc: bool,
 ) -> impl Future<Output = Result<Answer<ResB, S::Error>, Panicked>>
 where
@@ -717,7 +718,10 @@ where
     ResB::Error: Into<BoxError>,
 {
     let http1 = req.version() < Version::HTTP_2;
-    let call = AssertUnwindSafe(call_inner(inner, req)).catch_unwind();
+    // The handler runs as the inbound write of its scope: a `RetryLayer` inside it that derives
+    // keys gives its outbound writes the same keys on every run of this write.
+    let inbound = Arc::new(InboundWrite::new(scope.0));
+    let call = AssertUnwindSafe(inbound.scope(call_inner(inner, req))).catch_unwind();
     // `then`, not an `async` block awaiting `call`: the handler's call and what follows it are
     // the two states of one future, so the request is held once, not also by an `.await` slot
     // beside the captured call.

@@ -318,6 +318,7 @@ mod call;
 mod classify;
 mod deadline;
 mod decide;
+mod derived_key;
 mod error;
 mod future;
 pub mod hedge;
@@ -336,6 +337,7 @@ pub mod tonic;
 
 pub use body::{BodyNotReplayable, ReplayBody};
 pub use deadline::Deadline;
+pub use derived_key::KeyLabel;
 pub use error::{AttemptTimedOut, DeadlineExceeded, ResponseHeadTimedOut, RetryError, RetryInfo};
 pub use future::ResponseFuture;
 pub use layer::RetryLayer;
