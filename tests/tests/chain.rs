@@ -207,3 +207,159 @@ async fn another_instance_with_the_same_secret_derives_the_same_keys() {
         "another secret, other keys"
     );
 }
+
+// --- gRPC -----------------------------------------------------------------------------------
+
+mod grpc {
+    use super::*;
+    use axum_orders::inventory::Inventory;
+    use e2e::faults::Unavailable;
+    use e2e::servers::start_library;
+    use tonic::{Request as GrpcRequest, Response, Status};
+    use tonic_library::client::{connect_lazy, RetryChannel};
+    use tonic_library::pb;
+    use tonic_library::pb::library_client::LibraryClient;
+    use tonic_library::pb::library_server::{Library, LibraryServer};
+
+    /// The middle tier: `CreateOrder` deducts the stock of its book on the library below,
+    /// twice (two lines of one order, told apart by their place), and its first `fail_runs`
+    /// runs then answer UNAVAILABLE (not recorded: the key is released, the client retries).
+    struct OrdersTier {
+        below: LibraryClient<RetryChannel>,
+        runs: Arc<AtomicUsize>,
+        fail_runs: usize,
+    }
+
+    #[tonic::async_trait]
+    impl Library for OrdersTier {
+        async fn get_book(
+            &self,
+            _: GrpcRequest<pb::GetBookRequest>,
+        ) -> Result<Response<pb::Book>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+
+        async fn create_order(
+            &self,
+            req: GrpcRequest<pb::CreateOrderRequest>,
+        ) -> Result<Response<pb::Order>, Status> {
+            let run = self.runs.fetch_add(1, Ordering::SeqCst);
+            let tenant = req
+                .metadata()
+                .get(axum_orders::auth::TENANT_HEADER)
+                .cloned()
+                .ok_or_else(|| Status::unauthenticated("no tenant"))?;
+            let order = req.into_inner();
+            for _line in 0..2 {
+                let mut deduct = GrpcRequest::new(pb::DeductStockRequest {
+                    book_id: order.book_id.clone(),
+                    quantity: 1,
+                    expected_version: None,
+                });
+                deduct
+                    .metadata_mut()
+                    .insert(axum_orders::auth::TENANT_HEADER, tenant.clone());
+                self.below.clone().deduct_stock(deduct).await?;
+            }
+            if run < self.fail_runs {
+                return Err(Status::unavailable("the order's database is down"));
+            }
+            Ok(Response::new(pb::Order {
+                order_id: "o-1".into(),
+                book_id: order.book_id,
+                quantity: order.quantity,
+            }))
+        }
+
+        async fn deduct_stock(
+            &self,
+            _: GrpcRequest<pb::DeductStockRequest>,
+        ) -> Result<Response<pb::Stock>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+
+        async fn get_stats(
+            &self,
+            _: GrpcRequest<pb::GetStatsRequest>,
+        ) -> Result<Response<pb::Stats>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+    }
+
+    async fn start_orders_tier(
+        below: SocketAddr,
+        policy: RetryPolicy,
+    ) -> (SocketAddr, Arc<AtomicUsize>) {
+        let (below, _) = connect_lazy(&format!("http://{below}"), policy).unwrap();
+        let runs = Arc::new(AtomicUsize::new(0));
+        let tier = OrdersTier {
+            below,
+            runs: runs.clone(),
+            fail_runs: 1,
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .layer(axum_orders::auth::demo_auth_layer::<tonic::body::Body>())
+                .layer(tonic_library::idempotency(MemoryStore::new()))
+                .add_service(LibraryServer::new(tier))
+                .serve_with_incoming(incoming)
+                .await;
+        });
+        (addr, runs)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_grpc_handler_run_twice_deducts_once_with_derived_keys_and_twice_without() {
+        for derive in [true, false] {
+            let mut policy = RetryPolicy::builder()
+                .idempotent_grpc_methods(tonic_library::idempotent_methods())
+                .ensure_idempotency_key();
+            if derive {
+                policy = policy.derive_idempotency_keys(SECRET);
+            }
+            let policy = policy.build().unwrap();
+            let inventory = Inventory::seeded(Duration::ZERO);
+            let below = start_library(
+                inventory.clone(),
+                tonic_library::idempotency(MemoryStore::new()),
+                Unavailable::first_attempts(0.0, 0),
+            )
+            .await;
+            let (middle, runs) = start_orders_tier(below, policy).await;
+            let (mut client, _) = connect_lazy(
+                &format!("http://{middle}"),
+                RetryPolicy::builder()
+                    .base_delay(Duration::from_millis(5))
+                    .build()
+                    .unwrap(),
+            )
+            .unwrap();
+            let mut req = GrpcRequest::new(pb::CreateOrderRequest {
+                book_id: "b1".into(),
+                quantity: 2,
+            });
+            req.metadata_mut()
+                .insert("x-idempotency-key", "order-chain-grpc-1".parse().unwrap());
+            req.metadata_mut()
+                .insert(axum_orders::auth::TENANT_HEADER, "shop".parse().unwrap());
+            let placed = tokio::time::timeout(Duration::from_secs(20), client.create_order(req))
+                .await
+                .expect("an answer within 20 s");
+            assert!(placed.is_ok(), "derived={derive}: {placed:?}");
+            assert_eq!(
+                runs.load(Ordering::SeqCst),
+                2,
+                "derived={derive}: the middle ran twice"
+            );
+            assert_eq!(
+                inventory.stats().deductions,
+                if derive { 2 } else { 4 },
+                "derived={derive}: the library deducted each line {}",
+                if derive { "once" } else { "twice (fresh keys)" }
+            );
+        }
+    }
+}
