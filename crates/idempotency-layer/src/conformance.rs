@@ -44,6 +44,7 @@ pub async fn run_all<S: IdempotencyStore>(make: impl Fn() -> S) {
     lapsed_lease_is_taken_over_and_old_leader_fenced(make()).await;
     late_complete_without_takeover_is_kept(make()).await;
     renew_keeps_the_claim(make()).await;
+    renew_many_renews_each_held_claim_and_fences_the_rest(make()).await;
     forget_clears_records_and_fences_claims(make()).await;
     wait_wakes_on_complete(make()).await;
     wait_wakes_on_release(make()).await;
@@ -297,6 +298,66 @@ pub async fn renew_keeps_the_claim<S: IdempotencyStore>(store: S) {
         "a renewed claim still holds after more than its first lease"
     );
     store.release(s, token).await.unwrap();
+}
+
+/// `renew_many` answers one result per claim, in order: the claims still held are renewed past
+/// their first lease, a released or completed one is fenced (and not brought back).
+pub async fn renew_many_renews_each_held_claim_and_fences_the_rest<S: IdempotencyStore>(store: S) {
+    let held: Vec<ScopeKey> = (0..5).map(|_| scope("renew-many")).collect();
+    let (released, completed) = (scope("renew-many-released"), scope("renew-many-completed"));
+    let mut claims = Vec::new();
+    for &s in &held {
+        claims.push((s, new_claim(&store, s, SHORT).await, SHORT));
+    }
+    let gone = new_claim(&store, released, SHORT).await;
+    store.release(released, gone).await.unwrap();
+    let done = new_claim(&store, completed, SHORT).await;
+    store
+        .complete(completed, done, sample_record(FP).into(), LONG)
+        .await
+        .unwrap();
+    // The two ended claims in the middle, to check the order of the answers.
+    claims.insert(2, (released, gone, SHORT));
+    claims.insert(4, (completed, done, SHORT));
+    for _ in 0..3 {
+        tokio::time::sleep(SHORT / 2).await;
+        let results = store.renew_many(&claims).await;
+        assert_eq!(results.len(), claims.len(), "one result per claim");
+        for (i, ((s, _, _), r)) in claims.iter().zip(&results).enumerate() {
+            if *s == released || *s == completed {
+                assert!(
+                    matches!(r, Err(StoreError::Fenced)),
+                    "claim {i} had ended: renew_many must answer Fenced, got {r:?}"
+                );
+            } else {
+                assert!(
+                    r.is_ok(),
+                    "claim {i} is held: renew_many must renew it, got {r:?}"
+                );
+            }
+        }
+    }
+    for (s, token, _) in &claims {
+        if *s == released || *s == completed {
+            continue;
+        }
+        assert!(
+            matches!(store.begin(*s, FP, LONG).await, Ok(Begin::InFlight { token: t, .. }) if t == *token),
+            "a claim renewed by renew_many still holds after more than its first lease"
+        );
+        store.release(*s, *token).await.unwrap();
+    }
+    assert!(
+        matches!(store.begin(released, FP, LONG).await, Ok(Begin::New(_))),
+        "renew_many must not bring a released claim back"
+    );
+    assert!(
+        matches!(
+            store.begin(completed, FP, LONG).await,
+            Ok(Begin::Completed(_))
+        ),
+        "renew_many must not touch a completed record"
+    );
 }
 
 /// `forget` clears a record, clears a claim (fencing its leader), and says whether it did.

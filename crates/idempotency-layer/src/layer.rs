@@ -165,12 +165,26 @@ impl<St> IdempotencyLayer<St> {
     /// The most duplicates of one key (one scope) that wait at once in this layer and its clones
     /// (default 1024). Past it, further duplicates get 409 / ABORTED with `Retry-After` (and the
     /// reason code [`IDEMPOTENCY_IN_FLIGHT`](reason_code::IDEMPOTENCY_IN_FLIGHT)) at once, as
-    /// with [`InFlight::Reject`], instead of holding their request body and a task each: a
-    /// flood of duplicates of one key cannot grow the server's memory past about
-    /// `max_waiters` x [`max_request_bytes`](Self::max_request_bytes). Other keys are
-    /// unaffected. `0` makes every duplicate in flight get 409 / ABORTED.
+    /// with [`InFlight::Reject`], instead of holding their request body and a task each. Other
+    /// keys are unaffected. `0` makes every duplicate in flight get 409 / ABORTED. The memory
+    /// of all waiters together, over every key, is bounded by
+    /// [`max_waiting_bytes`](Self::max_waiting_bytes).
     pub fn max_waiters(self, max: usize) -> Self {
         self.config(|c| c.max_waiters = max)
+    }
+
+    /// The most bytes that duplicates waiting for their key's request in flight may hold at
+    /// once in this layer and its clones, over every key (default 64 MiB): each waiter counts
+    /// its request body and about 1 KiB for its head and state. Past it, further duplicates get
+    /// 409 / ABORTED with `Retry-After` (reason code
+    /// [`IDEMPOTENCY_IN_FLIGHT`](reason_code::IDEMPOTENCY_IN_FLIGHT)) at once, whatever their
+    /// key. [`max_waiters`](Self::max_waiters) bounds one key's waiters; this bounds them all,
+    /// so that floods of duplicates on many keys at once cannot grow the server's memory
+    /// without bound (`max_waiters` x [`max_request_bytes`](Self::max_request_bytes) per key,
+    /// times every key in flight). The default holds about 60 000 waiters with bodies of 100
+    /// bytes, or 63 with bodies of 1 MiB.
+    pub fn max_waiting_bytes(self, max: usize) -> Self {
+        self.config(|c| c.max_waiting_bytes = max)
     }
 
     /// The largest request body of a write (default 1 MiB); larger: 413 / RESOURCE_EXHAUSTED

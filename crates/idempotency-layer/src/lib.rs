@@ -302,6 +302,15 @@
 //! after the commit, what happens to any other answer). The `axum-orders` example's PostgreSQL
 //! mode uses it, with a test that kills the server between the commit and the response.
 //!
+//! # Chains of services
+//!
+//! Each handler the layer executes runs as the current [`InboundWrite`](reason_code::InboundWrite)
+//! (a tokio task-local holding the request's scope). A `retry-layer` client inside the handler
+//! with derived keys (`RetryPolicyBuilder::derive_idempotency_keys`) keys its outbound writes
+//! from it, so a handler that runs again for the same request (a takeover after a crash, a
+//! lapsed or released claim) sends its downstream writes with the same keys, and the services
+//! below replay them: one execution per logical request along the whole chain.
+//!
 //! # Cost
 //!
 //! Measured by the workspace's `benchmarks` crate (`cargo bench -p benchmarks --bench

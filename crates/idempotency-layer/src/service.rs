@@ -15,8 +15,8 @@ use http::{HeaderValue, Request, Response, Version};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use reason_code::{
-    encode_grpc_message, parse_grpc_timeout, Code, GRPC_MESSAGE, GRPC_STATUS, GRPC_TIMEOUT,
-    IDEMPOTENT_REPLAYED,
+    encode_grpc_message, parse_grpc_timeout, Code, InboundWrite, GRPC_MESSAGE, GRPC_STATUS,
+    GRPC_TIMEOUT, IDEMPOTENT_REPLAYED,
 };
 use tokio::time::Instant;
 use tower_service::Service;
@@ -41,7 +41,7 @@ use crate::store::{
     TenantKey,
 };
 use crate::tx_ledger::{self, Offer, TxLedger, Verdict};
-use crate::waiters::SharedFailure;
+use crate::waiters::{Refused, SharedFailure};
 use crate::IDEMPOTENT_BODY_OMITTED;
 
 /// Why the leader's handler produced no response.
@@ -463,18 +463,30 @@ where
                             ));
                         }
                         if slot.is_none() {
-                            // Boxed: only a waiter needs it.
-                            slot = self
-                                .shared
-                                .waiters
-                                .enter(scope, cfg.max_waiters)
-                                .map(Box::new);
-                            if slot.is_none() {
-                                return Ok(self.reject(
-                                    RejectReason::InFlight,
-                                    "too many requests with this idempotency key are waiting for \
-                                     the one in flight; retry after it completes",
-                                ));
+                            let entered = self.shared.waiters.enter(
+                                scope,
+                                cfg.max_waiters,
+                                bytes.len(),
+                                cfg.max_waiting_bytes,
+                            );
+                            match entered {
+                                // Boxed: only a waiter needs it.
+                                Ok(place) => slot = Some(Box::new(place)),
+                                Err(Refused::KeyFull) => {
+                                    return Ok(self.reject(
+                                        RejectReason::InFlight,
+                                        "too many requests with this idempotency key are waiting \
+                                         for the one in flight; retry after it completes",
+                                    ))
+                                }
+                                Err(Refused::LayerFull) => {
+                                    return Ok(self.reject(
+                                        RejectReason::InFlight,
+                                        "too many duplicate requests are waiting in this server \
+                                         (max_waiting_bytes); retry after the one in flight \
+                                         completes",
+                                    ))
+                                }
                             }
                         }
                         if !waited {
@@ -625,6 +637,7 @@ where
             config,
             shared,
             protocol,
+            scope,
             ..
         } = self;
         // Dropped first (the client went away), `Complete` finishes the call and its recording
@@ -642,7 +655,7 @@ where
             claim,
             ledger,
             config.clone(),
-            fp,
+            (scope, fp),
             grpc,
         ));
         let run = DetachOnDrop::new(run, detach);
@@ -696,7 +709,7 @@ fn call_and_record<S, ReqB, ResB>(
     claim: Claim,
     ledger: Option<Arc<TxLedger>>,
     cfg: Arc<Config>,
-    fp: Fingerprint,
+    (scope, fp): (ScopeKey, Fingerprint),
     grpc: bool,
 ) -> impl Future<Output = Result<Answer<ResB, S::Error>, Panicked>>
 where
@@ -705,7 +718,10 @@ where
     ResB::Error: Into<BoxError>,
 {
     let http1 = req.version() < Version::HTTP_2;
-    let call = AssertUnwindSafe(call_inner(inner, req)).catch_unwind();
+    // The handler runs as the inbound write of its scope: a `RetryLayer` inside it that derives
+    // keys gives its outbound writes the same keys on every run of this write.
+    let inbound = Arc::new(InboundWrite::new(scope.0));
+    let call = AssertUnwindSafe(inbound.scope(call_inner(inner, req))).catch_unwind();
     // `then`, not an `async` block awaiting `call`: the handler's call and what follows it are
     // the two states of one future, so the request is held once, not also by an `.await` slot
     // beside the captured call.

@@ -1,6 +1,7 @@
 //! The duplicates waiting for a request in flight, per scope: bounded per scope
-//! ([`IdempotencyLayer::max_waiters`]), and told their leader's failure when it ends without a
-//! record.
+//! ([`IdempotencyLayer::max_waiters`]) and in all, by the bytes they hold
+//! ([`IdempotencyLayer::max_waiting_bytes`]), and told their leader's failure when it ends
+//! without a record.
 //!
 //! A leader whose outcome is not recorded (a 503, an error, a panic) releases its key, and a
 //! waiter would then claim it and run the handler again: N duplicates waiting on a failing
@@ -15,7 +16,9 @@
 //! the first of them runs it (at most one execution per instance, not one per duplicate).
 //!
 //! [`IdempotencyLayer::max_waiters`]: crate::IdempotencyLayer::max_waiters
+//! [`IdempotencyLayer::max_waiting_bytes`]: crate::IdempotencyLayer::max_waiting_bytes
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::futures::Notified;
@@ -31,6 +34,21 @@ const SHARDS: usize = 16;
 #[derive(Debug, Default)]
 pub(crate) struct Waiters {
     shards: [Mutex<FastMap<ScopeKey, Waiting>>; SHARDS],
+    /// The bytes every waiter holds, in all scopes (see [`WAITER_OVERHEAD`]).
+    held: AtomicUsize,
+}
+
+/// What a waiter is charged beyond its request body: its request head, its place here and its
+/// waiting state (an estimate, on the high side).
+pub(crate) const WAITER_OVERHEAD: usize = 1024;
+
+/// Why a duplicate was not let wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refused {
+    /// Its scope already has `max_waiters` waiting.
+    KeyFull,
+    /// The waiters of every scope together already hold `max_waiting_bytes`.
+    LayerFull,
 }
 
 /// The waiters of one scope.
@@ -71,24 +89,53 @@ impl Waiters {
             .unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A place among the waiters of `scope`, or `None` when `max` already wait.
-    pub(crate) fn enter(self: &Arc<Self>, scope: ScopeKey, max: usize) -> Option<WaiterSlot> {
+    /// A place among the waiters of `scope` for a request holding `body` bytes, refused when
+    /// `max` already wait for that scope, or when the waiters of every scope would then hold
+    /// more than `max_bytes`.
+    pub(crate) fn enter(
+        self: &Arc<Self>,
+        scope: ScopeKey,
+        max: usize,
+        body: usize,
+        max_bytes: usize,
+    ) -> Result<WaiterSlot, Refused> {
+        let charge = body.saturating_add(WAITER_OVERHEAD);
         let mut map = self.shard(&scope);
         let w = map.entry(scope).or_default();
-        if w.count >= max {
+        let refused = if w.count >= max {
+            Some(Refused::KeyFull)
+        } else if self
+            .held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(charge).filter(|&after| after <= max_bytes)
+            })
+            .is_err()
+        {
+            Some(Refused::LayerFull)
+        } else {
+            None
+        };
+        if let Some(refused) = refused {
             if w.count == 0 {
                 map.remove(&scope);
             }
-            return None;
+            return Err(refused);
         }
         w.count += 1;
         w.seq += 1;
-        Some(WaiterSlot {
+        Ok(WaiterSlot {
             waiters: self.clone(),
             scope,
             seq: w.seq,
             notify: w.notify.clone(),
+            charge,
         })
+    }
+
+    /// The bytes all waiters hold now.
+    #[cfg(test)]
+    pub(crate) fn held(&self) -> usize {
+        self.held.load(Ordering::Acquire)
     }
 
     /// Does anybody wait for `scope` now?
@@ -132,6 +179,8 @@ pub(crate) struct WaiterSlot {
     /// When it arrived, among its scope's waiters and failures.
     seq: u64,
     notify: Arc<Notify>,
+    /// The bytes it is charged, given back when it leaves.
+    charge: usize,
 }
 
 impl WaiterSlot {
@@ -152,6 +201,7 @@ impl WaiterSlot {
 
 impl Drop for WaiterSlot {
     fn drop(&mut self) {
+        self.waiters.held.fetch_sub(self.charge, Ordering::AcqRel);
         let mut map = self.waiters.shard(&self.scope);
         if let Some(w) = map.get_mut(&self.scope) {
             w.count -= 1;
@@ -178,12 +228,14 @@ mod tests {
     fn bounded_per_scope_and_freed_on_drop() {
         let w = Arc::new(Waiters::default());
         let (a, b) = (ScopeKey([1; 32]), ScopeKey([2; 32]));
-        let slots: Vec<_> = (0..3).map(|_| w.enter(a, 3).expect("a place")).collect();
-        assert!(
-            w.enter(a, 3).is_none(),
+        let enter = |scope, max| w.enter(scope, max, 10, usize::MAX);
+        let slots: Vec<_> = (0..3).map(|_| enter(a, 3).expect("a place")).collect();
+        assert_eq!(
+            enter(a, 3).err(),
+            Some(Refused::KeyFull),
             "the fourth waiter of one scope is refused"
         );
-        let other = w.enter(b, 3).expect("other scopes are unaffected");
+        let other = enter(b, 3).expect("other scopes are unaffected");
         assert_eq!(w.count(&a), 3);
         assert!(w.any(&a) && w.any(&b));
         drop(slots);
@@ -192,7 +244,43 @@ mod tests {
         assert_eq!(total(&w), 1);
         drop(other);
         assert_eq!(total(&w), 0);
-        assert!(w.enter(a, 0).is_none(), "max 0: nobody waits");
+        assert_eq!(
+            enter(a, 0).err(),
+            Some(Refused::KeyFull),
+            "max 0: nobody waits"
+        );
+        assert_eq!(total(&w), 0);
+        assert_eq!(w.held(), 0);
+    }
+
+    /// The bytes held by the waiters of every scope together are bounded: a waiter that would
+    /// go past `max_bytes` is refused whatever its scope, and a leaving waiter gives its bytes
+    /// back.
+    #[test]
+    fn bounded_in_all_by_the_bytes_held() {
+        let w = Arc::new(Waiters::default());
+        let charge = 64 * 1024 + WAITER_OVERHEAD;
+        let max_bytes = 10 * charge;
+        let slots: Vec<_> = (0..10u8)
+            .map(|i| {
+                w.enter(ScopeKey([i; 32]), 1000, 64 * 1024, max_bytes)
+                    .expect("room for ten")
+            })
+            .collect();
+        assert_eq!(w.held(), max_bytes);
+        for i in [0u8, 200] {
+            assert_eq!(
+                w.enter(ScopeKey([i; 32]), 1000, 64 * 1024, max_bytes).err(),
+                Some(Refused::LayerFull),
+                "an eleventh waiter is refused, on a scope with waiters or a new one"
+            );
+        }
+        assert_eq!(total(&w), 10, "a refused waiter leaves no entry behind");
+        let small = w.enter(ScopeKey([201; 32]), 1000, 0, max_bytes + WAITER_OVERHEAD);
+        assert!(small.is_ok(), "what fits still waits");
+        drop(slots);
+        drop(small);
+        assert_eq!(w.held(), 0, "every byte is given back");
         assert_eq!(total(&w), 0);
     }
 
@@ -214,7 +302,7 @@ mod tests {
         w.share_failure(scope, leader, || panic!("nobody waits: no answer is made"));
         assert_eq!(total(&w), 0);
 
-        let early = w.enter(scope, 10).unwrap();
+        let early = w.enter(scope, 10, 0, usize::MAX).unwrap();
         {
             let notified = early.notified();
             tokio::pin!(notified);
@@ -230,7 +318,7 @@ mod tests {
         assert!(early.failure(other).is_none(), "only for its own claim");
 
         // A request that arrives after the hand-over (the client's own retry) does not take it.
-        let late = w.enter(scope, 10).unwrap();
+        let late = w.enter(scope, 10, 0, usize::MAX).unwrap();
         assert!(late.failure(leader).is_none());
         drop((early, late));
         assert_eq!(total(&w), 0, "gone with the last waiter");

@@ -47,6 +47,7 @@ mod code;
 mod headers;
 mod hop;
 mod http_status;
+mod inbound_write;
 mod reason;
 mod status_details;
 mod table;
@@ -61,6 +62,7 @@ pub use headers::{
     IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY, X_PREVIOUS_ATTEMPTS, X_REASON_CODE,
 };
 pub use hop::Hop;
+pub use inbound_write::InboundWrite;
 pub use reason::{
     ReasonCodes, DO_NOT_RETRY, IDEMPOTENCY_IN_FLIGHT, REQUEST_TOO_LARGE, RETRIES_DEFERRED,
 };

@@ -87,6 +87,26 @@
 //! and the deadline leaves at least the delay plus `min_attempt_time`. Then the retry budget
 //! must grant it.
 //!
+//! # Keys across a chain: derived keys
+//!
+//! A `RetryLayer` that calls other services from inside a handler served by
+//! `idempotency-layer` can give each outbound write a key derived from the inbound write it is
+//! executing ([`RetryPolicyBuilder::derive_idempotency_keys`]): a keyed hash of the inbound
+//! write's scope (tenant, method, key) and the call's place in the handler (its [`KeyLabel`], or
+//! its target and how many calls to that target came before it). When the handler runs a second
+//! time for the same inbound write (its instance crashed after the outbound call and another
+//! took the claim over; its claim lapsed; a failure released it), it sends the same keys in the
+//! same order, and the services below replay instead of executing again: the chain is
+//! effectively-once, not only each hop. Fresh keys (`ensure_idempotency_key` alone) would make
+//! every downstream write run once per run of the handler.
+//!
+//! It applies when the handler is deterministic in its outbound writes (the same calls in the
+//! same order). Label a call with [`KeyLabel`] when it is not: raced calls, a target chosen at
+//! random or by load, a call made only on a cache miss. The secret must be the same on every
+//! instance of the service. Outbound calls made from a task of their own (`tokio::spawn`) see
+//! the inbound write only if the task runs in its scope (`reason_code::InboundWrite::scope`).
+//! Over HTTP and gRPC alike; `tests/tests/chain.rs` (workspace) runs both.
+//!
 //! # Why a deadline budget
 //!
 //! A retry that cannot finish before the caller gives up only adds load. The deadline is the
@@ -318,6 +338,7 @@ mod call;
 mod classify;
 mod deadline;
 mod decide;
+mod derived_key;
 mod error;
 mod future;
 pub mod hedge;
@@ -336,6 +357,7 @@ pub mod tonic;
 
 pub use body::{BodyNotReplayable, ReplayBody};
 pub use deadline::Deadline;
+pub use derived_key::KeyLabel;
 pub use error::{AttemptTimedOut, DeadlineExceeded, ResponseHeadTimedOut, RetryError, RetryInfo};
 pub use future::ResponseFuture;
 pub use layer::RetryLayer;

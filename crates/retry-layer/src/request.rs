@@ -68,6 +68,12 @@ fn settle_key(
         parts.headers.insert(name, value);
         return (true, None);
     }
+    if let Some(value) = policy.derived_keys.as_ref().and_then(|d| d.key_for(parts)) {
+        parts
+            .headers
+            .insert(policy.key_headers.first().clone(), value.clone());
+        return (true, Some(value));
+    }
     if !policy.ensure_key {
         return (false, None);
     }

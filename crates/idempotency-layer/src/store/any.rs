@@ -177,6 +177,13 @@ impl IdempotencyStore for AnyStore {
         each!(self, s => s.renew(scope, token, lease))
     }
 
+    async fn renew_many(
+        &self,
+        claims: &[(ScopeKey, Token, Duration)],
+    ) -> Vec<Result<(), StoreError>> {
+        each!(self, s => s.renew_many(claims))
+    }
+
     async fn wait(&self, scope: ScopeKey, observed: Token) -> Result<(), StoreError> {
         each!(self, s => s.wait(scope, observed))
     }

@@ -75,6 +75,14 @@ pub use self::redis::{maxmemory_policy_can_evict, RedisStore, RedisStoreBuilder}
 /// `Duration::MAX` never overflows a clock or a store's arithmetic.
 pub(crate) const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
+/// How long a shared store keeps a claim whose lease lapsed with no takeover: the time a leader
+/// that is late (a long GC pause, a slow handler whose renewals failed) still has to complete
+/// and store its record. Until then a new `begin` takes the claim over (its lease lapsed), but
+/// no cleanup removes it; the same on Redis (the key outlives its lease) and PostgreSQL (the
+/// cleanup spares it).
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) const LATE_COMPLETE_GRACE: Duration = Duration::from_secs(3600);
+
 /// Runs a store operation through a brief store outage: a backend failure is retried with
 /// backoff (50 ms doubling to 1 s) for at most `within` (a claim's lease: after that the claim
 /// may belong to someone else). Other outcomes (success, fenced, corrupt) return at once.
@@ -112,6 +120,10 @@ where
 pub(crate) const MAX_ORPHAN_RELEASES: usize = 1024;
 
 #[cfg(any(feature = "redis", feature = "postgres"))]
+type Limiter = &'static std::sync::atomic::AtomicUsize;
+
+/// The orphan releases running in this process, bounded by [`MAX_ORPHAN_RELEASES`].
+#[cfg(any(feature = "redis", feature = "postgres"))]
 static ORPHAN_RELEASES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// Guards a shared store's `begin` whose claim may be written without anyone knowing it.
@@ -122,19 +134,54 @@ static ORPHAN_RELEASES: std::sync::atomic::AtomicUsize = std::sync::atomic::Atom
 /// claim, and it would block its key for a whole lease (30 s by default) while every retry
 /// waited for it. Armed, the guard releases it in the background when dropped, fenced by its
 /// token (so it removes nothing but that orphan), through a brief outage, for at most one
-/// lease. [`disarm`](Self::disarm) it once the claim's fate is known: a reply arrived, or the
-/// error proves the command was never sent (no connection, pool exhausted).
+/// lease. If that finds nothing to release, the claim may still be on its way (a statement the
+/// server had not run yet, a command queued on a connection): the guard releases once more
+/// when it can no longer arrive (`settle` after its sender gave up). [`disarm`](Self::disarm)
+/// it once the claim's fate is known: a reply arrived, or the error proves the command was
+/// never sent (no connection, pool exhausted).
 #[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) struct OrphanGuard<St: IdempotencyStore> {
-    armed: Option<(St, ScopeKey, Token, Duration)>,
+    armed: Option<Orphan<St>>,
+    running: Limiter,
+}
+
+#[cfg(any(feature = "redis", feature = "postgres"))]
+struct Orphan<St> {
+    store: St,
+    scope: ScopeKey,
+    token: Token,
+    lease: Duration,
+    settle: Duration,
 }
 
 #[cfg(any(feature = "redis", feature = "postgres"))]
 impl<St: IdempotencyStore> OrphanGuard<St> {
-    pub(crate) fn new(store: &St, scope: ScopeKey, token: Token, lease: Duration) -> Self {
+    /// `settle`: how long after its sender gave up the claim may still be written (the server
+    /// may not have run it yet); past it, it was written or never will be.
+    pub(crate) fn new(
+        store: &St,
+        scope: ScopeKey,
+        token: Token,
+        lease: Duration,
+        settle: Duration,
+    ) -> Self {
         OrphanGuard {
-            armed: Some((store.clone(), scope, token, lease)),
+            armed: Some(Orphan {
+                store: store.clone(),
+                scope,
+                token,
+                lease,
+                settle,
+            }),
+            running: &ORPHAN_RELEASES,
         }
+    }
+
+    /// Counts its release in `running` instead of the process's count (tests).
+    #[cfg(test)]
+    fn counted_in(mut self, running: Limiter) -> Self {
+        self.running = running;
+        self
     }
 
     /// The claim's fate is known: nothing to release.
@@ -148,14 +195,22 @@ impl<St: IdempotencyStore> Drop for OrphanGuard<St> {
     fn drop(&mut self) {
         use std::sync::atomic::Ordering;
 
-        let Some((store, scope, token, lease)) = self.armed.take() else {
+        let Some(Orphan {
+            store,
+            scope,
+            token,
+            lease,
+            settle,
+        }) = self.armed.take()
+        else {
             return;
         };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        if ORPHAN_RELEASES.fetch_add(1, Ordering::Relaxed) >= MAX_ORPHAN_RELEASES {
-            ORPHAN_RELEASES.fetch_sub(1, Ordering::Relaxed);
+        let count = self.running;
+        if count.fetch_add(1, Ordering::Relaxed) >= MAX_ORPHAN_RELEASES {
+            count.fetch_sub(1, Ordering::Relaxed);
             tracing::warn!(
                 ?scope,
                 "idempotency: too many orphaned claims being released; this one lapses with its lease"
@@ -163,18 +218,29 @@ impl<St: IdempotencyStore> Drop for OrphanGuard<St> {
             return;
         }
         /// Counts the release as running until its task ends (or is dropped with its runtime).
-        struct Running;
+        struct Running(Limiter);
         impl Drop for Running {
             fn drop(&mut self) {
-                ORPHAN_RELEASES.fetch_sub(1, Ordering::Relaxed);
+                self.0.fetch_sub(1, Ordering::Relaxed);
             }
         }
-        let running = Running;
+        let running = Running(count);
         runtime.spawn(async move {
             let _running = running;
-            // Released (it was written), fenced (it never was), or out of time: done either way.
-            let _ =
+            let started = tokio::time::Instant::now();
+            let first =
                 retry_through_outage(lease, "release orphan", || store.release(scope, token)).await;
+            // Fenced: nothing held the token yet; once `settle` has passed since its sender gave
+            // up, the claim has landed or never will: release once more. (Released, or out of
+            // time: done.)
+            if let Err(StoreError::Fenced) = first {
+                tokio::time::sleep_until(started + settle).await;
+                let left = lease.saturating_sub(started.elapsed());
+                let _ = retry_through_outage(left, "release orphan (second)", || {
+                    store.release(scope, token)
+                })
+                .await;
+            }
         });
     }
 }
@@ -496,6 +562,27 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         lease: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// Extends the leases of many claims at once, each `(scope, token, lease)` to its `lease`
+    /// from now; one result per claim, in order ([`StoreError::Fenced`] for a claim its token
+    /// no longer holds). The layer's renewal task calls this once per tick with every claim it
+    /// holds.
+    ///
+    /// The default renews each claim with [`renew`](Self::renew), concurrently. A store with a
+    /// connection pool should override it with one round trip (one statement, one script): a
+    /// thousand renewals at once would otherwise queue for the pool's connections, and those
+    /// still waiting when the store's timeout ends would fail, and their leases could lapse
+    /// under live handlers.
+    fn renew_many(
+        &self,
+        claims: &[(ScopeKey, Token, Duration)],
+    ) -> impl Future<Output = Vec<Result<(), StoreError>>> + Send {
+        futures_util::future::join_all(
+            claims
+                .iter()
+                .map(|&(scope, token, lease)| self.renew(scope, token, lease)),
+        )
+    }
+
     /// Resolves when the claim `observed` on `scope` has ended (completed, released, forgotten,
     /// taken over) or its lease has lapsed; immediately if it already has. It may resolve early;
     /// the caller calls `begin` again either way. It must not resolve only after a claim ends
@@ -556,13 +643,18 @@ mod orphan_tests {
 
     #[tokio::test(start_paused = true)]
     async fn orphan_releases_are_bounded_and_a_disarmed_guard_releases_nothing() {
+        static RUNNING: AtomicUsize = AtomicUsize::new(0);
         let store = Unanswering::default();
         let lease = Duration::from_secs(30);
+        let guard = |scope, i| {
+            OrphanGuard::new(&store, ScopeKey([scope; 32]), Token(i), lease, lease)
+                .counted_in(&RUNNING)
+        };
         for i in 0..10u128 {
-            OrphanGuard::new(&store, ScopeKey([1; 32]), Token(i), lease).disarm();
+            guard(1, i).disarm();
         }
         for i in 0..(MAX_ORPHAN_RELEASES as u128 * 3) {
-            drop(OrphanGuard::new(&store, ScopeKey([2; 32]), Token(i), lease));
+            drop(guard(2, i));
         }
         // Let every spawned release start (bounded: a few yields per task at most).
         for _ in 0..10_000 {
@@ -579,6 +671,94 @@ mod orphan_tests {
             MAX_ORPHAN_RELEASES,
             "only the bound's worth of releases run; disarmed guards release nothing"
         );
-        assert_eq!(ORPHAN_RELEASES.load(Ordering::Relaxed), MAX_ORPHAN_RELEASES);
+        assert_eq!(RUNNING.load(Ordering::Relaxed), MAX_ORPHAN_RELEASES);
+    }
+
+    /// A store whose claim lands late: `release` finds nothing (fenced) until `landed`, then
+    /// releases it. Counts the calls and the releases.
+    #[derive(Clone, Default)]
+    struct LateClaim {
+        landed: Arc<std::sync::atomic::AtomicBool>,
+        calls: Arc<AtomicUsize>,
+        released: Arc<AtomicUsize>,
+    }
+
+    impl IdempotencyStore for LateClaim {
+        async fn begin(
+            &self,
+            _: ScopeKey,
+            _: Fingerprint,
+            _: Duration,
+        ) -> Result<Begin, StoreError> {
+            unreachable!()
+        }
+        async fn complete(
+            &self,
+            _: ScopeKey,
+            _: Token,
+            _: Arc<Record>,
+            _: Duration,
+        ) -> Result<(), StoreError> {
+            unreachable!()
+        }
+        async fn release(&self, _: ScopeKey, _: Token) -> Result<(), StoreError> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            if self.landed.load(Ordering::SeqCst) {
+                self.released.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            } else {
+                Err(StoreError::Fenced)
+            }
+        }
+        async fn renew(&self, _: ScopeKey, _: Token, _: Duration) -> Result<(), StoreError> {
+            unreachable!()
+        }
+        async fn wait(&self, _: ScopeKey, _: Token) -> Result<(), StoreError> {
+            unreachable!()
+        }
+        async fn forget(&self, _: ScopeKey) -> Result<bool, StoreError> {
+            unreachable!()
+        }
+    }
+
+    /// The first release finds nothing (the claim has not landed); the claim lands; the second
+    /// release, `settle` after the guard fired, removes it. A release that removed the claim the
+    /// first time is not repeated.
+    #[tokio::test(start_paused = true)]
+    async fn an_orphan_that_lands_after_the_first_release_is_released_by_the_second() {
+        static RUNNING: AtomicUsize = AtomicUsize::new(0);
+        let store = LateClaim::default();
+        let (lease, settle) = (Duration::from_secs(30), Duration::from_secs(2));
+        drop(
+            OrphanGuard::new(&store, ScopeKey([3; 32]), Token(1), lease, settle)
+                .counted_in(&RUNNING),
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(
+            store.calls.load(Ordering::SeqCst),
+            1,
+            "the first release ran"
+        );
+        store.landed.store(true, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(store.calls.load(Ordering::SeqCst), 1, "not before `settle`");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(
+            store.released.load(Ordering::SeqCst),
+            1,
+            "the second release removed it"
+        );
+        assert_eq!(RUNNING.load(Ordering::SeqCst), 0, "and the release ended");
+
+        drop(
+            OrphanGuard::new(&store, ScopeKey([4; 32]), Token(2), lease, settle)
+                .counted_in(&RUNNING),
+        );
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert_eq!(
+            store.calls.load(Ordering::SeqCst),
+            3,
+            "released at once: no second try"
+        );
     }
 }

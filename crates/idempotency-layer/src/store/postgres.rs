@@ -17,9 +17,14 @@ use uuid::Uuid;
 use super::codec;
 use super::near_cache::{scope_from_hex, Near, NearCache, NearCacheStats};
 use super::wake::{Polling, Waiters};
-use super::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token};
+use super::{
+    Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token, LATE_COMPLETE_GRACE,
+};
 
+mod busy;
 mod tx;
+
+use busy::Busy;
 
 pub use self::tx::{TxCompletion, TxCompletionError};
 
@@ -78,7 +83,10 @@ const CLAIM_ATTEMPTS: usize = 10;
 /// Expired rows are ignored by `begin` at once (taken over), and removed by a background task
 /// in batches (`DELETE ... WHERE ctid IN (SELECT ctid ... LIMIT n FOR UPDATE SKIP LOCKED)`),
 /// every [`cleanup_interval`](PostgresStoreBuilder::cleanup_interval); or on demand with
-/// [`remove_expired`](PostgresStore::remove_expired).
+/// [`remove_expired`](PostgresStore::remove_expired). The cleanup removes records past their TTL
+/// at once, but a claim only an hour after its lease lapsed: until then a new `begin` takes it
+/// over, and a late leader that nobody took it from can still complete it and store its record
+/// (the same grace as on Redis, where a claim's key outlives its lease by an hour).
 ///
 /// # Transactional completion
 ///
@@ -120,7 +128,22 @@ const CLAIM_ATTEMPTS: usize = 10;
 ///   batches (measured here: ~200 000 rows/s), so it keeps up with any write rate the store
 ///   itself sustains. Autovacuum reclaims the space.
 /// - **Failover**: committed rows are durable; with a synchronous standby a failover loses
-///   none. Point every instance at the primary (not a read replica).
+///   none. Point every instance at the primary (not a read replica), through an address that
+///   follows it (a DNS name, a proxy, or libpq-style `target_session_attrs=read-write` with
+///   several hosts). After a failover the pool's connections may still reach the old primary,
+///   now read-only: the first statement that fails there (SQLSTATE 25006, or a shutdown error)
+///   drops that connection and every idle one, so one request per instance in flight at that
+///   moment answers 503 (retryable, nothing ran), and the next connections go to the new
+///   primary.
+/// - **Timeouts**: the store's own pools set `statement_timeout` and `lock_timeout` to the
+///   store's [timeout](PostgresStoreBuilder::timeout) on their sessions (a pool of your own
+///   keeps its settings: set them there). A statement still running when its request gives up
+///   (the timeout, or a client that went away) is cancelled on the server and its connection
+///   leaves the pool, so it neither stalls the next statements (behind the row lock of an open
+///   `TxCompletion` transaction, say) nor lands later: a claim abandoned that way is released
+///   by its token in the background, once at once and once more twice the timeout later.
+///   Your own transactions on [`pool`](PostgresStore::pool) connections inherit those
+///   settings: `SET LOCAL statement_timeout` in a transaction that needs longer.
 /// - **Eviction, cluster**: nothing is evicted; records go only when expired or forgotten.
 ///
 /// **Knobs**: [`pool_size`](PostgresStoreBuilder::pool_size) (default 16; each request holds a
@@ -188,6 +211,7 @@ struct Sql {
     complete: String,
     release: String,
     renew: String,
+    renew_many: String,
     forget: String,
     watch: String,
     peek: String,
@@ -267,6 +291,14 @@ impl Sql {
                 "UPDATE {t} SET expires_at = now() + $3::bigint * interval '1 millisecond' \
                  WHERE scope = $1 AND token = $2 AND state = 'in_flight'"
             ),
+            // Every claim of a renewal tick in one statement: ($1, $2, $3) are the claims'
+            // scopes, tokens and leases (ms); returns the tokens that still held.
+            renew_many: format!(
+                "UPDATE {t} AS e SET expires_at = now() + c.ms * interval '1 millisecond' \
+                 FROM unnest($1::bytea[], $2::uuid[], $3::bigint[]) AS c(scope, token, ms) \
+                 WHERE e.scope = c.scope AND e.token = c.token AND e.state = 'in_flight' \
+                 RETURNING e.token"
+            ),
             // A forgotten record is always announced (rare, so the NOTIFY's lock costs
             // nothing that matters), for the near caches of every instance.
             forget: format!(
@@ -288,9 +320,15 @@ impl Sql {
                  FROM {t} \
                  WHERE scope = $1 AND token = $2 AND state = 'in_flight' AND expires_at > now()"
             ),
+            // Records past their TTL; claims only once their lease lapsed longer than
+            // `LATE_COMPLETE_GRACE` ago ($2 ms): a late leader that was never taken over can
+            // still complete its claim and store its record, as on Redis.
             cleanup: format!(
                 "DELETE FROM {t} WHERE ctid IN (\
-                   SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED)"
+                   SELECT ctid FROM {t} WHERE expires_at <= now() \
+                     AND (state = 'completed' \
+                          OR expires_at <= now() - $2::bigint * interval '1 millisecond') \
+                   LIMIT $1 FOR UPDATE SKIP LOCKED)"
             ),
             migrate: format!(
                 "{create_schema};\n{create_table};\n{add_watched};\n{create_index};\n"
@@ -436,6 +474,15 @@ impl PostgresStoreBuilder {
         } else {
             Connector::Plain
         };
+        // The server ends any of the store's statements that outlives the store's timeout
+        // (and any wait for a lock that long), even when the client that sent it is gone: an
+        // abandoned claim cannot land long after its orphan release ran. Set by a `SET` on each
+        // new session rather than as startup options, which PgBouncer refuses. (A pool of your
+        // own, `builder_from_pool`, keeps its sessions' settings: set these there.)
+        let session_timeouts = {
+            let ms = millis(self.timeout);
+            format!("SET statement_timeout = {ms}; SET lock_timeout = {ms}")
+        };
         let pool = match self.pool {
             Some(pool) => pool,
             None => {
@@ -448,6 +495,15 @@ impl PostgresStoreBuilder {
                     Connector::Rustls(t) => Manager::from_config(config.clone(), t.clone(), mc),
                 };
                 Pool::builder(manager)
+                    .post_create(deadpool_postgres::Hook::async_fn(move |client, _| {
+                        let set = session_timeouts.clone();
+                        Box::pin(async move {
+                            client
+                                .batch_execute(&set)
+                                .await
+                                .map_err(deadpool_postgres::HookError::Backend)
+                        })
+                    }))
                     .max_size(self.pool_size)
                     .runtime(Runtime::Tokio1)
                     .wait_timeout(Some(self.timeout))
@@ -605,6 +661,9 @@ fn check_identifier(what: &str, name: &str, max: usize) -> Result<(), StoreError
         ))
     }
 }
+
+/// The most claims one renewal statement carries (a tick with more sends several).
+const RENEW_CHUNK: usize = 4096;
 
 fn backend(e: tokio_postgres::Error) -> StoreError {
     StoreError::Backend(Box::new(e))
@@ -794,6 +853,13 @@ impl PostgresStore {
         let op = async {
             let mut client = self.inner.pool.get().await.map_err(pool_error)?;
             let tx = client.transaction().await.map_err(backend)?;
+            // DDL may wait for locks longer than the sessions' statement timeout allows.
+            let ms = millis(within);
+            tx.batch_execute(&format!(
+                "SET LOCAL statement_timeout = {ms}; SET LOCAL lock_timeout = {ms}"
+            ))
+            .await
+            .map_err(backend)?;
             tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock])
                 .await
                 .map_err(backend)?;
@@ -878,7 +944,8 @@ impl PostgresStore {
         }
     }
 
-    /// Removes every expired row (records past their TTL, claims past their lease), in
+    /// Removes every expired row (records past their TTL; claims whose lease lapsed more than an
+    /// hour ago, so that a late leader never taken over can still complete), in
     /// batches of [`cleanup_batch`](PostgresStoreBuilder::cleanup_batch) until a batch comes
     /// back short; returns how many rows it removed. The background task calls this, so one
     /// run clears whatever expired since the last, however fast rows are written (each batch
@@ -889,15 +956,17 @@ impl PostgresStore {
         loop {
             let n = self
                 .bounded(async {
-                    let client = self.inner.pool.get().await.map_err(pool_error)?;
-                    let stmt = client
-                        .prepare_cached(&self.inner.sql.cleanup)
-                        .await
-                        .map_err(backend)?;
-                    client
-                        .execute(&stmt, &[&self.inner.cleanup_batch])
-                        .await
-                        .map_err(backend)
+                    let mut busy = self.busy().await?;
+                    let stmt = busy.client().prepare_cached(&self.inner.sql.cleanup).await;
+                    let stmt = busy.finish_if_err(stmt).map_err(backend)?;
+                    let n = busy
+                        .client()
+                        .execute(
+                            &stmt,
+                            &[&self.inner.cleanup_batch, &millis(LATE_COMPLETE_GRACE)],
+                        )
+                        .await;
+                    busy.finish(n).map_err(backend)
                 })
                 .await?;
             total += n;
@@ -906,6 +975,24 @@ impl PostgresStore {
             }
         }
         Ok(total)
+    }
+
+    /// How long after its sender gave up a claim statement may still run: the sessions'
+    /// `statement_timeout` is the store's timeout, from when the server starts it; twice that
+    /// covers a statement that reached the server late.
+    fn settle(&self) -> Duration {
+        self.inner.timeout * 2
+    }
+
+    /// A pooled connection for one statement (see [`Busy`]).
+    async fn busy(&self) -> Result<Busy<'_>, StoreError> {
+        let conn = self.inner.pool.get().await.map_err(pool_error)?;
+        Ok(Busy::new(
+            conn,
+            &self.inner.pool,
+            &self.inner.tls,
+            self.inner.timeout,
+        ))
     }
 
     async fn bounded<T>(
@@ -939,10 +1026,12 @@ impl PostgresStore {
         sent: &AtomicBool,
     ) -> Result<Vec<Row>, StoreError> {
         self.bounded(async {
-            let client = self.inner.pool.get().await.map_err(pool_error)?;
-            let stmt = client.prepare_cached(sql).await.map_err(backend)?;
+            let mut busy = self.busy().await?;
+            let stmt = busy.client().prepare_cached(sql).await;
+            let stmt = busy.finish_if_err(stmt).map_err(backend)?;
             sent.store(true, Ordering::Relaxed);
-            client.query(&stmt, params).await.map_err(backend)
+            let rows = busy.client().query(&stmt, params).await;
+            busy.finish(rows).map_err(backend)
         })
         .await
     }
@@ -1097,6 +1186,8 @@ fn decode_row(row: &Row, ours: Token) -> Result<(Begin, Duration), StoreError> {
         };
     }
     match state {
+        // Our own token: the claim this very statement wrote (a resent statement).
+        "in_flight" if token == ours => Ok((Begin::New(token), Duration::ZERO)),
         "in_flight" => {
             let fp: &[u8] = row.try_get(3).map_err(corrupt)?;
             Ok((
@@ -1143,7 +1234,7 @@ impl IdempotencyStore for PostgresStore {
         for _ in 0..CLAIM_ATTEMPTS {
             // Armed while the claim may be written with nobody knowing: the statement is in
             // flight (this future may be dropped), or its reply was lost.
-            let orphan = super::OrphanGuard::new(self, scope, token, lease);
+            let orphan = super::OrphanGuard::new(self, scope, token, lease, self.settle());
             let sent = AtomicBool::new(false);
             let rows = self
                 .query_noting_sent(
@@ -1207,18 +1298,17 @@ impl IdempotencyStore for PostgresStore {
     ) -> Result<(), StoreError> {
         let n = self
             .bounded(async {
-                let client = self.inner.pool.get().await.map_err(pool_error)?;
-                let stmt = client
-                    .prepare_cached(&self.inner.sql.renew)
-                    .await
-                    .map_err(backend)?;
-                client
+                let mut busy = self.busy().await?;
+                let stmt = busy.client().prepare_cached(&self.inner.sql.renew).await;
+                let stmt = busy.finish_if_err(stmt).map_err(backend)?;
+                let n = busy
+                    .client()
                     .execute(
                         &stmt,
                         &[&&scope.0[..], &Uuid::from_u128(token.0), &millis(lease)],
                     )
-                    .await
-                    .map_err(backend)
+                    .await;
+                busy.finish(n).map_err(backend)
             })
             .await?;
         if n == 0 {
@@ -1226,6 +1316,43 @@ impl IdempotencyStore for PostgresStore {
         } else {
             Ok(())
         }
+    }
+
+    async fn renew_many(
+        &self,
+        claims: &[(ScopeKey, Token, Duration)],
+    ) -> Vec<Result<(), StoreError>> {
+        let mut results = Vec::with_capacity(claims.len());
+        for chunk in claims.chunks(RENEW_CHUNK) {
+            let scopes: Vec<&[u8]> = chunk.iter().map(|(s, _, _)| &s.0[..]).collect();
+            let tokens: Vec<Uuid> = chunk.iter().map(|(_, t, _)| Uuid::from_u128(t.0)).collect();
+            let leases: Vec<i64> = chunk.iter().map(|&(_, _, l)| millis(l)).collect();
+            match self
+                .query(&self.inner.sql.renew_many, &[&scopes, &tokens, &leases])
+                .await
+            {
+                Ok(rows) => {
+                    let held: std::collections::HashSet<Uuid> =
+                        rows.iter().filter_map(|r| r.try_get(0).ok()).collect();
+                    results.extend(tokens.iter().map(|t| {
+                        if held.contains(t) {
+                            Ok(())
+                        } else {
+                            Err(StoreError::Fenced)
+                        }
+                    }));
+                }
+                Err(e) => {
+                    let e = e.to_string();
+                    results.extend(
+                        chunk
+                            .iter()
+                            .map(|_| Err(StoreError::Backend(e.clone().into()))),
+                    );
+                }
+            }
+        }
+        results
     }
 
     async fn wait(&self, scope: ScopeKey, observed: Token) -> Result<(), StoreError> {

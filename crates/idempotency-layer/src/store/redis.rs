@@ -10,9 +10,9 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, ErrorKind, RedisError, Script, ServerErrorKind, Value};
 use tokio::sync::{mpsc, oneshot};
 
-use super::codec;
-use super::near_cache::{scope_from_hex, Near, NearCache, NearCacheStats};
+use super::near_cache::{scope_from_hex, Near, NearCache, NearCacheStats, Ticket};
 use super::wake::{Polling, Waiters};
+use super::{codec, LATE_COMPLETE_GRACE};
 use super::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token};
 
 mod replicas;
@@ -26,7 +26,10 @@ local now = tonumber(tm[1]) * 1000 + math.floor(tonumber(tm[2]) / 1000)
 "#;
 
 /// Claims the key: free (absent, expired by Redis, a claim whose lease lapsed, or the tombstone
-/// of a forgotten claim) -> in flight; else reports what holds it. A claim's lease end is its
+/// of a forgotten claim) -> in flight; else reports what holds it. A claim that already holds
+/// this call's own token ARGV[1] is this call's: the command ran once already and is being
+/// resent (a cluster connection resends after a lost reply), so it answers "claimed" again
+/// rather than "in flight" (which would make the request wait for itself). A claim's lease end is its
 /// field `e` (ms); the key itself lives ARGV[4] ms longer, so that a leader whose lease lapsed
 /// with no takeover can still complete (as with the other stores).
 const CLAIM: &str = r#"
@@ -42,6 +45,7 @@ if t == 'none' then return claim() end
 if t ~= 'hash' then return {4, 'the key holds a ' .. t .. ', not an idempotency entry'} end
 local v = redis.call('HMGET', k, 's', 't', 'f', 'r', 'e')
 if v[1] == 'c' and v[4] then return {3, v[4], redis.call('PTTL', k)} end
+if v[1] == 'i' and v[2] == ARGV[1] then return {1} end
 if v[1] == 'i' and v[2] and v[3] then
   if v[5] and tonumber(v[5]) <= now then return claim() end
   return {2, v[2], v[3]}
@@ -86,6 +90,31 @@ redis.call('PEXPIRE', k, tonumber(ARGV[2]) + tonumber(ARGV[3]))
 return 1
 "#;
 
+/// [`RENEW`] for every key of KEYS in one call: ARGV[1] is how long a key outlives its lease
+/// (ms), and claim i's token and lease (ms) are ARGV[2i] and ARGV[2i + 1]; answers 1 (renewed)
+/// or 0 (no longer held) per key.
+const RENEW_MANY: &str = r#"
+local grace = tonumber(ARGV[1])
+local out = {}
+for i, k in ipairs(KEYS) do
+  local token, lease = ARGV[2 * i], tonumber(ARGV[2 * i + 1])
+  out[i] = 0
+  if redis.call('TYPE', k)['ok'] == 'hash' then
+    local v = redis.call('HMGET', k, 's', 't')
+    if v[1] == 'i' and v[2] == token then
+      redis.call('HSET', k, 'e', now + lease)
+      redis.call('PEXPIRE', k, lease + grace)
+      out[i] = 1
+    end
+  end
+end
+return out
+"#;
+
+/// The most claims one `RENEW_MANY` call carries: the script blocks the server while it runs,
+/// so a tick with more claims sends several (each well under a millisecond).
+const RENEW_CHUNK: usize = 512;
+
 /// Removes whatever the key holds; wakes the waiters. A claim leaves a tombstone with its
 /// token for as long as its key would have lived, so its leader's late complete is refused.
 /// A record's removal is also published on the store's invalidation channel ARGV[1] (plain
@@ -126,10 +155,6 @@ if left <= 0 then return -2 end
 return left
 "#;
 
-/// How long a claim's key outlives its lease: the time a leader whose lease lapsed with no
-/// takeover (a long GC pause, a slow handler whose renewals failed) still has to complete.
-const LATE_COMPLETE_GRACE: Duration = Duration::from_secs(3600);
-
 /// A script's source for the server: the clock prelude where it needs one, and `PUBLISH` or
 /// the cluster's `SPUBLISH` (sharded pub/sub: the message stays on the key's shard).
 fn source(body: &str, publish: &str) -> String {
@@ -162,6 +187,7 @@ struct Scripts {
     complete: Lua,
     release: Lua,
     renew: Lua,
+    renew_many: Lua,
     forget: Lua,
     peek: Lua,
 }
@@ -173,6 +199,7 @@ impl Scripts {
             complete: Lua::new(COMPLETE, publish),
             release: Lua::new(RELEASE, publish),
             renew: Lua::new(RENEW, publish),
+            renew_many: Lua::new(RENEW_MANY, publish),
             forget: Lua::new(FORGET, publish),
             peek: Lua::new(PEEK, publish),
         }
@@ -319,9 +346,11 @@ impl PubSubSource {
 ///   store's keys: `volatile-ttl` evicts the shortest TTLs first, which are the claims in
 ///   flight (a duplicate then runs), and `allkeys-*` / `volatile-lru` evict records (a retry
 ///   runs again). With `noeviction` a full Redis refuses writes: the layer fails closed with a
-///   retryable 503 and nothing runs. The store reads the policy at connect and logs an error
-///   for any other ([`RedisStore::maxmemory_policy`]); managed services that forbid `CONFIG`
-///   are accepted (check the policy in their console).
+///   retryable 503 and nothing runs. The store reads the policy at connect (on a cluster, every
+///   master's) and logs an error for any other ([`RedisStore::maxmemory_policy`]); with
+///   [`require_noeviction(true)`](RedisStoreBuilder::require_noeviction) it refuses to start
+///   instead: use that wherever you control the servers. Managed services that forbid `CONFIG`
+///   are accepted without it (check the policy in their console).
 /// - **Sizing**: `writes per second x TTL x (record size + ~200 bytes)`, plus claims in
 ///   flight. A claim whose leader crashed stays (small, fenced) up to an hour after its lease,
 ///   so that a late `complete` with no takeover is still kept.
@@ -342,7 +371,7 @@ impl PubSubSource {
 ///   shard, over one RESP3 cluster connection per store, and the scripts `SPUBLISH` there, so
 ///   a wake-up never crosses the cluster bus. When a node's connection drops, every waiter
 ///   re-checks at once and the client resubscribes; polling still bounds any lost message.
-///   `maxmemory-policy` is read from one node: set `noeviction` on every node. A prefix must
+///   `maxmemory-policy` is read from every master: set `noeviction` on every node. A prefix must
 ///   not contain a `{hash tag}` (it would put every key in one slot). Failover within the
 ///   cluster is asynchronous, as below. Tested against a local 3-master cluster
 ///   (`.ci/redis-cluster.sh`).
@@ -371,7 +400,24 @@ impl PubSubSource {
 ///   accepts writes. Where a second execution is unacceptable, use `PostgresStore` with a
 ///   synchronous standby.
 /// - **Renewals**: [`renewals_failed`](RedisStore::renewals_failed) counts lease renewals that
-///   failed or were refused; each is logged.
+///   failed or were refused; each is logged. The layer renews every claim it holds in one
+///   script per tick (512 claims per script; on a cluster, one per claim, since a script's keys
+///   must share a slot).
+/// - **What each fault costs**:
+///   - *A lost reply* (a dropped connection, the [timeout](RedisStoreBuilder::timeout)): the
+///     claim may have been written; the request answers 503 (retryable) and releases the claim
+///     by its token in the background (the orphan release), so a retry is not blocked for a
+///     lease. A cluster connection that *resends* the claim after a lost reply finds its own
+///     token and answers "claimed": the request does not wait for itself.
+///   - *A command still in flight when its request gives up*: Redis runs it whenever it reads
+///     it. On one connection commands run in order, so the orphan release, sent after the claim,
+///     runs after it; after a reconnection it can overtake a claim still buffered on the old
+///     socket. What bounds that: Redis reads a socket's buffered commands at once unless a slow
+///     command blocks it, and the connection's response timeout (the store's timeout) drops
+///     the old socket; the orphan release tries again twice the timeout after the request gave
+///     up, and removes a claim that landed late. A Redis blocked for longer (a slow script, a
+///     `DEBUG SLEEP`) can still leave such a claim in place for one lease.
+///   - *Eviction*: see above; *failover*: see below.
 ///
 /// **Knobs**: [`prefix`](RedisStoreBuilder::prefix) (one per service or environment),
 /// [`timeout`](RedisStoreBuilder::timeout) (how fast an outage fails closed, default 1 s),
@@ -446,6 +492,7 @@ pub struct RedisStoreBuilder {
     timeout: Duration,
     polling: Polling,
     near: Option<NearCache>,
+    require_noeviction: bool,
     wait_for_replicas: Option<replicas::WaitForReplicas>,
 }
 
@@ -576,10 +623,38 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// Refuses to start ([`connect`](Self::connect) fails) unless every server this store
+    /// writes to (on a cluster, every master) has `maxmemory-policy noeviction`, or when the
+    /// policy cannot be read (`CONFIG` forbidden, as on some managed services: check it in their
+    /// console, then leave this off). Off by default: an evicting policy is then logged as an
+    /// error at connect and the store runs. Turn it on wherever you control the servers: an
+    /// evicting policy turns memory pressure into duplicate executions, silently.
+    ///
+    /// ```
+    /// use idempotency_layer::RedisStore;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), idempotency_layer::StoreError> {
+    /// # let Ok(url) = std::env::var("REDIS_URL") else { return Ok(()) };
+    /// let store = RedisStore::builder(url)
+    ///     .require_noeviction(true) // fails here if Redis could evict a claim or a record
+    ///     .connect()
+    ///     .await?;
+    /// assert_eq!(store.maxmemory_policy(), Some("noeviction"));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn require_noeviction(mut self, require: bool) -> Self {
+        self.require_noeviction = require;
+        self
+    }
+
     /// Connects (the server must be reachable now; later outages are survived by reconnecting),
-    /// and reads the server's `maxmemory-policy`: a policy that can evict this store's keys is
-    /// logged as an error (see "Deploying" on [`RedisStore`]); a server that forbids `CONFIG`
-    /// is accepted, with a note in the log.
+    /// and reads the server's `maxmemory-policy` (on a cluster, every master's): a policy that
+    /// can evict this store's keys is logged as an error, or refused with
+    /// [`require_noeviction`](Self::require_noeviction) (see "Deploying" on [`RedisStore`]); a
+    /// server that forbids `CONFIG` is accepted, with a note in the log, unless
+    /// `require_noeviction` is on.
     pub async fn connect(self) -> Result<RedisStore, StoreError> {
         let client = match self.source {
             Source::Url(url) => redis::Client::open(url.as_str()).map_err(backend)?,
@@ -600,7 +675,9 @@ impl RedisStoreBuilder {
                 .await?;
                 let client = PubSubSource::Sentinel(conn.clone());
                 let mut conn = Conn::Sentinel(conn);
-                let maxmemory_policy = read_maxmemory_policy(&mut conn, self.timeout).await?;
+                let maxmemory_policy =
+                    check_maxmemory_policy(&mut conn, self.timeout, self.require_noeviction)
+                        .await?;
                 return Ok(RedisStore {
                     inner: Arc::new(Inner {
                         conn,
@@ -631,7 +708,9 @@ impl RedisStoreBuilder {
                         .map_err(|_| timed_out(self.timeout * 4))?
                         .map_err(backend)?,
                 );
-                let maxmemory_policy = read_maxmemory_policy(&mut conn, self.timeout).await?;
+                let maxmemory_policy =
+                    check_maxmemory_policy(&mut conn, self.timeout, self.require_noeviction)
+                        .await?;
                 return Ok(RedisStore {
                     inner: Arc::new(Inner {
                         conn,
@@ -663,7 +742,8 @@ impl RedisStoreBuilder {
             }
         };
         let mut conn = Conn::Single(conn);
-        let maxmemory_policy = read_maxmemory_policy(&mut conn, self.timeout).await?;
+        let maxmemory_policy =
+            check_maxmemory_policy(&mut conn, self.timeout, self.require_noeviction).await?;
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 conn,
@@ -692,42 +772,119 @@ fn manager_config(timeout: Duration) -> ConnectionManagerConfig {
         .set_max_delay(Duration::from_millis(500))
 }
 
-/// Reads `maxmemory-policy` and warns loudly when it can evict; `None` when the server does not
-/// let us read it (`CONFIG` renamed, disabled or denied by ACL, as managed services do).
-async fn read_maxmemory_policy(
+/// Reads `maxmemory-policy` from every server the store writes to (on a cluster, every
+/// master) and warns loudly when one can evict, or refuses it with `require`; returns the policy
+/// (the first that can evict, if any), `None` when no server would say.
+async fn check_maxmemory_policy(
     conn: &mut Conn,
     timeout: Duration,
+    require: bool,
 ) -> Result<Option<String>, StoreError> {
     let mut cmd = redis::cmd("CONFIG");
     cmd.arg("GET").arg("maxmemory-policy");
-    let read = cmd.query_async::<Vec<String>>(conn);
-    let policy = match tokio::time::timeout(timeout, read).await {
-        Err(_) => return Err(timed_out(timeout)),
-        Ok(Ok(pair)) => pair.into_iter().nth(1),
-        // An error reply (unknown command, NOPERM): the server answered, it just won't say.
-        Ok(Err(e)) if e.code().is_some() => {
-            tracing::info!(
-                error = %e,
-                "idempotency: cannot read redis maxmemory-policy (CONFIG is not allowed); make \
-                 sure it is noeviction, or records and claims may be evicted early"
-            );
-            None
+    let read = async {
+        match conn {
+            Conn::Single(c) => Ok::<_, RedisError>(vec![(
+                "the server".to_owned(),
+                c.send_packed_command(&cmd).await?,
+            )]),
+            #[cfg(feature = "redis-sentinel")]
+            Conn::Sentinel(c) => {
+                use redis::aio::ConnectionLike;
+                Ok(vec![(
+                    "the primary".to_owned(),
+                    c.req_packed_command(&cmd).await?,
+                )])
+            }
+            #[cfg(feature = "redis-cluster")]
+            Conn::Cluster(c) => {
+                use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+                let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                match c.route_command(cmd.clone(), routing).await? {
+                    Value::Map(nodes) => Ok(nodes
+                        .into_iter()
+                        .map(|(node, v)| (format!("master {}", value_text(&node)), v))
+                        .collect()),
+                    other => Ok(vec![("the cluster".to_owned(), other)]),
+                }
+            }
         }
-        Ok(Err(e)) => return Err(backend(e)),
     };
-    if let Some(p) = &policy {
-        if maxmemory_policy_can_evict(p) {
-            tracing::error!(
-                maxmemory_policy = %p,
-                "idempotency: redis maxmemory-policy can evict this store's keys: under memory \
-                 pressure an evicted claim lets a duplicate execute, an evicted record lets a \
-                 retry execute again. Set `maxmemory-policy noeviction` (writes then fail \
-                 closed with 503 when Redis is full), or give Redis room for \
-                 writes/s x TTL x record size"
-            );
+    let replies: Vec<(String, Value)> = match tokio::time::timeout(timeout, read).await {
+        Err(_) => return Err(timed_out(timeout)),
+        Ok(Err(e)) if e.code().is_some() => vec![("the server".to_owned(), Value::Nil)],
+        Ok(Err(e)) => return Err(backend(e)),
+        Ok(Ok(replies)) => replies,
+    };
+    let mut policy = None;
+    for (node, reply) in replies {
+        match policy_in(&reply) {
+            None => {
+                let refusal = format!(
+                    "cannot read maxmemory-policy on {node} (CONFIG is not allowed?); make sure \
+                     it is noeviction, or records and claims may be evicted early"
+                );
+                if require {
+                    return Err(StoreError::Backend(
+                        format!(
+                            "{refusal}. require_noeviction is on, so the store refuses to start: \
+                             allow CONFIG GET for this user, or check the policy yourself and \
+                             turn require_noeviction off"
+                        )
+                        .into(),
+                    ));
+                }
+                tracing::info!("idempotency: {refusal}");
+            }
+            Some(p) if maxmemory_policy_can_evict(&p) => {
+                if require {
+                    return Err(StoreError::Backend(
+                        format!(
+                            "{node} has maxmemory-policy {p}, which can evict this store's keys \
+                             (an evicted claim lets a duplicate execute, an evicted record lets a \
+                             retry execute again); require_noeviction is on, so the store refuses \
+                             to start: run CONFIG SET maxmemory-policy noeviction on every node \
+                             (and in its config file)"
+                        )
+                        .into(),
+                    ));
+                }
+                tracing::error!(
+                    %node,
+                    maxmemory_policy = %p,
+                    "idempotency: redis maxmemory-policy can evict this store's keys: under memory \
+                     pressure an evicted claim lets a duplicate execute, an evicted record lets a \
+                     retry execute again. Set `maxmemory-policy noeviction` (writes then fail \
+                     closed with 503 when Redis is full), or give Redis room for \
+                     writes/s x TTL x record size"
+                );
+                policy = Some(p);
+            }
+            Some(p) => {
+                policy.get_or_insert(p);
+            }
         }
     }
     Ok(policy)
+}
+
+/// The policy in a `CONFIG GET maxmemory-policy` reply (`[name, value]`, or a map in RESP3);
+/// `None` for an error reply or anything else.
+fn policy_in(reply: &Value) -> Option<String> {
+    match reply {
+        Value::Array(items) if items.len() == 2 => Some(value_text(&items[1])),
+        Value::Map(pairs) if pairs.len() == 1 => Some(value_text(&pairs[0].1)),
+        _ => None,
+    }
+}
+
+fn value_text(v: &Value) -> String {
+    match v {
+        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        Value::SimpleString(s) => s.clone(),
+        Value::VerbatimString { text, .. } => text.clone(),
+        other => format!("{other:?}"),
+    }
 }
 
 /// A cluster client on the seed `nodes`; with a push sender, it speaks RESP3 (pub/sub pushes
@@ -755,6 +912,21 @@ fn cluster_client(
             .push_sender(tx);
     }
     builder.build().map_err(backend)
+}
+
+fn warn_renewal_failed(key: &str, e: &StoreError) {
+    match e {
+        StoreError::Fenced => tracing::warn!(
+            key,
+            "idempotency: lease renewal refused: the claim was taken over or forgotten; \
+             a duplicate may be executing this key"
+        ),
+        e => tracing::warn!(
+            key,
+            error = %e,
+            "idempotency: lease renewal failed; the claim lapses if this persists"
+        ),
+    }
 }
 
 fn backend(e: RedisError) -> StoreError {
@@ -818,6 +990,7 @@ impl RedisStore {
             timeout: Duration::from_secs(1),
             polling: Polling::default(),
             near: None,
+            require_noeviction: false,
             wait_for_replicas: None,
         }
     }
@@ -1021,9 +1194,19 @@ impl RedisStore {
     /// Runs `script` on `key` in one round trip: `EVALSHA`, and `EVAL` with the source when
     /// the server answers `NOSCRIPT`.
     async fn run(&self, lua: &Lua, key: &str, args: &[&[u8]]) -> Result<Value, StoreError> {
+        self.run_keys(lua, &[key], args).await
+    }
+
+    /// [`run`](Self::run) on several keys (on a cluster, all in one slot).
+    async fn run_keys(
+        &self,
+        lua: &Lua,
+        keys: &[&str],
+        args: &[&[u8]],
+    ) -> Result<Value, StoreError> {
         let command = |name: &str, first: &str| {
             let mut cmd = Cmd::new();
-            cmd.arg(name).arg(first).arg(1).arg(key);
+            cmd.arg(name).arg(first).arg(keys.len()).arg(keys);
             for a in args {
                 cmd.arg(*a);
             }
@@ -1061,6 +1244,99 @@ impl RedisStore {
             other => Err(StoreError::Backend(
                 format!("unexpected script reply {other:?}").into(),
             )),
+        }
+    }
+
+    /// How long after its sender gave up a claim may still be written: a script runs at once
+    /// when the server reads it, and a command already written to a connection is read within
+    /// the connection's response timeout (the store's timeout) or the connection is dropped;
+    /// twice that covers a command still queued to be written.
+    fn settle(&self) -> Duration {
+        self.inner.timeout * 2
+    }
+
+    /// Claims `scope` with `token` (a fresh one per call: see `begin`).
+    async fn claim(
+        &self,
+        scope: ScopeKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        token: Token,
+        ticket: Option<Ticket>,
+    ) -> Result<Begin, StoreError> {
+        let s = self.scripts();
+        // Armed while the claim may be written with nobody knowing: the reply is pending (this
+        // future may be dropped), or it was lost.
+        let orphan = super::OrphanGuard::new(self, scope, token, lease, self.settle());
+        let reply = self
+            .run_replicated(
+                &s.claim,
+                &self.key(&scope),
+                &[
+                    &token_bytes(token),
+                    &fingerprint.0,
+                    millis(lease).to_string().as_bytes(),
+                    millis(LATE_COMPLETE_GRACE).to_string().as_bytes(),
+                ],
+            )
+            .await
+            // With wait_for_replicas: a claim too few replicas acknowledged is an error, and an
+            // orphan like any claim nobody knows they hold (released in the background).
+            .and_then(|(reply, replicated)| match replicated {
+                Err(e) if replicas::is_new_claim(&reply) => Err(e),
+                _ => Ok(reply),
+            });
+        match &reply {
+            Err(e) if may_have_run(e) => drop(orphan),
+            _ => orphan.disarm(),
+        }
+        let reply = reply?;
+        let Value::Array(items) = reply else {
+            return Err(StoreError::Backend(
+                format!("unexpected claim reply {reply:?}").into(),
+            ));
+        };
+        let corrupt = || StoreError::Corrupt("malformed claim reply".to_owned());
+        match items.first() {
+            Some(Value::Int(1)) => Ok(Begin::New(token)),
+            Some(Value::Int(2)) => {
+                let t = items.get(1).and_then(bulk).ok_or_else(corrupt)?;
+                let f = items.get(2).and_then(bulk).ok_or_else(corrupt)?;
+                let holder = token_from(t)?;
+                // Our own token: this call's claim, written by an earlier send of the same
+                // command (a resend after a lost reply, by a script older than this one).
+                if holder == token {
+                    return Ok(Begin::New(token));
+                }
+                Ok(Begin::InFlight {
+                    token: holder,
+                    fingerprint: codec::fingerprint(f)?,
+                })
+            }
+            Some(Value::Int(3)) => {
+                let r = items.get(1).and_then(bulk).ok_or_else(corrupt)?;
+                let record = Arc::new(codec::decode(r)?);
+                if let (Some(near), Some(ticket), Some(Value::Int(ttl_ms))) =
+                    (&self.inner.near, ticket, items.get(2))
+                {
+                    // -1 (no expiry, set by hand) is not cached: nothing would bound it but
+                    // max_age, and a record is meant to expire.
+                    if *ttl_ms > 0 {
+                        let ttl_left = Duration::from_millis(*ttl_ms as u64);
+                        near.offer(ticket, scope, &record, ttl_left);
+                    }
+                }
+                Ok(Begin::Completed(record))
+            }
+            Some(Value::Int(4)) => {
+                let why = items.get(1).and_then(bulk).unwrap_or(b"unknown");
+                Err(StoreError::Corrupt(format!(
+                    "redis key {}: {}",
+                    self.key(&scope),
+                    String::from_utf8_lossy(why)
+                )))
+            }
+            _ => Err(corrupt()),
         }
     }
 
@@ -1421,75 +1697,8 @@ impl IdempotencyStore for RedisStore {
             }
             None => None,
         };
-        let token = codec::new_token();
-        let s = self.scripts();
-        // Armed while the claim may be written with nobody knowing: the reply is pending (this
-        // future may be dropped), or it was lost.
-        let orphan = super::OrphanGuard::new(self, scope, token, lease);
-        let reply = self
-            .run_replicated(
-                &s.claim,
-                &self.key(&scope),
-                &[
-                    &token_bytes(token),
-                    &fingerprint.0,
-                    millis(lease).to_string().as_bytes(),
-                    millis(LATE_COMPLETE_GRACE).to_string().as_bytes(),
-                ],
-            )
+        self.claim(scope, fingerprint, lease, codec::new_token(), ticket)
             .await
-            // With wait_for_replicas: a claim too few replicas acknowledged is an error, and an
-            // orphan like any claim nobody knows they hold (released in the background).
-            .and_then(|(reply, replicated)| match replicated {
-                Err(e) if replicas::is_new_claim(&reply) => Err(e),
-                _ => Ok(reply),
-            });
-        match &reply {
-            Err(e) if may_have_run(e) => drop(orphan),
-            _ => orphan.disarm(),
-        }
-        let reply = reply?;
-        let Value::Array(items) = reply else {
-            return Err(StoreError::Backend(
-                format!("unexpected claim reply {reply:?}").into(),
-            ));
-        };
-        let corrupt = || StoreError::Corrupt("malformed claim reply".to_owned());
-        match items.first() {
-            Some(Value::Int(1)) => Ok(Begin::New(token)),
-            Some(Value::Int(2)) => {
-                let t = items.get(1).and_then(bulk).ok_or_else(corrupt)?;
-                let f = items.get(2).and_then(bulk).ok_or_else(corrupt)?;
-                Ok(Begin::InFlight {
-                    token: token_from(t)?,
-                    fingerprint: codec::fingerprint(f)?,
-                })
-            }
-            Some(Value::Int(3)) => {
-                let r = items.get(1).and_then(bulk).ok_or_else(corrupt)?;
-                let record = Arc::new(codec::decode(r)?);
-                if let (Some(near), Some(ticket), Some(Value::Int(ttl_ms))) =
-                    (&self.inner.near, ticket, items.get(2))
-                {
-                    // -1 (no expiry, set by hand) is not cached: nothing would bound it but
-                    // max_age, and a record is meant to expire.
-                    if *ttl_ms > 0 {
-                        let ttl_left = Duration::from_millis(*ttl_ms as u64);
-                        near.offer(ticket, scope, &record, ttl_left);
-                    }
-                }
-                Ok(Begin::Completed(record))
-            }
-            Some(Value::Int(4)) => {
-                let why = items.get(1).and_then(bulk).unwrap_or(b"unknown");
-                Err(StoreError::Corrupt(format!(
-                    "redis key {}: {}",
-                    self.key(&scope),
-                    String::from_utf8_lossy(why)
-                )))
-            }
-            _ => Err(corrupt()),
-        }
     }
 
     async fn complete(
@@ -1539,20 +1748,71 @@ impl IdempotencyStore for RedisStore {
             .await;
         if let Err(e) = &r {
             self.inner.renewals_failed.fetch_add(1, Ordering::Relaxed);
-            match e {
-                StoreError::Fenced => tracing::warn!(
-                    key = %self.key(&scope),
-                    "idempotency: lease renewal refused: the claim was taken over or forgotten; \
-                     a duplicate may be executing this key"
-                ),
-                e => tracing::warn!(
-                    key = %self.key(&scope),
-                    error = %e,
-                    "idempotency: lease renewal failed; the claim lapses if this persists"
-                ),
-            }
+            warn_renewal_failed(&self.key(&scope), e);
         }
         r
+    }
+
+    async fn renew_many(
+        &self,
+        claims: &[(ScopeKey, Token, Duration)],
+    ) -> Vec<Result<(), StoreError>> {
+        if self.cluster() {
+            // A script's keys must share a slot, and a cluster spreads claims over all of
+            // them: one `RENEW` per claim, concurrently, over the cluster's multiplexed
+            // connections (no pool to queue for).
+            return futures_util::future::join_all(
+                claims
+                    .iter()
+                    .map(|&(scope, token, lease)| self.renew(scope, token, lease)),
+            )
+            .await;
+        }
+        let s = self.scripts();
+        let grace = millis(LATE_COMPLETE_GRACE).to_string();
+        let mut results = Vec::with_capacity(claims.len());
+        for chunk in claims.chunks(RENEW_CHUNK) {
+            let keys: Vec<String> = chunk.iter().map(|(scope, _, _)| self.key(scope)).collect();
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let fields: Vec<([u8; 16], String)> = chunk
+                .iter()
+                .map(|&(_, token, lease)| (token_bytes(token), millis(lease).to_string()))
+                .collect();
+            let mut args: Vec<&[u8]> = Vec::with_capacity(1 + 2 * chunk.len());
+            args.push(grace.as_bytes());
+            for (token, lease) in &fields {
+                args.push(token);
+                args.push(lease.as_bytes());
+            }
+            let flags = match self.run_keys(&s.renew_many, &keys, &args).await {
+                Ok(Value::Array(flags)) if flags.len() == chunk.len() => Ok(flags),
+                Ok(other) => Err(StoreError::Backend(
+                    format!("unexpected script reply {other:?}").into(),
+                )),
+                Err(e) => Err(e),
+            };
+            match flags {
+                Ok(flags) => results.extend(flags.iter().map(|f| match f {
+                    Value::Int(1) => Ok(()),
+                    _ => Err(StoreError::Fenced),
+                })),
+                Err(e) => {
+                    let e = e.to_string();
+                    results.extend(
+                        chunk
+                            .iter()
+                            .map(|_| Err(StoreError::Backend(e.clone().into()))),
+                    );
+                }
+            }
+        }
+        for ((scope, _, _), r) in claims.iter().zip(&results) {
+            if let Err(e) = r {
+                self.inner.renewals_failed.fetch_add(1, Ordering::Relaxed);
+                warn_renewal_failed(&self.key(scope), e);
+            }
+        }
+        results
     }
 
     async fn wait(&self, scope: ScopeKey, observed: Token) -> Result<(), StoreError> {
@@ -1610,6 +1870,72 @@ impl IdempotencyStore for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A server's URL from `var`: `None` (the test passes, saying so) when unset, except in
+    /// CI, where `.ci/run` sets it and a missing one fails.
+    fn env_url(var: &str) -> Option<String> {
+        match std::env::var(var) {
+            Ok(v) if !v.trim().is_empty() => Some(v),
+            _ if std::env::var_os("CI").is_some() => panic!("{var} is not set, but CI is"),
+            _ => {
+                eprintln!("skipped: {var} is not set");
+                None
+            }
+        }
+    }
+
+    /// The claim command sent twice with one token (what a cluster connection's resend after a
+    /// lost reply does): both sends answer "claimed", and the key holds that one claim. (Before,
+    /// the resend answered "in flight" with the request's own token: it waited for itself, got
+    /// 409, and its key stayed blocked for a lease.) Another token still sees it in flight.
+    async fn resent_claim_is_ours(store: RedisStore) {
+        let scope =
+            ScopeKey(*blake3::hash(codec::new_token().0.to_le_bytes().as_slice()).as_bytes());
+        let fp = Fingerprint([5; 32]);
+        let lease = Duration::from_secs(60);
+        let token = codec::new_token();
+        for send in ["first send", "resend"] {
+            match store.claim(scope, fp, lease, token, None).await {
+                Ok(Begin::New(t)) => assert_eq!(t, token, "{send}"),
+                other => panic!("{send} of the same claim must answer New, got {other:?}"),
+            }
+        }
+        match store.begin(scope, fp, lease).await {
+            Ok(Begin::InFlight { token: t, .. }) => assert_eq!(t, token),
+            other => panic!("another call must see the claim in flight, got {other:?}"),
+        }
+        store
+            .release(scope, token)
+            .await
+            .expect("the one claim is released");
+    }
+
+    #[tokio::test]
+    async fn a_resent_claim_is_the_senders_own_claim() {
+        let Some(url) = env_url("REDIS_URL") else {
+            return;
+        };
+        let store = RedisStore::builder(url)
+            .prefix(format!("idem-resend-{}:", codec::new_token().0))
+            .connect()
+            .await
+            .expect("REDIS_URL is set, so Redis must be reachable");
+        resent_claim_is_ours(store).await;
+    }
+
+    #[cfg(feature = "redis-cluster")]
+    #[tokio::test]
+    async fn a_resent_claim_is_the_senders_own_claim_on_a_cluster() {
+        let Some(urls) = env_url("REDIS_CLUSTER_URLS") else {
+            return;
+        };
+        let store = RedisStore::builder_cluster(urls.split(',').map(str::trim))
+            .prefix(format!("idem-resend-{}:", codec::new_token().0))
+            .connect()
+            .await
+            .expect("REDIS_CLUSTER_URLS is set, so the cluster must be reachable");
+        resent_claim_is_ours(store).await;
+    }
 
     /// Only an error that may follow a sent claim arms the orphan release: a refused
     /// connection sent nothing, so no release task is spawned for it.

@@ -826,3 +826,94 @@ async fn grpc_web_statuses_in_the_body_decide_what_is_recorded() {
         );
     }
 }
+
+/// Duplicates waiting on many keys at once hold at most `max_waiting_bytes` in all: three keys
+/// in flight, four duplicates of each with a 64 KiB body, and room for five of them; five wait
+/// and get the one response of their key, the seven others are turned away at once with 409
+/// and the reason code that tells a client to retry. (Before, the bound was per key only:
+/// `max_waiters` x body size, times every key in flight.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_on_every_key_together_hold_at_most_max_waiting_bytes() {
+    const BODY: usize = 64 * 1024;
+    for transport in TRANSPORTS {
+        let counts = Counts::default();
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let layer =
+            layer(OnDisconnect::Complete, InFlight::Wait).max_waiting_bytes(5 * (BODY + 1024));
+        let app = orders(&counts, {
+            let gate = gate.clone();
+            move |counts| {
+                let gate = gate.clone();
+                async move {
+                    counts.started.fetch_add(1, Ordering::SeqCst);
+                    let finish = Finish(counts, false);
+                    let _open = gate.acquire().await.unwrap();
+                    respond(Shape::ContentLength, finish.done())
+                }
+            }
+        })
+        .layer(layer.clone());
+        let addr = serve(app).await;
+        let client = client(transport);
+        let body = Bytes::from(vec![b'x'; BODY]);
+        let send = |key: &'static str| {
+            let (client, body) = (client.clone(), body.clone());
+            tokio::spawn(async move { post_order(&client, addr, key, Full::new(body)).await })
+        };
+        let keys = ["order-wide-1", "order-wide-2", "order-wide-3"];
+        let leaders: Vec<_> = keys.iter().map(|k| send(k)).collect();
+        until("the three leaders run", || counts.started() == 3).await;
+        let duplicates: Vec<_> = keys
+            .iter()
+            .flat_map(|k| (0..4).map(move |_| *k))
+            .map(send)
+            .collect();
+        until("every duplicate waits or is turned away", || {
+            let s = layer.stats();
+            s.waited + s.rejected(idempotency_layer::RejectReason::InFlight) >= 12
+        })
+        .await;
+        assert_eq!(
+            layer.stats().waited,
+            5,
+            "{transport:?}: five fit in the bytes allowed"
+        );
+        gate.add_permits(100);
+
+        for l in leaders {
+            assert_eq!(l.await.unwrap().status, StatusCode::CREATED);
+        }
+        let (mut replayed, mut turned_away) = (0, 0);
+        for d in duplicates {
+            let a = d.await.unwrap();
+            match a.status {
+                StatusCode::CREATED => {
+                    assert!(a.replayed(), "{transport:?}");
+                    replayed += 1;
+                }
+                StatusCode::CONFLICT => {
+                    assert_eq!(a.headers["x-reason-code"], "IDEMPOTENCY_IN_FLIGHT");
+                    assert_eq!(a.headers["retry-after"], "1");
+                    let detail = a.json()["detail"].as_str().unwrap().to_owned();
+                    assert!(detail.contains("max_waiting_bytes"), "{detail}");
+                    turned_away += 1;
+                }
+                other => panic!("{transport:?}: unexpected {other}: {a:?}"),
+            }
+        }
+        assert_eq!((replayed, turned_away), (5, 7), "{transport:?}");
+        assert_eq!(counts.started(), 3, "{transport:?}: each key ran once");
+    }
+}
+
+/// Polls `cond` every 10 ms until it holds; panics naming `what` after 20 s (a test that fails
+/// instead of hanging; the sockets are real, so the wait is too).
+async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+    for _ in 0..2_000 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("never happened within 20 s: {what}");
+}

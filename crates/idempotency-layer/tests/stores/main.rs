@@ -14,5 +14,7 @@ mod postgres;
 mod redis;
 #[cfg(all(feature = "redis-cluster", feature = "conformance"))]
 mod redis_cluster;
+#[cfg(all(feature = "redis-cluster", feature = "conformance"))]
+mod redis_cluster_lost_reply;
 #[cfg(all(feature = "redis-sentinel", feature = "conformance"))]
 mod redis_sentinel;

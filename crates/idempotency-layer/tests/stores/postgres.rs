@@ -171,14 +171,88 @@ async fn expired_rows_are_ignored_then_removed_in_batches() {
         Ok(Begin::New(_))
     ));
     let removed = store.remove_expired().await.unwrap();
-    assert_eq!(removed, 19 + 5, "every expired row, in batches of 7");
-    let left: i64 = raw(&url)
+    assert_eq!(removed, 19, "every expired record, in batches of 7");
+    let admin = raw(&url).await;
+    let count = || async {
+        let n: i64 = admin
+            .query_one(&format!("SELECT count(*) FROM {}", store.table()), &[])
+            .await
+            .unwrap()
+            .get(0);
+        n
+    };
+    assert_eq!(
+        count().await,
+        2 + 5,
+        "the live claim, the re-claimed scope and the lapsed claims (within their grace) stay"
+    );
+    // Lapsed for longer than the grace (an hour): removed.
+    admin
+        .execute(
+            &format!(
+                "UPDATE {} SET expires_at = now() - interval '61 minutes' \
+                 WHERE state = 'in_flight' AND expires_at <= now()",
+                store.table()
+            ),
+            &[],
+        )
         .await
-        .query_one(&format!("SELECT count(*) FROM {}", store.table()), &[])
+        .unwrap();
+    assert_eq!(store.remove_expired().await.unwrap(), 5);
+    assert_eq!(
+        count().await,
+        2,
+        "the live claim and the re-claimed scope stay"
+    );
+    drop_schema(&url, &schema).await;
+}
+
+/// A leader whose lease lapsed and whom nobody took over (its renewals failed, it paused) still
+/// completes after a cleanup ran, and its record is replayed: the cleanup spares a lapsed claim
+/// for an hour, as Redis keeps its key. (It used to delete the claim, so the late leader's
+/// record was refused as fenced and the next retry executed the write again.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanup_spares_a_late_leader_never_taken_over() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let (b, schema) = builder(&url);
+    let store = connect(b.cleanup_interval(Duration::ZERO)).await;
+    let fp = Fingerprint([4; 32]);
+    let scope = order_scope("late-leader");
+    let Ok(Begin::New(token)) = store.begin(scope, fp, Duration::from_secs(60)).await else {
+        panic!("fresh scope");
+    };
+    // Its lease lapsed a minute ago (set on the server's clock, no sleep).
+    raw(&url)
         .await
-        .unwrap()
-        .get(0);
-    assert_eq!(left, 2, "the live claim and the re-claimed scope stay");
+        .execute(
+            &format!(
+                "UPDATE {} SET expires_at = now() - interval '1 minute'",
+                store.table()
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        store.remove_expired().await.unwrap(),
+        0,
+        "the claim is spared"
+    );
+    store
+        .complete(
+            scope,
+            token,
+            conformance::sample_record(fp).into(),
+            conformance::LONG,
+        )
+        .await
+        .expect("the late leader completes its claim");
+    match store.begin(scope, fp, Duration::from_secs(60)).await {
+        Ok(Begin::Completed(_)) => {}
+        other => panic!("the retry must replay the late leader's record, got {other:?}"),
+    }
     drop_schema(&url, &schema).await;
 }
 
@@ -899,5 +973,219 @@ async fn a_store_on_your_own_pool() {
         .unwrap()
         .get(0);
     assert_eq!(n, 1);
+    drop_schema(&url, &schema).await;
+}
+
+/// Holds the row of `scope` locked (`SELECT ... FOR UPDATE` in an open transaction) until
+/// [`Locked::release`]: the store's statements on that row wait behind it, as behind an open
+/// `TxCompletion` transaction.
+struct Locked {
+    client: tokio_postgres::Client,
+}
+
+impl Locked {
+    async fn row(url: &str, table: &str, scope: &idempotency_layer::store::ScopeKey) -> Locked {
+        let client = raw(url).await;
+        client.batch_execute("BEGIN").await.unwrap();
+        let n = client
+            .execute(
+                &format!("SELECT 1 FROM {table} WHERE scope = $1 FOR UPDATE"),
+                &[&&scope.0[..]],
+            )
+            .await
+            .unwrap();
+        assert_eq!(n, 1, "the row to lock exists");
+        Locked { client }
+    }
+
+    async fn release(self) {
+        self.client.batch_execute("ROLLBACK").await.unwrap();
+    }
+}
+
+/// A claim stuck behind a lock past the store's timeout is cancelled, and its connection is
+/// not handed to the next statement: on a pool of one connection, the next `begin` (another
+/// key) succeeds while the lock is still held. (Before, the timed-out statement ran on, the
+/// connection went back to the pool, and every later statement queued behind it until the
+/// lock holder ended.) The store's sessions carry the timeout as `statement_timeout` and
+/// `lock_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_statement_is_cancelled_and_its_connection_not_reused() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let (b, schema) = builder(&url);
+    let timeout = Duration::from_millis(500);
+    let store = connect(
+        b.pool_size(1)
+            .timeout(timeout)
+            .cleanup_interval(Duration::ZERO),
+    )
+    .await;
+    let fp = Fingerprint([6; 32]);
+    let (held, other) = (order_scope("locked"), order_scope("other"));
+    let Ok(Begin::New(_)) = store.begin(held, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    let lock = Locked::row(&url, &store.table(), &held).await;
+    assert!(
+        store.begin(held, fp, conformance::LONG).await.is_err(),
+        "a claim behind the lock times out"
+    );
+    match store.begin(other, fp, conformance::LONG).await {
+        Ok(Begin::New(_)) => {}
+        other => panic!("the next statement must not wait behind the abandoned one: {other:?}"),
+    }
+    lock.release().await;
+
+    let session = store.pool().get().await.unwrap();
+    for setting in ["statement_timeout", "lock_timeout"] {
+        let shown: String = session
+            .query_one(&format!("SHOW {setting}"), &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(
+            shown, "500ms",
+            "the store's sessions have {setting} = its timeout"
+        );
+    }
+    drop(session);
+    drop_schema(&url, &schema).await;
+}
+
+/// A claim abandoned at the store's timeout never lands later as an orphan. The key's previous
+/// claim lapsed, so the abandoned claim would take it over if it ran; it waits behind a lock
+/// past the timeout, its orphan release finds nothing to release (the claim is not there yet),
+/// then the lock ends. Before, the statement then ran and wrote a claim nobody held, for the
+/// whole 10-minute lease, and every retry of the key waited on it; now the statement is
+/// cancelled (and `statement_timeout` ends it anyway), and a second, delayed orphan release
+/// removes a claim that landed regardless.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_claim_does_not_land_as_an_orphan() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let (b, schema) = builder(&url);
+    let store = connect(
+        b.pool_size(4)
+            .timeout(Duration::from_millis(500))
+            .cleanup_interval(Duration::ZERO),
+    )
+    .await;
+    let fp = Fingerprint([7; 32]);
+    let scope = order_scope("abandoned");
+    let Ok(Begin::New(_)) = store.begin(scope, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    let admin = raw(&url).await;
+    admin
+        .execute(
+            &format!(
+                "UPDATE {} SET expires_at = now() - interval '1 minute'",
+                store.table()
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+    // Four idle connections, so that the orphan release runs on another one than the claim's
+    // (it finds nothing there and ends at once, before the claim could land).
+    let warm: Vec<_> = futures_util::future::join_all((0..4).map(|_| store.pool().get())).await;
+    drop(warm);
+    let lock = Locked::row(&url, &store.table(), &scope).await;
+    assert!(
+        store.begin(scope, fp, conformance::LONG).await.is_err(),
+        "the claim behind the lock times out"
+    );
+    // Long enough for the orphan release to have run (and found nothing) before the lock ends.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    lock.release().await;
+    // The lapsed claim is free: another request claims it, unless an orphan holds it. An orphan
+    // would hold it for the whole lease (600 s); the cancel, the statement timeout and the
+    // second release each end it within a few timeouts.
+    let mut claimed = None;
+    for _ in 0..100 {
+        match store.begin(scope, fp, conformance::LONG).await {
+            Ok(Begin::New(t)) => {
+                claimed = Some(t);
+                break;
+            }
+            Ok(Begin::InFlight { .. }) => tokio::time::sleep(Duration::from_millis(100)).await,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(
+        claimed.is_some(),
+        "an orphaned claim held the key for more than 10 s"
+    );
+    drop_schema(&url, &schema).await;
+}
+
+/// After a failover, the pool's connections still go to the old primary, now read-only: each
+/// statement fails with SQLSTATE 25006. The first such error drops the pool's idle connections
+/// and its own, so the next statements get connections to the current primary. Here the
+/// failover is played by a pool whose first four connections are read-only sessions (as a
+/// standby's are) and whose later ones are not. (Before, `RecyclingMethod::Fast` kept handing
+/// out the read-only connections: one failed request per stale connection, on every pass
+/// through the pool, for as long as they lived.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_to_a_read_only_server_are_dropped_after_the_first_error() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let created = std::sync::Arc::new(AtomicUsize::new(0));
+    let config: tokio_postgres::Config = url.parse().unwrap();
+    let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
+    let counter = created.clone();
+    let pool = deadpool_postgres::Pool::builder(manager)
+        .max_size(4)
+        .post_create(deadpool_postgres::Hook::async_fn(move |client, _| {
+            let old_primary = counter.fetch_add(1, Ordering::SeqCst) < 4;
+            Box::pin(async move {
+                if old_primary {
+                    client
+                        .batch_execute("SET default_transaction_read_only = on")
+                        .await
+                        .map_err(deadpool_postgres::HookError::Backend)?;
+                }
+                Ok(())
+            })
+        }))
+        .build()
+        .unwrap();
+    let schema = unique("idem_test_");
+    // Migrate on a writable connection of its own (the pool's first ones are "the standby").
+    let writer = connect(PostgresStore::builder(&url).schema(&schema)).await;
+    drop(writer);
+    let store = PostgresStore::builder_from_pool(pool.clone(), &url)
+        .schema(&schema)
+        .cleanup_interval(Duration::ZERO)
+        .connect()
+        .await
+        .expect("connect");
+    // Four pooled connections to "the old primary".
+    let warm: Vec<_> = futures_util::future::join_all((0..4).map(|_| pool.get())).await;
+    drop(warm);
+    assert_eq!(pool.status().size, 4);
+    let fp = Fingerprint([8; 32]);
+    let first = store
+        .begin(order_scope("ro-0"), fp, conformance::LONG)
+        .await;
+    let message = format!(
+        "{:?}",
+        first.expect_err("a read-only connection refuses the claim")
+    );
+    assert!(message.contains("read-only"), "{message}");
+    for i in 1..=8 {
+        match store
+            .begin(order_scope(&format!("ro-{i}")), fp, conformance::LONG)
+            .await
+        {
+            Ok(Begin::New(_)) => {}
+            other => panic!("claim {i} after the first error must reach the primary: {other:?}"),
+        }
+    }
     drop_schema(&url, &schema).await;
 }

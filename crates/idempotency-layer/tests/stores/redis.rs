@@ -268,6 +268,127 @@ async fn maxmemory_policy_is_read_at_connect_and_config_may_be_forbidden() {
     assert!(worked, "the store works without CONFIG");
 }
 
+/// A plain redis-server of the test's own on a free port, with `maxmemory-policy` `policy`
+/// (killed when dropped), for what must not be changed on the shared server.
+struct OwnRedis {
+    child: std::process::Child,
+    url: String,
+}
+
+impl Drop for OwnRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl OwnRedis {
+    async fn start(policy: &str) -> OwnRedis {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = std::process::Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+            ])
+            .args(["--appendonly", "no", "--maxmemory-policy", policy])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server is installed (the Redis store tests start their own)");
+        let own = OwnRedis {
+            child,
+            url: format!("redis://127.0.0.1:{port}"),
+        };
+        for _ in 0..100 {
+            if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+            {
+                return own;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("redis-server on port {port} did not start within 5 s");
+    }
+}
+
+/// `require_noeviction(true)`: the store refuses to start on a server whose policy can evict
+/// (the error names the policy and says what to do), and on one that will not say (CONFIG
+/// forbidden); it starts on `noeviction`. Off (the default), the evicting server is accepted
+/// and its policy reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn require_noeviction_refuses_an_evicting_server() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let evicting = OwnRedis::start("allkeys-lru").await;
+    let refused = RedisStore::builder(&evicting.url)
+        .require_noeviction(true)
+        .connect()
+        .await
+        .expect_err("an evicting server is refused");
+    let message = refused.to_string();
+    assert!(
+        message.contains("allkeys-lru") && message.contains("noeviction"),
+        "the error names the policy and the fix: {message}"
+    );
+    let accepted = RedisStore::builder(&evicting.url)
+        .connect()
+        .await
+        .expect("off by default: an evicting server is accepted (and logged)");
+    assert_eq!(accepted.maxmemory_policy(), Some("allkeys-lru"));
+
+    let shared = RedisStore::builder(&url)
+        .prefix(unique("test:idem:"))
+        .require_noeviction(true)
+        .connect()
+        .await
+        .expect("the shared test server runs noeviction");
+    assert_eq!(shared.maxmemory_policy(), Some("noeviction"));
+
+    // A user that may not run CONFIG: the policy cannot be checked, so it is refused.
+    let mut admin = raw(&url).await;
+    let user = unique("idem_noconfig_req_");
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg(&user)
+        .arg("on")
+        .arg(">secret-pass")
+        .arg("~*")
+        .arg("&*")
+        .arg("+@all")
+        .arg("-config")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let rest = rest.split_once('@').map_or(rest, |(_, h)| h);
+    let limited = RedisStore::builder(format!("{scheme}://{user}:secret-pass@{rest}"))
+        .require_noeviction(true)
+        .connect()
+        .await;
+    let _: () = redis::cmd("ACL")
+        .arg("DELUSER")
+        .arg(&user)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let message = limited
+        .expect_err("an unreadable policy is refused")
+        .to_string();
+    assert!(
+        message.contains("cannot read maxmemory-policy"),
+        "{message}"
+    );
+}
+
 /// A store on the application's own client and connection manager.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_on_your_own_client_and_connection_manager() {

@@ -331,3 +331,59 @@ async fn any_store_from_a_redis_cluster_url() {
     ));
     assert!(store.forget(scope).await.unwrap());
 }
+
+/// Sets a node's `maxmemory-policy` back to `noeviction` when dropped (the test changes one
+/// master of the shared cluster).
+struct RestorePolicy(String);
+
+impl Drop for RestorePolicy {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("redis-cli")
+            .args([
+                "-u",
+                &self.0,
+                "CONFIG",
+                "SET",
+                "maxmemory-policy",
+                "noeviction",
+            ])
+            .output();
+    }
+}
+
+/// `require_noeviction(true)` on a cluster checks every master, not the one node a plain
+/// `CONFIG GET` would reach: one master with an evicting policy refuses the store, naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn require_noeviction_checks_every_master() {
+    let Some(urls) = cluster_urls() else {
+        return;
+    };
+    let ok = RedisStore::builder_cluster(urls.iter().cloned())
+        .prefix(unique("test:idem:"))
+        .require_noeviction(true)
+        .connect()
+        .await
+        .expect("every master runs noeviction");
+    assert_eq!(ok.maxmemory_policy(), Some("noeviction"));
+    for (i, url) in urls.iter().enumerate() {
+        let _restore = RestorePolicy(url.clone());
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory-policy")
+            .arg("volatile-ttl")
+            .query_async(&mut node(url).await)
+            .await
+            .unwrap();
+        let refused = RedisStore::builder_cluster(urls.iter().cloned())
+            .require_noeviction(true)
+            .connect()
+            .await
+            .expect_err("one evicting master refuses the store");
+        let message = refused.to_string();
+        let port = url.rsplit(':').next().unwrap().trim_end_matches('/');
+        assert!(
+            message.contains("volatile-ttl") && message.contains(port),
+            "master {i}: the error names the node and its policy: {message}"
+        );
+    }
+}

@@ -73,6 +73,7 @@ pub struct RetryPolicy {
     pub(crate) idempotent_grpc: IdempotentGrpcMethods,
     pub(crate) key_headers: KeyHeaders,
     pub(crate) ensure_key: bool,
+    pub(crate) derived_keys: Option<crate::derived_key::DerivedKeys>,
     pub(crate) budget: BudgetChoice,
     pub(crate) budget_per_authority: bool,
     pub(crate) inbound_retry: InboundRetry,
@@ -202,6 +203,7 @@ impl Default for RetryPolicy {
             idempotent_grpc: IdempotentGrpcMethods::default(),
             key_headers: KeyHeaders::default(),
             ensure_key: false,
+            derived_keys: None,
             budget: BudgetChoice::default(),
             budget_per_authority: false,
             inbound_retry: InboundRetry::SendOnce,
@@ -568,6 +570,43 @@ impl RetryPolicyBuilder {
     /// A key the caller set is never changed.
     pub fn ensure_idempotency_key(mut self) -> Self {
         self.policy.ensure_key = true;
+        self
+    }
+
+    /// Gives a non-idempotent request without a key, made by a handler that `idempotency-layer`
+    /// is executing, a key derived from that inbound write: a keyed hash (BLAKE3, keyed by
+    /// `secret`) of the inbound write's scope (tenant, method, key) and the call's place in the
+    /// handler (its [`KeyLabel`](crate::KeyLabel) if the caller gave one, else its method,
+    /// authority and path and how many calls to that target the handler made before it).
+    ///
+    /// Each hop is effectively-once on its own; a chain is not: when a handler runs a second
+    /// time (its leader crashed and another instance took its claim over, its claim lapsed, a
+    /// failure released it), fresh keys would make the downstream service execute its writes
+    /// again. With derived keys the second run sends the same keys in the same order, and the
+    /// downstream replays. The parent key never leaves the service (only the hash does), and
+    /// `secret` must be the same on every instance that can run the handler, or a takeover on
+    /// another instance derives other keys.
+    ///
+    /// The one caveat: a handler whose outbound calls depend on timing or randomness (raced,
+    /// picked at random, made only on a cache miss) must label them with
+    /// [`KeyLabel`](crate::KeyLabel), or a second run may number them differently. Outside a
+    /// handler (and for requests that carry a key) nothing changes; with
+    /// [`ensure_idempotency_key`](Self::ensure_idempotency_key) too, writes outside a handler
+    /// get a fresh key.
+    ///
+    /// ```
+    /// use retry_layer::RetryPolicy;
+    ///
+    /// let secret = std::env::var("DERIVED_KEYS_SECRET").unwrap_or_else(|_| "dev only".into());
+    /// let policy = RetryPolicy::builder()
+    ///     .ensure_idempotency_key()
+    ///     .derive_idempotency_keys(secret)
+    ///     .build()
+    ///     .unwrap();
+    /// # let _ = policy;
+    /// ```
+    pub fn derive_idempotency_keys(mut self, secret: impl AsRef<[u8]>) -> Self {
+        self.policy.derived_keys = Some(crate::derived_key::DerivedKeys::new(secret.as_ref()));
         self
     }
 

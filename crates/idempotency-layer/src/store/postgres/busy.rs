@@ -1,0 +1,148 @@
+//! A pooled connection while one of the store's statements runs on it.
+//!
+//! Dropping a `tokio-postgres` query future does not stop the statement: the server runs it on,
+//! and the connection answers nothing else until it ends. Returned to the pool as it is, that
+//! connection would stall the next statements handed to it (behind a lock held by an open
+//! `TxCompletion` transaction, say, for as long as that transaction lasts), and a claim
+//! abandoned at the store's timeout could still land later, after its orphan release had found
+//! nothing to release.
+//!
+//! So a statement that does not end on its own (its caller's timeout fired, or its caller went
+//! away) takes its connection out of the pool and cancels the statement on the server
+//! (a `CancelRequest` on a connection of its own, in the background); the session's
+//! `statement_timeout` and `lock_timeout` (set on the store's own pools) end it on the server
+//! even if the cancel is lost. A connection whose statement failed in a way that says the
+//! connection itself is no good (the server is read-only after a failover, or shutting down,
+//! or the socket closed) is also dropped, not pooled: the next statement gets a fresh
+//! connection, to the new primary.
+
+use std::time::Duration;
+
+use deadpool_postgres::{Object, Pool};
+use tokio_postgres::error::SqlState;
+use tokio_postgres::NoTls;
+
+use super::Connector;
+
+/// A pooled connection with a statement in flight: dropped before [`finish`](Busy::finish),
+/// the connection leaves the pool and the statement is cancelled.
+pub(super) struct Busy<'a> {
+    conn: Option<Object>,
+    pool: &'a Pool,
+    tls: &'a Connector,
+    timeout: Duration,
+}
+
+impl<'a> Busy<'a> {
+    pub(super) fn new(conn: Object, pool: &'a Pool, tls: &'a Connector, timeout: Duration) -> Self {
+        Busy {
+            conn: Some(conn),
+            pool,
+            tls,
+            timeout,
+        }
+    }
+
+    pub(super) fn client(&self) -> &Object {
+        self.conn
+            .as_ref()
+            .expect("present until finish, a failed step, or drop")
+    }
+
+    /// The statement ended with `result`: the connection goes back to the pool, unless the
+    /// error says the connection is no good.
+    pub(super) fn finish<T>(
+        mut self,
+        result: Result<T, tokio_postgres::Error>,
+    ) -> Result<T, tokio_postgres::Error> {
+        self.release(&result);
+        result
+    }
+
+    /// A step before the statement (preparing it) ended with `result`: on an error, the
+    /// connection is released as by [`finish`](Self::finish); on success it stays busy.
+    pub(super) fn finish_if_err<T>(
+        &mut self,
+        result: Result<T, tokio_postgres::Error>,
+    ) -> Result<T, tokio_postgres::Error> {
+        if result.is_err() {
+            self.release(&result);
+        }
+        result
+    }
+
+    fn release<T>(&mut self, result: &Result<T, tokio_postgres::Error>) {
+        let Some(conn) = self.conn.take() else {
+            return;
+        };
+        let Err(e) = result else { return };
+        if discards_connection(e) {
+            tracing::debug!(
+                error = %e,
+                "idempotency: postgres connection dropped from the pool after this error"
+            );
+            drop(Object::take(conn));
+        }
+        if server_changed_role(e) {
+            // Every idle connection went to the same server: drop them all now rather than
+            // fail one request on each.
+            tracing::warn!(
+                error = %e,
+                "idempotency: postgres server is read-only or shutting down (a failover?); \
+                 dropping the pool's idle connections, new ones go to the current primary"
+            );
+            self.pool.retain(|_, _| false);
+        }
+    }
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        let Some(conn) = self.conn.take() else {
+            return;
+        };
+        // Out of the pool at once: nothing else is handed this connection.
+        let client = Object::take(conn);
+        let token = client.cancel_token();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (timeout, tls) = (self.timeout, self.tls.clone());
+        runtime.spawn(async move {
+            // The client is kept until the cancel is sent.
+            let _client = client;
+            let cancel = async {
+                match tls {
+                    Connector::Plain => token.cancel_query(NoTls).await,
+                    #[cfg(feature = "postgres-tls")]
+                    Connector::Rustls(tls) => token.cancel_query(tls).await,
+                }
+            };
+            if let Ok(Err(e)) | Err(e) = tokio::time::timeout(timeout, cancel)
+                .await
+                .map_err(|_| "timed out".to_owned())
+                .map(|r| r.map_err(|e| e.to_string()))
+            {
+                tracing::debug!(error = %e, "idempotency: cancelling an abandoned postgres statement failed");
+            }
+        });
+    }
+}
+
+/// True for an error after which the connection should not be reused: the server is
+/// read-only (a primary that failed over and is now a standby: SQLSTATE 25006), is shutting
+/// down or was shut down (57P01, 57P02, 57P03), or the connection itself is closed.
+pub(super) fn discards_connection(e: &tokio_postgres::Error) -> bool {
+    e.is_closed() || server_changed_role(e)
+}
+
+/// True for an error that says the server is no longer a primary this store can write to.
+fn server_changed_role(e: &tokio_postgres::Error) -> bool {
+    matches!(
+        e.code(),
+        Some(c) if *c == SqlState::READ_ONLY_SQL_TRANSACTION
+            || *c == SqlState::ADMIN_SHUTDOWN
+            || *c == SqlState::CRASH_SHUTDOWN
+            || *c == SqlState::CANNOT_CONNECT_NOW
+    )
+}

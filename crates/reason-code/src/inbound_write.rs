@@ -1,0 +1,90 @@
+//! [`InboundWrite`]: the write a handler is executing, for the keys of its outbound writes.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+
+tokio::task_local! {
+    static CURRENT: Arc<InboundWrite>;
+}
+
+/// The inbound write whose handler is running: its scope (a hash of its tenant, method and
+/// idempotency key), and a count of the outbound calls the handler has made so far, per target.
+///
+/// Each hop is effectively-once on its own; a chain is not, unless a handler that runs a second
+/// time (its leader crashed and the claim was taken over, its claim lapsed, a failure released
+/// it) sends its downstream writes with the same keys as the first time. `idempotency-layer`
+/// runs the handler of every write it executes in an [`InboundWrite::scope`]; a client
+/// `RetryLayer` inside that handler, when it derives keys, makes each outbound write's key from
+/// the inbound scope and the call's place in the handler ([`next_call`](Self::next_call)): the
+/// same handler run again sends the same keys in the same order, and the downstream service
+/// replays instead of executing again.
+///
+/// ```
+/// use reason_code::InboundWrite;
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// use std::sync::Arc;
+///
+/// assert!(InboundWrite::current().is_none());
+/// let run = || async {
+///     let w = InboundWrite::current().expect("in scope");
+///     (w.next_call("POST inventory/deduct"), w.next_call("POST inventory/deduct"))
+/// };
+/// let first = Arc::new(InboundWrite::new([7; 32])).scope(run()).await;
+/// let again = Arc::new(InboundWrite::new([7; 32])).scope(run()).await;
+/// assert_eq!(first, (0, 1));
+/// assert_eq!(first, again, "a second run numbers its calls the same way");
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct InboundWrite {
+    scope: [u8; 32],
+    /// Calls made so far, per target (few targets per handler: a list, not a map).
+    calls: Mutex<Vec<(Box<str>, u32)>>,
+}
+
+impl InboundWrite {
+    /// The inbound write of `scope` (its tenant, method and key, hashed), no call made yet.
+    pub fn new(scope: [u8; 32]) -> Self {
+        InboundWrite {
+            scope,
+            calls: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The inbound write's scope.
+    pub fn scope_bytes(&self) -> &[u8; 32] {
+        &self.scope
+    }
+
+    /// The place of the next call to `target` among this handler's calls to it: 0 for the
+    /// first, then 1, 2, ...
+    pub fn next_call(&self, target: &str) -> u32 {
+        let mut calls = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+        match calls.iter_mut().find(|(t, _)| &**t == target) {
+            Some((_, n)) => {
+                *n += 1;
+                *n
+            }
+            None => {
+                calls.push((target.into(), 0));
+                0
+            }
+        }
+    }
+
+    /// Runs `future` with this write as the current one. A handler that makes outbound calls
+    /// from a task of its own (`tokio::spawn`) runs that task in the same write's scope
+    /// ([`current`](Self::current) before the spawn): task-locals do not cross `spawn`.
+    pub fn scope<F: Future>(
+        self: Arc<Self>,
+        future: F,
+    ) -> tokio::task::futures::TaskLocalFuture<Arc<InboundWrite>, F> {
+        CURRENT.scope(self, future)
+    }
+
+    /// The inbound write the current task runs in, if any.
+    pub fn current() -> Option<Arc<InboundWrite>> {
+        CURRENT.try_with(Arc::clone).ok()
+    }
+}
