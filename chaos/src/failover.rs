@@ -42,8 +42,9 @@ pub struct FailoverOptions {
     pub failovers: usize,
     /// How.
     pub how: How,
-    /// With [`How::Kill`]: the replica drops its link and sleeps this long just before the
-    /// kill (`DEBUG SLEEP`), a replica this far behind (0: none).
+    /// With [`How::Kill`]: the replica drops its link and sleeps this long (`DEBUG SLEEP`),
+    /// from half of it before the kill: the writes of that half reach the primary alone
+    /// (0: none).
     pub cut_replica: Duration,
     /// Load between two failovers.
     pub between: Duration,

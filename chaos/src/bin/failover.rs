@@ -27,8 +27,8 @@ struct Args {
     /// or `kill` (SIGKILL of the primary; the killed node is restarted as a replica).
     #[arg(long, value_enum, default_value_t = How::Sentinel)]
     how: How,
-    /// With --how kill: the replica drops its link and sleeps this many milliseconds just
-    /// before each kill (a replica that far behind; 0: none).
+    /// With --how kill: the replica drops its link and sleeps this many milliseconds, from half
+    /// of it before each kill (the writes of that half reach the primary alone; 0: none).
     #[arg(long, default_value_t = 0)]
     cut_replica_ms: u64,
     /// Seconds of load before each failover (and after the last).

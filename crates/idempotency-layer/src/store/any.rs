@@ -49,6 +49,9 @@ impl AnyStore {
     /// - `redis://...` or `rediss://...` (TLS, feature `redis-tls`): `RedisStore::connect`;
     /// - `redis+cluster://host1:port1,host2:port2` (feature `redis-cluster`; `rediss+cluster://`
     ///   for TLS): `RedisStore::builder_cluster` on those seed nodes;
+    /// - `redis+sentinel://host1:port1,host2:port2/master` (feature `redis-sentinel`;
+    ///   `rediss+sentinel://` for TLS): `RedisStore::builder_sentinel` on those Sentinels and
+    ///   that master name;
     /// - `postgres://...` or `postgresql://...`: `PostgresStore::connect`, then
     ///   `PostgresStore::migrate`.
     ///
@@ -67,6 +70,20 @@ impl AnyStore {
                     super::RedisStore::builder_cluster(nodes).connect().await?,
                 ))
             }
+            #[cfg(feature = "redis-sentinel")]
+            "redis+sentinel" | "rediss+sentinel" => {
+                let Some((sentinels, master)) = super::RedisStore::sentinel_from_url(url) else {
+                    return Err(StoreError::Backend(
+                        format!("{url:?}: a sentinel URL names its master: redis+sentinel://HOST:PORT/MASTER")
+                            .into(),
+                    ));
+                };
+                Ok(AnyStore::Redis(
+                    super::RedisStore::builder_sentinel(sentinels, master)
+                        .connect()
+                        .await?,
+                ))
+            }
             #[cfg(feature = "postgres")]
             "postgres" | "postgresql" => {
                 let store = super::PostgresStore::connect(url).await?;
@@ -74,22 +91,23 @@ impl AnyStore {
                 Ok(AnyStore::Postgres(store))
             }
             #[allow(unreachable_patterns)]
-            "redis" | "rediss" | "redis+cluster" | "rediss+cluster" | "postgres" | "postgresql" => {
-                Err(StoreError::Backend(
-                    format!(
+            "redis" | "rediss" | "redis+cluster" | "rediss+cluster" | "redis+sentinel"
+            | "rediss+sentinel" | "postgres" | "postgresql" => Err(StoreError::Backend(
+                format!(
                     "this build has no {scheme} store: enable the idempotency-layer cargo feature \
                      `{}`",
                     if scheme.ends_with("+cluster") {
                         "redis-cluster"
+                    } else if scheme.ends_with("+sentinel") {
+                        "redis-sentinel"
                     } else if scheme.starts_with("redis") {
                         "redis"
                     } else {
                         "postgres"
                     }
                 )
-                    .into(),
-                ))
-            }
+                .into(),
+            )),
             other => Err(StoreError::Backend(
                 format!(
                     "unknown idempotency store {other:?}: use memory, redis://HOST:PORT, \

@@ -168,6 +168,26 @@ async fn claim(store: &RedisStore, scope: ScopeKey) -> Token {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_store_opens_it_from_its_url() {
+    let Some(url) = env_url("REDIS_SENTINEL_URL") else {
+        return;
+    };
+    let _one = TOPOLOGY.lock().await;
+    let store = idempotency_layer::store::AnyStore::from_url(&url)
+        .await
+        .expect("a redis+sentinel:// URL opens a RedisStore");
+    let s = conformance::scope("any-store");
+    let Ok(Begin::New(t)) = store.begin(s, Fingerprint([1; 32]), LEASE).await else {
+        panic!("a fresh scope is claimed");
+    };
+    store.complete(s, t, record(), LEASE).await.unwrap();
+    assert!(matches!(
+        idempotency_layer::store::AnyStore::from_url("redis+sentinel://127.0.0.1:1").await,
+        Err(StoreError::Backend(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_suite_through_the_sentinel() {
     let Some((sentinels, master)) = sentinel() else {
         return;
