@@ -586,7 +586,9 @@ impl RedisStoreBuilder {
     /// When too few replicas acknowledge, the operation is a [`StoreError::Backend`] (the layer
     /// fails closed, 503 / UNAVAILABLE, and the client retries): a claim is then released in
     /// the background like any claim whose caller never learnt of it; a record stays written on
-    /// the primary (Redis cannot take a write back) but `complete` does not report it `Ok`.
+    /// the primary (Redis cannot take a write back) but `complete` does not report it `Ok` (the
+    /// layer's retry of that `complete` is then refused as fenced, and logged: the record is
+    /// there, only not known to be replicated).
     /// `release`, `renew` and `forget` do not wait (a lost release or renewal only lets a
     /// claim lapse; a lost `forget` brings a record back).
     ///
