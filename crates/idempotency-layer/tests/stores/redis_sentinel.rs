@@ -17,6 +17,10 @@ use tokio::time::Instant;
 /// The tests of this file change the topology: one at a time.
 static TOPOLOGY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// How long the replica sleeps in the failover test: everything is written, and the primary
+/// killed, well before it wakes (it would then catch up).
+const GAP: Duration = Duration::from_secs(5);
+
 /// How long a forced failover may take (Sentinel: down-after 1 s, then the election).
 const FAILOVER: Duration = Duration::from_secs(60);
 
@@ -222,7 +226,9 @@ async fn wait_for_replicas_keeps_acknowledged_records_through_a_failover() {
     };
     let _one = TOPOLOGY.lock().await;
     let (primary, replica) = healthy_pair(&sentinels, &master).await;
-    let waiting = store(&sentinels, &master, Some(Duration::from_millis(500))).await;
+    // Short: during the gap each WAIT holds the store's connection this long, and everything
+    // must be written before the replica wakes.
+    let waiting = store(&sentinels, &master, Some(Duration::from_millis(250))).await;
     let plain = store(&sentinels, &master, None).await;
     // From here on, the topology is put right however the test ends.
     let _restore = Restore;
@@ -249,6 +255,7 @@ async fn wait_for_replicas_keeps_acknowledged_records_through_a_failover() {
     };
 
     // The gap: the replica drops its link and sleeps (the reply comes when it wakes).
+    let gap_started = Instant::now();
     let sleeper = tokio::spawn(async move {
         let mut r = conn(replica).await;
         let _: Result<Vec<redis::Value>, _> = redis::pipe()
@@ -258,7 +265,7 @@ async fn wait_for_replicas_keeps_acknowledged_records_through_a_failover() {
             .arg("master")
             .cmd("DEBUG")
             .arg("SLEEP")
-            .arg(4)
+            .arg(GAP.as_secs())
             .query_async(&mut r)
             .await;
     });
@@ -274,6 +281,17 @@ async fn wait_for_replicas_keeps_acknowledged_records_through_a_failover() {
     )
     .await;
 
+    // The plain store first (fast), then the waiting one (a WAIT timeout per operation).
+    let acknowledged: Vec<ScopeKey> = (0..10)
+        .map(|i| conformance::scope(&format!("gap-{i}")))
+        .collect();
+    for &s in &acknowledged {
+        let t = claim(&plain, s).await;
+        plain
+            .complete(s, t, record(), LEASE)
+            .await
+            .expect("without wait_for_replicas the primary alone acknowledges");
+    }
     for &(s, t) in &pending {
         let r = waiting.complete(s, t, record(), LEASE).await;
         assert!(
@@ -288,22 +306,17 @@ async fn wait_for_replicas_keeps_acknowledged_records_through_a_failover() {
         matches!(refused, Err(StoreError::Backend(_))),
         "a claim no replica acknowledged is an error: {refused:?}"
     );
-    let acknowledged: Vec<ScopeKey> = (0..10)
-        .map(|i| conformance::scope(&format!("gap-{i}")))
-        .collect();
-    for &s in &acknowledged {
-        let t = claim(&plain, s).await;
-        plain
-            .complete(s, t, record(), LEASE)
-            .await
-            .expect("without wait_for_replicas the primary alone acknowledges");
-    }
     assert_eq!(
         info(primary, "replication", "connected_slaves")
             .await
             .as_deref(),
         Some("0"),
         "the replica stayed cut off while the records were written"
+    );
+    assert!(
+        gap_started.elapsed() < GAP - Duration::from_secs(1),
+        "the writes took {:?}: too close to the replica's wake-up for a deterministic loss",
+        gap_started.elapsed()
     );
 
     // The failover: the primary's process dies; the Sentinel promotes the replica.
