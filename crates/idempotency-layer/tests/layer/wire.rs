@@ -432,13 +432,18 @@ async fn a_panicking_handler_answers_500_over_the_wire_and_its_key_runs_again() 
             let counts = Counts::default();
             let layer = layer(on_disconnect, InFlight::Wait);
             let waiting = layer.clone();
+            // The waits counted before the ten duplicates are sent (set by the test below):
+            // read in the handler instead, it would miss duplicates that began waiting before
+            // the handler first ran.
+            let waited_before = Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let base = waited_before.clone();
             let router = orders(&counts, move |counts| {
-                let waiting = waiting.clone();
+                let (waiting, base) = (waiting.clone(), base.clone());
                 async move {
                     let n = counts.started.fetch_add(1, Ordering::SeqCst) + 1;
                     if n == 3 {
                         // The duplicates below are all waiting on this execution when it fails.
-                        let before = waiting.stats().waited;
+                        let before = base.load(Ordering::SeqCst);
                         for _ in 0..10_000 {
                             if waiting.stats().waited >= before + 9 {
                                 break;
@@ -471,6 +476,7 @@ async fn a_panicking_handler_answers_500_over_the_wire_and_its_key_runs_again() 
 
             // Ten duplicates at once; the one that leads panics (execution 3) once the nine
             // others wait for it: all ten get its 500.
+            waited_before.store(layer.stats().waited, Ordering::SeqCst);
             let answers = futures_util::future::join_all(
                 (0..10).map(|_| send(&client, addr, "order-panic-2")),
             )
