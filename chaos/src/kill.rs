@@ -753,15 +753,20 @@ pub async fn run_kill(opts: KillOptions) -> KillReport {
                 stop_rx.clone(),
                 inventory_deaths.clone(),
             )));
-            inventory_addrs.push(ready_rx.await.expect("the first start of an inventory server"));
+            inventory_addrs.push(
+                ready_rx
+                    .await
+                    .expect("the first start of an inventory server"),
+            );
         }
         let no_faults = chooser(opts.seed, 0.0, 0.0, 0.0);
         let proxy = Proxy::start(inventory_addrs, Protocol::Http1, no_faults).await;
         args.extend(["--inventory-url".into(), format!("http://{}", proxy.addr)]);
         match keys {
-            ChainKeys::Derived => {
-                args.extend(["--derived-keys-secret".into(), format!("kill-chaos-{run_id}")])
-            }
+            ChainKeys::Derived => args.extend([
+                "--derived-keys-secret".into(),
+                format!("kill-chaos-{run_id}"),
+            ]),
             ChainKeys::Fresh => args.push("--no-derived-keys".into()),
         }
         inventory_proxy = Some(proxy);

@@ -108,7 +108,9 @@ pub async fn run_orders_server(args: OrdersServerArgs) -> Result<(), BoxError> {
 fn stock(args: &OrdersServerArgs) -> Result<Stock, BoxError> {
     let Some(url) = &args.inventory_url else {
         if args.derived_keys_secret.is_some() || args.no_derived_keys {
-            return Err("--derived-keys-secret and --no-derived-keys are for --inventory-url".into());
+            return Err(
+                "--derived-keys-secret and --no-derived-keys are for --inventory-url".into(),
+            );
         }
         return Ok(Stock::Local);
     };
@@ -128,7 +130,10 @@ fn stock(args: &OrdersServerArgs) -> Result<Stock, BoxError> {
     if secret.is_empty() {
         return Err("the derived-key secret is empty".into());
     }
-    Ok(Stock::Remote(InventoryClient::new(url.as_str(), Some(&secret))))
+    Ok(Stock::Remote(InventoryClient::new(
+        url.as_str(),
+        Some(&secret),
+    )))
 }
 
 /// Where orders go: the `orders` table of a PostgreSQL store's database, or of `--orders-db`,

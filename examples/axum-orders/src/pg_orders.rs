@@ -282,7 +282,9 @@ impl PgOrders {
         quantity: i64,
         expected_version: Option<u64>,
     ) -> Result<Response, InventoryError> {
-        let d = inventory.deduct(book_id, quantity, expected_version).await?;
+        let d = inventory
+            .deduct(book_id, quantity, expected_version)
+            .await?;
         let response =
             Json(json!({"book_id": book_id, "remaining": d.remaining, "version": d.version}))
                 .into_response();
@@ -351,7 +353,14 @@ impl PgOrders {
                     } => {
                         tx.execute(
                             INSERT_DEDUCTION,
-                            &[&deduction_id, &tenant, &book_id, &quantity, &key, &order_ref],
+                            &[
+                                &deduction_id,
+                                &tenant,
+                                &book_id,
+                                &quantity,
+                                &key,
+                                &order_ref,
+                            ],
                         )
                         .await?
                     }

@@ -8,9 +8,9 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use idempotency_layer::{IdempotencyLayer, IdempotencyStore, Tenant};
 #[cfg(feature = "postgres")]
 use idempotency_layer::TxCompletion;
+use idempotency_layer::{IdempotencyLayer, IdempotencyStore, Tenant};
 use serde::Deserialize;
 use serde_json::json;
 use tokio::net::TcpListener;
