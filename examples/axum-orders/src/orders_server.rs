@@ -115,7 +115,8 @@ fn stock(args: &OrdersServerArgs) -> Result<Stock, BoxError> {
         return Ok(Stock::Local);
     };
     if args.no_derived_keys {
-        return Ok(Stock::Remote(InventoryClient::new(url.as_str(), None)));
+        let client = InventoryClient::new(url.as_str(), None);
+        return Ok(Stock::Remote(Box::new(client)));
     }
     let secret = match &args.derived_keys_secret {
         Some(secret) => secret.clone(),
@@ -130,10 +131,8 @@ fn stock(args: &OrdersServerArgs) -> Result<Stock, BoxError> {
     if secret.is_empty() {
         return Err("the derived-key secret is empty".into());
     }
-    Ok(Stock::Remote(InventoryClient::new(
-        url.as_str(),
-        Some(&secret),
-    )))
+    let client = InventoryClient::new(url.as_str(), Some(&secret));
+    Ok(Stock::Remote(Box::new(client)))
 }
 
 /// Where orders go: the `orders` table of a PostgreSQL store's database, or of `--orders-db`,

@@ -58,7 +58,7 @@ pub enum Stock {
     #[default]
     Local,
     /// Another orders-server's inventory (`--inventory-url`).
-    Remote(InventoryClient),
+    Remote(Box<InventoryClient>),
 }
 
 impl Stock {
