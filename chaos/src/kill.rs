@@ -17,6 +17,17 @@
 //!   order's commit, so a crash between the two lets the retry run the order again. Those
 //!   duplicates are counted, not failed; what is checked is that they come from crashes only
 //!   (a key runs at most once more per crash) and that nothing is ever lost.
+//!
+//! **Chain mode** ([`KillOptions::chain`], `kill --chain`) puts a tier below the killed one:
+//! the killed instances take each order's stock from an inventory tier of `orders-server`
+//! instances that are never killed (`--inventory-url`, through a proxy that spreads their
+//! connections over the inventory instances; the same store kind, shared), with deduction keys
+//! derived from the order ([`ChainKeys::Derived`]) or fresh per call ([`ChainKeys::Fresh`]).
+//! The failpoint moves to `abort-after-side-effect:P`: right after the inventory answered the
+//! deduction, before the order's own transaction. Each executed deduction is a row of the
+//! `deductions` table carrying the order's key (`order_ref`): a logical order with two
+//! deductions or more is a duplicate downstream execution. With derived keys there must be
+//! none; with fresh keys they are counted.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
@@ -107,6 +118,19 @@ pub struct KillOptions {
     pub seed: u64,
     /// Let the servers' stderr through (off: discarded).
     pub server_stderr: bool,
+    /// Chain mode: the killed instances take their orders' stock from an inventory tier that
+    /// is not killed, with deduction keys derived or fresh; `None`: the orders tier alone.
+    pub chain: Option<ChainKeys>,
+}
+
+/// The keys of the killed tier's deductions in chain mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChainKeys {
+    /// Derived from the order (`orders-server --derived-keys-secret`): a second run of an order
+    /// sends its deduction under the same key, and the inventory replays.
+    Derived,
+    /// Fresh per call (`orders-server --no-derived-keys`): a second run deducts again.
+    Fresh,
 }
 
 impl KillOptions {
@@ -135,6 +159,7 @@ impl KillOptions {
             delay_p: 0.05,
             seed: 7,
             server_stderr: false,
+            chain: None,
         }
     }
 
@@ -151,9 +176,14 @@ impl KillOptions {
             StoreKind::Redis => "redis records, orders in postgres",
             StoreKind::Memory => "memory records, orders in postgres",
         };
-        match self.orders_driver {
-            OrdersDriver::TokioPostgres => mode.into(),
+        let mode = match self.orders_driver {
+            OrdersDriver::TokioPostgres => mode.to_owned(),
             OrdersDriver::Sqlx => format!("{mode}, orders on sqlx"),
+        };
+        match self.chain {
+            None => mode,
+            Some(ChainKeys::Derived) => format!("{mode}; chain, derived deduction keys"),
+            Some(ChainKeys::Fresh) => format!("{mode}; chain, fresh deduction keys"),
         }
     }
 }
@@ -421,6 +451,72 @@ pub struct KillReport {
     /// Succeeded orders whose key holds no record, so a retry would run again: the crash
     /// window (must be empty on the transactional path); `None` for the memory store.
     pub unrecorded: Option<Vec<String>>,
+    /// Chain mode: what the inventory tier executed.
+    pub chain: Option<ChainReport>,
+}
+
+/// What the inventory tier of a chain-mode run executed, per logical order.
+#[derive(Debug)]
+pub struct ChainReport {
+    /// How the killed tier keyed its deductions.
+    pub keys: ChainKeys,
+    /// Inventory instances (never killed).
+    pub instances: usize,
+    /// Inventory instances that ended during the run (must be empty).
+    pub unexpected_exits: Vec<String>,
+    /// Rows in the `deductions` table: executed deductions.
+    pub rows: u64,
+    /// Logical orders (client keys) by how many deductions the inventory executed for them:
+    /// 0, 1, 2, ...
+    pub orders_by_executions: BTreeMap<u64, usize>,
+    /// Orders whose deduction ran more than once, and how many times (must be empty with
+    /// derived keys).
+    pub duplicates: Vec<(String, u64)>,
+    /// Succeeded orders without a deduction (must be empty).
+    pub succeeded_without: Vec<String>,
+    /// Deductions for an order no client placed (must be 0).
+    pub unknown_orders: usize,
+}
+
+impl ChainReport {
+    /// Deductions beyond the first, over all orders.
+    pub fn extra_executions(&self) -> u64 {
+        self.duplicates.iter().map(|(_, n)| n - 1).sum()
+    }
+
+    fn problems(&self, crashes: u64, p: &mut Vec<String>) {
+        if !self.unexpected_exits.is_empty() {
+            p.push(format!(
+                "inventory servers ended: {:?}",
+                self.unexpected_exits
+            ));
+        }
+        if !self.succeeded_without.is_empty() {
+            p.push(format!(
+                "{} succeeded orders have no deduction: {:?}",
+                self.succeeded_without.len(),
+                &self.succeeded_without[..self.succeeded_without.len().min(5)]
+            ));
+        }
+        if self.unknown_orders > 0 {
+            p.push(format!(
+                "{} deductions of orders no client placed",
+                self.unknown_orders
+            ));
+        }
+        if self.keys == ChainKeys::Derived && !self.duplicates.is_empty() {
+            p.push(format!(
+                "{} orders had their deduction executed more than once with derived keys: {:?}",
+                self.duplicates.len(),
+                &self.duplicates[..self.duplicates.len().min(5)]
+            ));
+        }
+        if let Some((key, n)) = self.duplicates.iter().find(|(_, n)| n - 1 > crashes) {
+            p.push(format!(
+                "{key}'s deduction ran {n} times in a run with {crashes} crashes: a duplicate no crash explains"
+            ));
+        }
+    }
 }
 
 impl KillReport {
@@ -487,6 +583,9 @@ impl KillReport {
                 "{key} ran {n} times in a run with {crashes} crashes: a duplicate no crash explains"
             ));
         }
+        if let Some(chain) = &self.chain {
+            chain.problems(crashes, &mut p);
+        }
         p
     }
 }
@@ -502,9 +601,13 @@ impl fmt::Display for KillReport {
             self.clients,
             self.elapsed.as_secs_f64()
         )?;
+        let abort_point = match self.chain {
+            None => "commit",
+            Some(_) => "side effect",
+        };
         writeln!(
             f,
-            "  crashes                {} SIGKILL, {} abort after commit, {} restarts",
+            "  crashes                {} SIGKILL, {} abort after {abort_point}, {} restarts",
             self.killed, self.aborted, self.restarted
         )?;
         writeln!(f, "  orders attempted       {}", self.attempted)?;
@@ -539,6 +642,42 @@ impl fmt::Display for KillReport {
                 f,
                 "  claims and records     not checked (the memory store died with its process)"
             )?,
+        }
+        if let Some(chain) = &self.chain {
+            let keys = match chain.keys {
+                ChainKeys::Derived => "derived",
+                ChainKeys::Fresh => "fresh (--no-derived-keys)",
+            };
+            writeln!(
+                f,
+                "  chain                  deduction keys {keys}; {} inventory instance(s), not killed",
+                chain.instances
+            )?;
+            writeln!(f, "  deduction rows         {}", chain.rows)?;
+            let by: Vec<String> = chain
+                .orders_by_executions
+                .iter()
+                .map(|(n, orders)| format!("{n}: {orders}"))
+                .collect();
+            writeln!(
+                f,
+                "  orders by deductions   {} (executions: orders)",
+                by.join(", ")
+            )?;
+            writeln!(
+                f,
+                "  duplicate deductions   {} orders, {} extra deductions ({:.1} per 10 000 succeeded, {:.2} per crash)",
+                chain.duplicates.len(),
+                chain.extra_executions(),
+                chain.extra_executions() as f64 * 10_000.0 / self.succeeded.max(1) as f64,
+                chain.extra_executions() as f64 / self.crashes().max(1) as f64
+            )?;
+            writeln!(
+                f,
+                "  succeeded, no deduction {}",
+                chain.succeeded_without.len()
+            )?;
+            writeln!(f, "  unknown deductions     {}", chain.unknown_orders)?;
         }
         match self.problems().as_slice() {
             [] => write!(f, "  checks                 PASS"),
@@ -587,13 +726,59 @@ pub async fn run_kill(opts: KillOptions) -> KillReport {
         "RUST_LOG",
         std::env::var("RUST_LOG").unwrap_or_else(|_| "error".into()),
     )];
-    if opts.abort_p > 0.0 {
-        envs.push((
-            "ORDERS_FAILPOINT",
-            format!("abort-after-commit:{}", opts.abort_p),
-        ));
+    let (stop_tx, stop_rx) = watch::channel(false);
+
+    // Chain mode: the inventory tier first (the same store options, no failpoint, never
+    // killed), behind a proxy without faults that spreads connections over its instances; the
+    // killed tier takes its stock there.
+    let inventory_deaths = Arc::new(Deaths::default());
+    let mut inventory_supervisors = Vec::new();
+    let mut inventory_proxy = None;
+    if let Some(keys) = opts.chain {
+        let inventory = Launch {
+            cmd: opts.server.clone(),
+            args: args.clone(),
+            envs: envs.clone(),
+            stderr: opts.server_stderr,
+        };
+        let mut inventory_addrs = Vec::new();
+        for _ in 0..instances {
+            let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+            // No sender: never killed.
+            let (_, kill_rx) = mpsc::channel(1);
+            inventory_supervisors.push(tokio::spawn(supervise(
+                inventory.clone(),
+                ready_tx,
+                kill_rx,
+                stop_rx.clone(),
+                inventory_deaths.clone(),
+            )));
+            inventory_addrs.push(
+                ready_rx
+                    .await
+                    .expect("the first start of an inventory server"),
+            );
+        }
+        let no_faults = chooser(opts.seed, 0.0, 0.0, 0.0);
+        let proxy = Proxy::start(inventory_addrs, Protocol::Http1, no_faults).await;
+        args.extend(["--inventory-url".into(), format!("http://{}", proxy.addr)]);
+        match keys {
+            ChainKeys::Derived => args.extend([
+                "--derived-keys-secret".into(),
+                format!("kill-chaos-{run_id}"),
+            ]),
+            ChainKeys::Fresh => args.push("--no-derived-keys".into()),
+        }
+        inventory_proxy = Some(proxy);
     }
 
+    if opts.abort_p > 0.0 {
+        let point = match opts.chain {
+            None => "abort-after-commit",
+            Some(_) => "abort-after-side-effect",
+        };
+        envs.push(("ORDERS_FAILPOINT", format!("{point}:{}", opts.abort_p)));
+    }
     let launch = Launch {
         cmd: opts.server.clone(),
         args,
@@ -603,7 +788,6 @@ pub async fn run_kill(opts: KillOptions) -> KillReport {
 
     // The instances, each under a supervisor.
     let deaths = Arc::new(Deaths::default());
-    let (stop_tx, stop_rx) = watch::channel(false);
     let mut kill_txs = Vec::new();
     let mut supervisors = Vec::new();
     let mut addrs = Vec::new();
@@ -660,9 +844,10 @@ pub async fn run_kill(opts: KillOptions) -> KillReport {
     // one the client gave up on. Let it land, then stop the servers.
     tokio::time::sleep(opts.lease).await;
     let _ = stop_tx.send(true);
-    for s in supervisors {
+    for s in supervisors.into_iter().chain(inventory_supervisors) {
         s.await.expect("a supervisor");
     }
+    drop(inventory_proxy);
 
     // The store: claims left, and succeeded orders without a record.
     let store_url = match opts.store {
@@ -711,6 +896,26 @@ pub async fn run_kill(opts: KillOptions) -> KillReport {
             .entry(key.unwrap_or_default())
             .or_default()
             .push(row.get(1));
+    }
+    // The inventory's ledger (chain mode): deductions per order.
+    let mut deductions_by_order: HashMap<String, u64> = HashMap::new();
+    let mut deduction_rows = 0;
+    if opts.chain.is_some() {
+        for row in orders
+            .query(
+                "SELECT order_ref, count(*) FROM deductions GROUP BY order_ref",
+                &[],
+            )
+            .await
+            .expect("read the deductions")
+        {
+            let order: Option<String> = row.get(0);
+            let n: i64 = row.get(1);
+            deduction_rows += n as u64;
+            *deductions_by_order
+                .entry(order.unwrap_or_default())
+                .or_default() += n as u64;
+        }
     }
     drop(orders);
     db.drop_now().await;
@@ -761,6 +966,39 @@ pub async fn run_kill(opts: KillOptions) -> KillReport {
             }
         }
     }
+    report.chain = opts.chain.map(|keys| {
+        let mut chain = ChainReport {
+            keys,
+            instances,
+            unexpected_exits: std::mem::take(&mut *inventory_deaths.unexpected.lock().unwrap()),
+            rows: deduction_rows,
+            orders_by_executions: BTreeMap::new(),
+            duplicates: Vec::new(),
+            succeeded_without: Vec::new(),
+            unknown_orders: deductions_by_order
+                .keys()
+                .filter(|k| !used.contains(k.as_str()))
+                .count(),
+        };
+        let died = inventory_deaths.killed.load(Ordering::SeqCst)
+            + inventory_deaths.aborted.load(Ordering::SeqCst);
+        if died > 0 {
+            chain
+                .unexpected_exits
+                .push(format!("{died} killed or aborted"));
+        }
+        for (key, outcome, _, _) in &results {
+            let n = deductions_by_order.get(key).copied().unwrap_or(0);
+            *chain.orders_by_executions.entry(n).or_default() += 1;
+            if n > 1 {
+                chain.duplicates.push((key.clone(), n));
+            }
+            if *outcome == Outcome::Succeeded && n == 0 {
+                chain.succeeded_without.push(key.clone());
+            }
+        }
+        chain
+    });
     report.elapsed = started.elapsed();
     report
 }

@@ -11,6 +11,10 @@
 //!   at most once more per crash); how many there are depends on where the crashes fall, so the
 //!   count is reported, not asserted.
 //! - For the shared stores, no claim is left in flight a lease after the last order.
+//! - Chain mode (PostgreSQL, record in the order's transaction): the killed instances deduct
+//!   each order's stock on an inventory tier that is not killed and abort right after the
+//!   deduction (`abort-after-side-effect`). With derived keys no order is deducted twice; with
+//!   fresh keys (`--no-derived-keys`) the orders run again after those aborts deduct again.
 //!
 //! The runs take turns (each starts its own servers). Unset `DATABASE_URL` (or `REDIS_URL` for
 //! Redis): the test says so and passes, except under `CI`, where it fails.
@@ -18,17 +22,22 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use chaos::kill::{run_kill, KillOptions, KillReport, OrdersDriver, ServerCommand};
+use chaos::kill::{run_kill, ChainKeys, KillOptions, KillReport, OrdersDriver, ServerCommand};
 use chaos::StoreKind;
 
 /// One run at a time: each starts two servers on a machine with few cores.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn short(store: StoreKind, transactional: bool) -> Option<KillReport> {
-    short_on(store, transactional, OrdersDriver::TokioPostgres)
+    short_on(store, transactional, OrdersDriver::TokioPostgres, None)
 }
 
-fn short_on(store: StoreKind, transactional: bool, driver: OrdersDriver) -> Option<KillReport> {
+fn short_on(
+    store: StoreKind,
+    transactional: bool,
+    driver: OrdersDriver,
+    chain: Option<ChainKeys>,
+) -> Option<KillReport> {
     let url = e2e::scenario::env_url("DATABASE_URL")?;
     let redis_url = match store {
         StoreKind::Redis => Some(e2e::scenario::env_url("REDIS_URL")?),
@@ -46,6 +55,7 @@ fn short_on(store: StoreKind, transactional: bool, driver: OrdersDriver) -> Opti
     o.clients = 8;
     o.kill_every = Some((Duration::from_secs(1), Duration::from_secs(2)));
     o.abort_p = 0.05;
+    o.chain = chain;
     let report = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -93,7 +103,7 @@ fn kills_with_transactional_completion_make_no_duplicate_and_lose_nothing() {
 
 #[test]
 fn kills_with_transactional_completion_on_sqlx_make_no_duplicate_and_lose_nothing() {
-    let Some(report) = short_on(StoreKind::Postgres, true, OrdersDriver::Sqlx) else {
+    let Some(report) = short_on(StoreKind::Postgres, true, OrdersDriver::Sqlx, None) else {
         return;
     };
     assert!(report.crash_safe);
@@ -124,4 +134,47 @@ fn kills_with_memory_records_duplicate_only_through_crashes() {
         return;
     };
     duplicates_only_through_crashes(&report);
+}
+
+fn short_chain(keys: ChainKeys) -> Option<KillReport> {
+    let report = short_on(
+        StoreKind::Postgres,
+        true,
+        OrdersDriver::TokioPostgres,
+        Some(keys),
+    )?;
+    let chain = report.chain.as_ref().expect("a chain report");
+    assert_eq!(chain.keys, keys, "{report}");
+    assert_eq!(chain.succeeded_without, Vec::<String>::new(), "{report}");
+    assert!(chain.rows >= report.succeeded as u64, "{report}");
+    // The orders tier itself stays effectively-once (its record is in the order's transaction).
+    assert_eq!(report.duplicates, Vec::new(), "{report}");
+    Some(report)
+}
+
+#[test]
+fn kills_on_the_middle_of_a_chain_deduct_once_per_order_with_derived_keys() {
+    let Some(report) = short_chain(ChainKeys::Derived) else {
+        return;
+    };
+    let chain = report.chain.as_ref().unwrap();
+    assert_eq!(chain.duplicates, Vec::new(), "{report}");
+    assert!(
+        chain.orders_by_executions.keys().all(|n| *n <= 1),
+        "at most one deduction per order: {report}"
+    );
+}
+
+#[test]
+fn kills_on_the_middle_of_a_chain_deduct_again_with_fresh_keys() {
+    let Some(report) = short_chain(ChainKeys::Fresh) else {
+        return;
+    };
+    // Each abort after a deduction leaves its order unrecorded; the client's retry runs it
+    // again, and with a fresh key the inventory deducts again.
+    assert!(
+        report.chain.as_ref().unwrap().extra_executions() > 0,
+        "{} aborts after a deduction, and no order deducted twice: {report}",
+        report.aborted
+    );
 }

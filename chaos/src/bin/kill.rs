@@ -1,11 +1,11 @@
 //! `cargo run --release -p chaos --bin kill -- --minutes 3 --store postgres
-//! [--record-after-commit] [--orders-driver sqlx]`: kill chaos, printed; exits with status 1 if
-//! a check fails.
+//! [--record-after-commit] [--orders-driver sqlx] [--chain [--no-derived-keys]]`: kill chaos,
+//! printed; exits with status 1 if a check fails.
 
 use std::time::Duration;
 
 use axum_orders::orders_server::{run_orders_server, OrdersServerArgs};
-use chaos::kill::{run_kill, KillOptions, OrdersDriver, ServerCommand};
+use chaos::kill::{run_kill, ChainKeys, KillOptions, OrdersDriver, ServerCommand};
 use chaos::StoreKind;
 use clap::{Parser, Subcommand};
 
@@ -16,6 +16,14 @@ use clap::{Parser, Subcommand};
 /// PostgreSQL `orders` table (DATABASE_URL; the run creates a database of its own and drops it);
 /// at the end every key's rows are counted: 2 or more is a duplicate side effect, a succeeded
 /// order without its row a lost write.
+///
+/// With --chain, the killed instances are the middle tier of a chain: they take each order's
+/// stock from an inventory tier of orders-server instances that are never killed (same store
+/// kind, `--inventory-url`), with deduction keys derived from the order (or fresh, with
+/// --no-derived-keys), and the failpoint aborts right after the inventory answered, before the
+/// order's transaction (abort-after-side-effect:P). Every executed deduction is a row of a
+/// `deductions` table carrying its order's key: an order deducted twice is a duplicate
+/// downstream execution (none allowed with derived keys; counted with fresh ones).
 ///
 /// The servers are this program re-executed (`kill serve ...`, the orders-server options), so
 /// nothing but this binary needs to be built.
@@ -75,6 +83,14 @@ struct Args {
     /// Show the servers' stderr.
     #[arg(long)]
     server_logs: bool,
+    /// Chain mode: the killed instances deduct each order's stock on an inventory tier that is
+    /// not killed, and abort after the deduction instead of after the commit.
+    #[arg(long)]
+    chain: bool,
+    /// With --chain: the killed tier gives each deduction a fresh key instead of one derived
+    /// from the order (the comparison: an order run twice deducts twice).
+    #[arg(long, requires = "chain")]
+    no_derived_keys: bool,
 }
 
 fn main() {
@@ -126,6 +142,11 @@ fn main() {
     opts.lease = Duration::from_millis(args.lease_ms);
     opts.seed = args.seed;
     opts.server_stderr = args.server_logs;
+    opts.chain = args.chain.then_some(if args.no_derived_keys {
+        ChainKeys::Fresh
+    } else {
+        ChainKeys::Derived
+    });
     let report = runtime.block_on(run_kill(opts));
     println!("{report}");
     if !report.problems().is_empty() {

@@ -76,6 +76,18 @@ pub enum InventoryError {
     },
     /// The quantity is below 1.
     BadQuantity(i64),
+    /// The inventory service the stock comes from (`orders-server --inventory-url`) refused
+    /// the deduction for a reason a retry does not change (HTTP 400 or 422): passed on.
+    Refused {
+        /// Its status.
+        status: u16,
+        /// What it said.
+        detail: String,
+    },
+    /// The inventory service the stock comes from did not answer with a deduction or a
+    /// refusal (down, overloaded, out of time): HTTP 503, the order did not run here and a
+    /// retry runs it again.
+    Unavailable(String),
 }
 
 impl std::fmt::Display for InventoryError {
@@ -95,6 +107,10 @@ impl std::fmt::Display for InventoryError {
                  version {current} now; re-read it and rebuild the write"
             ),
             InventoryError::BadQuantity(q) => write!(f, "quantity must be at least 1, got {q}"),
+            InventoryError::Refused { status, detail } => {
+                write!(f, "the inventory service refused ({status}): {detail}")
+            }
+            InventoryError::Unavailable(why) => write!(f, "{why}"),
         }
     }
 }
@@ -224,8 +240,13 @@ impl Inventory {
 
     /// Puts a [`reserve`](Self::reserve)d order's stock back: it was never stored.
     pub fn cancel(&self, order: &Order) {
-        if let Some(b) = self.lock().get_mut(&order.book_id) {
-            b.stock += i64::from(order.quantity);
+        self.put_back(&order.book_id, i64::from(order.quantity));
+    }
+
+    /// Puts `quantity` copies of `book_id` back: a deduction that was never stored.
+    pub fn put_back(&self, book_id: &str, quantity: i64) {
+        if let Some(b) = self.lock().get_mut(book_id) {
+            b.stock += quantity;
             b.version += 1;
         }
     }

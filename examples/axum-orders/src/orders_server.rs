@@ -12,6 +12,7 @@ use crate::cli::{init_tracing, ServerOpts};
 use crate::inventory::Inventory;
 use crate::metrics;
 use crate::server::{app_with, bind, serve_until_sigterm, OrderBook};
+use crate::stock::{InventoryClient, Stock};
 use crate::store::{self, AnyStore};
 
 /// The options of `orders-server`.
@@ -50,7 +51,24 @@ pub struct OrdersServerArgs {
     /// --record-after-commit.
     #[arg(long, value_name = "postgres://...")]
     pub orders_db: Option<String>,
+    /// Take each order's stock from the inventory of another orders-server at this URL
+    /// (`POST /books/{id}/deduct`, with the order's tenant and key), through a `RetryLayer`
+    /// that derives each deduction's idempotency key from the order: an order run twice
+    /// deducts once.
+    #[arg(long, value_name = "http://HOST:PORT")]
+    pub inventory_url: Option<String>,
+    /// With --inventory-url: the secret the deductions' keys are derived with, the same on
+    /// every instance (default: the environment variable DERIVED_KEYS_SECRET).
+    #[arg(long, value_name = "SECRET")]
+    pub derived_keys_secret: Option<String>,
+    /// With --inventory-url: give each deduction a fresh key instead of a derived one, so an
+    /// order run twice deducts twice (for comparisons).
+    #[arg(long)]
+    pub no_derived_keys: bool,
 }
+
+/// The environment variable of the derived-key secret (`--derived-keys-secret`).
+pub const DERIVED_KEYS_SECRET_VAR: &str = "DERIVED_KEYS_SECRET";
 
 /// The PostgreSQL client of the order handler's transactions (`--orders-driver`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -74,15 +92,47 @@ pub async fn run_orders_server(args: OrdersServerArgs) -> Result<(), BoxError> {
     let (listener, addr) = bind(args.listen).await?;
     let store = store::open(&args.opts.store).await?;
     let orders = order_book(&store, &args).await?;
+    let stock = stock(&args)?;
     let table = RetryTable::default().record_permanent_failures(args.record_permanent_failures);
     let layer = IdempotencyLayer::new(store)
         .table(table)
         .lease(Duration::from_millis(args.lease_ms));
     println!("listening on http://{addr}");
-    let app = app_with(inventory, orders, layer.clone()).merge(metrics::routes(metrics));
+    let app = app_with(inventory, orders, stock, layer.clone()).merge(metrics::routes(metrics));
     let grace = Duration::from_millis(args.shutdown_grace_ms);
     serve_until_sigterm(listener, app, layer, grace).await?;
     Ok(())
+}
+
+/// Where an order's stock comes from: this server's inventory, or `--inventory-url`'s.
+fn stock(args: &OrdersServerArgs) -> Result<Stock, BoxError> {
+    let Some(url) = &args.inventory_url else {
+        if args.derived_keys_secret.is_some() || args.no_derived_keys {
+            return Err(
+                "--derived-keys-secret and --no-derived-keys are for --inventory-url".into(),
+            );
+        }
+        return Ok(Stock::Local);
+    };
+    if args.no_derived_keys {
+        let client = InventoryClient::new(url.as_str(), None);
+        return Ok(Stock::Remote(Box::new(client)));
+    }
+    let secret = match &args.derived_keys_secret {
+        Some(secret) => secret.clone(),
+        None => std::env::var(DERIVED_KEYS_SECRET_VAR).map_err(|_| {
+            format!(
+                "--inventory-url derives the deductions' keys from a secret shared by every \
+                 instance: give --derived-keys-secret or {DERIVED_KEYS_SECRET_VAR}, or \
+                 --no-derived-keys"
+            )
+        })?,
+    };
+    if secret.is_empty() {
+        return Err("the derived-key secret is empty".into());
+    }
+    let client = InventoryClient::new(url.as_str(), Some(&secret));
+    Ok(Stock::Remote(Box::new(client)))
 }
 
 /// Where orders go: the `orders` table of a PostgreSQL store's database, or of `--orders-db`,

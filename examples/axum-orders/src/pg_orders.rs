@@ -3,10 +3,11 @@
 //! transaction ([`TxCompletion`]), so the order row and its idempotency record commit together.
 //! The transaction is on tokio-postgres (the store's pool, [`TxCompletion::complete_in`]) or,
 //! with `--orders-driver sqlx` (feature `sqlx`), on a sqlx `PgPool` of the same database
-//! (`TxCompletion::complete_in_sqlx`).
+//! (`TxCompletion::complete_in_sqlx`). Stock deductions (`POST /books/{id}/deduct`) are kept the
+//! same way, one `deductions` row per executed deduction.
 //!
-//! Stock stays in the in-memory [`Inventory`]: an order takes it before the transaction and
-//! puts it back if the transaction does not commit.
+//! Stock stays in the in-memory [`Inventory`] (or another server's, [`Stock::Remote`]): an order
+//! takes it before the transaction and puts it back if the transaction does not commit.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -14,12 +15,16 @@ use axum::Json;
 use idempotency_layer::{PostgresStore, TxCompletion, TxCompletionError};
 use serde_json::json;
 
-use crate::inventory::{Inventory, Order};
+use crate::inventory::{Inventory, InventoryError};
+use crate::stock::Stock;
 
-/// The table, created at start if absent (in the schema the connection's search path names
+/// The tables, created at start if absent (in the schema the connection's search path names
 /// first, `public` by default). `idempotency_key` is the key of the request that created the
-/// order (NULL for a keyless one): counting rows per key is how the crash tests and the
-/// kill-chaos soak find duplicate side effects.
+/// row (NULL for a keyless one): counting rows per key is how the crash tests and the
+/// kill-chaos soak find duplicate side effects. A deduction's `order_ref` is the caller's
+/// reference of the order it was for (an orders-server with `--inventory-url` sends its order's
+/// key): counting deductions per order is how the chain's kill chaos finds a deduction run
+/// twice for one order.
 pub const MIGRATION: &str = "CREATE TABLE IF NOT EXISTS orders (\n\
     order_id        text        PRIMARY KEY,\n\
     tenant          text        NOT NULL,\n\
@@ -28,7 +33,16 @@ pub const MIGRATION: &str = "CREATE TABLE IF NOT EXISTS orders (\n\
     idempotency_key text,\n\
     created_at      timestamptz NOT NULL DEFAULT now()\n\
 );\n\
-ALTER TABLE orders ADD COLUMN IF NOT EXISTS idempotency_key text";
+ALTER TABLE orders ADD COLUMN IF NOT EXISTS idempotency_key text;\n\
+CREATE TABLE IF NOT EXISTS deductions (\n\
+    deduction_id    text        PRIMARY KEY,\n\
+    tenant          text        NOT NULL,\n\
+    book_id         text        NOT NULL,\n\
+    quantity        integer     NOT NULL,\n\
+    idempotency_key text,\n\
+    order_ref       text,\n\
+    created_at      timestamptz NOT NULL DEFAULT now()\n\
+)";
 
 /// The environment variable that arms a [`Failpoint`] (unset: none).
 pub const FAILPOINT_VAR: &str = "ORDERS_FAILPOINT";
@@ -38,13 +52,20 @@ pub const FAILPOINT_VAR: &str = "ORDERS_FAILPOINT";
 ///
 /// - `abort-after-commit`: every order aborts the process right after its commit;
 /// - `abort-after-commit:P` (0 < P <= 1): each order does so with probability P, so a soak
-///   crashes in that window now and then while most orders complete.
+///   crashes in that window now and then while most orders complete;
+/// - `abort-after-side-effect[:P]`: the same, right after the order's stock was taken (with
+///   `--inventory-url`: the inventory service answered the deduction) and before the order's
+///   transaction, so the order is neither stored nor recorded and its retry runs it again.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Failpoint {
     /// The process aborts (no unwinding, no response) right after an order's transaction
     /// commits, before its response leaves, with this probability per order: the crash that
     /// transactional completion makes harmless.
     AbortAfterCommit(f64),
+    /// The process aborts right after an order's stock was taken, before its transaction, with
+    /// this probability per order: the crash after a downstream side effect that derived
+    /// idempotency keys make harmless.
+    AbortAfterSideEffect(f64),
 }
 
 impl Failpoint {
@@ -60,7 +81,9 @@ impl Failpoint {
     /// Whether this order crashes.
     fn fires(&self) -> bool {
         match *self {
-            Failpoint::AbortAfterCommit(p) => p >= 1.0 || fastrand::f64() < p,
+            Failpoint::AbortAfterCommit(p) | Failpoint::AbortAfterSideEffect(p) => {
+                p >= 1.0 || fastrand::f64() < p
+            }
         }
     }
 }
@@ -73,15 +96,22 @@ impl std::str::FromStr for Failpoint {
         let p: f64 = p.parse().map_err(|_| {
             format!("{FAILPOINT_VAR}={v:?}: the probability after ':' must be a number")
         })?;
-        match name {
-            "abort-after-commit" if p > 0.0 && p <= 1.0 => Ok(Failpoint::AbortAfterCommit(p)),
-            "abort-after-commit" => Err(format!(
+        let failpoint = match name {
+            "abort-after-commit" => Failpoint::AbortAfterCommit,
+            "abort-after-side-effect" => Failpoint::AbortAfterSideEffect,
+            _ => {
+                return Err(format!(
+                    "{FAILPOINT_VAR}={v:?} is not a failpoint: use abort-after-commit[:P] or \
+                     abort-after-side-effect[:P] (0 < P <= 1), or unset it"
+                ))
+            }
+        };
+        if p > 0.0 && p <= 1.0 {
+            Ok(failpoint(p))
+        } else {
+            Err(format!(
                 "{FAILPOINT_VAR}={v:?}: the probability must be in (0, 1]"
-            )),
-            _ => Err(format!(
-                "{FAILPOINT_VAR}={v:?} is not a failpoint: use abort-after-commit or \
-                 abort-after-commit:P (0 < P <= 1), or unset it"
-            )),
+            ))
         }
     }
 }
@@ -154,8 +184,14 @@ impl From<sqlx::Error> for NotStored {
 }
 
 /// The order row.
-const INSERT: &str = "INSERT INTO orders (order_id, tenant, book_id, quantity, idempotency_key) \
-                      VALUES ($1, $2, $3, $4, $5)";
+const INSERT_ORDER: &str =
+    "INSERT INTO orders (order_id, tenant, book_id, quantity, idempotency_key) \
+     VALUES ($1, $2, $3, $4, $5)";
+
+/// The deduction row.
+const INSERT_DEDUCTION: &str = "INSERT INTO deductions \
+     (deduction_id, tenant, book_id, quantity, idempotency_key, order_ref) \
+     VALUES ($1, $2, $3, $4, $5, $6)";
 
 impl PgOrders {
     /// Orders in `store`'s database, on its pool; creates the table if absent ([`MIGRATION`]).
@@ -190,52 +226,105 @@ impl PgOrders {
     }
 
     /// Creates an order of `quantity` copies of `book_id` for `tenant`, made by a request with
-    /// idempotency `key`: takes the stock, then inserts the order row and (unless [`Recording::AfterCommit`]) writes the request's
-    /// idempotency record in the same transaction. The response: 201 and the order, or the
-    /// inventory's refusal, or 503 when nothing could be committed (a retry runs again).
+    /// idempotency `key`: takes the stock (from `stock`), then inserts the order row and (unless
+    /// [`Recording::AfterCommit`]) writes the request's idempotency record in the same
+    /// transaction. The response: 201 and the order, or the inventory's refusal, or 503 when
+    /// nothing could be committed (a retry runs again).
+    #[allow(clippy::too_many_arguments)]
     pub async fn create_order(
         &self,
+        stock: &Stock,
         inventory: &Inventory,
         completion: Option<&TxCompletion>,
         tenant: &str,
         key: Option<&str>,
         book_id: &str,
         quantity: i64,
-    ) -> Result<Response, crate::inventory::InventoryError> {
-        let order = inventory.reserve(book_id, quantity).await?;
-        match self.insert(&order, tenant, key, completion).await {
+    ) -> Result<Response, InventoryError> {
+        let order = stock
+            .reserve(inventory, tenant, key, book_id, quantity)
+            .await?;
+        self.crash_at(Failpoint::AbortAfterSideEffect(0.0));
+        let response = (StatusCode::CREATED, Json(&order)).into_response();
+        let row = Row::Order {
+            order_id: &order.order_id,
+            book_id: &order.book_id,
+            quantity: order.quantity,
+        };
+        match self.insert(row, tenant, key, completion, response).await {
             Ok(response) => {
                 inventory.confirm(&order);
-                if self.failpoint.is_some_and(|f| f.fires()) {
-                    eprintln!("{FAILPOINT_VAR}=abort-after-commit: aborting after the commit");
-                    std::process::abort();
-                }
+                self.crash_at(Failpoint::AbortAfterCommit(0.0));
                 Ok(response)
             }
             Err(e) => {
-                inventory.cancel(&order);
-                tracing::warn!(error = %e, "order not stored");
-                Ok((
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    Json(json!({"error": "unavailable", "detail": e.to_string()})),
-                )
-                    .into_response())
+                stock.cancel(inventory, &order);
+                Ok(not_stored(e))
             }
         }
     }
 
-    /// Inserts `order` and, when the layer offers it, records the response in the same
+    /// Deducts `quantity` copies of `book_id` from `inventory` (if the book is still at
+    /// `expected_version` when one is given) for `tenant`, by a request with idempotency `key`
+    /// for the caller's order `order_ref`: inserts a `deductions` row and (unless
+    /// [`Recording::AfterCommit`]) writes the request's idempotency record in the same
+    /// transaction. The response: 200 and what remains, or the inventory's refusal, or 503 when
+    /// nothing could be committed (the stock is put back; a retry runs again).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn deduct(
+        &self,
+        inventory: &Inventory,
+        completion: Option<&TxCompletion>,
+        tenant: &str,
+        key: Option<&str>,
+        order_ref: Option<&str>,
+        book_id: &str,
+        quantity: i64,
+        expected_version: Option<u64>,
+    ) -> Result<Response, InventoryError> {
+        let d = inventory
+            .deduct(book_id, quantity, expected_version)
+            .await?;
+        let response =
+            Json(json!({"book_id": book_id, "remaining": d.remaining, "version": d.version}))
+                .into_response();
+        let deduction_id = uuid::Uuid::new_v4().to_string();
+        let row = Row::Deduction {
+            deduction_id: &deduction_id,
+            book_id,
+            quantity: quantity as i32,
+            order_ref,
+        };
+        match self.insert(row, tenant, key, completion, response).await {
+            Ok(response) => Ok(response),
+            Err(e) => {
+                inventory.put_back(book_id, quantity);
+                Ok(not_stored(e))
+            }
+        }
+    }
+
+    /// Aborts the process here if the armed failpoint is of `point`'s kind and fires.
+    fn crash_at(&self, point: Failpoint) {
+        let Some(armed) = self.failpoint else { return };
+        if std::mem::discriminant(&armed) == std::mem::discriminant(&point) && armed.fires() {
+            eprintln!("{FAILPOINT_VAR}={armed:?}: aborting");
+            std::process::abort();
+        }
+    }
+
+    /// Inserts `row` and, when the layer offers it, records `response` in the same
     /// transaction. Any error leaves the transaction uncommitted (dropped: rolled back).
     async fn insert(
         &self,
-        order: &Order,
+        row: Row<'_>,
         tenant: &str,
         key: Option<&str>,
         completion: Option<&TxCompletion>,
+        response: Response,
     ) -> Result<Response, NotStored> {
         // No claim (a keyless request the layer let through), or the layer records it: `None`.
         let completion = completion.filter(|_| self.recording == Recording::InTransaction);
-        let response = (StatusCode::CREATED, Json(order)).into_response();
         match &self.db {
             Db::TokioPostgres(store) => {
                 let mut db = store
@@ -244,17 +333,38 @@ impl PgOrders {
                     .await
                     .map_err(|e| NotStored::Pool(e.to_string()))?;
                 let tx = db.transaction().await?;
-                tx.execute(
-                    INSERT,
-                    &[
-                        &order.order_id,
-                        &tenant,
-                        &order.book_id,
-                        &order.quantity,
-                        &key,
-                    ],
-                )
-                .await?;
+                match row {
+                    Row::Order {
+                        order_id,
+                        book_id,
+                        quantity,
+                    } => {
+                        tx.execute(
+                            INSERT_ORDER,
+                            &[&order_id, &tenant, &book_id, &quantity, &key],
+                        )
+                        .await?
+                    }
+                    Row::Deduction {
+                        deduction_id,
+                        book_id,
+                        quantity,
+                        order_ref,
+                    } => {
+                        tx.execute(
+                            INSERT_DEDUCTION,
+                            &[
+                                &deduction_id,
+                                &tenant,
+                                &book_id,
+                                &quantity,
+                                &key,
+                                &order_ref,
+                            ],
+                        )
+                        .await?
+                    }
+                };
                 let response = match completion {
                     Some(completion) => completion
                         .complete_in(&tx, response)
@@ -269,14 +379,31 @@ impl PgOrders {
             #[cfg(feature = "sqlx")]
             Db::Sqlx(pool) => {
                 let mut tx = pool.begin().await?;
-                sqlx::query(INSERT)
-                    .bind(&order.order_id)
-                    .bind(tenant)
-                    .bind(&order.book_id)
-                    .bind(order.quantity)
-                    .bind(key)
-                    .execute(&mut *tx)
-                    .await?;
+                let query = match row {
+                    Row::Order {
+                        order_id,
+                        book_id,
+                        quantity,
+                    } => sqlx::query(INSERT_ORDER)
+                        .bind(order_id)
+                        .bind(tenant)
+                        .bind(book_id)
+                        .bind(quantity)
+                        .bind(key),
+                    Row::Deduction {
+                        deduction_id,
+                        book_id,
+                        quantity,
+                        order_ref,
+                    } => sqlx::query(INSERT_DEDUCTION)
+                        .bind(deduction_id)
+                        .bind(tenant)
+                        .bind(book_id)
+                        .bind(quantity)
+                        .bind(key)
+                        .bind(order_ref),
+                };
+                query.execute(&mut *tx).await?;
                 let response = match completion {
                     Some(completion) => completion
                         .complete_in_sqlx(&mut tx, response)
@@ -290,6 +417,34 @@ impl PgOrders {
             }
         }
     }
+}
+
+/// The row a write inserts.
+#[derive(Debug, Clone, Copy)]
+enum Row<'a> {
+    /// An order (`orders`).
+    Order {
+        order_id: &'a str,
+        book_id: &'a str,
+        quantity: i32,
+    },
+    /// A stock deduction (`deductions`).
+    Deduction {
+        deduction_id: &'a str,
+        book_id: &'a str,
+        quantity: i32,
+        order_ref: Option<&'a str>,
+    },
+}
+
+/// The answer to a write that was not stored: 503, nothing committed, a retry runs again.
+fn not_stored(e: NotStored) -> Response {
+    tracing::warn!(error = %e, "not stored");
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        Json(json!({"error": "unavailable", "detail": e.to_string()})),
+    )
+        .into_response()
 }
 
 #[cfg(test)]
@@ -313,6 +468,9 @@ mod tests {
         probability_above_one_is_refused: "abort-after-commit:1.5" => None;
         not_a_number_is_refused: "abort-after-commit:often" => None;
         unknown_name_is_refused: "abort-before-commit" => None;
+        after_side_effect: "abort-after-side-effect:0.1" => Some(Failpoint::AbortAfterSideEffect(0.1));
+        after_side_effect_bare: "abort-after-side-effect" => Some(Failpoint::AbortAfterSideEffect(1.0));
+        after_side_effect_zero_is_refused: "abort-after-side-effect:0" => None;
         empty_is_refused: "" => None;
     }
 

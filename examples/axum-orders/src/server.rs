@@ -7,12 +7,10 @@ use axum::extract::{FromRef, Path, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
 #[cfg(feature = "postgres")]
-use axum::Extension;
-use axum::{Json, Router};
-use idempotency_layer::{IdempotencyLayer, IdempotencyStore};
-#[cfg(feature = "postgres")]
-use idempotency_layer::{Tenant, TxCompletion};
+use idempotency_layer::TxCompletion;
+use idempotency_layer::{IdempotencyLayer, IdempotencyStore, Tenant};
 use serde::Deserialize;
 use serde_json::json;
 use tokio::net::TcpListener;
@@ -21,6 +19,7 @@ use crate::auth::demo_auth_layer;
 use crate::inventory::{Inventory, InventoryError};
 #[cfg(feature = "postgres")]
 use crate::pg_orders::PgOrders;
+use crate::stock::Stock;
 
 /// Where created orders are kept.
 #[derive(Debug, Clone, Default)]
@@ -40,6 +39,7 @@ pub enum OrderBook {
 struct Shop {
     inventory: Inventory,
     orders: OrderBook,
+    stock: Stock,
 }
 
 impl FromRef<Shop> for Inventory {
@@ -50,17 +50,21 @@ impl FromRef<Shop> for Inventory {
 
 /// The routes, without layers, with orders counted by the inventory ([`OrderBook::Memory`]).
 pub fn routes(inventory: Inventory) -> Router {
-    routes_with(inventory, OrderBook::Memory)
+    routes_with(inventory, OrderBook::Memory, Stock::Local)
 }
 
-/// The routes, without layers, with orders kept in `orders`.
-pub fn routes_with(inventory: Inventory, orders: OrderBook) -> Router {
+/// The routes, without layers, with orders kept in `orders` and their stock taken from `stock`.
+pub fn routes_with(inventory: Inventory, orders: OrderBook, stock: Stock) -> Router {
     Router::new()
         .route("/books/{book_id}", get(get_book))
         .route("/books/{book_id}/deduct", post(deduct))
         .route("/orders", post(create_order))
         .route("/stats", get(stats))
-        .with_state(Shop { inventory, orders })
+        .with_state(Shop {
+            inventory,
+            orders,
+            stock,
+        })
 }
 
 /// The service: routes, then the idempotency layer, then the demo auth layer in front of it
@@ -69,16 +73,18 @@ pub fn app<St: IdempotencyStore>(
     inventory: Inventory,
     idempotency: IdempotencyLayer<St>,
 ) -> Router {
-    app_with(inventory, OrderBook::Memory, idempotency)
+    app_with(inventory, OrderBook::Memory, Stock::Local, idempotency)
 }
 
-/// [`app`] with orders kept in `orders`.
+/// [`app`] with orders kept in `orders` and their stock taken from `stock` (another server's
+/// inventory: a chain, see [`crate::stock`]).
 pub fn app_with<St: IdempotencyStore>(
     inventory: Inventory,
     orders: OrderBook,
+    stock: Stock,
     idempotency: IdempotencyLayer<St>,
 ) -> Router {
-    routes_with(inventory, orders)
+    routes_with(inventory, orders, stock)
         .layer(idempotency)
         .layer(demo_auth_layer::<Body>())
         // One tier of retries: a handler calling other services through `RetryLayer` sends a
@@ -132,6 +138,11 @@ struct Deduct {
     /// the book changed since.
     #[serde(default)]
     expected_version: Option<u64>,
+    /// The caller's reference of the order the deduction is for, kept with the deduction (in
+    /// the `deductions` table, with orders in PostgreSQL).
+    #[serde(default)]
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    order_ref: Option<String>,
 }
 
 fn bad_request(detail: impl Into<String>) -> Response {
@@ -168,6 +179,17 @@ fn inventory_error(e: InventoryError) -> Response {
             res
         }
         InventoryError::BadQuantity(_) => bad_request(e.to_string()),
+        InventoryError::Refused { status, .. } => (
+            StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_REQUEST),
+            Json(json!({"error": "refused_by_inventory", "detail": e.to_string()})),
+        )
+            .into_response(),
+        // Not recorded (a 503): the order's retry runs it again.
+        InventoryError::Unavailable(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"error": "unavailable", "detail": e.to_string()})),
+        )
+            .into_response(),
     }
 }
 
@@ -184,32 +206,39 @@ async fn get_book(State(inv): State<Inventory>, Path(book_id): Path<String>) -> 
 
 /// `POST /orders`. With orders in PostgreSQL, the order row and the request's idempotency
 /// record commit in one transaction: the layer offers the handler a [`TxCompletion`] for that.
+/// The stock comes from this server's inventory or, with `--inventory-url`, another's
+/// ([`Stock`]), for the request's tenant.
 async fn create_order(
     State(shop): State<Shop>,
     #[cfg(feature = "postgres")] completion: Option<Extension<TxCompletion>>,
-    #[cfg(feature = "postgres")] tenant: Option<Extension<Tenant>>,
-    #[cfg(feature = "postgres")] headers: axum::http::HeaderMap,
+    tenant: Option<Extension<Tenant>>,
+    headers: axum::http::HeaderMap,
     body: Bytes,
 ) -> Response {
     let req: CreateOrder = match parse(&body) {
         Ok(r) => r,
         Err(detail) => return bad_request(detail),
     };
+    let tenant = tenant.as_ref().map_or("public", |t| t.as_str());
+    let key = request_key(&headers);
     let created = match &shop.orders {
         OrderBook::Memory => shop
-            .inventory
-            .create_order(&req.book_id, req.quantity)
+            .stock
+            .reserve(&shop.inventory, tenant, key, &req.book_id, req.quantity)
             .await
-            .map(|order| (StatusCode::CREATED, Json(order)).into_response()),
+            .map(|order| {
+                shop.inventory.confirm(&order);
+                (StatusCode::CREATED, Json(order)).into_response()
+            }),
         #[cfg(feature = "postgres")]
         OrderBook::Postgres(pg) => {
-            let tenant = tenant.as_ref().map_or("public", |t| t.as_str());
             let completion = completion.as_ref().map(|Extension(c)| c);
             pg.create_order(
+                &shop.stock,
                 &shop.inventory,
                 completion,
                 tenant,
-                request_key(&headers),
+                key,
                 &req.book_id,
                 req.quantity,
             )
@@ -221,7 +250,6 @@ async fn create_order(
 
 /// The request's idempotency key as the layer read it (`x-idempotency-key`, else the IETF
 /// `Idempotency-Key`, quoted or bare), to store with the order.
-#[cfg(feature = "postgres")]
 fn request_key(headers: &axum::http::HeaderMap) -> Option<&str> {
     ["x-idempotency-key", "idempotency-key"]
         .iter()
@@ -229,8 +257,13 @@ fn request_key(headers: &axum::http::HeaderMap) -> Option<&str> {
         .map(|k| k.trim_matches('"'))
 }
 
+/// `POST /books/{id}/deduct`. With orders in PostgreSQL, each executed deduction is a row of
+/// `deductions`, committed with the request's idempotency record.
 async fn deduct(
-    State(inv): State<Inventory>,
+    State(shop): State<Shop>,
+    #[cfg(feature = "postgres")] completion: Option<Extension<TxCompletion>>,
+    #[cfg(feature = "postgres")] tenant: Option<Extension<Tenant>>,
+    #[cfg(feature = "postgres")] headers: axum::http::HeaderMap,
     Path(book_id): Path<String>,
     body: Bytes,
 ) -> Response {
@@ -238,14 +271,33 @@ async fn deduct(
         Ok(r) => r,
         Err(detail) => return bad_request(detail),
     };
-    match inv
-        .deduct(&book_id, req.quantity, req.expected_version)
-        .await
-    {
-        Ok(d) => Json(json!({"book_id": book_id, "remaining": d.remaining, "version": d.version}))
-            .into_response(),
-        Err(e) => inventory_error(e),
-    }
+    let inv = &shop.inventory;
+    let deducted = match &shop.orders {
+        OrderBook::Memory => inv
+            .deduct(&book_id, req.quantity, req.expected_version)
+            .await
+            .map(|d| {
+                Json(json!({"book_id": book_id, "remaining": d.remaining, "version": d.version}))
+                    .into_response()
+            }),
+        #[cfg(feature = "postgres")]
+        OrderBook::Postgres(pg) => {
+            let tenant = tenant.as_ref().map_or("public", |t| t.as_str());
+            let completion = completion.as_ref().map(|Extension(c)| c);
+            pg.deduct(
+                inv,
+                completion,
+                tenant,
+                request_key(&headers),
+                req.order_ref.as_deref(),
+                &book_id,
+                req.quantity,
+                req.expected_version,
+            )
+            .await
+        }
+    };
+    deducted.unwrap_or_else(inventory_error)
 }
 
 async fn stats(State(inv): State<Inventory>) -> Response {

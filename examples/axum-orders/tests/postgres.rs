@@ -11,6 +11,12 @@
 //! - With the record written by the layer after the commit (`--record-after-commit`, as with any
 //!   store that is not in the order's database): the retry runs again, and the table holds two.
 //!
+//! And the chain (`--inventory-url`): an orders server that takes its stock from another one's
+//! inventory aborts right after the inventory answered the deduction and before its own
+//! transaction (`ORDERS_FAILPOINT=abort-after-side-effect`); restarted, it runs the client's
+//! retry of the order again. With derived keys the second run's deduction is the first one's
+//! replay: one `deductions` row for the order; with `--no-derived-keys` two.
+//!
 //! Unset `DATABASE_URL`: each test says so and passes, except under `CI`, where it fails.
 #![cfg(feature = "postgres")]
 
@@ -258,5 +264,63 @@ fn without_transactional_completion_the_same_crash_creates_a_second_order() {
         ids.len(),
         2,
         "the crash window made a duplicate order: {ids:?}"
+    );
+}
+
+impl Database {
+    /// How many deductions the inventory executed for the order with key `order`.
+    fn deductions_for(&self, order: &str) -> i64 {
+        let n = rows(
+            &self.url,
+            &format!("SELECT count(*) FROM deductions WHERE order_ref = '{order}'"),
+        );
+        n[0].get(0)
+    }
+}
+
+/// An order through a chain whose middle tier crashes after the deduction and is restarted:
+/// the inventory's deductions for the order, once the retry succeeded.
+fn chain_crash_after_deduction(db: &Database, keys: &[&str], key: &str) -> i64 {
+    // The inventory: the same database, never restarted.
+    let inventory = Server::start(&db.url, &[], None);
+    let mut args = vec!["--inventory-url", inventory.url.as_str()];
+    args.extend(keys);
+
+    let mut orders = Server::start(&db.url, &args, Some("abort-after-side-effect"));
+    let (ok, line) = create_order(&orders.url, key);
+    assert!(!ok, "the client got no answer: {line}");
+    let status = orders.wait_for_exit();
+    assert_eq!(status.signal(), Some(6), "aborted (SIGABRT): {status:?}");
+    assert_eq!(db.deductions_for(key), 1, "deducted before the crash");
+    assert!(db.order_ids().is_empty(), "the order was not stored");
+
+    // Restarted: the retry takes the crashed run's claim over (after its lease) and runs the
+    // order again, deduction included.
+    let orders = Server::start(&db.url, &args, None);
+    let (ok, line) = create_order(&orders.url, key);
+    assert!(ok, "{line}");
+    assert_eq!(line["status"], 201, "{line}");
+    assert_eq!(db.order_ids().len(), 1, "one order");
+    db.deductions_for(key)
+}
+
+#[test]
+fn a_chain_crash_after_the_deduction_deducts_once_with_derived_keys() {
+    let Some(db) = Database::create() else { return };
+    let keys = ["--derived-keys-secret", "chain test secret"];
+    assert_eq!(
+        chain_crash_after_deduction(&db, &keys, "chain-crash-0001"),
+        1,
+        "the second run's deduction was answered with the first one's record"
+    );
+}
+
+#[test]
+fn a_chain_crash_after_the_deduction_deducts_twice_with_fresh_keys() {
+    let Some(db) = Database::create() else { return };
+    assert_eq!(
+        chain_crash_after_deduction(&db, &["--no-derived-keys"], "chain-crash-0002"),
+        2,
+        "a fresh key made the inventory deduct again"
     );
 }

@@ -59,6 +59,10 @@ fn status(e: InventoryError) -> Status {
                 .insert("x-reason-code", "STOCK_CONFLICT".parse().expect("ASCII"));
             s
         }
+        // Not made by this service's own inventory (only by an orders-server with
+        // `--inventory-url`), mapped for completeness.
+        InventoryError::Refused { .. } => Status::failed_precondition(e.to_string()),
+        InventoryError::Unavailable(_) => Status::unavailable(e.to_string()),
     }
 }
 
