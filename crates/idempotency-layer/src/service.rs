@@ -720,7 +720,7 @@ where
     let http1 = req.version() < Version::HTTP_2;
     // The handler runs as the inbound write of its scope: a `RetryLayer` inside it that derives
     // keys gives its outbound writes the same keys on every run of this write.
-    let inbound = Arc::new(InboundWrite::new(scope.0));
+    let inbound = InboundWrite::new(scope.0);
     let call = AssertUnwindSafe(inbound.scope(call_inner(inner, req))).catch_unwind();
     // `then`, not an `async` block awaiting `call`: the handler's call and what follows it are
     // the two states of one future, so the request is held once, not also by an `.await` slot

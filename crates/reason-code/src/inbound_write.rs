@@ -1,10 +1,10 @@
 //! [`InboundWrite`]: the write a handler is executing, for the keys of its outbound writes.
 
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 tokio::task_local! {
-    static CURRENT: Arc<InboundWrite>;
+    static CURRENT: InboundWrite;
 }
 
 /// The inbound write whose handler is running: its scope (a hash of its tenant, method and
@@ -23,15 +23,18 @@ tokio::task_local! {
 /// use reason_code::InboundWrite;
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-/// use std::sync::Arc;
-///
 /// assert!(InboundWrite::current().is_none());
 /// let run = || async {
-///     let w = InboundWrite::current().expect("in scope");
-///     (w.next_call("POST inventory/deduct"), w.next_call("POST inventory/deduct"))
+///     let here = InboundWrite::current().expect("in scope");
+///     let first = here.next_call("POST inventory/deduct");
+///     // A task of the handler's own, in a handle of the same write: counted together.
+///     let spawned = tokio::spawn(here.scope(async {
+///         InboundWrite::with_current(|w| w.next_call("POST inventory/deduct"))
+///     }));
+///     (first, spawned.await.unwrap().unwrap())
 /// };
-/// let first = Arc::new(InboundWrite::new([7; 32])).scope(run()).await;
-/// let again = Arc::new(InboundWrite::new([7; 32])).scope(run()).await;
+/// let first = InboundWrite::new([7; 32]).scope(run()).await;
+/// let again = InboundWrite::new([7; 32]).scope(run()).await;
 /// assert_eq!(first, (0, 1));
 /// assert_eq!(first, again, "a second run numbers its calls the same way");
 /// # }
@@ -39,8 +42,10 @@ tokio::task_local! {
 #[derive(Debug)]
 pub struct InboundWrite {
     scope: [u8; 32],
-    /// Calls made so far, per target (few targets per handler: a list, not a map).
-    calls: Mutex<Vec<(Box<str>, u32)>>,
+    /// Calls made so far, per target (few targets per handler: a list, not a map); shared by
+    /// the handles [`current`](Self::current) gives out, made on first use (a handler that
+    /// derives no key allocates nothing).
+    calls: OnceLock<Arc<Mutex<Vec<(Box<str>, u32)>>>>,
 }
 
 impl InboundWrite {
@@ -48,7 +53,7 @@ impl InboundWrite {
     pub fn new(scope: [u8; 32]) -> Self {
         InboundWrite {
             scope,
-            calls: Mutex::new(Vec::new()),
+            calls: OnceLock::new(),
         }
     }
 
@@ -57,10 +62,14 @@ impl InboundWrite {
         &self.scope
     }
 
+    fn calls(&self) -> &Arc<Mutex<Vec<(Box<str>, u32)>>> {
+        self.calls.get_or_init(Arc::default)
+    }
+
     /// The place of the next call to `target` among this handler's calls to it: 0 for the
     /// first, then 1, 2, ...
     pub fn next_call(&self, target: &str) -> u32 {
-        let mut calls = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+        let mut calls = self.calls().lock().unwrap_or_else(|e| e.into_inner());
         match calls.iter_mut().find(|(t, _)| &**t == target) {
             Some((_, n)) => {
                 *n += 1;
@@ -74,17 +83,29 @@ impl InboundWrite {
     }
 
     /// Runs `future` with this write as the current one. A handler that makes outbound calls
-    /// from a task of its own (`tokio::spawn`) runs that task in the same write's scope
-    /// ([`current`](Self::current) before the spawn): task-locals do not cross `spawn`.
+    /// from a task of its own (`tokio::spawn`) runs that task in a handle of the same write
+    /// ([`current`](Self::current) before the spawn): task-locals do not cross `spawn`, and a
+    /// new `InboundWrite` would number its calls from 0 again.
     pub fn scope<F: Future>(
-        self: Arc<Self>,
+        self,
         future: F,
-    ) -> tokio::task::futures::TaskLocalFuture<Arc<InboundWrite>, F> {
+    ) -> tokio::task::futures::TaskLocalFuture<InboundWrite, F> {
         CURRENT.scope(self, future)
     }
 
-    /// The inbound write the current task runs in, if any.
-    pub fn current() -> Option<Arc<InboundWrite>> {
-        CURRENT.try_with(Arc::clone).ok()
+    /// A handle of the inbound write the current task runs in, if any: the same scope, and the
+    /// same count of calls (a call numbered through one handle is counted in all).
+    pub fn current() -> Option<InboundWrite> {
+        CURRENT
+            .try_with(|w| InboundWrite {
+                scope: w.scope,
+                calls: OnceLock::from(w.calls().clone()),
+            })
+            .ok()
+    }
+
+    /// Calls `f` with the inbound write the current task runs in, if any (no handle made).
+    pub fn with_current<R>(f: impl FnOnce(&InboundWrite) -> R) -> Option<R> {
+        CURRENT.try_with(f).ok()
     }
 }

@@ -35,7 +35,7 @@ impl DerivedKeys {
     /// [`KeyLabel`], else its method, authority and path) and its place among the handler's
     /// calls to that target. `None` outside a handler.
     pub(crate) fn key_for(&self, parts: &Parts) -> Option<HeaderValue> {
-        let inbound = InboundWrite::current()?;
+        InboundWrite::with_current(|_| ())?;
         let target = match parts.extensions.get::<KeyLabel>() {
             Some(label) => format!("label {}", label.0),
             None => format!(
@@ -45,9 +45,9 @@ impl DerivedKeys {
                 parts.uri.path()
             ),
         };
-        let n = inbound.next_call(&target);
+        let (scope, n) = InboundWrite::with_current(|w| (*w.scope_bytes(), w.next_call(&target)))?;
         let mut hasher = blake3::Hasher::new_keyed(&self.key);
-        hasher.update(inbound.scope_bytes());
+        hasher.update(&scope);
         hasher.update(&(target.len() as u64).to_le_bytes());
         hasher.update(target.as_bytes());
         hasher.update(&n.to_le_bytes());
@@ -89,8 +89,6 @@ impl KeyLabel {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use super::*;
 
     fn parts(uri: &str) -> Parts {
@@ -104,7 +102,7 @@ mod tests {
         let derive = DerivedKeys::new(b"secret");
         assert!(derive.key_for(&parts("http://inv/deduct")).is_none());
         let run = |scope: [u8; 32], derive: DerivedKeys| async move {
-            Arc::new(InboundWrite::new(scope))
+            InboundWrite::new(scope)
                 .scope(async move {
                     let mut labelled = parts("http://inv/deduct");
                     labelled.extensions.insert(KeyLabel::new("line-1"));

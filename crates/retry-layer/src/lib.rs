@@ -104,7 +104,8 @@
 //! same order). Label a call with [`KeyLabel`] when it is not: raced calls, a target chosen at
 //! random or by load, a call made only on a cache miss. The secret must be the same on every
 //! instance of the service. Outbound calls made from a task of their own (`tokio::spawn`) see
-//! the inbound write only if the task runs in its scope (`reason_code::InboundWrite::scope`).
+//! the inbound write only if the task runs in a handle of it (`InboundWrite::current()` taken before
+//! the spawn, then `.scope(task)`; see `reason_code::InboundWrite`).
 //! Over HTTP and gRPC alike; `tests/tests/chain.rs` (workspace) runs both.
 //!
 //! # Why a deadline budget
