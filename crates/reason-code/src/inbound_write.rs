@@ -7,6 +7,9 @@ tokio::task_local! {
     static CURRENT: InboundWrite;
 }
 
+/// Calls made so far, per target (few targets per handler: a list, not a map).
+type Calls = Arc<Mutex<Vec<(Box<str>, u32)>>>;
+
 /// The inbound write whose handler is running: its scope (a hash of its tenant, method and
 /// idempotency key), and a count of the outbound calls the handler has made so far, per target.
 ///
@@ -42,10 +45,9 @@ tokio::task_local! {
 #[derive(Debug)]
 pub struct InboundWrite {
     scope: [u8; 32],
-    /// Calls made so far, per target (few targets per handler: a list, not a map); shared by
-    /// the handles [`current`](Self::current) gives out, made on first use (a handler that
-    /// derives no key allocates nothing).
-    calls: OnceLock<Arc<Mutex<Vec<(Box<str>, u32)>>>>,
+    /// Shared by the handles [`current`](Self::current) gives out, made on first use (a
+    /// handler that derives no key allocates nothing).
+    calls: OnceLock<Calls>,
 }
 
 impl InboundWrite {
@@ -62,7 +64,7 @@ impl InboundWrite {
         &self.scope
     }
 
-    fn calls(&self) -> &Arc<Mutex<Vec<(Box<str>, u32)>>> {
+    fn calls(&self) -> &Calls {
         self.calls.get_or_init(Arc::default)
     }
 
