@@ -427,7 +427,13 @@ async fn failed_renewals_are_counted() {
     s.renew(scope, t, conformance::LONG).await.unwrap();
     assert_eq!(s.renewals_failed(), 0);
     assert!(s.forget(scope).await.unwrap());
-    assert!(s.renew(scope, t, conformance::LONG).await.is_err());
+    assert!(
+        matches!(
+            s.renew(scope, t, conformance::LONG).await,
+            Err(idempotency_layer::StoreError::Fenced)
+        ),
+        "a forgotten claim's renewal is refused as fenced"
+    );
     assert_eq!(s.renewals_failed(), 1, "a refused renewal is counted");
 }
 
