@@ -33,6 +33,79 @@ fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
+/// The wall-clock reads in one source file `text` (named `rel`), allowed or not: each is
+/// `(allowed, "rel:line: code")`. A read is a line naming one of [`WALL_CLOCK`], or a `use` of
+/// `std::time` that brings `Instant` in (after `use std::time::{Duration, Instant};`, a plain
+/// `Instant::now()` reads the std clock, and names none of them).
+fn wall_clock_reads(rel: &str, text: &str) -> Vec<(bool, String)> {
+    let mut found = Vec::new();
+    // Unit tests (the `#[cfg(test)]` module at the end of a file) may use any clock.
+    let lines: Vec<&str> = text
+        .lines()
+        .take_while(|l| !l.starts_with("#[cfg(test)]"))
+        .collect();
+    let mut n = 0;
+    while n < lines.len() {
+        let code = lines[n].split("//").next().unwrap_or("");
+        // A `use std::time...;` statement, over as many lines as it takes.
+        if code.trim_start().starts_with("use std::time") {
+            let mut statement = code.to_owned();
+            let mut end = n;
+            while !statement.contains(';') && end + 1 < lines.len() {
+                end += 1;
+                statement.push_str(lines[end].split("//").next().unwrap_or(""));
+            }
+            let brings_instant = statement
+                .split(|c: char| !c.is_alphanumeric() && c != '_')
+                .any(|word| word == "Instant");
+            if brings_instant {
+                found.push((false, format!("{rel}:{}: {}", n + 1, statement.trim())));
+            }
+            n = end + 1;
+            continue;
+        }
+        if WALL_CLOCK.iter().any(|w| code.contains(w)) {
+            let allowed = ALLOWED
+                .iter()
+                .any(|(f, what)| rel == *f && code.contains(what));
+            found.push((allowed, format!("{rel}:{}: {}", n + 1, lines[n].trim())));
+        }
+        n += 1;
+    }
+    found
+}
+
+/// The audit itself catches what it is meant to: a grouped import of std's `Instant`, a
+/// multi-line one, a path, and the wall clock; it passes `tokio::time::Instant` and a
+/// `SystemTime` that is not read.
+#[test]
+fn the_audit_finds_std_instant_however_it_is_imported() {
+    let flagged = |text: &str| wall_clock_reads("x/src/lib.rs", text).len();
+    assert_eq!(
+        flagged("use std::time::{Duration, Instant};\nfn f() { Instant::now(); }"),
+        1
+    );
+    assert_eq!(
+        flagged("use std::time::{\n    Duration,\n    Instant,\n};"),
+        1
+    );
+    assert_eq!(flagged("use std::time::Instant;"), 1);
+    assert_eq!(flagged("fn f() { std::time::Instant::now(); }"), 1);
+    assert_eq!(flagged("fn f() { std::time::SystemTime::now(); }"), 1);
+    assert_eq!(
+        flagged("use tokio::time::Instant;\nfn f() { Instant::now(); }"),
+        0
+    );
+    assert_eq!(
+        flagged("use std::time::{Duration, SystemTime};\nfn f(_: SystemTime) {}"),
+        0
+    );
+    assert_eq!(
+        flagged("fn f() {}\n#[cfg(test)]\nmod tests { use std::time::Instant; }"),
+        0
+    );
+}
+
 #[test]
 fn only_monotonic_time_outside_the_allowed_places() {
     let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("../crates");
@@ -50,20 +123,11 @@ fn only_monotonic_time_outside_the_allowed_places() {
             .unwrap()
             .to_string_lossy()
             .replace('\\', "/");
-        // Unit tests (the `#[cfg(test)]` module at the end of a file) may use any clock.
-        let lines = text.lines().take_while(|l| !l.starts_with("#[cfg(test)]"));
-        for (n, line) in lines.enumerate() {
-            let code = line.split("//").next().unwrap_or("");
-            if !WALL_CLOCK.iter().any(|w| code.contains(w)) {
-                continue;
-            }
-            if ALLOWED
-                .iter()
-                .any(|(f, what)| rel == *f && code.contains(what))
-            {
+        for (allowed, read) in wall_clock_reads(&rel, &text) {
+            if allowed {
                 allowed_seen += 1;
             } else {
-                offending.push(format!("{rel}:{}: {}", n + 1, line.trim()));
+                offending.push(read);
             }
         }
     }

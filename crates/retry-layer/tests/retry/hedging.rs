@@ -281,15 +281,30 @@ fn a_service_config_chooses_hedging_per_method() {
         }]}"#,
     )
     .unwrap();
-    let _ = policy;
-    for bad in [
-        r#"{"methodConfig": [{"name": [{"service": "pkg.Svc"}], "hedgingPolicy": {"maxAttempts": 1}}]}"#,
-        r#"{"methodConfig": [{"name": [], "hedgingPolicy": {"maxAttempts": 2}}]}"#,
-        r#"{"methodConfig": [{"name": [{}], "hedgingPolicy": {"maxAttempts": 2, "hedgingDelay": "soon"}}]}"#,
-        "not json",
+    // The policy's own settings (for methods the config does not name) stay the builder's
+    // defaults; what it does per method is checked on the wire below.
+    assert_eq!(
+        policy.max_attempts(),
+        HedgePolicy::builder().build().unwrap().max_attempts()
+    );
+    // Each refusal says what is wrong and where.
+    for (bad, says) in [
+        (
+            r#"{"methodConfig": [{"name": [{"service": "pkg.Svc"}], "hedgingPolicy": {"maxAttempts": 1}}]}"#,
+            "methodConfig[0].hedgingPolicy: maxAttempts must be at least 2, got 1",
+        ),
+        (
+            r#"{"methodConfig": [{"name": [], "hedgingPolicy": {"maxAttempts": 2}}]}"#,
+            "methodConfig[0] has no name",
+        ),
+        (
+            r#"{"methodConfig": [{"name": [{}], "hedgingPolicy": {"maxAttempts": 2, "hedgingDelay": "soon"}}]}"#,
+            r#""soon" is not a duration"#,
+        ),
+        ("not json", "service config:"),
     ] {
         let e = HedgePolicy::from_grpc_service_config(bad).unwrap_err();
-        assert!(!e.to_string().is_empty(), "{bad}");
+        assert!(e.to_string().contains(says), "{bad}: {e}");
     }
     assert!(HedgePolicy::builder().max_attempts(6).build().is_err());
     assert!(HedgePolicy::builder().max_attempts(0).build().is_err());
