@@ -15,11 +15,50 @@ macro_rules! rows {
     ($($name:ident: $req:expr, [$($reply:expr),+] => $attempts:expr;)*) => {$(
         #[tokio::test(start_paused = true)]
         async fn $name() {
-            let (_, script, layer) = call_scripted(RetryPolicy::default(), $req, vec![$($reply),+]).await;
+            let replies = vec![$($reply),+];
+            let (res, script, layer) =
+                call_scripted(RetryPolicy::default(), $req, replies.clone()).await;
             assert_eq!(script.attempts(), $attempts, "attempts");
             assert_eq!(layer.stats().attempts, $attempts as u64);
+            // What the caller gets is the last attempt's answer, as it was.
+            let last = replies[($attempts - 1).min(replies.len() - 1)].clone();
+            is_the_answer_to(&res, &last);
         }
     )*};
+}
+
+/// `res` is what the backend answered with `reply`: its status and `grpc-status`, or its
+/// transport error (down the error's sources).
+fn is_the_answer_to(
+    res: &Result<http::Response<http_body_util::Full<Bytes>>, retry_layer::BoxError>,
+    reply: &Reply,
+) {
+    match (reply, res) {
+        (Reply::Status(code, headers), Ok(r)) => {
+            assert_eq!(r.status().as_u16(), *code, "the last attempt's status");
+            for (name, value) in headers {
+                assert_eq!(r.headers()[*name], *value, "the last attempt's {name}");
+            }
+        }
+        (Reply::Io(kind), Err(e)) => {
+            let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&**e);
+            let mut found = None;
+            while let Some(s) = source {
+                if let Some(io) = s.downcast_ref::<std::io::Error>() {
+                    found = Some(io.kind());
+                }
+                source = s.source();
+            }
+            assert_eq!(
+                found,
+                Some(*kind),
+                "the last attempt's transport error: {e}"
+            );
+        }
+        (Reply::Status(code, _), Err(e)) => panic!("expected the last attempt's {code}, got {e}"),
+        (Reply::Io(kind), Ok(r)) => panic!("expected {kind:?}, got {}", r.status()),
+        _ => panic!("rows script statuses and transport errors only"),
+    }
 }
 
 rows! {
