@@ -55,5 +55,7 @@ async fn short_soak_redis() {
     let report = run(short(StoreKind::Redis, Some(url))).await;
     check(&report);
     assert_eq!(report.instances, 2);
-    assert_eq!(report.cuts, 2, "{report}");
+    // Cut on a schedule of wall-clock time: how many fit in the run depends on the machine's
+    // load, so only that the outage happened is asserted (its effects are in `check`).
+    assert!(report.cuts >= 1, "the store was cut: {report}");
 }
