@@ -40,21 +40,5 @@ pub async fn place_orders(client: &OrdersClient, n: usize) -> Vec<(String, Order
         .await
 }
 
-/// The URL in `var`, or `None` after printing why the test skips.
-pub fn env_url(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(v) if !v.trim().is_empty() => Some(v),
-        // libtest hides a passing test's output, so a skip in CI would go unseen: there, where
-        // `.ci/run` sets the URLs, a missing one is a failure instead.
-        _ if std::env::var_os("CI").is_some() => {
-            panic!("{var} is not set, but CI is: .ci/run must set it (the store tests never skip in CI)")
-        }
-        _ => {
-            eprintln!(
-                "skipped: {var} is not set; set it (e.g. in .ci/run) to run this test against \
-                 a real server"
-            );
-            None
-        }
-    }
-}
+/// The URL in `var`, or `None` after printing why the test skips (outside CI).
+pub use test_support::env::env_url;

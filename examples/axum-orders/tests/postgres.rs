@@ -115,16 +115,7 @@ struct Database {
 
 impl Database {
     fn create() -> Option<Database> {
-        let admin_url = match std::env::var("DATABASE_URL") {
-            Ok(v) if !v.trim().is_empty() => v,
-            _ if std::env::var_os("CI").is_some() => {
-                panic!("DATABASE_URL is not set, but CI is: the crash tests never skip in CI")
-            }
-            _ => {
-                eprintln!("skipped: DATABASE_URL is not set");
-                return None;
-            }
-        };
+        let admin_url = test_support::env::env_url("DATABASE_URL")?;
         let name = format!(
             "orders_crash_{}",
             &uuid::Uuid::new_v4().simple().to_string()[..12]

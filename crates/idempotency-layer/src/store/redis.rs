@@ -1873,18 +1873,7 @@ impl IdempotencyStore for RedisStore {
 mod tests {
     use super::*;
 
-    /// A server's URL from `var`: `None` (the test passes, saying so) when unset, except in
-    /// CI, where `.ci/run` sets it and a missing one fails.
-    fn env_url(var: &str) -> Option<String> {
-        match std::env::var(var) {
-            Ok(v) if !v.trim().is_empty() => Some(v),
-            _ if std::env::var_os("CI").is_some() => panic!("{var} is not set, but CI is"),
-            _ => {
-                eprintln!("skipped: {var} is not set");
-                None
-            }
-        }
-    }
+    use test_support::env::env_url;
 
     /// The claim command sent twice with one token (what a cluster connection's resend after a
     /// lost reply does): both sends answer "claimed", and the key holds that one claim. (Before,

@@ -19,24 +19,8 @@ use idempotency_layer::store::{Begin, Fingerprint, NearCacheStats, Record, Scope
 use idempotency_layer::{conformance, IdempotencyLayer, IdempotencyStore, Scope, StoreError};
 use tokio::sync::Notify;
 
-/// The URL in `var`, or `None` (after saying why the test skips) when it is unset.
-pub fn env_url(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(v) if !v.trim().is_empty() => Some(v),
-        // libtest hides a passing test's output, so a skip in CI would go unseen: there, where
-        // `.ci/run` sets the URLs, a missing one is a failure instead.
-        _ if std::env::var_os("CI").is_some() => {
-            panic!("{var} is not set, but CI is: .ci/run must set it (the store tests never skip in CI)")
-        }
-        _ => {
-            eprintln!(
-                "skipped: {var} is not set; set it (e.g. in .ci/run) to run this test against \
-                 a real server"
-            );
-            None
-        }
-    }
-}
+/// The URL in `var`, or `None` (skip) outside CI.
+pub use test_support::env::env_url;
 
 /// A name unique to this call: `prefix` + 12 hex characters.
 pub fn unique(prefix: &str) -> String {
