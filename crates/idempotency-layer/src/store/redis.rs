@@ -658,9 +658,12 @@ impl RedisStoreBuilder {
     /// server that forbids `CONFIG` is accepted, with a note in the log, unless
     /// `require_noeviction` is on.
     pub async fn connect(self) -> Result<RedisStore, StoreError> {
-        let client = match self.source {
-            Source::Url(url) => redis::Client::open(url.as_str()).map_err(backend)?,
-            Source::Client(client) => *client,
+        let (mut conn, client) = match &self.source {
+            Source::Url(url) => {
+                self.single(redis::Client::open(url.as_str()).map_err(backend)?)
+                    .await?
+            }
+            Source::Client(client) => self.single((**client).clone()).await?,
             #[cfg(feature = "redis-sentinel")]
             Source::Sentinel(nodes, master) => {
                 if self.conn.is_some() {
@@ -669,32 +672,14 @@ impl RedisStoreBuilder {
                     ));
                 }
                 let conn = sentinel::SentinelConn::connect(
-                    &nodes,
-                    &master,
+                    nodes,
+                    master,
                     manager_config(self.timeout),
                     self.timeout,
                 )
                 .await?;
                 let client = PubSubSource::Sentinel(conn.clone());
-                let mut conn = Conn::Sentinel(conn);
-                let maxmemory_policy =
-                    check_maxmemory_policy(&mut conn, self.timeout, self.require_noeviction)
-                        .await?;
-                return Ok(RedisStore {
-                    inner: Arc::new(Inner {
-                        conn,
-                        client,
-                        prefix: self.prefix,
-                        timeout: self.timeout,
-                        polling: self.polling,
-                        waiters: Arc::default(),
-                        pubsub: OnceLock::new(),
-                        renewals_failed: Arc::default(),
-                        maxmemory_policy,
-                        near: self.near.map(Near::new),
-                        wait_for_replicas: self.wait_for_replicas,
-                    }),
-                });
+                (Conn::Sentinel(conn), client)
             }
             #[cfg(feature = "redis-cluster")]
             Source::Cluster(nodes) => {
@@ -703,53 +688,23 @@ impl RedisStoreBuilder {
                         "connection_manager is for a standalone server, not a cluster".into(),
                     ));
                 }
-                let client = cluster_client(&nodes, self.timeout, None)?;
-                let mut conn = Conn::Cluster(
-                    tokio::time::timeout(self.timeout * 4, client.get_async_connection())
-                        .await
-                        .map_err(|_| timed_out(self.timeout * 4))?
-                        .map_err(backend)?,
-                );
-                let maxmemory_policy =
-                    check_maxmemory_policy(&mut conn, self.timeout, self.require_noeviction)
-                        .await?;
-                return Ok(RedisStore {
-                    inner: Arc::new(Inner {
-                        conn,
-                        client: PubSubSource::Cluster(nodes.into()),
-                        prefix: self.prefix,
-                        timeout: self.timeout,
-                        polling: self.polling,
-                        waiters: Arc::default(),
-                        pubsub: OnceLock::new(),
-                        renewals_failed: Arc::default(),
-                        maxmemory_policy,
-                        near: self.near.map(Near::new),
-                        wait_for_replicas: self.wait_for_replicas,
-                    }),
-                });
-            }
-        };
-        let conn = match self.conn {
-            Some(conn) => conn,
-            None => {
-                let config = manager_config(self.timeout);
-                tokio::time::timeout(
-                    self.timeout * 4,
-                    client.get_connection_manager_with_config(config),
+                let client = cluster_client(nodes, self.timeout, None)?;
+                let conn = tokio::time::timeout(self.timeout * 4, client.get_async_connection())
+                    .await
+                    .map_err(|_| timed_out(self.timeout * 4))?
+                    .map_err(backend)?;
+                (
+                    Conn::Cluster(conn),
+                    PubSubSource::Cluster(nodes.clone().into()),
                 )
-                .await
-                .map_err(|_| timed_out(self.timeout * 4))?
-                .map_err(backend)?
             }
         };
-        let mut conn = Conn::Single(conn);
         let maxmemory_policy =
             check_maxmemory_policy(&mut conn, self.timeout, self.require_noeviction).await?;
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 conn,
-                client: PubSubSource::Single(Box::new(client)),
+                client,
                 prefix: self.prefix,
                 timeout: self.timeout,
                 polling: self.polling,
@@ -761,6 +716,22 @@ impl RedisStoreBuilder {
                 wait_for_replicas: self.wait_for_replicas,
             }),
         })
+    }
+
+    /// The connection to a standalone server through `client`: the builder's connection manager,
+    /// or one of the store's own.
+    async fn single(&self, client: redis::Client) -> Result<(Conn, PubSubSource), StoreError> {
+        let conn = match &self.conn {
+            Some(conn) => conn.clone(),
+            None => tokio::time::timeout(
+                self.timeout * 4,
+                client.get_connection_manager_with_config(manager_config(self.timeout)),
+            )
+            .await
+            .map_err(|_| timed_out(self.timeout * 4))?
+            .map_err(backend)?,
+        };
+        Ok((Conn::Single(conn), PubSubSource::Single(Box::new(client))))
     }
 }
 
