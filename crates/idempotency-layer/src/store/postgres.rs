@@ -1186,8 +1186,6 @@ fn decode_row(row: &Row, ours: Token) -> Result<(Begin, Duration), StoreError> {
         };
     }
     match state {
-        // Our own token: the claim this very statement wrote (a resent statement).
-        "in_flight" if token == ours => Ok((Begin::New(token), Duration::ZERO)),
         "in_flight" => {
             let fp: &[u8] = row.try_get(3).map_err(corrupt)?;
             Ok((

@@ -1110,8 +1110,21 @@ async fn an_abandoned_claim_does_not_land_as_an_orphan() {
         store.begin(scope, fp, conformance::LONG).await.is_err(),
         "the claim behind the lock times out"
     );
-    // Long enough for the orphan release to have run (and found nothing) before the lock ends.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The lock ends only once no statement waits for it any more, on the server's own view
+    // (`pg_stat_activity`): the abandoned claim was cancelled (or, without the fix, never is:
+    // then after 5 s), and the orphan release, sent when the claim was given up, has run.
+    let waiting = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+         AND query LIKE '%{}%' AND pid <> pg_backend_pid()",
+        schema
+    );
+    for _ in 0..100 {
+        let n: i64 = admin.query_one(&waiting, &[]).await.unwrap().get(0);
+        if n == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     lock.release().await;
     // The lapsed claim is free: another request claims it, unless an orphan holds it. An orphan
     // would hold it for the whole lease (600 s); the cancel, the statement timeout and the

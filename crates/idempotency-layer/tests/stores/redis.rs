@@ -225,22 +225,8 @@ async fn maxmemory_policy_is_read_at_connect_and_config_may_be_forbidden() {
     }
 
     // A user that may not run CONFIG (as on managed services): the store still connects.
-    let user = unique("idem_noconfig_");
-    let _: () = redis::cmd("ACL")
-        .arg("SETUSER")
-        .arg(&user)
-        .arg("on")
-        .arg(">secret-pass")
-        .arg("~*")
-        .arg("&*")
-        .arg("+@all")
-        .arg("-config")
-        .query_async(&mut admin)
-        .await
-        .unwrap();
-    let (scheme, rest) = url.split_once("://").unwrap();
-    let rest = rest.split_once('@').map_or(rest, |(_, h)| h);
-    let limited = RedisStore::builder(format!("{scheme}://{user}:secret-pass@{rest}"))
+    let (user, user_url) = user_without_config(&mut admin, &url, "idem_noconfig_").await;
+    let limited = RedisStore::builder(&user_url)
         .prefix(unique("test:idem:"))
         .connect()
         .await;
@@ -266,6 +252,32 @@ async fn maxmemory_policy_is_read_at_connect_and_config_may_be_forbidden() {
     let limited = limited.expect("a server that forbids CONFIG is accepted");
     assert_eq!(limited.maxmemory_policy(), None);
     assert!(worked, "the store works without CONFIG");
+}
+
+/// A user of the server at `url` that may run every command but `CONFIG` (as on managed
+/// services), and the URL that logs in as it; delete it with `ACL DELUSER` when done.
+async fn user_without_config(
+    admin: &mut redis::aio::MultiplexedConnection,
+    url: &str,
+    prefix: &str,
+) -> (String, String) {
+    let user = unique(prefix);
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg(&user)
+        .arg("on")
+        .arg(">secret-pass")
+        .arg("~*")
+        .arg("&*")
+        .arg("+@all")
+        .arg("-config")
+        .query_async(admin)
+        .await
+        .unwrap();
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let rest = rest.split_once('@').map_or(rest, |(_, h)| h);
+    let user_url = format!("{scheme}://{user}:secret-pass@{rest}");
+    (user, user_url)
 }
 
 /// A plain redis-server of the test's own on a free port, with `maxmemory-policy` `policy`
@@ -355,22 +367,8 @@ async fn require_noeviction_refuses_an_evicting_server() {
 
     // A user that may not run CONFIG: the policy cannot be checked, so it is refused.
     let mut admin = raw(&url).await;
-    let user = unique("idem_noconfig_req_");
-    let _: () = redis::cmd("ACL")
-        .arg("SETUSER")
-        .arg(&user)
-        .arg("on")
-        .arg(">secret-pass")
-        .arg("~*")
-        .arg("&*")
-        .arg("+@all")
-        .arg("-config")
-        .query_async(&mut admin)
-        .await
-        .unwrap();
-    let (scheme, rest) = url.split_once("://").unwrap();
-    let rest = rest.split_once('@').map_or(rest, |(_, h)| h);
-    let limited = RedisStore::builder(format!("{scheme}://{user}:secret-pass@{rest}"))
+    let (user, user_url) = user_without_config(&mut admin, &url, "idem_noconfig_req_").await;
+    let limited = RedisStore::builder(&user_url)
         .require_noeviction(true)
         .connect()
         .await;
