@@ -735,6 +735,30 @@ impl RedisStoreBuilder {
     }
 }
 
+/// The base scheme (`redis` or `rediss`) and the rest of a `redis{suffix}://...` or
+/// `rediss{suffix}://...` URL; `None` for any other scheme.
+fn multi_node_url<'a>(url: &'a str, suffix: &str) -> Option<(&'a str, &'a str)> {
+    let (scheme, rest) = url.split_once("://")?;
+    let base = scheme.strip_suffix(suffix)?;
+    (base == "redis" || base == "rediss").then_some((base, rest))
+}
+
+/// The node URLs of a comma-separated `host:port` list, each given the scheme `base` unless it
+/// has one of its own.
+fn node_urls(base: &str, list: &str) -> Vec<String> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+        .map(|n| {
+            if n.contains("://") {
+                n.to_owned()
+            } else {
+                format!("{base}://{n}")
+            }
+        })
+        .collect()
+}
+
 /// The settings of the connection managers the store makes.
 fn manager_config(timeout: Duration) -> ConnectionManagerConfig {
     ConnectionManagerConfig::new()
@@ -1053,24 +1077,8 @@ impl RedisStore {
     /// for TLS): `["redis://host1:port1", "redis://host2:port2"]`; an item that has its own
     /// scheme (`redis://...`) is kept as is. `None` for any other scheme.
     pub fn cluster_nodes_from_url(url: &str) -> Option<Vec<String>> {
-        let (scheme, rest) = url.split_once("://")?;
-        let base = scheme.strip_suffix("+cluster")?;
-        if base != "redis" && base != "rediss" {
-            return None;
-        }
-        Some(
-            rest.split(',')
-                .map(str::trim)
-                .filter(|n| !n.is_empty())
-                .map(|n| {
-                    if n.contains("://") {
-                        n.to_owned()
-                    } else {
-                        format!("{base}://{n}")
-                    }
-                })
-                .collect(),
-        )
+        let (base, rest) = multi_node_url(url, "+cluster")?;
+        Some(node_urls(base, rest))
     }
 
     /// True when the store runs on a Redis Cluster ([`builder_cluster`](Self::builder_cluster)).
