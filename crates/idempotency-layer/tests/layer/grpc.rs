@@ -371,6 +371,43 @@ async fn concurrent_duplicates_over_a_channel_run_once() {
     }
 }
 
+/// Over a tonic `Channel`, the waiters of a layer hold at most `max_waiting_bytes` in all: with
+/// room for two (each counts its 13-byte message and 1 KiB), two duplicates wait and get the
+/// leader's order, and the ones past the bound get ABORTED at once, saying why; the write runs
+/// once.
+#[tokio::test]
+async fn over_a_channel_waiters_are_bounded_by_max_waiting_bytes() {
+    let layer = layer().max_waiting_bytes(2_500);
+    let (addr, orders) = start(layer.clone()).await;
+    let client = grpc_client(addr).await;
+    let calls = (0..10).map(|_| {
+        let mut client = client.clone();
+        async move { unary(&mut client, CREATE, Some("grpc-bounded-1"), order("slow")).await }
+    });
+    let answers = futures_util::future::join_all(calls).await;
+    assert_eq!(
+        orders.created.load(Ordering::SeqCst),
+        1,
+        "the write ran once"
+    );
+    assert_eq!(layer.stats().waited, 2, "two fit in the bytes allowed");
+    let mut refused = 0;
+    for a in answers {
+        match a {
+            Ok(order) => assert_eq!(order.get_ref().id, "order-1"),
+            Err(status) => {
+                assert_eq!(status.code(), Code::Aborted, "{status:?}");
+                assert!(status.message().contains("max_waiting_bytes"), "{status:?}");
+                refused += 1;
+            }
+        }
+    }
+    assert!(
+        refused >= 1,
+        "the duplicates past the bound were turned away"
+    );
+}
+
 /// A gRPC client cannot use a replay without its message: a response too large to record is
 /// replayed as ALREADY_EXISTS that says why, not as an OK with no message (which a unary client
 /// turns into INTERNAL "missing response message").
