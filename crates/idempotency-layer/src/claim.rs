@@ -11,11 +11,12 @@ use tokio::time::Instant;
 
 use crate::config::Config;
 use crate::detached::{self, DetachTo, Kind};
-use crate::observe::{self, Op, StoreKind};
+use crate::observe::{self, Op};
 use crate::shared::Shared;
 use crate::stats::Counters;
 use crate::store::{
-    retry_through_outage, Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token,
+    retry_through_outage, Backend, Begin, Fingerprint, IdempotencyStore, Record, ScopeKey,
+    StoreError, Token,
 };
 use crate::waiters::SharedFailure;
 
@@ -72,7 +73,7 @@ impl<St: IdempotencyStore> ClaimStore for St {
             let (store, scope, token, ttl) = (&*self, held.scope, held.token, held.config.ttl);
             // Shared, so that a retry through an outage resends it without copying it.
             let record = Arc::new(record);
-            let kind = StoreKind::of(store);
+            let kind = store.backend();
             let op = || {
                 observe::timed(
                     Op::Complete,
@@ -96,7 +97,7 @@ impl<St: IdempotencyStore> ClaimStore for St {
     fn release(self: Arc<Self>, held: Held) -> BoxFuture {
         Box::pin(async move {
             let store = &*self;
-            let kind = StoreKind::of(store);
+            let kind = store.backend();
             let op = || observe::timed(Op::Release, kind, store.release(held.scope, held.token));
             let counters = &held.shared.counters;
             match retry_through_outage(held.config.lease, "release", op).await {
@@ -113,7 +114,7 @@ impl<St: IdempotencyStore> ClaimStore for St {
         Box::pin(async move {
             let (store, scope, lease) = (&*self, held.scope, held.config.lease);
             let counters = &held.shared.counters;
-            let kind = StoreKind::of(store);
+            let kind = store.backend();
             // Fenced: the claim row is ours only while no transaction of the handler committed
             // the record, so a release that succeeds proves none did.
             let release = || observe::timed(Op::Release, kind, store.release(scope, held.token));
@@ -157,7 +158,7 @@ impl<St: IdempotencyStore> ClaimStore for St {
     }
 }
 
-pub(crate) fn log_store_error(counters: &Counters, store: StoreKind, op: Op, e: &StoreError) {
+pub(crate) fn log_store_error(counters: &Counters, store: Backend, op: Op, e: &StoreError) {
     let store_op = (op, store);
     let op = op.as_str();
     match e {

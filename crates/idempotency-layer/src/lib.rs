@@ -387,6 +387,7 @@ mod classify;
 mod config;
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
+mod decision;
 mod detached;
 mod future;
 mod key;
@@ -406,7 +407,7 @@ pub mod store;
 // Without a store that can complete in a transaction (feature `postgres`), the layer still
 // judges every leader's response by the ledger, but nothing ever writes one.
 #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-mod tx_ledger;
+mod tx;
 mod waiters;
 
 pub use body::{IdempotencyBody, RequestBody};
@@ -425,9 +426,11 @@ pub use service::Idempotency;
 pub use stats::IdempotencyStats;
 pub use store::{IdempotencyStore, MemoryStore, StoreError};
 #[cfg(feature = "postgres")]
-pub use store::{PostgresStore, PostgresStoreBuilder, TxCompletion, TxCompletionError};
+pub use store::{PostgresStore, PostgresStoreBuilder};
 #[cfg(feature = "redis")]
 pub use store::{RedisStore, RedisStoreBuilder};
+#[cfg(feature = "postgres")]
+pub use tx::{TxCompletion, TxCompletionError};
 
 /// `idempotent-body-omitted`: set to `true` on a replay whose body was too large to record.
 pub const IDEMPOTENT_BODY_OMITTED: http::HeaderName =

@@ -5,14 +5,13 @@
 //! `static` key (the label values are the reasons' and stores' own `&'static str`), so counting
 //! allocates nothing; a store operation reads the clock twice.
 
-use std::any::Any;
 use std::future::Future;
 
 use tracing::field::Empty;
 use tracing::Span;
 
 use crate::reject::RejectReason;
-use crate::store::{IdempotencyStore, MemoryStore};
+use crate::store::Backend;
 
 /// A store operation: the `op` label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,66 +36,12 @@ impl Op {
     }
 }
 
-/// The `store` label: which store a layer uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum StoreKind {
-    Memory,
-    Redis,
-    Postgres,
-    /// Any other [`IdempotencyStore`].
-    Custom,
-}
-
-#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
-impl StoreKind {
-    const ALL: [StoreKind; 4] = [
-        StoreKind::Memory,
-        StoreKind::Redis,
-        StoreKind::Postgres,
-        StoreKind::Custom,
-    ];
-
-    pub(crate) const fn as_str(self) -> &'static str {
-        match self {
-            StoreKind::Memory => "memory",
-            StoreKind::Redis => "redis",
-            StoreKind::Postgres => "postgres",
-            StoreKind::Custom => "custom",
-        }
-    }
-
-    /// The kind of `store` (an [`AnyStore`](crate::store::AnyStore) by the store it holds).
-    /// The type checks fold away once `St` is known.
-    pub(crate) fn of<St: IdempotencyStore>(store: &St) -> StoreKind {
-        let any = store as &dyn Any;
-        if any.is::<MemoryStore>() {
-            return StoreKind::Memory;
-        }
-        #[cfg(feature = "redis")]
-        if any.is::<crate::store::RedisStore>() {
-            return StoreKind::Redis;
-        }
-        #[cfg(feature = "postgres")]
-        if any.is::<crate::store::PostgresStore>() {
-            return StoreKind::Postgres;
-        }
-        match any.downcast_ref::<crate::store::AnyStore>() {
-            Some(crate::store::AnyStore::Memory(_)) => StoreKind::Memory,
-            #[cfg(feature = "redis")]
-            Some(crate::store::AnyStore::Redis(_)) => StoreKind::Redis,
-            #[cfg(feature = "postgres")]
-            Some(crate::store::AnyStore::Postgres(_)) => StoreKind::Postgres,
-            None => StoreKind::Custom,
-        }
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // The span of a write
 
 /// How a write ended: the `idempotency.outcome` attribute of its span.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Outcome {
+pub(crate) enum WriteOutcome {
     /// The handler ran (this request led, or the store failed and `fail_open` is set).
     Executed,
     /// The recorded response was replayed at once.
@@ -109,14 +54,14 @@ pub(crate) enum Outcome {
     Rejected,
 }
 
-impl Outcome {
+impl WriteOutcome {
     const fn as_str(self) -> &'static str {
         match self {
-            Outcome::Executed => "executed",
-            Outcome::Replayed => "replayed",
-            Outcome::Waited => "waited",
-            Outcome::SharedFailure => "shared_failure",
-            Outcome::Rejected => "rejected",
+            WriteOutcome::Executed => "executed",
+            WriteOutcome::Replayed => "replayed",
+            WriteOutcome::Waited => "waited",
+            WriteOutcome::SharedFailure => "shared_failure",
+            WriteOutcome::Rejected => "rejected",
         }
     }
 }
@@ -144,14 +89,14 @@ pub(crate) fn write_span(method: &http::Method, path: &str, grpc: bool) -> Span 
 }
 
 /// Records how the write of `span` ended.
-pub(crate) fn record_outcome(span: &Span, outcome: Outcome) {
+pub(crate) fn record_outcome(span: &Span, outcome: WriteOutcome) {
     span.record("idempotency.outcome", outcome.as_str());
 }
 
 /// Records that the write of `span` was rejected for `reason`.
 pub(crate) fn record_rejection(span: &Span, reason: RejectReason) {
     if !span.is_disabled() {
-        span.record("idempotency.outcome", Outcome::Rejected.as_str());
+        span.record("idempotency.outcome", WriteOutcome::Rejected.as_str());
         span.record("idempotency.reject_reason", reason.as_str());
     }
 }
@@ -165,7 +110,7 @@ mod keys {
 
     use metrics::{Key, Label, Level, Metadata};
 
-    use super::{Op, StoreKind};
+    use super::{Backend, Op};
     use crate::reject::RejectReason;
 
     pub(super) static META: Metadata<'static> =
@@ -183,11 +128,7 @@ mod keys {
     pub(super) static LAPSED: Key = Key::from_static_name("idempotency_layer_lapsed_total");
     pub(super) static DETACHED_REFUSED: Key =
         Key::from_static_name("idempotency_layer_detached_refused_total");
-    pub(super) static MEMORY_NEARLY_FULL: Key =
-        Key::from_static_name("idempotency_layer_memory_store_nearly_full_total");
     pub(super) static IN_FLIGHT: Key = Key::from_static_name("idempotency_layer_in_flight");
-    pub(super) static MEMORY_EVICTED: Key =
-        Key::from_static_name("idempotency_layer_memory_store_evicted_total");
 
     const fn reason(i: usize) -> [Label; 1] {
         [Label::from_static_parts(
@@ -221,7 +162,7 @@ mod keys {
     const fn op_store(op: usize, store: usize) -> [Label; 2] {
         [
             Label::from_static_parts("op", Op::ALL[op].as_str()),
-            Label::from_static_parts("store", StoreKind::ALL[store].as_str()),
+            Label::from_static_parts("store", Backend::ALL[store].as_str()),
         ]
     }
     static OP_STORE: [[[Label; 2]; 4]; 4] = [
@@ -305,10 +246,6 @@ counter_fns! {
     lapsed => LAPSED;
     /// `idempotency_layer_detached_refused_total`
     detached_refused => DETACHED_REFUSED;
-    /// `idempotency_layer_memory_store_nearly_full_total`
-    memory_store_nearly_full => MEMORY_NEARLY_FULL;
-    /// `idempotency_layer_memory_store_evicted_total`
-    memory_store_evicted => MEMORY_EVICTED;
 }
 
 /// `idempotency_layer_in_flight` (a gauge): one more claim held (`+1`) or one fewer (`-1`).
@@ -334,7 +271,7 @@ pub(crate) fn rejected(reason: RejectReason) {
 
 /// `idempotency_layer_store_errors_total{op,store}`
 #[inline]
-pub(crate) fn store_error(op: Op, store: StoreKind) {
+pub(crate) fn store_error(op: Op, store: Backend) {
     #[cfg(feature = "metrics")]
     increment(&keys::STORE_ERRORS[op as usize][store as usize]);
     #[cfg(not(feature = "metrics"))]
@@ -344,7 +281,7 @@ pub(crate) fn store_error(op: Op, store: StoreKind) {
 /// Times a store operation into `idempotency_layer_store_seconds{op,store}` (successes and
 /// failures alike). Without the `metrics` feature: `fut` itself.
 #[cfg(feature = "metrics")]
-pub(crate) async fn timed<F: Future>(op: Op, store: StoreKind, fut: F) -> F::Output {
+pub(crate) async fn timed<F: Future>(op: Op, store: Backend, fut: F) -> F::Output {
     let start = tokio::time::Instant::now();
     let out = fut.await;
     let seconds = start.elapsed().as_secs_f64();
@@ -357,7 +294,7 @@ pub(crate) async fn timed<F: Future>(op: Op, store: StoreKind, fut: F) -> F::Out
 /// failures alike). Without the `metrics` feature: `fut` itself.
 #[cfg(not(feature = "metrics"))]
 #[inline]
-pub(crate) fn timed<F: Future>(op: Op, store: StoreKind, fut: F) -> F {
+pub(crate) fn timed<F: Future>(op: Op, store: Backend, fut: F) -> F {
     let _ = (op, store);
     fut
 }
@@ -371,18 +308,11 @@ mod tests {
         for (i, op) in Op::ALL.into_iter().enumerate() {
             assert_eq!(op as usize, i);
         }
-        for (i, s) in StoreKind::ALL.into_iter().enumerate() {
+        for (i, s) in Backend::ALL.into_iter().enumerate() {
             assert_eq!(s as usize, i);
         }
         for (i, r) in RejectReason::ALL.into_iter().enumerate() {
             assert_eq!(r.index(), i);
         }
-    }
-
-    #[test]
-    fn stores_are_told_apart() {
-        assert_eq!(StoreKind::of(&MemoryStore::new()), StoreKind::Memory);
-        let any = crate::store::AnyStore::Memory(MemoryStore::new());
-        assert_eq!(StoreKind::of(&any), StoreKind::Memory);
     }
 }

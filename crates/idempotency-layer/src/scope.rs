@@ -2,7 +2,8 @@
 
 use std::sync::Arc;
 
-use crate::store::{Fingerprint, ScopeKey};
+use crate::store::hashing::FramedHasher;
+use crate::store::ScopeKey;
 
 /// The authenticated tenant of a request: a request extension that an authentication layer
 /// placed before [`IdempotencyLayer`](crate::IdempotencyLayer) inserts.
@@ -49,7 +50,6 @@ pub struct Scope<'a> {
 }
 
 const SCOPE_DOMAIN: &[u8] = b"idempotency-layer scope v1\0";
-const FINGERPRINT_DOMAIN: &[u8] = b"idempotency-layer fingerprint v1\0";
 
 impl<'a> Scope<'a> {
     /// A scope from its parts.
@@ -108,7 +108,7 @@ pub(crate) fn http_scope_key(
 /// part, its pieces concatenated) and `key`, fed to the hasher piece by piece (BLAKE3 hashes a
 /// stream: the result is the hash of the whole encoding, with no buffer to build).
 fn scope_key(tenant: &str, method_pieces: &[&[u8]], key: &str) -> ScopeKey {
-    let mut h = Batched::new(SCOPE_DOMAIN);
+    let mut h = FramedHasher::new(SCOPE_DOMAIN);
     h.part(tenant.as_bytes());
     let method_len: usize = method_pieces.iter().map(|p| p.len()).sum();
     h.push(&(method_len as u64).to_le_bytes());
@@ -119,89 +119,10 @@ fn scope_key(tenant: &str, method_pieces: &[&[u8]], key: &str) -> ScopeKey {
     ScopeKey(h.finish())
 }
 
-/// A BLAKE3 hasher fed through a buffer on the stack. Each `update` call has a fixed cost, which
-/// the many short pieces of an encoding (8-byte lengths, a method, a path) would each pay; here
-/// they are gathered and hashed in one call. An encoding that fits the buffer (most scope keys
-/// and the fingerprints of small bodies) is hashed at once by [`blake3::hash`], and the
-/// incremental hasher (about 2 KB, moved and initialised at a cost of its own) is made only for
-/// longer ones. The bytes hashed, and so the hash, are the same either way.
-struct Batched {
-    buf: [u8; 256],
-    len: usize,
-    /// Made when the encoding outgrows `buf`.
-    hasher: Option<Box<blake3::Hasher>>,
-}
-
-impl Batched {
-    fn new(domain: &[u8]) -> Self {
-        let mut b = Batched {
-            buf: [0; 256],
-            len: 0,
-            hasher: None,
-        };
-        b.push(domain);
-        b
-    }
-
-    /// `bytes` as a part of the encoding: its 8-byte little-endian length, then itself.
-    fn part(&mut self, bytes: &[u8]) {
-        self.push(&(bytes.len() as u64).to_le_bytes());
-        self.push(bytes);
-    }
-
-    fn push(&mut self, bytes: &[u8]) {
-        let room = self.buf.len();
-        if self.len + bytes.len() > room {
-            let hasher = self.flush();
-            if bytes.len() > room {
-                hasher.update(bytes);
-                return;
-            }
-        }
-        self.buf[self.len..self.len + bytes.len()].copy_from_slice(bytes);
-        self.len += bytes.len();
-    }
-
-    /// Hashes what the buffer holds into the incremental hasher (made now if need be).
-    fn flush(&mut self) -> &mut blake3::Hasher {
-        let hasher = self.hasher.get_or_insert_with(Default::default);
-        hasher.update(&self.buf[..self.len]);
-        self.len = 0;
-        hasher
-    }
-
-    fn finish(mut self) -> [u8; 32] {
-        if self.hasher.is_none() {
-            return *blake3::hash(&self.buf[..self.len]).as_bytes();
-        }
-        *self.flush().finalize().as_bytes()
-    }
-}
-
-/// The fingerprint of a request: method, path, query, content type and body, each
-/// length-prefixed, hashed with BLAKE3. [`Fingerprint::of_request`] is this, public.
-pub(crate) fn fingerprint(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
-    let content_type = parts
-        .headers
-        .get(http::header::CONTENT_TYPE)
-        .map(|v| v.as_bytes())
-        .unwrap_or_default();
-    let mut h = Batched::new(FINGERPRINT_DOMAIN);
-    for part in [
-        parts.method.as_str().as_bytes(),
-        parts.uri.path().as_bytes(),
-        parts.uri.query().unwrap_or_default().as_bytes(),
-        content_type,
-        body,
-    ] {
-        h.part(part);
-    }
-    Fingerprint(h.finish())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::hashing::{fingerprint, FINGERPRINT_DOMAIN};
     use proptest::prelude::*;
 
     /// Stored records are found by scope key and checked by fingerprint across instances,

@@ -24,25 +24,43 @@ use tracing::{Instrument, Span};
 
 use crate::body::{IdempotencyBody, RequestBody};
 use crate::claim::{log_store_error, Claim, Settled};
-use crate::config::{Config, InFlight, OnDisconnect, TenantSource};
+use crate::config::{Config, OnDisconnect, TenantSource};
+use crate::decision::{self, Asking, Next};
 use crate::detached::{DetachOnDrop, DetachTo};
 use crate::future::ResponseFuture;
 use crate::key::extract_key;
-use crate::observe::{self, Op, Outcome, StoreKind};
+use crate::observe::{self, Op, WriteOutcome};
 use crate::protocol::Protocol;
 use crate::recorder::Recording;
 use crate::recording::{self, AtHead};
 use crate::reject::{render, RejectReason};
-use crate::scope::{fingerprint, http_scope_key, Scope, Tenant};
+use crate::scope::{http_scope_key, Scope, Tenant};
 use crate::shared::Shared;
-use crate::stats::IdempotencyStats;
+use crate::stats::{Counters, IdempotencyStats};
+use crate::store::hashing::fingerprint;
 use crate::store::{
-    Begin, BoxError, Fingerprint, IdempotencyStore, MemoryStore, Record, ScopeKey, StoreError,
+    Backend, BoxError, Fingerprint, IdempotencyStore, MemoryStore, Record, ScopeKey, StoreError,
     TenantKey,
 };
-use crate::tx_ledger::{self, Offer, TxLedger, Verdict};
+use crate::tx::{self, Offer, TxLedger, TxOutcome};
 use crate::waiters::{Refused, SharedFailure};
 use crate::IDEMPOTENT_BODY_OMITTED;
+
+/// Logs and counts a `begin` that failed: a corrupt entry (an error: only an operator can
+/// help), a full store (a warning: the store is up), or the store failing.
+fn note_begin_failed(counters: &Counters, kind: Backend, scope: ScopeKey, e: &StoreError) {
+    match e {
+        StoreError::Corrupt(what) => {
+            counters.store_error();
+            observe::store_error(Op::Begin, kind);
+            tracing::error!(?scope, error = %what, "idempotency: the stored entry of this key is corrupt; nothing executed");
+        }
+        StoreError::Full => {
+            tracing::warn!(?scope, "idempotency: the store is full; nothing executed");
+        }
+        e => log_store_error(counters, kind, Op::Begin, e),
+    }
+}
 
 /// Why the leader's handler produced no response.
 struct Panicked;
@@ -340,7 +358,7 @@ where
             let cfg = &*self.config;
             let counters = &self.shared.counters;
             let scope = self.scope;
-            let kind = StoreKind::of(&*self.store);
+            let kind = self.store.backend();
             // A gRPC request's own deadline bounds the reading of its body and its wait.
             let (deadline, body_deadline) = {
                 let grpc_timeout = grpc_timeout(&parts);
@@ -393,19 +411,25 @@ where
                 Some(of) => of(&parts, &bytes),
                 None => fingerprint(&parts, &bytes),
             };
-            let mismatch = "this idempotency key was used with a different request (method, path, \
-                            query, content type or body); use a new key for a new request";
 
-            let mut waited = false;
+            let mut asking = Asking {
+                fingerprint: fp,
+                waited: false,
+                in_flight: cfg.in_flight,
+                fail_open: cfg.fail_open,
+            };
             // This request's place among the waiters of its scope, held while it waits.
             let mut slot = None;
             loop {
                 let begin = self
                     .store
                     .begin_for_tenant(self.tenant, scope, fp, cfg.lease);
-                let begin = observe::timed(Op::Begin, kind, begin);
-                match begin.await {
-                    Ok(Begin::New(token)) => {
+                let found = observe::timed(Op::Begin, kind, begin).await;
+                if let Err(e) = &found {
+                    note_begin_failed(counters, kind, scope, e);
+                }
+                let token = match decision::after_begin(found, &asking) {
+                    Next::Lead(token) => {
                         drop(slot.take());
                         // Built in a block, so the request and the claim it moves into the
                         // leader are not kept beside it while it runs.
@@ -417,7 +441,7 @@ where
                                 &self.config,
                                 &self.shared,
                             );
-                            let ledger = tx_ledger::offer(
+                            let ledger = tx::offer(
                                 &*self.store,
                                 &mut parts.extensions,
                                 Offer {
@@ -433,175 +457,123 @@ where
                         };
                         return leader.await;
                     }
-                    Ok(Begin::Completed(record)) => {
-                        if record.fingerprint != fp {
-                            return Ok(self.reject(RejectReason::Mismatch, mismatch));
-                        }
+                    Next::Replay(record, outcome) => {
                         counters.replayed();
-                        let outcome = if waited {
-                            Outcome::Waited
-                        } else {
-                            Outcome::Replayed
-                        };
                         observe::record_outcome(&self.span, outcome);
-                        tracing::debug!(?scope, waited, "idempotency: replayed");
+                        tracing::debug!(?scope, waited = asking.waited, "idempotency: replayed");
                         return Ok(replay(
                             &record,
                             self.protocol.is_grpc(),
                             cfg.max_record_bytes,
                         ));
                     }
-                    Ok(Begin::InFlight { token, fingerprint }) => {
-                        if fingerprint != fp {
-                            return Ok(self.reject(RejectReason::Mismatch, mismatch));
-                        }
-                        if cfg.in_flight == InFlight::Reject {
+                    Next::Reject(reason, detail) => return Ok(self.reject(reason, &detail)),
+                    Next::ExecuteUnprotected => {
+                        counters.failed_open();
+                        observe::record_outcome(&self.span, WriteOutcome::Executed);
+                        tracing::warn!(
+                            "idempotency: store failed; executing without protection (fail_open)"
+                        );
+                        // Boxed, like the leader's call: rare, and as large as the handler's
+                        // future.
+                        let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                        let run = Box::pin(call_inner(self.inner, req));
+                        return Ok(run.await?.map(IdempotencyBody::inner));
+                    }
+                    Next::Wait(token) => token,
+                };
+                if slot.is_none() {
+                    let entered = self.shared.waiters.enter(
+                        scope,
+                        cfg.max_waiters,
+                        bytes.len(),
+                        cfg.max_waiting_bytes,
+                    );
+                    match entered {
+                        // Boxed: only a waiter needs it.
+                        Ok(place) => slot = Some(Box::new(place)),
+                        Err(Refused::KeyFull) => {
                             return Ok(self.reject(
                                 RejectReason::InFlight,
-                                "a request with this idempotency key is in flight; retry after it \
-                                 completes",
-                            ));
+                                "too many requests with this idempotency key are waiting for the \
+                                 one in flight; retry after it completes",
+                            ))
                         }
-                        if slot.is_none() {
-                            let entered = self.shared.waiters.enter(
-                                scope,
-                                cfg.max_waiters,
-                                bytes.len(),
-                                cfg.max_waiting_bytes,
-                            );
-                            match entered {
-                                // Boxed: only a waiter needs it.
-                                Ok(place) => slot = Some(Box::new(place)),
-                                Err(Refused::KeyFull) => {
-                                    return Ok(self.reject(
-                                        RejectReason::InFlight,
-                                        "too many requests with this idempotency key are waiting \
-                                         for the one in flight; retry after it completes",
-                                    ))
-                                }
-                                Err(Refused::LayerFull) => {
-                                    return Ok(self.reject(
-                                        RejectReason::InFlight,
-                                        "too many duplicate requests are waiting in this server \
-                                         (max_waiting_bytes); retry after the one in flight \
-                                         completes",
-                                    ))
-                                }
-                            }
+                        Err(Refused::LayerFull) => {
+                            return Ok(self.reject(
+                                RejectReason::InFlight,
+                                "too many duplicate requests are waiting in this server \
+                                 (max_waiting_bytes); retry after the one in flight completes",
+                            ))
                         }
-                        if !waited {
-                            waited = true;
-                            counters.waited();
-                            // A waiter holds none of the inner service's capacity.
-                            self.inner.release_capacity();
+                    }
+                }
+                if !asking.waited {
+                    asking.waited = true;
+                    counters.waited();
+                    // A waiter holds none of the inner service's capacity.
+                    self.inner.release_capacity();
+                    tracing::debug!(?scope, "idempotency: waiting for the request in flight");
+                }
+                let Some(place) = slot.as_ref() else {
+                    unreachable!("a waiter has its place")
+                };
+                // Boxed: the store's wait and its timer are as large as the rest of the write's
+                // future, and only a duplicate in flight needs them.
+                let woken = Box::pin(async {
+                    // Registered before the failure is looked for: a hand-over in between wakes
+                    // it.
+                    let mut failed = std::pin::pin!(place.notified());
+                    failed.as_mut().enable();
+                    if place.failure(token).is_some() {
+                        return Ok(Ok(()));
+                    }
+                    let wake = async {
+                        tokio::select! {
+                            r = self.store.wait(scope, token) => r,
+                            () = failed => Ok(()),
+                        }
+                    };
+                    match deadline {
+                        Some(deadline) => tokio::time::timeout_at(deadline, wake).await,
+                        // A wait too long for the clock to express: unbounded.
+                        None => Ok(wake.await),
+                    }
+                });
+                match woken.await {
+                    Ok(Ok(())) => {
+                        // The leader failed without a record: its failure is this request's
+                        // answer, and the key is free for the client's retry.
+                        if let Some(failure) = place.failure(token) {
+                            counters.shared_failure();
+                            observe::record_outcome(&self.span, WriteOutcome::SharedFailure);
                             tracing::debug!(
                                 ?scope,
-                                "idempotency: waiting for the request in flight"
+                                "idempotency: the request in flight failed; answering with its \
+                                 failure"
                             );
-                        }
-                        let Some(place) = slot.as_ref() else {
-                            unreachable!("a waiter has its place")
-                        };
-                        // Boxed: the store's wait and its timer are as large as the rest of the
-                        // write's future, and only a duplicate in flight needs them.
-                        let woken = Box::pin(async {
-                            // Registered before the failure is looked for: a hand-over in
-                            // between wakes it.
-                            let mut failed = std::pin::pin!(place.notified());
-                            failed.as_mut().enable();
-                            if place.failure(token).is_some() {
-                                return Ok(Ok(()));
-                            }
-                            let wake = async {
-                                tokio::select! {
-                                    r = self.store.wait(scope, token) => r,
-                                    () = failed => Ok(()),
-                                }
-                            };
-                            match deadline {
-                                Some(deadline) => tokio::time::timeout_at(deadline, wake).await,
-                                // A wait too long for the clock to express: unbounded.
-                                None => Ok(wake.await),
-                            }
-                        });
-                        match woken.await {
-                            Ok(Ok(())) => {
-                                // The leader failed without a record: its failure is this
-                                // request's answer, and the key is free for the client's retry.
-                                if let Some(failure) = place.failure(token) {
-                                    counters.shared_failure();
-                                    observe::record_outcome(&self.span, Outcome::SharedFailure);
-                                    tracing::debug!(
-                                        ?scope,
-                                        "idempotency: the request in flight failed; answering \
-                                         with its failure"
-                                    );
-                                    return Ok(match failure {
-                                        SharedFailure::Answer(answer) => shared_failure(&answer),
-                                        SharedFailure::Reject(reason) => self.reject(
-                                            reason,
-                                            "the request in flight with this idempotency key \
-                                             failed and nothing was recorded; a retry executes \
-                                             again",
-                                        ),
-                                    });
-                                }
-                                continue;
-                            }
-                            Ok(Err(e)) => {
-                                log_store_error(counters, kind, Op::Wait, &e);
-                                return Ok(self.reject(
-                                    RejectReason::StoreUnavailable,
-                                    "idempotency store unavailable while waiting; retry later",
-                                ));
-                            }
-                            Err(_) => return Ok(self.reject(
-                                RejectReason::InFlight,
-                                "a request with this idempotency key is still in flight; retry \
-                                     later",
-                            )),
+                            return Ok(match failure {
+                                SharedFailure::Answer(answer) => shared_failure(&answer),
+                                SharedFailure::Reject(reason) => self.reject(
+                                    reason,
+                                    "the request in flight with this idempotency key failed and \
+                                     nothing was recorded; a retry executes again",
+                                ),
+                            });
                         }
                     }
-                    Err(StoreError::Corrupt(what)) => {
-                        // Not an outage: retrying cannot help and executing could run the write
-                        // twice, so neither fail open nor answer a retryable 503. The key stays
-                        // unusable until its entry expires or an operator forgets it.
-                        counters.store_error();
-                        observe::store_error(Op::Begin, kind);
-                        tracing::error!(?scope, error = %what, "idempotency: the stored entry of this key is corrupt; nothing executed");
-                        let detail = format!(
-                            "the stored record of this idempotency key cannot be read (corrupt \
-                             entry {scope:?}); nothing was executed: use a new key, or have an \
-                             operator forget this one"
-                        );
-                        return Ok(self.reject(RejectReason::Internal, &detail));
-                    }
-                    Err(StoreError::Full) => {
-                        // Not an outage either: the store is up and refused to take more. Never
-                        // run a write without its claim for that, even with `fail_open`.
-                        tracing::warn!(?scope, "idempotency: the store is full; nothing executed");
-                        return Ok(self.reject(
-                            RejectReason::StoreFull,
-                            "the idempotency store has no room for a new request now; nothing \
-                             was executed, retry later",
-                        ));
-                    }
-                    Err(e) => {
-                        log_store_error(counters, kind, Op::Begin, &e);
-                        if cfg.fail_open {
-                            counters.failed_open();
-                            observe::record_outcome(&self.span, Outcome::Executed);
-                            tracing::warn!(error = %e, "idempotency: store failed; executing without protection (fail_open)");
-                            // Boxed, like the leader's call: rare, and as large as the handler's
-                            // future.
-                            let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-                            let run = Box::pin(call_inner(self.inner, req));
-                            return Ok(run.await?.map(IdempotencyBody::inner));
-                        }
+                    Ok(Err(e)) => {
+                        log_store_error(counters, kind, Op::Wait, &e);
                         return Ok(self.reject(
                             RejectReason::StoreUnavailable,
-                            "idempotency store unavailable; nothing was executed, retry later",
+                            "idempotency store unavailable while waiting; retry later",
                         ));
+                    }
+                    Err(_) => {
+                        return Ok(self.reject(
+                            RejectReason::InFlight,
+                            "a request with this idempotency key is still in flight; retry later",
+                        ))
                     }
                 }
             }
@@ -630,7 +602,7 @@ where
         ResB::Error: Into<BoxError>,
     {
         self.shared.counters.executed();
-        observe::record_outcome(&self.span, Outcome::Executed);
+        observe::record_outcome(&self.span, WriteOutcome::Executed);
         tracing::debug!("idempotency: executing");
         let Write {
             inner,
@@ -750,17 +722,17 @@ where
             }
         };
         let (mut parts, body) = res.into_parts();
-        let verdict = ledger.map_or(Verdict::Unused, |l| l.judge(Some(&mut parts.extensions)));
+        let verdict = ledger.map_or(TxOutcome::Unused, |l| l.judge(Some(&mut parts.extensions)));
         match verdict {
-            Verdict::Unused => {}
-            Verdict::Committed => {
+            TxOutcome::Unused => {}
+            TxOutcome::Committed => {
                 claim.recorded_in_transaction();
                 return Ok(Ok(Response::from_parts(
                     parts,
                     IdempotencyBody::inner(body),
                 )));
             }
-            Verdict::InDoubt => {
+            TxOutcome::InDoubt => {
                 // Dropped mid-way (the client went away), the store operations still complete.
                 let detach = claim.detach_to("settle a transactional completion");
                 let settled =
@@ -899,8 +871,8 @@ async fn end_without_response(
     fp: Fingerprint,
     failure: impl FnOnce() -> SharedFailure,
 ) -> Option<Arc<Record>> {
-    match ledger.map_or(Verdict::Unused, |l| l.judge(None)) {
-        Verdict::Unused => {
+    match ledger.map_or(TxOutcome::Unused, |l| l.judge(None)) {
+        TxOutcome::Unused => {
             claim.share_failure(failure);
             claim.release_in_background();
             None

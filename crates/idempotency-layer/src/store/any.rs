@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{
-    Begin, Fingerprint, IdempotencyStore, MemoryStore, Record, ScopeKey, StoreError, TenantKey,
-    Token,
+    Backend, Begin, Fingerprint, IdempotencyStore, MemoryStore, Record, ScopeKey, StoreError,
+    TenantKey, Token,
 };
 
 /// Any of the stores this crate has, chosen at run time (say from a `--store` flag or an
@@ -208,6 +208,24 @@ impl IdempotencyStore for AnyStore {
 
     async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
         each!(self, s => s.forget(scope))
+    }
+
+    fn backend(&self) -> Backend {
+        match self {
+            AnyStore::Memory(s) => s.backend(),
+            #[cfg(feature = "redis")]
+            AnyStore::Redis(s) => s.backend(),
+            #[cfg(feature = "postgres")]
+            AnyStore::Postgres(s) => s.backend(),
+        }
+    }
+
+    #[cfg(feature = "postgres")]
+    fn postgres(&self) -> Option<&super::PostgresStore> {
+        match self {
+            AnyStore::Postgres(s) => Some(s),
+            _ => None,
+        }
     }
 }
 

@@ -28,12 +28,13 @@ use http::{HeaderMap, StatusCode};
 
 mod any;
 #[cfg(any(feature = "redis", feature = "postgres"))]
-mod codec;
+pub(crate) mod codec;
+pub(crate) mod hashing;
 mod memory;
 #[cfg(any(feature = "redis", feature = "postgres"))]
 mod near_cache;
 #[cfg(feature = "postgres")]
-mod postgres;
+pub(crate) mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
 #[cfg(any(feature = "redis", feature = "postgres"))]
@@ -42,7 +43,7 @@ mod wake;
 #[cfg(any(feature = "redis", feature = "postgres"))]
 pub use self::near_cache::{NearCache, NearCacheStats};
 #[cfg(feature = "postgres")]
-pub use self::postgres::{PostgresStore, PostgresStoreBuilder, TxCompletion, TxCompletionError};
+pub use self::postgres::{PostgresStore, PostgresStoreBuilder};
 
 /// Encodes a [`Record`] as the shared stores (`RedisStore`, `PostgresStore`) write it:
 /// a version byte and a postcard-encoded struct, which [`decode_record`] reads back.
@@ -321,7 +322,7 @@ impl Fingerprint {
     /// [`fingerprint_fn`](crate::IdempotencyLayer::fingerprint_fn) of your own can call it with
     /// a canonical form of the body.
     pub fn of_request(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
-        crate::scope::fingerprint(parts, body)
+        hashing::fingerprint(parts, body)
     }
 }
 
@@ -500,6 +501,41 @@ impl std::error::Error for StoreError {
     }
 }
 
+/// Which kind of store a layer uses: the `store` label of its metrics
+/// ([`IdempotencyStore::backend`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Backend {
+    /// [`MemoryStore`].
+    Memory,
+    /// `RedisStore` (feature `redis`).
+    Redis,
+    /// `PostgresStore` (feature `postgres`).
+    Postgres,
+    /// Any other store.
+    Custom,
+}
+
+impl Backend {
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    pub(crate) const ALL: [Backend; 4] = [
+        Backend::Memory,
+        Backend::Redis,
+        Backend::Postgres,
+        Backend::Custom,
+    ];
+
+    /// The label value: `memory`, `redis`, `postgres` or `custom`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Backend::Memory => "memory",
+            Backend::Redis => "redis",
+            Backend::Postgres => "postgres",
+            Backend::Custom => "custom",
+        }
+    }
+}
+
 /// Where claims and records live. See the [module docs](self) for the protocol.
 ///
 /// Implementations are cheap to clone (a handle to shared state), and every method is atomic on
@@ -596,6 +632,51 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// Removes whatever `scope` holds (record or claim); true if there was something. A claim
     /// that is forgotten is fenced: its leader's `complete` is refused.
     fn forget(&self, scope: ScopeKey) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Which kind of store this is: the `store` label of the layer's metrics. The default is
+    /// [`Backend::Custom`].
+    ///
+    /// A store that wraps another (to add metrics, tracing or faults) returns the wrapped
+    /// store's, as it forwards [`postgres`](Self::postgres).
+    fn backend(&self) -> Backend {
+        Backend::Custom
+    }
+
+    /// The [`PostgresStore`] this store is, or wraps (feature `postgres`). The default is
+    /// `None`.
+    ///
+    /// When it is `Some`, the layer hands the handler of each request that holds a claim a
+    /// [`TxCompletion`](crate::TxCompletion), to record its response in its own transaction on
+    /// that database. A store that wraps a `PostgresStore` (to add metrics, say) forwards this,
+    /// or its handlers silently lose transactional completion:
+    ///
+    /// ```
+    /// # use idempotency_layer::store::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token};
+    /// # use idempotency_layer::PostgresStore;
+    /// # use std::{sync::Arc, time::Duration};
+    /// #[derive(Clone)]
+    /// struct Counted(PostgresStore);
+    ///
+    /// impl IdempotencyStore for Counted {
+    ///     fn postgres(&self) -> Option<&PostgresStore> {
+    ///         Some(&self.0)
+    ///     }
+    ///     fn backend(&self) -> idempotency_layer::store::Backend {
+    ///         self.0.backend()
+    ///     }
+    ///     // ... and every operation forwarded to `self.0`, counted:
+    /// #   async fn begin(&self, s: ScopeKey, f: Fingerprint, l: Duration) -> Result<Begin, StoreError> { self.0.begin(s, f, l).await }
+    /// #   async fn complete(&self, s: ScopeKey, t: Token, r: Arc<Record>, ttl: Duration) -> Result<(), StoreError> { self.0.complete(s, t, r, ttl).await }
+    /// #   async fn release(&self, s: ScopeKey, t: Token) -> Result<(), StoreError> { self.0.release(s, t).await }
+    /// #   async fn renew(&self, s: ScopeKey, t: Token, l: Duration) -> Result<(), StoreError> { self.0.renew(s, t, l).await }
+    /// #   async fn wait(&self, s: ScopeKey, t: Token) -> Result<(), StoreError> { self.0.wait(s, t).await }
+    /// #   async fn forget(&self, s: ScopeKey) -> Result<bool, StoreError> { self.0.forget(s).await }
+    /// }
+    /// ```
+    #[cfg(feature = "postgres")]
+    fn postgres(&self) -> Option<&PostgresStore> {
+        None
+    }
 }
 
 #[cfg(all(test, any(feature = "redis", feature = "postgres")))]

@@ -21,7 +21,9 @@ use futures_util::stream;
 use http::{HeaderMap, HeaderValue, Method, Request, StatusCode};
 use http_body::Frame;
 use http_body_util::{Full, StreamBody};
-use idempotency_layer::store::{decode_record, AnyStore, ScopeKey};
+use idempotency_layer::store::{
+    decode_record, AnyStore, Backend, Begin, Fingerprint, Record, ScopeKey, StoreError, Token,
+};
 use idempotency_layer::{
     IdempotencyLayer, IdempotencyStore, MemoryStore, PostgresStore, Scope, TxCompletion,
     TxCompletionError,
@@ -69,6 +71,7 @@ for_each_kind!(
     a_transaction_on_another_database_is_refused_and_the_claim_released,
     duplicates_at_once_make_one_order,
     the_record_written_in_the_transaction_is_the_layers_byte_for_byte,
+    a_wrapper_store_keeps_transactional_completion,
 );
 
 /// The client a handler's transactions are on.
@@ -391,6 +394,99 @@ async fn the_order_and_its_record_commit_in_one_transaction_and_duplicates_repla
         "nothing released: the claims were completed"
     );
     assert_eq!(stats.store_errors, 0);
+    db.drop().await;
+}
+
+/// A store of a user's own around a `PostgresStore` (here it counts the claims it passes on),
+/// as a metrics or tracing wrapper would be: it forwards every operation, and the two
+/// capabilities, `postgres` and `backend`.
+#[derive(Clone)]
+struct Counted {
+    inner: PostgresStore,
+    begins: Arc<AtomicUsize>,
+}
+
+impl IdempotencyStore for Counted {
+    async fn begin(
+        &self,
+        scope: ScopeKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+    ) -> Result<Begin, StoreError> {
+        self.begins.fetch_add(1, Ordering::SeqCst);
+        self.inner.begin(scope, fingerprint, lease).await
+    }
+    async fn complete(
+        &self,
+        scope: ScopeKey,
+        token: Token,
+        record: Arc<Record>,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.complete(scope, token, record, ttl).await
+    }
+    async fn release(&self, scope: ScopeKey, token: Token) -> Result<(), StoreError> {
+        self.inner.release(scope, token).await
+    }
+    async fn renew(
+        &self,
+        scope: ScopeKey,
+        token: Token,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.renew(scope, token, lease).await
+    }
+    async fn wait(&self, scope: ScopeKey, observed: Token) -> Result<(), StoreError> {
+        self.inner.wait(scope, observed).await
+    }
+    async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
+        self.inner.forget(scope).await
+    }
+    fn backend(&self) -> Backend {
+        self.inner.backend()
+    }
+    fn postgres(&self) -> Option<&PostgresStore> {
+        Some(&self.inner)
+    }
+}
+
+/// A store that wraps a `PostgresStore` keeps every capability: its handlers get
+/// `TxCompletion` (the handler's extractor fails with 500 without it), the record commits with
+/// the order, and the layer leaves the claim as the commit left it.
+async fn a_wrapper_store_keeps_transactional_completion(kind: Kind) {
+    let Some(db) = Db::open().await else { return };
+    let executions = Arc::new(AtomicUsize::new(0));
+    let wrapper = Counted {
+        inner: db.store.clone(),
+        begins: Arc::new(AtomicUsize::new(0)),
+    };
+    assert_eq!(wrapper.backend(), Backend::Postgres);
+    let layer = IdempotencyLayer::new(wrapper.clone());
+    let addr = serve(app(
+        &layer,
+        create_order_in_one_transaction(db.pool(kind).await, db.schema.clone(), executions.clone()),
+    ))
+    .await;
+    let client = client();
+    let key = unique("order-");
+    let first = send(&client, order(addr, &key, "a book")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(
+        db.written_together(&key, order_scope(&key)).await,
+        "the order row and the record were written by one transaction"
+    );
+    let retry = send(&client, order(addr, &key, "a book")).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(db.orders(&key).await, 1, "one order row");
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        wrapper.begins.load(Ordering::SeqCst),
+        2,
+        "the claims went through the wrapper"
+    );
+    let stats = layer.stats();
+    assert_eq!((stats.recorded, stats.released), (1, 0), "{stats:?}");
     db.drop().await;
 }
 

@@ -10,12 +10,12 @@ use http_body_util::BodyExt;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::Transaction;
 
-use super::{affected, codec, CompleteParams, PostgresStore};
+use super::ledger::{Offer, RecordedInTx, TxLedger};
 use crate::body::IdempotencyBody;
 use crate::config::Config;
 use crate::recording::{self, AtHead, Finished, RecordBuilder};
-use crate::store::{BoxError, Fingerprint, ScopeKey, StoreError, Token};
-use crate::tx_ledger::{Offer, RecordedInTx, TxLedger};
+use crate::store::postgres::{affected, CompleteParams};
+use crate::store::{codec, BoxError, Fingerprint, PostgresStore, ScopeKey, StoreError, Token};
 
 /// Completes the claim of the request being handled inside the handler's own PostgreSQL
 /// transaction, so the handler's side effects and the idempotency record commit (or roll back)
@@ -256,7 +256,7 @@ impl TxCompletion {
         };
         let params = write.params(self);
         let rows = tx
-            .query_typed(&self.store.inner.sql.complete, &params.typed())
+            .query_typed(self.store.complete_statement(), &params.typed())
             .await
             .map_err(|e| match e.code() {
                 Some(&SqlState::UNDEFINED_TABLE) => TxCompletionError::OtherDatabase,
@@ -380,7 +380,7 @@ impl TxCompletion {
         };
         let params = write.params(self);
         let row = params
-            .bind(sqlx::query(&self.store.inner.sql.complete))
+            .bind(sqlx::query(self.store.complete_statement()))
             .fetch_one(&mut **tx)
             .await
             .map_err(|e| match &e {

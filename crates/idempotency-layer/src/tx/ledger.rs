@@ -38,7 +38,7 @@ pub(crate) struct RecordedInTx {
 
 /// What the layer makes of the handler's response.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Verdict {
+pub(crate) enum TxOutcome {
     /// The handler wrote nothing in a transaction: the layer records (or releases) as usual.
     Unused,
     /// The response is the one the handler's last write recorded, returned after its commit: the
@@ -81,7 +81,7 @@ impl TxLedger {
 
     /// The handler returned with a response whose extensions are `extensions` (none for an
     /// error or a panic): judge it, once. The marker is taken out of the extensions.
-    pub(crate) fn judge(&self, extensions: Option<&mut Extensions>) -> Verdict {
+    pub(crate) fn judge(&self, extensions: Option<&mut Extensions>) -> TxOutcome {
         let marker = extensions.and_then(|e| e.remove::<RecordedInTx>());
         let mut st = self.lock();
         st.judged = true;
@@ -90,9 +90,9 @@ impl TxLedger {
             write: st.writes,
         };
         match (st.writes, marker) {
-            (0, _) => Verdict::Unused,
-            (_, Some(m)) if m == last => Verdict::Committed,
-            _ => Verdict::InDoubt,
+            (0, _) => TxOutcome::Unused,
+            (_, Some(m)) if m == last => TxOutcome::Committed,
+            _ => TxOutcome::InDoubt,
         }
     }
 }
@@ -108,8 +108,9 @@ pub(crate) struct Offer<'a> {
 }
 
 /// Offers the handler transactional completion of the claim, as a request extension, when the
-/// store can do it (a `PostgresStore`, or an `AnyStore` holding one); the ledger the layer
-/// judges the handler's response by. `None`: nothing offered, the layer records as usual.
+/// store can do it ([`IdempotencyStore::postgres`]: a `PostgresStore`, or a store that holds
+/// one and says so); the ledger the layer judges the handler's response by. `None`: nothing
+/// offered, the layer records as usual.
 #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
 pub(crate) fn offer<St: IdempotencyStore>(
     store: &St,
@@ -117,13 +118,9 @@ pub(crate) fn offer<St: IdempotencyStore>(
     offer: Offer<'_>,
 ) -> Option<Arc<TxLedger>> {
     #[cfg(feature = "postgres")]
-    if let Some(pg) = crate::store::PostgresStore::of(store) {
+    if let Some(pg) = store.postgres() {
         let ledger = Arc::new(TxLedger::new(offer.token));
-        extensions.insert(crate::store::TxCompletion::new(
-            pg.clone(),
-            offer,
-            ledger.clone(),
-        ));
+        extensions.insert(super::TxCompletion::new(pg.clone(), offer, ledger.clone()));
         return Some(ledger);
     }
     None
@@ -147,14 +144,14 @@ mod tests {
         // The first transaction's response is stale once a second write was sent.
         assert_eq!(
             ledger.judge(Some(&mut response_carrying(first))),
-            Verdict::InDoubt
+            TxOutcome::InDoubt
         );
 
         let ledger = TxLedger::new(Token(7));
         ledger.start_write().unwrap();
         let last = ledger.start_write().unwrap();
         let mut ext = response_carrying(last);
-        assert_eq!(ledger.judge(Some(&mut ext)), Verdict::Committed);
+        assert_eq!(ledger.judge(Some(&mut ext)), TxOutcome::Committed);
         assert!(
             ext.get::<RecordedInTx>().is_none(),
             "the marker is taken out"
@@ -168,18 +165,25 @@ mod tests {
     #[test]
     fn no_write_is_unused_and_a_foreign_or_missing_marker_is_in_doubt() {
         let ledger = TxLedger::new(Token(1));
-        assert_eq!(ledger.judge(Some(&mut Extensions::new())), Verdict::Unused);
+        assert_eq!(
+            ledger.judge(Some(&mut Extensions::new())),
+            TxOutcome::Unused
+        );
 
         let ledger = TxLedger::new(Token(1));
         let other = TxLedger::new(Token(2)).start_write().unwrap();
         ledger.start_write().unwrap();
         assert_eq!(
             ledger.judge(Some(&mut response_carrying(other))),
-            Verdict::InDoubt
+            TxOutcome::InDoubt
         );
 
         let ledger = TxLedger::new(Token(1));
         ledger.start_write().unwrap();
-        assert_eq!(ledger.judge(None), Verdict::InDoubt, "an error or a panic");
+        assert_eq!(
+            ledger.judge(None),
+            TxOutcome::InDoubt,
+            "an error or a panic"
+        );
     }
 }

@@ -1,0 +1,461 @@
+//! The embedded store: sharded maps in this process, bounded as a whole.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::{
+    Backend, Begin, FastMap, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError,
+    TenantKey, Token, FOREVER,
+};
+
+mod builder;
+mod shard;
+
+pub use self::builder::MemoryStoreBuilder;
+use self::shard::*;
+
+/// How many expired records one operation on a shard removes at most, so cleanup is incremental
+/// and bounded.
+const CLEANUP_PER_OP: usize = 8;
+
+/// How many records from the front of a shard's expiry queue one eviction looks at, at most.
+const EVICTION_SCAN: usize = 256;
+
+/// How many boxes of completed claims a shard keeps for its next claims.
+const SPARE_CLAIMS: usize = 4;
+
+/// The bytes an entry costs besides its record: its map slot, expiry index slot, token,
+/// fingerprint and the record's fixed fields (an estimate, on the high side).
+pub(crate) const ENTRY_OVERHEAD: usize = 256;
+/// The bytes a header costs besides its name and value.
+const HEADER_OVERHEAD: usize = 32;
+
+/// The in-memory store: the default, for one process.
+///
+/// - **Sharded**: entries are spread over shards by scope hash; each shard is a
+///   `Mutex<HashMap>` held only for a few map operations, never across an `.await`.
+/// - **TTL**: records expire after the layer's `ttl`, on [`tokio::time::Instant`] (so paused-time
+///   tests work). An expired record is ignored at once and removed incrementally: every
+///   operation on a shard removes up to a few expired records from the front of that shard's
+///   expiry index, so no request scans the whole map; a store that needs room removes every
+///   expired record of a shard before it evicts anything there.
+/// - **Bounded in entries and in bytes, as a whole** (not per shard), and it counts what it
+///   holds ([`stats`](MemoryStore::stats)): each entry costs its record's body, headers and
+///   trailers plus a fixed [overhead](MemoryStore::ENTRY_OVERHEAD).
+/// - **A minimum retention.** A record younger than
+///   [`min_retention`](MemoryStoreBuilder::min_retention) (default 1 hour: longer than any
+///   client retries one call) is never dropped before its TTL. When the store is full, records
+///   older than that make room, the oldest first (the nearest expiry of the shard of the new
+///   claim, else of another shard), counted ([`MemoryStats::evicted`]) and logged (at `WARN` at
+///   most once a minute); if there is none, `begin` answers
+///   [`StoreError::Full`] and nothing is claimed: the layer answers 503 / UNAVAILABLE with
+///   `Retry-After`, nothing executes, and the refusal is counted ([`MemoryStats::refused`]). A
+///   record that does not fit when its claim completes (the handler has already run, so it must
+///   be kept) is kept without its body, as for a response over the layer's
+///   `max_record_bytes`: a retry gets the status and headers, never a second execution; counted
+///   in [`MemoryStats::bodies_dropped`] and logged. Claims in flight are never evicted.
+/// - **Per-tenant share, between the tenants present**: while other tenants hold entries, one
+///   tenant may hold at most [`tenant_share_percent`](MemoryStoreBuilder::tenant_share_percent)
+///   of the entries and bytes (default 50 %), so one tenant's flood is refused (or makes room
+///   from its own old records) while the room left stays for the others. A tenant alone in the
+///   store (a single-tenant service) has all of it; a tenant arriving in a store another one
+///   filled gets room as that one's records pass `min_retention` (the first is held to its
+///   share from then on). The tenant is the one the layer scoped the key with
+///   ([`IdempotencyStore::begin_for_tenant`]).
+/// - **A warning when it passes 80 %** of its entries or bytes: logged at `WARN` and counted
+///   ([`MemoryStats::nearly_full`], and `idempotency_layer_memory_store_nearly_full_total` with
+///   the `metrics` feature), once each time it passes (again after it fell below 70 %).
+/// - **Waiters** are woken by a [`tokio::sync::Notify`] per claim, made only when a duplicate
+///   waits (a claim nobody waits for allocates nothing for waking), not by polling.
+/// - **Tokens** come from a counter per shard, taken under the shard's lock: no counter is
+///   shared between threads.
+///
+/// Records are lost when the process stops, and a second instance has its own: see
+/// "Choosing a store" in the [crate docs](crate#choosing-a-store).
+///
+/// # Deploying
+///
+/// - **Sizing**: the defaults (100 000 entries, 128 MiB, records kept at least an hour) serve a
+///   service writing up to about 25 new keys a second around the clock without a refusal
+///   (100 000 records younger than an hour), with the layer's default 24 h TTL: past 100 000
+///   records the oldest make room, so a retry within the hour always gets its replay and one a
+///   day later may not. Size it for your rate times the longest a client retries
+///   (`max_entries`, `max_bytes`, `min_retention`), or use a shared store to keep every record
+///   for its TTL. Watch [`MemoryStats::refused`] (a refusal is a 503 your clients retry) and
+///   [`MemoryStats::evicted`].
+/// - **Eviction** of records younger than `min_retention` never happens, unless
+///   [`evict_when_full`](MemoryStoreBuilder::evict_when_full) asks for it.
+/// - **Failover, restarts, several instances**: records live in this process only; a restart
+///   forgets them and instances do not share them. Use `RedisStore` or `PostgresStore` then.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_layer::MemoryStore;
+///
+/// let store = MemoryStore::builder()
+///     .max_entries(10_000)
+///     .max_bytes(32 << 20)
+///     .tenant_share_percent(25)
+///     .min_retention(Duration::from_secs(2 * 3600))
+///     .build();
+/// assert!(store.is_empty());
+/// assert_eq!(store.stats().refused, 0);
+/// ```
+#[derive(Clone)]
+pub struct MemoryStore {
+    inner: Arc<Inner>,
+}
+
+/// What a [`MemoryStore`] holds and what it refused, at one moment.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MemoryStats {
+    /// Entries held (claims and records, including expired records not yet removed).
+    pub entries: usize,
+    /// Bytes the entries cost (records' bodies, headers and trailers plus a fixed overhead
+    /// each).
+    pub bytes: usize,
+    /// Tenants holding at least one entry.
+    pub tenants: usize,
+    /// Claims refused because the store (or the tenant's share of it) was full and no record
+    /// was old enough to make room: each was a retryable 503 / UNAVAILABLE and nothing
+    /// executed.
+    pub refused: u64,
+    /// Records evicted before their TTL to make room: older than
+    /// [`min_retention`](MemoryStoreBuilder::min_retention) (any record, with
+    /// [`evict_when_full`](MemoryStoreBuilder::evict_when_full)).
+    pub evicted: u64,
+    /// Records kept without their body because it did not fit.
+    pub bodies_dropped: u64,
+    /// Times the store passed 80 % of its entries or bytes.
+    pub nearly_full: u64,
+}
+
+impl fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("shards", &self.inner.shards.len())
+            .field("limits", &self.inner.limits)
+            .field("entries", &self.inner.entries.load(Ordering::Relaxed))
+            .field("bytes", &self.inner.bytes.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        MemoryStore::new()
+    }
+}
+
+impl MemoryStore {
+    /// The default entry bound: 100 000 entries.
+    pub const DEFAULT_CAPACITY: usize = 100_000;
+    /// The default byte bound: 128 MiB.
+    pub const DEFAULT_MAX_BYTES: usize = 128 << 20;
+    /// The default number of shards.
+    pub const DEFAULT_SHARDS: usize = 32;
+    /// The default share of one tenant while others are present, in percent.
+    pub const DEFAULT_TENANT_SHARE_PERCENT: u8 = 50;
+    /// The default of [`min_retention`](MemoryStoreBuilder::min_retention): 1 hour.
+    pub const DEFAULT_MIN_RETENTION: Duration = Duration::from_secs(3600);
+    /// The bytes each entry is counted for besides its record's body, headers and trailers.
+    pub const ENTRY_OVERHEAD: usize = ENTRY_OVERHEAD;
+
+    /// A store with the defaults.
+    pub fn new() -> Self {
+        MemoryStore::builder().build()
+    }
+
+    /// A builder with the defaults: [`DEFAULT_CAPACITY`](Self::DEFAULT_CAPACITY) entries,
+    /// [`DEFAULT_MAX_BYTES`](Self::DEFAULT_MAX_BYTES), [`DEFAULT_SHARDS`](Self::DEFAULT_SHARDS)
+    /// shards, [`DEFAULT_TENANT_SHARE_PERCENT`](Self::DEFAULT_TENANT_SHARE_PERCENT) per tenant
+    /// while others are present, records kept at least
+    /// [`DEFAULT_MIN_RETENTION`](Self::DEFAULT_MIN_RETENTION).
+    pub fn builder() -> MemoryStoreBuilder {
+        MemoryStoreBuilder {
+            entries: Self::DEFAULT_CAPACITY,
+            bytes: Self::DEFAULT_MAX_BYTES,
+            shards: Self::DEFAULT_SHARDS,
+            tenant_share: Self::DEFAULT_TENANT_SHARE_PERCENT,
+            min_retention: Self::DEFAULT_MIN_RETENTION,
+        }
+    }
+
+    /// A store that keeps at most `capacity` entries (at least one), the other settings at
+    /// their defaults.
+    pub fn with_capacity(capacity: usize) -> Self {
+        MemoryStore::builder().max_entries(capacity).build()
+    }
+
+    /// A store that keeps at most `capacity` entries spread over `shards` shards. Both are
+    /// raised to at least one; the shard count is lowered to the capacity when it is larger.
+    pub fn with_capacity_and_shards(capacity: usize, shards: usize) -> Self {
+        MemoryStore::builder()
+            .max_entries(capacity)
+            .shards(shards)
+            .build()
+    }
+
+    /// The most entries this store keeps.
+    pub fn capacity(&self) -> usize {
+        self.inner.limits.entries
+    }
+
+    /// The most bytes this store's entries may cost.
+    pub fn max_bytes(&self) -> usize {
+        self.inner.limits.bytes
+    }
+
+    /// The number of entries held (claims and records, including expired records not yet
+    /// removed).
+    pub fn len(&self) -> usize {
+        self.inner.entries.load(Ordering::Relaxed)
+    }
+
+    /// True when no entry is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// What the store holds and what it refused, evicted or kept without a body so far
+    /// (export these to your metrics).
+    pub fn stats(&self) -> MemoryStats {
+        let inner = &*self.inner;
+        MemoryStats {
+            entries: inner.entries.load(Ordering::Relaxed),
+            bytes: inner.bytes.load(Ordering::Relaxed),
+            tenants: inner.tenants.present.load(Ordering::Relaxed),
+            refused: inner.refused.load(Ordering::Relaxed),
+            evicted: inner.evicted.load(Ordering::Relaxed),
+            bodies_dropped: inner.bodies_dropped.load(Ordering::Relaxed),
+            nearly_full: inner.nearly_full_times.load(Ordering::Relaxed),
+        }
+    }
+
+    fn shard(&self, scope: &ScopeKey) -> MutexGuard<'_, Shard> {
+        self.shard_at(scope).1
+    }
+
+    fn shard_index(&self, scope: &ScopeKey) -> usize {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&scope.0[..8]);
+        (u64::from_le_bytes(b) % self.inner.shards.len() as u64) as usize
+    }
+
+    fn shard_at(&self, scope: &ScopeKey) -> (usize, MutexGuard<'_, Shard>) {
+        let i = self.shard_index(scope);
+        (i, lock(&self.inner.shards[i]))
+    }
+
+    /// Evicts one record (as [`Shard::evict_one`]) from a shard other than `held`'s, whose lock
+    /// the caller holds: the bounds are the store's, and the shard a claim lands in may hold no
+    /// record old enough while another does. Shards busy now are skipped (waiting for one while
+    /// holding another could deadlock).
+    fn evict_elsewhere(&self, held: usize, now: Instant, tenant: TenantKey, why: NoRoom) -> bool {
+        let shards = &self.inner.shards;
+        (1..shards.len()).any(|k| {
+            let other = &shards[(held + k) % shards.len()];
+            match other.try_lock() {
+                Ok(mut shard) => shard.evict_one(&self.inner, now, tenant, why),
+                Err(std::sync::TryLockError::Poisoned(e)) => {
+                    e.into_inner().evict_one(&self.inner, now, tenant, why)
+                }
+                Err(std::sync::TryLockError::WouldBlock) => false,
+            }
+        })
+    }
+}
+
+impl IdempotencyStore for MemoryStore {
+    async fn begin(
+        &self,
+        scope: ScopeKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+    ) -> Result<Begin, StoreError> {
+        self.begin_for_tenant(TenantKey::default(), scope, fingerprint, lease)
+            .await
+    }
+
+    async fn begin_for_tenant(
+        &self,
+        tenant: TenantKey,
+        scope: ScopeKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+    ) -> Result<Begin, StoreError> {
+        let now = Instant::now();
+        let inner = &*self.inner;
+        let (index, mut shard) = self.shard_at(&scope);
+        shard.clean(inner, now, CLEANUP_PER_OP);
+        match shard.map.get(&scope) {
+            Some(Entry::Completed {
+                record, expires, ..
+            }) if *expires > now => return Ok(Begin::Completed(record.clone())),
+            Some(Entry::InFlight(claim)) if claim.lease_until > now => {
+                return Ok(Begin::InFlight {
+                    token: claim.token,
+                    fingerprint: claim.fingerprint,
+                })
+            }
+            // Expired record or lapsed lease: take the scope over (dropping the old entry wakes
+            // its waiters; the old leader is fenced). The tenant's room for it is freed with it.
+            Some(_) => {
+                shard.remove(inner, &scope);
+            }
+            None => {}
+        }
+        while let Err(why) = inner.reserve(tenant, 1, ENTRY_OVERHEAD) {
+            // Out of room: expired records go first, then records past the minimum retention,
+            // in this shard, then in the others.
+            if !shard.evict_one(inner, now, tenant, why)
+                && !self.evict_elsewhere(index, now, tenant, why)
+            {
+                inner.refused.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(
+                    ?scope,
+                    ?why,
+                    "idempotency: memory store (or this tenant's share of it) is full and no \
+                     record is past min_retention; claim refused, nothing executes"
+                );
+                return Err(StoreError::Full);
+            }
+        }
+        let token = shard.token(index);
+        let claim = Claim {
+            tenant,
+            token,
+            fingerprint,
+            lease_until: now + lease.min(FOREVER),
+            wake: Wake::default(),
+        };
+        let claim = match shard.spare.pop() {
+            Some(mut spare) => {
+                *spare = claim;
+                spare
+            }
+            None => Box::new(claim),
+        };
+        shard.map.insert(scope, Entry::InFlight(claim));
+        Ok(Begin::New(token))
+    }
+
+    async fn complete(
+        &self,
+        scope: ScopeKey,
+        token: Token,
+        mut record: Arc<Record>,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let now = Instant::now();
+        let inner = &*self.inner;
+        let mut shard = self.shard(&scope);
+        let index = self.shard_index(&scope);
+        let tenant = match shard.map.get(&scope) {
+            Some(Entry::InFlight(claim)) if claim.token == token => claim.tenant,
+            _ => return Err(StoreError::Fenced),
+        };
+        // The handler has run: the record is kept whatever happens, in full if it fits. The
+        // claim was charged one entry of `ENTRY_OVERHEAD` bytes; the record costs `size`.
+        let mut size = record_size(&record);
+        while let Err(why) = inner.reserve(tenant, 0, size - ENTRY_OVERHEAD) {
+            if shard.evict_one(inner, now, tenant, why)
+                || self.evict_elsewhere(index, now, tenant, why)
+            {
+                continue;
+            }
+            if !record.body.is_empty() {
+                tracing::warn!(
+                    ?scope,
+                    body_bytes = record.body.len(),
+                    "idempotency: memory store (or this tenant's share of it) has no room for \
+                     this response body; recorded without it (a retry gets status and headers)"
+                );
+                inner.bodies_dropped.fetch_add(1, Ordering::Relaxed);
+                // Rare: the copy without its body (the caller may hold the record to retry).
+                let trimmed = Arc::make_mut(&mut record);
+                trimmed.body = bytes::Bytes::new();
+                trimmed.body_omitted = true;
+            }
+            size = record_size(&record);
+            inner.force(tenant, size - ENTRY_OVERHEAD);
+            break;
+        }
+        // Dropping the claim's `Wake` wakes its waiters (they run once the shard is unlocked).
+        // The claim was checked above, under this lock, which only expired records' removal and
+        // evictions (never a claim's) have released since.
+        let completed = inner.secs(now);
+        match shard.complete_claim(&scope, record, now + ttl.min(FOREVER), size, completed) {
+            Some(waiters) => drop(waiters),
+            None => {
+                inner.refund(tenant, 0, size - ENTRY_OVERHEAD);
+                return Err(StoreError::Fenced);
+            }
+        }
+        shard.clean(inner, now, CLEANUP_PER_OP);
+        Ok(())
+    }
+
+    async fn release(&self, scope: ScopeKey, token: Token) -> Result<(), StoreError> {
+        let mut shard = self.shard(&scope);
+        if !shard.holds(&scope, token) {
+            return Err(StoreError::Fenced);
+        }
+        shard.remove(&self.inner, &scope);
+        Ok(())
+    }
+
+    async fn renew(
+        &self,
+        scope: ScopeKey,
+        token: Token,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        let now = Instant::now();
+        let mut shard = self.shard(&scope);
+        match shard.map.get_mut(&scope) {
+            Some(Entry::InFlight(claim)) if claim.token == token => {
+                claim.lease_until = now + lease.min(FOREVER);
+                Ok(())
+            }
+            _ => Err(StoreError::Fenced),
+        }
+    }
+
+    async fn wait(&self, scope: ScopeKey, observed: Token) -> Result<(), StoreError> {
+        let (notified, until) = {
+            let mut shard = self.shard(&scope);
+            let (notify, until) = match shard.map.get_mut(&scope) {
+                Some(Entry::InFlight(claim)) if claim.token == observed => (
+                    claim.wake.0.get_or_insert_with(Default::default).clone(),
+                    claim.lease_until,
+                ),
+                _ => return Ok(()),
+            };
+            // Registered before the shard is unlocked, so the end of the claim is not missed.
+            let mut notified = Box::pin(notify.notified_owned());
+            notified.as_mut().enable();
+            (notified, until)
+        };
+        // The lease bound lets the caller take over a claim whose leader stopped renewing.
+        let _ = tokio::time::timeout_at(until, notified).await;
+        Ok(())
+    }
+
+    async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
+        Ok(self.shard(&scope).remove(&self.inner, &scope).is_some())
+    }
+    fn backend(&self) -> Backend {
+        Backend::Memory
+    }
+}
+
+#[cfg(test)]
+mod tests;

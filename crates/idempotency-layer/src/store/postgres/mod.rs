@@ -1,0 +1,669 @@
+//! [`PostgresStore`]: claims and records in a PostgreSQL table, shared by every instance.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use futures_util::StreamExt;
+use tokio::sync::{mpsc, oneshot};
+use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{AsyncMessage, NoTls, Row, Socket};
+use uuid::Uuid;
+
+use super::codec;
+use super::near_cache::{scope_from_hex, Near, NearCache, NearCacheStats};
+use super::wake::{Polling, Waiters};
+use super::{
+    Backend, Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token,
+    LATE_COMPLETE_GRACE,
+};
+
+mod builder;
+mod busy;
+mod listen;
+mod sql;
+
+pub use self::builder::PostgresStoreBuilder;
+use self::builder::*;
+use self::listen::*;
+use self::sql::*;
+pub(crate) use self::sql::{affected, CompleteParams};
+
+use busy::Busy;
+
+/// How often `begin` runs its claim again when a concurrent transaction inserted the row after
+/// the statement's snapshot (the claim then neither inserts nor sees the row).
+const CLAIM_ATTEMPTS: usize = 10;
+
+/// The PostgreSQL store: one row per scope in a table, visible to every instance of a service.
+///
+/// # The table
+///
+/// [`migrate`](PostgresStore::migrate) creates it if absent (with the defaults below: schema
+/// `public`, table `idempotency_records`):
+///
+/// ```sql
+/// CREATE SCHEMA IF NOT EXISTS "public";
+/// CREATE TABLE IF NOT EXISTS "public"."idempotency_records" (
+///     scope       bytea       PRIMARY KEY,  -- ScopeKey: a hash, never the raw tenant or key
+///     state       text        NOT NULL CHECK (state IN ('in_flight', 'completed')),
+///     token       uuid        NOT NULL,     -- the fencing token (128 random bits)
+///     fingerprint bytea       NOT NULL,
+///     expires_at  timestamptz NOT NULL,     -- in flight: end of the lease; completed: end of the TTL
+///     record      bytea,                    -- the response (postcard), when completed
+///     watched     boolean     NOT NULL DEFAULT false, -- a waiter wants the end notified
+///     CHECK ((state = 'completed') = (record IS NOT NULL))
+/// );
+/// CREATE INDEX IF NOT EXISTS "idempotency_records_expires_at"
+///     ON "public"."idempotency_records" (expires_at);
+/// ```
+///
+/// Every time is the database's own clock (`now()`), so instances with skewed clocks agree.
+///
+/// # Statements: one per operation
+///
+/// - `begin` is one statement: `INSERT ... ON CONFLICT (scope) DO UPDATE ... WHERE
+///   expires_at <= now() RETURNING ...` (a lapsed lease or an expired record is taken over with
+///   a new token), combined in a CTE with a `SELECT` of the current row when the scope is held.
+///   In the rare race where another transaction inserted the row after the statement's
+///   snapshot, the statement runs again.
+/// - `complete`, `release`, `renew` are fenced: `UPDATE`/`DELETE ... WHERE scope = $1 AND
+///   token = $2 AND state = 'in_flight'`; no row matched is [`StoreError::Fenced`]. `complete`,
+///   `release` and `forget` call `pg_notify` in the same statement only when a waiter marked
+///   the row `watched`: a transaction that sent a NOTIFY holds a server-wide lock through its
+///   commit, which would serialize every completion in the server.
+/// - Statements are prepared once per pooled connection (`prepare_cached`).
+///
+/// # Waiters
+///
+/// A dedicated connection per store `LISTEN`s on the table's channel (`idem_` + a hash of the
+/// schema and table name; the payload is the scope in hex) and reconnects by itself. A waiter
+/// also polls with backoff (25 ms doubling to 1 s by default), so a lost notification delays it
+/// at most one poll interval and never hangs it.
+///
+/// # Expiry
+///
+/// Expired rows are ignored by `begin` at once (taken over), and removed by a background task
+/// in batches (`DELETE ... WHERE ctid IN (SELECT ctid ... LIMIT n FOR UPDATE SKIP LOCKED)`),
+/// every [`cleanup_interval`](PostgresStoreBuilder::cleanup_interval); or on demand with
+/// [`remove_expired`](PostgresStore::remove_expired). The cleanup removes records past their TTL
+/// at once, but a claim only an hour after its lease lapsed: until then a new `begin` takes it
+/// over, and a late leader that nobody took it from can still complete it and store its record
+/// (the same grace as on Redis, where a claim's key outlives its lease by an hour).
+///
+/// # Transactional completion
+///
+/// A handler whose side effects go to the same database can write the record in its own
+/// transaction, with the [`TxCompletion`](crate::TxCompletion) the layer puts in its request's extensions and a
+/// connection from [`pool`](PostgresStore::pool): the side effect and the record then commit
+/// or roll back together, and no crash between them can make a retry run twice. It runs the
+/// same fenced `complete` statement, on the handler's connection, unprepared (one round trip).
+///
+/// # Choosing a store
+///
+/// Measured by the `benchmarks` loadtest (`pg_stat_database.xact_commit` deltas): a first
+/// execution costs 2 statements, each one round trip (claim, complete), a replay 1. See the
+/// comparison table on `RedisStore` (feature `redis`); in short,
+/// PostgreSQL keeps records as durably as the rest of your data (they survive a restart of the
+/// service and of the server; with a synchronous standby, a failover too), at the cost of one
+/// pooled connection per statement in flight and of dead tuples for autovacuum.
+///
+/// **What a multi-instance deployment needs**: every instance on the same primary, the same
+/// [schema](PostgresStoreBuilder::schema) and [table](PostgresStoreBuilder::table), and the
+/// same layer configuration ([`lease`](crate::IdempotencyLayer::lease),
+/// [`ttl`](crate::IdempotencyLayer::ttl), key headers, tenant source). Not a read replica:
+/// every statement writes or must see the latest write. Through PgBouncer, use session pooling
+/// for the listener (transaction pooling does not carry `LISTEN`; waiters then fall back to
+/// polling) and mind that statements are prepared by name.
+///
+/// # Deploying
+///
+/// - **Roles**: run the application as a role with `USAGE` on the schema and `SELECT, INSERT,
+///   UPDATE, DELETE` on the table; create the table once as its owner
+///   ([`migration_sql`](PostgresStore::migration_sql)). [`migrate`](PostgresStore::migrate)
+///   then changes nothing and needs no `CREATE`; it is safe for N replicas starting at once.
+/// - **TLS**: `sslmode=require` in the URL with the `postgres-tls` feature (rustls): encrypted,
+///   and with [`tls_root_certificates`](PostgresStoreBuilder::tls_root_certificates) the
+///   server's certificate is checked, like libpq's `sslrootcert`.
+/// - **Your own pool**: [`builder_from_pool`](PostgresStore::builder_from_pool).
+/// - **Sizing**: the table holds about `writes per second x TTL` rows; the cleanup removes
+///   every expired row each [`cleanup_interval`](PostgresStoreBuilder::cleanup_interval), in
+///   batches (measured here: ~200 000 rows/s), so it keeps up with any write rate the store
+///   itself sustains. Autovacuum reclaims the space.
+/// - **Failover**: committed rows are durable; with a synchronous standby a failover loses
+///   none. Point every instance at the primary (not a read replica), through an address that
+///   follows it (a DNS name, a proxy, or libpq-style `target_session_attrs=read-write` with
+///   several hosts). After a failover the pool's connections may still reach the old primary,
+///   now read-only: the first statement that fails there (SQLSTATE 25006, or a shutdown error)
+///   drops that connection and every idle one, so one request per instance in flight at that
+///   moment answers 503 (retryable, nothing ran), and the next connections go to the new
+///   primary.
+/// - **Timeouts**: the store's own pools set `statement_timeout` and `lock_timeout` to the
+///   store's [timeout](PostgresStoreBuilder::timeout) on their sessions (a pool of your own
+///   keeps its settings: set them there). A statement still running when its request gives up
+///   (the timeout, or a client that went away) is cancelled on the server and its connection
+///   leaves the pool, so it neither stalls the next statements (behind the row lock of an open
+///   `TxCompletion` transaction, say) nor lands later: a claim abandoned that way is released
+///   by its token in the background, once at once and once more twice the timeout later.
+///   Your own transactions on [`pool`](PostgresStore::pool) connections inherit those
+///   settings: `SET LOCAL statement_timeout` in a transaction that needs longer.
+/// - **Eviction, cluster**: nothing is evicted; records go only when expired or forgotten.
+///
+/// **Knobs**: [`pool_size`](PostgresStoreBuilder::pool_size) (default 16; each request holds a
+/// connection only for one statement), [`timeout`](PostgresStoreBuilder::timeout) (how fast an
+/// outage fails closed, default 2 s), [`cleanup_interval`](PostgresStoreBuilder::cleanup_interval)
+/// and [`cleanup_batch`](PostgresStoreBuilder::cleanup_batch),
+/// [`poll_interval`](PostgresStoreBuilder::poll_interval); on the layer,
+/// [`lease`](crate::IdempotencyLayer::lease) (default 30 s) and
+/// [`ttl`](crate::IdempotencyLayer::ttl) (default 24 h; the table holds about
+/// `requests per second x TTL` rows).
+///
+/// ```
+/// use idempotency_layer::{IdempotencyLayer, PostgresStore};
+/// use std::time::Duration;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), idempotency_layer::StoreError> {
+/// # let Ok(url) = std::env::var("DATABASE_URL") else { return Ok(()) };
+/// let store = PostgresStore::builder(url) // e.g. "postgres://app@db.internal/orders"
+///     .table("idempotency_records")
+///     .pool_size(16)
+///     .connect()
+///     .await?;
+/// store.migrate().await?; // creates the table and index if absent
+/// let layer = IdempotencyLayer::new(store)
+///     .lease(Duration::from_secs(30))
+///     .ttl(Duration::from_secs(24 * 3600));
+/// # let _ = layer;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct PostgresStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: Pool,
+    config: tokio_postgres::Config,
+    schema: String,
+    table: String,
+    channel: String,
+    sql: Sql,
+    timeout: Duration,
+    polling: Polling,
+    cleanup_batch: i64,
+    tls: Connector,
+    waiters: Arc<Waiters>,
+    listener: OnceLock<Listener>,
+    /// Completed records kept here, if the builder asked for a near cache.
+    near: Option<Arc<Near>>,
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("schema", &self.inner.schema)
+            .field("table", &self.inner.table)
+            .field("pool", &self.inner.pool.status())
+            .field("timeout", &self.inner.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The most claims one renewal statement carries (a tick with more sends several).
+const RENEW_CHUNK: usize = 4096;
+
+fn backend(e: tokio_postgres::Error) -> StoreError {
+    StoreError::Backend(Box::new(e))
+}
+
+fn pool_error(e: deadpool_postgres::PoolError) -> StoreError {
+    StoreError::Backend(Box::new(e))
+}
+
+fn millis(d: Duration) -> i64 {
+    // At most "forever" (100 years): `now() + interval` would overflow PostgreSQL's timestamps.
+    i64::try_from(d.min(super::FOREVER).as_millis())
+        .unwrap_or(i64::MAX)
+        .max(1)
+}
+
+impl PostgresStore {
+    /// Creates the schema, the table, its columns and its index where absent (the SQL is in
+    /// the [type docs](PostgresStore)). Safe to run at every start:
+    ///
+    /// - **by a least-privilege role**: it reads the catalog first and runs only the
+    ///   statements that something is missing for, so a role with no `CREATE` on the database
+    ///   (or on the schema) migrates fine once the schema (or the table) exists;
+    /// - **by N replicas at once**: the check and the statements run in one transaction that
+    ///   holds a transaction-level advisory lock of its own (`pg_advisory_xact_lock`, which
+    ///   needs no privilege), so replicas that start together take turns instead of racing on
+    ///   `pg_type`.
+    ///
+    /// A missing object the role may not create is an error that says which statement to run
+    /// as the owner ([`migration_sql`](Self::migration_sql)).
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let sql = &self.inner.sql;
+        let lock = i64::from_le_bytes(
+            blake3::hash(format!("idempotency-layer migrate {}", self.table()).as_bytes())
+                .as_bytes()[..8]
+                .try_into()
+                .expect("8 bytes"),
+        );
+        let index = format!("{}_expires_at", self.inner.table);
+        // DDL on a busy table may wait for locks longer than one statement's timeout.
+        let within = self.inner.timeout.max(Duration::from_secs(30));
+        let op = async {
+            let mut client = self.inner.pool.get().await.map_err(pool_error)?;
+            let tx = client.transaction().await.map_err(backend)?;
+            // DDL may wait for locks longer than the sessions' statement timeout allows.
+            let ms = millis(within);
+            tx.batch_execute(&format!(
+                "SET LOCAL statement_timeout = {ms}; SET LOCAL lock_timeout = {ms}"
+            ))
+            .await
+            .map_err(backend)?;
+            tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock])
+                .await
+                .map_err(backend)?;
+            // The catalog, not `to_regclass`: it needs no privilege on the schema.
+            let row = tx
+                .query_one(
+                    "SELECT                        EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1),                        EXISTS (SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace                                WHERE n.nspname = $1 AND c.relname = $2 AND c.relkind IN ('r', 'p')),                        EXISTS (SELECT 1 FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid                                JOIN pg_namespace n ON n.oid = c.relnamespace                                WHERE n.nspname = $1 AND c.relname = $2 AND a.attname = 'watched'                                AND NOT a.attisdropped),                        EXISTS (SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace                                WHERE n.nspname = $1 AND c.relname = $3 AND c.relkind = 'i')",
+                    &[&self.inner.schema, &self.inner.table, &index],
+                )
+                .await
+                .map_err(backend)?;
+            let (schema, table, watched, indexed): (bool, bool, bool, bool) =
+                (row.get(0), row.get(1), row.get(2), row.get(3));
+            let steps = [
+                (!schema, &sql.create_schema, "create the schema"),
+                (!table, &sql.create_table, "create the table"),
+                (
+                    table && !watched,
+                    &sql.add_watched,
+                    "add the `watched` column",
+                ),
+                (!indexed, &sql.create_index, "create the expiry index"),
+            ];
+            for (needed, statement, what) in steps {
+                if !needed {
+                    continue;
+                }
+                if let Err(e) = tx.batch_execute(statement).await {
+                    return Err(migrate_error(e, what, statement));
+                }
+            }
+            tx.commit().await.map_err(backend)
+        };
+        match tokio::time::timeout(within, op).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Backend(
+                format!("postgres migration did not finish within {within:?}").into(),
+            )),
+        }
+    }
+
+    /// The SQL that [`migrate`](Self::migrate) runs, for a migration tool of your own.
+    pub fn migration_sql(&self) -> &str {
+        &self.inner.sql.migrate
+    }
+
+    /// The channel waiters `LISTEN` on (`idem_` + a hash of schema and table); a claim's end
+    /// is notified there (payload: the scope in hex) only when a waiter watches it.
+    pub fn channel(&self) -> &str {
+        &self.inner.channel
+    }
+
+    /// What the near cache did, if the store has one ([`PostgresStoreBuilder::near_cache`]).
+    pub fn near_cache_stats(&self) -> Option<NearCacheStats> {
+        self.inner.near.as_ref().map(|n| n.stats())
+    }
+
+    /// The schema-qualified, quoted table name.
+    pub fn table(&self) -> String {
+        format!("\"{}\".\"{}\"", self.inner.schema, self.inner.table)
+    }
+
+    /// The store's connection pool (the one it made, or yours from
+    /// [`builder_from_pool`](Self::builder_from_pool)): for handlers whose side effects go to
+    /// the same database, to open the transactions they complete their claims in
+    /// ([`TxCompletion`](crate::TxCompletion)). Such a handler holds a connection for its whole transaction; size
+    /// the pool for them too ([`pool_size`](PostgresStoreBuilder::pool_size)).
+    pub fn pool(&self) -> &Pool {
+        &self.inner.pool
+    }
+
+    /// The fenced statement that stores a claim's record (`$1` scope, `$2` token, `$3` the
+    /// encoded record, `$4` its TTL in milliseconds; see [`CompleteParams`]), for a handler's
+    /// own transaction.
+    pub(crate) fn complete_statement(&self) -> &str {
+        &self.inner.sql.complete
+    }
+
+    /// Removes every expired row (records past their TTL; claims whose lease lapsed more than an
+    /// hour ago, so that a late leader never taken over can still complete), in
+    /// batches of [`cleanup_batch`](PostgresStoreBuilder::cleanup_batch) until a batch comes
+    /// back short; returns how many rows it removed. The background task calls this, so one
+    /// run clears whatever expired since the last, however fast rows are written (each batch
+    /// is one short transaction on a pooled connection; concurrent runs on other instances
+    /// skip each other's rows).
+    pub async fn remove_expired(&self) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let n = self
+                .bounded(async {
+                    let mut busy = self.busy().await?;
+                    let stmt = busy.client().prepare_cached(&self.inner.sql.cleanup).await;
+                    let stmt = busy.finish_if_err(stmt).map_err(backend)?;
+                    let n = busy
+                        .client()
+                        .execute(
+                            &stmt,
+                            &[&self.inner.cleanup_batch, &millis(LATE_COMPLETE_GRACE)],
+                        )
+                        .await;
+                    busy.finish(n).map_err(backend)
+                })
+                .await?;
+            total += n;
+            if n < self.inner.cleanup_batch as u64 {
+                break;
+            }
+        }
+        Ok(total)
+    }
+
+    /// How long after its sender gave up a claim statement may still run: the sessions'
+    /// `statement_timeout` is the store's timeout, from when the server starts it; twice that
+    /// covers a statement that reached the server late.
+    fn settle(&self) -> Duration {
+        self.inner.timeout * 2
+    }
+
+    /// A pooled connection for one statement (see [`Busy`]).
+    async fn busy(&self) -> Result<Busy<'_>, StoreError> {
+        let conn = self.inner.pool.get().await.map_err(pool_error)?;
+        Ok(Busy::new(
+            conn,
+            &self.inner.pool,
+            &self.inner.tls,
+            self.inner.timeout,
+        ))
+    }
+
+    async fn bounded<T>(
+        &self,
+        op: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.inner.timeout, op).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Backend(
+                format!("postgres did not answer within {:?}", self.inner.timeout).into(),
+            )),
+        }
+    }
+
+    /// Runs the prepared statement `sql` and returns its rows.
+    async fn query(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<Vec<Row>, StoreError> {
+        self.query_noting_sent(sql, params, &AtomicBool::new(false))
+            .await
+    }
+
+    /// [`query`](Self::query), setting `sent` once the statement is handed to a connection
+    /// (before that, a failure proves it never ran).
+    async fn query_noting_sent(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        sent: &AtomicBool,
+    ) -> Result<Vec<Row>, StoreError> {
+        self.bounded(async {
+            let mut busy = self.busy().await?;
+            let stmt = busy.client().prepare_cached(sql).await;
+            let stmt = busy.finish_if_err(stmt).map_err(backend)?;
+            sent.store(true, Ordering::Relaxed);
+            let rows = busy.client().query(&stmt, params).await;
+            busy.finish(rows).map_err(backend)
+        })
+        .await
+    }
+
+    /// The lease left of claim `token`, or `None` when it no longer holds. `watch` also marks
+    /// the claim watched, so that its end is notified.
+    pub(crate) async fn held(
+        &self,
+        scope: &ScopeKey,
+        token: Token,
+        watch: bool,
+    ) -> Result<Option<Duration>, StoreError> {
+        let sql = if watch {
+            &self.inner.sql.watch
+        } else {
+            &self.inner.sql.peek
+        };
+        let rows = self
+            .query(sql, &[&&scope.0[..], &Uuid::from_u128(token.0)])
+            .await?;
+        Ok(rows.first().map(|r| {
+            let ms: i64 = r.try_get(0).unwrap_or(0);
+            Duration::from_millis(ms.max(0) as u64)
+        }))
+    }
+}
+
+impl IdempotencyStore for PostgresStore {
+    async fn begin(
+        &self,
+        scope: ScopeKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+    ) -> Result<Begin, StoreError> {
+        // With a near cache: its listener (which keeps it honest) runs from the first begin
+        // on, and a hit answers with no round trip.
+        let ticket = match self.inner.near.as_ref().map(|near| near.lookup(&scope)) {
+            Some(Ok(record)) => return Ok(Begin::Completed(record)),
+            Some(Err(ticket)) => {
+                self.listener();
+                Some(ticket)
+            }
+            None => None,
+        };
+        let token = codec::new_token();
+        let uuid = Uuid::from_u128(token.0);
+        for _ in 0..CLAIM_ATTEMPTS {
+            // Armed while the claim may be written with nobody knowing: the statement is in
+            // flight (this future may be dropped), or its reply was lost.
+            let orphan = super::OrphanGuard::new(self, scope, token, lease, self.settle());
+            let sent = AtomicBool::new(false);
+            let rows = self
+                .query_noting_sent(
+                    &self.inner.sql.claim,
+                    &[&&scope.0[..], &uuid, &&fingerprint.0[..], &millis(lease)],
+                    &sent,
+                )
+                .await;
+            match &rows {
+                // Only an error after the statement was handed to a connection is ambiguous; a
+                // pool timeout or a refused connection sent nothing.
+                Err(StoreError::Backend(_)) if sent.load(Ordering::Relaxed) => drop(orphan),
+                _ => orphan.disarm(),
+            }
+            let rows = rows?;
+            if let Some(row) = rows.first() {
+                let (begin, ttl_left) = decode_row(row, token)?;
+                if let (Begin::Completed(record), Some(near), Some(ticket)) =
+                    (&begin, &self.inner.near, ticket)
+                {
+                    near.offer(ticket, scope, record, ttl_left);
+                }
+                return Ok(begin);
+            }
+        }
+        Err(StoreError::Backend(
+            format!("claim found neither a free nor a held row {CLAIM_ATTEMPTS} times").into(),
+        ))
+    }
+
+    async fn complete(
+        &self,
+        scope: ScopeKey,
+        token: Token,
+        record: Arc<Record>,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let bytes = codec::encode(&record)?;
+        let params = CompleteParams::new(&scope, token, &bytes, ttl);
+        let rows = self
+            .query(&self.inner.sql.complete, &params.untyped())
+            .await?;
+        fenced_unless_affected(&rows)
+    }
+
+    async fn release(&self, scope: ScopeKey, token: Token) -> Result<(), StoreError> {
+        let rows = self
+            .query(
+                &self.inner.sql.release,
+                &[&&scope.0[..], &Uuid::from_u128(token.0)],
+            )
+            .await?;
+        fenced_unless_affected(&rows)
+    }
+
+    async fn renew(
+        &self,
+        scope: ScopeKey,
+        token: Token,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        let n = self
+            .bounded(async {
+                let mut busy = self.busy().await?;
+                let stmt = busy.client().prepare_cached(&self.inner.sql.renew).await;
+                let stmt = busy.finish_if_err(stmt).map_err(backend)?;
+                let n = busy
+                    .client()
+                    .execute(
+                        &stmt,
+                        &[&&scope.0[..], &Uuid::from_u128(token.0), &millis(lease)],
+                    )
+                    .await;
+                busy.finish(n).map_err(backend)
+            })
+            .await?;
+        if n == 0 {
+            Err(StoreError::Fenced)
+        } else {
+            Ok(())
+        }
+    }
+
+    async fn renew_many(
+        &self,
+        claims: &[(ScopeKey, Token, Duration)],
+    ) -> Vec<Result<(), StoreError>> {
+        let mut results = Vec::with_capacity(claims.len());
+        for chunk in claims.chunks(RENEW_CHUNK) {
+            let scopes: Vec<&[u8]> = chunk.iter().map(|(s, _, _)| &s.0[..]).collect();
+            let tokens: Vec<Uuid> = chunk.iter().map(|(_, t, _)| Uuid::from_u128(t.0)).collect();
+            let leases: Vec<i64> = chunk.iter().map(|&(_, _, l)| millis(l)).collect();
+            match self
+                .query(&self.inner.sql.renew_many, &[&scopes, &tokens, &leases])
+                .await
+            {
+                Ok(rows) => {
+                    let held: std::collections::HashSet<Uuid> =
+                        rows.iter().filter_map(|r| r.try_get(0).ok()).collect();
+                    results.extend(tokens.iter().map(|t| {
+                        if held.contains(t) {
+                            Ok(())
+                        } else {
+                            Err(StoreError::Fenced)
+                        }
+                    }));
+                }
+                Err(e) => {
+                    let e = e.to_string();
+                    results.extend(
+                        chunk
+                            .iter()
+                            .map(|_| Err(StoreError::Backend(e.clone().into()))),
+                    );
+                }
+            }
+        }
+        results
+    }
+
+    async fn wait(&self, scope: ScopeKey, observed: Token) -> Result<(), StoreError> {
+        // Registered before the first check, which marks the claim watched: its end is then
+        // notified, and the notification finds this waiter. The listener is started, not
+        // waited for: a claim that already ended is seen at once even while the listener
+        // (re)connects. Until it listens, polling covers; when it does, it wakes every waiter
+        // to look again, so nothing notified before is missed.
+        let guard = self.inner.waiters.register(scope.to_hex(), None);
+        self.listener();
+        let mut first = true;
+        guard
+            .wait(self.inner.polling, || {
+                let watch = std::mem::replace(&mut first, false);
+                self.held(&scope, observed, watch)
+            })
+            .await
+    }
+
+    async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
+        // Before (a begin of this instance in flight now must not cache what it reads) and
+        // after (one that read before the removal may have cached it meanwhile); the other
+        // instances hear the NOTIFY.
+        if let Some(near) = &self.inner.near {
+            near.invalidate(&scope);
+        }
+        let rows = self.query(&self.inner.sql.forget, &[&&scope.0[..]]).await;
+        if let Some(near) = &self.inner.near {
+            near.invalidate(&scope);
+        }
+        Ok(affected(&rows?) > 0)
+    }
+
+    fn backend(&self) -> Backend {
+        Backend::Postgres
+    }
+
+    fn postgres(&self) -> Option<&PostgresStore> {
+        Some(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers_are_checked() {
+        assert!(check_identifier("table", "idempotency_records", 48).is_ok());
+        assert!(check_identifier("table", "_t1", 48).is_ok());
+        for bad in ["", "1abc", "a-b", "a\"b", "a b", &"x".repeat(49)] {
+            assert!(check_identifier("table", bad, 48).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn migration_sql_names_the_table() {
+        let sql = Sql::new("s", "t", "idem_0");
+        assert!(sql
+            .migrate
+            .contains("CREATE TABLE IF NOT EXISTS \"s\".\"t\""));
+        assert!(sql.claim.contains("ON CONFLICT (scope) DO UPDATE"));
+        assert!(sql.complete.contains("token = $2 AND state = 'in_flight'"));
+    }
+}

@@ -1,0 +1,543 @@
+//! [`RedisStoreBuilder`]: connecting a [`RedisStore`] (a URL, a client, a cluster, Sentinels)
+//! and checking the server's eviction policy.
+
+use super::*;
+
+/// Builds a [`RedisStore`]: [`RedisStore::builder`] or [`RedisStore::builder_from_client`].
+#[derive(Clone)]
+pub struct RedisStoreBuilder {
+    source: Source,
+    conn: Option<ConnectionManager>,
+    prefix: String,
+    timeout: Duration,
+    polling: Polling,
+    near: Option<NearCache>,
+    require_noeviction: bool,
+    wait_for_replicas: Option<replicas::WaitForReplicas>,
+}
+
+#[derive(Clone, Debug)]
+pub(super) enum Source {
+    Url(String),
+    Client(Box<redis::Client>),
+    #[cfg(feature = "redis-cluster")]
+    Cluster(Vec<String>),
+    /// Sentinel URLs and the master name.
+    #[cfg(feature = "redis-sentinel")]
+    Sentinel(Vec<String>, String),
+}
+
+impl fmt::Debug for RedisStoreBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStoreBuilder")
+            .field("source", &self.source)
+            .field("own_connection_manager", &self.conn.is_some())
+            .field("prefix", &self.prefix)
+            .field("timeout", &self.timeout)
+            .field("near_cache", &self.near)
+            .field("wait_for_replicas", &self.wait_for_replicas)
+            .finish_non_exhaustive()
+    }
+}
+
+/// True for a `maxmemory-policy` under which Redis may evict this store's keys (every policy
+/// but `noeviction`): an evicted claim lets a duplicate execute, an evicted record lets a retry
+/// execute again.
+pub fn maxmemory_policy_can_evict(policy: &str) -> bool {
+    !policy.eq_ignore_ascii_case("noeviction")
+}
+
+impl RedisStoreBuilder {
+    /// The prefix of every key and channel (default `idempotency:`). Give each service (or each
+    /// test) its own.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The longest any one operation (or a connection attempt) may take before it fails with
+    /// [`StoreError::Backend`] (default 1 s).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How waiters poll when no pub/sub message comes: `first` after the first check, doubling
+    /// up to `max` (defaults 25 ms and 1 s).
+    pub fn poll_interval(mut self, first: Duration, max: Duration) -> Self {
+        self.polling = Polling::new(first, max);
+        self
+    }
+
+    /// Keeps recently replayed records in this instance's memory ([`NearCache`]): a replay of
+    /// a cached record costs no round trip. Claims still always go to Redis; an entry never
+    /// outlives its record's TTL; a `forget` on any instance drops it from every instance's
+    /// cache (published on the channel `{prefix}forget`, which every store with a near cache
+    /// subscribes to; while that subscription is down, the cache is empty and off). Off by
+    /// default. See [`NearCache`] for what it promises and what it does not.
+    ///
+    /// ```
+    /// use idempotency_layer::store::NearCache;
+    /// use idempotency_layer::RedisStore;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), idempotency_layer::StoreError> {
+    /// # let Ok(url) = std::env::var("REDIS_URL") else { return Ok(()) };
+    /// let store = RedisStore::builder(url)
+    ///     .near_cache(NearCache::new(64 << 20)) // up to 64 MiB of records
+    ///     .connect()
+    ///     .await?;
+    /// assert_eq!(store.near_cache_stats().unwrap().hits, 0);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn near_cache(mut self, near: NearCache) -> Self {
+        self.near = Some(near);
+        self
+    }
+
+    /// Closes the asynchronous-replication gap for claims and records: after a claim is
+    /// written (`begin` answers [`Begin::New`]) and after a record is written (`complete`),
+    /// the store sends `WAIT replicas timeout` in the same round trip as the script, and the
+    /// operation succeeds only if at least `replicas` replicas acknowledged the write within
+    /// `timeout`. Off by default (a failover can then lose what was acknowledged just before
+    /// it; see "Deploying" on [`RedisStore`]).
+    ///
+    /// When too few replicas acknowledge, the operation is a [`StoreError::Backend`] (the layer
+    /// fails closed, 503 / UNAVAILABLE, and the client retries): a claim is then released in
+    /// the background like any claim whose caller never learnt of it; a record stays written on
+    /// the primary (Redis cannot take a write back) but `complete` does not report it `Ok` (the
+    /// layer's retry of that `complete` is then refused as fenced, and logged: the record is
+    /// there, only not known to be replicated).
+    /// `release`, `renew` and `forget` do not wait (a lost release or renewal only lets a
+    /// claim lapse; a lost `forget` brings a record back).
+    ///
+    /// Costs: the primary answers only after a replica's acknowledgement (about one
+    /// primary-replica round trip more per first execution; replays that find a record pay it
+    /// too, since `WAIT` goes with every claim script), and a waiting `WAIT` holds back the
+    /// commands queued behind it on the store's one multiplexed connection. Measured in
+    /// BENCHMARKS.md ("Redis wait_for_replicas"). `WAIT` narrows the gap, it does not make
+    /// Redis a consensus store: a primary whose replica acknowledged can still lose the
+    /// write if Sentinel promotes another replica that had not.
+    ///
+    /// ```
+    /// use idempotency_layer::RedisStore;
+    /// use std::time::Duration;
+    ///
+    /// let builder = RedisStore::builder("redis://127.0.0.1:6380")
+    ///     .wait_for_replicas(1, Duration::from_millis(100));
+    /// # let _ = builder;
+    /// ```
+    pub fn wait_for_replicas(mut self, replicas: usize, timeout: Duration) -> Self {
+        self.wait_for_replicas = Some(replicas::WaitForReplicas {
+            replicas,
+            timeout: timeout.max(Duration::from_millis(1)),
+        });
+        self
+    }
+
+    /// Runs commands on this connection manager (yours, shared with the rest of your
+    /// application) instead of making one; the client given to the builder still opens the
+    /// store's pub/sub connection. Its own timeouts and reconnection settings apply; every
+    /// store operation is still bounded by [`timeout`](Self::timeout).
+    pub fn connection_manager(mut self, conn: ConnectionManager) -> Self {
+        self.conn = Some(conn);
+        self
+    }
+
+    /// Refuses to start ([`connect`](Self::connect) fails) unless every server this store
+    /// writes to (on a cluster, every master) has `maxmemory-policy noeviction`, or when the
+    /// policy cannot be read (`CONFIG` forbidden, as on some managed services: check it in their
+    /// console, then leave this off). Off by default: an evicting policy is then logged as an
+    /// error at connect and the store runs. Turn it on wherever you control the servers: an
+    /// evicting policy turns memory pressure into duplicate executions, silently.
+    ///
+    /// ```
+    /// use idempotency_layer::RedisStore;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), idempotency_layer::StoreError> {
+    /// # let Ok(url) = std::env::var("REDIS_URL") else { return Ok(()) };
+    /// let store = RedisStore::builder(url)
+    ///     .require_noeviction(true) // fails here if Redis could evict a claim or a record
+    ///     .connect()
+    ///     .await?;
+    /// assert_eq!(store.maxmemory_policy(), Some("noeviction"));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn require_noeviction(mut self, require: bool) -> Self {
+        self.require_noeviction = require;
+        self
+    }
+
+    /// Connects (the server must be reachable now; later outages are survived by reconnecting),
+    /// and reads the server's `maxmemory-policy` (on a cluster, every master's): a policy that
+    /// can evict this store's keys is logged as an error, or refused with
+    /// [`require_noeviction`](Self::require_noeviction) (see "Deploying" on [`RedisStore`]); a
+    /// server that forbids `CONFIG` is accepted, with a note in the log, unless
+    /// `require_noeviction` is on.
+    pub async fn connect(self) -> Result<RedisStore, StoreError> {
+        let (mut conn, client) = match &self.source {
+            Source::Url(url) => {
+                self.single(redis::Client::open(url.as_str()).map_err(backend)?)
+                    .await?
+            }
+            Source::Client(client) => self.single((**client).clone()).await?,
+            #[cfg(feature = "redis-sentinel")]
+            Source::Sentinel(nodes, master) => {
+                if self.conn.is_some() {
+                    return Err(StoreError::Backend(
+                        "connection_manager is for a standalone server, not a sentinel".into(),
+                    ));
+                }
+                let conn = sentinel::SentinelConn::connect(
+                    nodes,
+                    master,
+                    manager_config(self.timeout),
+                    self.timeout,
+                )
+                .await?;
+                let client = PubSubSource::Sentinel(conn.clone());
+                (Conn::Sentinel(conn), client)
+            }
+            #[cfg(feature = "redis-cluster")]
+            Source::Cluster(nodes) => {
+                if self.conn.is_some() {
+                    return Err(StoreError::Backend(
+                        "connection_manager is for a standalone server, not a cluster".into(),
+                    ));
+                }
+                let client = cluster_client(nodes, self.timeout, None)?;
+                let conn = tokio::time::timeout(self.timeout * 4, client.get_async_connection())
+                    .await
+                    .map_err(|_| timed_out(self.timeout * 4))?
+                    .map_err(backend)?;
+                (
+                    Conn::Cluster(conn),
+                    PubSubSource::Cluster(nodes.clone().into()),
+                )
+            }
+        };
+        let maxmemory_policy =
+            check_maxmemory_policy(&mut conn, self.timeout, self.require_noeviction).await?;
+        Ok(RedisStore {
+            inner: Arc::new(Inner {
+                conn,
+                client,
+                prefix: self.prefix,
+                timeout: self.timeout,
+                polling: self.polling,
+                waiters: Arc::default(),
+                pubsub: OnceLock::new(),
+                renewals_failed: Arc::default(),
+                maxmemory_policy,
+                near: self.near.map(Near::new),
+                wait_for_replicas: self.wait_for_replicas,
+            }),
+        })
+    }
+
+    /// The connection to a standalone server through `client`: the builder's connection manager,
+    /// or one of the store's own.
+    async fn single(&self, client: redis::Client) -> Result<(Conn, PubSubSource), StoreError> {
+        let conn = match &self.conn {
+            Some(conn) => conn.clone(),
+            None => tokio::time::timeout(
+                self.timeout * 4,
+                client.get_connection_manager_with_config(manager_config(self.timeout)),
+            )
+            .await
+            .map_err(|_| timed_out(self.timeout * 4))?
+            .map_err(backend)?,
+        };
+        Ok((Conn::Single(conn), PubSubSource::Single(Box::new(client))))
+    }
+}
+
+/// The base scheme (`redis` or `rediss`) and the rest of a `redis{suffix}://...` or
+/// `rediss{suffix}://...` URL; `None` for any other scheme.
+pub(super) fn multi_node_url<'a>(url: &'a str, suffix: &str) -> Option<(&'a str, &'a str)> {
+    let (scheme, rest) = url.split_once("://")?;
+    let base = scheme.strip_suffix(suffix)?;
+    (base == "redis" || base == "rediss").then_some((base, rest))
+}
+
+/// The node URLs of a comma-separated `host:port` list, each given the scheme `base` unless it
+/// has one of its own.
+pub(super) fn node_urls(base: &str, list: &str) -> Vec<String> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+        .map(|n| {
+            if n.contains("://") {
+                n.to_owned()
+            } else {
+                format!("{base}://{n}")
+            }
+        })
+        .collect()
+}
+
+/// The settings of the connection managers the store makes.
+pub(super) fn manager_config(timeout: Duration) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(timeout))
+        .set_response_timeout(Some(timeout))
+        .set_number_of_retries(2)
+        .set_min_delay(Duration::from_millis(10))
+        .set_max_delay(Duration::from_millis(500))
+}
+
+/// Reads `maxmemory-policy` from every server the store writes to (on a cluster, every
+/// master) and warns loudly when one can evict, or refuses it with `require`; returns the policy
+/// (the first that can evict, if any), `None` when no server would say.
+pub(super) async fn check_maxmemory_policy(
+    conn: &mut Conn,
+    timeout: Duration,
+    require: bool,
+) -> Result<Option<String>, StoreError> {
+    let mut cmd = redis::cmd("CONFIG");
+    cmd.arg("GET").arg("maxmemory-policy");
+    let read = async {
+        match conn {
+            Conn::Single(c) => Ok::<_, RedisError>(vec![(
+                "the server".to_owned(),
+                c.send_packed_command(&cmd).await?,
+            )]),
+            #[cfg(feature = "redis-sentinel")]
+            Conn::Sentinel(c) => {
+                use redis::aio::ConnectionLike;
+                Ok(vec![(
+                    "the primary".to_owned(),
+                    c.req_packed_command(&cmd).await?,
+                )])
+            }
+            #[cfg(feature = "redis-cluster")]
+            Conn::Cluster(c) => {
+                use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+                let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                match c.route_command(cmd.clone(), routing).await? {
+                    Value::Map(nodes) => Ok(nodes
+                        .into_iter()
+                        .map(|(node, v)| (format!("master {}", value_text(&node)), v))
+                        .collect()),
+                    other => Ok(vec![("the cluster".to_owned(), other)]),
+                }
+            }
+        }
+    };
+    let replies: Vec<(String, Value)> = match tokio::time::timeout(timeout, read).await {
+        Err(_) => return Err(timed_out(timeout)),
+        Ok(Err(e)) if e.code().is_some() => vec![("the server".to_owned(), Value::Nil)],
+        Ok(Err(e)) => return Err(backend(e)),
+        Ok(Ok(replies)) => replies,
+    };
+    let mut policy = None;
+    for (node, reply) in replies {
+        match policy_in(&reply) {
+            None => {
+                let refusal = format!(
+                    "cannot read maxmemory-policy on {node} (CONFIG is not allowed?); make sure \
+                     it is noeviction, or records and claims may be evicted early"
+                );
+                if require {
+                    return Err(StoreError::Backend(
+                        format!(
+                            "{refusal}. require_noeviction is on, so the store refuses to start: \
+                             allow CONFIG GET for this user, or check the policy yourself and \
+                             turn require_noeviction off"
+                        )
+                        .into(),
+                    ));
+                }
+                tracing::info!("idempotency: {refusal}");
+            }
+            Some(p) if maxmemory_policy_can_evict(&p) => {
+                if require {
+                    return Err(StoreError::Backend(
+                        format!(
+                            "{node} has maxmemory-policy {p}, which can evict this store's keys \
+                             (an evicted claim lets a duplicate execute, an evicted record lets a \
+                             retry execute again); require_noeviction is on, so the store refuses \
+                             to start: run CONFIG SET maxmemory-policy noeviction on every node \
+                             (and in its config file)"
+                        )
+                        .into(),
+                    ));
+                }
+                tracing::error!(
+                    %node,
+                    maxmemory_policy = %p,
+                    "idempotency: redis maxmemory-policy can evict this store's keys: under memory \
+                     pressure an evicted claim lets a duplicate execute, an evicted record lets a \
+                     retry execute again. Set `maxmemory-policy noeviction` (writes then fail \
+                     closed with 503 when Redis is full), or give Redis room for \
+                     writes/s x TTL x record size"
+                );
+                policy = Some(p);
+            }
+            Some(p) => {
+                policy.get_or_insert(p);
+            }
+        }
+    }
+    Ok(policy)
+}
+
+/// The policy in a `CONFIG GET maxmemory-policy` reply (`[name, value]`, or a map in RESP3);
+/// `None` for an error reply or anything else.
+pub(super) fn policy_in(reply: &Value) -> Option<String> {
+    match reply {
+        Value::Array(items) if items.len() == 2 => Some(value_text(&items[1])),
+        Value::Map(pairs) if pairs.len() == 1 => Some(value_text(&pairs[0].1)),
+        _ => None,
+    }
+}
+
+pub(super) fn value_text(v: &Value) -> String {
+    match v {
+        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        Value::SimpleString(s) => s.clone(),
+        Value::VerbatimString { text, .. } => text.clone(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// A cluster client on the seed `nodes`; with a push sender, it speaks RESP3 (pub/sub pushes
+/// arrive on the command connection).
+#[cfg(feature = "redis-cluster")]
+pub(super) fn cluster_client(
+    nodes: &[String],
+    timeout: Duration,
+    pushes: Option<mpsc::UnboundedSender<redis::PushInfo>>,
+) -> Result<redis::cluster::ClusterClient, StoreError> {
+    if nodes.is_empty() {
+        return Err(StoreError::Backend(
+            "a redis cluster needs at least one seed node URL".into(),
+        ));
+    }
+    let mut builder = redis::cluster::ClusterClientBuilder::new(nodes.iter().map(String::as_str))
+        .connection_timeout(timeout)
+        .response_timeout(timeout)
+        .retries(2)
+        .min_retry_wait(10)
+        .max_retry_wait(500);
+    if let Some(tx) = pushes {
+        builder = builder
+            .use_protocol(redis::ProtocolVersion::RESP3)
+            .push_sender(tx);
+    }
+    builder.build().map_err(backend)
+}
+
+impl RedisStore {
+    /// A builder for a store on the server at `url` (`redis://host:port/db`, or
+    /// `rediss://host:port/db` for TLS with the `redis-tls` feature).
+    pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            source: Source::Url(url.into()),
+            conn: None,
+            prefix: "idempotency:".to_owned(),
+            timeout: Duration::from_secs(1),
+            polling: Polling::default(),
+            near: None,
+            require_noeviction: false,
+            wait_for_replicas: None,
+        }
+    }
+
+    /// A builder for a store on a Redis Cluster (feature `redis-cluster`), given the URLs of
+    /// some of its nodes (`redis://host:port`; `rediss://` with `redis-tls`): the client learns
+    /// the rest of the topology from them and follows slot moves and failovers by itself.
+    /// Each operation is one script on one key, routed to the master of that key's slot;
+    /// waiters `SSUBSCRIBE` to the key's channel and the scripts `SPUBLISH` on it (sharded
+    /// pub/sub, Redis 7+). [`connection_manager`](RedisStoreBuilder::connection_manager) does
+    /// not apply to a cluster.
+    #[cfg(feature = "redis-cluster")]
+    pub fn builder_cluster<I, S>(nodes: I) -> RedisStoreBuilder
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        RedisStoreBuilder {
+            source: Source::Cluster(nodes.into_iter().map(Into::into).collect()),
+            ..RedisStore::builder(String::new())
+        }
+    }
+
+    /// A builder for a store on the primary that Redis Sentinel names `master` (feature
+    /// `redis-sentinel`), given the URLs of some of the Sentinels (`redis://host:26379`).
+    /// The store asks them for the primary at connect, and again whenever the node it talks to
+    /// stops being the primary: a write refused with `READONLY` (a demoted primary; the
+    /// command is sent again to the new one: it wrote nothing), or a connection refused or
+    /// dropped (the command is not sent again: it may have run). The pub/sub connection
+    /// follows. Data nodes are reached without credentials on database 0: for others, connect
+    /// through a [`builder_from_client`](Self::builder_from_client) of your own and follow the
+    /// primary yourself. [`connection_manager`](RedisStoreBuilder::connection_manager) does not
+    /// apply.
+    ///
+    /// ```
+    /// use idempotency_layer::RedisStore;
+    /// use std::time::Duration;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), idempotency_layer::StoreError> {
+    /// # let Some((sentinels, master)) = std::env::var("REDIS_SENTINEL_URL").ok()
+    /// #     .and_then(|url| RedisStore::sentinel_from_url(&url)) else { return Ok(()) };
+    /// // e.g. (["redis://127.0.0.1:26379"], "mymaster")
+    /// let store = RedisStore::builder_sentinel(sentinels, master)
+    ///     .wait_for_replicas(1, Duration::from_millis(100))
+    ///     .connect()
+    ///     .await?;
+    /// assert_eq!(store.primary_switches(), 0);
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[cfg(feature = "redis-sentinel")]
+    pub fn builder_sentinel<I, S>(sentinels: I, master: impl Into<String>) -> RedisStoreBuilder
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        RedisStoreBuilder {
+            source: Source::Sentinel(
+                sentinels.into_iter().map(Into::into).collect(),
+                master.into(),
+            ),
+            ..RedisStore::builder(String::new())
+        }
+    }
+
+    /// The Sentinel URLs and master name a `redis+sentinel://host1:port1,host2:port2/master`
+    /// URL names (`rediss+sentinel://` for TLS): `(["redis://host1:port1",
+    /// "redis://host2:port2"], "master")`, for [`builder_sentinel`](Self::builder_sentinel).
+    /// `None` for any other scheme or without a master name.
+    #[cfg(feature = "redis-sentinel")]
+    pub fn sentinel_from_url(url: &str) -> Option<(Vec<String>, String)> {
+        sentinel::sentinel_from_url(url)
+    }
+
+    /// The node URLs a `redis+cluster://host1:port1,host2:port2` URL names (`rediss+cluster://`
+    /// for TLS): `["redis://host1:port1", "redis://host2:port2"]`; an item that has its own
+    /// scheme (`redis://...`) is kept as is. `None` for any other scheme.
+    pub fn cluster_nodes_from_url(url: &str) -> Option<Vec<String>> {
+        let (base, rest) = multi_node_url(url, "+cluster")?;
+        Some(node_urls(base, rest))
+    }
+
+    /// A builder for a store on a client you made (your own TLS certificates with
+    /// `redis::Client::build_with_tls`, credentials, protocol settings). Add your own
+    /// [`connection_manager`](RedisStoreBuilder::connection_manager) to share its connection.
+    pub fn builder_from_client(client: redis::Client) -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            source: Source::Client(Box::new(client)),
+            ..RedisStore::builder(String::new())
+        }
+    }
+
+    /// Connects to the server at `url` with the defaults (prefix `idempotency:`, timeout 1 s).
+    pub async fn connect(url: &str) -> Result<RedisStore, StoreError> {
+        RedisStore::builder(url).connect().await
+    }
+}

@@ -1,0 +1,104 @@
+//! RedisStore's own tests against a real server (`REDIS_URL`); the shared contract runs in
+//! the stores' integration tests.
+
+use super::*;
+
+use test_support::env::env_url;
+
+/// The claim command sent twice with one token (what a cluster connection's resend after a
+/// lost reply does): both sends answer "claimed", and the key holds that one claim. (Before,
+/// the resend answered "in flight" with the request's own token: it waited for itself, got
+/// 409, and its key stayed blocked for a lease.) Another token still sees it in flight.
+async fn resent_claim_is_ours(store: RedisStore) {
+    let scope = ScopeKey(*blake3::hash(codec::new_token().0.to_le_bytes().as_slice()).as_bytes());
+    let fp = Fingerprint([5; 32]);
+    let lease = Duration::from_secs(60);
+    let token = codec::new_token();
+    for send in ["first send", "resend"] {
+        match store.claim(scope, fp, lease, token, None).await {
+            Ok(Begin::New(t)) => assert_eq!(t, token, "{send}"),
+            other => panic!("{send} of the same claim must answer New, got {other:?}"),
+        }
+    }
+    match store.begin(scope, fp, lease).await {
+        Ok(Begin::InFlight { token: t, .. }) => assert_eq!(t, token),
+        other => panic!("another call must see the claim in flight, got {other:?}"),
+    }
+    store
+        .release(scope, token)
+        .await
+        .expect("the one claim is released");
+}
+
+#[tokio::test]
+async fn a_resent_claim_is_the_senders_own_claim() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let store = RedisStore::builder(url)
+        .prefix(format!("idem-resend-{}:", codec::new_token().0))
+        .connect()
+        .await
+        .expect("REDIS_URL is set, so Redis must be reachable");
+    resent_claim_is_ours(store).await;
+}
+
+#[cfg(feature = "redis-cluster")]
+#[tokio::test]
+async fn a_resent_claim_is_the_senders_own_claim_on_a_cluster() {
+    let Some(urls) = env_url("REDIS_CLUSTER_URLS") else {
+        return;
+    };
+    let store = RedisStore::builder_cluster(urls.split(',').map(str::trim))
+        .prefix(format!("idem-resend-{}:", codec::new_token().0))
+        .connect()
+        .await
+        .expect("REDIS_CLUSTER_URLS is set, so the cluster must be reachable");
+    resent_claim_is_ours(store).await;
+}
+
+/// Only an error that may follow a sent claim arms the orphan release: a refused
+/// connection sent nothing, so no release task is spawned for it.
+#[test]
+fn a_refused_connection_never_ran_the_claim() {
+    let refused = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+    assert!(!may_have_run(&backend(refused)));
+    let reset = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+    assert!(may_have_run(&backend(reset)));
+    assert!(may_have_run(&timed_out(Duration::from_secs(1))));
+    assert!(!may_have_run(&StoreError::Fenced));
+}
+
+#[test]
+fn tokens_round_trip_and_bad_lengths_are_corrupt() {
+    let t = Token(0x0123_4567_89ab_cdef_0011_2233_4455_6677);
+    assert_eq!(token_from(&token_bytes(t)).unwrap(), t);
+    assert!(matches!(token_from(b"short"), Err(StoreError::Corrupt(_))));
+}
+
+#[test]
+fn cluster_urls_name_their_nodes() {
+    assert_eq!(
+        RedisStore::cluster_nodes_from_url("redis+cluster://a:7000,b:7001/").unwrap(),
+        ["redis://a:7000", "redis://b:7001/"]
+    );
+    assert_eq!(
+        RedisStore::cluster_nodes_from_url("rediss+cluster://redis://a:1, b:2").unwrap(),
+        ["redis://a:1", "rediss://b:2"]
+    );
+    assert!(RedisStore::cluster_nodes_from_url("redis://a:1").is_none());
+    assert!(RedisStore::cluster_nodes_from_url("memory").is_none());
+}
+
+#[test]
+fn cluster_scripts_publish_on_the_shard() {
+    assert!(scripts(true).complete.source.contains("'SPUBLISH'"));
+    assert!(scripts(false).complete.source.contains("'PUBLISH'"));
+    assert!(!scripts(false).forget.source.contains("SPUBLISH"));
+}
+
+#[test]
+fn durations_are_at_least_one_millisecond() {
+    assert_eq!(millis(Duration::ZERO), 1);
+    assert_eq!(millis(Duration::from_secs(2)), 2000);
+}
