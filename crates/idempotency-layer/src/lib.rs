@@ -409,6 +409,7 @@ pub mod store;
 #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 mod tx;
 mod waiters;
+mod write;
 
 pub use body::{IdempotencyBody, RequestBody};
 pub use config::{InFlight, OnDisconnect};

@@ -9,6 +9,8 @@ use reason_code::{
     IDEMPOTENCY_IN_FLIGHT, REQUEST_TOO_LARGE,
 };
 
+use crate::body::IdempotencyBody;
+use crate::config::Config;
 use crate::protocol::Protocol;
 
 /// Why a request was answered by the layer instead of the handler.
@@ -240,6 +242,24 @@ pub(crate) fn render(
             .insert(reason_header.clone(), HeaderValue::from_static(code));
     }
     res
+}
+
+/// A rejection as the layer's response.
+pub(crate) fn respond<B>(
+    reason: RejectReason,
+    detail: &str,
+    protocol: &Protocol,
+    cfg: &Config,
+) -> Response<IdempotencyBody<B>> {
+    let reason_header = cfg.reasons.header_name();
+    render(
+        reason,
+        detail,
+        protocol,
+        reason_header,
+        cfg.rejection_body.as_ref(),
+    )
+    .map(IdempotencyBody::full)
 }
 
 #[cfg(test)]

@@ -1,0 +1,368 @@
+//! The flow of one write whose key and tenant were accepted: read and fingerprint its body,
+//! ask the store, and lead, replay, wait or refuse (what `begin` found is decided in
+//! `decision.rs`); the leader's run and recording are in `leader.rs`.
+
+use std::fmt;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::FutureExt;
+use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
+use http::request::Parts;
+use http::{HeaderValue, Request, Response, Version};
+use http_body::Body;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use reason_code::{
+    encode_grpc_message, Code, InboundWrite, GRPC_MESSAGE, GRPC_STATUS, IDEMPOTENT_REPLAYED,
+};
+use tokio::time::Instant;
+use tower_service::Service;
+use tracing::Span;
+
+use crate::body::{IdempotencyBody, RequestBody};
+use crate::claim::{log_store_error, Claim, Settled};
+use crate::config::{Config, OnDisconnect};
+use crate::decision::{self, Asking, Next};
+use crate::detached::{DetachOnDrop, DetachTo};
+use crate::observe::{self, Op, WriteOutcome};
+use crate::protocol::grpc_timeout;
+use crate::protocol::Protocol;
+use crate::recorder::Recording;
+use crate::recording::{self, AtHead};
+use crate::reject::{respond, RejectReason};
+use crate::shared::Shared;
+use crate::stats::Counters;
+use crate::store::hashing::fingerprint;
+use crate::store::{
+    Backend, BoxError, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, TenantKey,
+};
+use crate::tx::{self, Offer, TxLedger, TxOutcome};
+use crate::waiters::{Refused, SharedFailure};
+use crate::IDEMPOTENT_BODY_OMITTED;
+
+mod leader;
+mod read_body;
+mod replay;
+#[cfg(test)]
+mod tests;
+
+use self::leader::*;
+use self::read_body::*;
+use self::replay::*;
+
+/// Logs and counts a `begin` that failed: a corrupt entry (an error: only an operator can
+/// help), a full store (a warning: the store is up), or the store failing.
+fn note_begin_failed(counters: &Counters, kind: Backend, scope: ScopeKey, e: &StoreError) {
+    match e {
+        StoreError::Corrupt(what) => {
+            counters.store_error();
+            observe::store_error(Op::Begin, kind);
+            tracing::error!(?scope, error = %what, "idempotency: the stored entry of this key is corrupt; nothing executed");
+        }
+        StoreError::Full => {
+            tracing::warn!(?scope, "idempotency: the store is full; nothing executed");
+        }
+        e => log_store_error(counters, kind, Op::Begin, e),
+    }
+}
+
+pub(super) type Answer<B, E> = Result<Response<IdempotencyBody<B>>, E>;
+
+/// The inner service a write holds: the one `poll_ready` readied (with the capacity it
+/// reserved), or a clone not yet ready (a write that waited let the readied one go).
+pub(crate) enum Inner<S> {
+    Ready(S),
+    NotReady(S),
+}
+
+impl<S: Clone> Inner<S> {
+    /// Lets the readied service go (and the capacity it holds), keeping a clone to ready later.
+    fn release_capacity(&mut self) {
+        if let Inner::Ready(s) = self {
+            *self = Inner::NotReady(s.clone());
+        }
+    }
+}
+
+/// One write whose key and tenant were accepted: everything its flow needs, owned, so the flow
+/// can outlive the request (a leader whose client went away is finished in a task).
+pub(crate) struct Write<S, St> {
+    /// The inner service: readied by `poll_ready` until this write waits for a duplicate.
+    pub(crate) inner: Inner<S>,
+    pub(crate) store: Arc<St>,
+    pub(crate) config: Arc<Config>,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) scope: ScopeKey,
+    /// The tenant the store charges this scope's claim and record to.
+    pub(crate) tenant: TenantKey,
+    pub(crate) protocol: Protocol,
+    /// `idempotency_layer.write`: how the write ended is recorded on it.
+    pub(crate) span: Span,
+}
+
+impl<S, St> Write<S, St> {
+    fn reject<B>(&self, reason: RejectReason, detail: &str) -> Response<IdempotencyBody<B>> {
+        self.shared.counters.rejected(reason);
+        observe::record_rejection(&self.span, reason);
+        respond(reason, detail, &self.protocol, &self.config)
+    }
+}
+
+impl<S, St> Write<S, St>
+where
+    St: IdempotencyStore,
+{
+    /// The flow of one write: read and fingerprint the body, then claim the scope and run the
+    /// handler, or replay the record, or wait for the request in flight.
+    ///
+    /// A plain function returning an `async move` block, not an `async fn`: an `async fn` keeps
+    /// its arguments twice (as captured and as locals), and this future is moved into its box
+    /// and polled on every request.
+    #[expect(
+        clippy::manual_async_fn,
+        reason = "an `async fn` would hold its arguments twice"
+    )]
+    pub(crate) fn handle<ReqB, ResB>(
+        mut self,
+        mut parts: Parts,
+        body: ReqB,
+    ) -> impl Future<Output = Answer<ResB, S::Error>>
+    where
+        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Clone + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Send + 'static,
+        ReqB: Body<Data = Bytes> + Send + 'static,
+        ReqB::Error: Into<BoxError>,
+        ResB: Body<Data = Bytes> + Send + 'static,
+        ResB::Error: Into<BoxError>,
+    {
+        async move {
+            let cfg = &*self.config;
+            let counters = &self.shared.counters;
+            let scope = self.scope;
+            let kind = self.store.backend();
+            // A gRPC request's own deadline bounds the reading of its body and its wait.
+            let (deadline, body_deadline) = {
+                let grpc_timeout = grpc_timeout(&parts);
+                let within = |limit: Duration| grpc_timeout.map_or(limit, |t| t.min(limit));
+                let arrived = Instant::now();
+                (
+                    arrived.checked_add(within(cfg.max_wait)),
+                    arrived.checked_add(within(cfg.request_body_timeout)),
+                )
+            };
+
+            let too_large = || {
+                format!(
+                    "request body is larger than {} bytes; send a smaller request",
+                    cfg.max_request_bytes
+                )
+            };
+            let declared = parts
+                .headers
+                .get(CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+            if declared.is_some_and(|n| n > cfg.max_request_bytes as u64) {
+                return Ok(self.reject(RejectReason::TooLarge, &too_large()));
+            }
+            let read = read_whole(body, cfg.max_request_bytes, body_deadline);
+            let bytes = match read.await {
+                Ok(bytes) => bytes,
+                Err(e) if e.is::<LengthLimitError>() => {
+                    return Ok(self.reject(RejectReason::TooLarge, &too_large()))
+                }
+                Err(e) if e.is::<BodyTimedOut>() => {
+                    let detail = format!(
+                        "request body not received within {:?} (the idempotency layer's \
+                         request_body_timeout, or the request's grpc-timeout); nothing was \
+                         executed: send the whole body promptly, or declare streaming gRPC \
+                         methods with streaming_grpc_methods",
+                        grpc_timeout(&parts).map_or(cfg.request_body_timeout, |t| t
+                            .min(cfg.request_body_timeout))
+                    );
+                    return Ok(self.reject(RejectReason::BodyTimeout, &detail));
+                }
+                Err(e) => {
+                    return Ok(self.reject(
+                        RejectReason::BadBody,
+                        &format!("request body could not be read: {e}"),
+                    ))
+                }
+            };
+            let fp = match &cfg.fingerprint {
+                Some(of) => of(&parts, &bytes),
+                None => fingerprint(&parts, &bytes),
+            };
+
+            let mut asking = Asking {
+                fingerprint: fp,
+                waited: false,
+                in_flight: cfg.in_flight,
+                fail_open: cfg.fail_open,
+            };
+            // This request's place among the waiters of its scope, held while it waits.
+            let mut slot = None;
+            loop {
+                let begin = self
+                    .store
+                    .begin_for_tenant(self.tenant, scope, fp, cfg.lease);
+                let found = observe::timed(Op::Begin, kind, begin).await;
+                if let Err(e) = &found {
+                    note_begin_failed(counters, kind, scope, e);
+                }
+                let token = match decision::after_begin(found, &asking) {
+                    Next::Lead(token) => {
+                        drop(slot.take());
+                        // Built in a block, so the request and the claim it moves into the
+                        // leader are not kept beside it while it runs.
+                        let leader = {
+                            let claim = Claim::new(
+                                self.store.clone(),
+                                scope,
+                                token,
+                                &self.config,
+                                &self.shared,
+                            );
+                            let ledger = tx::offer(
+                                &*self.store,
+                                &mut parts.extensions,
+                                Offer {
+                                    scope,
+                                    token,
+                                    fingerprint: fp,
+                                    config: &self.config,
+                                    grpc: self.protocol.is_grpc(),
+                                },
+                            );
+                            let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                            self.run_as_leader(req, claim, ledger, fp)
+                        };
+                        return leader.await;
+                    }
+                    Next::Replay(record, outcome) => {
+                        counters.replayed();
+                        observe::record_outcome(&self.span, outcome);
+                        tracing::debug!(?scope, waited = asking.waited, "idempotency: replayed");
+                        return Ok(replay(
+                            &record,
+                            self.protocol.is_grpc(),
+                            cfg.max_record_bytes,
+                        ));
+                    }
+                    Next::Reject(reason, detail) => return Ok(self.reject(reason, &detail)),
+                    Next::ExecuteUnprotected => {
+                        counters.failed_open();
+                        observe::record_outcome(&self.span, WriteOutcome::Executed);
+                        tracing::warn!(
+                            "idempotency: store failed; executing without protection (fail_open)"
+                        );
+                        // Boxed, like the leader's call: rare, and as large as the handler's
+                        // future.
+                        let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                        let run = Box::pin(call_inner(self.inner, req));
+                        return Ok(run.await?.map(IdempotencyBody::inner));
+                    }
+                    Next::Wait(token) => token,
+                };
+                if slot.is_none() {
+                    let entered = self.shared.waiters.enter(
+                        scope,
+                        cfg.max_waiters,
+                        bytes.len(),
+                        cfg.max_waiting_bytes,
+                    );
+                    match entered {
+                        // Boxed: only a waiter needs it.
+                        Ok(place) => slot = Some(Box::new(place)),
+                        Err(Refused::KeyFull) => {
+                            return Ok(self.reject(
+                                RejectReason::InFlight,
+                                "too many requests with this idempotency key are waiting for the \
+                                 one in flight; retry after it completes",
+                            ))
+                        }
+                        Err(Refused::LayerFull) => {
+                            return Ok(self.reject(
+                                RejectReason::InFlight,
+                                "too many duplicate requests are waiting in this server \
+                                 (max_waiting_bytes); retry after the one in flight completes",
+                            ))
+                        }
+                    }
+                }
+                if !asking.waited {
+                    asking.waited = true;
+                    counters.waited();
+                    // A waiter holds none of the inner service's capacity.
+                    self.inner.release_capacity();
+                    tracing::debug!(?scope, "idempotency: waiting for the request in flight");
+                }
+                let Some(place) = slot.as_ref() else {
+                    unreachable!("a waiter has its place")
+                };
+                // Boxed: the store's wait and its timer are as large as the rest of the write's
+                // future, and only a duplicate in flight needs them.
+                let woken = Box::pin(async {
+                    // Registered before the failure is looked for: a hand-over in between wakes
+                    // it.
+                    let mut failed = std::pin::pin!(place.notified());
+                    failed.as_mut().enable();
+                    if place.failure(token).is_some() {
+                        return Ok(Ok(()));
+                    }
+                    let wake = async {
+                        tokio::select! {
+                            r = self.store.wait(scope, token) => r,
+                            () = failed => Ok(()),
+                        }
+                    };
+                    match deadline {
+                        Some(deadline) => tokio::time::timeout_at(deadline, wake).await,
+                        // A wait too long for the clock to express: unbounded.
+                        None => Ok(wake.await),
+                    }
+                });
+                match woken.await {
+                    Ok(Ok(())) => {
+                        // The leader failed without a record: its failure is this request's
+                        // answer, and the key is free for the client's retry.
+                        if let Some(failure) = place.failure(token) {
+                            counters.shared_failure();
+                            observe::record_outcome(&self.span, WriteOutcome::SharedFailure);
+                            tracing::debug!(
+                                ?scope,
+                                "idempotency: the request in flight failed; answering with its \
+                                 failure"
+                            );
+                            return Ok(match failure {
+                                SharedFailure::Answer(answer) => shared_failure(&answer),
+                                SharedFailure::Reject(reason) => self.reject(
+                                    reason,
+                                    "the request in flight with this idempotency key failed and \
+                                     nothing was recorded; a retry executes again",
+                                ),
+                            });
+                        }
+                    }
+                    Ok(Err(e)) => {
+                        log_store_error(counters, kind, Op::Wait, &e);
+                        return Ok(self.reject(
+                            RejectReason::StoreUnavailable,
+                            "idempotency store unavailable while waiting; retry later",
+                        ));
+                    }
+                    Err(_) => {
+                        return Ok(self.reject(
+                            RejectReason::InFlight,
+                            "a request with this idempotency key is still in flight; retry later",
+                        ))
+                    }
+                }
+            }
+        }
+    }
+}
