@@ -1,4 +1,4 @@
-//! Recording a leader's response: its body is read to its end by the layer, independently of
+//! ResponseRecorder a leader's response: its body is read to its end by the layer, independently of
 //! the client, and the record stored before the final frame is handed over.
 //!
 //! When the record is stored matters. Servers stop polling a body once they have written its
@@ -38,14 +38,14 @@ use crate::claim::Claim;
 use crate::config::Config;
 use crate::detached::{self, DetachedPermit, StoreOp};
 use crate::pipe::{Pipe, PipeReader, Room};
-use crate::recording::{Finished, RecordBuilder};
+use crate::record_rules::{Finished, RecordBuilder};
 use crate::reject::RejectReason;
 use crate::store::{BoxError, Fingerprint, FOREVER};
 use crate::waiters::SharedFailure;
 
 /// A handler's response about to be recorded ([`start`](Self::start)): its body not yet
 /// polled, the claim, and the record's head.
-pub(crate) struct Recording<B> {
+pub(crate) struct ResponseRecorder<B> {
     body: Pin<Box<B>>,
     claim: Claim,
     config: Arc<Config>,
@@ -67,7 +67,7 @@ pub(crate) struct Started<B> {
     pub(crate) store: Option<StoreOp>,
 }
 
-impl<B> Recording<B>
+impl<B> ResponseRecorder<B>
 where
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
@@ -103,7 +103,7 @@ where
             head_code,
             config.max_record_bytes,
         );
-        Recording {
+        ResponseRecorder {
             body: Box::pin(body),
             claim,
             config,
@@ -236,7 +236,7 @@ where
     /// or, for an outcome the table does not record, its answer handed to the duplicates
     /// waiting for it and the claim released in the background (`None`).
     fn ended(self) -> Option<StoreOp> {
-        let Recording {
+        let ResponseRecorder {
             claim,
             config,
             record,
@@ -257,7 +257,7 @@ where
     /// head decided an outcome the table records (the store operation is returned); else the
     /// claim is released in the background, and the duplicates waiting for it are told.
     fn broken(self, why: &'static str) -> Option<StoreOp> {
-        let Recording {
+        let ResponseRecorder {
             claim,
             config,
             record,
@@ -336,7 +336,7 @@ fn add(hint: SizeHint, n: u64) -> SizeHint {
 
 /// Reads a handler's body to its end into a [`Pipe`] and records it.
 struct Pump<B> {
-    recording: Recording<B>,
+    recording: ResponseRecorder<B>,
     pipe: Arc<Pipe>,
     /// Held once the client has gone: this reading is then detached work.
     permit: Option<DetachedPermit>,

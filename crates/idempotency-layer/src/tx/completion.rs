@@ -13,7 +13,7 @@ use tokio_postgres::Transaction;
 use super::ledger::{Offer, RecordedInTx, TxLedger};
 use crate::body::IdempotencyBody;
 use crate::config::Config;
-use crate::recording::{self, AtHead, Finished, RecordBuilder};
+use crate::record_rules::{self, AtHead, Finished, RecordBuilder};
 use crate::store::postgres::{affected, CompleteParams};
 use crate::store::{codec, BoxError, Fingerprint, PostgresStore, ScopeKey, StoreError, Token};
 
@@ -396,7 +396,7 @@ impl TxCompletion {
     }
 
     /// What every transaction client shares before the fenced statement: the response
-    /// classified as the layer would ([`recording::at_head`], then at its end), its body read
+    /// classified as the layer would ([`record_rules::at_head`], then at its end), its body read
     /// whole, the record built and encoded, and the write counted in the ledger (refused once
     /// the handler has returned).
     async fn prepare<B>(&self, response: Response<B>) -> Result<Prepared<B>, TxCompletionError>
@@ -405,7 +405,7 @@ impl TxCompletion {
         B::Error: Into<BoxError>,
     {
         let (parts, body) = response.into_parts();
-        let head_code = match recording::at_head(
+        let head_code = match record_rules::at_head(
             &self.config,
             self.grpc,
             parts.status,

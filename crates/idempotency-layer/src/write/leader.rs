@@ -98,7 +98,7 @@ where
     }
 }
 
-/// Calls the inner service and records its response with a [`Recording`] (storing the record
+/// Calls the inner service and records its response with a [`ResponseRecorder`] (storing the record
 /// at once when the body is already whole; when the head says the outcome is not recordable,
 /// answering at once and releasing the claim in the background). When the handler recorded its
 /// response in its own transaction (`ledger`), the claim is left as that transaction left it.
@@ -184,7 +184,7 @@ where
                 }));
             }
         }
-        let head_code = match recording::at_head(&cfg, grpc, parts.status, &parts.headers) {
+        let head_code = match record_rules::at_head(&cfg, grpc, parts.status, &parts.headers) {
             AtHead::NotRecordable(code) if !claim.has_waiters() => {
                 // Answered at once; the store (which may be slow, or down) is told after.
                 tracing::debug!(%code, "idempotency: outcome not recordable; releasing");
@@ -205,7 +205,7 @@ where
         // stretch that to tens of milliseconds); such a body is answered as it is. A streaming
         // body is read to its end by a task of its own and recorded when it ends. The poll's
         // waker is a no-op: a body not ready now is polled again by that task.
-        let started = Recording::new(
+        let started = ResponseRecorder::new(
             body,
             claim,
             cfg,

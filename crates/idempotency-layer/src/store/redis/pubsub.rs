@@ -42,7 +42,7 @@ impl NearListener {
 /// Waits out `backoff` before the pub/sub connection is tried again, doubling it up to 2 s, while
 /// dropping the subscribe and unsubscribe requests that arrive meanwhile (their waiters poll).
 /// False when the store is gone (a channel closed): the task ends.
-pub(super) async fn sit_out(
+pub(super) async fn wait_out_backoff(
     backoff: &mut Duration,
     commands: &mut mpsc::UnboundedReceiver<Command>,
     unsubscribe: &mut mpsc::UnboundedReceiver<String>,
@@ -82,7 +82,7 @@ pub(super) async fn pubsub_task(
         let Some((mut sink, mut stream)) = connected else {
             // Waiters poll meanwhile; pending subscriptions are dropped (their waiters poll).
             waiters.wake_all();
-            if !sit_out(&mut backoff, &mut commands, &mut unsubscribe).await {
+            if !wait_out_backoff(&mut backoff, &mut commands, &mut unsubscribe).await {
                 return;
             }
             continue;
@@ -186,7 +186,7 @@ pub(super) async fn cluster_pubsub_task(
         };
         let Some(mut conn) = connected else {
             waiters.wake_all();
-            if !sit_out(&mut backoff, &mut commands, &mut unsubscribe).await {
+            if !wait_out_backoff(&mut backoff, &mut commands, &mut unsubscribe).await {
                 return;
             }
             continue;
