@@ -7,7 +7,7 @@ use tower::{service_fn, Layer};
 
 use super::*;
 use crate::store::MemoryStore;
-use crate::IdempotencyLayer;
+use crate::layer::IdempotencyLayer;
 
 async fn created(
     _: Request<RequestBody<Full<Bytes>>>,
