@@ -6,8 +6,8 @@ use http_body_util::Full;
 use tower::{service_fn, Layer};
 
 use super::*;
-use crate::store::MemoryStore;
 use crate::layer::IdempotencyLayer;
+use crate::store::MemoryStore;
 
 async fn created(
     _: Request<RequestBody<Full<Bytes>>>,

@@ -1,0 +1,288 @@
+//! The values a store keeps and answers with: scope and tenant keys, fingerprints, fencing
+//! tokens, records, what `begin` found, and the one error type.
+
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{HeaderMap, StatusCode};
+
+use super::BoxError;
+
+/// The hash of a scope (tenant + method + key), the only identifier a store sees.
+///
+/// Made with [`Scope::key`](crate::Scope::key): a BLAKE3 hash of an unambiguous, length-prefixed
+/// encoding, so no raw tenant or key reaches the store.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ScopeKey(pub [u8; 32]);
+
+/// Hashes the key's first 8 bytes as one `u64`: the key is BLAKE3 output, uniform already, so
+/// the other 24 add nothing a hash table can use, and a seeded hasher (the stores' maps use
+/// foldhash with a random seed per map) mixes one word far faster than 32 bytes. Equal keys
+/// hash equally, as `Hash` requires.
+impl std::hash::Hash for ScopeKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        let (word, _) = self.0.split_first_chunk::<8>().expect("32 bytes");
+        state.write_u64(u64::from_le_bytes(*word));
+    }
+}
+
+/// The hash of a tenant alone: what a store needs to keep each tenant to its share (see
+/// [`IdempotencyStore::begin_for_tenant`](super::IdempotencyStore::begin_for_tenant)) without learning who the tenant is.
+///
+/// Equal for every scope of one tenant and, short of a 64-bit collision, different between
+/// tenants. [`TenantKey::default`] is "no tenant known" (a direct [`IdempotencyStore::begin`](super::IdempotencyStore::begin)).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Default)]
+pub struct TenantKey(pub u64);
+
+impl TenantKey {
+    /// The key of `tenant` (the tenant a [`Scope`](crate::Scope) is made with).
+    pub fn of(tenant: &str) -> TenantKey {
+        let mut h = blake3::Hasher::new();
+        h.update(b"idempotency-layer tenant v1\0");
+        h.update(tenant.as_bytes());
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&h.finalize().as_bytes()[..8]);
+        TenantKey(u64::from_le_bytes(b))
+    }
+}
+
+impl ScopeKey {
+    /// The key as lowercase hex, 64 characters (for stores that need a string key).
+    pub fn to_hex(&self) -> String {
+        hex(&self.0)
+    }
+}
+
+impl fmt::Debug for ScopeKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ScopeKey({})", &self.to_hex()[..16])
+    }
+}
+
+/// The hash of what a request asks for: method, path, query, content type and body.
+///
+/// The same scope with another fingerprint is a different request reusing a key, and is refused.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint(pub [u8; 32]);
+
+impl Fingerprint {
+    /// The layer's own fingerprint of a request: its method, path, query, content type and
+    /// `body`, each length-prefixed, hashed with BLAKE3 (a stable encoding: stored records are
+    /// checked against it across versions). A
+    /// [`fingerprint_fn`](crate::IdempotencyLayer::fingerprint_fn) of your own can call it with
+    /// a canonical form of the body.
+    pub fn of_request(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
+        super::hashing::fingerprint(parts, body)
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", &hex(&self.0)[..16])
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+/// A fencing token: names one claim of one scope. Made by the store; unique per store (a shared
+/// store must make tokens unique across instances, e.g. random 128-bit values).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct Token(pub u128);
+
+/// A recorded response: everything needed to replay it byte for byte.
+///
+/// Made by the layer when a response is recorded; a store keeps it and hands it back. Build one
+/// with [`Record::new`] (stores that decode their own format, tests); read it with the accessors.
+///
+/// ```
+/// use bytes::Bytes;
+/// use http::{HeaderMap, StatusCode};
+/// use idempotency_layer::store::{Fingerprint, Record};
+///
+/// let mut trailers = HeaderMap::new();
+/// trailers.insert("grpc-status", "0".parse().unwrap());
+/// let record = Record::new(Fingerprint([7; 32]), StatusCode::OK, HeaderMap::new(), Bytes::from("hi"))
+///     .with_trailers(trailers);
+/// assert_eq!(record.body(), "hi");
+/// assert_eq!(record.trailers().unwrap()["grpc-status"], "0");
+/// assert!(!record.body_omitted());
+/// assert!(record.clone().with_body_omitted().body().is_empty());
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+pub struct Record {
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) status: StatusCode,
+    pub(crate) headers: HeaderMap,
+    pub(crate) body: Bytes,
+    pub(crate) body_omitted: bool,
+    /// Boxed: trailers are rare (gRPC's status), and every record in memory would otherwise
+    /// carry a whole `HeaderMap` for them.
+    pub(crate) trailers: Option<Box<HeaderMap>>,
+}
+
+impl Record {
+    /// A record of a response with this status, headers and whole body, made by a request with
+    /// this fingerprint; no trailers.
+    pub fn new(
+        fingerprint: Fingerprint,
+        status: StatusCode,
+        headers: HeaderMap,
+        body: Bytes,
+    ) -> Self {
+        Record {
+            fingerprint,
+            status,
+            headers,
+            body,
+            body_omitted: false,
+            trailers: None,
+        }
+    }
+
+    /// The same record with these trailers (a gRPC response's status lives there).
+    pub fn with_trailers(mut self, trailers: HeaderMap) -> Self {
+        self.trailers = Some(Box::new(trailers));
+        self
+    }
+
+    /// The same record without its body, marked as omitted: its replays carry status, headers
+    /// and trailers only, and say so (for a body larger than the layer's `max_record_bytes`, or
+    /// one a store could not keep).
+    pub fn with_body_omitted(mut self) -> Self {
+        self.body = Bytes::new();
+        self.body_omitted = true;
+        self
+    }
+
+    /// The fingerprint of the request that produced it.
+    pub fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint
+    }
+
+    /// The response status.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The response headers, in order, repeated names kept.
+    pub fn headers(&self) -> &HeaderMap {
+        &self.headers
+    }
+
+    /// The response body (empty when [`body_omitted`](Self::body_omitted)).
+    pub fn body(&self) -> &Bytes {
+        &self.body
+    }
+
+    /// True when the body was not kept (too large); the replay says so.
+    pub fn body_omitted(&self) -> bool {
+        self.body_omitted
+    }
+
+    /// The trailers, if the response had any.
+    pub fn trailers(&self) -> Option<&HeaderMap> {
+        self.trailers.as_deref()
+    }
+}
+
+/// What [`IdempotencyStore::begin`](super::IdempotencyStore::begin) found.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum Begin {
+    /// The scope was free (or its record had expired, or its lease had lapsed): the caller now
+    /// holds the claim with this token and must complete or release it.
+    New(Token),
+    /// Another request holds the scope.
+    InFlight {
+        /// The token of the claim in flight; pass it to [`IdempotencyStore::wait`](super::IdempotencyStore::wait).
+        token: Token,
+        /// The fingerprint of the request in flight.
+        fingerprint: Fingerprint,
+    },
+    /// The scope has a record that has not expired.
+    Completed(Arc<Record>),
+}
+
+/// The one error type of every store.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The token no longer holds the claim (lease lapsed and taken over, key forgotten, or the
+    /// claim already ended). Nothing was changed.
+    Fenced,
+    /// The store has no room for a new claim (it is full, or the tenant's share of it is).
+    /// Nothing was claimed and nothing executes: the layer answers 503 / UNAVAILABLE with
+    /// `Retry-After`, which clients retry.
+    Full,
+    /// The backend failed or is unreachable.
+    Backend(BoxError),
+    /// An entry could not be decoded.
+    Corrupt(String),
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreError::Fenced => f.write_str("the fencing token no longer holds the claim"),
+            StoreError::Full => f.write_str(
+                "the idempotency store has no room for a new claim (it is full, or this \
+                 tenant's share of it is); nothing was executed: retry later, or raise the \
+                 store's bounds",
+            ),
+            StoreError::Backend(e) => write!(f, "idempotency store backend failed: {e}"),
+            StoreError::Corrupt(what) => write!(f, "idempotency store entry is corrupt: {what}"),
+        }
+    }
+}
+
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            StoreError::Backend(e) => Some(&**e),
+            _ => None,
+        }
+    }
+}
+
+/// Which kind of store a layer uses: the `store` label of its metrics
+/// ([`IdempotencyStore::backend`](super::IdempotencyStore::backend)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Backend {
+    /// [`MemoryStore`](super::MemoryStore).
+    Memory,
+    /// `RedisStore` (feature `redis`).
+    Redis,
+    /// `PostgresStore` (feature `postgres`).
+    Postgres,
+    /// Any other store.
+    Custom,
+}
+
+impl Backend {
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    pub(crate) const ALL: [Backend; 4] = [
+        Backend::Memory,
+        Backend::Redis,
+        Backend::Postgres,
+        Backend::Custom,
+    ];
+
+    /// The label value: `memory`, `redis`, `postgres` or `custom`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Backend::Memory => "memory",
+            Backend::Redis => "redis",
+            Backend::Postgres => "postgres",
+            Backend::Custom => "custom",
+        }
+    }
+}
