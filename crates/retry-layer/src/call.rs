@@ -8,18 +8,17 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderValue, Request, Response};
 use http_body::Body;
+use reason_code::{BoxError, Hop};
 use tokio::time::Instant;
 use tower_service::Service;
 use tracing::Span;
-
-use reason_code::Hop;
 
 use crate::body::{BodyHandle, ReplayBody};
 use crate::budget::Budget;
 use crate::classify;
 use crate::deadline::{deadline_of, instant_after, rewrite_grpc_timeout, Timer};
 use crate::decide::{decide, Attempt, Budgets, Ended, Step, Why};
-use crate::error::{DeadlineExceeded, RetryError};
+use crate::error::{DeadlineExceeded, RetryError, RetryInfo};
 use crate::observe::{self, GiveUp};
 use crate::policy::{Conflict, InboundRetry, RebuildFuture};
 use crate::request::{
@@ -27,7 +26,6 @@ use crate::request::{
 };
 use crate::shared::Shared;
 use crate::stats::Counter;
-use crate::{BoxError, RetryInfo};
 
 /// Everything an attempt after the first needs.
 pub(crate) struct Call<S, B> {

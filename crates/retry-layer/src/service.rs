@@ -5,6 +5,7 @@ use std::task::{Context, Poll};
 
 use http::{Request, Response};
 use http_body::Body;
+use reason_code::BoxError;
 use tower_service::Service;
 
 use crate::body::ReplayBody;
@@ -13,7 +14,6 @@ use crate::future::ResponseFuture;
 use crate::policy::RetryPolicy;
 use crate::shared::Shared;
 use crate::stats::RetryStats;
-use crate::BoxError;
 
 /// Retries what is safe to retry. See the [crate docs](crate) for what that is.
 ///

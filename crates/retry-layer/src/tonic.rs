@@ -41,12 +41,13 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http_body::Body;
 use pin_project_lite::pin_project;
+use reason_code::BoxError;
 use tower_service::Service;
 
-use crate::{
-    AttemptTimedOut, BoxError, DeadlineExceeded, ReplayBody, ResponseHeadTimedOut, Retry,
-    RetryError, RetryLayer,
-};
+use crate::body::ReplayBody;
+use crate::error::{AttemptTimedOut, DeadlineExceeded, ResponseHeadTimedOut, RetryError};
+use crate::layer::RetryLayer;
+use crate::service::Retry;
 
 /// Adapts a service of `http::Request<tonic::body::Body>` (a tonic `Channel`) to the
 /// [`ReplayBody`] requests that [`Retry`] sends.
@@ -127,7 +128,7 @@ where
 {
     type Response = http::Response<R>;
     type Error = BoxError;
-    type Future = RetryChannelFuture<<Retry<TonicBody<S>> as Service<http::Request<B>>>::Future>;
+    type Future = ResponseFuture<<Retry<TonicBody<S>> as Service<http::Request<B>>>::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         self.inner
@@ -136,7 +137,7 @@ where
     }
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        RetryChannelFuture {
+        ResponseFuture {
             inner: self.inner.call(req),
         }
     }
@@ -146,13 +147,13 @@ pin_project! {
     /// The response future of [`RetryChannel`]: the layer's, with its error as a
     /// `tonic::Status`.
     #[derive(Debug)]
-    pub struct RetryChannelFuture<F> {
+    pub struct ResponseFuture<F> {
         #[pin]
         inner: F,
     }
 }
 
-impl<F, T> Future for RetryChannelFuture<F>
+impl<F, T> Future for ResponseFuture<F>
 where
     F: Future<Output = Result<T, BoxError>>,
 {
