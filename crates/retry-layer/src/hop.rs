@@ -19,10 +19,11 @@
 //!   - **do not retry** (a negative `grpc-retry-pushback-ms` over gRPC, as gRFC A6 defines it,
 //!     [`DO_NOT_RETRY`](reason_code::DO_NOT_RETRY) over HTTP) when no retry can help: the hop
 //!     below said stop, or the deadline the inbound request carried (its `grpc-timeout`, or a
-//!     [`Deadline`](crate::Deadline) extension a layer in front of `HopLayer` set) is spent.
-//!     A stop on a choice of the hop's own (a `total_timeout` or `max_pushback` of its
-//!     outbound policy) is "retried below": it says nothing of what the caller can afford. The caller's `RetryLayer` returns it as it
-//!     is (counted in `pushback_stops`), and so does every hop above.
+//!     [`Deadline`] extension a layer in front of `HopLayer` set) is spent. A stop on a choice
+//!     of the hop's own (a `total_timeout` or `max_pushback` of its outbound policy) is
+//!     "retried below": it says nothing of what the caller can afford. The caller's
+//!     `RetryLayer` returns it as it is (counted in `pushback_stops`), and so does every hop
+//!     above.
 //! - **A retry is not retried again underneath.** A request that arrives as a retry
 //!   (`grpc-previous-rpc-attempts` or `x-previous-attempts` above zero) runs its handler with
 //!   that knowledge: the handler's outbound calls send once by default
