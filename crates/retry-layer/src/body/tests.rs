@@ -232,7 +232,7 @@ async fn a_body_read_past_the_limit_at_wrap_time_is_sent_once_whole() {
     assert!(!handle.is_replayable());
 }
 
-/// Issue 31 item 8: an attempt that never read a body over the limit hands it whole to the
+/// An attempt that never read a body over the limit hands it whole to the
 /// next one, what the wrapping read included.
 #[tokio::test]
 async fn an_unread_body_over_the_limit_goes_whole_to_the_next_attempt() {
@@ -281,7 +281,7 @@ async fn a_body_that_fails_at_wrap_time_is_not_sent() {
     assert!(err.is::<BodyNotReplayable>());
 }
 
-/// Issue 31 item 16: a reader waiting for the original is woken when a newer attempt cuts
+/// A reader waiting for the original is woken when a newer attempt cuts
 /// it off, so that its transport abandons the attempt now rather than at the original's
 /// next frame (which may never come).
 #[tokio::test]
