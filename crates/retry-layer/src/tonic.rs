@@ -62,20 +62,7 @@ impl<S> TonicBody<S> {
         TonicBody { inner }
     }
 
-    /// The wrapped service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The wrapped service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Consumes the adapter, returning the wrapped service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    define_inner_service_accessors!();
 }
 
 impl<S, B> Service<http::Request<ReplayBody<B>>> for TonicBody<S>
