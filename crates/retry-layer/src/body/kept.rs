@@ -118,6 +118,7 @@ pub(super) fn concat<'a>(chunks: impl IntoIterator<Item = &'a Bytes>, len: usize
     all.freeze()
 }
 
+/// Locks `m`, even when a holder that panicked poisoned it.
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
