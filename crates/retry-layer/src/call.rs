@@ -8,18 +8,17 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderValue, Request, Response};
 use http_body::Body;
+use reason_code::{BoxError, Hop};
 use tokio::time::Instant;
 use tower_service::Service;
 use tracing::Span;
-
-use reason_code::Hop;
 
 use crate::body::{BodyHandle, ReplayBody};
 use crate::budget::Budget;
 use crate::classify;
 use crate::deadline::{deadline_of, instant_after, rewrite_grpc_timeout, Timer};
-use crate::decide::{decide, Attempt, Budgets, Ended, Step, Why};
-use crate::error::{DeadlineExceeded, RetryError};
+use crate::decide::{decide, Attempt, Budgets, Ended, ReturnReason, Step};
+use crate::error::{DeadlineExceeded, RetryError, RetryInfo};
 use crate::observe::{self, GiveUp};
 use crate::policy::{Conflict, InboundRetry, RebuildFuture};
 use crate::request::{
@@ -27,7 +26,6 @@ use crate::request::{
 };
 use crate::shared::Shared;
 use crate::stats::Counter;
-use crate::{BoxError, RetryInfo};
 
 /// Everything an attempt after the first needs.
 pub(crate) struct Call<S, B> {
@@ -286,9 +284,9 @@ where
         let code = outcome.code();
         let attempt = self.attempt.sent;
         match step {
-            Step::Return(Why::Final) => Next::Answer(result),
-            Step::Return(why) => {
-                self.count_and_trace(why, code);
+            Step::Return(ReturnReason::Final) => Next::Answer(result),
+            Step::Return(reason) => {
+                self.count_and_trace(reason, code);
                 Next::Answer(result)
             }
             Step::Retry {
@@ -363,7 +361,7 @@ where
     /// Counts and traces why a retryable outcome is returned. Each give-up and refusal is a
     /// DEBUG event; the layer's WARN summary counts them (at most one WARN per period, so a dead
     /// backend does not flood the logs).
-    fn count_and_trace(&self, why: Why, code: reason_code::Code) {
+    fn count_and_trace(&self, reason: ReturnReason, code: reason_code::Code) {
         let stats = &self.shared.stats;
         let attempt = self.attempt.sent;
         // The hop this call is made from answers its caller "do not retry" when no retry can
@@ -372,56 +370,56 @@ where
         // A stop on a choice of this hop's own (its `max_pushback`, a deadline tighter than the
         // inbound request's) is "retried below": its caller may well fit another attempt.
         if let Some(hop) = &self.hop {
-            match why {
-                Why::Final => {}
-                Why::PushbackSaysNo => hop.note_gave_up(),
-                Why::DeadlineTooShort { delay, .. }
+            match reason {
+                ReturnReason::Final => {}
+                ReturnReason::PushbackSaysNo => hop.note_gave_up(),
+                ReturnReason::DeadlineTooShort { delay, .. }
                     if hop.inbound_deadline_leaves_less_than(
                         delay.saturating_add(self.shared.policy.min_attempt_time),
                     ) =>
                 {
                     hop.note_gave_up()
                 }
-                Why::DeadlineTooShort { .. }
-                | Why::PushbackTooLong(_)
-                | Why::Exhausted
-                | Why::BudgetRefused
-                | Why::InboundRetry
-                | Why::NotReplayable => hop.note_deferred(),
+                ReturnReason::DeadlineTooShort { .. }
+                | ReturnReason::PushbackTooLong(_)
+                | ReturnReason::Exhausted
+                | ReturnReason::BudgetRefused
+                | ReturnReason::InboundRetry
+                | ReturnReason::NotReplayable => hop.note_deferred(),
             }
         }
-        let gave_up = match why {
-            Why::Final => return,
-            Why::NotReplayable => {
+        let gave_up = match reason {
+            ReturnReason::Final => return,
+            ReturnReason::NotReplayable => {
                 tracing::debug!(code = %code, "not retrying: the request body could not be kept");
                 GiveUp::NotReplayable
             }
-            Why::Exhausted => {
+            ReturnReason::Exhausted => {
                 stats.incr(Counter::Exhausted);
                 tracing::debug!(attempt, code = %code, "giving up: no attempt left");
                 GiveUp::Exhausted
             }
-            Why::PushbackSaysNo => {
+            ReturnReason::PushbackSaysNo => {
                 stats.incr(Counter::PushbackStops);
                 tracing::debug!(attempt, code = %code, "giving up: server pushback says stop");
                 GiveUp::Pushback
             }
-            Why::PushbackTooLong(d) => {
+            ReturnReason::PushbackTooLong(d) => {
                 stats.incr(Counter::PushbackStops);
                 tracing::debug!(attempt, code = %code, pushback_ms = d.as_millis() as u64, "giving up: pushback longer than max_pushback");
                 GiveUp::Pushback
             }
-            Why::DeadlineTooShort { delay, left } => {
+            ReturnReason::DeadlineTooShort { delay, left } => {
                 stats.incr(Counter::DeadlineStops);
                 tracing::debug!(attempt, code = %code, delay_ms = delay.as_millis() as u64, left_ms = left.as_millis() as u64, "giving up: the deadline cannot fit another attempt");
                 GiveUp::Deadline
             }
-            Why::InboundRetry => {
+            ReturnReason::InboundRetry => {
                 stats.incr(Counter::InboundRetryStops);
                 tracing::debug!(attempt, code = %code, "not retrying: the request being served is itself a retry of the hop above");
                 GiveUp::InboundRetry
             }
-            Why::BudgetRefused => {
+            ReturnReason::BudgetRefused => {
                 stats.incr(Counter::BudgetRefusals);
                 observe::budget_refused(code);
                 tracing::debug!(attempt, code = %code, "retry budget exhausted: not retrying");
@@ -446,7 +444,10 @@ where
             let delay = send_at.saturating_duration_since(now);
             let left = deadline.saturating_duration_since(now);
             if left < delay.saturating_add(policy.min_attempt_time) {
-                self.count_and_trace(Why::DeadlineTooShort { delay, left }, self.rebuilding);
+                self.count_and_trace(
+                    ReturnReason::DeadlineTooShort { delay, left },
+                    self.rebuilding,
+                );
                 return None;
             }
         }

@@ -6,12 +6,11 @@ use std::time::{Duration, SystemTime};
 use http::{HeaderMap, Response};
 use reason_code::{
     classify_head, parse_grpc_pushback, parse_grpc_retry_info, parse_grpc_status,
-    parse_retry_after, Code, HeadClass, Outcome, Pushback, ReasonCodes, GRPC_RETRY_PUSHBACK_MS,
-    GRPC_STATUS, GRPC_STATUS_DETAILS_BIN,
+    parse_retry_after, BoxError, Code, HeadClass, Outcome, Pushback, ReasonCodes,
+    GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS, GRPC_STATUS_DETAILS_BIN,
 };
 
 use crate::error::{AttemptTimedOut, ResponseHeadTimedOut};
-use crate::BoxError;
 
 /// Classifies a response with the one classifier both layers call
 /// ([`reason_code::classify_head`]), plus one rule of the client's own.

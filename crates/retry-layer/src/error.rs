@@ -1,8 +1,9 @@
 //! Errors the retry layer returns, and what it tells about a response ([`RetryInfo`]).
 
-use crate::BoxError;
 use std::error::Error as StdError;
 use std::fmt;
+
+use reason_code::BoxError;
 
 /// The call's deadline passed before a response arrived. Returned instead of waiting longer;
 /// downcast a `BoxError` to this type to tell it apart.

@@ -9,6 +9,7 @@ use std::task::{Context, Poll};
 use http::{Request, Response};
 use http_body::Body;
 use pin_project_lite::pin_project;
+use reason_code::BoxError;
 use tokio::time::Instant;
 use tower_service::Service;
 use tracing::Span;
@@ -20,7 +21,6 @@ use crate::error::{AttemptTimedOut, DeadlineExceeded, ResponseHeadTimedOut};
 use crate::observe;
 use crate::policy::RebuildFuture;
 use crate::shared::Shared;
-use crate::BoxError;
 
 pin_project! {
     /// The response future of [`Retry`](crate::Retry).

@@ -19,10 +19,11 @@
 //!   - **do not retry** (a negative `grpc-retry-pushback-ms` over gRPC, as gRFC A6 defines it,
 //!     [`DO_NOT_RETRY`](reason_code::DO_NOT_RETRY) over HTTP) when no retry can help: the hop
 //!     below said stop, or the deadline the inbound request carried (its `grpc-timeout`, or a
-//!     [`Deadline`](crate::Deadline) extension a layer in front of `HopLayer` set) is spent.
-//!     A stop on a choice of the hop's own (a `total_timeout` or `max_pushback` of its
-//!     outbound policy) is "retried below": it says nothing of what the caller can afford. The caller's `RetryLayer` returns it as it
-//!     is (counted in `pushback_stops`), and so does every hop above.
+//!     [`Deadline`] extension a layer in front of `HopLayer` set) is spent. A stop on a choice
+//!     of the hop's own (a `total_timeout` or `max_pushback` of its outbound policy) is
+//!     "retried below": it says nothing of what the caller can afford. The caller's
+//!     `RetryLayer` returns it as it is (counted in `pushback_stops`), and so does every hop
+//!     above.
 //! - **A retry is not retried again underneath.** A request that arrives as a retry
 //!   (`grpc-previous-rpc-attempts` or `x-previous-attempts` above zero) runs its handler with
 //!   that knowledge: the handler's outbound calls send once by default
@@ -69,6 +70,8 @@ use tokio::task::futures::TaskLocalFuture;
 use tower_layer::Layer;
 use tower_service::Service;
 
+use crate::deadline::Deadline;
+
 pub use reason_code::Hop;
 
 /// The server half of one-tier retries: see the [module docs](self).
@@ -92,30 +95,40 @@ impl HopLayer {
 }
 
 impl<S> Layer<S> for HopLayer {
-    type Service = HopService<S>;
+    type Service = HopScope<S>;
 
-    fn layer(&self, inner: S) -> HopService<S> {
-        HopService {
+    fn layer(&self, inner: S) -> HopScope<S> {
+        HopScope {
             inner,
             reasons: self.reasons.clone(),
         }
     }
 }
 
-/// The service [`HopLayer`] makes.
+/// The service [`HopLayer`] makes: runs each request's handler in the scope of a [`Hop`] (the
+/// per-request state, made from the request's headers), and marks the handler's answer when an
+/// outbound call stopped retrying.
 #[derive(Debug, Clone)]
-pub struct HopService<S> {
+pub struct HopScope<S> {
     inner: S,
     reasons: ReasonCodes,
 }
 
-impl<S, B, R> Service<Request<B>> for HopService<S>
+impl<S> HopScope<S> {
+    define_inner_service_accessors!();
+}
+
+/// The old name of [`HopScope`].
+#[deprecated(since = "0.1.0", note = "renamed to `HopScope`")]
+pub type HopService<S> = HopScope<S>;
+
+impl<S, B, R> Service<Request<B>> for HopScope<S>
 where
     S: Service<Request<B>, Response = Response<R>>,
 {
     type Response = Response<R>;
     type Error = S::Error;
-    type Future = HopFuture<S::Future>;
+    type Future = ResponseFuture<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         self.inner.poll_ready(cx)
@@ -124,7 +137,7 @@ where
     fn call(&mut self, mut req: Request<B>) -> Self::Future {
         let headers = req.headers();
         let mut hop = Hop::from_request_headers(headers);
-        if let Some(crate::Deadline(d)) = req.extensions().get::<crate::Deadline>() {
+        if let Some(Deadline(d)) = req.extensions().get::<Deadline>() {
             hop = hop.with_inbound_deadline(*d);
         }
         let hop = Arc::new(hop);
@@ -135,7 +148,7 @@ where
         let grpc = reason_code::is_grpc(headers);
         req.extensions_mut().insert(hop.clone());
         let future = hop.clone().scope(self.inner.call(req));
-        HopFuture {
+        ResponseFuture {
             future,
             hop,
             grpc,
@@ -160,9 +173,9 @@ fn warn_if_malformed(headers: &http::HeaderMap) {
 }
 
 pin_project! {
-    /// The response future of [`HopService`]: the handler runs in the hop's scope, and its
+    /// The response future of [`HopScope`]: the handler runs in the hop's scope, and its
     /// answer is marked if an outbound call retried below or gave up.
-    pub struct HopFuture<F> where F: Future {
+    pub struct ResponseFuture<F> where F: Future {
         #[pin]
         future: TaskLocalFuture<Arc<Hop>, F>,
         hop: Arc<Hop>,
@@ -171,15 +184,19 @@ pin_project! {
     }
 }
 
-impl<F: Future> std::fmt::Debug for HopFuture<F> {
+/// The old name of [`ResponseFuture`].
+#[deprecated(since = "0.1.0", note = "renamed to `hop::ResponseFuture`")]
+pub type HopFuture<F> = ResponseFuture<F>;
+
+impl<F: Future> std::fmt::Debug for ResponseFuture<F> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HopFuture")
+        f.debug_struct("ResponseFuture")
             .field("hop", &self.hop)
             .finish_non_exhaustive()
     }
 }
 
-impl<F, R, E> Future for HopFuture<F>
+impl<F, R, E> Future for ResponseFuture<F>
 where
     F: Future<Output = Result<Response<R>, E>>,
 {

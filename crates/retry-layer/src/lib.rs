@@ -332,6 +332,9 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(rust_2018_idioms, warnings))))]
 
+#[macro_use]
+mod macros;
+
 pub mod backoff;
 mod body;
 pub mod budget;

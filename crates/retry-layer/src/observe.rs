@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use http::request::Parts;
 use http::Response;
-use reason_code::{Code, Outcome};
+use reason_code::{BoxError, Code, Outcome};
 use tokio::time::Instant;
 use tracing::field::Empty;
 use tracing::Span;
@@ -112,7 +112,7 @@ pub(crate) fn attempt_span(call: &Span, grpc: bool, resend_count: u32) -> Span {
 /// Records how an attempt ended on its span.
 pub(crate) fn record_attempt<R>(
     span: &Span,
-    result: &Result<Response<R>, crate::BoxError>,
+    result: &Result<Response<R>, BoxError>,
     outcome: Outcome,
     grpc: bool,
 ) {
@@ -131,7 +131,7 @@ pub(crate) fn record_attempt<R>(
 /// Records the call's answer on its span.
 pub(crate) fn record_call<R>(
     span: &Span,
-    result: &Result<Response<R>, crate::BoxError>,
+    result: &Result<Response<R>, BoxError>,
     grpc: bool,
     attempts: u32,
 ) {
@@ -142,7 +142,7 @@ pub(crate) fn record_call<R>(
     span.record("retry.attempts", attempts);
 }
 
-fn record_status<R>(span: &Span, result: &Result<Response<R>, crate::BoxError>, grpc: bool) {
+fn record_status<R>(span: &Span, result: &Result<Response<R>, BoxError>, grpc: bool) {
     let Ok(res) = result else { return };
     if grpc {
         // Only a trailers-only answer has its status in the headers; a streamed one has it in

@@ -52,16 +52,19 @@ use std::time::Duration;
 
 use ::reqwest::{Body, Request, Response, ResponseBuilderExt};
 use http::Extensions;
+use reason_code::BoxError;
 use reqwest_middleware::{Error, Middleware, Next};
 use tower_service::Service;
 
+use crate::body::ReplayBody;
+use crate::error::RetryError;
+#[cfg(doc)]
+use crate::error::RetryInfo;
 use crate::future::ResponseFuture;
+use crate::layer::RetryLayer;
+use crate::policy::RetryPolicy;
 use crate::shared::Shared;
 use crate::stats::RetryStats;
-use crate::{ReplayBody, RetryError, RetryLayer, RetryPolicy};
-
-#[cfg(doc)]
-use crate::RetryInfo;
 
 /// A `reqwest-middleware` middleware that retries what is safe to retry, as [`RetryLayer`]
 /// does. See the [module docs](self).
@@ -137,7 +140,7 @@ pub fn reqwest_error(err: &Error) -> Option<&::reqwest::Error> {
 }
 
 /// Every error of the response future is a `RetryError`; anything else is wrapped as one.
-fn into_retry_error(e: crate::BoxError) -> RetryError {
+fn into_retry_error(e: BoxError) -> RetryError {
     match e.downcast::<RetryError>() {
         Ok(e) => *e,
         Err(other) => RetryError::new(other, 0, None),

@@ -5,6 +5,7 @@ use std::task::{Context, Poll};
 
 use http::{Request, Response};
 use http_body::Body;
+use reason_code::BoxError;
 use tower_service::Service;
 
 use crate::body::ReplayBody;
@@ -13,7 +14,6 @@ use crate::future::ResponseFuture;
 use crate::policy::RetryPolicy;
 use crate::shared::Shared;
 use crate::stats::RetryStats;
-use crate::BoxError;
 
 /// Retries what is safe to retry. See the [crate docs](crate) for what that is.
 ///
@@ -40,20 +40,7 @@ impl<S> Retry<S> {
         self.shared.snapshot()
     }
 
-    /// The inner service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The inner service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Consumes `self`, returning the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    define_inner_service_accessors!();
 }
 
 impl<S, B, R> Service<Request<B>> for Retry<S>

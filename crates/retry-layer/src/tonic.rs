@@ -41,12 +41,13 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http_body::Body;
 use pin_project_lite::pin_project;
+use reason_code::BoxError;
 use tower_service::Service;
 
-use crate::{
-    AttemptTimedOut, BoxError, DeadlineExceeded, ReplayBody, ResponseHeadTimedOut, Retry,
-    RetryError, RetryLayer,
-};
+use crate::body::ReplayBody;
+use crate::error::{AttemptTimedOut, DeadlineExceeded, ResponseHeadTimedOut, RetryError};
+use crate::layer::RetryLayer;
+use crate::service::Retry;
 
 /// Adapts a service of `http::Request<tonic::body::Body>` (a tonic `Channel`) to the
 /// [`ReplayBody`] requests that [`Retry`] sends.
@@ -61,20 +62,7 @@ impl<S> TonicBody<S> {
         TonicBody { inner }
     }
 
-    /// The wrapped service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The wrapped service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Consumes the adapter, returning the wrapped service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    define_inner_service_accessors!();
 }
 
 impl<S, B> Service<http::Request<ReplayBody<B>>> for TonicBody<S>
@@ -127,7 +115,7 @@ where
 {
     type Response = http::Response<R>;
     type Error = BoxError;
-    type Future = RetryChannelFuture<<Retry<TonicBody<S>> as Service<http::Request<B>>>::Future>;
+    type Future = ResponseFuture<<Retry<TonicBody<S>> as Service<http::Request<B>>>::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         self.inner
@@ -136,7 +124,7 @@ where
     }
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        RetryChannelFuture {
+        ResponseFuture {
             inner: self.inner.call(req),
         }
     }
@@ -146,13 +134,17 @@ pin_project! {
     /// The response future of [`RetryChannel`]: the layer's, with its error as a
     /// `tonic::Status`.
     #[derive(Debug)]
-    pub struct RetryChannelFuture<F> {
+    pub struct ResponseFuture<F> {
         #[pin]
         inner: F,
     }
 }
 
-impl<F, T> Future for RetryChannelFuture<F>
+/// The old name of [`ResponseFuture`].
+#[deprecated(since = "0.1.0", note = "renamed to `tonic::ResponseFuture`")]
+pub type RetryChannelFuture<F> = ResponseFuture<F>;
+
+impl<F, T> Future for ResponseFuture<F>
 where
     F: Future<Output = Result<T, BoxError>>,
 {

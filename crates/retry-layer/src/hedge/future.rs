@@ -1,4 +1,4 @@
-//! [`HedgeFuture`]: the attempts of one hedged call in flight, the next hedge, and the bounds
+//! [`ResponseFuture`]: the attempts of one hedged call in flight, the next hedge, and the bounds
 //! that end the call (its deadline, each attempt's head timeout).
 
 use std::future::Future;
@@ -10,17 +10,17 @@ use std::time::Duration;
 use http::request::Parts;
 use http::{Request, Response};
 use http_body::Body;
-use reason_code::{Code, Outcome};
+use reason_code::{BoxError, Code, Outcome};
 use tokio::time::{sleep_until, Instant, Sleep};
 use tower_service::Service;
 
-use super::{incr, Shared};
+use super::shared::HedgeShared;
+use super::stats::incr;
 use crate::body::{BodyHandle, ReplayBody};
 use crate::classify::{self, PushbackHint};
 use crate::deadline::{instant_after, rewrite_grpc_timeout};
 use crate::error::{DeadlineExceeded, ResponseHeadTimedOut};
 use crate::request::{clone_parts, write_previous_attempts};
-use crate::BoxError;
 
 /// What a call's hedging follows, from its policy and request.
 #[derive(Debug, Clone, Copy)]
@@ -45,12 +45,12 @@ struct InFlight<F> {
 /// Its attempts are boxed (there may be up to five at once, each the inner service's future);
 /// the call ends at the first answer that is not a non-fatal failure, at its deadline, or once
 /// no attempt is in flight and no hedge is due.
-pub struct HedgeFuture<S, B>
+pub struct ResponseFuture<S, B>
 where
     S: Service<Request<ReplayBody<B>>>,
 {
     service: S,
-    shared: Arc<Shared>,
+    shared: Arc<HedgeShared>,
     plan: Plan,
     /// The head hedges are sent with; `None` when the request is not hedged.
     parts: Option<Parts>,
@@ -65,12 +65,12 @@ where
     last: Option<Result<S::Response, BoxError>>,
 }
 
-impl<S, B> std::fmt::Debug for HedgeFuture<S, B>
+impl<S, B> std::fmt::Debug for ResponseFuture<S, B>
 where
     S: Service<Request<ReplayBody<B>>>,
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HedgeFuture")
+        f.debug_struct("ResponseFuture")
             .field("sent", &self.sent)
             .field("in_flight", &self.attempts.len())
             .finish_non_exhaustive()
@@ -78,9 +78,9 @@ where
 }
 
 // Every field is either `Unpin` or pinned in a box.
-impl<S, B> Unpin for HedgeFuture<S, B> where S: Service<Request<ReplayBody<B>>> {}
+impl<S, B> Unpin for ResponseFuture<S, B> where S: Service<Request<ReplayBody<B>>> {}
 
-impl<S, B, R> HedgeFuture<S, B>
+impl<S, B, R> ResponseFuture<S, B>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
     S::Error: Into<BoxError>,
@@ -91,7 +91,7 @@ where
     /// when the request is hedged.
     pub(super) fn start(
         mut service: S,
-        shared: Arc<Shared>,
+        shared: Arc<HedgeShared>,
         plan: Plan,
         first: Request<ReplayBody<B>>,
         parts: Option<Parts>,
@@ -100,7 +100,7 @@ where
         let now = Instant::now();
         let head_by = instant_after(now, shared.policy.response_head_timeout);
         let future = Box::pin(service.call(first));
-        HedgeFuture {
+        ResponseFuture {
             service,
             shared,
             plan,
@@ -119,8 +119,13 @@ where
     }
 
     /// A call that sends nothing: `error` is its answer.
-    pub(super) fn not_sent(service: S, shared: Arc<Shared>, plan: Plan, error: BoxError) -> Self {
-        HedgeFuture {
+    pub(super) fn not_sent(
+        service: S,
+        shared: Arc<HedgeShared>,
+        plan: Plan,
+        error: BoxError,
+    ) -> Self {
+        ResponseFuture {
             service,
             shared,
             plan,
@@ -284,7 +289,7 @@ where
     }
 }
 
-impl<S, B, R> Future for HedgeFuture<S, B>
+impl<S, B, R> Future for ResponseFuture<S, B>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
     S::Error: Into<BoxError>,

@@ -164,7 +164,7 @@ async fn garbage_pushback_stops_retries() {
     assert_eq!(layer.stats().pushback_stops, 1);
 }
 
-/// Item 6: every builder duration is validated, so no deadline or timer computed from it can
+/// Every builder duration is validated, so no deadline or timer computed from it can
 /// overflow the clock (before, `total_timeout(Duration::MAX)` built, then panicked on a call).
 #[test]
 fn out_of_range_durations_are_rejected_with_a_message() {
@@ -207,7 +207,7 @@ fn out_of_range_durations_are_rejected_with_a_message() {
     assert!(err.to_string().contains("max_unsent_retries"), "{err}");
 }
 
-/// Item 6: huge values from the caller or the server never panic.
+/// Huge values from the caller or the server never panic.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn huge_deadlines_and_pushbacks_do_not_panic() {
     use std::time::Duration;

@@ -1,4 +1,4 @@
-//! Issue 31, "every wait has a bound": what bounds a call whose server never answers, and how
+//! Every wait has a bound: what bounds a call whose server never answers, and how
 //! the deadline sources combine. Paused time: the bounds are the subject.
 
 use bytes::Bytes;
@@ -12,7 +12,7 @@ use tower::{Service, ServiceExt};
 
 use crate::support::*;
 
-/// Item 1: a call to a server that never answers ends, with the default policy, in a classified
+/// A call to a server that never answers ends, with the default policy, in a classified
 /// error: each attempt waits at most `response_head_timeout` (60 s) for the head. A GET is
 /// idempotent, so its three attempts each wait that long; a POST without key is not retried
 /// after a timeout (it may have executed). Before: still waiting after ten virtual minutes.
@@ -45,7 +45,7 @@ async fn the_default_policy_never_waits_forever_for_a_response_head() {
     }
 }
 
-/// Item 1: the head bound is the client's own: it is not sent as `grpc-timeout` (a server
+/// The head bound is the client's own: it is not sent as `grpc-timeout` (a server
 /// streaming for longer than it is not cut off), and a response whose head came in time is the
 /// answer however long its body then streams.
 #[tokio::test(start_paused = true)]
@@ -66,7 +66,7 @@ async fn the_head_bound_is_not_sent_to_the_server() {
     assert!(sent > Duration::from_secs(299), "{sent:?}");
 }
 
-/// Item 1: the head bound is a setting of its own, validated like the other durations.
+/// The head bound is a setting of its own, validated like the other durations.
 #[test]
 fn the_head_bound_is_configurable_and_validated() {
     let p = RetryPolicy::builder()
@@ -85,7 +85,7 @@ fn the_head_bound_is_configurable_and_validated() {
         .is_err());
 }
 
-/// Item 4: a `Deadline` extension never extends a shorter inbound `grpc-timeout`.
+/// A `Deadline` extension never extends a shorter inbound `grpc-timeout`.
 #[tokio::test(start_paused = true)]
 async fn a_deadline_extension_never_extends_a_shorter_grpc_timeout() {
     let mut req = keyed(grpc_req("/lib.Library/CreateOrder"));
@@ -98,7 +98,7 @@ async fn a_deadline_extension_never_extends_a_shorter_grpc_timeout() {
     assert!(sent <= Duration::from_secs(1), "{sent:?}");
 }
 
-/// Item 4: `total_timeout` bounds a call whose `grpc-timeout` is longer.
+/// `total_timeout` bounds a call whose `grpc-timeout` is longer.
 #[tokio::test(start_paused = true)]
 async fn total_timeout_bounds_a_call_with_a_longer_grpc_timeout() {
     let mut req = keyed(grpc_req("/lib.Library/CreateOrder"));
@@ -113,7 +113,7 @@ async fn total_timeout_bounds_a_call_with_a_longer_grpc_timeout() {
     assert!(sent <= Duration::from_secs(1), "{sent:?}");
 }
 
-/// Item 4: a call whose deadline has already passed sends nothing and says so.
+/// A call whose deadline has already passed sends nothing and says so.
 #[tokio::test(start_paused = true)]
 async fn a_call_whose_deadline_has_passed_sends_nothing() {
     let mut req = get("/books/b1");

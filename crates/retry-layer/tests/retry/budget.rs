@@ -52,7 +52,7 @@ async fn token_bucket_throttles_once_half_empty() {
     assert_eq!(stats.budget_refusals, 100);
 }
 
-/// Issue 31 item 15: one client (hyper-util or reqwest) shared by the calls to two hosts. A
+/// One client (hyper-util or reqwest) shared by the calls to two hosts. A
 /// dead host drains the layer's budget (gRFC A6 throttling: retries stop once half the 10
 /// tokens are gone), and then the healthy host's one 503 is not retried either. With a budget
 /// per authority, the healthy host keeps its own.

@@ -106,7 +106,7 @@ async fn deadline_extension_wins_over_grpc_timeout() {
     assert!(sent <= Duration::from_millis(500), "{sent:?}");
 }
 
-/// Issue 31 item 10: whether a hop's give-up on a deadline is "do not retry" depends on whose
+/// Whether a hop's give-up on a deadline is "do not retry" depends on whose
 /// deadline it was: the inbound request's (spent: its caller cannot fit another attempt
 /// either) or the hop's own `total_timeout` (a local choice: "retried below").
 #[tokio::test(start_paused = true)]

@@ -1,5 +1,5 @@
-//! Issue 31 item 16 over real sockets (HTTP/1.1 and h2c): what the layer's read of a request
-//! body at wrap time may and may not do. It polls before any transport does: the waker it
+//! Over real sockets (HTTP/1.1 and h2c): what the layer's read of a request body at wrap
+//! time may and may not do. It polls before any transport does: the waker it
 //! polls with must lead to the transport's, and an error it meets must end the call before
 //! anything is sent.
 

@@ -1,4 +1,4 @@
-//! Issue 12, gRPC over a tonic `Channel` to a hyper h2 server of the test's own; and h2 faults
+//! gRPC over a tonic `Channel` to a hyper h2 server of the test's own; and h2 faults
 //! (RST_STREAM REFUSED_STREAM, GOAWAY) from servers made with the `h2` crate and by hand.
 
 use std::convert::Infallible;
@@ -128,7 +128,7 @@ fn declared() -> RetryPolicy {
 const GET_BOOK: &str = "/plume.linkd.v3.Library/GetBook";
 const CREATE_ORDER: &str = "/plume.linkd.v3.Library/CreateOrder";
 
-/// Item 8: an HTTP 429 without `grpc-status` is UNAVAILABLE for gRPC (not RESOURCE_EXHAUSTED,
+/// An HTTP 429 without `grpc-status` is UNAVAILABLE for gRPC (not RESOURCE_EXHAUSTED,
 /// which is retried for any request): a write that is not declared idempotent is not retried.
 #[tokio::test]
 async fn http_429_on_grpc_is_unavailable_so_a_write_is_not_retried() {
@@ -144,7 +144,7 @@ async fn http_429_on_grpc_is_unavailable_so_a_write_is_not_retried() {
     assert_eq!(seen.lock().unwrap().len(), 1);
 }
 
-/// Item 8: HTTP 502 and 504 without `grpc-status` are UNAVAILABLE: retried for a declared method.
+/// HTTP 502 and 504 without `grpc-status` are UNAVAILABLE: retried for a declared method.
 #[tokio::test]
 async fn http_502_and_504_on_grpc_are_retried_for_a_declared_method() {
     for status in [502, 504] {
@@ -183,7 +183,7 @@ impl Budget for Counting {
     }
 }
 
-/// Item 8: a malformed `grpc-status` is UNKNOWN: returned, and neither an OK nor a budget
+/// A malformed `grpc-status` is UNKNOWN: returned, and neither an OK nor a budget
 /// success (before, it was taken for absent and the response counted as OK).
 #[tokio::test]
 async fn a_malformed_grpc_status_is_unknown_not_a_success() {
@@ -202,7 +202,7 @@ async fn a_malformed_grpc_status_is_unknown_not_a_success() {
     assert_eq!(budget.successes.load(Ordering::SeqCst), 0, "not a success");
 }
 
-/// Item 8: a committed response (headers sent without `grpc-status`) is final, even when a
+/// A committed response (headers sent without `grpc-status`) is final, even when a
 /// reason-code header says UPSTREAM_UNAVAILABLE.
 #[tokio::test]
 async fn a_reason_code_does_not_reopen_a_committed_response() {
@@ -223,7 +223,7 @@ async fn a_reason_code_does_not_reopen_a_committed_response() {
     assert_eq!(seen.lock().unwrap().len(), 1, "committed: never retried");
 }
 
-/// Item 9: each attempt's `grpc-timeout` is capped at `attempt_timeout`, so the server stops
+/// Each attempt's `grpc-timeout` is capped at `attempt_timeout`, so the server stops
 /// working on an attempt the client abandons.
 #[tokio::test]
 async fn grpc_timeout_is_capped_at_the_attempt_timeout() {
@@ -248,7 +248,7 @@ async fn grpc_timeout_is_capped_at_the_attempt_timeout() {
     }
 }
 
-/// Item 10: a real service config (methodConfig[] with name[]) chooses each call's policy by
+/// A real service config (methodConfig[] with name[]) chooses each call's policy by
 /// its gRPC path.
 #[tokio::test]
 async fn a_service_config_chooses_the_policy_by_method() {
@@ -452,7 +452,7 @@ async fn goaway_beyond_the_stream_retries_a_post() {
     assert_eq!(seen[0].1, Some(checksum_trailers()));
 }
 
-/// Issue 31 item 11: a GOAWAY with an error code (here ENHANCE_YOUR_CALM, and PROTOCOL_ERROR)
+/// A GOAWAY with an error code (here ENHANCE_YOUR_CALM, and PROTOCOL_ERROR)
 /// still promises that streams past its last-stream-id were not processed: unsent, so a POST
 /// without a key is retried on a new connection. Before, only NO_ERROR counted, and this POST
 /// was returned as an error (ambiguous).
@@ -474,7 +474,7 @@ async fn goaway_with_an_error_code_beyond_the_stream_retries_a_post() {
     }
 }
 
-/// Issue 31 item 11: the stream a GOAWAY covers (last-stream-id 1, the request's) may have been
+/// The stream a GOAWAY covers (last-stream-id 1, the request's) may have been
 /// processed, whatever the code: a POST without a key is not retried.
 #[tokio::test]
 async fn goaway_covering_the_stream_is_ambiguous_whatever_its_code() {
@@ -495,7 +495,7 @@ async fn goaway_covering_the_stream_is_ambiguous_whatever_its_code() {
     }
 }
 
-/// Issue 31 item 9: what a tonic client sees of the layer's failures through `RetryChannel`:
+/// What a tonic client sees of the layer's failures through `RetryChannel`:
 /// a classified `tonic::Status` (DEADLINE_EXCEEDED, UNAVAILABLE), never `Unknown`, which every
 /// tier above would take as final; the `RetryError` is its source.
 #[tokio::test]
@@ -567,7 +567,7 @@ async fn tonic_callers_get_classified_statuses() {
     assert!(retry_error(&status).is_some());
 }
 
-/// Issue 31 item 9: a tonic `Channel` that cannot connect (DNS, TLS, a connect timeout: here a
+/// A tonic `Channel` that cannot connect (DNS, TLS, a connect timeout: here a
 /// connector that fails) never sent the request: a write without key gets its transparent
 /// retries, as with hyper-util's `is_connect` (before: ambiguous, sent once).
 #[tokio::test]

@@ -96,7 +96,7 @@ async fn a_fast_answer_sends_no_hedge() {
     assert_eq!(layer.stats().hedges, 0);
 }
 
-/// Issue 31 item 12: only reads are hedged by default (GET, HEAD, OPTIONS, TRACE, declared gRPC
+/// Only reads are hedged by default (GET, HEAD, OPTIONS, TRACE, declared gRPC
 /// methods): a hedge of a write is a concurrent duplicate, which even a keyed write with
 /// `IdempotencyLayer` on the server pays for in load. Idempotent and keyed writes are hedged
 /// when asked for (`hedge_writes`); a write without a key never is. Before, keyed writes (and
@@ -410,7 +410,7 @@ async fn on_the_wire_the_hedge_answers_and_the_slow_attempt_is_cancelled() {
     }
 }
 
-/// Issue 31 item 7: the hedge owns the attempt headers too: a forwarded one is not sent on the
+/// The hedge owns the attempt headers too: a forwarded one is not sent on the
 /// first attempt, and each hedge carries its own count.
 #[tokio::test(start_paused = true)]
 async fn forwarded_attempt_headers_are_not_sent_on_the_first_attempt() {
@@ -434,7 +434,7 @@ async fn forwarded_attempt_headers_are_not_sent_on_the_first_attempt() {
     assert!(seen[1].headers.get("grpc-previous-rpc-attempts").is_none());
 }
 
-/// Issue 31 item 3: a hedge answered with a pushback longer than `max_pushback`, or one its
+/// A hedge answered with a pushback longer than `max_pushback`, or one its
 /// deadline cannot wait for, sends no more hedges: the pushback's answer is returned at once.
 /// Before, the next hedge was scheduled an hour (or up to a day) ahead and nothing else woke the
 /// call.
@@ -464,7 +464,7 @@ async fn a_hedged_read_honours_max_pushback_and_its_deadline() {
     }
 }
 
-/// Issue 31 item 3: a hedged call ends at its deadline even when no attempt answers.
+/// A hedged call ends at its deadline even when no attempt answers.
 #[tokio::test(start_paused = true)]
 async fn a_hedged_read_ends_at_its_deadline() {
     let mut req = get("/books/b1");
@@ -482,7 +482,7 @@ async fn a_hedged_read_ends_at_its_deadline() {
     assert_eq!(script.attempts(), 2);
 }
 
-/// Issue 31 items 1 and 3: without a deadline, each attempt waits `response_head_timeout` for
+/// Without a deadline, each attempt waits `response_head_timeout` for
 /// its head (60 s by default), so a hedged call to a server that never answers ends.
 #[tokio::test(start_paused = true)]
 async fn a_hedged_read_to_a_server_that_never_answers_ends() {

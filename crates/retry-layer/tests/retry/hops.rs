@@ -170,7 +170,7 @@ async fn client_hop_and_bottom_together_multiply_no_more() {
     }
 }
 
-/// Issue 31 item 7: a gateway that forwards its inbound metadata forwards its caller's attempt
+/// A gateway that forwards its inbound metadata forwards its caller's attempt
 /// headers too. The layer owns them on every attempt, the first included: the hop below sees
 /// this hop's own count (before, the first attempt carried the caller's "2", and a `HopLayer`
 /// below served it as a retry, sending once underneath).
@@ -201,7 +201,7 @@ async fn forwarded_attempt_headers_are_rewritten_on_every_attempt() {
     }
 }
 
-/// Issue 31 item 10: a hop that stops on a choice of its own (its short `total_timeout`, its
+/// A hop that stops on a choice of its own (its short `total_timeout`, its
 /// `max_pushback`) says "retried below", not "do not retry": the caller, whose own deadline and
 /// pushback limit may well allow another attempt, still retries. Before, B's give-up on its own
 /// 60 ms deadline answered DO_NOT_RETRY and A sent once.

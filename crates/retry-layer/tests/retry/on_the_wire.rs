@@ -1,4 +1,4 @@
-//! Issue 12 over real sockets: hyper-util's client over HTTP/1.1 and h2c against a hyper server
+//! Retries over real sockets: hyper-util's client over HTTP/1.1 and h2c against a hyper server
 //! of the test's own. Each test runs once per protocol.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -26,7 +26,7 @@ fn keyed_layer(tune: impl FnOnce(RetryPolicyBuilder) -> RetryPolicyBuilder) -> R
     )
 }
 
-/// Items 1 and 4: a 409 STOCK_CONFLICT reaches the rebuild hook over a real transport (before,
+/// A 409 STOCK_CONFLICT reaches the rebuild hook over a real transport (before,
 /// hyper stopped at `is_end_stream()` and the hook never ran), with a body that streams in
 /// chunks and has trailers. The hook builds a fresh POST without the key; the rebuilt write
 /// keeps the intent's key, so the ambiguous failure that follows is retried with it.
@@ -98,7 +98,7 @@ async fn conflict_409_is_rebuilt_by_the_hook_and_keeps_the_intents_key() {
     }
 }
 
-/// Item 1: a body that streams in chunks and ends with trailers is replayed whole, trailers
+/// A body that streams in chunks and ends with trailers is replayed whole, trailers
 /// included (before, the retry went out without them).
 #[tokio::test]
 async fn a_chunked_body_with_trailers_is_replayed_with_its_trailers() {
@@ -119,7 +119,7 @@ async fn a_chunked_body_with_trailers_is_replayed_with_its_trailers() {
     }
 }
 
-/// Item 5: the connection closes after every request was read (it may have executed). The
+/// The connection closes after every request was read (it may have executed). The
 /// layer gives up, and its error tells the caller the attempts and the generated key, so a
 /// retry of the caller's own is the same intent.
 #[tokio::test]
@@ -146,7 +146,7 @@ async fn close_after_read_gives_an_error_that_carries_the_key() {
     }
 }
 
-/// Item 2: the server answers 503 after the first chunk while the client is still streaming.
+/// The server answers 503 after the first chunk while the client is still streaming.
 /// The first attempt's transport may keep reading; the retry must get every chunk, woken as
 /// they arrive.
 #[tokio::test]
@@ -192,7 +192,7 @@ async fn an_early_503_while_the_body_streams_is_retried_with_the_whole_body() {
     }
 }
 
-/// Item 7: conflicts without a hook are not failures the policy could retry, so they do not
+/// Conflicts without a hook are not failures the policy could retry, so they do not
 /// drain a gRFC A6 token bucket; the 503 that follows is still retried.
 #[tokio::test]
 async fn conflicts_without_a_hook_leave_the_token_bucket_alone() {
@@ -229,7 +229,7 @@ async fn conflicts_without_a_hook_leave_the_token_bucket_alone() {
     }
 }
 
-/// Item 9: 421 Misdirected Request and 425 Too Early were not processed: retried for a POST
+/// 421 Misdirected Request and 425 Too Early were not processed: retried for a POST
 /// without a key.
 #[tokio::test]
 async fn misdirected_and_too_early_are_retried_for_any_method() {

@@ -1,4 +1,4 @@
-//! Item 3 over real sockets: while retrying, waiting for the inner service to be ready and for
+//! Over real sockets: while retrying, waiting for the inner service to be ready and for
 //! the rebuild hook is bounded by the call's deadline.
 
 use std::sync::Arc;

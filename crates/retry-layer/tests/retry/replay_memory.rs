@@ -1,4 +1,4 @@
-//! Issue 31 item 6: copies kept for replay end with the call, and all calls of a layer keep at
+//! Copies kept for replay end with the call, and all calls of a layer keep at
 //! most `max_replay_bytes_total` at once.
 
 use bytes::Bytes;

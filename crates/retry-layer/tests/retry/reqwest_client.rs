@@ -251,7 +251,7 @@ async fn the_middleware_and_the_tower_layer_share_one_budget() {
     );
 }
 
-/// Issue 31 item 13: a POST answered 307 (or 308) is followed by reqwest with its body, as it
+/// A POST answered 307 (or 308) is followed by reqwest with its body, as it
 /// is without the middleware: a whole body goes to reqwest as one it can send again. Before,
 /// every body became a stream reqwest cannot resend, and the 307 was returned.
 #[tokio::test]

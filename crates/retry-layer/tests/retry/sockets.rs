@@ -313,7 +313,7 @@ async fn too_many_requests_with_retry_after_1() {
     );
 }
 
-/// Issue 31 item 8: a body over `max_replay_bytes` that was never sent can still be retried:
+/// A body over `max_replay_bytes` that was never sent can still be retried:
 /// nothing of it was read, so a new attempt reads it from its first byte. A 100 KiB POST that
 /// meets a refused connection gets its transparent retries with the default 64 KiB limit, as it
 /// did with `max_replay_bytes(0)` (before: sent once, with the default).

@@ -205,7 +205,7 @@ async fn same_again(c: Conflict) -> Option<Request<Bytes>> {
     Some(c.request)
 }
 
-/// Issue 31 item 5: a conflict answered with a pushback is rebuilt, then sent after that
+/// A conflict answered with a pushback is rebuilt, then sent after that
 /// pushback (before, the rebuilt request was sent as soon as the hook answered).
 #[tokio::test(start_paused = true)]
 async fn a_rebuild_waits_for_the_servers_pushback() {
@@ -232,7 +232,7 @@ async fn a_rebuild_waits_for_the_servers_pushback() {
     );
 }
 
-/// Issue 31 item 5: the deadline is checked again once the hook has answered: a hook that took
+/// The deadline is checked again once the hook has answered: a hook that took
 /// most of what was left gets the conflict back instead of an attempt with no time to run.
 #[tokio::test(start_paused = true)]
 async fn a_rebuild_that_leaves_no_time_for_an_attempt_is_not_sent() {
@@ -355,7 +355,7 @@ async fn the_last_outcome_is_returned_when_attempts_run_out() {
     );
 }
 
-/// Item 4: a hook that sets a key of its own keeps it; a rebuilt read gets no key; a rebuilt
+/// A hook that sets a key of its own keeps it; a rebuilt read gets no key; a rebuilt
 /// write without any key (no intent key, no ensure) is not retried after an ambiguous failure.
 #[tokio::test(start_paused = true)]
 async fn a_rebuilt_request_is_judged_afresh() {

@@ -133,7 +133,7 @@ async fn pushback_longer_than_the_maximum_stops() {
     assert_eq!(layer.stats().pushback_stops, 1);
 }
 
-/// Item 7: after a server pushback the backoff restarts from its base (gRFC A6, grpc-java).
+/// After a server pushback the backoff restarts from its base (gRFC A6, grpc-java).
 #[tokio::test(start_paused = true)]
 async fn backoff_restarts_from_the_base_after_a_pushback() {
     let policy = RetryPolicy::builder()
@@ -179,7 +179,7 @@ fn status_with_retry_info_2s() -> Vec<u8> {
     status
 }
 
-/// Issue 31 item 14: a RESOURCE_EXHAUSTED whose `grpc-status-details-bin` carries a
+/// A RESOURCE_EXHAUSTED whose `grpc-status-details-bin` carries a
 /// `google.rpc.RetryInfo` is retried after that delay (as tonic writes the header), not after
 /// the computed backoff.
 #[tokio::test(start_paused = true)]

@@ -1,0 +1,101 @@
+//! [`Hedge`]: the service; `call` judges whether the request may be hedged, wraps its body and
+//! hands both to a [`ResponseFuture`].
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::{Request, Response};
+use http_body::Body;
+use reason_code::BoxError;
+use tokio::time::Instant;
+use tower_service::Service;
+
+use super::future::{Plan, ResponseFuture};
+use super::shared::HedgeShared;
+use super::stats::incr;
+use crate::body::ReplayBody;
+use crate::deadline::{deadline_of, rewrite_grpc_timeout};
+use crate::error::DeadlineExceeded;
+use crate::request::{clone_parts, remove_attempt_headers};
+
+/// The service [`HedgeLayer`](super::HedgeLayer) makes. Its inner service takes
+/// [`ReplayBody`] requests, as [`Retry`](crate::Retry)'s does.
+#[derive(Debug, Clone)]
+pub struct Hedge<S> {
+    inner: S,
+    shared: Arc<HedgeShared>,
+}
+
+impl<S> Hedge<S> {
+    pub(super) fn from_shared(inner: S, shared: Arc<HedgeShared>) -> Self {
+        Hedge { inner, shared }
+    }
+
+    define_inner_service_accessors!();
+}
+
+impl<S, B, R> Service<Request<B>> for Hedge<S>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<R>> + Clone,
+    S::Error: Into<BoxError>,
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    type Response = Response<R>;
+    type Error = BoxError;
+    type Future = ResponseFuture<S, B>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        // The service that was driven to readiness is the one that must be called (tower-service
+        // docs, "Be careful when cloning inner services").
+        let clone = self.inner.clone();
+        let service = std::mem::replace(&mut self.inner, clone);
+        let shared = self.shared.clone();
+        let policy = &shared.policy;
+        let (mut parts, body) = req.into_parts();
+        // The hedge owns the attempt headers: a forwarded one is not this call's count.
+        remove_attempt_headers(&mut parts);
+        let grpc = reason_code::is_grpc(&parts.headers);
+        let rules = policy.rules_for(&parts, grpc);
+        let hedged = rules.max_attempts > 1 && policy.may_hedge(&parts, grpc);
+        let max = if hedged { policy.max_replay_bytes } else { 0 };
+        let deadline = deadline_of(&parts, grpc, None);
+        if grpc {
+            rewrite_grpc_timeout(&mut parts, deadline, None);
+        }
+        incr(&shared.stats.requests);
+        let plan = Plan {
+            max_attempts: if hedged { rules.max_attempts } else { 1 },
+            delay: rules.delay,
+            non_fatal: rules.non_fatal,
+            grpc,
+            deadline,
+        };
+        let wrapped = if deadline.is_some_and(|d| Instant::now() >= d) {
+            Err(DeadlineExceeded::new().into())
+        } else {
+            ReplayBody::new(body, max, None, &shared.replay_memory)
+        };
+        match wrapped {
+            Ok((first_body, body)) => {
+                shared.budget.deposit();
+                let kept = hedged.then(|| clone_parts(&parts));
+                ResponseFuture::start(
+                    service,
+                    shared,
+                    plan,
+                    Request::from_parts(parts, first_body),
+                    kept,
+                    body,
+                )
+            }
+            // Nothing is sent: the deadline had passed, or the body failed before its first
+            // byte. That is the answer.
+            Err(e) => ResponseFuture::not_sent(service, shared, plan, e),
+        }
+    }
+}

@@ -1,0 +1,471 @@
+//! [`RetryPolicyBuilder`]: every setting of a [`RetryPolicy`], each checked as it is set, and
+//! [`InvalidPolicy`], the error that names the first one out of range.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use reason_code::{IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
+
+use super::rebuild::Rebuild;
+use super::{InboundRetry, RetryPolicy, MAX_DURATION, MAX_UNSENT_RETRIES};
+use crate::backoff::{Jitter, JitterRng};
+use crate::budget::{Budget, BudgetChoice, InvalidBudget, TokenBucket};
+use crate::derived_key::DerivedKeys;
+
+impl RetryPolicy {
+    /// A builder starting from the defaults.
+    pub fn builder() -> RetryPolicyBuilder {
+        RetryPolicyBuilder {
+            policy: RetryPolicy::default(),
+            error: None,
+        }
+    }
+
+    /// A builder starting from this policy.
+    pub fn to_builder(&self) -> RetryPolicyBuilder {
+        RetryPolicyBuilder {
+            policy: self.clone(),
+            error: None,
+        }
+    }
+}
+
+/// A [`RetryPolicy`] setting was out of range; the message says which and what is allowed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid retry policy: {message}")]
+pub struct InvalidPolicy {
+    message: String,
+}
+
+impl InvalidPolicy {
+    pub(crate) fn new(message: impl Into<String>) -> Self {
+        InvalidPolicy {
+            message: message.into(),
+        }
+    }
+}
+
+impl From<InvalidBudget> for InvalidPolicy {
+    fn from(e: InvalidBudget) -> Self {
+        InvalidPolicy::new(e.to_string())
+    }
+}
+
+/// Why a duration setting is out of range: over [`MAX_DURATION`], or zero where zero makes no
+/// sense.
+fn duration_error(name: &str, d: Duration, zero_ok: bool) -> Option<String> {
+    if d > MAX_DURATION {
+        return Some(format!(
+            "{name} must be at most {} s (one day), got {d:?}",
+            MAX_DURATION.as_secs()
+        ));
+    }
+    if !zero_ok && d.is_zero() {
+        return Some(format!("{name} must be greater than zero"));
+    }
+    None
+}
+
+/// Builds a validated [`RetryPolicy`]. Setters consume and return the builder; [`build`]
+/// reports the first invalid setting.
+///
+/// [`build`]: RetryPolicyBuilder::build
+#[derive(Debug, Clone)]
+pub struct RetryPolicyBuilder {
+    pub(super) policy: RetryPolicy,
+    error: Option<InvalidPolicy>,
+}
+
+impl RetryPolicyBuilder {
+    pub(super) fn fail(mut self, message: impl Into<String>) -> Self {
+        if self.error.is_none() {
+            self.error = Some(InvalidPolicy::new(message));
+        }
+        self
+    }
+
+    /// Total attempts, the first included (1 disables retries; at most 100).
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        if !(1..=100).contains(&n) {
+            return self.fail(format!("max_attempts must be between 1 and 100, got {n}"));
+        }
+        self.policy.rules.max_attempts = n;
+        self
+    }
+
+    /// The delay after the first failed attempt (at most [`MAX_DURATION`]).
+    pub fn base_delay(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("base_delay", d, true) {
+            return self.fail(e);
+        }
+        self.policy.rules.backoff.base = d;
+        self
+    }
+
+    /// The factor the delay grows by per attempt (finite, at least 1.0).
+    pub fn multiplier(mut self, m: f64) -> Self {
+        if !m.is_finite() || m < 1.0 {
+            return self.fail(format!(
+                "multiplier must be a finite number >= 1.0, got {m}"
+            ));
+        }
+        self.policy.rules.backoff.multiplier = m;
+        self
+    }
+
+    /// The largest computed delay (before jitter; at most [`MAX_DURATION`]).
+    pub fn max_delay(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("max_delay", d, true) {
+            return self.fail(e);
+        }
+        self.policy.rules.backoff.max_delay = d;
+        self
+    }
+
+    /// How delays are randomized.
+    pub fn jitter(mut self, jitter: Jitter) -> Self {
+        if let Jitter::Proportional(r) = jitter {
+            if !(0.0..=1.0).contains(&r) {
+                return self.fail(format!("proportional jitter must be in [0, 1], got {r}"));
+            }
+        }
+        self.policy.rules.backoff.jitter = jitter;
+        self
+    }
+
+    /// Seeds the jitter generator shared by all clones of the layer (deterministic delays, for
+    /// tests and simulations).
+    pub fn jitter_seed(mut self, seed: u64) -> Self {
+        self.policy.rng = JitterRng::seeded(seed);
+        self
+    }
+
+    /// The least time an attempt must have left before the deadline for a retry to be sent (at
+    /// most [`MAX_DURATION`]).
+    pub fn min_attempt_time(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("min_attempt_time", d, true) {
+            return self.fail(e);
+        }
+        self.policy.min_attempt_time = d;
+        self
+    }
+
+    /// A deadline for the whole call, retries included, used when the request carries neither a
+    /// [`Deadline`](crate::Deadline) extension nor `grpc-timeout` (greater than zero, at most
+    /// [`MAX_DURATION`]).
+    pub fn total_timeout(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("total_timeout", d, false) {
+            return self.fail(e);
+        }
+        self.policy.total_timeout = Some(d);
+        self
+    }
+
+    /// A timeout for each attempt (greater than zero, at most [`MAX_DURATION`]); an attempt that
+    /// times out is an ambiguous failure (it may have executed), retried only when the request
+    /// is idempotent or keyed. A gRPC attempt's `grpc-timeout` is capped at it, so the server
+    /// stops working on an attempt the client abandons.
+    pub fn attempt_timeout(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("attempt_timeout", d, false) {
+            return self.fail(e);
+        }
+        self.policy.attempt_timeout = Some(d);
+        self
+    }
+
+    /// How long each attempt waits for its response head (greater than zero, at most
+    /// [`MAX_DURATION`]; default [`DEFAULT_RESPONSE_HEAD_TIMEOUT`](super::DEFAULT_RESPONSE_HEAD_TIMEOUT), 60 s). It is always on, so
+    /// that a call to a server that never answers ends even when nothing else bounds it: the
+    /// attempt ends in [`ResponseHeadTimedOut`](crate::ResponseHeadTimedOut), an ambiguous
+    /// failure (it may have executed), retried only when the request is idempotent or keyed.
+    ///
+    /// Unlike [`attempt_timeout`](Self::attempt_timeout) it is the client's own bound, never
+    /// sent as `grpc-timeout`, and it ends with the head: a response that started in time
+    /// streams for as long as it takes (a watch, a download). Raise it for endpoints that take
+    /// longer to start answering.
+    pub fn response_head_timeout(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("response_head_timeout", d, false) {
+            return self.fail(e);
+        }
+        self.policy.response_head_timeout = d;
+        self
+    }
+
+    /// The longest server pushback (`Retry-After`, `grpc-retry-pushback-ms`) honoured (at most
+    /// [`MAX_DURATION`]); a longer one ends retrying.
+    pub fn max_pushback(mut self, d: Duration) -> Self {
+        if let Some(e) = duration_error("max_pushback", d, true) {
+            return self.fail(e);
+        }
+        self.policy.max_pushback = d;
+        self
+    }
+
+    /// The most request-body bytes kept for replay per request; larger bodies are sent once.
+    pub fn max_replay_bytes(mut self, n: usize) -> Self {
+        self.policy.max_replay_bytes = n;
+        self
+    }
+
+    /// The most request-body bytes all calls of a layer (and its clones) keep for replay at
+    /// once (default [`DEFAULT_MAX_REPLAY_BYTES_TOTAL`](super::DEFAULT_MAX_REPLAY_BYTES_TOTAL), 16 MiB; gRFC A6 bounds a channel's
+    /// retry buffer the same way). A body whose copy does not fit is sent without one: its
+    /// retries are refused as for a body over `max_replay_bytes` (a request that was never
+    /// sent is still retried). A copy is freed as soon as the call has its answer, even while
+    /// the transport still streams the body (a client stream).
+    /// [`RetryLayer::stats`](crate::RetryLayer::stats) reports the bytes kept now.
+    pub fn max_replay_bytes_total(mut self, n: usize) -> Self {
+        self.policy.max_replay_bytes_total = n;
+        self
+    }
+
+    /// How many extra attempts a request that provably never left the client may get beyond
+    /// `max_attempts` (gRFC A6 transparent retries), still bounded by deadline and budget (at
+    /// most [`MAX_UNSENT_RETRIES`]).
+    pub fn max_unsent_retries(mut self, n: u32) -> Self {
+        if n > MAX_UNSENT_RETRIES {
+            return self.fail(format!(
+                "max_unsent_retries must be at most {MAX_UNSENT_RETRIES}, got {n}"
+            ));
+        }
+        self.policy.max_unsent_retries = n;
+        self
+    }
+
+    /// Replaces the retryability table (to opt in to retrying INTERNAL, for instance).
+    pub fn table(mut self, table: RetryTable) -> Self {
+        self.policy.rules.table = table;
+        self
+    }
+
+    /// Replaces the business reason-code table.
+    pub fn reason_codes(mut self, reasons: ReasonCodes) -> Self {
+        self.policy.reason_codes = reasons;
+        self
+    }
+
+    /// Declares gRPC methods idempotent, replacing any declared before: their failures are
+    /// retried like a PUT's. `idempotency-layer`'s `IdempotencyLayer::idempotent_grpc_methods`
+    /// takes the same type, so one list declares the same methods on both sides.
+    ///
+    /// ```
+    /// use retry_layer::{IdempotentGrpcMethods, RetryPolicy};
+    ///
+    /// let reads = IdempotentGrpcMethods::new([
+    ///     "/plume.linkd.v3.Library/GetBook",
+    ///     "/grpc.health.v1.Health/",
+    /// ])
+    /// .unwrap();
+    /// let policy = RetryPolicy::builder().idempotent_grpc_methods(reads).build().unwrap();
+    /// assert!(policy.idempotent_grpc().contains("/grpc.health.v1.Health/Check"));
+    /// ```
+    pub fn idempotent_grpc_methods(mut self, methods: IdempotentGrpcMethods) -> Self {
+        self.policy.idempotent_grpc = methods;
+        self
+    }
+
+    /// Declares one more gRPC method idempotent (`/package.Service/Method`), or a whole service
+    /// (`/package.Service/`). A path of another shape makes [`build`](Self::build) fail.
+    pub fn idempotent_grpc_method(mut self, path: impl AsRef<str>) -> Self {
+        // Taken, not cloned, so that the sets are not copied; after an error `build` fails anyway.
+        let declared = std::mem::take(&mut self.policy.idempotent_grpc);
+        match declared.with(path.as_ref()) {
+            Ok(methods) => {
+                self.policy.idempotent_grpc = methods;
+                self
+            }
+            Err(e) => self.fail(e.to_string()),
+        }
+    }
+
+    /// The headers an idempotency key travels in (default `x-idempotency-key`, then
+    /// `idempotency-key`): a request carrying any of them is keyed, and
+    /// [`ensure_idempotency_key`](Self::ensure_idempotency_key) writes the first.
+    /// `idempotency-layer`'s `IdempotencyLayer::key_headers` takes the same type.
+    ///
+    /// ```
+    /// use http::HeaderName;
+    /// use retry_layer::{KeyHeaders, RetryPolicy};
+    ///
+    /// let headers = KeyHeaders::new([HeaderName::from_static("idempotency-key")]).unwrap();
+    /// let policy = RetryPolicy::builder().key_headers(headers).build().unwrap();
+    /// assert_eq!(policy.key_headers().first().as_str(), "idempotency-key");
+    /// ```
+    pub fn key_headers(mut self, headers: KeyHeaders) -> Self {
+        self.policy.key_headers = headers;
+        self
+    }
+
+    /// Gives a non-idempotent request that has no idempotency key a fresh UUID key before its
+    /// first attempt, so that every retry carries the same key and the server executes it once.
+    /// A key the caller set is never changed.
+    pub fn ensure_idempotency_key(mut self) -> Self {
+        self.policy.ensure_key = true;
+        self
+    }
+
+    /// Gives a non-idempotent request without a key, made by a handler that `idempotency-layer`
+    /// is executing, a key derived from that inbound write: a keyed hash (BLAKE3, keyed by
+    /// `secret`) of the inbound write's scope (tenant, method, key) and the call's place in the
+    /// handler (its [`KeyLabel`](crate::KeyLabel) if the caller gave one, else its method,
+    /// authority and path and how many calls to that target the handler made before it).
+    ///
+    /// Each hop is effectively-once on its own; a chain is not: when a handler runs a second
+    /// time (its leader crashed and another instance took its claim over, its claim lapsed, a
+    /// failure released it), fresh keys would make the downstream service execute its writes
+    /// again. With derived keys the second run sends the same keys in the same order, and the
+    /// downstream replays. The parent key never leaves the service (only the hash does), and
+    /// `secret` must be the same on every instance that can run the handler, or a takeover on
+    /// another instance derives other keys.
+    ///
+    /// The one caveat: a handler whose outbound calls depend on timing or randomness (raced,
+    /// picked at random, made only on a cache miss) must label them with
+    /// [`KeyLabel`](crate::KeyLabel), or a second run may number them differently. Outside a
+    /// handler (and for requests that carry a key) nothing changes; with
+    /// [`ensure_idempotency_key`](Self::ensure_idempotency_key) too, writes outside a handler
+    /// get a fresh key.
+    ///
+    /// ```
+    /// use retry_layer::RetryPolicy;
+    ///
+    /// let secret = std::env::var("DERIVED_KEYS_SECRET").unwrap_or_else(|_| "dev only".into());
+    /// let policy = RetryPolicy::builder()
+    ///     .ensure_idempotency_key()
+    ///     .derive_idempotency_keys(secret)
+    ///     .build()
+    ///     .unwrap();
+    /// # let _ = policy;
+    /// ```
+    pub fn derive_idempotency_keys(mut self, secret: impl AsRef<[u8]>) -> Self {
+        self.policy.derived_keys = Some(DerivedKeys::new(secret.as_ref()));
+        self
+    }
+
+    /// The default budget shape with other numbers: `ratio` retries per request over `window`,
+    /// plus `min_per_sec`.
+    pub fn budget(mut self, window: Duration, min_per_sec: u32, ratio: f64) -> Self {
+        match BudgetChoice::tps(window, min_per_sec, ratio) {
+            Ok(budget) => self.policy.budget = budget,
+            Err(e) => return self.fail(e.to_string()),
+        }
+        self
+    }
+
+    /// gRFC A6 retry throttling instead of the sliding window.
+    pub fn token_bucket(mut self, max_tokens: u32, token_ratio: f64) -> Self {
+        if let Err(e) = TokenBucket::new(max_tokens, token_ratio) {
+            return self.fail(e.to_string());
+        }
+        self.policy.budget = BudgetChoice::TokenBucket {
+            max_tokens,
+            token_ratio,
+        };
+        self
+    }
+
+    /// Keeps a budget per authority (`host:port` of the request's URI) instead of one for the
+    /// whole layer: on a client shared by several hosts (a hyper-util `Client`, a reqwest
+    /// `Client`), a dead host then drains only its own budget, and the healthy ones keep
+    /// retrying. gRFC A6 throttles per channel, which is one authority. Each budget has the
+    /// shape set by [`budget`](Self::budget) or [`token_bucket`](Self::token_bucket); requests
+    /// without an authority (a tonic `Channel` adds its own below the layer: one channel, one
+    /// host) share the layer's. At most [`MAX_AUTHORITY_BUDGETS`](super::MAX_AUTHORITY_BUDGETS) authorities get a budget of
+    /// their own; the others share the layer's. Not with
+    /// [`custom_budget`](Self::custom_budget), which is shared as given.
+    pub fn budget_per_authority(mut self) -> Self {
+        self.policy.budget_per_authority = true;
+        self
+    }
+
+    /// Disables the retry budget. Only do this where another layer bounds retry amplification.
+    pub fn no_budget(mut self) -> Self {
+        self.policy.budget = BudgetChoice::Unlimited;
+        self
+    }
+
+    /// What a call made while serving a retry of the hop above does (default
+    /// [`InboundRetry::SendOnce`]). It needs the server's hop in scope: [`hop::HopLayer`](crate::hop::HopLayer)
+    /// on the server that makes the call.
+    pub fn inbound_retry(mut self, inbound: InboundRetry) -> Self {
+        if let InboundRetry::Budget {
+            window,
+            min_per_sec,
+            ratio,
+        } = inbound
+        {
+            if let Err(e) = BudgetChoice::tps(window, min_per_sec, ratio) {
+                return self.fail(format!("inbound_retry budget: {e}"));
+            }
+        }
+        self.policy.inbound_retry = inbound;
+        self
+    }
+
+    /// Uses a budget of your own, shared as given (it may be shared across layers too).
+    pub fn custom_budget(mut self, budget: Arc<dyn Budget>) -> Self {
+        self.policy.budget = BudgetChoice::Custom(budget);
+        self
+    }
+
+    /// Installs the hook that may rebuild a request after an ABORTED outcome (409,
+    /// `STOCK_CONFLICT`). Without it such outcomes are returned as they are.
+    pub fn rebuild_on_conflict(mut self, hook: impl Rebuild) -> Self {
+        self.policy.rebuild = Some(Arc::new(hook));
+        self
+    }
+
+    /// Validates and returns the policy.
+    pub fn build(self) -> Result<RetryPolicy, InvalidPolicy> {
+        if let Some(e) = self.error {
+            return Err(e);
+        }
+        if self.policy.budget_per_authority && matches!(self.policy.budget, BudgetChoice::Custom(_))
+        {
+            return Err(InvalidPolicy::new(
+                "budget_per_authority needs a budget the layer makes (budget or token_bucket); \
+                 a custom budget is shared as given",
+            ));
+        }
+        Ok(self.policy)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_the_documented_ones() {
+        let p = RetryPolicy::default();
+        assert_eq!(p.rules.max_attempts, 3);
+        assert_eq!(p.rules.backoff.base, Duration::from_millis(20));
+        assert_eq!(p.rules.backoff.multiplier, 2.0);
+        assert_eq!(p.rules.backoff.max_delay, Duration::from_secs(1));
+        assert_eq!(p.rules.backoff.jitter, Jitter::Proportional(0.2));
+        assert_eq!(p.min_attempt_time, Duration::from_millis(50));
+        assert_eq!(p.max_replay_bytes, 65_536);
+    }
+
+    #[test]
+    fn invalid_settings_are_reported() {
+        let err = RetryPolicy::builder().max_attempts(0).build().unwrap_err();
+        assert!(err.to_string().contains("max_attempts"), "{err}");
+        assert!(RetryPolicy::builder().multiplier(0.5).build().is_err());
+        assert!(RetryPolicy::builder()
+            .multiplier(f64::INFINITY)
+            .build()
+            .is_err());
+        assert!(RetryPolicy::builder()
+            .jitter(Jitter::Proportional(1.5))
+            .build()
+            .is_err());
+        assert!(RetryPolicy::builder()
+            .budget(Duration::ZERO, 1, 0.1)
+            .build()
+            .is_err());
+        assert!(RetryPolicy::builder()
+            .idempotent_grpc_method("GetBook")
+            .build()
+            .is_err());
+    }
+}
