@@ -118,10 +118,6 @@ impl<S> HopScope<S> {
     define_inner_service_accessors!();
 }
 
-/// The old name of [`HopScope`].
-#[deprecated(since = "0.1.0", note = "renamed to `HopScope`")]
-pub type HopService<S> = HopScope<S>;
-
 impl<S, B, R> Service<Request<B>> for HopScope<S>
 where
     S: Service<Request<B>, Response = Response<R>>,
@@ -183,10 +179,6 @@ pin_project! {
         reasons: ReasonCodes,
     }
 }
-
-/// The old name of [`ResponseFuture`].
-#[deprecated(since = "0.1.0", note = "renamed to `hop::ResponseFuture`")]
-pub type HopFuture<F> = ResponseFuture<F>;
 
 impl<F: Future> std::fmt::Debug for ResponseFuture<F> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -140,10 +140,6 @@ pin_project! {
     }
 }
 
-/// The old name of [`ResponseFuture`].
-#[deprecated(since = "0.1.0", note = "renamed to `tonic::ResponseFuture`")]
-pub type RetryChannelFuture<F> = ResponseFuture<F>;
-
 impl<F, T> Future for ResponseFuture<F>
 where
     F: Future<Output = Result<T, BoxError>>,

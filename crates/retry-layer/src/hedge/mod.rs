@@ -75,6 +75,3 @@ pub use service::Hedge;
 pub use service_config::GrpcHedgingPolicy;
 pub use stats::HedgeStats;
 
-/// The old name of [`ResponseFuture`].
-#[deprecated(since = "0.1.0", note = "renamed to `hedge::ResponseFuture`")]
-pub type HedgeFuture<S, B> = ResponseFuture<S, B>;
