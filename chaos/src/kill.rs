@@ -40,10 +40,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use e2e::proxy::{Protocol, Proxy};
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use retry_layer::{RetryInfo, RetryLayer};
+use test_support::proxy::{Protocol, Proxy};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::{mpsc, watch};

@@ -25,9 +25,6 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
-use e2e::cut::{authority, via, CutProxy};
-use e2e::faults::Unavailable;
-use e2e::proxy::{Chooser, Mode, Protocol, Proxy};
 use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use idempotency_layer::store::{Begin, Fingerprint, StoreError};
@@ -35,6 +32,9 @@ use idempotency_layer::{
     IdempotencyLayer, IdempotencyStore, MemoryStore, PostgresStore, RedisStore, Scope,
 };
 use retry_layer::{ReplayBody, Retry, RetryLayer, RetryStats};
+use test_support::cut::{authority, via, CutProxy};
+use test_support::faults::Unavailable;
+use test_support::proxy::{Chooser, Mode, Protocol, Proxy};
 use tokio_stream::wrappers::TcpListenerStream;
 
 mod attempts;
@@ -747,7 +747,7 @@ async fn in_flight<St: IdempotencyStore>(
 /// (default: the current directory).
 fn report_suspects(
     suspects: &[attempts::Suspect],
-    stats: &[(Wire, Arc<e2e::proxy::ProxyStats>)],
+    stats: &[(Wire, Arc<test_support::proxy::ProxyStats>)],
     dumps: &mut usize,
 ) {
     let mut by_conn: BTreeMap<u64, Vec<&attempts::Suspect>> = BTreeMap::new();
@@ -984,7 +984,7 @@ pub async fn run(opts: Options) -> Report {
     // (F7).
     let watchdog = {
         let log = attempt_log.clone();
-        let stats: Vec<(Wire, Arc<e2e::proxy::ProxyStats>)> =
+        let stats: Vec<(Wire, Arc<test_support::proxy::ProxyStats>)> =
             proxies.iter().map(|(w, p)| (*w, p.stats.clone())).collect();
         tokio::spawn(async move {
             let mut followups: Vec<(Instant, Vec<attempts::Suspect>)> = Vec::new();
@@ -1038,7 +1038,7 @@ pub async fn run(opts: Options) -> Report {
             }
         })
     };
-    let proxy_stats: Arc<BTreeMap<Wire, Arc<e2e::proxy::ProxyStats>>> =
+    let proxy_stats: Arc<BTreeMap<Wire, Arc<test_support::proxy::ProxyStats>>> =
         Arc::new(proxies.iter().map(|(w, p)| (*w, p.stats.clone())).collect());
     let rss_middle = Arc::new(AtomicUsize::new(0));
     let sampler = {

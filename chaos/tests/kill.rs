@@ -38,9 +38,9 @@ fn short_on(
     driver: OrdersDriver,
     chain: Option<ChainKeys>,
 ) -> Option<KillReport> {
-    let url = e2e::scenario::env_url("DATABASE_URL")?;
+    let url = test_support::env::env_url("DATABASE_URL")?;
     let redis_url = match store {
-        StoreKind::Redis => Some(e2e::scenario::env_url("REDIS_URL")?),
+        StoreKind::Redis => Some(test_support::env::env_url("REDIS_URL")?),
         _ => None,
     };
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());

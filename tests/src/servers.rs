@@ -13,7 +13,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic_library::pb::library_server::LibraryServer;
 use tonic_library::LibraryService;
 
-use crate::faults::Unavailable;
+use test_support::faults::Unavailable;
 
 /// Starts the orders service. `idempotency: None` runs it without the layer (to show that
 /// faults then create duplicates).

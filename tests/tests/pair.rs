@@ -11,7 +11,6 @@ use axum::routing::post;
 use axum::Router;
 use axum_orders::inventory::Inventory;
 use bytes::Bytes;
-use e2e::faults::Unavailable;
 use e2e::servers::start_library;
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
@@ -20,6 +19,7 @@ use hyper_util::rt::TokioExecutor;
 use idempotency_layer::store::{Begin, Fingerprint, Record, ScopeKey, Token};
 use idempotency_layer::{IdempotencyLayer, IdempotencyStore, InFlight, MemoryStore, StoreError};
 use retry_layer::{RetryLayer, RetryPolicy};
+use test_support::faults::Unavailable;
 use tower::{Service, ServiceBuilder, ServiceExt};
 
 /// A `MemoryStore` whose first `fail_begins` claims fail as if the store were unreachable.

@@ -593,7 +593,7 @@ async fn waiters_share_the_leaders_failure_and_the_retry_runs_it() {
             call(&app, req_post("/w", Some("wait-00000001"), "{}")).await
         }));
     }
-    eventually("nine duplicates wait", || layer.stats().waited >= 9).await;
+    wait::until_yielding("nine duplicates wait", || layer.stats().waited >= 9).await;
     gate.notify_one();
     for t in tasks {
         let answer = t.await.unwrap();
@@ -814,7 +814,7 @@ async fn a_streaming_response_reaches_the_first_client_before_the_handler_finish
 async fn a_failing_store_fails_closed_by_default_and_open_when_configured() {
     let count = Arc::new(AtomicUsize::new(0));
     let store = FlakyStore::default();
-    store.down.store(true, Ordering::SeqCst);
+    down(&store);
     let closed = IdempotencyLayer::new(store.clone()).default_tenant("t");
     let app_closed = Router::new()
         .route("/orders", counting(&count))
@@ -841,7 +841,7 @@ async fn a_failing_store_fails_closed_by_default_and_open_when_configured() {
     assert_eq!(count.load(Ordering::SeqCst), 1, "fail open executes");
 
     // The store comes back: protection resumes.
-    store.down.store(false, Ordering::SeqCst);
+    up(&store);
     call(
         &app_closed,
         req_post("/orders", Some("store-00000002"), "{}"),
