@@ -378,13 +378,24 @@ where
     Fut: std::future::Future<Output = T> + Send,
     T: Send + 'static,
 {
+    drive_while(clients, move || Instant::now() < stop_at, op).await
+}
+
+/// [`drive`] while `go_on` says so (checked before each new operation).
+pub(crate) async fn drive_while<T, G, F, Fut>(clients: usize, go_on: G, op: F) -> Vec<T>
+where
+    G: Fn() -> bool + Clone + Send + 'static,
+    F: Fn(usize, u64) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = T> + Send,
+    T: Send + 'static,
+{
     let workers: Vec<_> = (0..clients)
         .map(|w| {
-            let op = op.clone();
+            let (op, go_on) = (op.clone(), go_on.clone());
             tokio::spawn(async move {
                 let mut done = Vec::new();
                 let mut i = 0;
-                while Instant::now() < stop_at {
+                while go_on() {
                     done.push(op(w, i).await);
                     i += 1;
                 }

@@ -37,9 +37,22 @@ impl Gate {
         }
     }
 
+    /// A gate that lets every request through (for a server that takes a gate it does not
+    /// need).
+    pub fn opened() -> Self {
+        let gate = Gate::new();
+        gate.open_wide();
+        gate
+    }
+
     /// Lets `n` more requests through.
     pub fn open(&self, n: usize) {
         self.permits.add_permits(n);
+    }
+
+    /// Lets every request through from now on.
+    pub fn open_wide(&self) {
+        self.permits.add_permits(Semaphore::MAX_PERMITS - self.permits.available_permits());
     }
 
     /// Requests waiting at the gate now.

@@ -942,3 +942,135 @@ async fn waiters_on_every_key_together_hold_at_most_max_waiting_bytes() {
         assert_eq!(counts.started(), 3, "{transport:?}: each key ran once");
     }
 }
+
+/// A response body that counts being dropped before its end (the server let go of it: its
+/// client went away mid-body).
+struct Watched<B> {
+    inner: std::pin::Pin<Box<B>>,
+    ended: bool,
+    dropped_early: Arc<AtomicUsize>,
+}
+
+impl<B: http_body::Body> http_body::Body for Watched<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        let polled = self.inner.as_mut().poll_frame(cx);
+        if matches!(polled, std::task::Poll::Ready(None)) || self.inner.is_end_stream() {
+            self.ended = true;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl<B> Drop for Watched<B> {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.dropped_early.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// A client that drops the response mid-body (HTTP/1.1: its connection closes; HTTP/2: its
+/// stream is reset) while the handler's body is still coming: the server lets go of the body,
+/// the layer reads the rest of it anyway and stores the record, and the retry gets the replay.
+/// Nothing runs twice. With a body small enough to record, the replay is the whole body; with a
+/// larger one (`max_record_bytes`), it is the head, its body marked omitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_drops_the_response_mid_body_gets_the_replay() {
+    use http_body_util::BodyExt;
+
+    for transport in TRANSPORTS {
+        for recordable in [true, false] {
+            let case = format!("{transport:?}, body recordable: {recordable}");
+            let counts = Counts::default();
+            let rest = Arc::new(tokio::sync::Semaphore::new(0));
+            let router = {
+                let rest = rest.clone();
+                orders(&counts, move |counts| {
+                    let rest = rest.clone();
+                    async move {
+                        let n = counts.started.fetch_add(1, Ordering::SeqCst) + 1;
+                        use futures_util::StreamExt;
+                        let first = futures_util::stream::once(async move {
+                            Ok::<_, Infallible>(Frame::data(Bytes::from(format!("order {n};"))))
+                        });
+                        let second = futures_util::stream::once(async move {
+                            rest.acquire().await.unwrap().forget();
+                            Ok(Frame::data(Bytes::from_static(b" the rest")))
+                        });
+                        Response::builder()
+                            .status(StatusCode::CREATED)
+                            .body(Body::new(StreamBody::new(first.chain(second))))
+                            .unwrap()
+                    }
+                })
+            };
+            let max_record = if recordable { 1 << 20 } else { 4 };
+            let layer =
+                layer(OnDisconnect::Complete, InFlight::Wait).max_record_bytes(max_record);
+            let dropped_early = Arc::new(AtomicUsize::new(0));
+            let watch = {
+                let dropped_early = dropped_early.clone();
+                tower::util::MapResponseLayer::new(
+                    move |r: Response<Body>| {
+                        let dropped_early = dropped_early.clone();
+                        r.map(|inner| {
+                            Body::new(Watched {
+                                inner: Box::pin(inner),
+                                ended: false,
+                                dropped_early,
+                            })
+                        })
+                    },
+                )
+            };
+            let addr = serve(router.layer(layer.clone()).layer(watch)).await;
+
+            // The first frame arrives; the client drops the response.
+            let req = Request::post(format!("http://{addr}/orders"))
+                .header("x-idempotency-key", "order-dropped-mid-body")
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from_static(b"{\"sku\":\"b1\"}")))
+                .unwrap();
+            let mut res = client(transport).request(req).await.unwrap();
+            assert_eq!(res.status(), StatusCode::CREATED, "{case}");
+            let frame = res.body_mut().frame().await.unwrap().unwrap();
+            assert_eq!(frame.into_data().unwrap(), "order 1;", "{case}");
+            drop(res);
+            wait::until("the server lets go of the response body", || {
+                dropped_early.load(Ordering::SeqCst) == 1
+            })
+            .await;
+            assert_eq!(layer.stats().recorded, 0, "{case}: the body is not whole yet");
+
+            // The rest of the body comes: the layer reads it and stores the record.
+            rest.add_permits(1);
+            wait::until("the record is stored", || layer.stats().recorded == 1).await;
+            let retry = send(&client(transport), addr, "order-dropped-mid-body").await;
+            assert_eq!(retry.status, StatusCode::CREATED, "{case}: {retry:?}");
+            assert!(retry.replayed(), "{case}: {retry:?}");
+            if recordable {
+                assert_eq!(retry.body, "order 1; the rest", "{case}");
+            } else {
+                assert!(retry.body.is_empty(), "{case}: {retry:?}");
+                assert_eq!(retry.headers["idempotent-body-omitted"], "true", "{case}");
+            }
+            assert_eq!(counts.started(), 1, "{case}: the handler ran once");
+            let m = layer.stats();
+            assert_eq!((m.executed, m.replayed, m.released), (1, 1, 0), "{case}");
+        }
+    }
+}
