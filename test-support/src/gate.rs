@@ -52,7 +52,8 @@ impl Gate {
 
     /// Lets every request through from now on.
     pub fn open_wide(&self) {
-        self.permits.add_permits(Semaphore::MAX_PERMITS - self.permits.available_permits());
+        self.permits
+            .add_permits(Semaphore::MAX_PERMITS - self.permits.available_permits());
     }
 
     /// Requests waiting at the gate now.

@@ -86,10 +86,7 @@ async fn server() -> Server {
         )
         .route("/panic", post(handler.clone()).layer(base()))
         .route("/success-with-reason", post(handler.clone()).layer(base()))
-        .route(
-            "/in-flight",
-            post(handler.clone()).layer(in_flight.clone()),
-        )
+        .route("/in-flight", post(handler.clone()).layer(in_flight.clone()))
         .route(
             "/store-down",
             post(handler).layer(IdempotencyLayer::new(store).default_tenant("t")),

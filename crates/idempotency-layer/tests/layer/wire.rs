@@ -1019,23 +1019,20 @@ async fn a_client_that_drops_the_response_mid_body_gets_the_replay() {
                 })
             };
             let max_record = if recordable { 1 << 20 } else { 4 };
-            let layer =
-                layer(OnDisconnect::Complete, InFlight::Wait).max_record_bytes(max_record);
+            let layer = layer(OnDisconnect::Complete, InFlight::Wait).max_record_bytes(max_record);
             let dropped_early = Arc::new(AtomicUsize::new(0));
             let watch = {
                 let dropped_early = dropped_early.clone();
-                tower::util::MapResponseLayer::new(
-                    move |r: Response<Body>| {
-                        let dropped_early = dropped_early.clone();
-                        r.map(|inner| {
-                            Body::new(Watched {
-                                inner: Box::pin(inner),
-                                ended: false,
-                                dropped_early,
-                            })
+                tower::util::MapResponseLayer::new(move |r: Response<Body>| {
+                    let dropped_early = dropped_early.clone();
+                    r.map(|inner| {
+                        Body::new(Watched {
+                            inner: Box::pin(inner),
+                            ended: false,
+                            dropped_early,
                         })
-                    },
-                )
+                    })
+                })
             };
             let addr = serve(router.layer(layer.clone()).layer(watch)).await;
 
@@ -1054,7 +1051,11 @@ async fn a_client_that_drops_the_response_mid_body_gets_the_replay() {
                 dropped_early.load(Ordering::SeqCst) == 1
             })
             .await;
-            assert_eq!(layer.stats().recorded, 0, "{case}: the body is not whole yet");
+            assert_eq!(
+                layer.stats().recorded,
+                0,
+                "{case}: the body is not whole yet"
+            );
 
             // The rest of the body comes: the layer reads it and stores the record.
             rest.add_permits(1);

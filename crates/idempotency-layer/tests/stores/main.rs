@@ -10,10 +10,14 @@ mod support;
 mod memory;
 #[cfg(all(feature = "postgres", feature = "conformance"))]
 mod postgres;
+#[cfg(all(feature = "redis-cluster", feature = "conformance"))]
+mod proxied_cluster;
 #[cfg(all(feature = "redis", feature = "conformance"))]
 mod redis;
 #[cfg(all(feature = "redis-cluster", feature = "conformance"))]
 mod redis_cluster;
+#[cfg(all(feature = "redis-cluster", feature = "conformance"))]
+mod redis_cluster_cuts;
 #[cfg(all(feature = "redis-cluster", feature = "conformance"))]
 mod redis_cluster_lost_reply;
 #[cfg(all(feature = "redis-sentinel", feature = "conformance"))]

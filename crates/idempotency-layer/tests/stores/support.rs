@@ -98,7 +98,7 @@ impl Executions {
         self.per_key.lock().unwrap().get(key).copied().unwrap_or(0)
     }
 
-    fn record(&self, headers: &HeaderMap) -> (usize, String) {
+    pub fn record(&self, headers: &HeaderMap) -> (usize, String) {
         let key = headers
             .get("x-idempotency-key")
             .and_then(|v| v.to_str().ok())
