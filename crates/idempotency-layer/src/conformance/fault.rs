@@ -322,8 +322,25 @@ impl<S> FaultStore<S> {
         }
     }
 
-    /// Runs one call of `op`: its fault if a rule matches, else `call` on the inner store.
+    /// Runs one call of `op` and keeps its reply.
     async fn run<T, Fut>(
+        &self,
+        op: Op,
+        scopes: &[ScopeKey],
+        ack: impl FnOnce() -> T,
+        call: impl FnOnce() -> Fut,
+    ) -> Result<T, StoreError>
+    where
+        Fut: Future<Output = Result<T, StoreError>>,
+    {
+        let r = self.faulted(op, scopes, ack, call).await;
+        let reply = Reply::of(&r);
+        self.shared.update(op, |c| c.answers.push(reply));
+        r
+    }
+
+    /// One call of `op`: its fault if a rule matches, else `call` on the inner store.
+    async fn faulted<T, Fut>(
         &self,
         op: Op,
         scopes: &[ScopeKey],
@@ -338,7 +355,7 @@ impl<S> FaultStore<S> {
             self.shared.update(op, |c| c.reached += 1);
             call
         };
-        let r = match fault {
+        match fault {
             None => reach(call()).await,
             Some(Fault::Fail) => Err(backend(op, "the store is unreachable")),
             Some(Fault::Corrupt) => Err(StoreError::Corrupt(format!(
@@ -359,15 +376,23 @@ impl<S> FaultStore<S> {
                 std::future::pending().await
             }
             Some(Fault::Ack) => Ok(ack()),
-        };
-        let answer = Reply::of(&r);
-        self.shared.update(op, |c| c.answers.push(answer));
-        r
+        }
     }
 }
 
 fn backend(op: Op, what: &str) -> StoreError {
     StoreError::Backend(format!("{op:?}: {what} (injected fault)").into())
+}
+
+/// The same result again (`StoreError` is not `Clone`; a backend error keeps its text).
+fn copy(r: &Result<(), StoreError>) -> Result<(), StoreError> {
+    match r {
+        Ok(()) => Ok(()),
+        Err(StoreError::Fenced) => Err(StoreError::Fenced),
+        Err(StoreError::Full) => Err(StoreError::Full),
+        Err(StoreError::Corrupt(what)) => Err(StoreError::Corrupt(what.clone())),
+        Err(e) => Err(StoreError::Backend(e.to_string().into())),
+    }
 }
 
 fn no_ack<T>(op: Op) -> impl FnOnce() -> T {
@@ -449,48 +474,18 @@ impl<S: IdempotencyStore> IdempotencyStore for FaultStore<S> {
         claims: &[(ScopeKey, Token, Duration)],
     ) -> Vec<Result<(), StoreError>> {
         let scopes: Vec<ScopeKey> = claims.iter().map(|(s, _, _)| *s).collect();
-        let all = |r: &Result<(), StoreError>| -> Vec<Result<(), StoreError>> {
-            claims
-                .iter()
-                .map(|_| match r {
-                    Ok(()) => Ok(()),
-                    Err(StoreError::Fenced) => Err(StoreError::Fenced),
-                    Err(StoreError::Full) => Err(StoreError::Full),
-                    Err(StoreError::Corrupt(what)) => Err(StoreError::Corrupt(what.clone())),
-                    Err(e) => Err(backend(Op::RenewMany, &e.to_string())),
-                })
-                .collect()
-        };
-        let fault = self.shared.start(Op::RenewMany, &scopes);
-        let reach = || {
-            self.shared.update(Op::RenewMany, |c| c.reached += 1);
-            self.inner.renew_many(claims)
-        };
-        let results = match fault {
-            None => reach().await,
-            Some(Fault::Fail) => all(&Err(backend(Op::RenewMany, "the store is unreachable"))),
-            Some(Fault::Corrupt) => all(&Err(StoreError::Corrupt(
-                "RenewMany: the entry does not decode (injected fault)".into(),
-            ))),
-            Some(Fault::Full) => all(&Err(StoreError::Full)),
-            Some(Fault::Hang) => std::future::pending().await,
-            Some(Fault::Delay(d)) => {
-                tokio::time::sleep(d).await;
-                reach().await
-            }
-            Some(Fault::LoseReply) => {
-                let _ = reach().await;
-                all(&Err(backend(
-                    Op::RenewMany,
-                    "the reply was lost after the operation ran",
-                )))
-            }
-            Some(Fault::HangAfter) => {
-                let _ = reach().await;
-                std::future::pending().await
-            }
-            Some(Fault::Ack) => all(&Ok(())),
-        };
+        let every = |r: &Result<(), StoreError>| claims.iter().map(|_| copy(r)).collect();
+        // One call, forwarded whole (the inner store's own renew_many); a fault answers every
+        // claim alike.
+        let results = self
+            .faulted(
+                Op::RenewMany,
+                &scopes,
+                || every(&Ok(())),
+                || async { Ok(self.inner.renew_many(claims).await) },
+            )
+            .await
+            .unwrap_or_else(|e| every(&Err(e)));
         self.shared.update(Op::RenewMany, |c| {
             c.answers.extend(results.iter().map(Reply::of))
         });

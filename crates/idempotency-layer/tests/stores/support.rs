@@ -491,7 +491,7 @@ pub async fn lost_begin_reply<B: Backend>(
         scope,
         fp,
         lease,
-        "the orphan claim still blocks the key",
+        "the orphan claim is released: the key can be claimed",
     )
     .await;
 }
@@ -515,20 +515,20 @@ async fn claim_reached_the_server<B: Backend>(store: &B::Store, url: &str, scope
     .await;
 }
 
-/// Waits until `scope` can be claimed again (an orphaned claim was released), at most 15 s:
-/// half the 30 s lease it would otherwise block its key for.
+/// Waits until `scope` can be claimed again (an orphaned claim was released: `released` says
+/// which), at most 15 s: half the 30 s lease it would otherwise block its key for.
 async fn claimable_soon<S: IdempotencyStore>(
     store: &S,
     scope: ScopeKey,
     fp: Fingerprint,
     lease: Duration,
-    blocked: &str,
+    released: &str,
 ) {
-    let token = wait::some(Duration::from_secs(15), blocked, || async {
+    let token = wait::some(Duration::from_secs(15), released, || async {
         match store.begin(scope, fp, lease).await {
             Ok(Begin::New(token)) => Some(token),
             Ok(Begin::InFlight { .. }) => None,
-            other => panic!("{blocked}: {other:?}"),
+            other => panic!("{released}: {other:?}"),
         }
     })
     .await;
@@ -565,7 +565,7 @@ pub async fn dropped_begin<B: Backend>(
         scope,
         fp,
         lease,
-        "the dropped begin's claim still blocks the key",
+        "the dropped begin's claim is released: the key can be claimed",
     )
     .await;
 }
