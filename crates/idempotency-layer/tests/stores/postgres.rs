@@ -878,6 +878,7 @@ async fn a_wait_does_not_block_for_the_listener() {
 
 /// A store chosen at run time from its URL (migrated on open).
 /// `url` with `params` added to its query.
+#[cfg(feature = "postgres-tls")]
 fn with_params(url: &str, params: &str) -> String {
     let sep = if url.contains('?') { '&' } else { '?' };
     format!("{url}{sep}{params}")
