@@ -196,7 +196,8 @@ async fn header_values_of_64_kib_are_refused_or_ignored_cheaply() {
 async fn one_tenant_with_thousands_of_keys_cannot_grow_the_store_or_break_others() {
     let count = Arc::new(AtomicUsize::new(0));
     let store = MemoryStore::with_capacity(1_000);
-    let app = counting(&count).layer(IdempotencyLayer::new(store.clone()));
+    let layer = IdempotencyLayer::new(store.clone());
+    let app = counting(&count).layer(layer.clone());
     let as_tenant = |tenant: &str, key: String| {
         with_tenant(
             post_with_key(HeaderValue::try_from(key).unwrap(), "{}"),
@@ -219,9 +220,10 @@ async fn one_tenant_with_thousands_of_keys_cannot_grow_the_store_or_break_others
             let key = format!("calm-key-{i:06}");
             let first = call(&app, as_tenant("calm", key.clone())).await;
             assert_eq!(first.status, StatusCode::CREATED);
-            for _ in 0..5 {
-                tokio::task::yield_now().await; // the spawned completion records
-            }
+            wait::until_yielding("the spawned completion records", || {
+                layer.stats().in_flight == 0
+            })
+            .await;
             let again = call(&app, as_tenant("calm", key)).await;
             assert!(again.replayed(), "calm tenant's key {i} replays");
             assert_eq!(again.body, first.body);
@@ -471,9 +473,10 @@ async fn logs_never_carry_keys_tenants_or_bodies() {
         call(&app, send(KEY, BODY)).await.status,
         StatusCode::CREATED
     );
-    for _ in 0..5 {
-        tokio::task::yield_now().await;
-    }
+    wait::until_yielding("the spawned completion records", || {
+        layer.stats().in_flight == 0
+    })
+    .await;
     assert!(call(&app, send(KEY, BODY)).await.replayed());
     assert_eq!(
         call(&app, send(KEY, "{\"card\":\"BODY-SECRET-x\"}"))
