@@ -136,19 +136,13 @@ async fn a_waiter_is_woken_by_pub_sub_not_by_polling() {
         let store = store.clone();
         tokio::spawn(async move { store.wait(scope, token).await })
     };
-    let mut conn = raw(&url).await;
+    let conn = raw(&url).await;
     let channel = store.key(&scope);
-    for _ in 0..500 {
-        if subscribers(&mut conn, &channel).await == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(
-        subscribers(&mut conn, &channel).await,
-        1,
-        "the waiter subscribed"
-    );
+    let subscribed = |n: i64| {
+        let (mut conn, channel) = (conn.clone(), channel.clone());
+        async move { subscribers(&mut conn, &channel).await == n }
+    };
+    wait::until_async(wait::LIMIT, "the waiter subscribed", || subscribed(1)).await;
     store
         .complete(
             scope,
@@ -164,13 +158,7 @@ async fn a_waiter_is_woken_by_pub_sub_not_by_polling() {
         .unwrap()
         .unwrap();
     // The last waiter gone, the channel is unsubscribed.
-    for _ in 0..500 {
-        if subscribers(&mut conn, &channel).await == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(subscribers(&mut conn, &channel).await, 0);
+    wait::until_async(wait::LIMIT, "the channel is unsubscribed", || subscribed(0)).await;
 }
 
 /// A claim that ends without a message (as if it were lost) is noticed by the waiter's polling.

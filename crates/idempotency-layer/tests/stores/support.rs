@@ -371,17 +371,19 @@ pub async fn outage<S: IdempotencyStore>(store: S, proxy: &Proxy) {
 
     proxy.restore();
     let key = unique("outage-after-");
-    let mut answer = None;
-    for _ in 0..100 {
-        let a = post_order(&client, addr, &key, body).await;
-        if a.status == StatusCode::CREATED {
-            answer = Some(a);
-            break;
-        }
-        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{a:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let answer = answer.expect("the service works again after the store is back");
+    let answer = wait::some(
+        wait::LIMIT,
+        "the service works again after the store is back",
+        || async {
+            let a = post_order(&client, addr, &key, body).await;
+            if a.status == StatusCode::CREATED {
+                return Some(a);
+            }
+            assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{a:?}");
+            None
+        },
+    )
+    .await;
     assert!(!answer.replayed);
     assert_eq!(executions.total(), 2);
     let replay = post_order(&client, addr, &key, body).await;
@@ -414,21 +416,17 @@ where
     assert_eq!(first.status, StatusCode::CREATED);
     let scope = order_scope(&key);
     // The record lands as the response body ends; the client may have read it a moment before.
-    let mut recorded = false;
-    for _ in 0..100 {
+    wait::until_async(wait::LIMIT, "the first response is recorded", || async {
         match store
             .begin(scope, Fingerprint([0; 32]), Duration::from_secs(5))
             .await
         {
-            Ok(Begin::Completed(_)) => {
-                recorded = true;
-                break;
-            }
-            Ok(Begin::InFlight { .. }) => tokio::time::sleep(Duration::from_millis(20)).await,
+            Ok(Begin::Completed(_)) => true,
+            Ok(Begin::InFlight { .. }) => false,
             other => panic!("expected the record, got {other:?}"),
         }
-    }
-    assert!(recorded, "the first response is recorded");
+    })
+    .await;
 
     spoil(scope).await;
     match store
@@ -639,7 +637,7 @@ pub async fn cached_on<S: IdempotencyStore>(
     scope: ScopeKey,
     record: &Record,
 ) {
-    for _ in 0..500 {
+    wait::until_async(wait::LIMIT, "the near cache answers a begin", || async {
         let hits = stats(store).expect("a near cache").hits;
         match store
             .begin(scope, record.fingerprint(), conformance::LONG)
@@ -648,12 +646,9 @@ pub async fn cached_on<S: IdempotencyStore>(
             Ok(Begin::Completed(r)) => assert_eq!(*r, *record),
             other => panic!("a completed record, got {other:?}"),
         }
-        if stats(store).unwrap().hits > hits {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("the near cache never answered within 10 s");
+        stats(store).unwrap().hits > hits
+    })
+    .await;
 }
 
 /// Two instances with near caches, over HTTP: a record replayed on `b` is served from `b`'s
@@ -688,19 +683,14 @@ pub async fn near_cache_forget_reaches_every_instance<S: IdempotencyStore>(
     assert!(!first.replayed);
 
     // Replays on b until b's cache answers one: no round trip, same response.
-    let mut from_cache = false;
-    for _ in 0..500 {
+    wait::until_async(wait::LIMIT, "b's near cache answers a replay", || async {
         let hits = stats(&b).unwrap().hits;
         let replay = post_order(&client, addr_b, &key, body).await;
         assert!(replay.replayed, "{replay:?}");
         assert_eq!(replay.body, first.body);
-        if stats(&b).unwrap().hits > hits {
-            from_cache = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(from_cache, "b's near cache answered a replay");
+        stats(&b).unwrap().hits > hits
+    })
+    .await;
     assert_eq!(executions.of(&key), 1);
 
     let invalidations = stats(&b).unwrap().invalidations;
@@ -763,20 +753,17 @@ pub async fn near_cache_lost_subscription<S: IdempotencyStore>(
     );
 
     proxy.restore();
-    let mut back = None;
-    for _ in 0..200 {
+    let back = wait::some(wait::LIMIT, "the store is reachable again", || async {
         match via_proxy
             .begin(scope, record.fingerprint(), conformance::LONG)
             .await
         {
-            Err(StoreError::Backend(_)) => tokio::time::sleep(Duration::from_millis(50)).await,
-            other => {
-                back = Some(other);
-                break;
-            }
+            Err(StoreError::Backend(_)) => None,
+            other => Some(other),
         }
-    }
-    match back.expect("the store is reachable again within 10 s") {
+    })
+    .await;
+    match back {
         Ok(Begin::New(t)) => via_proxy.release(scope, t).await.unwrap(),
         other => panic!("the forgotten record must not come back from the cache: {other:?}"),
     }
