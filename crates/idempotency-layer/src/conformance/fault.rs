@@ -322,18 +322,8 @@ impl<S> FaultStore<S> {
         }
     }
 
-    /// Runs one call of `op` and keeps its reply.
-    async fn run<T, Fut>(
-        &self,
-        op: Op,
-        scopes: &[ScopeKey],
-        ack: impl FnOnce() -> T,
-        call: impl FnOnce() -> Fut,
-    ) -> Result<T, StoreError>
-    where
-        Fut: Future<Output = Result<T, StoreError>>,
-    {
-        let r = self.faulted(op, scopes, ack, call).await;
+    /// Keeps the reply of a call of `op`, and passes it on.
+    fn replied<T>(&self, op: Op, r: Result<T, StoreError>) -> Result<T, StoreError> {
         let reply = Reply::of(&r);
         self.shared.update(op, |c| c.answers.push(reply));
         r
@@ -408,10 +398,13 @@ impl<S: IdempotencyStore> IdempotencyStore for FaultStore<S> {
         fingerprint: Fingerprint,
         lease: Duration,
     ) -> Result<Begin, StoreError> {
-        self.run(Op::Begin, &[scope], no_ack(Op::Begin), || {
-            self.inner.begin(scope, fingerprint, lease)
-        })
-        .await
+        self.replied(
+            Op::Begin,
+            self.faulted(Op::Begin, &[scope], no_ack(Op::Begin), || {
+                self.inner.begin(scope, fingerprint, lease)
+            })
+            .await,
+        )
     }
 
     async fn begin_for_tenant(
@@ -421,11 +414,14 @@ impl<S: IdempotencyStore> IdempotencyStore for FaultStore<S> {
         fingerprint: Fingerprint,
         lease: Duration,
     ) -> Result<Begin, StoreError> {
-        self.run(Op::Begin, &[scope], no_ack(Op::Begin), || {
-            self.inner
-                .begin_for_tenant(tenant, scope, fingerprint, lease)
-        })
-        .await
+        self.replied(
+            Op::Begin,
+            self.faulted(Op::Begin, &[scope], no_ack(Op::Begin), || {
+                self.inner
+                    .begin_for_tenant(tenant, scope, fingerprint, lease)
+            })
+            .await,
+        )
     }
 
     async fn complete(
@@ -435,23 +431,29 @@ impl<S: IdempotencyStore> IdempotencyStore for FaultStore<S> {
         record: Arc<Record>,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        self.run(
+        self.replied(
             Op::Complete,
-            &[scope],
-            || (),
-            || self.inner.complete(scope, token, record, ttl),
+            self.faulted(
+                Op::Complete,
+                &[scope],
+                || (),
+                || self.inner.complete(scope, token, record, ttl),
+            )
+            .await,
         )
-        .await
     }
 
     async fn release(&self, scope: ScopeKey, token: Token) -> Result<(), StoreError> {
-        self.run(
+        self.replied(
             Op::Release,
-            &[scope],
-            || (),
-            || self.inner.release(scope, token),
+            self.faulted(
+                Op::Release,
+                &[scope],
+                || (),
+                || self.inner.release(scope, token),
+            )
+            .await,
         )
-        .await
     }
 
     async fn renew(
@@ -460,13 +462,16 @@ impl<S: IdempotencyStore> IdempotencyStore for FaultStore<S> {
         token: Token,
         lease: Duration,
     ) -> Result<(), StoreError> {
-        self.run(
+        self.replied(
             Op::Renew,
-            &[scope],
-            || (),
-            || self.inner.renew(scope, token, lease),
+            self.faulted(
+                Op::Renew,
+                &[scope],
+                || (),
+                || self.inner.renew(scope, token, lease),
+            )
+            .await,
         )
-        .await
     }
 
     async fn renew_many(
@@ -493,20 +498,26 @@ impl<S: IdempotencyStore> IdempotencyStore for FaultStore<S> {
     }
 
     async fn wait(&self, scope: ScopeKey, observed: Token) -> Result<(), StoreError> {
-        self.run(
+        self.replied(
             Op::Wait,
-            &[scope],
-            || (),
-            || self.inner.wait(scope, observed),
+            self.faulted(
+                Op::Wait,
+                &[scope],
+                || (),
+                || self.inner.wait(scope, observed),
+            )
+            .await,
         )
-        .await
     }
 
     async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
-        self.run(Op::Forget, &[scope], no_ack(Op::Forget), || {
-            self.inner.forget(scope)
-        })
-        .await
+        self.replied(
+            Op::Forget,
+            self.faulted(Op::Forget, &[scope], no_ack(Op::Forget), || {
+                self.inner.forget(scope)
+            })
+            .await,
+        )
     }
 }
 
