@@ -40,10 +40,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use e2e::proxy::{Protocol, Proxy};
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use retry_layer::{RetryInfo, RetryLayer};
+use test_support::proxy::{Protocol, Proxy};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::{mpsc, watch};
@@ -55,7 +55,7 @@ use idempotency_layer::store::AnyStore;
 use idempotency_layer::Scope;
 
 use crate::{
-    chooser, drive, error_kind, settle_claims, HttpClient, Outcome, Policy, StoreKind, Wire,
+    chooser, drive_while, error_kind, settle_claims, HttpClient, Outcome, Policy, StoreKind, Wire,
 };
 
 /// The tenant the clients order as (`x-tenant-id`).
@@ -121,6 +121,11 @@ pub struct KillOptions {
     /// Chain mode: the killed instances take their orders' stock from an inventory tier that
     /// is not killed, with deduction keys derived or fresh; `None`: the orders tier alone.
     pub chain: Option<ChainKeys>,
+    /// The clients go on past `duration` until at least this many SIGKILLs and this many aborts
+    /// at the failpoint have happened (for at most four more `duration`s): a short run on a
+    /// loaded machine, whose restarts are slow, still sees the crashes it is about. `(0, 0)`:
+    /// `duration` alone.
+    pub min_crashes: (usize, usize),
 }
 
 /// The keys of the killed tier's deductions in chain mode.
@@ -160,6 +165,7 @@ impl KillOptions {
             seed: 7,
             server_stderr: false,
             chain: None,
+            min_crashes: (0, 0),
         }
     }
 
@@ -828,7 +834,17 @@ pub async fn run_kill(opts: KillOptions) -> KillReport {
         true,
     );
     let stop_at = Instant::now() + opts.duration;
-    let results = drive(opts.clients, stop_at, move |w, i| {
+    let give_up = stop_at + opts.duration * 4;
+    let go_on = {
+        let (deaths, (kills, aborts)) = (deaths.clone(), opts.min_crashes);
+        move || {
+            let now = Instant::now();
+            let crashed = deaths.killed.load(Ordering::SeqCst) >= kills
+                && deaths.aborted.load(Ordering::SeqCst) >= aborts;
+            now < stop_at || (now < give_up && !crashed)
+        }
+    };
+    let results = drive_while(opts.clients, go_on, move |w, i| {
         let (client, base) = (client.clone(), base.clone());
         async move {
             let key = format!("kill-{w:03}-{i:08}-{:08x}", fastrand::u32(..));

@@ -25,9 +25,6 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
-use e2e::cut::{authority, via, CutProxy};
-use e2e::faults::Unavailable;
-use e2e::proxy::{Chooser, Mode, Protocol, Proxy};
 use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use idempotency_layer::store::{Begin, Fingerprint, StoreError};
@@ -35,6 +32,9 @@ use idempotency_layer::{
     IdempotencyLayer, IdempotencyStore, MemoryStore, PostgresStore, RedisStore, Scope,
 };
 use retry_layer::{ReplayBody, Retry, RetryLayer, RetryStats};
+use test_support::cut::{authority, via, CutProxy};
+use test_support::faults::Unavailable;
+use test_support::proxy::{Chooser, Mode, Protocol, Proxy};
 use tokio_stream::wrappers::TcpListenerStream;
 
 mod attempts;
@@ -378,13 +378,24 @@ where
     Fut: std::future::Future<Output = T> + Send,
     T: Send + 'static,
 {
+    drive_while(clients, move || Instant::now() < stop_at, op).await
+}
+
+/// [`drive`] while `go_on` says so (checked before each new operation).
+pub(crate) async fn drive_while<T, G, F, Fut>(clients: usize, go_on: G, op: F) -> Vec<T>
+where
+    G: Fn() -> bool + Clone + Send + 'static,
+    F: Fn(usize, u64) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = T> + Send,
+    T: Send + 'static,
+{
     let workers: Vec<_> = (0..clients)
         .map(|w| {
-            let op = op.clone();
+            let (op, go_on) = (op.clone(), go_on.clone());
             tokio::spawn(async move {
                 let mut done = Vec::new();
                 let mut i = 0;
-                while Instant::now() < stop_at {
+                while go_on() {
                     done.push(op(w, i).await);
                     i += 1;
                 }
@@ -747,7 +758,7 @@ async fn in_flight<St: IdempotencyStore>(
 /// (default: the current directory).
 fn report_suspects(
     suspects: &[attempts::Suspect],
-    stats: &[(Wire, Arc<e2e::proxy::ProxyStats>)],
+    stats: &[(Wire, Arc<test_support::proxy::ProxyStats>)],
     dumps: &mut usize,
 ) {
     let mut by_conn: BTreeMap<u64, Vec<&attempts::Suspect>> = BTreeMap::new();
@@ -984,7 +995,7 @@ pub async fn run(opts: Options) -> Report {
     // (F7).
     let watchdog = {
         let log = attempt_log.clone();
-        let stats: Vec<(Wire, Arc<e2e::proxy::ProxyStats>)> =
+        let stats: Vec<(Wire, Arc<test_support::proxy::ProxyStats>)> =
             proxies.iter().map(|(w, p)| (*w, p.stats.clone())).collect();
         tokio::spawn(async move {
             let mut followups: Vec<(Instant, Vec<attempts::Suspect>)> = Vec::new();
@@ -1038,7 +1049,7 @@ pub async fn run(opts: Options) -> Report {
             }
         })
     };
-    let proxy_stats: Arc<BTreeMap<Wire, Arc<e2e::proxy::ProxyStats>>> =
+    let proxy_stats: Arc<BTreeMap<Wire, Arc<test_support::proxy::ProxyStats>>> =
         Arc::new(proxies.iter().map(|(w, p)| (*w, p.stats.clone())).collect());
     let rss_middle = Arc::new(AtomicUsize::new(0));
     let sampler = {

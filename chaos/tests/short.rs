@@ -49,7 +49,7 @@ async fn short_soak_memory() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_soak_redis() {
-    let Some(url) = e2e::scenario::env_url("REDIS_URL") else {
+    let Some(url) = test_support::env::env_url("REDIS_URL") else {
         return;
     };
     let report = run(short(StoreKind::Redis, Some(url))).await;

@@ -1,9 +1,23 @@
-//! Test harness for end-to-end tests: a TCP fault proxy, a cuttable store proxy, a
-//! fault-injecting layer, and helpers that start the example services on 127.0.0.1:0.
+//! Test harness for end-to-end tests: helpers that start the example services on 127.0.0.1:0
+//! and the order scenario the HTTP tests share. The fault proxy, the cuttable store proxy and
+//! the fault-injecting layer are in the test-support crate ([`test_support::proxy`],
+//! [`test_support::cut`], [`test_support::faults`]).
 
-/// The cuttable store proxy (from the test-support crate).
-pub use test_support::cut;
-pub mod faults;
-pub mod proxy;
 pub mod scenario;
 pub mod servers;
+
+#[cfg(test)]
+mod tests {
+    /// test-support spells the retry headers itself (it depends on none of the workspace's
+    /// crates): they must be the ones retry-layer sends.
+    #[test]
+    fn the_fault_layer_knows_the_retry_headers() {
+        assert_eq!(
+            test_support::faults::RETRY_HEADERS,
+            [
+                reason_code::X_PREVIOUS_ATTEMPTS.as_str(),
+                reason_code::GRPC_PREVIOUS_RPC_ATTEMPTS.as_str()
+            ]
+        );
+    }
+}

@@ -13,7 +13,8 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic_library::pb::library_server::LibraryServer;
 use tonic_library::LibraryService;
 
-use crate::faults::Unavailable;
+use test_support::faults::Unavailable;
+use test_support::gate::Gate;
 
 /// Starts the orders service. `idempotency: None` runs it without the layer (to show that
 /// faults then create duplicates).
@@ -42,6 +43,17 @@ pub async fn start_library<St: IdempotencyStore>(
     idempotency: IdempotencyLayer<St>,
     faults: Unavailable,
 ) -> SocketAddr {
+    start_library_gated(inventory, idempotency, faults, Gate::opened()).await
+}
+
+/// [`start_library`] with `gate` inside the faults: the handlers run once it lets them (a claim
+/// held for as long as the test wants, and seen by `gate.waiting()`).
+pub async fn start_library_gated<St: IdempotencyStore>(
+    inventory: Inventory,
+    idempotency: IdempotencyLayer<St>,
+    faults: Unavailable,
+    gate: Gate,
+) -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let incoming = TcpListenerStream::new(listener);
@@ -50,6 +62,7 @@ pub async fn start_library<St: IdempotencyStore>(
             .layer(demo_auth_layer::<tonic::body::Body>())
             .layer(idempotency)
             .layer(faults)
+            .layer(gate)
             .add_service(LibraryServer::new(LibraryService::new(inventory)))
             .serve_with_incoming(incoming)
             .await;

@@ -213,8 +213,8 @@ async fn another_instance_with_the_same_secret_derives_the_same_keys() {
 mod grpc {
     use super::*;
     use axum_orders::inventory::Inventory;
-    use e2e::faults::Unavailable;
     use e2e::servers::start_library;
+    use test_support::faults::Unavailable;
     use tonic::{Request as GrpcRequest, Response, Status};
     use tonic_library::client::{connect_lazy, RetryChannel};
     use tonic_library::pb;

@@ -5,12 +5,12 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use axum_orders::inventory::Inventory;
-use e2e::faults::Unavailable;
-use e2e::proxy::{drop_with_probability, Protocol, Proxy};
 use e2e::servers::start_library;
 use futures_util::stream::{self, StreamExt};
 use idempotency_layer::MemoryStore;
 use retry_layer::{RetryInfo, RetryPolicy};
+use test_support::faults::Unavailable;
+use test_support::proxy::{drop_with_probability, Protocol, Proxy};
 use tonic_library::client::connect_lazy;
 use tonic_library::{idempotency, pb, IDEMPOTENT_METHODS};
 

@@ -7,9 +7,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum_orders::inventory::Inventory;
-use e2e::faults::Unavailable;
 use e2e::servers::start_library;
 use idempotency_layer::MemoryStore;
+use test_support::faults::Unavailable;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::Code;

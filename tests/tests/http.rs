@@ -5,11 +5,11 @@ use std::time::Duration;
 
 use axum_orders::client::{OrderLine, OrdersClient};
 use axum_orders::inventory::Inventory;
-use e2e::faults::Unavailable;
-use e2e::proxy::{drop_with_probability, Protocol, Proxy};
 use e2e::scenario::{fault_tolerant_policy as policy, place_orders};
 use e2e::servers::start_orders;
 use idempotency_layer::{IdempotencyLayer, MemoryStore};
+use test_support::faults::Unavailable;
+use test_support::proxy::{drop_with_probability, Protocol, Proxy};
 
 const ORDERS: usize = 200;
 

@@ -11,57 +11,18 @@ use axum::routing::post;
 use axum::Router;
 use axum_orders::inventory::Inventory;
 use bytes::Bytes;
-use e2e::faults::Unavailable;
-use e2e::servers::start_library;
+use e2e::servers::{start_library, start_library_gated};
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use idempotency_layer::store::{Begin, Fingerprint, Record, ScopeKey, Token};
-use idempotency_layer::{IdempotencyLayer, IdempotencyStore, InFlight, MemoryStore, StoreError};
+use idempotency_layer::conformance::{Fault, FaultStore, Op, Rule};
+use idempotency_layer::{IdempotencyLayer, InFlight, MemoryStore, RejectReason};
 use retry_layer::{RetryLayer, RetryPolicy};
+use test_support::faults::Unavailable;
+use test_support::gate::Gate;
+use test_support::wait;
 use tower::{Service, ServiceBuilder, ServiceExt};
-
-/// A `MemoryStore` whose first `fail_begins` claims fail as if the store were unreachable.
-#[derive(Clone, Debug, Default)]
-struct DownAtFirst {
-    inner: MemoryStore,
-    fail_begins: Arc<AtomicUsize>,
-}
-
-impl IdempotencyStore for DownAtFirst {
-    async fn begin(&self, s: ScopeKey, f: Fingerprint, l: Duration) -> Result<Begin, StoreError> {
-        let down = self
-            .fail_begins
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-            .is_ok();
-        if down {
-            return Err(StoreError::Backend("connection refused (test)".into()));
-        }
-        self.inner.begin(s, f, l).await
-    }
-    async fn complete(
-        &self,
-        s: ScopeKey,
-        t: Token,
-        r: Arc<Record>,
-        l: Duration,
-    ) -> Result<(), StoreError> {
-        self.inner.complete(s, t, r, l).await
-    }
-    async fn release(&self, s: ScopeKey, t: Token) -> Result<(), StoreError> {
-        self.inner.release(s, t).await
-    }
-    async fn renew(&self, s: ScopeKey, t: Token, l: Duration) -> Result<(), StoreError> {
-        self.inner.renew(s, t, l).await
-    }
-    async fn wait(&self, s: ScopeKey, t: Token) -> Result<(), StoreError> {
-        self.inner.wait(s, t).await
-    }
-    async fn forget(&self, s: ScopeKey) -> Result<bool, StoreError> {
-        self.inner.forget(s).await
-    }
-}
 
 /// One route per answer of the layer, each counting the attempts that reach the server.
 struct Server {
@@ -69,6 +30,8 @@ struct Server {
     attempts: Arc<AtomicUsize>,
     executions: Arc<AtomicUsize>,
     gate: Arc<tokio::sync::Semaphore>,
+    /// The layer of `/in-flight` (its counters).
+    in_flight: IdempotencyLayer<MemoryStore>,
 }
 
 async fn server() -> Server {
@@ -107,10 +70,10 @@ async fn server() -> Server {
             req
         })
     };
-    let store = DownAtFirst {
-        fail_begins: Arc::new(AtomicUsize::new(1)),
-        ..DownAtFirst::default()
-    };
+    // The store is unreachable for the first claim.
+    let store = FaultStore::new(MemoryStore::new());
+    store.inject(Rule::new(Op::Begin, Fault::Fail).times(1));
+    let in_flight = base().in_flight(InFlight::Reject);
     let app = Router::new()
         .route("/plain", post(handler.clone()).layer(base()))
         .route(
@@ -123,10 +86,7 @@ async fn server() -> Server {
         )
         .route("/panic", post(handler.clone()).layer(base()))
         .route("/success-with-reason", post(handler.clone()).layer(base()))
-        .route(
-            "/in-flight",
-            post(handler.clone()).layer(base().in_flight(InFlight::Reject)),
-        )
+        .route("/in-flight", post(handler.clone()).layer(in_flight.clone()))
         .route(
             "/store-down",
             post(handler).layer(IdempotencyLayer::new(store).default_tenant("t")),
@@ -140,6 +100,7 @@ async fn server() -> Server {
         attempts,
         executions,
         gate,
+        in_flight,
     }
 }
 
@@ -272,15 +233,23 @@ async fn every_rejection_over_http_gets_the_verdict_the_table_promises() {
     let executed = s.executions.load(Ordering::SeqCst);
     let plain = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     let first = tokio::spawn(plain.request(request(s.addr, "/in-flight", key, "{}")));
-    while s.executions.load(Ordering::SeqCst) == executed {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let gate = s.gate.clone();
-    tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        gate.add_permits(1);
-    });
-    let (status, attempts) = through_retry(&s, request(s.addr, "/in-flight", key, "{}")).await;
+    wait::until("the first attempt runs", || {
+        s.executions.load(Ordering::SeqCst) > executed
+    })
+    .await;
+    // The gate opens once the retry's first attempt was turned away (409): the retries after it
+    // get the first attempt's outcome.
+    let open = async {
+        wait::until("the retried call is turned away while in flight", || {
+            s.in_flight.stats().rejected(RejectReason::InFlight) >= 1
+        })
+        .await;
+        s.gate.add_permits(1);
+    };
+    let ((status, attempts), ()) = tokio::join!(
+        through_retry(&s, request(s.addr, "/in-flight", key, "{}")),
+        open
+    );
     assert_eq!(
         status,
         StatusCode::CREATED,
@@ -327,12 +296,15 @@ async fn the_layers_grpc_answers_get_the_verdict_the_table_promises() {
         "a request that can never fit is not retried"
     );
 
-    // In flight: a slow handler (500 ms per order) and InFlight::Reject.
-    let inventory = Inventory::seeded(Duration::from_millis(500));
-    let server = start_library(
+    // In flight: a handler held at a gate, and InFlight::Reject.
+    let inventory = Inventory::seeded(Duration::ZERO);
+    let gate = Gate::new();
+    let layer_in_flight = idempotency(MemoryStore::new()).in_flight(InFlight::Reject);
+    let server = start_library_gated(
         inventory.clone(),
-        idempotency(MemoryStore::new()).in_flight(InFlight::Reject),
+        layer_in_flight.clone(),
         Unavailable::first_attempts(0.0, 1),
+        gate.clone(),
     )
     .await;
     let url = format!("http://{server}");
@@ -347,12 +319,21 @@ async fn the_layers_grpc_answers_get_the_verdict_the_table_promises() {
     };
     let (mut first_client, _) = connect_lazy(&url, policy()).unwrap();
     let first = tokio::spawn(async move { first_client.create_order(keyed()).await });
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    wait::until("the first call holds the claim, at the gate", || {
+        gate.waiting() == 1
+    })
+    .await;
     let (mut client, layer) = connect_lazy(&url, policy()).unwrap();
-    let second = client
-        .create_order(keyed())
-        .await
-        .expect("retried after the pushback");
+    // The gate opens once the second call was turned away (ABORTED).
+    let open = async {
+        wait::until("the second call is turned away while in flight", || {
+            layer_in_flight.stats().rejected(RejectReason::InFlight) >= 1
+        })
+        .await;
+        gate.open_wide();
+    };
+    let (second, ()) = tokio::join!(client.create_order(keyed()), open);
+    let second = second.expect("retried after the pushback");
     let first = first.await.unwrap().expect("the first call succeeds");
     assert_eq!(
         second.get_ref(),

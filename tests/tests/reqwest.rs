@@ -7,8 +7,6 @@ use std::time::Duration;
 
 use axum_orders::auth::TENANT_HEADER;
 use axum_orders::inventory::Inventory;
-use e2e::faults::Unavailable;
-use e2e::proxy::{drop_with_probability, Protocol, Proxy};
 use e2e::scenario::fault_tolerant_policy;
 use e2e::servers::start_orders;
 use futures_util::stream::{self, StreamExt};
@@ -16,6 +14,8 @@ use idempotency_layer::{IdempotencyLayer, MemoryStore};
 use reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
 use retry_layer::reqwest::RetryMiddleware;
 use retry_layer::RetryInfo;
+use test_support::faults::Unavailable;
+use test_support::proxy::{drop_with_probability, Protocol, Proxy};
 
 const ORDERS: usize = 100;
 

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::support::{collect, serve, Collected};
+use crate::support::{collect, serve, Collected, Fault, FaultStore, Op, Rule};
 use axum::body::Body;
 use axum::routing::post;
 use axum::Router;
@@ -23,10 +23,10 @@ use http_body_util::{BodyExt, Full, StreamBody};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use idempotency_layer::store::{Begin, Fingerprint, Record, ScopeKey, Token};
+use idempotency_layer::store::{Begin, Fingerprint, Record, ScopeKey};
 use idempotency_layer::{
     IdempotencyLayer, IdempotencyStore, InFlight, MemoryStore, OnDisconnect, RejectReason,
-    RequestBody, StoreError,
+    RequestBody,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tower::{service_fn, Layer, ServiceBuilder, ServiceExt};
@@ -694,43 +694,15 @@ async fn a_full_store_never_fails_open() {
     assert_eq!((m.failed_open, m.rejected(RejectReason::StoreFull)), (0, 1));
 }
 
-/// A store whose `release` never answers (it went away mid-request).
-#[derive(Clone, Default)]
-struct ReleaseHangs(MemoryStore);
-
-impl IdempotencyStore for ReleaseHangs {
-    async fn begin(&self, s: ScopeKey, f: Fingerprint, l: Duration) -> Result<Begin, StoreError> {
-        self.0.begin(s, f, l).await
-    }
-    async fn complete(
-        &self,
-        s: ScopeKey,
-        t: Token,
-        r: Arc<Record>,
-        l: Duration,
-    ) -> Result<(), StoreError> {
-        self.0.complete(s, t, r, l).await
-    }
-    async fn release(&self, _: ScopeKey, _: Token) -> Result<(), StoreError> {
-        std::future::pending().await
-    }
-    async fn renew(&self, s: ScopeKey, t: Token, l: Duration) -> Result<(), StoreError> {
-        self.0.renew(s, t, l).await
-    }
-    async fn wait(&self, s: ScopeKey, t: Token) -> Result<(), StoreError> {
-        self.0.wait(s, t).await
-    }
-    async fn forget(&self, s: ScopeKey) -> Result<bool, StoreError> {
-        self.0.forget(s).await
-    }
-}
-
 /// An outcome that is not recorded (a 503, a handler error, a panic) is answered at once; the
 /// claim is released after, in the background. The store being slow (or gone) does not hold the
 /// answer.
 #[tokio::test(start_paused = true)]
 async fn a_failure_is_answered_before_its_claim_is_released() {
-    let layer = IdempotencyLayer::new(ReleaseHangs::default()).default_tenant("t");
+    // The store's `release` never answers (it went away mid-request).
+    let store = FaultStore::new(MemoryStore::new());
+    store.inject(Rule::new(Op::Release, Fault::Hang));
+    let layer = IdempotencyLayer::new(store.clone()).default_tenant("t");
     let svc = layer.layer(service_fn(
         |req: Request<RequestBody<Full<Bytes>>>| async move {
             match req.uri().path() {

@@ -13,10 +13,7 @@ use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
 use http::{HeaderValue, Request, StatusCode};
-use idempotency_layer::store::{Begin, Fingerprint, Record, ScopeKey, Token};
-use idempotency_layer::{
-    IdempotencyLayer, IdempotencyStore, MemoryStore, RejectReason, Scope, StoreError,
-};
+use idempotency_layer::{IdempotencyLayer, MemoryStore, RejectReason, Scope};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tower::ServiceExt;
 
@@ -199,7 +196,8 @@ async fn header_values_of_64_kib_are_refused_or_ignored_cheaply() {
 async fn one_tenant_with_thousands_of_keys_cannot_grow_the_store_or_break_others() {
     let count = Arc::new(AtomicUsize::new(0));
     let store = MemoryStore::with_capacity(1_000);
-    let app = counting(&count).layer(IdempotencyLayer::new(store.clone()));
+    let layer = IdempotencyLayer::new(store.clone());
+    let app = counting(&count).layer(layer.clone());
     let as_tenant = |tenant: &str, key: String| {
         with_tenant(
             post_with_key(HeaderValue::try_from(key).unwrap(), "{}"),
@@ -222,9 +220,10 @@ async fn one_tenant_with_thousands_of_keys_cannot_grow_the_store_or_break_others
             let key = format!("calm-key-{i:06}");
             let first = call(&app, as_tenant("calm", key.clone())).await;
             assert_eq!(first.status, StatusCode::CREATED);
-            for _ in 0..5 {
-                tokio::task::yield_now().await; // the spawned completion records
-            }
+            wait::until_yielding("the spawned completion records", || {
+                layer.stats().in_flight == 0
+            })
+            .await;
             let again = call(&app, as_tenant("calm", key)).await;
             assert!(again.replayed(), "calm tenant's key {i} replays");
             assert_eq!(again.body, first.body);
@@ -294,7 +293,7 @@ async fn ten_thousand_waiters_on_one_key_are_bounded_by_max_waiters() {
         duplicates.push(tokio::spawn(async move { call(&app, key()).await }));
     }
     // Every duplicate has either joined the 100 waiters or been turned away.
-    eventually("every duplicate waits or is turned away", || {
+    wait::until_yielding("every duplicate waits or is turned away", || {
         layer.stats().waited + layer.stats().rejected(RejectReason::InFlight) >= 10_000
     })
     .await;
@@ -389,60 +388,19 @@ async fn request_bodies_at_the_limit_pass_and_over_it_are_413() {
     assert_eq!(layer.stats().rejected(RejectReason::TooLarge), 3);
 }
 
-/// A store whose entries for `corrupt` scopes cannot be decoded (what a hand-edited Redis key or
-/// PostgreSQL row looks like to the layer).
-#[derive(Clone, Debug, Default)]
-struct CorruptStore {
-    inner: MemoryStore,
-    corrupt: Arc<Mutex<Vec<ScopeKey>>>,
-}
-
-impl IdempotencyStore for CorruptStore {
-    async fn begin(&self, s: ScopeKey, f: Fingerprint, l: Duration) -> Result<Begin, StoreError> {
-        if self.corrupt.lock().unwrap().contains(&s) {
-            return Err(StoreError::Corrupt("record does not decode (test)".into()));
-        }
-        self.inner.begin(s, f, l).await
-    }
-    async fn complete(
-        &self,
-        s: ScopeKey,
-        t: Token,
-        r: Arc<Record>,
-        d: Duration,
-    ) -> Result<(), StoreError> {
-        self.inner.complete(s, t, r, d).await
-    }
-    async fn release(&self, s: ScopeKey, t: Token) -> Result<(), StoreError> {
-        self.inner.release(s, t).await
-    }
-    async fn renew(&self, s: ScopeKey, t: Token, l: Duration) -> Result<(), StoreError> {
-        self.inner.renew(s, t, l).await
-    }
-    async fn wait(&self, s: ScopeKey, t: Token) -> Result<(), StoreError> {
-        self.inner.wait(s, t).await
-    }
-    async fn forget(&self, s: ScopeKey) -> Result<bool, StoreError> {
-        self.corrupt.lock().unwrap().retain(|c| *c != s);
-        self.inner.forget(s).await
-    }
-}
-
 #[tokio::test]
 async fn a_corrupt_entry_is_a_clear_non_retryable_error_until_forgotten() {
     let count = Arc::new(AtomicUsize::new(0));
-    let store = CorruptStore::default();
+    // The entry of one scope does not decode (what a hand-edited Redis key or PostgreSQL row
+    // looks like to the layer).
+    let store = FaultStore::new(MemoryStore::new());
     let layer = IdempotencyLayer::new(store.clone())
         .default_tenant("t")
         .fail_open(true); // even fail-open must not execute over a corrupt entry
     let app = counting(&count).layer(layer.clone());
     let key = "corrupt-key-01";
     let method = Scope::http(&http::Method::POST, "/orders");
-    store
-        .corrupt
-        .lock()
-        .unwrap()
-        .push(Scope::new("t", &method, key).key());
+    store.inject(Rule::new(Op::Begin, Fault::Corrupt).scope(Scope::new("t", &method, key).key()));
 
     let r = call(&app, post_with_key(HeaderValue::from_static(key), "{}")).await;
     assert_eq!(
@@ -458,6 +416,8 @@ async fn a_corrupt_entry_is_a_clear_non_retryable_error_until_forgotten() {
     assert_eq!(count.load(Ordering::SeqCst), 0, "nothing executed");
     assert_eq!(layer.stats().store_errors, 1);
 
+    // Forgetting the key removes the entry that did not decode (the fault stood for it).
+    store.heal();
     assert!(!layer.forget(Scope::new("t", &method, key)).await.unwrap());
     let r = call(&app, post_with_key(HeaderValue::from_static(key), "{}")).await;
     assert_eq!(r.status, StatusCode::CREATED, "usable again once forgotten");
@@ -513,9 +473,10 @@ async fn logs_never_carry_keys_tenants_or_bodies() {
         call(&app, send(KEY, BODY)).await.status,
         StatusCode::CREATED
     );
-    for _ in 0..5 {
-        tokio::task::yield_now().await;
-    }
+    wait::until_yielding("the spawned completion records", || {
+        layer.stats().in_flight == 0
+    })
+    .await;
     assert!(call(&app, send(KEY, BODY)).await.replayed());
     assert_eq!(
         call(&app, send(KEY, "{\"card\":\"BODY-SECRET-x\"}"))
@@ -529,14 +490,14 @@ async fn logs_never_carry_keys_tenants_or_bodies() {
         call(&app, send("SECRETKEY with space", BODY)).await.status,
         400
     );
-    flaky.down.store(true, Ordering::SeqCst);
+    down(&flaky);
     assert_eq!(call(&app, send("SECRETKEY-down01", BODY)).await.status, 503);
     let open = counting(&count).layer(layer.clone().fail_open(true));
     assert_eq!(
         call(&open, send("SECRETKEY-open01", BODY)).await.status,
         201
     );
-    flaky.down.store(false, Ordering::SeqCst);
+    up(&flaky);
     let method = Scope::http(&http::Method::POST, "/orders");
     assert!(layer
         .forget(Scope::new(TENANT, &method, KEY))
@@ -558,66 +519,20 @@ async fn logs_never_carry_keys_tenants_or_bodies() {
     }
 }
 
-/// A store whose `complete` and `release` fail (as in a store outage) the first `fail` times.
-#[derive(Clone, Debug, Default)]
-struct OutageAtTheEnd {
-    inner: MemoryStore,
-    fail: Arc<AtomicUsize>,
-}
-
-impl OutageAtTheEnd {
-    fn down(&self) -> Result<(), StoreError> {
-        let left = self.fail.load(Ordering::SeqCst);
-        if left > 0 {
-            self.fail.store(left - 1, Ordering::SeqCst);
-            return Err(StoreError::Backend("connection reset (test double)".into()));
-        }
-        Ok(())
-    }
-}
-
-impl IdempotencyStore for OutageAtTheEnd {
-    async fn begin(&self, s: ScopeKey, f: Fingerprint, l: Duration) -> Result<Begin, StoreError> {
-        self.inner.begin(s, f, l).await
-    }
-    async fn complete(
-        &self,
-        s: ScopeKey,
-        t: Token,
-        r: Arc<Record>,
-        d: Duration,
-    ) -> Result<(), StoreError> {
-        self.down()?;
-        self.inner.complete(s, t, r, d).await
-    }
-    async fn release(&self, s: ScopeKey, t: Token) -> Result<(), StoreError> {
-        self.down()?;
-        self.inner.release(s, t).await
-    }
-    async fn renew(&self, s: ScopeKey, t: Token, l: Duration) -> Result<(), StoreError> {
-        self.inner.renew(s, t, l).await
-    }
-    async fn wait(&self, s: ScopeKey, t: Token) -> Result<(), StoreError> {
-        self.inner.wait(s, t).await
-    }
-    async fn forget(&self, s: ScopeKey) -> Result<bool, StoreError> {
-        self.inner.forget(s).await
-    }
-}
-
 /// Found by the chaos soak: a record lost to a brief store outage left the key in flight, so
 /// the client's retry waited out the lease (or, after it, executed again).
 #[tokio::test(start_paused = true)]
 async fn a_brief_store_outage_at_completion_neither_loses_the_record_nor_strands_the_claim() {
     let count = Arc::new(AtomicUsize::new(0));
-    let store = OutageAtTheEnd::default();
+    let store = FaultStore::new(MemoryStore::new());
     let layer = IdempotencyLayer::new(store.clone())
         .default_tenant("t")
         .max_wait(Duration::from_secs(1));
     let app = counting(&count).layer(layer.clone());
     let key = || post_with_key(HeaderValue::from_static("outage-at-end-1"), "{}");
 
-    store.fail.store(4, Ordering::SeqCst); // about 750 ms of outage at 50, 100, 200, 400 ms
+    // About 750 ms of outage at 50, 100, 200, 400 ms: the record's first four tries fail.
+    store.inject(Rule::new(Op::Complete, Fault::Fail).times(4));
     let first = call(&app, key()).await;
     assert_eq!(first.status, StatusCode::CREATED);
     let retry = call(&app, key()).await;
@@ -628,6 +543,17 @@ async fn a_brief_store_outage_at_completion_neither_loses_the_record_nor_strands
     assert_eq!(retry.body, first.body);
     assert_eq!(count.load(Ordering::SeqCst), 1);
     assert_eq!(layer.stats().recorded, 1);
+    assert_eq!(
+        store.answers(Op::Complete),
+        [
+            Reply::Backend,
+            Reply::Backend,
+            Reply::Backend,
+            Reply::Backend,
+            Reply::Ok
+        ],
+        "the record was stored through the outage"
+    );
 
     // A release (the handler failed) lost to the outage: the retry executes at once instead
     // of waiting for the lease to lapse.
@@ -637,7 +563,7 @@ async fn a_brief_store_outage_at_completion_neither_loses_the_record_nor_strands
             post(|| async { (StatusCode::SERVICE_UNAVAILABLE, "busy") }),
         )
         .layer(layer.clone());
-    store.fail.store(3, Ordering::SeqCst);
+    store.inject(Rule::new(Op::Release, Fault::Fail).times(3));
     let key2 = || post_with_key(HeaderValue::from_static("outage-at-end-2"), "{}");
     assert_eq!(
         call(&failing, key2()).await.status,

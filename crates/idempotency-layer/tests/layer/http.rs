@@ -539,10 +539,8 @@ async fn on_disconnect_release_cancels_and_releases() {
         1,
         "Release mode drops the handler when its client goes away"
     );
-    // The release is spawned on drop; let it run.
-    for _ in 0..10 {
-        tokio::task::yield_now().await;
-    }
+    // The release is spawned on drop.
+    wait::until_yielding("the claim is released", || layer.stats().in_flight == 0).await;
     let retry = tokio::spawn({
         let app = app.clone();
         async move { call(&app, req_post("/slow", Some("slow-00000003"), "{}")).await }
@@ -593,7 +591,7 @@ async fn waiters_share_the_leaders_failure_and_the_retry_runs_it() {
             call(&app, req_post("/w", Some("wait-00000001"), "{}")).await
         }));
     }
-    eventually("nine duplicates wait", || layer.stats().waited >= 9).await;
+    wait::until_yielding("nine duplicates wait", || layer.stats().waited >= 9).await;
     gate.notify_one();
     for t in tasks {
         let answer = t.await.unwrap();
@@ -698,7 +696,7 @@ async fn capacity_holds_with_ten_times_the_keys() {
         .tenant_share_percent(100)
         .build();
     let layer = IdempotencyLayer::new(store.clone()).default_tenant("t");
-    let app = app(layer, &count);
+    let app = app(layer.clone(), &count);
     let mut created = Vec::new();
     for i in 0..500 {
         let key = format!("cap-key-{i:05}");
@@ -708,9 +706,10 @@ async fn capacity_holds_with_ten_times_the_keys() {
             StatusCode::SERVICE_UNAVAILABLE => {}
             other => panic!("{other}"),
         }
-        for _ in 0..5 {
-            tokio::task::yield_now().await; // let the spawned completion run
-        }
+        wait::until_yielding("the spawned completion runs", || {
+            layer.stats().in_flight == 0
+        })
+        .await;
         assert!(store.len() <= 50, "len {} after {i}", store.len());
     }
     assert_eq!(count.load(Ordering::SeqCst), created.len());
@@ -728,14 +727,15 @@ async fn capacity_holds_with_ten_times_the_keys() {
         .evict_when_full(true)
         .build();
     let layer = IdempotencyLayer::new(store.clone()).default_tenant("t");
-    let app = self::app(layer, &count);
+    let app = self::app(layer.clone(), &count);
     for i in 0..500 {
         let key = format!("cap-key-{i:05}");
         let r = call(&app, req_post("/orders", Some(&key), "{}")).await;
         assert_eq!(r.status, StatusCode::CREATED);
-        for _ in 0..5 {
-            tokio::task::yield_now().await;
-        }
+        wait::until_yielding("the spawned completion runs", || {
+            layer.stats().in_flight == 0
+        })
+        .await;
         assert!(store.len() <= 50, "len {} after {i}", store.len());
     }
     assert_eq!(count.load(Ordering::SeqCst), 500);
@@ -814,7 +814,7 @@ async fn a_streaming_response_reaches_the_first_client_before_the_handler_finish
 async fn a_failing_store_fails_closed_by_default_and_open_when_configured() {
     let count = Arc::new(AtomicUsize::new(0));
     let store = FlakyStore::default();
-    store.down.store(true, Ordering::SeqCst);
+    down(&store);
     let closed = IdempotencyLayer::new(store.clone()).default_tenant("t");
     let app_closed = Router::new()
         .route("/orders", counting(&count))
@@ -841,15 +841,16 @@ async fn a_failing_store_fails_closed_by_default_and_open_when_configured() {
     assert_eq!(count.load(Ordering::SeqCst), 1, "fail open executes");
 
     // The store comes back: protection resumes.
-    store.down.store(false, Ordering::SeqCst);
+    up(&store);
     call(
         &app_closed,
         req_post("/orders", Some("store-00000002"), "{}"),
     )
     .await;
-    for _ in 0..5 {
-        tokio::task::yield_now().await;
-    }
+    wait::until_yielding("the spawned completion records", || {
+        closed.stats().in_flight == 0
+    })
+    .await;
     let r = call(
         &app_closed,
         req_post("/orders", Some("store-00000002"), "{}"),

@@ -93,26 +93,24 @@ async fn a_body_error_mid_stream_after_a_recorded_head_is_recorded_without_its_b
     for grpc in [false, true] {
         let count = Arc::new(AtomicUsize::new(0));
         let c = count.clone();
-        let svc = IdempotencyLayer::default()
-            .default_tenant("t")
-            .layer(service_fn(
-                move |_req: Request<RequestBody<Full<Bytes>>>| {
-                    let n = c.fetch_add(1, Ordering::SeqCst);
-                    async move {
-                        let mut frames =
-                            VecDeque::from([Ok(Frame::data(Bytes::from_static(b"part")))]);
-                        if n == 0 {
-                            frames.push_back(Err(std::io::Error::other("upstream reset")));
-                        }
-                        let mut res = Response::new(Script(frames));
-                        if grpc {
-                            res.headers_mut()
-                                .insert("content-type", "application/grpc".parse().unwrap());
-                        }
-                        Ok::<_, Infallible>(res)
+        let layer = IdempotencyLayer::default().default_tenant("t");
+        let svc = layer.layer(service_fn(
+            move |_req: Request<RequestBody<Full<Bytes>>>| {
+                let n = c.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    let mut frames = VecDeque::from([Ok(Frame::data(Bytes::from_static(b"part")))]);
+                    if n == 0 {
+                        frames.push_back(Err(std::io::Error::other("upstream reset")));
                     }
-                },
-            ));
+                    let mut res = Response::new(Script(frames));
+                    if grpc {
+                        res.headers_mut()
+                            .insert("content-type", "application/grpc".parse().unwrap());
+                    }
+                    Ok::<_, Infallible>(res)
+                }
+            },
+        ));
         let req = || {
             let mut req = Request::post("/shop.Orders/CreateOrder")
                 .header("x-idempotency-key", "body-error-1");
@@ -123,9 +121,8 @@ async fn a_body_error_mid_stream_after_a_recorded_head_is_recorded_without_its_b
         };
         let res = svc.clone().oneshot(req()).await.unwrap();
         assert!(res.into_body().collect().await.is_err(), "grpc={grpc}");
-        for _ in 0..10 {
-            tokio::task::yield_now().await; // the release is spawned
-        }
+        // The claim ends in a spawned task.
+        test_support::wait::until_yielding("the claim ends", || layer.stats().in_flight == 0).await;
         let res = svc.clone().oneshot(req()).await.unwrap();
         if grpc {
             assert!(!res.headers().contains_key("idempotent-replayed"));

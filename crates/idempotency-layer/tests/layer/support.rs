@@ -1,19 +1,18 @@
 //! Helpers shared by the integration tests: servers on 127.0.0.1:0, a raw hyper client,
-//! a channel-fed body and a store that fails on demand.
+//! a channel-fed body and a store that fails on demand (a `FaultStore`); waiting for events is
+//! `test_support::wait`.
 #![allow(dead_code, unreachable_pub, unused_imports)]
 
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::Request;
 use http_body::{Body, Frame};
-use idempotency_layer::store::{Begin, Fingerprint, Record, ScopeKey, Token};
-use idempotency_layer::{IdempotencyStore, MemoryStore, StoreError, Tenant};
+pub use idempotency_layer::conformance::{Fault, FaultStore, Op, Reply, Rule};
+use idempotency_layer::{MemoryStore, Tenant};
+pub use test_support::wait;
 
 pub use test_support::net::{collect, serve, Collected, HttpClient};
 
@@ -50,76 +49,15 @@ impl Body for ChannelBody {
     }
 }
 
-/// A store that delegates to a `MemoryStore` and fails every operation while `down` is set.
-#[derive(Clone, Debug, Default)]
-pub struct FlakyStore {
-    pub inner: MemoryStore,
-    pub down: Arc<AtomicBool>,
+/// A `MemoryStore` that fails every operation while it is down ([`down`] / [`up`]).
+pub type FlakyStore = FaultStore<MemoryStore>;
+
+/// Takes `store` down: every operation fails as if it were unreachable.
+pub fn down(store: &FlakyStore) {
+    store.inject(Rule::every_op(Fault::Fail));
 }
 
-impl FlakyStore {
-    fn check(&self) -> Result<(), StoreError> {
-        if self.down.load(Ordering::SeqCst) {
-            Err(StoreError::Backend(
-                "connection refused (test double)".into(),
-            ))
-        } else {
-            Ok(())
-        }
-    }
-}
-
-impl IdempotencyStore for FlakyStore {
-    async fn begin(
-        &self,
-        scope: ScopeKey,
-        fingerprint: Fingerprint,
-        lease: Duration,
-    ) -> Result<Begin, StoreError> {
-        self.check()?;
-        self.inner.begin(scope, fingerprint, lease).await
-    }
-    async fn complete(
-        &self,
-        scope: ScopeKey,
-        token: Token,
-        record: Arc<Record>,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
-        self.check()?;
-        self.inner.complete(scope, token, record, ttl).await
-    }
-    async fn release(&self, scope: ScopeKey, token: Token) -> Result<(), StoreError> {
-        self.check()?;
-        self.inner.release(scope, token).await
-    }
-    async fn renew(
-        &self,
-        scope: ScopeKey,
-        token: Token,
-        lease: Duration,
-    ) -> Result<(), StoreError> {
-        self.check()?;
-        self.inner.renew(scope, token, lease).await
-    }
-    async fn wait(&self, scope: ScopeKey, observed: Token) -> Result<(), StoreError> {
-        self.check()?;
-        self.inner.wait(scope, observed).await
-    }
-    async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
-        self.check()?;
-        self.inner.forget(scope).await
-    }
-}
-
-/// Yields until `cond` holds; panics naming `what` if it does not within 1 000 000 yields (a
-/// test that fails instead of hanging).
-pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
-    for _ in 0..1_000_000 {
-        if cond() {
-            return;
-        }
-        tokio::task::yield_now().await;
-    }
-    panic!("never happened: {what}");
+/// Brings `store` back up.
+pub fn up(store: &FlakyStore) {
+    store.heal();
 }

@@ -13,7 +13,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::support::{collect, serve, Collected, FlakyStore};
+use crate::support::{
+    collect, down, serve, up, wait, Collected, FaultStore, FlakyStore, Op, Reply,
+};
 use axum::body::Body;
 use axum::routing::post;
 use axum::Router;
@@ -254,7 +256,7 @@ async fn fail_open_answers_the_handlers_whole_response_while_the_store_is_down()
             let case = format!("{transport:?} {shape:?}");
             let counts = Counts::default();
             let store = FlakyStore::default();
-            store.down.store(true, Ordering::SeqCst);
+            down(&store);
             let layer = IdempotencyLayer::new(store.clone())
                 .default_tenant("t")
                 .fail_open(true);
@@ -279,7 +281,7 @@ async fn fail_open_answers_the_handlers_whole_response_while_the_store_is_down()
             }
             assert_eq!(counts.started(), 2, "{case}: unprotected while down");
             assert_eq!(layer.stats().failed_open, 2, "{case}");
-            store.down.store(false, Ordering::SeqCst);
+            up(&store);
             let first = send(&client, addr, "order-fail-open-1").await;
             let retry = send(&client, addr, "order-fail-open-1").await;
             assert!(!first.replayed(), "{case}");
@@ -549,17 +551,10 @@ async fn a_client_that_disconnects_mid_handler() {
             // Wait (bounded) until the server saw the disconnect: a cancelled handler, or (in
             // Complete mode) nothing to see; then let handlers finish.
             if on_disconnect == OnDisconnect::Release {
-                for _ in 0..500 {
-                    if counts.cancelled.load(Ordering::SeqCst) == 1 {
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-                assert_eq!(
-                    counts.cancelled.load(Ordering::SeqCst),
-                    1,
-                    "{case}: cancelled"
-                );
+                wait::until("the server cancels the handler", || {
+                    counts.cancelled.load(Ordering::SeqCst) == 1
+                })
+                .await;
             }
             gate.add_permits(10);
             let retry = send(&client(transport), addr, "order-disconnect-1").await;
@@ -638,9 +633,10 @@ async fn a_waiter_holds_no_inner_capacity() {
                 }),
             )
         };
+        let idempotency = layer(OnDisconnect::Complete, InFlight::Wait);
         let svc = tower::ServiceBuilder::new()
             .map_response(|r: Response<idempotency_layer::IdempotencyBody<Body>>| r.map(Body::new))
-            .layer(layer(OnDisconnect::Complete, InFlight::Wait))
+            .layer(idempotency.clone())
             .concurrency_limit(2)
             .service(router);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -659,8 +655,12 @@ async fn a_waiter_holds_no_inner_capacity() {
             let client = client.clone();
             async move { send(&client, addr, "order-capacity-slow").await }
         });
-        // Give the waiter time to reach its wait (it cannot finish before the gate opens).
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        // The duplicate waits (the layer counts it as it gives up its permit); it cannot finish
+        // before the gate opens.
+        wait::until("the duplicate waits for the leader", || {
+            idempotency.stats().waited == 1
+        })
+        .await;
         let other = tokio::time::timeout(
             Duration::from_secs(5),
             send(&client, addr, "order-capacity-other"),
@@ -679,31 +679,33 @@ async fn a_waiter_holds_no_inner_capacity() {
 }
 
 /// Two layers configured from one base with different leases: the short lease is renewed in
-/// time while its handler runs, so a duplicate waits instead of taking the claim over.
+/// time while its handler runs, so a duplicate waits instead of taking the claim over. The
+/// 600 s layer claims first, so the renewal task starts at its pace (a tick every 200 s); the
+/// 3 s claim must bring it to a tick a second, seen in the store's renewals.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn layers_with_different_leases_each_renew_in_time() {
-    let store = MemoryStore::new();
-    let base = IdempotencyLayer::new(store).default_tenant("t");
-    let long = base.clone().lease(Duration::from_secs(60));
-    let short = base.clone().lease(Duration::from_millis(300));
+    let store = FaultStore::new(MemoryStore::new());
+    let base = IdempotencyLayer::new(store.clone()).default_tenant("t");
+    let long = base.clone().lease(Duration::from_secs(600));
+    let short = base.clone().lease(Duration::from_secs(3));
     let counts = Counts::default();
-    let slow = |counts: &Counts| {
-        let counts = counts.clone();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let held = |counts: &Counts| {
+        let (counts, gate) = (counts.clone(), gate.clone());
         post(move || {
-            let counts = counts.clone();
+            let (counts, gate) = (counts.clone(), gate.clone());
             async move {
                 let n = counts.started.fetch_add(1, Ordering::SeqCst) + 1;
-                tokio::time::sleep(Duration::from_millis(1500)).await;
+                gate.acquire().await.unwrap().forget();
                 format!("done {n}")
             }
         })
     };
     let router = Router::new()
-        .route("/long", slow(&counts).layer(long))
-        .route("/orders", slow(&counts).layer(short));
+        .route("/long", held(&counts).layer(long))
+        .route("/orders", held(&counts).layer(short.clone()));
     let addr = serve(router).await;
     let client = client(Transport::Http1);
-    // The 60 s layer claims first, so its lease starts the renewal task.
     let warm = tokio::spawn({
         let client = client.clone();
         async move {
@@ -714,15 +716,37 @@ async fn layers_with_different_leases_each_renew_in_time() {
             collect(client.request(req).await.unwrap()).await
         }
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    wait::until("the 600 s claim is held", || counts.started() == 1).await;
     let first = tokio::spawn({
         let client = client.clone();
         async move { send(&client, addr, "order-short-lease").await }
     });
-    // Three short leases later, a duplicate arrives: the claim must still be held.
-    tokio::time::sleep(Duration::from_millis(900)).await;
-    let duplicate = send(&client, addr, "order-short-lease").await;
-    let first = first.await.unwrap();
+    wait::until("the 3 s claim is held", || counts.started() == 2).await;
+    // Four ticks: the claim is renewed for longer than its first lease.
+    let renewals =
+        |s: &FaultStore<MemoryStore>| s.calls(Op::RenewMany).made + s.calls(Op::Renew).made;
+    let before = renewals(&store);
+    store
+        .until(
+            wait::LIMIT,
+            "the renewal task ticks at the 3 s lease's pace",
+            |s| renewals(s) >= before + 4,
+        )
+        .await;
+    let refused: Vec<Reply> = [Op::RenewMany, Op::Renew]
+        .into_iter()
+        .flat_map(|op| store.answers(op))
+        .filter(|a| *a != Reply::Ok)
+        .collect();
+    assert_eq!(refused, [], "every renewal kept its claim");
+    // A duplicate now finds the claim still held, and waits for it.
+    let duplicate = tokio::spawn({
+        let client = client.clone();
+        async move { send(&client, addr, "order-short-lease").await }
+    });
+    wait::until("the duplicate waits", || short.stats().waited == 1).await;
+    gate.add_permits(2);
+    let (first, duplicate) = (first.await.unwrap(), duplicate.await.unwrap());
     assert_eq!(
         duplicate.body, first.body,
         "the duplicate got the first outcome"
@@ -868,13 +892,13 @@ async fn waiters_on_every_key_together_hold_at_most_max_waiting_bytes() {
         };
         let keys = ["order-wide-1", "order-wide-2", "order-wide-3"];
         let leaders: Vec<_> = keys.iter().map(|k| send(k)).collect();
-        until("the three leaders run", || counts.started() == 3).await;
+        wait::until("the three leaders run", || counts.started() == 3).await;
         let duplicates: Vec<_> = keys
             .iter()
             .flat_map(|k| (0..4).map(move |_| *k))
             .map(send)
             .collect();
-        until("every duplicate waits or is turned away", || {
+        wait::until("every duplicate waits or is turned away", || {
             let s = layer.stats();
             s.waited + s.rejected(idempotency_layer::RejectReason::InFlight) >= 12
         })
@@ -912,14 +936,135 @@ async fn waiters_on_every_key_together_hold_at_most_max_waiting_bytes() {
     }
 }
 
-/// Polls `cond` every 10 ms until it holds; panics naming `what` after 20 s (a test that fails
-/// instead of hanging; the sockets are real, so the wait is too).
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
-    for _ in 0..2_000 {
-        if cond() {
-            return;
+/// A response body that counts being dropped before its end (the server let go of it: its
+/// client went away mid-body).
+struct Watched<B> {
+    inner: std::pin::Pin<Box<B>>,
+    ended: bool,
+    dropped_early: Arc<AtomicUsize>,
+}
+
+impl<B: http_body::Body> http_body::Body for Watched<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        let polled = self.inner.as_mut().poll_frame(cx);
+        if matches!(polled, std::task::Poll::Ready(None)) || self.inner.is_end_stream() {
+            self.ended = true;
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        polled
     }
-    panic!("never happened within 20 s: {what}");
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl<B> Drop for Watched<B> {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.dropped_early.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// A client that drops the response mid-body (HTTP/1.1: its connection closes; HTTP/2: its
+/// stream is reset) while the handler's body is still coming: the server lets go of the body,
+/// the layer reads the rest of it anyway and stores the record, and the retry gets the replay.
+/// Nothing runs twice. With a body small enough to record, the replay is the whole body; with a
+/// larger one (`max_record_bytes`), it is the head, its body marked omitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_drops_the_response_mid_body_gets_the_replay() {
+    use http_body_util::BodyExt;
+
+    for transport in TRANSPORTS {
+        for recordable in [true, false] {
+            let case = format!("{transport:?}, body recordable: {recordable}");
+            let counts = Counts::default();
+            let rest = Arc::new(tokio::sync::Semaphore::new(0));
+            let router = {
+                let rest = rest.clone();
+                orders(&counts, move |counts| {
+                    let rest = rest.clone();
+                    async move {
+                        let n = counts.started.fetch_add(1, Ordering::SeqCst) + 1;
+                        use futures_util::StreamExt;
+                        let first = futures_util::stream::once(async move {
+                            Ok::<_, Infallible>(Frame::data(Bytes::from(format!("order {n};"))))
+                        });
+                        let second = futures_util::stream::once(async move {
+                            rest.acquire().await.unwrap().forget();
+                            Ok(Frame::data(Bytes::from_static(b" the rest")))
+                        });
+                        Response::builder()
+                            .status(StatusCode::CREATED)
+                            .body(Body::new(StreamBody::new(first.chain(second))))
+                            .unwrap()
+                    }
+                })
+            };
+            let max_record = if recordable { 1 << 20 } else { 4 };
+            let layer = layer(OnDisconnect::Complete, InFlight::Wait).max_record_bytes(max_record);
+            let dropped_early = Arc::new(AtomicUsize::new(0));
+            let watch = {
+                let dropped_early = dropped_early.clone();
+                tower::util::MapResponseLayer::new(move |r: Response<Body>| {
+                    let dropped_early = dropped_early.clone();
+                    r.map(|inner| {
+                        Body::new(Watched {
+                            inner: Box::pin(inner),
+                            ended: false,
+                            dropped_early,
+                        })
+                    })
+                })
+            };
+            let addr = serve(router.layer(layer.clone()).layer(watch)).await;
+
+            // The first frame arrives; the client drops the response.
+            let req = Request::post(format!("http://{addr}/orders"))
+                .header("x-idempotency-key", "order-dropped-mid-body")
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from_static(b"{\"sku\":\"b1\"}")))
+                .unwrap();
+            let mut res = client(transport).request(req).await.unwrap();
+            assert_eq!(res.status(), StatusCode::CREATED, "{case}");
+            let frame = res.body_mut().frame().await.unwrap().unwrap();
+            assert_eq!(frame.into_data().unwrap(), "order 1;", "{case}");
+            drop(res);
+            wait::until("the server lets go of the response body", || {
+                dropped_early.load(Ordering::SeqCst) == 1
+            })
+            .await;
+            assert_eq!(
+                layer.stats().recorded,
+                0,
+                "{case}: the body is not whole yet"
+            );
+
+            // The rest of the body comes: the layer reads it and stores the record.
+            rest.add_permits(1);
+            wait::until("the record is stored", || layer.stats().recorded == 1).await;
+            let retry = send(&client(transport), addr, "order-dropped-mid-body").await;
+            assert_eq!(retry.status, StatusCode::CREATED, "{case}: {retry:?}");
+            assert!(retry.replayed(), "{case}: {retry:?}");
+            if recordable {
+                assert_eq!(retry.body, "order 1; the rest", "{case}");
+            } else {
+                assert!(retry.body.is_empty(), "{case}: {retry:?}");
+                assert_eq!(retry.headers["idempotent-body-omitted"], "true", "{case}");
+            }
+            assert_eq!(counts.started(), 1, "{case}: the handler ran once");
+            let m = layer.stats();
+            assert_eq!((m.executed, m.replayed, m.released), (1, 1, 0), "{case}");
+        }
+    }
 }

@@ -4,16 +4,22 @@
 //! through `support::shared_store_suite!`. Unset URLs: a test says so and passes, except in CI,
 //! where it fails.
 
-#[cfg(feature = "conformance")]
+// The shared stores' helpers (the `conformance` feature is always on for the tests: the crate's
+// dev-dependency on itself turns it on).
+#[cfg(all(feature = "conformance", any(feature = "redis", feature = "postgres")))]
 mod support;
 
 mod memory;
 #[cfg(all(feature = "postgres", feature = "conformance"))]
 mod postgres;
+#[cfg(all(feature = "redis-cluster", feature = "conformance"))]
+mod proxied_cluster;
 #[cfg(all(feature = "redis", feature = "conformance"))]
 mod redis;
 #[cfg(all(feature = "redis-cluster", feature = "conformance"))]
 mod redis_cluster;
+#[cfg(all(feature = "redis-cluster", feature = "conformance"))]
+mod redis_cluster_cuts;
 #[cfg(all(feature = "redis-cluster", feature = "conformance"))]
 mod redis_cluster_lost_reply;
 #[cfg(all(feature = "redis-sentinel", feature = "conformance"))]

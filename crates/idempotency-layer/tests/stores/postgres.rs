@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use crate::support::*;
-use idempotency_layer::store::{Begin, Fingerprint};
+use idempotency_layer::store::{Begin, Fingerprint, ScopeKey};
 use idempotency_layer::{conformance, IdempotencyStore, PostgresStore, PostgresStoreBuilder};
 
 mod tx_completion;
@@ -66,6 +66,9 @@ impl Backend for Postgres {
         if tuning.near_cache {
             b = b.near_cache(idempotency_layer::store::NearCache::new(16 << 20));
         }
+        if tuning.slow_polling {
+            b = b.poll_interval(SLOW_POLL, SLOW_POLL);
+        }
         connect(b).await
     }
 
@@ -75,6 +78,19 @@ impl Backend for Postgres {
 
     fn near_stats(store: &PostgresStore) -> Option<idempotency_layer::store::NearCacheStats> {
         store.near_cache_stats()
+    }
+
+    async fn holds(store: &PostgresStore, url: &str, scope: ScopeKey) -> bool {
+        let table = store.table();
+        let row = raw(url)
+            .await
+            .query_one(
+                &format!("SELECT count(*) FROM {table} WHERE scope = $1 AND state = 'in_flight'"),
+                &[&&scope.0[..]],
+            )
+            .await
+            .unwrap();
+        row.get::<_, i64>(0) == 1
     }
 }
 
@@ -862,6 +878,7 @@ async fn a_wait_does_not_block_for_the_listener() {
 
 /// A store chosen at run time from its URL (migrated on open).
 /// `url` with `params` added to its query.
+#[cfg(feature = "postgres-tls")]
 fn with_params(url: &str, params: &str) -> String {
     let sep = if url.contains('?') { '&' } else { '?' };
     format!("{url}{sep}{params}")
@@ -891,20 +908,42 @@ async fn sslmode_require_connects_over_tls() {
         let store = store.clone();
         tokio::spawn(async move { store.wait(scope, t).await })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let row = raw(&url)
-        .await
-        .query_one(
-            "SELECT count(*) FILTER (WHERE s.ssl), count(*) FILTER (WHERE NOT s.ssl) \
-             FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) WHERE a.application_name = $1",
-            &[&app],
+    // The server's view of the store's connections, once the listener's `LISTEN` has run:
+    // (listening over TLS, others over TLS, any plain).
+    let connections = || async {
+        let row = raw(&url)
+            .await
+            .query_one(
+                "SELECT count(*) FILTER (WHERE s.ssl AND a.query LIKE 'LISTEN%'), \
+                        count(*) FILTER (WHERE s.ssl AND a.query NOT LIKE 'LISTEN%'), \
+                        count(*) FILTER (WHERE NOT s.ssl) \
+                 FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) \
+                 WHERE a.application_name = $1",
+                &[&app],
+            )
+            .await
+            .unwrap();
+        (
+            row.get::<_, i64>(0),
+            row.get::<_, i64>(1),
+            row.get::<_, i64>(2),
         )
-        .await
-        .unwrap();
-    let (tls, plain): (i64, i64) = (row.get(0), row.get(1));
-    eprintln!("{tls} TLS connections, {plain} plain");
-    assert!(tls >= 2, "pooled and listening connections are TLS: {tls}");
-    assert_eq!(plain, 0);
+    };
+    // Until the listener listens over TLS, or any connection is plain (then the check fails).
+    test_support::wait::until_async(
+        test_support::wait::LIMIT,
+        "the store's listener runs LISTEN over TLS",
+        || async {
+            let (listener, _, plain) = connections().await;
+            listener >= 1 || plain > 0
+        },
+    )
+    .await;
+    let (listener, pooled, plain) = connections().await;
+    eprintln!("TLS: {listener} listening, {pooled} pooled; {plain} plain");
+    assert_eq!(plain, 0, "every connection of the store is TLS");
+    assert!(listener >= 1, "the listening connection is TLS");
+    assert!(pooled >= 1, "the pooled connections are TLS");
     store
         .complete(
             scope,

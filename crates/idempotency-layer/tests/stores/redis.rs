@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use crate::support::*;
-use idempotency_layer::store::{Begin, Fingerprint};
+use idempotency_layer::store::{Begin, Fingerprint, ScopeKey};
 use idempotency_layer::{conformance, IdempotencyStore, RedisStore};
 use redis::AsyncCommands;
 
@@ -46,6 +46,9 @@ impl Backend for Redis {
         if tuning.near_cache {
             b = b.near_cache(idempotency_layer::store::NearCache::new(16 << 20));
         }
+        if tuning.slow_polling {
+            b = b.poll_interval(SLOW_POLL, SLOW_POLL);
+        }
         // One multiplexed connection per store already: `single_connection` holds.
         b.connect()
             .await
@@ -59,6 +62,10 @@ impl Backend for Redis {
 
     fn near_stats(store: &RedisStore) -> Option<idempotency_layer::store::NearCacheStats> {
         store.near_cache_stats()
+    }
+
+    async fn holds(store: &RedisStore, url: &str, scope: ScopeKey) -> bool {
+        raw(url).await.exists(store.key(&scope)).await.unwrap()
     }
 }
 
@@ -129,19 +136,13 @@ async fn a_waiter_is_woken_by_pub_sub_not_by_polling() {
         let store = store.clone();
         tokio::spawn(async move { store.wait(scope, token).await })
     };
-    let mut conn = raw(&url).await;
+    let conn = raw(&url).await;
     let channel = store.key(&scope);
-    for _ in 0..500 {
-        if subscribers(&mut conn, &channel).await == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(
-        subscribers(&mut conn, &channel).await,
-        1,
-        "the waiter subscribed"
-    );
+    let subscribed = |n: i64| {
+        let (mut conn, channel) = (conn.clone(), channel.clone());
+        async move { subscribers(&mut conn, &channel).await == n }
+    };
+    wait::until_async(wait::LIMIT, "the waiter subscribed", || subscribed(1)).await;
     store
         .complete(
             scope,
@@ -157,17 +158,17 @@ async fn a_waiter_is_woken_by_pub_sub_not_by_polling() {
         .unwrap()
         .unwrap();
     // The last waiter gone, the channel is unsubscribed.
-    for _ in 0..500 {
-        if subscribers(&mut conn, &channel).await == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(subscribers(&mut conn, &channel).await, 0);
+    wait::until_async(wait::LIMIT, "the channel is unsubscribed", || subscribed(0)).await;
 }
 
+/// A claim that ends without a message (as if it were lost) is noticed by the waiter's polling.
+/// The claim is removed by hand (`DEL`, which publishes nothing) only once the server has run
+/// the waiter's first check (seen through `MONITOR`): the waiter found it held, and only a later
+/// poll can tell it that it ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_message_does_not_hang_a_waiter() {
+    use futures_util::StreamExt;
+
     let Some(url) = env_url("REDIS_URL") else {
         return;
     };
@@ -179,13 +180,33 @@ async fn a_lost_message_does_not_hang_a_waiter() {
     else {
         panic!("fresh scope");
     };
+    let key = store.key(&scope);
+    // Every command the server runs from now on, as MONITOR prints them.
+    let mut monitor = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_async_monitor()
+        .await
+        .unwrap()
+        .into_on_message::<String>();
     let waiter = {
         let store = store.clone();
         tokio::spawn(async move { store.wait(scope, token).await })
     };
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    // The claim ends without a message (as if it were lost): polling notices.
-    let _: () = raw(&url).await.del(store.key(&scope)).await.unwrap();
+    // The waiter's check: the only script run on the key after the begin.
+    let checked = async {
+        while let Some(line) = monitor.next().await {
+            let lower = line.to_ascii_lowercase();
+            let script = lower.contains("\"evalsha\"") || lower.contains("\"eval\"");
+            if script && line.contains(&format!("\"{key}\"")) {
+                return;
+            }
+        }
+        panic!("the MONITOR connection closed");
+    };
+    tokio::time::timeout(test_support::wait::LIMIT, checked)
+        .await
+        .expect("the server runs the waiter's first check");
+    let _: () = raw(&url).await.del(&key).await.unwrap();
     tokio::time::timeout(Duration::from_secs(10), waiter)
         .await
         .expect("polling wakes the waiter")

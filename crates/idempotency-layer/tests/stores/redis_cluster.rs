@@ -31,17 +31,20 @@ fn cluster_urls() -> Option<Vec<String>> {
 }
 
 async fn cluster_store(urls: &[String], prefix: &str) -> RedisStore {
-    cluster_store_near(urls, prefix, false).await
+    cluster_store_with(urls, prefix, Tuning::default()).await
 }
 
-/// [`cluster_store`], with a near cache if `near`.
-async fn cluster_store_near(urls: &[String], prefix: &str, near: bool) -> RedisStore {
+/// [`cluster_store`], with a near cache and slow polling as `tuning` says.
+async fn cluster_store_with(urls: &[String], prefix: &str, tuning: Tuning) -> RedisStore {
     let mut b = RedisStore::builder_cluster(urls.iter().cloned())
         .prefix(prefix)
         // 2 000 concurrent requests on a shared 2-core box: this is about exactly-once.
         .timeout(Duration::from_secs(10));
-    if near {
+    if tuning.near_cache {
         b = b.near_cache(NearCache::new(16 << 20));
+    }
+    if tuning.slow_polling {
+        b = b.poll_interval(SLOW_POLL, SLOW_POLL);
     }
     b.connect()
         .await
@@ -122,7 +125,7 @@ async fn conformance_suite_on_the_cluster() {
         return;
     };
     let prefix = unique("test:idem:");
-    let base = cluster_store(&urls, &prefix).await;
+    let base = cluster_store_with(&urls, &prefix, Tuning::conformance()).await;
     assert!(base.is_cluster());
     let n = AtomicUsize::new(0);
     conformance::run_all(|| {
@@ -164,7 +167,11 @@ async fn conformance_suite_on_the_cluster_with_near_cache() {
     let Some(urls) = cluster_urls() else {
         return;
     };
-    let store = cluster_store_near(&urls, &unique("test:idem:"), true).await;
+    let tuning = Tuning {
+        slow_polling: true,
+        ..Tuning::near()
+    };
+    let store = cluster_store_with(&urls, &unique("test:idem:"), tuning).await;
     conformance::run_all(|| store.clone()).await;
 }
 
@@ -174,8 +181,8 @@ async fn two_instances_with_near_caches_on_the_cluster_execute_each_key_once() {
         return;
     };
     let prefix = unique("test:idem:");
-    let a = cluster_store_near(&urls, &prefix, true).await;
-    let b = cluster_store_near(&urls, &prefix, true).await;
+    let a = cluster_store_with(&urls, &prefix, Tuning::near()).await;
+    let b = cluster_store_with(&urls, &prefix, Tuning::near()).await;
     multi_instance(a, b).await;
 }
 
@@ -188,8 +195,8 @@ async fn a_forget_on_the_cluster_drops_the_record_from_every_near_cache() {
         return;
     };
     let prefix = unique("test:idem:");
-    let a = cluster_store_near(&urls, &prefix, true).await;
-    let b = cluster_store_near(&urls, &prefix, true).await;
+    let a = cluster_store_with(&urls, &prefix, Tuning::near()).await;
+    let b = cluster_store_with(&urls, &prefix, Tuning::near()).await;
     near_cache_forget_reaches_every_instance(a, b, RedisStore::near_cache_stats).await;
 }
 

@@ -1,5 +1,5 @@
 //! `RedisStore` on a Redis Cluster whose reply to a claim is lost: a cluster of the test's own
-//! (three masters, each reached through a proxy that the nodes announce as their address), one
+//! ([`ProxiedCluster`]: each node reached through a proxy that it announces as its address), one
 //! proxy forwards the claim to its node and closes the connection before the reply. The
 //! cluster client reconnects and sends the claim again; that resend finds the claim it wrote
 //! itself the first time.
@@ -8,11 +8,11 @@
 //! `redis-cli` are installed); it does not touch that cluster.
 
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::proxied_cluster::ProxiedCluster;
 use crate::support::*;
 use idempotency_layer::store::{Begin, Fingerprint};
 use idempotency_layer::{IdempotencyStore, RedisStore};
@@ -125,133 +125,30 @@ async fn relay(
     }
 }
 
-/// A free port on loopback (bound and let go).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// The test's own cluster, each node behind a [`LoseReplyProxy`].
+type Cluster = ProxiedCluster<LoseReplyProxy>;
+
+async fn start_cluster(marker: &[u8]) -> Cluster {
+    ProxiedCluster::start("idem-lost-reply-", |node| async move {
+        let proxy = LoseReplyProxy::start(node, marker.to_vec()).await;
+        let addr = proxy.addr;
+        (proxy, addr)
+    })
+    .await
 }
 
-/// Three cluster nodes of the test's own, each announcing its proxy's port as its address
-/// (killed when dropped).
-struct ProxiedCluster {
-    nodes: Vec<Child>,
-    dir: std::path::PathBuf,
-    proxies: Vec<LoseReplyProxy>,
-}
-
-impl Drop for ProxiedCluster {
-    fn drop(&mut self) {
-        for n in &mut self.nodes {
-            let _ = n.kill();
-            let _ = n.wait();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
+fn arm(cluster: &Cluster) {
+    for p in &cluster.proxies {
+        p.armed.store(true, Ordering::SeqCst);
     }
 }
 
-impl ProxiedCluster {
-    async fn start(marker: &[u8]) -> ProxiedCluster {
-        let dir = std::env::temp_dir().join(unique("idem-lost-reply-"));
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut cluster = ProxiedCluster {
-            nodes: Vec::new(),
-            dir,
-            proxies: Vec::new(),
-        };
-        let mut node_addrs = Vec::new();
-        for i in 0..3 {
-            let (port, bus) = (free_port(), free_port());
-            let proxy =
-                LoseReplyProxy::start(SocketAddr::from(([127, 0, 0, 1], port)), marker.to_vec())
-                    .await;
-            let child = Command::new("redis-server")
-                .args([
-                    "--port",
-                    &port.to_string(),
-                    "--cluster-port",
-                    &bus.to_string(),
-                ])
-                .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-                .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "5000"])
-                .args(["--cluster-config-file", &format!("nodes-{i}.conf")])
-                .args(["--cluster-announce-ip", "127.0.0.1"])
-                .args(["--cluster-announce-port", &proxy.addr.port().to_string()])
-                .args(["--cluster-announce-bus-port", &bus.to_string()])
-                .current_dir(&cluster.dir)
-                .stdout(Stdio::null())
-                .spawn()
-                .expect("redis-server is installed");
-            cluster.nodes.push(child);
-            cluster.proxies.push(proxy);
-            node_addrs.push(format!("127.0.0.1:{port}"));
-        }
-        for addr in &node_addrs {
-            let mut up = false;
-            for _ in 0..100 {
-                if TcpStream::connect(addr.as_str()).await.is_ok() {
-                    up = true;
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            assert!(up, "cluster node {addr} did not start within 5 s");
-        }
-        let created = Command::new("redis-cli")
-            .args(["--cluster", "create"])
-            .args(&node_addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .stdout(Stdio::null())
-            .output()
-            .expect("redis-cli is installed");
-        assert!(
-            created.status.success(),
-            "redis-cli --cluster create: {}",
-            String::from_utf8_lossy(&created.stderr)
-        );
-        let mut ok = false;
-        for _ in 0..200 {
-            ok = true;
-            for addr in &node_addrs {
-                let info = Command::new("redis-cli")
-                    .args(["-u", &format!("redis://{addr}"), "cluster", "info"])
-                    .output()
-                    .unwrap();
-                ok &= String::from_utf8_lossy(&info.stdout).contains("cluster_state:ok");
-            }
-            if ok {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        assert!(
-            ok,
-            "the test's cluster did not reach cluster_state:ok within 10 s"
-        );
-        cluster
-    }
-
-    fn urls(&self) -> Vec<String> {
-        self.proxies
-            .iter()
-            .map(|p| format!("redis://{}", p.addr))
-            .collect()
-    }
-
-    fn arm(&self) {
-        for p in &self.proxies {
-            p.armed.store(true, Ordering::SeqCst);
-        }
-    }
-
-    fn lost(&self) -> usize {
-        self.proxies
-            .iter()
-            .map(|p| p.lost.load(Ordering::SeqCst))
-            .sum()
-    }
+fn lost(cluster: &Cluster) -> usize {
+    cluster
+        .proxies
+        .iter()
+        .map(|p| p.lost.load(Ordering::SeqCst))
+        .sum()
 }
 
 /// The reply to a claim is lost and the cluster client sends it again: the resend answers
@@ -261,16 +158,11 @@ impl ProxiedCluster {
 /// up with 409, and the key stayed blocked for a whole lease.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_whose_reply_is_lost_is_resent_and_is_still_ours() {
-    if std::env::var_os("REDIS_CLUSTER_URLS").is_none() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI is set but REDIS_CLUSTER_URLS is not"
-        );
-        eprintln!("skipped: REDIS_CLUSTER_URLS is not set (this test needs redis-server)");
+    if !crate::proxied_cluster::can_run() {
         return;
     }
     let prefix = unique("lost-reply-");
-    let cluster = ProxiedCluster::start(prefix.as_bytes()).await;
+    let cluster = start_cluster(prefix.as_bytes()).await;
     let store = RedisStore::builder_cluster(cluster.urls())
         .prefix(&prefix)
         .timeout(Duration::from_secs(5))
@@ -290,14 +182,14 @@ async fn a_claim_whose_reply_is_lost_is_resent_and_is_still_ours() {
     }
     for i in 0..3 {
         let scope = order_scope(&format!("lost-reply-{i}"));
-        cluster.arm();
-        let lost_before = cluster.lost();
+        arm(&cluster);
+        let lost_before = lost(&cluster);
         let token = match store.begin(scope, fp, lease).await {
             Ok(Begin::New(t)) => t,
             other => panic!("claim {i}: a resent claim must be the sender's own, got {other:?}"),
         };
         assert!(
-            cluster.lost() > lost_before,
+            lost(&cluster) > lost_before,
             "claim {i}: its first reply was lost"
         );
         match store.begin(scope, fp, lease).await {

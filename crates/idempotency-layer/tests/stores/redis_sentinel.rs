@@ -12,6 +12,7 @@ use std::time::Duration;
 use crate::support::*;
 use idempotency_layer::store::{Begin, Fingerprint, ScopeKey, Token};
 use idempotency_layer::{conformance, IdempotencyStore, RedisStore, StoreError};
+use test_support::wait::until_async;
 use tokio::time::Instant;
 
 /// The tests of this file change the topology: one at a time.
@@ -32,11 +33,24 @@ fn sentinel() -> Option<(Vec<String>, String)> {
 }
 
 async fn store(sentinels: &[String], master: &str, wait: Option<Duration>) -> RedisStore {
+    store_with(sentinels, master, wait, Tuning::default()).await
+}
+
+/// [`store`], polling slowly as `tuning` says (for the conformance suite).
+async fn store_with(
+    sentinels: &[String],
+    master: &str,
+    wait: Option<Duration>,
+    tuning: Tuning,
+) -> RedisStore {
     let mut b = RedisStore::builder_sentinel(sentinels.iter().cloned(), master)
         .prefix(unique("test:sentinel:"))
         .timeout(Duration::from_secs(2));
     if let Some(timeout) = wait {
         b = b.wait_for_replicas(1, timeout);
+    }
+    if tuning.slow_polling {
+        b = b.poll_interval(SLOW_POLL, SLOW_POLL);
     }
     b.connect()
         .await
@@ -77,19 +91,6 @@ async fn info(port: u16, section: &str, field: &str) -> Option<String> {
     text.lines()
         .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
         .map(str::to_owned)
-}
-
-/// Polls `check` until it holds, for at most `within`.
-async fn until<F, Fut>(what: &str, within: Duration, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let give_up = Instant::now() + within;
-    while !check().await {
-        assert!(Instant::now() < give_up, "{what}: not within {within:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// The primary's port and its replica's, once the replica's link is up.
@@ -198,7 +199,7 @@ async fn conformance_suite_through_the_sentinel() {
     };
     let _one = TOPOLOGY.lock().await;
     for wait in [None, Some(Duration::from_secs(1))] {
-        let base = store(&sentinels, &master, wait).await;
+        let base = store_with(&sentinels, &master, wait, Tuning::conformance()).await;
         let n = AtomicUsize::new(0);
         conformance::run_all(|| {
             base.with_prefix(format!(
@@ -269,9 +270,9 @@ async fn wait_for_replicas_keeps_acknowledged_records_through_a_failover() {
             .query_async(&mut r)
             .await;
     });
-    until(
-        "the primary lost its replica",
+    until_async(
         Duration::from_secs(5),
+        "the primary lost its replica",
         || async {
             info(primary, "replication", "connected_slaves")
                 .await
@@ -328,7 +329,7 @@ async fn wait_for_replicas_keeps_acknowledged_records_through_a_failover() {
         .status()
         .expect("kill");
     assert!(killed.success());
-    until("the Sentinel promoted the replica", FAILOVER, || async {
+    until_async(FAILOVER, "the Sentinel promoted the replica", || async {
         primary_port(&sentinels, &master).await == replica
     })
     .await;
@@ -386,7 +387,7 @@ async fn the_store_follows_a_sentinel_failover() {
         .query_async(&mut sc)
         .await
         .expect("SENTINEL FAILOVER");
-    until("the Sentinel promoted the replica", FAILOVER, || async {
+    until_async(FAILOVER, "the Sentinel promoted the replica", || async {
         primary_port(&sentinels, &master).await == replica
     })
     .await;

@@ -15,8 +15,10 @@ use axum::Router;
 use bytes::Bytes;
 use http::{HeaderMap, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
-use idempotency_layer::store::{Begin, Fingerprint, NearCacheStats, Record, ScopeKey, Token};
-use idempotency_layer::{conformance, IdempotencyLayer, IdempotencyStore, Scope, StoreError};
+use idempotency_layer::conformance::{self, Fault, FaultStore, Op, Reply, Rule};
+use idempotency_layer::store::{Begin, Fingerprint, NearCacheStats, Record, ScopeKey};
+use idempotency_layer::{IdempotencyLayer, IdempotencyStore, Scope, StoreError};
+pub use test_support::wait;
 use tokio::sync::Notify;
 
 /// The URL in `var`, or `None` (skip) outside CI.
@@ -96,7 +98,7 @@ impl Executions {
         self.per_key.lock().unwrap().get(key).copied().unwrap_or(0)
     }
 
-    fn record(&self, headers: &HeaderMap) -> (usize, String) {
+    pub fn record(&self, headers: &HeaderMap) -> (usize, String) {
         let key = headers
             .get("x-idempotency-key")
             .and_then(|v| v.to_str().ok())
@@ -248,76 +250,16 @@ pub async fn multi_instance_at_production_timeouts<S: IdempotencyStore>(a: S, b:
     assert!(created > 0, "the store answered some requests in time");
 }
 
-/// A store whose lease renewals never arrive while `stalled` (a leader stuck in a GC pause or
-/// a partition), and that keeps what its `complete` calls returned.
-#[derive(Clone)]
-pub struct Stalling<S> {
-    pub inner: S,
-    pub completes: Arc<Mutex<Vec<Result<(), String>>>>,
-    pub completed: Arc<Notify>,
-}
-
-impl<S: IdempotencyStore> Stalling<S> {
-    pub fn new(inner: S) -> Self {
-        Stalling {
-            inner,
-            completes: Arc::default(),
-            completed: Arc::default(),
-        }
-    }
-}
-
-impl<S: IdempotencyStore> IdempotencyStore for Stalling<S> {
-    async fn begin(
-        &self,
-        scope: ScopeKey,
-        fingerprint: Fingerprint,
-        lease: Duration,
-    ) -> Result<Begin, StoreError> {
-        self.inner.begin(scope, fingerprint, lease).await
-    }
-
-    async fn complete(
-        &self,
-        scope: ScopeKey,
-        token: Token,
-        record: Arc<Record>,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
-        let r = self.inner.complete(scope, token, record, ttl).await;
-        self.completes.lock().unwrap().push(match &r {
-            Ok(()) => Ok(()),
-            Err(StoreError::Fenced) => Err("fenced".to_owned()),
-            Err(e) => Err(e.to_string()),
-        });
-        self.completed.notify_one();
-        r
-    }
-
-    async fn release(&self, scope: ScopeKey, token: Token) -> Result<(), StoreError> {
-        self.inner.release(scope, token).await
-    }
-
-    async fn renew(&self, _: ScopeKey, _: Token, _: Duration) -> Result<(), StoreError> {
-        // Stalled: the renewal never reaches the store.
-        Ok(())
-    }
-
-    async fn wait(&self, scope: ScopeKey, observed: Token) -> Result<(), StoreError> {
-        self.inner.wait(scope, observed).await
-    }
-
-    async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
-        self.inner.forget(scope).await
-    }
-}
-
 /// Instance A's leader stalls past its lease (its handler hangs, its renewals do not arrive);
 /// instance B takes over and executes; A's late complete is refused (fenced) and B's record
 /// stays.
 pub async fn lease_takeover<S: IdempotencyStore>(a: S, b: S) {
     let executions = Executions::default();
-    let a = Stalling::new(a);
+    // A's renewals never arrive (a leader stuck in a GC pause or a partition): acknowledged
+    // without reaching the store.
+    let a = FaultStore::new(a);
+    a.inject(Rule::new(Op::Renew, Fault::Ack));
+    a.inject(Rule::new(Op::RenewMany, Fault::Ack));
     let go = Arc::new(Notify::new());
     let started = Arc::new(Notify::new());
     let app_a = {
@@ -374,16 +316,16 @@ pub async fn lease_takeover<S: IdempotencyStore>(a: S, b: S) {
     );
 
     // A wakes up and answers its own client; its record is refused.
-    let completed = a.completed.notified();
     go.notify_one();
     let late = first.await.unwrap();
     assert_eq!(&late.body[..], b"from the stalled leader a");
-    tokio::time::timeout(Duration::from_secs(10), completed)
-        .await
-        .expect("A's layer tries to complete");
+    a.until(wait::LIMIT, "A's layer tries to complete", |a| {
+        !a.answers(Op::Complete).is_empty()
+    })
+    .await;
     assert_eq!(
-        a.completes.lock().unwrap().as_slice(),
-        &[Err("fenced".to_owned())],
+        a.answers(Op::Complete),
+        [Reply::Fenced],
         "the stalled leader's late complete is fenced"
     );
     for addr in [addr_a, addr_b] {
@@ -429,17 +371,19 @@ pub async fn outage<S: IdempotencyStore>(store: S, proxy: &Proxy) {
 
     proxy.restore();
     let key = unique("outage-after-");
-    let mut answer = None;
-    for _ in 0..100 {
-        let a = post_order(&client, addr, &key, body).await;
-        if a.status == StatusCode::CREATED {
-            answer = Some(a);
-            break;
-        }
-        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{a:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let answer = answer.expect("the service works again after the store is back");
+    let answer = wait::some(
+        wait::LIMIT,
+        "the service works again after the store is back",
+        || async {
+            let a = post_order(&client, addr, &key, body).await;
+            if a.status == StatusCode::CREATED {
+                return Some(a);
+            }
+            assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{a:?}");
+            None
+        },
+    )
+    .await;
     assert!(!answer.replayed);
     assert_eq!(executions.total(), 2);
     let replay = post_order(&client, addr, &key, body).await;
@@ -472,21 +416,17 @@ where
     assert_eq!(first.status, StatusCode::CREATED);
     let scope = order_scope(&key);
     // The record lands as the response body ends; the client may have read it a moment before.
-    let mut recorded = false;
-    for _ in 0..100 {
+    wait::until_async(wait::LIMIT, "the first response is recorded", || async {
         match store
             .begin(scope, Fingerprint([0; 32]), Duration::from_secs(5))
             .await
         {
-            Ok(Begin::Completed(_)) => {
-                recorded = true;
-                break;
-            }
-            Ok(Begin::InFlight { .. }) => tokio::time::sleep(Duration::from_millis(20)).await,
+            Ok(Begin::Completed(_)) => true,
+            Ok(Begin::InFlight { .. }) => false,
             other => panic!("expected the record, got {other:?}"),
         }
-    }
-    assert!(recorded, "the first response is recorded");
+    })
+    .await;
 
     spoil(scope).await;
     match store
@@ -521,23 +461,27 @@ where
 /// Found by the chaos soak: a `begin` whose reply is lost (it ran on the server, the client
 /// timed out) left a claim nobody held, blocking its key for a whole lease (30 s here). The
 /// store now releases such a claim, fenced by its token, as soon as it can.
-pub async fn lost_begin_reply<S: IdempotencyStore>(via_slow: S, direct: S, slow: &SlowReplies) {
+///
+/// `via_slow` times out before `slow` delivers the reply. The claim is seen on the server (read
+/// without claiming, [`Backend::holds`]) while the begin waits for its reply: the begin did run,
+/// so a key that is free afterwards was released, not never claimed.
+pub async fn lost_begin_reply<B: Backend>(
+    via_slow: B::Store,
+    direct: B::Store,
+    slow: &SlowReplies,
+    url: &str,
+) {
     let scope = order_scope(&unique("lost-begin-"));
     let fp = Fingerprint([7; 32]);
     let lease = Duration::from_secs(30);
-    // Warm up (connections made, statements prepared), so that under `hold` only the claim's
-    // reply is late.
-    let warm = order_scope(&unique("warm-up-"));
-    if let Ok(Begin::New(t)) = via_slow.begin(warm, fp, lease).await {
-        via_slow.release(warm, t).await.unwrap();
-    }
+    warm_up(&via_slow, fp, lease).await;
     slow.hold.store(true, Ordering::SeqCst);
-    match via_slow.begin(scope, fp, lease).await {
+    let begin = tokio::spawn(async move { via_slow.begin(scope, fp, lease).await });
+    claim_reached_the_server::<B>(&direct, url, scope).await;
+    match begin.await.unwrap() {
         Err(StoreError::Backend(e)) => eprintln!("begin failed as intended: {e}"),
         other => panic!("the slow reply must time out, got {other:?}"),
     }
-    // Let the late replies arrive (the claim ran on the server; its reply was lost).
-    tokio::time::sleep(Duration::from_secs(2)).await;
     slow.hold.store(false, Ordering::SeqCst);
     // Well before the 30 s lease, the orphan is gone and the key can be claimed.
     claimable_soon(
@@ -545,64 +489,81 @@ pub async fn lost_begin_reply<S: IdempotencyStore>(via_slow: S, direct: S, slow:
         scope,
         fp,
         lease,
-        "the orphan claim still blocks the key",
+        "the orphan claim is released: the key can be claimed",
     )
     .await;
 }
 
-/// Waits until `scope` can be claimed again (an orphaned claim was released), at most 5 s: far
-/// less than the 30 s lease it would otherwise block its key for.
+/// Claims and releases a scope of its own through `store`: its connections made and its
+/// statements prepared, so that under `hold` only the claim's reply is late.
+async fn warm_up<S: IdempotencyStore>(store: &S, fp: Fingerprint, lease: Duration) {
+    let warm = order_scope(&unique("warm-up-"));
+    if let Ok(Begin::New(t)) = store.begin(warm, fp, lease).await {
+        store.release(warm, t).await.unwrap();
+    }
+}
+
+/// Waits until the server holds a claim on `scope` (the begin under test ran there).
+async fn claim_reached_the_server<B: Backend>(store: &B::Store, url: &str, scope: ScopeKey) {
+    wait::until_async(
+        wait::LIMIT,
+        "the begin's claim is written on the server",
+        || B::holds(store, url, scope),
+    )
+    .await;
+}
+
+/// Waits until `scope` can be claimed again (an orphaned claim was released: `released` says
+/// which), at most 15 s: half the 30 s lease it would otherwise block its key for.
 async fn claimable_soon<S: IdempotencyStore>(
     store: &S,
     scope: ScopeKey,
     fp: Fingerprint,
     lease: Duration,
-    blocked: &str,
+    released: &str,
 ) {
-    let started = Instant::now();
-    loop {
+    let token = wait::some(Duration::from_secs(15), released, || async {
         match store.begin(scope, fp, lease).await {
-            Ok(Begin::New(token)) => {
-                store.release(scope, token).await.unwrap();
-                return;
-            }
-            Ok(Begin::InFlight { .. }) if started.elapsed() < Duration::from_secs(5) => {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            other => panic!("{blocked}: {other:?}"),
+            Ok(Begin::New(token)) => Some(token),
+            Ok(Begin::InFlight { .. }) => None,
+            other => panic!("{released}: {other:?}"),
         }
-    }
+    })
+    .await;
+    store.release(scope, token).await.unwrap();
 }
 
 /// A `begin` whose request was dropped while the store ran it (the client went away): the
 /// claim is written on the server with nobody to release it. The store's guard releases it, so
 /// the key is free again well before its 30 s lease. `via_slow` must wait longer for a reply
-/// than the proxy delays it, so the begin is dropped, not timed out.
-pub async fn dropped_begin<S: IdempotencyStore>(via_slow: S, direct: S, slow: &SlowReplies) {
+/// than the proxy delays it, so the begin is dropped, not timed out; it is dropped once the
+/// server holds its claim ([`Backend::holds`]), so the key was claimed and then released.
+pub async fn dropped_begin<B: Backend>(
+    via_slow: B::Store,
+    direct: B::Store,
+    slow: &SlowReplies,
+    url: &str,
+) {
     let scope = order_scope(&unique("dropped-begin-"));
     let fp = Fingerprint([8; 32]);
     let lease = Duration::from_secs(30);
-    let warm = order_scope(&unique("warm-up-"));
-    if let Ok(Begin::New(t)) = via_slow.begin(warm, fp, lease).await {
-        via_slow.release(warm, t).await.unwrap();
-    }
+    warm_up(&via_slow, fp, lease).await;
     slow.hold.store(true, Ordering::SeqCst);
     let begin = tokio::spawn(async move { via_slow.begin(scope, fp, lease).await });
-    // The claim runs on the server now; its reply is held back. The request goes away.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The claim runs on the server; its reply is held back. Then the request goes away.
+    claim_reached_the_server::<B>(&direct, url, scope).await;
     begin.abort();
     assert!(
         begin.await.unwrap_err().is_cancelled(),
         "the begin was still in flight"
     );
-    tokio::time::sleep(Duration::from_secs(2)).await;
     slow.hold.store(false, Ordering::SeqCst);
     claimable_soon(
         &direct,
         scope,
         fp,
         lease,
-        "the dropped begin's claim still blocks the key",
+        "the dropped begin's claim is released: the key can be claimed",
     )
     .await;
 }
@@ -627,6 +588,9 @@ pub trait Backend {
     fn drop_namespace(url: String, namespace: String) -> impl Future<Output = ()> + Send;
     /// What the store's near cache did, if it has one.
     fn near_stats(store: &Self::Store) -> Option<NearCacheStats>;
+    /// Whether the server (at `url`) holds a claim on `scope` of `store`'s namespace, read
+    /// without claiming: the server's own view, for tests that must know an operation ran.
+    fn holds(store: &Self::Store, url: &str, scope: ScopeKey) -> impl Future<Output = bool> + Send;
 }
 
 /// How a test wants its store connected.
@@ -638,7 +602,14 @@ pub struct Tuning {
     pub single_connection: bool,
     /// With a near cache (`near_cache(NearCache::new(16 MiB))`).
     pub near_cache: bool,
+    /// Waiters poll every [`SLOW_POLL`] only: what the conformance suite needs, so that only a
+    /// wake-up can wake a waiter within its `WAKE` bound.
+    pub slow_polling: bool,
 }
+
+/// The fallback polling of stores run through the conformance suite: far slower than
+/// `conformance::WAKE`, so that a store whose wake-ups were broken would fail there.
+pub const SLOW_POLL: Duration = Duration::from_secs(60);
 
 impl Tuning {
     /// The production defaults with a near cache.
@@ -648,17 +619,14 @@ impl Tuning {
             ..Tuning::default()
         }
     }
-}
 
-/// Polls `check` every 20 ms for up to 10 s; panics with `what` if it never holds.
-pub async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
-    for _ in 0..500 {
-        if check() {
-            return;
+    /// For the conformance suite: the production defaults but polling every [`SLOW_POLL`].
+    pub fn conformance() -> Tuning {
+        Tuning {
+            slow_polling: true,
+            ..Tuning::default()
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    panic!("within 10 s: {what}");
 }
 
 /// Begins on `scope` until `store`'s near cache answers a begin (the cache starts listening
@@ -669,7 +637,7 @@ pub async fn cached_on<S: IdempotencyStore>(
     scope: ScopeKey,
     record: &Record,
 ) {
-    for _ in 0..500 {
+    wait::until_async(wait::LIMIT, "the near cache answers a begin", || async {
         let hits = stats(store).expect("a near cache").hits;
         match store
             .begin(scope, record.fingerprint(), conformance::LONG)
@@ -678,12 +646,9 @@ pub async fn cached_on<S: IdempotencyStore>(
             Ok(Begin::Completed(r)) => assert_eq!(*r, *record),
             other => panic!("a completed record, got {other:?}"),
         }
-        if stats(store).unwrap().hits > hits {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("the near cache never answered within 10 s");
+        stats(store).unwrap().hits > hits
+    })
+    .await;
 }
 
 /// Two instances with near caches, over HTTP: a record replayed on `b` is served from `b`'s
@@ -718,19 +683,14 @@ pub async fn near_cache_forget_reaches_every_instance<S: IdempotencyStore>(
     assert!(!first.replayed);
 
     // Replays on b until b's cache answers one: no round trip, same response.
-    let mut from_cache = false;
-    for _ in 0..500 {
+    wait::until_async(wait::LIMIT, "b's near cache answers a replay", || async {
         let hits = stats(&b).unwrap().hits;
         let replay = post_order(&client, addr_b, &key, body).await;
         assert!(replay.replayed, "{replay:?}");
         assert_eq!(replay.body, first.body);
-        if stats(&b).unwrap().hits > hits {
-            from_cache = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(from_cache, "b's near cache answered a replay");
+        stats(&b).unwrap().hits > hits
+    })
+    .await;
     assert_eq!(executions.of(&key), 1);
 
     let invalidations = stats(&b).unwrap().invalidations;
@@ -739,7 +699,7 @@ pub async fn near_cache_forget_reaches_every_instance<S: IdempotencyStore>(
         .forget(Scope::new("shop", &method, &key))
         .await
         .unwrap());
-    eventually("b's near cache hears the forget", || {
+    wait::until("b's near cache hears the forget", || {
         stats(&b).unwrap().invalidations > invalidations
     })
     .await;
@@ -777,7 +737,7 @@ pub async fn near_cache_lost_subscription<S: IdempotencyStore>(
     cached_on(&via_proxy, &stats, scope, &record).await;
 
     proxy.cut();
-    eventually("the cut empties the near cache", || {
+    wait::until("the cut empties the near cache", || {
         let s = stats(&via_proxy).unwrap();
         s.resets >= 1 && s.entries == 0
     })
@@ -793,20 +753,17 @@ pub async fn near_cache_lost_subscription<S: IdempotencyStore>(
     );
 
     proxy.restore();
-    let mut back = None;
-    for _ in 0..200 {
+    let back = wait::some(wait::LIMIT, "the store is reachable again", || async {
         match via_proxy
             .begin(scope, record.fingerprint(), conformance::LONG)
             .await
         {
-            Err(StoreError::Backend(_)) => tokio::time::sleep(Duration::from_millis(50)).await,
-            other => {
-                back = Some(other);
-                break;
-            }
+            Err(StoreError::Backend(_)) => None,
+            other => Some(other),
         }
-    }
-    match back.expect("the store is reachable again within 10 s") {
+    })
+    .await;
+    match back {
         Ok(Begin::New(t)) => via_proxy.release(scope, t).await.unwrap(),
         other => panic!("the forgotten record must not come back from the cache: {other:?}"),
     }
@@ -826,7 +783,8 @@ macro_rules! shared_store_suite {
             };
             let ns = <$backend as Backend>::namespace();
             let store =
-                <$backend as Backend>::connect(url.clone(), ns.clone(), Tuning::default()).await;
+                <$backend as Backend>::connect(url.clone(), ns.clone(), Tuning::conformance())
+                    .await;
             // Every check uses scopes of its own, so one namespace serves them all.
             conformance::run_all(|| store.clone()).await;
             <$backend as Backend>::drop_namespace(url, ns).await;
@@ -902,17 +860,19 @@ macro_rules! shared_store_suite {
                 return;
             };
             let ns = <$backend as Backend>::namespace();
-            let slow = SlowReplies::start(authority(&url), Duration::from_millis(800)).await;
+            // The begin times out after 2 s, its reply 3 s late: the claim is on the server for
+            // those 2 s (and until the guard releases it), long enough to be seen there.
+            let slow = SlowReplies::start(authority(&url), Duration::from_secs(3)).await;
             let tuning = Tuning {
-                timeout: Some(Duration::from_millis(300)),
+                timeout: Some(Duration::from_secs(2)),
                 single_connection: true,
-                near_cache: false,
+                ..Tuning::default()
             };
             let via_slow =
                 <$backend as Backend>::connect(via(&url, slow.addr), ns.clone(), tuning).await;
             let direct =
                 <$backend as Backend>::connect(url.clone(), ns.clone(), Tuning::default()).await;
-            lost_begin_reply(via_slow, direct, &slow).await;
+            lost_begin_reply::<$backend>(via_slow, direct, &slow, &url).await;
             <$backend as Backend>::drop_namespace(url, ns).await;
         }
 
@@ -926,13 +886,13 @@ macro_rules! shared_store_suite {
             let tuning = Tuning {
                 timeout: Some(Duration::from_secs(10)),
                 single_connection: true,
-                near_cache: false,
+                ..Tuning::default()
             };
             let via_slow =
                 <$backend as Backend>::connect(via(&url, slow.addr), ns.clone(), tuning).await;
             let direct =
                 <$backend as Backend>::connect(url.clone(), ns.clone(), Tuning::default()).await;
-            dropped_begin(via_slow, direct, &slow).await;
+            dropped_begin::<$backend>(via_slow, direct, &slow, &url).await;
             <$backend as Backend>::drop_namespace(url, ns).await;
         }
 
@@ -942,8 +902,11 @@ macro_rules! shared_store_suite {
                 return;
             };
             let ns = <$backend as Backend>::namespace();
-            let store =
-                <$backend as Backend>::connect(url.clone(), ns.clone(), Tuning::near()).await;
+            let tuning = Tuning {
+                slow_polling: true,
+                ..Tuning::near()
+            };
+            let store = <$backend as Backend>::connect(url.clone(), ns.clone(), tuning).await;
             conformance::run_all(|| store.clone()).await;
             <$backend as Backend>::drop_namespace(url, ns).await;
         }

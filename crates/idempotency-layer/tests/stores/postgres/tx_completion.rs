@@ -10,7 +10,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
@@ -32,7 +32,7 @@ use test_support::net::{client_h2, collect, Collected};
 use tokio::sync::{mpsc, Notify};
 
 use super::{drop_schema, raw};
-use crate::support::{client, env_url, order_scope, serve, unique, HttpClient};
+use crate::support::{client, env_url, order_scope, serve, unique, wait, HttpClient};
 
 /// Runs each named test (an `async fn(Kind)`) once per [`Kind`], as `on_tokio_postgres::NAME`
 /// and `on_sqlx::NAME`.
@@ -325,15 +325,6 @@ async fn send(client: &HttpClient, req: Request<Full<Bytes>>) -> Collected {
         .expect("the server answers within 30 s")
         .expect("HTTP request");
     collect(res).await
-}
-
-/// Waits (yielding, bounded by 30 s of wall time) until `cond` holds.
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
-    let give_up = Instant::now() + Duration::from_secs(30);
-    while !cond() {
-        assert!(Instant::now() < give_up, "never happened: {what}");
-        tokio::task::yield_now().await;
-    }
 }
 
 /// The handler the issue describes: the order row and the record in one transaction.
@@ -778,7 +769,7 @@ async fn duplicates_at_once_make_one_order(kind: Kind) {
         })
         .collect();
     let stats = layer.clone();
-    until("every duplicate waits for the first", || {
+    wait::until("every duplicate waits for the first", || {
         stats.stats().waited == DUPLICATES as u64 - 1
     })
     .await;
@@ -878,7 +869,7 @@ async fn the_record_written_in_the_transaction_is_the_layers_byte_for_byte(kind:
         if case == "not recordable" {
             // The layer releases the claim of an outcome it does not record in the background,
             // once the response has ended: wait for both releases (the only ones here).
-            until("both claims released", || layer.stats().released == 2).await;
+            wait::until("both claims released", || layer.stats().released == 2).await;
         }
         let (entry_tx, entry_layer) = (
             db.entry(order_scope(&by_tx)).await,

@@ -15,6 +15,15 @@
 //! The checks wait for real durations of a few hundred milliseconds (leases and TTLs of
 //! [`SHORT`]); under `tokio::time::pause()` (as the `MemoryStore` tests run) they take no time.
 //! Each check panics with a message that says what the store got wrong.
+//!
+//! A waiter must be woken by the store's notification within [`WAKE`]. A store that also polls
+//! as a fallback (as the shared stores do when a notification is lost) must be run through the
+//! suite with that polling slower than `WAKE`, or a store whose wake-ups are broken would pass
+//! on its polling alone: `RedisStore::builder(..).poll_interval(60 s, 60 s)`, say.
+//!
+//! [`FaultStore`] wraps any store with injected faults (fail, hang, delay, lose a reply after
+//! the operation ran, ...) and counts what each operation did: the test double for a store
+//! that misbehaves, for the layer's tests and for yours.
 
 use std::time::Duration;
 
@@ -24,13 +33,23 @@ use http::{HeaderMap, HeaderValue, StatusCode};
 use crate::store::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token};
 use crate::Scope;
 
+mod fault;
+
+pub use self::fault::{Calls, Fault, FaultStore, Op, Reply, Rule};
+
 /// The short lease and TTL the expiry checks use.
 pub const SHORT: Duration = Duration::from_millis(300);
 /// A lease long enough never to lapse during a check.
 pub const LONG: Duration = Duration::from_secs(600);
-/// How long a waiter may take to notice that the claim it waits for ended: far less than a lease,
-/// so a store whose wake-up is broken and that only notices by polling slowly fails here.
-pub const WAKE: Duration = Duration::from_secs(10);
+/// How long a waiter may take to notice that the claim it waits for ended. A store's fallback
+/// polling must be slower than this while it runs the suite (see the [module docs](self)), so
+/// that only a working wake-up passes.
+pub const WAKE: Duration = Duration::from_secs(2);
+/// How long a waiter is given to reach its wait before the claim it waits for ends. Not a race:
+/// a waiter that has not reached it yet finds the claim ended at its first check, which a store
+/// must also get right (and is checked on its own); only a waiter parked in its wait checks the
+/// wake-up.
+pub const SETTLE: Duration = Duration::from_millis(200);
 
 /// Runs every check, each on a fresh store from `make`.
 pub async fn run_all<S: IdempotencyStore>(make: impl Fn() -> S) {
@@ -285,18 +304,19 @@ pub async fn late_complete_without_takeover_is_kept<S: IdempotencyStore>(store: 
     }
 }
 
-/// Renewing a lease keeps the claim past its first lease.
+/// Renewing a lease keeps the claim past its first lease: a claim of [`SHORT`] renewed at once
+/// for [`LONG`] still holds twice `SHORT` later. (The renewal is not timed against the first
+/// lease: a store that refuses to renew a lapsed claim nobody took over still passes.)
 pub async fn renew_keeps_the_claim<S: IdempotencyStore>(store: S) {
     let s = scope("renew");
     let token = new_claim(&store, s, SHORT).await;
-    for _ in 0..3 {
-        tokio::time::sleep(SHORT / 2).await;
-        store.renew(s, token, SHORT).await.expect("renew by holder");
-    }
+    store.renew(s, token, LONG).await.expect("renew by holder");
+    tokio::time::sleep(SHORT * 2).await;
     assert!(
         matches!(store.begin(s, FP, LONG).await, Ok(Begin::InFlight { token: t, .. }) if t == token),
         "a renewed claim still holds after more than its first lease"
     );
+    store.renew(s, token, LONG).await.expect("renew again");
     store.release(s, token).await.unwrap();
 }
 
@@ -316,11 +336,17 @@ pub async fn renew_many_renews_each_held_claim_and_fences_the_rest<S: Idempotenc
         .complete(completed, done, sample_record(FP).into(), LONG)
         .await
         .unwrap();
-    // The two ended claims in the middle, to check the order of the answers.
-    claims.insert(2, (released, gone, SHORT));
-    claims.insert(4, (completed, done, SHORT));
-    for _ in 0..3 {
-        tokio::time::sleep(SHORT / 2).await;
+    // The two ended claims in the middle, to check the order of the answers. Each claim is
+    // renewed for LONG, at once and again after its first lease would have lapsed.
+    claims.insert(2, (released, gone, LONG));
+    claims.insert(4, (completed, done, LONG));
+    for claim in &mut claims {
+        claim.2 = LONG;
+    }
+    for round in 0..2 {
+        if round == 1 {
+            tokio::time::sleep(SHORT * 2).await;
+        }
         let results = store.renew_many(&claims).await;
         assert_eq!(results.len(), claims.len(), "one result per claim");
         for (i, ((s, _, _), r)) in claims.iter().zip(&results).enumerate() {
@@ -391,10 +417,9 @@ async fn waiter<S: IdempotencyStore>(
 ) -> tokio::task::JoinHandle<Result<(), StoreError>> {
     let store = store.clone();
     let handle = tokio::spawn(async move { store.wait(s, token).await });
-    // Let the waiter subscribe before the claim ends (either order must work).
-    for _ in 0..10 {
-        tokio::task::yield_now().await;
-    }
+    // Let the waiter reach its wait before the claim ends (see SETTLE: the other order is
+    // checked by `wait_returns_at_once_when_claim_already_ended`).
+    tokio::time::sleep(SETTLE).await;
     handle
 }
 

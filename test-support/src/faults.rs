@@ -7,9 +7,13 @@ use std::task::{Context, Poll};
 
 use futures_util::future::{Either, Ready};
 use http::{HeaderValue, Request, Response, StatusCode};
-use reason_code::{GRPC_PREVIOUS_RPC_ATTEMPTS, X_PREVIOUS_ATTEMPTS};
 use tower_layer::Layer;
 use tower_service::Service;
+
+/// The headers a retrying client (retry-layer) puts on a retry, HTTP and gRPC: a request with
+/// neither is a first attempt. Spelled here rather than imported from `reason-code`, so that this
+/// crate depends on none of the workspace's; the e2e crate checks they are `reason-code`'s.
+pub const RETRY_HEADERS: [&str; 2] = ["x-previous-attempts", "grpc-previous-rpc-attempts"];
 
 /// Answers 503 (HTTP) or a trailers-only UNAVAILABLE (gRPC) to first attempts with probability
 /// `p`, from a seeded generator.
@@ -79,8 +83,7 @@ where
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let h = req.headers();
-        let first =
-            !h.contains_key(X_PREVIOUS_ATTEMPTS) && !h.contains_key(GRPC_PREVIOUS_RPC_ATTEMPTS);
+        let first = RETRY_HEADERS.iter().all(|name| !h.contains_key(*name));
         let fail = (first || self.faults.every_attempt)
             && self.faults.rng.lock().unwrap().f64() < self.faults.p;
         if !fail {
