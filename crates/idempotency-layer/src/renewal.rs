@@ -250,68 +250,15 @@ async fn renew_task<St: IdempotencyStore>(store: St, renewals: Weak<Renewals>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::conformance::{FaultStore, Op, Reply};
     use crate::store::{Begin, Fingerprint, MemoryStore};
-
-    /// Counts how the renewal task calls the store.
-    #[derive(Clone, Default)]
-    struct Counting {
-        inner: MemoryStore,
-        renews: Arc<std::sync::atomic::AtomicUsize>,
-        batches: Arc<Mutex<Vec<usize>>>,
-    }
-
-    impl IdempotencyStore for Counting {
-        async fn begin(
-            &self,
-            scope: ScopeKey,
-            fp: Fingerprint,
-            lease: Duration,
-        ) -> Result<Begin, StoreError> {
-            self.inner.begin(scope, fp, lease).await
-        }
-        async fn complete(
-            &self,
-            scope: ScopeKey,
-            token: Token,
-            record: Arc<crate::store::Record>,
-            ttl: Duration,
-        ) -> Result<(), StoreError> {
-            self.inner.complete(scope, token, record, ttl).await
-        }
-        async fn release(&self, scope: ScopeKey, token: Token) -> Result<(), StoreError> {
-            self.inner.release(scope, token).await
-        }
-        async fn renew(
-            &self,
-            scope: ScopeKey,
-            token: Token,
-            lease: Duration,
-        ) -> Result<(), StoreError> {
-            self.renews
-                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            self.inner.renew(scope, token, lease).await
-        }
-        async fn renew_many(
-            &self,
-            claims: &[(ScopeKey, Token, Duration)],
-        ) -> Vec<Result<(), StoreError>> {
-            self.batches.lock().unwrap().push(claims.len());
-            self.inner.renew_many(claims).await
-        }
-        async fn wait(&self, scope: ScopeKey, observed: Token) -> Result<(), StoreError> {
-            self.inner.wait(scope, observed).await
-        }
-        async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
-            self.inner.forget(scope).await
-        }
-    }
 
     /// Every claim held is renewed in one `renew_many` per tick, never one `renew` per claim
     /// (which queued a thousand statements for a 16-connection pool at once); a claim the store
     /// fences is dropped from the next batch.
     #[tokio::test(start_paused = true)]
     async fn each_tick_renews_every_claim_in_one_call() {
-        let store = Counting::default();
+        let store = FaultStore::new(MemoryStore::new());
         let renewals = Arc::new(Renewals::new(Arc::default()));
         let lease = Duration::from_secs(3);
         let mut tokens = Vec::new();
@@ -325,16 +272,26 @@ mod tests {
         }
         // Ticks at 1 s, 2 s, 3 s (the period is a third of the lease).
         tokio::time::sleep(Duration::from_millis(3500)).await;
-        assert_eq!(*store.batches.lock().unwrap(), vec![100, 100, 100]);
-        assert_eq!(store.renews.load(std::sync::atomic::Ordering::SeqCst), 0);
+        let batches = store.calls(Op::RenewMany);
+        assert_eq!(batches.made, 3, "one call per tick");
+        assert_eq!(batches.answers.len(), 300, "each with the 100 claims");
+        assert_eq!(store.calls(Op::Renew).made, 0, "never one renew per claim");
         // Forgotten (fenced): no longer renewed from the tick after.
         let (scope, _) = tokens[7];
         assert!(store.forget(scope).await.unwrap());
         tokio::time::sleep(Duration::from_secs(2)).await;
-        assert_eq!(*store.batches.lock().unwrap(), vec![100, 100, 100, 100, 99]);
+        let batches = store.calls(Op::RenewMany);
+        assert_eq!(batches.made, 5);
+        assert_eq!(
+            batches.answers.len(),
+            100 * 4 + 99,
+            "the forgotten claim was in the 4th batch only"
+        );
+        let fenced = batches.answers.iter().filter(|&&a| a == Reply::Fenced);
+        assert_eq!(fenced.count(), 1);
         for (scope, token) in tokens.into_iter().filter(|&(s, _)| s != scope) {
             assert!(
-                store.inner.renew(scope, token, lease).await.is_ok(),
+                store.inner().renew(scope, token, lease).await.is_ok(),
                 "claims renewed in batches still hold after 5 s on a 3 s lease"
             );
         }

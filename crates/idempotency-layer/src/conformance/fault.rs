@@ -9,8 +9,10 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::store::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, TenantKey, Token};
-use crate::StoreError;
+use crate::store::StoreError;
+use crate::store::{
+    Backend, Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, TenantKey, Token,
+};
 
 /// One operation of [`IdempotencyStore`], to aim a fault at and to count.
 ///
@@ -518,6 +520,14 @@ impl<S: IdempotencyStore> IdempotencyStore for FaultStore<S> {
             })
             .await,
         )
+    }
+    fn backend(&self) -> Backend {
+        self.inner.backend()
+    }
+
+    #[cfg(feature = "postgres")]
+    fn postgres(&self) -> Option<&crate::store::PostgresStore> {
+        self.inner.postgres()
     }
 }
 

@@ -136,50 +136,17 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;
-    use crate::store::{Begin, Fingerprint, Record};
+    use crate::conformance::{Fault, FaultStore, Op, Rule};
+    use crate::store::{Begin, Fingerprint, MemoryStore, Record};
     use std::sync::Arc;
-
-    /// A store whose `release` never answers (a store that went away), counting the calls.
-    #[derive(Clone, Default)]
-    struct Unanswering(Arc<AtomicUsize>);
-
-    impl IdempotencyStore for Unanswering {
-        async fn begin(
-            &self,
-            _: ScopeKey,
-            _: Fingerprint,
-            _: Duration,
-        ) -> Result<Begin, StoreError> {
-            std::future::pending().await
-        }
-        async fn complete(
-            &self,
-            _: ScopeKey,
-            _: Token,
-            _: Arc<Record>,
-            _: Duration,
-        ) -> Result<(), StoreError> {
-            std::future::pending().await
-        }
-        async fn release(&self, _: ScopeKey, _: Token) -> Result<(), StoreError> {
-            self.0.fetch_add(1, Ordering::SeqCst);
-            std::future::pending().await
-        }
-        async fn renew(&self, _: ScopeKey, _: Token, _: Duration) -> Result<(), StoreError> {
-            std::future::pending().await
-        }
-        async fn wait(&self, _: ScopeKey, _: Token) -> Result<(), StoreError> {
-            std::future::pending().await
-        }
-        async fn forget(&self, _: ScopeKey) -> Result<bool, StoreError> {
-            std::future::pending().await
-        }
-    }
 
     #[tokio::test(start_paused = true)]
     async fn orphan_releases_are_bounded_and_a_disarmed_guard_releases_nothing() {
         static RUNNING: AtomicUsize = AtomicUsize::new(0);
-        let store = Unanswering::default();
+        // A store whose `release` never answers (a store that went away).
+        let store = FaultStore::new(MemoryStore::new());
+        store.inject(Rule::new(Op::Release, Fault::Hang));
+        let releases = || store.calls(Op::Release).made;
         let lease = Duration::from_secs(30);
         let guard = |scope, i| {
             OrphanGuard::new(&store, ScopeKey([scope; 32]), Token(i), lease, lease)
@@ -193,7 +160,7 @@ mod tests {
         }
         // Let every spawned release start (bounded: a few yields per task at most).
         for _ in 0..10_000 {
-            if store.0.load(Ordering::SeqCst) >= MAX_ORPHAN_RELEASES {
+            if releases() >= MAX_ORPHAN_RELEASES {
                 break;
             }
             tokio::task::yield_now().await;
@@ -202,7 +169,7 @@ mod tests {
             tokio::task::yield_now().await;
         }
         assert_eq!(
-            store.0.load(Ordering::SeqCst),
+            releases(),
             MAX_ORPHAN_RELEASES,
             "only the bound's worth of releases run; disarmed guards release nothing"
         );

@@ -74,4 +74,3 @@ pub use service::Hedge;
 #[cfg(feature = "service-config")]
 pub use service_config::GrpcHedgingPolicy;
 pub use stats::HedgeStats;
-

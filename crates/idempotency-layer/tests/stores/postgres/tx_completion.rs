@@ -21,9 +21,8 @@ use futures_util::stream;
 use http::{HeaderMap, HeaderValue, Method, Request, StatusCode};
 use http_body::Frame;
 use http_body_util::{Full, StreamBody};
-use idempotency_layer::store::{
-    decode_record, AnyStore, Backend, Begin, Fingerprint, Record, ScopeKey, StoreError, Token,
-};
+use idempotency_layer::conformance::{FaultStore, Op};
+use idempotency_layer::store::{decode_record, AnyStore, Backend, ScopeKey};
 use idempotency_layer::{
     IdempotencyLayer, IdempotencyStore, MemoryStore, PostgresStore, Scope, TxCompletion,
     TxCompletionError,
@@ -388,69 +387,14 @@ async fn the_order_and_its_record_commit_in_one_transaction_and_duplicates_repla
     db.drop().await;
 }
 
-/// A store of a user's own around a `PostgresStore` (here it counts the claims it passes on),
-/// as a metrics or tracing wrapper would be: it forwards every operation, and the two
-/// capabilities, `postgres` and `backend`.
-#[derive(Clone)]
-struct Counted {
-    inner: PostgresStore,
-    begins: Arc<AtomicUsize>,
-}
-
-impl IdempotencyStore for Counted {
-    async fn begin(
-        &self,
-        scope: ScopeKey,
-        fingerprint: Fingerprint,
-        lease: Duration,
-    ) -> Result<Begin, StoreError> {
-        self.begins.fetch_add(1, Ordering::SeqCst);
-        self.inner.begin(scope, fingerprint, lease).await
-    }
-    async fn complete(
-        &self,
-        scope: ScopeKey,
-        token: Token,
-        record: Arc<Record>,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
-        self.inner.complete(scope, token, record, ttl).await
-    }
-    async fn release(&self, scope: ScopeKey, token: Token) -> Result<(), StoreError> {
-        self.inner.release(scope, token).await
-    }
-    async fn renew(
-        &self,
-        scope: ScopeKey,
-        token: Token,
-        lease: Duration,
-    ) -> Result<(), StoreError> {
-        self.inner.renew(scope, token, lease).await
-    }
-    async fn wait(&self, scope: ScopeKey, observed: Token) -> Result<(), StoreError> {
-        self.inner.wait(scope, observed).await
-    }
-    async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
-        self.inner.forget(scope).await
-    }
-    fn backend(&self) -> Backend {
-        self.inner.backend()
-    }
-    fn postgres(&self) -> Option<&PostgresStore> {
-        Some(&self.inner)
-    }
-}
-
-/// A store that wraps a `PostgresStore` keeps every capability: its handlers get
-/// `TxCompletion` (the handler's extractor fails with 500 without it), the record commits with
-/// the order, and the layer leaves the claim as the commit left it.
+/// A store that wraps a `PostgresStore` (here the conformance module's `FaultStore`, as a
+/// metrics or tracing wrapper would) keeps every capability: its handlers get `TxCompletion`
+/// (the handler's extractor fails with 500 without it), the record commits with the order, and
+/// the layer leaves the claim as the commit left it.
 async fn a_wrapper_store_keeps_transactional_completion(kind: Kind) {
     let Some(db) = Db::open().await else { return };
     let executions = Arc::new(AtomicUsize::new(0));
-    let wrapper = Counted {
-        inner: db.store.clone(),
-        begins: Arc::new(AtomicUsize::new(0)),
-    };
+    let wrapper = FaultStore::new(db.store.clone());
     assert_eq!(wrapper.backend(), Backend::Postgres);
     let layer = IdempotencyLayer::new(wrapper.clone());
     let addr = serve(app(
@@ -472,7 +416,7 @@ async fn a_wrapper_store_keeps_transactional_completion(kind: Kind) {
     assert_eq!(db.orders(&key).await, 1, "one order row");
     assert_eq!(executions.load(Ordering::SeqCst), 1);
     assert_eq!(
-        wrapper.begins.load(Ordering::SeqCst),
+        wrapper.calls(Op::Begin).reached,
         2,
         "the claims went through the wrapper"
     );
