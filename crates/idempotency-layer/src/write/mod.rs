@@ -193,13 +193,12 @@ where
                     ))
                 }
             };
-            let fp = match &cfg.fingerprint {
-                Some(of) => of(&parts, &bytes),
-                None => fingerprint(&parts, &bytes),
-            };
-
+            // The fingerprint is kept once, in `asking` (the future holds it across its awaits).
             let mut asking = Asking {
-                fingerprint: fp,
+                fingerprint: match &cfg.fingerprint {
+                    Some(of) => of(&parts, &bytes),
+                    None => fingerprint(&parts, &bytes),
+                },
                 waited: false,
                 in_flight: cfg.in_flight,
                 fail_open: cfg.fail_open,
@@ -207,9 +206,9 @@ where
             // This request's place among the waiters of its scope, held while it waits.
             let mut slot = None;
             loop {
-                let begin = self
-                    .store
-                    .begin_for_tenant(self.tenant, scope, fp, cfg.lease);
+                let begin =
+                    self.store
+                        .begin_for_tenant(self.tenant, scope, asking.fingerprint, cfg.lease);
                 let found = observe::timed(Op::Begin, kind, begin).await;
                 if let Err(e) = &found {
                     note_begin_failed(counters, kind, scope, e);
@@ -233,13 +232,13 @@ where
                                 Offer {
                                     scope,
                                     token,
-                                    fingerprint: fp,
+                                    fingerprint: asking.fingerprint,
                                     config: &self.config,
                                     grpc: self.protocol.is_grpc(),
                                 },
                             );
                             let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-                            self.run_as_leader(req, claim, ledger, fp)
+                            self.run_as_leader(req, claim, ledger, asking.fingerprint)
                         };
                         return leader.await;
                     }
