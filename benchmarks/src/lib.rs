@@ -11,7 +11,7 @@
 //!   threads; its work is [`store_pairs`].
 //! - `src/bin/loadtest.rs`: both layers over real sockets (HTTP and gRPC), with Redis and
 //!   PostgreSQL stores; its machinery is [`load`] and [`grpc`].
-//! - `src/bin/targets.rs`: issue 14's whole target table in one run, from the same pieces.
+//! - `src/bin/targets.rs`: the whole performance target table in one run, from the same pieces.
 
 use std::collections::HashMap;
 use std::convert::Infallible;

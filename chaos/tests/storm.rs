@@ -55,7 +55,7 @@ async fn retries_at_the_outer_hop_only_stay_within_1_1x_end_to_end() {
     assert!(s.reached[2] as f64 <= bound(REQUESTS, s.secs), "{s}");
 }
 
-/// Issue 15: with the default policy at every hop and `HopLayer` on every hop's server, a dead
+/// With the default policy at every hop and `HopLayer` on every hop's server, a dead
 /// bottom sees what one hop's budget allows (as with retries at the outer hop only), at 3 and
 /// at 5 tiers; the hops above it send each request about once.
 #[tokio::test(start_paused = true)]

@@ -1,4 +1,4 @@
-//! Issue 14's whole target table, measured in one run and printed side by side (a Markdown
+//! The whole target table of the product's performance goals, measured in one run and printed side by side (a Markdown
 //! table: measured value, goal, met or missed), every ratio against a baseline of the same run:
 //!
 //! - the retry success path (RetryLayer / `tower::retry` with a cloning policy), timed loops
@@ -40,7 +40,7 @@ use idempotency_layer::RequestBody;
 use tower::{service_fn, Layer};
 
 #[derive(Parser, Debug)]
-#[command(about = "Issue 14's target table, measured in one run")]
+#[command(about = "The performance target table, measured in one run")]
 struct Args {
     /// Load test: measured seconds per scenario and round.
     #[arg(long, short = 't', default_value_t = 1.5)]
