@@ -28,6 +28,7 @@ use idempotency_layer::{
     IdempotencyLayer, IdempotencyStore, InFlight, MemoryStore, OnDisconnect, RejectReason,
     RequestBody,
 };
+use test_support::wait::until;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tower::{service_fn, Layer, ServiceBuilder, ServiceExt};
 
@@ -75,17 +76,6 @@ where
         .expect("an answer within 20 s")
         .expect("a response");
     collect(res).await
-}
-
-/// Waits (on real time, at most 20 s) until `cond` holds; panics naming `what` if it never does.
-async fn within_20s(what: &str, mut cond: impl FnMut() -> bool) {
-    for _ in 0..2000 {
-        if cond() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("never happened within 20 s: {what}");
 }
 
 /// A body of `chunks` chunks of `size` bytes each, made as the server asks for them.
@@ -171,7 +161,7 @@ async fn a_client_that_stops_reading_does_not_hold_its_key() {
                 Box::new((client, res)) as Box<dyn std::any::Any + Send>
             }
         };
-        within_20s("the record is stored while the client stalls", || {
+        until("the record is stored while the client stalls", || {
             layer.stats().recorded == 1
         })
         .await;
@@ -399,7 +389,7 @@ async fn a_response_body_that_fails_is_an_error_on_the_wire_and_is_not_run_again
                 Err(e) => Err(e.to_string()),
             };
             assert!(outcome.is_err(), "{case}: the client must see the failure");
-            within_20s("recorded", || layer.stats().recorded == 1).await;
+            until("recorded", || layer.stats().recorded == 1).await;
             let retry = send(&c, keyed(addr, "/orders", "order-failing-1")).await;
             assert_eq!(retry.status, StatusCode::CREATED, "{case}");
             assert!(retry.replayed(), "{case}");
@@ -507,7 +497,7 @@ async fn release_mode_records_a_response_whose_client_left_mid_body() {
             assert_eq!(first, "order ");
         }
         gate.add_permits(1);
-        within_20s("recorded", || layer.stats().recorded == 1).await;
+        until("recorded", || layer.stats().recorded == 1).await;
         let retry = send(
             &client::<Full<Bytes>>(transport),
             keyed(addr, "/orders", "order-left-0001"),
@@ -565,21 +555,21 @@ async fn detached_work_is_bounded_layer_wide() {
                 })
             })
             .collect();
-        within_20s("four handlers run", || started.load(Ordering::SeqCst) == 4).await;
+        until("four handlers run", || started.load(Ordering::SeqCst) == 4).await;
         for c in clients {
             c.abort();
         }
-        within_20s("two are cancelled past the bound", || {
+        until("two are cancelled past the bound", || {
             cancelled.load(Ordering::SeqCst) == 2
         })
         .await;
         assert_eq!(layer.stats().detached_refused, 2, "{transport:?}");
         gate.add_permits(4);
-        within_20s("the detached ones are recorded", || {
+        until("the detached ones are recorded", || {
             layer.stats().recorded == 2
         })
         .await;
-        within_20s("no detached work is left", || layer.stats().detached == 0).await;
+        until("no detached work is left", || layer.stats().detached == 0).await;
         let c = client::<Full<Bytes>>(transport);
         let mut replayed = 0;
         for k in 0..4 {
@@ -879,7 +869,7 @@ async fn the_in_flight_gauge_counts_the_claims_held() {
             .into_iter()
             .map(|key| tokio::spawn(send_owned(c.clone(), keyed(addr, "/orders", key))))
             .collect();
-        within_20s("two leaders and a waiter", || {
+        until("two leaders and a waiter", || {
             let m = layer.stats();
             m.executed == 2 && m.waited == 1
         })
@@ -930,12 +920,12 @@ async fn a_drain_refuses_new_writes_and_lets_the_ones_in_flight_finish() {
             c.clone(),
             keyed(addr, "/orders", "order-drain-01"),
         ));
-        within_20s("the handler runs", || layer.stats().in_flight == 1).await;
+        until("the handler runs", || layer.stats().in_flight == 1).await;
         let drain = tokio::spawn({
             let layer = layer.clone();
             async move { layer.drain(Duration::from_secs(20)).await }
         });
-        within_20s("draining", || layer.is_draining()).await;
+        until("draining", || layer.is_draining()).await;
         let refused = send(&c, keyed(addr, "/orders", "order-drain-02")).await;
         assert_eq!(
             refused.status,

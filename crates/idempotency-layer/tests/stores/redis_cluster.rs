@@ -249,19 +249,12 @@ async fn a_waiter_on_the_cluster_is_woken_by_sharded_pub_sub() {
     }
     for &scope in &scopes {
         let channel = leader.key(&scope);
-        let mut counts = Vec::new();
-        for _ in 0..500 {
-            counts = shard_subscribers(&urls, &channel).await;
-            if counts.iter().sum::<i64>() == 1 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert_eq!(
-            counts.iter().sum::<i64>(),
-            1,
-            "one SSUBSCRIBE on the key's shard: {counts:?}"
-        );
+        wait::until_async(
+            Duration::from_secs(5),
+            &format!("one SSUBSCRIBE on the key's shard ({channel})"),
+            || async { shard_subscribers(&urls, &channel).await.iter().sum::<i64>() == 1 },
+        )
+        .await;
     }
     for (&scope, &token) in scopes.iter().zip(&tokens) {
         leader
@@ -291,15 +284,12 @@ async fn a_waiter_on_the_cluster_is_woken_by_sharded_pub_sub() {
     // The last waiter gone, each shard channel is unsubscribed.
     for &scope in &scopes {
         let channel = leader.key(&scope);
-        let mut counts = Vec::new();
-        for _ in 0..500 {
-            counts = shard_subscribers(&urls, &channel).await;
-            if counts.iter().sum::<i64>() == 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert_eq!(counts.iter().sum::<i64>(), 0, "{counts:?}");
+        wait::until_async(
+            Duration::from_secs(5),
+            &format!("the last waiter gone, no subscriber on the key's shard ({channel})"),
+            || async { shard_subscribers(&urls, &channel).await.iter().sum::<i64>() == 0 },
+        )
+        .await;
     }
 }
 
