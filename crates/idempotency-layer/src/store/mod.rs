@@ -251,6 +251,7 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// # use std::{sync::Arc, time::Duration};
     /// #[derive(Clone)]
     /// struct Counted(PostgresStore);
+    /// # let _ = |store: PostgresStore| Counted(store);
     ///
     /// impl IdempotencyStore for Counted {
     ///     fn postgres(&self) -> Option<&PostgresStore> {
