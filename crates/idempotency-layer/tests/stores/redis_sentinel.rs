@@ -33,18 +33,30 @@ fn sentinel() -> Option<(Vec<String>, String)> {
 }
 
 async fn store(sentinels: &[String], master: &str, wait: Option<Duration>) -> RedisStore {
-    store_with(sentinels, master, wait, Tuning::default()).await
+    store_on(sentinels, master, &unique("test:sentinel:"), wait).await
 }
 
-/// [`store`], polling slowly as `tuning` says (for the conformance suite).
+/// [`store`] under a given key prefix (two stores with different `wait_for_replicas` bounds
+/// on the same records).
+async fn store_on(
+    sentinels: &[String],
+    master: &str,
+    prefix: &str,
+    wait: Option<Duration>,
+) -> RedisStore {
+    store_with(sentinels, master, prefix, wait, Tuning::default()).await
+}
+
+/// [`store_on`], polling slowly as `tuning` says (for the conformance suite).
 async fn store_with(
     sentinels: &[String],
     master: &str,
+    prefix: &str,
     wait: Option<Duration>,
     tuning: Tuning,
 ) -> RedisStore {
     let mut b = RedisStore::builder_sentinel(sentinels.iter().cloned(), master)
-        .prefix(unique("test:sentinel:"))
+        .prefix(prefix)
         .timeout(Duration::from_secs(2));
     if let Some(timeout) = wait {
         b = b.wait_for_replicas(1, timeout);
@@ -93,12 +105,13 @@ async fn info(port: u16, section: &str, field: &str) -> Option<String> {
         .map(str::to_owned)
 }
 
-/// The primary's port and its replica's, once the replica's link is up.
+/// The primary's port and its replica's, once both sides see the link up and no sync is in
+/// progress (after a failover the demoted node resyncs: until then a `WAIT` gets no replica).
 async fn healthy_pair(sentinels: &[String], master: &str) -> (u16, u16) {
     let give_up = Instant::now() + Duration::from_secs(30);
     loop {
         let primary = primary_port(sentinels, master).await;
-        let replica = info(primary, "replication", "slave0").await.and_then(|l| {
+        let replica: Option<u16> = info(primary, "replication", "slave0").await.and_then(|l| {
             l.contains("state=online")
                 .then(|| {
                     l.split(',')
@@ -107,11 +120,19 @@ async fn healthy_pair(sentinels: &[String], master: &str) -> (u16, u16) {
                 .flatten()
         });
         if let Some(replica) = replica {
-            return (primary, replica);
+            let link = info(replica, "replication", "master_link_status").await;
+            let syncing = info(replica, "replication", "master_sync_in_progress").await;
+            let follows = info(replica, "replication", "master_port").await;
+            if link.as_deref() == Some("up")
+                && syncing.as_deref() == Some("0")
+                && follows == Some(primary.to_string())
+            {
+                return (primary, replica);
+            }
         }
         assert!(
             Instant::now() < give_up,
-            "no primary with a replica online within 30 s"
+            "no primary with a synced replica within 30 s (primary {primary}, replica {replica:?})"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -199,7 +220,14 @@ async fn conformance_suite_through_the_sentinel() {
     };
     let _one = TOPOLOGY.lock().await;
     for wait in [None, Some(Duration::from_secs(1))] {
-        let base = store_with(&sentinels, &master, wait, Tuning::conformance()).await;
+        let base = store_with(
+            &sentinels,
+            &master,
+            &unique("test:sentinel:"),
+            wait,
+            Tuning::conformance(),
+        )
+        .await;
         let n = AtomicUsize::new(0);
         conformance::run_all(|| {
             base.with_prefix(format!(
@@ -227,9 +255,19 @@ async fn wait_for_replicas_keeps_acknowledged_records_through_a_failover() {
     };
     let _one = TOPOLOGY.lock().await;
     let (primary, replica) = healthy_pair(&sentinels, &master).await;
-    // Short: during the gap each WAIT holds the store's connection this long, and everything
-    // must be written before the replica wakes.
-    let waiting = store(&sentinels, &master, Some(Duration::from_millis(250))).await;
+    let prefix = unique("test:sentinel:");
+    // Before the gap the replica is up: a generous WAIT bound, so a loaded machine's slow
+    // acknowledgement is not mistaken for a lost replica.
+    let steady = store_on(&sentinels, &master, &prefix, Some(Duration::from_secs(10))).await;
+    // During the gap: short, as each WAIT holds the store's connection this long, and
+    // everything must be written before the replica wakes. Same records as `steady`.
+    let waiting = store_on(
+        &sentinels,
+        &master,
+        &prefix,
+        Some(Duration::from_millis(250)),
+    )
+    .await;
     let plain = store(&sentinels, &master, None).await;
     // From here on, the topology is put right however the test ends.
     let _restore = Restore;
@@ -239,8 +277,8 @@ async fn wait_for_replicas_keeps_acknowledged_records_through_a_failover() {
         .map(|i| conformance::scope(&format!("before-{i}")))
         .collect();
     for &s in &before {
-        let t = claim(&waiting, s).await;
-        waiting
+        let t = claim(&steady, s).await;
+        steady
             .complete(s, t, record(), LEASE)
             .await
             .expect("replicated");
@@ -250,7 +288,7 @@ async fn wait_for_replicas_keeps_acknowledged_records_through_a_failover() {
         let mut v = Vec::new();
         for i in 0..5 {
             let s = conformance::scope(&format!("pending-{i}"));
-            v.push((s, claim(&waiting, s).await));
+            v.push((s, claim(&steady, s).await));
         }
         v
     };
@@ -357,7 +395,7 @@ async fn wait_for_replicas_keeps_acknowledged_records_through_a_failover() {
         "every record acknowledged by the primary alone was lost with it"
     );
     assert!(waiting.primary_switches() >= 1 && plain.primary_switches() >= 1);
-    drop((waiting, plain, _restore));
+    drop((steady, waiting, plain, _restore));
     healthy_pair(&sentinels, &master).await;
 }
 
