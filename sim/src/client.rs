@@ -1,0 +1,285 @@
+//! The client hosts: the real `RetryLayer` over hyper-util's client on the simulated network,
+//! with a router that sends each attempt to the next server instance (as a load balancer
+//! does) and a readiness gate the schedule can close (a full Buffer).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, Uri};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use idempotency_layer::{IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED};
+use reason_code::BoxError;
+use retry_layer::{ReplayBody, RetryLayer, RetryPolicy};
+use tower::ServiceExt;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::app::TENANT_HEADER;
+use crate::ledger::{Ending, Ledger};
+use crate::net::SimConnector;
+use crate::schedule::{Protocol, Schedule};
+use crate::tag::ATTEMPT_HEADER;
+
+/// The bound on reading a response body once its head arrived. The client layer does not
+/// bound an HTTP body (long streams stay alive); the simulated handlers stall for at most a
+/// few seconds, so a body that has not ended by then never will.
+pub const BODY_BOUND: Duration = Duration::from_secs(60);
+
+/// A readiness gate: while closed, `poll_ready` stays pending, as a full tower Buffer does.
+#[derive(Clone, Debug, Default)]
+pub struct ReadyGate(Arc<GateState>);
+
+#[derive(Debug, Default)]
+struct GateState {
+    closed: AtomicBool,
+    wakers: Mutex<Vec<Waker>>,
+}
+
+impl ReadyGate {
+    /// Closes the gate: the service stops being ready.
+    pub fn close(&self) {
+        self.0.closed.store(true, Ordering::SeqCst);
+    }
+
+    /// Opens the gate and wakes whoever waits on it.
+    pub fn open(&self) {
+        self.0.closed.store(false, Ordering::SeqCst);
+        for w in self.0.wakers.lock().expect("gate").drain(..) {
+            w.wake();
+        }
+    }
+}
+
+/// Routes each attempt to the next server (round robin) and stamps it with a fresh attempt tag;
+/// not ready while its gate is closed.
+#[derive(Clone, Debug)]
+pub struct Route<S> {
+    inner: S,
+    servers: usize,
+    next: Arc<AtomicU64>,
+    tags: Arc<AtomicU64>,
+    client: usize,
+    gate: ReadyGate,
+}
+
+impl<S, B> Service<Request<B>> for Route<S>
+where
+    S: Service<Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        if self.gate.0.closed.load(Ordering::SeqCst) {
+            self.gate.0.wakers.lock().expect("gate").push(cx.waker().clone());
+            return Poll::Pending;
+        }
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: Request<B>) -> S::Future {
+        let server = self.next.fetch_add(1, Ordering::Relaxed) as usize % self.servers;
+        let path = req
+            .uri()
+            .path_and_query()
+            .map(|p| p.as_str().to_owned())
+            .unwrap_or_else(|| "/".to_owned());
+        *req.uri_mut() = format!("http://server{server}:{}{path}", crate::net::PORT)
+            .parse::<Uri>()
+            .expect("a valid URI");
+        let tag = (self.client as u64) << 40 | self.tags.fetch_add(1, Ordering::Relaxed);
+        req.headers_mut().insert(ATTEMPT_HEADER, tag.into());
+        self.inner.call(req)
+    }
+}
+
+type HyperClient = Client<SimConnector, ReplayBody<Full<Bytes>>>;
+
+/// The client's whole stack: what a user builds.
+pub type ClientStack = retry_layer::Retry<Route<HyperClient>>;
+
+/// The policy of `schedule`: the defaults, with its deadline and a deterministic jitter.
+pub fn policy(schedule: &Schedule) -> RetryPolicy {
+    let mut b = RetryPolicy::builder().jitter_seed(schedule.seed);
+    if let Some(d) = schedule.settings.deadline {
+        b = b.total_timeout(d);
+    }
+    b.build().expect("a valid policy")
+}
+
+/// Client `client`'s stack.
+pub fn stack(schedule: &Schedule, client: usize, gate: ReadyGate) -> ClientStack {
+    let mut builder = Client::builder(TokioExecutor::new());
+    builder.http2_only(schedule.settings.protocol == Protocol::Http2);
+    let hyper = builder.build(SimConnector);
+    let route = Route {
+        inner: hyper,
+        servers: schedule.settings.servers,
+        next: Arc::new(AtomicU64::new(client as u64)),
+        tags: Arc::default(),
+        client,
+        gate,
+    };
+    RetryLayer::new(policy(schedule)).layer(route)
+}
+
+/// Client `client`'s software: sends its share of the intents at their times, each call
+/// watched for its bound, and records how each ended.
+pub async fn run_client(
+    schedule: Arc<Schedule>,
+    ledger: Ledger,
+    client: usize,
+    gate: ReadyGate,
+    watchdog: Duration,
+) -> turmoil::Result {
+    let svc = stack(&schedule, client, gate);
+    let mut tasks = Vec::new();
+    for intent in &schedule.intents {
+        for send in intent.sends.iter().filter(|s| s.client == client) {
+            let svc = svc.clone();
+            let ledger = ledger.clone();
+            let intent = intent.clone();
+            let send = *send;
+            tasks.push(tokio::spawn(async move {
+                tokio::time::sleep(send.at).await;
+                let scope = (intent.tenant.to_owned(), intent.key.clone());
+                let i = ledger.call_started(client, scope);
+                let req = Request::post(format!("/w/{}", intent.key))
+                    .header(idempotency_layer::X_IDEMPOTENCY_KEY, &intent.key)
+                    .header(TENANT_HEADER, intent.tenant)
+                    .body(Full::new(Bytes::from(intent.body.clone())))
+                    .expect("a valid request");
+                let call = call(svc, req, &ledger, i);
+                let ending = match send.cancel_after {
+                    Some(after) => match tokio::time::timeout(after, call).await {
+                        Ok(ending) => ending,
+                        Err(_) => Some(Ending::Cancelled),
+                    },
+                    None => match tokio::time::timeout(watchdog, call).await {
+                        Ok(ending) => ending,
+                        Err(_) => None,
+                    },
+                };
+                if let Some(ending) = ending {
+                    ledger.call_ended(i, ending);
+                }
+            }));
+        }
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    Ok(())
+}
+
+/// One call: readiness, the layer's answer, then the body read to its end. `None`: the body
+/// did not end within [`BODY_BOUND`].
+async fn call(
+    svc: ClientStack,
+    req: Request<Full<Bytes>>,
+    ledger: &Ledger,
+    i: usize,
+) -> Option<Ending> {
+    let answer: Result<Response<Incoming>, BoxError> = svc.oneshot(req).await;
+    ledger.call_head(i);
+    let resp = match answer {
+        Ok(resp) => resp,
+        Err(e) => return Some(Ending::Error(error_chain(&*e))),
+    };
+    let (parts, body) = resp.into_parts();
+    let flag = |name: &http::HeaderName| {
+        parts
+            .headers
+            .get(name)
+            .is_some_and(|v| v.as_bytes() == b"true")
+    };
+    let mut bytes = Vec::new();
+    let mut body_error = None;
+    let read = async {
+        let mut body = body;
+        while let Some(frame) = body.frame().await {
+            match frame {
+                Ok(frame) => {
+                    if let Some(d) = frame.data_ref() {
+                        bytes.extend_from_slice(d);
+                    }
+                }
+                Err(e) => {
+                    body_error = Some(error_chain(&e));
+                    break;
+                }
+            }
+        }
+    };
+    if tokio::time::timeout(BODY_BOUND, read).await.is_err() {
+        return None;
+    }
+    Some(Ending::Response {
+        status: parts.status.as_u16(),
+        replayed: flag(&IDEMPOTENT_REPLAYED),
+        body_omitted: flag(&IDEMPOTENT_BODY_OMITTED),
+        reason: parts
+            .headers
+            .get("x-reason-code")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned),
+        content_length: parts
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok()),
+        body: bytes,
+        body_error,
+    })
+}
+
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(e) = source {
+        s.push_str(": ");
+        s.push_str(&e.to_string());
+        source = e.source();
+    }
+    s
+}
+
+/// The final probe: once the schedule's faults are healed, each server must still serve a
+/// fresh write (no panic took it down, no capacity was leaked).
+pub async fn run_probe(
+    schedule: Arc<Schedule>,
+    ledger: Ledger,
+    go: Arc<AtomicBool>,
+) -> turmoil::Result {
+    while !go.load(Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Let restarted servers bind again.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut builder = Client::builder(TokioExecutor::new());
+    builder.http2_only(schedule.settings.protocol == Protocol::Http2);
+    let hyper: Client<SimConnector, Full<Bytes>> = builder.build(SimConnector);
+    for server in 0..schedule.settings.servers {
+        let key = format!("probe-{:x}-{server}", schedule.seed);
+        let req = Request::post(format!("http://server{server}:{}/w/{key}", crate::net::PORT))
+            .header(idempotency_layer::X_IDEMPOTENCY_KEY, &key)
+            .header(TENANT_HEADER, "probe")
+            .body(Full::new(Bytes::from_static(b"probe")))
+            .expect("a valid request");
+        let answer = tokio::time::timeout(Duration::from_secs(30), hyper.request(req)).await;
+        let result = match answer {
+            Ok(Ok(resp)) => Ok(resp.status().as_u16()),
+            Ok(Err(e)) => Err(error_chain(&e)),
+            Err(_) => Err("no answer within 30 s".to_owned()),
+        };
+        ledger.lock().probes.push((server, result));
+    }
+    Ok(())
+}

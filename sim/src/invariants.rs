@@ -1,0 +1,290 @@
+//! The promises, checked after every seed. A new promise is one function here.
+//!
+//! 1. Every call ends within its bound with a classified answer: the layer answers by the
+//!    call's deadline (with none, by [`NO_DEADLINE_BOUND`], what the documented defaults add up
+//!    to), and a body that started ends.
+//! 2. Per tenant + method + key, the side effect runs once, but for the documented exceptions,
+//!    each recorded by cause.
+//! 3. Every replay equals what an execution answered; every message is well formed (a
+//!    `content-length` matches the body that came).
+//! 4. No panic but the handlers' own escapes; every server still serves a fresh write at the
+//!    end.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use crate::app::HANDLER_PANIC;
+use crate::ledger::{Ending, Execution, ScopeName};
+use crate::schedule::Schedule;
+use crate::world::{Run, TICK};
+
+/// With no deadline, the documented bound of a call with the default policy: three attempts,
+/// each waiting at most `response_head_timeout` (60 s) for the service to become ready and as
+/// long again for its response head, plus two waits between attempts of at most
+/// `max_pushback` (30 s), and slack.
+pub const NO_DEADLINE_BOUND: Duration = Duration::from_secs(3 * (60 + 60) + 2 * 30 + 5);
+
+/// The bound within which the layer must answer a call of `schedule`.
+pub fn call_bound(schedule: &Schedule) -> Duration {
+    match schedule.settings.deadline {
+        // The deadline, to the tick that notices it.
+        Some(d) => d + 2 * TICK,
+        None => NO_DEADLINE_BOUND,
+    }
+}
+
+/// A broken promise.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Violation {
+    /// Which promise (1 to 4).
+    pub promise: u8,
+    /// What broke, in a few words: the summary groups by it.
+    pub cause: &'static str,
+    /// The scope involved, if one is.
+    pub scope: Option<ScopeName>,
+    /// The details.
+    pub detail: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "promise {}: {}", self.promise, self.cause)?;
+        if let Some((t, k)) = &self.scope {
+            write!(f, " [{t}/{k}]")?;
+        }
+        write!(f, ": {}", self.detail)
+    }
+}
+
+/// A second execution the docs allow, by cause.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Exception {
+    /// The server that ran the first crashed after its side effect, before its record was
+    /// stored: the claim's lease lapsed and a retry ran again (a store in another system than
+    /// the side effect has this window; a transactional completion closes it).
+    CrashBeforeRecord,
+    /// `fail_open`: the store was down for a request that had not seen its key in flight.
+    FailOpen,
+}
+
+/// The verdict on one seed.
+#[derive(Debug, Default)]
+pub struct Verdict {
+    /// The broken promises.
+    pub violations: Vec<Violation>,
+    /// The allowed second executions, by cause.
+    pub exceptions: BTreeMap<Exception, u64>,
+}
+
+/// Checks every promise on `run`.
+pub fn check(run: &Run) -> Verdict {
+    let mut v = Verdict::default();
+    if let Some(e) = &run.sim_error {
+        v.violations.push(Violation {
+            promise: 1,
+            cause: "the simulation did not end",
+            scope: None,
+            detail: e.clone(),
+        });
+    }
+    calls_end(run, &mut v);
+    runs_once(run, &mut v);
+    replays_equal(run, &mut v);
+    no_panic_and_still_serving(run, &mut v);
+    v
+}
+
+fn calls_end(run: &Run, v: &mut Verdict) {
+    let bound = call_bound(&run.schedule);
+    for c in &run.observed.calls {
+        let scope = Some(c.scope.clone());
+        match (&c.head, &c.end) {
+            (_, Some((_, Ending::Cancelled))) => {}
+            (None, _) => v.violations.push(Violation {
+                promise: 1,
+                cause: "a call never got an answer",
+                scope,
+                detail: format!("client {} started at {:?}, bound {bound:?}", c.client, c.start),
+            }),
+            (Some(head), end) => {
+                if *head - c.start > bound {
+                    v.violations.push(Violation {
+                        promise: 1,
+                        cause: "an answer came after the call's bound",
+                        scope: scope.clone(),
+                        detail: format!(
+                            "client {} started at {:?}, answered after {:?}, bound {bound:?}",
+                            c.client,
+                            c.start,
+                            *head - c.start
+                        ),
+                    });
+                }
+                if end.is_none() {
+                    v.violations.push(Violation {
+                        promise: 1,
+                        cause: "a response body never ended",
+                        scope,
+                        detail: format!(
+                            "client {} started at {:?}, head at {head:?}",
+                            c.client, c.start
+                        ),
+                    });
+                }
+            }
+        }
+    }
+}
+
+fn unprotected(run: &Run, e: &Execution) -> (bool, bool) {
+    match e.attempt {
+        Some(a) => {
+            let seen = run.tags.seen(a);
+            (seen.failed && !seen.claimed, seen.in_flight)
+        }
+        None => (false, false),
+    }
+}
+
+fn runs_once(run: &Run, v: &mut Verdict) {
+    let o = &run.observed;
+    for (scope, execs) in &o.executions {
+        for (k, later) in execs.iter().enumerate().skip(1) {
+            let earlier = &execs[..k];
+            let crash = earlier.iter().any(|e| {
+                o.crashes
+                    .get(&e.server)
+                    .is_some_and(|ts| ts.iter().any(|t| *t >= e.at && *t <= later.at))
+            });
+            let (later_unprotected, later_saw_in_flight) = unprotected(run, later);
+            let earlier_unprotected = earlier.iter().any(|e| unprotected(run, e).0);
+            let fail_open = run.schedule.settings.fail_open
+                && ((later_unprotected && !later_saw_in_flight) || earlier_unprotected);
+            if later_unprotected && later_saw_in_flight {
+                v.violations.push(Violation {
+                    promise: 2,
+                    cause: "a request that had seen its key in flight ran unprotected",
+                    scope: Some(scope.clone()),
+                    detail: format!("execution {} of {}", k + 1, execs.len()),
+                });
+            } else if crash {
+                *v.exceptions.entry(Exception::CrashBeforeRecord).or_default() += 1;
+            } else if fail_open {
+                *v.exceptions.entry(Exception::FailOpen).or_default() += 1;
+            } else {
+                v.violations.push(Violation {
+                    promise: 2,
+                    cause: "a write ran twice",
+                    scope: Some(scope.clone()),
+                    detail: format!(
+                        "execution {} of {} at {:?} on server {}, the first at {:?} on server {}",
+                        k + 1,
+                        execs.len(),
+                        later.at,
+                        later.server,
+                        execs[0].at,
+                        execs[0].server
+                    ),
+                });
+            }
+        }
+    }
+}
+
+fn replays_equal(run: &Run, v: &mut Verdict) {
+    let o = &run.observed;
+    for c in &o.calls {
+        let Some((
+            _,
+            Ending::Response {
+                status,
+                replayed,
+                body_omitted,
+                body,
+                body_error,
+                content_length,
+                ..
+            },
+        )) = &c.end
+        else {
+            continue;
+        };
+        let scope = Some(c.scope.clone());
+        if let (Some(n), None) = (content_length, body_error) {
+            if *n != body.len() as u64 {
+                v.violations.push(Violation {
+                    promise: 3,
+                    cause: "a message's content-length does not match its body",
+                    scope: scope.clone(),
+                    detail: format!(
+                        "status {status}, content-length {n}, {} bytes came",
+                        body.len()
+                    ),
+                });
+            }
+        }
+        if !(200..300).contains(status) {
+            continue;
+        }
+        let execs = o.executions.get(&c.scope).map(Vec::as_slice).unwrap_or(&[]);
+        let matches = |e: &Execution| {
+            u16::from(*status) == e.status
+                && if *replayed {
+                    if *body_omitted {
+                        body.is_empty()
+                    } else {
+                        *body == e.body
+                    }
+                } else if body_error.is_some() {
+                    e.body.starts_with(body)
+                } else {
+                    *body == e.body
+                }
+        };
+        if !execs.iter().any(matches) {
+            v.violations.push(Violation {
+                promise: 3,
+                cause: if *replayed {
+                    "a replay differs from every execution's answer"
+                } else {
+                    "an answer differs from every execution's answer"
+                },
+                scope,
+                detail: format!(
+                    "status {status}, {} bytes{}, {} execution(s)",
+                    body.len(),
+                    if *body_omitted { " (body omitted)" } else { "" },
+                    execs.len()
+                ),
+            });
+        }
+    }
+}
+
+fn no_panic_and_still_serving(run: &Run, v: &mut Verdict) {
+    let o = &run.observed;
+    for p in &o.panics {
+        if p.message != HANDLER_PANIC {
+            v.violations.push(Violation {
+                promise: 4,
+                cause: "a panic other than the handler's",
+                scope: None,
+                detail: format!("at {}: {}", p.location, p.message),
+            });
+        }
+    }
+    if run.sim_error.is_none() {
+        for server in 0..run.schedule.settings.servers {
+            match o.probes.iter().find(|(s, _)| *s == server) {
+                Some((_, Ok(status))) if (200..300).contains(status) => {}
+                other => v.violations.push(Violation {
+                    promise: 4,
+                    cause: "a server no longer serves a fresh write",
+                    scope: None,
+                    detail: format!("server {server}: {other:?}"),
+                }),
+            }
+        }
+    }
+}

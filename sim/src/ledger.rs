@@ -1,0 +1,154 @@
+//! What happened in one seed, as the invariants read it: every execution of a handler, every
+//! call a client made and how it ended, every panic, and a trace of events by key.
+//!
+//! One `Ledger` per seed, shared by every host of the simulation (they run on one thread).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// The scope of a write as the simulation names it: tenant and key (one method).
+pub type ScopeName = (String, String);
+
+/// One execution of a handler whose side effect happened (it answered a success).
+#[derive(Clone, Debug)]
+pub struct Execution {
+    /// The server that ran it.
+    pub server: usize,
+    /// The boot of that server (a crash and restart starts the next).
+    pub boot: u32,
+    /// When the side effect happened.
+    pub at: Duration,
+    /// The attempt that ran it (the tag the client's router stamps on each attempt).
+    pub attempt: Option<u64>,
+    /// The status and body the handler produced.
+    pub status: u16,
+    /// The body it meant to send (all of it, whether or not it got out).
+    pub body: Vec<u8>,
+}
+
+/// How one client call ended.
+#[derive(Clone, Debug)]
+pub enum Ending {
+    /// A response, read to its end (or to a body error).
+    Response {
+        /// Its status.
+        status: u16,
+        /// Whether it said `idempotent-replayed: true`.
+        replayed: bool,
+        /// Whether it said its recorded body was omitted.
+        body_omitted: bool,
+        /// The reason code header, if any.
+        reason: Option<String>,
+        /// The body bytes read.
+        body: Vec<u8>,
+        /// A body that ended in an error: its text.
+        body_error: Option<String>,
+        /// The `content-length` header, if any.
+        content_length: Option<u64>,
+    },
+    /// The layer answered an error.
+    Error(String),
+    /// The caller dropped the call (a cancellation the schedule asked for).
+    Cancelled,
+}
+
+/// One client call.
+#[derive(Clone, Debug)]
+pub struct CallRecord {
+    /// The client.
+    pub client: usize,
+    /// The scope.
+    pub scope: ScopeName,
+    /// When it started.
+    pub start: Duration,
+    /// When the layer answered (a response head or an error).
+    pub head: Option<Duration>,
+    /// When it ended, and how (`None`: it never ended).
+    pub end: Option<(Duration, Ending)>,
+}
+
+/// A panic seen anywhere in the simulation.
+#[derive(Clone, Debug)]
+pub struct PanicRecord {
+    /// `file:line` of the panic.
+    pub location: String,
+    /// Its message.
+    pub message: String,
+}
+
+/// Everything one seed observed.
+#[derive(Debug, Default)]
+pub struct Observed {
+    /// Executions whose side effect happened, by scope.
+    pub executions: BTreeMap<ScopeName, Vec<Execution>>,
+    /// Every call, in the order they started.
+    pub calls: Vec<CallRecord>,
+    /// Each server's crashes, as sim times.
+    pub crashes: BTreeMap<usize, Vec<Duration>>,
+    /// Every panic.
+    pub panics: Vec<PanicRecord>,
+    /// Events by scope, for the trace of a failing seed.
+    pub trace: Vec<(Duration, String)>,
+    /// Faults injected, by kind.
+    pub faults: BTreeMap<&'static str, u64>,
+    /// The final probe of each server: the status of a fresh write, or why there was none.
+    pub probes: Vec<(usize, Result<u16, String>)>,
+}
+
+/// The shared ledger of one seed.
+#[derive(Clone, Debug, Default)]
+pub struct Ledger(Arc<Mutex<Observed>>);
+
+/// The simulation's clock: time since the simulation began, the same on every host.
+pub fn now() -> Duration {
+    turmoil::sim_elapsed().unwrap_or_default()
+}
+
+impl Ledger {
+    /// The observations so far.
+    pub fn lock(&self) -> MutexGuard<'_, Observed> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds a line to the trace (from a host: at the simulation's time).
+    pub fn event(&self, what: impl Into<String>) {
+        self.event_at(now(), what);
+    }
+
+    /// Adds a line to the trace at `at` (from the driver, outside every host).
+    pub fn event_at(&self, at: Duration, what: impl Into<String>) {
+        self.lock().trace.push((at, what.into()));
+    }
+
+    /// Counts an injected fault of `kind`.
+    pub fn fault(&self, kind: &'static str) {
+        *self.lock().faults.entry(kind).or_default() += 1;
+    }
+
+    /// Records a call's start; returns its index.
+    pub fn call_started(&self, client: usize, scope: ScopeName) -> usize {
+        let start = now();
+        let mut o = self.lock();
+        o.calls.push(CallRecord {
+            client,
+            scope,
+            start,
+            head: None,
+            end: None,
+        });
+        o.calls.len() - 1
+    }
+
+    /// Records that the layer answered call `i`.
+    pub fn call_head(&self, i: usize) {
+        let at = now();
+        self.lock().calls[i].head = Some(at);
+    }
+
+    /// Records how call `i` ended.
+    pub fn call_ended(&self, i: usize, ending: Ending) {
+        let at = now();
+        self.lock().calls[i].end = Some((at, ending));
+    }
+}

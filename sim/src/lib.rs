@@ -1,0 +1,119 @@
+//! Both promises of the workspace, checked by deterministic simulation.
+//!
+//! The real layers run unmodified on [turmoil](https://docs.rs/turmoil)'s simulated hosts,
+//! network and time, all in one thread and all decided by one seed:
+//!
+//! - client hosts: `RetryLayer` over hyper-util's client (HTTP/1.1 or h2c), through a router
+//!   that sends each attempt to the next server and a readiness gate the schedule can close;
+//! - two or three server instances: `IdempotencyLayer` over axum and hyper, sharing one
+//!   `MemoryStore` (wrapped in the conformance suite's `FaultStore`) that lives on a store host
+//!   of its own, so that it has one clock;
+//! - handlers whose side effect the ledger counts, with the faults the schedule gives them.
+//!
+//! A seed draws a [`Schedule`](schedule::Schedule): the settings of both layers, the intents
+//! (keys, bodies, duplicates sent at once, cancellations) and the timed faults (partitions,
+//! half-open links, server crashes, store errors, delays, lost replies, hangs, a full store, a
+//! client service that stops being ready). After the run, [`invariants::check`] checks every
+//! promise. The same seed replays the same run.
+//!
+//! ```no_run
+//! let report = sim::run_seed(42);
+//! assert!(report.verdict.violations.is_empty(), "{}", report.explain());
+//! ```
+
+pub mod app;
+pub mod client;
+pub mod invariants;
+pub mod ledger;
+pub mod net;
+pub mod schedule;
+pub mod store_host;
+pub mod tag;
+pub mod world;
+
+use std::fmt::Write as _;
+
+use invariants::Verdict;
+use schedule::{Handler, Schedule};
+use world::Run;
+
+/// One seed's run and its verdict.
+#[derive(Debug)]
+pub struct SeedReport {
+    /// The run.
+    pub run: Run,
+    /// The verdict.
+    pub verdict: Verdict,
+}
+
+/// Runs seed `seed` and checks every promise.
+pub fn run_seed(seed: u64) -> SeedReport {
+    let run = world::run(Schedule::draw(seed));
+    let verdict = invariants::check(&run);
+    SeedReport { run, verdict }
+}
+
+impl SeedReport {
+    /// Faults this seed injected, by kind (network, hosts and store as applied; handlers and
+    /// cancellations as drawn).
+    pub fn faults(&self) -> Vec<(String, u64)> {
+        let mut out: Vec<(String, u64)> = self
+            .run
+            .observed
+            .faults
+            .iter()
+            .map(|(k, n)| ((*k).to_owned(), *n))
+            .collect();
+        for i in &self.run.schedule.intents {
+            let kind = match i.first {
+                Handler::Ok => None,
+                Handler::Error => Some("handler: error"),
+                Handler::Unavailable => Some("handler: 503"),
+                Handler::PanicBeforeHead => Some("handler: panic before the head"),
+                Handler::PanicInBody { .. } => Some("handler: panic in the body"),
+                Handler::ErrorInBody { .. } => Some("handler: error in the body"),
+                Handler::StallInBody { .. } => Some("handler: body stalls"),
+                Handler::Slow(_) => Some("handler: slow"),
+                Handler::NeverEnds => Some("handler: never ends"),
+            };
+            if let Some(kind) = kind {
+                out.push((kind.to_owned(), 1));
+            }
+            let cancels = i.sends.iter().filter(|s| s.cancel_after.is_some()).count() as u64;
+            if cancels > 0 {
+                out.push(("caller: cancellation".to_owned(), cancels));
+            }
+        }
+        out
+    }
+
+    /// The violations, the command that reruns the seed, its schedule and the trace of events
+    /// for the keys involved.
+    pub fn explain(&self) -> String {
+        let mut s = String::new();
+        let seed = self.run.schedule.seed;
+        for v in &self.verdict.violations {
+            let _ = writeln!(s, "{v}");
+        }
+        let _ = writeln!(s, "rerun: cargo run --release -p sim -- --seed {seed}");
+        let _ = write!(s, "{}", self.run.schedule);
+        let keys: Vec<String> = self
+            .verdict
+            .violations
+            .iter()
+            .filter_map(|v| v.scope.as_ref().map(|(t, k)| format!("{t}/{k}")))
+            .collect();
+        let _ = writeln!(s, "trace:");
+        for (at, line) in &self.run.observed.trace {
+            let involved = keys.is_empty()
+                || keys.iter().any(|k| line.contains(k.as_str()))
+                || line.starts_with("fault")
+                || line.starts_with("panic")
+                || line.starts_with("all calls");
+            if involved {
+                let _ = writeln!(s, "  {:>9.3}s {line}", at.as_secs_f64());
+            }
+        }
+        s
+    }
+}

@@ -1,0 +1,346 @@
+//! The fault model: everything a seed decides. One seed is one [`Schedule`]: the settings of
+//! both layers, the business intents the clients send, what each handler does, and the timed
+//! faults of the network, the hosts, the store and the clients' inner services.
+//!
+//! A new fault is one variant here and one place in `world.rs` that applies it.
+
+use std::fmt;
+use std::time::Duration;
+
+use idempotency_layer::conformance::{Fault as StoreFault, Op};
+use idempotency_layer::{InFlight, OnDisconnect};
+
+/// The wire protocol the clients speak.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    /// HTTP/1.1 with keep-alive.
+    Http1,
+    /// HTTP/2 with prior knowledge (h2c).
+    Http2,
+}
+
+/// The settings both layers run with in one seed.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// The clients' wire protocol.
+    pub protocol: Protocol,
+    /// How the servers treat a duplicate of a write in flight.
+    pub in_flight: InFlight,
+    /// What a server does with a leader whose client went away.
+    pub on_disconnect: OnDisconnect,
+    /// Whether a server runs writes unprotected when the store is down.
+    pub fail_open: bool,
+    /// The claim lease, when not the layer's default.
+    pub lease: Option<Duration>,
+    /// The client policy's `total_timeout` (the call's deadline), if any.
+    pub deadline: Option<Duration>,
+    /// Hedged requests on the client (a second attempt when the first is slow).
+    pub hedging: bool,
+    /// A `ConcurrencyLimit` of this many requests between the server layer and its handlers.
+    pub server_limit: Option<usize>,
+    /// Number of server instances behind the clients.
+    pub servers: usize,
+    /// Number of client hosts.
+    pub clients: usize,
+}
+
+/// What a handler does on one execution.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Handler {
+    /// Answers 201 with its body.
+    Ok,
+    /// Answers 500 before doing anything (nothing is recorded; a retry may run it).
+    Error,
+    /// Answers 503 before doing anything.
+    Unavailable,
+    /// Panics before answering.
+    PanicBeforeHead,
+    /// Answers 201, then its body panics at byte `at`.
+    PanicInBody {
+        /// The byte at which the body panics.
+        at: usize,
+    },
+    /// Answers 201, then its body fails with an error at byte `at`.
+    ErrorInBody {
+        /// The byte at which the body fails.
+        at: usize,
+    },
+    /// Answers 201, then its body stalls at byte `at` for `stall`.
+    StallInBody {
+        /// The byte at which the body stalls.
+        at: usize,
+        /// How long it stalls.
+        stall: Duration,
+    },
+    /// Takes this long before answering 201.
+    Slow(Duration),
+    /// Never answers.
+    NeverEnds,
+}
+
+/// One business intent: a write with one key, sent by one or more clients.
+#[derive(Clone, Debug)]
+pub struct Intent {
+    /// The idempotency key.
+    pub key: String,
+    /// The tenant (a header the servers trust in the simulation).
+    pub tenant: &'static str,
+    /// The request body.
+    pub body: Vec<u8>,
+    /// The response body's length.
+    pub response_len: usize,
+    /// Whether the response body announces its length (`Content-Length`) or is chunked.
+    pub sized: bool,
+    /// The clients that send it (the same key from several clients: concurrent duplicates),
+    /// each with its start time and, if any, when its caller gives up (drops the call).
+    pub sends: Vec<Send>,
+    /// What the handler does on its first execution; later executions answer [`Handler::Ok`].
+    pub first: Handler,
+}
+
+/// One client's send of an intent.
+#[derive(Clone, Copy, Debug)]
+pub struct Send {
+    /// The client host's index.
+    pub client: usize,
+    /// When the call starts.
+    pub at: Duration,
+    /// When the caller drops the call, if it does (a cancellation).
+    pub cancel_after: Option<Duration>,
+}
+
+/// A timed fault.
+#[derive(Clone, Copy, Debug)]
+pub enum Fault {
+    /// No message between the client and the server until `heal`.
+    Partition {
+        /// The client's index.
+        client: usize,
+        /// The server's index.
+        server: usize,
+    },
+    /// Messages between the client and the server are held (a half-open link) until `heal`.
+    Hold {
+        /// The client's index.
+        client: usize,
+        /// The server's index.
+        server: usize,
+    },
+    /// The server crashes; it restarts at `heal`.
+    Crash {
+        /// The server's index.
+        server: usize,
+    },
+    /// A store fault on every call of `op` until `heal`.
+    Store {
+        /// The operation.
+        op: Option<Op>,
+        /// The fault.
+        fault: StoreFault,
+    },
+    /// The client's inner service stops being ready until `heal` (a full Buffer).
+    NotReady {
+        /// The client's index.
+        client: usize,
+    },
+}
+
+/// A fault with its time window.
+#[derive(Clone, Copy, Debug)]
+pub struct Timed {
+    /// When it starts.
+    pub at: Duration,
+    /// When it ends (`None`: never).
+    pub heal: Option<Duration>,
+    /// What it is.
+    pub fault: Fault,
+}
+
+/// Everything one seed decides.
+#[derive(Clone, Debug)]
+pub struct Schedule {
+    /// The seed.
+    pub seed: u64,
+    /// The settings.
+    pub settings: Settings,
+    /// The intents.
+    pub intents: Vec<Intent>,
+    /// The timed faults.
+    pub faults: Vec<Timed>,
+}
+
+/// The tenants intents are spread over (a key may repeat across them: separate scopes).
+pub const TENANTS: [&str; 2] = ["acme", "globex"];
+
+impl Schedule {
+    /// The schedule of `seed`.
+    pub fn draw(seed: u64) -> Schedule {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let r = &mut rng;
+        let settings = Settings {
+            protocol: if r.bool() {
+                Protocol::Http1
+            } else {
+                Protocol::Http2
+            },
+            in_flight: if r.u8(..4) == 0 {
+                InFlight::Reject
+            } else {
+                InFlight::Wait
+            },
+            on_disconnect: if r.u8(..3) == 0 {
+                OnDisconnect::Release
+            } else {
+                OnDisconnect::Complete
+            },
+            fail_open: r.u8(..4) == 0,
+            lease: pick(r, 3, |r| Duration::from_millis(500 + 500 * u64::from(r.u8(..8)))),
+            deadline: pick(r, 2, |r| Duration::from_millis(300 + 250 * u64::from(r.u8(..24)))),
+            hedging: false,
+            server_limit: pick(r, 4, |r| 1 + r.usize(..3)),
+            servers: 2 + r.usize(..2),
+            clients: 1 + r.usize(..3),
+        };
+        let n_intents = 2 + r.usize(..9);
+        let mut intents = Vec::with_capacity(n_intents);
+        for i in 0..n_intents {
+            // A key sometimes repeats for the other tenant: two scopes, two executions.
+            let key = if !intents.is_empty() && r.u8(..8) == 0 {
+                let prev: &Intent = &intents[r.usize(..intents.len().max(1))];
+                prev.key.clone()
+            } else {
+                format!("key-{seed:x}-{i:03}")
+            };
+            let tenant = TENANTS[r.usize(..TENANTS.len())];
+            if intents
+                .iter()
+                .any(|o: &Intent| o.key == key && o.tenant == tenant)
+            {
+                continue;
+            }
+            let body: Vec<u8> = (0..r.usize(..64)).map(|_| r.alphanumeric() as u8).collect();
+            let response_len = r.usize(..300);
+            let n_sends = 1 + usize::from(r.u8(..3) == 0) + usize::from(r.u8(..6) == 0);
+            let start = Duration::from_millis(r.u64(..3000));
+            let sends = (0..n_sends)
+                .map(|_| Send {
+                    client: r.usize(..settings.clients),
+                    at: start + Duration::from_millis(r.u64(..400)),
+                    cancel_after: pick(r, 8, |r| Duration::from_millis(r.u64(1..2000))),
+                })
+                .collect();
+            let first = draw_handler(r, response_len);
+            intents.push(Intent {
+                key,
+                tenant,
+                body,
+                response_len,
+                sized: r.bool(),
+                sends,
+                first,
+            });
+        }
+        let n_faults = r.usize(..6);
+        let faults = (0..n_faults).map(|_| draw_fault(r, &settings)).collect();
+        Schedule {
+            seed,
+            settings,
+            intents,
+            faults,
+        }
+    }
+}
+
+/// `Some(f())` one time in `one_in`.
+fn pick<T>(
+    r: &mut fastrand::Rng,
+    one_in: u8,
+    f: impl FnOnce(&mut fastrand::Rng) -> T,
+) -> Option<T> {
+    if r.u8(..one_in) == 0 {
+        Some(f(r))
+    } else {
+        None
+    }
+}
+
+fn draw_handler(r: &mut fastrand::Rng, len: usize) -> Handler {
+    let at = r.usize(..=len);
+    match r.u8(..20) {
+        0 => Handler::Error,
+        1 => Handler::Unavailable,
+        2 => Handler::PanicBeforeHead,
+        3 => Handler::PanicInBody { at },
+        4 => Handler::ErrorInBody { at },
+        5 => Handler::StallInBody {
+            at,
+            stall: Duration::from_millis(r.u64(10..4000)),
+        },
+        6 | 7 => Handler::Slow(Duration::from_millis(r.u64(10..5000))),
+        8 => Handler::NeverEnds,
+        _ => Handler::Ok,
+    }
+}
+
+fn draw_fault(r: &mut fastrand::Rng, s: &Settings) -> Timed {
+    let at = Duration::from_millis(r.u64(..5000));
+    let heal = Some(at + Duration::from_millis(r.u64(50..4000)));
+    let fault = match r.u8(..10) {
+        0 | 1 => Fault::Partition {
+            client: r.usize(..s.clients),
+            server: r.usize(..s.servers),
+        },
+        2 => Fault::Hold {
+            client: r.usize(..s.clients),
+            server: r.usize(..s.servers),
+        },
+        3 | 4 => Fault::Crash {
+            server: r.usize(..s.servers),
+        },
+        5..=7 => {
+            let op = match r.u8(..8) {
+                0 => None,
+                1 | 2 => Some(Op::Begin),
+                3 | 4 => Some(Op::Complete),
+                5 => Some(Op::Release),
+                6 => Some(Op::Wait),
+                _ => Some(Op::RenewMany),
+            };
+            let fault = match r.u8(..6) {
+                0 | 1 => StoreFault::Fail,
+                2 => StoreFault::Delay(Duration::from_millis(r.u64(1..1500))),
+                3 => StoreFault::LoseReply,
+                4 => StoreFault::Full,
+                _ => StoreFault::Hang,
+            };
+            Fault::Store { op, fault }
+        }
+        _ => Fault::NotReady {
+            client: r.usize(..s.clients),
+        },
+    };
+    // A client whose service never becomes ready again: the readiness bound must end its calls.
+    let heal = if matches!(fault, Fault::NotReady { .. }) && r.u8(..3) == 0 {
+        None
+    } else {
+        heal
+    };
+    Timed { at, heal, fault }
+}
+
+impl fmt::Display for Schedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "seed {}: {:?}", self.seed, self.settings)?;
+        for i in &self.intents {
+            writeln!(
+                f,
+                "  intent {} tenant {} first {:?} sends {:?}",
+                i.key, i.tenant, i.first, i.sends
+            )?;
+        }
+        for t in &self.faults {
+            writeln!(f, "  fault {:?} at {:?} heal {:?}", t.fault, t.at, t.heal)?;
+        }
+        Ok(())
+    }
+}

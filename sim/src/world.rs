@@ -1,0 +1,276 @@
+//! One seed's world: the store host, the server instances, the client hosts and the probe on
+//! turmoil, driven step by step while the schedule's faults are applied at their times.
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Once};
+use std::time::Duration;
+
+use idempotency_layer::conformance::{FaultStore, Rule};
+use idempotency_layer::MemoryStore;
+
+use crate::app::{run_server, Shared};
+use crate::client::{run_client, run_probe, ReadyGate};
+use crate::ledger::{Ledger, Observed, PanicRecord};
+use crate::schedule::{Fault, Schedule};
+use crate::store_host::{store_pair, Backing};
+use crate::tag::AttemptTags;
+
+/// The simulation's tick: every timer fires on a multiple of it.
+pub const TICK: Duration = Duration::from_millis(5);
+
+/// The longest a seed may run in simulated time; a call still open then has hung.
+pub const SIM_LIMIT: Duration = Duration::from_secs(900);
+
+thread_local! {
+    static CURRENT: RefCell<Option<Ledger>> = const { RefCell::new(None) };
+}
+
+/// Installs (once) a panic hook that records panics in the ledger of the seed running on this
+/// thread, and prints the others as usual.
+fn hook_panics() {
+    static HOOK: Once = Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let ledger = CURRENT.with(|c| c.borrow().clone());
+            match ledger {
+                Some(ledger) => {
+                    let message = info
+                        .payload()
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| info.payload().downcast_ref::<String>().cloned())
+                        .unwrap_or_default();
+                    let location = info
+                        .location()
+                        .map(|l| format!("{}:{}", l.file(), l.line()))
+                        .unwrap_or_default();
+                    ledger.event(format!("panic at {location}: {message}"));
+                    ledger.lock().panics.push(PanicRecord { location, message });
+                }
+                None => previous(info),
+            }
+        }));
+    });
+}
+
+/// What a seed's run left: the schedule, what was observed, and whether the simulation itself
+/// ended cleanly.
+#[derive(Debug)]
+pub struct Run {
+    /// The schedule.
+    pub schedule: Arc<Schedule>,
+    /// What happened.
+    pub observed: Observed,
+    /// An error of the simulation itself (a host's software failed, the time limit).
+    pub sim_error: Option<String>,
+    /// What each attempt's `begin` calls answered.
+    pub tags: AttemptTags,
+}
+
+enum Action {
+    Start(usize),
+    Heal(usize),
+}
+
+/// Runs `schedule` to its end.
+pub fn run(schedule: Schedule) -> Run {
+    hook_panics();
+    let schedule = Arc::new(schedule);
+    let ledger = Ledger::default();
+    CURRENT.with(|c| *c.borrow_mut() = Some(ledger.clone()));
+    let tags = AttemptTags::default();
+    let sim_error = drive(&schedule, &ledger, &tags);
+    CURRENT.with(|c| *c.borrow_mut() = None);
+    let observed = std::mem::take(&mut *ledger.lock());
+    Run {
+        schedule,
+        observed,
+        sim_error,
+        tags,
+    }
+}
+
+fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Option<String> {
+    let s = &schedule.settings;
+    let mut sim = turmoil::Builder::new()
+        .rng_seed(schedule.seed)
+        .simulation_duration(SIM_LIMIT)
+        .tick_duration(TICK)
+        .min_message_latency(Duration::from_millis(1))
+        .max_message_latency(Duration::from_millis(20))
+        .build();
+
+    let store: Backing = FaultStore::new(MemoryStore::new());
+    let (store_host, link) = store_pair(store.clone(), tags.clone());
+    sim.host("store", move || store_host.clone().run());
+
+    let shared = Shared::new(schedule, ledger.clone());
+    for server in 0..s.servers {
+        let boots = Arc::new(AtomicU32::new(0));
+        let (schedule, shared, link) = (schedule.clone(), shared.clone(), link.clone());
+        sim.host(format!("server{server}"), move || {
+            let boot = boots.fetch_add(1, Ordering::SeqCst);
+            run_server(
+                schedule.clone(),
+                shared.clone(),
+                link.clone(),
+                server,
+                boot,
+            )
+        });
+    }
+
+    let gates: Vec<ReadyGate> = (0..s.clients).map(|_| ReadyGate::default()).collect();
+    let done = Arc::new(AtomicUsize::new(0));
+    let watchdog = crate::invariants::call_bound(schedule) + Duration::from_secs(10);
+    for (client, gate) in gates.iter().enumerate() {
+        let (schedule, ledger, gate, done) =
+            (schedule.clone(), ledger.clone(), gate.clone(), done.clone());
+        sim.client(format!("client{client}"), async move {
+            let r = run_client(schedule, ledger, client, gate, watchdog).await;
+            done.fetch_add(1, Ordering::SeqCst);
+            r
+        });
+    }
+    let go = Arc::new(AtomicBool::new(false));
+    sim.client(
+        "probe",
+        run_probe(schedule.clone(), ledger.clone(), go.clone()),
+    );
+
+    // The faults' starts and heals, in time order.
+    let mut actions: Vec<(Duration, Action)> = Vec::new();
+    for (i, t) in schedule.faults.iter().enumerate() {
+        actions.push((t.at, Action::Start(i)));
+        if let Some(heal) = t.heal {
+            actions.push((heal, Action::Heal(i)));
+        }
+    }
+    actions.sort_by_key(|(at, _)| *at);
+    let mut actions = actions.into_iter().peekable();
+    let mut active = vec![false; schedule.faults.len()];
+    let mut probing = false;
+
+    loop {
+        let finished = match sim.step() {
+            Ok(finished) => finished,
+            Err(e) => return Some(e.to_string()),
+        };
+        if finished {
+            return None;
+        }
+        let now = sim.elapsed();
+        while let Some((_, action)) = actions.next_if(|(at, _)| *at <= now) {
+            if probing {
+                continue;
+            }
+            match action {
+                Action::Start(i) => {
+                    active[i] = true;
+                    apply(&mut sim, &store, &gates, ledger, schedule.faults[i].fault, true);
+                }
+                Action::Heal(i) => {
+                    active[i] = false;
+                    apply(&mut sim, &store, &gates, ledger, schedule.faults[i].fault, false);
+                    // Healing the store removes every rule: put back the ones still active.
+                    for (j, t) in schedule.faults.iter().enumerate() {
+                        if active[j] && matches!(t.fault, Fault::Store { .. }) {
+                            inject(&store, t.fault);
+                        }
+                    }
+                }
+            }
+        }
+        if !probing && done.load(Ordering::SeqCst) == s.clients {
+            // Every call has ended: heal everything, then probe each server.
+            probing = true;
+            for (i, t) in schedule.faults.iter().enumerate() {
+                if active[i] {
+                    active[i] = false;
+                    apply(&mut sim, &store, &gates, ledger, t.fault, false);
+                }
+            }
+            ledger.event_at(now, "all calls ended; faults healed; probing");
+            go.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+fn inject(store: &Backing, fault: Fault) {
+    if let Fault::Store { op, fault } = fault {
+        store.inject(match op {
+            Some(op) => Rule::new(op, fault),
+            None => Rule::every_op(fault),
+        });
+    }
+}
+
+fn apply(
+    sim: &mut turmoil::Sim<'_>,
+    store: &Backing,
+    gates: &[ReadyGate],
+    ledger: &Ledger,
+    fault: Fault,
+    start: bool,
+) {
+    let verb = if start { "start" } else { "heal" };
+    ledger.event_at(sim.elapsed(), format!("fault {verb}: {fault:?}"));
+    match fault {
+        Fault::Partition { client, server } => {
+            let (a, b) = (format!("client{client}"), format!("server{server}"));
+            if start {
+                ledger.fault("network: partition");
+                sim.partition(a.as_str(), b.as_str());
+            } else {
+                sim.repair(a.as_str(), b.as_str());
+            }
+        }
+        Fault::Hold { client, server } => {
+            let (a, b) = (format!("client{client}"), format!("server{server}"));
+            if start {
+                ledger.fault("network: hold (half-open)");
+                sim.hold(a.as_str(), b.as_str());
+            } else {
+                sim.release(a.as_str(), b.as_str());
+            }
+        }
+        Fault::Crash { server } => {
+            let name = format!("server{server}");
+            if start {
+                if sim.is_host_running(name.as_str()) {
+                    ledger.fault("host: server crash");
+                    sim.crash(name.as_str());
+                    let at = sim.elapsed();
+                    ledger.lock().crashes.entry(server).or_default().push(at);
+                }
+            } else if !sim.is_host_running(name.as_str()) {
+                sim.bounce(name.as_str());
+            }
+        }
+        Fault::Store { fault: f, .. } => {
+            if start {
+                ledger.fault(match f {
+                    idempotency_layer::conformance::Fault::Fail => "store: error",
+                    idempotency_layer::conformance::Fault::Delay(_) => "store: delay",
+                    idempotency_layer::conformance::Fault::LoseReply => "store: lost reply",
+                    idempotency_layer::conformance::Fault::Full => "store: full",
+                    idempotency_layer::conformance::Fault::Hang => "store: hang",
+                    _ => "store: other",
+                });
+                inject(store, fault);
+            } else {
+                store.heal();
+            }
+        }
+        Fault::NotReady { client } => {
+            if start {
+                ledger.fault("readiness: client service not ready");
+                gates[client].close();
+            } else {
+                gates[client].open();
+            }
+        }
+    }
+}
