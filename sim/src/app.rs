@@ -140,14 +140,19 @@ async fn write(
     }
     // The side effect commits here, then the handler answers.
     let body = response_body(&scope, n, intent.response_len);
-    ledger.lock().executions.entry(scope.clone()).or_default().push(Execution {
-        server: app.server,
-        boot: app.boot,
-        at: now(),
-        attempt,
-        status: 201,
-        body: body.to_vec(),
-    });
+    ledger
+        .lock()
+        .executions
+        .entry(scope.clone())
+        .or_default()
+        .push(Execution {
+            server: app.server,
+            boot: app.boot,
+            at: now(),
+            attempt,
+            status: 201,
+            body: body.to_vec(),
+        });
     ledger.event(format!("{}/{} execution {n} committed", scope.0, scope.1));
     let body = SimBody {
         data: body,

@@ -78,7 +78,12 @@ where
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         if self.gate.0.closed.load(Ordering::SeqCst) {
-            self.gate.0.wakers.lock().expect("gate").push(cx.waker().clone());
+            self.gate
+                .0
+                .wakers
+                .lock()
+                .expect("gate")
+                .push(cx.waker().clone());
             return Poll::Pending;
         }
         self.inner.poll_ready(cx)
@@ -268,11 +273,14 @@ pub async fn run_probe(
     let hyper: Client<SimConnector, Full<Bytes>> = builder.build(SimConnector);
     for server in 0..schedule.settings.servers {
         let key = format!("probe-{:x}-{server}", schedule.seed);
-        let req = Request::post(format!("http://server{server}:{}/w/{key}", crate::net::PORT))
-            .header(idempotency_layer::X_IDEMPOTENCY_KEY, &key)
-            .header(TENANT_HEADER, "probe")
-            .body(Full::new(Bytes::from_static(b"probe")))
-            .expect("a valid request");
+        let req = Request::post(format!(
+            "http://server{server}:{}/w/{key}",
+            crate::net::PORT
+        ))
+        .header(idempotency_layer::X_IDEMPOTENCY_KEY, &key)
+        .header(TENANT_HEADER, "probe")
+        .body(Full::new(Bytes::from_static(b"probe")))
+        .expect("a valid request");
         let answer = tokio::time::timeout(Duration::from_secs(30), hyper.request(req)).await;
         let result = match answer {
             Ok(Ok(resp)) => Ok(resp.status().as_u16()),

@@ -105,7 +105,10 @@ fn calls_end(run: &Run, v: &mut Verdict) {
                 promise: 1,
                 cause: "a call never got an answer",
                 scope,
-                detail: format!("client {} started at {:?}, bound {bound:?}", c.client, c.start),
+                detail: format!(
+                    "client {} started at {:?}, bound {bound:?}",
+                    c.client, c.start
+                ),
             }),
             (Some(head), end) => {
                 if *head - c.start > bound {
@@ -169,7 +172,9 @@ fn runs_once(run: &Run, v: &mut Verdict) {
                     detail: format!("execution {} of {}", k + 1, execs.len()),
                 });
             } else if crash {
-                *v.exceptions.entry(Exception::CrashBeforeRecord).or_default() += 1;
+                *v.exceptions
+                    .entry(Exception::CrashBeforeRecord)
+                    .or_default() += 1;
             } else if fail_open {
                 *v.exceptions.entry(Exception::FailOpen).or_default() += 1;
             } else {

@@ -194,8 +194,12 @@ impl Schedule {
                 OnDisconnect::Complete
             },
             fail_open: r.u8(..4) == 0,
-            lease: pick(r, 3, |r| Duration::from_millis(500 + 500 * u64::from(r.u8(..8)))),
-            deadline: pick(r, 2, |r| Duration::from_millis(300 + 250 * u64::from(r.u8(..24)))),
+            lease: pick(r, 3, |r| {
+                Duration::from_millis(500 + 500 * u64::from(r.u8(..8)))
+            }),
+            deadline: pick(r, 2, |r| {
+                Duration::from_millis(300 + 250 * u64::from(r.u8(..24)))
+            }),
             hedging: false,
             server_limit: pick(r, 4, |r| 1 + r.usize(..3)),
             servers: 2 + r.usize(..2),
@@ -229,7 +233,12 @@ impl Schedule {
                     cancel_after: pick(r, 8, |r| Duration::from_millis(r.u64(1..2000))),
                 })
                 .collect();
-            let first = draw_handler(r, response_len);
+            let mut first = draw_handler(r, response_len);
+            if settings.server_limit.is_some() && first == Handler::NeverEnds {
+                // A handler that never ends holds its permit for good: the server's limit is
+                // then the application's own wedge, not the layer's.
+                first = Handler::Slow(Duration::from_secs(10));
+            }
             intents.push(Intent {
                 key,
                 tenant,

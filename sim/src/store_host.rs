@@ -85,8 +85,11 @@ impl StoreLink {
             if sent.is_err() {
                 return Err(StoreError::Backend("the store host is gone".into()));
             }
-            rx.await
-                .unwrap_or_else(|_| Err(StoreError::Backend("the store host dropped the call".into())))
+            rx.await.unwrap_or_else(|_| {
+                Err(StoreError::Backend(
+                    "the store host dropped the call".into(),
+                ))
+            })
         }
     }
 }
@@ -111,8 +114,7 @@ impl IdempotencyStore for StoreLink {
         let attempt = AttemptTags::current();
         let tags = self.tags.clone();
         let call = self.run(move |s| async move {
-            s.begin_for_tenant(tenant, scope, fingerprint, lease)
-                .await
+            s.begin_for_tenant(tenant, scope, fingerprint, lease).await
         });
         async move {
             let begun = call.await;

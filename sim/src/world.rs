@@ -112,13 +112,7 @@ fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Optio
         let (schedule, shared, link) = (schedule.clone(), shared.clone(), link.clone());
         sim.host(format!("server{server}"), move || {
             let boot = boots.fetch_add(1, Ordering::SeqCst);
-            run_server(
-                schedule.clone(),
-                shared.clone(),
-                link.clone(),
-                server,
-                boot,
-            )
+            run_server(schedule.clone(), shared.clone(), link.clone(), server, boot)
         });
     }
 
@@ -169,11 +163,25 @@ fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Optio
             match action {
                 Action::Start(i) => {
                     active[i] = true;
-                    apply(&mut sim, &store, &gates, ledger, schedule.faults[i].fault, true);
+                    apply(
+                        &mut sim,
+                        &store,
+                        &gates,
+                        ledger,
+                        schedule.faults[i].fault,
+                        true,
+                    );
                 }
                 Action::Heal(i) => {
                     active[i] = false;
-                    apply(&mut sim, &store, &gates, ledger, schedule.faults[i].fault, false);
+                    apply(
+                        &mut sim,
+                        &store,
+                        &gates,
+                        ledger,
+                        schedule.faults[i].fault,
+                        false,
+                    );
                     // Healing the store removes every rule: put back the ones still active.
                     for (j, t) in schedule.faults.iter().enumerate() {
                         if active[j] && matches!(t.fault, Fault::Store { .. }) {

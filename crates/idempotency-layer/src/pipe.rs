@@ -133,6 +133,21 @@ impl Pipe {
         wake(reader);
     }
 
+    /// The body's reader was dropped before it ended it (its task cancelled, its runtime shut
+    /// down): the client gets `error` instead of waiting for an end that will never come. Once
+    /// the body has ended or failed, this does nothing.
+    pub(crate) fn abandon(&self, error: impl FnOnce() -> BoxError) {
+        let reader = {
+            let mut st = self.lock();
+            if !matches!(st.end, End::Open) {
+                return;
+            }
+            st.end = End::Failed(Some(error()));
+            st.reader.take()
+        };
+        wake(reader);
+    }
+
     /// The body broke off: the client gets `error` after the frames it has not taken.
     pub(crate) fn fail(&self, error: BoxError) {
         let reader = {

@@ -22,6 +22,7 @@
 //! its answer, and hands that answer to the duplicates that were waiting for it.
 
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -54,6 +55,8 @@ pub(crate) struct ResponseRecorder<B> {
     /// Content-Length): the frame that reaches it is the last, whether or not the body says so.
     stops_at: Option<u64>,
     seen: u64,
+    /// The handler's body panicked: it is never polled again.
+    panicked: bool,
 }
 
 /// How a recording started: the response's body, and the record's store operation when the
@@ -110,6 +113,7 @@ where
             record,
             stops_at,
             seen: 0,
+            panicked: false,
         }
     }
 
@@ -126,7 +130,7 @@ where
                 store: self.ended(),
             };
         }
-        let first = match self.body.as_mut().poll_frame(cx) {
+        let first = match self.poll_body(cx) {
             Poll::Pending => return self.pump(Vec::new()),
             Poll::Ready(None) => {
                 return Started {
@@ -138,7 +142,7 @@ where
             Poll::Ready(Some(Err(e))) => {
                 return Started {
                     store: self.broken("the response body failed at its first frame"),
-                    body: IdempotencyBody::failed(e.into()),
+                    body: IdempotencyBody::failed(e),
                 }
             }
         };
@@ -156,7 +160,7 @@ where
         // few polls is answered whole too, with no task of its own.
         let mut read = vec![first];
         for _ in 0..AT_HAND_POLLS {
-            match self.body.as_mut().poll_frame(cx) {
+            match self.poll_body(cx) {
                 Poll::Pending => break,
                 Poll::Ready(None) => return self.whole(read),
                 Poll::Ready(Some(Ok(frame))) => {
@@ -172,13 +176,31 @@ where
                     let declared = self.declared(&read);
                     let store = self.broken("the response body failed");
                     let pipe = Pipe::new(declared, read, 0);
-                    pipe.fail(e.into());
+                    pipe.fail(e);
                     let body = IdempotencyBody::recorded(PipeReader::new(pipe, None));
                     return Started { body, store };
                 }
             }
         }
         self.pump(read)
+    }
+
+    /// Polls the handler's body for its next frame. A panic in the body is its failure like any
+    /// other (an error frame), not the layer's: the recording then settles the claim as for a
+    /// body that broke off there, the client gets the error, and the body is never polled again.
+    fn poll_body(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.panicked {
+            return Poll::Ready(Some(Err(body_panicked())));
+        }
+        let body = self.body.as_mut();
+        match std::panic::catch_unwind(AssertUnwindSafe(|| body.poll_frame(cx))) {
+            Ok(frame) => frame.map(|f| f.map(|r| r.map_err(Into::into))),
+            Err(_) => {
+                self.panicked = true;
+                tracing::error!("idempotency: the handler's response body panicked");
+                Poll::Ready(Some(Err(body_panicked())))
+            }
+        }
     }
 
     /// The body ended with the frames `read`: recorded now, answered as one data frame (the
@@ -291,6 +313,7 @@ where
                 recording: self,
                 pipe: pipe.clone(),
                 permit: None,
+                _open: OpenUntilEnded(pipe.clone()),
             }
             .run(),
         );
@@ -340,6 +363,18 @@ struct Pump<B> {
     pipe: Arc<Pipe>,
     /// Held once the client has gone: this reading is then detached work.
     permit: Option<DetachedPermit>,
+    _open: OpenUntilEnded,
+}
+
+/// Fails the pipe if the pump is dropped before it ended it (its task was cancelled, or its
+/// runtime shut down): the client then gets an error, never a body that waits forever.
+struct OpenUntilEnded(Arc<Pipe>);
+
+impl Drop for OpenUntilEnded {
+    fn drop(&mut self) {
+        self.0
+            .abandon(|| "the idempotency layer stopped reading the response body".into());
+    }
 }
 
 /// What the pump does next.
@@ -375,11 +410,7 @@ where
                     }
                     Room::Free | Room::ReaderGone => {}
                 }
-                self.recording
-                    .body
-                    .as_mut()
-                    .poll_frame(cx)
-                    .map(|f| Step::Frame(f.map(|r| r.map_err(Into::into))))
+                self.recording.poll_body(cx).map(Step::Frame)
             })
             .await;
             match step {
@@ -435,6 +466,10 @@ async fn finish(store: Option<StoreOp>, then: impl FnOnce()) {
         store.await;
     }
     then();
+}
+
+fn body_panicked() -> BoxError {
+    "the handler's response body panicked".into()
 }
 
 fn gone() -> BoxError {

@@ -1068,3 +1068,85 @@ async fn a_client_that_drops_the_response_mid_body_gets_the_replay() {
         }
     }
 }
+
+/// A handler answers 201, then its body panics: at its first poll (inside the layer's own read
+/// before the head goes out) or later (in the task that reads the rest). Over both transports
+/// the call ends with an error instead of waiting forever, the 201 is recorded as a body that
+/// breaks off after a recorded head is (without its body), and a retry gets that replay: the
+/// handler never runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_panics_after_its_201_head_ends_the_call_and_never_runs_again() {
+    use http_body_util::BodyExt;
+
+    for transport in TRANSPORTS {
+        for late in [false, true] {
+            let case = format!(
+                "{transport:?}, panics {}",
+                if late { "late" } else { "at once" }
+            );
+            let counts = Counts::default();
+            let router = orders(&counts, move |counts| async move {
+                counts.started.fetch_add(1, Ordering::SeqCst);
+                let frames = futures_util::stream::unfold(0u8, move |step| async move {
+                    match step {
+                        0 if late => {
+                            Some((Ok::<_, Infallible>(Frame::data(Bytes::from("part"))), 1))
+                        }
+                        _ => {
+                            if late {
+                                tokio::time::sleep(Duration::from_millis(20)).await;
+                            }
+                            panic!("the response body panics (expected by the test)")
+                        }
+                    }
+                });
+                Response::builder()
+                    .status(StatusCode::CREATED)
+                    .header("content-length", "100")
+                    .body(Body::new(StreamBody::new(frames)))
+                    .unwrap()
+            });
+            let addr = serve(router.layer(layer(OnDisconnect::Complete, InFlight::Wait))).await;
+            let client = client(transport);
+            let req = || {
+                Request::post(format!("http://{addr}/orders"))
+                    .header("x-idempotency-key", "order-body-panics")
+                    .body(Full::new(Bytes::from_static(b"{}")))
+                    .unwrap()
+            };
+            let read = async {
+                let res = client.request(req()).await.map_err(|e| e.to_string())?;
+                let status = res.status();
+                res.into_body()
+                    .collect()
+                    .await
+                    .map(|_| status)
+                    .map_err(|e| e.to_string())
+            };
+            let first = tokio::time::timeout(Duration::from_secs(20), read)
+                .await
+                .unwrap_or_else(|_| panic!("{case}: the call never ended"));
+            assert!(
+                first.is_err(),
+                "{case}: the body ends in an error: {first:?}"
+            );
+
+            let retry = tokio::time::timeout(Duration::from_secs(20), client.request(req()))
+                .await
+                .expect("a retry answered within 20 s")
+                .expect("a response");
+            let retry = collect(retry).await;
+            assert_eq!(retry.status, StatusCode::CREATED, "{case}: {retry:?}");
+            assert!(retry.replayed(), "{case}: the retry is a replay: {retry:?}");
+            assert_eq!(
+                retry
+                    .headers
+                    .get("idempotent-body-omitted")
+                    .map(|v| v.as_bytes()),
+                Some(&b"true"[..]),
+                "{case}: recorded without its body"
+            );
+            assert_eq!(counts.started(), 1, "{case}: the handler ran once");
+        }
+    }
+}
