@@ -6,6 +6,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::time::Instant;
 
@@ -16,7 +17,7 @@ use crate::shared::Shared;
 use crate::stats::Counters;
 use crate::store::{
     retry_through_outage, Backend, Begin, Fingerprint, IdempotencyStore, Record, ScopeKey,
-    StoreError, Token,
+    StoreError, Token, FOREVER,
 };
 use crate::waiters::SharedFailure;
 
@@ -46,6 +47,30 @@ trait ClaimStore: Send + Sync + 'static {
     fn settle(self: Arc<Self>, held: Held, fingerprint: Fingerprint) -> SettleFuture;
 }
 
+/// Stores `record` in place of `held`'s claim, retrying through a store outage for at most
+/// `within`.
+async fn complete_through_outage<St: IdempotencyStore>(
+    store: &St,
+    held: &Held,
+    record: &Arc<Record>,
+    within: Duration,
+) -> Result<(), StoreError> {
+    let (scope, token, ttl) = (held.scope, held.token, held.config.ttl);
+    let kind = store.backend();
+    let op = || {
+        observe::timed(
+            Op::Complete,
+            kind,
+            store.complete(scope, token, record.clone(), ttl),
+        )
+    };
+    let done = retry_through_outage(within, "complete", op).await;
+    if done.is_ok() {
+        tracing::debug!(?scope, "idempotency: recorded");
+    }
+    done
+}
+
 /// [`Claim::settle`]'s store operations, boxed once.
 pub(crate) type SettleFuture = Pin<Box<dyn Future<Output = Settled> + Send + 'static>>;
 
@@ -70,26 +95,39 @@ impl Drop for Held {
 impl<St: IdempotencyStore> ClaimStore for St {
     fn complete(self: Arc<Self>, held: Held, record: Record) -> BoxFuture {
         Box::pin(async move {
-            let (store, scope, token, ttl) = (&*self, held.scope, held.token, held.config.ttl);
             // Shared, so that a retry through an outage resends it without copying it.
             let record = Arc::new(record);
-            let kind = store.backend();
-            let op = || {
-                observe::timed(
-                    Op::Complete,
-                    kind,
-                    store.complete(scope, token, record.clone(), ttl),
-                )
-            };
-            // Through a brief store outage, while the lease could still hold (the renewal keeps
-            // running meanwhile).
-            let counters = &held.shared.counters;
-            match retry_through_outage(held.config.lease, "complete", op).await {
-                Ok(()) => {
-                    counters.recorded();
-                    tracing::debug!(?scope, "idempotency: recorded");
+            let kind = self.backend();
+            // Through a brief store outage for one lease, which the final frame waits for.
+            match complete_through_outage(&*self, &held, &record, held.config.lease).await {
+                Ok(()) => held.shared.counters.recorded(),
+                // Still down: the write has run, so the claim must not lapse while its record
+                // can still land. The renewal keeps running, and the record is resent in the
+                // background for as long as the claim may live: while the store renews the
+                // lease no duplicate can take the claim over, and it gets the record once the
+                // store answers again. (Giving up here would let the lease lapse under a write
+                // that ran, and a retry would run it again.)
+                Err(StoreError::Backend(_))
+                    if held.until.is_none_or(|until| until > Instant::now()) =>
+                {
+                    let rest = held.until.map_or(FOREVER, |until| {
+                        until.saturating_duration_since(Instant::now())
+                    });
+                    tracing::warn!(
+                        scope = ?held.scope,
+                        "idempotency: the store did not take a record within one lease; \
+                         resending it in the background while the claim lives"
+                    );
+                    tokio::spawn(async move {
+                        match complete_through_outage(&*self, &held, &record, rest).await {
+                            Ok(()) => held.shared.counters.recorded(),
+                            Err(e) => {
+                                log_store_error(&held.shared.counters, kind, Op::Complete, &e)
+                            }
+                        }
+                    });
                 }
-                Err(e) => log_store_error(counters, kind, Op::Complete, &e),
+                Err(e) => log_store_error(&held.shared.counters, kind, Op::Complete, &e),
             }
         })
     }

@@ -966,3 +966,48 @@ async fn a_drain_ends_at_its_grace() {
     assert_eq!(started.elapsed(), Duration::from_secs(30));
     hung.abort();
 }
+
+/// The store refuses every `complete` for longer than a lease (its renewals still work): the
+/// write has run, so its claim must not lapse. The leader's answer waits one lease, then the
+/// record is resent in the background while the renewal keeps the claim; a duplicate waits for
+/// it and gets the replay once the store takes it. Nothing runs twice.
+#[tokio::test(start_paused = true)]
+async fn a_record_the_store_refuses_for_longer_than_a_lease_lands_later_and_nothing_runs_twice() {
+    let store = FaultStore::new(MemoryStore::new());
+    store.inject(Rule::new(Op::Complete, Fault::Fail));
+    let layer = IdempotencyLayer::new(store.clone())
+        .default_tenant("t")
+        .lease(Duration::from_millis(500));
+    let executions = Arc::new(AtomicUsize::new(0));
+    let svc = layer.layer(counting(&executions));
+    let req = || {
+        Request::post("/orders")
+            .header("x-idempotency-key", "order-complete-outage")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap()
+    };
+    let first = tokio::time::timeout(Duration::from_secs(5), svc.clone().oneshot(req()))
+        .await
+        .expect("the leader answers after one lease of retries")
+        .unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    // Well past the lease: a duplicate finds the claim still held, and waits.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let duplicate = tokio::spawn(svc.clone().oneshot(req()));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    store.heal();
+    let replay = tokio::time::timeout(Duration::from_secs(10), duplicate)
+        .await
+        .expect("the duplicate answered once the record landed")
+        .unwrap()
+        .unwrap();
+    assert_eq!(replay.status(), StatusCode::CREATED);
+    assert_eq!(
+        replay
+            .headers()
+            .get("idempotent-replayed")
+            .map(|v| v.as_bytes()),
+        Some(&b"true"[..])
+    );
+    assert_eq!(executions.load(Ordering::SeqCst), 1, "the write ran once");
+}
