@@ -162,6 +162,7 @@ where
         mut service: S,
         shared: Arc<Shared>,
         req: Request<B>,
+        waited: std::time::Duration,
     ) -> (Self, Option<S::Future>, Timer, Span) {
         let policy = &shared.policy;
         let (mut parts, body) = req.into_parts();
@@ -169,7 +170,9 @@ where
         // this service is serving would tell the hop below that a first attempt is a retry.
         remove_attempt_headers(&mut parts);
         let judged = judge(policy, &mut parts, None);
-        let deadline = deadline_of(&parts, judged.grpc, policy.total_timeout);
+        // The total timeout counts from when the caller began to wait for the service.
+        let total = policy.total_timeout.map(|t| t.saturating_sub(waited));
+        let deadline = deadline_of(&parts, judged.grpc, total);
         if judged.grpc {
             rewrite_grpc_timeout(&mut parts, deadline, policy.attempt_timeout);
         }

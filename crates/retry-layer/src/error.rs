@@ -29,6 +29,40 @@ impl fmt::Display for DeadlineExceeded {
 
 impl std::error::Error for DeadlineExceeded {}
 
+/// The inner service did not become ready within
+/// [`response_head_timeout`](crate::RetryPolicyBuilder::response_head_timeout) (the bound on a
+/// call's wait for readiness when it has no `total_timeout`): nothing was sent. A tonic
+/// `Channel` stays not ready while it cannot connect; a `ConcurrencyLimit`, while its permits
+/// are held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServiceNotReady {
+    waited: std::time::Duration,
+}
+
+impl ServiceNotReady {
+    pub(crate) fn new(waited: std::time::Duration) -> Self {
+        ServiceNotReady { waited }
+    }
+
+    /// How long the call waited for the service.
+    pub fn waited(&self) -> std::time::Duration {
+        self.waited
+    }
+}
+
+impl fmt::Display for ServiceNotReady {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "the inner service did not become ready within {:?}; nothing was sent (is the \
+             backend reachable? set total_timeout to bound the wait by the call's deadline)",
+            self.waited
+        )
+    }
+}
+
+impl std::error::Error for ServiceNotReady {}
+
 /// The last attempt hit `attempt_timeout`; earlier ones, if any, failed too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct AttemptTimedOut {

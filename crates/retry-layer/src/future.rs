@@ -75,8 +75,15 @@ where
     B::Error: Into<BoxError>,
 {
     /// Sends the first attempt on `service` (which must be ready).
-    pub(crate) fn new(service: S, shared: std::sync::Arc<Shared>, req: Request<B>) -> Self {
-        let (call, future, timer, call_span) = Call::start(service, shared, req);
+    /// `waited`: how long the caller waited for `service` to become ready (the call's
+    /// `total_timeout` counts from the start of that wait).
+    pub(crate) fn new(
+        service: S,
+        shared: std::sync::Arc<Shared>,
+        req: Request<B>,
+        waited: std::time::Duration,
+    ) -> Self {
+        let (call, future, timer, call_span) = Call::start(service, shared, req, waited);
         let attempt_span = observe::attempt_span(&call_span, call.grpc(), 0);
         let state = match future {
             Some(future) => State::Called { future },

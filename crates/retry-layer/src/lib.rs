@@ -350,6 +350,7 @@ pub mod hop;
 mod layer;
 mod observe;
 mod policy;
+mod ready;
 mod request;
 #[cfg(feature = "reqwest")]
 pub mod reqwest;
@@ -362,7 +363,9 @@ pub mod tonic;
 pub use body::{BodyNotReplayable, ReplayBody};
 pub use deadline::Deadline;
 pub use derived_key::KeyLabel;
-pub use error::{AttemptTimedOut, DeadlineExceeded, ResponseHeadTimedOut, RetryError, RetryInfo};
+pub use error::{
+    AttemptTimedOut, DeadlineExceeded, ResponseHeadTimedOut, RetryError, RetryInfo, ServiceNotReady,
+};
 pub use future::ResponseFuture;
 pub use layer::RetryLayer;
 pub use policy::{

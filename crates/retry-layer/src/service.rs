@@ -9,9 +9,10 @@ use reason_code::BoxError;
 use tower_service::Service;
 
 use crate::body::ReplayBody;
-use crate::error::RetryError;
+use crate::error::{DeadlineExceeded, RetryError};
 use crate::future::ResponseFuture;
 use crate::policy::RetryPolicy;
+use crate::ready::ReadyBound;
 use crate::shared::Shared;
 use crate::stats::RetryStats;
 
@@ -23,6 +24,7 @@ use crate::stats::RetryStats;
 pub struct Retry<S> {
     inner: S,
     shared: Arc<Shared>,
+    ready: ReadyBound,
 }
 
 impl<S> Retry<S> {
@@ -32,7 +34,11 @@ impl<S> Retry<S> {
     }
 
     pub(crate) fn from_shared(inner: S, shared: Arc<Shared>) -> Self {
-        Retry { inner, shared }
+        Retry {
+            inner,
+            shared,
+            ready: ReadyBound::default(),
+        }
     }
 
     /// The counters shared with the layer and its other services.
@@ -54,10 +60,21 @@ where
     type Error = BoxError;
     type Future = ResponseFuture<S, B>;
 
+    /// Waits for the inner service, for at most the policy's `total_timeout` or else its
+    /// `response_head_timeout`: past that, a classified error ([`DeadlineExceeded`] or
+    /// [`ServiceNotReady`](crate::ServiceNotReady)) and nothing sent.
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.inner
-            .poll_ready(cx)
-            .map_err(|e| Box::new(RetryError::new(e.into(), 0, None)) as BoxError)
+        let policy = &self.shared.policy;
+        let (total, head) = (policy.total_timeout, policy.response_head_timeout);
+        self.ready
+            .poll_ready(&mut self.inner, cx, total, head)
+            .map_err(|e| {
+                if e.is::<DeadlineExceeded>() || e.is::<crate::ServiceNotReady>() {
+                    e
+                } else {
+                    Box::new(RetryError::new(e, 0, None)) as BoxError
+                }
+            })
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
@@ -66,6 +83,7 @@ where
         // when cloning inner services").
         let clone = self.inner.clone();
         let service = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::new(service, self.shared.clone(), req)
+        let waited = self.ready.take_waited();
+        ResponseFuture::new(service, self.shared.clone(), req, waited)
     }
 }

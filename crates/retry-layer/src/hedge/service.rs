@@ -16,6 +16,7 @@ use super::stats::incr;
 use crate::body::ReplayBody;
 use crate::deadline::{deadline_of, rewrite_grpc_timeout};
 use crate::error::DeadlineExceeded;
+use crate::ready::ReadyBound;
 use crate::request::{clone_parts, remove_attempt_headers};
 
 /// The service [`HedgeLayer`](super::HedgeLayer) makes. Its inner service takes
@@ -24,11 +25,16 @@ use crate::request::{clone_parts, remove_attempt_headers};
 pub struct Hedge<S> {
     inner: S,
     shared: Arc<HedgeShared>,
+    ready: ReadyBound,
 }
 
 impl<S> Hedge<S> {
     pub(super) fn from_shared(inner: S, shared: Arc<HedgeShared>) -> Self {
-        Hedge { inner, shared }
+        Hedge {
+            inner,
+            shared,
+            ready: ReadyBound::default(),
+        }
     }
 
     define_inner_service_accessors!();
@@ -45,8 +51,11 @@ where
     type Error = BoxError;
     type Future = ResponseFuture<S, B>;
 
+    /// Waits for the inner service for at most the policy's `response_head_timeout`: past
+    /// that, [`ServiceNotReady`](crate::ServiceNotReady) and nothing sent.
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
+        let head = self.shared.policy.response_head_timeout;
+        self.ready.poll_ready(&mut self.inner, cx, None, head)
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {

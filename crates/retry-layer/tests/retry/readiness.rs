@@ -113,3 +113,112 @@ async fn a_hook_that_never_finishes_ends_at_the_deadline() {
         assert_eq!(err.attempts(), 1);
     }
 }
+
+/// A service whose `poll_ready` never resolves (a Buffer whose worker keeps connecting to a
+/// host that does not answer), counting the calls that reach it.
+#[derive(Clone, Default)]
+struct NeverReady {
+    called: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Service<Request<ReplayBody<Full<Bytes>>>> for NeverReady {
+    type Response = http::Response<Full<Bytes>>;
+    type Error = std::io::Error;
+    type Future = std::future::Ready<Result<Self::Response, std::io::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), std::io::Error>> {
+        std::task::Poll::Pending
+    }
+
+    fn call(&mut self, _req: Request<ReplayBody<Full<Bytes>>>) -> Self::Future {
+        self.called
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        std::future::ready(Ok(http::Response::new(Full::new(Bytes::new()))))
+    }
+}
+
+fn post() -> Request<Full<Bytes>> {
+    Request::post("http://backend/orders")
+        .header("x-idempotency-key", "order-never-ready")
+        .body(Full::new(Bytes::new()))
+        .unwrap()
+}
+
+/// Readiness before the first attempt is bounded too: by `total_timeout` (a
+/// `DeadlineExceeded`), else by `response_head_timeout` (a `ServiceNotReady`), for `Retry`
+/// with the default policy and for `Hedge`; nothing reaches the service. (Before: the
+/// readiness was handed straight to the inner service and such a call waited forever.)
+#[tokio::test(start_paused = true)]
+async fn a_service_that_never_becomes_ready_ends_the_call_at_its_bound() {
+    let never = NeverReady::default();
+    let default = tower::Layer::layer(&RetryLayer::new(RetryPolicy::default()), never.clone());
+    let started = tokio::time::Instant::now();
+    let e = default.oneshot(post()).await.expect_err("never ready");
+    let not_ready = e
+        .downcast_ref::<retry_layer::ServiceNotReady>()
+        .unwrap_or_else(|| panic!("a ServiceNotReady: {e}"));
+    assert_eq!(not_ready.waited(), Duration::from_secs(60));
+    assert_eq!(started.elapsed(), Duration::from_secs(60));
+
+    let policy = RetryPolicy::builder()
+        .total_timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let bounded = tower::Layer::layer(&RetryLayer::new(policy), never.clone());
+    let started = tokio::time::Instant::now();
+    let e = bounded.oneshot(post()).await.expect_err("never ready");
+    assert!(e.is::<DeadlineExceeded>(), "a DeadlineExceeded: {e}");
+    assert_eq!(started.elapsed(), Duration::from_secs(1));
+
+    let hedge = retry_layer::hedge::HedgeLayer::new(retry_layer::hedge::HedgePolicy::default());
+    let hedged = tower::Layer::layer(&hedge, never.clone());
+    let e = hedged
+        .oneshot(
+            Request::get("http://backend/books")
+                .body(Full::new(Bytes::new()))
+                .unwrap(),
+        )
+        .await
+        .expect_err("never ready");
+    assert!(
+        e.is::<retry_layer::ServiceNotReady>(),
+        "a ServiceNotReady: {e}"
+    );
+    assert_eq!(never.called.load(std::sync::atomic::Ordering::SeqCst), 0);
+}
+
+/// The call's `total_timeout` counts from when its caller began to wait for the service: a
+/// call that waited 800 ms of its 1 s for readiness has 200 ms left for its attempts.
+#[tokio::test(start_paused = true)]
+async fn the_total_timeout_counts_the_wait_for_readiness() {
+    let svc = tower::service_fn(|_req: Request<ReplayBody<Full<Bytes>>>| async {
+        // The backend answers after 500 ms.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        Ok::<_, std::io::Error>(http::Response::new(Full::new(Bytes::new())))
+    });
+    let limited = tower::limit::ConcurrencyLimit::new(svc, 1);
+    // The only permit is held for 800 ms by another holder of the same semaphore-backed limit.
+    let mut holder = limited.clone();
+    holder.ready().await.unwrap();
+    let policy = RetryPolicy::builder()
+        .total_timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let retry = tower::Layer::layer(&RetryLayer::new(policy), limited);
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        drop(holder);
+    });
+    let started = tokio::time::Instant::now();
+    let e = retry.oneshot(post()).await.expect_err("past the deadline");
+    let deadline = std::iter::successors(Some(&*e as &(dyn std::error::Error + 'static)), |e| {
+        e.source()
+    })
+    .any(|e| e.is::<DeadlineExceeded>());
+    assert!(deadline, "a DeadlineExceeded: {e}");
+    assert_eq!(started.elapsed(), Duration::from_secs(1));
+    release.await.unwrap();
+}
