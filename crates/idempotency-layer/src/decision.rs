@@ -88,7 +88,9 @@ pub(crate) fn after_begin(found: Result<Begin, StoreError>, asking: &Asking) -> 
                 .into(),
         ),
         Err(StoreError::Full) => Next::Reject(RejectReason::StoreFull, STORE_FULL.into()),
-        Err(_) if asking.fail_open => Next::ExecuteUnprotected,
+        // Fail-open is for "we cannot know whether this ran": a request that has waited on its
+        // key knows a write for it was in flight, so it never runs unprotected.
+        Err(_) if asking.fail_open && !asking.waited => Next::ExecuteUnprotected,
         Err(_) => Next::Reject(RejectReason::StoreUnavailable, STORE_DOWN.into()),
     }
 }
@@ -163,6 +165,7 @@ mod tests {
         a_full_store_never_fails_open: Err(StoreError::Full), waited false, Wait, fail_open true => "reject store_full";
         a_store_down_fails_closed: Err(StoreError::Backend("down".into())), waited false, Wait, fail_open false => "reject store_unavailable";
         a_store_down_fails_open_when_set: Err(StoreError::Backend("down".into())), waited false, Wait, fail_open true => "execute unprotected";
+        a_waiter_never_fails_open: Err(StoreError::Backend("down".into())), waited true, Wait, fail_open true => "reject store_unavailable";
         a_fenced_begin_is_the_store_failing: Err(StoreError::Fenced), waited true, Wait, fail_open false => "reject store_unavailable";
     }
 }

@@ -262,7 +262,10 @@ where
                         // Boxed, like the leader's call: rare, and as large as the handler's
                         // future.
                         let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-                        let run = Box::pin(call_inner(self.inner, req));
+                        // As the inbound write of its scope, as a leader runs: derived keys of its
+                        // outbound writes stay the same whether or not the store answered.
+                        let run =
+                            Box::pin(InboundWrite::new(scope.0).scope(call_inner(self.inner, req)));
                         return Ok(run.await?.map(IdempotencyBody::inner));
                     }
                     Next::Wait(token) => token,

@@ -12,6 +12,10 @@ pub(super) fn shared_failure<B>(answer: &Record) -> Response<IdempotencyBody<B>>
     ));
     *res.status_mut() = answer.status;
     *res.headers_mut() = answer.headers.clone();
+    if answer.body_omitted {
+        // The body was not kept: its length no longer describes what is sent.
+        res.headers_mut().remove(CONTENT_LENGTH);
+    }
     res
 }
 
