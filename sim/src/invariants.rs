@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use crate::app::HANDLER_PANIC;
 use crate::ledger::{Ending, Execution, ScopeName};
-use crate::schedule::Schedule;
+use crate::schedule::{Fault, Schedule};
 use crate::world::{Run, TICK};
 
 /// With no deadline, the documented bound of a call with the default policy: three attempts,
@@ -124,7 +124,7 @@ fn calls_end(run: &Run, v: &mut Verdict) {
                         ),
                     });
                 }
-                if end.is_none() {
+                if end.is_none() && !network_cut(&run.schedule, c.client, *head) {
                     v.violations.push(Violation {
                         promise: 1,
                         cause: "a response body never ended",
@@ -138,6 +138,22 @@ fn calls_end(run: &Run, v: &mut Verdict) {
             }
         }
     }
+}
+
+/// Whether a partition, a held link or a server crash touched `client`'s links after `from`.
+/// turmoil's TCP does not retransmit: a segment lost there is lost for good, and a body read
+/// over that connection waits as it would on a real connection that died silently. The client
+/// layer does not bound an HTTP body (long streams stay alive), so such a read is not the
+/// layer's hang.
+fn network_cut(schedule: &Schedule, client: usize, from: Duration) -> bool {
+    schedule.faults.iter().any(|t| {
+        let touches = match t.fault {
+            Fault::Partition { client: c, .. } | Fault::Hold { client: c, .. } => c == client,
+            Fault::Crash { .. } => true,
+            _ => false,
+        };
+        touches && t.heal.is_none_or(|heal| heal >= from)
+    })
 }
 
 fn unprotected(run: &Run, e: &Execution) -> (bool, bool) {
