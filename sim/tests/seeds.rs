@@ -70,6 +70,10 @@ fn a_seed_replays_exactly() {
                 r.run.observed.calls, r.run.observed.executions, r.run.observed.trace
             )
         };
-        assert_eq!(fingerprint(&a), fingerprint(&b), "seed {seed} ran differently twice");
+        assert_eq!(
+            fingerprint(&a),
+            fingerprint(&b),
+            "seed {seed} ran differently twice"
+        );
     }
 }

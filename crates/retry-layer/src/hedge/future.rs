@@ -59,6 +59,10 @@ where
     sent: u32,
     /// When the next hedge is due; `None` when no more will be sent.
     next_hedge: Option<Instant>,
+    /// The budget granted the hedge that is due (asked before it waits for readiness).
+    granted: bool,
+    /// When the due hedge stops waiting for the service to become ready.
+    ready_by: Option<Instant>,
     /// The one timer: the next hedge, the deadline, or the earliest head due.
     timer: Option<Pin<Box<Sleep>>>,
     /// The last non-fatal result, the answer if nothing better comes.
@@ -113,6 +117,8 @@ where
             }],
             sent: 1,
             next_hedge: (plan.max_attempts > 1).then(|| instant_after(now, plan.delay)),
+            granted: false,
+            ready_by: None,
             timer: None,
             last: None,
         }
@@ -134,6 +140,8 @@ where
             attempts: Vec::new(),
             sent: 0,
             next_hedge: None,
+            granted: false,
+            ready_by: None,
             timer: None,
             last: Some(Err(error)),
         }
@@ -210,22 +218,30 @@ where
             self.next_hedge = None;
             return Poll::Ready(());
         };
+        // The budget first: a hedge it refuses reserves no capacity of the service.
+        if !self.granted {
+            if !self.shared.budget.withdraw() {
+                incr(&self.shared.stats.budget_refusals);
+                tracing::debug!("not hedging: the retry budget refused");
+                self.next_hedge = None;
+                return Poll::Ready(());
+            }
+            self.granted = true;
+        }
         match self.service.poll_ready(cx) {
             Poll::Pending => return Poll::Pending,
             Poll::Ready(Err(e)) => {
                 let e: BoxError = e.into();
                 tracing::debug!(error = %e, "not hedging: the service failed readiness");
                 self.next_hedge = None;
+                self.granted = false;
+                self.ready_by = None;
                 return Poll::Ready(());
             }
             Poll::Ready(Ok(())) => {}
         }
-        if !self.shared.budget.withdraw() {
-            incr(&self.shared.stats.budget_refusals);
-            tracing::debug!("not hedging: the retry budget refused");
-            self.next_hedge = None;
-            return Poll::Ready(());
-        }
+        self.granted = false;
+        self.ready_by = None;
         let mut parts = clone_parts(self.parts.as_ref().expect("hedged requests keep the head"));
         write_previous_attempts(&mut parts, self.plan.grpc, self.sent);
         if self.plan.grpc {
@@ -330,8 +346,20 @@ where
             }
             if this.next_hedge.is_some_and(|at| at <= now) {
                 if this.send_hedge(cx).is_pending() {
-                    // Waiting for readiness, bounded by the deadline and the heads due.
-                    match this.next_wake(None) {
+                    // Waiting for readiness, bounded by the deadline, the heads due and the
+                    // response head timeout (with no attempt in flight and no deadline, that
+                    // timer is the only one).
+                    let ready_by = *this.ready_by.get_or_insert_with(|| {
+                        instant_after(now, this.shared.policy.response_head_timeout)
+                    });
+                    if now >= ready_by {
+                        tracing::debug!("not hedging: the service did not become ready in time");
+                        this.next_hedge = None;
+                        this.ready_by = None;
+                        this.granted = false;
+                        continue;
+                    }
+                    match this.next_wake(Some(ready_by)) {
                         Some(at) if this.timer_fired(at, cx) => continue,
                         _ => return Poll::Pending,
                     }
