@@ -161,6 +161,8 @@ async fn write(
         plan,
         stall: None,
         stalled: false,
+        ledger: ledger.clone(),
+        name: format!("{}/{} execution {n}", scope.0, scope.1),
     };
     Response::builder()
         .status(StatusCode::CREATED)
@@ -191,6 +193,25 @@ struct SimBody {
     plan: Handler,
     stall: Option<Pin<Box<Sleep>>>,
     stalled: bool,
+    ledger: Ledger,
+    /// Its scope and execution, for the trace.
+    name: String,
+}
+
+impl Drop for SimBody {
+    fn drop(&mut self) {
+        let end = if self.pos >= self.data.len() {
+            "at its end"
+        } else {
+            "before its end"
+        };
+        self.ledger.event(format!(
+            "{}: body dropped {end} (byte {} of {})",
+            self.name,
+            self.pos,
+            self.data.len()
+        ));
+    }
 }
 
 const FRAME: usize = 16;
@@ -228,6 +249,10 @@ impl http_body::Body for SimBody {
                 if this.pos < at {
                     end = at;
                 } else {
+                    this.ledger.event(format!(
+                        "{}: body stalls at byte {at} for {stall:?}",
+                        this.name
+                    ));
                     this.stall = Some(Box::pin(tokio::time::sleep(stall)));
                     return Pin::new(this).poll_frame(cx);
                 }

@@ -28,6 +28,14 @@ struct Args {
 
 fn main() {
     let args = Args::parse();
+    // `SIM_LOG=debug` (an env-filter) logs what the layers say, for one seed.
+    if let Ok(filter) = std::env::var("SIM_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .without_time()
+            .init();
+    }
     if let Some(seed) = args.seed {
         let report = sim::run_seed(seed);
         print!("{}", report.explain());

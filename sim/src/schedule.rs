@@ -322,6 +322,25 @@ fn draw_fault(r: &mut fastrand::Rng, s: &Settings) -> Timed {
                 4 => StoreFault::Full,
                 _ => StoreFault::Hang,
             };
+            // `Full` means "no room for a new claim": only a claim can meet it.
+            let fault = match (fault, op) {
+                (StoreFault::Full, Some(Op::Begin)) | (StoreFault::Full, None) => {
+                    return Timed {
+                        at,
+                        heal,
+                        fault: Fault::Store {
+                            op: Some(Op::Begin),
+                            fault: StoreFault::Full,
+                        },
+                    }
+                }
+                (f, _) => f,
+            };
+            let fault = if fault == StoreFault::Full {
+                StoreFault::Fail
+            } else {
+                fault
+            };
             Fault::Store { op, fault }
         }
         _ => Fault::NotReady {

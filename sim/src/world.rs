@@ -118,7 +118,9 @@ fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Optio
 
     let gates: Vec<ReadyGate> = (0..s.clients).map(|_| ReadyGate::default()).collect();
     let done = Arc::new(AtomicUsize::new(0));
-    let watchdog = crate::invariants::call_bound(schedule) + Duration::from_secs(10);
+    let watchdog = crate::invariants::call_bound(schedule)
+        + crate::client::BODY_BOUND
+        + Duration::from_secs(10);
     for (client, gate) in gates.iter().enumerate() {
         let (schedule, ledger, gate, done) =
             (schedule.clone(), ledger.clone(), gate.clone(), done.clone());

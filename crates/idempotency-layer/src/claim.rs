@@ -57,12 +57,22 @@ async fn complete_through_outage<St: IdempotencyStore>(
 ) -> Result<(), StoreError> {
     let (scope, token, ttl) = (held.scope, held.token, held.config.ttl);
     let kind = store.backend();
+    // Each try is bounded by one lease, whatever the store's own timeouts: a store that never
+    // answers must not hold the response's final frame (which waits for the record) forever.
+    let lease = held.config.lease;
     let op = || {
-        observe::timed(
+        let call = observe::timed(
             Op::Complete,
             kind,
             store.complete(scope, token, record.clone(), ttl),
-        )
+        );
+        async move {
+            tokio::time::timeout(lease, call).await.unwrap_or_else(|_| {
+                Err(StoreError::Backend(
+                    "the store did not answer a complete within one lease".into(),
+                ))
+            })
+        }
     };
     let done = retry_through_outage(within, "complete", op).await;
     if done.is_ok() {

@@ -97,7 +97,7 @@ impl<St> IdempotencyLayer<St> {
         self.config(|c| c.ttl = ttl.min(FOREVER))
     }
 
-    /// The lease of a claim in flight (default 30 s). The leader renews it every third of the
+    /// The lease of a claim in flight (default 30 s). The leader renews it every fourth of the
     /// lease while its handler runs; a shared store lets another instance take over a claim
     /// whose lease lapsed (its leader crashed).
     pub fn lease(self, lease: Duration) -> Self {

@@ -3,7 +3,7 @@
 //! A task per claim would cost more than the rest of a claim's work with `MemoryStore` (spawning
 //! and aborting a task and arming its timer for every first execution; see `BENCHMARKS.md`), so
 //! the claims of one layer share one task. Each claim is renewed with its own lease; the task
-//! ticks every third of the shortest lease held, so layers built from one base with different
+//! ticks every fourth of the shortest lease held, so layers built from one base with different
 //! [`lease`](crate::IdempotencyLayer::lease)s never renew a short lease too late.
 //!
 //! A claim is renewed until the end of its lifetime
@@ -47,7 +47,7 @@ struct Renewed {
 struct RenewState {
     held: FastMap<Token, Renewed>,
     running: bool,
-    /// The task's current tick period: a third of the shortest lease it renews.
+    /// The task's current tick period: a fourth of the shortest lease it renews.
     period: Duration,
 }
 
@@ -62,9 +62,11 @@ impl fmt::Debug for Renewals {
     }
 }
 
-/// How often a lease is renewed: every third of it, so two renewals can fail before it lapses.
+/// How often a lease is renewed: every fourth of it, so that two renewals in a row can fail and
+/// the third still lands a quarter of a lease before the lapse (every third left the third
+/// renewal racing the lapse: a store outage shorter than the lease could lapse it).
 fn renewal_period(lease: Duration) -> Duration {
-    (lease / 3).max(Duration::from_millis(10))
+    (lease / 4).max(Duration::from_millis(10))
 }
 
 impl Renewals {
@@ -165,20 +167,26 @@ impl Drop for Running {
 
 async fn renew_task<St: IdempotencyStore>(store: St, renewals: Weak<Renewals>) {
     let mut running = Running(Some(renewals.clone()));
+    // The ticks keep a fixed cadence, measured from the previous tick's start: a renewal that
+    // takes long (or fails after a timeout) does not push the next one later, so the leases'
+    // margins do not drift away.
+    let mut next: Option<Instant> = None;
     loop {
         let Some(r) = renewals.upgrade() else {
             running.0 = None;
             return;
         };
-        // Sleep a period; a claim with a shorter lease cuts the sleep short, and the loop starts
-        // over with the shorter period. (Holding `r` meanwhile keeps the renewals alive one
-        // period longer than their layer at most.)
+        // Sleep until the next tick; a claim with a shorter lease cuts the sleep short, and the
+        // loop starts over with the shorter period. (Holding `r` meanwhile keeps the renewals
+        // alive one period longer than their layer at most.)
         let period = r.lock().period;
-        let woken = tokio::time::timeout(period, r.shorter_lease.notified())
+        let due = *next.get_or_insert_with(|| Instant::now() + period);
+        let woken = tokio::time::timeout_at(due, r.shorter_lease.notified())
             .await
             .is_ok();
         drop(r);
         if woken {
+            next = None;
             continue;
         }
         let batch: Vec<(ScopeKey, Token, Duration)> = {
@@ -221,22 +229,35 @@ async fn renew_task<St: IdempotencyStore>(store: St, renewals: Weak<Renewals>) {
             lapsed.into_iter().for_each(|scope| r.lapsed(scope));
             batch
         };
+        // The next tick, a period after this one began (or now, if this one ran past it).
+        let period = renewals.upgrade().map_or(period, |r| r.lock().period);
+        next = Some((due + period).max(Instant::now()));
         // One call for every claim held: one round trip on the stores that batch it.
         let renewed = store.renew_many(&batch).await;
         // A failed renewal (the store is briefly unreachable) is tried again at the next tick;
         // only a fenced claim (taken over or forgotten) is no longer renewed. (A store that
         // answered fewer results than claims leaves the rest to the next tick.)
         let mut fenced = Vec::new();
+        let mut failed = false;
         for ((scope, token, _), r) in batch.iter().zip(renewed) {
             match r {
                 Ok(()) => {}
                 Err(StoreError::Fenced) => fenced.push(*token),
-                Err(e) => tracing::warn!(
-                    ?scope,
-                    error = %e,
-                    "idempotency: lease renewal failed; trying again at the next tick"
-                ),
+                Err(e) => {
+                    failed = true;
+                    tracing::warn!(
+                        ?scope,
+                        error = %e,
+                        "idempotency: lease renewal failed; trying again shortly"
+                    );
+                }
             }
+        }
+        if failed {
+            // Tried again an eighth of a period later, not a whole one: with a tick every
+            // fourth of the lease, a store outage shorter than about three quarters of the
+            // lease then never lapses a claim.
+            next = Some(Instant::now() + (period / 8).max(Duration::from_millis(10)));
         }
         if let Some(r) = renewals.upgrade() {
             let mut st = r.lock();
@@ -250,7 +271,7 @@ async fn renew_task<St: IdempotencyStore>(store: St, renewals: Weak<Renewals>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::conformance::{FaultStore, Op, Reply};
+    use crate::conformance::{Fault, FaultStore, Op, Reply, Rule};
     use crate::store::{Begin, Fingerprint, MemoryStore};
 
     /// Every claim held is renewed in one `renew_many` per tick, never one `renew` per claim
@@ -260,7 +281,7 @@ mod tests {
     async fn each_tick_renews_every_claim_in_one_call() {
         let store = FaultStore::new(MemoryStore::new());
         let renewals = Arc::new(Renewals::new(Arc::default()));
-        let lease = Duration::from_secs(3);
+        let lease = Duration::from_secs(4);
         let mut tokens = Vec::new();
         for i in 0..100u8 {
             let scope = ScopeKey([i; 32]);
@@ -270,7 +291,7 @@ mod tests {
             renewals.add(&store, scope, t, lease, None);
             tokens.push((scope, t));
         }
-        // Ticks at 1 s, 2 s, 3 s (the period is a third of the lease).
+        // Ticks at 1 s, 2 s, 3 s (the period is a fourth of the lease).
         tokio::time::sleep(Duration::from_millis(3500)).await;
         let batches = store.calls(Op::RenewMany);
         assert_eq!(batches.made, 3, "one call per tick");
@@ -292,13 +313,13 @@ mod tests {
         for (scope, token) in tokens.into_iter().filter(|&(s, _)| s != scope) {
             assert!(
                 store.inner().renew(scope, token, lease).await.is_ok(),
-                "claims renewed in batches still hold after 5 s on a 3 s lease"
+                "claims renewed in batches still hold after 5 s on a 4 s lease"
             );
         }
     }
 
-    /// Two layers made from one base with leases of 3 s and 300 s: the 3 s claim is renewed in
-    /// time though the 300 s claim started the task.
+    /// Two layers made from one base with leases of 4 s and 400 s: the 4 s claim is renewed in
+    /// time though the 400 s claim started the task.
     #[tokio::test(start_paused = true)]
     async fn each_claim_is_renewed_within_its_own_lease() {
         let store = MemoryStore::new();
@@ -313,33 +334,83 @@ mod tests {
                 }
             }
         };
-        let long_token = claim(long, Duration::from_secs(300)).await;
-        renewals.add(&store, long, long_token, Duration::from_secs(300), None);
+        let long_token = claim(long, Duration::from_secs(400)).await;
+        renewals.add(&store, long, long_token, Duration::from_secs(400), None);
         tokio::task::yield_now().await;
         assert_eq!(renewals.period(), Duration::from_secs(100));
 
-        let short_token = claim(short, Duration::from_secs(3)).await;
-        renewals.add(&store, short, short_token, Duration::from_secs(3), None);
+        let short_token = claim(short, Duration::from_secs(4)).await;
+        renewals.add(&store, short, short_token, Duration::from_secs(4), None);
         assert_eq!(renewals.period(), Duration::from_secs(1));
         // Ten short leases later, the short claim is still held by its token.
         tokio::time::sleep(Duration::from_secs(30)).await;
         assert!(
             store
-                .renew(short, short_token, Duration::from_secs(3))
+                .renew(short, short_token, Duration::from_secs(4))
                 .await
                 .is_ok(),
-            "the 3 s claim lapsed: it was not renewed in time"
+            "the 4 s claim lapsed: it was not renewed in time"
         );
         match store
-            .begin(short, Fingerprint([0; 32]), Duration::from_secs(3))
+            .begin(short, Fingerprint([0; 32]), Duration::from_secs(4))
             .await
         {
             Ok(Begin::InFlight { token, .. }) => assert_eq!(token, short_token),
-            other => panic!("the 3 s claim should still be in flight, got {other:?}"),
+            other => panic!("the 4 s claim should still be in flight, got {other:?}"),
         }
         // When the short claim ends, the task goes back to the long period.
         renewals.remove(short_token);
         tokio::time::sleep(Duration::from_secs(2)).await;
         assert_eq!(renewals.period(), Duration::from_secs(100));
+    }
+
+    /// A store that takes 200 ms per renewal refuses renewals for two thirds of a lease (2.7 s
+    /// of 4 s), starting just after one: the claim survives, renewed again right after the
+    /// outage. (With a tick every third of the lease, each a full period after the last one
+    /// ended, the slow replies pushed every tick later, and the first renewal after the outage
+    /// came after the lapse.)
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_store_that_refuses_renewals_for_most_of_a_lease_does_not_lapse_it() {
+        let store = FaultStore::new(MemoryStore::new());
+        let slow = || Rule::new(Op::RenewMany, Fault::Delay(Duration::from_millis(200)));
+        store.inject(slow());
+        let renewals = Arc::new(Renewals::new(Arc::default()));
+        let lease = Duration::from_secs(4);
+        let scope = ScopeKey([9; 32]);
+        let Ok(Begin::New(token)) = store.begin(scope, Fingerprint([0; 32]), lease).await else {
+            panic!("fresh scope");
+        };
+        renewals.add(&store, scope, token, lease, None);
+        store
+            .until(Duration::from_secs(10), "the first renewal", |s| {
+                s.calls(Op::RenewMany).made >= 1
+            })
+            .await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Refused from here (the first rule a call matches applies), then slow again.
+        store.heal();
+        store.inject(Rule::new(Op::RenewMany, Fault::Fail));
+        store.inject(slow());
+        // A duplicate knocks every 50 ms: it must find the claim held every time.
+        let knock = || async {
+            match store
+                .inner()
+                .begin(scope, Fingerprint([0; 32]), lease)
+                .await
+            {
+                Ok(Begin::InFlight { token: held, .. }) => assert_eq!(held, token),
+                other => panic!("the claim lapsed under a live leader: {other:?}"),
+            }
+        };
+        for _ in 0..54 {
+            knock().await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        store.heal();
+        store.inject(slow());
+        for _ in 0..60 {
+            knock().await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 }
