@@ -16,6 +16,8 @@ use std::time::Duration;
 
 use crate::app::HANDLER_PANIC;
 use crate::ledger::{Ending, Execution, ScopeName};
+use idempotency_layer::conformance::{Fault as StoreFault, Op};
+
 use crate::schedule::{Fault, Schedule};
 use crate::world::{Run, TICK};
 
@@ -66,6 +68,10 @@ pub enum Exception {
     CrashBeforeRecord,
     /// `fail_open`: the store was down for a request that had not seen its key in flight.
     FailOpen,
+    /// The store refused or delayed the leader's renewals for half a lease or more: its lease
+    /// could lapse under it, and a duplicate then took the claim over (the layer renews every
+    /// fourth of a lease and again shortly after a failure, so shorter outages never lapse it).
+    RenewalsRefused,
 }
 
 /// The verdict on one seed.
@@ -156,6 +162,28 @@ fn network_cut(schedule: &Schedule, client: usize, from: Duration) -> bool {
     })
 }
 
+/// Whether the store refused (or delayed past use) renewals for half a lease or more, in a
+/// window that overlaps `from..to`.
+fn renewals_refused(schedule: &Schedule, from: Duration, to: Duration) -> bool {
+    let lease = schedule.settings.lease.unwrap_or(DEFAULT_LEASE);
+    schedule.faults.iter().any(|t| {
+        let Fault::Store { op, fault } = t.fault else {
+            return false;
+        };
+        let renewals = matches!(op, None | Some(Op::RenewMany));
+        let refuses = match fault {
+            StoreFault::Delay(d) => d >= lease / 8,
+            StoreFault::Fail | StoreFault::Hang | StoreFault::LoseReply => true,
+            _ => false,
+        };
+        let end = t.heal.unwrap_or(Duration::MAX);
+        renewals && refuses && end.saturating_sub(t.at) >= lease / 2 && t.at <= to && end >= from
+    })
+}
+
+/// The layer's default lease.
+const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+
 fn unprotected(run: &Run, e: &Execution) -> (bool, bool) {
     match e.attempt {
         Some(a) => {
@@ -176,6 +204,8 @@ fn runs_once(run: &Run, v: &mut Verdict) {
                     .get(&e.server)
                     .is_some_and(|ts| ts.iter().any(|t| *t >= e.at && *t <= later.at))
             });
+            let renewals_refused =
+                earlier.iter().any(|e| renewals_refused(&run.schedule, e.at, later.at));
             let (later_unprotected, later_saw_in_flight) = unprotected(run, later);
             let earlier_unprotected = earlier.iter().any(|e| unprotected(run, e).0);
             let fail_open = run.schedule.settings.fail_open
@@ -190,6 +220,10 @@ fn runs_once(run: &Run, v: &mut Verdict) {
             } else if crash {
                 *v.exceptions
                     .entry(Exception::CrashBeforeRecord)
+                    .or_default() += 1;
+            } else if renewals_refused {
+                *v.exceptions
+                    .entry(Exception::RenewalsRefused)
                     .or_default() += 1;
             } else if fail_open {
                 *v.exceptions.entry(Exception::FailOpen).or_default() += 1;
