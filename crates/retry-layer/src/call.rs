@@ -41,8 +41,9 @@ pub(crate) struct Call<S, B> {
     grpc: bool,
     /// The key `ensure_idempotency_key` generated, if it did.
     generated_key: Option<HeaderValue>,
-    /// The code of the outcome a rebuild hook is answering (labels a budget refusal).
-    rebuilding: reason_code::Code,
+    /// The code of the last attempt's outcome: labels a stop after it (a deadline too short
+    /// once the service is ready, a budget refusal of a rebuilt request).
+    last_code: reason_code::Code,
     /// When the server's pushback lets the rebuilt request go (the conflict's arrival plus the
     /// pushback; the arrival alone without one). Set when a rebuild starts.
     rebuild_not_before: Option<Instant>,
@@ -61,8 +62,9 @@ pub(crate) struct Call<S, B> {
 pub(crate) enum Next<R> {
     /// Answer the caller.
     Answer(Result<Response<R>, BoxError>),
-    /// Wait this long, then retry.
-    Wait(std::time::Duration),
+    /// Wait this long, then retry. The attempt's result is the answer if the retry is not
+    /// sent after all (the deadline leaves too little once the service is ready).
+    Wait(std::time::Duration, Result<Response<R>, BoxError>),
     /// Wait for the rebuild hook; the conflict response is the answer if it declines.
     Rebuild(RebuildFuture, Response<R>),
 }
@@ -244,7 +246,7 @@ where
             attempt,
             grpc: judged.grpc,
             generated_key: judged.generated_key,
-            rebuilding: reason_code::Code::Aborted,
+            last_code: reason_code::Code::Ok,
             rebuild_not_before: None,
             not_sent,
             hop,
@@ -285,6 +287,7 @@ where
             || self.parts.is_some() && (self.fixed_body.is_some() || self.body.is_replayable()),
         );
         let code = outcome.code();
+        self.last_code = code;
         let attempt = self.attempt.sent;
         match step {
             Step::Return(ReturnReason::Final) => Next::Answer(result),
@@ -312,7 +315,7 @@ where
                 self.shared.stats.incr(Counter::Retries);
                 observe::retried(code);
                 tracing::debug!(attempt, code = %code, delay_ms = delay.as_millis() as u64, "retrying");
-                Next::Wait(delay)
+                Next::Wait(delay, result)
             }
             Step::Rebuild { delay, pushed_back } => {
                 // `decide` rebuilds only responses, and only with a hook.
@@ -337,7 +340,6 @@ where
                     self.restart_backoff();
                 }
                 self.body.cut_off();
-                self.rebuilding = code;
                 self.rebuild_not_before = Some(instant_after(Instant::now(), delay));
                 let parts = clone_parts(self.parts.as_ref().expect("replayable: the head is kept"));
                 let mut head = Response::new(()).into_parts().0;
@@ -449,14 +451,14 @@ where
             if left < delay.saturating_add(policy.min_attempt_time) {
                 self.count_and_trace(
                     ReturnReason::DeadlineTooShort { delay, left },
-                    self.rebuilding,
+                    self.last_code,
                 );
                 return None;
             }
         }
         if !self.budget().withdraw() {
             shared.stats.incr(Counter::BudgetRefusals);
-            observe::budget_refused(self.rebuilding);
+            observe::budget_refused(self.last_code);
             tracing::debug!(
                 attempt = self.attempt.sent,
                 "retry budget exhausted: not sending the rebuilt request"
@@ -465,7 +467,7 @@ where
             return None;
         }
         shared.stats.incr(Counter::Retries);
-        observe::retried(self.rebuilding);
+        observe::retried(self.last_code);
         let (mut parts, body) = req.into_parts();
         let intent = self.parts.as_ref().and_then(|old| intent_key(policy, old));
         remove_attempt_headers(&mut parts);
@@ -479,6 +481,28 @@ where
         self.parts = Some(parts);
         self.fixed_body = Some(body);
         Some(send_at)
+    }
+
+    /// True when the deadline, now that the service is ready for the next attempt, leaves less
+    /// than `min_attempt_time` (or nothing at all): the attempt is not sent, and the stop is
+    /// counted and traced as a deadline stop, as when the decision finds the deadline too
+    /// short. The last attempt's result is then the answer.
+    pub(crate) fn deadline_leaves_no_attempt(&self) -> bool {
+        let Some(deadline) = self.attempt.deadline else {
+            return false;
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if !left.is_zero() && left >= self.shared.policy.min_attempt_time {
+            return false;
+        }
+        self.count_and_trace(
+            ReturnReason::DeadlineTooShort {
+                delay: std::time::Duration::ZERO,
+                left,
+            },
+            self.last_code,
+        );
+        true
     }
 
     /// Polls the inner service's readiness for the next attempt.

@@ -46,10 +46,12 @@ pin_project! {
     #[project = StateProj]
     enum State<F, T> {
         Called { #[pin] future: F },
-        Waiting,
+        // The last attempt's result (or the conflict a rebuilt request answers) is held until
+        // the next attempt is sent: it is the answer if the deadline leaves too little by then.
+        Waiting { last: Option<Result<T, BoxError>> },
         // The conflict response is held until the hook decides: it is the answer if it declines.
         Rebuilding { future: RebuildFuture, response: Option<T> },
-        Retrying,
+        Retrying { last: Option<Result<T, BoxError>> },
         // Nothing was sent: the deadline had passed, or the body failed before its first byte.
         NotSent,
         Done,
@@ -138,9 +140,9 @@ where
                             this.state.set(State::Done);
                             break this.call.answer(r);
                         }
-                        Next::Wait(delay) => {
+                        Next::Wait(delay, last) => {
                             this.timer.set_delay(instant_after(Instant::now(), delay));
-                            this.state.set(State::Waiting);
+                            this.state.set(State::Waiting { last: Some(last) });
                         }
                         Next::Rebuild(future, response) => {
                             // The hook runs within the call's deadline (or the head bound).
@@ -153,7 +155,7 @@ where
                         }
                     }
                 }
-                StateProj::Waiting => {
+                StateProj::Waiting { last } => {
                     if !this.timer.fired(cx) {
                         return Poll::Pending;
                     }
@@ -161,7 +163,8 @@ where
                     // without one by the head bound: the next head cannot come before.
                     this.timer
                         .set_to_deadline(this.call.deadline(), this.call.head_timeout());
-                    this.state.set(State::Retrying);
+                    let last = last.take();
+                    this.state.set(State::Retrying { last });
                 }
                 StateProj::Rebuilding { future, response } => {
                     let rebuilt = match future.as_mut().poll(cx) {
@@ -191,14 +194,15 @@ where
                     if let Some(send_at) = send_at {
                         // After the server's pushback, if it asked for one.
                         this.timer.set_delay(send_at);
-                        this.state.set(State::Waiting);
+                        let last = response.take().map(Ok);
+                        this.state.set(State::Waiting { last });
                     } else {
                         let response = response.take().expect("held until the hook decides");
                         this.state.set(State::Done);
                         break this.call.answer(Ok(response));
                     }
                 }
-                StateProj::Retrying => {
+                StateProj::Retrying { last } => {
                     match this.call.poll_ready(cx) {
                         Poll::Ready(Ok(())) => {}
                         Poll::Ready(Err(e)) => {
@@ -217,6 +221,16 @@ where
                             break this.call.answer(Err(e));
                         }
                     }
+                    // The wait for readiness took time: the attempt is sent only if the deadline
+                    // still leaves `min_attempt_time` for it.
+                    if this.call.deadline_leaves_no_attempt() {
+                        let last = last.take().expect("held until the next attempt is sent");
+                        this.state.set(State::Done);
+                        break this.call.answer(last);
+                    }
+                    // The last attempt's answer goes before the next attempt is sent (a
+                    // response holds its connection).
+                    drop(last.take());
                     let (future, timer) = this.call.send_retry();
                     *this.attempt_span = observe::attempt_span(
                         this.call_span,

@@ -150,3 +150,107 @@ async fn a_hop_gives_up_only_on_the_inbound_deadline() {
     assert_eq!(layer.stats().deadline_stops, 1);
     assert!(hop.deferred() && !hop.gave_up(), "a local choice");
 }
+
+/// A service that, once its first attempt was sent, is not ready again for `busy` (a pool
+/// whose connections are all taken): the wait for readiness eats into the deadline.
+struct BusyAfterFirstCall<S> {
+    inner: S,
+    busy: Duration,
+    ready_at: std::sync::Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
+    sleep: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<S: Clone> Clone for BusyAfterFirstCall<S> {
+    fn clone(&self) -> Self {
+        BusyAfterFirstCall {
+            inner: self.inner.clone(),
+            busy: self.busy,
+            ready_at: self.ready_at.clone(),
+            sleep: None,
+        }
+    }
+}
+
+impl<S> BusyAfterFirstCall<S> {
+    fn new(inner: S, busy: Duration) -> Self {
+        BusyAfterFirstCall {
+            inner,
+            busy,
+            ready_at: Default::default(),
+            sleep: None,
+        }
+    }
+}
+
+impl<S, Req> tower::Service<Req> for BusyAfterFirstCall<S>
+where
+    S: tower::Service<Req>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), S::Error>> {
+        let ready_at = *self.ready_at.lock().unwrap();
+        if let Some(at) = ready_at {
+            let sleep = self
+                .sleep
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
+            if std::future::Future::poll(sleep.as_mut(), cx).is_pending() {
+                return std::task::Poll::Pending;
+            }
+        }
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Req) -> S::Future {
+        self.ready_at
+            .lock()
+            .unwrap()
+            .get_or_insert_with(|| tokio::time::Instant::now() + self.busy);
+        self.inner.call(req)
+    }
+}
+
+/// The deadline is checked again once the service is ready for a retry: a wait for readiness
+/// that leaves less than `min_attempt_time` sends nothing more, and the call answers with the
+/// last attempt's answer, counted as a deadline stop (and, under an inbound deadline that is
+/// spent, the hop gives up). Before, the retry was sent with 20 ms left.
+#[tokio::test(start_paused = true)]
+async fn a_retry_is_not_sent_when_readiness_leaves_less_than_min_attempt_time() {
+    use std::sync::Arc;
+
+    use reason_code::Hop;
+    use tower::{Service, ServiceExt};
+
+    let mut inbound = http::HeaderMap::new();
+    inbound.insert("grpc-timeout", "200m".parse().unwrap());
+    let hop = Arc::new(Hop::from_request_headers(&inbound));
+    // Attempt 1 fails at t=0; the decision sees 200 ms left >= ~20 ms + 50 ms and retries; the
+    // service is then not ready before t=180 ms: 20 ms left.
+    let (svc, script) = backend::<http_body_util::Full<bytes::Bytes>>(vec![status(503)]);
+    let layer = retry_layer::RetryLayer::new(RetryPolicy::default());
+    let mut retry = tower::Layer::layer(
+        &layer,
+        BusyAfterFirstCall::new(svc, Duration::from_millis(180)),
+    );
+    let mut req = get("/books/b1");
+    req.extensions_mut()
+        .insert(Deadline(hop.inbound_deadline().unwrap()));
+    let started = tokio::time::Instant::now();
+    let res = hop
+        .clone()
+        .scope(within_a_day("the call", async {
+            retry.ready().await.unwrap().call(req).await
+        }))
+        .await;
+    assert_eq!(res.unwrap().status(), 503, "the last attempt's answer");
+    assert_eq!(started.elapsed(), Duration::from_millis(180));
+    assert_eq!(script.attempts(), 1, "no retry with 20 ms left");
+    let stats = layer.stats();
+    assert_eq!((stats.attempts, stats.deadline_stops), (1, 1));
+    assert!(hop.gave_up(), "the caller's own deadline is spent");
+}
