@@ -23,7 +23,7 @@ use tower_service::Service;
 use crate::app::TENANT_HEADER;
 use crate::ledger::{Ending, Ledger};
 use crate::net::SimConnector;
-use crate::schedule::{Protocol, Schedule};
+use crate::schedule::{MalformedKind, Protocol, Schedule};
 use crate::tag::ATTEMPT_HEADER;
 
 /// The bound on reading a response body once its head arrived. The client layer does not
@@ -177,6 +177,32 @@ pub async fn run_client(
                 }
             }));
         }
+    }
+    for m in schedule.malformed.iter().filter(|m| m.client == client) {
+        let (svc, ledger, m) = (svc.clone(), ledger.clone(), *m);
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep(m.at).await;
+            let scope = ("-".to_owned(), format!("{:?}", m.kind));
+            let i = ledger.call_started(client, scope);
+            let mut req = Request::post("/w/malformed");
+            match m.kind {
+                MalformedKind::NoKey => req = req.header(TENANT_HEADER, "acme"),
+                MalformedKind::BadKey => {
+                    req = req
+                        .header(TENANT_HEADER, "acme")
+                        .header(idempotency_layer::X_IDEMPOTENCY_KEY, "no")
+                }
+                MalformedKind::NoTenant => {
+                    req = req.header(idempotency_layer::X_IDEMPOTENCY_KEY, "malformed-no-tenant")
+                }
+            }
+            let req = req.body(Full::new(Bytes::new())).expect("a valid request");
+            if let Ok(Some(ending)) =
+                tokio::time::timeout(watchdog, call(svc, req, &ledger, i)).await
+            {
+                ledger.call_ended(i, ending);
+            }
+        }));
     }
     for t in tasks {
         let _ = t.await;

@@ -204,8 +204,9 @@ fn runs_once(run: &Run, v: &mut Verdict) {
                     .get(&e.server)
                     .is_some_and(|ts| ts.iter().any(|t| *t >= e.at && *t <= later.at))
             });
-            let renewals_refused =
-                earlier.iter().any(|e| renewals_refused(&run.schedule, e.at, later.at));
+            let renewals_refused = earlier
+                .iter()
+                .any(|e| renewals_refused(&run.schedule, e.at, later.at));
             let (later_unprotected, later_saw_in_flight) = unprotected(run, later);
             let earlier_unprotected = earlier.iter().any(|e| unprotected(run, e).0);
             let fail_open = run.schedule.settings.fail_open
@@ -222,9 +223,7 @@ fn runs_once(run: &Run, v: &mut Verdict) {
                     .entry(Exception::CrashBeforeRecord)
                     .or_default() += 1;
             } else if renewals_refused {
-                *v.exceptions
-                    .entry(Exception::RenewalsRefused)
-                    .or_default() += 1;
+                *v.exceptions.entry(Exception::RenewalsRefused).or_default() += 1;
             } else if fail_open {
                 *v.exceptions.entry(Exception::FailOpen).or_default() += 1;
             } else {
@@ -278,6 +277,20 @@ fn replays_equal(run: &Run, v: &mut Verdict) {
                     ),
                 });
             }
+        }
+        if c.scope.0 == "-" {
+            // A malformed write: refused before anything is claimed, never executed.
+            let refused = matches!(*status, 400 | 401);
+            let unavailable = matches!(*status, 502 | 503);
+            if !refused && !unavailable {
+                v.violations.push(Violation {
+                    promise: 3,
+                    cause: "a malformed write was not refused",
+                    scope: scope.clone(),
+                    detail: format!("status {status}"),
+                });
+            }
+            continue;
         }
         if !(200..300).contains(status) {
             continue;

@@ -167,6 +167,30 @@ pub struct Schedule {
     pub intents: Vec<Intent>,
     /// The timed faults.
     pub faults: Vec<Timed>,
+    /// Requests the layer must refuse early (no key, a malformed key, no tenant).
+    pub malformed: Vec<Malformed>,
+}
+
+/// A write the server layer must refuse before it claims anything.
+#[derive(Clone, Copy, Debug)]
+pub struct Malformed {
+    /// The client that sends it.
+    pub client: usize,
+    /// When.
+    pub at: Duration,
+    /// What is wrong with it.
+    pub kind: MalformedKind,
+}
+
+/// What is wrong with a [`Malformed`] write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MalformedKind {
+    /// No idempotency key (400).
+    NoKey,
+    /// A key that breaks the rules (400).
+    BadKey,
+    /// No tenant (401).
+    NoTenant,
 }
 
 /// The tenants intents are spread over (a key may repeat across them: separate scopes).
@@ -251,11 +275,24 @@ impl Schedule {
         }
         let n_faults = r.usize(..6);
         let faults = (0..n_faults).map(|_| draw_fault(r, &settings)).collect();
+        // Drawn last, so that adding them left the earlier draws of every seed as they were.
+        let malformed = (0..r.usize(..4))
+            .map(|_| Malformed {
+                client: r.usize(..settings.clients),
+                at: Duration::from_millis(r.u64(..4000)),
+                kind: match r.u8(..3) {
+                    0 => MalformedKind::NoKey,
+                    1 => MalformedKind::BadKey,
+                    _ => MalformedKind::NoTenant,
+                },
+            })
+            .collect();
         Schedule {
             seed,
             settings,
             intents,
             faults,
+            malformed,
         }
     }
 }
@@ -368,6 +405,9 @@ impl fmt::Display for Schedule {
         }
         for t in &self.faults {
             writeln!(f, "  fault {:?} at {:?} heal {:?}", t.fault, t.at, t.heal)?;
+        }
+        for m in &self.malformed {
+            writeln!(f, "  malformed {m:?}")?;
         }
         Ok(())
     }

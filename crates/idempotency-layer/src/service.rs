@@ -121,13 +121,19 @@ where
             return ResponseFuture::passthrough(inner.call(req.map(RequestBody::streaming)));
         }
         let span = observe::write_span(req.method(), req.uri().path(), protocol.is_grpc());
-        let rejected = |reason: RejectReason, detail: &str| {
+        let rejected = |inner: &mut S, reason: RejectReason, detail: &str| {
+            // Nothing runs: the service `poll_ready` readied is let go, with the capacity it
+            // reserved (a `ConcurrencyLimit` permit, a `Buffer` slot), so that no other request
+            // waits for capacity this one will never use.
+            let fresh = inner.clone();
+            drop(std::mem::replace(inner, fresh));
             self.shared.counters.rejected(reason);
             observe::record_rejection(&span, reason);
             ResponseFuture::ready(respond(reason, detail, &protocol, cfg))
         };
         if self.shared.draining.is_on() {
             return rejected(
+                &mut self.inner,
                 RejectReason::ShuttingDown,
                 "the server is shutting down and takes no new write; nothing was executed, retry",
             );
@@ -150,12 +156,13 @@ where
             }
             Ok(None) => {
                 let detail = format!("write operations require {}", cfg.key_header_name());
-                return rejected(RejectReason::MissingKey, &detail);
+                return rejected(&mut self.inner, RejectReason::MissingKey, &detail);
             }
-            Err(e) => return rejected(RejectReason::InvalidKey, &e.to_string()),
+            Err(e) => return rejected(&mut self.inner, RejectReason::InvalidKey, &e.to_string()),
         };
         let Some(tenant) = tenant(cfg, &parts) else {
             return rejected(
+                &mut self.inner,
                 RejectReason::NoTenant,
                 "no authenticated tenant: writes with an idempotency key need one",
             );

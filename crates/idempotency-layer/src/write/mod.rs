@@ -86,6 +86,33 @@ impl<S: Clone> Inner<S> {
             *self = Inner::NotReady(s.clone());
         }
     }
+
+    /// Readies the service (if it is not), by `deadline` (`None`: unbounded); `Err` when the
+    /// deadline passed first.
+    async fn ready_within<R>(
+        &mut self,
+        deadline: Option<Instant>,
+    ) -> Result<Result<(), S::Error>, tokio::time::error::Elapsed>
+    where
+        S: Service<R>,
+    {
+        let Inner::NotReady(s) = self else {
+            return Ok(Ok(()));
+        };
+        let ready = std::future::poll_fn(|cx| s.poll_ready(cx));
+        let readied = match deadline {
+            Some(deadline) => tokio::time::timeout_at(deadline, ready).await?,
+            None => ready.await,
+        };
+        if readied.is_ok() {
+            // The readied one is kept (a clone would not hold the capacity it reserved).
+            let placeholder = Inner::NotReady(s.clone());
+            if let Inner::NotReady(s) = std::mem::replace(self, placeholder) {
+                *self = Inner::Ready(s);
+            }
+        }
+        Ok(readied)
+    }
 }
 
 /// One write whose key and tenant were accepted: everything its flow needs, owned, so the flow
@@ -299,10 +326,11 @@ where
                 if !asking.waited {
                     asking.waited = true;
                     counters.waited();
-                    // A waiter holds none of the inner service's capacity.
-                    self.inner.release_capacity();
                     tracing::debug!(?scope, "idempotency: waiting for the request in flight");
                 }
+                // A waiter holds none of the inner service's capacity (readied again before it
+                // asks the store again, below).
+                self.inner.release_capacity();
                 let Some(place) = slot.as_ref() else {
                     unreachable!("a waiter has its place")
                 };
@@ -348,6 +376,21 @@ where
                                      nothing was recorded; a retry executes again",
                                 ),
                             });
+                        }
+                        // It asks the store again and may lead: the service is readied first,
+                        // within this request's own bound, so that a leader never holds its
+                        // claim while it waits for capacity (and a service that stays not ready
+                        // ends the wait like any other bound).
+                        match self.inner.ready_within(deadline).await {
+                            Ok(Ok(())) => {}
+                            Ok(Err(e)) => return Err(e),
+                            Err(_) => {
+                                return Ok(self.reject(
+                                    RejectReason::InFlight,
+                                    "a request with this idempotency key was in flight and this \
+                                     server has no capacity to run it now; retry later",
+                                ))
+                            }
                         }
                     }
                     Ok(Err(e)) => {

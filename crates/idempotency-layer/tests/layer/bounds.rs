@@ -1011,3 +1011,121 @@ async fn a_record_the_store_refuses_for_longer_than_a_lease_lands_later_and_noth
     );
     assert_eq!(executions.load(Ordering::SeqCst), 1, "the write ran once");
 }
+
+/// A duplicate waits while its leader runs; the leader's client goes away and the leader is
+/// cancelled (`OnDisconnect::Release`: nothing ran, nothing is shared), so the duplicate will
+/// lead: but the service has stopped being ready. The duplicate readies it before it claims the
+/// key, within its own bound (`max_wait`), and answers a retryable "in flight" when that
+/// passes: it never holds a claim while it waits for capacity, and never waits without a bound.
+/// (Before: it claimed the key, then waited for readiness forever.)
+#[tokio::test(start_paused = true)]
+async fn a_waiter_that_would_lead_readies_the_service_within_its_bound_before_claiming() {
+    use std::sync::atomic::AtomicBool;
+    use std::task::{Context, Poll};
+
+    #[derive(Clone)]
+    struct Gated {
+        ready: Arc<AtomicBool>,
+        calls: Arc<AtomicUsize>,
+    }
+    impl tower::Service<Request<RequestBody<Full<Bytes>>>> for Gated {
+        type Response = Response<Full<Bytes>>;
+        type Error = Infallible;
+        type Future = Answer;
+        fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            if self.ready.load(Ordering::SeqCst) {
+                Poll::Ready(Ok(()))
+            } else {
+                Poll::Pending
+            }
+        }
+        fn call(&mut self, _req: Request<RequestBody<Full<Bytes>>>) -> Answer {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                Ok(Response::builder()
+                    .status(StatusCode::CREATED)
+                    .body(Full::new(Bytes::new()))
+                    .unwrap())
+            })
+        }
+    }
+    let store = FaultStore::new(MemoryStore::new());
+    let layer = IdempotencyLayer::new(store.clone())
+        .default_tenant("t")
+        .on_disconnect(OnDisconnect::Release)
+        .max_wait(Duration::from_secs(2));
+    let gated = Gated {
+        ready: Arc::new(AtomicBool::new(true)),
+        calls: Arc::default(),
+    };
+    let svc = layer.layer(gated.clone());
+    let req = || {
+        Request::post("/orders")
+            .header("x-idempotency-key", "order-waiter-not-ready")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap()
+    };
+    let leader = tokio::spawn(svc.clone().oneshot(req()));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let waiter = tokio::spawn(svc.clone().oneshot(req()));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The service stops being ready, and the leader's client goes away.
+    gated.ready.store(false, Ordering::SeqCst);
+    leader.abort();
+    let started = tokio::time::Instant::now();
+    let answer = tokio::time::timeout(Duration::from_secs(30), waiter)
+        .await
+        .expect("the waiter answers within its bound")
+        .unwrap()
+        .unwrap();
+    assert!(started.elapsed() <= Duration::from_secs(2));
+    assert!(
+        answer.status() == StatusCode::CONFLICT
+            || answer.status() == StatusCode::SERVICE_UNAVAILABLE,
+        "a retryable in-flight answer, got {}",
+        answer.status()
+    );
+    assert_eq!(gated.calls.load(Ordering::SeqCst), 1, "nothing else ran");
+    // The waiter never asked the store again, so it never claimed the key: the leader's
+    // claim and the waiter's first ask are the only begins.
+    assert_eq!(store.calls(Op::Begin).made, 2);
+}
+
+/// A write refused before anything runs (no key, a malformed key, no tenant) lets go of the
+/// capacity its `poll_ready` reserved: with a `ConcurrencyLimit` of 1 under the layer, another
+/// holder of the limit gets the permit at once, while the layer's service lives on (as a
+/// Buffer's worker keeps it). (Before: the readied service kept the permit until its next
+/// request.)
+#[tokio::test(start_paused = true)]
+async fn an_early_rejection_lets_go_of_the_capacity_readiness_reserved() {
+    let executions = Arc::new(AtomicUsize::new(0));
+    let limit = tower::limit::ConcurrencyLimit::new(counting(&executions), 1);
+    let layer = IdempotencyLayer::new(MemoryStore::new()).require_tenant();
+    let mut svc = layer.layer(limit.clone());
+    for (key, what) in [
+        (None, "no key"),
+        (Some("bad"), "a malformed key"),
+        (Some("order-no-tenant"), "no tenant"),
+    ] {
+        let mut req = Request::post("/orders");
+        if let Some(key) = key {
+            req = req.header("x-idempotency-key", key);
+        }
+        let req = req.body(Full::new(Bytes::new())).unwrap();
+        let answer = tower::Service::call(svc.ready().await.unwrap(), req)
+            .await
+            .unwrap();
+        assert!(
+            answer.status().is_client_error(),
+            "{what}: {}",
+            answer.status()
+        );
+        let mut other = limit.clone();
+        tokio::time::timeout(Duration::from_secs(1), other.ready())
+            .await
+            .unwrap_or_else(|_| panic!("{what}: the refused write kept the permit"))
+            .unwrap();
+    }
+    assert_eq!(executions.load(Ordering::SeqCst), 0);
+}
