@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderValue, Request, Response};
 use http_body::Body;
-use reason_code::{BoxError, Hop};
+use reason_code::{BoxError, Hop, Outcome};
 use tokio::time::Instant;
 use tower_service::Service;
 use tracing::Span;
@@ -274,6 +274,9 @@ where
         };
         observe::attempt_ended(outcome.code());
         observe::record_attempt(span, &result, outcome, self.grpc);
+        // A body the layer's memory could not hold is kept only for a retry of an attempt that
+        // was never sent.
+        self.body.outcome_known(outcome == Outcome::Unsent);
         let ended = Ended {
             outcome,
             headers: result.as_ref().ok().map(Response::headers),

@@ -28,7 +28,12 @@ pub(super) enum Handle<B> {
     /// The original, read by the attempts as it streams.
     Shared(Arc<Mutex<Kept<B>>>),
     /// The whole body was read when it was wrapped, but the layer's `max_replay_bytes_total`
-    /// could not hold a copy: sent once.
+    /// could not hold a copy: kept (the same bytes the attempt sends, not counted against the
+    /// layer's memory) only until the attempt's outcome is known, for a retry of an attempt
+    /// that was never sent. See [`BodyHandle::outcome_known`].
+    Uncharged(Bytes),
+    /// A body the layer's memory could not hold, after an attempt that may have been sent: no
+    /// retry carries it.
     Spent,
 }
 
@@ -53,13 +58,23 @@ impl<B> BodyHandle<B> {
         }
     }
 
+    /// An attempt ended: `unsent` when it provably never left the client. A body the layer's
+    /// memory could not hold is kept for a retry of an attempt that was never sent, and
+    /// dropped after any other outcome (no retry may carry it then).
+    pub(crate) fn outcome_known(&mut self, unsent: bool) {
+        if !unsent && matches!(self.kind, Handle::Uncharged(_)) {
+            self.kind = Handle::Spent;
+        }
+    }
+
     /// True when another attempt can carry the whole body: every byte read from the original
     /// so far is still kept. A body over the limit qualifies while nothing of it was read (or
-    /// what the wrapping read is still there): a request that was never sent can be retried
-    /// whatever its size.
+    /// what the wrapping read is still there), and so does a body read whole that the layer's
+    /// memory could not hold, until an attempt's outcome says it may have been sent: a request
+    /// that was never sent can be retried whatever its size.
     pub(crate) fn is_replayable(&self) -> bool {
         match &self.kind {
-            Handle::Empty | Handle::Whole { .. } => true,
+            Handle::Empty | Handle::Whole { .. } | Handle::Uncharged(_) => true,
             Handle::Spent => false,
             Handle::Shared(shared) => {
                 let s = lock(shared);
@@ -92,7 +107,7 @@ impl<B> BodyHandle<B> {
             Handle::Empty => ReplayBody {
                 inner: Inner::Empty,
             },
-            Handle::Whole { bytes, .. } => ReplayBody {
+            Handle::Whole { bytes, .. } | Handle::Uncharged(bytes) => ReplayBody {
                 inner: Inner::Fixed(Some(bytes.clone())),
             },
             Handle::Spent => ReplayBody {
@@ -120,12 +135,13 @@ impl<B> BodyHandle<B> {
         }
     }
 
-    /// The whole body, when every byte of it has been read and kept (for a rebuild hook).
+    /// The whole body, when every byte of it has been read and kept within the layer's memory
+    /// (for a rebuild hook, or a hedge).
     pub(crate) fn complete_bytes(&self) -> Option<Bytes> {
         let shared = match &self.kind {
             Handle::Empty => return Some(Bytes::new()),
             Handle::Whole { bytes, .. } => return Some(bytes.clone()),
-            Handle::Spent => return None,
+            Handle::Uncharged(_) | Handle::Spent => return None,
             Handle::Shared(shared) => shared,
         };
         let s = lock(shared);

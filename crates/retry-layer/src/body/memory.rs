@@ -5,7 +5,9 @@
 //! `max_replay_bytes` bounds one request; a client with thousands of calls in flight (or
 //! long-lived client streams) could still pin thousands of copies. gRFC A6 bounds the retry
 //! buffer per channel for the same reason. A body whose copy does not fit is sent without
-//! replay: its retries are refused as for a body over `max_replay_bytes`.
+//! replay: its retries are refused as for a body over `max_replay_bytes`, except the retry of an
+//! attempt that was never sent (a body read whole is held, uncounted, until the attempt's
+//! outcome is known).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -170,7 +170,8 @@ where
     }
 
     /// A body read whole at wrap time: every attempt sends `bytes`, if the layer's memory
-    /// holds a copy; else it is sent once.
+    /// holds a copy; else only the retries of attempts that were never sent do (the handle
+    /// keeps the bytes until an attempt's outcome is known).
     #[inline]
     fn whole(bytes: Bytes, memory: &Arc<ReplayMemory>) -> (ReplayBody<B>, BodyHandle<B>) {
         let kind = match Charge::of(memory, bytes.len()) {
@@ -178,7 +179,7 @@ where
                 bytes: bytes.clone(),
                 _charge: charge,
             },
-            None => Handle::Spent,
+            None => Handle::Uncharged(bytes.clone()),
         };
         (
             ReplayBody {

@@ -91,3 +91,52 @@ async fn calls_keep_at_most_max_replay_bytes_total_together() {
     assert_eq!(layer.stats().retries, 1);
     assert_eq!(layer.stats().replay_bytes, 0, "C's copy is gone with C");
 }
+
+/// A request that was never sent (here: connection refused) is retried even when the layer's
+/// memory could not hold a copy of its body: the body read whole is kept until the attempt's
+/// outcome is known, and resent byte for byte. After an outcome that may have run (a reset),
+/// it is gone and the request is not retried. Before, the first refusal was the answer.
+#[tokio::test(start_paused = true)]
+async fn a_body_the_memory_cannot_hold_is_resent_when_nothing_was_sent() {
+    use std::io::ErrorKind::{ConnectionRefused, ConnectionReset};
+
+    let policy = || {
+        RetryPolicy::builder()
+            .max_replay_bytes_total(1024)
+            .build()
+            .unwrap()
+    };
+    let body = Bytes::from(vec![b'x'; 4 * 1024]);
+    let req = |method: http::Method| {
+        Request::builder()
+            .method(method)
+            .uri("http://svc/orders")
+            .body(Full::new(body.clone()))
+            .unwrap()
+    };
+
+    // A POST: nothing ran, so it is resent, whatever its method.
+    let replies = vec![Reply::Io(ConnectionRefused), status(201)];
+    let (res, script, layer) =
+        crate::support::call_scripted(policy(), req(http::Method::POST), replies).await;
+    assert_eq!(res.unwrap().status(), 201);
+    let seen = script.seen();
+    assert_eq!(seen.len(), 2);
+    assert!(seen.iter().all(|s| s.body == body), "the same bytes");
+    assert_eq!(layer.stats().retries, 1);
+    assert_eq!(layer.stats().replay_bytes, 0, "never counted as kept");
+
+    // A PUT refused, then reset: the reset attempt may have run, and the body is not kept.
+    let replies = vec![
+        Reply::Io(ConnectionRefused),
+        Reply::Io(ConnectionReset),
+        status(200),
+    ];
+    let (res, script, layer) =
+        crate::support::call_scripted(policy(), req(http::Method::PUT), replies).await;
+    let err = res.unwrap_err();
+    let err = retry_layer::RetryError::of(&*err).expect("a RetryError");
+    assert_eq!(err.attempts(), 2, "{err}");
+    assert_eq!(script.attempts(), 2);
+    assert_eq!(layer.stats().retries, 1);
+}
