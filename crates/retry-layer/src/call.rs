@@ -38,6 +38,9 @@ pub(crate) struct Call<S, B> {
     fixed_body: Option<Bytes>,
     /// What the decision reads: attempts, backoff, idempotency, deadline.
     attempt: Attempt,
+    /// Attempts that may have reached the server: every attempt made but those that provably
+    /// never left the client. The attempt header of the next attempt carries it.
+    went_out: u32,
     grpc: bool,
     /// The key `ensure_idempotency_key` generated, if it did.
     generated_key: Option<HeaderValue>,
@@ -244,6 +247,7 @@ where
             body,
             fixed_body: None,
             attempt,
+            went_out: 0,
             grpc: judged.grpc,
             generated_key: judged.generated_key,
             last_code: reason_code::Code::Ok,
@@ -277,6 +281,9 @@ where
         // A body the layer's memory could not hold is kept only for a retry of an attempt that
         // was never sent.
         self.body.outcome_known(outcome == Outcome::Unsent);
+        if outcome != Outcome::Unsent {
+            self.went_out += 1;
+        }
         let ended = Ended {
             outcome,
             headers: result.as_ref().ok().map(Response::headers),
@@ -518,7 +525,7 @@ where
     pub(crate) fn send_retry(&mut self) -> (S::Future, Timer) {
         let policy = &self.shared.policy;
         let mut parts = clone_parts(self.parts.as_ref().expect("retries keep the head"));
-        write_previous_attempts(&mut parts, self.grpc, self.attempt.sent);
+        write_previous_attempts(&mut parts, self.grpc, self.went_out);
         if self.grpc {
             rewrite_grpc_timeout(&mut parts, self.attempt.deadline, policy.attempt_timeout);
         }

@@ -125,8 +125,13 @@ pub(crate) fn clone_parts(p: &Parts) -> Parts {
 }
 
 /// Writes the attempts sent before this one: `grpc-previous-rpc-attempts` (gRPC) or
-/// `x-previous-attempts` (HTTP).
+/// `x-previous-attempts` (HTTP). `previous` counts only attempts that may have reached the
+/// server: an attempt that provably never left the client is not one. With none, nothing is
+/// written: to the server this is a first attempt.
 pub(crate) fn write_previous_attempts(parts: &mut Parts, grpc: bool, previous: u32) {
+    if previous == 0 {
+        return;
+    }
     let name = if grpc {
         GRPC_PREVIOUS_RPC_ATTEMPTS
     } else {
@@ -273,6 +278,9 @@ mod tests {
         assert_eq!(parts.headers["grpc-previous-rpc-attempts"], "2");
         write_previous_attempts(&mut parts, false, 3);
         assert_eq!(parts.headers["x-previous-attempts"], "3");
+        let mut none = head(Method::GET, "/x", &[]);
+        write_previous_attempts(&mut none, false, 0);
+        assert!(none.headers.is_empty(), "no attempt was sent before");
         let copy = clone_parts(&parts);
         assert_eq!(copy.headers, parts.headers);
         assert_eq!(copy.uri, parts.uri);

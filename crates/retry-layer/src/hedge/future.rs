@@ -57,6 +57,8 @@ where
     body: BodyHandle<B>,
     attempts: Vec<InFlight<S::Future>>,
     sent: u32,
+    /// Attempts that ended provably never sent: a hedge's attempt header does not count them.
+    unsent: u32,
     /// When the next hedge is due; `None` when no more will be sent.
     next_hedge: Option<Instant>,
     /// The budget granted the hedge that is due (asked before it waits for readiness).
@@ -116,6 +118,7 @@ where
                 future,
             }],
             sent: 1,
+            unsent: 0,
             next_hedge: (plan.max_attempts > 1).then(|| instant_after(now, plan.delay)),
             granted: false,
             ready_by: None,
@@ -139,6 +142,7 @@ where
             body: BodyHandle::empty(),
             attempts: Vec::new(),
             sent: 0,
+            unsent: 0,
             next_hedge: None,
             granted: false,
             ready_by: None,
@@ -161,6 +165,9 @@ where
             Ok(res) => classify::response(res, self.plan.grpc, &shared.policy.reason_codes),
             Err(e) => classify::error(e),
         };
+        if outcome == Outcome::Unsent {
+            self.unsent += 1;
+        }
         let non_fatal = match outcome {
             Outcome::Status(code) => self.plan.non_fatal[code.as_i32() as usize],
             // A transport error (or a head that did not come) of a hedged request: try another.
@@ -243,7 +250,7 @@ where
         self.granted = false;
         self.ready_by = None;
         let mut parts = clone_parts(self.parts.as_ref().expect("hedged requests keep the head"));
-        write_previous_attempts(&mut parts, self.plan.grpc, self.sent);
+        write_previous_attempts(&mut parts, self.plan.grpc, self.sent - self.unsent);
         if self.plan.grpc {
             rewrite_grpc_timeout(&mut parts, self.plan.deadline, None);
         }

@@ -21,8 +21,9 @@
 //!   extension or `grpc-timeout`, the earlier) with the last failure or
 //!   [`DeadlineExceeded`](crate::DeadlineExceeded), and each attempt waits at most
 //!   `response_head_timeout` (60 s) for its head;
-//! - each hedge carries `grpc-previous-rpc-attempts` / `x-previous-attempts`, and its
-//!   `grpc-timeout` is what is left of the call's deadline;
+//! - each hedge carries `grpc-previous-rpc-attempts` / `x-previous-attempts` (the attempts
+//!   before it, but those that provably never left the client), and its `grpc-timeout` is
+//!   what is left of the call's deadline;
 //! - the policy loads from a service config's `hedgingPolicy`
 //!   ([`HedgePolicy::from_grpc_service_config`]).
 //!

@@ -434,6 +434,29 @@ async fn forwarded_attempt_headers_are_not_sent_on_the_first_attempt() {
     assert!(seen[1].headers.get("grpc-previous-rpc-attempts").is_none());
 }
 
+/// A hedge's attempt header does not count an attempt that provably never left the client:
+/// after a refused first attempt, the next hedge is a first attempt to the server.
+#[tokio::test(start_paused = true)]
+async fn a_hedge_does_not_count_an_attempt_that_was_never_sent() {
+    let (r, _, script, _) = hedged(
+        HedgeLayer::new(policy(3, 50 * MS)),
+        get("/books/b1"),
+        vec![
+            Reply::Io(std::io::ErrorKind::ConnectionRefused),
+            Reply::Slow(Duration::from_secs(1), 200),
+            status(203),
+        ],
+    )
+    .await;
+    assert_eq!(code(&r), 203);
+    let previous: Vec<_> = script
+        .seen()
+        .iter()
+        .map(|s| s.headers.get("x-previous-attempts").cloned())
+        .collect();
+    assert_eq!(previous, [None, None, Some("1".parse().unwrap())]);
+}
+
 /// A hedge answered with a pushback longer than `max_pushback`, or one its
 /// deadline cannot wait for, sends no more hedges: the pushback's answer is returned at once.
 /// Before, the next hedge was scheduled an hour (or up to a day) ahead and nothing else woke the

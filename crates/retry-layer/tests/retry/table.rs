@@ -332,6 +332,39 @@ async fn retries_carry_the_attempt_header() {
     assert_eq!(seen[2].headers["grpc-previous-rpc-attempts"], "2");
 }
 
+/// The attempt header counts only attempts that may have reached the server: one that
+/// provably never left the client (connection refused) is not a previous attempt, and a retry
+/// after nothing but such attempts is a first attempt to the server. Before, every attempt made
+/// counted, and a `HopLayer` below served the first request it ever saw as a retry.
+#[tokio::test(start_paused = true)]
+async fn the_attempt_header_counts_only_attempts_that_were_sent() {
+    let refused = || Reply::Io(ErrorKind::ConnectionRefused);
+    let replies = vec![refused(), status(503), refused(), status(200)];
+    let (res, script, _) = call_scripted(RetryPolicy::default(), get("/books/b1"), replies).await;
+    assert_eq!(res.unwrap().status(), 200);
+    let previous: Vec<_> = script
+        .seen()
+        .iter()
+        .map(|s| s.headers.get("x-previous-attempts").cloned())
+        .collect();
+    assert_eq!(
+        previous,
+        [
+            None,
+            None,
+            Some("1".parse().unwrap()),
+            Some("1".parse().unwrap())
+        ]
+    );
+
+    let req = keyed(grpc_req("/lib.Library/CreateOrder"));
+    let (_, script, _) =
+        call_scripted(RetryPolicy::default(), req, vec![refused(), grpc("0")]).await;
+    let seen = script.seen();
+    assert_eq!(seen.len(), 2);
+    assert!(!seen[1].headers.contains_key("grpc-previous-rpc-attempts"));
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_last_outcome_is_returned_when_attempts_run_out() {
     let (res, _, layer) =
