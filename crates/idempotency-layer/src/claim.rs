@@ -13,6 +13,7 @@ use tokio::time::Instant;
 use crate::config::Config;
 use crate::detached::{self, DetachTo, Kind};
 use crate::observe::{self, Op};
+use crate::pipe::HeldBytes;
 use crate::shared::Shared;
 use crate::stats::Counters;
 use crate::store::{
@@ -294,6 +295,15 @@ impl Claim {
             lifetime: held.until.map(|until| (held.token, until)),
             what,
         })
+    }
+
+    /// The layer's budget of response bytes held for clients, and its bound.
+    pub(crate) fn held_bytes(&self) -> Option<(Arc<HeldBytes>, usize)> {
+        let held = self.held()?;
+        Some((
+            held.shared.held_bytes.clone(),
+            held.config.max_response_buffer_bytes,
+        ))
     }
 
     /// Does any duplicate wait for this claim in this process now?

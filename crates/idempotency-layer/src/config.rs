@@ -91,6 +91,9 @@ const DEFAULT_MAX_WAITERS: usize = 1024;
 /// The default of [`IdempotencyLayer::max_waiting_bytes`](crate::IdempotencyLayer::max_waiting_bytes).
 pub(crate) const DEFAULT_MAX_WAITING_BYTES: usize = 64 << 20;
 
+/// The default of [`IdempotencyLayer::max_response_buffer_bytes`](crate::IdempotencyLayer::max_response_buffer_bytes).
+pub(crate) const DEFAULT_MAX_RESPONSE_BUFFER_BYTES: usize = 64 << 20;
+
 /// The default of [`IdempotencyLayer::max_claim_lifetime`](crate::IdempotencyLayer::max_claim_lifetime).
 pub(crate) const DEFAULT_MAX_CLAIM_LIFETIME: Duration = Duration::from_secs(5 * 60);
 
@@ -109,6 +112,7 @@ pub(crate) struct Config {
     pub(crate) max_wait: Duration,
     pub(crate) max_waiters: usize,
     pub(crate) max_waiting_bytes: usize,
+    pub(crate) max_response_buffer_bytes: usize,
     /// How long a claim may be held at most; renewal stops there.
     pub(crate) max_claim_lifetime: Duration,
     /// How long a write's request body may take to arrive.
@@ -143,6 +147,7 @@ impl Default for Config {
             max_wait: Duration::from_secs(30),
             max_waiters: DEFAULT_MAX_WAITERS,
             max_waiting_bytes: DEFAULT_MAX_WAITING_BYTES,
+            max_response_buffer_bytes: DEFAULT_MAX_RESPONSE_BUFFER_BYTES,
             max_claim_lifetime: DEFAULT_MAX_CLAIM_LIFETIME,
             request_body_timeout: DEFAULT_REQUEST_BODY_TIMEOUT,
             max_detached: DEFAULT_MAX_DETACHED,
@@ -203,6 +208,7 @@ impl fmt::Debug for Config {
             .field("max_wait", &self.max_wait)
             .field("max_waiters", &self.max_waiters)
             .field("max_waiting_bytes", &self.max_waiting_bytes)
+            .field("max_response_buffer_bytes", &self.max_response_buffer_bytes)
             .field("max_claim_lifetime", &self.max_claim_lifetime)
             .field("request_body_timeout", &self.request_body_timeout)
             .field("max_detached", &self.max_detached)

@@ -187,6 +187,19 @@ impl<St> IdempotencyLayer<St> {
         self.config(|c| c.max_waiting_bytes = max)
     }
 
+    /// The most response bytes the layer holds for clients that have not read them yet, all
+    /// responses together (default 64 MiB).
+    ///
+    /// The layer reads a leader's response body as fast as the handler makes it, so that its
+    /// record is stored when the body ends, not when a slow client reads its last frame. Each
+    /// response may hold its first 64 KiB for its client whatever this says; beyond that, the
+    /// bytes are charged here, and when they are spent each response is read at its own
+    /// client's pace (flow control reaches the handler). Clients that do not read then cannot
+    /// grow the server's memory without bound.
+    pub fn max_response_buffer_bytes(self, max: usize) -> Self {
+        self.config(|c| c.max_response_buffer_bytes = max)
+    }
+
     /// The largest request body of a write (default 1 MiB); larger: 413 / RESOURCE_EXHAUSTED
     /// with the reason code [`REQUEST_TOO_LARGE`](reason_code::REQUEST_TOO_LARGE), which no
     /// client retries (it can never fit).

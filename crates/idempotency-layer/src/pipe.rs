@@ -3,14 +3,19 @@
 //! The layer reads a recorded response's body itself ([`recorder`](crate::recorder)), as fast
 //! as the handler makes it, so that the record is stored when the body ends, not when a slow
 //! or stalled client gets around to reading its last frame. The frames it has read wait here
-//! for the client. Their bytes are bounded: up to the layer's `max_record_bytes` (the record
-//! holds as much anyway) the reading never waits for the client; past it (a response too large
-//! to record) it waits for the client to make room.
+//! for the client. Their bytes are bounded twice. Per response: up to the layer's
+//! `max_record_bytes` (the record holds as much anyway) the reading does not wait for the
+//! client; past it (a response too large to record) it waits for the client to make room.
+//! Across the layer: beyond the first [`MIN_PIPE_BYTES`] of each response, the bytes waiting
+//! for clients are charged to one [`HeldBytes`] budget (`max_response_buffer_bytes`); when it
+//! is spent, each reading waits for its own client (flow control to the handler), so clients
+//! that do not read cannot grow the server's memory without bound.
 
 use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
@@ -21,13 +26,35 @@ use crate::store::BoxError;
 
 /// The fewest bytes that may wait for a client, whatever `max_record_bytes` is: a body too large
 /// to record is handed over in pieces of at least this much.
-const MIN_PIPE_BYTES: usize = 64 * 1024;
+pub(crate) const MIN_PIPE_BYTES: usize = 64 * 1024;
+
+/// The layer-wide budget of response bytes waiting for clients (beyond each response's first
+/// [`MIN_PIPE_BYTES`]).
+#[derive(Debug, Default)]
+pub(crate) struct HeldBytes {
+    used: AtomicUsize,
+}
+
+impl HeldBytes {
+    /// The bytes charged now.
+    pub(crate) fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+}
+
+/// A pipe's share of the layer's [`HeldBytes`]: the budget, its bound, and what this pipe holds
+/// of it.
+struct Charge {
+    budget: Arc<HeldBytes>,
+    max: usize,
+}
 
 /// The frames read from a handler's body that its client has not taken yet.
 pub(crate) struct Pipe {
     state: Mutex<PipeState>,
     /// How many bytes may wait for the client before the reading waits for it.
     room: usize,
+    charge: Option<Charge>,
 }
 
 struct PipeState {
@@ -41,6 +68,8 @@ struct PipeState {
     taken: u64,
     /// The client's task, waiting for a frame.
     reader: Option<Waker>,
+    /// Bytes of `queued` charged to the layer's budget.
+    charged: usize,
     /// The reading's task, waiting for room.
     writer: Option<Waker>,
     /// The client is gone (the server dropped the body): frames are read and recorded, and
@@ -68,28 +97,63 @@ pub(crate) enum Room {
 impl Pipe {
     /// A pipe for a body with `declared` size hint, the frames `read` already read, letting up
     /// to `max_record_bytes` wait for the client.
+    /// `budget`: the layer's budget of bytes waiting for clients and its bound (`None`: only
+    /// the per-response bound).
     pub(crate) fn new(
         declared: SizeHint,
         read: Vec<Frame<Bytes>>,
         max_record_bytes: usize,
+        budget: Option<(Arc<HeldBytes>, usize)>,
     ) -> Arc<Pipe> {
-        let mut state = PipeState {
-            frames: VecDeque::new(),
-            queued: 0,
-            end: End::Open,
-            declared,
-            taken: 0,
-            reader: None,
-            writer: None,
-            reader_gone: false,
-        };
-        for frame in read {
-            state.push(frame);
-        }
-        Arc::new(Pipe {
-            state: Mutex::new(state),
+        let pipe = Pipe {
+            state: Mutex::new(PipeState {
+                frames: VecDeque::new(),
+                queued: 0,
+                end: End::Open,
+                declared,
+                taken: 0,
+                reader: None,
+                charged: 0,
+                writer: None,
+                reader_gone: false,
+            }),
             room: max_record_bytes.max(MIN_PIPE_BYTES),
-        })
+            charge: budget.map(|(budget, max)| Charge { budget, max }),
+        };
+        {
+            let mut st = pipe.lock();
+            for frame in read {
+                st.push(frame);
+            }
+            pipe.settle_charge(&mut st);
+        }
+        Arc::new(pipe)
+    }
+
+    /// Charges the layer's budget for the bytes queued beyond [`MIN_PIPE_BYTES`] (or gives back
+    /// what is no longer queued).
+    fn settle_charge(&self, st: &mut PipeState) {
+        let Some(charge) = &self.charge else { return };
+        let over = st.queued.saturating_sub(MIN_PIPE_BYTES);
+        if over > st.charged {
+            charge
+                .budget
+                .used
+                .fetch_add(over - st.charged, Ordering::Relaxed);
+        } else if over < st.charged {
+            charge
+                .budget
+                .used
+                .fetch_sub(st.charged - over, Ordering::Relaxed);
+        }
+        st.charged = over;
+    }
+
+    /// May more bytes wait for the client beyond the first [`MIN_PIPE_BYTES`]?
+    fn budget_left(&self) -> bool {
+        self.charge
+            .as_ref()
+            .is_none_or(|c| c.budget.used.load(Ordering::Relaxed) < c.max)
     }
 
     fn lock(&self) -> MutexGuard<'_, PipeState> {
@@ -102,7 +166,8 @@ impl Pipe {
         let mut st = self.lock();
         if st.reader_gone {
             Room::ReaderGone
-        } else if st.queued >= self.room {
+        } else if st.queued >= self.room || (st.queued >= MIN_PIPE_BYTES && !self.budget_left()) {
+            // Woken when its own client takes a frame.
             st.writer = Some(cx.waker().clone());
             Room::Full
         } else {
@@ -115,6 +180,7 @@ impl Pipe {
         let reader = {
             let mut st = self.lock();
             st.push(frame);
+            self.settle_charge(&mut st);
             st.reader.take()
         };
         wake(reader);
@@ -126,6 +192,7 @@ impl Pipe {
             let mut st = self.lock();
             if let Some(frame) = last {
                 st.push(frame);
+                self.settle_charge(&mut st);
             }
             st.end = End::Ended;
             st.reader.take()
@@ -156,6 +223,17 @@ impl Pipe {
             st.reader.take()
         };
         wake(reader);
+    }
+}
+
+impl Drop for Pipe {
+    /// Whatever this response still holds of the layer's budget goes back to it.
+    fn drop(&mut self) {
+        if let Some(charge) = &self.charge {
+            let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+            charge.budget.used.fetch_sub(st.charged, Ordering::Relaxed);
+            st.charged = 0;
+        }
     }
 }
 
@@ -216,6 +294,7 @@ impl PipeReader {
                 st.queued -= d.len();
                 st.taken += d.len() as u64;
             }
+            self.pipe.settle_charge(&mut st);
             let writer = st.writer.take();
             drop(st);
             wake(writer);
@@ -266,6 +345,7 @@ impl Drop for PipeReader {
             st.reader_gone = true;
             st.frames.clear();
             st.queued = 0;
+            self.pipe.settle_charge(&mut st);
             st.writer.take()
         };
         wake(writer);
@@ -288,7 +368,7 @@ mod tests {
 
     #[test]
     fn frames_reach_the_reader_in_order_then_the_end() {
-        let pipe = Pipe::new(SizeHint::with_exact(5), vec![data("ab")], 1024);
+        let pipe = Pipe::new(SizeHint::with_exact(5), vec![data("ab")], 1024, None);
         let mut reader = PipeReader::new(pipe.clone(), None);
         assert_eq!(reader.size_hint().exact(), Some(5));
         pipe.push(data("cd"));
@@ -315,7 +395,7 @@ mod tests {
 
     #[test]
     fn an_error_reaches_the_reader_after_the_frames_before_it() {
-        let pipe = Pipe::new(SizeHint::new(), Vec::new(), 1024);
+        let pipe = Pipe::new(SizeHint::new(), Vec::new(), 1024, None);
         let mut reader = PipeReader::new(pipe.clone(), None);
         pipe.push(data("ab"));
         pipe.fail("broken".into());
@@ -333,7 +413,7 @@ mod tests {
 
     #[test]
     fn room_is_bounded_and_the_reader_leaving_is_seen() {
-        let pipe = Pipe::new(SizeHint::new(), Vec::new(), 0);
+        let pipe = Pipe::new(SizeHint::new(), Vec::new(), 0, None);
         let mut reader = PipeReader::new(pipe.clone(), None);
         assert!(matches!(pipe.room(&mut cx()), Room::Free));
         pipe.push(Frame::data(Bytes::from(vec![0; MIN_PIPE_BYTES])));

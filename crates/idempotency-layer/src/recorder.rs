@@ -175,7 +175,7 @@ where
                     // What was read goes out, then the error.
                     let declared = self.declared(&read);
                     let store = self.broken("the response body failed");
-                    let pipe = Pipe::new(declared, read, 0);
+                    let pipe = Pipe::new(declared, read, 0, None);
                     pipe.fail(e);
                     let body = IdempotencyBody::recorded(PipeReader::new(pipe, None));
                     return Started { body, store };
@@ -307,7 +307,8 @@ where
     /// the frames already `read`.
     fn pump(self, read: Vec<Frame<Bytes>>) -> Started<B> {
         let declared = self.declared(&read);
-        let pipe = Pipe::new(declared, read, self.config.max_record_bytes);
+        let budget = self.claim.held_bytes();
+        let pipe = Pipe::new(declared, read, self.config.max_record_bytes, budget);
         let pump = Box::pin(
             Pump {
                 recording: self,

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use tokio::sync::Notify;
 
 use crate::detached::Detached;
+use crate::pipe::HeldBytes;
 use crate::renewal::Renewals;
 use crate::stats::{Counters, IdempotencyStats};
 use crate::waiters::Waiters;
@@ -22,6 +23,9 @@ pub(crate) struct Shared {
     /// The claims this layer holds, renewed by one task through the layer's one store.
     pub(crate) renewals: Arc<Renewals>,
     pub(crate) detached: Arc<Detached>,
+    /// Response bytes waiting for clients, beyond each response's first part
+    /// (`max_response_buffer_bytes`).
+    pub(crate) held_bytes: Arc<HeldBytes>,
     /// Set by [`IdempotencyLayer::drain`](crate::IdempotencyLayer::drain): new writes are
     /// refused, and the claims held are let finish.
     pub(crate) draining: Arc<Drain>,
@@ -48,6 +52,7 @@ impl Default for Shared {
             counters,
             waiters: Arc::default(),
             detached: Arc::default(),
+            held_bytes: Arc::default(),
             draining: Arc::default(),
         }
     }
@@ -62,6 +67,7 @@ impl Shared {
             waiters: self.waiters.clone(),
             renewals: Arc::new(Renewals::new(self.counters.clone())),
             detached: self.detached.clone(),
+            held_bytes: self.held_bytes.clone(),
             draining: self.draining.clone(),
         }
     }
@@ -75,6 +81,9 @@ impl Shared {
 
     /// The counters, and the detached work running now.
     pub(crate) fn stats(&self) -> IdempotencyStats {
-        self.counters.snapshot(self.detached.running() as u64)
+        self.counters.snapshot(
+            self.detached.running() as u64,
+            self.held_bytes.used() as u64,
+        )
     }
 }

@@ -87,8 +87,9 @@ impl Counters {
         observe::rejected(reason);
     }
 
-    /// The counts, with `detached` (running now) read by the caller.
-    pub(crate) fn snapshot(&self, detached: u64) -> IdempotencyStats {
+    /// The counts, with the gauges `detached` (running now) and `held` (response bytes held
+    /// for clients) read by the caller.
+    pub(crate) fn snapshot(&self, detached: u64, held: u64) -> IdempotencyStats {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         IdempotencyStats {
             executed: get(&self.executed),
@@ -103,6 +104,7 @@ impl Counters {
             detached_refused: get(&self.detached_refused),
             detached,
             in_flight: get(&self.in_flight),
+            response_buffer_bytes: held,
             rejected: std::array::from_fn(|i| get(&self.rejected[i])),
         }
     }
@@ -151,6 +153,11 @@ pub struct IdempotencyStats {
     /// Claims this layer holds now (a gauge): writes whose handler runs or whose response is
     /// being recorded, here (the seed's `inFlightCount`).
     pub in_flight: u64,
+    /// Response bytes held now for clients that have not read them, beyond each response's
+    /// first 64 KiB (a gauge; bounded by
+    /// [`max_response_buffer_bytes`](crate::IdempotencyLayer::max_response_buffer_bytes), over
+    /// it by at most one frame per response).
+    pub response_buffer_bytes: u64,
     rejected: [u64; RejectReason::ALL.len()],
 }
 

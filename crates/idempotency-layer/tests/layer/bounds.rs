@@ -1129,3 +1129,78 @@ async fn an_early_rejection_lets_go_of_the_capacity_readiness_reserved() {
     }
     assert_eq!(executions.load(Ordering::SeqCst), 0);
 }
+
+/// Four leaders stream 2 MiB bodies to clients that never read them. Each response may hold
+/// its first 64 KiB; beyond that the layer holds at most `max_response_buffer_bytes` for all of
+/// them together, and the handlers' bodies are read no further (flow control), instead of up to
+/// `max_record_bytes` each.
+#[tokio::test(start_paused = true)]
+async fn response_bytes_held_for_clients_that_do_not_read_have_a_layer_wide_bound() {
+    const FRAME: usize = 16 * 1024;
+    let produced = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let produced = produced.clone();
+        service_fn(move |_req: Request<RequestBody<Full<Bytes>>>| {
+            let produced = produced.clone();
+            async move {
+                let frames = futures_util::stream::unfold(0usize, move |sent| {
+                    let produced = produced.clone();
+                    async move {
+                        if sent >= 2 << 20 {
+                            return None;
+                        }
+                        produced.fetch_add(FRAME, Ordering::SeqCst);
+                        tokio::task::yield_now().await;
+                        Some((
+                            Ok::<_, Infallible>(Frame::data(Bytes::from(vec![b'x'; FRAME]))),
+                            sent + FRAME,
+                        ))
+                    }
+                });
+                Ok::<_, Infallible>(
+                    Response::builder()
+                        .status(StatusCode::CREATED)
+                        .body(StreamBody::new(frames))
+                        .unwrap(),
+                )
+            }
+        })
+    };
+    let budget = 256 * 1024;
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .default_tenant("t")
+        .max_record_bytes(4 << 20)
+        .max_response_buffer_bytes(budget);
+    let svc = layer.layer(handler);
+    let mut held = Vec::new();
+    for i in 0..4 {
+        let req = Request::post("/orders")
+            .header("x-idempotency-key", format!("order-unread-{i}"))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        // The response is kept, its body never polled: a client that does not read.
+        held.push(svc.clone().oneshot(req).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let per_response = 64 * 1024;
+    let bound = 4 * (per_response + FRAME) + budget + 4 * FRAME;
+    assert!(
+        produced.load(Ordering::SeqCst) <= bound,
+        "the handlers' bodies were read {} bytes ahead of clients that do not read (bound {bound})",
+        produced.load(Ordering::SeqCst)
+    );
+    let m = layer.stats();
+    assert!(
+        m.response_buffer_bytes as usize <= budget + 4 * FRAME,
+        "held {} bytes beyond the first 64 KiB of each",
+        m.response_buffer_bytes
+    );
+    assert!(m.response_buffer_bytes > 0, "the budget was used");
+    drop(held);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        layer.stats().response_buffer_bytes,
+        0,
+        "given back when the clients left"
+    );
+}
