@@ -7,7 +7,7 @@ use http::{HeaderMap, Response};
 use reason_code::{
     classify_head, parse_grpc_pushback, parse_grpc_retry_info, parse_grpc_status,
     parse_retry_after, BoxError, Code, HeadClass, Outcome, Pushback, ReasonCodes,
-    GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS, GRPC_STATUS_DETAILS_BIN,
+    GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS, GRPC_STATUS_DETAILS_BIN, IDEMPOTENT_REPLAYED,
 };
 
 use crate::error::{AttemptTimedOut, ResponseHeadTimedOut};
@@ -37,6 +37,15 @@ pub(crate) fn response<B>(res: &Response<B>, grpc: bool, reasons: &ReasonCodes) 
         warn_if_malformed_grpc_status(headers);
     }
     Outcome::Status(code)
+}
+
+/// True when the response is a replay of a recorded outcome (`idempotent-replayed: true`, as
+/// an idempotency layer marks it): final, whatever its status, since every replay of the same
+/// key answers the same.
+pub(crate) fn replayed(headers: &HeaderMap) -> bool {
+    headers
+        .get(IDEMPOTENT_REPLAYED)
+        .is_some_and(|v| v.as_bytes().trim_ascii().eq_ignore_ascii_case(b"true"))
 }
 
 /// True when nothing in the head but its HTTP status spoke: no reason code the table knows, no

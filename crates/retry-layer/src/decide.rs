@@ -130,7 +130,7 @@ pub(crate) enum ReturnReason {
 
 /// Decides what follows an attempt: the three checks (the outcome is retryable, an attempt is
 /// left, the deadline fits the delay plus `min_attempt_time`), the server's pushback, then the
-/// retry budget, in that order.
+/// retry budget, in that order. An answer marked `idempotent-replayed: true` is final.
 ///
 /// It also keeps the budget's gRFC A6 accounting: a success adds to the budget; an attempt that
 /// failed in a way the policy would retry takes from it (a conflict only when a hook could
@@ -148,7 +148,12 @@ pub(crate) fn decide(
 ) -> Step {
     let rules = policy.rules(attempt.method);
     let outcome = ended.outcome;
-    let verdict = rules.table.verdict(outcome, attempt.idempotent);
+    let mut verdict = rules.table.verdict(outcome, attempt.idempotent);
+    // A replayed answer is final whatever its status: a replay of the same key answers the
+    // same again. (Looked at only when the table would go on: a success reads no more.)
+    if verdict != Verdict::Final && ended.headers.is_some_and(classify::replayed) {
+        verdict = Verdict::Final;
+    }
     let rebuild = verdict == Verdict::Rebuild;
     let failed = match (outcome, verdict) {
         (Outcome::Status(Code::Ok), _) => Some(false),

@@ -81,11 +81,13 @@
 //!   hook rebuilds the request. The rebuilt request is judged afresh (method, gRPC method,
 //!   key): a rebuilt write without a key keeps the key of the request it replaces, unless the
 //!   hook set another;
+//! - an answer marked `idempotent-replayed: true` (a replay of the server's record for the
+//!   key) is returned, whatever its status: every retry with that key would get the same;
 //! - everything else is returned as it is.
 //!
 //! Before each retry three checks must all pass: the outcome is retryable, an attempt is left,
-//! and the deadline leaves at least the delay plus `min_attempt_time`. Then the retry budget
-//! must grant it.
+//! and the deadline leaves at least the delay plus `min_attempt_time` (checked again once the
+//! inner service is ready to take the retry). Then the retry budget must grant it.
 //!
 //! # Keys across a chain: derived keys
 //!

@@ -314,6 +314,18 @@ decide_table! {
     no_attempt_left_is_reported_before_the_budget:
         status(Code::Unavailable).sent(3).refusing_budget() => stop(ReturnReason::Exhausted);
 
+    // A replayed answer is final, whatever its status: the replay will not change.
+    a_replayed_unavailable_is_final:
+        status(Code::Unavailable).header("idempotent-replayed", "true") => stop(ReturnReason::Final);
+    a_replayed_deadline_exceeded_is_final:
+        status(Code::DeadlineExceeded).header("idempotent-replayed", "True")
+            => stop(ReturnReason::Final);
+    a_replayed_conflict_is_not_rebuilt:
+        status(Code::Aborted).with_hook().header("idempotent-replayed", "true")
+            => stop(ReturnReason::Final);
+    a_replayed_header_that_is_not_true_changes_nothing:
+        status(Code::Unavailable).header("idempotent-replayed", "false") => retry(20 * MS);
+
     // The body.
     a_body_that_could_not_be_kept_stops:
         status(Code::Unavailable).not_replayable() => stop(ReturnReason::NotReplayable);
@@ -408,6 +420,11 @@ fn the_budget_hears_successes_and_retryable_failures() {
     assert_eq!(counted(status(Code::NotFound)), (0, 0, 0));
     assert_eq!(counted(status(Code::Aborted)), (0, 0, 0), "no hook");
     assert_eq!(counted(status(Code::Aborted).with_hook()), (0, 1, 0));
+    assert_eq!(
+        counted(status(Code::Unavailable).header("idempotent-replayed", "true")),
+        (0, 0, 0),
+        "a replay is a final answer"
+    );
 }
 
 /// A hop below that deferred is retried within the adaptive budget, not the main one; the

@@ -169,6 +169,13 @@ where
             self.unsent += 1;
         }
         let non_fatal = match outcome {
+            // A replayed answer is final: a replay of the same key answers the same again.
+            _ if result
+                .as_ref()
+                .is_ok_and(|res| classify::replayed(res.headers())) =>
+            {
+                false
+            }
             Outcome::Status(code) => self.plan.non_fatal[code.as_i32() as usize],
             // A transport error (or a head that did not come) of a hedged request: try another.
             _ => self.parts.is_some(),

@@ -177,6 +177,22 @@ async fn when_every_attempt_fails_non_fatally_the_last_failure_is_the_answer() {
     assert_eq!(layer.stats().hedges, 2);
 }
 
+/// An answer replayed from the server's record (`idempotent-replayed: true`) is final, whatever
+/// its status: every hedge with the same key would get the same replay.
+#[tokio::test(start_paused = true)]
+async fn a_replayed_answer_is_final() {
+    let replayed = Reply::Status(503, vec![("idempotent-replayed", "true")]);
+    let (r, _, script, layer) = hedged(
+        HedgeLayer::new(policy(3, 10 * MS)),
+        get("/books/b1"),
+        vec![replayed, status(200)],
+    )
+    .await;
+    assert_eq!(code(&r), 503);
+    assert_eq!(script.attempts(), 1);
+    assert_eq!(layer.stats().hedges, 0);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_fatal_answer_wins_over_attempts_still_in_flight() {
     let (r, took, script, _) = hedged(

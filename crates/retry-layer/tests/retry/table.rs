@@ -130,6 +130,18 @@ rows! {
     // A gRPC response that sent headers without a status is committed.
     grpc_committed_response: keyed(grpc_req("/lib.Library/GetBook")),
         [Reply::Status(200, vec![("content-type", "application/grpc")])] => 1;
+
+    // A replay of a recorded outcome is final, whatever its status: it will not change.
+    replayed_http_503: keyed(post("/orders")),
+        [Reply::Status(503, vec![("idempotent-replayed", "true")]), status(201)] => 1;
+    replayed_http_429: keyed(post("/orders")),
+        [Reply::Status(429, vec![("idempotent-replayed", "true")]), status(201)] => 1;
+    replayed_grpc_unavailable: keyed(grpc_req("/lib.Library/CreateOrder")),
+        [Reply::Status(200, vec![
+            ("content-type", "application/grpc"),
+            ("grpc-status", "14"),
+            ("idempotent-replayed", "true"),
+        ]), grpc("0")] => 1;
 }
 
 #[tokio::test(start_paused = true)]
