@@ -9,8 +9,10 @@ impl Code {
     /// The mapping follows the design table (and Google's HTTP <-> gRPC mapping where the table is
     /// silent): 2xx and 3xx are OK (a redirect is a completed outcome), 502 and 503 are UNAVAILABLE, 504 and 408 are DEADLINE_EXCEEDED, 429 is
     /// RESOURCE_EXHAUSTED, 409 is ABORTED, 412 and 422 are FAILED_PRECONDITION, 500 is INTERNAL,
-    /// 501 is UNIMPLEMENTED. Other 4xx are FAILED_PRECONDITION (a permanent client-side problem,
-    /// never retried); other statuses are UNKNOWN.
+    /// 501 is UNIMPLEMENTED. 421 Misdirected Request (RFC 9110) and 425 Too Early (RFC 8470)
+    /// say the server did not process the request: UNAVAILABLE, so that a server never records
+    /// them (a client retries them as never sent). Other 4xx are FAILED_PRECONDITION (a
+    /// permanent client-side problem, never retried); other statuses are UNKNOWN.
     ///
     /// ```
     /// use http::StatusCode;
@@ -38,7 +40,8 @@ impl Code {
             499 => Code::Cancelled,
             500 => Code::Internal,
             501 => Code::Unimplemented,
-            502 | 503 => Code::Unavailable,
+            // Not processed: nothing ran, so nothing to record, and the request may go again.
+            421 | 425 | 502 | 503 => Code::Unavailable,
             405..=499 => Code::FailedPrecondition,
             _ => Code::Unknown,
         }
@@ -137,6 +140,22 @@ mod tests {
         other_5xx_599: 599 => Code::Unknown,
         redirect_302: 302 => Code::Ok,
         see_other_303: 303 => Code::Ok,
+        misdirected_421: 421 => Code::Unavailable,
+        too_early_425: 425 => Code::Unavailable,
+        other_4xx_418: 418 => Code::FailedPrecondition,
+    }
+
+    /// 421 and 425 mean "not processed" on both halves: the client retries them as never sent,
+    /// and a server never records them, even one that records permanent failures.
+    #[test]
+    fn misdirected_and_too_early_are_never_recorded() {
+        let table = crate::RetryTable::default().record_permanent_failures(true);
+        for status in [421, 425] {
+            let code = Code::from_http_status(StatusCode::from_u16(status).unwrap());
+            assert!(!table.may_record(code), "{status} ({code})");
+        }
+        // A permanent 4xx is recorded when opted in: the rule is not "no 4xx".
+        assert!(table.may_record(Code::from_http_status(StatusCode::IM_A_TEAPOT)));
     }
 
     macro_rules! grpc_http_rows {
