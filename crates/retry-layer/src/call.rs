@@ -105,14 +105,6 @@ impl<S, B> Call<S, B> {
         self.attempt.deadline
     }
 
-    /// Why the first attempt was not sent (the deadline had passed, or the body failed before
-    /// its first byte).
-    pub(crate) fn take_not_sent(&mut self) -> BoxError {
-        self.not_sent
-            .take()
-            .unwrap_or_else(|| DeadlineExceeded::new().into())
-    }
-
     /// How long an attempt (or the wait before it) may wait for a response head.
     pub(crate) fn head_timeout(&self) -> std::time::Duration {
         self.shared.policy.response_head_timeout
@@ -395,7 +387,20 @@ where
                 {
                     hop.note_gave_up()
                 }
+                // At least "more than nothing" is needed: a spent inbound deadline gives up
+                // even with a `min_attempt_time` of zero.
+                ReturnReason::DeadlinePassed
+                    if hop.inbound_deadline_leaves_less_than(
+                        self.shared
+                            .policy
+                            .min_attempt_time
+                            .max(std::time::Duration::from_nanos(1)),
+                    ) =>
+                {
+                    hop.note_gave_up()
+                }
                 ReturnReason::DeadlineTooShort { .. }
+                | ReturnReason::DeadlinePassed
                 | ReturnReason::PushbackTooLong(_)
                 | ReturnReason::Exhausted
                 | ReturnReason::BudgetRefused
@@ -427,6 +432,11 @@ where
             ReturnReason::DeadlineTooShort { delay, left } => {
                 stats.incr(Counter::DeadlineStops);
                 tracing::debug!(attempt, code = %code, delay_ms = delay.as_millis() as u64, left_ms = left.as_millis() as u64, "giving up: the deadline cannot fit another attempt");
+                GiveUp::Deadline
+            }
+            ReturnReason::DeadlinePassed => {
+                stats.incr(Counter::DeadlineStops);
+                tracing::debug!(attempt, code = %code, "giving up: the deadline has passed");
                 GiveUp::Deadline
             }
             ReturnReason::InboundRetry => {
@@ -513,6 +523,29 @@ where
             self.last_code,
         );
         true
+    }
+
+    /// The answer of a call whose first attempt was not sent: the body's error when it failed
+    /// before its first byte; else the deadline had passed (see [`deadline_ended`]).
+    ///
+    /// [`deadline_ended`]: Self::deadline_ended
+    pub(crate) fn answer_not_sent(&mut self) -> Result<Response<R>, BoxError> {
+        match self.not_sent.take() {
+            Some(e) if !e.is::<DeadlineExceeded>() => self.answer(Err(e)),
+            _ => self.deadline_ended(),
+        }
+    }
+
+    /// The answer of a call its deadline ended (before the first attempt, during an attempt,
+    /// or while waiting for the inner service or the rebuild hook): [`DeadlineExceeded`],
+    /// counted and traced as a deadline stop, and the hop told as for one (it gives up when the
+    /// deadline was its inbound request's).
+    pub(crate) fn deadline_ended(&mut self) -> Result<Response<R>, BoxError> {
+        self.count_and_trace(
+            ReturnReason::DeadlinePassed,
+            reason_code::Code::DeadlineExceeded,
+        );
+        self.answer(Err(DeadlineExceeded::new().into()))
     }
 
     /// Polls the inner service's readiness for the next attempt.

@@ -122,6 +122,10 @@ pub(crate) enum ReturnReason {
         /// What was left of the deadline.
         left: Duration,
     },
+    /// The call's deadline passed before it had an answer (during an attempt, or while it
+    /// waited for the inner service or the rebuild hook). Never a step of [`decide`]: the
+    /// response future ends the call with `DeadlineExceeded`, counted as a deadline stop.
+    DeadlinePassed,
     /// The retry budget refused the retry.
     BudgetRefused,
     /// The request being served is itself a retry of the hop above: this call sends once.

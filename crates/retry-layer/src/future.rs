@@ -17,7 +17,7 @@ use tracing::Span;
 use crate::body::ReplayBody;
 use crate::call::{Call, Next};
 use crate::deadline::{instant_after, Bound, Timer};
-use crate::error::{AttemptTimedOut, DeadlineExceeded, ResponseHeadTimedOut};
+use crate::error::{AttemptTimedOut, ResponseHeadTimedOut};
 use crate::observe;
 use crate::policy::RebuildFuture;
 use crate::shared::Shared;
@@ -124,8 +124,7 @@ where
                             }
                             if this.call.deadline_passed() {
                                 this.state.set(State::Done);
-                                let e = DeadlineExceeded::new().into();
-                                break this.call.answer(Err(e));
+                                break this.call.deadline_ended();
                             }
                             match this.timer.bound() {
                                 Bound::Head => {
@@ -175,8 +174,7 @@ where
                             }
                             if this.timer.bound() == Bound::Deadline {
                                 this.state.set(State::Done);
-                                let e = DeadlineExceeded::new().into();
-                                break this.call.answer(Err(e));
+                                break this.call.deadline_ended();
                             }
                             // A hook that does not answer within the head bound declines.
                             tracing::debug!(
@@ -214,10 +212,10 @@ where
                                 return Poll::Pending;
                             }
                             this.state.set(State::Done);
-                            let e = match this.timer.bound() {
-                                Bound::Deadline => DeadlineExceeded::new().into(),
-                                _ => ResponseHeadTimedOut::new(this.call.head_timeout()).into(),
-                            };
+                            if this.timer.bound() == Bound::Deadline {
+                                break this.call.deadline_ended();
+                            }
+                            let e = ResponseHeadTimedOut::new(this.call.head_timeout()).into();
                             break this.call.answer(Err(e));
                         }
                     }
@@ -242,8 +240,7 @@ where
                 }
                 StateProj::NotSent => {
                     this.state.set(State::Done);
-                    let e = this.call.take_not_sent();
-                    break this.call.answer(Err(e));
+                    break this.call.answer_not_sent();
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
             }

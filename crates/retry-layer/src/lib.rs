@@ -129,7 +129,7 @@
 //!
 //! | wait | bound | default | when it is reached |
 //! |---|---|---|---|
-//! | the whole call, retries included | the earliest of the [`Deadline`] extension, an inbound `grpc-timeout` and `total_timeout` | none: set one (the examples use 10 s) | [`DeadlineExceeded`]; no retry that cannot fit `min_attempt_time` (50 ms) is sent |
+//! | the whole call, retries included | the earliest of the [`Deadline`] extension, an inbound `grpc-timeout` and `total_timeout` | none: set one (the examples use 10 s) | [`DeadlineExceeded`] (counted in `deadline_stops`); no retry that cannot fit `min_attempt_time` (50 ms) is sent |
 //! | one attempt's response head | `response_head_timeout`; not sent to the server | 60 s | [`ResponseHeadTimedOut`], ambiguous: retried only when idempotent or keyed |
 //! | one attempt, sent to the server as the `grpc-timeout` cap | `attempt_timeout` | none | [`AttemptTimedOut`], ambiguous |
 //! | the backoff between attempts | `max_delay` (x jitter) and the deadline | 1 s (+-20 %) | |
@@ -306,7 +306,7 @@
 //! | `retry_layer_attempts_total` | counter | `code` | attempts, by the code they ended with |
 //! | `retry_layer_retries_total` | counter | `code` | retries, by the code that caused them |
 //! | `retry_layer_budget_refusals_total` | counter | `code` | retries the budget refused |
-//! | `retry_layer_give_ups_total` | counter | `reason`, `code` | retryable outcomes returned |
+//! | `retry_layer_give_ups_total` | counter | `reason`, `code` | retryable outcomes returned, and calls the deadline ended (`deadline`, `DEADLINE_EXCEEDED`) |
 //!
 //! `code` is [`Code::as_str`](reason_code::Code::as_str) (`OK`, `UNAVAILABLE`, ...; a transport
 //! error is `UNAVAILABLE`); `reason` is `exhausted`, `deadline`, `pushback`, `not_replayable`

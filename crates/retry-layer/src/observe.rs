@@ -22,7 +22,7 @@ use tracing::Span;
 pub(crate) enum GiveUp {
     /// No attempt left.
     Exhausted,
-    /// The deadline cannot fit another attempt.
+    /// The deadline cannot fit another attempt, or it ended the call.
     Deadline,
     /// The server's pushback said stop, or was longer than `max_pushback`.
     Pushback,

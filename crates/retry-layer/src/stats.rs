@@ -32,7 +32,10 @@ pub struct RetryStats {
     pub budget_refusals: u64,
     /// Retryable outcomes returned because no attempt was left.
     pub exhausted: u64,
-    /// Retryable outcomes returned because the deadline could not fit another attempt.
+    /// Calls the deadline stopped: a retryable outcome returned because the deadline could not
+    /// fit another attempt, or a call the deadline ended with
+    /// [`DeadlineExceeded`](crate::DeadlineExceeded) (before its first attempt, during an
+    /// attempt, or while waiting for the inner service or the rebuild hook).
     pub deadline_stops: u64,
     /// Retryable outcomes returned because the server's pushback said stop or was too long (a
     /// hop below that gave up answers with such a pushback).

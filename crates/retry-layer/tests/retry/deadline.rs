@@ -254,3 +254,97 @@ async fn a_retry_is_not_sent_when_readiness_leaves_less_than_min_attempt_time() 
     assert_eq!((stats.attempts, stats.deadline_stops), (1, 1));
     assert!(hop.gave_up(), "the caller's own deadline is spent");
 }
+
+/// A deadline that ends a call (before its first attempt, during an attempt, while a retry
+/// waits for the service to be ready, or while the rebuild hook thinks) is a deadline stop like
+/// one the decision makes: counted in `deadline_stops`, and the hop the call is made from gives
+/// up when the deadline was its inbound request's (its caller cannot fit another attempt
+/// either), or says it retried below when it was a local `total_timeout`. Before, such a call
+/// ended with `DeadlineExceeded` and nothing counted or told the hop.
+#[tokio::test(start_paused = true)]
+async fn a_deadline_that_ends_the_call_is_a_deadline_stop() {
+    use std::sync::Arc;
+
+    use reason_code::Hop;
+    use retry_layer::Conflict;
+    use tower::{Service, ServiceExt};
+
+    let hop_with = |timeout: &'static str| {
+        let mut h = http::HeaderMap::new();
+        h.insert("grpc-timeout", timeout.parse().unwrap());
+        Arc::new(Hop::from_request_headers(&h))
+    };
+    let conflict = || Reply::Status(409, vec![("x-reason-code", "STOCK_CONFLICT")]);
+    let never_rebuilds = || {
+        RetryPolicy::builder()
+            .rebuild_on_conflict(|_c: Conflict| std::future::pending())
+            .build()
+            .unwrap()
+    };
+    // (what, policy, replies, service busy after its first call, inbound grpc-timeout)
+    let cases = [
+        (
+            "before the first attempt",
+            RetryPolicy::default(),
+            vec![status(200)],
+            None,
+            "0m",
+        ),
+        (
+            "during an attempt",
+            RetryPolicy::default(),
+            vec![Reply::Never],
+            None,
+            "200m",
+        ),
+        (
+            "waiting for readiness",
+            RetryPolicy::default(),
+            vec![status(503)],
+            Some(Duration::from_secs(10)),
+            "200m",
+        ),
+        (
+            "waiting for the rebuild hook",
+            never_rebuilds(),
+            vec![conflict()],
+            None,
+            "200m",
+        ),
+    ];
+    for (what, policy, replies, busy, timeout) in cases {
+        // The handler passes its inbound deadline on.
+        let hop = hop_with(timeout);
+        let (svc, _) = backend::<http_body_util::Full<bytes::Bytes>>(replies);
+        let layer = retry_layer::RetryLayer::new(policy);
+        let svc = BusyAfterFirstCall::new(svc, busy.unwrap_or(Duration::ZERO));
+        let mut retry = tower::Layer::layer(&layer, svc);
+        let mut req = keyed(get("/books/b1"));
+        req.extensions_mut()
+            .insert(Deadline(hop.inbound_deadline().unwrap()));
+        let err = hop
+            .clone()
+            .scope(within_a_day(what, async {
+                retry.ready().await.unwrap().call(req).await
+            }))
+            .await
+            .unwrap_err();
+        let err = RetryError::of(&*err).expect("a RetryError");
+        assert!(err.is::<DeadlineExceeded>(), "{what}: {err}");
+        assert_eq!(layer.stats().deadline_stops, 1, "{what}");
+        assert!(hop.gave_up(), "{what}: the inbound deadline is spent");
+    }
+
+    // The hop's own 200 ms, under an inbound deadline of 10 s: a local choice.
+    let hop = hop_with("10S");
+    let policy = RetryPolicy::builder()
+        .total_timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let (_, _, layer) = hop
+        .clone()
+        .scope(call_scripted(policy, get("/books/b1"), vec![Reply::Never]))
+        .await;
+    assert_eq!(layer.stats().deadline_stops, 1);
+    assert!(hop.deferred() && !hop.gave_up(), "a local choice");
+}
