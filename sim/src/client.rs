@@ -15,7 +15,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use idempotency_layer::{IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED};
 use reason_code::BoxError;
-use retry_layer::{ReplayBody, RetryLayer, RetryPolicy};
+use retry_layer::hedge::{HedgeLayer, HedgePolicy};
+use retry_layer::{RetryLayer, RetryPolicy};
+use tower::util::BoxCloneService;
 use tower::ServiceExt;
 use tower_layer::Layer;
 use tower_service::Service;
@@ -105,10 +107,9 @@ where
     }
 }
 
-type HyperClient = Client<SimConnector, ReplayBody<Full<Bytes>>>;
-
-/// The client's whole stack: what a user builds.
-pub type ClientStack = retry_layer::Retry<Route<HyperClient>>;
+/// The client's whole stack, as a user builds it: `RetryLayer` (and, when the schedule hedges,
+/// `HedgeLayer` under it) over the router and hyper-util's client.
+pub type ClientStack = BoxCloneService<Request<Full<Bytes>>, Response<Incoming>, BoxError>;
 
 /// The policy of `schedule`: the defaults, with its deadline and a deterministic jitter.
 pub fn policy(schedule: &Schedule) -> RetryPolicy {
@@ -119,20 +120,40 @@ pub fn policy(schedule: &Schedule) -> RetryPolicy {
     b.build().expect("a valid policy")
 }
 
+/// The hedging policy of `schedule`: a second attempt of a keyed write after its delay.
+pub fn hedge_policy(schedule: &Schedule) -> HedgePolicy {
+    HedgePolicy::builder()
+        .max_attempts(2)
+        .hedging_delay(schedule.settings.hedge_delay)
+        .hedge_writes()
+        .build()
+        .expect("a valid hedging policy")
+}
+
 /// Client `client`'s stack.
 pub fn stack(schedule: &Schedule, client: usize, gate: ReadyGate) -> ClientStack {
+    fn route<S>(schedule: &Schedule, client: usize, gate: ReadyGate, inner: S) -> Route<S> {
+        Route {
+            inner,
+            servers: schedule.settings.servers,
+            next: Arc::new(AtomicU64::new(client as u64)),
+            tags: Arc::default(),
+            client,
+            gate,
+        }
+    }
     let mut builder = Client::builder(TokioExecutor::new());
     builder.http2_only(schedule.settings.protocol == Protocol::Http2);
-    let hyper = builder.build(SimConnector);
-    let route = Route {
-        inner: hyper,
-        servers: schedule.settings.servers,
-        next: Arc::new(AtomicU64::new(client as u64)),
-        tags: Arc::default(),
-        client,
-        gate,
-    };
-    RetryLayer::new(policy(schedule)).layer(route)
+    let retry = RetryLayer::new(policy(schedule));
+    if schedule.settings.hedging {
+        let hyper = builder.build(SimConnector);
+        let hedged =
+            HedgeLayer::new(hedge_policy(schedule)).layer(route(schedule, client, gate, hyper));
+        BoxCloneService::new(retry.layer(hedged))
+    } else {
+        let hyper = builder.build(SimConnector);
+        BoxCloneService::new(retry.layer(route(schedule, client, gate, hyper)))
+    }
 }
 
 /// Client `client`'s software: sends its share of the intents at their times, each call

@@ -146,20 +146,22 @@ fn calls_end(run: &Run, v: &mut Verdict) {
     }
 }
 
-/// Whether a partition, a held link or a server crash touched `client`'s links after `from`.
+/// Whether a partition, a held link, a server crash or a per-message fail rate touched
+/// `client`'s links after `from`.
 /// turmoil's TCP does not retransmit: a segment lost there is lost for good, and a body read
 /// over that connection waits as it would on a real connection that died silently. The client
 /// layer does not bound an HTTP body (long streams stay alive), so such a read is not the
 /// layer's hang.
 fn network_cut(schedule: &Schedule, client: usize, from: Duration) -> bool {
-    schedule.faults.iter().any(|t| {
-        let touches = match t.fault {
-            Fault::Partition { client: c, .. } | Fault::Hold { client: c, .. } => c == client,
-            Fault::Crash { .. } => true,
-            _ => false,
-        };
-        touches && t.heal.is_none_or(|heal| heal >= from)
-    })
+    schedule.settings.fail_rate > 0.0
+        || schedule.faults.iter().any(|t| {
+            let touches = match t.fault {
+                Fault::Partition { client: c, .. } | Fault::Hold { client: c, .. } => c == client,
+                Fault::Crash { .. } => true,
+                _ => false,
+            };
+            touches && t.heal.is_none_or(|heal| heal >= from)
+        })
 }
 
 /// Whether the store refused (or delayed past use) renewals for half a lease or more, in a

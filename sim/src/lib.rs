@@ -64,6 +64,19 @@ impl SeedReport {
             .iter()
             .map(|(k, n)| ((*k).to_owned(), *n))
             .collect();
+        let settings = &self.run.schedule.settings;
+        if settings.fail_rate > 0.0 {
+            out.push(("network: resets (a per-message fail rate)".to_owned(), 1));
+        }
+        if settings.hedging {
+            out.push(("settings: hedged writes".to_owned(), 1));
+        }
+        if settings.fail_open {
+            out.push(("settings: fail_open".to_owned(), 1));
+        }
+        for m in &self.run.schedule.malformed {
+            out.push((format!("caller: malformed write ({:?})", m.kind), 1));
+        }
         for i in &self.run.schedule.intents {
             let kind = match i.first {
                 Handler::Ok => None,

@@ -34,8 +34,13 @@ pub struct Settings {
     pub lease: Option<Duration>,
     /// The client policy's `total_timeout` (the call's deadline), if any.
     pub deadline: Option<Duration>,
-    /// Hedged requests on the client (a second attempt when the first is slow).
+    /// Hedged requests on the client (a second attempt of a keyed write when the first is slow,
+    /// under the retry layer).
     pub hedging: bool,
+    /// The hedging delay.
+    pub hedge_delay: Duration,
+    /// The probability that a message breaks its TCP connection (a reset).
+    pub fail_rate: f64,
     /// A `ConcurrencyLimit` of this many requests between the server layer and its handlers.
     pub server_limit: Option<usize>,
     /// Number of server instances behind the clients.
@@ -225,6 +230,8 @@ impl Schedule {
                 Duration::from_millis(300 + 250 * u64::from(r.u8(..24)))
             }),
             hedging: false,
+            hedge_delay: Duration::from_millis(100),
+            fail_rate: 0.0,
             server_limit: pick(r, 4, |r| 1 + r.usize(..3)),
             servers: 2 + r.usize(..2),
             clients: 1 + r.usize(..3),
@@ -275,7 +282,15 @@ impl Schedule {
         }
         let n_faults = r.usize(..6);
         let faults = (0..n_faults).map(|_| draw_fault(r, &settings)).collect();
+        let mut settings = settings;
         // Drawn last, so that adding them left the earlier draws of every seed as they were.
+        settings.hedging = r.u8(..3) == 0;
+        settings.hedge_delay = Duration::from_millis(r.u64(20..800));
+        settings.fail_rate = if r.u8(..4) == 0 {
+            f64::from(r.u8(1..20)) / 1000.0
+        } else {
+            0.0
+        };
         let malformed = (0..r.usize(..4))
             .map(|_| Malformed {
                 client: r.usize(..settings.clients),

@@ -100,6 +100,8 @@ fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Optio
         .tick_duration(TICK)
         .min_message_latency(Duration::from_millis(1))
         .max_message_latency(Duration::from_millis(20))
+        .fail_rate(s.fail_rate)
+        .repair_rate(1.0)
         .build();
 
     let store: Backing = FaultStore::new(MemoryStore::new());
@@ -202,6 +204,7 @@ fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Optio
                     apply(&mut sim, &store, &gates, ledger, t.fault, false);
                 }
             }
+            sim.set_fail_rate(0.0);
             ledger.event_at(now, "all calls ended; faults healed; probing");
             go.store(true, Ordering::SeqCst);
         }
