@@ -69,6 +69,17 @@ where
     }
 }
 
+impl<S, B> ResponseFuture<S, B>
+where
+    S: Service<Request<ReplayBody<B>>>,
+{
+    /// The call's deadline (fixed when the call starts).
+    #[cfg(feature = "tonic")]
+    pub(crate) fn deadline(&self) -> Option<Instant> {
+        self.call.deadline()
+    }
+}
+
 impl<S, B, R> ResponseFuture<S, B>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<R>>,

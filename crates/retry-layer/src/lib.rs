@@ -150,7 +150,10 @@
 //!
 //! - **The response body.** The layer's answer is the response head; a body that stops
 //!   streaming is the caller's to bound (read it under a timeout). A gRPC response that has
-//!   started streaming is committed (gRFC A6) and never retried.
+//!   started streaming is committed (gRFC A6) and never retried. Through
+//!   [`RetryLayer::tonic_channel`] a call with a deadline is bounded to its end: a response
+//!   body (a unary call's message and trailers) still open at the deadline ends with
+//!   DEADLINE_EXCEEDED.
 //! - **A connection that died without a word.** A call on an HTTP/2 connection whose peer
 //!   vanished (a NAT that dropped it, a host that lost power) waits for its head until
 //!   `response_head_timeout`, and every call sent on that connection meanwhile too. Turn on

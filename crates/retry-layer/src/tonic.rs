@@ -16,6 +16,10 @@
 //! (connection refused or reset, DNS, TLS) is UNAVAILABLE. The [`RetryError`] (attempts, the
 //! generated key, the cause) is the status's source: [`retry_error`] finds it.
 //!
+//! The call's deadline bounds its whole response, not only its head: a response body (the
+//! message and the trailers of a unary call) still open when the deadline passes ends with
+//! DEADLINE_EXCEEDED ([`DeadlineBody`]), as gRPC deadlines do.
+//!
 //! ```no_run
 //! use retry_layer::tonic::RetryChannel;
 //! use retry_layer::{RetryLayer, RetryPolicy};
@@ -39,9 +43,10 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http_body::Body;
+use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 use reason_code::BoxError;
+use tokio::time::{sleep_until, Instant, Sleep};
 use tower_service::Service;
 
 use crate::body::ReplayBody;
@@ -112,8 +117,9 @@ impl<S> RetryChannel<S> {
 impl<S, B, R> Service<http::Request<B>> for RetryChannel<S>
 where
     Retry<TonicBody<S>>: Service<http::Request<B>, Response = http::Response<R>, Error = BoxError>,
+    <Retry<TonicBody<S>> as Service<http::Request<B>>>::Future: sealed::CallDeadline,
 {
-    type Response = http::Response<R>;
+    type Response = http::Response<DeadlineBody<R>>;
     type Error = BoxError;
     type Future = ResponseFuture<<Retry<TonicBody<S>> as Service<http::Request<B>>>::Future>;
 
@@ -132,7 +138,7 @@ where
 
 pin_project! {
     /// The response future of [`RetryChannel`]: the layer's, with its error as a
-    /// `tonic::Status`.
+    /// `tonic::Status`, and its response body bounded by the call's deadline.
     #[derive(Debug)]
     pub struct ResponseFuture<F> {
         #[pin]
@@ -140,17 +146,136 @@ pin_project! {
     }
 }
 
-impl<F, T> Future for ResponseFuture<F>
+impl<F, R> Future for ResponseFuture<F>
 where
-    F: Future<Output = Result<T, BoxError>>,
+    F: Future<Output = Result<http::Response<R>, BoxError>> + sealed::CallDeadline,
 {
-    type Output = Result<T, BoxError>;
+    type Output = Result<http::Response<DeadlineBody<R>>, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.project()
-            .inner
-            .poll(cx)
-            .map_err(|e| Box::new(status_of(e)) as BoxError)
+        let mut inner = self.project().inner;
+        let res = match inner.as_mut().poll(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(Ok(res)) => res,
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(Box::new(status_of(e)))),
+        };
+        let deadline = inner.as_ref().get_ref().call_deadline();
+        Poll::Ready(Ok(res.map(|body| DeadlineBody::new(body, deadline))))
+    }
+}
+
+mod sealed {
+    use tokio::time::Instant;
+
+    /// A response future that knows its call's deadline.
+    pub trait CallDeadline {
+        /// The call's deadline, if it has one.
+        fn call_deadline(&self) -> Option<Instant>;
+    }
+}
+
+impl<S, B> sealed::CallDeadline for crate::future::ResponseFuture<S, B>
+where
+    S: Service<http::Request<ReplayBody<B>>>,
+{
+    fn call_deadline(&self) -> Option<Instant> {
+        self.deadline()
+    }
+}
+
+pin_project! {
+    /// The response body of a [`RetryChannel`] call: the channel's body, ended with
+    /// DEADLINE_EXCEEDED (a `tonic::Status`, which a generated client returns as it is) when the
+    /// call's deadline passes before the body ends. A unary call's message and trailers are
+    /// then bounded by the deadline like its head. Without a deadline it is the body as it is.
+    pub struct DeadlineBody<B> {
+        #[pin]
+        inner: B,
+        // `None` without a deadline, and once the body has ended.
+        deadline: Option<Instant>,
+        // Made at the first poll that has a deadline to wait for.
+        sleep: Option<Pin<Box<Sleep>>>,
+        expired: bool,
+    }
+}
+
+impl<B> DeadlineBody<B> {
+    fn new(inner: B, deadline: Option<Instant>) -> Self {
+        DeadlineBody {
+            inner,
+            deadline,
+            sleep: None,
+            expired: false,
+        }
+    }
+
+    /// The channel's body inside.
+    pub fn into_inner(self) -> B {
+        self.inner
+    }
+}
+
+impl<B> std::fmt::Debug for DeadlineBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeadlineBody")
+            .field("deadline", &self.deadline)
+            .field("expired", &self.expired)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B> Body for DeadlineBody<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.project();
+        if *this.expired {
+            return Poll::Ready(None);
+        }
+        // The deadline first: a body whose frames keep coming is bounded too.
+        if let Some(deadline) = *this.deadline {
+            let sleep = this
+                .sleep
+                .get_or_insert_with(|| Box::pin(sleep_until(deadline)));
+            if sleep.as_mut().poll(cx).is_ready() {
+                *this.expired = true;
+                *this.deadline = None;
+                *this.sleep = None;
+                let status = ::tonic::Status::deadline_exceeded(
+                    "the call's deadline passed before its response ended",
+                );
+                return Poll::Ready(Some(Err(Box::new(status))));
+            }
+        }
+        let frame = match this.inner.poll_frame(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(frame) => frame,
+        };
+        if frame.is_none() {
+            // Ended: nothing left to bound.
+            *this.deadline = None;
+            *this.sleep = None;
+        }
+        Poll::Ready(frame.map(|f| f.map_err(Into::into)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.expired || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.expired {
+            return SizeHint::with_exact(0);
+        }
+        self.inner.size_hint()
     }
 }
 

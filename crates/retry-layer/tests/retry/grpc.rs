@@ -170,3 +170,117 @@ async fn a_committed_response_is_returned_as_is() {
         "headers were sent: committed, never retried"
     );
 }
+
+/// Raw message bytes: a codec for `tonic::client::Grpc`, which generated clients drive.
+#[derive(Debug, Clone, Copy, Default)]
+struct Raw;
+
+impl tonic::codec::Codec for Raw {
+    type Encode = Bytes;
+    type Decode = Bytes;
+    type Encoder = Raw;
+    type Decoder = Raw;
+
+    fn encoder(&mut self) -> Raw {
+        Raw
+    }
+
+    fn decoder(&mut self) -> Raw {
+        Raw
+    }
+}
+
+impl tonic::codec::Encoder for Raw {
+    type Item = Bytes;
+    type Error = tonic::Status;
+
+    fn encode(
+        &mut self,
+        item: Bytes,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        bytes::BufMut::put(dst, item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for Raw {
+    type Item = Bytes;
+    type Error = tonic::Status;
+
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<Bytes>, tonic::Status> {
+        let n = bytes::Buf::remaining(src);
+        Ok(Some(bytes::Buf::copy_to_bytes(src, n)))
+    }
+}
+
+/// A channel whose answer is a committed head and the message `hi`, then trailers with
+/// `grpc-status: 0` if `trailers`, else nothing more: the body never ends.
+fn scripted_channel(
+    trailers: bool,
+) -> impl tower::Service<
+    Request<tonic::body::Body>,
+    Response = Response<tonic::body::Body>,
+    Error = Infallible,
+    Future = impl Send,
+> + Clone
+       + Send {
+    tower::service_fn(move |req: Request<tonic::body::Body>| async move {
+        let _ = req.into_body().collect().await;
+        let mut frames = vec![Ok::<_, Infallible>(Frame::data(Bytes::from_static(
+            b"\0\0\0\0\x02hi",
+        )))];
+        if trailers {
+            let mut t = HeaderMap::new();
+            t.insert("grpc-status", "0".parse().unwrap());
+            frames.push(Ok(Frame::trailers(t)));
+        }
+        let rest = futures_util::stream::iter(frames);
+        let body: tonic::body::Body = if trailers {
+            tonic::body::Body::new(StreamBody::new(rest))
+        } else {
+            // The server sent its message and then stalls: no trailers ever come.
+            let stalled = futures_util::StreamExt::chain(rest, futures_util::stream::pending());
+            tonic::body::Body::new(StreamBody::new(stalled))
+        };
+        Ok(Response::builder()
+            .header("content-type", "application/grpc")
+            .body(body)
+            .unwrap())
+    })
+}
+
+/// A unary call through `RetryChannel` is bounded by its deadline to its end, not only to its
+/// head: a server that sends the head and the message and then stalls before the trailers
+/// ends the call with DEADLINE_EXCEEDED at the deadline, as a generated client sees it. A body
+/// that ends in time is the answer as it is. Before, such a call waited as long as the stall.
+#[tokio::test(start_paused = true)]
+async fn a_unary_calls_message_and_trailers_are_bounded_by_its_deadline() {
+    let path = http::uri::PathAndQuery::from_static("/plume.linkd.v3.Library/GetBook");
+    let layer = RetryLayer::new(RetryPolicy::default());
+    let call = |trailers: bool| {
+        let mut grpc = tonic::client::Grpc::new(layer.tonic_channel(scripted_channel(trailers)));
+        let path = path.clone();
+        async move {
+            grpc.ready().await.unwrap();
+            let mut req = tonic::Request::new(Bytes::from_static(b"b1"));
+            req.set_timeout(std::time::Duration::from_millis(200));
+            grpc.unary(req, path, Raw).await
+        }
+    };
+
+    let started = tokio::time::Instant::now();
+    let res = crate::support::within_a_day("the call", call(true)).await;
+    assert_eq!(res.unwrap().into_inner(), "hi");
+    assert_eq!(started.elapsed(), std::time::Duration::ZERO);
+
+    let started = tokio::time::Instant::now();
+    let status = crate::support::within_a_day("the stalled call", call(false))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
+    assert_eq!(started.elapsed(), std::time::Duration::from_millis(200));
+}
