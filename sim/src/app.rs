@@ -57,8 +57,9 @@ impl Shared {
     }
 }
 
+/// One server instance's handler state.
 #[derive(Clone)]
-struct AppState {
+pub(crate) struct AppState {
     shared: Shared,
     server: usize,
     boot: u32,
@@ -82,14 +83,18 @@ pub async fn run_server(
     if let Some(lease) = s.lease {
         layer = layer.lease(lease);
     }
+    let app = AppState {
+        shared,
+        server,
+        boot,
+    };
+    if s.protocol == crate::schedule::Protocol::Grpc {
+        return crate::grpc::serve(layer, app).await;
+    }
     let router = Router::new()
         .route("/w/{key}", post(write))
         .route("/health", get(|| async { "ok" }))
-        .with_state(AppState {
-            shared,
-            server,
-            boot,
-        });
+        .with_state(app);
     let service = ServiceBuilder::new()
         .layer(TagLayer)
         .layer(layer)
@@ -98,39 +103,136 @@ pub async fn run_server(
     crate::net::serve(service).await
 }
 
+/// One execution's start: what the handler does this time. `None` for a probe's key (nothing
+/// planned: it just answers).
+pub(crate) struct Started {
+    scope: ScopeName,
+    intent: Intent,
+    n: u32,
+    /// What this execution does.
+    pub(crate) plan: Handler,
+    attempt: Option<u64>,
+}
+
+impl AppState {
+    /// An execution of `scope` starts (the attempt that carries it: `attempt`).
+    pub(crate) fn start(&self, scope: ScopeName, attempt: Option<u64>) -> Option<Started> {
+        let intent = self.shared.plan.get(&scope).cloned()?;
+        let n = {
+            let mut started = self.shared.started.lock().expect("started");
+            let n = started.entry(scope.clone()).or_default();
+            *n += 1;
+            *n
+        };
+        let plan = if n == 1 { intent.first } else { Handler::Ok };
+        self.shared.ledger.event(format!(
+            "{}/{} execution {n} on server {} boot {} (attempt {attempt:?}): {plan:?}",
+            scope.0, scope.1, self.server, self.boot
+        ));
+        Some(Started {
+            scope,
+            intent,
+            n,
+            plan,
+            attempt,
+        })
+    }
+
+    /// The side effect of `started` commits, answering `status` with a body of its own; the
+    /// body to answer with (`frame`: wrapped as one gRPC message, with `trailers` after it).
+    pub(crate) fn commit(&self, started: &Started, status: u16, grpc: bool) -> SimBody {
+        let Started {
+            scope, intent, n, ..
+        } = started;
+        let body = response_body(scope, *n, intent.response_len);
+        let ledger = &self.shared.ledger;
+        ledger
+            .lock()
+            .executions
+            .entry(scope.clone())
+            .or_default()
+            .push(Execution {
+                server: self.server,
+                boot: self.boot,
+                at: now(),
+                attempt: started.attempt,
+                status,
+                body: body.to_vec(),
+            });
+        ledger.event(format!("{}/{} execution {n} committed", scope.0, scope.1));
+        let (data, trailers) = if grpc {
+            let (data, trailers) = grpc_framed(&body);
+            (data, Some(trailers))
+        } else {
+            (body, None)
+        };
+        SimBody {
+            data,
+            pos: 0,
+            sized: intent.sized && !grpc,
+            plan: started.plan,
+            stall: None,
+            stalled: false,
+            trailers,
+            ledger: ledger.clone(),
+            name: format!("{}/{} execution {n}", scope.0, scope.1),
+        }
+    }
+}
+
+/// One gRPC message (`payload`) and OK trailers, as a body.
+pub(crate) fn grpc_message(
+    payload: &[u8],
+) -> http_body_util::StreamBody<
+    futures_util::stream::Iter<std::vec::IntoIter<Result<Frame<Bytes>, std::convert::Infallible>>>,
+> {
+    let (data, trailers) = grpc_framed(payload);
+    http_body_util::StreamBody::new(futures_util::stream::iter(vec![
+        Ok(Frame::data(data)),
+        Ok(Frame::trailers(trailers)),
+    ]))
+}
+
+/// `payload` as one length-prefixed gRPC message, and the OK trailers that follow it.
+fn grpc_framed(payload: &[u8]) -> (Bytes, HeaderMap) {
+    let mut framed = Vec::with_capacity(payload.len() + 5);
+    framed.push(0);
+    framed.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    framed.extend_from_slice(payload);
+    let mut trailers = HeaderMap::new();
+    trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+    (Bytes::from(framed), trailers)
+}
+
+/// The attempt tag a request carries.
+pub(crate) fn attempt_of(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(ATTEMPT_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+}
+
+/// The tenant a request names.
+pub(crate) fn tenant_of(headers: &HeaderMap) -> String {
+    headers
+        .get(&TENANT_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned()
+}
+
 async fn write(
     State(app): State<AppState>,
     Path(key): Path<String>,
     headers: HeaderMap,
     _body: Bytes,
 ) -> Response<axum::body::Body> {
-    let tenant = headers
-        .get(&TENANT_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned();
-    let attempt = headers
-        .get(ATTEMPT_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    let scope: ScopeName = (tenant, key);
-    let Some(intent) = app.shared.plan.get(&scope).cloned() else {
+    let scope: ScopeName = (tenant_of(&headers), key);
+    let Some(started) = app.start(scope, attempt_of(&headers)) else {
         // A probe: a fresh key, nothing planned for it.
         return Response::new(axum::body::Body::from("probe"));
     };
-    let n = {
-        let mut started = app.shared.started.lock().expect("started");
-        let n = started.entry(scope.clone()).or_default();
-        *n += 1;
-        *n
-    };
-    let ledger = &app.shared.ledger;
-    let plan = if n == 1 { intent.first } else { Handler::Ok };
-    ledger.event(format!(
-        "{}/{} execution {n} on server {} boot {} (attempt {attempt:?}): {plan:?}",
-        scope.0, scope.1, app.server, app.boot
-    ));
-    match plan {
+    match started.plan {
         Handler::Error => return status(StatusCode::INTERNAL_SERVER_ERROR),
         Handler::Unavailable => return status(StatusCode::SERVICE_UNAVAILABLE),
         Handler::PanicBeforeHead => panic!("{HANDLER_PANIC}"),
@@ -139,31 +241,7 @@ async fn write(
         _ => {}
     }
     // The side effect commits here, then the handler answers.
-    let body = response_body(&scope, n, intent.response_len);
-    ledger
-        .lock()
-        .executions
-        .entry(scope.clone())
-        .or_default()
-        .push(Execution {
-            server: app.server,
-            boot: app.boot,
-            at: now(),
-            attempt,
-            status: 201,
-            body: body.to_vec(),
-        });
-    ledger.event(format!("{}/{} execution {n} committed", scope.0, scope.1));
-    let body = SimBody {
-        data: body,
-        pos: 0,
-        sized: intent.sized,
-        plan,
-        stall: None,
-        stalled: false,
-        ledger: ledger.clone(),
-        name: format!("{}/{} execution {n}", scope.0, scope.1),
-    };
+    let body = app.commit(&started, 201, false);
     Response::builder()
         .status(StatusCode::CREATED)
         .header(http::header::CONTENT_TYPE, "text/plain")
@@ -185,14 +263,15 @@ fn response_body(scope: &ScopeName, n: u32, len: usize) -> Bytes {
     Bytes::from(unit.bytes().cycle().take(len).collect::<Vec<u8>>())
 }
 
-/// A response body of 16-byte frames with the plan's fault at its byte.
-struct SimBody {
+/// A response body of 16-byte frames with the plan's fault at its byte, then its trailers.
+pub(crate) struct SimBody {
     data: Bytes,
     pos: usize,
     sized: bool,
     plan: Handler,
     stall: Option<Pin<Box<Sleep>>>,
     stalled: bool,
+    trailers: Option<HeaderMap>,
     ledger: Ledger,
     /// Its scope and execution, for the trace.
     name: String,
@@ -260,7 +339,7 @@ impl http_body::Body for SimBody {
             _ => {}
         }
         if this.pos >= this.data.len() {
-            return Poll::Ready(None);
+            return Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t))));
         }
         let end = end.max(this.pos + 1).min(this.data.len());
         let chunk = this.data.slice(this.pos..end);
@@ -270,6 +349,7 @@ impl http_body::Body for SimBody {
 
     fn is_end_stream(&self) -> bool {
         self.pos >= self.data.len()
+            && self.trailers.is_none()
             && !matches!(
                 self.plan,
                 Handler::PanicInBody { at } | Handler::ErrorInBody { at } if at >= self.pos

@@ -49,6 +49,15 @@ impl ReadyGate {
         self.0.closed.store(true, Ordering::SeqCst);
     }
 
+    /// Whether the gate is closed; if it is, `cx` is woken when it opens.
+    pub fn closed(&self, cx: &mut Context<'_>) -> bool {
+        if !self.0.closed.load(Ordering::SeqCst) {
+            return false;
+        }
+        self.0.wakers.lock().expect("gate").push(cx.waker().clone());
+        true
+    }
+
     /// Opens the gate and wakes whoever waits on it.
     pub fn open(&self) {
         self.0.closed.store(false, Ordering::SeqCst);
@@ -165,11 +174,15 @@ pub async fn run_client(
     gate: ReadyGate,
     watchdog: Duration,
 ) -> turmoil::Result {
-    let svc = stack(&schedule, client, gate);
+    let caller = if schedule.settings.protocol == Protocol::Grpc {
+        Caller::Grpc(crate::grpc::stack(&schedule, client, gate))
+    } else {
+        Caller::Http(stack(&schedule, client, gate))
+    };
     let mut tasks = Vec::new();
     for intent in &schedule.intents {
         for send in intent.sends.iter().filter(|s| s.client == client) {
-            let svc = svc.clone();
+            let caller = caller.clone();
             let ledger = ledger.clone();
             let intent = intent.clone();
             let send = *send;
@@ -177,12 +190,8 @@ pub async fn run_client(
                 tokio::time::sleep(send.at).await;
                 let scope = (intent.tenant.to_owned(), intent.key.clone());
                 let i = ledger.call_started(client, scope);
-                let req = Request::post(format!("/w/{}", intent.key))
-                    .header(idempotency_layer::X_IDEMPOTENCY_KEY, &intent.key)
-                    .header(TENANT_HEADER, intent.tenant)
-                    .body(Full::new(Bytes::from(intent.body.clone())))
-                    .expect("a valid request");
-                let call = call(svc, req, &ledger, i);
+                let body = Bytes::from(intent.body.clone());
+                let call = caller.send(Some(&intent.key), Some(intent.tenant), body, &ledger, i);
                 let ending = match send.cancel_after {
                     Some(after) => match tokio::time::timeout(after, call).await {
                         Ok(ending) => ending,
@@ -200,27 +209,18 @@ pub async fn run_client(
         }
     }
     for m in schedule.malformed.iter().filter(|m| m.client == client) {
-        let (svc, ledger, m) = (svc.clone(), ledger.clone(), *m);
+        let (caller, ledger, m) = (caller.clone(), ledger.clone(), *m);
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep(m.at).await;
             let scope = ("-".to_owned(), format!("{:?}", m.kind));
             let i = ledger.call_started(client, scope);
-            let mut req = Request::post("/w/malformed");
-            match m.kind {
-                MalformedKind::NoKey => req = req.header(TENANT_HEADER, "acme"),
-                MalformedKind::BadKey => {
-                    req = req
-                        .header(TENANT_HEADER, "acme")
-                        .header(idempotency_layer::X_IDEMPOTENCY_KEY, "no")
-                }
-                MalformedKind::NoTenant => {
-                    req = req.header(idempotency_layer::X_IDEMPOTENCY_KEY, "malformed-no-tenant")
-                }
-            }
-            let req = req.body(Full::new(Bytes::new())).expect("a valid request");
-            if let Ok(Some(ending)) =
-                tokio::time::timeout(watchdog, call(svc, req, &ledger, i)).await
-            {
+            let (key, tenant) = match m.kind {
+                MalformedKind::NoKey => (None, Some("acme")),
+                MalformedKind::BadKey => (Some("no"), Some("acme")),
+                MalformedKind::NoTenant => (Some("malformed-no-tenant"), None),
+            };
+            let call = caller.send(key, tenant, Bytes::new(), &ledger, i);
+            if let Ok(Some(ending)) = tokio::time::timeout(watchdog, call).await {
                 ledger.call_ended(i, ending);
             }
         }));
@@ -229,6 +229,40 @@ pub async fn run_client(
         let _ = t.await;
     }
     Ok(())
+}
+
+/// A client's stack for its protocol.
+#[derive(Clone)]
+enum Caller {
+    Http(ClientStack),
+    Grpc(crate::grpc::GrpcStack),
+}
+
+impl Caller {
+    /// One write with `key` and `tenant` (either may be missing: a malformed write).
+    async fn send(
+        self,
+        key: Option<&str>,
+        tenant: Option<&str>,
+        body: Bytes,
+        ledger: &Ledger,
+        i: usize,
+    ) -> Option<Ending> {
+        match self {
+            Caller::Http(svc) => {
+                let mut req = Request::post(format!("/w/{}", key.unwrap_or("malformed")));
+                if let Some(key) = key {
+                    req = req.header(idempotency_layer::X_IDEMPOTENCY_KEY, key);
+                }
+                if let Some(tenant) = tenant {
+                    req = req.header(TENANT_HEADER, tenant);
+                }
+                let req = req.body(Full::new(body)).expect("a valid request");
+                call(svc, req, ledger, i).await
+            }
+            Caller::Grpc(svc) => crate::grpc::call(svc, key, tenant, body, ledger, i).await,
+        }
+    }
 }
 
 /// One call: readiness, the layer's answer, then the body read to its end. `None`: the body
@@ -328,11 +362,17 @@ pub async fn run_probe(
         .header(TENANT_HEADER, "probe")
         .body(Full::new(Bytes::from_static(b"probe")))
         .expect("a valid request");
-        let answer = tokio::time::timeout(Duration::from_secs(30), hyper.request(req)).await;
-        let result = match answer {
-            Ok(Ok(resp)) => Ok(resp.status().as_u16()),
-            Ok(Err(e)) => Err(error_chain(&e)),
-            Err(_) => Err("no answer within 30 s".to_owned()),
+        let result = if schedule.settings.protocol == Protocol::Grpc {
+            tokio::time::timeout(Duration::from_secs(30), crate::grpc::probe(server, &key))
+                .await
+                .unwrap_or_else(|_| Err("no answer within 30 s".to_owned()))
+        } else {
+            let answer = tokio::time::timeout(Duration::from_secs(30), hyper.request(req)).await;
+            match answer {
+                Ok(Ok(resp)) => Ok(resp.status().as_u16()),
+                Ok(Err(e)) => Err(error_chain(&e)),
+                Err(_) => Err("no answer within 30 s".to_owned()),
+            }
         };
         ledger.lock().probes.push((server, result));
     }

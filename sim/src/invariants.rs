@@ -18,7 +18,7 @@ use crate::app::HANDLER_PANIC;
 use crate::ledger::{Ending, Execution, ScopeName};
 use idempotency_layer::conformance::{Fault as StoreFault, Op};
 
-use crate::schedule::{Fault, Schedule};
+use crate::schedule::{Fault, Protocol, Schedule};
 use crate::world::{Run, TICK};
 
 /// With no deadline, the documented bound of a call with the default policy: three attempts,
@@ -107,6 +107,14 @@ fn calls_end(run: &Run, v: &mut Verdict) {
         let scope = Some(c.scope.clone());
         match (&c.head, &c.end) {
             (_, Some((_, Ending::Cancelled))) => {}
+            // A gRPC call's answer is its message and trailers: with no deadline, nothing on
+            // the client bounds reading them (as for an HTTP body), so a connection the network
+            // cut after the head leaves it waiting, as it would on a real connection that died
+            // silently.
+            (None, _)
+                if run.schedule.settings.protocol == Protocol::Grpc
+                    && run.schedule.settings.deadline.is_none()
+                    && network_cut(&run.schedule, c.client, c.start) => {}
             (None, _) => v.violations.push(Violation {
                 promise: 1,
                 cause: "a call never got an answer",

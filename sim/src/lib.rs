@@ -23,6 +23,7 @@
 
 pub mod app;
 pub mod client;
+pub mod grpc;
 pub mod invariants;
 pub mod ledger;
 pub mod net;

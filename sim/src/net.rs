@@ -24,6 +24,13 @@ pub const PORT: u16 = 80;
 #[derive(Debug)]
 pub struct SimStream(turmoil::net::TcpStream);
 
+impl SimStream {
+    /// An accepted connection.
+    pub fn accepted((stream, _): (turmoil::net::TcpStream, std::net::SocketAddr)) -> SimStream {
+        SimStream(stream)
+    }
+}
+
 impl Connection for SimStream {
     fn connected(&self) -> Connected {
         Connected::new()

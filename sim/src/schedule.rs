@@ -17,6 +17,8 @@ pub enum Protocol {
     Http1,
     /// HTTP/2 with prior knowledge (h2c).
     Http2,
+    /// gRPC: tonic's server and tonic `Channel`s.
+    Grpc,
 }
 
 /// The settings both layers run with in one seed.
@@ -285,6 +287,9 @@ impl Schedule {
         let mut settings = settings;
         // Drawn last, so that adding them left the earlier draws of every seed as they were.
         settings.hedging = r.u8(..3) == 0;
+        if r.u8(..3) == 0 {
+            settings.protocol = Protocol::Grpc;
+        }
         settings.hedge_delay = Duration::from_millis(r.u64(20..800));
         settings.fail_rate = if r.u8(..4) == 0 {
             f64::from(r.u8(1..20)) / 1000.0
