@@ -63,6 +63,8 @@ pub(crate) struct AppState {
     shared: Shared,
     server: usize,
     boot: u32,
+    /// The client of the downstream tier, when the handlers write to it.
+    down: Option<crate::chain::DownClient>,
 }
 
 /// Server `server`'s software for its boot `boot`: the layer with the schedule's settings
@@ -87,6 +89,7 @@ pub async fn run_server(
         shared,
         server,
         boot,
+        down: s.chain.then(crate::chain::down_client),
     };
     if s.protocol == crate::schedule::Protocol::Grpc {
         return crate::grpc::serve(layer, app).await;
@@ -115,6 +118,15 @@ pub(crate) struct Started {
 }
 
 impl AppState {
+    /// The handler's downstream write, if the handlers make one: `false` when it failed (the
+    /// handler then answers a retryable failure, and its side effect does not happen).
+    pub(crate) async fn write_down(&self, started: &Started) -> bool {
+        match &self.down {
+            Some(down) => crate::chain::write_down(down, &started.scope).await.is_ok(),
+            None => true,
+        }
+    }
+
     /// An execution of `scope` starts (the attempt that carries it: `attempt`).
     pub(crate) fn start(&self, scope: ScopeName, attempt: Option<u64>) -> Option<Started> {
         let intent = self.shared.plan.get(&scope).cloned()?;
@@ -239,6 +251,9 @@ async fn write(
         Handler::NeverEnds => std::future::pending::<()>().await,
         Handler::Slow(d) => tokio::time::sleep(d).await,
         _ => {}
+    }
+    if !app.write_down(&started).await {
+        return status(StatusCode::SERVICE_UNAVAILABLE);
     }
     // The side effect commits here, then the handler answers.
     let body = app.commit(&started, 201, false);

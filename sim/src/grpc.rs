@@ -95,6 +95,9 @@ impl Service<Request<Body>> for Writes {
                 Handler::Slow(d) => tokio::time::sleep(d).await,
                 _ => {}
             }
+            if !app.write_down(&started).await {
+                return Ok(status_only(14));
+            }
             let body = app.commit(&started, 200, true);
             Ok(Response::builder()
                 .header(http::header::CONTENT_TYPE, "application/grpc")

@@ -206,7 +206,30 @@ fn unprotected(run: &Run, e: &Execution) -> (bool, bool) {
 
 fn runs_once(run: &Run, v: &mut Verdict) {
     let o = &run.observed;
+    // Downstream writes: one per upstream write, whatever ran the upstream handler again (the
+    // derived key is the same on every run).
+    let mut per_parent: BTreeMap<&str, usize> = BTreeMap::new();
+    for ((tenant, _), execs) in &o.executions {
+        if let Some(parent) = tenant.strip_prefix("down:") {
+            *per_parent.entry(parent).or_default() += execs.len();
+        }
+    }
+    for (parent, n) in per_parent {
+        if n > 1 {
+            v.violations.push(Violation {
+                promise: 2,
+                cause: "a downstream write ran twice for one upstream write",
+                scope: parent
+                    .split_once('/')
+                    .map(|(t, k)| (t.to_owned(), k.to_owned())),
+                detail: format!("{n} downstream executions"),
+            });
+        }
+    }
     for (scope, execs) in &o.executions {
+        if scope.0.starts_with("down:") {
+            continue;
+        }
         for (k, later) in execs.iter().enumerate().skip(1) {
             let earlier = &execs[..k];
             let crash = earlier.iter().any(|e| {

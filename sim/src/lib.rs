@@ -22,6 +22,7 @@
 //! ```
 
 pub mod app;
+pub mod chain;
 pub mod client;
 pub mod grpc;
 pub mod invariants;
@@ -71,6 +72,12 @@ impl SeedReport {
         }
         if settings.hedging {
             out.push(("settings: hedged writes".to_owned(), 1));
+        }
+        if settings.chain {
+            out.push((
+                "settings: a downstream write with derived keys".to_owned(),
+                1,
+            ));
         }
         if settings.fail_open {
             out.push(("settings: fail_open".to_owned(), 1));

@@ -43,6 +43,8 @@ pub struct Settings {
     pub hedge_delay: Duration,
     /// The probability that a message breaks its TCP connection (a reset).
     pub fail_rate: f64,
+    /// The handlers make a write of their own to a downstream tier, with derived keys.
+    pub chain: bool,
     /// A `ConcurrencyLimit` of this many requests between the server layer and its handlers.
     pub server_limit: Option<usize>,
     /// Number of server instances behind the clients.
@@ -234,6 +236,7 @@ impl Schedule {
             hedging: false,
             hedge_delay: Duration::from_millis(100),
             fail_rate: 0.0,
+            chain: false,
             server_limit: pick(r, 4, |r| 1 + r.usize(..3)),
             servers: 2 + r.usize(..2),
             clients: 1 + r.usize(..3),
@@ -296,6 +299,7 @@ impl Schedule {
         } else {
             0.0
         };
+        settings.chain = r.u8(..3) == 0;
         let malformed = (0..r.usize(..4))
             .map(|_| Malformed {
                 client: r.usize(..settings.clients),

@@ -108,6 +108,14 @@ fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Optio
     let (store_host, link) = store_pair(store.clone(), tags.clone());
     sim.host("store", move || store_host.clone().run());
 
+    if s.chain {
+        let boots = Arc::new(AtomicU32::new(0));
+        let (ledger, link) = (ledger.clone(), link.clone());
+        sim.host(crate::chain::DOWN, move || {
+            let boot = boots.fetch_add(1, Ordering::SeqCst);
+            crate::chain::run_down(ledger.clone(), link.clone(), boot)
+        });
+    }
     let shared = Shared::new(schedule, ledger.clone());
     for server in 0..s.servers {
         let boots = Arc::new(AtomicU32::new(0));

@@ -1,0 +1,121 @@
+//! A chain: the servers' handlers make one write of their own to a downstream tier before their
+//! side effect commits, through a `RetryLayer` that derives the downstream key from the inbound
+//! write (`derive_idempotency_keys`). Whatever runs the upstream handler again (a crash, a lapsed
+//! lease, fail-open), the downstream write carries the same key and runs once.
+
+use axum::extract::State;
+use axum::routing::post;
+use axum::Router;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use idempotency_layer::IdempotencyLayer;
+use reason_code::BoxError;
+use retry_layer::{RetryLayer, RetryPolicy};
+use tower::util::BoxCloneSyncService;
+use tower::{ServiceBuilder, ServiceExt};
+use tower_layer::Layer;
+
+use crate::ledger::{now, Execution, Ledger, ScopeName};
+use crate::net::{SimConnector, PORT};
+use crate::store_host::StoreLink;
+
+/// The downstream host's name.
+pub const DOWN: &str = "down";
+
+/// The header that names the upstream scope a downstream write belongs to (bookkeeping of the
+/// simulation; the layers never read it).
+pub const PARENT_HEADER: HeaderName = HeaderName::from_static("x-sim-parent");
+
+/// The secret every upstream instance derives downstream keys with.
+const SECRET: &str = "sim: derived keys";
+
+/// An upstream instance's client of the downstream tier.
+pub type DownClient =
+    BoxCloneSyncService<Request<Full<Bytes>>, Response<hyper::body::Incoming>, BoxError>;
+
+/// The client an upstream handler calls the downstream tier with.
+pub fn down_client() -> DownClient {
+    let policy = RetryPolicy::builder()
+        .derive_idempotency_keys(SECRET)
+        .total_timeout(std::time::Duration::from_secs(5))
+        .build()
+        .expect("a valid policy");
+    let hyper = Client::builder(TokioExecutor::new()).build(SimConnector);
+    BoxCloneSyncService::new(RetryLayer::new(policy).layer(hyper))
+}
+
+/// The upstream handler's downstream write, made as part of its execution of `parent`. `Ok`
+/// when the downstream tier answered a success (executed or replayed).
+pub async fn write_down(client: &DownClient, parent: &ScopeName) -> Result<(), String> {
+    let req = Request::post(format!("http://{DOWN}:{PORT}/d"))
+        .header(crate::app::TENANT_HEADER, "down")
+        .header(PARENT_HEADER, format!("{}/{}", parent.0, parent.1))
+        .body(Full::new(Bytes::new()))
+        .expect("a valid request");
+    let res = client
+        .clone()
+        .oneshot(req)
+        .await
+        .map_err(|e| e.to_string())?;
+    let ok = res.status().is_success();
+    let _ = res.into_body().collect().await;
+    if ok {
+        Ok(())
+    } else {
+        Err("the downstream write failed".to_owned())
+    }
+}
+
+#[derive(Clone)]
+struct DownState {
+    ledger: Ledger,
+    boot: u32,
+}
+
+/// The downstream tier's software: the layer over a handler that records its executions by the
+/// key it was called with and the upstream scope it belongs to.
+pub async fn run_down(ledger: Ledger, store: StoreLink, boot: u32) -> turmoil::Result {
+    let layer = IdempotencyLayer::new(store).tenant_from_header(crate::app::TENANT_HEADER);
+    let router = Router::new()
+        .route("/d", post(down_write))
+        .with_state(DownState { ledger, boot });
+    let service = ServiceBuilder::new().layer(layer).service(router);
+    crate::net::serve(service).await
+}
+
+async fn down_write(State(st): State<DownState>, headers: HeaderMap) -> Response<axum::body::Body> {
+    let key = headers
+        .get(idempotency_layer::X_IDEMPOTENCY_KEY)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("none")
+        .to_owned();
+    let parent = headers
+        .get(PARENT_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let body = format!("down {parent} {key}");
+    let scope: ScopeName = (format!("down:{parent}"), key);
+    st.ledger
+        .lock()
+        .executions
+        .entry(scope.clone())
+        .or_default()
+        .push(Execution {
+            server: usize::MAX,
+            boot: st.boot,
+            at: now(),
+            attempt: None,
+            status: 201,
+            body: body.clone().into_bytes(),
+        });
+    st.ledger
+        .event(format!("{}/{} downstream execution", scope.0, scope.1));
+    Response::builder()
+        .status(StatusCode::CREATED)
+        .body(axum::body::Body::from(body))
+        .expect("a valid response")
+}
