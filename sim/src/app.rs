@@ -115,6 +115,7 @@ pub(crate) struct Started {
     /// What this execution does.
     pub(crate) plan: Handler,
     attempt: Option<u64>,
+    at: std::time::Duration,
 }
 
 impl AppState {
@@ -147,6 +148,7 @@ impl AppState {
             n,
             plan,
             attempt,
+            at: now(),
         })
     }
 
@@ -166,6 +168,7 @@ impl AppState {
             .push(Execution {
                 server: self.server,
                 boot: self.boot,
+                started: started.at,
                 at: now(),
                 attempt: started.attempt,
                 status,

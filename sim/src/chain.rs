@@ -107,6 +107,7 @@ async fn down_write(State(st): State<DownState>, headers: HeaderMap) -> Response
         .push(Execution {
             server: usize::MAX,
             boot: st.boot,
+            started: now(),
             at: now(),
             attempt: None,
             status: 201,

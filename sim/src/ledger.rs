@@ -17,6 +17,8 @@ pub struct Execution {
     pub server: usize,
     /// The boot of that server (a crash and restart starts the next).
     pub boot: u32,
+    /// When the handler started (its claim was taken just before).
+    pub started: Duration,
     /// When the side effect happened.
     pub at: Duration,
     /// The attempt that ran it (the tag the client's router stamps on each attempt).

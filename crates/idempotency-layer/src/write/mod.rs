@@ -233,6 +233,24 @@ where
             // This request's place among the waiters of its scope, held while it waits.
             let mut slot = None;
             loop {
+                if asking.waited {
+                    // Woken, it asks the store again and may lead: the service is readied first,
+                    // within this request's own bound, so that a leader never holds its claim
+                    // while it waits for capacity (and a service that stays not ready ends the
+                    // wait like any other bound). Boxed: rare, and its timer would grow every
+                    // write's future.
+                    match Box::pin(self.inner.ready_within(deadline)).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => return Err(e),
+                        Err(_) => {
+                            return Ok(self.reject(
+                                RejectReason::InFlight,
+                                "a request with this idempotency key was in flight and this \
+                                 server has no capacity to run it now; retry later",
+                            ))
+                        }
+                    }
+                }
                 let begin =
                     self.store
                         .begin_for_tenant(self.tenant, scope, asking.fingerprint, cfg.lease);
@@ -376,21 +394,6 @@ where
                                      nothing was recorded; a retry executes again",
                                 ),
                             });
-                        }
-                        // It asks the store again and may lead: the service is readied first,
-                        // within this request's own bound, so that a leader never holds its
-                        // claim while it waits for capacity (and a service that stays not ready
-                        // ends the wait like any other bound).
-                        match self.inner.ready_within(deadline).await {
-                            Ok(Ok(())) => {}
-                            Ok(Err(e)) => return Err(e),
-                            Err(_) => {
-                                return Ok(self.reject(
-                                    RejectReason::InFlight,
-                                    "a request with this idempotency key was in flight and this \
-                                     server has no capacity to run it now; retry later",
-                                ))
-                            }
                         }
                     }
                     Ok(Err(e)) => {
