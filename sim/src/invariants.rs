@@ -237,9 +237,14 @@ fn runs_once(run: &Run, v: &mut Verdict) {
                     .get(&e.server)
                     .is_some_and(|ts| ts.iter().any(|t| *t >= e.at && *t <= later.at))
             });
-            let renewals_refused = earlier
-                .iter()
-                .any(|e| renewals_refused(&run.schedule, e.at, later.at));
+            // Either claim may have lapsed: the window spans both, from the first start.
+            let renewals_refused = earlier.iter().any(|e| {
+                renewals_refused(
+                    &run.schedule,
+                    e.started.min(later.started),
+                    later.at.max(e.at),
+                )
+            });
             let (later_unprotected, later_saw_in_flight) = unprotected(run, later);
             let earlier_unprotected = earlier.iter().any(|e| unprotected(run, e).0);
             let fail_open = run.schedule.settings.fail_open

@@ -13,6 +13,7 @@
 //! lifetime and a lease.
 
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -49,6 +50,8 @@ struct RenewState {
     running: bool,
     /// The task's current tick period: a fourth of the shortest lease it renews.
     period: Duration,
+    /// A renewal failed: the next one comes soon.
+    retry_soon: bool,
 }
 
 impl fmt::Debug for Renewals {
@@ -171,6 +174,7 @@ async fn renew_task<St: IdempotencyStore>(store: St, renewals: Weak<Renewals>) {
     // takes long (or fails after a timeout) does not push the next one later, so the leases'
     // margins do not drift away.
     let mut next: Option<Instant> = None;
+    let in_flight = Arc::new(AtomicUsize::new(0));
     loop {
         let Some(r) = renewals.upgrade() else {
             running.0 = None;
@@ -186,7 +190,11 @@ async fn renew_task<St: IdempotencyStore>(store: St, renewals: Weak<Renewals>) {
             .is_ok();
         drop(r);
         if woken {
-            next = None;
+            // A renewal failed (tried again shortly), or a claim with a shorter lease came.
+            let retry_soon = renewals
+                .upgrade()
+                .is_some_and(|r| std::mem::take(&mut r.lock().retry_soon));
+            next = retry_soon.then(|| Instant::now() + (period / 8).max(Duration::from_millis(10)));
             continue;
         }
         let batch: Vec<(ScopeKey, Token, Duration)> = {
@@ -229,41 +237,78 @@ async fn renew_task<St: IdempotencyStore>(store: St, renewals: Weak<Renewals>) {
             lapsed.into_iter().for_each(|scope| r.lapsed(scope));
             batch
         };
-        // The next tick, a period after this one began (or now, if this one ran past it).
+        // The next tick, a period after this one began.
         let period = renewals.upgrade().map_or(period, |r| r.lock().period);
         next = Some((due + period).max(Instant::now()));
         // One call for every claim held: one round trip on the stores that batch it.
-        let renewed = store.renew_many(&batch).await;
-        // A failed renewal (the store is briefly unreachable) is tried again at the next tick;
-        // only a fenced claim (taken over or forgotten) is no longer renewed. (A store that
-        // answered fewer results than claims leaves the rest to the next tick.)
-        let mut fenced = Vec::new();
-        let mut failed = false;
-        for ((scope, token, _), r) in batch.iter().zip(renewed) {
-            match r {
-                Ok(()) => {}
-                Err(StoreError::Fenced) => fenced.push(*token),
-                Err(e) => {
-                    failed = true;
-                    tracing::warn!(
-                        ?scope,
-                        error = %e,
-                        "idempotency: lease renewal failed; trying again shortly"
-                    );
-                }
+        // The tick's renewal runs as a task of its own, so that a slow reply (shorter than the
+        // lease, but longer than a period) does not hold back the next ticks: those renew
+        // meanwhile. At most a few run at once, so that a store that hangs does not pile them up.
+        if in_flight.load(Ordering::Relaxed) >= MAX_RENEWALS_IN_FLIGHT {
+            tracing::warn!("idempotency: lease renewals are not answered; skipping a tick");
+            continue;
+        }
+        in_flight.fetch_add(1, Ordering::Relaxed);
+        let renewal = renew_once(store.clone(), renewals.clone(), batch, in_flight.clone());
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(renewal);
             }
+            Err(_) => renewal.await,
+        }
+    }
+}
+
+/// The most renewals of one task in flight at once.
+const MAX_RENEWALS_IN_FLIGHT: usize = 4;
+
+/// One tick's renewal of `batch`.
+async fn renew_once<St: IdempotencyStore>(
+    store: St,
+    renewals: Weak<Renewals>,
+    batch: Vec<(ScopeKey, Token, Duration)>,
+    in_flight: Arc<AtomicUsize>,
+) {
+    struct Done(Arc<AtomicUsize>);
+    impl Drop for Done {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+    let _done = Done(in_flight);
+    // One call for every claim held: one round trip on the stores that batch it.
+    let renewed = store.renew_many(&batch).await;
+    // A failed renewal (the store is briefly unreachable) is tried again shortly; only a fenced
+    // claim (taken over or forgotten) is no longer renewed. (A store that answered fewer results
+    // than claims leaves the rest to the next tick.)
+    let mut fenced = Vec::new();
+    let mut failed = false;
+    for ((scope, token, _), r) in batch.iter().zip(renewed) {
+        match r {
+            Ok(()) => {}
+            Err(StoreError::Fenced) => fenced.push(*token),
+            Err(e) => {
+                failed = true;
+                tracing::warn!(
+                    ?scope,
+                    error = %e,
+                    "idempotency: lease renewal failed; trying again shortly"
+                );
+            }
+        }
+    }
+    if let Some(r) = renewals.upgrade() {
+        let mut st = r.lock();
+        for token in fenced {
+            st.held.remove(&token);
         }
         if failed {
             // Tried again an eighth of a period later, not a whole one: with a tick every
             // fourth of the lease, a store outage shorter than about three quarters of the
             // lease then never lapses a claim.
-            next = Some(Instant::now() + (period / 8).max(Duration::from_millis(10)));
-        }
-        if let Some(r) = renewals.upgrade() {
-            let mut st = r.lock();
-            for token in fenced {
-                st.held.remove(&token);
-            }
+            st.retry_soon = true;
+            drop(st);
+            r.shorter_lease.notify_one();
         }
     }
 }
@@ -410,6 +455,39 @@ mod tests {
         store.inject(slow());
         for _ in 0..60 {
             knock().await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// One renewal's reply takes 80 % of the lease (the store was slow for a moment): the
+    /// next ticks renew meanwhile, and the claim never lapses. (Before, the task waited for
+    /// that reply before its next tick, and the lease lapsed under the live leader.)
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_renewal_reply_does_not_hold_back_the_next_renewals() {
+        let store = FaultStore::new(MemoryStore::new());
+        let renewals = Arc::new(Renewals::new(Arc::default()));
+        let lease = Duration::from_secs(4);
+        let scope = ScopeKey([7; 32]);
+        let Ok(Begin::New(token)) = store.begin(scope, Fingerprint([0; 32]), lease).await else {
+            panic!("fresh scope");
+        };
+        renewals.add(&store, scope, token, lease, None);
+        store
+            .until(Duration::from_secs(10), "the first renewal", |s| {
+                s.calls(Op::RenewMany).made >= 1
+            })
+            .await;
+        // The next renewal (one only) is answered 3.2 s late.
+        store.inject(Rule::new(Op::RenewMany, Fault::Delay(Duration::from_millis(3200))).times(1));
+        for _ in 0..160 {
+            match store
+                .inner()
+                .begin(scope, Fingerprint([0; 32]), lease)
+                .await
+            {
+                Ok(Begin::InFlight { token: held, .. }) => assert_eq!(held, token),
+                other => panic!("the claim lapsed under a live leader: {other:?}"),
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
