@@ -10,6 +10,9 @@ const REGRESSIONS: &[(u64, &str)] = &[
     (11, "a client whose service never becomes ready: calls never ended, whatever their deadline"),
     (15, "a call's deadline counted only from `call`, not from the wait for readiness before it"),
     (103, "the store refused `complete` for longer than a lease: the lease lapsed under a write that ran, and it ran twice"),
+    (621, "a store that never answers a `complete` held the response's final frame forever"),
+    (1876, "a store outage shorter than the lease lapsed a claim (renewals every third of the lease, drifting)"),
+    (12689, "one slow renewal reply held back the next renewals, and the lease lapsed under its leader"),
 ];
 
 #[test]
