@@ -195,12 +195,13 @@ impl AppState {
     }
 }
 
-/// One gRPC message (`payload`) and OK trailers, as a body.
-pub(crate) fn grpc_message(
-    payload: &[u8],
-) -> http_body_util::StreamBody<
+/// A body of frames at hand.
+pub(crate) type FramesBody = http_body_util::StreamBody<
     futures_util::stream::Iter<std::vec::IntoIter<Result<Frame<Bytes>, std::convert::Infallible>>>,
-> {
+>;
+
+/// One gRPC message (`payload`) and OK trailers, as a body.
+pub(crate) fn grpc_message(payload: &[u8]) -> FramesBody {
     let (data, trailers) = grpc_framed(payload);
     http_body_util::StreamBody::new(futures_util::stream::iter(vec![
         Ok(Frame::data(data)),

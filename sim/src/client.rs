@@ -197,10 +197,9 @@ pub async fn run_client(
                         Ok(ending) => ending,
                         Err(_) => Some(Ending::Cancelled),
                     },
-                    None => match tokio::time::timeout(watchdog, call).await {
-                        Ok(ending) => ending,
-                        Err(_) => None,
-                    },
+                    None => tokio::time::timeout(watchdog, call)
+                        .await
+                        .unwrap_or_default(),
                 };
                 if let Some(ending) = ending {
                     ledger.call_ended(i, ending);

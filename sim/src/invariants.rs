@@ -335,7 +335,7 @@ fn replays_equal(run: &Run, v: &mut Verdict) {
         }
         let execs = o.executions.get(&c.scope).map(Vec::as_slice).unwrap_or(&[]);
         let matches = |e: &Execution| {
-            u16::from(*status) == e.status
+            *status == e.status
                 && if *replayed {
                     if *body_omitted {
                         body.is_empty()

@@ -10,7 +10,7 @@
 //!   of its own, so that it has one clock;
 //! - handlers whose side effect the ledger counts, with the faults the schedule gives them.
 //!
-//! A seed draws a [`Schedule`](schedule::Schedule): the settings of both layers, the intents
+//! A seed draws a [`schedule::Schedule`]: the settings of both layers, the intents
 //! (keys, bodies, duplicates sent at once, cancellations) and the timed faults (partitions,
 //! half-open links, server crashes, store errors, delays, lost replies, hangs, a full store, a
 //! client service that stops being ready). After the run, [`invariants::check`] checks every

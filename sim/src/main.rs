@@ -76,7 +76,7 @@ fn main() {
             }
         }
         let done = n as u64 + 1;
-        if done % 10 == 0 || done == args.seeds {
+        if done.is_multiple_of(10) || done == args.seeds {
             let secs = started.elapsed().as_secs_f64();
             eprint!(
                 "\r[{:<40}] {done}/{} seeds, {} failing, {:.0} seeds/s   ",
