@@ -98,8 +98,11 @@ impl<St> IdempotencyLayer<St> {
     }
 
     /// The lease of a claim in flight (default 30 s). The leader renews it every fourth of the
-    /// lease while its handler runs; a shared store lets another instance take over a claim
-    /// whose lease lapsed (its leader crashed).
+    /// lease while its handler runs (and again shortly after a renewal fails); a shared store
+    /// lets another instance take over a claim whose lease lapsed (its leader crashed). A store
+    /// that refuses or stalls renewals for about three quarters of a lease or more can lapse a
+    /// live claim: a duplicate may then run the write again, so choose a lease well above the
+    /// longest store outage you want to ride through.
     pub fn lease(self, lease: Duration) -> Self {
         self.config(|c| c.lease = lease.clamp(Duration::from_millis(30), FOREVER))
     }
