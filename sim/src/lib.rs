@@ -70,8 +70,13 @@ impl SeedReport {
         if settings.fail_rate > 0.0 {
             out.push(("network: resets (a per-message fail rate)".to_owned(), 1));
         }
-        if settings.hedging {
-            out.push(("settings: hedged writes".to_owned(), 1));
+        if settings.hedging && settings.hedging_alone {
+            out.push(("settings: hedged writes, no retry layer".to_owned(), 1));
+        } else if settings.hedging {
+            out.push((
+                "settings: hedged writes under the retry layer".to_owned(),
+                1,
+            ));
         }
         if settings.chain {
             out.push((

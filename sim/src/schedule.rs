@@ -36,9 +36,11 @@ pub struct Settings {
     pub lease: Option<Duration>,
     /// The client policy's `total_timeout` (the call's deadline), if any.
     pub deadline: Option<Duration>,
-    /// Hedged requests on the client (a second attempt of a keyed write when the first is slow,
-    /// under the retry layer).
+    /// Hedged requests on the client (a second attempt of a keyed write when the first is slow),
+    /// under the retry layer.
     pub hedging: bool,
+    /// Hedging alone, with no retry layer above it (it then answers on its own bounds).
+    pub hedging_alone: bool,
     /// The hedging delay.
     pub hedge_delay: Duration,
     /// The probability that a message breaks its TCP connection (a reset).
@@ -234,6 +236,7 @@ impl Schedule {
                 Duration::from_millis(300 + 250 * u64::from(r.u8(..24)))
             }),
             hedging: false,
+            hedging_alone: false,
             hedge_delay: Duration::from_millis(100),
             fail_rate: 0.0,
             chain: false,
@@ -311,6 +314,7 @@ impl Schedule {
                 },
             })
             .collect();
+        settings.hedging_alone = settings.hedging && r.u8(..2) == 0;
         Schedule {
             seed,
             settings,
