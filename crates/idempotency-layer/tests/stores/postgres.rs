@@ -1054,7 +1054,8 @@ impl Locked {
     }
 }
 
-/// A claim stuck behind a lock past the store's timeout is cancelled, and its connection is
+/// A claim stuck behind a lock past the store's timeout (the takeover of a lapsed claim whose
+/// row another transaction locked) is cancelled, and its connection is
 /// not handed to the next statement: on a pool of one connection, the next `begin` (another
 /// key) succeeds while the lock is still held. (Before, the timed-out statement ran on, the
 /// connection went back to the pool, and every later statement queued behind it until the
@@ -1078,6 +1079,25 @@ async fn a_timed_out_statement_is_cancelled_and_its_connection_not_reused() {
     let Ok(Begin::New(_)) = store.begin(held, fp, conformance::LONG).await else {
         panic!("fresh scope");
     };
+    let lock = Locked::row(&url, &store.table(), &held).await;
+    // A begin on the live claim only reads its row: it answers at once, lock or not.
+    match store.begin(held, fp, conformance::LONG).await {
+        Ok(Begin::InFlight { .. }) => {}
+        other => panic!("a live claim is read past the lock: {other:?}"),
+    }
+    lock.release().await;
+    // Lapsed, the claim is taken over by a write, which waits for the lock.
+    raw(&url)
+        .await
+        .execute(
+            &format!(
+                "UPDATE {} SET expires_at = now() - interval '1 minute'",
+                store.table()
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
     let lock = Locked::row(&url, &store.table(), &held).await;
     assert!(
         store.begin(held, fp, conformance::LONG).await.is_err(),

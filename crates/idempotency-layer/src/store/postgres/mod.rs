@@ -66,11 +66,13 @@ const CLAIM_ATTEMPTS: usize = 10;
 ///
 /// # Statements: one per operation
 ///
-/// - `begin` is one statement: `INSERT ... ON CONFLICT (scope) DO UPDATE ... WHERE
-///   expires_at <= now() RETURNING ...` (a lapsed lease or an expired record is taken over with
-///   a new token), combined in a CTE with a `SELECT` of the current row when the scope is held.
-///   In the rare race where another transaction inserted the row after the statement's
-///   snapshot, the statement runs again.
+/// - `begin` is one statement that writes only when it claims: a `SELECT` of the live row (a
+///   record or a held claim), and only when there is none an `INSERT ... ON CONFLICT (scope) DO
+///   UPDATE ... WHERE expires_at <= now()` (a lapsed lease or an expired record is taken over
+///   with a new token). A replay therefore takes no transaction id, writes no WAL and waits for
+///   no commit flush, and replays of one key never queue on its row lock. In the rare race
+///   where another transaction inserted the row after the statement's snapshot, the statement
+///   runs again.
 /// - `complete`, `release`, `renew` are fenced: `UPDATE`/`DELETE ... WHERE scope = $1 AND
 ///   token = $2 AND state = 'in_flight'`; no row matched is [`StoreError::Fenced`]. `complete`,
 ///   `release` and `forget` call `pg_notify` in the same statement only when a waiter marked

@@ -53,10 +53,20 @@ impl Sql {
         let create_index =
             format!("CREATE INDEX IF NOT EXISTS \"{table}_expires_at\" ON {t} (expires_at)");
         Sql {
+            // A live row is read, never written: a replay (and a waiter that begins again)
+            // takes no transaction id, writes no WAL and waits for no commit flush. Only when
+            // the snapshot holds no live row does the INSERT run; `ON CONFLICT ... WHERE`
+            // takes over an expired row, and a row a concurrent claim inserted after the
+            // snapshot yields no row at all (`begin` then runs the statement again).
             claim: format!(
-                "WITH claimed AS (\
+                "WITH live AS (\
+                   SELECT state, token, fingerprint, record, \
+                     GREATEST(0, extract(epoch FROM expires_at - now()) * 1000)::bigint AS ttl_ms \
+                   FROM {t} WHERE scope = $1 AND expires_at > now()), \
+                 claimed AS (\
                    INSERT INTO {t} AS e (scope, state, token, fingerprint, expires_at, record) \
-                   VALUES ($1, 'in_flight', $2, $3, {lease}, NULL) \
+                   SELECT $1, 'in_flight', $2::uuid, $3::bytea, {lease}, NULL \
+                   WHERE NOT EXISTS (SELECT 1 FROM live) \
                    ON CONFLICT (scope) DO UPDATE SET state = 'in_flight', token = excluded.token, \
                      fingerprint = excluded.fingerprint, expires_at = excluded.expires_at, record = NULL, \
                      watched = false \
@@ -65,9 +75,7 @@ impl Sql {
                  SELECT true AS claimed, state, token, fingerprint, record, 0::bigint AS ttl_ms \
                  FROM claimed \
                  UNION ALL \
-                 SELECT false, state, token, fingerprint, record, \
-                   GREATEST(0, extract(epoch FROM expires_at - now()) * 1000)::bigint FROM {t} \
-                 WHERE scope = $1 AND expires_at > now() AND NOT EXISTS (SELECT 1 FROM claimed)"
+                 SELECT false, state, token, fingerprint, record, ttl_ms FROM live"
             ),
             complete: format!(
                 "WITH done AS (\
