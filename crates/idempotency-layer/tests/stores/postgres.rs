@@ -223,6 +223,93 @@ async fn expired_rows_are_ignored_then_removed_in_batches() {
     drop_schema(&url, &schema).await;
 }
 
+/// On a table hash-partitioned by `scope` (which `migrate` accepts as it finds it), the cleanup
+/// removes the expired rows and nothing else. A `ctid` is unique only within one partition: a
+/// cleanup by `ctid` deleted, with each expired row, the rows at the same position in every
+/// other partition, live claims and records alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cleanup_of_a_partitioned_table_removes_only_expired_rows() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let (b, schema) = builder(&url);
+    let admin = raw(&url).await;
+    // The table as an operator would partition it, before the store first migrates.
+    admin
+        .batch_execute(&format!(
+            "CREATE SCHEMA \"{schema}\";
+             CREATE TABLE \"{schema}\".idempotency_records (
+                 scope bytea NOT NULL, state text NOT NULL, token uuid NOT NULL,
+                 fingerprint bytea NOT NULL, expires_at timestamptz NOT NULL, record bytea,
+                 watched boolean NOT NULL DEFAULT false, PRIMARY KEY (scope)
+             ) PARTITION BY HASH (scope);
+             CREATE TABLE \"{schema}\".p0 PARTITION OF \"{schema}\".idempotency_records
+                 FOR VALUES WITH (MODULUS 4, REMAINDER 0);
+             CREATE TABLE \"{schema}\".p1 PARTITION OF \"{schema}\".idempotency_records
+                 FOR VALUES WITH (MODULUS 4, REMAINDER 1);
+             CREATE TABLE \"{schema}\".p2 PARTITION OF \"{schema}\".idempotency_records
+                 FOR VALUES WITH (MODULUS 4, REMAINDER 2);
+             CREATE TABLE \"{schema}\".p3 PARTITION OF \"{schema}\".idempotency_records
+                 FOR VALUES WITH (MODULUS 4, REMAINDER 3);"
+        ))
+        .await
+        .unwrap();
+    let store = connect(b.cleanup_interval(Duration::ZERO)).await;
+    let fp = Fingerprint([9; 32]);
+    // Expired records first, written directly so that each sits at the first position of its
+    // partition, then live claims, the first of each other partition at that same position.
+    for i in 0..2 {
+        admin
+            .execute(
+                &format!(
+                    "INSERT INTO {} (scope, state, token, fingerprint, expires_at, record) \
+                     VALUES ($1, 'completed', gen_random_uuid(), $2, \
+                       now() - interval '1 minute', '\\x00')",
+                    store.table()
+                ),
+                &[
+                    &order_scope(&format!("expired-{i}")).0.to_vec(),
+                    &fp.0.to_vec(),
+                ],
+            )
+            .await
+            .unwrap();
+    }
+    for i in 0..64 {
+        let scope = order_scope(&format!("live-{i}"));
+        let Ok(Begin::New(_)) = store.begin(scope, fp, conformance::LONG).await else {
+            panic!("fresh scope");
+        };
+    }
+    let partitions: i64 = admin
+        .query_one(
+            &format!(
+                "SELECT count(DISTINCT tableoid) FROM {} WHERE expires_at > now()",
+                store.table()
+            ),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(partitions, 4, "live rows in every partition");
+    assert_eq!(store.remove_expired().await.unwrap(), 2, "the expired rows");
+    let live: i64 = admin
+        .query_one(&format!("SELECT count(*) FROM {}", store.table()), &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(live, 64, "every live claim stays");
+    for i in 0..64 {
+        let scope = order_scope(&format!("live-{i}"));
+        match store.begin(scope, fp, conformance::LONG).await {
+            Ok(Begin::InFlight { .. }) => {}
+            other => panic!("live-{i} must still be held: {other:?}"),
+        }
+    }
+    drop_schema(&url, &schema).await;
+}
+
 /// A leader whose lease lapsed and whom nobody took over (its renewals failed, it paused) still
 /// completes after a cleanup ran, and its record is replayed: the cleanup spares a lapsed claim
 /// for an hour, as Redis keeps its key. (It used to delete the claim, so the late leader's

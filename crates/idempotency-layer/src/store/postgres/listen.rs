@@ -22,7 +22,16 @@ pub(super) async fn cleanup_task(inner: Weak<Inner>, every: Duration) {
         match store.remove_expired().await {
             Ok(0) => {}
             Ok(n) => tracing::debug!(rows = n, "idempotency: removed expired rows"),
-            Err(e) => tracing::debug!(error = %e, "idempotency: expired-row cleanup failed"),
+            Err(e) => {
+                #[cfg(feature = "metrics")]
+                metrics::counter!("idempotency_layer_store_cleanup_failures_total", "store" => "postgres")
+                    .increment(1);
+                tracing::warn!(
+                    error = %e,
+                    "idempotency: removing expired rows failed; the table grows until a later \
+                     run succeeds (check the store's timeout and the role's DELETE privilege)"
+                );
+            }
         }
     }
 }

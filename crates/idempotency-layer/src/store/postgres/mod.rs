@@ -90,7 +90,8 @@ const CLAIM_ATTEMPTS: usize = 10;
 /// # Expiry
 ///
 /// Expired rows are ignored by `begin` at once (taken over), and removed by a background task
-/// in batches (`DELETE ... WHERE ctid IN (SELECT ctid ... LIMIT n FOR UPDATE SKIP LOCKED)`),
+/// in batches (`DELETE ... WHERE scope IN (SELECT scope ... LIMIT n FOR UPDATE SKIP LOCKED)`;
+/// by primary key, so a table partitioned by `scope` is cleaned correctly too),
 /// every [`cleanup_interval`](PostgresStoreBuilder::cleanup_interval); or on demand with
 /// [`remove_expired`](PostgresStore::remove_expired). The cleanup removes records past their TTL
 /// at once, but a claim only an hour after its lease lapsed: until then a new `begin` takes it

@@ -128,9 +128,11 @@ impl Sql {
             // Records past their TTL; claims only once their lease lapsed longer than
             // `LATE_COMPLETE_GRACE` ago ($2 ms): a late leader that was never taken over can
             // still complete its claim and store its record, as on Redis.
+            // By primary key, not by `ctid`: a `ctid` is unique only within one partition, so
+            // on a partitioned table `ctid IN (...)` would delete live rows of the others.
             cleanup: format!(
-                "DELETE FROM {t} WHERE ctid IN (\
-                   SELECT ctid FROM {t} WHERE expires_at <= now() \
+                "DELETE FROM {t} WHERE scope IN (\
+                   SELECT scope FROM {t} WHERE expires_at <= now() \
                      AND (state = 'completed' \
                           OR expires_at <= now() - $2::bigint * interval '1 millisecond') \
                    LIMIT $1 FOR UPDATE SKIP LOCKED)"
