@@ -254,7 +254,28 @@ where
                 let begin =
                     self.store
                         .begin_for_tenant(self.tenant, scope, asking.fingerprint, cfg.lease);
-                let found = observe::timed(Op::Begin, kind, begin).await;
+                // Bounded by one lease, whatever the store's own timeouts: a store that never
+                // answers must not hold this request, nor the capacity it readied (a
+                // `ConcurrencyLimit` permit), for ever when its client vanished without a reset.
+                // Given up, the begin is dropped as if its caller went away (a shared store
+                // releases a claim it may have written), and the write is refused even with
+                // `fail_open`: a lease later, a retry may already be running it elsewhere.
+                let Ok(found) =
+                    tokio::time::timeout(cfg.lease, observe::timed(Op::Begin, kind, begin)).await
+                else {
+                    counters.store_error();
+                    observe::store_error(Op::Begin, kind);
+                    tracing::warn!(
+                        ?scope,
+                        "idempotency: the store did not answer a begin within one lease; nothing \
+                         executed"
+                    );
+                    return Ok(self.reject(
+                        RejectReason::StoreUnavailable,
+                        "the idempotency store did not answer within one lease; nothing was \
+                         executed, retry",
+                    ));
+                };
                 if let Err(e) = &found {
                     note_begin_failed(counters, kind, scope, e);
                 }

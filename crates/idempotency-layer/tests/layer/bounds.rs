@@ -684,6 +684,57 @@ async fn a_full_store_never_fails_open() {
     assert_eq!((m.failed_open, m.rejected(RejectReason::StoreFull)), (0, 1));
 }
 
+/// A store that never answers a `begin` holds the write no longer than one lease: it is then
+/// answered 503 (retryable, nothing ran, even with `fail_open`), and the capacity it readied (here the one permit of a
+/// `ConcurrencyLimit` behind the layer) goes to the next write. Before, a write whose client
+/// vanished without a reset (a partition: the server's connection half-open, its request future
+/// alive) held the permit for ever, and the server answered nothing again.
+#[tokio::test(start_paused = true)]
+async fn a_begin_the_store_never_answers_ends_at_one_lease_and_frees_its_capacity() {
+    let executions = Arc::new(AtomicUsize::new(0));
+    let store = FaultStore::new(MemoryStore::new());
+    store.inject(Rule::new(Op::Begin, Fault::Hang).times(1));
+    let lease = Duration::from_secs(30);
+    let app = ServiceBuilder::new()
+        .layer(
+            IdempotencyLayer::new(store.clone())
+                .default_tenant("t")
+                .lease(lease)
+                // Not even with fail-open: a lease later, a retry may run it elsewhere.
+                .fail_open(true),
+        )
+        .concurrency_limit(1)
+        .service(orders(&executions, || Body::from("created")));
+    let call = |key: &'static str| {
+        let app = app.clone();
+        async move {
+            let req = Request::post("/orders")
+                .header("x-idempotency-key", key)
+                .body(Body::from("{}"))
+                .unwrap();
+            collect(app.oneshot(req).await.unwrap()).await
+        }
+    };
+    // The first write's begin hangs; its future stays alive (nobody resets it).
+    let stuck = tokio::spawn(call("order-hung-begin-1"));
+    until("the first begin is made", || {
+        store.calls(Op::Begin).made == 1
+    })
+    .await;
+    let next = tokio::spawn(call("order-hung-begin-2"));
+    let stuck = tokio::time::timeout(lease * 2, stuck)
+        .await
+        .expect("the hung begin ends within one lease")
+        .unwrap();
+    assert_eq!(stuck.status, StatusCode::SERVICE_UNAVAILABLE, "{stuck:?}");
+    let next = tokio::time::timeout(lease * 2, next)
+        .await
+        .expect("the next write gets the capacity")
+        .unwrap();
+    assert_eq!(next.status, StatusCode::CREATED, "{next:?}");
+    assert_eq!(executions.load(Ordering::SeqCst), 1, "only the second ran");
+}
+
 /// An outcome that is not recorded (a 503, a handler error, a panic) is answered at once; the
 /// claim is released after, in the background. The store being slow (or gone) does not hold the
 /// answer.
