@@ -163,11 +163,18 @@ pub async fn complete_then_begin_replays_the_record<S: IdempotencyStore>(store: 
         Ok(Begin::Completed(r)) => assert_eq!(*r, sample_record(FP), "record round trip"),
         other => panic!("begin after complete must return the record, got {other:?}"),
     }
-    // A second complete by the same token is refused: the claim has ended.
+    // The same complete again (resent after a lost reply) is answered as the first was, and
+    // changes nothing; another token's is fenced.
     let mut other = sample_record(FP);
     other.body = Bytes::from_static(b"overwrite");
+    store
+        .complete(s, token, other.clone().into(), LONG)
+        .await
+        .expect("a complete resent by its own token is answered completed");
     assert!(matches!(
-        store.complete(s, token, other.into(), LONG).await,
+        store
+            .complete(s, Token(token.0 ^ 0xAAAA), other.into(), LONG)
+            .await,
         Err(StoreError::Fenced)
     ));
     match store.begin(s, FP, LONG).await {

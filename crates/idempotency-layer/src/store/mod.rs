@@ -162,7 +162,9 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     }
 
     /// Replaces the claim `token` with `record`, kept for `ttl`, and wakes the waiters.
-    /// [`StoreError::Fenced`] if `token` no longer holds the claim.
+    /// [`StoreError::Fenced`] if `token` no longer holds the claim. Idempotent for its own
+    /// token: called again after it succeeded (its reply was lost and the caller retried), it
+    /// answers `Ok` and changes nothing.
     ///
     /// The record comes shared: the layer keeps it to call again through a brief store
     /// outage without copying it, and an in-process store keeps this very `Arc` (replays share

@@ -65,11 +65,84 @@ impl Backend for Redis {
     }
 
     async fn holds(store: &RedisStore, url: &str, scope: ScopeKey) -> bool {
-        raw(url).await.exists(store.key(&scope)).await.unwrap()
+        // A claim (state `i`), not the tombstone a release or a forget leaves.
+        let state: Option<String> = raw(url)
+            .await
+            .hget(store.key(&scope), "s")
+            .await
+            .unwrap_or(None);
+        state.as_deref() == Some("i")
     }
 }
 
 shared_store_suite!(Redis, idempotency_layer::store::AnyStore::Redis);
+
+/// A complete or a release resent after its reply was lost (a cluster connection resends; the
+/// layer retries through an outage) is answered as the first one was, for its own token, and
+/// never "fenced": wrong warnings and counters, and a settle that says "unknown" for a claim
+/// that did end. A release stays answered once a new claim took the key; another token's
+/// complete or release is still fenced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resent_complete_or_release_is_answered_as_the_first() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let store = store(&url).await;
+    let fp = Fingerprint([5; 32]);
+    let record = || std::sync::Arc::new(conformance::sample_record(fp));
+
+    let done = order_scope(&unique("resent-complete-"));
+    let Ok(Begin::New(t)) = store.begin(done, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    store
+        .complete(done, t, record(), conformance::LONG)
+        .await
+        .unwrap();
+    store
+        .complete(done, t, record(), conformance::LONG)
+        .await
+        .expect("the same complete, resent, is answered completed");
+    let other = idempotency_layer::store::Token(t.0 ^ 1);
+    assert!(matches!(
+        store
+            .complete(done, other, record(), conformance::LONG)
+            .await,
+        Err(idempotency_layer::StoreError::Fenced)
+    ));
+    match store.begin(done, fp, conformance::LONG).await {
+        Ok(Begin::Completed(r)) => assert_eq!(*r, *record()),
+        other => panic!("the record replays: {other:?}"),
+    }
+
+    let gone = order_scope(&unique("resent-release-"));
+    let Ok(Begin::New(t)) = store.begin(gone, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    store.release(gone, t).await.unwrap();
+    store
+        .release(gone, t)
+        .await
+        .expect("the same release, resent, is answered released");
+    assert!(matches!(
+        store
+            .release(gone, idempotency_layer::store::Token(t.0 ^ 1))
+            .await,
+        Err(idempotency_layer::StoreError::Fenced)
+    ));
+    // The key is free at once, and a resent release does not free the new claim.
+    let Ok(Begin::New(next)) = store.begin(gone, fp, conformance::LONG).await else {
+        panic!("a released key is claimed at once");
+    };
+    store
+        .release(gone, t)
+        .await
+        .expect("the old release, resent after a new claim, is still answered released");
+    assert!(
+        matches!(store.begin(gone, fp, conformance::LONG).await, Ok(Begin::InFlight { token, .. }) if token == next),
+        "the new claim still holds"
+    );
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_entry_is_a_clear_error() {

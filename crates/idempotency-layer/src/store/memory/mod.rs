@@ -360,6 +360,10 @@ impl IdempotencyStore for MemoryStore {
         let index = self.shard_index(&scope);
         let tenant = match shard.map.get(&scope) {
             Some(Entry::InFlight(claim)) if claim.token == token => claim.tenant,
+            // The same complete again (its caller retried it): done already, nothing changes.
+            Some(Entry::Completed {
+                token: by, expires, ..
+            }) if *by == token.0 as u64 && *expires > now => return Ok(()),
             _ => return Err(StoreError::Fenced),
         };
         // The handler has run: the record is kept whatever happens, in full if it fits. The

@@ -88,6 +88,9 @@ pub(super) enum Entry {
         size: u32,
         /// When it completed, in whole seconds since the store's origin.
         completed: u32,
+        /// The low half of the token that completed it: the same complete again is answered
+        /// "completed", another token's is fenced.
+        token: u64,
     },
 }
 
@@ -340,6 +343,7 @@ impl Shard {
             return None;
         };
         let tenant = claim.tenant;
+        let token = claim.token.0 as u64;
         let waiters = std::mem::take(&mut claim.wake);
         let completed = Entry::Completed {
             tenant,
@@ -347,6 +351,7 @@ impl Shard {
             expires,
             size: u32::try_from(size).unwrap_or(u32::MAX),
             completed,
+            token,
         };
         if let Entry::InFlight(claim) = std::mem::replace(slot, completed) {
             if self.spare.len() < SPARE_CLAIMS {

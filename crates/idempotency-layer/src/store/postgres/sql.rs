@@ -77,13 +77,19 @@ impl Sql {
                  UNION ALL \
                  SELECT false, state, token, fingerprint, record, ttl_ms FROM live"
             ),
+            // A complete resent by its own token (its reply was lost) counts the record it
+            // already wrote (seen by the statement's snapshot, from before this update) and
+            // changes nothing.
             complete: format!(
                 "WITH done AS (\
                    UPDATE {t} SET state = 'completed', record = $3, \
                      expires_at = {lease} \
                    WHERE scope = $1 AND token = $2 AND state = 'in_flight' RETURNING scope, watched), \
-                 {}",
-                notify_if_watched("done")
+                 notified AS (SELECT pg_notify('{channel}', encode(scope, 'hex')) FROM done \
+                   WHERE watched) \
+                 SELECT (SELECT count(*) FROM done) + (SELECT count(*) FROM {t} \
+                   WHERE scope = $1 AND token = $2 AND state = 'completed' AND expires_at > now()) \
+                   AS n, (SELECT count(*) FROM notified) AS woken"
             ),
             release: format!(
                 "WITH gone AS (\

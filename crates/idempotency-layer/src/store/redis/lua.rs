@@ -15,12 +15,15 @@ local now = tonumber(tm[1]) * 1000 + math.floor(tonumber(tm[2]) / 1000)
 /// resent (a cluster connection resends after a lost reply), so it answers "claimed" again
 /// rather than "in flight" (which would make the request wait for itself). A claim's lease end is its
 /// field `e` (ms); the key itself lives ARGV[4] ms longer, so that a leader whose lease lapsed
-/// with no takeover can still complete (as with the other stores).
+/// with no takeover can still complete (as with the other stores). Taking over the tombstone of
+/// a released claim keeps the released token (field `p`), so that a resent release of it is
+/// still answered "released".
 pub(super) const CLAIM: &str = r#"
 local k = KEYS[1]
-local function claim()
+local function claim(released)
   redis.call('DEL', k)
   redis.call('HSET', k, 's', 'i', 't', ARGV[1], 'f', ARGV[2], 'e', now + tonumber(ARGV[3]))
+  if released then redis.call('HSET', k, 'p', released) end
   redis.call('PEXPIRE', k, tonumber(ARGV[3]) + tonumber(ARGV[4]))
   return {1}
 end
@@ -35,32 +38,50 @@ if v[1] == 'i' and v[2] and v[3] then
   return {2, v[2], v[3]}
 end
 if v[1] == 'x' then return claim() end
+if v[1] == 'r' then return claim(v[2]) end
 return {4, 'the entry has no valid state'}
 "#;
 
 /// Replaces the claim ARGV[1] (even one whose lease lapsed, if nobody took it over) with the
-/// record ARGV[2], kept ARGV[3] ms; wakes the waiters.
+/// record ARGV[2], kept ARGV[3] ms; wakes the waiters. The record keeps the token that completed
+/// it, so that the same complete resent (its reply was lost, a cluster connection resent it)
+/// is answered "completed" again rather than "fenced".
 pub(super) const COMPLETE: &str = r#"
 local k = KEYS[1]
 if redis.call('TYPE', k)['ok'] ~= 'hash' then return 0 end
 local v = redis.call('HMGET', k, 's', 't')
+if v[1] == 'c' and v[2] == ARGV[1] then return 1 end
 if v[1] ~= 'i' or v[2] ~= ARGV[1] then return 0 end
 redis.call('DEL', k)
-redis.call('HSET', k, 's', 'c', 'r', ARGV[2])
+redis.call('HSET', k, 's', 'c', 'r', ARGV[2], 't', ARGV[1])
 redis.call('PEXPIRE', k, ARGV[3])
 redis.call(PUBLISH, k, 'c')
 return 1
 "#;
 
-/// Removes the claim ARGV[1]; wakes the waiters.
+/// How long the tombstone of a released claim keeps its token (ms), for a resent release.
+pub(super) const RELEASED_TOMBSTONE_MS: u64 = 60_000;
+
+/// Removes the claim ARGV[1]; wakes the waiters. It leaves a tombstone (state `r`, the token)
+/// for ARGV[2] ms at most, which a new claim takes over at once: the same release resent (its
+/// reply was lost) is answered "released" again rather than "fenced", also once a new claim
+/// took the key (it keeps the released token as `p`).
 pub(super) const RELEASE: &str = r#"
 local k = KEYS[1]
 if redis.call('TYPE', k)['ok'] ~= 'hash' then return 0 end
-local v = redis.call('HMGET', k, 's', 't')
-if v[1] ~= 'i' or v[2] ~= ARGV[1] then return 0 end
-redis.call('DEL', k)
-redis.call(PUBLISH, k, 'r')
-return 1
+local v = redis.call('HMGET', k, 's', 't', 'p')
+if v[1] == 'i' and v[2] == ARGV[1] then
+  local ttl = redis.call('PTTL', k)
+  local keep = tonumber(ARGV[2])
+  if ttl > 0 and ttl < keep then keep = ttl end
+  redis.call('DEL', k)
+  redis.call('HSET', k, 's', 'r', 't', ARGV[1])
+  redis.call('PEXPIRE', k, keep)
+  redis.call(PUBLISH, k, 'r')
+  return 1
+end
+if (v[1] == 'r' and v[2] == ARGV[1]) or v[3] == ARGV[1] then return 1 end
+return 0
 "#;
 
 /// Extends the lease of the claim ARGV[1] to ARGV[2] ms from now.
@@ -110,7 +131,7 @@ local t = redis.call('TYPE', k)['ok']
 if t == 'none' then return 0 end
 if t == 'hash' then
   local v = redis.call('HMGET', k, 's', 't')
-  if v[1] == 'x' then return 0 end
+  if v[1] == 'x' or v[1] == 'r' then return 0 end
   if v[1] == 'i' then
     local ttl = redis.call('PTTL', k)
     redis.call('DEL', k)

@@ -568,8 +568,15 @@ impl IdempotencyStore for RedisStore {
 
     async fn release(&self, scope: ScopeKey, token: Token) -> Result<(), StoreError> {
         let s = self.scripts();
-        self.run_flag(&s.release, &scope, &[&token_bytes(token)])
-            .await
+        self.run_flag(
+            &s.release,
+            &scope,
+            &[
+                &token_bytes(token),
+                lua::RELEASED_TOMBSTONE_MS.to_string().as_bytes(),
+            ],
+        )
+        .await
     }
 
     async fn renew(
