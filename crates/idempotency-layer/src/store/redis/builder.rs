@@ -47,9 +47,21 @@ pub fn maxmemory_policy_can_evict(policy: &str) -> bool {
     !policy.eq_ignore_ascii_case("noeviction")
 }
 
+/// The hash tag a key starting with `prefix` carries, as Redis Cluster reads it: what lies
+/// between the first `{` and the first `}` after it, when that is not empty.
+#[cfg_attr(not(feature = "redis-cluster"), allow(dead_code))]
+pub(super) fn hash_tag(prefix: &str) -> Option<&str> {
+    let open = prefix.find('{')?;
+    let close = prefix[open + 1..].find('}')?;
+    let tag = &prefix[open + 1..open + 1 + close];
+    (!tag.is_empty()).then_some(tag)
+}
+
 impl RedisStoreBuilder {
     /// The prefix of every key and channel (default `idempotency:`). Give each service (or each
-    /// test) its own.
+    /// test) its own. On a cluster, [`connect`](Self::connect) refuses a prefix that holds a
+    /// hash tag (`{...}` with something between the braces): every key would hash to that one
+    /// slot, on one master.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
@@ -203,6 +215,17 @@ impl RedisStoreBuilder {
             }
             #[cfg(feature = "redis-cluster")]
             Source::Cluster(nodes) => {
+                if let Some(tag) = hash_tag(&self.prefix) {
+                    return Err(StoreError::Backend(
+                        format!(
+                            "the key prefix {:?} holds the hash tag {{{tag}}}: on a cluster every \
+                             key would go to that one slot, on one master; choose a prefix \
+                             without braces",
+                            self.prefix
+                        )
+                        .into(),
+                    ));
+                }
                 if self.conn.is_some() {
                     return Err(StoreError::Backend(
                         "connection_manager is for a standalone server, not a cluster".into(),

@@ -102,3 +102,36 @@ fn durations_are_at_least_one_millisecond() {
     assert_eq!(millis(Duration::ZERO), 1);
     assert_eq!(millis(Duration::from_secs(2)), 2000);
 }
+
+#[test]
+fn a_hash_tag_in_the_prefix_is_found_as_redis_cluster_reads_it() {
+    use super::builder::hash_tag;
+    assert_eq!(hash_tag("idempotency:"), None);
+    assert_eq!(hash_tag("{orders}:idem:"), Some("orders"));
+    assert_eq!(hash_tag("app:{x}"), Some("x"));
+    // Empty braces, or no closing brace: Redis hashes the whole key.
+    assert_eq!(hash_tag("app:{}:idem:"), None);
+    assert_eq!(hash_tag("app:{idem:"), None);
+    // The first `{` and the first `}` after it.
+    assert_eq!(hash_tag("a}{b}{c}"), Some("b"));
+}
+
+/// On a cluster, a prefix with a hash tag is refused at connect, with what to do.
+#[cfg(feature = "redis-cluster")]
+#[tokio::test]
+async fn a_hash_tag_prefix_is_refused_on_a_cluster() {
+    let Some(urls) = env_url("REDIS_CLUSTER_URLS") else {
+        return;
+    };
+    let nodes: Vec<String> = urls.split(',').map(str::to_owned).collect();
+    let err = RedisStore::builder_cluster(nodes)
+        .prefix("{orders}:idem:")
+        .connect()
+        .await
+        .expect_err("a hash-tag prefix is refused on a cluster");
+    let message = err.to_string();
+    assert!(
+        message.contains("hash tag {orders}") && message.contains("without braces"),
+        "{message}"
+    );
+}
