@@ -1141,6 +1141,86 @@ impl Locked {
     }
 }
 
+/// A claim whose row another transaction holds locked (an open `TxCompletion` transaction, a
+/// commit waiting for a standby) is skipped by the batched renewal, not waited for: the other
+/// claims of the batch are renewed, and the locked one is answered a transient error (tried
+/// again shortly), not "fenced". (Before, the batch waited for the lock until `lock_timeout`
+/// and failed whole, every tick.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_locked_row_does_not_fail_the_renewals_of_the_others() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let (b, schema) = builder(&url);
+    let store = connect(b.cleanup_interval(Duration::ZERO)).await;
+    let fp = Fingerprint([2; 32]);
+    let (locked, free) = (order_scope("renew-locked"), order_scope("renew-free"));
+    let Ok(Begin::New(tl)) = store.begin(locked, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    let Ok(Begin::New(tf)) = store.begin(free, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    let lock = Locked::row(&url, &store.table(), &locked).await;
+    let results = store
+        .renew_many(&[
+            (locked, tl, conformance::LONG),
+            (free, tf, conformance::LONG),
+        ])
+        .await;
+    assert!(
+        matches!(results[0], Err(idempotency_layer::StoreError::Backend(_))),
+        "the locked claim is skipped, as a transient failure: {:?}",
+        results[0]
+    );
+    assert!(
+        results[1].is_ok(),
+        "the free claim is renewed: {:?}",
+        results[1]
+    );
+    lock.release().await;
+    assert!(store.renew(locked, tl, conformance::LONG).await.is_ok());
+    drop_schema(&url, &schema).await;
+}
+
+/// Renewals have connections of their own: with every connection of the store's pool taken
+/// (handlers' long `TxCompletion` transactions, a burst of claims), live claims are still
+/// renewed. (Before, they waited for a pooled connection and failed at the pool's timeout.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_do_not_wait_for_the_pool() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let (b, schema) = builder(&url);
+    let store = connect(
+        b.pool_size(1)
+            .timeout(Duration::from_millis(500))
+            .cleanup_interval(Duration::ZERO),
+    )
+    .await;
+    let fp = Fingerprint([3; 32]);
+    let scope = order_scope("renew-pool-taken");
+    let Ok(Begin::New(token)) = store.begin(scope, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    let taken = store.pool().get().await.unwrap();
+    assert!(
+        store
+            .begin(order_scope("other"), fp, conformance::LONG)
+            .await
+            .is_err(),
+        "the pool is taken"
+    );
+    store
+        .renew(scope, token, conformance::LONG)
+        .await
+        .expect("the renewal runs on a connection of its own");
+    let results = store.renew_many(&[(scope, token, conformance::LONG)]).await;
+    assert!(results[0].is_ok(), "{:?}", results[0]);
+    drop(taken);
+    drop_schema(&url, &schema).await;
+}
+
 /// A claim stuck behind a lock past the store's timeout (the takeover of a lapsed claim whose
 /// row another transaction locked) is cancelled, and its connection is
 /// not handed to the next statement: on a pool of one connection, the next `begin` (another

@@ -133,36 +133,42 @@ impl PostgresStoreBuilder {
             let ms = millis(self.timeout);
             format!("SET statement_timeout = {ms}; SET lock_timeout = {ms}")
         };
+        let make_pool = |size: usize| -> Result<Pool, StoreError> {
+            let mc = ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            };
+            let manager = match &tls {
+                Connector::Plain => Manager::from_config(config.clone(), NoTls, mc),
+                #[cfg(feature = "postgres-tls")]
+                Connector::Rustls(t) => Manager::from_config(config.clone(), t.clone(), mc),
+            };
+            let session_timeouts = session_timeouts.clone();
+            Pool::builder(manager)
+                .post_create(deadpool_postgres::Hook::async_fn(move |client, _| {
+                    let set = session_timeouts.clone();
+                    Box::pin(async move {
+                        client
+                            .batch_execute(&set)
+                            .await
+                            .map_err(deadpool_postgres::HookError::Backend)
+                    })
+                }))
+                .max_size(size)
+                .runtime(Runtime::Tokio1)
+                .wait_timeout(Some(self.timeout))
+                .create_timeout(Some(self.timeout))
+                .recycle_timeout(Some(self.timeout))
+                .build()
+                .map_err(|e| StoreError::Backend(Box::new(e)))
+        };
         let pool = match self.pool {
             Some(pool) => pool,
-            None => {
-                let mc = ManagerConfig {
-                    recycling_method: RecyclingMethod::Fast,
-                };
-                let manager = match &tls {
-                    Connector::Plain => Manager::from_config(config.clone(), NoTls, mc),
-                    #[cfg(feature = "postgres-tls")]
-                    Connector::Rustls(t) => Manager::from_config(config.clone(), t.clone(), mc),
-                };
-                Pool::builder(manager)
-                    .post_create(deadpool_postgres::Hook::async_fn(move |client, _| {
-                        let set = session_timeouts.clone();
-                        Box::pin(async move {
-                            client
-                                .batch_execute(&set)
-                                .await
-                                .map_err(deadpool_postgres::HookError::Backend)
-                        })
-                    }))
-                    .max_size(self.pool_size)
-                    .runtime(Runtime::Tokio1)
-                    .wait_timeout(Some(self.timeout))
-                    .create_timeout(Some(self.timeout))
-                    .recycle_timeout(Some(self.timeout))
-                    .build()
-                    .map_err(|e| StoreError::Backend(Box::new(e)))?
-            }
+            None => make_pool(self.pool_size)?,
         };
+        // Renewals run on connections of their own, which neither handlers (their
+        // `TxCompletion` transactions take connections from `pool`) nor a burst of claims can
+        // take: a busy pool must not starve the renewals that keep live claims alive.
+        let renewals = make_pool(RENEWAL_CONNECTIONS)?;
         // Fail now if the server is unreachable.
         drop(pool.get().await.map_err(pool_error)?);
         let id = blake3::hash(format!("{}.{}", self.schema, self.table).as_bytes());
@@ -170,6 +176,7 @@ impl PostgresStoreBuilder {
         let inner = Arc::new(Inner {
             sql: Sql::new(&self.schema, &self.table, &channel),
             pool,
+            renewals,
             config,
             schema: self.schema,
             table: self.table,

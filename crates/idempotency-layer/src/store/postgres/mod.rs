@@ -192,6 +192,8 @@ pub struct PostgresStore {
 
 struct Inner {
     pool: Pool,
+    /// The renewals' own connections ([`RENEWAL_CONNECTIONS`]).
+    renewals: Pool,
     config: tokio_postgres::Config,
     schema: String,
     table: String,
@@ -217,6 +219,10 @@ impl fmt::Debug for PostgresStore {
             .finish_non_exhaustive()
     }
 }
+
+/// The connections renewals run on, apart from the store's pool: at most this many renewal
+/// statements at once (the layer sends at most four per tick).
+const RENEWAL_CONNECTIONS: usize = 2;
 
 /// The most claims one renewal statement carries (a tick with more sends several).
 const RENEW_CHUNK: usize = 4096;
@@ -391,13 +397,13 @@ impl PostgresStore {
 
     /// A pooled connection for one statement (see [`Busy`]).
     async fn busy(&self) -> Result<Busy<'_>, StoreError> {
-        let conn = self.inner.pool.get().await.map_err(pool_error)?;
-        Ok(Busy::new(
-            conn,
-            &self.inner.pool,
-            &self.inner.tls,
-            self.inner.timeout,
-        ))
+        self.busy_on(&self.inner.pool).await
+    }
+
+    /// [`busy`](Self::busy), on a connection of `pool`.
+    async fn busy_on<'a>(&'a self, pool: &'a Pool) -> Result<Busy<'a>, StoreError> {
+        let conn = pool.get().await.map_err(pool_error)?;
+        Ok(Busy::new(conn, pool, &self.inner.tls, self.inner.timeout))
     }
 
     async fn bounded<T>(
@@ -430,8 +436,19 @@ impl PostgresStore {
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
         sent: &AtomicBool,
     ) -> Result<Vec<Row>, StoreError> {
+        self.query_on(&self.inner.pool, sql, params, sent).await
+    }
+
+    /// [`query_noting_sent`](Self::query_noting_sent) on a connection of `pool`.
+    async fn query_on(
+        &self,
+        pool: &Pool,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        sent: &AtomicBool,
+    ) -> Result<Vec<Row>, StoreError> {
         self.bounded(async {
-            let mut busy = self.busy().await?;
+            let mut busy = self.busy_on(pool).await?;
             let stmt = busy.client().prepare_cached(sql).await;
             let stmt = busy.finish_if_err(stmt).map_err(backend)?;
             sent.store(true, Ordering::Relaxed);
@@ -548,26 +565,12 @@ impl IdempotencyStore for PostgresStore {
         token: Token,
         lease: Duration,
     ) -> Result<(), StoreError> {
-        let n = self
-            .bounded(async {
-                let mut busy = self.busy().await?;
-                let stmt = busy.client().prepare_cached(&self.inner.sql.renew).await;
-                let stmt = busy.finish_if_err(stmt).map_err(backend)?;
-                let n = busy
-                    .client()
-                    .execute(
-                        &stmt,
-                        &[&&scope.0[..], &Uuid::from_u128(token.0), &millis(lease)],
-                    )
-                    .await;
-                busy.finish(n).map_err(backend)
-            })
-            .await?;
-        if n == 0 {
-            Err(StoreError::Fenced)
-        } else {
-            Ok(())
-        }
+        // One claim renewed as a batch renews them: on the renewals' connections, skipping
+        // (not waiting for) a row another transaction locked.
+        self.renew_many(&[(scope, token, lease)])
+            .await
+            .pop()
+            .unwrap_or(Err(StoreError::Fenced))
     }
 
     async fn renew_many(
@@ -579,18 +582,32 @@ impl IdempotencyStore for PostgresStore {
             let scopes: Vec<&[u8]> = chunk.iter().map(|(s, _, _)| &s.0[..]).collect();
             let tokens: Vec<Uuid> = chunk.iter().map(|(_, t, _)| Uuid::from_u128(t.0)).collect();
             let leases: Vec<i64> = chunk.iter().map(|&(_, _, l)| millis(l)).collect();
-            match self
-                .query(&self.inner.sql.renew_many, &[&scopes, &tokens, &leases])
-                .await
-            {
+            let renewed = self
+                .query_on(
+                    &self.inner.renewals,
+                    &self.inner.sql.renew_many,
+                    &[&scopes, &tokens, &leases],
+                    &AtomicBool::new(false),
+                )
+                .await;
+            match renewed {
                 Ok(rows) => {
-                    let held: std::collections::HashSet<Uuid> =
-                        rows.iter().filter_map(|r| r.try_get(0).ok()).collect();
+                    // Each claim's token, and whether it was renewed (`false`: still held, but
+                    // its row is locked by another transaction, so it was skipped, not waited
+                    // for); a claim absent from the rows no longer holds.
+                    let answered: std::collections::HashMap<Uuid, bool> = rows
+                        .iter()
+                        .filter_map(|r| Some((r.try_get(0).ok()?, r.try_get(1).ok()?)))
+                        .collect();
                     results.extend(tokens.iter().map(|t| {
-                        if held.contains(t) {
-                            Ok(())
-                        } else {
-                            Err(StoreError::Fenced)
+                        match answered.get(t) {
+                            Some(true) => Ok(()),
+                            Some(false) => Err(StoreError::Backend(
+                                "the claim's row is locked by another transaction (a commit in \
+                             progress?); its renewal is tried again shortly"
+                                    .into(),
+                            )),
+                            None => Err(StoreError::Fenced),
                         }
                     }));
                 }

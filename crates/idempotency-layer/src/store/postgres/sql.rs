@@ -7,7 +7,6 @@ pub(super) struct Sql {
     pub(super) claim: String,
     pub(super) complete: String,
     pub(super) release: String,
-    pub(super) renew: String,
     pub(super) renew_many: String,
     pub(super) forget: String,
     pub(super) watch: String,
@@ -98,17 +97,27 @@ impl Sql {
                  {}",
                 notify_if_watched("gone")
             ),
-            renew: format!(
-                "UPDATE {t} SET expires_at = now() + $3::bigint * interval '1 millisecond' \
-                 WHERE scope = $1 AND token = $2 AND state = 'in_flight'"
-            ),
             // Every claim of a renewal tick in one statement: ($1, $2, $3) are the claims'
-            // scopes, tokens and leases (ms); returns the tokens that still held.
+            // scopes, tokens and leases (ms). Rows another transaction holds locked (a
+            // `TxCompletion` transaction, a commit waiting for a standby) are skipped, not
+            // waited for: one locked row must not hold up, or time out, the whole batch.
+            // Returns each claim still held, with `true` when renewed, `false` when skipped.
             renew_many: format!(
-                "UPDATE {t} AS e SET expires_at = now() + c.ms * interval '1 millisecond' \
-                 FROM unnest($1::bytea[], $2::uuid[], $3::bigint[]) AS c(scope, token, ms) \
-                 WHERE e.scope = c.scope AND e.token = c.token AND e.state = 'in_flight' \
-                 RETURNING e.token"
+                "WITH c AS (\
+                   SELECT * FROM unnest($1::bytea[], $2::uuid[], $3::bigint[]) AS c(scope, token, ms)), \
+                 free AS (\
+                   SELECT e.scope FROM {t} AS e JOIN c ON e.scope = c.scope \
+                   WHERE e.token = c.token AND e.state = 'in_flight' \
+                   FOR UPDATE OF e SKIP LOCKED), \
+                 renewed AS (\
+                   UPDATE {t} AS e SET expires_at = now() + c.ms * interval '1 millisecond' \
+                   FROM c WHERE e.scope = c.scope AND e.scope IN (SELECT scope FROM free) \
+                   RETURNING e.token) \
+                 SELECT token, true FROM renewed \
+                 UNION ALL \
+                 SELECT e.token, false FROM {t} AS e JOIN c ON e.scope = c.scope \
+                 WHERE e.token = c.token AND e.state = 'in_flight' \
+                   AND e.scope NOT IN (SELECT scope FROM free)"
             ),
             // A forgotten record is always announced (rare, so the NOTIFY's lock costs
             // nothing that matters), for the near caches of every instance.
