@@ -11,6 +11,8 @@ mod support;
 
 mod memory;
 #[cfg(all(feature = "postgres", feature = "conformance"))]
+mod pgbouncer;
+#[cfg(all(feature = "postgres", feature = "conformance"))]
 mod postgres;
 #[cfg(all(feature = "redis-cluster", feature = "conformance"))]
 mod proxied_cluster;

@@ -488,11 +488,18 @@ async fn listen(
     (client, rx)
 }
 
+/// The next notification on the channel, past the store listener's heartbeats (which it sends
+/// itself every few seconds, to prove it hears).
 async fn next_notification(rx: &mut tokio::sync::mpsc::UnboundedReceiver<String>) -> String {
-    tokio::time::timeout(Duration::from_secs(10), rx.recv())
-        .await
-        .expect("a notification within 10 s")
-        .expect("the listening connection is open")
+    loop {
+        let note = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .expect("a notification within 10 s")
+            .expect("the listening connection is open");
+        if !note.starts_with("heartbeat:") {
+            return note;
+        }
+    }
 }
 
 /// A completion or release nobody waits for sends no NOTIFY (whose commit would take the

@@ -591,6 +591,10 @@ pub trait Backend {
     /// Whether the server (at `url`) holds a claim on `scope` of `store`'s namespace, read
     /// without claiming: the server's own view, for tests that must know an operation ran.
     fn holds(store: &Self::Store, url: &str, scope: ScopeKey) -> impl Future<Output = bool> + Send;
+    /// Whether the store's listening connection goes where its URL says (through the test's
+    /// proxy, when the URL names one): `false` for a store behind a transaction pooler, whose
+    /// listener connects to the server directly.
+    const LISTENER_FOLLOWS_URL: bool = true;
 }
 
 /// How a test wants its store connected.
@@ -944,6 +948,14 @@ macro_rules! shared_store_suite {
             let Some(url) = env_url(<$backend as Backend>::URL_VAR) else {
                 return;
             };
+            if !<$backend as Backend>::LISTENER_FOLLOWS_URL {
+                eprintln!(
+                    "skipped: this store's listener does not go through the URL the test cuts \
+                     (the store behind the pooler listens on the server directly; the test runs \
+                     on the direct store)"
+                );
+                return;
+            }
             let ns = <$backend as Backend>::namespace();
             let proxy = Proxy::start(authority(&url)).await;
             let tuning = Tuning {

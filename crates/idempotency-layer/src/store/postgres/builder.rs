@@ -15,8 +15,36 @@ pub struct PostgresStoreBuilder {
     cleanup_batch: i64,
     pool: Option<Pool>,
     near: Option<NearCache>,
+    transaction_pooler: bool,
+    listen_url: Option<String>,
     #[cfg(feature = "postgres-tls")]
     roots: Option<Vec<u8>>,
+}
+
+/// The URL query parameter that says the URL names a transaction pooler
+/// ([`PostgresStoreBuilder::transaction_pooler`]); taken out of the URL before it is parsed.
+const POOLING_PARAM: &str = "pooling=transaction";
+
+/// `url` without [`POOLING_PARAM`], and whether it had it.
+fn take_pooling_param(url: &str) -> (String, bool) {
+    let Some((base, query)) = url.split_once('?') else {
+        return (url.to_owned(), false);
+    };
+    let mut found = false;
+    let kept: Vec<&str> = query
+        .split('&')
+        .filter(|p| {
+            let ours = *p == POOLING_PARAM;
+            found |= ours;
+            !ours
+        })
+        .collect();
+    let url = if kept.is_empty() {
+        base.to_owned()
+    } else {
+        format!("{base}?{}", kept.join("&"))
+    };
+    (url, found)
 }
 
 impl PostgresStoreBuilder {
@@ -95,6 +123,55 @@ impl PostgresStoreBuilder {
         self
     }
 
+    /// The URL names a pooler in transaction mode (PgBouncer's `pool_mode = transaction`, the
+    /// way most PostgreSQL deployments run it), or not (default: a server, or a pooler in
+    /// session mode). Also said by `pooling=transaction` among the URL's parameters
+    /// (`postgres://app@pgbouncer:6432/app?pooling=transaction`).
+    ///
+    /// Behind a transaction pooler, each transaction may run on another server session, so
+    /// the store:
+    /// - prepares no statement: each is sent unnamed with its parameters, in one round trip;
+    /// - sets nothing on a session: a `SET` would leak to the pooler's other clients. Its
+    ///   statements are bounded by the store's [`timeout`](Self::timeout) and cancelled when
+    ///   it passes; set the pooler's `query_timeout` for a bound on the server side too;
+    /// - listens for notifications on a connection of its own, which a transaction pooler
+    ///   cannot carry (`LISTEN` there succeeds and hears nothing): give it a URL that reaches
+    ///   the server directly, or a pooler in session mode, with
+    ///   [`listen_url`](Self::listen_url). Without one, the store finds out by itself: the
+    ///   listener proves it hears with a heartbeat notification, and until it does the near
+    ///   cache stays off and waiters poll ([`listener_hears`](PostgresStore::listener_hears)
+    ///   says which; a warning is logged).
+    ///
+    /// ```
+    /// use idempotency_layer::PostgresStore;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), idempotency_layer::StoreError> {
+    /// # let Ok(url) = std::env::var("PGBOUNCER_URL") else { return Ok(()) };
+    /// # let Ok(direct) = std::env::var("DATABASE_URL") else { return Ok(()) };
+    /// let store = PostgresStore::builder(url) // postgres://app@pgbouncer:6432/app
+    ///     .transaction_pooler(true)
+    ///     .listen_url(direct) // postgres://app@db:5432/app
+    ///     .connect()
+    ///     .await?;
+    /// # let _ = store;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn transaction_pooler(mut self, yes: bool) -> Self {
+        self.transaction_pooler = yes;
+        self
+    }
+
+    /// Where the store's listening connection (the one that `LISTEN`s, to wake waiters and
+    /// keep near caches coherent) connects: by default the store's URL. Set it when that URL
+    /// names a pooler in transaction mode ([`transaction_pooler`](Self::transaction_pooler)):
+    /// to the server itself, or to a pooler in session mode.
+    pub fn listen_url(mut self, url: impl Into<String>) -> Self {
+        self.listen_url = Some(url.into());
+        self
+    }
+
     /// With `sslmode=require` in the URL, check the server's certificate (chain and host name)
     /// against these PEM root certificates. Without them, `sslmode=require` means what it means
     /// to libpq: the connection is encrypted and the certificate is not checked.
@@ -110,8 +187,19 @@ impl PostgresStoreBuilder {
     pub async fn connect(self) -> Result<PostgresStore, StoreError> {
         check_identifier("schema", &self.schema, 63)?;
         check_identifier("table", &self.table, 48)?;
-        let mut config = tokio_postgres::Config::from_str(&self.url).map_err(backend)?;
+        let (url, pooling_param) = take_pooling_param(&self.url);
+        let unprepared = self.transaction_pooler || pooling_param;
+        let mut config = tokio_postgres::Config::from_str(&url).map_err(backend)?;
         config.connect_timeout(self.timeout);
+        let listen_config = match &self.listen_url {
+            Some(url) => {
+                let mut c = tokio_postgres::Config::from_str(&take_pooling_param(url).0)
+                    .map_err(backend)?;
+                c.connect_timeout(self.timeout);
+                c
+            }
+            None => config.clone(),
+        };
         let tls = if config.get_ssl_mode() == tokio_postgres::config::SslMode::Require {
             #[cfg(feature = "postgres-tls")]
             {
@@ -143,8 +231,9 @@ impl PostgresStoreBuilder {
                 Connector::Rustls(t) => Manager::from_config(config.clone(), t.clone(), mc),
             };
             let session_timeouts = session_timeouts.clone();
-            Pool::builder(manager)
-                .post_create(deadpool_postgres::Hook::async_fn(move |client, _| {
+            let mut pool = Pool::builder(manager);
+            if !unprepared {
+                pool = pool.post_create(deadpool_postgres::Hook::async_fn(move |client, _| {
                     let set = session_timeouts.clone();
                     Box::pin(async move {
                         client
@@ -152,8 +241,9 @@ impl PostgresStoreBuilder {
                             .await
                             .map_err(deadpool_postgres::HookError::Backend)
                     })
-                }))
-                .max_size(size)
+                }));
+            }
+            pool.max_size(size)
                 .runtime(Runtime::Tokio1)
                 .wait_timeout(Some(self.timeout))
                 .create_timeout(Some(self.timeout))
@@ -176,8 +266,10 @@ impl PostgresStoreBuilder {
         let inner = Arc::new(Inner {
             sql: Sql::new(&self.schema, &self.table, &channel),
             pool,
+            unprepared,
             renewals,
-            config,
+            listen_config,
+            hears: AtomicBool::new(false),
             schema: self.schema,
             table: self.table,
             channel,
@@ -327,6 +419,8 @@ impl PostgresStore {
             schema: "public".to_owned(),
             table: "idempotency_records".to_owned(),
             pool_size: 16,
+            transaction_pooler: false,
+            listen_url: None,
             timeout: Duration::from_secs(2),
             polling: Polling::default(),
             cleanup_interval: Duration::from_secs(60),

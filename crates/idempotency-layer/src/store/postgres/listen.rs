@@ -36,24 +36,58 @@ pub(super) async fn cleanup_task(inner: Weak<Inner>, every: Duration) {
     }
 }
 
+/// How often the listener proves it hears: a notification the store sends itself.
+const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
+
+/// The payload prefix of the listener's heartbeat (then a number).
+const HEARTBEAT_PREFIX: &str = "heartbeat:";
+
 /// Owns the store's listening connection: `LISTEN`s on the table's channel, wakes local
 /// waiters on notifications, and reconnects when the connection is lost (waking every waiter,
-/// so they poll for what they may have missed). Ends when the store is dropped.
-pub(super) async fn listen_task<T>(
-    config: tokio_postgres::Config,
-    tls: T,
-    channel: String,
-    timeout: Duration,
-    waiters: Arc<Waiters>,
-    near: Option<Arc<Near>>,
-    mut stop: oneshot::Receiver<()>,
-) where
+/// so they poll for what they may have missed). Every [`HEARTBEAT_EVERY`] it sends a
+/// notification through the store's pool and must hear it within twice the store's timeout:
+/// until it does, and whenever it misses one, the listener counts as deaf (the near cache is
+/// off; waiters poll). A listener behind a pooler in transaction mode is deaf for good. Ends
+/// when the store is dropped.
+pub(super) async fn listen_task<T>(store: Weak<Inner>, tls: T, mut stop: oneshot::Receiver<()>)
+where
     T: MakeTlsConnect<Socket> + Clone + Send + 'static,
     T::Stream: Send + 'static,
     T::TlsConnect: Send,
     <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
 {
+    let Some((config, channel, timeout, waiters, near)) = store.upgrade().map(|i| {
+        (
+            i.listen_config.clone(),
+            i.channel.clone(),
+            i.timeout,
+            i.waiters.clone(),
+            i.near.clone(),
+        )
+    }) else {
+        return;
+    };
+    let deaf = |store: &Weak<Inner>, why: &str| {
+        if let Some(inner) = store.upgrade() {
+            if inner.hears.swap(false, Ordering::Relaxed) || why == "never" {
+                tracing::warn!(
+                    channel = %channel,
+                    "idempotency: the postgres listener hears no notifications ({}); waiters poll \
+                     and the near cache is off until it does. Behind a pooler in transaction \
+                     mode, give the store a listen_url that reaches the server directly",
+                    if why == "never" { "its first heartbeat never arrived" } else { why }
+                );
+            }
+            #[cfg(feature = "metrics")]
+            metrics::gauge!("idempotency_layer_store_listener_hears", "store" => "postgres")
+                .set(0.0);
+        }
+        if let Some(near) = &near {
+            near.set_live(false);
+        }
+    };
     let mut backoff = Duration::from_millis(50);
+    let mut beats: u64 = 0;
     loop {
         let connected = tokio::select! {
             _ = &mut stop => return,
@@ -85,33 +119,83 @@ pub(super) async fn listen_task<T>(
                 backoff = Duration::from_millis(50);
                 // Anything that ended before the LISTEN took effect: let the waiters look.
                 waiters.wake_all();
-                if let Some(near) = &near {
-                    near.set_live(true);
-                }
+                let mut beat = tokio::time::interval(HEARTBEAT_EVERY);
+                beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                // The heartbeat awaited, and by when.
+                let mut awaited: Option<(String, tokio::time::Instant)> = None;
+                let mut first = true;
                 loop {
+                    let overdue = async {
+                        match &awaited {
+                            Some((_, by)) => tokio::time::sleep_until(*by).await,
+                            None => std::future::pending().await,
+                        }
+                    };
                     tokio::select! {
                         _ = &mut stop => {
                             driver.abort();
                             return;
                         }
+                        _ = overdue => {
+                            awaited = None;
+                            deaf(&store, if first { "never" } else { "a heartbeat was missed" });
+                            first = false;
+                        }
+                        _ = beat.tick(), if awaited.is_none() => {
+                            beats += 1;
+                            let payload = format!("{HEARTBEAT_PREFIX}{beats}");
+                            let Some(inner) = store.upgrade() else { return };
+                            let sent = PostgresStore { inner }
+                                .query(
+                                    "SELECT pg_notify($1, $2)",
+                                    &[(&channel.as_str(), Type::TEXT), (&payload.as_str(), Type::TEXT)],
+                                )
+                                .await;
+                            // A store that cannot send says nothing about the listener.
+                            if sent.is_ok() {
+                                awaited = Some((payload, tokio::time::Instant::now() + timeout * 2));
+                            }
+                        }
                         m = rx.recv() => match m {
-                            Some(Some(payload)) => match payload.strip_prefix(FORGET_PREFIX) {
-                                Some(hex) => {
-                                    if let Some(near) = &near {
-                                        match scope_from_hex(hex) {
-                                            Some(scope) => near.invalidate(&scope),
-                                            None => {
-                                                near.set_live(false);
-                                                near.set_live(true);
+                            Some(Some(payload)) => {
+                                if let Some(beat) = payload.strip_prefix(HEARTBEAT_PREFIX) {
+                                    if awaited.as_ref().is_some_and(|(p, _)| p.strip_prefix(HEARTBEAT_PREFIX) == Some(beat)) {
+                                        awaited = None;
+                                        first = false;
+                                        if let Some(inner) = store.upgrade() {
+                                            if !inner.hears.swap(true, Ordering::Relaxed) {
+                                                tracing::debug!("idempotency: the postgres listener hears");
+                                            }
+                                        }
+                                        #[cfg(feature = "metrics")]
+                                        metrics::gauge!("idempotency_layer_store_listener_hears", "store" => "postgres").set(1.0);
+                                        if let Some(near) = &near {
+                                            near.set_live(true);
+                                        }
+                                    }
+                                    continue;
+                                }
+                                match payload.strip_prefix(FORGET_PREFIX) {
+                                    Some(hex) => {
+                                        if let Some(near) = &near {
+                                            match scope_from_hex(hex) {
+                                                Some(scope) => near.invalidate(&scope),
+                                                None => {
+                                                    near.set_live(false);
+                                                    near.set_live(store.upgrade().is_some_and(|i| i.hears.load(Ordering::Relaxed)));
+                                                }
                                             }
                                         }
                                     }
+                                    None => waiters.wake(&payload),
                                 }
-                                None => waiters.wake(&payload),
-                            },
+                            }
                             _ => break,
                         },
                     }
+                }
+                if let Some(inner) = store.upgrade() {
+                    inner.hears.store(false, Ordering::Relaxed);
                 }
                 if let Some(near) = &near {
                     near.set_live(false);
@@ -134,23 +218,11 @@ impl PostgresStore {
     pub(super) fn listener(&self) -> &Listener {
         self.inner.listener.get_or_init(|| {
             let (stop, stop_rx) = oneshot::channel();
-            let (config, channel) = (self.inner.config.clone(), self.inner.channel.clone());
-            let (timeout, waiters) = (self.inner.timeout, self.inner.waiters.clone());
-            let near = self.inner.near.clone();
+            let store = Arc::downgrade(&self.inner);
             match &self.inner.tls {
-                Connector::Plain => tokio::spawn(listen_task(
-                    config, NoTls, channel, timeout, waiters, near, stop_rx,
-                )),
+                Connector::Plain => tokio::spawn(listen_task(store, NoTls, stop_rx)),
                 #[cfg(feature = "postgres-tls")]
-                Connector::Rustls(t) => tokio::spawn(listen_task(
-                    config,
-                    t.clone(),
-                    channel,
-                    timeout,
-                    waiters,
-                    near,
-                    stop_rx,
-                )),
+                Connector::Rustls(t) => tokio::spawn(listen_task(store, t.clone(), stop_rx)),
             };
             Listener { _stop: stop }
         })

@@ -78,14 +78,20 @@ const CLAIM_ATTEMPTS: usize = 10;
 ///   `release` and `forget` call `pg_notify` in the same statement only when a waiter marked
 ///   the row `watched`: a transaction that sent a NOTIFY holds a server-wide lock through its
 ///   commit, which would serialize every completion in the server.
-/// - Statements are prepared once per pooled connection (`prepare_cached`).
+/// - Statements are prepared once per pooled connection (`prepare_cached`); behind a pooler in
+///   transaction mode ([`transaction_pooler`](PostgresStoreBuilder::transaction_pooler)) each
+///   is sent unnamed with its parameters instead, in the same single round trip.
+/// - Renewals run on two connections of their own, which handlers' transactions cannot take,
+///   and skip (rather than wait for) a row another transaction holds locked.
 ///
 /// # Waiters
 ///
 /// A dedicated connection per store `LISTEN`s on the table's channel (`idem_` + a hash of the
-/// schema and table name; the payload is the scope in hex) and reconnects by itself. A waiter
-/// also polls with backoff (25 ms doubling to 1 s by default), so a lost notification delays it
-/// at most one poll interval and never hangs it.
+/// schema and table name; the payload is the scope in hex) and reconnects by itself. It proves
+/// it hears with a heartbeat notification every 5 s
+/// ([`listener_hears`](PostgresStore::listener_hears)). A waiter also polls with backoff (25 ms
+/// doubling to 1 s by default), so a lost notification, or a listener that cannot hear, delays
+/// it at most one poll interval and never hangs it.
 ///
 /// # Expiry
 ///
@@ -119,9 +125,12 @@ const CLAIM_ATTEMPTS: usize = 10;
 /// [schema](PostgresStoreBuilder::schema) and [table](PostgresStoreBuilder::table), and the
 /// same layer configuration ([`lease`](crate::IdempotencyLayer::lease),
 /// [`ttl`](crate::IdempotencyLayer::ttl), key headers, tenant source). Not a read replica:
-/// every statement writes or must see the latest write. Through PgBouncer, use session pooling
-/// for the listener (transaction pooling does not carry `LISTEN`; waiters then fall back to
-/// polling) and mind that statements are prepared by name.
+/// every statement writes or must see the latest write. Through PgBouncer (or any pooler) in
+/// transaction mode, say so with
+/// [`transaction_pooler`](PostgresStoreBuilder::transaction_pooler) (or `pooling=transaction`
+/// in the URL): the store then prepares no statement and sets nothing on a session; and give
+/// its listener a direct URL ([`listen_url`](PostgresStoreBuilder::listen_url)), since a
+/// transaction pooler does not carry `LISTEN`.
 ///
 /// # Deploying
 ///
@@ -147,7 +156,9 @@ const CLAIM_ATTEMPTS: usize = 10;
 ///   primary.
 /// - **Timeouts**: the store's own pools set `statement_timeout` and `lock_timeout` to the
 ///   store's [timeout](PostgresStoreBuilder::timeout) on their sessions (a pool of your own
-///   keeps its settings: set them there). A statement still running when its request gives up
+///   keeps its settings: set them there; behind a pooler in transaction mode nothing is set on
+///   a session, since it would leak to the pooler's other clients: set the pooler's
+///   `query_timeout`). A statement still running when its request gives up
 ///   (the timeout, or a client that went away) is cancelled on the server and its connection
 ///   leaves the pool, so it neither stalls the next statements (behind the row lock of an open
 ///   `TxCompletion` transaction, say) nor lands later: a claim abandoned that way is released
@@ -192,9 +203,15 @@ pub struct PostgresStore {
 
 struct Inner {
     pool: Pool,
+    /// Behind a transaction pooler: no statement is prepared (each is sent unnamed, with its
+    /// parameters), and no session setting is made.
+    unprepared: bool,
     /// The renewals' own connections ([`RENEWAL_CONNECTIONS`]).
     renewals: Pool,
-    config: tokio_postgres::Config,
+    /// Where the listening connection connects ([`PostgresStoreBuilder::listen_url`]).
+    listen_config: tokio_postgres::Config,
+    /// Whether the listener heard its last heartbeat ([`PostgresStore::listener_hears`]).
+    hears: AtomicBool,
     schema: String,
     table: String,
     channel: String,
@@ -219,6 +236,10 @@ impl fmt::Debug for PostgresStore {
             .finish_non_exhaustive()
     }
 }
+
+/// A statement's parameter, with its type (a statement prepared once per connection and an
+/// unnamed one sent with its parameters both need them).
+type Param<'a> = (&'a (dyn ToSql + Sync), Type);
 
 /// The connections renewals run on, apart from the store's pool: at most this many renewal
 /// statements at once (the layer sends at most four per tick).
@@ -277,17 +298,26 @@ impl PostgresStore {
             ))
             .await
             .map_err(backend)?;
-            tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock])
+            // Unnamed statements (`query_typed`), as behind a transaction pooler: a statement
+            // prepared by name could meet one of the same name on a pooled server session.
+            tx.query_typed("SELECT pg_advisory_xact_lock($1)", &[(&lock, Type::INT8)])
                 .await
                 .map_err(backend)?;
             // The catalog, not `to_regclass`: it needs no privilege on the schema.
-            let row = tx
-                .query_one(
+            let rows = tx
+                .query_typed(
                     "SELECT                        EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1),                        EXISTS (SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace                                WHERE n.nspname = $1 AND c.relname = $2 AND c.relkind IN ('r', 'p')),                        EXISTS (SELECT 1 FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid                                JOIN pg_namespace n ON n.oid = c.relnamespace                                WHERE n.nspname = $1 AND c.relname = $2 AND a.attname = 'watched'                                AND NOT a.attisdropped),                        EXISTS (SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace                                WHERE n.nspname = $1 AND c.relname = $3 AND c.relkind = 'i')",
-                    &[&self.inner.schema, &self.inner.table, &index],
+                    &[
+                        (&self.inner.schema, Type::TEXT),
+                        (&self.inner.table, Type::TEXT),
+                        (&index, Type::TEXT),
+                    ],
                 )
                 .await
                 .map_err(backend)?;
+            let row = rows
+                .first()
+                .ok_or_else(|| StoreError::Corrupt("the catalog query returned no row".into()))?;
             let (schema, table, watched, indexed): (bool, bool, bool, bool) =
                 (row.get(0), row.get(1), row.get(2), row.get(3));
             let steps = [
@@ -339,6 +369,18 @@ impl PostgresStore {
         format!("\"{}\".\"{}\"", self.inner.schema, self.inner.table)
     }
 
+    /// Whether the store's listening connection hears notifications: it proved so with its
+    /// last heartbeat (a notification the store sends itself every few seconds and must
+    /// receive within twice its timeout). `false` until the first one arrives, and while they
+    /// are missed: a listener behind a pooler in transaction mode hears nothing (see
+    /// [`transaction_pooler`](PostgresStoreBuilder::transaction_pooler)). While it is deaf,
+    /// waiters find a claim's end by polling and the near cache is off; a warning is logged
+    /// when it goes deaf, and the gauge `idempotency_layer_store_listener_hears` (feature
+    /// `metrics`) is 0. The listener starts with the first `begin` or `wait`.
+    pub fn listener_hears(&self) -> bool {
+        self.inner.hears.load(Ordering::Relaxed)
+    }
+
     /// The store's connection pool (the one it made, or yours from
     /// [`builder_from_pool`](Self::builder_from_pool)): for handlers whose side effects go to
     /// the same database, to open the transactions they complete their claims in
@@ -365,21 +407,16 @@ impl PostgresStore {
     pub async fn remove_expired(&self) -> Result<u64, StoreError> {
         let mut total = 0;
         loop {
-            let n = self
-                .bounded(async {
-                    let mut busy = self.busy().await?;
-                    let stmt = busy.client().prepare_cached(&self.inner.sql.cleanup).await;
-                    let stmt = busy.finish_if_err(stmt).map_err(backend)?;
-                    let n = busy
-                        .client()
-                        .execute(
-                            &stmt,
-                            &[&self.inner.cleanup_batch, &millis(LATE_COMPLETE_GRACE)],
-                        )
-                        .await;
-                    busy.finish(n).map_err(backend)
-                })
+            let rows = self
+                .query(
+                    &self.inner.sql.cleanup,
+                    &[
+                        (&self.inner.cleanup_batch, Type::INT8),
+                        (&millis(LATE_COMPLETE_GRACE), Type::INT8),
+                    ],
+                )
                 .await?;
+            let n = affected(&rows) as u64;
             total += n;
             if n < self.inner.cleanup_batch as u64 {
                 break;
@@ -395,12 +432,7 @@ impl PostgresStore {
         self.inner.timeout * 2
     }
 
-    /// A pooled connection for one statement (see [`Busy`]).
-    async fn busy(&self) -> Result<Busy<'_>, StoreError> {
-        self.busy_on(&self.inner.pool).await
-    }
-
-    /// [`busy`](Self::busy), on a connection of `pool`.
+    /// A connection of `pool` for one statement (see [`Busy`]).
     async fn busy_on<'a>(&'a self, pool: &'a Pool) -> Result<Busy<'a>, StoreError> {
         let conn = pool.get().await.map_err(pool_error)?;
         Ok(Busy::new(conn, pool, &self.inner.tls, self.inner.timeout))
@@ -418,12 +450,8 @@ impl PostgresStore {
         }
     }
 
-    /// Runs the prepared statement `sql` and returns its rows.
-    async fn query(
-        &self,
-        sql: &str,
-        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
-    ) -> Result<Vec<Row>, StoreError> {
+    /// Runs the statement `sql` with its typed parameters and returns its rows.
+    async fn query(&self, sql: &str, params: &[Param<'_>]) -> Result<Vec<Row>, StoreError> {
         self.query_noting_sent(sql, params, &AtomicBool::new(false))
             .await
     }
@@ -433,26 +461,36 @@ impl PostgresStore {
     async fn query_noting_sent(
         &self,
         sql: &str,
-        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        params: &[Param<'_>],
         sent: &AtomicBool,
     ) -> Result<Vec<Row>, StoreError> {
         self.query_on(&self.inner.pool, sql, params, sent).await
     }
 
-    /// [`query_noting_sent`](Self::query_noting_sent) on a connection of `pool`.
+    /// [`query_noting_sent`](Self::query_noting_sent) on a connection of `pool`: a statement
+    /// prepared once per connection, or, behind a transaction pooler (where a statement
+    /// prepared in one transaction is gone in the next), an unnamed one sent with its
+    /// parameters in the same round trip.
     async fn query_on(
         &self,
         pool: &Pool,
         sql: &str,
-        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        params: &[Param<'_>],
         sent: &AtomicBool,
     ) -> Result<Vec<Row>, StoreError> {
         self.bounded(async {
             let mut busy = self.busy_on(pool).await?;
-            let stmt = busy.client().prepare_cached(sql).await;
+            if self.inner.unprepared {
+                sent.store(true, Ordering::Relaxed);
+                let rows = busy.client().query_typed(sql, params).await;
+                return busy.finish(rows).map_err(backend);
+            }
+            let types: Vec<Type> = params.iter().map(|(_, t)| t.clone()).collect();
+            let stmt = busy.client().prepare_typed_cached(sql, &types).await;
             let stmt = busy.finish_if_err(stmt).map_err(backend)?;
             sent.store(true, Ordering::Relaxed);
-            let rows = busy.client().query(&stmt, params).await;
+            let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
+            let rows = busy.client().query(&stmt, &values).await;
             busy.finish(rows).map_err(backend)
         })
         .await
@@ -472,7 +510,13 @@ impl PostgresStore {
             &self.inner.sql.peek
         };
         let rows = self
-            .query(sql, &[&&scope.0[..], &Uuid::from_u128(token.0)])
+            .query(
+                sql,
+                &[
+                    (&&scope.0[..], Type::BYTEA),
+                    (&Uuid::from_u128(token.0), Type::UUID),
+                ],
+            )
             .await?;
         Ok(rows.first().map(|r| {
             let ms: i64 = r.try_get(0).unwrap_or(0);
@@ -508,7 +552,12 @@ impl IdempotencyStore for PostgresStore {
             let rows = self
                 .query_noting_sent(
                     &self.inner.sql.claim,
-                    &[&&scope.0[..], &uuid, &&fingerprint.0[..], &millis(lease)],
+                    &[
+                        (&&scope.0[..], Type::BYTEA),
+                        (&uuid, Type::UUID),
+                        (&&fingerprint.0[..], Type::BYTEA),
+                        (&millis(lease), Type::INT8),
+                    ],
                     &sent,
                 )
                 .await;
@@ -544,7 +593,7 @@ impl IdempotencyStore for PostgresStore {
         let bytes = codec::encode(&record)?;
         let params = CompleteParams::new(&scope, token, &bytes, ttl);
         let rows = self
-            .query(&self.inner.sql.complete, &params.untyped())
+            .query(&self.inner.sql.complete, &params.typed())
             .await?;
         fenced_unless_affected(&rows)
     }
@@ -553,7 +602,10 @@ impl IdempotencyStore for PostgresStore {
         let rows = self
             .query(
                 &self.inner.sql.release,
-                &[&&scope.0[..], &Uuid::from_u128(token.0)],
+                &[
+                    (&&scope.0[..], Type::BYTEA),
+                    (&Uuid::from_u128(token.0), Type::UUID),
+                ],
             )
             .await?;
         fenced_unless_affected(&rows)
@@ -586,7 +638,11 @@ impl IdempotencyStore for PostgresStore {
                 .query_on(
                     &self.inner.renewals,
                     &self.inner.sql.renew_many,
-                    &[&scopes, &tokens, &leases],
+                    &[
+                        (&scopes, Type::BYTEA_ARRAY),
+                        (&tokens, Type::UUID_ARRAY),
+                        (&leases, Type::INT8_ARRAY),
+                    ],
                     &AtomicBool::new(false),
                 )
                 .await;
@@ -648,7 +704,9 @@ impl IdempotencyStore for PostgresStore {
         if let Some(near) = &self.inner.near {
             near.invalidate(&scope);
         }
-        let rows = self.query(&self.inner.sql.forget, &[&&scope.0[..]]).await;
+        let rows = self
+            .query(&self.inner.sql.forget, &[(&&scope.0[..], Type::BYTEA)])
+            .await;
         if let Some(near) = &self.inner.near {
             near.invalidate(&scope);
         }

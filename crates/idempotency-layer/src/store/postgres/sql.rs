@@ -146,11 +146,12 @@ impl Sql {
             // By primary key, not by `ctid`: a `ctid` is unique only within one partition, so
             // on a partitioned table `ctid IN (...)` would delete live rows of the others.
             cleanup: format!(
-                "DELETE FROM {t} WHERE scope IN (\
+                "WITH gone AS (DELETE FROM {t} WHERE scope IN (\
                    SELECT scope FROM {t} WHERE expires_at <= now() \
                      AND (state = 'completed' \
                           OR expires_at <= now() - $2::bigint * interval '1 millisecond') \
-                   LIMIT $1 FOR UPDATE SKIP LOCKED)"
+                   LIMIT $1 FOR UPDATE SKIP LOCKED) RETURNING 1) \
+                 SELECT count(*) FROM gone"
             ),
             migrate: format!(
                 "{create_schema};\n{create_table};\n{add_watched};\n{create_index};\n"
@@ -199,13 +200,9 @@ impl<'a> CompleteParams<'a> {
         }
     }
 
-    /// For a prepared statement, which knows its parameter types.
-    pub(super) fn untyped(&self) -> [&(dyn ToSql + Sync); 4] {
-        [&self.scope, &self.token, &self.record, &self.ttl_ms]
-    }
-
-    /// For an unprepared one (`query_typed`: one round trip, no statement left on the
-    /// connection).
+    /// With their types: for the store's statements (prepared, or sent unnamed behind a
+    /// transaction pooler), and for a handler's transaction (`query_typed`: one round trip, no
+    /// statement left on the connection).
     pub(crate) fn typed(&self) -> [(&(dyn ToSql + Sync), Type); 4] {
         [
             (&self.scope, Type::BYTEA),

@@ -1,0 +1,305 @@
+//! `PostgresStore` behind PgBouncer in transaction pooling mode (`PGBOUNCER_URL`, e.g.
+//! postgres://postgres@127.0.0.1:6432/test?pooling=transaction, with `DATABASE_URL` naming the
+//! server behind it): the shared store suite through the pooler, with the listener on a direct
+//! connection; then what a transaction pooler breaks when the store does not know it is behind
+//! one, and what the store does when its listener cannot hear. `.ci/pgbouncer.sh` starts one.
+
+use std::time::Duration;
+
+use crate::support::*;
+use idempotency_layer::store::{Begin, Fingerprint, NearCache, ScopeKey};
+use idempotency_layer::{conformance, IdempotencyStore, PostgresStore};
+
+/// `url` without the store's own `pooling=transaction` parameter (tokio-postgres refuses it).
+fn plain(url: &str) -> String {
+    url.replace("?pooling=transaction", "")
+        .replace("&pooling=transaction", "")
+}
+
+async fn raw(url: &str) -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::connect(&plain(url), tokio_postgres::NoTls)
+        .await
+        .expect("raw connection");
+    tokio::spawn(conn);
+    client
+}
+
+/// The server behind the pooler.
+fn direct() -> String {
+    std::env::var("DATABASE_URL").expect("PGBOUNCER_URL needs DATABASE_URL, the server behind it")
+}
+
+async fn drop_schema(schema: &str) {
+    raw(&direct())
+        .await
+        .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
+        .await
+        .unwrap();
+}
+
+/// The shared store suite through PgBouncer: statements through the pooler (its URL says
+/// `pooling=transaction`), the listener on the server itself.
+struct PgBouncer;
+
+impl Backend for PgBouncer {
+    type Store = PostgresStore;
+    const URL_VAR: &'static str = "PGBOUNCER_URL";
+    const LISTENER_FOLLOWS_URL: bool = false;
+
+    fn namespace() -> String {
+        unique("idem_bouncer_")
+    }
+
+    async fn connect(url: String, namespace: String, tuning: Tuning) -> PostgresStore {
+        let mut b = PostgresStore::builder(&url)
+            .schema(namespace)
+            .listen_url(direct());
+        if let Some(t) = tuning.timeout {
+            b = b.timeout(t);
+        }
+        if tuning.single_connection {
+            b = b.pool_size(1);
+        }
+        if tuning.near_cache {
+            b = b.near_cache(NearCache::new(16 << 20));
+        }
+        if tuning.slow_polling {
+            b = b.poll_interval(SLOW_POLL, SLOW_POLL);
+        }
+        let store = b
+            .connect()
+            .await
+            .expect("PGBOUNCER_URL is set, so PgBouncer must be reachable");
+        store.migrate().await.expect("migrate through the pooler");
+        store
+    }
+
+    async fn drop_namespace(_url: String, namespace: String) {
+        drop_schema(&namespace).await;
+    }
+
+    fn near_stats(store: &PostgresStore) -> Option<idempotency_layer::store::NearCacheStats> {
+        store.near_cache_stats()
+    }
+
+    async fn holds(store: &PostgresStore, _url: &str, scope: ScopeKey) -> bool {
+        let table = store.table();
+        let row = raw(&direct())
+            .await
+            .query_one(
+                &format!("SELECT count(*) FROM {table} WHERE scope = $1 AND state = 'in_flight'"),
+                &[&&scope.0[..]],
+            )
+            .await
+            .unwrap();
+        row.get::<_, i64>(0) == 1
+    }
+}
+
+shared_store_suite!(PgBouncer, idempotency_layer::store::AnyStore::Postgres);
+
+/// Without being told, the store's prepared statements fail through a transaction pooler (a
+/// statement prepared in one transaction is not there in the next): the reason the mode exists.
+/// Told, by the builder or by the URL, every operation works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statements_work_through_the_pooler_only_when_the_store_knows_it_is_there() {
+    let Some(url) = env_url("PGBOUNCER_URL") else {
+        return;
+    };
+    let schema = unique("idem_bouncer_");
+    let unaware = PostgresStore::builder(plain(&url))
+        .schema(&schema)
+        .connect()
+        .await
+        .unwrap();
+    unaware.migrate().await.unwrap();
+    let fp = Fingerprint([4; 32]);
+    // Concurrent, so that the pooler hands the store's connections to other server sessions
+    // than the ones their statements were prepared on.
+    let begins = (0..64).map(|i| {
+        let unaware = unaware.clone();
+        async move {
+            unaware
+                .begin(
+                    order_scope(&unique(&format!("unaware-{i}-"))),
+                    fp,
+                    conformance::LONG,
+                )
+                .await
+        }
+    });
+    let failed = futures_util::future::join_all(begins)
+        .await
+        .iter()
+        .filter(|r| r.is_err())
+        .count();
+    assert!(
+        failed > 0,
+        "prepared statements through a transaction pooler fail (if this passes, the pooler \
+         runs in session mode)"
+    );
+    for store in [
+        PostgresStore::builder(plain(&url)).transaction_pooler(true),
+        PostgresStore::builder(&url),
+    ] {
+        let store = store.schema(&schema).connect().await.unwrap();
+        for i in 0..20 {
+            let scope = order_scope(&unique(&format!("aware-{i}-")));
+            let Ok(Begin::New(t)) = store.begin(scope, fp, conformance::LONG).await else {
+                panic!("a fresh scope is claimed through the pooler");
+            };
+            store
+                .complete(
+                    scope,
+                    t,
+                    conformance::sample_record(fp).into(),
+                    conformance::LONG,
+                )
+                .await
+                .unwrap();
+            assert!(matches!(
+                store.begin(scope, fp, conformance::LONG).await,
+                Ok(Begin::Completed(_))
+            ));
+        }
+        assert!(store.remove_expired().await.is_ok());
+    }
+    drop_schema(&schema).await;
+}
+
+/// The store sets nothing on the pooler's sessions: a `SET statement_timeout` made once per
+/// session would stay on the server session, for every other client the pooler hands it to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_leaks_no_session_setting_to_the_poolers_other_clients() {
+    let Some(url) = env_url("PGBOUNCER_URL") else {
+        return;
+    };
+    let schema = unique("idem_bouncer_");
+    let store = PostgresStore::builder(&url)
+        .schema(&schema)
+        .timeout(Duration::from_millis(1234))
+        .connect()
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let fp = Fingerprint([5; 32]);
+    for i in 0..40 {
+        let _ = store
+            .begin(
+                order_scope(&unique(&format!("leak-{i}-"))),
+                fp,
+                conformance::LONG,
+            )
+            .await
+            .unwrap();
+    }
+    // Another client of the pooler, on whichever server sessions it gets.
+    let other = raw(&url).await;
+    for _ in 0..40 {
+        let shown = other.simple_query("SHOW statement_timeout").await.unwrap();
+        let value = shown.iter().find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
+            _ => None,
+        });
+        assert_ne!(
+            value.as_deref(),
+            Some("1234ms"),
+            "the store's setting leaked to another client of the pooler"
+        );
+    }
+    drop_schema(&schema).await;
+}
+
+/// A listener behind the transaction pooler hears nothing (its `LISTEN` ran on a session the
+/// pooler then gave to others): the store finds out from its heartbeat, says so, keeps its near
+/// cache off (a record forgotten elsewhere is not replayed from it), and its waiters end by
+/// polling. Given a direct listen URL, the listener hears.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_that_cannot_hear_is_found_deaf_and_nothing_relies_on_it() {
+    let Some(url) = env_url("PGBOUNCER_URL") else {
+        return;
+    };
+    let schema = unique("idem_bouncer_");
+    let deaf = PostgresStore::builder(&url)
+        .schema(&schema)
+        .near_cache(NearCache::new(1 << 20))
+        .poll_interval(Duration::from_millis(20), Duration::from_millis(200))
+        .connect()
+        .await
+        .unwrap();
+    deaf.migrate().await.unwrap();
+    let hearing = PostgresStore::builder(&url)
+        .schema(&schema)
+        .listen_url(direct())
+        .connect()
+        .await
+        .unwrap();
+    let fp = Fingerprint([6; 32]);
+    let scope = order_scope(&unique("deaf-"));
+    let Ok(Begin::New(t)) = hearing.begin(scope, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    // A wait starts a store's listener.
+    let started = {
+        let hearing = hearing.clone();
+        tokio::spawn(async move { hearing.wait(scope, t).await })
+    };
+    // Starts both listeners; the deaf one's waiter still sees the claim end, by polling.
+    let waiter = {
+        let deaf = deaf.clone();
+        tokio::spawn(async move { deaf.wait(scope, t).await })
+    };
+    wait::until_async(
+        wait::LIMIT,
+        "the direct listener hears its heartbeat",
+        || {
+            let hearing = hearing.clone();
+            async move { hearing.listener_hears() }
+        },
+    )
+    .await;
+    hearing
+        .complete(
+            scope,
+            t,
+            conformance::sample_record(fp).into(),
+            conformance::LONG,
+        )
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("a deaf listener's waiter ends by polling")
+        .unwrap()
+        .unwrap();
+    started.await.unwrap().unwrap();
+    // Heartbeats are every 5 s and must arrive within twice the timeout: by then the behind-
+    // the-pooler listener has had its chance. It never hears.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert!(
+        !deaf.listener_hears(),
+        "a listener behind a transaction pooler is deaf"
+    );
+    assert!(hearing.listener_hears());
+    // Its near cache stays off: a record forgotten on another instance is not replayed.
+    for _ in 0..3 {
+        assert!(matches!(
+            deaf.begin(scope, fp, conformance::LONG).await,
+            Ok(Begin::Completed(_))
+        ));
+    }
+    assert_eq!(
+        deaf.near_cache_stats().unwrap().hits,
+        0,
+        "the near cache is off"
+    );
+    assert!(hearing.forget(scope).await.unwrap());
+    assert!(
+        matches!(
+            deaf.begin(scope, fp, conformance::LONG).await,
+            Ok(Begin::New(_))
+        ),
+        "the forgotten record is not replayed"
+    );
+    drop_schema(&schema).await;
+}
