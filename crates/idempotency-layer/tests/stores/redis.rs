@@ -696,3 +696,140 @@ async fn rediss_connects_over_tls() {
         "a certificate from an unknown CA is refused"
     );
 }
+
+/// A replica of the server at `REDIS_URL`, run by this test (`redis-server` on a free port),
+/// that the test can stop (`SIGSTOP`: it acknowledges nothing) and resume; killed on drop.
+struct Replica {
+    child: std::process::Child,
+}
+
+impl Replica {
+    fn start(primary: &str) -> Option<Replica> {
+        let authority = primary
+            .trim_start_matches("redis://")
+            .split('/')
+            .next()
+            .unwrap_or("127.0.0.1:6379");
+        let (host, port) = authority.rsplit_once(':').unwrap_or((authority, "6379"));
+        let free = std::net::TcpListener::bind("127.0.0.1:0").ok()?;
+        let replica_port = free.local_addr().ok()?.port();
+        drop(free);
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &replica_port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--replicaof", host, port])
+            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .ok()?;
+        Some(Replica { child })
+    }
+
+    fn signal(&self, signal: &str) {
+        let status = std::process::Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success(), "kill {signal}");
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        self.signal("-CONT");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// With `wait_for_replicas`, a replica that stops acknowledging holds back no renewal, release
+/// or replay: claims and completes wait for it (and fail closed) on connections of their own.
+/// (Before, every `WAIT` held the store's one multiplexed connection for its whole timeout, and
+/// renewals queued behind them until they timed out: leases lapsed, and a retry could take a
+/// live leader's key over.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_replica_holds_back_no_renewal_or_replay() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let Some(replica) = Replica::start(&url) else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "redis-server is needed to run a replica"
+        );
+        eprintln!("skipped: no redis-server to run a replica with");
+        return;
+    };
+    let wait = Duration::from_millis(300);
+    let store = RedisStore::builder(&url)
+        .prefix(unique("test:idem:"))
+        .timeout(Duration::from_secs(1))
+        .wait_for_replicas(1, wait)
+        .connect()
+        .await
+        .unwrap();
+    let fp = Fingerprint([7; 32]);
+    // Until the replica has synced and acknowledges: a claim then succeeds.
+    let live = order_scope(&unique("replica-live-"));
+    let mut token = None;
+    for _ in 0..200 {
+        if let Ok(Begin::New(t)) = store.begin(live, fp, conformance::LONG).await {
+            token = Some(t);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let token = token.expect("the replica acknowledges within 10 s");
+    let done = order_scope(&unique("replica-done-"));
+    let Ok(Begin::New(d)) = store.begin(done, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    store
+        .complete(
+            done,
+            d,
+            conformance::sample_record(fp).into(),
+            conformance::LONG,
+        )
+        .await
+        .unwrap();
+
+    replica.signal("-STOP");
+    // Claims that wait for the stopped replica, many more than there are connections for them.
+    let claims: Vec<_> = (0..24)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .begin(
+                        order_scope(&unique(&format!("replica-{i}-"))),
+                        fp,
+                        conformance::LONG,
+                    )
+                    .await
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    for _ in 0..5 {
+        store
+            .renew(live, token, conformance::LONG)
+            .await
+            .expect("a renewal does not queue behind the WAITs");
+        assert!(
+            matches!(
+                store.begin(done, fp, conformance::LONG).await,
+                Ok(Begin::Completed(_))
+            ),
+            "a replay does not queue behind the WAITs"
+        );
+    }
+    for claim in claims {
+        assert!(
+            !matches!(claim.await.unwrap(), Ok(Begin::New(_))),
+            "no claim counts as written while no replica acknowledges"
+        );
+    }
+    replica.signal("-CONT");
+    store.release(live, token).await.unwrap();
+}

@@ -124,10 +124,14 @@ impl RedisStoreBuilder {
     /// `release`, `renew` and `forget` do not wait (a lost release or renewal only lets a
     /// claim lapse; a lost `forget` brings a record back).
     ///
-    /// Costs: the primary answers only after a replica's acknowledgement (about one
-    /// primary-replica round trip more per first execution; replays that find a record pay it
-    /// too, since `WAIT` goes with every claim script), and a waiting `WAIT` holds back the
-    /// commands queued behind it on the store's one multiplexed connection. Measured in
+    /// Costs: a claim is acknowledged only after a replica's acknowledgement: a first
+    /// execution pays about one round trip to the primary and one primary-replica round trip
+    /// more for its claim, and its complete one primary-replica round trip; a replay, or a
+    /// duplicate that finds the claim in flight, writes nothing and waits for no replica. A
+    /// `WAIT` blocks the connection it is sent on, so those waits run on eight connections of
+    /// the store's own: renewals, releases and replays never queue behind one (while a replica
+    /// is down, each new claim or complete holds one of the eight for up to `timeout`, and
+    /// the ones beyond them wait for a free one within the store's timeout). Measured in
     /// BENCHMARKS.md ("Redis wait_for_replicas"). `WAIT` narrows the gap, it does not make
     /// Redis a consensus store: a primary whose replica acknowledged can still lose the
     /// write if Sentinel promotes another replica that had not.
@@ -190,12 +194,53 @@ impl RedisStoreBuilder {
     /// server that forbids `CONFIG` is accepted, with a note in the log, unless
     /// `require_noeviction` is on.
     pub async fn connect(self) -> Result<RedisStore, StoreError> {
-        let (mut conn, client) = match &self.source {
+        let (mut conn, client) = self.open(false).await?;
+        // `WAIT` blocks the connection it is sent on until the replicas acknowledge (or its
+        // timeout passes): replicated writes get connections of their own, so that nothing
+        // else (renewals, releases, replays) ever queues behind one.
+        let waits = match self.wait_for_replicas {
+            Some(_) => {
+                let opened = futures_util::future::join_all(
+                    (0..replicas::WAIT_CONNECTIONS).map(|_| self.open(true)),
+                )
+                .await;
+                let conns = opened
+                    .into_iter()
+                    .map(|r| r.map(|(c, _)| c))
+                    .collect::<Result<Vec<_>, _>>()?;
+                Some(replicas::WaitConns::new(conns))
+            }
+            None => None,
+        };
+        let maxmemory_policy =
+            check_maxmemory_policy(&mut conn, self.timeout, self.require_noeviction).await?;
+        Ok(RedisStore {
+            inner: Arc::new(Inner {
+                conn,
+                client,
+                prefix: self.prefix,
+                timeout: self.timeout,
+                polling: self.polling,
+                waiters: Arc::default(),
+                pubsub: OnceLock::new(),
+                renewals_failed: Arc::default(),
+                maxmemory_policy,
+                near: self.near.map(Near::new),
+                wait_for_replicas: self.wait_for_replicas,
+                waits,
+            }),
+        })
+    }
+
+    /// The store's connection and where its pub/sub comes from. `fresh`: a connection of its
+    /// own, never the builder's [`connection_manager`](Self::connection_manager).
+    async fn open(&self, fresh: bool) -> Result<(Conn, PubSubSource), StoreError> {
+        Ok(match &self.source {
             Source::Url(url) => {
-                self.single(redis::Client::open(url.as_str()).map_err(backend)?)
+                self.single(fresh, redis::Client::open(url.as_str()).map_err(backend)?)
                     .await?
             }
-            Source::Client(client) => self.single((**client).clone()).await?,
+            Source::Client(client) => self.single(fresh, (**client).clone()).await?,
             #[cfg(feature = "redis-sentinel")]
             Source::Sentinel(nodes, master) => {
                 if self.conn.is_some() {
@@ -241,32 +286,19 @@ impl RedisStoreBuilder {
                     PubSubSource::Cluster(nodes.clone().into()),
                 )
             }
-        };
-        let maxmemory_policy =
-            check_maxmemory_policy(&mut conn, self.timeout, self.require_noeviction).await?;
-        Ok(RedisStore {
-            inner: Arc::new(Inner {
-                conn,
-                client,
-                prefix: self.prefix,
-                timeout: self.timeout,
-                polling: self.polling,
-                waiters: Arc::default(),
-                pubsub: OnceLock::new(),
-                renewals_failed: Arc::default(),
-                maxmemory_policy,
-                near: self.near.map(Near::new),
-                wait_for_replicas: self.wait_for_replicas,
-            }),
         })
     }
 
     /// The connection to a standalone server through `client`: the builder's connection manager,
     /// or one of the store's own.
-    async fn single(&self, client: redis::Client) -> Result<(Conn, PubSubSource), StoreError> {
+    async fn single(
+        &self,
+        fresh: bool,
+        client: redis::Client,
+    ) -> Result<(Conn, PubSubSource), StoreError> {
         let conn = match &self.conn {
-            Some(conn) => conn.clone(),
-            None => tokio::time::timeout(
+            Some(conn) if !fresh => conn.clone(),
+            _ => tokio::time::timeout(
                 self.timeout * 4,
                 client.get_connection_manager_with_config(manager_config(self.timeout)),
             )

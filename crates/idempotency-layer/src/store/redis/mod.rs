@@ -124,8 +124,8 @@ use self::pubsub::*;
 ///   [`wait_for_replicas`](RedisStoreBuilder::wait_for_replicas)`(1, timeout)` closes the gap
 ///   for claims and records: each is acknowledged only once a replica has it (`WAIT`, in the
 ///   same round trip), and fails closed otherwise; no record it acknowledged was lost in those
-///   runs. It costs a primary-replica round trip per operation, and `WAIT` holds the store's
-///   one multiplexed connection while it waits: BENCHMARKS.md ("Redis wait_for_replicas")
+///   runs. It costs a primary-replica round trip per operation; the `WAIT`s run on connections
+///   of their own, so renewals, releases and replays never queue behind them: BENCHMARKS.md ("Redis wait_for_replicas")
 ///   measured the throughput and latency of begin + complete against the same run without it.
 ///   Sentinel may still promote a replica that had not acknowledged (with two replicas and
 ///   `WAIT 1`); `min-replicas-to-write` on the server bounds how long an isolated primary
@@ -199,6 +199,8 @@ struct Inner {
     near: Option<Arc<Near>>,
     /// [`RedisStoreBuilder::wait_for_replicas`], if asked for.
     wait_for_replicas: Option<replicas::WaitForReplicas>,
+    /// The connections replicated writes (and their `WAIT`s) run on, with `wait_for_replicas`.
+    waits: Option<replicas::WaitConns>,
 }
 
 struct PubSub {
@@ -356,6 +358,7 @@ impl RedisStore {
                 // Another prefix is other keys and another invalidation channel.
                 near: self.inner.near.as_ref().map(|n| Near::new(n.config())),
                 wait_for_replicas: self.inner.wait_for_replicas,
+                waits: self.inner.waits.clone(),
             }),
         }
     }
@@ -438,7 +441,7 @@ impl RedisStore {
         // future may be dropped), or it was lost.
         let orphan = super::OrphanGuard::new(self, scope, token, lease, self.settle());
         let reply = self
-            .run_replicated(
+            .run_claim_replicated(
                 &s.claim,
                 &self.key(&scope),
                 &[

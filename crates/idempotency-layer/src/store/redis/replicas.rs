@@ -1,12 +1,64 @@
 //! [`RedisStoreBuilder::wait_for_replicas`](super::RedisStoreBuilder::wait_for_replicas): a
 //! claim and a record count as written once `n` replicas acknowledged them (`WAIT`, sent in the
-//! same round trip as the script).
+//! same round trip as the script, on a connection of its own).
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use redis::{ServerErrorKind, Value};
+use tokio::sync::Semaphore;
 
-use super::{backend, millis, timed_out, Lua, RedisStore, StoreError};
+use super::{backend, millis, timed_out, Conn, Lua, RedisStore, StoreError};
+
+/// The connections replicated writes run on, apart from the store's own: a `WAIT` blocks its
+/// connection until the replicas answer, so each runs alone on one of these.
+pub(super) const WAIT_CONNECTIONS: usize = 8;
+
+/// [`WAIT_CONNECTIONS`] connections, each lent to one replicated write at a time.
+#[derive(Clone)]
+pub(super) struct WaitConns {
+    free: Arc<Mutex<Vec<Conn>>>,
+    permits: Arc<Semaphore>,
+}
+
+impl WaitConns {
+    pub(super) fn new(conns: Vec<Conn>) -> WaitConns {
+        WaitConns {
+            permits: Arc::new(Semaphore::new(conns.len())),
+            free: Arc::new(Mutex::new(conns)),
+        }
+    }
+
+    /// A connection no other write is using; given back when the lease drops.
+    async fn lend(&self) -> Option<Lent> {
+        let permit = self.permits.clone().acquire_owned().await.ok()?;
+        let conn = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
+        Some(Lent {
+            conn: Some(conn),
+            free: self.free.clone(),
+            _permit: permit,
+        })
+    }
+}
+
+/// A connection lent by [`WaitConns::lend`].
+struct Lent {
+    conn: Option<Conn>,
+    free: Arc<Mutex<Vec<Conn>>>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            // Back before the permit (dropped after this): the next borrower finds it.
+            self.free
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(conn);
+        }
+    }
+}
 
 /// How many replicas must acknowledge a claim or a record, and how long the primary waits
 /// for them.
@@ -19,6 +71,25 @@ pub(super) struct WaitForReplicas {
 /// Whether the replicas acknowledged what the script wrote: `Ok` also when the store does not
 /// ask (no [`WaitForReplicas`]); the error says how many did.
 pub(super) type Replicated = Result<(), StoreError>;
+
+/// What a `WAIT` reply says: enough replicas acknowledged, or how many did.
+fn acknowledged(acked: Option<Value>, wait: WaitForReplicas) -> Replicated {
+    match acked {
+        Some(Value::Int(n)) if usize::try_from(n).is_ok_and(|n| n >= wait.replicas) => Ok(()),
+        Some(Value::Int(n)) => Err(StoreError::Backend(
+            format!(
+                "written on the redis primary, but acknowledged by {n} of the {} replicas \
+                 wait_for_replicas asks for within {:?}: a failover now would lose it",
+                wait.replicas, wait.timeout
+            )
+            .into(),
+        )),
+        Some(Value::ServerError(e)) => Err(backend(e.into())),
+        other => Err(StoreError::Backend(
+            format!("unexpected WAIT reply {other:?}").into(),
+        )),
+    }
+}
 
 /// A claim reply that wrote a claim (`{1}`): the one `begin` outcome that must be replicated.
 pub(super) fn is_new_claim(reply: &Value) -> bool {
@@ -50,15 +121,25 @@ impl RedisStore {
             p.cmd("WAIT").arg(wait.replicas).arg(millis(wait.timeout));
             p
         };
-        let mut conn = self.inner.conn.clone();
+        let waits = self.inner.waits.clone();
         let op = async {
+            // Waiting for a free connection counts against the operation's bound.
+            let mut lent = match &waits {
+                Some(waits) => waits.lend().await,
+                None => None,
+            };
+            let mut shared = self.inner.conn.clone();
+            let conn = match lent.as_mut().and_then(|l| l.conn.as_mut()) {
+                Some(conn) => conn,
+                None => &mut shared,
+            };
             let mut values = pipeline("EVALSHA", lua.script.get_hash())
-                .query_async::<Vec<Value>>(&mut conn)
+                .query_async::<Vec<Value>>(conn)
                 .await?;
             if matches!(values.first(), Some(Value::ServerError(e)) if e.kind() == Some(ServerErrorKind::NoScript))
             {
                 values = pipeline("EVAL", &lua.source)
-                    .query_async::<Vec<Value>>(&mut conn)
+                    .query_async::<Vec<Value>>(conn)
                     .await?;
             }
             Ok::<_, redis::RedisError>(values)
@@ -78,22 +159,61 @@ impl RedisStore {
             Value::ServerError(e) => return Err(backend(e.into())),
             reply => reply,
         };
-        let replicated = match acked {
-            Value::Int(n) if usize::try_from(n).is_ok_and(|n| n >= wait.replicas) => Ok(()),
-            Value::Int(n) => Err(StoreError::Backend(
-                format!(
-                    "written on the redis primary, but acknowledged by {n} of the {} replicas \
-                     wait_for_replicas asks for within {:?}: a failover now would lose it",
-                    wait.replicas, wait.timeout
-                )
-                .into(),
-            )),
-            Value::ServerError(e) => Err(backend(e.into())),
-            other => Err(StoreError::Backend(
-                format!("unexpected WAIT reply {other:?}").into(),
-            )),
-        };
+        let replicated = acknowledged(Some(acked), wait);
         Ok((reply, replicated))
+    }
+
+    /// The claim script `lua` on `key`: run on the store's own connection, like any script, so
+    /// that a replay or a duplicate in flight (which write nothing) never waits for a free
+    /// replicated-write connection nor for a replica. Only a reply that wrote a claim is then
+    /// made to wait for the replicas: on a connection of its own, a marker write in the key's
+    /// slot and `WAIT` (the marker's replication offset is past the claim's, so its
+    /// acknowledgement covers the claim).
+    pub(super) async fn run_claim_replicated(
+        &self,
+        lua: &Lua,
+        key: &str,
+        args: &[&[u8]],
+    ) -> Result<(Value, Replicated), StoreError> {
+        let reply = self.run(lua, key, args).await?;
+        let Some(wait) = self.inner.wait_for_replicas else {
+            return Ok((reply, Ok(())));
+        };
+        if !is_new_claim(&reply) {
+            return Ok((reply, Ok(())));
+        }
+        let marker = format!("{{{key}}}:acked");
+        let waits = self.inner.waits.clone();
+        let op = async {
+            let mut lent = match &waits {
+                Some(waits) => waits.lend().await,
+                None => None,
+            };
+            let mut shared = self.inner.conn.clone();
+            let conn = match lent.as_mut().and_then(|l| l.conn.as_mut()) {
+                Some(conn) => conn,
+                None => &mut shared,
+            };
+            let mut p = redis::pipe();
+            p.ignore_errors();
+            p.cmd("SET")
+                .arg(&marker)
+                .arg(1)
+                .arg("PX")
+                .arg(millis(self.inner.timeout + wait.timeout).max(1));
+            p.cmd("WAIT").arg(wait.replicas).arg(millis(wait.timeout));
+            p.query_async::<Vec<Value>>(conn).await
+        };
+        let bound = self.inner.timeout + wait.timeout;
+        let values = match tokio::time::timeout(bound, op).await {
+            Ok(r) => r.map_err(backend)?,
+            Err(_) => return Err(timed_out(bound)),
+        };
+        // Without its marker written, the `WAIT` would cover only older writes.
+        if let Some(Value::ServerError(e)) = values.first() {
+            return Ok((reply, Err(backend(e.clone().into()))));
+        }
+        Ok((reply, acknowledged(values.get(1).cloned(), wait)))
     }
 
     /// [`run_flag`](RedisStore::run_flag) through [`run_replicated`](Self::run_replicated):
