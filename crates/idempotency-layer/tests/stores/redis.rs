@@ -302,7 +302,7 @@ async fn maxmemory_policy_is_read_at_connect_and_config_may_be_forbidden() {
         .await
         .unwrap();
     let s = store(&url).await;
-    assert_eq!(s.maxmemory_policy(), Some(current[1].as_str()));
+    assert_eq!(s.maxmemory_policy().as_deref(), Some(current[1].as_str()));
     assert!(!idempotency_layer::store::maxmemory_policy_can_evict(
         "noeviction"
     ));
@@ -344,7 +344,7 @@ async fn maxmemory_policy_is_read_at_connect_and_config_may_be_forbidden() {
         .await
         .unwrap();
     let limited = limited.expect("a server that forbids CONFIG is accepted");
-    assert_eq!(limited.maxmemory_policy(), None);
+    assert_eq!(limited.maxmemory_policy().as_deref(), None);
     assert!(worked, "the store works without CONFIG");
 }
 
@@ -449,7 +449,7 @@ async fn require_noeviction_refuses_an_evicting_server() {
         .connect()
         .await
         .expect("off by default: an evicting server is accepted (and logged)");
-    assert_eq!(accepted.maxmemory_policy(), Some("allkeys-lru"));
+    assert_eq!(accepted.maxmemory_policy().as_deref(), Some("allkeys-lru"));
 
     let shared = RedisStore::builder(&url)
         .prefix(unique("test:idem:"))
@@ -457,7 +457,7 @@ async fn require_noeviction_refuses_an_evicting_server() {
         .connect()
         .await
         .expect("the shared test server runs noeviction");
-    assert_eq!(shared.maxmemory_policy(), Some("noeviction"));
+    assert_eq!(shared.maxmemory_policy().as_deref(), Some("noeviction"));
 
     // A user that may not run CONFIG: the policy cannot be checked, so it is refused.
     let mut admin = raw(&url).await;
@@ -674,7 +674,7 @@ async fn rediss_connects_over_tls() {
         .connect()
         .await
         .expect("rediss with the test CA");
-    assert_eq!(store.maxmemory_policy(), Some("noeviction"));
+    assert_eq!(store.maxmemory_policy().as_deref(), Some("noeviction"));
     conformance::run_all(|| store.clone()).await;
 
     let insecure = RedisStore::builder(format!("{url}/#insecure"))

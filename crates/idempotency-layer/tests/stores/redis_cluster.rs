@@ -361,7 +361,7 @@ async fn require_noeviction_checks_every_master() {
         .connect()
         .await
         .expect("every master runs noeviction");
-    assert_eq!(ok.maxmemory_policy(), Some("noeviction"));
+    assert_eq!(ok.maxmemory_policy().as_deref(), Some("noeviction"));
     for (i, url) in urls.iter().enumerate() {
         let _restore = RestorePolicy(url.clone());
         let _: () = redis::cmd("CONFIG")

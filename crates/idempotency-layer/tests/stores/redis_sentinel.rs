@@ -458,3 +458,146 @@ async fn the_store_follows_a_sentinel_failover() {
         "the record is on the new primary"
     );
 }
+
+/// Runs `ACL SETUSER` for the test user on `port` (a data node or the Sentinel).
+async fn add_acl_user(port: u16, user: &str, password: &str) {
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg(user)
+        .arg("on")
+        .arg(format!(">{password}"))
+        .arg("~*")
+        .arg("&*")
+        .arg("+@all")
+        .query_async(&mut conn(port).await)
+        .await
+        .unwrap_or_else(|e| panic!("ACL SETUSER on {port}: {e}"));
+}
+
+/// The data nodes are reached with the credentials of the Sentinel URL, as the Sentinels are:
+/// the store's connections to the primary are the URL's user's. (Before, the primary was
+/// reached with none: as the default user, or refused where it needs a password.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_primary_is_reached_with_the_urls_credentials() {
+    let Some((sentinels, master)) = sentinel() else {
+        return;
+    };
+    let _one = TOPOLOGY.lock().await;
+    let (primary, replica) = healthy_pair(&sentinels, &master).await;
+    let user = "idem_sentinel_test";
+    let password = "s3cret-for-the-data-nodes";
+    let sentinel_port: u16 = sentinels[0]
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.trim_end_matches('/').parse().ok())
+        .expect("the Sentinel's port");
+    for port in [primary, replica, sentinel_port] {
+        add_acl_user(port, user, password).await;
+    }
+    let url = format!("redis+sentinel://{user}:{password}@127.0.0.1:{sentinel_port}/{master}");
+    let (nodes, name) = RedisStore::sentinel_from_url(&url).expect("a sentinel URL");
+    let store = RedisStore::builder_sentinel(nodes, name)
+        .prefix(unique("test:sentinel:"))
+        .connect()
+        .await
+        .expect("the Sentinel and the primary take the URL's credentials");
+    let s = conformance::scope("credentials");
+    let t = claim(&store, s).await;
+    store.release(s, t).await.unwrap();
+    let clients: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(&mut conn(primary).await)
+        .await
+        .unwrap();
+    assert!(
+        clients
+            .lines()
+            .any(|l| l.contains(&format!(" user={user} "))),
+        "the store's connections to the primary authenticate as {user}: {clients}"
+    );
+}
+
+/// After a failover, the new primary's `maxmemory-policy` is read again: an evicting one is
+/// reported by `maxmemory_policy()` (and logged); with `require_noeviction` the store does not
+/// follow the move (its writes fail closed) until the policy is put right. (Before, the policy
+/// was read only at connect: a failover to an evicting node went unnoticed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicting_new_primary_is_noticed_after_a_failover() {
+    let Some((sentinels, master)) = sentinel() else {
+        return;
+    };
+    let _one = TOPOLOGY.lock().await;
+    let (_, replica) = healthy_pair(&sentinels, &master).await;
+    let plain = store(&sentinels, &master, None).await;
+    let strict = RedisStore::builder_sentinel(sentinels.iter().cloned(), &master)
+        .prefix(unique("test:sentinel:"))
+        .timeout(Duration::from_secs(2))
+        .require_noeviction(true)
+        .connect()
+        .await
+        .expect("the primary does not evict");
+    assert_eq!(plain.maxmemory_policy().as_deref(), Some("noeviction"));
+    let _restore = Restore;
+    // Put back on the node whatever happens.
+    struct Policy(u16);
+    impl Drop for Policy {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("redis-cli")
+                .args([
+                    "-p",
+                    &self.0.to_string(),
+                    "config",
+                    "set",
+                    "maxmemory-policy",
+                    "noeviction",
+                ])
+                .output();
+        }
+    }
+    let _policy = Policy(replica);
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("allkeys-lru")
+        .query_async(&mut conn(replica).await)
+        .await
+        .unwrap();
+    let mut sc = redis::Client::open(sentinels[0].as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: String = redis::cmd("SENTINEL")
+        .arg("FAILOVER")
+        .arg(&master)
+        .query_async(&mut sc)
+        .await
+        .expect("SENTINEL FAILOVER");
+    until_async(FAILOVER, "the Sentinel promoted the replica", || async {
+        primary_port(&sentinels, &master).await == replica
+    })
+    .await;
+    restore();
+    // The plain store follows, and says what it found there.
+    let s = conformance::scope("evicting");
+    let t = match begin_through_failover(&plain, s).await {
+        Begin::New(t) => t,
+        other => panic!("a fresh scope is claimed: {other:?}"),
+    };
+    plain.release(s, t).await.unwrap();
+    assert!(plain.primary_switches() >= 1);
+    assert_eq!(plain.maxmemory_policy().as_deref(), Some("allkeys-lru"));
+    // The strict one does not follow: its writes fail closed.
+    for _ in 0..3 {
+        assert!(
+            strict
+                .begin(conformance::scope("strict"), Fingerprint([1; 32]), LEASE)
+                .await
+                .is_err(),
+            "a store that requires noeviction does not write to an evicting primary"
+        );
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    assert_eq!(strict.primary_switches(), 0);
+    assert_eq!(strict.maxmemory_policy().as_deref(), Some("noeviction"));
+}

@@ -178,7 +178,7 @@ impl RedisStoreBuilder {
     ///     .require_noeviction(true) // fails here if Redis could evict a claim or a record
     ///     .connect()
     ///     .await?;
-    /// assert_eq!(store.maxmemory_policy(), Some("noeviction"));
+    /// assert_eq!(store.maxmemory_policy().as_deref(), Some("noeviction"));
     /// # Ok(())
     /// # }
     /// ```
@@ -214,6 +214,10 @@ impl RedisStoreBuilder {
         };
         let maxmemory_policy =
             check_maxmemory_policy(&mut conn, self.timeout, self.require_noeviction).await?;
+        #[cfg(feature = "redis-sentinel")]
+        if let Conn::Sentinel(c) = &conn {
+            c.set_maxmemory_policy(maxmemory_policy.clone());
+        }
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 conn,
@@ -253,6 +257,7 @@ impl RedisStoreBuilder {
                     master,
                     manager_config(self.timeout),
                     self.timeout,
+                    self.require_noeviction,
                 )
                 .await?;
                 let client = PubSubSource::Sentinel(conn.clone());
@@ -388,6 +393,16 @@ pub(super) async fn check_maxmemory_policy(
         Ok(Err(e)) => return Err(backend(e)),
         Ok(Ok(replies)) => replies,
     };
+    judge_maxmemory_policies(replies, require)
+}
+
+/// What the `CONFIG GET maxmemory-policy` replies of `(node, reply)` say: the policy (an
+/// evicting one if any node has one; logged), or, with `require`, an error when a policy can
+/// evict or cannot be read.
+pub(super) fn judge_maxmemory_policies(
+    replies: Vec<(String, Value)>,
+    require: bool,
+) -> Result<Option<String>, StoreError> {
     let mut policy = None;
     for (node, reply) in replies {
         match policy_in(&reply) {

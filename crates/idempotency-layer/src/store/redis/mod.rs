@@ -313,11 +313,16 @@ impl RedisStore {
         self.inner.renewals_failed.load(Ordering::Relaxed)
     }
 
-    /// The server's `maxmemory-policy` as read at connect; `None` if the server did not allow
-    /// `CONFIG GET`. Anything but `noeviction` can evict this store's keys (see
+    /// The server's `maxmemory-policy` as read at connect, and on a Sentinel-managed primary
+    /// again after each move to another primary; `None` if the server did not allow `CONFIG
+    /// GET`. Anything but `noeviction` can evict this store's keys (see
     /// [`maxmemory_policy_can_evict`]).
-    pub fn maxmemory_policy(&self) -> Option<&str> {
-        self.inner.maxmemory_policy.as_deref()
+    pub fn maxmemory_policy(&self) -> Option<String> {
+        match &self.inner.conn {
+            #[cfg(feature = "redis-sentinel")]
+            Conn::Sentinel(c) => c.maxmemory_policy(),
+            _ => self.inner.maxmemory_policy.clone(),
+        }
     }
 
     /// What the near cache did, if the store has one ([`RedisStoreBuilder::near_cache`]).

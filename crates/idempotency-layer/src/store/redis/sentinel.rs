@@ -8,7 +8,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::sentinel::{SentinelClient, SentinelServerType};
+use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
 use redis::{
     Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, RedisResult, ServerErrorKind, Value,
 };
@@ -34,6 +34,24 @@ pub(super) fn sentinel_from_url(url: &str) -> Option<(Vec<String>, String)> {
     (!nodes.is_empty()).then(|| (nodes, name.to_owned()))
 }
 
+/// How the data nodes the Sentinels name are reached: with the credentials (user, password,
+/// database) and the TLS of the URL (`rediss+sentinel://user:password@host:port/master`), as
+/// the Sentinels themselves are. Without it, the primary would be reached in plain text and
+/// unauthenticated.
+pub(super) fn data_nodes(sentinel_url: &str) -> Result<SentinelNodeConnectionInfo, StoreError> {
+    let info = redis::IntoConnectionInfo::into_connection_info(sentinel_url).map_err(backend)?;
+    let mut nodes = SentinelNodeConnectionInfo::default()
+        .set_redis_connection_info(info.redis_settings().clone());
+    if let redis::ConnectionAddr::TcpTls { insecure, .. } = info.addr() {
+        nodes = nodes.set_tls_mode(if *insecure {
+            redis::TlsMode::Insecure
+        } else {
+            redis::TlsMode::Secure
+        });
+    }
+    Ok(nodes)
+}
+
 /// The store's command connection on a Sentinel-managed primary: a [`ConnectionManager`] on
 /// the primary the Sentinels named last, replaced when that node is no longer the primary.
 #[derive(Clone)]
@@ -47,6 +65,10 @@ struct Shared {
     timeout: Duration,
     /// How many times the store moved to another primary.
     switches: AtomicU64,
+    /// [`RedisStoreBuilder::require_noeviction`](super::RedisStoreBuilder::require_noeviction).
+    require_noeviction: bool,
+    /// The current primary's `maxmemory-policy`, read at connect and after each switch.
+    policy: RwLock<Option<String>>,
 }
 
 struct Asker {
@@ -80,6 +102,7 @@ impl SentinelConn {
         master: &str,
         config: ConnectionManagerConfig,
         timeout: Duration,
+        require_noeviction: bool,
     ) -> Result<SentinelConn, StoreError> {
         if nodes.is_empty() {
             return Err(StoreError::Backend(
@@ -91,7 +114,7 @@ impl SentinelConn {
         let mut sentinel = SentinelClient::build(
             nodes.iter().map(String::as_str).collect(),
             master.to_owned(),
-            None,
+            Some(data_nodes(&nodes[0])?),
             SentinelServerType::Master,
         )
         .map_err(backend)?;
@@ -120,7 +143,24 @@ impl SentinelConn {
             config,
             timeout,
             switches: AtomicU64::new(0),
+            require_noeviction,
+            policy: RwLock::new(None),
         })))
+    }
+
+    /// The current primary's `maxmemory-policy` (as last read).
+    pub(super) fn maxmemory_policy(&self) -> Option<String> {
+        self.0
+            .policy
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Sets what [`check_maxmemory_policy`](super::builder::check_maxmemory_policy) read at
+    /// connect.
+    pub(super) fn set_maxmemory_policy(&self, policy: Option<String>) {
+        *self.0.policy.write().unwrap_or_else(|e| e.into_inner()) = policy;
     }
 
     fn current(&self) -> Current {
@@ -196,12 +236,40 @@ impl Shared {
             }
             Err(_) => return current,
         };
+        // The new primary's eviction policy, judged as at connect: an evicting one is logged,
+        // and with `require_noeviction` not followed (the store's writes fail closed there).
+        let mut config_get = redis::cmd("CONFIG");
+        config_get.arg("GET").arg("maxmemory-policy");
+        let read =
+            tokio::time::timeout(self.timeout, conn.clone().send_packed_command(&config_get)).await;
+        let reply = match read {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(e)) if e.code().is_some() => Value::Nil,
+            _ => return current,
+        };
+        let node = format!("the new primary {}", client.get_connection_info().addr());
+        let policy = match super::builder::judge_maxmemory_policies(
+            vec![(node, reply)],
+            self.require_noeviction,
+        ) {
+            Ok(policy) => policy,
+            Err(e) => {
+                tracing::error!(
+                    master = %self.master,
+                    error = %e,
+                    "idempotency: redis sentinel: not following the primary's move (writes fail \
+                     closed until its maxmemory-policy is noeviction)"
+                );
+                return current;
+            }
+        };
         tracing::warn!(
             master = %self.master,
             from = %current.client.get_connection_info().addr(),
             to = %client.get_connection_info().addr(),
             "idempotency: redis sentinel: the primary moved; the store follows it"
         );
+        *self.policy.write().unwrap_or_else(|e| e.into_inner()) = policy;
         let next = Current {
             generation: current.generation + 1,
             client,
