@@ -172,9 +172,11 @@ async fn a_committed_response_is_returned_as_is() {
 }
 
 /// Raw message bytes: a codec for `tonic::client::Grpc`, which generated clients drive.
+#[cfg(feature = "tonic")]
 #[derive(Debug, Clone, Copy, Default)]
 struct Raw;
 
+#[cfg(feature = "tonic")]
 impl tonic::codec::Codec for Raw {
     type Encode = Bytes;
     type Decode = Bytes;
@@ -190,6 +192,7 @@ impl tonic::codec::Codec for Raw {
     }
 }
 
+#[cfg(feature = "tonic")]
 impl tonic::codec::Encoder for Raw {
     type Item = Bytes;
     type Error = tonic::Status;
@@ -204,6 +207,7 @@ impl tonic::codec::Encoder for Raw {
     }
 }
 
+#[cfg(feature = "tonic")]
 impl tonic::codec::Decoder for Raw {
     type Item = Bytes;
     type Error = tonic::Status;
@@ -219,6 +223,7 @@ impl tonic::codec::Decoder for Raw {
 
 /// A channel whose answer is a committed head and the message `hi`, then trailers with
 /// `grpc-status: 0` if `trailers`, else nothing more: the body never ends.
+#[cfg(feature = "tonic")]
 fn scripted_channel(
     trailers: bool,
 ) -> impl tower::Service<
@@ -257,6 +262,7 @@ fn scripted_channel(
 /// head: a server that sends the head and the message and then stalls before the trailers
 /// ends the call with DEADLINE_EXCEEDED at the deadline, as a generated client sees it. A body
 /// that ends in time is the answer as it is. Before, such a call waited as long as the stall.
+#[cfg(feature = "tonic")]
 #[tokio::test(start_paused = true)]
 async fn a_unary_calls_message_and_trailers_are_bounded_by_its_deadline() {
     let path = http::uri::PathAndQuery::from_static("/plume.linkd.v3.Library/GetBook");

@@ -498,6 +498,7 @@ async fn goaway_covering_the_stream_is_ambiguous_whatever_its_code() {
 /// What a tonic client sees of the layer's failures through `RetryChannel`:
 /// a classified `tonic::Status` (DEADLINE_EXCEEDED, UNAVAILABLE), never `Unknown`, which every
 /// tier above would take as final; the `RetryError` is its source.
+#[cfg(feature = "tonic")]
 #[tokio::test]
 async fn tonic_callers_get_classified_statuses() {
     use retry_layer::tonic::retry_error;
@@ -570,6 +571,7 @@ async fn tonic_callers_get_classified_statuses() {
 /// A tonic `Channel` that cannot connect (DNS, TLS, a connect timeout: here a
 /// connector that fails) never sent the request: a write without key gets its transparent
 /// retries, as with hyper-util's `is_connect` (before: ambiguous, sent once).
+#[cfg(feature = "tonic")]
 #[tokio::test]
 async fn a_tonic_connect_error_is_unsent() {
     let connects = Arc::new(AtomicUsize::new(0));
