@@ -152,3 +152,63 @@ async fn the_default_store_takes_a_single_tenant_services_writes() {
     }
     assert_eq!(executions.load(Ordering::Relaxed), 90_000);
 }
+
+/// The default store, as it ships, under a single instance's sustained load: 100 new writes a
+/// second, one tenant, each recording a 200-byte response kept for the layer's default 24 h
+/// TTL, for 75 minutes of (paused) time: nothing is refused. The store is bounded by bytes
+/// (128 MiB), and records older than the default minimum retention (15 minutes, more than
+/// twice the longest a client with `RetryPolicy::default()` keeps retrying) make room once it
+/// is full.
+/// (Before: 100 000 entries and a one-hour minimum refused every new write from the 1 000th
+/// second on.)
+#[tokio::test(start_paused = true)]
+async fn the_default_store_takes_100_writes_a_second_for_75_minutes() {
+    use idempotency_layer::store::{Begin, Fingerprint, Record, TenantKey};
+    use idempotency_layer::{IdempotencyStore, Scope};
+
+    let store = MemoryStore::new();
+    let tenant = TenantKey::of("shop");
+    let ttl = Duration::from_secs(24 * 3600);
+    let lease = Duration::from_secs(30);
+    let record = {
+        let mut headers = http::HeaderMap::new();
+        headers.insert(
+            "content-type",
+            http::HeaderValue::from_static("application/json"),
+        );
+        Arc::new(Record::new(
+            Fingerprint([0; 32]),
+            StatusCode::CREATED,
+            headers,
+            Bytes::from(vec![b'x'; 200]),
+        ))
+    };
+    let method = Scope::http(&http::Method::POST, "/orders");
+    let (rate, seconds) = (100, 75 * 60);
+    let mut refused = 0;
+    for second in 0..seconds {
+        for i in 0..rate {
+            let scope = Scope::new("shop", &method, &format!("order-{second}-{i}")).key();
+            match store
+                .begin_for_tenant(tenant, scope, Fingerprint([0; 32]), lease)
+                .await
+            {
+                Ok(Begin::New(token)) => store
+                    .complete(scope, token, record.clone(), ttl)
+                    .await
+                    .unwrap(),
+                Err(idempotency_layer::StoreError::Full) => refused += 1,
+                other => panic!("write {second}/{i}: {other:?}"),
+            }
+        }
+        tokio::time::advance(Duration::from_secs(1)).await;
+    }
+    let stats = store.stats();
+    assert_eq!(
+        (refused, stats.refused),
+        (0, 0),
+        "writes refused at 100 a second (evicted {}, held {})",
+        stats.evicted,
+        stats.entries
+    );
+}

@@ -47,7 +47,7 @@ impl MemoryStoreBuilder {
     }
 
     /// How long a record is kept at least, whatever the store's room (default
-    /// [`DEFAULT_MIN_RETENTION`](MemoryStore::DEFAULT_MIN_RETENTION), 1 hour; at most the
+    /// [`DEFAULT_MIN_RETENTION`](MemoryStore::DEFAULT_MIN_RETENTION), 15 minutes; at most the
     /// record's TTL, which ends it anyway): set it to the longest any of your clients retries a
     /// call, so a retry always finds its record. When the store is full, records older than
     /// this make room for new claims, the oldest first, counted and logged; if none is, the

@@ -49,8 +49,8 @@ const HEADER_OVERHEAD: usize = 32;
 ///   holds ([`stats`](MemoryStore::stats)): each entry costs its record's body, headers and
 ///   trailers plus a fixed [overhead](MemoryStore::ENTRY_OVERHEAD).
 /// - **A minimum retention.** A record younger than
-///   [`min_retention`](MemoryStoreBuilder::min_retention) (default 1 hour: longer than any
-///   client retries one call) is never dropped before its TTL. When the store is full, records
+///   [`min_retention`](MemoryStoreBuilder::min_retention) (default 15 minutes: more than twice
+///   the longest a default-policy client retries one call) is never dropped before its TTL. When the store is full, records
 ///   older than that make room, the oldest first (the nearest expiry of the shard of the new
 ///   claim, else of another shard), counted ([`MemoryStats::evicted`]) and logged (at `WARN` at
 ///   most once a minute); if there is none, `begin` answers
@@ -81,13 +81,18 @@ const HEADER_OVERHEAD: usize = 32;
 ///
 /// # Deploying
 ///
-/// - **Sizing**: the defaults (100 000 entries, 128 MiB, records kept at least an hour) serve a
-///   service writing up to about 25 new keys a second around the clock without a refusal
-///   (100 000 records younger than an hour), with the layer's default 24 h TTL: past 100 000
-///   records the oldest make room, so a retry within the hour always gets its replay and one a
-///   day later may not. Size it for your rate times the longest a client retries
-///   (`max_entries`, `max_bytes`, `min_retention`), or use a shared store to keep every record
-///   for its TTL. Watch [`MemoryStats::refused`] (a refusal is a 503 your clients retry) and
+/// - **Sizing**: by default the store is bounded by its bytes (128 MiB; an entry costs its
+///   record's body, headers and trailers plus 256 bytes), and a record is kept at least 15
+///   minutes. A record of a 200-byte response costs about 500 bytes, so the store holds about
+///   260 000 of them, and a service can write new keys at up to about 260 000 / 900 s = 290 a
+///   second, around the clock, without a refusal (a test writes 100 a second for 75 minutes on
+///   the defaults: none refused). Past what it holds, the oldest records make room: a retry
+///   within 15 minutes always gets its replay, one a day later may not. The arithmetic for
+///   yours: new keys a second x the longest any of your clients retries (queues, jobs,
+///   batches that resend hours later) x the cost of a record, at most `max_bytes`; set
+///   [`min_retention`](MemoryStoreBuilder::min_retention) to that retry window, and
+///   `max_bytes` to fit it. Or use a shared store to keep every record for its TTL. Watch
+///   [`MemoryStats::refused`] (a refusal is a 503 your clients retry) and
 ///   [`MemoryStats::evicted`].
 /// - **Eviction** of records younger than `min_retention` never happens, unless
 ///   [`evict_when_full`](MemoryStoreBuilder::evict_when_full) asks for it.
@@ -155,16 +160,22 @@ impl Default for MemoryStore {
 }
 
 impl MemoryStore {
-    /// The default entry bound: 100 000 entries.
-    pub const DEFAULT_CAPACITY: usize = 100_000;
+    /// The default entry bound: as many entries as the default byte bound can count (each
+    /// entry costs at least [`ENTRY_OVERHEAD`](Self::ENTRY_OVERHEAD) bytes), 524 288: by
+    /// default the store is bounded by its bytes.
+    pub const DEFAULT_CAPACITY: usize = Self::DEFAULT_MAX_BYTES / ENTRY_OVERHEAD;
     /// The default byte bound: 128 MiB.
     pub const DEFAULT_MAX_BYTES: usize = 128 << 20;
     /// The default number of shards.
     pub const DEFAULT_SHARDS: usize = 32;
     /// The default share of one tenant while others are present, in percent.
     pub const DEFAULT_TENANT_SHARE_PERCENT: u8 = 50;
-    /// The default of [`min_retention`](MemoryStoreBuilder::min_retention): 1 hour.
-    pub const DEFAULT_MIN_RETENTION: Duration = Duration::from_secs(3600);
+    /// The default of [`min_retention`](MemoryStoreBuilder::min_retention): 15 minutes, more
+    /// than twice the longest a client with `retry-layer`'s `RetryPolicy::default()` goes on
+    /// resending one call: its third and last attempt is sent at most 6 minutes after the
+    /// first (two attempts of at most 60 s for readiness and 60 s for their head, two waits of
+    /// at most `max_pushback`, 30 s, then at most 60 s for readiness again).
+    pub const DEFAULT_MIN_RETENTION: Duration = Duration::from_secs(15 * 60);
     /// The bytes each entry is counted for besides its record's body, headers and trailers.
     pub const ENTRY_OVERHEAD: usize = ENTRY_OVERHEAD;
 

@@ -435,7 +435,8 @@ async fn passing_80_percent_is_counted_once_each_time() {
 /// The default store, as it ships, serves a single-tenant service writing 10 new keys a
 /// second around the clock: 25 hours (900 000 writes) with the default 24 h TTL and no
 /// refusal, and a retry of any key younger than `min_retention` (here at 1 minute and at 59
-/// minutes) is always its replay. Past 100 000 records, the oldest make room.
+/// minutes) is always its replay. Past what 128 MiB holds (about 270 000 of these records), the
+/// oldest make room.
 #[tokio::test(start_paused = true)]
 async fn the_default_store_serves_ten_keys_a_second_around_the_clock() {
     let store = MemoryStore::new();
@@ -463,7 +464,7 @@ async fn the_default_store_serves_ten_keys_a_second_around_the_clock() {
     let stats = store.stats();
     assert_eq!(stats.refused, 0);
     assert!(stats.entries <= MemoryStore::DEFAULT_CAPACITY, "{stats:?}");
-    assert!(stats.evicted > 700_000, "the oldest made room: {stats:?}");
+    assert!(stats.evicted > 500_000, "the oldest made room: {stats:?}");
     assert_eq!(stats.nearly_full, 1, "{stats:?}");
 }
 
