@@ -164,7 +164,9 @@ where
             return rejected(
                 &mut self.inner,
                 RejectReason::NoTenant,
-                "no authenticated tenant: writes with an idempotency key need one",
+                "no tenant for this write: the server's auth layer must insert an \
+                 idempotency_layer::Tenant extension before the idempotency layer runs, or a \
+                 single-tenant service sets IdempotencyLayer::default_tenant",
             );
         };
         let scope = if protocol.is_grpc() {

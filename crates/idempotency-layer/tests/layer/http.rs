@@ -147,6 +147,12 @@ async fn missing_tenant_is_unauthenticated_unless_configured() {
     .await;
     assert_eq!(r.status, StatusCode::UNAUTHORIZED);
     assert_eq!(r.json()["code"], "UNAUTHENTICATED");
+    // The message says how to give the layer a tenant.
+    let message = r.json()["detail"].as_str().unwrap_or_default().to_owned();
+    assert!(
+        message.contains("Tenant extension") && message.contains("default_tenant"),
+        "{message}"
+    );
 
     // Header-based tenant: explicit opt-in.
     let app_header = app(
