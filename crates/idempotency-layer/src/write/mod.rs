@@ -5,6 +5,7 @@
 use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -71,6 +72,48 @@ fn note_begin_failed(counters: &Counters, kind: Backend, scope: ScopeKey, e: &St
 }
 
 pub(super) type Answer<B, E> = Result<Response<IdempotencyBody<B>>, E>;
+
+pin_project_lite::pin_project! {
+    /// `inner`, bounded by `lease`: `None` once the lease passed first. The timer is set only
+    /// when `inner` does not answer at its first poll (an in-process store always does), and
+    /// boxed, so that it costs the write's future 8 bytes, not a whole timer: that future stays
+    /// within the allocator's per-thread cache.
+    struct WithinLease<F> {
+        #[pin]
+        inner: F,
+        lease: Duration,
+        timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    }
+}
+
+impl<F> WithinLease<F> {
+    fn new(inner: F, lease: Duration) -> Self {
+        WithinLease {
+            inner,
+            lease,
+            timer: None,
+        }
+    }
+}
+
+impl<F: Future> Future for WithinLease<F> {
+    type Output = Option<F::Output>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        if let Poll::Ready(out) = this.inner.poll(cx) {
+            return Poll::Ready(Some(out));
+        }
+        let lease = *this.lease;
+        let timer = this
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(lease)));
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
 
 /// The inner service a write holds: the one `poll_ready` readied (with the capacity it
 /// reserved), or a clone not yet ready (a write that waited let the readied one go).
@@ -260,8 +303,8 @@ where
                 // Given up, the begin is dropped as if its caller went away (a shared store
                 // releases a claim it may have written), and the write is refused even with
                 // `fail_open`: a lease later, a retry may already be running it elsewhere.
-                let Ok(found) =
-                    tokio::time::timeout(cfg.lease, observe::timed(Op::Begin, kind, begin)).await
+                let Some(found) =
+                    WithinLease::new(observe::timed(Op::Begin, kind, begin), cfg.lease).await
                 else {
                     counters.store_error();
                     observe::store_error(Op::Begin, kind);
