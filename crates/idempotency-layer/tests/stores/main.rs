@@ -1,6 +1,7 @@
 //! The stores' integration tests, one binary: `MemoryStore`, and `RedisStore` (standalone and
 //! Cluster, and on a Sentinel-managed primary) and `PostgresStore` against the real servers named
-//! by `REDIS_URL`, `REDIS_CLUSTER_URLS`, `REDIS_SENTINEL_URL` and `DATABASE_URL`. The Redis and PostgreSQL suites share their tests
+//! by `REDIS_URL`, `REDIS_CLUSTER_URLS`, `REDIS_SENTINEL_URL`, `DATABASE_URL`,
+//! `PGBOUNCER_URL` and `PG_REPLICA_URL`. The Redis and PostgreSQL suites share their tests
 //! through `support::shared_store_suite!`. Unset URLs: a test says so and passes, except in CI,
 //! where it fails.
 
@@ -14,6 +15,8 @@ mod memory;
 mod pgbouncer;
 #[cfg(all(feature = "postgres", feature = "conformance"))]
 mod postgres;
+#[cfg(all(feature = "postgres", feature = "conformance"))]
+mod postgres_replica;
 #[cfg(all(feature = "redis-cluster", feature = "conformance"))]
 mod proxied_cluster;
 #[cfg(all(feature = "redis", feature = "conformance"))]

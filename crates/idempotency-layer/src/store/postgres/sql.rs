@@ -76,18 +76,23 @@ impl Sql {
                  UNION ALL \
                  SELECT false, state, token, fingerprint, record, ttl_ms FROM live"
             ),
-            // A complete resent by its own token (its reply was lost) counts the record it
-            // already wrote (seen by the statement's snapshot, from before this update) and
-            // changes nothing.
+            // A complete resent by its own token (its reply was lost, or its commit's wait for
+            // a synchronous standby was cancelled: committed on the primary, perhaps not on the
+            // standby) finds the record it already wrote and writes that row again, unchanged:
+            // a statement that writes nothing commits without waiting for any standby, and
+            // would acknowledge a record a failover can still lose.
             complete: format!(
                 "WITH done AS (\
                    UPDATE {t} SET state = 'completed', record = $3, \
                      expires_at = {lease} \
                    WHERE scope = $1 AND token = $2 AND state = 'in_flight' RETURNING scope, watched), \
+                 again AS (\
+                   UPDATE {t} SET expires_at = expires_at \
+                   WHERE scope = $1 AND token = $2 AND state = 'completed' AND expires_at > now() \
+                   RETURNING scope), \
                  notified AS (SELECT pg_notify('{channel}', encode(scope, 'hex')) FROM done \
                    WHERE watched) \
-                 SELECT (SELECT count(*) FROM done) + (SELECT count(*) FROM {t} \
-                   WHERE scope = $1 AND token = $2 AND state = 'completed' AND expires_at > now()) \
+                 SELECT (SELECT count(*) FROM done) + (SELECT count(*) FROM again) \
                    AS n, (SELECT count(*) FROM notified) AS woken"
             ),
             release: format!(
