@@ -206,10 +206,10 @@ impl fmt::Display for FailoverReport {
 
 /// One store's load: acknowledged scopes, errors, and (when timed) pair latencies.
 #[derive(Default)]
-struct Load {
-    acknowledged: Mutex<Vec<(ScopeKey, Instant)>>,
-    errors: AtomicU64,
-    latencies: Mutex<Vec<Duration>>,
+pub(crate) struct Load {
+    pub(crate) acknowledged: Mutex<Vec<(ScopeKey, Instant)>>,
+    pub(crate) errors: AtomicU64,
+    pub(crate) latencies: Mutex<Vec<Duration>>,
 }
 
 fn record() -> Arc<Record> {
@@ -226,8 +226,8 @@ const LEASE: Duration = Duration::from_secs(30);
 const TTL: Duration = Duration::from_secs(600);
 
 /// Runs begin + complete on fresh scopes until `stop`.
-async fn drive(
-    store: RedisStore,
+async fn drive<S: IdempotencyStore>(
+    store: S,
     label: String,
     load: Arc<Load>,
     stop: Arc<AtomicBool>,
@@ -276,9 +276,9 @@ async fn drive(
     }
 }
 
-/// Runs `concurrency` drivers on `store` for `during`; returns their load.
-async fn run_load(
-    store: &RedisStore,
+/// Runs `concurrency` drivers on `store` until `stop`; returns their load.
+pub(crate) async fn run_load<S: IdempotencyStore>(
+    store: &S,
     label: &str,
     concurrency: usize,
     stop: Arc<AtomicBool>,
@@ -303,7 +303,7 @@ async fn run_load(
     (load, tasks)
 }
 
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
+pub(crate) fn percentile(sorted: &[Duration], p: f64) -> Duration {
     if sorted.is_empty() {
         return Duration::ZERO;
     }
@@ -395,17 +395,24 @@ async fn info_field(host: &str, port: u16, section: &str, field: &str) -> Option
 
 /// Runs the restore command (it waits for a healthy primary + replica).
 async fn restore(opts: &FailoverOptions) {
-    let cmd = opts.restore.clone();
+    run_script(&opts.restore).await;
+}
+
+/// Runs `script` (a `.ci/` script that waits for a healthy primary + replica); panics if it
+/// fails. Answers what it printed.
+pub(crate) async fn run_script(script: &std::path::Path) -> String {
+    let cmd = script.to_owned();
     let out = tokio::task::spawn_blocking(move || std::process::Command::new(&cmd).output())
         .await
         .expect("the restore task")
-        .unwrap_or_else(|e| panic!("{}: {e}", opts.restore.display()));
+        .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
     assert!(
         out.status.success(),
         "{} failed: {}",
-        opts.restore.display(),
+        script.display(),
         String::from_utf8_lossy(&out.stderr)
     );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
 /// Forces one failover; answers how long until the Sentinel named another primary.
@@ -524,7 +531,7 @@ async fn remove_keys(prefix: &str, opts: &FailoverOptions) {
 }
 
 /// `lost` in 100 ms buckets around the nearest of `forced` (the instants failovers were forced).
-fn lost_when(lost: &[Instant], forced: &[Instant]) -> Vec<(f64, u64)> {
+pub(crate) fn lost_when(lost: &[Instant], forced: &[Instant]) -> Vec<(f64, u64)> {
     let mut buckets = std::collections::BTreeMap::<i64, u64>::new();
     for &at in lost {
         let offset = forced

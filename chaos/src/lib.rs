@@ -1244,5 +1244,6 @@ fn sum<St>(layers: &[IdempotencyLayer<St>]) -> [u64; 8] {
 
 pub mod failover;
 pub mod kill;
+pub mod pg_failover;
 pub mod storm;
 mod wire;

@@ -1,0 +1,317 @@
+//! PostgreSQL failover chaos: concurrent `begin` + `complete` through a [`PostgresStore`] on a
+//! primary with one streaming standby (`.ci/postgres-replica.sh`), while the run forces
+//! failovers: the primary stops (crashes, or shuts down cleanly) and the standby is promoted;
+//! the old primary then comes back as a standby of the new one. At the end, every record a
+//! `complete` acknowledged (`Ok`) is looked up on the final primary: a missing one is a record
+//! the failover lost (its key would execute again). Run once with asynchronous replication
+//! (PostgreSQL's default) and once with a synchronous standby (`--synchronous`:
+//! `synchronous_standby_names = '*'`, `synchronous_commit = on`).
+//!
+//! `cargo run --release -p chaos --bin pg-failover -- --help`.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency_layer::PostgresStore;
+use tokio::time::Instant;
+
+use crate::failover::{lost_when, run_load, run_script, Load, Losses};
+
+/// How the primary stops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PgHow {
+    /// An immediate shutdown (SIGQUIT to the postmaster: every process exits at once, no
+    /// checkpoint, no last WAL sent), as a crash.
+    Crash,
+    /// A fast shutdown (SIGINT): the standby receives all WAL before the primary stops, as in a
+    /// planned switchover.
+    Switchover,
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct PgFailoverOptions {
+    /// Both nodes, `target_session_attrs=read-write` (`.ci/postgres-replica.sh` prints it).
+    pub url: String,
+    /// The two nodes' ports on 127.0.0.1 (either may be the primary).
+    pub ports: [u16; 2],
+    /// Failovers to force.
+    pub failovers: usize,
+    /// How.
+    pub how: PgHow,
+    /// The standby's WAL receiver is stopped (SIGSTOP) this long before the primary stops, and
+    /// resumed as it stops: the writes of that stretch reach the primary alone (0: none).
+    pub cut_replica: Duration,
+    /// A synchronous standby (`synchronous_standby_names = '*'`) rather than asynchronous
+    /// replication.
+    pub synchronous: bool,
+    /// Load between two failovers.
+    pub between: Duration,
+    /// Concurrent tasks.
+    pub concurrency: usize,
+    /// At most this many begin + complete per second (0: as fast as they go).
+    pub rate: f64,
+    /// The store's timeout.
+    pub timeout: Duration,
+    /// The command that brings the old primary back as a standby (`.ci/postgres-replica.sh`).
+    pub restore: PathBuf,
+}
+
+/// The run's figures.
+#[derive(Clone, Debug, Default)]
+pub struct PgFailoverReport {
+    /// Synchronous standby or asynchronous replication.
+    pub synchronous: bool,
+    /// The store's records.
+    pub losses: Losses,
+    /// Failovers forced, and how long each took from the primary's stop until the standby
+    /// accepted writes.
+    pub failovers: Vec<Duration>,
+}
+
+impl PgFailoverReport {
+    /// Failed checks: with a synchronous standby, a record acknowledged and then lost.
+    pub fn problems(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        if self.synchronous && self.losses.lost > 0 {
+            p.push(format!(
+                "{} records acknowledged with a synchronous standby were lost",
+                self.losses.lost
+            ));
+        }
+        if self.losses.acknowledged == 0 {
+            p.push("no record was acknowledged".to_owned());
+        }
+        p
+    }
+}
+
+impl fmt::Display for PgFailoverReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let took: Vec<String> = self
+            .failovers
+            .iter()
+            .map(|d| format!("{:.1}s", d.as_secs_f64()))
+            .collect();
+        writeln!(
+            f,
+            "replication: {}",
+            if self.synchronous {
+                "synchronous standby"
+            } else {
+                "asynchronous"
+            }
+        )?;
+        writeln!(
+            f,
+            "failovers: {} (from the primary's stop until the standby took writes: {})",
+            self.failovers.len(),
+            took.join(", ")
+        )?;
+        let l = &self.losses;
+        writeln!(
+            f,
+            "  acknowledged {:>7}  lost {:>5}  errors {:>6}",
+            l.acknowledged, l.lost, l.errors
+        )?;
+        if !l.lost_when.is_empty() {
+            let when: Vec<String> = l
+                .lost_when
+                .iter()
+                .map(|(t, n)| format!("{t:+.1}s: {n}"))
+                .collect();
+            writeln!(
+                f,
+                "    lost, by when acknowledged relative to the nearest primary stop: {}",
+                when.join(", ")
+            )?;
+        }
+        let problems = self.problems();
+        if problems.is_empty() {
+            write!(f, "checks: PASS")
+        } else {
+            write!(f, "checks: FAIL: {}", problems.join("; "))
+        }
+    }
+}
+
+/// A connection to the node on `port`, if it answers.
+async fn node(port: u16) -> Option<tokio_postgres::Client> {
+    let (client, conn) = tokio_postgres::connect(
+        &format!("host=127.0.0.1 port={port} user=postgres dbname=postgres connect_timeout=2"),
+        tokio_postgres::NoTls,
+    )
+    .await
+    .ok()?;
+    tokio::spawn(conn);
+    Some(client)
+}
+
+/// The ports of the primary and of the standby.
+async fn roles(opts: &PgFailoverOptions) -> (u16, u16) {
+    for &port in &opts.ports {
+        let Some(c) = node(port).await else { continue };
+        if let Ok(row) = c.query_one("SELECT pg_is_in_recovery()", &[]).await {
+            if !row.get::<_, bool>(0) {
+                let other = opts.ports.into_iter().find(|&p| p != port).expect("two");
+                return (port, other);
+            }
+        }
+    }
+    panic!("no primary on ports {:?}", opts.ports)
+}
+
+/// Names the standbys the primary on `port` waits for at commit (`''`: none).
+async fn synchronous_standbys(port: u16, names: &str) {
+    let c = node(port).await.expect("the primary answers");
+    c.batch_execute(&format!(
+        "ALTER SYSTEM SET synchronous_standby_names = '{names}'"
+    ))
+    .await
+    .expect("ALTER SYSTEM");
+    c.batch_execute("SELECT pg_reload_conf()")
+        .await
+        .expect("reload");
+}
+
+fn signal(pid: i32, sig: &str) {
+    let _ = std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status();
+}
+
+/// Stops the primary, promotes the standby; answers how long from the stop until the standby
+/// accepted writes. Brings the old primary back as a standby (`restore`).
+async fn force_failover(opts: &PgFailoverOptions) -> Duration {
+    let (primary, standby) = roles(opts).await;
+    let p = node(primary).await.expect("the primary answers");
+    let s = node(standby).await.expect("the standby answers");
+    // The postmaster's pid: the first line of the data directory's lock file.
+    let data: String = p
+        .query_one("SHOW data_directory", &[])
+        .await
+        .expect("SHOW data_directory")
+        .get(0);
+    let postmaster: i32 = std::fs::read_to_string(format!("{data}/postmaster.pid"))
+        .ok()
+        .and_then(|t| t.lines().next()?.trim().parse().ok())
+        .expect("the primary's postmaster.pid (run this on the machine of the nodes)");
+    let receiver: Option<i32> = if opts.cut_replica.is_zero() {
+        None
+    } else {
+        s.query_opt("SELECT pid FROM pg_stat_wal_receiver", &[])
+            .await
+            .ok()
+            .flatten()
+            .map(|r| r.get(0))
+    };
+    if let Some(pid) = receiver {
+        signal(pid, "-STOP");
+        tokio::time::sleep(opts.cut_replica).await;
+    }
+    let stopped = Instant::now();
+    signal(
+        postmaster,
+        match opts.how {
+            PgHow::Crash => "-QUIT",
+            PgHow::Switchover => "-INT",
+        },
+    );
+    // Until the old primary is gone (a fast shutdown first sends the standby its last WAL).
+    let give_up = Instant::now() + Duration::from_secs(120);
+    while node(primary).await.is_some() {
+        assert!(Instant::now() < give_up, "the primary did not stop");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    if let Some(pid) = receiver {
+        signal(pid, "-CONT");
+    }
+    s.query_one("SELECT pg_promote(true, 60)", &[])
+        .await
+        .expect("pg_promote");
+    if opts.synchronous {
+        synchronous_standbys(standby, "*").await;
+    }
+    let took = stopped.elapsed();
+    run_script(&opts.restore).await;
+    took
+}
+
+/// Runs it: load through the failovers, then the check on the final primary.
+pub async fn run_pg_failover(opts: PgFailoverOptions) -> PgFailoverReport {
+    run_script(&opts.restore).await;
+    let (primary, _) = roles(&opts).await;
+    synchronous_standbys(primary, if opts.synchronous { "*" } else { "" }).await;
+    let table = format!("failover_{}", std::process::id());
+    let store = PostgresStore::builder(&opts.url)
+        .table(table)
+        .timeout(opts.timeout)
+        .connect()
+        .await
+        .expect("connect");
+    store.migrate().await.expect("migrate");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let (load, tasks): (Arc<Load>, _) = run_load(
+        &store,
+        "pg",
+        opts.concurrency,
+        stop.clone(),
+        false,
+        opts.rate,
+    )
+    .await;
+    let mut failovers = Vec::new();
+    let mut forced = Vec::new();
+    for _ in 0..opts.failovers {
+        tokio::time::sleep(opts.between).await;
+        forced.push(Instant::now() + opts.cut_replica);
+        failovers.push(force_failover(&opts).await);
+    }
+    tokio::time::sleep(opts.between).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        let _ = t.await;
+    }
+
+    let acknowledged = load.acknowledged.lock().unwrap().clone();
+    let (client, conn) = tokio_postgres::connect(&opts.url, tokio_postgres::NoTls)
+        .await
+        .expect("the final primary answers");
+    tokio::spawn(conn);
+    let table = store.table();
+    let recorded: std::collections::HashSet<Vec<u8>> = client
+        .query(
+            &format!("SELECT scope FROM {table} WHERE state = 'completed'"),
+            &[],
+        )
+        .await
+        .expect("read the records")
+        .into_iter()
+        .map(|r| r.get::<_, Vec<u8>>(0))
+        .collect();
+    let lost: Vec<Instant> = acknowledged
+        .iter()
+        .filter(|(scope, _)| !recorded.contains(&scope.0[..]))
+        .map(|&(_, at)| at)
+        .collect();
+    let _ = client
+        .batch_execute(&format!("DROP TABLE IF EXISTS {table}"))
+        .await;
+    let (primary, _) = roles(&opts).await;
+    synchronous_standbys(primary, "").await;
+    PgFailoverReport {
+        synchronous: opts.synchronous,
+        losses: Losses {
+            acknowledged: acknowledged.len() as u64,
+            lost: lost.len() as u64,
+            errors: load.errors.load(Ordering::Relaxed),
+            switches: 0,
+            lost_when: lost_when(&lost, &forced),
+        },
+        failovers,
+    }
+}
