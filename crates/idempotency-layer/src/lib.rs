@@ -354,6 +354,7 @@
 //! | `idempotency_layer_memory_store_nearly_full_total` | counter | | times a `MemoryStore` passed 80 % of its bounds |
 //! | `idempotency_layer_memory_store_evicted_total` | counter | | records a full `MemoryStore` evicted (older than `min_retention`) |
 //! | `idempotency_layer_store_cleanup_failures_total` | counter | `store` | background removals of expired rows that failed (logged at `warn`) |
+//! | `idempotency_layer_store_cancels_skipped_total` | counter | `store` | abandoned PostgreSQL statements closed without a cancel request, because four cancels were already in flight (the session's `statement_timeout` ends them) |
 //! | `idempotency_layer_rejections_total` | counter | `reason` | rejections, by [`RejectReason::as_str`] |
 //! | `idempotency_layer_store_errors_total` | counter | `op`, `store` | failed store operations |
 //! | `idempotency_layer_store_seconds` | histogram | `op`, `store` | store latency, in seconds |

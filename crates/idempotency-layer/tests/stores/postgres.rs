@@ -5,6 +5,8 @@
 //! in a schema of its own. Unset `DATABASE_URL`: each test says so and passes; set but
 //! unreachable: each test fails.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::support::*;
@@ -1445,5 +1447,166 @@ async fn connections_to_a_read_only_server_are_dropped_after_the_first_error() {
             other => panic!("claim {i} after the first error must reach the primary: {other:?}"),
         }
     }
+    drop_schema(&url, &schema).await;
+}
+
+/// A proxy to `upstream` that relays every connection except cancel requests: those it holds
+/// open without an answer (a server too busy to take them), counting how many it holds at
+/// once.
+struct HoldsCancels {
+    addr: std::net::SocketAddr,
+    held: Arc<AtomicUsize>,
+    most: Arc<AtomicUsize>,
+    seen: Arc<AtomicUsize>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for HoldsCancels {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+/// The first 8 bytes of a `CancelRequest`: its length (16) and its code (80877102).
+const CANCEL_REQUEST: [u8; 8] = [0, 0, 0, 16, 0x04, 0xd2, 0x16, 0x2e];
+
+impl HoldsCancels {
+    async fn start(upstream: std::net::SocketAddr) -> HoldsCancels {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (held, most, seen) = (
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(AtomicUsize::new(0)),
+        );
+        let counters = (held.clone(), most.clone(), seen.clone());
+        let accept = tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let (held, most, seen) = counters.clone();
+                tokio::spawn(async move {
+                    let mut head = [0u8; 8];
+                    if client.read_exact(&mut head).await.is_err() {
+                        return;
+                    }
+                    if head == CANCEL_REQUEST {
+                        seen.fetch_add(1, Ordering::SeqCst);
+                        let now = held.fetch_add(1, Ordering::SeqCst) + 1;
+                        most.fetch_max(now, Ordering::SeqCst);
+                        // Until the sender gives up and closes it.
+                        let mut rest = Vec::new();
+                        let _ = client.read_to_end(&mut rest).await;
+                        held.fetch_sub(1, Ordering::SeqCst);
+                        return;
+                    }
+                    let Ok(mut server) = tokio::net::TcpStream::connect(upstream).await else {
+                        return;
+                    };
+                    if server.write_all(&head).await.is_ok() {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    }
+                });
+            }
+        });
+        HoldsCancels {
+            addr,
+            held,
+            most,
+            seen,
+            accept,
+        }
+    }
+}
+
+/// When many statements time out at once (here 16, all waiting for locked rows), the store
+/// cancels at most four at a time: each cancel is a connection of its own, held for up to the
+/// store's timeout when the server is slow to take it, and one per abandoned statement would
+/// double the connections the store holds open to a server already in trouble. (Before, each
+/// abandoned statement spawned its cancel at once, without a limit.) The store runs as behind a
+/// transaction pooler here (no session `statement_timeout`), so that only its own timeout ends
+/// the statements and each ends in a cancel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_most_four_cancels_are_in_flight_at_once() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let config: tokio_postgres::Config = url.parse().unwrap();
+    let upstream = match (&config.get_hosts()[0], config.get_ports().first()) {
+        (tokio_postgres::config::Host::Tcp(host), port) => {
+            tokio::net::lookup_host((host.as_str(), port.copied().unwrap_or(5432)))
+                .await
+                .unwrap()
+                .next()
+                .unwrap()
+        }
+        #[allow(unreachable_patterns)]
+        _ => panic!("DATABASE_URL names a TCP host"),
+    };
+    let proxy = HoldsCancels::start(upstream).await;
+    let via_proxy = format!(
+        "postgres://{}@{}/{}?pooling=transaction",
+        config.get_user().unwrap_or("postgres"),
+        proxy.addr,
+        config.get_dbname().unwrap_or("postgres"),
+    );
+    let (b, schema) = builder(&via_proxy);
+    let timeout = Duration::from_millis(500);
+    let store = connect(
+        b.pool_size(16)
+            .timeout(timeout)
+            .cleanup_interval(Duration::ZERO),
+    )
+    .await;
+    let fp = Fingerprint([8; 32]);
+    let scopes: Vec<ScopeKey> = (0..16).map(|i| order_scope(&format!("c{i}"))).collect();
+    for &s in &scopes {
+        let Ok(Begin::New(_)) = store.begin(s, fp, conformance::LONG).await else {
+            panic!("fresh scope");
+        };
+    }
+    // Lapsed and locked: a begin takes each over with a write, which waits for the lock.
+    let locker = raw(&url).await;
+    let table = store.table();
+    locker
+        .batch_execute(&format!(
+            "UPDATE {table} SET expires_at = now() - interval '1 minute'"
+        ))
+        .await
+        .unwrap();
+    locker
+        .batch_execute(&format!("BEGIN; SELECT 1 FROM {table} FOR UPDATE"))
+        .await
+        .unwrap();
+    let begins: Vec<_> = scopes
+        .iter()
+        .map(|&s| {
+            let store = store.clone();
+            tokio::spawn(async move { store.begin(s, fp, conformance::LONG).await })
+        })
+        .collect();
+    for b in begins {
+        let answer = b.await.unwrap();
+        assert!(
+            answer.is_err(),
+            "a begin behind the lock times out: {answer:?}"
+        );
+    }
+    // Every cancel the store sends, it sends as its statement is abandoned; each held one ends
+    // at the store's timeout.
+    wait::until_within(Duration::from_secs(10), "some cancels were sent", || {
+        proxy.seen.load(Ordering::SeqCst) >= 1
+    })
+    .await;
+    wait::until_within(Duration::from_secs(10), "the cancels gave up", || {
+        proxy.held.load(Ordering::SeqCst) == 0
+    })
+    .await;
+    let most = proxy.most.load(Ordering::SeqCst);
+    assert!(
+        most <= 4,
+        "{most} cancel connections were open at once for 16 abandoned statements"
+    );
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    drop(store);
     drop_schema(&url, &schema).await;
 }

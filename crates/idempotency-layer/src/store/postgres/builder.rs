@@ -276,6 +276,7 @@ impl PostgresStoreBuilder {
             timeout: self.timeout,
             polling: self.polling,
             cleanup_batch: self.cleanup_batch,
+            canceller: Canceller::new(tls.clone()),
             tls,
             waiters: Arc::default(),
             listener: OnceLock::new(),

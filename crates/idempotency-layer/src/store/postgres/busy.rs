@@ -11,34 +11,65 @@
 //! away) takes its connection out of the pool and cancels the statement on the server
 //! (a `CancelRequest` on a connection of its own, in the background); the session's
 //! `statement_timeout` and `lock_timeout` (set on the store's own pools) end it on the server
-//! even if the cancel is lost. A connection whose statement failed in a way that says the
+//! even if the cancel is lost. At most [`CANCEL_CONNECTIONS`] cancels are in flight at once per
+//! store: when every statement times out at once (a server that stalls), the others are not
+//! cancelled but closed, and the server's own timeouts end them. A connection whose statement failed in a way that says the
 //! connection itself is no good (the server is read-only after a failover, or shutting down,
 //! or the socket closed) is also dropped, not pooled: the next statement gets a fresh
 //! connection, to the new primary.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{Object, Pool};
+use tokio::sync::Semaphore;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::NoTls;
 
 use super::Connector;
+
+/// The most cancel requests one store sends at once (each on a connection of its own, for at
+/// most the store's timeout): a stalled server times out every statement at once, and a cancel
+/// connection for each would double the connections the store holds open to it.
+pub(super) const CANCEL_CONNECTIONS: usize = 4;
+
+/// How the store's abandoned statements are cancelled: the connector and a bound on the
+/// cancels in flight ([`CANCEL_CONNECTIONS`]).
+#[derive(Clone)]
+pub(super) struct Canceller {
+    pub(super) tls: Connector,
+    pub(super) permits: Arc<Semaphore>,
+}
+
+impl Canceller {
+    pub(super) fn new(tls: Connector) -> Canceller {
+        Canceller {
+            tls,
+            permits: Arc::new(Semaphore::new(CANCEL_CONNECTIONS)),
+        }
+    }
+}
 
 /// A pooled connection with a statement in flight: dropped before [`finish`](Busy::finish),
 /// the connection leaves the pool and the statement is cancelled.
 pub(super) struct Busy<'a> {
     conn: Option<Object>,
     pool: &'a Pool,
-    tls: &'a Connector,
+    cancel: &'a Canceller,
     timeout: Duration,
 }
 
 impl<'a> Busy<'a> {
-    pub(super) fn new(conn: Object, pool: &'a Pool, tls: &'a Connector, timeout: Duration) -> Self {
+    pub(super) fn new(
+        conn: Object,
+        pool: &'a Pool,
+        cancel: &'a Canceller,
+        timeout: Duration,
+    ) -> Self {
         Busy {
             conn: Some(conn),
             pool,
-            tls,
+            cancel,
             timeout,
         }
     }
@@ -107,10 +138,21 @@ impl Drop for Busy<'_> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (timeout, tls) = (self.timeout, self.tls.clone());
+        let Ok(permit) = self.cancel.permits.clone().try_acquire_owned() else {
+            // Closed rather than cancelled: the session's timeouts end the statement.
+            #[cfg(feature = "metrics")]
+            metrics::counter!("idempotency_layer_store_cancels_skipped_total", "store" => "postgres")
+                .increment(1);
+            tracing::debug!(
+                "idempotency: {CANCEL_CONNECTIONS} postgres cancels already in flight; closing                  this abandoned statement's connection without one"
+            );
+            return;
+        };
+        let (timeout, tls) = (self.timeout, self.cancel.tls.clone());
         runtime.spawn(async move {
-            // The client is kept until the cancel is sent.
+            // The client is kept until the cancel is sent, and the permit until it is done.
             let _client = client;
+            let _permit = permit;
             let cancel = async {
                 match tls {
                     Connector::Plain => token.cancel_query(NoTls).await,

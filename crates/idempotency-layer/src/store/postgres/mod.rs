@@ -33,7 +33,7 @@ use self::listen::*;
 use self::sql::*;
 pub(crate) use self::sql::{affected, CompleteParams};
 
-use busy::Busy;
+use busy::{Busy, Canceller};
 
 /// How often `begin` runs its claim again when a concurrent transaction inserted the row after
 /// the statement's snapshot (the claim then neither inserts nor sees the row).
@@ -163,6 +163,9 @@ const CLAIM_ATTEMPTS: usize = 10;
 ///   leaves the pool, so it neither stalls the next statements (behind the row lock of an open
 ///   `TxCompletion` transaction, say) nor lands later: a claim abandoned that way is released
 ///   by its token in the background, once at once and once more twice the timeout later.
+///   At most four cancels are in flight at once (each is a connection of its own); past that,
+///   an abandoned statement's connection is closed without one, and the server's
+///   `statement_timeout` ends it.
 ///   Your own transactions on [`pool`](PostgresStore::pool) connections inherit those
 ///   settings: `SET LOCAL statement_timeout` in a transaction that needs longer.
 /// - **Eviction, cluster**: nothing is evicted; records go only when expired or forgotten.
@@ -220,6 +223,8 @@ struct Inner {
     polling: Polling,
     cleanup_batch: i64,
     tls: Connector,
+    /// Cancels the statements their requests abandoned, a few at a time.
+    canceller: Canceller,
     waiters: Arc<Waiters>,
     listener: OnceLock<Listener>,
     /// Completed records kept here, if the builder asked for a near cache.
@@ -435,7 +440,12 @@ impl PostgresStore {
     /// A connection of `pool` for one statement (see [`Busy`]).
     async fn busy_on<'a>(&'a self, pool: &'a Pool) -> Result<Busy<'a>, StoreError> {
         let conn = pool.get().await.map_err(pool_error)?;
-        Ok(Busy::new(conn, pool, &self.inner.tls, self.inner.timeout))
+        Ok(Busy::new(
+            conn,
+            pool,
+            &self.inner.canceller,
+            self.inner.timeout,
+        ))
     }
 
     async fn bounded<T>(
