@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Starts a local 3-master Redis Cluster on loopback (ports 7000-7002, no replicas, no
-# persistence), unless one is already up; waits for `cluster_state:ok` and prints the node URLs
+# persistence), unless one is already up (REDIS_CLUSTER_PORTS="7010" makes a one-master cluster,
+# as BENCHMARKS.md's "Beyond one server" compares); waits for `cluster_state:ok` and prints the node URLs
 # for REDIS_CLUSTER_URLS. Used by .ci/run; a developer can run it too:
 #   export REDIS_CLUSTER_URLS=$(.ci/redis-cluster.sh)
 # Stop it with: for p in 7000 7001 7002; do redis-cli -p $p shutdown nosave; done
@@ -31,10 +32,16 @@ for p in "${PORTS[@]}"; do
 done
 
 # Assign the slots unless some node already knows of the others (a half-made cluster is reset).
-if [ "$(redis-cli -p "${PORTS[0]}" cluster info | tr -d '\r' | sed -n 's/^cluster_known_nodes://p')" != "${#PORTS[@]}" ]; then
+info() { redis-cli -p "${PORTS[0]}" cluster info | tr -d '\r' | sed -n "s/^$1://p"; }
+if [ "$(info cluster_known_nodes)" != "${#PORTS[@]}" ] || [ "$(info cluster_slots_assigned)" != 16384 ]; then
   for p in "${PORTS[@]}"; do redis-cli -p "$p" flushall >/dev/null; redis-cli -p "$p" cluster reset hard >/dev/null; done
   nodes=(); for p in "${PORTS[@]}"; do nodes+=("127.0.0.1:$p"); done
-  redis-cli --cluster create "${nodes[@]}" --cluster-replicas 0 --cluster-yes >&2
+  if [ "${#PORTS[@]}" = 1 ]; then
+    # `--cluster create` wants three masters; one node takes every slot itself.
+    redis-cli -p "${PORTS[0]}" cluster addslotsrange 0 16383 >/dev/null
+  else
+    redis-cli --cluster create "${nodes[@]}" --cluster-replicas 0 --cluster-yes >&2
+  fi
 fi
 
 for _ in $(seq 100); do
