@@ -16,12 +16,9 @@ fn plain(url: &str) -> String {
         .replace("&pooling=transaction", "")
 }
 
+/// A plain connection to `url` (the store's own `pooling` parameter taken out).
 async fn raw(url: &str) -> tokio_postgres::Client {
-    let (client, conn) = tokio_postgres::connect(&plain(url), tokio_postgres::NoTls)
-        .await
-        .expect("raw connection");
-    tokio::spawn(conn);
-    client
+    crate::postgres::raw(&plain(url)).await
 }
 
 /// The server behind the pooler.
@@ -30,11 +27,7 @@ fn direct() -> String {
 }
 
 async fn drop_schema(schema: &str) {
-    raw(&direct())
-        .await
-        .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
-        .await
-        .unwrap();
+    crate::postgres::drop_schema(&direct(), schema).await;
 }
 
 /// The shared store suite through PgBouncer: statements through the pooler (its URL says
@@ -83,16 +76,7 @@ impl Backend for PgBouncer {
     }
 
     async fn holds(store: &PostgresStore, _url: &str, scope: ScopeKey) -> bool {
-        let table = store.table();
-        let row = raw(&direct())
-            .await
-            .query_one(
-                &format!("SELECT count(*) FROM {table} WHERE scope = $1 AND state = 'in_flight'"),
-                &[&&scope.0[..]],
-            )
-            .await
-            .unwrap();
-        row.get::<_, i64>(0) == 1
+        crate::postgres::holds_claim(store, &direct(), scope).await
     }
 }
 
@@ -254,7 +238,7 @@ async fn a_listener_that_cannot_hear_is_found_deaf_and_nothing_relies_on_it() {
         "the direct listener hears its heartbeat",
         || {
             let hearing = hearing.clone();
-            async move { hearing.listener_hears() }
+            async move { hearing.listener_hears() == Some(true) }
         },
     )
     .await;
@@ -273,14 +257,18 @@ async fn a_listener_that_cannot_hear_is_found_deaf_and_nothing_relies_on_it() {
         .unwrap()
         .unwrap();
     started.await.unwrap().unwrap();
-    // Heartbeats are every 5 s and must arrive within twice the timeout: by then the behind-
-    // the-pooler listener has had its chance. It never hears.
-    tokio::time::sleep(Duration::from_secs(6)).await;
-    assert!(
-        !deaf.listener_hears(),
-        "a listener behind a transaction pooler is deaf"
-    );
-    assert!(hearing.listener_hears());
+    // Its first heartbeat must arrive within twice the store's timeout; the listener behind
+    // the pooler never hears it, and says so.
+    wait::until_async(
+        wait::LIMIT,
+        "the listener behind the pooler is found deaf",
+        || {
+            let deaf = deaf.clone();
+            async move { deaf.listener_hears() == Some(false) }
+        },
+    )
+    .await;
+    assert_eq!(hearing.listener_hears(), Some(true));
     // Its near cache stays off: a record forgotten on another instance is not replayed.
     for _ in 0..3 {
         assert!(matches!(

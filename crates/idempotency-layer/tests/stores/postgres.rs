@@ -21,15 +21,16 @@ fn builder(url: &str) -> (PostgresStoreBuilder, String) {
     (PostgresStore::builder(url).schema(&schema), schema)
 }
 
-async fn raw(url: &str) -> tokio_postgres::Client {
+/// A plain connection to `url`, beside the store (shared with the PgBouncer and replica tests).
+pub(crate) async fn raw(url: &str) -> tokio_postgres::Client {
     let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
-        .expect("raw connection to DATABASE_URL");
+        .unwrap_or_else(|e| panic!("a plain connection to {url}: {e}"));
     tokio::spawn(conn);
     client
 }
 
-async fn drop_schema(url: &str, schema: &str) {
+pub(crate) async fn drop_schema(url: &str, schema: &str) {
     raw(url)
         .await
         .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
@@ -44,6 +45,21 @@ async fn connect(b: PostgresStoreBuilder) -> PostgresStore {
         .expect("DATABASE_URL is set, so PostgreSQL must be reachable");
     store.migrate().await.expect("migrate");
     store
+}
+
+/// Whether `store`'s table holds a claim in flight for `scope`, read on a plain connection to
+/// `url` (the server itself).
+pub(crate) async fn holds_claim(store: &PostgresStore, url: &str, scope: ScopeKey) -> bool {
+    let table = store.table();
+    let row = raw(url)
+        .await
+        .query_one(
+            &format!("SELECT count(*) FROM {table} WHERE scope = $1 AND state = 'in_flight'"),
+            &[&&scope.0[..]],
+        )
+        .await
+        .unwrap();
+    row.get::<_, i64>(0) == 1
 }
 
 /// The shared store suite on PostgreSQL: a schema per test, dropped at its end.
@@ -83,16 +99,7 @@ impl Backend for Postgres {
     }
 
     async fn holds(store: &PostgresStore, url: &str, scope: ScopeKey) -> bool {
-        let table = store.table();
-        let row = raw(url)
-            .await
-            .query_one(
-                &format!("SELECT count(*) FROM {table} WHERE scope = $1 AND state = 'in_flight'"),
-                &[&&scope.0[..]],
-            )
-            .await
-            .unwrap();
-        row.get::<_, i64>(0) == 1
+        holds_claim(store, url, scope).await
     }
 }
 

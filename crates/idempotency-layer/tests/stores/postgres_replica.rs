@@ -17,11 +17,7 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 
 /// A connection to the current primary.
 async fn primary(url: &str) -> tokio_postgres::Client {
-    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .expect("the primary of PG_REPLICA_URL answers");
-    tokio::spawn(conn);
-    client
+    crate::postgres::raw(url).await
 }
 
 /// Names the standbys a commit waits for on the primary (`''`: none, asynchronous).
@@ -127,9 +123,5 @@ async fn resent_complete(url: String) {
         .complete(scope, token, record(), ttl)
         .await
         .expect("acknowledged once the standby has it");
-    primary(&url)
-        .await
-        .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
-        .await
-        .unwrap();
+    crate::postgres::drop_schema(&url, &schema).await;
 }

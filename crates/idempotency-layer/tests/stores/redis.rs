@@ -771,15 +771,18 @@ async fn a_stopped_replica_holds_back_no_renewal_or_replay() {
     let fp = Fingerprint([7; 32]);
     // Until the replica has synced and acknowledges: a claim then succeeds.
     let live = order_scope(&unique("replica-live-"));
-    let mut token = None;
-    for _ in 0..200 {
-        if let Ok(Begin::New(t)) = store.begin(live, fp, conformance::LONG).await {
-            token = Some(t);
-            break;
+    let claimed = std::sync::Arc::new(std::sync::Mutex::new(None));
+    wait::until_async(wait::LIMIT, "the replica acknowledges a claim", || {
+        let (store, claimed) = (store.clone(), claimed.clone());
+        async move {
+            if let Ok(Begin::New(t)) = store.begin(live, fp, conformance::LONG).await {
+                *claimed.lock().unwrap() = Some(t);
+            }
+            claimed.lock().unwrap().is_some()
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let token = token.expect("the replica acknowledges within 10 s");
+    })
+    .await;
+    let token = claimed.lock().unwrap().expect("claimed");
     let done = order_scope(&unique("replica-done-"));
     let Ok(Begin::New(d)) = store.begin(done, fp, conformance::LONG).await else {
         panic!("fresh scope");
@@ -810,7 +813,27 @@ async fn a_stopped_replica_holds_back_no_renewal_or_replay() {
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Until a WAIT is blocked on the server (the claims' writes are waiting for the replica).
+    let admin = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    wait::until_async(wait::LIMIT, "a WAIT is blocked", || {
+        let mut admin = admin.clone();
+        async move {
+            let info: String = redis::cmd("INFO")
+                .arg("clients")
+                .query_async(&mut admin)
+                .await
+                .unwrap_or_default();
+            info.lines()
+                .find_map(|l| l.strip_prefix("blocked_clients:"))
+                .and_then(|n| n.trim().parse::<u64>().ok())
+                .is_some_and(|n| n >= 1)
+        }
+    })
+    .await;
     for _ in 0..5 {
         store
             .renew(live, token, conformance::LONG)

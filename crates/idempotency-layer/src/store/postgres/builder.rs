@@ -269,7 +269,7 @@ impl PostgresStoreBuilder {
             unprepared,
             renewals,
             listen_config,
-            hears: AtomicBool::new(false),
+            hears: AtomicU8::new(0),
             schema: self.schema,
             table: self.table,
             channel,

@@ -69,7 +69,7 @@ where
     };
     let deaf = |store: &Weak<Inner>, why: &str| {
         if let Some(inner) = store.upgrade() {
-            if inner.hears.swap(false, Ordering::Relaxed) || why == "never" {
+            if inner.hears.swap(DEAF, Ordering::Relaxed) == HEARS || why == "never" {
                 tracing::warn!(
                     channel = %channel,
                     "idempotency: the postgres listener hears no notifications ({}); waiters poll \
@@ -163,7 +163,7 @@ where
                                         awaited = None;
                                         first = false;
                                         if let Some(inner) = store.upgrade() {
-                                            if !inner.hears.swap(true, Ordering::Relaxed) {
+                                            if inner.hears.swap(HEARS, Ordering::Relaxed) != HEARS {
                                                 tracing::debug!("idempotency: the postgres listener hears");
                                             }
                                         }
@@ -182,7 +182,7 @@ where
                                                 Some(scope) => near.invalidate(&scope),
                                                 None => {
                                                     near.set_live(false);
-                                                    near.set_live(store.upgrade().is_some_and(|i| i.hears.load(Ordering::Relaxed)));
+                                                    near.set_live(store.upgrade().is_some_and(|i| i.hears.load(Ordering::Relaxed) == HEARS));
                                                 }
                                             }
                                         }
@@ -195,7 +195,7 @@ where
                     }
                 }
                 if let Some(inner) = store.upgrade() {
-                    inner.hears.store(false, Ordering::Relaxed);
+                    inner.hears.store(DEAF, Ordering::Relaxed);
                 }
                 if let Some(near) = &near {
                     near.set_live(false);

@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
@@ -213,8 +213,9 @@ struct Inner {
     renewals: Pool,
     /// Where the listening connection connects ([`PostgresStoreBuilder::listen_url`]).
     listen_config: tokio_postgres::Config,
-    /// Whether the listener heard its last heartbeat ([`PostgresStore::listener_hears`]).
-    hears: AtomicBool,
+    /// What the listener's heartbeats say: [`HEARS`], [`DEAF`], or nothing yet
+    /// ([`PostgresStore::listener_hears`]).
+    hears: AtomicU8,
     schema: String,
     table: String,
     channel: String,
@@ -245,6 +246,11 @@ impl fmt::Debug for PostgresStore {
 /// A statement's parameter, with its type (a statement prepared once per connection and an
 /// unnamed one sent with its parameters both need them).
 type Param<'a> = (&'a (dyn ToSql + Sync), Type);
+
+/// [`Inner::hears`]: the listener heard its last heartbeat.
+const HEARS: u8 = 1;
+/// [`Inner::hears`]: it missed one, or lost its connection.
+const DEAF: u8 = 2;
 
 /// The connections renewals run on, apart from the store's pool: at most this many renewal
 /// statements at once (the layer sends at most four per tick).
@@ -374,16 +380,22 @@ impl PostgresStore {
         format!("\"{}\".\"{}\"", self.inner.schema, self.inner.table)
     }
 
-    /// Whether the store's listening connection hears notifications: it proved so with its
-    /// last heartbeat (a notification the store sends itself every few seconds and must
-    /// receive within twice its timeout). `false` until the first one arrives, and while they
-    /// are missed: a listener behind a pooler in transaction mode hears nothing (see
-    /// [`transaction_pooler`](PostgresStoreBuilder::transaction_pooler)). While it is deaf,
+    /// Whether the store's listening connection hears notifications: `Some(true)` when it
+    /// proved so with its last heartbeat (a notification the store sends itself every few
+    /// seconds and must receive within twice its timeout), `Some(false)` when a heartbeat did
+    /// not arrive in time or the connection was lost, `None` before the first verdict (the
+    /// listener starts with the first `begin` or `wait`). A listener behind a pooler in
+    /// transaction mode hears nothing (see
+    /// [`transaction_pooler`](PostgresStoreBuilder::transaction_pooler)). Unless it hears,
     /// waiters find a claim's end by polling and the near cache is off; a warning is logged
     /// when it goes deaf, and the gauge `idempotency_layer_store_listener_hears` (feature
-    /// `metrics`) is 0. The listener starts with the first `begin` or `wait`.
-    pub fn listener_hears(&self) -> bool {
-        self.inner.hears.load(Ordering::Relaxed)
+    /// `metrics`) is 0.
+    pub fn listener_hears(&self) -> Option<bool> {
+        match self.inner.hears.load(Ordering::Relaxed) {
+            HEARS => Some(true),
+            DEAF => Some(false),
+            _ => None,
+        }
     }
 
     /// The store's connection pool (the one it made, or yours from

@@ -121,34 +121,13 @@ impl RedisStore {
             p.cmd("WAIT").arg(wait.replicas).arg(millis(wait.timeout));
             p
         };
-        let waits = self.inner.waits.clone();
-        let op = async {
-            // Waiting for a free connection counts against the operation's bound.
-            let mut lent = match &waits {
-                Some(waits) => waits.lend().await,
-                None => None,
-            };
-            let mut shared = self.inner.conn.clone();
-            let conn = match lent.as_mut().and_then(|l| l.conn.as_mut()) {
-                Some(conn) => conn,
-                None => &mut shared,
-            };
-            let mut values = pipeline("EVALSHA", lua.script.get_hash())
-                .query_async::<Vec<Value>>(conn)
-                .await?;
-            if matches!(values.first(), Some(Value::ServerError(e)) if e.kind() == Some(ServerErrorKind::NoScript))
-            {
-                values = pipeline("EVAL", &lua.source)
-                    .query_async::<Vec<Value>>(conn)
-                    .await?;
-            }
-            Ok::<_, redis::RedisError>(values)
-        };
-        let bound = self.inner.timeout + wait.timeout;
-        let values = match tokio::time::timeout(bound, op).await {
-            Ok(r) => r.map_err(backend)?,
-            Err(_) => return Err(timed_out(bound)),
-        };
+        let values = self
+            .pipe_on_wait_conn(
+                wait,
+                pipeline("EVALSHA", lua.script.get_hash()),
+                Some(|| pipeline("EVAL", &lua.source)),
+            )
+            .await?;
         let mut values = values.into_iter();
         let (Some(reply), Some(acked)) = (values.next(), values.next()) else {
             return Err(StoreError::Backend(
@@ -183,9 +162,36 @@ impl RedisStore {
             return Ok((reply, Ok(())));
         }
         let marker = format!("{{{key}}}:acked");
-        let waits = self.inner.waits.clone();
+        let mut p = redis::pipe();
+        p.ignore_errors();
+        p.cmd("SET")
+            .arg(&marker)
+            .arg(1)
+            .arg("PX")
+            .arg(millis(self.inner.timeout + wait.timeout).max(1));
+        p.cmd("WAIT").arg(wait.replicas).arg(millis(wait.timeout));
+        let values = self
+            .pipe_on_wait_conn(wait, p, None::<fn() -> redis::Pipeline>)
+            .await?;
+        // Without its marker written, the `WAIT` would cover only older writes.
+        if let Some(Value::ServerError(e)) = values.first() {
+            return Ok((reply, Err(backend(e.clone().into()))));
+        }
+        Ok((reply, acknowledged(values.get(1).cloned(), wait)))
+    }
+
+    /// Sends `pipe` (which ends in a `WAIT`) on a replicated-write connection of its own (the
+    /// store's shared one if it has none), and `on_noscript()` instead if the first reply says
+    /// the script is not loaded. Waiting for a free connection counts against the bound: the
+    /// store's timeout plus the `WAIT`'s.
+    async fn pipe_on_wait_conn(
+        &self,
+        wait: WaitForReplicas,
+        pipe: redis::Pipeline,
+        on_noscript: Option<impl FnOnce() -> redis::Pipeline>,
+    ) -> Result<Vec<Value>, StoreError> {
         let op = async {
-            let mut lent = match &waits {
+            let mut lent = match &self.inner.waits {
                 Some(waits) => waits.lend().await,
                 None => None,
             };
@@ -194,26 +200,19 @@ impl RedisStore {
                 Some(conn) => conn,
                 None => &mut shared,
             };
-            let mut p = redis::pipe();
-            p.ignore_errors();
-            p.cmd("SET")
-                .arg(&marker)
-                .arg(1)
-                .arg("PX")
-                .arg(millis(self.inner.timeout + wait.timeout).max(1));
-            p.cmd("WAIT").arg(wait.replicas).arg(millis(wait.timeout));
-            p.query_async::<Vec<Value>>(conn).await
+            let values = pipe.query_async::<Vec<Value>>(conn).await?;
+            match on_noscript {
+                Some(again) if matches!(values.first(), Some(Value::ServerError(e)) if e.kind() == Some(ServerErrorKind::NoScript)) => {
+                    again().query_async::<Vec<Value>>(conn).await
+                }
+                _ => Ok(values),
+            }
         };
         let bound = self.inner.timeout + wait.timeout;
-        let values = match tokio::time::timeout(bound, op).await {
-            Ok(r) => r.map_err(backend)?,
-            Err(_) => return Err(timed_out(bound)),
-        };
-        // Without its marker written, the `WAIT` would cover only older writes.
-        if let Some(Value::ServerError(e)) = values.first() {
-            return Ok((reply, Err(backend(e.clone().into()))));
+        match tokio::time::timeout(bound, op).await {
+            Ok(r) => r.map_err(backend),
+            Err(_) => Err(timed_out(bound)),
         }
-        Ok((reply, acknowledged(values.get(1).cloned(), wait)))
     }
 
     /// [`run_flag`](RedisStore::run_flag) through [`run_replicated`](Self::run_replicated):
