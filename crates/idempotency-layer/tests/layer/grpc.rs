@@ -526,3 +526,63 @@ async fn a_streaming_call_is_bounded_or_passed_through_when_declared() {
         "ended with the client's stream"
     );
 }
+
+/// Over tonic: a `begin` the store never answers ends at one lease as UNAVAILABLE (retryable,
+/// nothing ran), and the capacity it readied (a `ConcurrencyLimit` of one behind the layer)
+/// goes to the next call. Before, the call held it for as long as its channel stayed open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_begin_the_store_never_answers_ends_at_one_lease() {
+    use idempotency_layer::conformance::{Fault, FaultStore, Op, Rule};
+    let store = FaultStore::new(MemoryStore::new());
+    store.inject(Rule::new(Op::Begin, Fault::Hang).times(1));
+    let layer = IdempotencyLayer::new(store.clone())
+        .default_tenant("t")
+        .lease(std::time::Duration::from_millis(500))
+        .fail_open(true);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let orders = Orders::default();
+    let router = tonic::transport::Server::builder()
+        .layer(
+            tower::ServiceBuilder::new()
+                .layer(layer)
+                .concurrency_limit(1)
+                .into_inner(),
+        )
+        .add_service(orders.clone());
+    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    tokio::spawn(async move { router.serve_with_incoming(incoming).await.unwrap() });
+    let mut held = grpc_client(addr).await;
+    let mut other = grpc_client(addr).await;
+    let stuck =
+        tokio::spawn(
+            async move { unary(&mut held, CREATE, Some("grpc-hung-1"), order("b1")).await },
+        );
+    test_support::wait::until("the first begin is made", || {
+        store.calls(Op::Begin).made == 1
+    })
+    .await;
+    let next =
+        tokio::spawn(
+            async move { unary(&mut other, CREATE, Some("grpc-hung-2"), order("b2")).await },
+        );
+    let stuck = tokio::time::timeout(test_support::wait::LIMIT, stuck)
+        .await
+        .expect("the hung begin ends")
+        .unwrap();
+    assert_eq!(
+        stuck.as_ref().map_err(|s| s.code()).err(),
+        Some(Code::Unavailable),
+        "{stuck:?}"
+    );
+    tokio::time::timeout(test_support::wait::LIMIT, next)
+        .await
+        .expect("the next call gets the capacity")
+        .unwrap()
+        .expect("the next call succeeds");
+    assert_eq!(
+        orders.created.load(Ordering::SeqCst),
+        1,
+        "only the second ran"
+    );
+}

@@ -1150,3 +1150,65 @@ async fn a_body_that_panics_after_its_201_head_ends_the_call_and_never_runs_agai
         }
     }
 }
+
+/// A `begin` the store never answers ends at one lease, over the wire: the write is answered
+/// 503 (retryable; not even `fail_open` runs it, since a lease later a retry may run it
+/// elsewhere) while its client holds the connection open, and the capacity it readied (the one
+/// permit of a `ConcurrencyLimit` behind the layer) goes to the next write. Before, such a
+/// write held the permit for as long as its client kept the connection, and the server
+/// answered nothing again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_begin_the_store_never_answers_ends_at_one_lease_over_the_wire() {
+    for transport in TRANSPORTS {
+        let store = FaultStore::new(MemoryStore::new());
+        store.inject(
+            idempotency_layer::conformance::Rule::new(
+                Op::Begin,
+                idempotency_layer::conformance::Fault::Hang,
+            )
+            .times(1),
+        );
+        let counts = Counts::default();
+        let idempotency = IdempotencyLayer::new(store.clone())
+            .default_tenant("t")
+            .lease(Duration::from_millis(500))
+            .fail_open(true);
+        let svc = tower::ServiceBuilder::new()
+            .map_response(|r: Response<idempotency_layer::IdempotencyBody<Body>>| r.map(Body::new))
+            .layer(idempotency)
+            .concurrency_limit(1)
+            .service(orders(&counts, |counts| async move {
+                counts.started.fetch_add(1, Ordering::SeqCst);
+                respond(Shape::ContentLength, 1)
+            }));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let make = axum::ServiceExt::<Request<Body>>::into_make_service(svc);
+        tokio::spawn(async move { axum::serve(listener, make).await });
+        let (held, other) = (client(transport), client(transport));
+        let stuck = tokio::spawn(async move { send(&held, addr, "order-hung-begin-1").await });
+        wait::until("the first begin is made", || {
+            store.calls(Op::Begin).made == 1
+        })
+        .await;
+        let next = tokio::spawn(async move { send(&other, addr, "order-hung-begin-2").await });
+        let stuck = tokio::time::timeout(wait::LIMIT, stuck)
+            .await
+            .unwrap_or_else(|_| panic!("{transport:?}: the hung begin never ended"))
+            .unwrap();
+        let next = tokio::time::timeout(wait::LIMIT, next)
+            .await
+            .unwrap_or_else(|_| panic!("{transport:?}: the next write never got the capacity"))
+            .unwrap();
+        assert_eq!(
+            stuck.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{transport:?}: {stuck:?}"
+        );
+        assert!(
+            next.status.is_success(),
+            "{transport:?}: the next write gets the capacity: {next:?}"
+        );
+        assert_eq!(counts.started(), 1, "{transport:?}: only the second ran");
+    }
+}
