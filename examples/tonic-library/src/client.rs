@@ -27,6 +27,18 @@ pub fn policy() -> RetryPolicy {
         .expect("a valid policy")
 }
 
+/// The retry policy of a hop that forwards other callers' calls (the gateway): as
+/// [`policy`], except that it never makes an idempotency key. A key made at a hop would be new
+/// for each of the caller's resends, and the server would run every one; a hop forwards the
+/// caller's key, and a write without one is refused before it gets here.
+pub fn gateway_policy() -> RetryPolicy {
+    RetryPolicy::builder()
+        .idempotent_grpc_methods(idempotent_methods())
+        .total_timeout(CALL_DEADLINE)
+        .build()
+        .expect("a valid policy")
+}
+
 /// A Library client for `url` whose calls retry safely, and the layer (for its counters).
 pub fn connect_lazy(
     url: &str,

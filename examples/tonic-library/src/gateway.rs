@@ -5,6 +5,10 @@
 //! those retries run out, its answer says so (`x-reason-code: RETRIES_DEFERRED`), and the
 //! client retries only within its adaptive budget; a call that reaches the gateway as a retry
 //! is forwarded once. Without `HopLayer` the client's and the gateway's retries multiply.
+//!
+//! A write keeps its caller's idempotency key all the way down, and a write without one is
+//! refused: the gateway's channel retries with [`gateway_policy`](crate::client::gateway_policy),
+//! which never makes a key.
 
 use tonic::{Request, Response, Status};
 
@@ -26,11 +30,16 @@ impl Gateway {
     }
 }
 
-/// The metadata that scopes a write and goes down with it: the idempotency key, and the tenant
-/// (`x-tenant-id`, which the demo auth layer reads). Forwarding the key without the tenant would
-/// scope every caller's key to one tenant below (the seed's mistake 2): two tenants' writes that
-/// happen to share a key would get each other's replays.
-const FORWARDED: [&str; 2] = ["x-idempotency-key", axum_orders::auth::TENANT_HEADER];
+/// The metadata that scopes a write and goes down with it: every idempotency key header the
+/// server layer accepts (`x-idempotency-key`, and the IETF draft's `idempotency-key`), and the
+/// tenant (`x-tenant-id`, which the demo auth layer reads). Forwarding the key without the
+/// tenant would scope every caller's key to one tenant below: two tenants' writes that happen
+/// to share a key would get each other's replays.
+const FORWARDED: [&str; 3] = [
+    "x-idempotency-key",
+    "idempotency-key",
+    axum_orders::auth::TENANT_HEADER,
+];
 
 /// The caller's message as a request to the downstream service, with only the caller's
 /// [`FORWARDED`] metadata (its deadline goes down as the channel's `grpc-timeout`).
@@ -43,6 +52,24 @@ fn downstream<T>(caller: Request<T>) -> Request<T> {
         }
     }
     down
+}
+
+/// A write goes down only with its caller's key. A hop that made one would give each of the
+/// caller's resends a key of its own, and the library would run every one of them: only the
+/// caller knows which calls are the same write. So a keyless write is refused here, as the
+/// library would refuse it.
+fn keyed<T>(caller: Request<T>) -> Result<Request<T>, Status> {
+    let has_key = ["x-idempotency-key", "idempotency-key"]
+        .iter()
+        .any(|name| caller.metadata().contains_key(*name));
+    if !has_key {
+        return Err(Status::invalid_argument(
+            "write operations require x-idempotency-key (or Idempotency-Key): set one per \
+             logical write and resend it unchanged; the gateway forwards the caller's key and \
+             never makes one",
+        ));
+    }
+    Ok(downstream(caller))
 }
 
 /// The downstream call's outcome as this hop's answer: the status with its message and
@@ -67,7 +94,7 @@ impl Library for Gateway {
     ) -> Result<Response<pb::Order>, Status> {
         // The caller's key and tenant go down with the order, so the library runs it once per
         // tenant and key.
-        let down = downstream(req);
+        let down = keyed(req)?;
         forward(self.downstream.clone().create_order(down).await)
     }
 
@@ -75,7 +102,7 @@ impl Library for Gateway {
         &self,
         req: Request<pb::DeductStockRequest>,
     ) -> Result<Response<pb::Stock>, Status> {
-        let down = downstream(req);
+        let down = keyed(req)?;
         forward(self.downstream.clone().deduct_stock(down).await)
     }
 

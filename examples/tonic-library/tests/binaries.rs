@@ -1,6 +1,7 @@
 //! The binaries as the README runs them: `library-server` prints its address; `library-client`
 //! prints one JSON line per call; a repeated key executes once; reads need no key; a gateway
-//! (`library-server --forward-to`) keeps each caller's tenant; a call has a deadline.
+//! (`library-server --forward-to`) keeps each caller's tenant and key and makes no key; a call
+//! has a deadline.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -171,7 +172,7 @@ fn deduct_stock_once_per_key_and_a_stale_version_is_a_conflict() {
     assert_eq!(parse(&lines[0])["status"], 9, "{lines:?}");
 }
 
-/// The seed's mistake 2: a gateway that forwards the key but not the tenant scopes every
+/// A gateway that forwards the key but not the tenant would scope every
 /// caller's key to one tenant below, so two tenants sharing a key get each other's order.
 #[test]
 fn a_gateway_forwards_the_tenant_with_the_key() {
@@ -226,4 +227,56 @@ fn the_client_gives_up_at_its_deadline_on_a_server_that_never_answers() {
     assert!(!ok);
     assert_eq!(parse(&lines[0])["status"], 4, "{lines:?}");
     drop(silent);
+}
+
+/// A gateway keeps its caller's key: a resend with the same key runs once below, whichever key
+/// header it came in (`x-idempotency-key` or the IETF draft's `idempotency-key`), and a write
+/// without a key is refused with INVALID_ARGUMENT, as the library refuses it. (Before, the
+/// gateway's channel made a fresh key for a keyless write on each call, and dropped an
+/// `idempotency-key`: each resend through it ran again.)
+#[tokio::test]
+async fn a_gateway_keeps_the_callers_key_and_makes_none() {
+    use tonic_library::pb::library_client::LibraryClient;
+    use tonic_library::pb::CreateOrderRequest;
+
+    let (_library, library_url) = start_server();
+    let (_gateway, url) = start_server_with(&["--forward-to", &library_url]);
+    let channel = tonic::transport::Endpoint::from_shared(url)
+        .unwrap()
+        .connect()
+        .await
+        .expect("the gateway answers");
+    let mut gateway = LibraryClient::new(channel);
+    let order = |header: Option<(&'static str, &'static str)>| {
+        let mut req = tonic::Request::new(CreateOrderRequest {
+            book_id: "b1".into(),
+            quantity: 1,
+        });
+        req.metadata_mut()
+            .insert("x-tenant-id", "acme".parse().unwrap());
+        if let Some((name, key)) = header {
+            req.metadata_mut().insert(name, key.parse().unwrap());
+        }
+        req
+    };
+    for header in [
+        ("x-idempotency-key", "gateway-key-0001"),
+        ("idempotency-key", "\"gateway-key-0002\""),
+    ] {
+        let first = gateway.create_order(order(Some(header))).await.unwrap();
+        let resent = gateway.create_order(order(Some(header))).await.unwrap();
+        assert_eq!(
+            first.get_ref().order_id,
+            resent.get_ref().order_id,
+            "{}: a resend through the gateway is the replay of the first",
+            header.0
+        );
+    }
+    let keyless = gateway.create_order(order(None)).await.unwrap_err();
+    assert_eq!(keyless.code(), tonic::Code::InvalidArgument, "{keyless:?}");
+    assert_eq!(
+        stats(&library_url)["orders_created"],
+        2,
+        "one order per key; the keyless write ran nowhere"
+    );
 }

@@ -16,7 +16,7 @@ use axum_orders::shutdown::serve_until_signal;
 use axum_orders::{metrics, server, store};
 use clap::Parser;
 use tokio_stream::wrappers::TcpListenerStream;
-use tonic_library::client::{connect_lazy, policy};
+use tonic_library::client::{connect_lazy, gateway_policy};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -54,7 +54,7 @@ async fn main() -> Result<(), BoxError> {
     let addr = listener.local_addr()?;
     let incoming = TcpListenerStream::new(listener);
     if let Some(url) = &args.forward_to {
-        let (downstream, _layer) = connect_lazy(url, policy())?;
+        let (downstream, _layer) = connect_lazy(url, gateway_policy())?;
         println!("listening on {addr}");
         tonic_library::serve_gateway(downstream, incoming, axum_orders::shutdown::signal()).await?;
         return Ok(());
