@@ -65,10 +65,14 @@
 //! - **Writes need a tenant**: the [`Tenant`] extension an auth layer set, else 401 /
 //!   UNAUTHENTICATED (or [`default_tenant`](IdempotencyLayer::default_tenant) for a
 //!   single-tenant service, or the opt-in [`tenant_from_header`](IdempotencyLayer::tenant_from_header)).
-//! - The **scope** is tenant + method (`POST /orders`, or the gRPC path) + key, encoded without
-//!   ambiguity and hashed ([`Scope`]). The **fingerprint** hashes method, path, query,
-//!   content type and body: the same scope with another fingerprint gets 422 /
-//!   FAILED_PRECONDITION and nothing runs. Bodies over
+//! - The **scope** is tenant + operation + key, encoded without ambiguity and hashed
+//!   ([`Scope`]). The operation is the gRPC path, or over HTTP the method and the route's
+//!   template where an axum `Router` names it (`POST /books/{id}/deduct`, with the default
+//!   feature `axum` and the layer added by `Router::layer`), else the concrete path. The
+//!   **fingerprint** hashes method, concrete path, query, content type and body: the same scope
+//!   with another fingerprint (one key reused on `/books/b2/deduct` after `/books/b1/deduct`,
+//!   or with another body) gets 422 / FAILED_PRECONDITION and nothing runs: one key names one
+//!   operation. Bodies over
 //!   [`max_request_bytes`](IdempotencyLayer::max_request_bytes) get 413 / RESOURCE_EXHAUSTED
 //!   with the reason code [`REQUEST_TOO_LARGE`](reason_code::REQUEST_TOO_LARGE), which no client
 //!   retries; a body that does not arrive within
@@ -110,9 +114,12 @@
 //! # Where to put the layer
 //!
 //! - After (inside) the authentication layer that inserts [`Tenant`], so the tenant is known.
-//! - On the outermost router: axum's `Router::nest` strips the prefix from the path a nested
-//!   router sees, and the scope and fingerprint use that path, so a layer inside two nested
-//!   routers would see `/v1/orders` and `/v2/orders` both as `/orders`.
+//! - On the outermost router, with `Router::layer` (or `route_layer`): there the route's
+//!   template is known, and axum's `Router::nest` strips the prefix from the path a nested
+//!   router sees, so a layer inside two nested routers would see `/v1/orders` and `/v2/orders`
+//!   both as `/orders`. Around the router (`ServiceBuilder::new().layer(..).service(router)`)
+//!   no route is matched yet: the concrete path names the operation, and one key on
+//!   `/books/b1/deduct` and on `/books/b2/deduct` runs both.
 //! - Inside a tokio runtime: a first request's handler whose client goes away is finished in a
 //!   spawned task, and the leases of the claims a layer holds are renewed by one spawned task.
 //!

@@ -36,8 +36,10 @@ impl Tenant {
 
 /// The three parts of a scope: one execution happens per distinct scope.
 ///
-/// `method` is `"POST /orders"` (HTTP method, a space, the path) for HTTP requests and the gRPC
-/// path `"/package.Service/Method"` for gRPC requests: see [`Scope::http`] and [`Scope::grpc`].
+/// `method` is `"POST /orders"` (HTTP method, a space, the route's template where an axum
+/// `Router` matched one, such as `"POST /books/{id}/deduct"`, else the path) for HTTP requests
+/// and the gRPC path `"/package.Service/Method"` for gRPC requests: see [`Scope::http`] and
+/// [`Scope::grpc`].
 /// Use it with [`IdempotencyLayer::forget`](crate::IdempotencyLayer::forget).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Scope<'a> {

@@ -172,7 +172,7 @@ where
         let scope = if protocol.is_grpc() {
             Scope::new(&tenant, parts.uri.path(), key).key()
         } else {
-            http_scope_key(&tenant, &parts.method, parts.uri.path(), key)
+            http_scope_key(&tenant, &parts.method, operation_path(&parts), key)
         };
         let tenant = match &cfg.tenant {
             // The layer's default tenant's key is computed once, when it is set.
@@ -200,6 +200,18 @@ where
         };
         ResponseFuture::managed(Box::pin(write.handle(parts, body).instrument(span)))
     }
+}
+
+/// The path that names an HTTP write's operation in its scope: the template of the route the
+/// request matched, where the router says (axum's `MatchedPath`, feature `axum`), so that one
+/// key cannot name two resources of one route (the concrete path is in the fingerprint: a key
+/// reused on `/books/b2/deduct` after `/books/b1/deduct` is a mismatch); else the concrete path.
+fn operation_path(parts: &Parts) -> &str {
+    #[cfg(feature = "axum")]
+    if let Some(route) = parts.extensions.get::<axum::extract::MatchedPath>() {
+        return route.as_str();
+    }
+    parts.uri.path()
 }
 
 /// The request's tenant: its [`Tenant`] extension, else what the layer is configured to use.

@@ -1212,3 +1212,71 @@ async fn a_begin_the_store_never_answers_ends_at_one_lease_over_the_wire() {
         assert_eq!(counts.started(), 1, "{transport:?}: only the second ran");
     }
 }
+
+/// One key names one operation over HTTP too: behind an axum `Router` (the layer added with
+/// `Router::layer`), the route's template is the operation in the scope and the concrete path
+/// is in the fingerprint, so a key used on `POST /books/b1/deduct` and then reused on
+/// `POST /books/b2/deduct` is a 422 and the second deduction does not run, as gRPC answers
+/// FAILED_PRECONDITION for a key reused with another message. Around the router (no route
+/// matched yet) the concrete path names the operation, and both run, as documented. (Before,
+/// both ran either way.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_key_on_two_resources_of_one_route_is_a_422() {
+    for transport in TRANSPORTS {
+        for inside_the_router in [true, false] {
+            let deductions = Arc::new(AtomicUsize::new(0));
+            let routes = Router::new().route(
+                "/books/{id}/deduct",
+                post({
+                    let deductions = deductions.clone();
+                    move || async move {
+                        deductions.fetch_add(1, Ordering::SeqCst);
+                        (StatusCode::CREATED, "deducted")
+                    }
+                }),
+            );
+            let layer = IdempotencyLayer::new(MemoryStore::new()).default_tenant("t");
+            let addr = if inside_the_router {
+                crate::support::serve(routes.layer(layer)).await
+            } else {
+                let svc = tower::ServiceBuilder::new()
+                    .map_response(|r: Response<idempotency_layer::IdempotencyBody<Body>>| {
+                        r.map(Body::new)
+                    })
+                    .layer(layer)
+                    .service(routes);
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                let addr = listener.local_addr().unwrap();
+                let make = axum::ServiceExt::<Request<Body>>::into_make_service(svc);
+                tokio::spawn(async move { axum::serve(listener, make).await });
+                addr
+            };
+            let client = client(transport);
+            let deduct = |book: &str| {
+                Request::post(format!("http://{addr}/books/{book}/deduct"))
+                    .header("x-idempotency-key", "deduct-key-0001")
+                    .body(Full::new(Bytes::from_static(b"{\"quantity\":1}")))
+                    .unwrap()
+            };
+            let first = collect(client.request(deduct("b1")).await.unwrap()).await;
+            assert_eq!(first.status, StatusCode::CREATED, "{transport:?}");
+            let again = collect(client.request(deduct("b1")).await.unwrap()).await;
+            assert!(
+                again.replayed(),
+                "{transport:?}: the same write is a replay"
+            );
+            let other = collect(client.request(deduct("b2")).await.unwrap()).await;
+            if inside_the_router {
+                assert_eq!(
+                    other.status,
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "{transport:?}: one key reused on another book: {other:?}"
+                );
+                assert_eq!(deductions.load(Ordering::SeqCst), 1, "{transport:?}");
+            } else {
+                assert_eq!(other.status, StatusCode::CREATED, "{transport:?}");
+                assert_eq!(deductions.load(Ordering::SeqCst), 2, "{transport:?}");
+            }
+        }
+    }
+}
