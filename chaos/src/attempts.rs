@@ -2,7 +2,7 @@
 //! started and how it ended, the connection hyper-util handed it, whether hyper's connection
 //! task ever took its request, and when its request body was dropped. A watchdog reports
 //! attempts that wait far longer than any answer should take, and attempts still pending after
-//! their connection is gone, with what the fault proxy saw at that moment (F7).
+//! their connection is gone, with what the fault proxy saw at that moment (a stranded request).
 
 use std::collections::HashMap;
 use std::future::Future;

@@ -1,7 +1,7 @@
 //! The client's side of each connection the soak's hyper-util clients make: its local port
 //! (the fault proxy sees it as the peer), the bytes it wrote and read, whether it read the end
 //! of the stream, and whether hyper still holds it. A watchdog report lists the connections
-//! still held when an attempt is stuck (F7).
+//! still held when an attempt is stuck (a stranded request).
 
 use std::collections::BTreeMap;
 use std::future::Future;

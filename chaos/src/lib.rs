@@ -64,11 +64,11 @@ const MEMORY_MAX_BYTES: usize = MEMORY_CAPACITY * 1024;
 /// deadline is 20 s; the default one has none, and its 3 attempts end within 3 x 60 s
 /// (`response_head_timeout`) plus two backoffs of at most 1.2 s.
 const HUNG_AFTER: Duration = Duration::from_secs(200);
-/// An HTTP attempt pending this long is reported with what the proxies saw (F7): far longer
+/// An HTTP attempt pending this long is reported with what the proxies saw (a stranded request): far longer
 /// than any answer of the servers takes (their waits end within 30 s).
 const STUCK_AFTER: Duration = Duration::from_secs(40);
 /// An HTTP attempt still pending this long after hyper dropped the connection it was handed
-/// is reported at once (F7): when a connection goes, every request on it fails within
+/// is reported at once (a stranded request): when a connection goes, every request on it fails within
 /// milliseconds.
 const SUSPECT_AFTER: Duration = Duration::from_secs(1);
 /// At most this many trace files are written per run.
@@ -178,7 +178,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// Ledger writes that failed, in this process (the report shows a run's share).
 static LEDGER_ERRORS: AtomicU64 = AtomicU64::new(0);
 /// Ledger writes whose reply took longer than redis-rs's default response timeout (500 ms):
-/// each would have been an error, its write applied, with that default (F10).
+/// each would have been an error, its write applied, with that default (the soak's own retry counted twice).
 static LEDGER_SLOW: AtomicU64 = AtomicU64::new(0);
 
 impl Ledger {
@@ -860,7 +860,7 @@ pub async fn run(opts: Options) -> Report {
                 };
                 let client = redis::Client::open(url.as_str()).expect("a Redis URL");
                 // No response timeout (redis-rs has 500 ms by default): a slow reply on a
-                // loaded machine must not turn an applied HINCRBY into an error (F10).
+                // loaded machine must not turn an applied HINCRBY into an error (the soak's own retry counted twice).
                 let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
                 let conn = client
                     .get_multiplexed_async_connection_with_config(&config)
@@ -992,7 +992,7 @@ pub async fn run(opts: Options) -> Report {
     // Reports HTTP attempts that wait far longer than any answer should take, with what the
     // fault proxies saw then; and, within seconds, attempts still pending after the connection
     // they were handed is gone, with the client's trace around them when `CHAOS_TRACE` is set
-    // (F7).
+    // (a stranded request).
     let watchdog = {
         let log = attempt_log.clone();
         let stats: Vec<(Wire, Arc<test_support::proxy::ProxyStats>)> =
@@ -1071,7 +1071,7 @@ pub async fn run(opts: Options) -> Report {
                 match tokio::time::timeout(HUNG_AFTER, client.operation(&key)).await {
                     Ok(done) => done,
                     Err(_) => {
-                        // Where the call's stream waits, as the fault proxy saw it (F7).
+                        // Where the call's stream waits, as the fault proxy saw it (a stranded request).
                         let seen = proxy_stats
                             .get(&group.wire)
                             .map(|s| s.h2_waiting_streams(Duration::from_secs(30)))

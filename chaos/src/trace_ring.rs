@@ -5,7 +5,7 @@
 //! task takes its request (it looks at the body), the body's drop and the attempt's end; every
 //! event of a task hyper spawns carries the span of the attempt that spawned it (so a
 //! connection's tasks carry the span of the attempt that opened it). The watchdog writes the
-//! events around a stuck attempt to a file (F7): what the client's HTTP/2 stack did then.
+//! events around a stuck attempt to a file (a stranded request): what the client's HTTP/2 stack did then.
 
 use std::collections::VecDeque;
 use std::io::Write;

@@ -151,7 +151,7 @@ pub struct IdempotencyStats {
     /// Pieces of detached work running now (a gauge).
     pub detached: u64,
     /// Claims this layer holds now (a gauge): writes whose handler runs or whose response is
-    /// being recorded, here (the seed's `inFlightCount`).
+    /// being recorded, here.
     pub in_flight: u64,
     /// Response bytes held now for clients that have not read them, beyond each response's
     /// first 64 KiB (a gauge; bounded by

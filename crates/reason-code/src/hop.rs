@@ -22,7 +22,7 @@ tokio::task_local! {
 /// What a server hop knows of the inbound request it is serving, shared with the outbound
 /// calls its handler makes: one tier of retries across hops.
 ///
-/// The seed's rule is "retry at one layer only". With a retrying client at every hop of
+/// The rule is "retry at one layer only". With a retrying client at every hop of
 /// `client -> A -> B -> C` and C down, each hop's retries multiply the ones above it (3 attempts
 /// at 3 hops is 27 attempts at C; with retry budgets still about 1.1 per hop, compounded). Three
 /// signals stop that, with no code in the handlers:

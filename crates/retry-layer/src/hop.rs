@@ -4,7 +4,7 @@
 //! coordination, retries multiply down a chain `client -> A -> B -> C`: with C down, every hop
 //! retries what the hop below already retried (27 attempts at C for one request with 3 attempts
 //! per hop; with the default retry budget at every hop still 1.1x per hop, compounded). The
-//! seed's rule is "retry at one layer only"; [`HopLayer`] on each hop's server makes that
+//! rule is "retry at one layer only"; [`HopLayer`] on each hop's server makes that
 //! automatic, with no code in the handlers:
 //!
 //! - **A hop says how its outbound call ended.** When the handler's outbound `RetryLayer`

@@ -176,7 +176,7 @@
 //!
 //! One more wait only a timeout ends: hyper's client can strand a request sent on a pooled
 //! connection just as that connection's task ends (hyper 1.12 and hyper-util 0.1.21, about once
-//! in 10⁵ to 10⁶ calls on connections that are cut often; RELIABILITY.md, F7). The request is
+//! in 10⁵ to 10⁶ calls on connections that are cut often; RELIABILITY.md, "A request hyper's client strands"). The request is
 //! never sent and never answered, keep-alive does not help, and `response_head_timeout` is what
 //! ends it: after it, a keyed or idempotent call is retried as the budget allows. Lower it, or
 //! give calls a deadline, if a minute is too long a stall.

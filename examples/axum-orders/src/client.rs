@@ -103,7 +103,7 @@ impl OrdersClient {
         // HTTP/2 keep-alive (for a server that speaks it): a connection whose peer went away
         // without a word is found by its missed PING and closed, and its calls fail (and are
         // retried) instead of waiting on it. (A request hyper strands on a connection that
-        // ends as it is sent, RELIABILITY.md F7, is ended by the call's deadline instead.)
+        // ends as it is sent, RELIABILITY.md "A request hyper's client strands", is ended by the call's deadline instead.)
         builder
             .timer(TokioTimer::new())
             .http2_keep_alive_interval(Some(KEEP_ALIVE_INTERVAL))
@@ -246,7 +246,7 @@ fn call_key(given: Option<&str>, info: Option<&RetryInfo>) -> String {
     }
 }
 
-/// The orders client's rebuild hook, the seed's rule for `STOCK_CONFLICT`: never send the
+/// The orders client's rebuild hook, the rule for `STOCK_CONFLICT`: never send the
 /// conflicting write as it was; re-read what changed, rebuild the write from it, and send that.
 ///
 /// For a deduction (`POST /books/{id}/deduct`) refused because the book changed since the

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 /// A book and its stock.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Book {
-    /// The book's id (`b1`..`b5` in the seed).
+    /// The book's id (`b1`..`b5` in the demo inventory).
     pub book_id: String,
     /// The title.
     pub title: String,
@@ -65,7 +65,7 @@ pub enum InventoryError {
     },
     /// The book changed since the version the write was computed from: the `STOCK_CONFLICT`
     /// reason code (HTTP 409, gRPC `ABORTED`). Re-read the book, rebuild the write from what
-    /// it says now, and send that (the seed's rule; never the same write as it was).
+    /// it says now, and send that (never the same write as it was).
     VersionConflict {
         /// The book.
         book_id: String,

@@ -156,7 +156,7 @@ fn a_repeated_deduction_key_deducts_once() {
     assert_eq!(stats(&url)["deductions"], 1, "the stock was deducted once");
 }
 
-/// The seed's rule for STOCK_CONFLICT: the client does not resend the conflicting write; its
+/// The rule for STOCK_CONFLICT: the client does not resend the conflicting write; its
 /// rebuild hook re-reads the book's version and rebuilds the deduction from it.
 #[test]
 fn a_stale_version_is_re_read_and_the_deduction_rebuilt() {

@@ -1,4 +1,4 @@
-//! F7, reproduced with hyper, hyper-util and tokio alone.
+//! A request hyper's client strands, reproduced with hyper, hyper-util and tokio alone.
 //!
 //! A hyper-util legacy client (HTTP/2 only: one shared connection, as the soak's) sends POSTs
 //! from many tasks to a hyper HTTP/2 server that drops a connection (closes its socket) after

@@ -894,7 +894,7 @@ async fn settings_at_their_extremes_never_panic() {
     ));
 }
 
-/// The in-flight gauge (the seed's `inFlightCount`): the claims the layer holds now, over the
+/// The in-flight gauge: the claims the layer holds now, over the
 /// wire; duplicates waiting are not counted, and it returns to zero when the writes end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_in_flight_gauge_counts_the_claims_held() {

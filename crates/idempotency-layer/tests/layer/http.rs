@@ -563,7 +563,7 @@ async fn on_disconnect_release_cancels_and_releases() {
     assert_eq!(layer.stats().executed, 2);
 }
 
-/// The seed's single-flight rule: duplicates waiting on a leader whose outcome is not recorded
+/// The single-flight rule: duplicates waiting on a leader whose outcome is not recorded
 /// (a 503) share that failure instead of each running the handler again; the key is free, and
 /// the client's next retry (under its budget) runs it.
 #[tokio::test]

@@ -1,6 +1,6 @@
 //! A Redis Cluster of a test's own: three masters, each reached through a proxy of the test's
 //! choosing that the node announces as its address, so that every connection a cluster client
-//! makes (the seed's, and the ones it finds through `CLUSTER SLOTS`) goes through a proxy.
+//! makes (to the seed nodes, and to the ones it finds through `CLUSTER SLOTS`) goes through a proxy.
 //! Killed when dropped. Needs `redis-server` and `redis-cli` (installed where
 //! `REDIS_CLUSTER_URLS` is set); it does not touch that cluster.
 

@@ -1,4 +1,4 @@
-//! The tokio half of F7 alone: a value sent on an unbounded channel while its receiver is
+//! The tokio half of the stranded request alone: a value sent on an unbounded channel while its receiver is
 //! being dropped can stay in the channel, neither received nor dropped, until the last sender
 //! goes. hyper's client dispatch sends each request this way (`Envelope`), and only the
 //! envelope's drop answers a request its connection never took.
