@@ -718,6 +718,8 @@ impl Replica {
             .args(["--port", &replica_port.to_string(), "--bind", "127.0.0.1"])
             .args(["--replicaof", host, port])
             .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+            // A replica writes the primary's snapshot to its directory when it syncs.
+            .args(["--dir", &std::env::temp_dir().to_string_lossy()])
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
