@@ -11,7 +11,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::config::Config;
-use crate::detached::{self, DetachTo, Kind};
+use crate::detached::{self, BoxFuture, DetachTo, Kind};
 use crate::observe::{self, Op};
 use crate::pipe::HeldBytes;
 use crate::shared::Shared;
@@ -21,9 +21,6 @@ use crate::store::{
     StoreError, Token, FOREVER,
 };
 use crate::waiters::SharedFailure;
-
-/// A claim's store operation, boxed once (the store type is erased).
-pub(crate) type BoxFuture = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
 
 /// How a claim whose handler wrote its record in a transaction of its own turned out
 /// ([`Claim::settle`]).

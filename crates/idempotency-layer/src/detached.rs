@@ -10,21 +10,17 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use tokio::time::Instant;
 
-use crate::claim::BoxFuture;
-use crate::shared::Shared;
+use crate::shared::{Detached, Shared};
 use crate::store::Token;
 
-/// How much detached work runs now, layer-wide, of each kind.
-#[derive(Debug, Default)]
-pub(crate) struct Detached {
-    running: [AtomicUsize; 2],
-}
+/// A claim's store operation, boxed once (the store type is erased).
+pub(crate) type BoxFuture = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
 
 /// What detached work is: each kind has `max_detached` places of its own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

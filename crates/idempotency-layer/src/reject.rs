@@ -10,7 +10,6 @@ use reason_code::{
 };
 
 use crate::body::IdempotencyBody;
-use crate::config::Config;
 use crate::protocol::Protocol;
 
 /// Why a request was answered by the layer instead of the handler.
@@ -244,22 +243,16 @@ pub(crate) fn render(
     res
 }
 
-/// A rejection as the layer's response.
+/// A rejection as the layer's response: [`render`]ed with the layer's reason-code header and
+/// its rejection body, if it has one.
 pub(crate) fn respond<B>(
     reason: RejectReason,
     detail: &str,
     protocol: &Protocol,
-    cfg: &Config,
+    reason_header: &HeaderName,
+    body: Option<&RejectionBodyFn>,
 ) -> Response<IdempotencyBody<B>> {
-    let reason_header = cfg.reasons.header_name();
-    render(
-        reason,
-        detail,
-        protocol,
-        reason_header,
-        cfg.rejection_body.as_ref(),
-    )
-    .map(IdempotencyBody::full)
+    render(reason, detail, protocol, reason_header, body).map(IdempotencyBody::full)
 }
 
 #[cfg(test)]

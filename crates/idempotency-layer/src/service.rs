@@ -129,7 +129,13 @@ where
             drop(std::mem::replace(inner, fresh));
             self.shared.counters.rejected(reason);
             observe::record_rejection(&span, reason);
-            ResponseFuture::ready(respond(reason, detail, &protocol, cfg))
+            ResponseFuture::ready(respond(
+                reason,
+                detail,
+                &protocol,
+                cfg.reasons.header_name(),
+                cfg.rejection_body.as_ref(),
+            ))
         };
         if self.shared.draining.is_on() {
             return rejected(

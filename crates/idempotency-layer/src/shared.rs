@@ -10,7 +10,6 @@ use std::sync::Arc;
 
 use tokio::sync::Notify;
 
-use crate::detached::Detached;
 use crate::pipe::HeldBytes;
 use crate::renewal::Renewals;
 use crate::stats::{Counters, IdempotencyStats};
@@ -86,4 +85,11 @@ impl Shared {
             self.held_bytes.used() as u64,
         )
     }
+}
+
+/// How much detached work runs now, layer-wide, of each kind (`crate::detached::Kind`: handlers
+/// and bodies, store operations).
+#[derive(Debug, Default)]
+pub(crate) struct Detached {
+    pub(crate) running: [std::sync::atomic::AtomicUsize; 2],
 }

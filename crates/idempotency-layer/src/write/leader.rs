@@ -70,7 +70,8 @@ where
                         RejectReason::Internal,
                         "the handler failed; nothing was recorded, a retry executes again",
                         &protocol,
-                        &config,
+                        config.reasons.header_name(),
+                        config.rejection_body.as_ref(),
                     ))
                 }
             }

@@ -178,7 +178,14 @@ impl<S, St> Write<S, St> {
     fn reject<B>(&self, reason: RejectReason, detail: &str) -> Response<IdempotencyBody<B>> {
         self.shared.counters.rejected(reason);
         observe::record_rejection(&self.span, reason);
-        respond(reason, detail, &self.protocol, &self.config)
+        let cfg = &self.config;
+        respond(
+            reason,
+            detail,
+            &self.protocol,
+            cfg.reasons.header_name(),
+            cfg.rejection_body.as_ref(),
+        )
     }
 }
 
