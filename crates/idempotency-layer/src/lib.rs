@@ -325,7 +325,7 @@
 //! handler and `MemoryStore`, against the same handler without the layer and against a
 //! hand-rolled `Mutex<HashMap<key, body>>` in front of it (which has no tenant scope, no
 //! fingerprint, no single-flight, no streaming and no TTL). A first execution costs 2 to 3 µs
-//! on the benchmark machines (two BLAKE3 hashes, the claim, recording the body: ~11 800
+//! on the benchmark machines (two BLAKE3 hashes, the claim, recording the body: ~12 800
 //! instructions over the bare handler), a replay a little over half as many instructions, and a
 //! read passes through untouched.
 //!
