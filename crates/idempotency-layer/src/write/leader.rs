@@ -1,7 +1,33 @@
 //! The leader of a scope: it runs the handler, records its response as it streams, and
 //! settles the claim (stored, left to the handler's transaction, or released on a failure).
 
-use super::*;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::task::{Context, Waker};
+
+use bytes::Bytes;
+use futures_util::FutureExt;
+use http::{Request, Response, Version};
+use http_body::Body;
+use reason_code::InboundWrite;
+use tower_service::Service;
+
+use crate::body::{IdempotencyBody, RequestBody};
+use crate::claim::{Claim, Settled};
+use crate::config::{Config, OnDisconnect};
+use crate::detached::{DetachOnDrop, DetachTo};
+use crate::observe::WriteOutcome;
+use crate::record_rules::AtHead;
+use crate::recorder::ResponseRecorder;
+use crate::reject::{respond, RejectReason};
+use crate::store::{BoxError, Fingerprint, IdempotencyStore, Record, ScopeKey};
+use crate::tx::{TxLedger, TxOutcome};
+use crate::waiters::SharedFailure;
+use crate::{observe, record_rules};
+
+use super::replay::replay;
+use super::{Answer, Inner, Write};
 
 /// Why the leader's handler produced no response.
 pub(super) struct Panicked;

@@ -2,48 +2,37 @@
 //! ask the store, and lead, replay, wait or refuse (what `begin` found is decided in
 //! `decision.rs`); the leader's run and recording are in `leader.rs`.
 
-use std::fmt;
 use std::future::Future;
-use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures_util::FutureExt;
-use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
+use http::header::CONTENT_LENGTH;
 use http::request::Parts;
-use http::{HeaderValue, Request, Response, Version};
+use http::{Request, Response};
 use http_body::Body;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
-use reason_code::{
-    encode_grpc_message, Code, InboundWrite, GRPC_MESSAGE, GRPC_STATUS, IDEMPOTENT_REPLAYED,
-};
+use http_body_util::LengthLimitError;
+use reason_code::InboundWrite;
 use tokio::time::Instant;
 use tower_service::Service;
 use tracing::Span;
 
 use crate::body::{IdempotencyBody, RequestBody};
-use crate::claim::{log_store_error, Claim, Settled};
-use crate::config::{Config, OnDisconnect};
+use crate::claim::{log_store_error, Claim};
+use crate::config::Config;
 use crate::decision::{self, Asking, Next};
-use crate::detached::{DetachOnDrop, DetachTo};
 use crate::observe::{self, Op, WriteOutcome};
 use crate::protocol::grpc_timeout;
 use crate::protocol::Protocol;
-use crate::record_rules::{self, AtHead};
-use crate::recorder::ResponseRecorder;
 use crate::reject::{respond, RejectReason};
 use crate::shared::Shared;
 use crate::stats::Counters;
 use crate::store::hashing::fingerprint;
-use crate::store::{
-    Backend, BoxError, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, TenantKey,
-};
-use crate::tx::{self, Offer, TxLedger, TxOutcome};
+use crate::store::{Backend, BoxError, IdempotencyStore, ScopeKey, StoreError, TenantKey};
+use crate::tx::{self, Offer};
 use crate::waiters::{Refused, SharedFailure};
-use crate::IDEMPOTENT_BODY_OMITTED;
 
 mod leader;
 mod read_body;

@@ -1,7 +1,16 @@
 //! Reading a write's request body whole, within its size limit and its deadline, before it is
 //! fingerprinted.
 
-use super::*;
+use std::fmt;
+use std::future::Future;
+use std::task::Poll;
+
+use bytes::Bytes;
+use http_body::Body;
+use http_body_util::{BodyExt, Limited};
+use tokio::time::Instant;
+
+use crate::store::BoxError;
 
 /// The request body's data, at most `limit` bytes (else a [`LengthLimitError`]), received by
 /// `deadline` (else [`BodyTimedOut`]); trailers are read and left out. A body of one data frame,

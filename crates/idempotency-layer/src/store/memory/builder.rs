@@ -1,6 +1,15 @@
 //! [`MemoryStoreBuilder`]: a [`MemoryStore`]'s bounds.
 
-use super::*;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::store::FOREVER;
+
+use super::shard::{Inner, Limits, Tenants};
+use super::{MemoryStore, ENTRY_OVERHEAD};
 
 /// Builds a [`MemoryStore`]: [`MemoryStore::builder`].
 #[derive(Clone, Debug)]

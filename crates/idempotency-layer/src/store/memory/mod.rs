@@ -1,17 +1,15 @@
 //! The embedded store: sharded maps in this process, bounded as a whole.
 
-use std::collections::VecDeque;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, MutexGuard};
 use std::time::Duration;
 
-use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::{
-    Backend, Begin, FastMap, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError,
-    TenantKey, Token, FOREVER,
+    Backend, Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, TenantKey, Token,
+    FOREVER,
 };
 
 mod builder;

@@ -1,7 +1,17 @@
 //! What a [`MemoryStore`] holds and how it keeps within its bounds: the shards' maps, the
 //! expiry queues, the per-tenant accounting, and eviction.
 
-use super::*;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::store::{FastMap, Fingerprint, Record, ScopeKey, TenantKey, Token};
+
+use super::{ENTRY_OVERHEAD, EVICTION_SCAN, HEADER_OVERHEAD, SPARE_CLAIMS};
 
 pub(super) struct Inner {
     pub(super) shards: Box<[Mutex<Shard>]>,

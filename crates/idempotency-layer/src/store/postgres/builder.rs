@@ -1,6 +1,21 @@
 //! [`PostgresStoreBuilder`]: connecting a [`PostgresStore`] (URL or pool, TLS, table, bounds).
 
-use super::*;
+use std::str::FromStr;
+use std::sync::atomic::AtomicU8;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::NoTls;
+
+use crate::store::near_cache::{Near, NearCache};
+use crate::store::wake::Polling;
+use crate::store::StoreError;
+
+use super::busy::Canceller;
+use super::listen::cleanup_task;
+use super::sql::Sql;
+use super::{backend, millis, pool_error, Inner, PostgresStore, RENEWAL_CONNECTIONS};
 
 /// Builds a [`PostgresStore`]: [`PostgresStore::builder`].
 #[derive(Debug, Clone)]

@@ -1,7 +1,20 @@
 //! The store's background tasks: the listening connection that wakes waiters and keeps the
 //! near cache coherent, and the periodic cleanup of expired rows.
 
-use super::*;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use tokio::sync::{mpsc, oneshot};
+use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
+use tokio_postgres::types::Type;
+use tokio_postgres::{AsyncMessage, NoTls, Socket};
+
+use crate::store::near_cache::scope_from_hex;
+
+use super::builder::Connector;
+use super::{Inner, PostgresStore, DEAF, HEARS};
 
 /// The payload prefix of a forgotten record's notification (then the scope in hex); any other
 /// payload is a claim's end, for waiters.

@@ -1,21 +1,17 @@
 //! [`PostgresStore`]: claims and records in a PostgreSQL table, shared by every instance.
 
 use std::fmt;
-use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
-use futures_util::StreamExt;
-use tokio::sync::{mpsc, oneshot};
-use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
+use deadpool_postgres::Pool;
 use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::{AsyncMessage, NoTls, Row, Socket};
+use tokio_postgres::Row;
 use uuid::Uuid;
 
 use super::codec;
-use super::near_cache::{scope_from_hex, Near, NearCache, NearCacheStats};
+use super::near_cache::{Near, NearCacheStats};
 use super::wake::{Polling, Waiters};
 use super::{
     Backend, Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token,

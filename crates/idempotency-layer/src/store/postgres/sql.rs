@@ -1,7 +1,17 @@
 //! The store's SQL: its statements (made once per schema and table), their parameters, and
 //! what their rows mean.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::Row;
+use uuid::Uuid;
+
+use crate::store::{codec, Begin, ScopeKey, StoreError, Token};
+
+use super::listen::FORGET_PREFIX;
+use super::{backend, millis};
 
 pub(super) struct Sql {
     pub(super) claim: String,

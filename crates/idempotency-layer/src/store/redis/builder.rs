@@ -1,7 +1,21 @@
 //! [`RedisStoreBuilder`]: connecting a [`RedisStore`] (a URL, a client, a cluster, Sentinels)
 //! and checking the server's eviction policy.
 
-use super::*;
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{RedisError, Value};
+#[cfg(feature = "redis-cluster")]
+use tokio::sync::mpsc;
+
+use crate::store::near_cache::{Near, NearCache};
+use crate::store::wake::Polling;
+use crate::store::StoreError;
+
+use super::conn::{Conn, PubSubSource};
+use super::{backend, timed_out, Inner, RedisStore};
 
 /// Builds a [`RedisStore`]: [`RedisStore::builder`] or [`RedisStore::builder_from_client`].
 #[derive(Clone)]
@@ -13,7 +27,7 @@ pub struct RedisStoreBuilder {
     polling: Polling,
     near: Option<NearCache>,
     require_noeviction: bool,
-    wait_for_replicas: Option<replicas::WaitForReplicas>,
+    wait_for_replicas: Option<super::replicas::WaitForReplicas>,
 }
 
 #[derive(Clone, Debug)]
@@ -145,7 +159,7 @@ impl RedisStoreBuilder {
     /// # let _ = builder;
     /// ```
     pub fn wait_for_replicas(mut self, replicas: usize, timeout: Duration) -> Self {
-        self.wait_for_replicas = Some(replicas::WaitForReplicas {
+        self.wait_for_replicas = Some(super::replicas::WaitForReplicas {
             replicas,
             timeout: timeout.max(Duration::from_millis(1)),
         });
@@ -201,14 +215,14 @@ impl RedisStoreBuilder {
         let waits = match self.wait_for_replicas {
             Some(_) => {
                 let opened = futures_util::future::join_all(
-                    (0..replicas::WAIT_CONNECTIONS).map(|_| self.open(true)),
+                    (0..super::replicas::WAIT_CONNECTIONS).map(|_| self.open(true)),
                 )
                 .await;
                 let conns = opened
                     .into_iter()
                     .map(|r| r.map(|(c, _)| c))
                     .collect::<Result<Vec<_>, _>>()?;
-                Some(replicas::WaitConns::new(conns))
+                Some(super::replicas::WaitConns::new(conns))
             }
             None => None,
         };
@@ -252,7 +266,7 @@ impl RedisStoreBuilder {
                         "connection_manager is for a standalone server, not a sentinel".into(),
                     ));
                 }
-                let conn = sentinel::SentinelConn::connect(
+                let conn = super::sentinel::SentinelConn::connect(
                     nodes,
                     master,
                     manager_config(self.timeout),
@@ -585,7 +599,7 @@ impl RedisStore {
     /// `None` for any other scheme or without a master name.
     #[cfg(feature = "redis-sentinel")]
     pub fn sentinel_from_url(url: &str) -> Option<(Vec<String>, String)> {
-        sentinel::sentinel_from_url(url)
+        super::sentinel::sentinel_from_url(url)
     }
 
     /// The node URLs a `redis+cluster://host1:port1,host2:port2` URL names (`rediss+cluster://`

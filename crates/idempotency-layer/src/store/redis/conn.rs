@@ -1,7 +1,13 @@
 //! What the store's commands and its pub/sub travel over: one connection to a standalone server
 //! or a Sentinel-managed primary, or a cluster connection routing by slot.
 
-use super::*;
+#[cfg(feature = "redis-cluster")]
+use std::sync::Arc;
+
+use redis::aio::ConnectionManager;
+use redis::{Cmd, Value};
+#[cfg(feature = "redis-cluster")]
+use redis::{ErrorKind, RedisError};
 
 /// The connection commands go through: a standalone server's connection manager, or a
 /// cluster connection that routes each command to the master of its key's slot.
@@ -12,7 +18,7 @@ pub(super) enum Conn {
     Cluster(redis::cluster_async::ClusterConnection),
     /// The primary the Sentinels name, followed through failovers.
     #[cfg(feature = "redis-sentinel")]
-    Sentinel(sentinel::SentinelConn),
+    Sentinel(super::sentinel::SentinelConn),
 }
 
 impl redis::aio::ConnectionLike for Conn {
@@ -62,7 +68,7 @@ pub(super) enum PubSubSource {
     Cluster(Arc<[String]>),
     /// The primary the store's command connection follows.
     #[cfg(feature = "redis-sentinel")]
-    Sentinel(sentinel::SentinelConn),
+    Sentinel(super::sentinel::SentinelConn),
 }
 
 impl PubSubSource {
@@ -71,7 +77,7 @@ impl PubSubSource {
         match self {
             PubSubSource::Single(client) => client.get_async_pubsub().await,
             #[cfg(feature = "redis-sentinel")]
-            PubSubSource::Sentinel(conn) => sentinel::open_pubsub(conn).await,
+            PubSubSource::Sentinel(conn) => super::sentinel::open_pubsub(conn).await,
             #[cfg(feature = "redis-cluster")]
             PubSubSource::Cluster(_) => Err(RedisError::from((
                 ErrorKind::InvalidClientConfig,

@@ -1,7 +1,9 @@
 //! The store's Lua scripts: each operation is one script, atomic on the server, timed by the
 //! server's own clock.
 
-use super::*;
+use std::sync::OnceLock;
+
+use redis::Script;
 
 // The time in Redis's own clock, in ms (instances with skewed clocks agree).
 pub(super) const NOW: &str = r#"

@@ -5,12 +5,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use futures_util::StreamExt;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Cmd, ErrorKind, RedisError, Script, ServerErrorKind, Value};
+use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 use tokio::sync::{mpsc, oneshot};
 
-use super::near_cache::{scope_from_hex, Near, NearCache, NearCacheStats, Ticket};
+use super::near_cache::{Near, NearCacheStats, Ticket};
 use super::wake::{Polling, Waiters};
 use super::{codec, LATE_COMPLETE_GRACE};
 use super::{Backend, Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token};

@@ -1,7 +1,19 @@
 //! The store's pub/sub connection: wakes waiters when a claim ends and keeps the near cache
 //! coherent, resubscribing after a reconnect.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::store::near_cache::{scope_from_hex, Near};
+use crate::store::wake::Waiters;
+
+#[cfg(feature = "redis-cluster")]
+use super::bulk;
+use super::conn::PubSubSource;
+use super::{PubSub, RedisStore};
 
 pub(super) enum Command {
     Subscribe(String, oneshot::Sender<()>),
