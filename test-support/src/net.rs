@@ -22,19 +22,43 @@ pub async fn serve(app: axum::Router) -> SocketAddr {
 /// A hyper-util client sending `Full<Bytes>` bodies.
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
+/// The HTTP version a test's client speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// HTTP/1.1 with keep-alive.
+    Http1,
+    /// HTTP/2 with prior knowledge (h2c), as gRPC clients speak.
+    Http2,
+}
+
+impl Transport {
+    /// Both, for the tests that run on each.
+    pub const BOTH: [Transport; 2] = [Transport::Http1, Transport::Http2];
+
+    /// A hyper-util client speaking this version (64 idle connections per host), sending `B`
+    /// bodies.
+    pub fn client<B>(self) -> Client<HttpConnector, B>
+    where
+        B: http_body::Body + Send + 'static,
+        B::Data: Send,
+    {
+        let mut builder = Client::builder(TokioExecutor::new());
+        builder.pool_max_idle_per_host(64);
+        if self == Transport::Http2 {
+            builder.http2_only(true);
+        }
+        builder.build_http()
+    }
+}
+
 /// An HTTP/1.1 keep-alive client (64 idle connections per host).
 pub fn client_h1() -> HttpClient {
-    Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(64)
-        .build_http()
+    Transport::Http1.client()
 }
 
 /// An HTTP/2 client with prior knowledge (h2c), as gRPC clients speak.
 pub fn client_h2() -> HttpClient {
-    Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(64)
-        .http2_only(true)
-        .build_http()
+    Transport::Http2.client()
 }
 
 /// A response read to the end: status, headers, body, trailers.

@@ -32,13 +32,7 @@ use test_support::wait::until;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tower::{service_fn, Layer, ServiceBuilder, ServiceExt};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Transport {
-    Http1,
-    Http2,
-}
-
-const TRANSPORTS: [Transport; 2] = [Transport::Http1, Transport::Http2];
+use test_support::net::Transport;
 
 type StreamingClient =
     Client<HttpConnector, http_body_util::combinators::BoxBody<Bytes, std::io::Error>>;
@@ -49,11 +43,7 @@ where
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let mut b = Client::builder(TokioExecutor::new());
-    if transport == Transport::Http2 {
-        b.http2_only(true);
-    }
-    b.build_http()
+    transport.client()
 }
 
 fn keyed(addr: SocketAddr, path: &str, key: &str) -> Request<Full<Bytes>> {
@@ -109,7 +99,7 @@ const STALL_CHUNK: usize = 64 * 1024;
 /// connection gets the replay, whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_stops_reading_does_not_hold_its_key() {
-    for transport in TRANSPORTS {
+    for transport in Transport::BOTH {
         // HTTP/1.1: more than the socket buffers hold (up to 4 MiB on this kernel, plus hyper's
         // own); h2: more than the stream's flow-control window the client grants (64 KiB).
         let chunks = match transport {
@@ -352,7 +342,7 @@ async fn by_default_a_request_body_is_awaited_30_seconds() {
 /// "executed once", recorded without its body, instead of running it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_response_body_that_fails_is_an_error_on_the_wire_and_is_not_run_again() {
-    for transport in TRANSPORTS {
+    for transport in Transport::BOTH {
         for at_once in [true, false] {
             let case = format!("{transport:?} fails at once: {at_once}");
             let executions = Arc::new(AtomicUsize::new(0));
@@ -422,7 +412,7 @@ async fn a_buffer_in_front_and_a_limit_behind_answer_every_write() {
     let addr = listener.local_addr().unwrap();
     let make = axum::ServiceExt::<Request<Body>>::into_make_service(svc);
     tokio::spawn(async move { axum::serve(listener, make).await });
-    for transport in TRANSPORTS {
+    for transport in Transport::BOTH {
         let c = client::<Full<Bytes>>(transport);
         let one_by_one = async {
             for k in 0..5 {
@@ -465,7 +455,7 @@ fn gated_body(gate: Arc<tokio::sync::Semaphore>) -> Body {
 /// gets the replay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_mode_records_a_response_whose_client_left_mid_body() {
-    for transport in TRANSPORTS {
+    for transport in Transport::BOTH {
         let executions = Arc::new(AtomicUsize::new(0));
         let gate = Arc::new(tokio::sync::Semaphore::new(0));
         let router = {
@@ -514,7 +504,7 @@ async fn release_mode_records_a_response_whose_client_left_mid_body() {
 /// the two past the bound are cancelled (counted), their keys released to run again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn detached_work_is_bounded_layer_wide() {
-    for transport in TRANSPORTS {
+    for transport in Transport::BOTH {
         let started = Arc::new(AtomicUsize::new(0));
         let cancelled = Arc::new(AtomicUsize::new(0));
         let gate = Arc::new(tokio::sync::Semaphore::new(0));
@@ -898,7 +888,7 @@ async fn settings_at_their_extremes_never_panic() {
 /// wire; duplicates waiting are not counted, and it returns to zero when the writes end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_in_flight_gauge_counts_the_claims_held() {
-    for transport in TRANSPORTS {
+    for transport in Transport::BOTH {
         let gate = Arc::new(tokio::sync::Semaphore::new(0));
         let router = {
             let gate = gate.clone();
@@ -947,7 +937,7 @@ async fn send_owned(c: Client<HttpConnector, Full<Bytes>>, req: Request<Full<Byt
 /// has; the replay is there for the retry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_refuses_new_writes_and_lets_the_ones_in_flight_finish() {
-    for transport in TRANSPORTS {
+    for transport in Transport::BOTH {
         let gate = Arc::new(tokio::sync::Semaphore::new(0));
         let executions = Arc::new(AtomicUsize::new(0));
         let router = {

@@ -25,13 +25,7 @@ use http_body::Frame;
 use http_body_util::{Full, StreamBody};
 use idempotency_layer::{IdempotencyLayer, InFlight, MemoryStore, OnDisconnect};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Transport {
-    Http1,
-    Http2,
-}
-
-const TRANSPORTS: [Transport; 2] = [Transport::Http1, Transport::Http2];
+use test_support::net::Transport;
 
 /// The shape of the handler's response body.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,10 +50,7 @@ const SHAPES: [Shape; 5] = [
 use test_support::net::HttpClient;
 
 fn client(transport: Transport) -> HttpClient {
-    match transport {
-        Transport::Http1 => test_support::net::client_h1(),
-        Transport::Http2 => test_support::net::client_h2(),
-    }
+    transport.client()
 }
 
 /// What the handlers did: executions started and finished, and handlers cancelled mid-run.
@@ -204,7 +195,7 @@ fn layer(on_disconnect: OnDisconnect, in_flight: InFlight) -> IdempotencyLayer {
 /// never a 409, never a second execution, in every transport, body shape and mode.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sequential_retry_after_a_delivered_response_is_a_replay() {
-    for transport in TRANSPORTS {
+    for transport in Transport::BOTH {
         for shape in SHAPES {
             for on_disconnect in [OnDisconnect::Complete, OnDisconnect::Release] {
                 for in_flight in [InFlight::Wait, InFlight::Reject] {
@@ -251,7 +242,7 @@ async fn a_sequential_retry_after_a_delivered_response_is_a_replay() {
 /// marked as a replay; once the store is back, the same key is recorded and then replayed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fail_open_answers_the_handlers_whole_response_while_the_store_is_down() {
-    for transport in TRANSPORTS {
+    for transport in Transport::BOTH {
         for shape in SHAPES {
             let case = format!("{transport:?} {shape:?}");
             let counts = Counts::default();
@@ -299,7 +290,7 @@ async fn fail_open_answers_the_handlers_whole_response_while_the_store_is_down()
 /// with `Reject` the others get 409 with the reason code that tells a client to retry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_duplicates_run_once() {
-    for transport in TRANSPORTS {
+    for transport in Transport::BOTH {
         for shape in SHAPES {
             for in_flight in [InFlight::Wait, InFlight::Reject] {
                 let case = format!("{transport:?} {shape:?} {in_flight:?}");
@@ -341,11 +332,7 @@ type StreamingClient = hyper_util::client::legacy::Client<
 >;
 
 fn streaming_client(transport: Transport) -> StreamingClient {
-    let mut b = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new());
-    if transport == Transport::Http2 {
-        b.http2_only(true);
-    }
-    b.build_http()
+    transport.client()
 }
 
 /// `key` with `chunks` as the request body, one frame each and no Content-Length.
@@ -370,7 +357,7 @@ async fn send_chunks(
 /// declared length is refused while it is read, with nothing run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_body_in_frames_is_fingerprinted_whole() {
-    for transport in TRANSPORTS {
+    for transport in Transport::BOTH {
         let case = format!("{transport:?}");
         let counts = Counts::default();
         let layer = layer(OnDisconnect::Complete, InFlight::Wait).max_request_bytes(32);
@@ -428,7 +415,7 @@ async fn a_request_body_in_frames_is_fingerprinted_whole() {
 /// for all of them, not one each), and the next call runs it, in both `OnDisconnect` modes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panicking_handler_answers_500_over_the_wire_and_its_key_runs_again() {
-    for transport in TRANSPORTS {
+    for transport in Transport::BOTH {
         for on_disconnect in [OnDisconnect::Complete, OnDisconnect::Release] {
             let case = format!("{transport:?} {on_disconnect:?}");
             let counts = Counts::default();
@@ -513,7 +500,7 @@ async fn a_panicking_handler_answers_500_over_the_wire_and_its_key_runs_again() 
 /// replay; `Release` cancels it (its drop guard fires) and the retry executes again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_disconnects_mid_handler() {
-    for transport in TRANSPORTS {
+    for transport in Transport::BOTH {
         for on_disconnect in [OnDisconnect::Complete, OnDisconnect::Release] {
             let case = format!("{transport:?} {on_disconnect:?}");
             let counts = Counts::default();
@@ -580,7 +567,7 @@ async fn a_client_that_disconnects_mid_handler() {
 /// Post-redirect-get: a 303 See Other after a POST is a completed create, recorded and replayed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_303_after_a_post_is_recorded_and_replayed() {
-    for transport in TRANSPORTS {
+    for transport in Transport::BOTH {
         let counts = Counts::default();
         let c = counts.clone();
         let router = Router::new().route(
@@ -614,7 +601,7 @@ async fn a_303_after_a_post_is_recorded_and_replayed() {
 /// layers), a leader and a waiter leave room for a write with another key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiter_holds_no_inner_capacity() {
-    for transport in TRANSPORTS {
+    for transport in Transport::BOTH {
         let started = Arc::new(tokio::sync::Notify::new());
         let gate = Arc::new(tokio::sync::Semaphore::new(0));
         let router = {
@@ -865,7 +852,7 @@ async fn grpc_web_statuses_in_the_body_decide_what_is_recorded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiters_on_every_key_together_hold_at_most_max_waiting_bytes() {
     const BODY: usize = 64 * 1024;
-    for transport in TRANSPORTS {
+    for transport in Transport::BOTH {
         let counts = Counts::default();
         let gate = Arc::new(tokio::sync::Semaphore::new(0));
         let layer =
@@ -985,7 +972,7 @@ impl<B> Drop for Watched<B> {
 async fn a_client_that_drops_the_response_mid_body_gets_the_replay() {
     use http_body_util::BodyExt;
 
-    for transport in TRANSPORTS {
+    for transport in Transport::BOTH {
         for recordable in [true, false] {
             let case = format!("{transport:?}, body recordable: {recordable}");
             let counts = Counts::default();
@@ -1078,7 +1065,7 @@ async fn a_client_that_drops_the_response_mid_body_gets_the_replay() {
 async fn a_body_that_panics_after_its_201_head_ends_the_call_and_never_runs_again() {
     use http_body_util::BodyExt;
 
-    for transport in TRANSPORTS {
+    for transport in Transport::BOTH {
         for late in [false, true] {
             let case = format!(
                 "{transport:?}, panics {}",
@@ -1159,7 +1146,7 @@ async fn a_body_that_panics_after_its_201_head_ends_the_call_and_never_runs_agai
 /// answered nothing again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_begin_the_store_never_answers_ends_at_one_lease_over_the_wire() {
-    for transport in TRANSPORTS {
+    for transport in Transport::BOTH {
         let store = FaultStore::new(MemoryStore::new());
         store.inject(
             idempotency_layer::conformance::Rule::new(
@@ -1222,7 +1209,7 @@ async fn a_begin_the_store_never_answers_ends_at_one_lease_over_the_wire() {
 /// both ran either way.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_key_on_two_resources_of_one_route_is_a_422() {
-    for transport in TRANSPORTS {
+    for transport in Transport::BOTH {
         for inside_the_router in [true, false] {
             let deductions = Arc::new(AtomicUsize::new(0));
             let routes = Router::new().route(

@@ -90,7 +90,7 @@ impl Body for FirstWakerBody {
 /// waker leads to the transport's.
 #[tokio::test]
 async fn a_body_woken_after_the_transports_first_poll_reaches_the_server() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         let server = serve(|_, _| status(201)).await;
         let layer = RetryLayer::new(RetryPolicy::default());
         let body = FirstWaker::default();
@@ -119,7 +119,7 @@ async fn a_body_woken_after_the_transports_first_poll_reaches_the_server() {
 /// server saw start).
 #[tokio::test]
 async fn a_body_that_failed_before_any_byte_sends_nothing() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         let server = serve(|_, _| status(201)).await;
         let layer = RetryLayer::new(RetryPolicy::default());
         let failing = http_body_util::StreamBody::new(futures_util::stream::iter([Err::<

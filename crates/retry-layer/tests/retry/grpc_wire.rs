@@ -346,7 +346,7 @@ async fn refused_stream_retries_a_post_and_replays_its_body() {
         format!("http://{addr}/orders"),
         &["{\"qty\":", "1}"],
     );
-    let res = bounded("the call", client(&layer, Proto::H2).oneshot(req))
+    let res = bounded("the call", client(&layer, Transport::Http2).oneshot(req))
         .await
         .unwrap();
     assert_eq!(res.status(), 201);
@@ -442,7 +442,7 @@ async fn goaway_beyond_the_stream_retries_a_post() {
         format!("http://{addr}/orders"),
         &["{\"qty\":", "2}"],
     );
-    let res = bounded("the call", client(&layer, Proto::H2).oneshot(req))
+    let res = bounded("the call", client(&layer, Transport::Http2).oneshot(req))
         .await
         .unwrap();
     assert_eq!(res.status(), 201);
@@ -466,7 +466,7 @@ async fn goaway_with_an_error_code_beyond_the_stream_retries_a_post() {
             format!("http://{addr}/orders"),
             &["{\"qty\":", "2}"],
         );
-        let res = bounded("the call", client(&layer, Proto::H2).oneshot(req))
+        let res = bounded("the call", client(&layer, Transport::Http2).oneshot(req))
             .await
             .unwrap_or_else(|e| panic!("code {code:#x}: {e}"));
         assert_eq!(res.status(), 201, "code {code:#x}");
@@ -486,7 +486,7 @@ async fn goaway_covering_the_stream_is_ambiguous_whatever_its_code() {
             format!("http://{addr}/orders"),
             &["{\"qty\":", "2}"],
         );
-        let err = bounded("the call", client(&layer, Proto::H2).oneshot(req))
+        let err = bounded("the call", client(&layer, Transport::Http2).oneshot(req))
             .await
             .expect_err("the stream may have run: not retried");
         let err = retry_layer::RetryError::of(&*err).expect("a RetryError");

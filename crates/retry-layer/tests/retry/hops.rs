@@ -24,19 +24,19 @@ struct HopA {
     outbound: RetryLayer,
 }
 
-async fn hop_a(c: &Server, proto: Proto, with_hop_layer: bool) -> HopA {
+async fn hop_a(c: &Server, proto: Transport, with_hop_layer: bool) -> HopA {
     hop_with(c, proto, with_hop_layer, RetryPolicy::default()).await
 }
 
 /// Hop A with its own outbound policy.
-async fn hop_with(c: &Server, proto: Proto, with_hop_layer: bool, policy: RetryPolicy) -> HopA {
+async fn hop_with(c: &Server, proto: Transport, with_hop_layer: bool, policy: RetryPolicy) -> HopA {
     let outbound = RetryLayer::new(policy);
     // A `Full` body: the handler's future must be `Send` for axum, which rustc cannot prove
     // through a boxed body's `dyn Error` lifetimes.
     let client = tower::Layer::layer(
         &outbound,
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-            .http2_only(proto == Proto::H2)
+            .http2_only(proto == Transport::Http2)
             .build_http::<retry_layer::ReplayBody<Full<Bytes>>>(),
     );
     let url = c.url("/c");
@@ -66,9 +66,9 @@ async fn hop_with(c: &Server, proto: Proto, with_hop_layer: bool, policy: RetryP
 }
 
 /// Calls A directly (no retry layer), with `previous` attempts before this one.
-async fn call_a(a: &HopA, proto: Proto, previous: Option<&'static str>) -> http::Response<()> {
+async fn call_a(a: &HopA, proto: Transport, previous: Option<&'static str>) -> http::Response<()> {
     let plain = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .http2_only(proto == Proto::H2)
+        .http2_only(proto == Transport::Http2)
         .build_http::<TestBody>();
     let mut req = Request::get(format!("http://{}/call", a.addr));
     if let Some(p) = previous {
@@ -90,7 +90,7 @@ fn reason(res: &http::Response<()>) -> Option<&str> {
 
 #[tokio::test]
 async fn a_hop_that_ran_out_of_retries_says_it_retried_below() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         let c = serve(|_, _| status(503)).await;
         let a = hop_a(&c, proto, true).await;
         let res = call_a(&a, proto, None).await;
@@ -102,7 +102,7 @@ async fn a_hop_that_ran_out_of_retries_says_it_retried_below() {
 
 #[tokio::test]
 async fn a_request_that_arrived_as_a_retry_is_sent_once_underneath() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         let c = serve(|_, _| status(503)).await;
         let a = hop_a(&c, proto, true).await;
         let res = call_a(&a, proto, Some("1")).await;
@@ -120,7 +120,7 @@ async fn a_request_that_arrived_as_a_retry_is_sent_once_underneath() {
 
 #[tokio::test]
 async fn a_stop_below_is_a_stop_above() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         let c = serve(|_, _| Act::Status(503, vec![("x-reason-code", "DO_NOT_RETRY")])).await;
         let a = hop_a(&c, proto, true).await;
         let client_layer = RetryLayer::new(RetryPolicy::default());
@@ -148,7 +148,7 @@ async fn a_stop_below_is_a_stop_above() {
 /// retry of the client's (A sends those once): 5.
 #[tokio::test]
 async fn client_hop_and_bottom_together_multiply_no_more() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         for (with_hop_layer, expected) in [(false, 9), (true, 5)] {
             let c = serve(|_, _| status(503)).await;
             let a = hop_a(&c, proto, with_hop_layer).await;
@@ -176,7 +176,7 @@ async fn client_hop_and_bottom_together_multiply_no_more() {
 /// below served it as a retry, sending once underneath).
 #[tokio::test]
 async fn forwarded_attempt_headers_are_rewritten_on_every_attempt() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         let c = serve(|_, n| if n == 0 { status(503) } else { status(200) }).await;
         let layer = RetryLayer::new(RetryPolicy::default());
         let req = Request::get(c.url("/c"))
@@ -219,7 +219,7 @@ async fn a_hops_local_give_up_does_not_stop_the_callers_retries() {
             .build()
             .unwrap()
     };
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         for (what, policy, c_answer) in [
             ("total_timeout(60ms)", short_deadline(), status(503)),
             (

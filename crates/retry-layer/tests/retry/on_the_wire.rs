@@ -32,7 +32,7 @@ fn keyed_layer(tune: impl FnOnce(RetryPolicyBuilder) -> RetryPolicyBuilder) -> R
 /// keeps the intent's key, so the ambiguous failure that follows is retried with it.
 #[tokio::test]
 async fn conflict_409_is_rebuilt_by_the_hook_and_keeps_the_intents_key() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         let server = serve(|_, n| match n {
             0 => Act::Status(409, vec![("x-reason-code", "STOCK_CONFLICT")]),
             1 => Act::Close,
@@ -102,7 +102,7 @@ async fn conflict_409_is_rebuilt_by_the_hook_and_keeps_the_intents_key() {
 /// included (before, the retry went out without them).
 #[tokio::test]
 async fn a_chunked_body_with_trailers_is_replayed_with_its_trailers() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         let server = serve(|_, n| if n == 0 { status(503) } else { status(200) }).await;
         let layer = RetryLayer::new(RetryPolicy::default());
         let req = streaming_request(Method::PUT, server.url("/blobs/1"), &["part-1 ", "part-2"]);
@@ -124,7 +124,7 @@ async fn a_chunked_body_with_trailers_is_replayed_with_its_trailers() {
 /// retry of the caller's own is the same intent.
 #[tokio::test]
 async fn close_after_read_gives_an_error_that_carries_the_key() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         let server = serve(|_, _| Act::Close).await;
         let layer = keyed_layer(|p| p);
         let req = Request::post(server.url("/orders"))
@@ -151,7 +151,7 @@ async fn close_after_read_gives_an_error_that_carries_the_key() {
 /// they arrive.
 #[tokio::test]
 async fn an_early_503_while_the_body_streams_is_retried_with_the_whole_body() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         let server = serve(|_, n| {
             if n == 0 {
                 Act::AfterFirstFrame(503)
@@ -196,7 +196,7 @@ async fn an_early_503_while_the_body_streams_is_retried_with_the_whole_body() {
 /// drain a gRFC A6 token bucket; the 503 that follows is still retried.
 #[tokio::test]
 async fn conflicts_without_a_hook_leave_the_token_bucket_alone() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         let server = serve(|path, n| match path {
             "/orders" => Act::Status(409, vec![("x-reason-code", "STOCK_CONFLICT")]),
             _ if n == 0 => status(503),
@@ -233,7 +233,7 @@ async fn conflicts_without_a_hook_leave_the_token_bucket_alone() {
 /// without a key.
 #[tokio::test]
 async fn misdirected_and_too_early_are_retried_for_any_method() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         for code in [421, 425] {
             let server = serve(move |_, n| if n == 0 { status(code) } else { status(201) }).await;
             let layer = RetryLayer::new(RetryPolicy::default());
@@ -255,7 +255,7 @@ async fn misdirected_and_too_early_are_retried_for_any_method() {
 #[tokio::test]
 async fn a_whole_body_is_sent_whole_by_every_attempt() {
     const BODY: &str = "{\"sku\":\"b1\",\"qty\":3}";
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         let server = serve(|_, n| if n < 2 { status(503) } else { status(201) }).await;
         let layer = keyed_layer(|p| p);
         let req = Request::post(server.url("/orders"))
@@ -298,7 +298,7 @@ async fn a_whole_body_is_sent_whole_by_every_attempt() {
 /// over HTTP/1.1 and h2.
 #[tokio::test]
 async fn a_streaming_body_at_hand_is_sent_whole_by_every_attempt() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         let server = serve(|_, n| if n < 2 { status(503) } else { status(201) }).await;
         let layer = keyed_layer(|p| p);
         let frames: Vec<Result<Frame<Bytes>, BoxError>> = ["{\"sku\":", "\"b1\"}"]

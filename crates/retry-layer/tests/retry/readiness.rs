@@ -22,7 +22,7 @@ use crate::wire::*;
 /// of outliving it (before: it waited as long as the buffer stayed full, here forever).
 #[tokio::test]
 async fn a_retry_waiting_for_a_saturated_buffer_ends_at_the_deadline() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         let server = serve(|path, _| match path {
             "/slow" => status(200),
             _ => status(503),
@@ -32,7 +32,7 @@ async fn a_retry_waiting_for_a_saturated_buffer_ends_at_the_deadline() {
         let never = Arc::new(Notify::new());
         let http =
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-                .http2_only(proto == Proto::H2)
+                .http2_only(proto == Transport::Http2)
                 .build_http::<ReplayBody<Full<Bytes>>>();
         let slow = tower::service_fn(move |req: Request<ReplayBody<Full<Bytes>>>| {
             let (http, never) = (http.clone(), never.clone());
@@ -91,7 +91,7 @@ async fn a_retry_waiting_for_a_saturated_buffer_ends_at_the_deadline() {
 /// A rebuild hook that never finishes: the call ends at its deadline.
 #[tokio::test]
 async fn a_hook_that_never_finishes_ends_at_the_deadline() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         let server =
             serve(|_, _| Act::Status(409, vec![("x-reason-code", "STOCK_CONFLICT")])).await;
         let policy = RetryPolicy::builder()

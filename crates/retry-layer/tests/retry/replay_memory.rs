@@ -9,14 +9,14 @@ use retry_layer::{BoxError, RetryLayer, RetryPolicy};
 use tower::{Service, ServiceExt};
 
 use crate::support::{backend, status, within_a_day, Reply};
-use crate::wire::{bounded, client, serve, Act, BOTH};
+use crate::wire::{bounded, client, serve, Act, Transport};
 
 /// A client stream answered before it ends (a transport keeps sending it: h2 streams on, HTTP/1
 /// keeps writing): once the call has its answer, nothing of the body is kept any more. Before,
 /// the copy grew to `max_replay_bytes` and lived as long as the stream.
 #[tokio::test]
 async fn a_body_still_streaming_after_the_answer_is_not_kept() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         let server = serve(|_, _| Act::AfterFirstFrame(200)).await;
         let layer = RetryLayer::new(RetryPolicy::default());
         let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);

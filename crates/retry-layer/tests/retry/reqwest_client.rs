@@ -11,9 +11,9 @@ use retry_layer::{RetryError, RetryInfo, RetryLayer, RetryPolicy};
 use crate::wire::*;
 
 /// A reqwest client with `middleware`, speaking `proto`.
-fn client(middleware: RetryMiddleware, proto: Proto) -> ClientWithMiddleware {
+fn client(middleware: RetryMiddleware, proto: Transport) -> ClientWithMiddleware {
     let mut builder = reqwest::Client::builder();
-    if proto == Proto::H2 {
+    if proto == Transport::Http2 {
         builder = builder.http2_prior_knowledge();
     }
     ClientBuilder::new(builder.build().unwrap())
@@ -46,7 +46,7 @@ fn retry_error(err: &reqwest_middleware::Error) -> &RetryError {
 
 #[tokio::test]
 async fn a_post_answered_503_twice_is_retried_with_its_body_and_one_key() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         let server = serve(|_, n| if n < 2 { status(503) } else { status(201) }).await;
         let middleware = RetryMiddleware::new(keyed());
         let http = client(middleware.clone(), proto);
@@ -81,7 +81,7 @@ async fn a_post_answered_503_twice_is_retried_with_its_body_and_one_key() {
 
 #[tokio::test]
 async fn a_post_without_key_is_not_retried_after_a_503() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         let server = serve(|_, _| status(503)).await;
         let http = client(RetryMiddleware::new(RetryPolicy::default()), proto);
         let res = bounded("the POST", http.post(server.url("/orders")).send())
@@ -99,7 +99,7 @@ async fn a_post_without_key_is_not_retried_after_a_503() {
 
 #[tokio::test]
 async fn a_key_the_caller_set_is_kept_on_every_attempt() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         let server = serve(|_, n| if n == 0 { status(503) } else { status(201) }).await;
         let http = client(RetryMiddleware::new(RetryPolicy::default()), proto);
         let res = bounded(
@@ -126,7 +126,7 @@ async fn a_key_the_caller_set_is_kept_on_every_attempt() {
 
 #[tokio::test]
 async fn a_pushback_longer_than_max_pushback_stops_and_a_short_one_is_waited_for() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         // Retry-After: 1 with a max_pushback of 500 ms: the server asks for more than the
         // client will wait, so the answer is returned.
         let server = serve(|_, _| Act::Status(503, vec![("retry-after", "1")])).await;
@@ -170,7 +170,7 @@ async fn a_pushback_longer_than_max_pushback_stops_and_a_short_one_is_waited_for
 
 #[tokio::test]
 async fn a_lost_response_is_retried_only_when_keyed_or_idempotent() {
-    for proto in BOTH {
+    for proto in Transport::BOTH {
         let server = serve(|_, _| Act::Close).await;
 
         // A POST without key may have run: one attempt, and the transport error is there.
@@ -214,7 +214,7 @@ async fn a_refused_connection_is_retried_even_for_a_post_without_key() {
         .local_addr()
         .unwrap();
     let middleware = RetryMiddleware::new(RetryPolicy::default());
-    let http = client(middleware.clone(), Proto::H1);
+    let http = client(middleware.clone(), Transport::Http1);
     let err = bounded(
         "the POST",
         http.post(format!("http://{addr}/orders")).send(),
@@ -238,7 +238,7 @@ async fn the_middleware_and_the_tower_layer_share_one_budget() {
         .unwrap();
     let layer = RetryLayer::new(policy);
     let middleware = RetryMiddleware::from(&layer);
-    let http = client(middleware, Proto::H1);
+    let http = client(middleware, Transport::Http1);
     let res = bounded("the POST", http.post(server.url("/orders")).send())
         .await
         .unwrap();
@@ -257,7 +257,7 @@ async fn the_middleware_and_the_tower_layer_share_one_budget() {
 #[tokio::test]
 async fn a_post_follows_a_307_and_a_308_with_its_body() {
     for redirect in [307, 308] {
-        for proto in BOTH {
+        for proto in Transport::BOTH {
             let server = serve(move |path, _| match path {
                 "/orders" => Act::Status(redirect, vec![("location", "/v2/orders")]),
                 _ => status(201),

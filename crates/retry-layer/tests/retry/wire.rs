@@ -24,23 +24,14 @@ use tokio::time::Duration;
 pub(crate) type TestBody = BoxBody<Bytes, BoxError>;
 
 /// HTTP/1.1 (keep-alive) or HTTP/2 with prior knowledge (h2c).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Proto {
-    H1,
-    H2,
-}
-
-pub(crate) const BOTH: [Proto; 2] = [Proto::H1, Proto::H2];
+pub(crate) use test_support::net::Transport;
 
 /// The client through the layer.
 pub(crate) fn client(
     layer: &RetryLayer,
-    proto: Proto,
+    proto: Transport,
 ) -> Retry<Client<HttpConnector, ReplayBody<TestBody>>> {
-    let client = Client::builder(TokioExecutor::new())
-        .http2_only(proto == Proto::H2)
-        .build_http();
-    tower::Layer::layer(layer, client)
+    tower::Layer::layer(layer, proto.client())
 }
 
 /// What the server does with one request.
