@@ -12,6 +12,7 @@ pub mod env;
 pub mod faults;
 pub mod gate;
 pub mod net;
+pub mod process;
 pub mod proxy;
 pub mod slow;
 pub mod wait;

@@ -1,35 +1,17 @@
 //! The binaries as the README runs them: `orders-server` prints its address, `orders-client`
 //! prints one JSON line per order, and a repeated key executes once.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 
-struct Server(Child);
+use test_support::process::ServerProcess;
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_server() -> (Server, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_orders-server"))
-        .args(["--listen", "127.0.0.1:0", "--work-ms", "50"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("orders-server starts");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let url = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_owned();
+fn start_server() -> (ServerProcess, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_orders-server"));
+    cmd.args(["--listen", "127.0.0.1:0", "--work-ms", "50"]);
+    let server = ServerProcess::start(cmd);
+    let url = server.url();
     assert!(url.starts_with("http://127.0.0.1:"), "{url}");
-    (Server(child), url)
+    (server, url)
 }
 
 /// Runs `orders-client`; returns whether it succeeded and its stdout lines, raw and parsed.

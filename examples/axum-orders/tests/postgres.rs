@@ -20,24 +20,17 @@
 //! Unset `DATABASE_URL`: each test says so and passes, except under `CI`, where it fails.
 #![cfg(feature = "postgres")]
 
-use std::io::{BufRead, BufReader};
 use std::os::unix::process::ExitStatusExt;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
+use test_support::process::ServerProcess;
 use tokio_postgres::{NoTls, Row};
 
 /// A server process, killed when dropped.
 struct Server {
-    child: Child,
+    process: ServerProcess,
     url: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 impl Server {
@@ -48,37 +41,19 @@ impl Server {
             // A claim left in flight by the crash is taken over after 1 s, not 30.
             .args(["--lease-ms", "1000"])
             .args(args)
-            .env_remove("ORDERS_FAILPOINT")
-            .stdout(Stdio::piped());
+            .env_remove("ORDERS_FAILPOINT");
         if let Some(f) = failpoint {
             cmd.env("ORDERS_FAILPOINT", f);
         }
-        let mut child = cmd.spawn().expect("orders-server starts");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let url = line
-            .trim()
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_owned();
-        Server { child, url }
+        let process = ServerProcess::start(cmd);
+        let url = process.url();
+        Server { process, url }
     }
 
-    /// Waits (polling, at most 10 s) for the process to end by itself; how it ended.
+    /// Waits (at most 10 s) for the process to end by itself (the failpoint aborts it); how
+    /// it ended.
     fn wait_for_exit(&mut self) -> std::process::ExitStatus {
-        let give_up = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(
-                Instant::now() < give_up,
-                "orders-server still runs 10 s after the failpoint should have aborted it"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.process.wait_for_exit(Duration::from_secs(10))
     }
 }
 

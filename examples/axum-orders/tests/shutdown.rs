@@ -5,42 +5,27 @@
 //!
 //! Unset `REDIS_URL`: the test says so and passes, except under `CI`, where it fails.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-struct Server {
-    child: Child,
-    url: String,
-}
+use test_support::process::ServerProcess;
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+struct Server {
+    process: ServerProcess,
+    url: String,
 }
 
 impl Server {
     fn start(store: &str) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_orders-server"))
-            .args(["--listen", "127.0.0.1:0", "--store", store])
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_orders-server"));
+        cmd.args(["--listen", "127.0.0.1:0", "--store", store])
             // Each order takes 2 s: long enough to send SIGTERM while it runs.
-            .args(["--work-ms", "2000", "--shutdown-grace-ms", "20000"])
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("orders-server starts");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let url = line
-            .trim()
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_owned();
-        Server { child, url }
+            .args(["--work-ms", "2000", "--shutdown-grace-ms", "20000"]);
+        let process = ServerProcess::start(cmd);
+        let url = process.url();
+        Server { process, url }
     }
 
     /// The server's `/metrics` text.
@@ -55,26 +40,12 @@ impl Server {
     }
 
     fn sigterm(&self) {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .expect("kill runs");
-        assert!(status.success());
+        self.process.signal("-TERM");
     }
 
     /// Waits (at most 30 s) for the process to end by itself.
     fn wait_for_exit(&mut self) -> std::process::ExitStatus {
-        let give_up = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(
-                Instant::now() < give_up,
-                "orders-server runs 30 s after SIGTERM"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.process.wait_for_exit(Duration::from_secs(30))
     }
 }
 

@@ -3,41 +3,23 @@
 //! them), the metrics it shows, and its `orders-client` commands (their JSON lines, `…`
 //! standing for any value). A change to what a user sees fails here until the README says it.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 
 use serde_json::Value;
+use test_support::process::ServerProcess;
 
 const README: &str = include_str!("../../../README.md");
 
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// `orders-server` as the README's first command starts it (the memory store), on a free port;
 /// its address (`127.0.0.1:PORT`).
-fn start_server() -> (Server, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_orders-server"))
-        .args(["--listen", "127.0.0.1:0"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("orders-server starts");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("listening on http://")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_owned();
-    (Server(child), addr)
+fn start_server() -> (ServerProcess, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_orders-server"));
+    cmd.args(["--listen", "127.0.0.1:0"]);
+    let server = ServerProcess::start(cmd);
+    let addr = server.addr().to_owned();
+    (server, addr)
 }
 
 /// The block after `marker` (the first `sh` block whose text follows it in the README), and the

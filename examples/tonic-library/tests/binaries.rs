@@ -3,39 +3,20 @@
 //! (`library-server --forward-to`) keeps each caller's tenant and key and makes no key; a call
 //! has a deadline.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 
-struct Server(Child);
+use test_support::process::ServerProcess;
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_server() -> (Server, String) {
+fn start_server() -> (ServerProcess, String) {
     start_server_with(&[])
 }
 
-fn start_server_with(args: &[&str]) -> (Server, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_library-server"))
-        .args(["--listen", "127.0.0.1:0"])
-        .args(args)
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("library-server starts");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_owned();
-    (Server(child), format!("http://{addr}"))
+fn start_server_with(args: &[&str]) -> (ServerProcess, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_library-server"));
+    cmd.args(["--listen", "127.0.0.1:0"]).args(args);
+    let server = ServerProcess::start(cmd);
+    let url = server.url();
+    (server, url)
 }
 
 fn client(url: &str, args: &[&str]) -> (bool, Vec<String>) {

@@ -5,22 +5,17 @@
 //!
 //! Unset `REDIS_URL`: the test says so and passes, except under `CI`, where it fails.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use test_support::process::ServerProcess;
+
 struct Server {
-    child: Child,
+    process: ServerProcess,
     url: String,
     metrics: SocketAddr,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// A port free at the time of asking, for the metrics listener.
@@ -34,25 +29,15 @@ fn free_port() -> SocketAddr {
 impl Server {
     fn start(store: &str) -> Server {
         let metrics = free_port();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_library-server"))
-            .args(["--listen", "127.0.0.1:0", "--store", store])
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_library-server"));
+        cmd.args(["--listen", "127.0.0.1:0", "--store", store])
             .args(["--metrics-listen", &metrics.to_string()])
             // Each order takes 2 s: long enough to send SIGTERM while it runs.
-            .args(["--work-ms", "2000", "--shutdown-grace-ms", "20000"])
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("library-server starts");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line
-            .trim()
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
-        let url = format!("http://{addr}");
+            .args(["--work-ms", "2000", "--shutdown-grace-ms", "20000"]);
+        let process = ServerProcess::start(cmd);
+        let url = process.url();
         Server {
-            child,
+            process,
             url,
             metrics,
         }
@@ -71,26 +56,12 @@ impl Server {
     }
 
     fn sigterm(&self) {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .expect("kill runs");
-        assert!(status.success());
+        self.process.signal("-TERM");
     }
 
     /// Waits (at most 30 s) for the process to end by itself.
     fn wait_for_exit(&mut self) -> std::process::ExitStatus {
-        let give_up = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(
-                Instant::now() < give_up,
-                "library-server runs 30 s after SIGTERM"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.process.wait_for_exit(Duration::from_secs(30))
     }
 }
 
