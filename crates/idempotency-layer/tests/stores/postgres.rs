@@ -568,22 +568,21 @@ async fn notify_only_when_a_waiter_watches() {
         tokio::spawn(async move { store.wait(s3, t3).await })
     };
     let table = store.table();
-    let mut watched = false;
-    for _ in 0..500 {
-        let row = listener
-            .query_one(
-                &format!("SELECT watched FROM {table} WHERE scope = $1"),
-                &[&&s3.0[..]],
-            )
-            .await
-            .unwrap();
-        if row.get::<_, bool>(0) {
-            watched = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(watched, "the waiter marks the claim watched");
+    wait::until_async(
+        wait::LIMIT,
+        "the waiter marks the claim watched",
+        || async {
+            listener
+                .query_one(
+                    &format!("SELECT watched FROM {table} WHERE scope = $1"),
+                    &[&&s3.0[..]],
+                )
+                .await
+                .unwrap()
+                .get::<_, bool>(0)
+        },
+    )
+    .await;
     store
         .complete(s3, t3, record().into(), lease)
         .await
@@ -856,20 +855,19 @@ async fn cleanup_keeps_up_with_any_backlog() {
         )
         .await
         .unwrap();
-    let mut cleared = false;
-    for _ in 0..600 {
-        let left: i64 = admin
-            .query_one(&format!("SELECT count(*) FROM {}", store.table()), &[])
-            .await
-            .unwrap()
-            .get(0);
-        if left == 1 {
-            cleared = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(cleared, "the background cleanup removed the expired rows");
+    wait::until_async(
+        Duration::from_secs(60),
+        "the background cleanup removed the expired rows",
+        || async {
+            let left: i64 = admin
+                .query_one(&format!("SELECT count(*) FROM {}", store.table()), &[])
+                .await
+                .unwrap()
+                .get(0);
+            left == 1
+        },
+    )
+    .await;
     drop_schema(&url, &schema).await;
 }
 
@@ -1371,21 +1369,18 @@ async fn an_abandoned_claim_does_not_land_as_an_orphan() {
     // The lapsed claim is free: another request claims it, unless an orphan holds it. An orphan
     // would hold it for the whole lease (600 s); the cancel, the statement timeout and the
     // second release each end it within a few timeouts.
-    let mut claimed = None;
-    for _ in 0..100 {
-        match store.begin(scope, fp, conformance::LONG).await {
-            Ok(Begin::New(t)) => {
-                claimed = Some(t);
-                break;
+    wait::until_async(
+        Duration::from_secs(10),
+        "the key is claimed again (an orphaned claim would hold it for its whole lease)",
+        || async {
+            match store.begin(scope, fp, conformance::LONG).await {
+                Ok(Begin::New(_)) => true,
+                Ok(Begin::InFlight { .. }) => false,
+                other => panic!("unexpected {other:?}"),
             }
-            Ok(Begin::InFlight { .. }) => tokio::time::sleep(Duration::from_millis(100)).await,
-            other => panic!("unexpected {other:?}"),
-        }
-    }
-    assert!(
-        claimed.is_some(),
-        "an orphaned claim held the key for more than 10 s"
-    );
+        },
+    )
+    .await;
     drop_schema(&url, &schema).await;
 }
 

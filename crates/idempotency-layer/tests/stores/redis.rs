@@ -412,16 +412,17 @@ impl OwnRedis {
             child,
             url: format!("redis://127.0.0.1:{port}"),
         };
-        for _ in 0..100 {
-            if tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-            {
-                return own;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        panic!("redis-server on port {port} did not start within 5 s");
+        wait::until_async(
+            wait::LIMIT,
+            "the test's redis-server takes connections",
+            || async {
+                tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .is_ok()
+            },
+        )
+        .await;
+        own
     }
 }
 
@@ -636,16 +637,17 @@ impl TlsRedis {
             .spawn()
             .expect("redis-server (with TLS support) is installed");
         let tls = TlsRedis { child, dir, port };
-        for _ in 0..100 {
-            if tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-            {
-                return tls;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        panic!("the TLS redis-server did not start within 5 s");
+        wait::until_async(
+            wait::LIMIT,
+            "the TLS redis-server takes connections",
+            || async {
+                tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .is_ok()
+            },
+        )
+        .await;
+        tls
     }
 }
 
