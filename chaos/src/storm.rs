@@ -138,7 +138,7 @@ fn policy(budgets: Budgets, outer: bool) -> RetryPolicy {
     let b = RetryPolicy::builder();
     let b = match (budgets, outer) {
         (Budgets::Default | Budgets::OneTier, _) | (Budgets::OuterOnly, true) => b,
-        (Budgets::Disabled, _) => b.no_budget(),
+        (Budgets::Disabled, _) => b.budget(retry_layer::budget::RetryBudget::unlimited()),
         (Budgets::OuterOnly, false) => b.max_attempts(1),
     };
     b.build().expect("a valid policy")

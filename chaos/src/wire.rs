@@ -106,7 +106,11 @@ impl Policy {
                 .base_delay(Duration::from_millis(10))
                 .max_delay(Duration::from_secs(1))
                 .total_timeout(Duration::from_secs(20))
-                .budget(Duration::from_secs(10), 1_000, 1.0)
+                .budget(retry_layer::budget::RetryBudget::sliding_window(
+                    Duration::from_secs(10),
+                    1_000,
+                    1.0,
+                ))
                 .build()
                 .expect("a valid policy"),
             Policy::Default => RetryPolicy::default(),

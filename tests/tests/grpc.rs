@@ -22,7 +22,11 @@ fn policy() -> RetryPolicy {
         .max_attempts(10)
         .base_delay(Duration::from_millis(2))
         .max_delay(Duration::from_millis(50))
-        .budget(Duration::from_secs(10), 1_000, 1.0);
+        .budget(retry_layer::budget::RetryBudget::sliding_window(
+            Duration::from_secs(10),
+            1_000,
+            1.0,
+        ));
     for m in IDEMPOTENT_METHODS {
         b = b.idempotent_grpc_method(m);
     }

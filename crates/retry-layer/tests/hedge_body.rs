@@ -131,7 +131,7 @@ async fn a_hedge_never_carries_part_of_a_body_that_was_not_complete_when_it_was_
             .max_attempts(2)
             .hedging_delay(Duration::from_millis(20))
             .hedge_writes()
-            .no_budget()
+            .budget(retry_layer::budget::RetryBudget::unlimited())
             .build()
             .unwrap();
         let layer = HedgeLayer::new(policy);

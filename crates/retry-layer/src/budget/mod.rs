@@ -12,8 +12,8 @@
 //! Two budgets are provided: [`TpsBudget`] (the default, a sliding window like Finagle's and
 //! tower's) and [`TokenBucket`] (gRFC A6 `retryThrottling`). Both are lock-free.
 //!
-//! A budget is chosen with [`RetryPolicyBuilder`](crate::RetryPolicyBuilder)'s `budget`,
-//! `token_bucket`, `no_budget` or `custom_budget`; every clone of a layer shares the one it makes,
+//! A budget is chosen with [`RetryPolicyBuilder::budget`](crate::RetryPolicyBuilder::budget),
+//! given a [`RetryBudget`]; every clone of a layer shares the one it makes,
 //! or with `budget_per_authority` one per host it calls (a dead host then drains only its own).
 
 use std::fmt;
@@ -72,6 +72,86 @@ pub(crate) enum BudgetChoice {
     },
     Unlimited,
     Custom(Arc<dyn Budget>),
+}
+
+/// The retry budget of a policy ([`RetryPolicyBuilder::budget`](crate::RetryPolicyBuilder::budget)):
+/// how many retries each layer made from the policy may send beside its first attempts. Each
+/// layer gets its own, made from these numbers (but a [`custom`](Self::custom) one, shared as
+/// given). Invalid numbers are reported by
+/// [`RetryPolicyBuilder::build`](crate::RetryPolicyBuilder::build).
+///
+/// ```
+/// use std::time::Duration;
+/// use retry_layer::budget::RetryBudget;
+/// use retry_layer::RetryPolicy;
+///
+/// // 20 % of requests over 30 s, plus 5 retries a second.
+/// let policy = RetryPolicy::builder()
+///     .budget(RetryBudget::sliding_window(Duration::from_secs(30), 5, 0.2))
+///     .build()
+///     .unwrap();
+/// # let _ = policy;
+/// assert!(RetryPolicy::builder().budget(RetryBudget::token_bucket(0, 0.1)).build().is_err());
+/// ```
+#[derive(Clone)]
+pub struct RetryBudget(pub(crate) Result<BudgetChoice, InvalidBudget>);
+
+impl fmt::Debug for RetryBudget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.0 {
+            Ok(BudgetChoice::Tps {
+                window,
+                min_per_sec,
+                ratio,
+            }) => write!(
+                f,
+                "RetryBudget::sliding_window({window:?}, {min_per_sec}, {ratio})"
+            ),
+            Ok(BudgetChoice::TokenBucket {
+                max_tokens,
+                token_ratio,
+            }) => write!(f, "RetryBudget::token_bucket({max_tokens}, {token_ratio})"),
+            Ok(BudgetChoice::Unlimited) => f.write_str("RetryBudget::unlimited()"),
+            Ok(BudgetChoice::Custom(b)) => write!(f, "RetryBudget::custom({b:?})"),
+            Err(e) => write!(f, "RetryBudget(invalid: {e})"),
+        }
+    }
+}
+
+impl Default for RetryBudget {
+    /// 10 % of requests over 10 s, plus 10 retries per second.
+    fn default() -> Self {
+        RetryBudget(Ok(BudgetChoice::default()))
+    }
+}
+
+impl RetryBudget {
+    /// The default shape ([`TpsBudget`], as `tower::retry::budget::TpsBudget`): `ratio`
+    /// retries per request over the last `window`, plus `min_per_sec` retries a second. The
+    /// default policy's is 10 s, 10 per second, 0.1.
+    pub fn sliding_window(window: Duration, min_per_sec: u32, ratio: f64) -> Self {
+        RetryBudget(BudgetChoice::tps(window, min_per_sec, ratio))
+    }
+
+    /// gRFC A6 retry throttling ([`TokenBucket`]) instead of the sliding window.
+    pub fn token_bucket(max_tokens: u32, token_ratio: f64) -> Self {
+        RetryBudget(
+            TokenBucket::new(max_tokens, token_ratio).map(|_| BudgetChoice::TokenBucket {
+                max_tokens,
+                token_ratio,
+            }),
+        )
+    }
+
+    /// No budget. Only where another layer bounds retry amplification.
+    pub fn unlimited() -> Self {
+        RetryBudget(Ok(BudgetChoice::Unlimited))
+    }
+
+    /// A budget of your own, shared as given (across layers too).
+    pub fn custom(budget: Arc<dyn Budget>) -> Self {
+        RetryBudget(Ok(BudgetChoice::Custom(budget)))
+    }
 }
 
 impl Default for BudgetChoice {

@@ -5,7 +5,7 @@ use std::time::Duration;
 use reason_code::{Code, IdempotentGrpcMethods, KeyHeaders, ReasonCodes};
 
 use super::policy::{HedgePolicy, MAX_HEDGED_ATTEMPTS};
-use crate::budget::BudgetChoice;
+use crate::budget::RetryBudget;
 use crate::policy::{InvalidPolicy, MAX_DURATION};
 
 impl HedgePolicy {
@@ -131,19 +131,13 @@ impl HedgePolicyBuilder {
         self
     }
 
-    /// The budget shape of [`RetryPolicyBuilder::budget`](crate::RetryPolicyBuilder::budget),
+    /// The budget of the hedges (a [`RetryBudget`], as [`RetryPolicyBuilder::budget`](crate::RetryPolicyBuilder::budget) takes),
     /// for hedges (ignored by [`RetryLayer::hedge_layer`](crate::RetryLayer::hedge_layer), which shares the retry budget).
-    pub fn budget(mut self, window: Duration, min_per_sec: u32, ratio: f64) -> Self {
-        match BudgetChoice::tps(window, min_per_sec, ratio) {
-            Ok(budget) => self.policy.budget = budget,
+    pub fn budget(mut self, budget: RetryBudget) -> Self {
+        match budget.0 {
+            Ok(choice) => self.policy.budget = choice,
             Err(e) => return self.fail(e.to_string()),
         }
-        self
-    }
-
-    /// No budget: hedge whenever the delay passes. Only where another layer bounds the load.
-    pub fn no_budget(mut self) -> Self {
-        self.policy.budget = BudgetChoice::Unlimited;
         self
     }
 

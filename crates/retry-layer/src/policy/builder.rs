@@ -9,7 +9,7 @@ use reason_code::{IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
 use super::rebuild::Rebuild;
 use super::{InboundRetry, RetryPolicy, MAX_DURATION, MAX_UNSENT_RETRIES};
 use crate::backoff::{Jitter, JitterRng};
-use crate::budget::{Budget, BudgetChoice, InvalidBudget, TokenBucket};
+use crate::budget::{BudgetChoice, InvalidBudget, RetryBudget};
 use crate::derived_key::DerivedKeys;
 
 impl RetryPolicy {
@@ -341,25 +341,15 @@ impl RetryPolicyBuilder {
         self
     }
 
-    /// The default budget shape with other numbers: `ratio` retries per request over `window`,
-    /// plus `min_per_sec`.
-    pub fn budget(mut self, window: Duration, min_per_sec: u32, ratio: f64) -> Self {
-        match BudgetChoice::tps(window, min_per_sec, ratio) {
-            Ok(budget) => self.policy.budget = budget,
+    /// The retry budget each layer made from the policy gets (default
+    /// [`RetryBudget::default`]: 10 % of requests over 10 s, plus 10 retries a second):
+    /// [`RetryBudget::sliding_window`], [`RetryBudget::token_bucket`] (gRFC A6 throttling),
+    /// [`RetryBudget::unlimited`] or [`RetryBudget::custom`].
+    pub fn budget(mut self, budget: RetryBudget) -> Self {
+        match budget.0 {
+            Ok(choice) => self.policy.budget = choice,
             Err(e) => return self.fail(e.to_string()),
         }
-        self
-    }
-
-    /// gRFC A6 retry throttling instead of the sliding window.
-    pub fn token_bucket(mut self, max_tokens: u32, token_ratio: f64) -> Self {
-        if let Err(e) = TokenBucket::new(max_tokens, token_ratio) {
-            return self.fail(e.to_string());
-        }
-        self.policy.budget = BudgetChoice::TokenBucket {
-            max_tokens,
-            token_ratio,
-        };
         self
     }
 
@@ -367,19 +357,13 @@ impl RetryPolicyBuilder {
     /// whole layer: on a client shared by several hosts (a hyper-util `Client`, a reqwest
     /// `Client`), a dead host then drains only its own budget, and the healthy ones keep
     /// retrying. gRFC A6 throttles per channel, which is one authority. Each budget has the
-    /// shape set by [`budget`](Self::budget) or [`token_bucket`](Self::token_bucket); requests
+    /// shape set by [`budget`](Self::budget); requests
     /// without an authority (a tonic `Channel` adds its own below the layer: one channel, one
     /// host) share the layer's. At most [`MAX_AUTHORITY_BUDGETS`](super::MAX_AUTHORITY_BUDGETS) authorities get a budget of
     /// their own; the others share the layer's. Not with
-    /// [`custom_budget`](Self::custom_budget), which is shared as given.
+    /// [`RetryBudget::custom`], which is shared as given.
     pub fn budget_per_authority(mut self) -> Self {
         self.policy.budget_per_authority = true;
-        self
-    }
-
-    /// Disables the retry budget. Only do this where another layer bounds retry amplification.
-    pub fn no_budget(mut self) -> Self {
-        self.policy.budget = BudgetChoice::Unlimited;
         self
     }
 
@@ -401,12 +385,6 @@ impl RetryPolicyBuilder {
         self
     }
 
-    /// Uses a budget of your own, shared as given (it may be shared across layers too).
-    pub fn custom_budget(mut self, budget: Arc<dyn Budget>) -> Self {
-        self.policy.budget = BudgetChoice::Custom(budget);
-        self
-    }
-
     /// Installs the hook that may rebuild a request after an ABORTED outcome (409,
     /// `STOCK_CONFLICT`). Without it such outcomes are returned as they are.
     pub fn rebuild_on_conflict(mut self, hook: impl Rebuild) -> Self {
@@ -422,7 +400,8 @@ impl RetryPolicyBuilder {
         if self.policy.budget_per_authority && matches!(self.policy.budget, BudgetChoice::Custom(_))
         {
             return Err(InvalidPolicy::new(
-                "budget_per_authority needs a budget the layer makes (budget or token_bucket); \
+                "budget_per_authority needs a budget the layer makes (RetryBudget::sliding_window or \
+                 token_bucket); \
                  a custom budget is shared as given",
             ));
         }
@@ -460,7 +439,7 @@ mod tests {
             .build()
             .is_err());
         assert!(RetryPolicy::builder()
-            .budget(Duration::ZERO, 1, 0.1)
+            .budget(RetryBudget::sliding_window(Duration::ZERO, 1, 0.1))
             .build()
             .is_err());
         assert!(RetryPolicy::builder()

@@ -193,7 +193,10 @@ impl RetryPolicyBuilder {
 
     /// Applies a gRPC service config `retryThrottling` (gRFC A6): a token bucket budget.
     pub fn grpc_retry_throttling(self, t: &GrpcRetryThrottling) -> Self {
-        self.token_bucket(t.max_tokens, t.token_ratio)
+        self.budget(crate::budget::RetryBudget::token_bucket(
+            t.max_tokens,
+            t.token_ratio,
+        ))
     }
 }
 

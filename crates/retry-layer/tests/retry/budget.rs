@@ -33,7 +33,10 @@ async fn an_always_503_backend_sees_at_most_1_1x_plus_the_floor() {
 
 #[tokio::test(start_paused = true)]
 async fn without_a_budget_the_same_storm_triples_the_load() {
-    let policy = RetryPolicy::builder().no_budget().build().unwrap();
+    let policy = RetryPolicy::builder()
+        .budget(retry_layer::budget::RetryBudget::unlimited())
+        .build()
+        .unwrap();
     let (attempts, _) = storm(policy, 1_000).await;
     assert_eq!(attempts, 3_000);
 }
@@ -41,7 +44,7 @@ async fn without_a_budget_the_same_storm_triples_the_load() {
 #[tokio::test(start_paused = true)]
 async fn token_bucket_throttles_once_half_empty() {
     let policy = RetryPolicy::builder()
-        .token_bucket(10, 0.1)
+        .budget(retry_layer::budget::RetryBudget::token_bucket(10, 0.1))
         .build()
         .unwrap();
     let (attempts, stats) = storm(policy, 100).await;
@@ -63,7 +66,8 @@ async fn a_budget_per_authority_keeps_a_dead_host_from_draining_the_others() {
     for per_authority in [false, true] {
         let dead = serve(|_, _| answer(503)).await;
         let healthy = serve(|_, n| if n == 0 { answer(503) } else { answer(200) }).await;
-        let mut builder = RetryPolicy::builder().token_bucket(10, 0.1);
+        let mut builder =
+            RetryPolicy::builder().budget(retry_layer::budget::RetryBudget::token_bucket(10, 0.1));
         if per_authority {
             builder = builder.budget_per_authority();
         }

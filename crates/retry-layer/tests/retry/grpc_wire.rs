@@ -191,7 +191,7 @@ async fn a_malformed_grpc_status_is_unknown_not_a_success() {
     let budget = Arc::new(Counting::default());
     let policy = declared()
         .to_builder()
-        .custom_budget(budget.clone())
+        .budget(retry_layer::budget::RetryBudget::custom(budget.clone()))
         .build()
         .unwrap();
     let res = call_with(&RetryLayer::new(policy), addr, grpc_request(addr, GET_BOOK))

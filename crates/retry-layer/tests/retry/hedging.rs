@@ -272,7 +272,11 @@ async fn hedges_draw_on_the_retry_budget() {
     // A retry budget with no floor and no ratio grants nothing: no hedge is sent.
     let retries = RetryLayer::new(
         RetryPolicy::builder()
-            .budget(Duration::from_secs(10), 0, 0.0)
+            .budget(retry_layer::budget::RetryBudget::sliding_window(
+                Duration::from_secs(10),
+                0,
+                0.0,
+            ))
             .build()
             .unwrap(),
     );

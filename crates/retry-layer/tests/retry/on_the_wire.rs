@@ -205,7 +205,7 @@ async fn conflicts_without_a_hook_leave_the_token_bucket_alone() {
         .await;
         let layer = RetryLayer::new(
             RetryPolicy::builder()
-                .token_bucket(10, 0.1)
+                .budget(retry_layer::budget::RetryBudget::token_bucket(10, 0.1))
                 .build()
                 .unwrap(),
         );

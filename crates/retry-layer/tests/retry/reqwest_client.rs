@@ -233,7 +233,11 @@ async fn the_middleware_and_the_tower_layer_share_one_budget() {
     let policy = RetryPolicy::builder()
         .ensure_idempotency_key()
         // A budget with no floor and no ratio: no retry is ever granted.
-        .budget(Duration::from_secs(10), 0, 0.0)
+        .budget(retry_layer::budget::RetryBudget::sliding_window(
+            Duration::from_secs(10),
+            0,
+            0.0,
+        ))
         .build()
         .unwrap();
     let layer = RetryLayer::new(policy);

@@ -29,7 +29,7 @@ async fn seeded_delays_are_the_documented_ones() {
     let policy = RetryPolicy::builder()
         .max_attempts(8)
         .jitter_seed(42)
-        .no_budget()
+        .budget(retry_layer::budget::RetryBudget::unlimited())
         .build()
         .unwrap();
     let (_, script, _) = call_scripted(policy, get("/books/b1"), vec![status(503)]).await;
@@ -53,7 +53,7 @@ async fn full_jitter_never_waits_longer_than_the_ceiling() {
     let policy = RetryPolicy::builder()
         .max_attempts(6)
         .jitter(Jitter::Full)
-        .no_budget()
+        .budget(retry_layer::budget::RetryBudget::unlimited())
         .build()
         .unwrap();
     let (_, script, _) = call_scripted(policy, get("/books/b1"), vec![status(503)]).await;
@@ -140,7 +140,7 @@ async fn backoff_restarts_from_the_base_after_a_pushback() {
         .max_attempts(5)
         .base_delay(Duration::from_millis(100))
         .jitter(Jitter::None)
-        .no_budget()
+        .budget(retry_layer::budget::RetryBudget::unlimited())
         .build()
         .unwrap();
     let (_, script, _) = call_scripted(
