@@ -93,7 +93,8 @@ fn idempotency(c: &mut Criterion) {
         })
     });
 
-    let waiting = IdempotencyLayer::new(MemoryStore::new()).default_tenant("bench");
+    let waiting = IdempotencyLayer::new(MemoryStore::new())
+        .tenant(idempotency_layer::TenantSource::fixed("bench"));
     let gated_svc = waiting.layer(service_fn(gated));
     group.throughput(Throughput::Elements(1 + WAITERS as u64));
     group.bench_function("layer/waiters", |b| {

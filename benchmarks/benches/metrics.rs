@@ -100,7 +100,8 @@ fn metrics_cost(c: &mut Criterion) {
         })
     });
     let store = roomy_memory_store();
-    let layer = IdempotencyLayer::new(store.clone()).default_tenant("bench");
+    let layer = IdempotencyLayer::new(store.clone())
+        .tenant(idempotency_layer::TenantSource::fixed("bench"));
     let svc = layer.layer(service_fn(created::<RequestBody<Full<Bytes>>>));
     let replayed = next_key();
     rt.block_on(call_to_end(&mut svc.clone(), order_request(&replayed)));

@@ -83,7 +83,7 @@ pub async fn serve_plain() -> (SocketAddr, tokio::task::JoinHandle<()>) {
 }
 
 /// Serves [`OrdersService`] behind `layer` on 127.0.0.1 until the handle is aborted: e.g.
-/// `IdempotencyLayer::new(store).default_tenant("bench")` (a clone of it keeps reading its
+/// `IdempotencyLayer::new(store).tenant(idempotency_layer::TenantSource::fixed("bench"))` (a clone of it keeps reading its
 /// counters) or [`NaiveCacheLayer`](crate::baseline::NaiveCacheLayer).
 pub async fn serve_layered<L, ResBody>(layer: L) -> (SocketAddr, tokio::task::JoinHandle<()>)
 where

@@ -16,7 +16,8 @@ use crate::{created, roomy_memory_store, NaiveCache};
 /// refused), tenant `bench`. Check [`assert_recorded_whole`] on its store afterwards.
 pub fn bench_layer() -> (IdempotencyLayer<MemoryStore>, MemoryStore) {
     let store = roomy_memory_store();
-    let layer = IdempotencyLayer::new(store.clone()).default_tenant("bench");
+    let layer = IdempotencyLayer::new(store.clone())
+        .tenant(idempotency_layer::TenantSource::fixed("bench"));
     (layer, store)
 }
 

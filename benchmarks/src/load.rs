@@ -230,7 +230,7 @@ pub fn handler_app() -> Router {
 
 /// The layer every server scenario runs: `IdempotencyLayer` on `store`, tenant `bench`.
 pub fn bench_layer<St: IdempotencyStore>(store: St) -> IdempotencyLayer<St> {
-    IdempotencyLayer::new(store).default_tenant("bench")
+    IdempotencyLayer::new(store).tenant(idempotency_layer::TenantSource::fixed("bench"))
 }
 
 /// A note if the layer's counters between `before` and `after` do not show what scenario
@@ -598,7 +598,7 @@ pub async fn memory_per_record(n: usize) -> Option<f64> {
         .tenant_share_percent(100)
         .build();
     let svc = IdempotencyLayer::new(store.clone())
-        .default_tenant("bench")
+        .tenant(idempotency_layer::TenantSource::fixed("bench"))
         .layer(tower::service_fn(
             crate::created::<idempotency_layer::RequestBody<Full<Bytes>>>,
         ));

@@ -835,7 +835,7 @@ pub async fn run(opts: Options) -> Report {
                 };
                 let ledger = Ledger::Memory(Arc::default());
                 let layer = IdempotencyLayer::new(store.clone())
-                    .default_tenant(TENANT)
+                    .tenant(idempotency_layer::TenantSource::fixed(TENANT))
                     .ttl(record_ttl)
                     .lease(opts.lease);
                 let instance =
@@ -871,7 +871,7 @@ pub async fn run(opts: Options) -> Report {
                 let mut layers = Vec::new();
                 for _ in 0..2 {
                     let layer = IdempotencyLayer::new(connect().await)
-                        .default_tenant(TENANT)
+                        .tenant(idempotency_layer::TenantSource::fixed(TENANT))
                         .ttl(record_ttl)
                         .lease(opts.lease);
                     addrs.push(
@@ -918,7 +918,7 @@ pub async fn run(opts: Options) -> Report {
                 let mut layers = Vec::new();
                 for _ in 0..2 {
                     let layer = IdempotencyLayer::new(connect(via(&url, proxy.addr())).await)
-                        .default_tenant(TENANT)
+                        .tenant(idempotency_layer::TenantSource::fixed(TENANT))
                         .ttl(record_ttl)
                         .lease(opts.lease);
                     addrs.push(

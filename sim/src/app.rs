@@ -78,7 +78,7 @@ pub async fn run_server(
 ) -> turmoil::Result {
     let s = &schedule.settings;
     let mut layer = IdempotencyLayer::new(store)
-        .tenant_from_header(TENANT_HEADER)
+        .tenant(idempotency_layer::TenantSource::header(TENANT_HEADER))
         .in_flight(s.in_flight)
         .on_disconnect(s.on_disconnect)
         .fail_open(s.fail_open);

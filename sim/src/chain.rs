@@ -78,7 +78,9 @@ struct DownState {
 /// The downstream tier's software: the layer over a handler that records its executions by the
 /// key it was called with and the upstream scope it belongs to.
 pub async fn run_down(ledger: Ledger, store: StoreLink, boot: u32) -> turmoil::Result {
-    let layer = IdempotencyLayer::new(store).tenant_from_header(crate::app::TENANT_HEADER);
+    let layer = IdempotencyLayer::new(store).tenant(idempotency_layer::TenantSource::header(
+        crate::app::TENANT_HEADER,
+    ));
     let router = Router::new()
         .route("/d", post(down_write))
         .with_state(DownState { ledger, boot });

@@ -48,7 +48,10 @@ async fn start_inventory() -> (SocketAddr, Inventory) {
     let app = Router::new()
         .route("/inventory/deduct", post(deduct))
         .with_state(inv.clone())
-        .layer(IdempotencyLayer::new(MemoryStore::new()).default_tenant("orders"));
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .tenant(idempotency_layer::TenantSource::fixed("orders")),
+        );
     (serve(app).await, inv)
 }
 
@@ -106,7 +109,10 @@ async fn start_orders(
     let app = Router::new()
         .route("/orders", post(place_order))
         .with_state(orders)
-        .layer(IdempotencyLayer::new(MemoryStore::new()).default_tenant("shop"));
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .tenant(idempotency_layer::TenantSource::fixed("shop")),
+        );
     (serve(app).await, runs)
 }
 

@@ -62,7 +62,10 @@ async fn server() -> Server {
             }
         }
     };
-    let base = || IdempotencyLayer::new(MemoryStore::new()).default_tenant("t");
+    let base = || {
+        IdempotencyLayer::new(MemoryStore::new())
+            .tenant(idempotency_layer::TenantSource::fixed("t"))
+    };
     let counting = {
         let attempts = attempts.clone();
         tower::util::MapRequestLayer::new(move |req: Request<axum::body::Body>| {
@@ -89,7 +92,9 @@ async fn server() -> Server {
         .route("/in-flight", post(handler.clone()).layer(in_flight.clone()))
         .route(
             "/store-down",
-            post(handler).layer(IdempotencyLayer::new(store).default_tenant("t")),
+            post(handler).layer(
+                IdempotencyLayer::new(store).tenant(idempotency_layer::TenantSource::fixed("t")),
+            ),
         )
         .layer(counting);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

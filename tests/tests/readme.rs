@@ -29,16 +29,16 @@ async fn insert_tenant(mut req: Request) -> Request {
 fn axum_server() {
     let auth_layer = axum::middleware::map_request(insert_tenant);
     // README block
-    use idempotency_layer::{IdempotencyLayer, MemoryStore};
+    use idempotency_layer::{IdempotencyLayer, MemoryStore, TenantSource};
 
     // A single-tenant service: every key belongs to one tenant.
     let app: Router = Router::new()
         .route("/orders", post(create_order))
-        .layer(IdempotencyLayer::new(MemoryStore::new()).default_tenant("orders"));
+        .layer(IdempotencyLayer::new(MemoryStore::new()).tenant(TenantSource::fixed("orders")));
 
     // Several tenants: keys are scoped per tenant, read from the `Tenant` extension that your
     // auth layer inserts (`req.extensions_mut().insert(Tenant::new(account_id))`) before this
-    // layer runs. Without a tenant, a write is answered 401 (see `default_tenant`).
+    // layer runs. Without a tenant, a write is answered 401 (see `TenantSource`).
     let app: Router = Router::new()
         .route("/orders", post(create_order))
         .layer(IdempotencyLayer::new(MemoryStore::new()))

@@ -109,7 +109,7 @@ async fn the_server_passes_exactly_the_declared_methods_without_a_key() {
             })
         };
         let server = IdempotencyLayer::new(MemoryStore::new())
-            .default_tenant("t")
+            .tenant(idempotency_layer::TenantSource::fixed("t"))
             .idempotent_grpc_methods(methods)
             .layer(handler);
         let res = tokio::time::timeout(Duration::from_secs(10), server.oneshot(grpc_call(path)))

@@ -78,7 +78,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
     let bare = handler();
-    let ours = handler().layer(IdempotencyLayer::new(MemoryStore::new()).default_tenant("bench"));
+    let ours = handler().layer(IdempotencyLayer::new(MemoryStore::new()).tenant(idempotency_layer::TenantSource::fixed("bench")));
     let moka = Arc::new(MokaStore::builder().build());
     let peer = handler()
         .route(

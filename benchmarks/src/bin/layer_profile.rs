@@ -67,7 +67,8 @@ fn main() {
                     .connect()
                     .await
                     .expect("connect to REDIS_URL");
-                let layer = IdempotencyLayer::new(store.clone()).default_tenant("bench");
+                let layer = IdempotencyLayer::new(store.clone())
+                    .tenant(idempotency_layer::TenantSource::fixed("bench"));
                 let mut svc = layer.layer(service_fn(created::<RequestBody<Full<Bytes>>>));
                 let replayed = keys.next_key();
                 call_to_end(&mut svc, order_request(&replayed)).await;

@@ -44,9 +44,9 @@ pub enum OnDisconnect {
     Release,
 }
 
-/// Where the tenant of a request comes from.
+/// Where the tenant of a request comes from ([`TenantSource`]'s choice).
 #[derive(Clone)]
-pub(crate) enum TenantSource {
+pub(crate) enum TenantFrom {
     /// The [`Tenant`](crate::Tenant) extension; none means 401 / UNAUTHENTICATED.
     Required,
     /// The [`Tenant`](crate::Tenant) extension, or this tenant (and its key, computed once)
@@ -61,14 +61,79 @@ pub(crate) enum TenantSource {
 
 pub(crate) type TenantFn = Arc<dyn Fn(&http::request::Parts) -> Option<Arc<str>> + Send + Sync>;
 
-impl fmt::Debug for TenantSource {
+impl fmt::Debug for TenantFrom {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            TenantSource::Required => f.write_str("Required"),
-            TenantSource::Default(t, _) => f.debug_tuple("Default").field(t).finish(),
-            TenantSource::Header(h) => f.debug_tuple("Header").field(h).finish(),
-            TenantSource::Fn(_) => f.write_str("Fn(..)"),
+            TenantFrom::Required => f.write_str("Required"),
+            TenantFrom::Default(t, _) => f.debug_tuple("Default").field(t).finish(),
+            TenantFrom::Header(h) => f.debug_tuple("Header").field(h).finish(),
+            TenantFrom::Fn(_) => f.write_str("Fn(..)"),
         }
+    }
+}
+
+/// Where a write's tenant comes from when the request has no [`Tenant`](crate::Tenant)
+/// extension (an authentication layer in front of this one inserts it):
+/// [`IdempotencyLayer::tenant`](crate::IdempotencyLayer::tenant). Keys are scoped per tenant,
+/// so a tenant must never be something the client chooses freely: a client could then read
+/// another tenant's recorded responses.
+///
+/// ```
+/// use idempotency_layer::{IdempotencyLayer, TenantSource};
+///
+/// // A single-tenant service: every key belongs to one tenant.
+/// let layer = IdempotencyLayer::default().tenant(TenantSource::fixed("orders"));
+///
+/// /// What the auth layer in front of this one inserts after verifying a token.
+/// #[derive(Clone)]
+/// struct Claims {
+///     org: String,
+/// }
+/// let layer = IdempotencyLayer::default().tenant(TenantSource::from_fn(|parts| {
+///     parts.extensions.get::<Claims>().map(|c| c.org.clone())
+/// }));
+/// # let _ = layer;
+/// ```
+#[derive(Clone, Debug)]
+pub struct TenantSource(pub(crate) TenantFrom);
+
+impl Default for TenantSource {
+    /// [`TenantSource::required`].
+    fn default() -> Self {
+        TenantSource::required()
+    }
+}
+
+impl TenantSource {
+    /// None: a write without a [`Tenant`](crate::Tenant) extension is answered 401 /
+    /// UNAUTHENTICATED (the default).
+    pub fn required() -> Self {
+        TenantSource(TenantFrom::Required)
+    }
+
+    /// This tenant, for a single-tenant service.
+    pub fn fixed(tenant: impl Into<Arc<str>>) -> Self {
+        let tenant: Arc<str> = tenant.into();
+        let key = TenantKey::of(&tenant);
+        TenantSource(TenantFrom::Default(tenant, key))
+    }
+
+    /// A request header. A client can claim any tenant this way: use it only behind a proxy
+    /// that sets the header.
+    pub fn header(name: HeaderName) -> Self {
+        TenantSource(TenantFrom::Header(name))
+    }
+
+    /// A function of the request head (a verified claim an authentication step left in the
+    /// extensions, or a header only a trusted proxy sets); `None` answers 401 /
+    /// UNAUTHENTICATED.
+    pub fn from_fn<F, T>(tenant: F) -> Self
+    where
+        F: Fn(&http::request::Parts) -> Option<T> + Send + Sync + 'static,
+        T: Into<Arc<str>>,
+    {
+        let f: TenantFn = Arc::new(move |parts| tenant(parts).map(Into::into));
+        TenantSource(TenantFrom::Fn(f))
     }
 }
 
@@ -128,7 +193,7 @@ pub(crate) struct Config {
     pub(crate) idempotent_grpc: IdempotentGrpcMethods,
     /// Client-streaming and bidirectional methods: passed through, never read whole.
     pub(crate) streaming_grpc: GrpcMethods,
-    pub(crate) tenant: TenantSource,
+    pub(crate) tenant: TenantFrom,
     pub(crate) table: RetryTable,
     pub(crate) reasons: ReasonCodes,
     pub(crate) on_disconnect: OnDisconnect,
@@ -158,7 +223,7 @@ impl Default for Config {
             is_write: None,
             idempotent_grpc: IdempotentGrpcMethods::default(),
             streaming_grpc: GrpcMethods::default(),
-            tenant: TenantSource::Required,
+            tenant: TenantFrom::Required,
             table: RetryTable::default(),
             reasons: ReasonCodes::default(),
             on_disconnect: OnDisconnect::Complete,

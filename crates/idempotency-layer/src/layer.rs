@@ -3,16 +3,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{HeaderMap, HeaderName, Method, Uri};
+use http::{HeaderMap, Method, Uri};
 use reason_code::{GrpcMethods, IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
 use tower_layer::Layer;
 
-use crate::config::{Config, InFlight, OnDisconnect, TenantFn, TenantSource};
+use crate::config::{Config, InFlight, OnDisconnect, TenantSource};
 use crate::scope::Scope;
 use crate::service::Idempotency;
 use crate::shared::Shared;
 use crate::stats::IdempotencyStats;
-use crate::store::{IdempotencyStore, MemoryStore, StoreError, TenantKey, FOREVER};
+use crate::store::{IdempotencyStore, MemoryStore, StoreError, FOREVER};
 
 /// The tower [`Layer`] that makes duplicate writes execute once per tenant + method + key.
 ///
@@ -294,54 +294,12 @@ impl<St> IdempotencyLayer<St> {
         self.config(|c| c.streaming_grpc = methods)
     }
 
-    /// Takes the tenant from a request header when the request has no
-    /// [`Tenant`](crate::Tenant) extension. Opt-in: a client can claim any tenant this way, so
-    /// use it only behind a proxy that sets the header.
-    pub fn tenant_from_header(self, name: HeaderName) -> Self {
-        self.config(|c| c.tenant = TenantSource::Header(name))
-    }
-
-    /// Uses this tenant when a request has no [`Tenant`](crate::Tenant) extension (a
-    /// single-tenant service), instead of answering 401 / UNAUTHENTICATED.
-    pub fn default_tenant(self, tenant: impl Into<Arc<str>>) -> Self {
-        let tenant: Arc<str> = tenant.into();
-        let key = TenantKey::of(&tenant);
-        self.config(|c| c.tenant = TenantSource::Default(tenant, key))
-    }
-
-    /// Takes the tenant from a function of the request head when the request has no
-    /// [`Tenant`](crate::Tenant) extension; `None` answers 401 / UNAUTHENTICATED.
-    ///
-    /// For a tenant that an authentication step left somewhere other than the `Tenant`
-    /// extension: a verified claims type in the extensions, or a header only a trusted proxy
-    /// sets. Never derive it from something the client chooses freely: a client could then
-    /// read another tenant's recorded responses.
-    ///
-    /// ```
-    /// use idempotency_layer::IdempotencyLayer;
-    ///
-    /// /// What the auth layer in front of this one inserts after verifying a token.
-    /// #[derive(Clone)]
-    /// struct Claims {
-    ///     org: String,
-    /// }
-    ///
-    /// let layer = IdempotencyLayer::default()
-    ///     .tenant_fn(|parts| parts.extensions.get::<Claims>().map(|c| c.org.clone()));
-    /// # let _ = layer;
-    /// ```
-    pub fn tenant_fn<F, T>(self, tenant: F) -> Self
-    where
-        F: Fn(&http::request::Parts) -> Option<T> + Send + Sync + 'static,
-        T: Into<Arc<str>>,
-    {
-        let f: TenantFn = Arc::new(move |parts| tenant(parts).map(Into::into));
-        self.config(|c| c.tenant = TenantSource::Fn(f))
-    }
-
-    /// Requires a [`Tenant`](crate::Tenant) extension on every write (the default).
-    pub fn require_tenant(self) -> Self {
-        self.config(|c| c.tenant = TenantSource::Required)
+    /// Where a write's tenant comes from when the request has no [`Tenant`](crate::Tenant)
+    /// extension: [`TenantSource::required`] (the default: 401 / UNAUTHENTICATED),
+    /// [`TenantSource::fixed`] for a single-tenant service, [`TenantSource::header`] or
+    /// [`TenantSource::from_fn`].
+    pub fn tenant(self, source: TenantSource) -> Self {
+        self.config(|c| c.tenant = source.0)
     }
 
     /// The table that decides which outcomes are recorded. Opt in to recording permanent

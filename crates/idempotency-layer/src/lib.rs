@@ -10,7 +10,7 @@
 //!
 //! ```
 //! use axum::{routing::post, Router};
-//! use idempotency_layer::{IdempotencyLayer, MemoryStore};
+//! use idempotency_layer::{IdempotencyLayer, MemoryStore, TenantSource};
 //! use std::sync::atomic::{AtomicUsize, Ordering};
 //! use tower::ServiceExt;
 //!
@@ -24,7 +24,7 @@
 //!         format!("order {n} created")
 //!     }))
 //!     // Single-tenant service; behind an auth layer, insert a `Tenant` extension instead.
-//!     .layer(IdempotencyLayer::new(MemoryStore::new()).default_tenant("shop"));
+//!     .layer(IdempotencyLayer::new(MemoryStore::new()).tenant(TenantSource::fixed("shop")));
 //!
 //! let request = || {
 //!     http::Request::post("/orders")
@@ -63,8 +63,8 @@
 //!   x-idempotency-key"; invalid, repeated or non-ASCII: 400 / INVALID_ARGUMENT naming the rule
 //!   ([`key_optional`](IdempotencyLayer::key_optional) passes keyless writes through instead).
 //! - **Writes need a tenant**: the [`Tenant`] extension an auth layer set, else 401 /
-//!   UNAUTHENTICATED (or [`default_tenant`](IdempotencyLayer::default_tenant) for a
-//!   single-tenant service, or the opt-in [`tenant_from_header`](IdempotencyLayer::tenant_from_header)).
+//!   UNAUTHENTICATED (or [`TenantSource::fixed`] for a single-tenant service, or the opt-in
+//!   [`TenantSource::header`], set with [`tenant`](IdempotencyLayer::tenant)).
 //! - The **scope** is tenant + operation + key, encoded without ambiguity and hashed
 //!   ([`Scope`]). The operation is the gRPC path, or over HTTP the method and the route's
 //!   template where an axum `Router` names it (`POST /books/{id}/deduct`, with the default
@@ -138,10 +138,10 @@
 //!   `Server::builder().layer(ServiceBuilder::new().layer(auth).layer(IdempotencyLayer::new(store)))`,
 //!   where `auth` verifies the request's metadata (its headers) and inserts [`Tenant`] (the
 //!   example crate `tonic-library` does this).
-//! - **[`tenant_fn`](IdempotencyLayer::tenant_fn)** when the auth step leaves its result in
+//! - **[`TenantSource::from_fn`]** when the auth step leaves its result in
 //!   another form (a claims type in the extensions).
-//! - **[`default_tenant`](IdempotencyLayer::default_tenant)** for a single-tenant service, and
-//!   **[`tenant_from_header`](IdempotencyLayer::tenant_from_header)** only behind a proxy that
+//! - **[`TenantSource::fixed`]** for a single-tenant service, and
+//!   **[`TenantSource::header`]** only behind a proxy that
 //!   sets the header itself.
 //!
 //! # How long the layer holds a request
@@ -421,7 +421,7 @@ mod waiters;
 mod write;
 
 pub use body::{IdempotencyBody, RequestBody};
-pub use config::{InFlight, OnDisconnect};
+pub use config::{InFlight, OnDisconnect, TenantSource};
 pub use future::ResponseFuture;
 pub use key::{validate_key, KeyError};
 pub use layer::{Drained, IdempotencyLayer};

@@ -10,7 +10,7 @@ use crate::store::ScopeKey;
 ///
 /// Keys are scoped per tenant, so two tenants that pick the same key never see each other's
 /// responses. The layer never trusts a client header for this unless configured with
-/// [`tenant_from_header`](crate::IdempotencyLayer::tenant_from_header).
+/// [`TenantSource::header`](crate::TenantSource::header).
 ///
 /// ```
 /// use idempotency_layer::Tenant;

@@ -12,7 +12,7 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use crate::body::{IdempotencyBody, RequestBody};
-use crate::config::{Config, TenantSource};
+use crate::config::{Config, TenantFrom};
 use crate::future::ResponseFuture;
 use crate::key::extract_key;
 use crate::observe::{self};
@@ -172,7 +172,7 @@ where
                 RejectReason::NoTenant,
                 "no tenant for this write: the server's auth layer must insert an \
                  idempotency_layer::Tenant extension before the idempotency layer runs, or a \
-                 single-tenant service sets IdempotencyLayer::default_tenant",
+                 single-tenant service sets IdempotencyLayer::tenant(TenantSource::fixed(..))",
             );
         };
         let scope = if protocol.is_grpc() {
@@ -182,7 +182,7 @@ where
         };
         let tenant = match &cfg.tenant {
             // The layer's default tenant's key is computed once, when it is set.
-            TenantSource::Default(name, key) if Arc::ptr_eq(name, &tenant) => *key,
+            TenantFrom::Default(name, key) if Arc::ptr_eq(name, &tenant) => *key,
             _ => TenantKey::of(&tenant),
         };
         // The write takes the service `poll_ready` readied (and the capacity it reserved: a
@@ -226,9 +226,9 @@ fn tenant(cfg: &Config, parts: &Parts) -> Option<Arc<str>> {
         return Some(t.0.clone());
     }
     match &cfg.tenant {
-        TenantSource::Required => None,
-        TenantSource::Default(t, _) => Some(t.clone()),
-        TenantSource::Header(name) => {
+        TenantFrom::Required => None,
+        TenantFrom::Default(t, _) => Some(t.clone()),
+        TenantFrom::Header(name) => {
             let mut values = parts.headers.get_all(name).iter();
             match (values.next(), values.next()) {
                 (Some(v), None) => v
@@ -240,6 +240,6 @@ fn tenant(cfg: &Config, parts: &Parts) -> Option<Arc<str>> {
                 _ => None,
             }
         }
-        TenantSource::Fn(f) => f(parts).filter(|t| !t.is_empty()),
+        TenantFrom::Fn(f) => f(parts).filter(|t| !t.is_empty()),
     }
 }

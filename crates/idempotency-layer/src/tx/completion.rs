@@ -131,7 +131,7 @@ use crate::store::{codec, BoxError, Fingerprint, PostgresStore, ScopeKey, StoreE
 /// let app = Router::new()
 ///     .route("/orders", post(create_order))
 ///     .with_state(store.clone())
-///     .layer(IdempotencyLayer::new(store.clone()).default_tenant("shop"));
+///     .layer(IdempotencyLayer::new(store.clone()).tenant(idempotency_layer::TenantSource::fixed("shop")));
 ///
 /// let order = || {
 ///     http::Request::post("/orders")
@@ -336,7 +336,7 @@ impl TxCompletion {
     /// let app = Router::new()
     ///     .route("/orders", post(create_order))
     ///     .with_state(db.clone())
-    ///     .layer(IdempotencyLayer::new(store.clone()).default_tenant("shop"));
+    ///     .layer(IdempotencyLayer::new(store.clone()).tenant(idempotency_layer::TenantSource::fixed("shop")));
     ///
     /// let order = || {
     ///     http::Request::post("/orders")

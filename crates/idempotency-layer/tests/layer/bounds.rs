@@ -113,7 +113,7 @@ async fn a_client_that_stops_reading_does_not_hold_its_key() {
             .tenant_share_percent(100)
             .build();
         let layer = IdempotencyLayer::new(store)
-            .default_tenant("t")
+            .tenant(idempotency_layer::TenantSource::fixed("t"))
             .max_record_bytes(16 << 20)
             .in_flight(InFlight::Reject);
         let make: fn() -> Body = match transport {
@@ -181,7 +181,7 @@ async fn a_response_body_that_never_ends_stops_at_the_claims_lifetime() {
     let executions = Arc::new(AtomicUsize::new(0));
     let e = executions.clone();
     let layer = IdempotencyLayer::default()
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .max_claim_lifetime(Duration::from_secs(60));
     let svc = layer.layer(service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
         e.fetch_add(1, Ordering::SeqCst);
@@ -230,7 +230,7 @@ async fn a_hung_handler_keeps_its_key_no_longer_than_its_lifetime() {
     let executions = Arc::new(AtomicUsize::new(0));
     let e = executions.clone();
     let layer = IdempotencyLayer::default()
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .max_claim_lifetime(Duration::from_secs(120));
     let svc = layer.layer(service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
         let n = e.fetch_add(1, Ordering::SeqCst);
@@ -269,7 +269,7 @@ async fn a_hung_handler_keeps_its_key_no_longer_than_its_lifetime() {
 async fn a_request_body_that_does_not_arrive_is_408_and_nothing_runs() {
     let executions = Arc::new(AtomicUsize::new(0));
     let layer = IdempotencyLayer::new(MemoryStore::new())
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .request_body_timeout(Duration::from_millis(300));
     let addr = serve(orders(&executions, Body::empty).layer(layer.clone())).await;
 
@@ -315,7 +315,7 @@ async fn a_request_body_that_does_not_arrive_is_408_and_nothing_runs() {
 #[tokio::test(start_paused = true)]
 async fn by_default_a_request_body_is_awaited_30_seconds() {
     let svc = IdempotencyLayer::default()
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .layer(service_fn(|_: Request<RequestBody<Body>>| async {
             Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
         }));
@@ -360,7 +360,8 @@ async fn a_response_body_that_fails_is_an_error_on_the_wire_and_is_not_run_again
                     ]))
                 }
             };
-            let layer = IdempotencyLayer::new(MemoryStore::new()).default_tenant("t");
+            let layer = IdempotencyLayer::new(MemoryStore::new())
+                .tenant(idempotency_layer::TenantSource::fixed("t"));
             let addr = serve(orders(&executions, make).layer(layer.clone())).await;
             let c = client::<Full<Bytes>>(transport);
             let first = tokio::time::timeout(
@@ -405,7 +406,10 @@ async fn a_buffer_in_front_and_a_limit_behind_answer_every_write() {
             |e: tower::BoxError| async move { (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()) },
         ))
         .buffer(8)
-        .layer(IdempotencyLayer::new(MemoryStore::new()).default_tenant("t"))
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .tenant(idempotency_layer::TenantSource::fixed("t")),
+        )
         .concurrency_limit(1)
         .service(router);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -470,7 +474,7 @@ async fn release_mode_records_a_response_whose_client_left_mid_body() {
             )
         };
         let layer = IdempotencyLayer::new(MemoryStore::new())
-            .default_tenant("t")
+            .tenant(idempotency_layer::TenantSource::fixed("t"))
             .on_disconnect(OnDisconnect::Release);
         let addr = serve(router.layer(layer.clone())).await;
         {
@@ -534,7 +538,7 @@ async fn detached_work_is_bounded_layer_wide() {
             )
         };
         let layer = IdempotencyLayer::new(MemoryStore::new())
-            .default_tenant("t")
+            .tenant(idempotency_layer::TenantSource::fixed("t"))
             .max_detached(2);
         let addr = serve(router.layer(layer.clone())).await;
         let clients: Vec<_> = (0..4)
@@ -591,7 +595,7 @@ async fn detached_work_ends_at_the_claims_lifetime() {
         }
     }
     let layer = IdempotencyLayer::default()
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .max_claim_lifetime(Duration::from_secs(60));
     let svc = layer.layer(service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
         let n = e.fetch_add(1, Ordering::SeqCst);
@@ -644,7 +648,7 @@ async fn a_full_store_never_fails_open() {
         .tenant_share_percent(100)
         .build();
     let layer = IdempotencyLayer::new(store)
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .fail_open(true);
     let app = orders(&executions, || Body::from("created")).layer(layer.clone());
     let call = |key: &'static str| {
@@ -688,7 +692,7 @@ async fn a_begin_the_store_never_answers_ends_at_one_lease_and_frees_its_capacit
     let app = ServiceBuilder::new()
         .layer(
             IdempotencyLayer::new(store.clone())
-                .default_tenant("t")
+                .tenant(idempotency_layer::TenantSource::fixed("t"))
                 .lease(lease)
                 // Not even with fail-open: a lease later, a retry may run it elsewhere.
                 .fail_open(true),
@@ -733,7 +737,8 @@ async fn a_failure_is_answered_before_its_claim_is_released() {
     // The store's `release` never answers (it went away mid-request).
     let store = FaultStore::new(MemoryStore::new());
     store.inject(Rule::new(Op::Release, Fault::Hang));
-    let layer = IdempotencyLayer::new(store.clone()).default_tenant("t");
+    let layer =
+        IdempotencyLayer::new(store.clone()).tenant(idempotency_layer::TenantSource::fixed("t"));
     let svc = layer.layer(service_fn(
         |req: Request<RequestBody<Full<Bytes>>>| async move {
             match req.uri().path() {
@@ -800,7 +805,7 @@ async fn settings_at_their_extremes_never_panic() {
     };
     let forever = Duration::MAX;
     let huge = IdempotencyLayer::default()
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .ttl(forever)
         .lease(forever)
         .max_wait(forever)
@@ -827,7 +832,7 @@ async fn settings_at_their_extremes_never_panic() {
 
     let zero = Duration::ZERO;
     let tiny = IdempotencyLayer::default()
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .ttl(zero)
         .lease(zero)
         .max_wait(zero)
@@ -903,7 +908,8 @@ async fn the_in_flight_gauge_counts_the_claims_held() {
                 }),
             )
         };
-        let layer = IdempotencyLayer::new(MemoryStore::new()).default_tenant("t");
+        let layer = IdempotencyLayer::new(MemoryStore::new())
+            .tenant(idempotency_layer::TenantSource::fixed("t"));
         let addr = serve(router.layer(layer.clone())).await;
         let c = client::<Full<Bytes>>(transport);
         let calls: Vec<_> = ["order-gauge-01", "order-gauge-02", "order-gauge-01"]
@@ -954,7 +960,8 @@ async fn a_drain_refuses_new_writes_and_lets_the_ones_in_flight_finish() {
                 }),
             )
         };
-        let layer = IdempotencyLayer::new(MemoryStore::new()).default_tenant("t");
+        let layer = IdempotencyLayer::new(MemoryStore::new())
+            .tenant(idempotency_layer::TenantSource::fixed("t"));
         let addr = serve(router.layer(layer.clone())).await;
         let c = client::<Full<Bytes>>(transport);
         let first = tokio::spawn(send_owned(
@@ -989,7 +996,7 @@ async fn a_drain_refuses_new_writes_and_lets_the_ones_in_flight_finish() {
 /// claim no longer renewed), and the drain says how many were left.
 #[tokio::test(start_paused = true)]
 async fn a_drain_ends_at_its_grace() {
-    let layer = IdempotencyLayer::default().default_tenant("t");
+    let layer = IdempotencyLayer::default().tenant(idempotency_layer::TenantSource::fixed("t"));
     let svc = layer.layer(service_fn(|_: Request<RequestBody<Full<Bytes>>>| async {
         std::future::pending::<()>().await;
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
@@ -1017,7 +1024,7 @@ async fn a_record_the_store_refuses_for_longer_than_a_lease_lands_later_and_noth
     let store = FaultStore::new(MemoryStore::new());
     store.inject(Rule::new(Op::Complete, Fault::Fail));
     let layer = IdempotencyLayer::new(store.clone())
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .lease(Duration::from_millis(500));
     let executions = Arc::new(AtomicUsize::new(0));
     let svc = layer.layer(counting(&executions));
@@ -1093,7 +1100,7 @@ async fn a_waiter_that_would_lead_readies_the_service_within_its_bound_before_cl
     }
     let store = FaultStore::new(MemoryStore::new());
     let layer = IdempotencyLayer::new(store.clone())
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .on_disconnect(OnDisconnect::Release)
         .max_wait(Duration::from_secs(2));
     let gated = Gated {
@@ -1142,7 +1149,8 @@ async fn a_waiter_that_would_lead_readies_the_service_within_its_bound_before_cl
 async fn an_early_rejection_lets_go_of_the_capacity_readiness_reserved() {
     let executions = Arc::new(AtomicUsize::new(0));
     let limit = tower::limit::ConcurrencyLimit::new(counting(&executions), 1);
-    let layer = IdempotencyLayer::new(MemoryStore::new()).require_tenant();
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .tenant(idempotency_layer::TenantSource::required());
     let mut svc = layer.layer(limit.clone());
     for (key, what) in [
         (None, "no key"),
@@ -1209,7 +1217,7 @@ async fn response_bytes_held_for_clients_that_do_not_read_have_a_layer_wide_boun
     };
     let budget = 256 * 1024;
     let layer = IdempotencyLayer::new(MemoryStore::new())
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .max_record_bytes(4 << 20)
         .max_response_buffer_bytes(budget);
     let svc = layer.layer(handler);

@@ -65,7 +65,8 @@ async fn a_fingerprint_of_your_own_accepts_a_reserialised_body() {
     };
     for custom in [false, true] {
         let executions = Arc::new(AtomicUsize::new(0));
-        let mut layer = IdempotencyLayer::new(MemoryStore::new()).default_tenant("t");
+        let mut layer = IdempotencyLayer::new(MemoryStore::new())
+            .tenant(idempotency_layer::TenantSource::fixed("t"));
         if custom {
             layer = layer.fingerprint_fn(canonical);
         }
@@ -98,7 +99,7 @@ async fn a_fingerprint_of_your_own_accepts_a_reserialised_body() {
 async fn a_key_rule_of_your_own_decides_which_keys_are_valid() {
     let executions = Arc::new(AtomicUsize::new(0));
     let layer = IdempotencyLayer::new(MemoryStore::new())
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .key_rule(|key| match key.len() {
             1..=255 => Ok(()),
             n => Err(format!(
@@ -136,7 +137,7 @@ async fn a_key_rule_of_your_own_decides_which_keys_are_valid() {
 async fn a_rejection_body_of_your_own_keeps_status_and_reason_code() {
     let executions = Arc::new(AtomicUsize::new(0));
     let layer = IdempotencyLayer::new(MemoryStore::new())
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .max_request_bytes(4)
         .rejection_body(|r| {
             let body = format!("{} {}: {}", r.status.as_u16(), r.code.as_str(), r.detail);

@@ -152,7 +152,7 @@ async fn start(layer: IdempotencyLayer) -> (SocketAddr, Orders) {
 
 fn layer() -> IdempotencyLayer {
     IdempotencyLayer::new(MemoryStore::new())
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .idempotent_grpc_methods(
             reason_code::IdempotentGrpcMethods::new(["/shop.Orders/GetOrder"]).unwrap(),
         )
@@ -536,7 +536,7 @@ async fn a_begin_the_store_never_answers_ends_at_one_lease() {
     let store = FaultStore::new(MemoryStore::new());
     store.inject(Rule::new(Op::Begin, Fault::Hang).times(1));
     let layer = IdempotencyLayer::new(store.clone())
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .lease(std::time::Duration::from_millis(500))
         .fail_open(true);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

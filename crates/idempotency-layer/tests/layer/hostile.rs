@@ -71,7 +71,8 @@ async fn raw_status(addr: std::net::SocketAddr, request: &[u8]) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cr_lf_and_control_bytes_in_keys_never_reach_the_handler() {
     let count = Arc::new(AtomicUsize::new(0));
-    let app = counting(&count).layer(IdempotencyLayer::default().default_tenant("t"));
+    let app = counting(&count)
+        .layer(IdempotencyLayer::default().tenant(idempotency_layer::TenantSource::fixed("t")));
 
     // The http crate refuses CR, LF, NUL and other controls in a header value outright.
     for bad in [
@@ -138,7 +139,7 @@ async fn cr_lf_and_control_bytes_in_keys_never_reach_the_handler() {
 #[tokio::test]
 async fn header_values_of_64_kib_are_refused_or_ignored_cheaply() {
     let count = Arc::new(AtomicUsize::new(0));
-    let layer = IdempotencyLayer::default().default_tenant("t");
+    let layer = IdempotencyLayer::default().tenant(idempotency_layer::TenantSource::fixed("t"));
     let app = counting(&count).layer(layer.clone());
     let huge = |c: u8| HeaderValue::from_bytes(&vec![c; 64 * 1024]).unwrap();
 
@@ -167,9 +168,9 @@ async fn header_values_of_64_kib_are_refused_or_ignored_cheaply() {
     assert_eq!(count.load(Ordering::SeqCst), 2);
 
     // A 64 KiB tenant from a trusted header is hashed into the scope like any other.
-    let app = counting(&count).layer(
-        IdempotencyLayer::default().tenant_from_header(http::HeaderName::from_static("x-tenant")),
-    );
+    let app = counting(&count).layer(IdempotencyLayer::default().tenant(
+        idempotency_layer::TenantSource::header(http::HeaderName::from_static("x-tenant")),
+    ));
     let mut req = post_with_key(HeaderValue::from_static("tenant-huge-1"), "{}");
     req.headers_mut().insert("x-tenant", huge(b't'));
     assert_eq!(call(&app, req).await.status, StatusCode::CREATED);
@@ -264,7 +265,7 @@ async fn ten_thousand_waiters_on_one_key_are_bounded_by_max_waiters() {
     let gate = Arc::new(tokio::sync::Notify::new());
     let (c, s, g) = (count.clone(), started.clone(), gate.clone());
     let layer = IdempotencyLayer::default()
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .max_waiters(100);
     let app = Router::new()
         .route(
@@ -330,7 +331,7 @@ async fn ten_thousand_waiters_on_one_key_are_bounded_by_max_waiters() {
 async fn request_bodies_at_the_limit_pass_and_over_it_are_413() {
     let count = Arc::new(AtomicUsize::new(0));
     let layer = IdempotencyLayer::default()
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .max_request_bytes(1024);
     let app = counting(&count).layer(layer.clone());
     let req = |key: &'static str, body: Body, length: Option<usize>| {
@@ -395,7 +396,7 @@ async fn a_corrupt_entry_is_a_clear_non_retryable_error_until_forgotten() {
     // looks like to the layer).
     let store = FaultStore::new(MemoryStore::new());
     let layer = IdempotencyLayer::new(store.clone())
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .fail_open(true); // even fail-open must not execute over a corrupt entry
     let app = counting(&count).layer(layer.clone());
     let key = "corrupt-key-01";
@@ -526,7 +527,7 @@ async fn a_brief_store_outage_at_completion_neither_loses_the_record_nor_strands
     let count = Arc::new(AtomicUsize::new(0));
     let store = FaultStore::new(MemoryStore::new());
     let layer = IdempotencyLayer::new(store.clone())
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .max_wait(Duration::from_secs(1));
     let app = counting(&count).layer(layer.clone());
     let key = || post_with_key(HeaderValue::from_static("outage-at-end-1"), "{}");

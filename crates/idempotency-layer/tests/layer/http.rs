@@ -45,7 +45,7 @@ fn app(layer: IdempotencyLayer, count: &Arc<AtomicUsize>) -> Router {
 }
 
 fn layer() -> IdempotencyLayer {
-    IdempotencyLayer::new(MemoryStore::new()).default_tenant("t")
+    IdempotencyLayer::new(MemoryStore::new()).tenant(idempotency_layer::TenantSource::fixed("t"))
 }
 
 async fn call(app: &Router, req: Request<Body>) -> Collected {
@@ -150,13 +150,15 @@ async fn missing_tenant_is_unauthenticated_unless_configured() {
     // The message says how to give the layer a tenant.
     let message = r.json()["detail"].as_str().unwrap_or_default().to_owned();
     assert!(
-        message.contains("Tenant extension") && message.contains("default_tenant"),
+        message.contains("Tenant extension") && message.contains("TenantSource::fixed"),
         "{message}"
     );
 
     // Header-based tenant: explicit opt-in.
     let app_header = app(
-        IdempotencyLayer::default().tenant_from_header("x-tenant".parse().unwrap()),
+        IdempotencyLayer::default().tenant(idempotency_layer::TenantSource::header(
+            "x-tenant".parse().unwrap(),
+        )),
         &count,
     );
     let mut req = req_post("/orders", Some("order-00000001"), "{}");
@@ -701,7 +703,8 @@ async fn capacity_holds_with_ten_times_the_keys() {
         .max_entries(50)
         .tenant_share_percent(100)
         .build();
-    let layer = IdempotencyLayer::new(store.clone()).default_tenant("t");
+    let layer =
+        IdempotencyLayer::new(store.clone()).tenant(idempotency_layer::TenantSource::fixed("t"));
     let app = app(layer.clone(), &count);
     let mut created = Vec::new();
     for i in 0..500 {
@@ -732,7 +735,8 @@ async fn capacity_holds_with_ten_times_the_keys() {
         .tenant_share_percent(100)
         .evict_when_full(true)
         .build();
-    let layer = IdempotencyLayer::new(store.clone()).default_tenant("t");
+    let layer =
+        IdempotencyLayer::new(store.clone()).tenant(idempotency_layer::TenantSource::fixed("t"));
     let app = self::app(layer.clone(), &count);
     for i in 0..500 {
         let key = format!("cap-key-{i:05}");
@@ -821,7 +825,8 @@ async fn a_failing_store_fails_closed_by_default_and_open_when_configured() {
     let count = Arc::new(AtomicUsize::new(0));
     let store = FlakyStore::default();
     down(&store);
-    let closed = IdempotencyLayer::new(store.clone()).default_tenant("t");
+    let closed =
+        IdempotencyLayer::new(store.clone()).tenant(idempotency_layer::TenantSource::fixed("t"));
     let app_closed = Router::new()
         .route("/orders", counting(&count))
         .layer(closed.clone());
@@ -935,7 +940,7 @@ async fn a_structured_field_key_with_parameters_is_the_same_key() {
     assert_eq!(count.load(Ordering::SeqCst), 1);
 }
 
-/// `tenant_fn` reads the tenant an auth step left in the request head: each tenant its own
+/// `TenantSource::from_fn` reads the tenant an auth step left in the request head: each tenant its own
 /// scope, and no tenant a 401.
 #[tokio::test]
 async fn tenant_fn_reads_the_tenant_from_the_request_head() {
@@ -943,8 +948,10 @@ async fn tenant_fn_reads_the_tenant_from_the_request_head() {
     struct Claims(&'static str);
 
     let count = Arc::new(AtomicUsize::new(0));
-    let layer = IdempotencyLayer::new(MemoryStore::new())
-        .tenant_fn(|parts| parts.extensions.get::<Claims>().map(|c| c.0));
+    let layer =
+        IdempotencyLayer::new(MemoryStore::new()).tenant(idempotency_layer::TenantSource::from_fn(
+            |parts| parts.extensions.get::<Claims>().map(|c| c.0),
+        ));
     let app = app(layer, &count);
     let as_org = |org: Option<&'static str>| {
         let mut req = req_post("/orders", Some("order-tenant-fn-1"), "{}");

@@ -32,7 +32,7 @@ fn an_execution_then_a_replay_are_counted() {
     let svc = {
         let runs = runs.clone();
         IdempotencyLayer::default()
-            .default_tenant("t")
+            .tenant(idempotency_layer::TenantSource::fixed("t"))
             .layer(service_fn(
                 move |_req: Request<RequestBody<Full<Bytes>>>| {
                     runs.fetch_add(1, Ordering::SeqCst);

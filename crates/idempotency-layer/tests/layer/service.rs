@@ -57,7 +57,7 @@ async fn grpc_status_in_trailers_decides_what_is_recorded() {
         let count = Arc::new(AtomicUsize::new(0));
         let c = count.clone();
         let svc = IdempotencyLayer::default()
-            .default_tenant("t")
+            .tenant(idempotency_layer::TenantSource::fixed("t"))
             .layer(service_fn(
                 move |_req: Request<RequestBody<Full<Bytes>>>| {
                     c.fetch_add(1, Ordering::SeqCst);
@@ -93,7 +93,7 @@ async fn a_body_error_mid_stream_after_a_recorded_head_is_recorded_without_its_b
     for grpc in [false, true] {
         let count = Arc::new(AtomicUsize::new(0));
         let c = count.clone();
-        let layer = IdempotencyLayer::default().default_tenant("t");
+        let layer = IdempotencyLayer::default().tenant(idempotency_layer::TenantSource::fixed("t"));
         let svc = layer.layer(service_fn(
             move |_req: Request<RequestBody<Full<Bytes>>>| {
                 let n = c.fetch_add(1, Ordering::SeqCst);
@@ -174,7 +174,7 @@ fn gated_service(layer: IdempotencyLayer) -> (Svc, Arc<AtomicUsize>, Notify, Not
 #[tokio::test(start_paused = true)]
 async fn the_leader_renews_its_lease_while_the_handler_runs() {
     let layer = IdempotencyLayer::default()
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .lease(Duration::from_secs(1))
         .in_flight(InFlight::Reject);
     let (svc, count, started, gate) = gated_service(layer);
@@ -207,7 +207,7 @@ async fn the_leader_renews_its_lease_while_the_handler_runs() {
 
 #[tokio::test(start_paused = true)]
 async fn a_grpc_waiter_stops_at_its_own_deadline() {
-    let layer = IdempotencyLayer::default().default_tenant("t");
+    let layer = IdempotencyLayer::default().tenant(idempotency_layer::TenantSource::fixed("t"));
     let (svc, _count, started, gate) = gated_service(layer);
     let first = tokio::spawn(svc.clone().oneshot(grpc_request("deadline-key")));
     started.notified().await;

@@ -186,7 +186,7 @@ async fn send(client: &HttpClient, addr: SocketAddr, key: &str) -> Collected {
 
 fn layer(on_disconnect: OnDisconnect, in_flight: InFlight) -> IdempotencyLayer {
     IdempotencyLayer::new(MemoryStore::new())
-        .default_tenant("t")
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
         .on_disconnect(on_disconnect)
         .in_flight(in_flight)
 }
@@ -249,7 +249,7 @@ async fn fail_open_answers_the_handlers_whole_response_while_the_store_is_down()
             let store = FlakyStore::default();
             down(&store);
             let layer = IdempotencyLayer::new(store.clone())
-                .default_tenant("t")
+                .tenant(idempotency_layer::TenantSource::fixed("t"))
                 .fail_open(true);
             let router = orders(&counts, move |counts| async move {
                 counts.started.fetch_add(1, Ordering::SeqCst);
@@ -672,7 +672,8 @@ async fn a_waiter_holds_no_inner_capacity() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn layers_with_different_leases_each_renew_in_time() {
     let store = FaultStore::new(MemoryStore::new());
-    let base = IdempotencyLayer::new(store.clone()).default_tenant("t");
+    let base =
+        IdempotencyLayer::new(store.clone()).tenant(idempotency_layer::TenantSource::fixed("t"));
     let long = base.clone().lease(Duration::from_secs(600));
     let short = base.clone().lease(Duration::from_secs(3));
     let counts = Counts::default();
@@ -801,7 +802,8 @@ async fn grpc_web_statuses_in_the_body_decide_what_is_recorded() {
                 }
             }),
         );
-        let layer = IdempotencyLayer::new(MemoryStore::new()).default_tenant("t");
+        let layer = IdempotencyLayer::new(MemoryStore::new())
+            .tenant(idempotency_layer::TenantSource::fixed("t"));
         let addr = serve(router.layer(layer.clone())).await;
         let client = client(Transport::Http1);
         let send = |key: Option<&'static str>| {
@@ -1157,7 +1159,7 @@ async fn a_begin_the_store_never_answers_ends_at_one_lease_over_the_wire() {
         );
         let counts = Counts::default();
         let idempotency = IdempotencyLayer::new(store.clone())
-            .default_tenant("t")
+            .tenant(idempotency_layer::TenantSource::fixed("t"))
             .lease(Duration::from_millis(500))
             .fail_open(true);
         let svc = tower::ServiceBuilder::new()
@@ -1222,7 +1224,8 @@ async fn one_key_on_two_resources_of_one_route_is_a_422() {
                     }
                 }),
             );
-            let layer = IdempotencyLayer::new(MemoryStore::new()).default_tenant("t");
+            let layer = IdempotencyLayer::new(MemoryStore::new())
+                .tenant(idempotency_layer::TenantSource::fixed("t"));
             let addr = if inside_the_router {
                 crate::support::serve(routes.layer(layer)).await
             } else {

@@ -24,8 +24,9 @@ async fn a_full_tenant_share_answers_503_with_retry_after_and_runs_nothing() {
         .tenant_share_percent(50)
         .build();
     let executions = Arc::new(AtomicUsize::new(0));
-    let layer = IdempotencyLayer::new(store.clone())
-        .tenant_from_header(HeaderName::from_static("x-tenant"));
+    let layer = IdempotencyLayer::new(store.clone()).tenant(
+        idempotency_layer::TenantSource::header(HeaderName::from_static("x-tenant")),
+    );
     let app = {
         let executions = executions.clone();
         Router::new()
@@ -106,7 +107,7 @@ async fn a_full_tenant_share_answers_503_with_retry_after_and_runs_nothing() {
 }
 
 /// The default store, as it ships, behind a single-tenant service
-/// (`IdempotencyLayer::new(MemoryStore::new()).default_tenant("shop")`): 90 000 distinct keyed
+/// (`IdempotencyLayer::new(MemoryStore::new()).tenant(idempotency_layer::TenantSource::fixed("shop"))`): 90 000 distinct keyed
 /// writes within the TTL all execute, none refused (the tenant is alone, so the store is all
 /// its own, bounded as a whole: before, the 50 % tenant share split per shard refused 40 016 of
 /// them from write 47 365 on), and each one's retry is its replay.
@@ -116,7 +117,8 @@ async fn the_default_store_takes_a_single_tenant_services_writes() {
 
     let store = MemoryStore::new();
     let executions = Arc::new(AtomicUsize::new(0));
-    let layer = IdempotencyLayer::new(store.clone()).default_tenant("shop");
+    let layer =
+        IdempotencyLayer::new(store.clone()).tenant(idempotency_layer::TenantSource::fixed("shop"));
     let svc = layer.layer(tower::service_fn({
         let executions = executions.clone();
         move |_: Request<idempotency_layer::RequestBody<Full<Bytes>>>| {

@@ -76,7 +76,7 @@ async fn the_layer_answers_classified_503s_through_a_cut_and_recovers_without_ru
     // `/orders` runs at once, except the key "held", whose handler waits for `go`.
     let executions = Executions::default();
     let go = Arc::new(Semaphore::new(0));
-    let layer = IdempotencyLayer::new(store).default_tenant("shop");
+    let layer = IdempotencyLayer::new(store).tenant(idempotency_layer::TenantSource::fixed("shop"));
     let app = {
         let (executions, go) = (executions.clone(), go.clone());
         Router::new()

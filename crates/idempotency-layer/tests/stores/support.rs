@@ -133,7 +133,11 @@ pub fn orders_app<S: IdempotencyStore>(
             }),
         )
         // Records of test runs need not outlive them.
-        .layer(layer.ttl(Duration::from_secs(600)).default_tenant("shop"))
+        .layer(
+            layer
+                .ttl(Duration::from_secs(600))
+                .tenant(idempotency_layer::TenantSource::fixed("shop")),
+        )
 }
 
 /// 50 keys x 40 duplicates, split over two instances `a` and `b` sharing one store: what each
@@ -282,7 +286,7 @@ pub async fn lease_takeover<S: IdempotencyStore>(a: S, b: S) {
             .layer(
                 IdempotencyLayer::new(a.clone())
                     .lease(Duration::from_millis(300))
-                    .default_tenant("shop"),
+                    .tenant(idempotency_layer::TenantSource::fixed("shop")),
             )
     };
     let addr_a = serve(app_a).await;
@@ -664,7 +668,7 @@ pub async fn near_cache_forget_reaches_every_instance<S: IdempotencyStore>(
     stats: impl Fn(&S) -> Option<NearCacheStats>,
 ) {
     let executions = Executions::default();
-    let layer_a = IdempotencyLayer::new(a).default_tenant("shop");
+    let layer_a = IdempotencyLayer::new(a).tenant(idempotency_layer::TenantSource::fixed("shop"));
     let addr_a = serve(orders_app(
         layer_a.clone(),
         "a",

@@ -48,7 +48,7 @@ impl MemoryStoreBuilder {
     /// The largest share of the entries and bytes one tenant may hold while other tenants hold
     /// entries too, in percent (default 50, clamped to 1..=100). A tenant alone in the store has
     /// all of it; 100 turns the bound off. Claims made with a plain
-    /// [`begin`](IdempotencyStore::begin) (no tenant known) are bound by the store's own bounds
+    /// [`begin`](crate::store::IdempotencyStore::begin) (no tenant known) are bound by the store's own bounds
     /// only.
     pub fn tenant_share_percent(mut self, percent: u8) -> Self {
         self.tenant_share = percent.clamp(1, 100);

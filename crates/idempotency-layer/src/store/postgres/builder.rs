@@ -15,6 +15,7 @@ use crate::store::StoreError;
 use super::busy::Canceller;
 use super::listen::cleanup_task;
 use super::sql::Sql;
+use super::Connector;
 use super::{backend, millis, pool_error, Inner, PostgresStore, RENEWAL_CONNECTIONS};
 
 /// Builds a [`PostgresStore`]: [`PostgresStore::builder`].
@@ -302,14 +303,6 @@ impl PostgresStoreBuilder {
         }
         Ok(PostgresStore { inner })
     }
-}
-
-/// How the store's connections are made.
-#[derive(Clone)]
-pub(super) enum Connector {
-    Plain,
-    #[cfg(feature = "postgres-tls")]
-    Rustls(tokio_postgres_rustls::MakeRustlsConnect),
 }
 
 #[cfg(feature = "postgres-tls")]

@@ -13,12 +13,8 @@ use tokio_postgres::{AsyncMessage, NoTls, Socket};
 
 use crate::store::near_cache::scope_from_hex;
 
-use super::builder::Connector;
+use super::{Connector, FORGET_PREFIX};
 use super::{Inner, PostgresStore, DEAF, HEARS};
-
-/// The payload prefix of a forgotten record's notification (then the scope in hex); any other
-/// payload is a claim's end, for waiters.
-pub(super) const FORGET_PREFIX: &str = "forget:";
 
 pub(super) struct Listener {
     /// Dropped with the store: the listener task ends.

@@ -24,7 +24,6 @@ mod listen;
 mod sql;
 
 pub use self::builder::PostgresStoreBuilder;
-use self::builder::*;
 use self::listen::*;
 use self::sql::*;
 pub(crate) use self::sql::{affected, CompleteParams};
@@ -247,6 +246,18 @@ type Param<'a> = (&'a (dyn ToSql + Sync), Type);
 const HEARS: u8 = 1;
 /// [`Inner::hears`]: it missed one, or lost its connection.
 const DEAF: u8 = 2;
+
+/// How the store's connections are made.
+#[derive(Clone)]
+pub(super) enum Connector {
+    Plain,
+    #[cfg(feature = "postgres-tls")]
+    Rustls(tokio_postgres_rustls::MakeRustlsConnect),
+}
+
+/// The payload prefix of a forgotten record's notification (then the scope in hex); any other
+/// payload is a claim's end, for waiters.
+pub(super) const FORGET_PREFIX: &str = "forget:";
 
 /// The connections renewals run on, apart from the store's pool: at most this many renewal
 /// statements at once (the layer sends at most four per tick).
@@ -742,7 +753,8 @@ impl IdempotencyStore for PostgresStore {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::builder::check_identifier;
+    use super::Sql;
 
     #[test]
     fn identifiers_are_checked() {

@@ -10,7 +10,7 @@ use uuid::Uuid;
 
 use crate::store::{codec, Begin, ScopeKey, StoreError, Token};
 
-use super::listen::FORGET_PREFIX;
+use super::FORGET_PREFIX;
 use super::{backend, millis};
 
 pub(super) struct Sql {

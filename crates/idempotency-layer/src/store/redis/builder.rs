@@ -15,6 +15,9 @@ use crate::store::wake::Polling;
 use crate::store::StoreError;
 
 use super::conn::{Conn, PubSubSource};
+#[cfg(feature = "redis-cluster")]
+use super::nodes::value_text;
+use super::nodes::{judge_maxmemory_policies, multi_node_url, node_urls};
 use super::{backend, timed_out, Inner, RedisStore};
 
 /// Builds a [`RedisStore`]: [`RedisStore::builder`] or [`RedisStore::builder_from_client`].
@@ -52,13 +55,6 @@ impl fmt::Debug for RedisStoreBuilder {
             .field("wait_for_replicas", &self.wait_for_replicas)
             .finish_non_exhaustive()
     }
-}
-
-/// True for a `maxmemory-policy` under which Redis may evict this store's keys (every policy
-/// but `noeviction`): an evicted claim lets a duplicate execute, an evicted record lets a retry
-/// execute again.
-pub fn maxmemory_policy_can_evict(policy: &str) -> bool {
-    !policy.eq_ignore_ascii_case("noeviction")
 }
 
 /// The hash tag a key starting with `prefix` carries, as Redis Cluster reads it: what lies
@@ -123,7 +119,7 @@ impl RedisStoreBuilder {
     }
 
     /// Closes the asynchronous-replication gap for claims and records: after a claim is
-    /// written (`begin` answers [`Begin::New`]) and after a record is written (`complete`),
+    /// written (`begin` answers [`Begin::New`](crate::store::Begin::New)) and after a record is written (`complete`),
     /// the store sends `WAIT replicas timeout` in the same round trip as the script, and the
     /// operation succeeds only if at least `replicas` replicas acknowledged the write within
     /// `timeout`. Off by default (a failover can then lose what was acknowledged just before
@@ -329,30 +325,6 @@ impl RedisStoreBuilder {
     }
 }
 
-/// The base scheme (`redis` or `rediss`) and the rest of a `redis{suffix}://...` or
-/// `rediss{suffix}://...` URL; `None` for any other scheme.
-pub(super) fn multi_node_url<'a>(url: &'a str, suffix: &str) -> Option<(&'a str, &'a str)> {
-    let (scheme, rest) = url.split_once("://")?;
-    let base = scheme.strip_suffix(suffix)?;
-    (base == "redis" || base == "rediss").then_some((base, rest))
-}
-
-/// The node URLs of a comma-separated `host:port` list, each given the scheme `base` unless it
-/// has one of its own.
-pub(super) fn node_urls(base: &str, list: &str) -> Vec<String> {
-    list.split(',')
-        .map(str::trim)
-        .filter(|n| !n.is_empty())
-        .map(|n| {
-            if n.contains("://") {
-                n.to_owned()
-            } else {
-                format!("{base}://{n}")
-            }
-        })
-        .collect()
-}
-
 /// The settings of the connection managers the store makes.
 pub(super) fn manager_config(timeout: Duration) -> ConnectionManagerConfig {
     ConnectionManagerConfig::new()
@@ -408,84 +380,6 @@ pub(super) async fn check_maxmemory_policy(
         Ok(Ok(replies)) => replies,
     };
     judge_maxmemory_policies(replies, require)
-}
-
-/// What the `CONFIG GET maxmemory-policy` replies of `(node, reply)` say: the policy (an
-/// evicting one if any node has one; logged), or, with `require`, an error when a policy can
-/// evict or cannot be read.
-pub(super) fn judge_maxmemory_policies(
-    replies: Vec<(String, Value)>,
-    require: bool,
-) -> Result<Option<String>, StoreError> {
-    let mut policy = None;
-    for (node, reply) in replies {
-        match policy_in(&reply) {
-            None => {
-                let refusal = format!(
-                    "cannot read maxmemory-policy on {node} (CONFIG is not allowed?); make sure \
-                     it is noeviction, or records and claims may be evicted early"
-                );
-                if require {
-                    return Err(StoreError::Backend(
-                        format!(
-                            "{refusal}. require_noeviction is on, so the store refuses to start: \
-                             allow CONFIG GET for this user, or check the policy yourself and \
-                             turn require_noeviction off"
-                        )
-                        .into(),
-                    ));
-                }
-                tracing::info!("idempotency: {refusal}");
-            }
-            Some(p) if maxmemory_policy_can_evict(&p) => {
-                if require {
-                    return Err(StoreError::Backend(
-                        format!(
-                            "{node} has maxmemory-policy {p}, which can evict this store's keys \
-                             (an evicted claim lets a duplicate execute, an evicted record lets a \
-                             retry execute again); require_noeviction is on, so the store refuses \
-                             to start: run CONFIG SET maxmemory-policy noeviction on every node \
-                             (and in its config file)"
-                        )
-                        .into(),
-                    ));
-                }
-                tracing::error!(
-                    %node,
-                    maxmemory_policy = %p,
-                    "idempotency: redis maxmemory-policy can evict this store's keys: under memory \
-                     pressure an evicted claim lets a duplicate execute, an evicted record lets a \
-                     retry execute again. Set `maxmemory-policy noeviction` (writes then fail \
-                     closed with 503 when Redis is full), or give Redis room for \
-                     writes/s x TTL x record size"
-                );
-                policy = Some(p);
-            }
-            Some(p) => {
-                policy.get_or_insert(p);
-            }
-        }
-    }
-    Ok(policy)
-}
-
-/// The policy in a `CONFIG GET maxmemory-policy` reply (`[name, value]`, or a map in RESP3);
-/// `None` for an error reply or anything else.
-pub(super) fn policy_in(reply: &Value) -> Option<String> {
-    match reply {
-        Value::Array(items) if items.len() == 2 => Some(value_text(&items[1])),
-        Value::Map(pairs) if pairs.len() == 1 => Some(value_text(&pairs[0].1)),
-        _ => None,
-    }
-}
-
-pub(super) fn value_text(v: &Value) -> String {
-    match v {
-        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
-        Value::SimpleString(s) => s.clone(),
-        Value::VerbatimString { text, .. } => text.clone(),
-        other => format!("{other:?}"),
-    }
 }
 
 /// A cluster client on the seed `nodes`; with a push sender, it speaks RESP3 (pub/sub pushes

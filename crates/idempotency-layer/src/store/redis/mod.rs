@@ -16,14 +16,16 @@ use super::{Backend, Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, Sto
 mod builder;
 mod conn;
 mod lua;
+mod nodes;
 mod pubsub;
 mod replicas;
 #[cfg(feature = "redis-sentinel")]
 mod sentinel;
 
-pub use self::builder::{maxmemory_policy_can_evict, RedisStoreBuilder};
+pub use self::builder::RedisStoreBuilder;
 use self::conn::*;
 use self::lua::*;
+pub use self::nodes::maxmemory_policy_can_evict;
 use self::pubsub::*;
 
 /// The Redis store: claims and records in Redis, visible to every instance of a service.
@@ -46,7 +48,7 @@ use self::pubsub::*;
 ///   carries the subscriptions of all its waiters, and reconnects by itself; a waiter also
 ///   polls with backoff (25 ms doubling to 1 s by default), so a lost message delays it at
 ///   most one poll interval and never hangs it.
-/// - **Failures**: commands go through a [`ConnectionManager`] that reconnects on its own;
+/// - **Failures**: commands go through a [`ConnectionManager`](redis::aio::ConnectionManager) that reconnects on its own;
 ///   every operation is bounded by [`RedisStoreBuilder::timeout`], so an unreachable server
 ///   answers [`StoreError::Backend`] quickly (the layer then fails closed with 503 /
 ///   UNAVAILABLE). An entry that does not decode is [`StoreError::Corrupt`].

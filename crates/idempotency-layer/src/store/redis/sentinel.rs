@@ -24,13 +24,13 @@ const MIN_ASK_INTERVAL: Duration = Duration::from_millis(100);
 /// URL (`rediss+sentinel://` for TLS to the sentinels and the data nodes); `None` for any other
 /// scheme or a URL without a master name.
 pub(super) fn sentinel_from_url(url: &str) -> Option<(Vec<String>, String)> {
-    let (base, rest) = super::builder::multi_node_url(url, "+sentinel")?;
+    let (base, rest) = super::nodes::multi_node_url(url, "+sentinel")?;
     let (nodes, name) = rest.rsplit_once('/')?;
     let name = name.trim();
     if name.is_empty() {
         return None;
     }
-    let nodes = super::builder::node_urls(base, nodes);
+    let nodes = super::nodes::node_urls(base, nodes);
     (!nodes.is_empty()).then(|| (nodes, name.to_owned()))
 }
 
@@ -248,7 +248,7 @@ impl Shared {
             _ => return current,
         };
         let node = format!("the new primary {}", client.get_connection_info().addr());
-        let policy = match super::builder::judge_maxmemory_policies(
+        let policy = match super::nodes::judge_maxmemory_policies(
             vec![(node, reply)],
             self.require_noeviction,
         ) {

@@ -305,9 +305,11 @@ fn created(id: i64) -> Response {
 
 /// `route` at `POST /orders` behind `layer` (tenant `shop`, as [`order_scope`] has it).
 fn app<St: IdempotencyStore>(layer: &IdempotencyLayer<St>, route: MethodRouter) -> Router {
-    Router::new()
-        .route("/orders", route)
-        .layer(layer.clone().default_tenant("shop"))
+    Router::new().route("/orders", route).layer(
+        layer
+            .clone()
+            .tenant(idempotency_layer::TenantSource::fixed("shop")),
+    )
 }
 
 fn order(addr: std::net::SocketAddr, key: &str, item: &str) -> Request<Full<Bytes>> {
