@@ -83,6 +83,7 @@ impl fmt::Debug for TenantFrom {
 ///
 /// // A single-tenant service: every key belongs to one tenant.
 /// let layer = IdempotencyLayer::default().tenant(TenantSource::fixed("orders"));
+/// # let _ = layer;
 ///
 /// /// What the auth layer in front of this one inserts after verifying a token.
 /// #[derive(Clone)]
