@@ -429,7 +429,9 @@ pub use layer::{Drained, IdempotencyLayer};
 /// [`reason_code::IdempotentGrpcMethods`], [`reason_code::KeyHeaders`]), re-exported so a
 /// server needs no third dependency kept in lockstep.
 pub use reason_code;
-pub use reason_code::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY};
+pub use reason_code::{
+    IDEMPOTENCY_KEY, IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY,
+};
 pub use reject::{RejectReason, Rejection};
 pub use scope::{Scope, Tenant};
 pub use service::Idempotency;
@@ -441,7 +443,3 @@ pub use store::{PostgresStore, PostgresStoreBuilder};
 pub use store::{RedisStore, RedisStoreBuilder};
 #[cfg(feature = "postgres")]
 pub use tx::{TxCompletion, TxCompletionError};
-
-/// `idempotent-body-omitted`: set to `true` on a replay whose body was too large to record.
-pub const IDEMPOTENT_BODY_OMITTED: http::HeaderName =
-    http::HeaderName::from_static("idempotent-body-omitted");

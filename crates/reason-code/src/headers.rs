@@ -34,6 +34,8 @@ pub const X_IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("x-idempotency
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 /// `idempotent-replayed`: set to `true` on a response replayed from a record.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+/// `idempotent-body-omitted`: set to `true` on a replay whose body was too large to record.
+pub const IDEMPOTENT_BODY_OMITTED: HeaderName = HeaderName::from_static("idempotent-body-omitted");
 
 /// Why a header value could not be parsed.
 ///

@@ -59,7 +59,8 @@ pub use headers::{
     decode_grpc_message, encode_grpc_message, encode_grpc_timeout, is_grpc, parse_grpc_pushback,
     parse_grpc_status, parse_grpc_timeout, parse_retry_after, single, HeaderError, Pushback,
     GRPC_MESSAGE, GRPC_PREVIOUS_RPC_ATTEMPTS, GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS, GRPC_TIMEOUT,
-    IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY, X_PREVIOUS_ATTEMPTS, X_REASON_CODE,
+    IDEMPOTENCY_KEY, IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY,
+    X_PREVIOUS_ATTEMPTS, X_REASON_CODE,
 };
 pub use hop::Hop;
 pub use inbound_write::InboundWrite;

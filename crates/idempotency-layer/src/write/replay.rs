@@ -3,11 +3,13 @@
 
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use http::{HeaderValue, Response};
-use reason_code::{encode_grpc_message, Code, GRPC_MESSAGE, GRPC_STATUS, IDEMPOTENT_REPLAYED};
+use reason_code::{
+    encode_grpc_message, Code, GRPC_MESSAGE, GRPC_STATUS, IDEMPOTENT_BODY_OMITTED,
+    IDEMPOTENT_REPLAYED,
+};
 
 use crate::body::IdempotencyBody;
 use crate::store::Record;
-use crate::IDEMPOTENT_BODY_OMITTED;
 
 /// The answer of a duplicate whose leader failed without a record: the leader's own answer,
 /// as it was (not marked as a replay: nothing was recorded).
