@@ -14,6 +14,9 @@ import pathlib
 import re
 import sys
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from check_store_floor import code_lines  # noqa: E402  (the non-test lines of a file)
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CRATES = ["crates/reason-code", "crates/retry-layer", "crates/idempotency-layer"]
 
@@ -24,30 +27,6 @@ def module_of(src, path):
     if parts[-1] in ("lib", "mod"):
         parts = parts[:-1]
     return tuple(parts)
-
-
-def code_lines(path):
-    """(number, code) of the non-test lines of `path`, comments removed."""
-    lines = path.read_text().split("\n")
-    skip_depth = None
-    depth = 0
-    pending_test = False
-    for n, line in enumerate(lines, 1):
-        stripped = line.strip()
-        code = re.sub(r"//.*", "", line)
-        if skip_depth is None:
-            if stripped.startswith("#[cfg(") and "test" in stripped and "not(test" not in stripped:
-                pending_test = True
-            elif pending_test and re.match(r"(pub(\([^)]*\))? )?mod \w+ \{", stripped):
-                skip_depth = depth
-                pending_test = False
-            elif pending_test and not stripped.startswith("#["):
-                pending_test = False
-            if skip_depth is None and not stripped.startswith("//"):
-                yield n, code
-        depth += code.count("{") - code.count("}")
-        if skip_depth is not None and depth <= skip_depth:
-            skip_depth = None
 
 
 PATH = re.compile(r"\b((?:crate|super|self)(?:::\w+)+|\w+(?:::\w+)+)")

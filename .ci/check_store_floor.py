@@ -28,7 +28,7 @@ def code_lines(path):
         stripped = line.strip()
         code = re.sub(r"//.*", "", line)
         if skip_depth is None:
-            if stripped.startswith("#[cfg(") and "test" in stripped:
+            if stripped.startswith("#[cfg(") and "test" in stripped and "not(test" not in stripped:
                 pending_test = True
             elif pending_test and re.match(r"(pub(\([^)]*\))? )?mod \w+ \{", stripped):
                 skip_depth = depth

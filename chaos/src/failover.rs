@@ -182,25 +182,36 @@ impl fmt::Display for FailoverReport {
                 "  {name:18} acknowledged {:>7}  lost {:>5}  errors {:>6}  primary switches {}",
                 l.acknowledged, l.lost, l.errors, l.switches
             )?;
-            if !l.lost_when.is_empty() {
-                let when: Vec<String> = l
-                    .lost_when
-                    .iter()
-                    .map(|(t, n)| format!("{t:+.1}s: {n}"))
-                    .collect();
-                writeln!(
-                    f,
-                    "    lost, by when acknowledged relative to the nearest forced failover: {}",
-                    when.join(", ")
-                )?;
-            }
+            write_lost_when(f, l, "forced failover")?;
         }
-        let problems = self.problems();
-        if problems.is_empty() {
-            write!(f, "checks: PASS")
-        } else {
-            write!(f, "checks: FAIL: {}", problems.join("; "))
-        }
+        write_checks(f, &self.problems())
+    }
+}
+
+/// The line that says when `l`'s lost records were acknowledged, relative to the nearest
+/// `event`, if any was lost.
+pub(crate) fn write_lost_when(f: &mut fmt::Formatter<'_>, l: &Losses, event: &str) -> fmt::Result {
+    if l.lost_when.is_empty() {
+        return Ok(());
+    }
+    let when: Vec<String> = l
+        .lost_when
+        .iter()
+        .map(|(t, n)| format!("{t:+.1}s: {n}"))
+        .collect();
+    writeln!(
+        f,
+        "    lost, by when acknowledged relative to the nearest {event}: {}",
+        when.join(", ")
+    )
+}
+
+/// The report's last line: PASS, or what failed.
+pub(crate) fn write_checks(f: &mut fmt::Formatter<'_>, problems: &[String]) -> fmt::Result {
+    if problems.is_empty() {
+        write!(f, "checks: PASS")
+    } else {
+        write!(f, "checks: FAIL: {}", problems.join("; "))
     }
 }
 

@@ -18,7 +18,9 @@ use std::time::Duration;
 use idempotency_layer::PostgresStore;
 use tokio::time::Instant;
 
-use crate::failover::{lost_when, run_load, run_script, Load, Losses};
+use crate::failover::{
+    lost_when, run_load, run_script, write_checks, write_lost_when, Load, Losses,
+};
 
 /// How the primary stops.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -117,24 +119,8 @@ impl fmt::Display for PgFailoverReport {
             "  acknowledged {:>7}  lost {:>5}  errors {:>6}",
             l.acknowledged, l.lost, l.errors
         )?;
-        if !l.lost_when.is_empty() {
-            let when: Vec<String> = l
-                .lost_when
-                .iter()
-                .map(|(t, n)| format!("{t:+.1}s: {n}"))
-                .collect();
-            writeln!(
-                f,
-                "    lost, by when acknowledged relative to the nearest primary stop: {}",
-                when.join(", ")
-            )?;
-        }
-        let problems = self.problems();
-        if problems.is_empty() {
-            write!(f, "checks: PASS")
-        } else {
-            write!(f, "checks: FAIL: {}", problems.join("; "))
-        }
+        write_lost_when(f, l, "primary stop")?;
+        write_checks(f, &self.problems())
     }
 }
 

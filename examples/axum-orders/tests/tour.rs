@@ -22,24 +22,14 @@ fn start_server() -> (ServerProcess, String) {
     (server, addr)
 }
 
-/// The block after `marker` (the first `sh` block whose text follows it in the README), and the
-/// `text` block right after that one.
-fn block_after(marker: &str) -> Vec<String> {
+/// The lines of the first block fenced with ```` ```kind ```` after `marker` in the README.
+fn block_after(marker: &str, kind: &str) -> Vec<String> {
     let at = README
         .find(marker)
         .unwrap_or_else(|| panic!("the README says {marker:?}"));
     let rest = &README[at..];
-    let start = rest.find("```sh\n").expect("an sh block") + "```sh\n".len();
-    let end = rest[start..].find("```").expect("its end") + start;
-    rest[start..end].lines().map(str::to_owned).collect()
-}
-
-fn text_block_after(marker: &str) -> Vec<String> {
-    let at = README
-        .find(marker)
-        .unwrap_or_else(|| panic!("the README says {marker:?}"));
-    let rest = &README[at..];
-    let start = rest.find("```text\n").expect("a text block") + "```text\n".len();
+    let fence = format!("```{kind}\n");
+    let start = rest.find(&fence).expect("a block") + fence.len();
     let end = rest[start..].find("```").expect("its end") + start;
     rest[start..end].lines().map(str::to_owned).collect()
 }
@@ -268,7 +258,7 @@ fn the_readme_tour_shows_what_a_user_sees() {
     let url = format!("http://{addr}");
 
     // The curl tour: the status each comment names, the replay header, the JSON shown.
-    let tour = steps(&block_after("## A 30-second tour"));
+    let tour = steps(&block_after("## A 30-second tour", "sh"));
     assert!(tour.len() >= 5, "the tour has its curl commands");
     for step in tour.iter().filter(|s| !s.words.is_empty()) {
         let answer = curl(&step.words, &addr);
@@ -300,9 +290,9 @@ fn the_readme_tour_shows_what_a_user_sees() {
 
     // The metrics after the tour: every counter line the README shows (histograms' values are
     // timings, not shown exactly).
-    let metrics = steps(&block_after("at `/metrics` for Prometheus"));
+    let metrics = steps(&block_after("at `/metrics` for Prometheus", "sh"));
     let answer = curl(&metrics[0].words, &addr);
-    for line in text_block_after("at `/metrics` for Prometheus") {
+    for line in block_after("at `/metrics` for Prometheus", "text") {
         if line.trim().is_empty() || line.starts_with('#') || line.contains("_seconds") {
             continue;
         }
@@ -318,7 +308,7 @@ fn the_readme_tour_shows_what_a_user_sees() {
         "And the retrying client",
         "A conflict is never resent as it was",
     ] {
-        let block = steps(&block_after(marker));
+        let block = steps(&block_after(marker, "sh"));
         for step in &block {
             let last = orders_client(&step.words, &url);
             assert!(!last.is_empty(), "{:?} printed nothing", step.words);

@@ -412,16 +412,7 @@ impl OwnRedis {
             child,
             url: format!("redis://127.0.0.1:{port}"),
         };
-        wait::until_async(
-            wait::LIMIT,
-            "the test's redis-server takes connections",
-            || async {
-                tokio::net::TcpStream::connect(("127.0.0.1", port))
-                    .await
-                    .is_ok()
-            },
-        )
-        .await;
+        takes_connections(port).await;
         own
     }
 }
@@ -637,16 +628,7 @@ impl TlsRedis {
             .spawn()
             .expect("redis-server (with TLS support) is installed");
         let tls = TlsRedis { child, dir, port };
-        wait::until_async(
-            wait::LIMIT,
-            "the TLS redis-server takes connections",
-            || async {
-                tokio::net::TcpStream::connect(("127.0.0.1", port))
-                    .await
-                    .is_ok()
-            },
-        )
-        .await;
+        takes_connections(port).await;
         tls
     }
 }
@@ -697,6 +679,20 @@ async fn rediss_connects_over_tls() {
         untrusted.is_err(),
         "a certificate from an unknown CA is refused"
     );
+}
+
+/// Waits until a redis-server this test started takes connections on `port`.
+async fn takes_connections(port: u16) {
+    wait::until_async(
+        wait::LIMIT,
+        "the test's redis-server takes connections",
+        || async {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+        },
+    )
+    .await;
 }
 
 /// A replica of the server at `REDIS_URL`, run by this test (`redis-server` on a free port),
