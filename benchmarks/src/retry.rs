@@ -97,7 +97,8 @@ pub fn tower_retry() -> impl Service<Request<Full<Bytes>>, Error = Infallible> +
 
 /// The backend behind our `RetryLayer` with `RetryPolicy::default()`. Keep it for the whole
 /// measurement: its budget and counters are shared by its clones.
-pub fn retry_layer() -> impl Service<Request<Full<Bytes>>, Error = retry_layer::BoxError> + Clone {
+pub fn retry_layer(
+) -> impl Service<Request<Full<Bytes>>, Error = retry_layer::reason_code::BoxError> + Clone {
     RetryLayer::new(RetryPolicy::default())
         .layer(service_fn(ok::<retry_layer::ReplayBody<Full<Bytes>>>))
 }

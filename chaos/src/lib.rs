@@ -10,7 +10,7 @@
 //! layer's reasons for giving up.
 //!
 //! `cargo run --release -p chaos -- --minutes 5 --store redis` runs it; a short run of each
-//! store is part of the test suite (`chaos/tests/short.rs`). [`kill`] is the soak whose servers
+//! store is `chaos/tests/short.rs`, which `.ci/run` runs alone after the test suite. [`kill`] is the soak whose servers
 //! are processes that get killed (`--bin kill`).
 
 use std::collections::{BTreeMap, HashMap, HashSet};

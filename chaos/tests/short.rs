@@ -1,6 +1,11 @@
-//! The short chaos soak of the test suite: memory (one instance) and Redis (two instances, the
-//! store cut twice), each under 30 s, with clients on every wire (HTTP/1.1, HTTP/2, gRPC) and
-//! policy (tuned, default). The long runs are in RELIABILITY.md.
+//! The short chaos soak: memory (one instance) and Redis (two instances, the store cut twice),
+//! each under 30 s, with clients on every wire (HTTP/1.1, HTTP/2, gRPC) and policy (tuned,
+//! default). The long runs are in RELIABILITY.md.
+//!
+//! It runs on the wall clock and asserts that every group made progress, which a machine busy
+//! with the rest of the test suite cannot promise: `cargo test` skips it (`#[ignore]`), and
+//! `.ci/run` runs it on its own after the suite, one soak at a time:
+//! `cargo test -p chaos --test short -- --ignored --test-threads 1`.
 
 use std::time::Duration;
 
@@ -41,6 +46,7 @@ fn check(report: &chaos::Report) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a wall-clock soak: .ci/run runs it alone, after the suite"]
 async fn short_soak_memory() {
     let report = run(short(StoreKind::Memory, None)).await;
     check(&report);
@@ -48,6 +54,7 @@ async fn short_soak_memory() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a wall-clock soak: .ci/run runs it alone, after the suite"]
 async fn short_soak_redis() {
     let Some(url) = test_support::env::env_url("REDIS_URL") else {
         return;

@@ -13,7 +13,8 @@ use axum::Router;
 use bytes::Bytes;
 use http_body_util::Full;
 use idempotency_layer::{PostgresStore, Tenant, TxCompletion};
-use retry_layer::{BoxError, RetryPolicy};
+use reason_code::BoxError;
+use retry_layer::RetryPolicy;
 use tower::ServiceBuilder;
 
 async fn create_order() -> &'static str {
@@ -48,8 +49,8 @@ fn axum_server() {
 
 #[rustfmt::skip]
 async fn tonic_server(addr: SocketAddr) -> Result<(), BoxError> {
-    use idempotency_layer::reason_code::IdempotentGrpcMethods;
-    use idempotency_layer::{IdempotencyLayer, MemoryStore};
+    use idempotency_layer::reason_code::GrpcMethods;
+    use idempotency_layer::{IdempotencyLayer, MemoryStore, Writes};
     use tonic::transport::Server;
     use tonic_library::pb::library_server::LibraryServer;
     let store = MemoryStore::new();
@@ -62,7 +63,7 @@ async fn tonic_server(addr: SocketAddr) -> Result<(), BoxError> {
         .layer(auth_layer)
         .layer(
             IdempotencyLayer::new(store)
-                .idempotent_grpc_methods(IdempotentGrpcMethods::new(["/plume.linkd.v3.Library/GetBook"])?),
+                .writes(Writes::default().idempotent_grpc_methods(GrpcMethods::new(["/plume.linkd.v3.Library/GetBook"])?)),
         )
         .add_service(LibraryServer::new(service))
         .serve(addr)
@@ -94,9 +95,9 @@ async fn hyper_util_client() -> Result<(), BoxError> {
 async fn tonic_channel(channel: tonic::transport::Channel) -> Result<(), BoxError> {
     use tonic_library::pb::library_client::LibraryClient;
     // README block
-    use retry_layer::{IdempotentGrpcMethods, RetryLayer, RetryPolicy};
+    use retry_layer::{GrpcMethods, RetryLayer, RetryPolicy};
 
-    let reads = IdempotentGrpcMethods::new(["/plume.linkd.v3.Library/GetBook"])?;
+    let reads = GrpcMethods::new(["/plume.linkd.v3.Library/GetBook"])?;
     let policy = RetryPolicy::builder()
         .idempotent_grpc_methods(reads)
         .ensure_idempotency_key()

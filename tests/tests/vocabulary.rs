@@ -1,6 +1,6 @@
 //! One vocabulary: the same string declares the same gRPC methods idempotent on the client
 //! (`RetryPolicyBuilder::idempotent_grpc_methods`) and on the server
-//! (`IdempotencyLayer::idempotent_grpc_methods`), both taking `reason_code::IdempotentGrpcMethods`.
+//! (`IdempotencyLayer::idempotent_grpc_methods`), both taking `reason_code::GrpcMethods`.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -11,7 +11,7 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::Full;
 use idempotency_layer::{IdempotencyLayer, MemoryStore, RequestBody};
-use reason_code::IdempotentGrpcMethods;
+use reason_code::GrpcMethods;
 use retry_layer::{ReplayBody, RetryInfo, RetryLayer, RetryPolicy};
 use tower::{Layer, ServiceExt};
 
@@ -42,7 +42,7 @@ fn grpc_call(path: &str) -> Request<Full<Bytes>> {
 #[tokio::test]
 async fn the_client_retries_exactly_the_declared_methods() {
     for &(declared, path, idempotent) in CASES {
-        let methods = IdempotentGrpcMethods::new([declared]).unwrap();
+        let methods = GrpcMethods::new([declared]).unwrap();
         let policy = RetryPolicy::builder()
             .idempotent_grpc_methods(methods)
             .base_delay(Duration::from_millis(1))
@@ -91,7 +91,7 @@ async fn the_client_retries_exactly_the_declared_methods() {
 #[tokio::test]
 async fn the_server_passes_exactly_the_declared_methods_without_a_key() {
     for &(declared, path, idempotent) in CASES {
-        let methods = IdempotentGrpcMethods::new([declared]).unwrap();
+        let methods = GrpcMethods::new([declared]).unwrap();
         let ran = Arc::new(AtomicUsize::new(0));
         let handler = {
             let ran = ran.clone();
@@ -110,7 +110,7 @@ async fn the_server_passes_exactly_the_declared_methods_without_a_key() {
         };
         let server = IdempotencyLayer::new(MemoryStore::new())
             .tenant(idempotency_layer::TenantSource::fixed("t"))
-            .idempotent_grpc_methods(methods)
+            .writes(idempotency_layer::Writes::default().idempotent_grpc_methods(methods))
             .layer(handler);
         let res = tokio::time::timeout(Duration::from_secs(10), server.oneshot(grpc_call(path)))
             .await

@@ -9,8 +9,8 @@ use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use crate::pipe::PipeReader;
-use crate::store::BoxError;
+use crate::write::pipe::PipeReader;
+use reason_code::BoxError;
 
 pin_project! {
     /// The request body handed to the inner service: the original body for requests the layer
@@ -160,7 +160,7 @@ impl<B> IdempotencyBody<B> {
         }
     }
 
-    /// The handler's body as the layer reads and records it ([`recorder`](crate::recorder)).
+    /// The handler's body as the layer reads and records it ([`recorder`](crate::write::recorder)).
     pub(crate) fn recorded(reader: PipeReader) -> Self {
         IdempotencyBody {
             kind: Kind::Recorded { reader },

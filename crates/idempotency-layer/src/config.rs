@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, Method, Uri};
-use reason_code::{GrpcMethods, IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
+use reason_code::{GrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
 
 use crate::key::KeyRuleFn;
 use crate::reject::RejectionBodyFn;
@@ -140,6 +140,121 @@ impl TenantSource {
 
 type WritePredicate = Arc<dyn Fn(&Method, &Uri, &HeaderMap) -> bool + Send + Sync>;
 
+/// Which requests are writes: each needs an idempotency key and runs once per tenant + method +
+/// key; every other request passes through untouched. Set with
+/// [`IdempotencyLayer::writes`](crate::IdempotencyLayer::writes).
+///
+/// The default: POST and PATCH over HTTP; over gRPC, every method but health checks
+/// (`/grpc.health.v1.Health/*`), server reflection (`/grpc.reflection.v1.ServerReflection/*`,
+/// `v1alpha`) and the methods declared here as idempotent or streaming, which always pass
+/// through. [`Writes::from_fn`] replaces the rest of that rule with a function of yours.
+///
+/// ```
+/// use idempotency_layer::{IdempotencyLayer, Writes};
+/// use reason_code::GrpcMethods;
+///
+/// // gRPC: reads declared by path (retry-layer takes the same set), and a streaming method.
+/// let writes = Writes::default()
+///     .idempotent_grpc_methods(
+///         GrpcMethods::new(["/plume.linkd.v3.Library/GetBook", "/plume.linkd.v3.Catalog/"])
+///             .expect("valid method paths"),
+///     )
+///     .streaming_grpc_methods(
+///         GrpcMethods::new(["/plume.linkd.v3.Library/ImportBooks"]).expect("valid method paths"),
+///     );
+/// let layer = IdempotencyLayer::default().writes(writes);
+/// # let _ = layer;
+///
+/// // HTTP: PUT is a write too on this service.
+/// let layer = IdempotencyLayer::default().writes(Writes::from_fn(|method, _uri, _headers| {
+///     matches!(method.as_str(), "POST" | "PATCH" | "PUT")
+/// }));
+/// # let _ = layer;
+/// ```
+#[derive(Clone, Default)]
+pub struct Writes {
+    idempotent_grpc: GrpcMethods,
+    /// Client-streaming and bidirectional methods: passed through, never read whole.
+    streaming_grpc: GrpcMethods,
+    predicate: Option<WritePredicate>,
+}
+
+impl Writes {
+    /// Writes are the requests for which `predicate(method, uri, headers)` is true, in place of
+    /// the default rule (POST and PATCH; every gRPC method but health checks and server
+    /// reflection). The gRPC methods declared with
+    /// [`idempotent_grpc_methods`](Self::idempotent_grpc_methods) and
+    /// [`streaming_grpc_methods`](Self::streaming_grpc_methods) still pass through before it is
+    /// asked.
+    pub fn from_fn<F>(predicate: F) -> Self
+    where
+        F: Fn(&Method, &Uri, &HeaderMap) -> bool + Send + Sync + 'static,
+    {
+        Writes {
+            predicate: Some(Arc::new(predicate)),
+            ..Writes::default()
+        }
+    }
+
+    /// gRPC methods declared idempotent (`/package.Service/Method`, or `/package.Service/` for a
+    /// whole service): reads that pass through without a key. `retry-layer`'s
+    /// `idempotent_grpc_methods` takes the same type, so one string declares the same methods
+    /// on both sides.
+    pub fn idempotent_grpc_methods(mut self, methods: GrpcMethods) -> Self {
+        self.idempotent_grpc = methods;
+        self
+    }
+
+    /// gRPC methods whose request is a stream (client-streaming and bidirectional methods, by
+    /// path, or `/package.Service/` for a whole service): passed through untouched.
+    ///
+    /// A write's request body is read whole before its handler runs (its fingerprint covers all
+    /// of it), which a streaming call cannot allow: a bidirectional call that waits for a reply
+    /// before it half-closes would never reach its handler, and would be answered
+    /// DEADLINE_EXCEEDED after
+    /// [`request_body_timeout`](crate::IdempotencyLayer::request_body_timeout). The layer does
+    /// not deduplicate such methods: make them idempotent in the handler (a key in the first
+    /// message, checked against your own table), or split the write into a unary call.
+    pub fn streaming_grpc_methods(mut self, methods: GrpcMethods) -> Self {
+        self.streaming_grpc = methods;
+        self
+    }
+
+    /// Is this request a write (deduplicated) rather than a read (passed through)?
+    pub(crate) fn contains(
+        &self,
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+        grpc: bool,
+    ) -> bool {
+        let path = uri.path();
+        if grpc && (self.idempotent_grpc.contains(path) || self.streaming_grpc.contains(path)) {
+            return false;
+        }
+        if let Some(p) = &self.predicate {
+            return p(method, uri, headers);
+        }
+        if grpc {
+            !INFRASTRUCTURE_GRPC_SERVICES
+                .iter()
+                .any(|service| path.starts_with(service))
+        } else {
+            method == Method::POST || method == Method::PATCH
+        }
+    }
+}
+
+impl fmt::Debug for Writes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Writes")
+            .field("idempotent_grpc", &self.idempotent_grpc)
+            .field("streaming_grpc", &self.streaming_grpc)
+            .field("custom_predicate", &self.predicate.is_some())
+            .finish()
+    }
+}
+
 /// A fingerprint of the layer's own: of a request's head and whole body.
 pub(crate) type FingerprintFn =
     Arc<dyn Fn(&http::request::Parts, &bytes::Bytes) -> Fingerprint + Send + Sync>;
@@ -190,10 +305,7 @@ pub(crate) struct Config {
     pub(crate) max_record_bytes: usize,
     pub(crate) fail_open: bool,
     pub(crate) key_optional: bool,
-    pub(crate) is_write: Option<WritePredicate>,
-    pub(crate) idempotent_grpc: IdempotentGrpcMethods,
-    /// Client-streaming and bidirectional methods: passed through, never read whole.
-    pub(crate) streaming_grpc: GrpcMethods,
+    pub(crate) writes: Writes,
     pub(crate) tenant: TenantFrom,
     pub(crate) table: RetryTable,
     pub(crate) reasons: ReasonCodes,
@@ -221,9 +333,7 @@ impl Default for Config {
             max_record_bytes: 1024 * 1024,
             fail_open: false,
             key_optional: false,
-            is_write: None,
-            idempotent_grpc: IdempotentGrpcMethods::default(),
-            streaming_grpc: GrpcMethods::default(),
+            writes: Writes::default(),
             tenant: TenantFrom::Required,
             table: RetryTable::default(),
             reasons: ReasonCodes::default(),
@@ -236,29 +346,6 @@ impl Default for Config {
 }
 
 impl Config {
-    /// Is this request a write (deduplicated) rather than a read (passed through)?
-    pub(crate) fn is_write(
-        &self,
-        method: &Method,
-        uri: &Uri,
-        headers: &HeaderMap,
-        grpc: bool,
-    ) -> bool {
-        if let Some(p) = &self.is_write {
-            return p(method, uri, headers);
-        }
-        if grpc {
-            let path = uri.path();
-            !self.idempotent_grpc.contains(path)
-                && !self.streaming_grpc.contains(path)
-                && !INFRASTRUCTURE_GRPC_SERVICES
-                    .iter()
-                    .any(|service| path.starts_with(service))
-        } else {
-            method == Method::POST || method == Method::PATCH
-        }
-    }
-
     pub(crate) fn key_header_name(&self) -> &str {
         self.key_headers.first().as_str()
     }
@@ -282,9 +369,7 @@ impl fmt::Debug for Config {
             .field("max_record_bytes", &self.max_record_bytes)
             .field("fail_open", &self.fail_open)
             .field("key_optional", &self.key_optional)
-            .field("custom_is_write", &self.is_write.is_some())
-            .field("idempotent_grpc", &self.idempotent_grpc)
-            .field("streaming_grpc", &self.streaming_grpc)
+            .field("writes", &self.writes)
             .field("tenant", &self.tenant)
             .field("on_disconnect", &self.on_disconnect)
             .field("custom_fingerprint", &self.fingerprint.is_some())
@@ -302,8 +387,10 @@ mod tests {
     fn health_and_reflection_are_reads_by_default() {
         let cfg = Config::default();
         let h = HeaderMap::new();
-        let is_write =
-            |path: &'static str| cfg.is_write(&Method::POST, &Uri::from_static(path), &h, true);
+        let is_write = |path: &'static str| {
+            cfg.writes
+                .contains(&Method::POST, &Uri::from_static(path), &h, true)
+        };
         assert!(!is_write("/grpc.health.v1.Health/Check"));
         assert!(!is_write("/grpc.health.v1.Health/Watch"));
         assert!(!is_write(

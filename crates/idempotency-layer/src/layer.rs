@@ -3,11 +3,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{HeaderMap, Method, Uri};
-use reason_code::{GrpcMethods, IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
+use reason_code::{KeyHeaders, ReasonCodes, RetryTable};
 use tower_layer::Layer;
 
-use crate::config::{Config, InFlight, OnDisconnect, TenantSource};
+use crate::config::{Config, InFlight, OnDisconnect, TenantSource, Writes};
 use crate::scope::Scope;
 use crate::service::Idempotency;
 use crate::shared::Shared;
@@ -129,7 +128,7 @@ impl<St> IdempotencyLayer<St> {
     /// Timeout / DEADLINE_EXCEEDED, and nothing was claimed and nothing ran. This is what keeps
     /// a slow-loris client, or a client-streaming gRPC call that waits for a reply before
     /// half-closing, from holding a request open forever: declare such methods with
-    /// [`streaming_grpc_methods`](Self::streaming_grpc_methods).
+    /// [`Writes::streaming_grpc_methods`].
     pub fn request_body_timeout(self, timeout: Duration) -> Self {
         self.config(|c| c.request_body_timeout = timeout.min(FOREVER))
     }
@@ -233,65 +232,21 @@ impl<St> IdempotencyLayer<St> {
         self.config(|c| c.key_optional = optional)
     }
 
-    /// Decides which requests are writes (they need a key and are deduplicated); everything
-    /// else passes through untouched. Replaces the default (POST and PATCH; every gRPC method
-    /// not declared with [`idempotent_grpc_methods`](Self::idempotent_grpc_methods)).
-    pub fn is_write<F>(self, predicate: F) -> Self
-    where
-        F: Fn(&Method, &Uri, &HeaderMap) -> bool + Send + Sync + 'static,
-    {
-        self.config(|c| c.is_write = Some(Arc::new(predicate)))
-    }
-
-    /// gRPC methods declared idempotent (`/package.Service/Method`, or `/package.Service/` for a
-    /// whole service): reads that pass through. `retry-layer`'s `idempotent_grpc_methods` takes
-    /// the same type, so one string declares the same methods on both sides. Health checks
-    /// (`/grpc.health.v1.Health/*`) and server reflection (`/grpc.reflection.v1.ServerReflection/*`,
-    /// `v1alpha`) always pass through.
-    ///
-    /// Client-streaming and bidirectional methods are declared with
-    /// [`streaming_grpc_methods`](Self::streaming_grpc_methods): the request body of a write is
-    /// read in full, up to [`max_request_bytes`](Self::max_request_bytes) and within
-    /// [`request_body_timeout`](Self::request_body_timeout), before its handler runs.
+    /// Which requests are writes (they need a key and run once per key); everything else
+    /// passes through untouched. The default: POST and PATCH; every gRPC method but health
+    /// checks and server reflection. Declare gRPC reads and streaming methods on
+    /// [`Writes`], or replace the rule with [`Writes::from_fn`].
     ///
     /// ```
-    /// use idempotency_layer::IdempotencyLayer;
-    /// use reason_code::IdempotentGrpcMethods;
-    ///
-    /// let reads = IdempotentGrpcMethods::new([
-    ///     "/plume.linkd.v3.Library/GetBook",
-    ///     "/plume.linkd.v3.Catalog/",
-    /// ])
-    /// .expect("valid method paths");
-    /// let layer = IdempotencyLayer::default().idempotent_grpc_methods(reads);
-    /// # let _ = layer;
-    /// ```
-    pub fn idempotent_grpc_methods(self, methods: IdempotentGrpcMethods) -> Self {
-        self.config(|c| c.idempotent_grpc = methods)
-    }
-
-    /// gRPC methods whose request is a stream (client-streaming and bidirectional methods, by
-    /// path, or `/package.Service/` for a whole service): passed through untouched, like the
-    /// methods declared with [`idempotent_grpc_methods`](Self::idempotent_grpc_methods).
-    ///
-    /// A write's request body is read whole before its handler runs (its fingerprint covers all
-    /// of it), which a streaming call cannot allow: a bidirectional call that waits for a reply
-    /// before it half-closes would never reach its handler, and would be answered
-    /// DEADLINE_EXCEEDED after [`request_body_timeout`](Self::request_body_timeout). The layer
-    /// does not deduplicate such methods: make them idempotent in the handler (a key in the
-    /// first message, checked against your own table), or split the write into a unary call.
-    ///
-    /// ```
-    /// use idempotency_layer::IdempotencyLayer;
+    /// use idempotency_layer::{IdempotencyLayer, Writes};
     /// use reason_code::GrpcMethods;
     ///
-    /// let streams = GrpcMethods::new(["/plume.linkd.v3.Library/ImportBooks"])
-    ///     .expect("valid method paths");
-    /// let layer = IdempotencyLayer::default().streaming_grpc_methods(streams);
+    /// let reads = GrpcMethods::new(["/plume.linkd.v3.Library/GetBook"]).expect("a method path");
+    /// let layer = IdempotencyLayer::default().writes(Writes::default().idempotent_grpc_methods(reads));
     /// # let _ = layer;
     /// ```
-    pub fn streaming_grpc_methods(self, methods: GrpcMethods) -> Self {
-        self.config(|c| c.streaming_grpc = methods)
+    pub fn writes(self, writes: Writes) -> Self {
+        self.config(|c| c.writes = writes)
     }
 
     /// Where a write's tenant comes from when the request has no [`Tenant`](crate::Tenant)

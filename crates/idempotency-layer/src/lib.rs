@@ -54,10 +54,9 @@
 //!
 //! - **Reads pass through untouched** (GET, HEAD, PUT, DELETE, ... by default: only POST and
 //!   PATCH are writes; for gRPC and gRPC-Web every method is a write except those declared with
-//!   [`idempotent_grpc_methods`](IdempotencyLayer::idempotent_grpc_methods) or
-//!   [`streaming_grpc_methods`](IdempotencyLayer::streaming_grpc_methods), health checks
-//!   (`grpc.health.v1.Health`) and server reflection; or a custom
-//!   [`is_write`](IdempotencyLayer::is_write) predicate).
+//!   [`Writes::idempotent_grpc_methods`] or [`Writes::streaming_grpc_methods`], health checks
+//!   (`grpc.health.v1.Health`) and server reflection; or a rule of your own,
+//!   [`Writes::from_fn`], all set with [`writes`](IdempotencyLayer::writes)).
 //! - **Writes need a key**, `[A-Za-z0-9_-]{8,64}` (a UUID fits), bare or as a quoted
 //!   structured-field string. Missing: 400 / INVALID_ARGUMENT "write operations require
 //!   x-idempotency-key"; invalid, repeated or non-ASCII: 400 / INVALID_ARGUMENT naming the rule
@@ -213,7 +212,7 @@
 //!   it in the same process; with a shared store, a duplicate waiting on another instance sees
 //!   the key released and runs it (at most one execution per instance, not per duplicate).
 //! - **Streaming requests.** Client-streaming and bidirectional gRPC methods declared with
-//!   [`streaming_grpc_methods`](IdempotencyLayer::streaming_grpc_methods) pass through without
+//!   [`Writes::streaming_grpc_methods`] pass through without
 //!   deduplication: their handlers must make them idempotent.
 //!
 //! # What is recorded and what is not
@@ -391,23 +390,16 @@
 #![doc(test(attr(deny(rust_2018_idioms, warnings))))]
 
 mod body;
-mod claim;
 mod classify;
 mod config;
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
-mod decision;
-mod detached;
 mod future;
 mod key;
 mod layer;
 mod observe;
-mod pipe;
 mod protocol;
-mod record_rules;
-mod recorder;
 mod reject;
-mod renewal;
 mod scope;
 mod service;
 mod shared;
@@ -417,16 +409,15 @@ pub mod store;
 // judges every leader's response by the ledger, but nothing ever writes one.
 #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 mod tx;
-mod waiters;
 mod write;
 
 pub use body::{IdempotencyBody, RequestBody};
-pub use config::{InFlight, OnDisconnect, TenantSource};
+pub use config::{InFlight, OnDisconnect, TenantSource, Writes};
 pub use future::ResponseFuture;
 pub use key::{validate_key, KeyError};
 pub use layer::{Drained, IdempotencyLayer};
 /// The shared vocabulary ([`reason_code::RetryTable`], [`reason_code::ReasonCodes`],
-/// [`reason_code::IdempotentGrpcMethods`], [`reason_code::KeyHeaders`]), re-exported so a
+/// [`reason_code::GrpcMethods`], [`reason_code::KeyHeaders`]), re-exported so a
 /// server needs no third dependency kept in lockstep.
 pub use reason_code;
 pub use reason_code::{

@@ -21,8 +21,9 @@ use crate::reject::{respond, RejectReason};
 use crate::scope::{http_scope_key, Scope, Tenant};
 use crate::shared::Shared;
 use crate::stats::IdempotencyStats;
-use crate::store::{BoxError, IdempotencyStore, MemoryStore, TenantKey};
+use crate::store::{IdempotencyStore, MemoryStore, TenantKey};
 use crate::write::{Inner, Write};
+use reason_code::BoxError;
 
 /// The service [`IdempotencyLayer`](crate::IdempotencyLayer) makes: writes with a key execute
 /// once per scope; duplicates get the recorded response.
@@ -112,7 +113,10 @@ where
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
         let cfg = &self.config;
         let protocol = Protocol::of(req.headers());
-        if !cfg.is_write(req.method(), req.uri(), req.headers(), protocol.is_grpc()) {
+        if !cfg
+            .writes
+            .contains(req.method(), req.uri(), req.headers(), protocol.is_grpc())
+        {
             // `self.inner` is the service that `poll_ready` drove to readiness: take it into the
             // call and leave a fresh clone in its place ("Be careful when cloning inner
             // services", tower-service docs).

@@ -10,10 +10,10 @@ use std::sync::Arc;
 
 use tokio::sync::Notify;
 
-use crate::pipe::HeldBytes;
-use crate::renewal::Renewals;
 use crate::stats::{Counters, IdempotencyStats};
-use crate::waiters::Waiters;
+use crate::write::pipe::HeldBytes;
+use crate::write::renewal::Renewals;
+use crate::write::waiters::Waiters;
 
 #[derive(Debug)]
 pub(crate) struct Shared {
@@ -87,7 +87,7 @@ impl Shared {
     }
 }
 
-/// How much detached work runs now, layer-wide, of each kind (`crate::detached::Kind`: handlers
+/// How much detached work runs now, layer-wide, of each kind (`crate::write::detached::Kind`: handlers
 /// and bodies, store operations).
 #[derive(Debug, Default)]
 pub(crate) struct Detached {

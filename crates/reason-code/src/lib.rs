@@ -15,7 +15,7 @@
 //! - [`classify_head`] and [`classify_end`]: the one response classifier both layers call
 //!   (`grpc-status` or the HTTP status, a failure refined by its reason code; a streaming gRPC
 //!   response at its end).
-//! - [`GrpcMethods`] (as [`IdempotentGrpcMethods`]) and [`KeyHeaders`]: the settings both layers take, as one type
+//! - [`GrpcMethods`] and [`KeyHeaders`]: the settings both layers take, as one type
 //!   each, so the same string means the same thing on both sides.
 //! - [`Hop`]: what a server hop knows of the request it serves (was it a retry? did the hop give
 //!   up on its own downstream?), shared with the outbound calls its handler makes, so that
@@ -69,9 +69,7 @@ pub use reason::{
 };
 pub use status_details::{parse_grpc_retry_info, GRPC_STATUS_DETAILS_BIN};
 pub use table::{ClientRule, Outcome, RecordRule, RetryTable, Verdict};
-pub use vocabulary::{
-    GrpcMethods, IdempotentGrpcMethods, InvalidGrpcMethod, KeyHeaders, NoKeyHeader,
-};
+pub use vocabulary::{GrpcMethods, InvalidGrpcMethod, KeyHeaders, NoKeyHeader};
 
 /// The boxed error both layers use: a client's transport and retry errors, a store's backend
 /// errors.

@@ -1,5 +1,5 @@
 //! Settings both layers take, as one parsed, validated type each, so the same string means the
-//! same thing on both sides: [`GrpcMethods`] (as [`IdempotentGrpcMethods`]) and [`KeyHeaders`].
+//! same thing on both sides: [`GrpcMethods`] and [`KeyHeaders`].
 
 use std::collections::HashSet;
 use std::fmt;
@@ -15,12 +15,11 @@ use crate::headers::{IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY};
 /// `/package.Service/`, which declares every method of that service. Cloning is cheap (the sets
 /// are shared). Both layers take it:
 ///
-/// - methods declared idempotent ([`IdempotentGrpcMethods`], the same type): reads the server
-///   passes through without a key, and calls the client may retry like GET. `retry-layer`'s
-///   `RetryPolicyBuilder::idempotent_grpc_methods` and `idempotency-layer`'s
-///   `IdempotencyLayer::idempotent_grpc_methods` take it, so a string declares the same methods
-///   on both sides;
-/// - `idempotency-layer`'s `IdempotencyLayer::streaming_grpc_methods`: client-streaming and
+/// - methods declared idempotent: reads the server passes through without a key, and calls the
+///   client may retry like GET. `retry-layer`'s `RetryPolicyBuilder::idempotent_grpc_methods`
+///   and `idempotency-layer`'s `Writes::idempotent_grpc_methods` take it, so a string declares
+///   the same methods on both sides;
+/// - `idempotency-layer`'s `Writes::streaming_grpc_methods`: client-streaming and
 ///   bidirectional methods, which the server passes through (their request is never read whole).
 ///
 /// ```
@@ -44,10 +43,6 @@ pub struct GrpcMethods {
     /// Services declared whole, as `/package.Service/`.
     services: Arc<HashSet<Box<str>>>,
 }
-
-/// gRPC methods declared idempotent: a [`GrpcMethods`] set, under the name both layers'
-/// `idempotent_grpc_methods` setters use.
-pub type IdempotentGrpcMethods = GrpcMethods;
 
 /// A gRPC method path that is neither `/package.Service/Method` nor `/package.Service/`.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -23,7 +23,7 @@ use tokio::net::TcpListener;
 use tower::{ServiceBuilder, ServiceExt};
 
 #[tokio::main]
-async fn main() -> Result<(), retry_layer::BoxError> {
+async fn main() -> Result<(), reason_code::BoxError> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

@@ -73,7 +73,7 @@
 //!   timeout are retried only for **idempotent** requests: GET, HEAD, OPTIONS, TRACE, PUT,
 //!   DELETE, gRPC methods declared with
 //!   [`idempotent_grpc_methods`](RetryPolicyBuilder::idempotent_grpc_methods) (the same
-//!   [`IdempotentGrpcMethods`] the server layer takes), or any request that carries an
+//!   [`GrpcMethods`] the server layer takes), or any request that carries an
 //!   idempotency key in one of the [`key_headers`](RetryPolicyBuilder::key_headers)
 //!   (`x-idempotency-key` or `idempotency-key` by default);
 //! - 429/RESOURCE_EXHAUSTED is retried for any request, after the server's pushback;
@@ -187,8 +187,9 @@
 //!
 //! # Errors
 //!
-//! Every error the layer returns is a [`RetryError`] in the [`BoxError`]: the last attempt's
-//! error (or [`DeadlineExceeded`]) as its source, the attempts sent, and the idempotency key the
+//! Every error the layer returns is a [`RetryError`] in the
+//! [`BoxError`](reason_code::BoxError): the last attempt's error (or [`DeadlineExceeded`]) as
+//! its source, the attempts sent, and the idempotency key the
 //! layer generated. A caller that retries on its own should resend with that key: the server
 //! then sees the same intent, not a new one.
 //!
@@ -343,25 +344,17 @@ mod macros;
 pub mod backoff;
 mod body;
 pub mod budget;
-mod call;
 mod classify;
 mod deadline;
-mod decide;
 mod derived_key;
 mod error;
-mod future;
 pub mod hedge;
 pub mod hop;
-mod layer;
-mod observe;
-mod policy;
 mod ready;
 mod request;
 #[cfg(feature = "reqwest")]
 pub mod reqwest;
-mod service;
-mod shared;
-mod stats;
+mod retry;
 #[cfg(feature = "tonic")]
 pub mod tonic;
 
@@ -371,24 +364,19 @@ pub use derived_key::KeyLabel;
 pub use error::{
     AttemptTimedOut, DeadlineExceeded, ResponseHeadTimedOut, RetryError, RetryInfo, ServiceNotReady,
 };
-pub use future::ResponseFuture;
-pub use layer::RetryLayer;
-pub use policy::{
+/// The shared vocabulary ([`reason_code::RetryTable`], [`reason_code::ReasonCodes`], ...),
+/// re-exported so a client needs no third dependency kept in lockstep.
+pub use reason_code;
+pub use retry::policy::{
     Conflict, InboundRetry, InvalidPolicy, Rebuild, RebuildFuture, RetryPolicy, RetryPolicyBuilder,
     DEFAULT_MAX_REPLAY_BYTES_TOTAL, DEFAULT_RESPONSE_HEAD_TIMEOUT, MAX_AUTHORITY_BUDGETS,
     MAX_DURATION, MAX_UNSENT_RETRIES,
 };
 #[cfg(feature = "service-config")]
-pub use policy::{GrpcRetryPolicy, GrpcRetryThrottling, StatusCodeName};
-/// The shared vocabulary ([`reason_code::RetryTable`], [`reason_code::ReasonCodes`], ...),
-/// re-exported so a client needs no third dependency kept in lockstep.
-pub use reason_code;
-pub use service::Retry;
-pub use stats::RetryStats;
+pub use retry::policy::{GrpcRetryPolicy, GrpcRetryThrottling, StatusCodeName};
+pub use retry::{ResponseFuture, Retry, RetryLayer, RetryStats};
 
-/// The boxed error the layer returns: [`reason_code::BoxError`], the one both layers use.
-pub use reason_code::BoxError;
 /// The settings both layers take, re-exported so a client needs no direct `reason-code`
 /// dependency: see [`RetryPolicyBuilder::idempotent_grpc_methods`] and
 /// [`RetryPolicyBuilder::key_headers`].
-pub use reason_code::{IdempotentGrpcMethods, InvalidGrpcMethod, KeyHeaders, NoKeyHeader};
+pub use reason_code::{GrpcMethods, InvalidGrpcMethod, KeyHeaders, NoKeyHeader};

@@ -5,7 +5,7 @@ use http::request::Parts;
 use http::{HeaderName, HeaderValue, Method, Request};
 use reason_code::{GRPC_PREVIOUS_RPC_ATTEMPTS, X_PREVIOUS_ATTEMPTS};
 
-use crate::policy::RetryPolicy;
+use crate::retry::policy::RetryPolicy;
 
 /// What the layer decided about a request (the first, or one a rebuild hook made) before
 /// sending it.
@@ -157,7 +157,7 @@ pub(crate) fn remove_attempt_headers(parts: &mut Parts) {
 
 #[cfg(test)]
 mod tests {
-    use reason_code::{IdempotentGrpcMethods, KeyHeaders};
+    use reason_code::{GrpcMethods, KeyHeaders};
 
     use super::*;
 
@@ -176,7 +176,7 @@ mod tests {
     #[test]
     fn the_idempotency_verdict() {
         let policy = RetryPolicy::builder()
-            .idempotent_grpc_methods(IdempotentGrpcMethods::new(["/a.S/Get", "/a.R/"]).unwrap())
+            .idempotent_grpc_methods(GrpcMethods::new(["/a.S/Get", "/a.R/"]).unwrap())
             .build()
             .unwrap();
         // (method, path, headers, idempotent)

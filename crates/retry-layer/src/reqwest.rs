@@ -60,11 +60,11 @@ use crate::body::ReplayBody;
 use crate::error::RetryError;
 #[cfg(doc)]
 use crate::error::RetryInfo;
-use crate::future::ResponseFuture;
-use crate::layer::RetryLayer;
-use crate::policy::RetryPolicy;
-use crate::shared::Shared;
-use crate::stats::RetryStats;
+use crate::retry::future::ResponseFuture;
+use crate::retry::layer::RetryLayer;
+use crate::retry::policy::RetryPolicy;
+use crate::retry::shared::Shared;
+use crate::retry::stats::RetryStats;
 
 /// A `reqwest-middleware` middleware that retries what is safe to retry, as [`RetryLayer`]
 /// does. See the [module docs](self).

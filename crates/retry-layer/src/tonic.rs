@@ -51,8 +51,8 @@ use tower_service::Service;
 
 use crate::body::ReplayBody;
 use crate::error::{AttemptTimedOut, DeadlineExceeded, ResponseHeadTimedOut, RetryError};
-use crate::layer::RetryLayer;
-use crate::service::Retry;
+use crate::retry::layer::RetryLayer;
+use crate::retry::service::Retry;
 
 /// Adapts a service of `http::Request<tonic::body::Body>` (a tonic `Channel`) to the
 /// [`ReplayBody`] requests that [`Retry`] sends.
@@ -174,7 +174,7 @@ mod sealed {
     }
 }
 
-impl<S, B> sealed::CallDeadline for crate::future::ResponseFuture<S, B>
+impl<S, B> sealed::CallDeadline for crate::retry::future::ResponseFuture<S, B>
 where
     S: Service<http::Request<ReplayBody<B>>>,
 {

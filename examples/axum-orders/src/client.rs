@@ -8,9 +8,8 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
-use retry_layer::{
-    BoxError, Conflict, Rebuild, ReplayBody, Retry, RetryInfo, RetryLayer, RetryPolicy,
-};
+use reason_code::BoxError;
+use retry_layer::{Conflict, Rebuild, ReplayBody, Retry, RetryInfo, RetryLayer, RetryPolicy};
 use serde::Serialize;
 use tower::ServiceExt;
 

@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use retry_layer::{BoxError, RetryLayer, RetryPolicy};
+use retry_layer::reason_code::BoxError;
+use retry_layer::{RetryLayer, RetryPolicy};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::idempotent_methods;

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use axum_orders::auth::demo_auth_layer;
 use axum_orders::inventory::{Inventory, InventoryError};
-use idempotency_layer::reason_code::IdempotentGrpcMethods;
-use idempotency_layer::{IdempotencyLayer, IdempotencyStore};
+use idempotency_layer::reason_code::GrpcMethods;
+use idempotency_layer::{IdempotencyLayer, IdempotencyStore, Writes};
 use retry_layer::hop::HopLayer;
 use tonic::{Request, Response, Status};
 
@@ -132,13 +132,14 @@ impl Library for LibraryService {
 }
 
 /// [`IDEMPOTENT_METHODS`] as the type both layers take.
-pub fn idempotent_methods() -> IdempotentGrpcMethods {
-    IdempotentGrpcMethods::new(IDEMPOTENT_METHODS).expect("the method paths above are valid")
+pub fn idempotent_methods() -> GrpcMethods {
+    GrpcMethods::new(IDEMPOTENT_METHODS).expect("the method paths above are valid")
 }
 
 /// The idempotency layer configured for this service: reads declared idempotent.
 pub fn idempotency<St: IdempotencyStore>(store: St) -> IdempotencyLayer<St> {
-    IdempotencyLayer::new(store).idempotent_grpc_methods(idempotent_methods())
+    IdempotencyLayer::new(store)
+        .writes(Writes::default().idempotent_grpc_methods(idempotent_methods()))
 }
 
 /// Serves the Library over `incoming` with the demo auth layer in front of `idempotency`,

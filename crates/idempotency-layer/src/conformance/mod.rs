@@ -13,7 +13,7 @@
 //! ```
 //!
 //! The checks wait for real durations of a few hundred milliseconds (leases and TTLs of
-//! [`SHORT`]); under `tokio::time::pause()` (as the `MemoryStore` tests run) they take no time.
+//! 300 ms); under `tokio::time::pause()` (as the `MemoryStore` tests run) they take no time.
 //! Each check panics with a message that says what the store got wrong.
 //!
 //! A waiter must be woken by the store's notification within [`WAKE`]. A store that also polls
@@ -38,7 +38,7 @@ mod fault;
 pub use self::fault::{Calls, Fault, FaultStore, Op, Reply, Rule};
 
 /// The short lease and TTL the expiry checks use.
-pub const SHORT: Duration = Duration::from_millis(300);
+const SHORT: Duration = Duration::from_millis(300);
 /// A lease long enough never to lapse during a check.
 pub const LONG: Duration = Duration::from_secs(600);
 /// How long a waiter may take to notice that the claim it waits for ended. A store's fallback
@@ -49,7 +49,7 @@ pub const WAKE: Duration = Duration::from_secs(2);
 /// a waiter that has not reached it yet finds the claim ended at its first check, which a store
 /// must also get right (and is checked on its own); only a waiter parked in its wait checks the
 /// wake-up.
-pub const SETTLE: Duration = Duration::from_millis(200);
+const SETTLE: Duration = Duration::from_millis(200);
 
 /// Runs every check, each on a fresh store from `make`.
 pub async fn run_all<S: IdempotencyStore>(make: impl Fn() -> S) {
@@ -110,7 +110,7 @@ async fn new_claim<S: IdempotencyStore>(store: &S, scope: ScopeKey, lease: Durat
 
 /// 64 concurrent `begin`s on one scope: exactly one gets the claim, the others see it in flight
 /// with the winner's token.
-pub async fn claim_is_exclusive_under_a_race<S: IdempotencyStore>(store: S) {
+async fn claim_is_exclusive_under_a_race<S: IdempotencyStore>(store: S) {
     let s = scope("race");
     let mut tasks = Vec::new();
     for _ in 0..64 {
@@ -135,7 +135,7 @@ pub async fn claim_is_exclusive_under_a_race<S: IdempotencyStore>(store: S) {
 
 /// An in-flight scope reports the leader's token and fingerprint (so the layer can answer a
 /// mismatch at once).
-pub async fn in_flight_reports_token_and_fingerprint<S: IdempotencyStore>(store: S) {
+async fn in_flight_reports_token_and_fingerprint<S: IdempotencyStore>(store: S) {
     let s = scope("in-flight");
     let token = new_claim(&store, s, LONG).await;
     match store.begin(s, OTHER_FP, LONG).await {
@@ -152,7 +152,7 @@ pub async fn in_flight_reports_token_and_fingerprint<S: IdempotencyStore>(store:
 
 /// A completed claim replays its record exactly: status, repeated headers, binary body,
 /// trailers.
-pub async fn complete_then_begin_replays_the_record<S: IdempotencyStore>(store: S) {
+async fn complete_then_begin_replays_the_record<S: IdempotencyStore>(store: S) {
     let s = scope("complete");
     let token = new_claim(&store, s, LONG).await;
     store
@@ -184,7 +184,7 @@ pub async fn complete_then_begin_replays_the_record<S: IdempotencyStore>(store: 
 }
 
 /// `complete` with a token that never held the claim is refused and changes nothing.
-pub async fn stale_token_complete_is_fenced<S: IdempotencyStore>(store: S) {
+async fn stale_token_complete_is_fenced<S: IdempotencyStore>(store: S) {
     let s = scope("fenced-complete");
     let token = new_claim(&store, s, LONG).await;
     let stale = Token(token.0 ^ 0x5555_5555);
@@ -211,7 +211,7 @@ pub async fn stale_token_complete_is_fenced<S: IdempotencyStore>(store: S) {
 }
 
 /// `release` with a stale token is refused and does not free the scope.
-pub async fn stale_token_release_is_fenced<S: IdempotencyStore>(store: S) {
+async fn stale_token_release_is_fenced<S: IdempotencyStore>(store: S) {
     let s = scope("fenced-release");
     let token = new_claim(&store, s, LONG).await;
     let stale = Token(token.0 ^ 0xAAAA);
@@ -239,7 +239,7 @@ pub async fn stale_token_release_is_fenced<S: IdempotencyStore>(store: S) {
 }
 
 /// After `release`, the next `begin` claims the scope again with a new token.
-pub async fn release_frees_the_scope<S: IdempotencyStore>(store: S) {
+async fn release_frees_the_scope<S: IdempotencyStore>(store: S) {
     let s = scope("release");
     let first = new_claim(&store, s, LONG).await;
     store.release(s, first).await.expect("release by holder");
@@ -248,7 +248,7 @@ pub async fn release_frees_the_scope<S: IdempotencyStore>(store: S) {
 }
 
 /// A record expires after its TTL: the scope is free again.
-pub async fn records_expire<S: IdempotencyStore>(store: S) {
+async fn records_expire<S: IdempotencyStore>(store: S) {
     let s = scope("expiry");
     let token = new_claim(&store, s, LONG).await;
     store
@@ -265,7 +265,7 @@ pub async fn records_expire<S: IdempotencyStore>(store: S) {
 
 /// A claim whose lease lapsed is taken over; the old leader's complete and release are fenced
 /// and do not overwrite the new leader's record.
-pub async fn lapsed_lease_is_taken_over_and_old_leader_fenced<S: IdempotencyStore>(store: S) {
+async fn lapsed_lease_is_taken_over_and_old_leader_fenced<S: IdempotencyStore>(store: S) {
     let s = scope("takeover");
     let old = new_claim(&store, s, SHORT).await;
     tokio::time::sleep(SHORT * 2).await;
@@ -297,7 +297,7 @@ pub async fn lapsed_lease_is_taken_over_and_old_leader_fenced<S: IdempotencyStor
 
 /// A leader whose lease lapsed while nobody took the scope over still completes (a slow
 /// handler whose renewals failed): its record is kept and replayed, and nothing runs twice.
-pub async fn late_complete_without_takeover_is_kept<S: IdempotencyStore>(store: S) {
+async fn late_complete_without_takeover_is_kept<S: IdempotencyStore>(store: S) {
     let s = scope("late-complete");
     let token = new_claim(&store, s, SHORT).await;
     tokio::time::sleep(SHORT * 2).await;
@@ -314,7 +314,7 @@ pub async fn late_complete_without_takeover_is_kept<S: IdempotencyStore>(store: 
 /// Renewing a lease keeps the claim past its first lease: a claim of [`SHORT`] renewed at once
 /// for [`LONG`] still holds twice `SHORT` later. (The renewal is not timed against the first
 /// lease: a store that refuses to renew a lapsed claim nobody took over still passes.)
-pub async fn renew_keeps_the_claim<S: IdempotencyStore>(store: S) {
+async fn renew_keeps_the_claim<S: IdempotencyStore>(store: S) {
     let s = scope("renew");
     let token = new_claim(&store, s, SHORT).await;
     store.renew(s, token, LONG).await.expect("renew by holder");
@@ -329,7 +329,7 @@ pub async fn renew_keeps_the_claim<S: IdempotencyStore>(store: S) {
 
 /// `renew_many` answers one result per claim, in order: the claims still held are renewed past
 /// their first lease, a released or completed one is fenced (and not brought back).
-pub async fn renew_many_renews_each_held_claim_and_fences_the_rest<S: IdempotencyStore>(store: S) {
+async fn renew_many_renews_each_held_claim_and_fences_the_rest<S: IdempotencyStore>(store: S) {
     let held: Vec<ScopeKey> = (0..5).map(|_| scope("renew-many")).collect();
     let (released, completed) = (scope("renew-many-released"), scope("renew-many-completed"));
     let mut claims = Vec::new();
@@ -394,7 +394,7 @@ pub async fn renew_many_renews_each_held_claim_and_fences_the_rest<S: Idempotenc
 }
 
 /// `forget` clears a record, clears a claim (fencing its leader), and says whether it did.
-pub async fn forget_clears_records_and_fences_claims<S: IdempotencyStore>(store: S) {
+async fn forget_clears_records_and_fences_claims<S: IdempotencyStore>(store: S) {
     let s = scope("forget");
     let token = new_claim(&store, s, LONG).await;
     store
@@ -432,7 +432,7 @@ async fn waiter<S: IdempotencyStore>(
 
 /// A waiter wakes when the claim completes, well before the lease lapses, and then sees the
 /// record.
-pub async fn wait_wakes_on_complete<S: IdempotencyStore>(store: S) {
+async fn wait_wakes_on_complete<S: IdempotencyStore>(store: S) {
     let s = scope("wait-complete");
     let token = new_claim(&store, s, LONG).await;
     let w = waiter(&store, s, token).await;
@@ -452,7 +452,7 @@ pub async fn wait_wakes_on_complete<S: IdempotencyStore>(store: S) {
 }
 
 /// A waiter wakes when the claim is released, and can then claim the scope itself.
-pub async fn wait_wakes_on_release<S: IdempotencyStore>(store: S) {
+async fn wait_wakes_on_release<S: IdempotencyStore>(store: S) {
     let s = scope("wait-release");
     let token = new_claim(&store, s, LONG).await;
     let w = waiter(&store, s, token).await;
@@ -466,7 +466,7 @@ pub async fn wait_wakes_on_release<S: IdempotencyStore>(store: S) {
 }
 
 /// `wait` on a claim that already ended returns at once (no lost wake-up).
-pub async fn wait_returns_at_once_when_claim_already_ended<S: IdempotencyStore>(store: S) {
+async fn wait_returns_at_once_when_claim_already_ended<S: IdempotencyStore>(store: S) {
     let s = scope("wait-ended");
     let token = new_claim(&store, s, LONG).await;
     store.release(s, token).await.unwrap();
@@ -486,7 +486,7 @@ pub async fn wait_returns_at_once_when_claim_already_ended<S: IdempotencyStore>(
 }
 
 /// Claims and records of different scopes do not interfere.
-pub async fn scopes_are_independent<S: IdempotencyStore>(store: S) {
+async fn scopes_are_independent<S: IdempotencyStore>(store: S) {
     let a = scope("independent-a");
     let b = scope("independent-b");
     let ta = new_claim(&store, a, LONG).await;

@@ -121,9 +121,6 @@ pub use self::types::{
 pub use any::AnyStore;
 pub use memory::{MemoryStats, MemoryStore, MemoryStoreBuilder};
 
-/// The boxed error a store wraps from its backend (the workspace's one boxed error).
-pub use reason_code::BoxError;
-
 /// A map keyed by scope keys, tenant keys or tokens: foldhash, seeded per map, instead of
 /// SipHash. The keys are already uniform (BLAKE3 output, random tokens), so the strong but slow
 /// default hasher bought nothing but ~250 instructions per lookup, several per request; the

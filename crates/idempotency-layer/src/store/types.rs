@@ -7,7 +7,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
 
-use super::BoxError;
+use reason_code::BoxError;
 
 /// The hash of a scope (tenant + method + key), the only identifier a store sees.
 ///

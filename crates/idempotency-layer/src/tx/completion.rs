@@ -13,9 +13,10 @@ use tokio_postgres::Transaction;
 use super::ledger::{Offer, RecordedInTx, TxLedger};
 use crate::body::IdempotencyBody;
 use crate::config::Config;
-use crate::record_rules::{self, AtHead, Finished, RecordBuilder};
 use crate::store::postgres::{affected, CompleteParams};
-use crate::store::{codec, BoxError, Fingerprint, PostgresStore, ScopeKey, StoreError, Token};
+use crate::store::{codec, Fingerprint, PostgresStore, ScopeKey, StoreError, Token};
+use crate::write::record_rules::{self, AtHead, Finished, RecordBuilder};
+use reason_code::BoxError;
 
 /// Completes the claim of the request being handled inside the handler's own PostgreSQL
 /// transaction, so the handler's side effects and the idempotency record commit (or roll back)

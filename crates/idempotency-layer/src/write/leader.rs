@@ -14,17 +14,19 @@ use reason_code::InboundWrite;
 use tower_service::Service;
 
 use crate::body::{IdempotencyBody, RequestBody};
-use crate::claim::{Claim, Settled};
 use crate::config::{Config, OnDisconnect};
-use crate::detached::{DetachOnDrop, DetachTo};
+use crate::observe;
 use crate::observe::WriteOutcome;
-use crate::record_rules::AtHead;
-use crate::recorder::ResponseRecorder;
 use crate::reject::{respond, RejectReason};
-use crate::store::{BoxError, Fingerprint, IdempotencyStore, Record, ScopeKey};
+use crate::store::{Fingerprint, IdempotencyStore, Record, ScopeKey};
 use crate::tx::{TxLedger, TxOutcome};
-use crate::waiters::SharedFailure;
-use crate::{observe, record_rules};
+use crate::write::claim::{Claim, Settled};
+use crate::write::detached::{DetachOnDrop, DetachTo};
+use crate::write::record_rules;
+use crate::write::record_rules::AtHead;
+use crate::write::recorder::ResponseRecorder;
+use crate::write::waiters::SharedFailure;
+use reason_code::BoxError;
 
 use super::replay::replay;
 use super::{Answer, Inner, Write};

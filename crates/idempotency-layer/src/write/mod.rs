@@ -1,6 +1,9 @@
-//! The flow of one write whose key and tenant were accepted: read and fingerprint its body,
-//! ask the store, and lead, replay, wait or refuse (what `begin` found is decided in
-//! `decision.rs`); the leader's run and recording are in `leader.rs`.
+//! The whole flow of one write whose key and tenant were accepted: read and fingerprint its
+//! body ([`read_body`]), ask the store, and lead, replay ([`replay`]), wait ([`waiters`]) or
+//! refuse. What `begin` found is decided in [`decision`]; the claim a leader holds in
+//! [`claim`], its lease renewed by [`renewal`]; the leader's run in [`leader`], its response
+//! read by [`pipe`] and recorded by [`recorder`] under the rules of [`record_rules`]; work whose
+//! client went away in [`detached`].
 
 use std::future::Future;
 use std::pin::Pin;
@@ -20,9 +23,7 @@ use tower_service::Service;
 use tracing::Span;
 
 use crate::body::{IdempotencyBody, RequestBody};
-use crate::claim::{log_store_error, Claim};
 use crate::config::Config;
-use crate::decision::{self, Asking, Next};
 use crate::observe::{self, Op, WriteOutcome};
 use crate::protocol::grpc_timeout;
 use crate::protocol::Protocol;
@@ -30,15 +31,26 @@ use crate::reject::{respond, RejectReason};
 use crate::shared::Shared;
 use crate::stats::Counters;
 use crate::store::hashing::fingerprint;
-use crate::store::{Backend, BoxError, IdempotencyStore, ScopeKey, StoreError, TenantKey};
+use crate::store::{Backend, IdempotencyStore, ScopeKey, StoreError, TenantKey};
 use crate::tx::{self, Offer};
-use crate::waiters::{Refused, SharedFailure};
+use crate::write::claim::{log_store_error, Claim};
+use crate::write::decision::{Asking, Next};
+use crate::write::waiters::{Refused, SharedFailure};
+use reason_code::BoxError;
 
+pub(crate) mod claim;
+pub(crate) mod decision;
+pub(crate) mod detached;
 mod leader;
+pub(crate) mod pipe;
 mod read_body;
+pub(crate) mod record_rules;
+pub(crate) mod recorder;
+pub(crate) mod renewal;
 mod replay;
 #[cfg(test)]
 mod tests;
+pub(crate) mod waiters;
 
 use self::leader::*;
 use self::read_body::*;
@@ -246,7 +258,7 @@ where
                         "request body not received within {:?} (the idempotency layer's \
                          request_body_timeout, or the request's grpc-timeout); nothing was \
                          executed: send the whole body promptly, or declare streaming gRPC \
-                         methods with streaming_grpc_methods",
+                         methods with Writes::streaming_grpc_methods",
                         grpc_timeout(&parts).map_or(cfg.request_body_timeout, |t| t
                             .min(cfg.request_body_timeout))
                     );

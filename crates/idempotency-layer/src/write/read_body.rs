@@ -10,7 +10,7 @@ use http_body::Body;
 use http_body_util::{BodyExt, Limited};
 use tokio::time::Instant;
 
-use crate::store::BoxError;
+use reason_code::BoxError;
 
 /// The request body's data, at most `limit` bytes (else a [`LengthLimitError`]), received by
 /// `deadline` (else [`BodyTimedOut`]); trailers are read and left out. A body of one data frame,

@@ -153,8 +153,10 @@ async fn start(layer: IdempotencyLayer) -> (SocketAddr, Orders) {
 fn layer() -> IdempotencyLayer {
     IdempotencyLayer::new(MemoryStore::new())
         .tenant(idempotency_layer::TenantSource::fixed("t"))
-        .idempotent_grpc_methods(
-            reason_code::IdempotentGrpcMethods::new(["/shop.Orders/GetOrder"]).unwrap(),
+        .writes(
+            idempotency_layer::Writes::default().idempotent_grpc_methods(
+                reason_code::GrpcMethods::new(["/shop.Orders/GetOrder"]).unwrap(),
+            ),
         )
 }
 
@@ -495,13 +497,19 @@ async fn a_streaming_call_is_bounded_or_passed_through_when_declared() {
         err.message()
     );
     assert!(
-        err.message().contains("streaming_grpc_methods"),
+        err.message().contains("Writes::streaming_grpc_methods"),
         "{}",
         err.message()
     );
     drop(tx);
 
-    let declared = layer().streaming_grpc_methods(reason_code::GrpcMethods::new([CHAT]).unwrap());
+    let declared = layer().writes(
+        idempotency_layer::Writes::default()
+            .idempotent_grpc_methods(
+                reason_code::GrpcMethods::new(["/shop.Orders/GetOrder"]).unwrap(),
+            )
+            .streaming_grpc_methods(reason_code::GrpcMethods::new([CHAT]).unwrap()),
+    );
     let (addr, _) = start(declared).await;
     let mut client = grpc_client(addr).await;
     let (tx, req) = open_stream("grpc-chat-0002");

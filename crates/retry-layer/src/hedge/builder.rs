@@ -2,11 +2,11 @@
 
 use std::time::Duration;
 
-use reason_code::{Code, IdempotentGrpcMethods, KeyHeaders, ReasonCodes};
+use reason_code::{Code, GrpcMethods, KeyHeaders, ReasonCodes};
 
 use super::policy::{HedgePolicy, MAX_HEDGED_ATTEMPTS};
 use crate::budget::RetryBudget;
-use crate::policy::{InvalidPolicy, MAX_DURATION};
+use crate::retry::policy::{InvalidPolicy, MAX_DURATION};
 
 impl HedgePolicy {
     /// A builder starting from the defaults.
@@ -74,7 +74,7 @@ impl HedgePolicyBuilder {
     }
 
     /// The gRPC methods that may be hedged (the same type the server and `RetryPolicy` take).
-    pub fn idempotent_grpc_methods(mut self, methods: IdempotentGrpcMethods) -> Self {
+    pub fn idempotent_grpc_methods(mut self, methods: GrpcMethods) -> Self {
         self.policy.idempotent_grpc = methods;
         self
     }

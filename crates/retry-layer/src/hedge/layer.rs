@@ -9,8 +9,8 @@ use super::service::Hedge;
 use super::shared::HedgeShared;
 use super::stats::HedgeStats;
 use crate::body::ReplayMemory;
-use crate::layer::RetryLayer;
-use crate::policy::DEFAULT_MAX_REPLAY_BYTES_TOTAL;
+use crate::retry::layer::RetryLayer;
+use crate::retry::policy::DEFAULT_MAX_REPLAY_BYTES_TOTAL;
 
 /// Hedges idempotent requests: see the [module docs](super).
 #[derive(Debug, Clone)]

@@ -4,11 +4,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::request::Parts;
-use reason_code::{Code, IdempotentGrpcMethods, KeyHeaders, ReasonCodes};
+use reason_code::{Code, GrpcMethods, KeyHeaders, ReasonCodes};
 
 use crate::budget::BudgetChoice;
-use crate::policy::{GrpcMethods, DEFAULT_RESPONSE_HEAD_TIMEOUT};
 use crate::request::{is_idempotent_method, is_safe_method};
+use crate::retry::policy::{MethodConfigs, DEFAULT_RESPONSE_HEAD_TIMEOUT};
 
 /// Attempts, delay and non-fatal codes: what may differ per gRPC method.
 #[derive(Debug, Clone, PartialEq)]
@@ -49,13 +49,13 @@ pub const MAX_HEDGED_ATTEMPTS: u32 = 5;
 #[derive(Debug, Clone)]
 pub struct HedgePolicy {
     pub(super) rules: HedgeRules,
-    pub(super) methods: Option<Arc<GrpcMethods<HedgeRules>>>,
+    pub(super) methods: Option<Arc<MethodConfigs<HedgeRules>>>,
     pub(super) max_replay_bytes: usize,
     pub(super) max_pushback: Duration,
     pub(super) response_head_timeout: Duration,
     pub(super) hedge_writes: bool,
     pub(super) reason_codes: ReasonCodes,
-    pub(super) idempotent_grpc: IdempotentGrpcMethods,
+    pub(super) idempotent_grpc: GrpcMethods,
     pub(super) key_headers: KeyHeaders,
     pub(super) budget: BudgetChoice,
 }
@@ -70,7 +70,7 @@ impl Default for HedgePolicy {
             response_head_timeout: DEFAULT_RESPONSE_HEAD_TIMEOUT,
             hedge_writes: false,
             reason_codes: ReasonCodes::default(),
-            idempotent_grpc: IdempotentGrpcMethods::default(),
+            idempotent_grpc: GrpcMethods::default(),
             key_headers: KeyHeaders::default(),
             budget: BudgetChoice::default(),
         }

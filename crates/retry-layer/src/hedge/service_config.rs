@@ -8,10 +8,10 @@ use serde::Deserialize;
 
 use super::policy::{HedgePolicy, HedgeRules, MAX_HEDGED_ATTEMPTS};
 use crate::budget::{BudgetChoice, TokenBucket};
-use crate::policy::service_config::{
+use crate::retry::policy::service_config::{
     method_config_names, parse_proto_duration, MethodName, StatusCodeName,
 };
-use crate::policy::{GrpcMethods, GrpcRetryThrottling, InvalidPolicy};
+use crate::retry::policy::{GrpcRetryThrottling, InvalidPolicy, MethodConfigs};
 
 /// The `hedgingPolicy` object of a gRPC service config (gRFC A6).
 #[derive(Debug, Clone, Deserialize)]
@@ -92,7 +92,7 @@ impl HedgePolicy {
         }
         let config: ServiceConfig = serde_json::from_str(json)
             .map_err(|e| InvalidPolicy::new(format!("service config: {e}")))?;
-        let mut methods = GrpcMethods::default();
+        let mut methods = MethodConfigs::default();
         for (i, mc) in config.method_config.iter().enumerate() {
             let Some(p) = &mc.hedging_policy else {
                 continue;

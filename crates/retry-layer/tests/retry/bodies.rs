@@ -5,7 +5,8 @@ use futures_util::stream;
 use http::Request;
 use http_body::Frame;
 use http_body_util::StreamBody;
-use retry_layer::{BoxError, Retry, RetryLayer, RetryPolicy};
+use reason_code::BoxError;
+use retry_layer::{Retry, RetryLayer, RetryPolicy};
 use tower::{Service, ServiceExt};
 
 use crate::support::*;

@@ -11,7 +11,8 @@ use bytes::Bytes;
 use http::Request;
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
-use retry_layer::{BoxError, RetryError, RetryLayer, RetryPolicy};
+use reason_code::BoxError;
+use retry_layer::{RetryError, RetryLayer, RetryPolicy};
 use tokio::sync::Notify;
 use tower::ServiceExt;
 

@@ -105,7 +105,7 @@ async fn call_with(
     layer: &RetryLayer,
     addr: SocketAddr,
     req: Request<tonic::body::Body>,
-) -> Result<Response<tonic::body::Body>, retry_layer::BoxError> {
+) -> Result<Response<tonic::body::Body>, reason_code::BoxError> {
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .unwrap()
         .connect()

@@ -8,8 +8,9 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
+use reason_code::BoxError;
 use retry_layer::hedge::{HedgeLayer, HedgePolicy};
-use retry_layer::{BoxError, RetryLayer, RetryPolicy};
+use retry_layer::{RetryLayer, RetryPolicy};
 use tokio::time::{Duration, Instant};
 use tower::{Layer, Service, ServiceExt};
 
@@ -237,7 +238,7 @@ async fn pushback_stops_further_hedges() {
     let declared = HedgePolicy::builder()
         .max_attempts(3)
         .hedging_delay(10 * MS)
-        .idempotent_grpc_methods(retry_layer::IdempotentGrpcMethods::new(["/pkg.Svc/Get"]).unwrap())
+        .idempotent_grpc_methods(retry_layer::GrpcMethods::new(["/pkg.Svc/Get"]).unwrap())
         .build()
         .unwrap();
     let (_, _, script, _) = hedged(
@@ -341,7 +342,7 @@ async fn a_service_config_hedges_the_methods_it_names_only() {
     .unwrap()
     .to_builder()
     .idempotent_grpc_methods(
-        retry_layer::IdempotentGrpcMethods::new(["/pkg.Svc/Get", "/pkg.Svc/List"]).unwrap(),
+        retry_layer::GrpcMethods::new(["/pkg.Svc/Get", "/pkg.Svc/List"]).unwrap(),
     )
     .build()
     .unwrap();

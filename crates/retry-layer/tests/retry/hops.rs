@@ -49,7 +49,7 @@ async fn hop_with(c: &Server, proto: Transport, with_hop_layer: bool, policy: Re
     let handler = |State((client, url)): State<(Outbound, String)>| async move {
         let req = Request::get(url).body(Full::new(Bytes::new())).unwrap();
         match tower::ServiceExt::<Request<Full<Bytes>>>::oneshot(client, req).await {
-            Ok::<http::Response<_>, retry_layer::BoxError>(res) => res.status(),
+            Ok::<http::Response<_>, reason_code::BoxError>(res) => res.status(),
             Err(_) => StatusCode::BAD_GATEWAY,
         }
     };

@@ -8,10 +8,9 @@ use bytes::Bytes;
 use http::{Method, Request};
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
+use reason_code::BoxError;
 use reason_code::Code;
-use retry_layer::{
-    BoxError, Conflict, RetryError, RetryInfo, RetryLayer, RetryPolicy, RetryPolicyBuilder,
-};
+use retry_layer::{Conflict, RetryError, RetryInfo, RetryLayer, RetryPolicy, RetryPolicyBuilder};
 use tower::ServiceExt;
 
 use crate::wire::*;

@@ -5,7 +5,8 @@ use bytes::Bytes;
 use http::Request;
 use http_body::Frame;
 use http_body_util::{BodyExt, Full, StreamBody};
-use retry_layer::{BoxError, RetryLayer, RetryPolicy};
+use reason_code::BoxError;
+use retry_layer::{RetryLayer, RetryPolicy};
 use tower::{Service, ServiceExt};
 
 use crate::support::{backend, status, within_a_day, Reply};

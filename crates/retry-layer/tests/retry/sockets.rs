@@ -53,7 +53,7 @@ fn client(
 ) -> impl Service<
     Request<Full<Bytes>>,
     Response = Response<Incoming>,
-    Error = retry_layer::BoxError,
+    Error = reason_code::BoxError,
     Future = impl Send,
 > + Clone {
     ServiceBuilder::new()
@@ -330,7 +330,7 @@ async fn an_unsent_body_over_the_replay_limit_is_still_retried() {
     ] {
         let layer = RetryLayer::new(policy);
         // A whole body with a known size, and one that streams without a size hint.
-        let bodies: [http_body_util::combinators::BoxBody<Bytes, retry_layer::BoxError>; 2] = [
+        let bodies: [http_body_util::combinators::BoxBody<Bytes, reason_code::BoxError>; 2] = [
             Full::new(Bytes::from(vec![b'x'; 100 * 1024]))
                 .map_err(|e| match e {})
                 .boxed(),

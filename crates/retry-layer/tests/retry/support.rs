@@ -4,7 +4,8 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
-use retry_layer::{BoxError, ReplayBody, Retry, RetryLayer, RetryPolicy};
+use reason_code::BoxError;
+use retry_layer::{ReplayBody, Retry, RetryLayer, RetryPolicy};
 use std::future::Future;
 
 use tokio::time::{Duration, Instant};

@@ -30,7 +30,7 @@ macro_rules! rows {
 /// `res` is what the backend answered with `reply`: its status and `grpc-status`, or its
 /// transport error (down the error's sources).
 fn is_the_answer_to(
-    res: &Result<http::Response<http_body_util::Full<Bytes>>, retry_layer::BoxError>,
+    res: &Result<http::Response<http_body_util::Full<Bytes>>, reason_code::BoxError>,
     reply: &Reply,
 ) {
     match (reply, res) {

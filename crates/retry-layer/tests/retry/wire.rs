@@ -16,7 +16,8 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use retry_layer::{BoxError, ReplayBody, Retry, RetryLayer};
+use reason_code::BoxError;
+use retry_layer::{ReplayBody, Retry, RetryLayer};
 use tokio::net::TcpListener;
 use tokio::time::Duration;
 

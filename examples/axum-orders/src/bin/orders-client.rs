@@ -62,7 +62,7 @@ fn print_line(line: &impl serde::Serialize) {
     println!("{}", serde_json::to_string(line).expect("serializable"));
 }
 
-fn print_error(e: &retry_layer::BoxError) {
+fn print_error(e: &reason_code::BoxError) {
     println!(
         "{}",
         serde_json::json!({"status": 0, "error": e.to_string()})

@@ -1,4 +1,4 @@
-//! [`GrpcMethods`]: the rules of a gRPC service config's `methodConfig` entries, found by a
+//! [`MethodConfigs`]: the rules of a gRPC service config's `methodConfig` entries, found by a
 //! request's method path.
 
 use std::collections::HashMap;
@@ -7,7 +7,7 @@ use super::Rules;
 
 /// The rules of a gRPC service config's `methodConfig` entries, by method path.
 #[derive(Debug, Clone)]
-pub(crate) struct GrpcMethods<T = Rules> {
+pub(crate) struct MethodConfigs<T = Rules> {
     pub(crate) rules: Vec<T>,
     /// `/package.Service/Method` or `/package.Service/` to an index in `rules`.
     by_name: HashMap<String, usize>,
@@ -15,9 +15,9 @@ pub(crate) struct GrpcMethods<T = Rules> {
     default: Option<usize>,
 }
 
-impl<T> Default for GrpcMethods<T> {
+impl<T> Default for MethodConfigs<T> {
     fn default() -> Self {
-        GrpcMethods {
+        MethodConfigs {
             rules: Vec::new(),
             by_name: HashMap::new(),
             default: None,
@@ -25,7 +25,7 @@ impl<T> Default for GrpcMethods<T> {
     }
 }
 
-impl<T> GrpcMethods<T> {
+impl<T> MethodConfigs<T> {
     /// The entry that applies to `path`: its method's, else its service's, else the default.
     pub(crate) fn find(&self, path: &str) -> Option<usize> {
         if let Some(i) = self.by_name.get(path) {

@@ -4,10 +4,10 @@ use std::sync::Arc;
 
 use tower_layer::Layer;
 
-use crate::policy::RetryPolicy;
-use crate::service::Retry;
-use crate::shared::Shared;
-use crate::stats::RetryStats;
+use crate::retry::policy::RetryPolicy;
+use crate::retry::service::Retry;
+use crate::retry::shared::Shared;
+use crate::retry::stats::RetryStats;
 
 /// Applies [`Retry`] to services. All services made by one layer (and their clones) share one
 /// retry budget and one set of counters: cloning the layer does not make a new budget.

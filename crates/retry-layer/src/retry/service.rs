@@ -10,11 +10,11 @@ use tower_service::Service;
 
 use crate::body::ReplayBody;
 use crate::error::{DeadlineExceeded, RetryError};
-use crate::future::ResponseFuture;
-use crate::policy::RetryPolicy;
 use crate::ready::ReadyBound;
-use crate::shared::Shared;
-use crate::stats::RetryStats;
+use crate::retry::future::ResponseFuture;
+use crate::retry::policy::RetryPolicy;
+use crate::retry::shared::Shared;
+use crate::retry::stats::RetryStats;
 
 /// Retries what is safe to retry. See the [crate docs](crate) for what that is.
 ///

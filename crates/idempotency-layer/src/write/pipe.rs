@@ -1,6 +1,6 @@
 //! The hand-over between the layer's reading of a handler's response body and its client.
 //!
-//! The layer reads a recorded response's body itself ([`recorder`](crate::recorder)), as fast
+//! The layer reads a recorded response's body itself ([`recorder`](crate::write::recorder)), as fast
 //! as the handler makes it, so that the record is stored when the body ends, not when a slow
 //! or stalled client gets around to reading its last frame. The frames it has read wait here
 //! for the client. Their bytes are bounded twice. Per response: up to the layer's
@@ -22,7 +22,7 @@ use std::task::{Context, Poll, Waker};
 use bytes::Bytes;
 use http_body::{Frame, SizeHint};
 
-use crate::store::BoxError;
+use reason_code::BoxError;
 
 /// The fewest bytes that may wait for a client, whatever `max_record_bytes` is: a body too large
 /// to record is handed over in pieces of at least this much.

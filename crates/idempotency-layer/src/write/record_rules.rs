@@ -1,5 +1,5 @@
 //! What of a handler's response is recorded: the one set of rules that the streaming recorder
-//! ([`ResponseRecorder`](crate::recorder::ResponseRecorder)) and transactional completion (`TxCompletion`, feature
+//! ([`ResponseRecorder`](crate::write::recorder::ResponseRecorder)) and transactional completion (`TxCompletion`, feature
 //! `postgres`) both follow, so a record is the same bytes whichever of them stored it.
 
 use bytes::{Bytes, BytesMut};

@@ -35,14 +35,15 @@ use reason_code::Code;
 use tokio::time::Instant;
 
 use crate::body::IdempotencyBody;
-use crate::claim::Claim;
 use crate::config::Config;
-use crate::detached::{self, DetachedPermit, StoreOp};
-use crate::pipe::{Pipe, PipeReader, Room};
-use crate::record_rules::{Finished, RecordBuilder};
 use crate::reject::RejectReason;
-use crate::store::{BoxError, Fingerprint, FOREVER};
-use crate::waiters::SharedFailure;
+use crate::store::{Fingerprint, FOREVER};
+use crate::write::claim::Claim;
+use crate::write::detached::{self, DetachedPermit, StoreOp};
+use crate::write::pipe::{Pipe, PipeReader, Room};
+use crate::write::record_rules::{Finished, RecordBuilder};
+use crate::write::waiters::SharedFailure;
+use reason_code::BoxError;
 
 /// A handler's response about to be recorded ([`start`](Self::start)): its body not yet
 /// polled, the claim, and the record's head.
@@ -324,7 +325,7 @@ where
                 None
             }
             // No runtime to run it on: the client's polls drive it.
-            Err(_) => Some(pump as crate::pipe::Driver),
+            Err(_) => Some(pump as crate::write::pipe::Driver),
         };
         Started {
             body: IdempotencyBody::recorded(PipeReader::new(pipe, driver)),

@@ -9,7 +9,7 @@ use http::HeaderValue;
 use super::*;
 use crate::backoff::Jitter;
 use crate::budget::Unlimited;
-use crate::policy::Conflict;
+use crate::retry::policy::Conflict;
 
 const MS: Duration = Duration::from_millis(1);
 
@@ -63,7 +63,7 @@ struct Case {
     now: Instant,
 }
 
-fn no_jitter() -> crate::policy::RetryPolicyBuilder {
+fn no_jitter() -> crate::retry::policy::RetryPolicyBuilder {
     RetryPolicy::builder().jitter(Jitter::None)
 }
 
@@ -89,7 +89,7 @@ fn status(code: Code) -> Case {
 }
 
 impl Case {
-    fn policy(mut self, builder: crate::policy::RetryPolicyBuilder) -> Self {
+    fn policy(mut self, builder: crate::retry::policy::RetryPolicyBuilder) -> Self {
         self.policy = builder.build().unwrap();
         self
     }

@@ -4,9 +4,9 @@ use std::sync::Arc;
 
 use crate::body::ReplayMemory;
 use crate::budget::{AuthorityBudgets, Budget, TokenBucket, TpsBudget};
-use crate::observe::WarnSummary;
-use crate::policy::{InboundRetry, RetryPolicy, MAX_AUTHORITY_BUDGETS};
-use crate::stats::{Counters, RetryStats};
+use crate::retry::observe::WarnSummary;
+use crate::retry::policy::{InboundRetry, RetryPolicy, MAX_AUTHORITY_BUDGETS};
+use crate::retry::stats::{Counters, RetryStats};
 
 /// The policy (plain settings, never changed after the layer is made), the retry budget and the
 /// counters. A [`RetryLayer`](crate::RetryLayer) makes one in `new()`; cloning the layer or a

@@ -17,15 +17,15 @@ use crate::body::{BodyHandle, ReplayBody};
 use crate::budget::Budget;
 use crate::classify;
 use crate::deadline::{deadline_of, instant_after, rewrite_grpc_timeout, Timer};
-use crate::decide::{decide, Attempt, Budgets, Ended, ReturnReason, Step};
 use crate::error::{DeadlineExceeded, RetryError, RetryInfo};
-use crate::observe::{self, GiveUp};
-use crate::policy::{Conflict, InboundRetry, RebuildFuture};
 use crate::request::{
     clone_parts, intent_key, judge, remove_attempt_headers, write_previous_attempts,
 };
-use crate::shared::Shared;
-use crate::stats::Counter;
+use crate::retry::decide::{decide, Attempt, Budgets, Ended, ReturnReason, Step};
+use crate::retry::observe::{self, GiveUp};
+use crate::retry::policy::{Conflict, InboundRetry, RebuildFuture};
+use crate::retry::shared::Shared;
+use crate::retry::stats::Counter;
 
 /// Everything an attempt after the first needs.
 pub(crate) struct Call<S, B> {

@@ -1,5 +1,5 @@
 //! A held claim: completes or releases exactly once, renews its lease while held (through the
-//! layer's [`Renewals`](crate::renewal::Renewals)) until the end of its lifetime, hands its
+//! layer's [`Renewals`](crate::write::renewal::Renewals)) until the end of its lifetime, hands its
 //! failure to the duplicates waiting for it, and releases itself if dropped unfinished.
 
 use std::fmt;
@@ -11,16 +11,16 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::config::Config;
-use crate::detached::{self, BoxFuture, DetachTo, Kind};
 use crate::observe::{self, Op};
-use crate::pipe::HeldBytes;
 use crate::shared::Shared;
 use crate::stats::Counters;
 use crate::store::{
     retry_through_outage, Backend, Begin, Fingerprint, IdempotencyStore, Record, ScopeKey,
     StoreError, Token, FOREVER,
 };
-use crate::waiters::SharedFailure;
+use crate::write::detached::{self, BoxFuture, DetachTo, Kind};
+use crate::write::pipe::HeldBytes;
+use crate::write::waiters::SharedFailure;
 
 /// How a claim whose handler wrote its record in a transaction of its own turned out
 /// ([`Claim::settle`]).

@@ -1,5 +1,5 @@
 //! The response future: one state machine that sends attempts and waits. What to do after an
-//! attempt is decided in [`decide`](crate::decide) and carried out by [`Call`]; this file only
+//! attempt is decided in [`decide`](crate::retry::decide) and carried out by [`Call`]; this file only
 //! drives.
 
 use std::future::Future;
@@ -15,12 +15,12 @@ use tower_service::Service;
 use tracing::Span;
 
 use crate::body::ReplayBody;
-use crate::call::{Call, Next};
 use crate::deadline::{instant_after, Bound, Timer};
 use crate::error::{AttemptTimedOut, ResponseHeadTimedOut};
-use crate::observe;
-use crate::policy::RebuildFuture;
-use crate::shared::Shared;
+use crate::retry::call::{Call, Next};
+use crate::retry::observe;
+use crate::retry::policy::RebuildFuture;
+use crate::retry::shared::Shared;
 
 pin_project! {
     /// The response future of [`Retry`](crate::Retry).

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 use crate::budget::Budget;
 use crate::classify::{self, PushbackHint};
-use crate::policy::{RetryPolicy, Rules};
+use crate::retry::policy::{RetryPolicy, Rules};
 
 /// What the decision knows of a call between attempts. The response future owns one and
 /// updates it as it carries out each [`Step`].

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use reason_code::{IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
+use reason_code::{GrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
 
 use super::rebuild::Rebuild;
 use super::{InboundRetry, RetryPolicy, MAX_DURATION, MAX_UNSENT_RETRIES};
@@ -249,9 +249,9 @@ impl RetryPolicyBuilder {
     /// takes the same type, so one list declares the same methods on both sides.
     ///
     /// ```
-    /// use retry_layer::{IdempotentGrpcMethods, RetryPolicy};
+    /// use retry_layer::{GrpcMethods, RetryPolicy};
     ///
-    /// let reads = IdempotentGrpcMethods::new([
+    /// let reads = GrpcMethods::new([
     ///     "/plume.linkd.v3.Library/GetBook",
     ///     "/grpc.health.v1.Health/",
     /// ])
@@ -259,7 +259,7 @@ impl RetryPolicyBuilder {
     /// let policy = RetryPolicy::builder().idempotent_grpc_methods(reads).build().unwrap();
     /// assert!(policy.idempotent_grpc().contains("/grpc.health.v1.Health/Check"));
     /// ```
-    pub fn idempotent_grpc_methods(mut self, methods: IdempotentGrpcMethods) -> Self {
+    pub fn idempotent_grpc_methods(mut self, methods: GrpcMethods) -> Self {
         self.policy.idempotent_grpc = methods;
         self
     }

@@ -1,25 +1,25 @@
 //! [`RetryPolicy`]: what is retried, how often, how long to wait, and within which budgets.
 //!
 //! The policy lives here; beside it, its builder ([`builder`]), the per-method rules a gRPC
-//! service config gives ([`grpc_methods`], loaded by [`service_config`]) and the hook that
+//! service config gives ([`method_configs`], loaded by [`service_config`]) and the hook that
 //! rebuilds a request after a conflict ([`rebuild`]).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use reason_code::{IdempotentGrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
+use reason_code::{GrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
 
 use crate::backoff::{Backoff, JitterRng};
 use crate::budget::BudgetChoice;
 
 mod builder;
-mod grpc_methods;
+mod method_configs;
 mod rebuild;
 #[cfg(feature = "service-config")]
 pub(crate) mod service_config;
 
 pub use builder::{InvalidPolicy, RetryPolicyBuilder};
-pub(crate) use grpc_methods::GrpcMethods;
+pub(crate) use method_configs::MethodConfigs;
 pub use rebuild::{Conflict, Rebuild, RebuildFuture};
 #[cfg(feature = "service-config")]
 pub use service_config::{GrpcRetryPolicy, GrpcRetryThrottling, StatusCodeName};
@@ -62,7 +62,7 @@ pub struct RetryPolicy {
     /// Attempts, backoff and table of requests no gRPC method config matches.
     pub(crate) rules: Rules,
     /// Per-method rules from a gRPC service config (`methodConfig`).
-    pub(crate) methods: Option<Arc<GrpcMethods>>,
+    pub(crate) methods: Option<Arc<MethodConfigs>>,
     pub(crate) min_attempt_time: Duration,
     pub(crate) total_timeout: Option<Duration>,
     pub(crate) attempt_timeout: Option<Duration>,
@@ -72,7 +72,7 @@ pub struct RetryPolicy {
     pub(crate) max_replay_bytes_total: usize,
     pub(crate) max_unsent_retries: u32,
     pub(crate) reason_codes: ReasonCodes,
-    pub(crate) idempotent_grpc: IdempotentGrpcMethods,
+    pub(crate) idempotent_grpc: GrpcMethods,
     pub(crate) key_headers: KeyHeaders,
     pub(crate) ensure_key: bool,
     pub(crate) derived_keys: Option<crate::derived_key::DerivedKeys>,
@@ -134,7 +134,7 @@ impl Default for RetryPolicy {
             max_replay_bytes_total: DEFAULT_MAX_REPLAY_BYTES_TOTAL,
             max_unsent_retries: 2,
             reason_codes: ReasonCodes::default(),
-            idempotent_grpc: IdempotentGrpcMethods::default(),
+            idempotent_grpc: GrpcMethods::default(),
             key_headers: KeyHeaders::default(),
             ensure_key: false,
             derived_keys: None,
@@ -176,7 +176,7 @@ impl RetryPolicy {
     }
 
     /// The gRPC methods declared idempotent.
-    pub fn idempotent_grpc(&self) -> &IdempotentGrpcMethods {
+    pub fn idempotent_grpc(&self) -> &GrpcMethods {
         &self.idempotent_grpc
     }
 
