@@ -22,7 +22,7 @@ use tokio::time::Sleep;
 use tower::limit::ConcurrencyLimitLayer;
 use tower::ServiceBuilder;
 
-use crate::ledger::{now, Execution, Ledger, ScopeName};
+use crate::ledger::{now, Execution, Ledger, Memory, ScopeName};
 use crate::schedule::{Handler, Intent, Schedule};
 use crate::store_host::StoreLink;
 use crate::tag::{TagLayer, ATTEMPT_HEADER};
@@ -85,6 +85,18 @@ pub async fn run_server(
     if let Some(lease) = s.lease {
         layer = layer.lease(lease);
     }
+    if let Some(max) = s.bounds.max_waiting_bytes {
+        layer = layer.max_waiting_bytes(max);
+    }
+    let gauge = layer.clone();
+    shared.ledger.gauge(Arc::new(move || {
+        let stats = gauge.stats();
+        Memory {
+            waiting_bytes: stats.waiting_bytes,
+            response_buffer_bytes: stats.response_buffer_bytes,
+            ..Memory::default()
+        }
+    }));
     let app = AppState {
         shared,
         server,

@@ -23,7 +23,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::app::TENANT_HEADER;
-use crate::ledger::{Ending, Ledger};
+use crate::ledger::{Ending, Ledger, Memory};
 use crate::net::SimConnector;
 use crate::schedule::{MalformedKind, Protocol, Schedule};
 use crate::tag::ATTEMPT_HEADER;
@@ -120,13 +120,28 @@ where
 /// `HedgeLayer` under it) over the router and hyper-util's client.
 pub type ClientStack = BoxCloneService<Request<Full<Bytes>>, Response<Incoming>, BoxError>;
 
-/// The policy of `schedule`: the defaults, with its deadline and a deterministic jitter.
+/// The policy of `schedule`: the defaults, with its deadline, its replay memory and a
+/// deterministic jitter.
 pub fn policy(schedule: &Schedule) -> RetryPolicy {
     let mut b = RetryPolicy::builder().jitter_seed(schedule.seed);
     if let Some(d) = schedule.settings.deadline {
         b = b.total_timeout(d);
     }
+    if let Some(max) = schedule.settings.bounds.max_replay_bytes_total {
+        b = b.max_replay_bytes_total(max);
+    }
     b.build().expect("a valid policy")
+}
+
+/// The retry layer of `schedule`, its replay memory read by the ledger after every step.
+pub fn retry_layer(schedule: &Schedule, ledger: &Ledger) -> RetryLayer {
+    let retry = RetryLayer::new(policy(schedule));
+    let gauge = retry.clone();
+    ledger.gauge(Arc::new(move || Memory {
+        replay_bytes: gauge.stats().replay_bytes,
+        ..Memory::default()
+    }));
+    retry
 }
 
 /// The hedging policy of `schedule`: a second attempt of a keyed write after its delay.
@@ -140,7 +155,7 @@ pub fn hedge_policy(schedule: &Schedule) -> HedgePolicy {
 }
 
 /// Client `client`'s stack.
-pub fn stack(schedule: &Schedule, client: usize, gate: ReadyGate) -> ClientStack {
+pub fn stack(schedule: &Schedule, ledger: &Ledger, client: usize, gate: ReadyGate) -> ClientStack {
     fn route<S>(schedule: &Schedule, client: usize, gate: ReadyGate, inner: S) -> Route<S> {
         Route {
             inner,
@@ -153,7 +168,7 @@ pub fn stack(schedule: &Schedule, client: usize, gate: ReadyGate) -> ClientStack
     }
     let mut builder = Client::builder(TokioExecutor::new());
     builder.http2_only(schedule.settings.protocol == Protocol::Http2);
-    let retry = RetryLayer::new(policy(schedule));
+    let retry = retry_layer(schedule, ledger);
     if schedule.settings.hedging {
         let hyper = builder.build(SimConnector);
         let hedged =
@@ -175,9 +190,9 @@ pub async fn run_client(
     watchdog: Duration,
 ) -> turmoil::Result {
     let caller = if schedule.settings.protocol == Protocol::Grpc {
-        Caller::Grpc(crate::grpc::stack(&schedule, client, gate))
+        Caller::Grpc(crate::grpc::stack(&schedule, &ledger, client, gate))
     } else {
-        Caller::Http(stack(&schedule, client, gate))
+        Caller::Http(stack(&schedule, &ledger, client, gate))
     };
     let mut tasks = Vec::new();
     for intent in &schedule.intents {

@@ -28,7 +28,6 @@ use tower_service::Service;
 
 use http::uri::PathAndQuery;
 use retry_layer::tonic::RetryChannel;
-use retry_layer::RetryLayer;
 
 use crate::app::{attempt_of, tenant_of, AppState, HANDLER_PANIC};
 use crate::client::ReadyGate;
@@ -250,9 +249,14 @@ impl Service<Request<Body>> for Channels {
 pub(crate) type GrpcStack = RetryChannel<Channels>;
 
 /// Client `client`'s gRPC stack.
-pub(crate) fn stack(schedule: &Schedule, client: usize, gate: ReadyGate) -> GrpcStack {
+pub(crate) fn stack(
+    schedule: &Schedule,
+    ledger: &Ledger,
+    client: usize,
+    gate: ReadyGate,
+) -> GrpcStack {
     let channels = Channels::new(schedule.settings.servers, client, gate);
-    RetryLayer::new(crate::client::policy(schedule)).tonic_channel(channels)
+    crate::client::retry_layer(schedule, ledger).tonic_channel(channels)
 }
 
 /// One unary call, as a generated client makes it: readiness, then the call (its message and

@@ -9,14 +9,19 @@
 //!    `content-length` matches the body that came).
 //! 4. No panic but the handlers' own escapes; every server still serves a fresh write at the
 //!    end.
+//! 5. The memory bounds hold: the bytes a server's waiters hold, the response bytes it holds
+//!    for clients, the request bytes a client keeps for replay and the store's bytes, each read
+//!    after every step of the simulation, never pass their bound (drawn small per seed, or the
+//!    default).
 
 use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
 use crate::app::HANDLER_PANIC;
-use crate::ledger::{Ending, Execution, ScopeName};
+use crate::ledger::{Ending, Execution, Memory, ScopeName};
 use idempotency_layer::conformance::{Fault as StoreFault, Op};
+use idempotency_layer::MemoryStore;
 
 use crate::schedule::{Fault, Protocol, Schedule};
 use crate::world::{Run, TICK};
@@ -39,7 +44,7 @@ pub fn call_bound(schedule: &Schedule) -> Duration {
 /// A broken promise.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Violation {
-    /// Which promise (1 to 4).
+    /// Which promise (1 to 5).
     pub promise: u8,
     /// What broke, in a few words: the summary groups by it.
     pub cause: &'static str,
@@ -98,7 +103,70 @@ pub fn check(run: &Run) -> Verdict {
     runs_once(run, &mut v);
     replays_equal(run, &mut v);
     no_panic_and_still_serving(run, &mut v);
+    memory_bounded(run, &mut v);
     v
+}
+
+/// The default of `IdempotencyLayer::max_waiting_bytes` and of `max_response_buffer_bytes`
+/// (64 MiB each, as their docs say).
+const DEFAULT_LAYER_BYTES: u64 = 64 << 20;
+
+/// The bounds of one seed's holdings, by kind (what [`Memory`] reads).
+pub fn memory_bounds(schedule: &Schedule) -> Memory {
+    let b = schedule.settings.bounds;
+    let or = |v: Option<usize>, default: u64| v.map_or(default, |v| v as u64);
+    Memory {
+        waiting_bytes: or(b.max_waiting_bytes, DEFAULT_LAYER_BYTES),
+        // Over it by at most one frame per response: every response of the seed, whole.
+        response_buffer_bytes: DEFAULT_LAYER_BYTES
+            + schedule
+                .intents
+                .iter()
+                .map(|i| i.response_len as u64)
+                .sum::<u64>(),
+        replay_bytes: or(
+            b.max_replay_bytes_total,
+            retry_layer::DEFAULT_MAX_REPLAY_BYTES_TOTAL as u64,
+        ),
+        store_bytes: MemoryStore::DEFAULT_MAX_BYTES as u64,
+    }
+}
+
+fn memory_bounded(run: &Run, v: &mut Verdict) {
+    let peak = run.observed.peaks;
+    let bound = memory_bounds(&run.schedule);
+    let kinds = [
+        (
+            "a server's waiters held more bytes than max_waiting_bytes",
+            peak.waiting_bytes,
+            bound.waiting_bytes,
+        ),
+        (
+            "a server held more response bytes than max_response_buffer_bytes",
+            peak.response_buffer_bytes,
+            bound.response_buffer_bytes,
+        ),
+        (
+            "a client kept more bytes for replay than max_replay_bytes_total",
+            peak.replay_bytes,
+            bound.replay_bytes,
+        ),
+        (
+            "the store held more bytes than its max_bytes",
+            peak.store_bytes,
+            bound.store_bytes,
+        ),
+    ];
+    for (cause, peak, bound) in kinds {
+        if peak > bound {
+            v.violations.push(Violation {
+                promise: 5,
+                cause,
+                scope: None,
+                detail: format!("peak {peak} bytes, bound {bound}"),
+            });
+        }
+    }
 }
 
 fn calls_end(run: &Run, v: &mut Verdict) {

@@ -4,6 +4,7 @@
 //! One `Ledger` per seed, shared by every host of the simulation (they run on one thread).
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -96,11 +97,51 @@ pub struct Observed {
     pub faults: BTreeMap<&'static str, u64>,
     /// The final probe of each server: the status of a fresh write, or why there was none.
     pub probes: Vec<(usize, Result<u16, String>)>,
+    /// The most memory each kind of holding reached, read after every step.
+    pub peaks: Memory,
 }
 
+/// The memory the layers and the store hold, by kind: what their bounds bound.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Memory {
+    /// Bytes held by a server layer's waiters (`IdempotencyStats::waiting_bytes`).
+    pub waiting_bytes: u64,
+    /// Response bytes a server layer holds for its clients
+    /// (`IdempotencyStats::response_buffer_bytes`).
+    pub response_buffer_bytes: u64,
+    /// Request bytes a client layer keeps for replay (`RetryStats::replay_bytes`).
+    pub replay_bytes: u64,
+    /// Bytes of the store's entries (`MemoryStats::bytes`).
+    pub store_bytes: u64,
+}
+
+impl Memory {
+    /// Each kind's larger value.
+    pub fn max(self, o: Memory) -> Memory {
+        Memory {
+            waiting_bytes: self.waiting_bytes.max(o.waiting_bytes),
+            response_buffer_bytes: self.response_buffer_bytes.max(o.response_buffer_bytes),
+            replay_bytes: self.replay_bytes.max(o.replay_bytes),
+            store_bytes: self.store_bytes.max(o.store_bytes),
+        }
+    }
+}
+
+/// Reads what one layer (or the store) holds now.
+pub type Gauge = Arc<dyn Fn() -> Memory + Send + Sync>;
+
 /// The shared ledger of one seed.
-#[derive(Clone, Debug, Default)]
-pub struct Ledger(Arc<Mutex<Observed>>);
+#[derive(Clone, Default)]
+pub struct Ledger {
+    observed: Arc<Mutex<Observed>>,
+    gauges: Arc<Mutex<Vec<Gauge>>>,
+}
+
+impl fmt::Debug for Ledger {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Ledger").finish_non_exhaustive()
+    }
+}
 
 /// The simulation's clock: time since the simulation began, the same on every host.
 pub fn now() -> Duration {
@@ -110,7 +151,25 @@ pub fn now() -> Duration {
 impl Ledger {
     /// The observations so far.
     pub fn lock(&self) -> MutexGuard<'_, Observed> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        self.observed.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds a holding to read after every step (a layer, when it is made; the store).
+    pub fn gauge(&self, gauge: Gauge) {
+        self.gauges
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(gauge);
+    }
+
+    /// Reads every holding, and keeps each kind's peak (each holding on its own: every
+    /// bound is per layer or per store).
+    pub fn sample(&self) {
+        let gauges = self.gauges.lock().unwrap_or_else(|p| p.into_inner());
+        let now = gauges.iter().fold(Memory::default(), |m, g| m.max(g()));
+        drop(gauges);
+        let mut observed = self.lock();
+        observed.peaks = observed.peaks.max(now);
     }
 
     /// Adds a line to the trace (from a host: at the simulation's time).

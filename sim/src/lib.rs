@@ -93,6 +93,22 @@ impl SeedReport {
             .map(|(k, n)| ((*k).to_owned(), *n))
             .collect();
         let settings = &self.run.schedule.settings;
+        let peaks = self.run.observed.peaks;
+        if let Some(max) = settings.bounds.max_waiting_bytes {
+            out.push(("bounds: servers' waiting memory drawn small".to_owned(), 1));
+            // One more waiter (1 KiB and its body) would not fit: a duplicate was refused, or
+            // would have been.
+            if peaks.waiting_bytes + 1024 > max as u64 {
+                out.push(("bounds: servers' waiting memory full".to_owned(), 1));
+            }
+        }
+        if let Some(max) = settings.bounds.max_replay_bytes_total {
+            out.push(("bounds: clients' replay memory drawn small".to_owned(), 1));
+            let largest = self.run.schedule.intents.iter().map(|i| i.body.len()).max();
+            if largest.is_some_and(|b| peaks.replay_bytes as usize + b > max) {
+                out.push(("bounds: clients' replay memory full".to_owned(), 1));
+            }
+        }
         if settings.fail_rate > 0.0 {
             out.push(("network: resets (a per-message fail rate)".to_owned(), 1));
         }

@@ -53,6 +53,18 @@ pub struct Settings {
     pub servers: usize,
     /// Number of client hosts.
     pub clients: usize,
+    /// The memory bounds of both layers, when smaller than their defaults.
+    pub bounds: Bounds,
+}
+
+/// Memory bounds drawn small, so that a seed reaches them (`None`: the layer's default).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Bounds {
+    /// The servers' `max_waiting_bytes`: room for one to four waiters (each is charged its body
+    /// and 1 KiB).
+    pub max_waiting_bytes: Option<usize>,
+    /// The clients' `max_replay_bytes_total`: under two request bodies, often under one.
+    pub max_replay_bytes_total: Option<usize>,
 }
 
 /// What a handler does on one execution.
@@ -243,6 +255,7 @@ impl Schedule {
             server_limit: pick(r, 4, |r| 1 + r.usize(..3)),
             servers: 2 + r.usize(..2),
             clients: 1 + r.usize(..3),
+            bounds: Bounds::default(),
         };
         let n_intents = 2 + r.usize(..9);
         let mut intents = Vec::with_capacity(n_intents);
@@ -315,6 +328,10 @@ impl Schedule {
             })
             .collect();
         settings.hedging_alone = settings.hedging && r.u8(..2) == 0;
+        settings.bounds = Bounds {
+            max_waiting_bytes: pick(r, 2, |r| r.usize(1100..4200)),
+            max_replay_bytes_total: pick(r, 2, |r| r.usize(..128)),
+        };
         Schedule {
             seed,
             settings,

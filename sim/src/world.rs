@@ -11,7 +11,7 @@ use idempotency_layer::MemoryStore;
 
 use crate::app::{run_server, Shared};
 use crate::client::{run_client, run_probe, ReadyGate};
-use crate::ledger::{Ledger, Observed, PanicRecord};
+use crate::ledger::{Ledger, Memory, Observed, PanicRecord};
 use crate::schedule::{Fault, Schedule};
 use crate::store_host::{store_pair, Backing};
 use crate::tag::AttemptTags;
@@ -104,7 +104,13 @@ fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Optio
         .repair_rate(1.0)
         .build();
 
-    let store: Backing = FaultStore::new(MemoryStore::new());
+    let memory = MemoryStore::new();
+    let held = memory.clone();
+    ledger.gauge(Arc::new(move || Memory {
+        store_bytes: held.stats().bytes as u64,
+        ..Memory::default()
+    }));
+    let store: Backing = FaultStore::new(memory);
     let (store_host, link) = store_pair(store.clone(), tags.clone());
     sim.host("store", move || store_host.clone().run());
 
@@ -164,6 +170,7 @@ fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Optio
             Ok(finished) => finished,
             Err(e) => return Some(e.to_string()),
         };
+        ledger.sample();
         if finished {
             return None;
         }

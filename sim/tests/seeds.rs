@@ -29,6 +29,28 @@ fn the_seeds_that_found_bugs_hold_every_promise() {
     }
 }
 
+/// Seeds whose small memory bounds are reached: a duplicate refused its wait (the servers'
+/// waiters' bytes), a request body not kept for replay (the client's). Each holds its bound;
+/// with the bound taken out of the layer, each breaks promise 5.
+#[test]
+fn seeds_that_reach_their_memory_bounds_hold_them() {
+    for (seed, reached) in [
+        (4, "bounds: servers' waiting memory full"),
+        (1, "bounds: clients' replay memory full"),
+    ] {
+        let report = run_seed(seed);
+        assert!(
+            report.faults().iter().any(|(kind, _)| kind == reached),
+            "seed {seed} no longer reaches its bound ({reached}): pick another seed that does"
+        );
+        assert!(
+            report.verdict.violations.is_empty(),
+            "seed {seed}:\n{}",
+            report.explain()
+        );
+    }
+}
+
 /// Seeds `from..from + n`: every promise holds.
 fn sweep(from: u64, n: u64) {
     for seed in from..from + n {

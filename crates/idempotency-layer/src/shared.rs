@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use tokio::sync::Notify;
 
-use crate::stats::{Counters, IdempotencyStats};
+use crate::stats::{Counters, Gauges, IdempotencyStats};
 use crate::write::pipe::HeldBytes;
 use crate::write::renewal::Renewals;
 use crate::write::waiters::Waiters;
@@ -78,12 +78,14 @@ impl Shared {
         }
     }
 
-    /// The counters, and the detached work running now.
+    /// The counters, and the gauges: detached work running now, bytes held for clients and by
+    /// waiters.
     pub(crate) fn stats(&self) -> IdempotencyStats {
-        self.counters.snapshot(
-            self.detached.running() as u64,
-            self.held_bytes.used() as u64,
-        )
+        self.counters.snapshot(Gauges {
+            detached: self.detached.running() as u64,
+            response_buffer_bytes: self.held_bytes.used() as u64,
+            waiting_bytes: self.waiters.held() as u64,
+        })
     }
 }
 

@@ -87,9 +87,8 @@ impl Counters {
         observe::rejected(reason);
     }
 
-    /// The counts, with the gauges `detached` (running now) and `held` (response bytes held
-    /// for clients) read by the caller.
-    pub(crate) fn snapshot(&self, detached: u64, held: u64) -> IdempotencyStats {
+    /// The counts, with the gauges read by the caller.
+    pub(crate) fn snapshot(&self, gauges: Gauges) -> IdempotencyStats {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         IdempotencyStats {
             executed: get(&self.executed),
@@ -102,12 +101,23 @@ impl Counters {
             shared_failures: get(&self.shared_failures),
             lapsed: get(&self.lapsed),
             detached_refused: get(&self.detached_refused),
-            detached,
+            detached: gauges.detached,
             in_flight: get(&self.in_flight),
-            response_buffer_bytes: held,
+            response_buffer_bytes: gauges.response_buffer_bytes,
+            waiting_bytes: gauges.waiting_bytes,
             rejected: std::array::from_fn(|i| get(&self.rejected[i])),
         }
     }
+}
+
+/// The gauges a snapshot reads beside the counters.
+pub(crate) struct Gauges {
+    /// Detached work running now.
+    pub(crate) detached: u64,
+    /// Response bytes held for clients, beyond each response's first part.
+    pub(crate) response_buffer_bytes: u64,
+    /// Bytes held by waiters.
+    pub(crate) waiting_bytes: u64,
 }
 
 /// A snapshot of the layer's counters, shared by every service the layer made.
@@ -158,6 +168,10 @@ pub struct IdempotencyStats {
     /// [`max_response_buffer_bytes`](crate::IdempotencyLayer::max_response_buffer_bytes), over
     /// it by at most one frame per response).
     pub response_buffer_bytes: u64,
+    /// Bytes held now by the duplicates waiting for a write in flight, each charged its request
+    /// body and 1 KiB for its head and state (a gauge; bounded by
+    /// [`max_waiting_bytes`](crate::IdempotencyLayer::max_waiting_bytes)).
+    pub waiting_bytes: u64,
     rejected: [u64; RejectReason::ALL.len()],
 }
 

@@ -133,7 +133,6 @@ impl Waiters {
     }
 
     /// The bytes all waiters hold now.
-    #[cfg(test)]
     pub(crate) fn held(&self) -> usize {
         self.held.load(Ordering::Acquire)
     }
