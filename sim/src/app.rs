@@ -18,11 +18,13 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, Response, StatusCode};
 use http_body::{Frame, SizeHint};
 use idempotency_layer::IdempotencyLayer;
+use retry_layer::hop::HopLayer;
 use tokio::time::Sleep;
 use tower::limit::ConcurrencyLimitLayer;
 use tower::ServiceBuilder;
 
 use crate::ledger::{now, Execution, Ledger, Memory, ScopeName};
+use crate::net::DrainSignal;
 use crate::schedule::{Handler, Intent, Schedule};
 use crate::store_host::StoreLink;
 use crate::tag::{TagLayer, ATTEMPT_HEADER};
@@ -68,13 +70,16 @@ pub(crate) struct AppState {
 }
 
 /// Server `server`'s software for its boot `boot`: the layer with the schedule's settings
-/// over the handlers, served until the host crashes.
+/// over the handlers, served until the host crashes, or until a drain (`drains` counts them)
+/// has ended: the layer's ([`IdempotencyLayer::drain`]: new writes refused, the claims held
+/// let finish) and the connections' (a graceful shutdown).
 pub async fn run_server(
     schedule: Arc<Schedule>,
     shared: Shared,
     store: StoreLink,
     server: usize,
     boot: u32,
+    drains: Arc<tokio::sync::watch::Sender<u64>>,
 ) -> turmoil::Result {
     let s = &schedule.settings;
     let mut layer = IdempotencyLayer::new(store)
@@ -97,26 +102,44 @@ pub async fn run_server(
             ..Memory::default()
         }
     }));
+    let ledger = shared.ledger.clone();
+    let draining = {
+        let (layer, mut signal) = (layer.clone(), DrainSignal::new(&drains));
+        async move {
+            signal.requested().await;
+            let drained = layer.drain(DRAIN_GRACE).await;
+            ledger.event(format!("server{server}: layer drained: {drained:?}"));
+        }
+    };
     let app = AppState {
         shared,
         server,
         boot,
         down: s.chain.then(crate::chain::down_client),
     };
-    if s.protocol == crate::schedule::Protocol::Grpc {
-        return crate::grpc::serve(layer, app).await;
-    }
-    let router = Router::new()
-        .route("/w/{key}", post(write))
-        .route("/health", get(|| async { "ok" }))
-        .with_state(app);
-    let service = ServiceBuilder::new()
-        .layer(TagLayer)
-        .layer(layer)
-        .option_layer(s.server_limit.map(ConcurrencyLimitLayer::new))
-        .service(router);
-    crate::net::serve(service).await
+    let serving = async {
+        if s.protocol == crate::schedule::Protocol::Grpc {
+            return crate::grpc::serve(layer, app, DrainSignal::new(&drains)).await;
+        }
+        let router = Router::new()
+            .route("/w/{key}", post(write))
+            .route("/health", get(|| async { "ok" }))
+            .with_state(app);
+        let service = ServiceBuilder::new()
+            .layer(TagLayer)
+            .option_layer(s.chain.then(HopLayer::new))
+            .layer(layer)
+            .option_layer(s.server_limit.map(ConcurrencyLimitLayer::new))
+            .service(router);
+        crate::net::serve(service, DrainSignal::new(&drains)).await
+    };
+    let (served, ()) = tokio::join!(serving, draining);
+    served
 }
+
+/// How long a draining server's layer waits for its claims: past it, the restart (the fault's
+/// heal) kills whatever is left, as an orchestrator does after its grace period.
+const DRAIN_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// One execution's start: what the handler does this time. `None` for a probe's key (nothing
 /// planned: it just answers).
@@ -131,6 +154,12 @@ pub(crate) struct Started {
 }
 
 impl AppState {
+    /// Whether the handlers write to a downstream tier (the server then runs `HopLayer`, the
+    /// server half of one-tier retries, in front of its layer).
+    pub(crate) fn chains(&self) -> bool {
+        self.down.is_some()
+    }
+
     /// The handler's downstream write, if the handlers make one: `false` when it failed (the
     /// handler then answers a retryable failure, and its side effect does not happen).
     pub(crate) async fn write_down(&self, started: &Started) -> bool {

@@ -85,7 +85,7 @@ pub async fn run_down(ledger: Ledger, store: StoreLink, boot: u32) -> turmoil::R
         .route("/d", post(down_write))
         .with_state(DownState { ledger, boot });
     let service = ServiceBuilder::new().layer(layer).service(router);
-    crate::net::serve(service).await
+    crate::net::serve(service, crate::net::DrainSignal::never()).await
 }
 
 async fn down_write(State(st): State<DownState>, headers: HeaderMap) -> Response<axum::body::Body> {

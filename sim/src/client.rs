@@ -23,7 +23,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::app::TENANT_HEADER;
-use crate::ledger::{Ending, Ledger, Memory};
+use crate::ledger::{now, Ending, Ledger, Memory, SendId};
 use crate::net::SimConnector;
 use crate::schedule::{MalformedKind, Protocol, Schedule};
 use crate::tag::ATTEMPT_HEADER;
@@ -180,14 +180,17 @@ pub fn stack(schedule: &Schedule, ledger: &Ledger, client: usize, gate: ReadyGat
     }
 }
 
-/// Client `client`'s software: sends its share of the intents at their times, each call
-/// watched for its bound, and records how each ended.
+/// Client `client`'s software for its boot `boot`: sends its share of the intents at their
+/// times, each call watched for its bound, and records how each ended. A restarted client
+/// (`boot` > 0) sends again, at once and with the same key, every send that had not ended when
+/// it crashed, and the rest at their times. Sets `finished` when every send has ended.
 pub async fn run_client(
     schedule: Arc<Schedule>,
     ledger: Ledger,
     client: usize,
     gate: ReadyGate,
     watchdog: Duration,
+    finished: Arc<AtomicBool>,
 ) -> turmoil::Result {
     let caller = if schedule.settings.protocol == Protocol::Grpc {
         Caller::Grpc(crate::grpc::stack(&schedule, &ledger, client, gate))
@@ -195,14 +198,18 @@ pub async fn run_client(
         Caller::Http(stack(&schedule, &ledger, client, gate))
     };
     let mut tasks = Vec::new();
-    for intent in &schedule.intents {
-        for send in intent.sends.iter().filter(|s| s.client == client) {
+    for (n, intent) in schedule.intents.iter().enumerate() {
+        for (k, send) in intent.sends.iter().enumerate() {
+            let id = SendId::Write { intent: n, send: k };
+            if send.client != client || ledger.send_ended(client, id) {
+                continue;
+            }
             let caller = caller.clone();
             let ledger = ledger.clone();
             let intent = intent.clone();
             let send = *send;
             tasks.push(tokio::spawn(async move {
-                tokio::time::sleep(send.at).await;
+                tokio::time::sleep(send.at.saturating_sub(now())).await;
                 let scope = (intent.tenant.to_owned(), intent.key.clone());
                 let i = ledger.call_started(client, scope);
                 let body = Bytes::from(intent.body.clone());
@@ -219,13 +226,18 @@ pub async fn run_client(
                 if let Some(ending) = ending {
                     ledger.call_ended(i, ending);
                 }
+                ledger.end_send(client, id);
             }));
         }
     }
-    for m in schedule.malformed.iter().filter(|m| m.client == client) {
+    for (n, m) in schedule.malformed.iter().enumerate() {
+        let id = SendId::Malformed(n);
+        if m.client != client || ledger.send_ended(client, id) {
+            continue;
+        }
         let (caller, ledger, m) = (caller.clone(), ledger.clone(), *m);
         tasks.push(tokio::spawn(async move {
-            tokio::time::sleep(m.at).await;
+            tokio::time::sleep(m.at.saturating_sub(now())).await;
             let scope = ("-".to_owned(), format!("{:?}", m.kind));
             let i = ledger.call_started(client, scope);
             let (key, tenant) = match m.kind {
@@ -237,11 +249,13 @@ pub async fn run_client(
             if let Ok(Some(ending)) = tokio::time::timeout(watchdog, call).await {
                 ledger.call_ended(i, ending);
             }
+            ledger.end_send(client, id);
         }));
     }
     for t in tasks {
         let _ = t.await;
     }
+    finished.store(true, Ordering::SeqCst);
     Ok(())
 }
 

@@ -125,17 +125,20 @@ impl Connected for SimStream {
 pub(crate) async fn serve(
     layer: idempotency_layer::IdempotencyLayer<crate::store_host::StoreLink>,
     app: AppState,
+    mut drain: crate::net::DrainSignal,
 ) -> turmoil::Result {
     let listener = turmoil::net::TcpListener::bind(("0.0.0.0", PORT)).await?;
     let incoming = futures_util::stream::unfold(listener, |listener| async move {
         let accepted = listener.accept().await.map(SimStream::accepted);
         Some((accepted, listener))
     });
+    let hop = app.chains().then(retry_layer::hop::HopLayer::new);
     tonic::transport::Server::builder()
         .layer(crate::tag::TagLayer)
+        .layer(tower::util::option_layer(hop))
         .layer(layer)
         .add_service(Writes(app))
-        .serve_with_incoming(incoming)
+        .serve_with_incoming_shutdown(incoming, async move { drain.requested().await })
         .await?;
     Ok(())
 }

@@ -174,7 +174,7 @@ fn calls_end(run: &Run, v: &mut Verdict) {
     for c in &run.observed.calls {
         let scope = Some(c.scope.clone());
         match (&c.head, &c.end) {
-            (_, Some((_, Ending::Cancelled))) => {}
+            (_, Some((_, Ending::Cancelled | Ending::Crashed))) => {}
             // A gRPC call's answer is its message and trailers: with no deadline, nothing on
             // the client bounds reading them (as for an HTTP body), so a connection the network
             // cut after the head leaves it waiting, as it would on a real connection that died

@@ -54,6 +54,8 @@ pub enum Ending {
     Error(String),
     /// The caller dropped the call (a cancellation the schedule asked for).
     Cancelled,
+    /// The client's process crashed with the call in flight.
+    Crashed,
 }
 
 /// One client call.
@@ -99,6 +101,23 @@ pub struct Observed {
     pub probes: Vec<(usize, Result<u16, String>)>,
     /// The most memory each kind of holding reached, read after every step.
     pub peaks: Memory,
+    /// The sends (of writes and malformed writes) that ended, by client: a restarted client
+    /// sends the others again.
+    pub sends_ended: std::collections::BTreeSet<(usize, SendId)>,
+}
+
+/// One send of a client's share of the schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SendId {
+    /// Send `send` of intent `intent`.
+    Write {
+        /// The intent's index.
+        intent: usize,
+        /// The send's index among the intent's.
+        send: usize,
+    },
+    /// Malformed write `index`.
+    Malformed(usize),
 }
 
 /// The memory the layers and the store hold, by kind: what their bounds bound.
@@ -211,5 +230,25 @@ impl Ledger {
     pub fn call_ended(&self, i: usize, ending: Ending) {
         let at = now();
         self.lock().calls[i].end = Some((at, ending));
+    }
+
+    /// Client `client` crashed at `at`: its calls in flight ended with it.
+    pub fn client_crashed(&self, client: usize, at: Duration) {
+        let mut o = self.lock();
+        for c in o.calls.iter_mut().filter(|c| c.client == client) {
+            if c.end.is_none() {
+                c.end = Some((at, Ending::Crashed));
+            }
+        }
+    }
+
+    /// Whether `client`'s send `id` ended (it is not sent again after a restart).
+    pub fn send_ended(&self, client: usize, id: SendId) -> bool {
+        self.lock().sends_ended.contains(&(client, id))
+    }
+
+    /// Records that `client`'s send `id` ended.
+    pub fn end_send(&self, client: usize, id: SendId) {
+        self.lock().sends_ended.insert((client, id));
     }
 }

@@ -13,6 +13,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tower_service::Service;
@@ -91,9 +92,43 @@ impl Service<Uri> for SimConnector {
     }
 }
 
-/// Serves `service` on [`PORT`] until the host crashes: one task per connection, HTTP/1.1 and
-/// HTTP/2 (prior knowledge) both accepted, as `axum::serve` does over tokio's sockets.
-pub async fn serve<S, B>(service: S) -> Result<(), Box<dyn std::error::Error>>
+/// A server's drain request, from the driver: the server stops serving gracefully.
+#[derive(Debug)]
+pub struct DrainSignal(Option<tokio::sync::watch::Receiver<u64>>);
+
+impl DrainSignal {
+    /// The signal of a server whose drains `drains` counts; only a drain asked for after this
+    /// is heard (a restarted server serves again).
+    pub fn new(drains: &tokio::sync::watch::Sender<u64>) -> DrainSignal {
+        DrainSignal(Some(drains.subscribe()))
+    }
+
+    /// The signal of a server that is never drained.
+    pub fn never() -> DrainSignal {
+        DrainSignal(None)
+    }
+
+    /// Resolves when a drain is asked for.
+    pub async fn requested(&mut self) {
+        if let Some(drains) = &mut self.0 {
+            if drains.changed().await.is_ok() {
+                return;
+            }
+        }
+        // Never drained, or the driver is gone with the simulation: no drain will come.
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Serves `service` on [`PORT`], one task per connection, HTTP/1.1 and HTTP/2 (prior
+/// knowledge) both accepted, as `axum::serve` does over tokio's sockets, until the host crashes
+/// or `drain` is asked for: then it stops accepting and shuts its connections down gracefully
+/// (GOAWAY over HTTP/2; an HTTP/1.1 connection closes after its request in flight), and
+/// returns when they have ended.
+pub async fn serve<S, B>(
+    service: S,
+    mut drain: DrainSignal,
+) -> Result<(), Box<dyn std::error::Error>>
 where
     S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
         + Clone
@@ -105,13 +140,25 @@ where
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let listener = turmoil::net::TcpListener::bind(("0.0.0.0", PORT)).await?;
+    let builder = auto::Builder::new(TokioExecutor::new());
+    let graceful = GracefulShutdown::new();
     loop {
-        let (stream, _) = listener.accept().await?;
-        let service = TowerToHyperService::new(service.clone());
-        tokio::spawn(async move {
-            let _ = auto::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, _) = accepted?;
+                let service = TowerToHyperService::new(service.clone());
+                let conn = builder
+                    .serve_connection(TokioIo::new(stream), service)
+                    .into_owned();
+                let conn = graceful.watch(conn);
+                tokio::spawn(async move {
+                    let _ = conn.await;
+                });
+            }
+            () = drain.requested() => break,
+        }
     }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
 }

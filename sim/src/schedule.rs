@@ -166,6 +166,20 @@ pub enum Fault {
         /// The client's index.
         client: usize,
     },
+    /// The client's process crashes (every call in flight is lost with its connections); it
+    /// restarts at `heal` and sends again, with the same key, every write that had no answer:
+    /// at-least-once delivery, as a queue redelivers what was not acknowledged.
+    ClientCrash {
+        /// The client's index.
+        client: usize,
+    },
+    /// The server drains for a rolling restart: `IdempotencyLayer::drain` and a graceful
+    /// shutdown of its connections (GOAWAY over HTTP/2 and gRPC; HTTP/1.1 connections close
+    /// after their request in flight); it restarts at `heal`.
+    Drain {
+        /// The server's index.
+        server: usize,
+    },
 }
 
 /// A fault with its time window.
@@ -332,6 +346,21 @@ impl Schedule {
             max_waiting_bytes: pick(r, 2, |r| r.usize(1100..4200)),
             max_replay_bytes_total: pick(r, 2, |r| r.usize(..128)),
         };
+        let mut faults: Vec<Timed> = faults;
+        for _ in 0..r.usize(..3) {
+            let at = Duration::from_millis(r.u64(..5000));
+            let heal = Some(at + Duration::from_millis(r.u64(50..4000)));
+            let fault = if r.bool() {
+                Fault::ClientCrash {
+                    client: r.usize(..settings.clients),
+                }
+            } else {
+                Fault::Drain {
+                    server: r.usize(..settings.servers),
+                }
+            };
+            faults.push(Timed { at, heal, fault });
+        }
         Schedule {
             seed,
             settings,

@@ -2,12 +2,13 @@
 //! turmoil, driven step by step while the schedule's faults are applied at their times.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Once};
 use std::time::Duration;
 
 use idempotency_layer::conformance::{FaultStore, Rule};
 use idempotency_layer::MemoryStore;
+use tokio::sync::watch;
 
 use crate::app::{run_server, Shared};
 use crate::client::{run_client, run_probe, ReadyGate};
@@ -123,27 +124,41 @@ fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Optio
         });
     }
     let shared = Shared::new(schedule, ledger.clone());
-    for server in 0..s.servers {
+    let drains: Vec<Arc<watch::Sender<u64>>> = (0..s.servers)
+        .map(|_| Arc::new(watch::channel(0).0))
+        .collect();
+    for (server, drains) in drains.iter().enumerate() {
         let boots = Arc::new(AtomicU32::new(0));
-        let (schedule, shared, link) = (schedule.clone(), shared.clone(), link.clone());
+        let (schedule, shared, link, drains) = (
+            schedule.clone(),
+            shared.clone(),
+            link.clone(),
+            drains.clone(),
+        );
         sim.host(format!("server{server}"), move || {
             let boot = boots.fetch_add(1, Ordering::SeqCst);
-            run_server(schedule.clone(), shared.clone(), link.clone(), server, boot)
+            let (schedule, shared, link) = (schedule.clone(), shared.clone(), link.clone());
+            run_server(schedule, shared, link, server, boot, drains.clone())
         });
     }
 
     let gates: Vec<ReadyGate> = (0..s.clients).map(|_| ReadyGate::default()).collect();
-    let done = Arc::new(AtomicUsize::new(0));
+    let finished: Vec<Arc<AtomicBool>> = (0..s.clients).map(|_| Arc::default()).collect();
     let watchdog = crate::invariants::call_bound(schedule)
         + crate::client::BODY_BOUND
         + Duration::from_secs(10);
+    // Hosts, not turmoil clients, so that they can crash and restart: the probe, the one
+    // turmoil client, ends the simulation once every one of them has finished.
     for (client, gate) in gates.iter().enumerate() {
-        let (schedule, ledger, gate, done) =
-            (schedule.clone(), ledger.clone(), gate.clone(), done.clone());
-        sim.client(format!("client{client}"), async move {
-            let r = run_client(schedule, ledger, client, gate, watchdog).await;
-            done.fetch_add(1, Ordering::SeqCst);
-            r
+        let (schedule, ledger, gate, finished) = (
+            schedule.clone(),
+            ledger.clone(),
+            gate.clone(),
+            finished[client].clone(),
+        );
+        sim.host(format!("client{client}"), move || {
+            let (schedule, ledger, gate) = (schedule.clone(), ledger.clone(), gate.clone());
+            run_client(schedule, ledger, client, gate, watchdog, finished.clone())
         });
     }
     let go = Arc::new(AtomicBool::new(false));
@@ -151,6 +166,13 @@ fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Optio
         "probe",
         run_probe(schedule.clone(), ledger.clone(), go.clone()),
     );
+
+    let hosts = Hosts {
+        store: store.clone(),
+        gates: gates.clone(),
+        drains,
+        finished: finished.clone(),
+    };
 
     // The faults' starts and heals, in time order.
     let mut actions: Vec<(Duration, Action)> = Vec::new();
@@ -166,12 +188,12 @@ fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Optio
     let mut probing = false;
 
     loop {
-        let finished = match sim.step() {
-            Ok(finished) => finished,
+        let ended = match sim.step() {
+            Ok(ended) => ended,
             Err(e) => return Some(e.to_string()),
         };
         ledger.sample();
-        if finished {
+        if ended {
             return None;
         }
         let now = sim.elapsed();
@@ -182,25 +204,11 @@ fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Optio
             match action {
                 Action::Start(i) => {
                     active[i] = true;
-                    apply(
-                        &mut sim,
-                        &store,
-                        &gates,
-                        ledger,
-                        schedule.faults[i].fault,
-                        true,
-                    );
+                    apply(&mut sim, &hosts, ledger, schedule.faults[i].fault, true);
                 }
                 Action::Heal(i) => {
                     active[i] = false;
-                    apply(
-                        &mut sim,
-                        &store,
-                        &gates,
-                        ledger,
-                        schedule.faults[i].fault,
-                        false,
-                    );
+                    apply(&mut sim, &hosts, ledger, schedule.faults[i].fault, false);
                     // Healing the store removes every rule: put back the ones still active.
                     for (j, t) in schedule.faults.iter().enumerate() {
                         if active[j] && matches!(t.fault, Fault::Store { .. }) {
@@ -210,13 +218,13 @@ fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Optio
                 }
             }
         }
-        if !probing && done.load(Ordering::SeqCst) == s.clients {
+        if !probing && finished.iter().all(|f| f.load(Ordering::SeqCst)) {
             // Every call has ended: heal everything, then probe each server.
             probing = true;
             for (i, t) in schedule.faults.iter().enumerate() {
                 if active[i] {
                     active[i] = false;
-                    apply(&mut sim, &store, &gates, ledger, t.fault, false);
+                    apply(&mut sim, &hosts, ledger, t.fault, false);
                 }
             }
             sim.set_fail_rate(0.0);
@@ -235,14 +243,17 @@ fn inject(store: &Backing, fault: Fault) {
     }
 }
 
-fn apply(
-    sim: &mut turmoil::Sim<'_>,
-    store: &Backing,
-    gates: &[ReadyGate],
-    ledger: &Ledger,
-    fault: Fault,
-    start: bool,
-) {
+/// What the faults act on, besides the simulation's hosts and links.
+struct Hosts {
+    store: Backing,
+    gates: Vec<ReadyGate>,
+    /// Each server's drain requests.
+    drains: Vec<Arc<watch::Sender<u64>>>,
+    /// Whether each client has finished (every send ended).
+    finished: Vec<Arc<AtomicBool>>,
+}
+
+fn apply(sim: &mut turmoil::Sim<'_>, hosts: &Hosts, ledger: &Ledger, fault: Fault, start: bool) {
     let verb = if start { "start" } else { "heal" };
     ledger.event_at(sim.elapsed(), format!("fault {verb}: {fault:?}"));
     match fault {
@@ -287,17 +298,46 @@ fn apply(
                     idempotency_layer::conformance::Fault::Hang => "store: hang",
                     _ => "store: other",
                 });
-                inject(store, fault);
+                inject(&hosts.store, fault);
             } else {
-                store.heal();
+                hosts.store.heal();
             }
         }
         Fault::NotReady { client } => {
             if start {
                 ledger.fault("readiness: client service not ready");
-                gates[client].close();
+                hosts.gates[client].close();
             } else {
-                gates[client].open();
+                hosts.gates[client].open();
+            }
+        }
+        Fault::ClientCrash { client } => {
+            let name = format!("client{client}");
+            let finished = hosts.finished[client].load(Ordering::SeqCst);
+            if start {
+                if !finished && sim.is_host_running(name.as_str()) {
+                    ledger.fault("host: client crash");
+                    sim.crash(name.as_str());
+                    ledger.client_crashed(client, sim.elapsed());
+                }
+            } else if !finished && !sim.is_host_running(name.as_str()) {
+                sim.bounce(name.as_str());
+            }
+        }
+        Fault::Drain { server } => {
+            let name = format!("server{server}");
+            if start {
+                if sim.is_host_running(name.as_str()) {
+                    ledger.fault("host: server drained (GOAWAY) and restarted");
+                    hosts.drains[server].send_modify(|n| *n += 1);
+                }
+            } else {
+                if sim.is_host_running(name.as_str()) {
+                    // The drain did not end in time: the restart kills what is left.
+                    let at = sim.elapsed();
+                    ledger.lock().crashes.entry(server).or_default().push(at);
+                }
+                sim.bounce(name.as_str());
             }
         }
     }
