@@ -12,6 +12,9 @@
 //! - `src/bin/loadtest.rs`: both layers over real sockets (HTTP and gRPC), with Redis and
 //!   PostgreSQL stores; its machinery is [`load`] and [`grpc`].
 //! - `src/bin/targets.rs`: the whole performance target table in one run, from the same pieces.
+//!
+//! Every binary runs on the system allocator, or on mimalloc or jemalloc with the feature of
+//! that name ([`ALLOCATOR`] says which).
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -25,6 +28,26 @@ use http_body_util::Full;
 
 pub mod baseline;
 pub mod grpc;
+
+// The allocator every benchmark binary runs on: a feature of this crate, so that one binary
+// compares them (`--features mimalloc`, `--features jemalloc`); the libraries never choose.
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+#[cfg(all(feature = "jemalloc", not(feature = "mimalloc")))]
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+/// The allocator this build runs on (`system`, `mimalloc` or `jemalloc`), for the reports.
+pub const ALLOCATOR: &str = if cfg!(feature = "mimalloc") {
+    "mimalloc"
+} else if cfg!(feature = "jemalloc") {
+    "jemalloc"
+} else {
+    "system"
+};
+
 pub mod idempotency;
 pub mod load;
 pub mod retry;

@@ -8,12 +8,16 @@
 //! - two or three server instances: `IdempotencyLayer` over axum and hyper, sharing one
 //!   `MemoryStore` (wrapped in the conformance suite's `FaultStore`) that lives on a store host
 //!   of its own, so that it has one clock;
-//! - handlers whose side effect the ledger counts, with the faults the schedule gives them.
+//! - handlers whose side effect the ledger counts, with the faults the schedule gives them;
+//! - for chained writes, `HopLayer` in front of each server and a downstream tier written with
+//!   derived keys.
 //!
-//! A seed draws a [`schedule::Schedule`]: the settings of both layers, the intents
-//! (keys, bodies, duplicates sent at once, cancellations) and the timed faults (partitions,
-//! half-open links, server crashes, store errors, delays, lost replies, hangs, a full store, a
-//! client service that stops being ready). After the run, [`invariants::check`] checks every
+//! A seed draws a [`schedule::Schedule`]: the settings of both layers (and their memory bounds,
+//! often small), the intents (keys, bodies, duplicates sent at once, cancellations) and the
+//! timed faults (partitions, half-open links, server crashes, rolling restarts that drain a
+//! server with GOAWAY, client crashes after which every unanswered write is sent again with its
+//! key, store errors, delays, lost replies, hangs, a full store, a client service that stops
+//! being ready). After the run, [`invariants::check`] checks every
 //! promise. The same seed replays the same run.
 //!
 //! ```no_run

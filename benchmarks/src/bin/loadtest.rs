@@ -69,12 +69,13 @@ async fn main() {
         only: args.only.clone(),
     };
     println!(
-        "loadtest: {} connections, {} rounds of {} s warm-up + {} s measured per scenario, {} cores",
+        "loadtest: {} connections, {} rounds of {} s warm-up + {} s measured per scenario, {} cores, {} allocator",
         cfg.connections,
         cfg.rounds,
         cfg.warmup,
         cfg.seconds,
-        std::thread::available_parallelism().map_or(0, |n| n.get())
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        benchmarks::ALLOCATOR
     );
     if args.records > 0 {
         let n = args.records;

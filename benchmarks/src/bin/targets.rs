@@ -408,8 +408,14 @@ fn main() {
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     eprintln!(
         "targets: micro benchmarks {} rounds x {} ms per case; load test {} connections, {} rounds \
-         of {} s warm-up + {} s per scenario; {cores} cores",
-        args.micro_rounds, args.micro_ms, cfg.connections, cfg.rounds, cfg.warmup, cfg.seconds
+         of {} s warm-up + {} s per scenario; {cores} cores; {} allocator",
+        args.micro_rounds,
+        args.micro_ms,
+        cfg.connections,
+        cfg.rounds,
+        cfg.warmup,
+        cfg.seconds,
+        benchmarks::ALLOCATOR
     );
 
     // Memory first, on a young heap, as the loadtest measures it.

@@ -124,7 +124,7 @@ fn scope_key(tenant: &str, method_pieces: &[&[u8]], key: &str) -> ScopeKey {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::hashing::{fingerprint, FINGERPRINT_DOMAIN};
+    use crate::store::hashing::{fingerprint, fingerprint_v1, FINGERPRINT_DOMAIN};
     use proptest::prelude::*;
 
     /// Stored records are found by scope key and checked by fingerprint across instances,
@@ -149,11 +149,18 @@ mod tests {
             .unwrap()
             .into_parts()
             .0;
-        let fp = fingerprint(&parts, b"{\"sku\":\"b1\"}");
+        // The first version's fingerprint, which records made by that version hold.
+        let fp = fingerprint_v1(&parts, b"{\"sku\":\"b1\"}");
         assert_eq!(
             crate::store::ScopeKey(fp.0).to_hex(),
             "7c29b3d95cb2904c009feea9bdf32f34074c64ad0a2aaa66f814dfa4bc44e5b6",
-            "the fingerprint changed: bump FINGERPRINT_DOMAIN's version instead"
+            "the first version's fingerprint changed: its records would no longer match"
+        );
+        let fp = fingerprint(&parts, b"{\"sku\":\"b1\"}");
+        assert_eq!(
+            crate::store::ScopeKey(fp.0).to_hex(),
+            "f26e022f6272e67c9a36d4c31911f0c86964656d2d66702d7632000000000000",
+            "the fingerprint changed: make a new version (domain and mark) instead"
         );
     }
 
@@ -251,7 +258,7 @@ mod tests {
             prop_assert_eq!(Scope::new("", &a.1, &moved).key() == ka, a.0.is_empty());
         }
 
-        /// The fingerprint is BLAKE3 of its encoding whatever the body's size: bodies that fit
+        /// The first version's fingerprint is BLAKE3 of its encoding whatever the body's size: bodies that fit
         /// the stack buffer (hashed at once) and bodies that outgrow it (hashed incrementally,
         /// in pieces split anywhere) give the hash of the same bytes.
         #[test]
@@ -271,7 +278,7 @@ mod tests {
                 h.update(&(part.len() as u64).to_le_bytes());
                 h.update(part);
             }
-            prop_assert_eq!(fingerprint(&parts, &body).0, *h.finalize().as_bytes());
+            prop_assert_eq!(fingerprint_v1(&parts, &body).0, *h.finalize().as_bytes());
         }
 
         /// The fingerprint depends only on method, path, query, content type and body: other

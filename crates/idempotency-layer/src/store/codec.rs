@@ -1,5 +1,12 @@
 //! The encoding of a [`Record`] in a shared store: postcard over a versioned, serde-derived
 //! struct (headers as ordered `(name, value)` pairs, so order and repeated names survive).
+//!
+//! Versions evolve by appending: version N+1 writes version N's fields, in order, then its own.
+//! A reader of version N decodes any version from 1 to [`LAST_COMPATIBLE`] by reading the fields
+//! it knows and leaving the rest, so instances of two versions can share a store during a
+//! rolling upgrade, whichever writes the record. A change that cannot be made by appending takes
+//! a version past `LAST_COMPATIBLE`, which older readers report as corrupt (and refuse to run
+//! anything for) rather than misread.
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
@@ -7,8 +14,11 @@ use serde::{Deserialize, Serialize};
 
 use super::{Fingerprint, Record, StoreError};
 
-/// The encoding version written first; a record of another version is reported as corrupt.
+/// The encoding version this build writes first.
 const VERSION: u8 = 1;
+
+/// The last version whose fields start with this one's: any version from 1 to this is read.
+const LAST_COMPATIBLE: u8 = 127;
 
 #[derive(Serialize, Deserialize)]
 struct Stored {
@@ -58,9 +68,10 @@ pub(crate) fn encode(record: &Record) -> Result<Vec<u8>, StoreError> {
 pub(crate) fn decode(bytes: &[u8]) -> Result<Record, StoreError> {
     let stored: Stored = postcard::from_bytes(bytes)
         .map_err(|e| StoreError::Corrupt(format!("record does not decode: {e}")))?;
-    if stored.version != VERSION {
+    if !(1..=LAST_COMPATIBLE).contains(&stored.version) {
         return Err(StoreError::Corrupt(format!(
-            "record encoding version {} (this build reads {VERSION})",
+            "record encoding version {} (this build reads 1 to {LAST_COMPATIBLE}: a newer \
+             version that changed the encoding wrote it; upgrade this instance)",
             stored.version
         )));
     }
@@ -112,6 +123,57 @@ mod tests {
         assert_eq!(back, record);
         let names: Vec<_> = back.headers.iter().map(|(n, v)| (n.as_str(), v)).collect();
         assert_eq!(names.len(), 3);
+    }
+
+    /// A record of version 1 as every build since has written it (a fixed fixture: if this
+    /// changes, records already stored no longer decode).
+    const V1_RECORD: &[u8] = &[
+        1, // version
+        7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7,
+        7, 7, // fingerprint
+        201, 1, // status 201, varint
+        1, // one header
+        12, b'c', b'o', b'n', b't', b'e', b'n', b't', b'-', b't', b'y', b'p', b'e', 4, b'j', b's',
+        b'o', b'n', // content-type: json
+        2, b'h', b'i', // body
+        0,    // body not omitted
+        0,    // no trailers
+    ];
+
+    fn v1_record() -> Record {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("json"));
+        Record {
+            fingerprint: Fingerprint([7; 32]),
+            status: StatusCode::CREATED,
+            headers,
+            body: Bytes::from_static(b"hi"),
+            body_omitted: false,
+            trailers: None,
+        }
+    }
+
+    #[test]
+    fn a_record_of_each_version_decodes() {
+        // This build writes version 1, byte for byte as the fixture.
+        assert_eq!(encode(&v1_record()).unwrap(), V1_RECORD);
+        assert_eq!(decode(V1_RECORD).unwrap(), v1_record());
+        // A later version appends fields: this build reads what it knows and leaves the rest.
+        let mut next = V1_RECORD.to_vec();
+        next[0] = 2;
+        next.extend_from_slice(&[3, 0xde, 0xad, 0xbe, 1]);
+        assert_eq!(decode(&next).unwrap(), v1_record());
+        // A version that changed the encoding is refused as corrupt, never misread.
+        let mut breaking = V1_RECORD.to_vec();
+        breaking[0] = LAST_COMPATIBLE + 1;
+        let err = decode(&breaking).unwrap_err();
+        assert!(
+            matches!(&err, StoreError::Corrupt(m) if m.contains("upgrade")),
+            "{err}"
+        );
+        let mut zero = V1_RECORD.to_vec();
+        zero[0] = 0;
+        assert!(matches!(decode(&zero), Err(StoreError::Corrupt(_))));
     }
 
     #[test]

@@ -1,11 +1,30 @@
-//! How scope keys and fingerprints are hashed: length-prefixed parts under a domain string,
-//! with BLAKE3. Stored entries are found and checked by these hashes across instances and
-//! versions, so the encodings never change within a domain's version.
+//! How scope keys and fingerprints are hashed: length-prefixed parts under a domain string.
+//! Scope keys with BLAKE3 (keyed, cryptographic: they separate tenants in a shared store);
+//! fingerprints with XXH3-128 (they only tell a retry from another request under the same
+//! scope), earlier with BLAKE3. Stored entries are found and checked by these hashes across
+//! instances and versions, so the encodings never change within a domain's version.
+
+use xxhash_rust::xxh3::{xxh3_128, Xxh3};
 
 use super::Fingerprint;
 
-/// The domain of request fingerprints; bump its version, never change the encoding under it.
+/// The domain of the first version's request fingerprints (BLAKE3), still checked against the
+/// records they made: bump a version, never change the encoding under it.
 pub(crate) const FINGERPRINT_DOMAIN: &[u8] = b"idempotency-layer fingerprint v1\0";
+
+/// The domain of request fingerprints (the second version: XXH3-128).
+const FINGERPRINT_V2_DOMAIN: &[u8] = b"idempotency-layer fingerprint v2\0";
+
+/// The last 16 bytes of every second-version fingerprint: its 128-bit hash fills the first 16.
+/// A first-version fingerprint (32 bytes of BLAKE3) ends in them with odds of 2^-128.
+const FINGERPRINT_V2_MARK: [u8; 16] = *b"idem-fp-v2\0\0\0\0\0\0";
+
+/// Whether `f` is a first-version fingerprint of the layer's own (a record made before the
+/// second version, or by an instance that still runs the first): the request's must then be
+/// computed that way to be compared with it.
+pub(crate) fn is_first_version(f: &Fingerprint) -> bool {
+    f.0[16..] != FINGERPRINT_V2_MARK
+}
 
 /// A BLAKE3 hasher fed through a buffer on the stack. Each `update` call has a fixed cost, which
 /// the many short pieces of an encoding (8-byte lengths, a method, a path) would each pay; here
@@ -66,23 +85,116 @@ impl FramedHasher {
     }
 }
 
-/// The fingerprint of a request: method, path, query, content type and body, each
-/// length-prefixed, hashed with BLAKE3. [`Fingerprint::of_request`] is this, public.
-pub(crate) fn fingerprint(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
+/// The parts of a request its fingerprint covers: method, path, query, content type, body.
+fn fingerprinted<'a>(parts: &'a http::request::Parts, body: &'a [u8]) -> [&'a [u8]; 5] {
     let content_type = parts
         .headers
         .get(http::header::CONTENT_TYPE)
         .map(|v| v.as_bytes())
         .unwrap_or_default();
-    let mut h = FramedHasher::new(FINGERPRINT_DOMAIN);
-    for part in [
+    [
         parts.method.as_str().as_bytes(),
         parts.uri.path().as_bytes(),
         parts.uri.query().unwrap_or_default().as_bytes(),
         content_type,
         body,
-    ] {
+    ]
+}
+
+/// The fingerprint of a request: method, path, query, content type and body, each
+/// length-prefixed under [`FINGERPRINT_V2_DOMAIN`], hashed with XXH3-128, then
+/// [`FINGERPRINT_V2_MARK`]. [`Fingerprint::of_request`] is this, public.
+///
+/// The encoding is gathered in a buffer on the stack and hashed in one call when it fits (a
+/// body of up to about 150 bytes), else streamed through the incremental hasher: the same hash
+/// either way.
+pub(crate) fn fingerprint(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
+    let pieces = fingerprinted(parts, body);
+    let framed = FINGERPRINT_V2_DOMAIN.len() + pieces.iter().map(|p| 8 + p.len()).sum::<usize>();
+    let hash = if framed <= SMALL {
+        let mut buf = [0u8; SMALL];
+        let mut len = 0;
+        let mut push = |bytes: &[u8]| {
+            buf[len..len + bytes.len()].copy_from_slice(bytes);
+            len += bytes.len();
+        };
+        push(FINGERPRINT_V2_DOMAIN);
+        for piece in pieces {
+            push(&(piece.len() as u64).to_le_bytes());
+            push(piece);
+        }
+        xxh3_128(&buf[..len])
+    } else {
+        let mut h = Xxh3::new();
+        h.update(FINGERPRINT_V2_DOMAIN);
+        for piece in pieces {
+            h.update(&(piece.len() as u64).to_le_bytes());
+            h.update(piece);
+        }
+        h.digest128()
+    };
+    let mut out = [0u8; 32];
+    out[..16].copy_from_slice(&hash.to_le_bytes());
+    out[16..].copy_from_slice(&FINGERPRINT_V2_MARK);
+    Fingerprint(out)
+}
+
+/// The largest encoding hashed in one call from the stack.
+const SMALL: usize = 256;
+
+/// The first version's fingerprint of a request (BLAKE3, under [`FINGERPRINT_DOMAIN`]): what a
+/// record made by that version holds, so a retry can still be matched with it.
+pub(crate) fn fingerprint_v1(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
+    let mut h = FramedHasher::new(FINGERPRINT_DOMAIN);
+    for part in fingerprinted(parts, body) {
         h.part(part);
     }
     Fingerprint(h.finish())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(body_len: usize) -> (http::request::Parts, Vec<u8>) {
+        let (parts, ()) = http::Request::post("/orders?x=1")
+            .header("content-type", "application/json")
+            .body(())
+            .unwrap()
+            .into_parts();
+        (parts, vec![b'a'; body_len])
+    }
+
+    #[test]
+    fn the_stack_buffer_and_the_stream_hash_alike() {
+        // Around the buffer's size: each length hashed both ways gives one answer.
+        for len in 100..220 {
+            let (parts, body) = request(len);
+            let mut h = Xxh3::new();
+            h.update(FINGERPRINT_V2_DOMAIN);
+            for piece in fingerprinted(&parts, &body) {
+                h.update(&(piece.len() as u64).to_le_bytes());
+                h.update(piece);
+            }
+            let streamed = h.digest128().to_le_bytes();
+            assert_eq!(
+                fingerprint(&parts, &body).0[..16],
+                streamed,
+                "body of {len}"
+            );
+        }
+    }
+
+    #[test]
+    fn versions_are_told_apart_and_each_part_counts() {
+        let (parts, body) = request(10);
+        let v2 = fingerprint(&parts, &body);
+        let v1 = fingerprint_v1(&parts, &body);
+        assert!(!is_first_version(&v2));
+        assert!(is_first_version(&v1));
+        let (mut other, _) = request(10);
+        other.uri = "/orders?x=2".parse().unwrap();
+        assert_ne!(fingerprint(&other, &body), v2);
+        assert_ne!(fingerprint(&parts, b"aaaaaaaaab"), v2);
+    }
 }

@@ -54,9 +54,11 @@ pub fn encode_record(record: &Record) -> Result<Vec<u8>, StoreError> {
     codec::encode(record)
 }
 
-/// Decodes what [`encode_record`] wrote. Any other input (truncated, garbage, another encoding
-/// version, an invalid status or header) is [`StoreError::Corrupt`], never a panic; the shared
-/// stores report such an entry as corrupt and the layer executes nothing for its key.
+/// Decodes what [`encode_record`] wrote, in this version or another that shares its encoding
+/// (later versions only append fields, which this one leaves). Any other input (truncated,
+/// garbage, a later version that changed the encoding, an invalid status or header) is
+/// [`StoreError::Corrupt`], never a panic; the shared stores report such an entry as corrupt and
+/// the layer executes nothing for its key.
 ///
 /// ```
 /// use idempotency_layer::store::{decode_record, StoreError};

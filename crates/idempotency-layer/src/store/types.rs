@@ -68,10 +68,16 @@ pub struct Fingerprint(pub [u8; 32]);
 
 impl Fingerprint {
     /// The layer's own fingerprint of a request: its method, path, query, content type and
-    /// `body`, each length-prefixed, hashed with BLAKE3 (a stable encoding: stored records are
-    /// checked against it across versions). A
+    /// `body`, each length-prefixed, hashed with XXH3-128 and marked with its version (a stable
+    /// encoding: stored records are checked against it across versions; a record made by the
+    /// first version, which hashed with BLAKE3, is still matched by its retries). A
     /// [`fingerprint_fn`](crate::IdempotencyLayer::fingerprint_fn) of your own can call it with
     /// a canonical form of the body.
+    ///
+    /// It is not a cryptographic hash, and needs not be: it only tells a retry from another
+    /// request under the same scope, which one tenant's own key already names (a client that
+    /// forged a collision would get the replay of its own earlier request). What separates
+    /// tenants in a shared store is the scope key, which stays keyed BLAKE3.
     pub fn of_request(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
         super::hashing::fingerprint(parts, body)
     }

@@ -1270,3 +1270,82 @@ async fn one_key_on_two_resources_of_one_route_is_a_422() {
         }
     }
 }
+
+/// The first version of the layer's fingerprint: BLAKE3 over its domain and the request's
+/// method, path, query, content type and body, each after its 8-byte little-endian length.
+fn first_version_fingerprint(path: &str, body: &[u8]) -> idempotency_layer::store::Fingerprint {
+    let mut h = blake3::Hasher::new();
+    h.update(b"idempotency-layer fingerprint v1\0");
+    for part in [
+        &b"POST"[..],
+        path.as_bytes(),
+        b"",
+        b"application/json",
+        body,
+    ] {
+        h.update(&(part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
+    idempotency_layer::store::Fingerprint(*h.finalize().as_bytes())
+}
+
+/// A record stored by a build whose fingerprints were the first version's (BLAKE3), as a store
+/// shared across an upgrade holds it: its retry after the upgrade is replayed, not refused as
+/// another request, and the handler does not run; a different request under that key is still
+/// refused (422).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_of_the_first_fingerprint_version_is_replayed_to_its_retry() {
+    use idempotency_layer::store::Record;
+    use idempotency_layer::{IdempotencyStore, Scope};
+
+    for transport in Transport::BOTH {
+        let store = MemoryStore::new();
+        let layer = IdempotencyLayer::new(store.clone())
+            .tenant(idempotency_layer::TenantSource::fixed("t"));
+        let counts = Counts::default();
+        let addr = serve(app(layer, Shape::ContentLength, Duration::ZERO, &counts)).await;
+        let key = format!("order-upgrade-{transport:?}");
+        let operation = Scope::http(&http::Method::POST, "/orders");
+        let scope = Scope::new("t", &operation, &key).key();
+        let fingerprint = first_version_fingerprint("/orders", b"{\"sku\":\"b1\"}");
+        let idempotency_layer::store::Begin::New(token) = store
+            .begin(scope, fingerprint, Duration::from_secs(30))
+            .await
+            .unwrap()
+        else {
+            panic!("a fresh scope")
+        };
+        let mut headers = HeaderMap::new();
+        headers.insert("x-order", HeaderValue::from_static("77"));
+        let record = Record::new(
+            fingerprint,
+            StatusCode::CREATED,
+            headers,
+            Bytes::from_static(b"order 77 created"),
+        );
+        store
+            .complete(scope, token, Arc::new(record), Duration::from_secs(600))
+            .await
+            .unwrap();
+
+        let retry = send(&client(transport), addr, &key).await;
+        assert_eq!(
+            retry.status,
+            StatusCode::CREATED,
+            "{transport:?}: {retry:?}"
+        );
+        assert!(retry.replayed(), "{transport:?}: the retry is a replay");
+        assert_eq!(retry.body, "order 77 created", "{transport:?}");
+        assert_eq!(retry.headers["x-order"], "77", "{transport:?}");
+        assert_eq!(counts.started(), 0, "{transport:?}: nothing ran again");
+
+        let other = Full::new(Bytes::from_static(b"{\"sku\":\"b2\"}"));
+        let reused = post_order(&client(transport), addr, &key, other).await;
+        assert_eq!(
+            reused.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{transport:?}"
+        );
+        assert_eq!(counts.started(), 0, "{transport:?}");
+    }
+}
