@@ -79,6 +79,20 @@ pub struct Route<S> {
     gate: ReadyGate,
 }
 
+impl Route<()> {
+    /// This route in front of `inner`.
+    fn over<S>(self, inner: S) -> Route<S> {
+        Route {
+            inner,
+            servers: self.servers,
+            next: self.next,
+            tags: self.tags,
+            client: self.client,
+            gate: self.gate,
+        }
+    }
+}
+
 impl<S, B> Service<Request<B>> for Route<S>
 where
     S: Service<Request<B>>,
@@ -156,27 +170,26 @@ pub fn hedge_policy(schedule: &Schedule) -> HedgePolicy {
 
 /// Client `client`'s stack.
 pub fn stack(schedule: &Schedule, ledger: &Ledger, client: usize, gate: ReadyGate) -> ClientStack {
-    fn route<S>(schedule: &Schedule, client: usize, gate: ReadyGate, inner: S) -> Route<S> {
-        Route {
-            inner,
-            servers: schedule.settings.servers,
-            next: Arc::new(AtomicU64::new(client as u64)),
-            tags: Arc::default(),
-            client,
-            gate,
-        }
-    }
+    let tags = ledger.attempt_counter(client);
+    let route = |schedule: &Schedule, client: usize, gate: ReadyGate| Route {
+        inner: (),
+        servers: schedule.settings.servers,
+        next: Arc::new(AtomicU64::new(client as u64)),
+        tags: tags.clone(),
+        client,
+        gate,
+    };
     let mut builder = Client::builder(TokioExecutor::new());
     builder.http2_only(schedule.settings.protocol == Protocol::Http2);
     let retry = retry_layer(schedule, ledger);
     if schedule.settings.hedging {
         let hyper = builder.build(SimConnector);
-        let hedged =
-            HedgeLayer::new(hedge_policy(schedule)).layer(route(schedule, client, gate, hyper));
+        let hedged = HedgeLayer::new(hedge_policy(schedule))
+            .layer(route(schedule, client, gate).over(hyper));
         BoxCloneService::new(retry.layer(hedged))
     } else {
         let hyper = builder.build(SimConnector);
-        BoxCloneService::new(retry.layer(route(schedule, client, gate, hyper)))
+        BoxCloneService::new(retry.layer(route(schedule, client, gate).over(hyper)))
     }
 }
 

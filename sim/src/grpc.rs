@@ -204,7 +204,12 @@ impl Clone for Channels {
 
 impl Channels {
     /// Lazily connecting channels to every server.
-    pub(crate) fn new(servers: usize, client: usize, gate: ReadyGate) -> Channels {
+    pub(crate) fn new(
+        servers: usize,
+        client: usize,
+        gate: ReadyGate,
+        tags: Arc<AtomicU64>,
+    ) -> Channels {
         let channels = (0..servers)
             .map(|s| {
                 Endpoint::from_shared(format!("http://server{s}:{PORT}"))
@@ -216,7 +221,7 @@ impl Channels {
             channels: Arc::new(channels),
             picked: None,
             next: Arc::new(AtomicU64::new(client as u64)),
-            tags: Arc::default(),
+            tags,
             client,
             gate,
         }
@@ -258,7 +263,8 @@ pub(crate) fn stack(
     client: usize,
     gate: ReadyGate,
 ) -> GrpcStack {
-    let channels = Channels::new(schedule.settings.servers, client, gate);
+    let tags = ledger.attempt_counter(client);
+    let channels = Channels::new(schedule.settings.servers, client, gate, tags);
     crate::client::retry_layer(schedule, ledger).tonic_channel(channels)
 }
 

@@ -154,6 +154,9 @@ pub type Gauge = Arc<dyn Fn() -> Memory + Send + Sync>;
 pub struct Ledger {
     observed: Arc<Mutex<Observed>>,
     gauges: Arc<Mutex<Vec<Gauge>>>,
+    /// Each client's attempt counter, kept across its restarts so that no two of its attempts
+    /// share a tag.
+    attempts: Arc<Mutex<BTreeMap<usize, Arc<std::sync::atomic::AtomicU64>>>>,
 }
 
 impl fmt::Debug for Ledger {
@@ -171,6 +174,16 @@ impl Ledger {
     /// The observations so far.
     pub fn lock(&self) -> MutexGuard<'_, Observed> {
         self.observed.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Client `client`'s attempt counter (the same one after a restart).
+    pub fn attempt_counter(&self, client: usize) -> Arc<std::sync::atomic::AtomicU64> {
+        self.attempts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(client)
+            .or_default()
+            .clone()
     }
 
     /// Adds a holding to read after every step (a layer, when it is made; the store).

@@ -168,6 +168,13 @@ impl SeedReport {
             let _ = writeln!(s, "{v}");
         }
         let _ = writeln!(s, "rerun: cargo run --release -p sim -- --seed {seed}");
+        if !self.verdict.exceptions.is_empty() {
+            let _ = writeln!(
+                s,
+                "allowed second executions: {:?}",
+                self.verdict.exceptions
+            );
+        }
         let _ = write!(s, "{}", self.run.schedule);
         let keys: Vec<String> = self
             .verdict

@@ -14,6 +14,7 @@ const REGRESSIONS: &[(u64, &str)] = &[
     (621, "a store that never answers a `complete` held the response's final frame forever"),
     (1876, "a store outage shorter than the lease lapsed a claim (renewals every third of the lease, drifting)"),
     (12689, "one slow renewal reply held back the next renewals, and the lease lapsed under its leader"),
+    (1003904, "the simulator's own: a restarted client numbered its attempts from 0 again, so a fail-open execution was judged by another attempt's store answers and counted as a second execution"),
     (108122, "a store that never answered a `begin` kept a server's one `ConcurrencyLimit` permit for ever, and the server answered nothing again"),
 ];
 
