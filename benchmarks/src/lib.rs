@@ -11,6 +11,8 @@
 //!   threads; its work is [`store_pairs`].
 //! - `src/bin/loadtest.rs`: both layers over real sockets (HTTP and gRPC), with Redis and
 //!   PostgreSQL stores; its machinery is [`load`] and [`grpc`].
+//! - `peer` (feature `axum-idempotent`): the peer a user would pick instead, axum-idempotent, in
+//!   the load test's rounds beside our layer and the naive cache.
 //! - `src/bin/targets.rs`: the whole performance target table in one run, from the same pieces.
 //!
 //! Every binary runs on the system allocator, or on mimalloc or jemalloc with the feature of
@@ -50,6 +52,8 @@ pub const ALLOCATOR: &str = if cfg!(feature = "mimalloc") {
 
 pub mod idempotency;
 pub mod load;
+#[cfg(feature = "axum-idempotent")]
+pub mod peer;
 pub mod retry;
 pub mod store_pairs;
 

@@ -457,8 +457,10 @@ pub async fn load<C: Caller>(
 /// see [`crate::grpc`]); and, as references of what the same work costs done the way a user
 /// would hand-roll it, `client_tower_retry` (`tower::retry` with a cloning policy,
 /// [`CloneOn503`]) and `naive/first`, `naive/replay` ([`NaiveCacheLayer`]), and the same three
-/// over gRPC (`tower::retry` through [`grpc::TowerRetryChannel`]). `tag` makes this run's keys
-/// unique.
+/// over gRPC (`tower::retry` through [`grpc::TowerRetryChannel`]). With the `axum-idempotent`
+/// feature, also the peer a user would pick instead, in the same rounds:
+/// `axum-idempotent/first` and `axum-idempotent/replay` (see `benchmarks::peer`). `tag` makes
+/// this run's keys unique.
 pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
     const NAMES: [&str; 14] = [
         "no_layers",
@@ -489,17 +491,22 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
     record_replay_keys(grpc::caller(grpc_memory), &grpc_replay, cfg.connections).await;
     let (grpc_naive, grpc_naive_task) = grpc::serve_layered(NaiveCacheLayer::default()).await;
     record_replay_keys(grpc::caller(grpc_naive), &grpc_replay, cfg.connections).await;
+    #[cfg(feature = "axum-idempotent")]
+    let (peer, peer_task) = serve(crate::peer::app()).await;
+    #[cfg(feature = "axum-idempotent")]
+    let peer_sessions = crate::peer::replay_sessions(peer, tag, cfg.connections).await;
+    let names: Vec<&str> = NAMES.into_iter().chain(PEER_NAMES).collect();
     // One retry layer per scenario, shared by its connections (one budget, as one client).
     let http_retry = RetryLayer::new(RetryPolicy::default());
     let grpc_retry = RetryLayer::new(RetryPolicy::default());
-    let mut rounds: Vec<Vec<Run>> = NAMES.iter().map(|_| Vec::new()).collect();
+    let mut rounds: Vec<Vec<Run>> = names.iter().map(|_| Vec::new()).collect();
     let group = RoundGroup::new();
     let mut notes = Vec::new();
     for round in 0..cfg.rounds {
         let unique = format!("{tag}x{round}");
         let replay = tag.to_owned();
         let grpc_unique = format!("{tag}gx{round}");
-        for (i, name) in NAMES.into_iter().enumerate() {
+        for (i, &name) in names.iter().enumerate() {
             if !cfg.selected(name) {
                 continue;
             }
@@ -555,6 +562,18 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
                     let make = |_| grpc::caller(grpc_naive);
                     load(name, make, Keys::PerConnection, &grpc_replay, cfg).await
                 }
+                #[cfg(feature = "axum-idempotent")]
+                crate::peer::FIRST => {
+                    let make = |_| crate::peer::SessionCaller::first_executions(peer);
+                    load(name, make, Keys::Unique, &unique, cfg).await
+                }
+                #[cfg(feature = "axum-idempotent")]
+                crate::peer::REPLAY => {
+                    let make = |conn: usize| {
+                        crate::peer::SessionCaller::replays(peer, peer_sessions[conn].clone())
+                    };
+                    load(name, make, Keys::PerConnection, &replay, cfg).await
+                }
                 other => unreachable!("no scenario {other}"),
             };
             if name.contains("memory/") {
@@ -570,6 +589,8 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
         grpc_plain_task,
         grpc_memory_task,
         grpc_naive_task,
+        #[cfg(feature = "axum-idempotent")]
+        peer_task,
     ] {
         task.abort();
     }
@@ -583,6 +604,12 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
         ..Report::default()
     }
 }
+
+/// The peer's scenarios, run by [`in_process_scenarios`] with the `axum-idempotent` feature.
+#[cfg(feature = "axum-idempotent")]
+const PEER_NAMES: [&str; 2] = [crate::peer::FIRST, crate::peer::REPLAY];
+#[cfg(not(feature = "axum-idempotent"))]
+const PEER_NAMES: [&str; 0] = [];
 
 // ---------- memory per record ----------
 

@@ -20,6 +20,9 @@
 //!     cargo run --release -p benchmarks --bin targets
 //! ```
 //!
+//! With `--features axum-idempotent`, our HTTP rows also stand beside axum-idempotent's, the
+//! peer a user would pick instead (`benchmarks::peer`), in the same rounds.
+//!
 //! Without `REDIS_URL` / `DATABASE_URL` their rows say "skipped". About 2 minutes with the
 //! defaults; `--help` lists the knobs.
 
@@ -502,6 +505,31 @@ fn main() {
         ),
     ] {
         rows.push(ratio_row(&report, what, name, Some(reference), "-"));
+    }
+    // The peer a user would pick instead of our layer (its own feature: its crates are not in
+    // the default build).
+    for (what, name, reference) in [
+        (
+            "IdempotencyLayer, HTTP, first executions, against the peer",
+            "memory/first",
+            "axum-idempotent/first",
+        ),
+        (
+            "IdempotencyLayer, HTTP, replays, against the peer",
+            "memory/replay",
+            "axum-idempotent/replay",
+        ),
+    ] {
+        rows.push(if cfg!(feature = "axum-idempotent") {
+            ratio_row(&report, what, name, Some((reference, 0.0)), "-")
+        } else {
+            Row::new(
+                format!("{what} (`{name}` / `no_layers`)"),
+                Goal::Info,
+                format!(">= `{reference}`"),
+            )
+            .missing("skipped (build with `--features axum-idempotent`)")
+        });
     }
     rows.push(idempotency);
     rows.extend(store);

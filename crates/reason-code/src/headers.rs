@@ -115,13 +115,23 @@ pub fn single<'a>(
 pub fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(http::header::CONTENT_TYPE)
-        .map(|v| {
-            let b = v.as_bytes();
-            b.len() >= 16
-                && b[..16].eq_ignore_ascii_case(b"application/grpc")
-                && matches!(b.get(16), None | Some(b'+') | Some(b';'))
-        })
-        .unwrap_or(false)
+        .is_some_and(is_grpc_content_type)
+}
+
+/// True when a `content-type` value says gRPC: [`is_grpc`] for a value already at hand (one
+/// found while scanning a request's headers, say).
+///
+/// ```
+/// use http::HeaderValue;
+///
+/// assert!(reason_code::is_grpc_content_type(&HeaderValue::from_static("application/grpc")));
+/// assert!(!reason_code::is_grpc_content_type(&HeaderValue::from_static("application/grpc-web")));
+/// ```
+pub fn is_grpc_content_type(value: &HeaderValue) -> bool {
+    let b = value.as_bytes();
+    b.len() >= 16
+        && b[..16].eq_ignore_ascii_case(b"application/grpc")
+        && matches!(b.get(16), None | Some(b'+') | Some(b';'))
 }
 
 /// Parses a `grpc-status` value: a decimal number; numbers outside 0..=16 are UNKNOWN.

@@ -1,9 +1,10 @@
 //! The request before each attempt: whether it is idempotent, the idempotency key it carries,
 //! the head kept for retries, and the headers each attempt writes afresh.
 
+use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use http::request::Parts;
-use http::{HeaderName, HeaderValue, Method, Request};
-use reason_code::{GRPC_PREVIOUS_RPC_ATTEMPTS, X_PREVIOUS_ATTEMPTS};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request};
+use reason_code::{KeyHeaders, GRPC_PREVIOUS_RPC_ATTEMPTS, X_PREVIOUS_ATTEMPTS};
 
 use crate::retry::policy::RetryPolicy;
 
@@ -21,6 +22,62 @@ pub(crate) struct Judged {
     pub(crate) generated_key: Option<HeaderValue>,
 }
 
+/// What the layer reads of a request's headers before an attempt, found in one pass over them
+/// ([`HeaderScan::of`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct HeaderScan {
+    /// The content type says gRPC.
+    pub(crate) grpc: bool,
+    /// One of the policy's key headers is present.
+    pub(crate) keyed: bool,
+    /// The `content-length`, if present and a number.
+    pub(crate) content_length: Option<u64>,
+    /// An attempt header (`x-previous-attempts`, `grpc-previous-rpc-attempts`) is present.
+    pub(crate) attempt_headers: bool,
+}
+
+/// Above this many header entries the scan looks each header up instead: a lookup hashes its
+/// name once, a pass compares every name with each of the few the layer reads.
+const SCAN_AT_MOST: usize = 16;
+
+impl HeaderScan {
+    /// Reads `headers` for what the layer needs of them: a pass over a request's few headers
+    /// instead of a hashed lookup (about a hundred instructions) for each of five names.
+    pub(crate) fn of(headers: &HeaderMap, key_headers: &KeyHeaders) -> HeaderScan {
+        let length = |v: &HeaderValue| v.to_str().ok().and_then(|v| v.parse().ok());
+        if headers.keys_len() > SCAN_AT_MOST {
+            return HeaderScan {
+                grpc: reason_code::is_grpc(headers),
+                keyed: key_headers.is_keyed(headers),
+                content_length: headers.get(CONTENT_LENGTH).and_then(length),
+                attempt_headers: headers.contains_key(X_PREVIOUS_ATTEMPTS)
+                    || headers.contains_key(GRPC_PREVIOUS_RPC_ATTEMPTS),
+            };
+        }
+        let mut scan = HeaderScan::default();
+        // Each name's first value, as `HeaderMap::get` would give it.
+        // (An entry's further values follow it and borrow the same name.)
+        let mut last: *const HeaderName = std::ptr::null();
+        for (name, value) in headers {
+            if std::ptr::eq(last, name) {
+                continue;
+            }
+            last = name;
+            if !scan.keyed && key_headers.as_slice().contains(name) {
+                scan.keyed = true;
+            }
+            if *name == CONTENT_TYPE {
+                scan.grpc = reason_code::is_grpc_content_type(value);
+            } else if *name == CONTENT_LENGTH {
+                scan.content_length = length(value);
+            } else if *name == X_PREVIOUS_ATTEMPTS || *name == GRPC_PREVIOUS_RPC_ATTEMPTS {
+                scan.attempt_headers = true;
+            }
+        }
+        scan
+    }
+}
+
 /// Judges a request and gives it its key.
 ///
 /// A request with a key is idempotent. A write without one gets `intent_key`, the key of the
@@ -31,13 +88,24 @@ pub(crate) fn judge(
     parts: &mut Parts,
     intent_key: Option<(HeaderName, HeaderValue)>,
 ) -> Judged {
-    let grpc = reason_code::is_grpc(&parts.headers);
+    let scan = HeaderScan::of(&parts.headers, &policy.key_headers);
+    judge_scanned(policy, parts, intent_key, scan)
+}
+
+/// [`judge`] with the request's headers already scanned.
+pub(crate) fn judge_scanned(
+    policy: &RetryPolicy,
+    parts: &mut Parts,
+    intent_key: Option<(HeaderName, HeaderValue)>,
+    scan: HeaderScan,
+) -> Judged {
+    let grpc = scan.grpc;
     let method = if grpc {
         policy.grpc_method(parts.uri.path())
     } else {
         None
     };
-    let (idempotent, generated_key) = settle_key(policy, parts, grpc, intent_key);
+    let (idempotent, generated_key) = settle_key(policy, parts, grpc, scan.keyed, intent_key);
     Judged {
         grpc,
         method,
@@ -51,9 +119,10 @@ fn settle_key(
     policy: &RetryPolicy,
     parts: &mut Parts,
     grpc: bool,
+    keyed: bool,
     intent_key: Option<(HeaderName, HeaderValue)>,
 ) -> (bool, Option<HeaderValue>) {
-    if policy.key_headers.is_keyed(&parts.headers) {
+    if keyed {
         return (true, None);
     }
     let by_method = if grpc {
@@ -160,6 +229,57 @@ mod tests {
     use reason_code::{GrpcMethods, KeyHeaders};
 
     use super::*;
+
+    /// The pass over the headers finds what a lookup of each name finds: first values of
+    /// repeated names, every key header, maps short and long (looked up then).
+    #[test]
+    fn the_header_scan_agrees_with_lookups() {
+        let keys = KeyHeaders::default();
+        let candidates: [(&str, &str); 9] = [
+            ("content-type", "application/grpc+proto"),
+            ("content-type", "application/json"),
+            ("content-length", "12"),
+            ("content-length", "x"),
+            ("idempotency-key", "k1"),
+            ("x-idempotency-key", "k2"),
+            ("x-previous-attempts", "1"),
+            ("grpc-previous-rpc-attempts", "2"),
+            ("user-agent", "t"),
+        ];
+        for mask in 0u32..(1 << candidates.len()) {
+            for filler in [0, 20] {
+                let mut headers = HeaderMap::new();
+                for i in 0..filler {
+                    headers.insert(
+                        HeaderName::try_from(format!("x-filler-{i}")).unwrap(),
+                        HeaderValue::from_static("f"),
+                    );
+                }
+                for (i, (k, v)) in candidates.iter().enumerate() {
+                    if mask & (1 << i) != 0 {
+                        headers.append(*k, HeaderValue::from_static(v));
+                    }
+                }
+                let scan = HeaderScan::of(&headers, &keys);
+                let what = format!("{headers:?}");
+                assert_eq!(scan.grpc, reason_code::is_grpc(&headers), "{what}");
+                assert_eq!(scan.keyed, keys.is_keyed(&headers), "{what}");
+                assert_eq!(
+                    scan.content_length,
+                    headers
+                        .get(CONTENT_LENGTH)
+                        .and_then(|v| v.to_str().ok()?.parse().ok()),
+                    "{what}"
+                );
+                assert_eq!(
+                    scan.attempt_headers,
+                    headers.contains_key(X_PREVIOUS_ATTEMPTS)
+                        || headers.contains_key(GRPC_PREVIOUS_RPC_ATTEMPTS),
+                    "{what}"
+                );
+            }
+        }
+    }
 
     fn head(method: Method, path: &str, headers: &[(&'static str, &'static str)]) -> Parts {
         let mut req = Request::builder()

@@ -19,7 +19,8 @@ use crate::classify;
 use crate::deadline::{deadline_of, instant_after, rewrite_grpc_timeout, Timer};
 use crate::error::{DeadlineExceeded, RetryError, RetryInfo};
 use crate::request::{
-    clone_parts, intent_key, judge, remove_attempt_headers, write_previous_attempts,
+    clone_parts, intent_key, judge, judge_scanned, remove_attempt_headers, write_previous_attempts,
+    HeaderScan,
 };
 use crate::retry::decide::{decide, Attempt, Budgets, Ended, ReturnReason, Step};
 use crate::retry::observe::{self, GiveUp};
@@ -163,10 +164,13 @@ where
     ) -> (Self, Option<S::Future>, Timer, Span) {
         let policy = &shared.policy;
         let (mut parts, body) = req.into_parts();
+        let scan = HeaderScan::of(&parts.headers, &policy.key_headers);
         // The layer owns the attempt headers on every attempt: one forwarded from a request
         // this service is serving would tell the hop below that a first attempt is a retry.
-        remove_attempt_headers(&mut parts);
-        let judged = judge(policy, &mut parts, None);
+        if scan.attempt_headers {
+            remove_attempt_headers(&mut parts);
+        }
+        let judged = judge_scanned(policy, &mut parts, None, scan);
         // The total timeout counts from when the caller began to wait for the service.
         let total = policy.total_timeout.map(|t| t.saturating_sub(waited));
         let deadline = deadline_of(&parts, judged.grpc, total);
@@ -174,11 +178,7 @@ where
             rewrite_grpc_timeout(&mut parts, deadline, policy.attempt_timeout);
         }
 
-        let content_length = parts
-            .headers
-            .get(http::header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse().ok());
+        let content_length = scan.content_length;
         let hop = parts
             .extensions
             .get::<Arc<Hop>>()
