@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use http::{HeaderMap, HeaderName};
+use http::HeaderValue;
 
 /// Why an idempotency key was refused: each rule has its own message.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -150,21 +150,12 @@ fn structured_string(s: &str) -> Result<&str, KeyError> {
     Ok(inner)
 }
 
-/// Finds the one key among `names` in `headers`.
-pub(crate) fn extract_key<'h>(
-    headers: &'h HeaderMap,
-    names: &[HeaderName],
+/// The key of a write from the one value of its key headers (see
+/// [`HeadScan`](crate::head::HeadScan)), checked by the layer's rules or by `rule`.
+pub(crate) fn key_of<'h>(
+    found: Option<&'h HeaderValue>,
     rule: Option<&KeyRuleFn>,
 ) -> Result<Option<&'h str>, KeyError> {
-    let mut found = None;
-    for name in names {
-        for value in headers.get_all(name) {
-            if found.is_some() {
-                return Err(KeyError::Repeated);
-            }
-            found = Some(value);
-        }
-    }
     match (found, rule) {
         (None, _) => Ok(None),
         (Some(v), None) => validate_key(v.as_bytes()).map(Some),
@@ -255,15 +246,20 @@ mod tests {
 
     #[test]
     fn extraction_rejects_repeats_across_headers() {
+        use http::HeaderMap;
         let names = [crate::X_IDEMPOTENCY_KEY, crate::IDEMPOTENCY_KEY];
+        let extract = |h: &HeaderMap| {
+            let found = crate::head::HeadScan::of(h, &names).key?;
+            key_of(found, None).map(|k| k.map(str::to_owned))
+        };
         let mut h = HeaderMap::new();
-        assert_eq!(extract_key(&h, &names, None), Ok(None));
+        assert_eq!(extract(&h), Ok(None));
         h.insert(crate::IDEMPOTENCY_KEY, "\"order-0001\"".parse().unwrap());
-        assert_eq!(extract_key(&h, &names, None), Ok(Some("order-0001")));
+        assert_eq!(extract(&h), Ok(Some("order-0001".to_owned())));
         h.insert(crate::X_IDEMPOTENCY_KEY, "order-0001".parse().unwrap());
-        assert_eq!(extract_key(&h, &names, None), Err(KeyError::Repeated));
+        assert_eq!(extract(&h), Err(KeyError::Repeated));
         h.remove(crate::IDEMPOTENCY_KEY);
         h.append(crate::X_IDEMPOTENCY_KEY, "order-0002".parse().unwrap());
-        assert_eq!(extract_key(&h, &names, None), Err(KeyError::Repeated));
+        assert_eq!(extract(&h), Err(KeyError::Repeated));
     }
 }

@@ -395,6 +395,7 @@ mod config;
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
 mod future;
+mod head;
 mod key;
 mod layer;
 mod observe;

@@ -127,14 +127,6 @@ fn trailer_status(payload: &[u8]) -> Option<Code> {
     None
 }
 
-/// The request's `grpc-timeout`, if it has a valid one.
-pub(crate) fn grpc_timeout(parts: &http::request::Parts) -> Option<std::time::Duration> {
-    parts
-        .headers
-        .get(reason_code::GRPC_TIMEOUT)
-        .and_then(|v| reason_code::parse_grpc_timeout(v).ok())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -14,7 +14,8 @@ use tracing::Instrument;
 use crate::body::{IdempotencyBody, RequestBody};
 use crate::config::{Config, TenantFrom};
 use crate::future::ResponseFuture;
-use crate::key::extract_key;
+use crate::head::HeadScan;
+use crate::key::key_of;
 use crate::observe::{self};
 use crate::protocol::Protocol;
 use crate::reject::{respond, RejectReason};
@@ -22,7 +23,7 @@ use crate::scope::{http_scope_key, Scope, Tenant};
 use crate::shared::Shared;
 use crate::stats::IdempotencyStats;
 use crate::store::{IdempotencyStore, MemoryStore, TenantKey};
-use crate::write::{Inner, Write};
+use crate::write::{too_large, Inner, Write};
 use reason_code::BoxError;
 
 /// The service [`IdempotencyLayer`](crate::IdempotencyLayer) makes: writes with a key execute
@@ -152,11 +153,12 @@ where
         // key is not copied), and the write's future holds the parts and the body once, not the
         // request beside the parts taken from it.
         let (parts, body) = req.into_parts();
-        let key = match extract_key(
-            &parts.headers,
-            cfg.key_headers.as_slice(),
-            cfg.key_rule.as_ref(),
-        ) {
+        let head = HeadScan::of(&parts.headers, cfg.key_headers.as_slice());
+        let (grpc_timeout, declared_length) = (head.grpc_timeout, head.declared_length);
+        let key = match head
+            .key
+            .and_then(|found| key_of(found, cfg.key_rule.as_ref()))
+        {
             Ok(Some(key)) => key,
             Ok(None) if cfg.key_optional => {
                 let clone = self.inner.clone();
@@ -179,6 +181,11 @@ where
                  single-tenant service sets IdempotencyLayer::tenant(TenantSource::fixed(..))",
             );
         };
+        // A body declared larger than the layer reads is refused before anything is made for
+        // it (its `content-length`; one that grows past the bound while read is refused then).
+        if declared_length.is_some_and(|n| n > cfg.max_request_bytes as u64) {
+            return rejected(&mut self.inner, RejectReason::TooLarge, &too_large(cfg));
+        }
         let scope = if protocol.is_grpc() {
             Scope::new(&tenant, parts.uri.path(), key).key()
         } else {
@@ -206,6 +213,7 @@ where
             scope,
             tenant,
             protocol,
+            grpc_timeout,
             span: span.clone(),
         };
         ResponseFuture::managed(Box::pin(write.handle(parts, body).instrument(span)))

@@ -12,7 +12,6 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::CONTENT_LENGTH;
 use http::request::Parts;
 use http::{Request, Response};
 use http_body::Body;
@@ -25,7 +24,6 @@ use tracing::Span;
 use crate::body::{IdempotencyBody, RequestBody};
 use crate::config::Config;
 use crate::observe::{self, Op, WriteOutcome};
-use crate::protocol::grpc_timeout;
 use crate::protocol::Protocol;
 use crate::reject::{respond, RejectReason};
 use crate::shared::Shared;
@@ -196,8 +194,18 @@ pub(crate) struct Write<S, St> {
     /// The tenant the store charges this scope's claim and record to.
     pub(crate) tenant: TenantKey,
     pub(crate) protocol: Protocol,
+    /// The request's `grpc-timeout`: it bounds the reading of the body and the wait.
+    pub(crate) grpc_timeout: Option<Duration>,
     /// `idempotency_layer.write`: how the write ended is recorded on it.
     pub(crate) span: Span,
+}
+
+/// Why a body over [`max_request_bytes`](crate::IdempotencyLayer::max_request_bytes) is refused.
+pub(crate) fn too_large(cfg: &Config) -> String {
+    format!(
+        "request body is larger than {} bytes; send a smaller request",
+        cfg.max_request_bytes
+    )
 }
 
 impl<S, St> Write<S, St> {
@@ -250,7 +258,7 @@ where
             let kind = self.store.backend();
             // A gRPC request's own deadline bounds the reading of its body and its wait.
             let (deadline, body_deadline) = {
-                let grpc_timeout = grpc_timeout(&parts);
+                let grpc_timeout = self.grpc_timeout;
                 let within = |limit: Duration| grpc_timeout.map_or(limit, |t| t.min(limit));
                 let arrived = Instant::now();
                 (
@@ -259,24 +267,12 @@ where
                 )
             };
 
-            let too_large = || {
-                format!(
-                    "request body is larger than {} bytes; send a smaller request",
-                    cfg.max_request_bytes
-                )
-            };
-            let declared = parts
-                .headers
-                .get(CONTENT_LENGTH)
-                .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-            if declared.is_some_and(|n| n > cfg.max_request_bytes as u64) {
-                return Ok(self.reject(RejectReason::TooLarge, &too_large()));
-            }
+            // (A body declared too large was refused before this future was made.)
             let read = read_whole(body, cfg.max_request_bytes, body_deadline);
             let bytes = match read.await {
                 Ok(bytes) => bytes,
                 Err(e) if e.is::<LengthLimitError>() => {
-                    return Ok(self.reject(RejectReason::TooLarge, &too_large()))
+                    return Ok(self.reject(RejectReason::TooLarge, &too_large(cfg)))
                 }
                 Err(e) if e.is::<BodyTimedOut>() => {
                     let detail = format!(
@@ -284,7 +280,7 @@ where
                          request_body_timeout, or the request's grpc-timeout); nothing was \
                          executed: send the whole body promptly, or declare streaming gRPC \
                          methods with Writes::streaming_grpc_methods",
-                        grpc_timeout(&parts).map_or(cfg.request_body_timeout, |t| t
+                        self.grpc_timeout.map_or(cfg.request_body_timeout, |t| t
                             .min(cfg.request_body_timeout))
                     );
                     return Ok(self.reject(RejectReason::BodyTimeout, &detail));

@@ -69,6 +69,7 @@ fn the_write_future_and_the_response_body_stay_small() {
         scope: ScopeKey([0; 32]),
         tenant: TenantKey::default(),
         protocol: Protocol::of(&http::HeaderMap::new()),
+        grpc_timeout: None,
         span: Span::none(),
     };
     let (parts, body) = Request::post("/orders")
