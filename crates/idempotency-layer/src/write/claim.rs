@@ -21,6 +21,7 @@ use crate::store::{
 use crate::write::detached::{self, BoxFuture, DetachTo, Kind};
 use crate::write::pipe::HeldBytes;
 use crate::write::waiters::SharedFailure;
+use crate::write::WithinLease;
 
 /// How a claim whose handler wrote its record in a transaction of its own turned out
 /// ([`Claim::settle`]).
@@ -64,8 +65,10 @@ async fn complete_through_outage<St: IdempotencyStore>(
             kind,
             store.complete(scope, token, record.clone(), ttl),
         );
+        // The timer is set only if the store does not answer at once (an in-process store
+        // always does).
         async move {
-            tokio::time::timeout(lease, call).await.unwrap_or_else(|_| {
+            WithinLease::new(call, lease).await.unwrap_or_else(|| {
                 Err(StoreError::Backend(
                     "the store did not answer a complete within one lease".into(),
                 ))

@@ -102,7 +102,7 @@ pin_project_lite::pin_project! {
     /// when `inner` does not answer at its first poll (an in-process store always does), and
     /// boxed, so that it costs the write's future 8 bytes, not a whole timer: that future stays
     /// within the allocator's per-thread cache.
-    struct WithinLease<F> {
+    pub(super) struct WithinLease<F> {
         #[pin]
         inner: F,
         lease: Duration,
@@ -111,7 +111,7 @@ pin_project_lite::pin_project! {
 }
 
 impl<F> WithinLease<F> {
-    fn new(inner: F, lease: Duration) -> Self {
+    pub(super) fn new(inner: F, lease: Duration) -> Self {
         WithinLease {
             inner,
             lease,

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::support::{collect, serve, Collected, Fault, FaultStore, Op, Rule};
+use crate::support::{collect, serve, Collected, Fault, FaultStore, Op, Reply, Rule};
 use axum::body::Body;
 use axum::routing::post;
 use axum::Router;
@@ -727,6 +727,49 @@ async fn a_begin_the_store_never_answers_ends_at_one_lease_and_frees_its_capacit
         .unwrap();
     assert_eq!(next.status, StatusCode::CREATED, "{next:?}");
     assert_eq!(executions.load(Ordering::SeqCst), 1, "only the second ran");
+}
+
+/// A `complete` the store never answers holds the response's last frame for a bounded time
+/// (each try of the record ends at one lease), never for ever; the record is resent until the
+/// store takes it, and the retry is replayed: nothing runs twice. Without the bound on each try
+/// the answer never ends.
+#[tokio::test(start_paused = true)]
+async fn a_complete_the_store_never_answers_ends_at_one_lease_and_nothing_runs_twice() {
+    let executions = Arc::new(AtomicUsize::new(0));
+    let store = FaultStore::new(MemoryStore::new());
+    store.inject(Rule::new(Op::Complete, Fault::Hang).times(1));
+    let lease = Duration::from_secs(30);
+    let app = ServiceBuilder::new()
+        .layer(
+            IdempotencyLayer::new(store.clone())
+                .tenant(idempotency_layer::TenantSource::fixed("t"))
+                .lease(lease),
+        )
+        .service(orders(&executions, || Body::from("created")));
+    let call = || {
+        let app = app.clone();
+        async move {
+            let req = Request::post("/orders")
+                .header("x-idempotency-key", "order-hung-complete")
+                .body(Body::from("{}"))
+                .unwrap();
+            let res = app.oneshot(req).await.unwrap();
+            let status = res.status();
+            let replayed = res.headers().contains_key("idempotent-replayed");
+            (status, replayed, res.into_body().collect().await.is_ok())
+        }
+    };
+    let (status, replayed, _) = tokio::time::timeout(lease * 3, call())
+        .await
+        .expect("the answer ends though the store never answers its complete");
+    assert_eq!((status, replayed), (StatusCode::CREATED, false));
+    until("the record is resent and stored", || {
+        store.answers(Op::Complete).contains(&Reply::Ok)
+    })
+    .await;
+    let (status, replayed, whole) = call().await;
+    assert_eq!((status, replayed, whole), (StatusCode::CREATED, true, true));
+    assert_eq!(executions.load(Ordering::SeqCst), 1, "it ran once");
 }
 
 /// An outcome that is not recorded (a 503, a handler error, a panic) is answered at once; the
