@@ -151,7 +151,11 @@ async fn start(layer: IdempotencyLayer) -> (SocketAddr, Orders) {
 }
 
 fn layer() -> IdempotencyLayer {
-    IdempotencyLayer::new(MemoryStore::new())
+    layer_on(MemoryStore::new())
+}
+
+fn layer_on(store: MemoryStore) -> IdempotencyLayer {
+    IdempotencyLayer::new(store)
         .tenant(idempotency_layer::TenantSource::fixed("t"))
         .writes(
             idempotency_layer::Writes::default().idempotent_grpc_methods(
@@ -386,7 +390,19 @@ async fn over_a_channel_waiters_are_bounded_by_max_waiting_bytes() {
         let mut client = client.clone();
         async move { unary(&mut client, CREATE, Some("grpc-bounded-1"), order("slow")).await }
     });
-    let answers = futures_util::future::join_all(calls).await;
+    // What the waiters hold, read while they wait: never past the bound.
+    let mut calls = std::pin::pin!(futures_util::future::join_all(calls));
+    let mut most_held = 0;
+    let answers = loop {
+        tokio::select! {
+            answers = &mut calls => break answers,
+            _ = tokio::time::sleep(std::time::Duration::from_millis(1)) => {
+                most_held = most_held.max(layer.stats().waiting_bytes);
+            }
+        }
+    };
+    assert!(most_held <= 2_500, "the waiters held {most_held} bytes");
+    assert_eq!(layer.stats().waiting_bytes, 0, "and let them go");
     assert_eq!(
         orders.created.load(Ordering::SeqCst),
         1,
@@ -408,6 +424,85 @@ async fn over_a_channel_waiters_are_bounded_by_max_waiting_bytes() {
         refused >= 1,
         "the duplicates past the bound were turned away"
     );
+}
+
+/// Over a tonic `Channel`, a record stored by a build whose fingerprints were the first
+/// version's (as a store shared across an upgrade holds it) is replayed to its retry, with its
+/// message and trailers, and nothing runs again; another message under that key is still
+/// refused (FAILED_PRECONDITION).
+#[tokio::test]
+async fn a_record_of_the_first_fingerprint_version_is_replayed_to_its_retry() {
+    use crate::support::first_version_fingerprint;
+    use idempotency_layer::store::{Begin, Fingerprint, Record};
+    use idempotency_layer::{IdempotencyStore, Scope};
+
+    let store = MemoryStore::new();
+    let (addr, orders) = start(layer_on(store.clone())).await;
+    let mut client = grpc_client(addr).await;
+    let lease = std::time::Duration::from_secs(30);
+    // A response as this server answers it, recorded under another key.
+    let first = unary(
+        &mut client,
+        CREATE,
+        Some("grpc-upgrade-source"),
+        order("b1"),
+    )
+    .await
+    .unwrap();
+    let source = Scope::new("t", CREATE, "grpc-upgrade-source").key();
+    let Begin::Completed(recorded) = store
+        .begin(source, Fingerprint([0; 32]), lease)
+        .await
+        .unwrap()
+    else {
+        panic!("the first call was recorded")
+    };
+    // The same response, stored under the retried key with the first version's fingerprint of
+    // the retried request: tonic's framing of the message (uncompressed: a zero flag, its
+    // length, the message).
+    let message = order("b1").encode_to_vec();
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    framed.extend_from_slice(&message);
+    let fingerprint = first_version_fingerprint(CREATE, "application/grpc", &framed);
+    let scope = Scope::new("t", CREATE, "grpc-upgrade-1").key();
+    let Begin::New(token) = store.begin(scope, fingerprint, lease).await.unwrap() else {
+        panic!("a fresh scope")
+    };
+    let mut record = Record::new(
+        fingerprint,
+        recorded.status(),
+        recorded.headers().clone(),
+        recorded.body().clone(),
+    );
+    if let Some(trailers) = recorded.trailers() {
+        record = record.with_trailers(trailers.clone());
+    }
+    store
+        .complete(scope, token, Arc::new(record), lease * 20)
+        .await
+        .unwrap();
+
+    let retry = unary(&mut client, CREATE, Some("grpc-upgrade-1"), order("b1"))
+        .await
+        .expect("the retry is answered OK");
+    assert_eq!(retry.get_ref(), first.get_ref());
+    assert_eq!(
+        retry.metadata().get("idempotent-replayed").unwrap(),
+        "true",
+        "the retry is a replay"
+    );
+    assert_eq!(
+        orders.created.load(Ordering::SeqCst),
+        1,
+        "nothing ran again"
+    );
+
+    let other = unary(&mut client, CREATE, Some("grpc-upgrade-1"), order("b2"))
+        .await
+        .unwrap_err();
+    assert_eq!(other.code(), Code::FailedPrecondition, "{other:?}");
+    assert_eq!(orders.created.load(Ordering::SeqCst), 1);
 }
 
 /// A gRPC client cannot use a replay without its message: a response too large to record is

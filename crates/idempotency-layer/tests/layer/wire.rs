@@ -897,6 +897,13 @@ async fn waiters_on_every_key_together_hold_at_most_max_waiting_bytes() {
             5,
             "{transport:?}: five fit in the bytes allowed"
         );
+        // The gauge says what the five hold: each its body and its share of the overhead,
+        // together within the bound.
+        let held = layer.stats().waiting_bytes;
+        assert!(
+            held > 4 * (BODY as u64 + 1024) && held <= 5 * (BODY as u64 + 1024),
+            "{transport:?}: the waiters hold {held} bytes"
+        );
         gate.add_permits(100);
 
         for l in leaders {
@@ -922,6 +929,11 @@ async fn waiters_on_every_key_together_hold_at_most_max_waiting_bytes() {
         }
         assert_eq!((replayed, turned_away), (5, 7), "{transport:?}");
         assert_eq!(counts.started(), 3, "{transport:?}: each key ran once");
+        assert_eq!(
+            layer.stats().waiting_bytes,
+            0,
+            "{transport:?}: the waiters let their bytes go"
+        );
     }
 }
 
@@ -1271,30 +1283,13 @@ async fn one_key_on_two_resources_of_one_route_is_a_422() {
     }
 }
 
-/// The first version of the layer's fingerprint: BLAKE3 over its domain and the request's
-/// method, path, query, content type and body, each after its 8-byte little-endian length.
-fn first_version_fingerprint(path: &str, body: &[u8]) -> idempotency_layer::store::Fingerprint {
-    let mut h = blake3::Hasher::new();
-    h.update(b"idempotency-layer fingerprint v1\0");
-    for part in [
-        &b"POST"[..],
-        path.as_bytes(),
-        b"",
-        b"application/json",
-        body,
-    ] {
-        h.update(&(part.len() as u64).to_le_bytes());
-        h.update(part);
-    }
-    idempotency_layer::store::Fingerprint(*h.finalize().as_bytes())
-}
-
 /// A record stored by a build whose fingerprints were the first version's (BLAKE3), as a store
 /// shared across an upgrade holds it: its retry after the upgrade is replayed, not refused as
 /// another request, and the handler does not run; a different request under that key is still
 /// refused (422).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_of_the_first_fingerprint_version_is_replayed_to_its_retry() {
+    use crate::support::first_version_fingerprint;
     use idempotency_layer::store::Record;
     use idempotency_layer::{IdempotencyStore, Scope};
 
@@ -1307,7 +1302,8 @@ async fn a_record_of_the_first_fingerprint_version_is_replayed_to_its_retry() {
         let key = format!("order-upgrade-{transport:?}");
         let operation = Scope::http(&http::Method::POST, "/orders");
         let scope = Scope::new("t", &operation, &key).key();
-        let fingerprint = first_version_fingerprint("/orders", b"{\"sku\":\"b1\"}");
+        let fingerprint =
+            first_version_fingerprint("/orders", "application/json", b"{\"sku\":\"b1\"}");
         let idempotency_layer::store::Begin::New(token) = store
             .begin(scope, fingerprint, Duration::from_secs(30))
             .await
