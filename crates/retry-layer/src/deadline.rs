@@ -109,27 +109,18 @@ pub(crate) enum Bound {
     Delay,
 }
 
-/// The one timer of a response future: the attempt's end while an attempt runs, the backoff
-/// while waiting, the deadline (or the head bound) while waiting for readiness or the rebuild
-/// hook.
-///
-/// Boxed, and made only when a wait begins: a `Sleep` is larger than the rest of the future,
-/// and an inner service whose future is ready at once (a mock, a cache) never needs one, so the
-/// future that is moved on every call stays small and such a call never touches the timer
-/// wheel.
-#[derive(Debug, Default)]
-pub(crate) struct Timer {
-    sleep: Option<Pin<Box<Sleep>>>,
-    /// An attempt's bounds, armed at its first wait: the earlier of the deadline and the attempt
-    /// timeout (with which it is), and the head bound, counted from that wait.
-    unarmed: Option<(Option<(Instant, Bound)>, Duration)>,
-    bound: Bound,
+/// An attempt's bounds before its first wait: the earlier of the deadline and the attempt
+/// timeout (with which it is), and the head bound, counted from that wait.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AttemptBounds {
+    end: Option<(Instant, Bound)>,
+    head_timeout: Duration,
 }
 
-impl Timer {
-    /// An attempt's timer: the earliest of the deadline, the attempt timeout and the head bound
-    /// (counted from the attempt's first wait).
-    pub(crate) fn for_attempt(
+impl AttemptBounds {
+    /// The bounds of an attempt sent now: the earliest of the deadline, the attempt timeout and
+    /// the head bound (counted from the attempt's first wait).
+    pub(crate) fn new(
         deadline: Option<Instant>,
         attempt_timeout: Option<Duration>,
         head_timeout: Duration,
@@ -140,11 +131,44 @@ impl Timer {
             (Some(d), _) => Some((d, Bound::Deadline)),
             (None, a) => a.map(|a| (a, Bound::Attempt)),
         };
+        AttemptBounds { end, head_timeout }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The one timer of a response future: the attempt's end while an attempt runs, the
+    /// backoff while waiting, the deadline (or the head bound) while waiting for readiness or
+    /// the rebuild hook.
+    ///
+    /// Made only when a wait begins (an inner service whose future is ready at once, a mock or
+    /// a cache, never touches the timer wheel), in place in the pinned future, and kept for the
+    /// call's later waits (reset, not made again): no allocation, and the only timer-wheel
+    /// work is the registration itself.
+    #[derive(Debug, Default)]
+    pub(crate) struct Timer {
+        #[pin]
+        sleep: Option<Sleep>,
+        // The attempt's bounds until its first wait arms them.
+        unarmed: Option<AttemptBounds>,
+        bound: Bound,
+    }
+}
+
+impl Timer {
+    /// An attempt's timer, armed at its first wait.
+    pub(crate) fn for_attempt(bounds: AttemptBounds) -> Self {
         Timer {
             sleep: None,
-            unarmed: Some((end, head_timeout)),
+            unarmed: Some(bounds),
             bound: Bound::Deadline,
         }
+    }
+
+    /// The next attempt's bounds, armed at its first wait (the timer itself is kept).
+    pub(crate) fn next_attempt(self: Pin<&mut Self>, bounds: AttemptBounds) {
+        let this = self.project();
+        *this.unarmed = Some(bounds);
+        *this.bound = Bound::Deadline;
     }
 
     /// What the timer bounds (once it has fired: what ended the wait).
@@ -153,23 +177,28 @@ impl Timer {
     }
 
     /// Points the timer at `until`, a wait that `bound` ends, making it if there is none yet.
-    fn arm(&mut self, until: Instant, bound: Bound) {
-        self.unarmed = None;
-        self.bound = bound;
-        match self.sleep.as_mut() {
-            Some(t) => t.as_mut().reset(until),
-            None => self.sleep = Some(Box::pin(sleep_until(until))),
+    fn arm(self: Pin<&mut Self>, until: Instant, bound: Bound) {
+        let mut this = self.project();
+        *this.unarmed = None;
+        *this.bound = bound;
+        match this.sleep.as_mut().as_pin_mut() {
+            Some(t) => t.reset(until),
+            None => this.sleep.set(Some(sleep_until(until))),
         }
     }
 
     /// Points the timer at the end of a backoff or pushback delay.
-    pub(crate) fn set_delay(&mut self, until: Instant) {
+    pub(crate) fn set_delay(self: Pin<&mut Self>, until: Instant) {
         self.arm(until, Bound::Delay);
     }
 
     /// Points the timer at the deadline, or at `head_timeout` from now if that is earlier or
     /// there is no deadline: what waiting for readiness and for the rebuild hook is bounded by.
-    pub(crate) fn set_to_deadline(&mut self, deadline: Option<Instant>, head_timeout: Duration) {
+    pub(crate) fn set_to_deadline(
+        self: Pin<&mut Self>,
+        deadline: Option<Instant>,
+        head_timeout: Duration,
+    ) {
         let head = instant_after(Instant::now(), head_timeout);
         match deadline {
             Some(d) if d <= head => self.arm(d, Bound::Deadline),
@@ -179,16 +208,16 @@ impl Timer {
 
     /// True when the timer has fired (registers a wake-up otherwise). An attempt's timer is
     /// armed here, at its first wait.
-    pub(crate) fn fired(&mut self, cx: &mut Context<'_>) -> bool {
-        if let Some((end, head_timeout)) = self.unarmed.take() {
-            let head = instant_after(Instant::now(), head_timeout);
-            match end {
-                Some((end, bound)) if end <= head => self.arm(end, bound),
-                _ => self.arm(head, Bound::Head),
+    pub(crate) fn fired(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> bool {
+        if let Some(bounds) = self.as_mut().project().unarmed.take() {
+            let head = instant_after(Instant::now(), bounds.head_timeout);
+            match bounds.end {
+                Some((end, bound)) if end <= head => self.as_mut().arm(end, bound),
+                _ => self.as_mut().arm(head, Bound::Head),
             }
         }
-        match self.sleep.as_mut() {
-            Some(t) => t.as_mut().poll(cx).is_ready(),
+        match self.project().sleep.as_pin_mut() {
+            Some(t) => t.poll(cx).is_ready(),
             None => false,
         }
     }

@@ -16,7 +16,7 @@ use tracing::Span;
 use crate::body::{BodyHandle, ReplayBody};
 use crate::budget::Budget;
 use crate::classify;
-use crate::deadline::{deadline_of, instant_after, rewrite_grpc_timeout, Timer};
+use crate::deadline::{deadline_of, instant_after, rewrite_grpc_timeout, AttemptBounds, Timer};
 use crate::error::{DeadlineExceeded, RetryError, RetryInfo};
 use crate::request::{
     clone_parts, intent_key, judge, judge_scanned, remove_attempt_headers, write_previous_attempts,
@@ -227,11 +227,11 @@ where
                 (None, BodyHandle::empty(), Some(e))
             }
         };
-        let timer = Timer::for_attempt(
+        let timer = Timer::for_attempt(AttemptBounds::new(
             deadline,
             policy.attempt_timeout,
             policy.response_head_timeout,
-        );
+        ));
         let call = Call {
             service,
             shared,
@@ -554,8 +554,8 @@ where
     }
 
     /// Sends the next attempt on the service, which must be ready. Returns its future and
-    /// timer.
-    pub(crate) fn send_retry(&mut self) -> (S::Future, Timer) {
+    /// bounds.
+    pub(crate) fn send_retry(&mut self) -> (S::Future, AttemptBounds) {
         let policy = &self.shared.policy;
         let mut parts = clone_parts(self.parts.as_ref().expect("retries keep the head"));
         write_previous_attempts(&mut parts, self.grpc, self.went_out);
@@ -569,11 +569,11 @@ where
         self.attempt.sent += 1;
         self.shared.stats.incr(Counter::Attempts);
         let future = self.service.call(Request::from_parts(parts, body));
-        let timer = Timer::for_attempt(
+        let bounds = AttemptBounds::new(
             self.attempt.deadline,
             policy.attempt_timeout,
             policy.response_head_timeout,
         );
-        (future, timer)
+        (future, bounds)
     }
 }

@@ -32,6 +32,7 @@ pin_project! {
         state: State<S::Future, S::Response>,
         // The attempt's end while an attempt runs; the backoff while waiting; the deadline
         // while waiting for readiness or the rebuild hook.
+        #[pin]
         timer: Timer,
         call: Call<S, B>,
         // `retry_layer.call`, entered while the future is polled, and the `retry_layer.attempt`
@@ -130,7 +131,7 @@ where
                     let result = match this.attempt_span.in_scope(|| future.poll(cx)) {
                         Poll::Ready(r) => r.map_err(Into::into),
                         Poll::Pending => {
-                            if !this.timer.fired(cx) {
+                            if !this.timer.as_mut().fired(cx) {
                                 return Poll::Pending;
                             }
                             if this.call.deadline_passed() {
@@ -151,12 +152,15 @@ where
                             break this.call.answer(r);
                         }
                         Next::Wait(delay, last) => {
-                            this.timer.set_delay(instant_after(Instant::now(), delay));
+                            this.timer
+                                .as_mut()
+                                .set_delay(instant_after(Instant::now(), delay));
                             this.state.set(State::Waiting { last: Some(last) });
                         }
                         Next::Rebuild(future, response) => {
                             // The hook runs within the call's deadline (or the head bound).
                             this.timer
+                                .as_mut()
                                 .set_to_deadline(this.call.deadline(), this.call.head_timeout());
                             this.state.set(State::Rebuilding {
                                 future,
@@ -166,12 +170,13 @@ where
                     }
                 }
                 StateProj::Waiting { last } => {
-                    if !this.timer.fired(cx) {
+                    if !this.timer.as_mut().fired(cx) {
                         return Poll::Pending;
                     }
                     // Waiting for the inner service to be ready is bounded by the deadline, or
                     // without one by the head bound: the next head cannot come before.
                     this.timer
+                        .as_mut()
                         .set_to_deadline(this.call.deadline(), this.call.head_timeout());
                     let last = last.take();
                     this.state.set(State::Retrying { last });
@@ -180,7 +185,7 @@ where
                     let rebuilt = match future.as_mut().poll(cx) {
                         Poll::Ready(r) => r,
                         Poll::Pending => {
-                            if !this.timer.fired(cx) {
+                            if !this.timer.as_mut().fired(cx) {
                                 return Poll::Pending;
                             }
                             if this.timer.bound() == Bound::Deadline {
@@ -202,7 +207,7 @@ where
                     };
                     if let Some(send_at) = send_at {
                         // After the server's pushback, if it asked for one.
-                        this.timer.set_delay(send_at);
+                        this.timer.as_mut().set_delay(send_at);
                         let last = response.take().map(Ok);
                         this.state.set(State::Waiting { last });
                     } else {
@@ -219,7 +224,7 @@ where
                             break this.call.answer(Err(e));
                         }
                         Poll::Pending => {
-                            if !this.timer.fired(cx) {
+                            if !this.timer.as_mut().fired(cx) {
                                 return Poll::Pending;
                             }
                             this.state.set(State::Done);
@@ -240,13 +245,13 @@ where
                     // The last attempt's answer goes before the next attempt is sent (a
                     // response holds its connection).
                     drop(last.take());
-                    let (future, timer) = this.call.send_retry();
+                    let (future, bounds) = this.call.send_retry();
                     *this.attempt_span = observe::attempt_span(
                         this.call_span,
                         this.call.grpc(),
                         this.call.attempts() - 1,
                     );
-                    *this.timer = timer;
+                    this.timer.as_mut().next_attempt(bounds);
                     this.state.set(State::Called { future });
                 }
                 StateProj::NotSent => {
