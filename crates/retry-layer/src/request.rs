@@ -4,7 +4,7 @@
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request};
-use reason_code::{KeyHeaders, GRPC_PREVIOUS_RPC_ATTEMPTS, X_PREVIOUS_ATTEMPTS};
+use reason_code::{KeyHeaders, GRPC_PREVIOUS_RPC_ATTEMPTS, GRPC_TIMEOUT, X_PREVIOUS_ATTEMPTS};
 
 use crate::retry::policy::RetryPolicy;
 
@@ -34,6 +34,8 @@ pub(crate) struct HeaderScan {
     pub(crate) content_length: Option<u64>,
     /// An attempt header (`x-previous-attempts`, `grpc-previous-rpc-attempts`) is present.
     pub(crate) attempt_headers: bool,
+    /// A `grpc-timeout` is present (read, and checked for repeats, only then).
+    pub(crate) grpc_timeout: bool,
 }
 
 /// Above this many header entries the scan looks each header up instead: a lookup hashes its
@@ -52,6 +54,7 @@ impl HeaderScan {
                 content_length: headers.get(CONTENT_LENGTH).and_then(length),
                 attempt_headers: headers.contains_key(X_PREVIOUS_ATTEMPTS)
                     || headers.contains_key(GRPC_PREVIOUS_RPC_ATTEMPTS),
+                grpc_timeout: headers.contains_key(GRPC_TIMEOUT),
             };
         }
         let mut scan = HeaderScan::default();
@@ -72,6 +75,8 @@ impl HeaderScan {
                 scan.content_length = length(value);
             } else if *name == X_PREVIOUS_ATTEMPTS || *name == GRPC_PREVIOUS_RPC_ATTEMPTS {
                 scan.attempt_headers = true;
+            } else if *name == GRPC_TIMEOUT {
+                scan.grpc_timeout = true;
             }
         }
         scan
@@ -244,7 +249,7 @@ mod tests {
             ("x-idempotency-key", "k2"),
             ("x-previous-attempts", "1"),
             ("grpc-previous-rpc-attempts", "2"),
-            ("user-agent", "t"),
+            ("grpc-timeout", "5S"),
         ];
         for mask in 0u32..(1 << candidates.len()) {
             for filler in [0, 20] {
@@ -275,6 +280,11 @@ mod tests {
                     scan.attempt_headers,
                     headers.contains_key(X_PREVIOUS_ATTEMPTS)
                         || headers.contains_key(GRPC_PREVIOUS_RPC_ATTEMPTS),
+                    "{what}"
+                );
+                assert_eq!(
+                    scan.grpc_timeout,
+                    headers.contains_key(GRPC_TIMEOUT),
                     "{what}"
                 );
             }

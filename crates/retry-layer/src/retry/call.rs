@@ -173,7 +173,8 @@ where
         let judged = judge_scanned(policy, &mut parts, None, scan);
         // The total timeout counts from when the caller began to wait for the service.
         let total = policy.total_timeout.map(|t| t.saturating_sub(waited));
-        let deadline = deadline_of(&parts, judged.grpc, total);
+        // `grpc-timeout` is read only where the scan saw one.
+        let deadline = deadline_of(&parts, judged.grpc && scan.grpc_timeout, total);
         if judged.grpc {
             rewrite_grpc_timeout(&mut parts, deadline, policy.attempt_timeout);
         }
