@@ -937,6 +937,58 @@ async fn waiters_on_every_key_together_hold_at_most_max_waiting_bytes() {
     }
 }
 
+/// A write whose `content-length` is over `max_request_bytes` is refused with 413 before its body
+/// is read or anything is made for it, over HTTP/1.1 and HTTP/2: nothing runs, the key stays
+/// free, and the client's next request (on the connection it kept, if it kept one) is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_declared_too_large_is_413_and_nothing_runs() {
+    for transport in Transport::BOTH {
+        let counts = Counts::default();
+        let layer = layer(OnDisconnect::Complete, InFlight::Wait).max_request_bytes(1024);
+        let addr = serve(app(
+            layer.clone(),
+            Shape::ContentLength,
+            Duration::ZERO,
+            &counts,
+        ))
+        .await;
+        let client = client(transport);
+        let key = format!("order-declared-large-{transport:?}");
+        let big = Full::new(Bytes::from(vec![b'x'; 4096]));
+        let refused = post_order(&client, addr, &key, big).await;
+        assert_eq!(
+            refused.status,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "{transport:?}"
+        );
+        assert_eq!(refused.headers["x-reason-code"], "REQUEST_TOO_LARGE");
+        assert!(
+            refused.json()["detail"]
+                .as_str()
+                .unwrap()
+                .contains("1024 bytes"),
+            "{transport:?}: {refused:?}"
+        );
+        assert_eq!(counts.started(), 0, "{transport:?}: nothing ran");
+        assert_eq!(
+            layer
+                .stats()
+                .rejected(idempotency_layer::RejectReason::TooLarge),
+            1
+        );
+
+        let small = Full::new(Bytes::from_static(b"{\"sku\":\"b1\"}"));
+        let served = post_order(&client, addr, &key, small).await;
+        assert_eq!(
+            served.status,
+            StatusCode::CREATED,
+            "{transport:?}: the key was free"
+        );
+        assert!(!served.replayed(), "{transport:?}");
+        assert_eq!(counts.started(), 1, "{transport:?}");
+    }
+}
+
 /// A response body that counts being dropped before its end (the server let go of it: its
 /// client went away mid-body).
 struct Watched<B> {
