@@ -11,6 +11,7 @@ pub mod cut;
 pub mod env;
 pub mod faults;
 pub mod gate;
+pub mod headers;
 pub mod net;
 pub mod process;
 pub mod proxy;

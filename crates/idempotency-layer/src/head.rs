@@ -97,7 +97,7 @@ mod tests {
             HeaderName::from_static("idempotency-key"),
             HeaderName::from_static("x-idempotency-key"),
         ];
-        let candidates: [(&str, &str); 8] = [
+        let candidates: [(&'static str, &'static str); 8] = [
             ("idempotency-key", "key-00001"),
             ("idempotency-key", "key-00002"),
             ("x-idempotency-key", "key-00003"),
@@ -107,38 +107,24 @@ mod tests {
             ("grpc-timeout", "bad"),
             ("content-type", "application/json"),
         ];
-        for mask in 0u32..(1 << candidates.len()) {
-            for filler in [0, 20] {
-                let mut headers = HeaderMap::new();
-                for i in 0..filler {
-                    headers.insert(
-                        HeaderName::try_from(format!("x-filler-{i}")).unwrap(),
-                        HeaderValue::from_static("f"),
-                    );
-                }
-                for (i, (k, v)) in candidates.iter().enumerate() {
-                    if mask & (1 << i) != 0 {
-                        headers.append(*k, HeaderValue::from_static(v));
-                    }
-                }
-                let scan = HeadScan::of(&headers, &names);
-                let what = format!("{headers:?}");
-                assert_eq!(scan.key, find_key(&headers, &names), "{what}");
-                assert_eq!(
-                    scan.grpc_timeout,
-                    headers
-                        .get(GRPC_TIMEOUT)
-                        .and_then(|v| reason_code::parse_grpc_timeout(v).ok()),
-                    "{what}"
-                );
-                assert_eq!(
-                    scan.declared_length,
-                    headers
-                        .get(CONTENT_LENGTH)
-                        .and_then(|v| v.to_str().ok()?.parse().ok()),
-                    "{what}"
-                );
-            }
+        for headers in test_support::headers::combinations(&candidates) {
+            let scan = HeadScan::of(&headers, &names);
+            let what = format!("{headers:?}");
+            assert_eq!(scan.key, find_key(&headers, &names), "{what}");
+            assert_eq!(
+                scan.grpc_timeout,
+                headers
+                    .get(GRPC_TIMEOUT)
+                    .and_then(|v| reason_code::parse_grpc_timeout(v).ok()),
+                "{what}"
+            );
+            assert_eq!(
+                scan.declared_length,
+                headers
+                    .get(CONTENT_LENGTH)
+                    .and_then(|v| v.to_str().ok()?.parse().ok()),
+                "{what}"
+            );
         }
     }
 }

@@ -240,7 +240,7 @@ mod tests {
     #[test]
     fn the_header_scan_agrees_with_lookups() {
         let keys = KeyHeaders::default();
-        let candidates: [(&str, &str); 9] = [
+        let candidates: [(&'static str, &'static str); 9] = [
             ("content-type", "application/grpc+proto"),
             ("content-type", "application/json"),
             ("content-length", "12"),
@@ -251,43 +251,29 @@ mod tests {
             ("grpc-previous-rpc-attempts", "2"),
             ("grpc-timeout", "5S"),
         ];
-        for mask in 0u32..(1 << candidates.len()) {
-            for filler in [0, 20] {
-                let mut headers = HeaderMap::new();
-                for i in 0..filler {
-                    headers.insert(
-                        HeaderName::try_from(format!("x-filler-{i}")).unwrap(),
-                        HeaderValue::from_static("f"),
-                    );
-                }
-                for (i, (k, v)) in candidates.iter().enumerate() {
-                    if mask & (1 << i) != 0 {
-                        headers.append(*k, HeaderValue::from_static(v));
-                    }
-                }
-                let scan = HeaderScan::of(&headers, &keys);
-                let what = format!("{headers:?}");
-                assert_eq!(scan.grpc, reason_code::is_grpc(&headers), "{what}");
-                assert_eq!(scan.keyed, keys.is_keyed(&headers), "{what}");
-                assert_eq!(
-                    scan.content_length,
-                    headers
-                        .get(CONTENT_LENGTH)
-                        .and_then(|v| v.to_str().ok()?.parse().ok()),
-                    "{what}"
-                );
-                assert_eq!(
-                    scan.attempt_headers,
-                    headers.contains_key(X_PREVIOUS_ATTEMPTS)
-                        || headers.contains_key(GRPC_PREVIOUS_RPC_ATTEMPTS),
-                    "{what}"
-                );
-                assert_eq!(
-                    scan.grpc_timeout,
-                    headers.contains_key(GRPC_TIMEOUT),
-                    "{what}"
-                );
-            }
+        for headers in test_support::headers::combinations(&candidates) {
+            let scan = HeaderScan::of(&headers, &keys);
+            let what = format!("{headers:?}");
+            assert_eq!(scan.grpc, reason_code::is_grpc(&headers), "{what}");
+            assert_eq!(scan.keyed, keys.is_keyed(&headers), "{what}");
+            assert_eq!(
+                scan.content_length,
+                headers
+                    .get(CONTENT_LENGTH)
+                    .and_then(|v| v.to_str().ok()?.parse().ok()),
+                "{what}"
+            );
+            assert_eq!(
+                scan.attempt_headers,
+                headers.contains_key(X_PREVIOUS_ATTEMPTS)
+                    || headers.contains_key(GRPC_PREVIOUS_RPC_ATTEMPTS),
+                "{what}"
+            );
+            assert_eq!(
+                scan.grpc_timeout,
+                headers.contains_key(GRPC_TIMEOUT),
+                "{what}"
+            );
         }
     }
 
