@@ -53,6 +53,10 @@ pub enum Fault {
     Hang,
     /// Reaches the inner store after this long: a slow network.
     Delay(Duration),
+    /// Runs on the inner store at once, then answers this long after: the operation ran, and
+    /// its reply is late (a slow network on the way back, a `WAIT` for replicas in the same
+    /// round trip, a busy pool's queue).
+    DelayReply(Duration),
     /// Runs on the inner store, then fails with [`StoreError::Backend`]: the operation ran but
     /// its reply was lost (a connection dropped, a timeout).
     LoseReply,
@@ -359,6 +363,11 @@ impl<S> FaultStore<S> {
                 tokio::time::sleep(d).await;
                 reach(call()).await
             }
+            Some(Fault::DelayReply(d)) => {
+                let r = reach(call()).await;
+                tokio::time::sleep(d).await;
+                r
+            }
             Some(Fault::LoseReply) => {
                 let _ = reach(call()).await;
                 Err(backend(op, "the reply was lost after the operation ran"))
@@ -594,6 +603,23 @@ mod tests {
         ));
         store.heal();
         assert!(matches!(store.begin(b, FP, LONG).await, Ok(Begin::New(_))));
+
+        // DelayReply reaches the store at once and answers after the delay.
+        let c = scope("fault-c");
+        store.inject(Rule::new(Op::Begin, Fault::DelayReply(Duration::from_secs(3))).times(1));
+        let started = tokio::time::Instant::now();
+        let late = tokio::spawn({
+            let store = store.clone();
+            async move { store.begin(c, FP, LONG).await }
+        });
+        store
+            .until(Duration::from_secs(1), "the late begin ran", |st| {
+                st.calls(Op::Begin).reached == 5
+            })
+            .await;
+        assert_eq!(started.elapsed(), Duration::ZERO, "it ran at once");
+        assert!(matches!(late.await.unwrap(), Ok(Begin::New(_))));
+        assert_eq!(started.elapsed(), Duration::from_secs(3), "answered late");
 
         // Delay reaches the store after the delay.
         let started = tokio::time::Instant::now();
