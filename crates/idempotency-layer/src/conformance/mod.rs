@@ -61,6 +61,7 @@ pub async fn run_all<S: IdempotencyStore>(make: impl Fn() -> S) {
     release_frees_the_scope(make()).await;
     records_expire(make()).await;
     lapsed_lease_is_taken_over_and_old_leader_fenced(make()).await;
+    a_lapsed_leader_is_fenced_after_its_successor_completed(make()).await;
     late_complete_without_takeover_is_kept(make()).await;
     renew_keeps_the_claim(make()).await;
     renew_many_renews_each_held_claim_and_fences_the_rest(make()).await;
@@ -291,6 +292,46 @@ async fn lapsed_lease_is_taken_over_and_old_leader_fenced<S: IdempotencyStore>(s
         .unwrap();
     match store.begin(s, FP, LONG).await {
         Ok(Begin::Completed(r)) => assert_eq!(*r, mine),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A lapsed leader's `complete`, `release` and `renew`, sent after the leader that took the
+/// scope over has completed it, are fenced: the record holds the successor's token, and only
+/// that token's own complete again is "done already". (A store that compared part of the token,
+/// say the shard it was made in, answered the lapsed leader `Ok`: it would believe it recorded
+/// while another record is kept.)
+async fn a_lapsed_leader_is_fenced_after_its_successor_completed<S: IdempotencyStore>(store: S) {
+    let s = scope("takeover-completed");
+    let old = new_claim(&store, s, SHORT).await;
+    tokio::time::sleep(SHORT * 2).await;
+    let new = new_claim(&store, s, LONG).await;
+    assert_ne!(old, new);
+    let mut theirs = sample_record(FP);
+    theirs.body = Bytes::from_static(b"the successor's");
+    store
+        .complete(s, new, theirs.clone().into(), LONG)
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            store.complete(s, old, sample_record(FP).into(), LONG).await,
+            Err(StoreError::Fenced)
+        ),
+        "a lapsed leader's complete after its successor's record is fenced"
+    );
+    assert!(matches!(store.release(s, old).await, Err(StoreError::Fenced)));
+    assert!(matches!(
+        store.renew(s, old, LONG).await,
+        Err(StoreError::Fenced)
+    ));
+    // The successor's own complete, resent, is done already.
+    store
+        .complete(s, new, theirs.clone().into(), LONG)
+        .await
+        .expect("the same complete again is done already");
+    match store.begin(s, FP, LONG).await {
+        Ok(Begin::Completed(r)) => assert_eq!(*r, theirs),
         other => panic!("{other:?}"),
     }
 }

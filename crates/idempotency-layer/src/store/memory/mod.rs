@@ -372,7 +372,7 @@ impl IdempotencyStore for MemoryStore {
             // The same complete again (its caller retried it): done already, nothing changes.
             Some(Entry::Completed {
                 token: by, expires, ..
-            }) if *by == token.0 as u64 && *expires > now => return Ok(()),
+            }) if shard::is_token(token, *by, index) && *expires > now => return Ok(()),
             _ => return Err(StoreError::Fenced),
         };
         // The handler has run: the record is kept whatever happens, in full if it fits. The

@@ -98,8 +98,9 @@ pub(super) enum Entry {
         size: u32,
         /// When it completed, in whole seconds since the store's origin.
         completed: u32,
-        /// The low half of the token that completed it: the same complete again is answered
-        /// "completed", another token's is fenced.
+        /// The number of the token that completed it (its high half: unique in its shard, and a
+        /// scope is always in the same shard): the same complete again is answered "completed",
+        /// another token's is fenced.
         token: u64,
     },
 }
@@ -329,6 +330,17 @@ impl Tenants {
     }
 }
 
+/// The number a token of shard `shard` carries in its high half (see [`Shard::token`]); the
+/// token of a record completed in that shard is `Token(number << 64 | shard)`.
+pub(super) fn token_number(token: Token) -> u64 {
+    (token.0 >> 64) as u64
+}
+
+/// Whether `token` is the one numbered `number` in shard `shard`.
+pub(super) fn is_token(token: Token, number: u64, shard: usize) -> bool {
+    token == Token((u128::from(number) << 64) | shard as u128)
+}
+
 impl Shard {
     /// A token unique in the store: this shard's next number, tagged with the shard's index.
     pub(super) fn token(&mut self, shard: usize) -> Token {
@@ -353,7 +365,7 @@ impl Shard {
             return None;
         };
         let tenant = claim.tenant;
-        let token = claim.token.0 as u64;
+        let token = token_number(claim.token);
         let waiters = std::mem::take(&mut claim.wake);
         let completed = Entry::Completed {
             tenant,
