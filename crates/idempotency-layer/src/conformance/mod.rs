@@ -320,7 +320,10 @@ async fn a_lapsed_leader_is_fenced_after_its_successor_completed<S: IdempotencyS
         ),
         "a lapsed leader's complete after its successor's record is fenced"
     );
-    assert!(matches!(store.release(s, old).await, Err(StoreError::Fenced)));
+    assert!(matches!(
+        store.release(s, old).await,
+        Err(StoreError::Fenced)
+    ));
     assert!(matches!(
         store.renew(s, old, LONG).await,
         Err(StoreError::Fenced)

@@ -48,7 +48,7 @@ use reason_code::BoxError;
 /// A handler's response about to be recorded ([`start`](Self::start)): its body not yet
 /// polled, the claim, and the record's head.
 pub(crate) struct ResponseRecorder<B> {
-    body: Pin<Box<B>>,
+    body: Guarded<B>,
     claim: Claim,
     config: Arc<Config>,
     record: RecordBuilder,
@@ -56,8 +56,64 @@ pub(crate) struct ResponseRecorder<B> {
     /// Content-Length): the frame that reaches it is the last, whether or not the body says so.
     stops_at: Option<u64>,
     seen: u64,
-    /// The handler's body panicked: it is never polled again.
+}
+
+/// The handler's response body, every call into it guarded: a panic in `poll_frame`,
+/// `is_end_stream` or `size_hint` is the body's failure like any other (an error frame, not
+/// the layer's), and the body is never called again. The recording then settles the claim as for
+/// a body that broke off there, and the client gets the error.
+struct Guarded<B> {
+    body: Pin<Box<B>>,
     panicked: bool,
+}
+
+impl<B> Guarded<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    fn panicked(&mut self, method: &'static str) {
+        self.panicked = true;
+        tracing::error!(method, "idempotency: the handler's response body panicked");
+    }
+
+    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.panicked {
+            return Poll::Ready(Some(Err(body_panicked())));
+        }
+        let body = self.body.as_mut();
+        match std::panic::catch_unwind(AssertUnwindSafe(|| body.poll_frame(cx))) {
+            Ok(frame) => frame.map(|f| f.map(|r| r.map_err(Into::into))),
+            Err(_) => {
+                self.panicked("poll_frame");
+                Poll::Ready(Some(Err(body_panicked())))
+            }
+        }
+    }
+
+    /// `false` once the body panicked (its next poll is its error).
+    fn is_end_stream(&mut self) -> bool {
+        if self.panicked {
+            return false;
+        }
+        let body = &self.body;
+        std::panic::catch_unwind(AssertUnwindSafe(|| body.is_end_stream())).unwrap_or_else(|_| {
+            self.panicked("is_end_stream");
+            false
+        })
+    }
+
+    /// Unknown once the body panicked.
+    fn size_hint(&mut self) -> SizeHint {
+        if self.panicked {
+            return SizeHint::new();
+        }
+        let body = &self.body;
+        std::panic::catch_unwind(AssertUnwindSafe(|| body.size_hint())).unwrap_or_else(|_| {
+            self.panicked("size_hint");
+            SizeHint::new()
+        })
+    }
 }
 
 /// How a recording started: the response's body, and the record's store operation when the
@@ -91,6 +147,10 @@ where
         http1: bool,
         head_code: Option<Code>,
     ) -> Self {
+        let mut body = Guarded {
+            body: Box::pin(body),
+            panicked: false,
+        };
         let stops_at = http1
             .then(|| {
                 body.size_hint().exact().or_else(|| {
@@ -108,13 +168,12 @@ where
             config.max_record_bytes,
         );
         ResponseRecorder {
-            body: Box::pin(body),
+            body,
             claim,
             config,
             record,
             stops_at,
             seen: 0,
-            panicked: false,
         }
     }
 
@@ -186,22 +245,9 @@ where
         self.pump(read)
     }
 
-    /// Polls the handler's body for its next frame. A panic in the body is its failure like any
-    /// other (an error frame), not the layer's: the recording then settles the claim as for a
-    /// body that broke off there, the client gets the error, and the body is never polled again.
+    /// Polls the handler's body for its next frame (guarded: see [`Guarded`]).
     fn poll_body(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if self.panicked {
-            return Poll::Ready(Some(Err(body_panicked())));
-        }
-        let body = self.body.as_mut();
-        match std::panic::catch_unwind(AssertUnwindSafe(|| body.poll_frame(cx))) {
-            Ok(frame) => frame.map(|f| f.map(|r| r.map_err(Into::into))),
-            Err(_) => {
-                self.panicked = true;
-                tracing::error!("idempotency: the handler's response body panicked");
-                Poll::Ready(Some(Err(body_panicked())))
-            }
-        }
+        self.body.poll_frame(cx)
     }
 
     /// The body ended with the frames `read`: recorded now, answered as one data frame (the
@@ -232,7 +278,7 @@ where
     }
 
     /// The body's size hint, with the frames `read` already taken from it.
-    fn declared(&self, read: &[Frame<Bytes>]) -> SizeHint {
+    fn declared(&mut self, read: &[Frame<Bytes>]) -> SizeHint {
         let taken = read
             .iter()
             .filter_map(Frame::data_ref)
@@ -249,7 +295,7 @@ where
     }
 
     /// Is `frame` (just observed) the last one the server will take?
-    fn is_last(&self, frame: &Frame<Bytes>) -> bool {
+    fn is_last(&mut self, frame: &Frame<Bytes>) -> bool {
         frame.is_trailers()
             || self.body.is_end_stream()
             || self.stops_at.is_some_and(|len| self.seen >= len)
@@ -306,7 +352,7 @@ where
 
     /// Reads the rest of the body in a task of its own; the client reads from the pipe, first
     /// the frames already `read`.
-    fn pump(self, read: Vec<Frame<Bytes>>) -> Started<B> {
+    fn pump(mut self, read: Vec<Frame<Bytes>>) -> Started<B> {
         let declared = self.declared(&read);
         let budget = self.claim.held_bytes();
         let pipe = Pipe::new(declared, read, self.config.max_record_bytes, budget);

@@ -1204,6 +1204,121 @@ async fn a_body_that_panics_after_its_201_head_ends_the_call_and_never_runs_agai
     }
 }
 
+/// Which method of [`HostileBody`] panics.
+#[derive(Clone, Copy, Debug)]
+enum Panics {
+    /// `is_end_stream`, from its first call.
+    IsEndStream,
+    /// `is_end_stream`, once its first frame was taken.
+    IsEndStreamLater,
+    /// `size_hint`.
+    SizeHint,
+}
+
+/// A body of two frames whose `is_end_stream` or `size_hint` panics: user code the layer calls
+/// besides `poll_frame`.
+struct HostileBody {
+    frames: std::collections::VecDeque<Bytes>,
+    taken: usize,
+    panics: Panics,
+}
+
+impl http_body::Body for HostileBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.taken += 1;
+        std::task::Poll::Ready(self.frames.pop_front().map(|d| Ok(Frame::data(d))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self.panics {
+            Panics::IsEndStream => panic!("is_end_stream panics (expected by the test)"),
+            Panics::IsEndStreamLater if self.taken > 0 => {
+                panic!("is_end_stream panics (expected by the test)")
+            }
+            _ => self.frames.is_empty(),
+        }
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        match self.panics {
+            Panics::SizeHint => panic!("size_hint panics (expected by the test)"),
+            _ => http_body::SizeHint::default(),
+        }
+    }
+}
+
+/// A response body whose `is_end_stream` or `size_hint` panics after a 201 head is a failure of
+/// that response like a panic in `poll_frame`: the call ends, the outcome (a 201: the write ran)
+/// is recorded without its body, and the retry is its replay. The handler runs once. (Only
+/// `poll_frame` was guarded: the panic reached the server's task, the claim was released
+/// without a shared failure, and the retry ran the handler again.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_whose_is_end_stream_or_size_hint_panics_never_runs_again() {
+    for transport in Transport::BOTH {
+        for panics in [
+            Panics::IsEndStream,
+            Panics::IsEndStreamLater,
+            Panics::SizeHint,
+        ] {
+            let case = format!("{transport:?}, {panics:?}");
+            let counts = Counts::default();
+            let router = orders(&counts, move |counts| async move {
+                counts.started.fetch_add(1, Ordering::SeqCst);
+                let body = HostileBody {
+                    frames: [Bytes::from("part one"), Bytes::from("part two")].into(),
+                    taken: 0,
+                    panics,
+                };
+                Response::builder()
+                    .status(StatusCode::CREATED)
+                    .body(Body::new(body))
+                    .unwrap()
+            });
+            let addr = serve(router.layer(layer(OnDisconnect::Complete, InFlight::Wait))).await;
+            let client = client(transport);
+            let req = || {
+                Request::post(format!("http://{addr}/orders"))
+                    .header("x-idempotency-key", "order-hostile-body")
+                    .body(Full::new(Bytes::from_static(b"{}")))
+                    .unwrap()
+            };
+            let first = tokio::time::timeout(Duration::from_secs(20), async {
+                use http_body_util::BodyExt;
+                let res = client.request(req()).await.map_err(|e| e.to_string())?;
+                let (status, replayed) = (
+                    res.status(),
+                    res.headers().contains_key("idempotent-replayed"),
+                );
+                let body = res.into_body().collect().await.map_err(|e| e.to_string());
+                body.map(|_| (status, replayed))
+            })
+            .await
+            .unwrap_or_else(|_| panic!("{case}: the call never ended"));
+            if let Ok(first) = &first {
+                assert_eq!(
+                    *first,
+                    (StatusCode::CREATED, false),
+                    "{case}: the first answer, if whole, is the handler's own"
+                );
+            }
+            let retry = tokio::time::timeout(Duration::from_secs(20), client.request(req()))
+                .await
+                .unwrap_or_else(|_| panic!("{case}: the retry never got an answer"))
+                .unwrap_or_else(|e| panic!("{case}: the retry failed: {e}"));
+            let retry = collect(retry).await;
+            assert_eq!(retry.status, StatusCode::CREATED, "{case}: {retry:?}");
+            assert!(retry.replayed(), "{case}: the retry is a replay: {retry:?}");
+            assert_eq!(counts.started(), 1, "{case}: the handler ran once");
+        }
+    }
+}
+
 /// A `begin` the store never answers ends at one lease, over the wire: the write is answered
 /// 503 (retryable; not even `fail_open` runs it, since a lease later a retry may run it
 /// elsewhere) while its client holds the connection open, and the capacity it readied (the one
