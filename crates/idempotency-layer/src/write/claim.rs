@@ -65,21 +65,29 @@ async fn complete_through_outage<St: IdempotencyStore>(
             kind,
             store.complete(scope, token, record.clone(), ttl),
         );
-        // The timer is set only if the store does not answer at once (an in-process store
-        // always does).
-        async move {
-            WithinLease::new(call, lease).await.unwrap_or_else(|| {
-                Err(StoreError::Backend(
-                    "the store did not answer a complete within one lease".into(),
-                ))
-            })
-        }
+        within_lease(call, lease, "complete")
     };
     let done = retry_through_outage(within, "complete", op).await;
     if done.is_ok() {
         tracing::debug!(?scope, "idempotency: recorded");
     }
     done
+}
+
+/// `call`, bounded by one `lease` whatever the store's own timeouts: a call the store never
+/// answers ends as a store failure (`what`, for the message), and whatever waits for it (a
+/// place among the detached work, the response's final frame) is freed. The timer is set only
+/// if the store does not answer at once (an in-process store always does).
+async fn within_lease<T>(
+    call: impl Future<Output = Result<T, StoreError>>,
+    lease: Duration,
+    what: &'static str,
+) -> Result<T, StoreError> {
+    WithinLease::new(call, lease).await.unwrap_or_else(|| {
+        Err(StoreError::Backend(
+            format!("the store did not answer a {what} within one lease").into(),
+        ))
+    })
 }
 
 /// [`Claim::settle`]'s store operations, boxed once.
@@ -147,7 +155,11 @@ impl<St: IdempotencyStore> ClaimStore for St {
         Box::pin(async move {
             let store = &*self;
             let kind = store.backend();
-            let op = || observe::timed(Op::Release, kind, store.release(held.scope, held.token));
+            let lease = held.config.lease;
+            let op = || {
+                let call = observe::timed(Op::Release, kind, store.release(held.scope, held.token));
+                within_lease(call, lease, "release")
+            };
             let counters = &held.shared.counters;
             match retry_through_outage(held.config.lease, "release", op).await {
                 Ok(()) => {
@@ -166,7 +178,10 @@ impl<St: IdempotencyStore> ClaimStore for St {
             let kind = store.backend();
             // Fenced: the claim row is ours only while no transaction of the handler committed
             // the record, so a release that succeeds proves none did.
-            let release = || observe::timed(Op::Release, kind, store.release(scope, held.token));
+            let release = || {
+                let call = observe::timed(Op::Release, kind, store.release(scope, held.token));
+                within_lease(call, lease, "release")
+            };
             match retry_through_outage(lease, "release", release).await {
                 Ok(()) => {
                     counters.released();
@@ -185,14 +200,15 @@ impl<St: IdempotencyStore> ClaimStore for St {
             // Not ours any more: committed by the handler's transaction, or taken over or
             // forgotten meanwhile. What the scope holds now tells which.
             let begin = observe::timed(Op::Begin, kind, store.begin(scope, fingerprint, lease));
-            match begin.await {
+            match within_lease(begin, lease, "begin").await {
                 Ok(Begin::Completed(record)) if record.fingerprint == fingerprint => {
                     counters.recorded();
                     Settled::Recorded(record)
                 }
                 Ok(Begin::New(token)) => {
                     // Forgotten meanwhile: hand back the claim this look made.
-                    if let Err(e) = store.release(scope, token).await {
+                    let release = within_lease(store.release(scope, token), lease, "release");
+                    if let Err(e) = release.await {
                         log_store_error(counters, kind, Op::Release, &e);
                     }
                     Settled::Unknown

@@ -276,8 +276,30 @@ async fn renew_once<St: IdempotencyStore>(
         }
     }
     let _done = Done(in_flight);
-    // One call for every claim held: one round trip on the stores that batch it.
-    let renewed = store.renew_many(&batch).await;
+    // One call for every claim held: one round trip on the stores that batch it. Bounded by half
+    // the shortest lease in the batch: a call the store never answers gives its place back (it
+    // kept it for ever, and with every place taken no later tick renewed anything, so a claim
+    // made after the store healed lapsed under its live leader), and counts as failed, so the
+    // next renewal comes soon. (Half a lease: the tick after it, a fourth of a lease later, still
+    // renews in time.)
+    let bound = batch
+        .iter()
+        .map(|(_, _, lease)| *lease)
+        .min()
+        .map_or(Duration::from_secs(1), |lease| {
+            (lease / 2).max(Duration::from_millis(10))
+        });
+    let renewed = match tokio::time::timeout(bound, store.renew_many(&batch)).await {
+        Ok(renewed) => renewed,
+        Err(_) => batch
+            .iter()
+            .map(|_| {
+                Err(StoreError::Backend(
+                    "the store did not answer a lease renewal within half a lease".into(),
+                ))
+            })
+            .collect(),
+    };
     // A failed renewal (the store is briefly unreachable) is tried again shortly; only a fenced
     // claim (taken over or forgotten) is no longer renewed. (A store that answered fewer results
     // than claims leaves the rest to the next tick.)
@@ -480,6 +502,50 @@ mod tests {
         // The next renewal (one only) is answered 3.2 s late.
         store.inject(Rule::new(Op::RenewMany, Fault::Delay(Duration::from_millis(3200))).times(1));
         for _ in 0..160 {
+            match store
+                .inner()
+                .begin(scope, Fingerprint([0; 32]), lease)
+                .await
+            {
+                Ok(Begin::InFlight { token: held, .. }) => assert_eq!(held, token),
+                other => panic!("the claim lapsed under a live leader: {other:?}"),
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// A store that hangs four `renew_many` calls, then is healthy again: a claim made
+    /// afterwards is renewed and never lapses. (Each hung call kept one of the task's four
+    /// places for ever, every later tick was skipped while any claim was held, and a claim made
+    /// on the healthy store lapsed after one lease under its live leader.)
+    #[tokio::test(start_paused = true)]
+    async fn renewals_the_store_never_answers_free_their_place() {
+        let store = FaultStore::new(MemoryStore::new());
+        let renewals = Arc::new(Renewals::new(Arc::default()));
+        let lease = Duration::from_secs(4);
+        let claim = |n: u8| {
+            let store = store.clone();
+            async move {
+                let scope = ScopeKey([n; 32]);
+                match store.begin(scope, Fingerprint([0; 32]), lease).await {
+                    Ok(Begin::New(t)) => (scope, t),
+                    other => panic!("fresh scope, got {other:?}"),
+                }
+            }
+        };
+        // A long-lived claim keeps the task running; its renewals hang four times.
+        store.inject(Rule::new(Op::RenewMany, Fault::Hang).times(4));
+        let (first, first_token) = claim(1).await;
+        renewals.add(&store, first, first_token, lease, None);
+        store
+            .until(Duration::from_secs(60), "four renewals hung", |s| {
+                s.calls(Op::RenewMany).made >= 4
+            })
+            .await;
+        // The store is healthy from here: a new claim must be renewed.
+        let (scope, token) = claim(2).await;
+        renewals.add(&store, scope, token, lease, None);
+        for _ in 0..(3 * 4 * 20) {
             match store
                 .inner()
                 .begin(scope, Fingerprint([0; 32]), lease)

@@ -808,6 +808,18 @@ async fn a_failure_is_answered_before_its_claim_is_released() {
             _ => assert_eq!(answer.unwrap().status(), StatusCode::INTERNAL_SERVER_ERROR),
         }
     }
+    // The releases the store never answers end at their bound (tried through one lease, each try
+    // bounded by one lease) and give back their places among the detached work: they held them
+    // for ever, and past `max_detached` of them no claim of this layer was released again.
+    assert!(layer.stats().detached > 0, "the releases are under way");
+    test_support::wait::until_within(Duration::from_secs(3 * 30), "the hung releases end", || {
+        layer.stats().detached == 0
+    })
+    .await;
+    assert!(
+        store.calls(Op::Release).made >= 3,
+        "each claim's release was sent"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
