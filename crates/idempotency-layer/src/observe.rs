@@ -20,11 +20,14 @@ pub(crate) enum Op {
     Wait,
     Complete,
     Release,
+    /// A lease renewed by the write itself (a `begin` answered late); the renewal task's own
+    /// batches are not timed.
+    Renew,
 }
 
 #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
 impl Op {
-    const ALL: [Op; 4] = [Op::Begin, Op::Wait, Op::Complete, Op::Release];
+    const ALL: [Op; 5] = [Op::Begin, Op::Wait, Op::Complete, Op::Release, Op::Renew];
 
     pub(crate) const fn as_str(self) -> &'static str {
         match self {
@@ -32,6 +35,7 @@ impl Op {
             Op::Wait => "wait",
             Op::Complete => "complete",
             Op::Release => "release",
+            Op::Renew => "renew",
         }
     }
 }
@@ -165,7 +169,7 @@ mod keys {
             Label::from_static_parts("store", Backend::ALL[store].as_str()),
         ]
     }
-    static OP_STORE: [[[Label; 2]; 4]; 4] = [
+    static OP_STORE: [[[Label; 2]; 4]; 5] = [
         [
             op_store(0, 0),
             op_store(0, 1),
@@ -190,10 +194,16 @@ mod keys {
             op_store(3, 2),
             op_store(3, 3),
         ],
+        [
+            op_store(4, 0),
+            op_store(4, 1),
+            op_store(4, 2),
+            op_store(4, 3),
+        ],
     ];
     macro_rules! by_op_store {
         ($name:literal) => {
-            by_op_store!(@ $name, [0 1 2 3])
+            by_op_store!(@ $name, [0 1 2 3 4])
         };
         (@ $name:literal, [$($op:literal)*]) => {
             [$([
@@ -204,9 +214,9 @@ mod keys {
             ]),*]
         };
     }
-    pub(super) static STORE_ERRORS: [[Key; 4]; 4] =
+    pub(super) static STORE_ERRORS: [[Key; 4]; 5] =
         by_op_store!("idempotency_layer_store_errors_total");
-    pub(super) static STORE_SECONDS: [[Key; 4]; 4] =
+    pub(super) static STORE_SECONDS: [[Key; 4]; 5] =
         by_op_store!("idempotency_layer_store_seconds");
 }
 

@@ -139,6 +139,32 @@ impl<F: Future> Future for WithinLease<F> {
     }
 }
 
+/// How late a `begin` may be answered before its claim's lease is renewed before the handler
+/// runs: an eighth of the lease. A claim is renewed a renewal period (a fourth of the lease) after
+/// it is held at the latest, so a claim answered within an eighth still has three renewals due
+/// before its lease, counted from when the `begin` was sent, runs out.
+fn late_begin(lease: Duration) -> Duration {
+    lease / 8
+}
+
+/// Renews the claim `token` on `scope` whose `begin` was answered late, bounded by one lease. `Ok`
+/// means the claim was still this write's when the renewal reached the store (a claim taken over
+/// meanwhile is fenced), and its lease runs a whole lease from when the renewal was sent.
+async fn renew_late_claim<St: IdempotencyStore>(
+    store: &St,
+    scope: ScopeKey,
+    token: crate::store::Token,
+    lease: Duration,
+) -> Result<(), StoreError> {
+    let kind = store.backend();
+    let renew = observe::timed(Op::Renew, kind, store.renew(scope, token, lease));
+    WithinLease::new(renew, lease).await.unwrap_or_else(|| {
+        Err(StoreError::Backend(
+            "the store did not answer a lease renewal within one lease".into(),
+        ))
+    })
+}
+
 /// The inner service a write holds: the one `poll_ready` readied (with the capacity it
 /// reserved), or a clone not yet ready (a write that waited let the readied one go).
 pub(crate) enum Inner<S> {
@@ -323,6 +349,9 @@ where
                         }
                     }
                 }
+                // A claim's lease runs from when its `begin` was sent (the store may have taken it
+                // at once and answered late).
+                let sent = Instant::now();
                 let begin =
                     self.store
                         .begin_for_tenant(self.tenant, scope, asking.fingerprint, cfg.lease);
@@ -367,6 +396,27 @@ where
                                 &self.config,
                                 &self.shared,
                             );
+                            // Answered late, the lease may be near its end, and the renewals
+                            // of a claim come a period after it is held: the lease is renewed
+                            // (and so known to hold) before the handler runs, or the write is
+                            // refused and the claim released. Boxed: rare.
+                            if sent.elapsed() > late_begin(cfg.lease) {
+                                let renewed = Box::pin(renew_late_claim(
+                                    &*self.store,
+                                    scope,
+                                    token,
+                                    cfg.lease,
+                                ));
+                                if let Err(e) = renewed.await {
+                                    log_store_error(counters, kind, Op::Renew, &e);
+                                    claim.release_in_background();
+                                    return Ok(self.reject(
+                                        RejectReason::StoreUnavailable,
+                                        "the idempotency store answered too late to run this \
+                                         write safely; nothing was executed, retry",
+                                    ));
+                                }
+                            }
                             let ledger = tx::offer(
                                 &*self.store,
                                 &mut parts.extensions,

@@ -772,6 +772,87 @@ async fn a_complete_the_store_never_answers_ends_at_one_lease_and_nothing_runs_t
     assert_eq!(executions.load(Ordering::SeqCst), 1, "it ran once");
 }
 
+/// Two instances sharing one store; the first's `begin` is claimed at once but its reply comes
+/// late (a slow network on the way back, a busy pool). Its lease is counted from when the `begin`
+/// was sent: answered 1.9 s into a 2 s lease, the leader renews it before the handler runs, and a
+/// duplicate on the other instance 2.2 s in finds the claim held, waits, and gets the replay;
+/// answered 2.5 s in, after the duplicate took the lapsed claim over, the renewal is fenced and
+/// the late leader refuses its write (503, retryable) without running it. Either way the handler
+/// ran once. (The leader started the handler without renewing, its first renewal came after the
+/// lease had lapsed, and the duplicate took the claim over and ran the write again.)
+#[tokio::test(start_paused = true)]
+async fn a_begin_answered_late_is_renewed_before_the_handler_runs_and_nothing_runs_twice() {
+    for late_ms in [1900, 2500] {
+        let executions = Arc::new(AtomicUsize::new(0));
+        let store = FaultStore::new(MemoryStore::new());
+        let lease = Duration::from_secs(2);
+        let late = Duration::from_millis(late_ms);
+        store.inject(Rule::new(Op::Begin, Fault::DelayReply(late)).times(1));
+        let instance = || {
+            let executions = executions.clone();
+            let handler = Router::new().route(
+                "/orders",
+                post(move || {
+                    executions.fetch_add(1, Ordering::SeqCst);
+                    async move {
+                        tokio::time::sleep(Duration::from_secs(3)).await;
+                        (StatusCode::CREATED, "created")
+                    }
+                }),
+            );
+            let layer = IdempotencyLayer::new(store.clone())
+                .tenant(idempotency_layer::TenantSource::fixed("t"))
+                .lease(lease);
+            tower::util::BoxCloneService::new(ServiceBuilder::new().layer(layer).service(handler))
+        };
+        type App = tower::util::BoxCloneService<
+            Request<Body>,
+            Response<idempotency_layer::IdempotencyBody<Body>>,
+            Infallible,
+        >;
+        let call = |app: App| async move {
+            let req = Request::post("/orders")
+                .header("x-idempotency-key", "order-late-begin")
+                .body(Body::from("{}"))
+                .unwrap();
+            let res = app.oneshot(req).await.unwrap();
+            let status = res.status();
+            let replayed = res.headers().contains_key("idempotent-replayed");
+            let body = res.into_body().collect().await.map(|b| b.to_bytes());
+            (status, replayed, body.ok())
+        };
+        let first = tokio::spawn(call(instance()));
+        tokio::time::sleep(Duration::from_millis(2200)).await;
+        let second = call(instance()).await;
+        let first = first.await.unwrap();
+        if late < lease {
+            assert_eq!(first.0, StatusCode::CREATED, "{late:?}: {first:?}");
+            assert_eq!(
+                (second.0, second.1),
+                (StatusCode::CREATED, true),
+                "{late:?}: the duplicate is the leader's replay: {second:?}"
+            );
+            assert_eq!(second.2, first.2, "the same body");
+        } else {
+            assert_eq!(
+                (second.0, second.1),
+                (StatusCode::CREATED, false),
+                "{late:?}: the duplicate took the lapsed claim over and ran: {second:?}"
+            );
+            assert_eq!(
+                first.0,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{late:?}: the late leader refuses: {first:?}"
+            );
+        }
+        assert_eq!(
+            executions.load(Ordering::SeqCst),
+            1,
+            "{late:?}: the handler ran once"
+        );
+    }
+}
+
 /// An outcome that is not recorded (a 503, a handler error, a panic) is answered at once; the
 /// claim is released after, in the background. The store being slow (or gone) does not hold the
 /// answer.
