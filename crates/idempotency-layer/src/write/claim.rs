@@ -104,6 +104,22 @@ struct Held {
     until: Option<Instant>,
 }
 
+impl Held {
+    /// Drops the claim but leaves its lease renewed (by the renewals of `store`) until the end
+    /// of its lifetime: no duplicate takes it over before then (it would run a write that ran).
+    fn keep_renewing_to_the_end_of_its_lifetime<St: IdempotencyStore>(self, store: &St) {
+        tracing::warn!(
+            scope = ?self.scope,
+            "idempotency: no room to resend a record the store did not take (max_detached); the \
+             claim stays in flight until max_claim_lifetime, then lapses"
+        );
+        let (scope, token, lease, until) = (self.scope, self.token, self.config.lease, self.until);
+        let shared = self.shared.clone();
+        drop(self);
+        shared.renewals.add(store, scope, token, lease, until);
+    }
+}
+
 impl Drop for Held {
     fn drop(&mut self) {
         self.shared.renewals.remove(self.token);
@@ -111,43 +127,119 @@ impl Drop for Held {
     }
 }
 
+/// `record` without its body, marked so (a store with no room for it).
+fn trim_body(record: &mut Arc<Record>) {
+    if !record.body.is_empty() {
+        let trimmed = Arc::make_mut(record);
+        trimmed.body = bytes::Bytes::new();
+        trimmed.body_omitted = true;
+    }
+}
+
+/// Resends `record` in place of `held`'s claim until the store takes it, the claim is fenced, or
+/// `within` passes; each try bounded by one lease, with a backoff between tries. A store with no
+/// room is sent the record without its body.
+async fn resend_while_held<St: IdempotencyStore>(
+    store: &St,
+    held: &Held,
+    mut record: Arc<Record>,
+    within: Duration,
+) -> Result<(), StoreError> {
+    let (scope, token, ttl, lease) = (held.scope, held.token, held.config.ttl, held.config.lease);
+    let kind = store.backend();
+    let give_up = Instant::now() + within.min(FOREVER);
+    let mut delay = Duration::from_millis(50);
+    loop {
+        let call = observe::timed(
+            Op::Complete,
+            kind,
+            store.complete(scope, token, record.clone(), ttl),
+        );
+        match within_lease(call, lease, "complete").await {
+            Ok(()) => {
+                tracing::debug!(?scope, "idempotency: recorded (resent)");
+                return Ok(());
+            }
+            Err(StoreError::Fenced) => return Err(StoreError::Fenced),
+            Err(e) if Instant::now() + delay >= give_up => return Err(e),
+            Err(e) => {
+                if matches!(e, StoreError::Full) {
+                    trim_body(&mut record);
+                }
+                tracing::debug!(?scope, error = %e, "idempotency: record not taken; resending");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
 impl<St: IdempotencyStore> ClaimStore for St {
     fn complete(self: Arc<Self>, held: Held, record: Record) -> BoxFuture {
         Box::pin(async move {
             // Shared, so that a retry through an outage resends it without copying it.
-            let record = Arc::new(record);
+            let mut record = Arc::new(record);
             let kind = self.backend();
             // Through a brief store outage for one lease, which the final frame waits for.
-            match complete_through_outage(&*self, &held, &record, held.config.lease).await {
-                Ok(()) => held.shared.counters.recorded(),
-                // Still down: the write has run, so the claim must not lapse while its record
-                // can still land. The renewal keeps running, and the record is resent in the
-                // background for as long as the claim may live: while the store renews the
-                // lease no duplicate can take the claim over, and it gets the record once the
-                // store answers again. (Giving up here would let the lease lapse under a write
-                // that ran, and a retry would run it again.)
-                Err(StoreError::Backend(_))
-                    if held.until.is_none_or(|until| until > Instant::now()) =>
-                {
-                    let rest = held.until.map_or(FOREVER, |until| {
-                        until.saturating_duration_since(Instant::now())
-                    });
-                    tracing::warn!(
-                        scope = ?held.scope,
-                        "idempotency: the store did not take a record within one lease; \
-                         resending it in the background while the claim lives"
-                    );
-                    tokio::spawn(async move {
-                        match complete_through_outage(&*self, &held, &record, rest).await {
-                            Ok(()) => held.shared.counters.recorded(),
-                            Err(e) => {
-                                log_store_error(&held.shared.counters, kind, Op::Complete, &e)
-                            }
-                        }
-                    });
+            let first = complete_through_outage(&*self, &held, &record, held.config.lease).await;
+            let refused = match first {
+                Ok(()) => return held.shared.counters.recorded(),
+                Err(StoreError::Fenced) => {
+                    return log_store_error(
+                        &held.shared.counters,
+                        kind,
+                        Op::Complete,
+                        &first.unwrap_err(),
+                    )
                 }
-                Err(e) => log_store_error(&held.shared.counters, kind, Op::Complete, &e),
+                Err(e) => e,
+            };
+            // Not taken (the store is down, full, or says the entry is corrupt), and the write
+            // has run: the claim must not lapse while its record can still land. It stays held
+            // and renewed, so duplicates find it in flight (they wait, or are told it is), and
+            // the record is resent in the background for as long as the claim may live (a full
+            // store is sent it without its body, as a response too large to record is). Giving
+            // up here would let the lease lapse under a write that ran, and a retry would run it
+            // again.
+            log_store_error(&held.shared.counters, kind, Op::Complete, &refused);
+            if matches!(refused, StoreError::Full) {
+                trim_body(&mut record);
             }
+            let Some(rest) = held
+                .until
+                .map(|until| until.saturating_duration_since(Instant::now()))
+                .or(Some(FOREVER))
+                .filter(|rest| !rest.is_zero())
+            else {
+                return;
+            };
+            tracing::warn!(
+                scope = ?held.scope,
+                error = %refused,
+                "idempotency: the store did not take a record; resending it in the background \
+                 while the claim lives (duplicates find it in flight)"
+            );
+            // Detached work like any other, counted in `max_detached`: past it the record is not
+            // resent, but the claim is not dropped either: it stays renewed to the end of its
+            // lifetime (duplicates find it in flight until then), then lapses.
+            let permit = detached::permit(
+                &held.shared,
+                held.config.max_detached,
+                Kind::StoreOp,
+                "resend a record",
+            );
+            let (Some(permit), Ok(runtime)) = (permit, tokio::runtime::Handle::try_current())
+            else {
+                held.keep_renewing_to_the_end_of_its_lifetime(&*self);
+                return;
+            };
+            runtime.spawn(async move {
+                let _permit = permit;
+                match resend_while_held(&*self, &held, record, rest).await {
+                    Ok(()) => held.shared.counters.recorded(),
+                    Err(e) => log_store_error(&held.shared.counters, kind, Op::Complete, &e),
+                }
+            });
         })
     }
 

@@ -120,6 +120,37 @@ impl<F> WithinLease<F> {
     }
 }
 
+impl<F> WithinLease<F> {
+    /// Answers also how long `inner` took, counted from its first poll (zero when it answered
+    /// at once: no clock is read then).
+    pub(super) fn timed(self) -> TimedWithinLease<F> {
+        TimedWithinLease { within: self }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// [`WithinLease::timed`].
+    pub(super) struct TimedWithinLease<F> {
+        #[pin]
+        within: WithinLease<F>,
+    }
+}
+
+impl<F: Future> Future for TimedWithinLease<F> {
+    type Output = Option<(F::Output, Duration)>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut within = self.project().within;
+        let out = std::task::ready!(within.as_mut().poll(cx));
+        let within = within.project();
+        let took = within.timer.as_ref().map_or(Duration::ZERO, |timer| {
+            let first_poll = timer.deadline().checked_sub(*within.lease);
+            first_poll.map_or(Duration::ZERO, |at| at.elapsed())
+        });
+        Poll::Ready(out.map(|out| (out, took)))
+    }
+}
+
 impl<F: Future> Future for WithinLease<F> {
     type Output = Option<F::Output>;
 
@@ -253,6 +284,73 @@ impl<S, St> Write<S, St>
 where
     St: IdempotencyStore,
 {
+    /// Runs the handler as the leader of the scope it holds with `claim` (token `token`), the
+    /// request rebuilt from `parts` and its body `bytes`.
+    fn lead<ReqB, ResB>(
+        self,
+        mut parts: Parts,
+        bytes: Bytes,
+        claim: Claim,
+        token: crate::store::Token,
+        fingerprint: crate::store::Fingerprint,
+    ) -> impl Future<Output = Answer<ResB, S::Error>>
+    where
+        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Clone + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Send + 'static,
+        ReqB: Body<Data = Bytes> + Send + 'static,
+        ResB: Body<Data = Bytes> + Send + 'static,
+        ResB::Error: Into<BoxError>,
+    {
+        let ledger = tx::offer(
+            &*self.store,
+            &mut parts.extensions,
+            Offer {
+                scope: self.scope,
+                token,
+                fingerprint,
+                config: &self.config,
+                grpc: self.protocol.is_grpc(),
+            },
+        );
+        let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+        self.run_as_leader(req, claim, ledger, fingerprint)
+    }
+
+    /// [`lead`](Self::lead) when the `begin` that made `claim` was answered late: its lease,
+    /// counted from when the `begin` was sent, may be near its end, and the renewals of a claim
+    /// come a period after it is held. So the lease is renewed (and so known to hold) before the
+    /// handler runs; if that fails (the claim was taken over meanwhile, or the store does not
+    /// answer), the write is refused and the claim released.
+    async fn lead_after_a_late_begin<ReqB, ResB>(
+        self,
+        parts: Parts,
+        bytes: Bytes,
+        claim: Claim,
+        token: crate::store::Token,
+        fingerprint: crate::store::Fingerprint,
+    ) -> Answer<ResB, S::Error>
+    where
+        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Clone + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Send + 'static,
+        ReqB: Body<Data = Bytes> + Send + 'static,
+        ResB: Body<Data = Bytes> + Send + 'static,
+        ResB::Error: Into<BoxError>,
+    {
+        let (lease, kind) = (self.config.lease, self.store.backend());
+        if let Err(e) = renew_late_claim(&*self.store, self.scope, token, lease).await {
+            log_store_error(&self.shared.counters, kind, Op::Renew, &e);
+            claim.release_in_background();
+            return Ok(self.reject(
+                RejectReason::StoreUnavailable,
+                "the idempotency store answered too late to run this write safely; nothing \
+                 was executed, retry",
+            ));
+        }
+        self.lead(parts, bytes, claim, token, fingerprint).await
+    }
+
     /// The flow of one write: read and fingerprint the body, then claim the scope and run the
     /// handler, or replay the record, or wait for the request in flight.
     ///
@@ -265,7 +363,7 @@ where
     )]
     pub(crate) fn handle<ReqB, ResB>(
         mut self,
-        mut parts: Parts,
+        parts: Parts,
         body: ReqB,
     ) -> impl Future<Output = Answer<ResB, S::Error>>
     where
@@ -349,9 +447,6 @@ where
                         }
                     }
                 }
-                // A claim's lease runs from when its `begin` was sent (the store may have taken it
-                // at once and answered late).
-                let sent = Instant::now();
                 let begin =
                     self.store
                         .begin_for_tenant(self.tenant, scope, asking.fingerprint, cfg.lease);
@@ -361,8 +456,12 @@ where
                 // Given up, the begin is dropped as if its caller went away (a shared store
                 // releases a claim it may have written), and the write is refused even with
                 // `fail_open`: a lease later, a retry may already be running it elsewhere.
-                let Some(found) =
-                    WithinLease::new(observe::timed(Op::Begin, kind, begin), cfg.lease).await
+                // A claim's lease runs from when its `begin` was sent (the store may have taken it
+                // at once and answered late): `answered_after` says how late.
+                let Some((found, answered_after)) =
+                    WithinLease::new(observe::timed(Op::Begin, kind, begin), cfg.lease)
+                        .timed()
+                        .await
                 else {
                     counters.store_error();
                     observe::store_error(Op::Begin, kind);
@@ -386,52 +485,28 @@ where
                 let token = match decision::after_begin(found, &asking) {
                     Next::Lead(token) => {
                         drop(slot.take());
-                        // Built in a block, so the request and the claim it moves into the
-                        // leader are not kept beside it while it runs.
-                        let leader = {
-                            let claim = Claim::new(
-                                self.store.clone(),
-                                scope,
+                        let claim = Claim::new(
+                            self.store.clone(),
+                            scope,
+                            token,
+                            &self.config,
+                            &self.shared,
+                        );
+                        if answered_after > late_begin(cfg.lease) {
+                            // Boxed with the rest of the lead: rare, and it would grow every
+                            // write's future.
+                            let late = self.lead_after_a_late_begin(
+                                parts,
+                                bytes,
+                                claim,
                                 token,
-                                &self.config,
-                                &self.shared,
+                                asking.fingerprint,
                             );
-                            // Answered late, the lease may be near its end, and the renewals
-                            // of a claim come a period after it is held: the lease is renewed
-                            // (and so known to hold) before the handler runs, or the write is
-                            // refused and the claim released. Boxed: rare.
-                            if sent.elapsed() > late_begin(cfg.lease) {
-                                let renewed = Box::pin(renew_late_claim(
-                                    &*self.store,
-                                    scope,
-                                    token,
-                                    cfg.lease,
-                                ));
-                                if let Err(e) = renewed.await {
-                                    log_store_error(counters, kind, Op::Renew, &e);
-                                    claim.release_in_background();
-                                    return Ok(self.reject(
-                                        RejectReason::StoreUnavailable,
-                                        "the idempotency store answered too late to run this \
-                                         write safely; nothing was executed, retry",
-                                    ));
-                                }
-                            }
-                            let ledger = tx::offer(
-                                &*self.store,
-                                &mut parts.extensions,
-                                Offer {
-                                    scope,
-                                    token,
-                                    fingerprint: asking.fingerprint,
-                                    config: &self.config,
-                                    grpc: self.protocol.is_grpc(),
-                                },
-                            );
-                            let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-                            self.run_as_leader(req, claim, ledger, asking.fingerprint)
-                        };
-                        return leader.await;
+                            return Box::pin(late).await;
+                        }
+                        return self
+                            .lead(parts, bytes, claim, token, asking.fingerprint)
+                            .await;
                     }
                     Next::Replay(record, outcome) => {
                         counters.replayed();

@@ -853,6 +853,144 @@ async fn a_begin_answered_late_is_renewed_before_the_handler_runs_and_nothing_ru
     }
 }
 
+/// A record the store refuses as full (a store with an item-size limit) or corrupt keeps the
+/// claim: it stays renewed, a duplicate finds it in flight (here told so: `InFlight::Reject`)
+/// however many leases later, and the record is resent in the background (without its body to a
+/// full store) until the store takes it; the retry then gets the replay, and the handler ran
+/// once. (The claim was dropped at the refusal: renewals stopped, the lease lapsed under a write
+/// that ran, and the next duplicate ran it again.)
+#[tokio::test(start_paused = true)]
+async fn a_record_the_store_refuses_as_full_or_corrupt_keeps_the_claim_and_nothing_runs_twice() {
+    for fault in [Fault::Full, Fault::Corrupt] {
+        let executions = Arc::new(AtomicUsize::new(0));
+        let store = FaultStore::new(MemoryStore::new());
+        store.inject(Rule::new(Op::Complete, fault));
+        let lease = Duration::from_secs(2);
+        let layer = IdempotencyLayer::new(store.clone())
+            .tenant(idempotency_layer::TenantSource::fixed("t"))
+            .lease(lease)
+            .in_flight(InFlight::Reject);
+        let app = ServiceBuilder::new()
+            .layer(layer.clone())
+            .service(orders(&executions, || Body::from("created")));
+        let call = || {
+            let app = app.clone();
+            async move {
+                let req = Request::post("/orders")
+                    .header("x-idempotency-key", "order-refused-record")
+                    .body(Body::from("{}"))
+                    .unwrap();
+                let res = app.oneshot(req).await.unwrap();
+                let status = res.status();
+                let flag = |name: &str| res.headers().contains_key(name);
+                let (replayed, omitted) =
+                    (flag("idempotent-replayed"), flag("idempotent-body-omitted"));
+                let body = res.into_body().collect().await.map(|b| b.to_bytes()).ok();
+                (status, replayed, omitted, body)
+            }
+        };
+        let first = call().await;
+        assert_eq!(
+            (first.0, first.1),
+            (StatusCode::CREATED, false),
+            "{fault:?}: {first:?}"
+        );
+        tokio::time::sleep(lease * 3).await;
+        let second = call().await;
+        assert_eq!(
+            second.0,
+            StatusCode::CONFLICT,
+            "{fault:?}: three leases later the claim is still in flight: {second:?}"
+        );
+        store.heal();
+        test_support::wait::until_within(lease * 10, "the record is resent and stored", || {
+            layer.stats().recorded == 1
+        })
+        .await;
+        let third = call().await;
+        assert_eq!(
+            (third.0, third.1),
+            (StatusCode::CREATED, true),
+            "{fault:?}: {third:?}"
+        );
+        if fault == Fault::Full {
+            assert!(
+                third.2,
+                "{fault:?}: resent to a full store without its body: {third:?}"
+            );
+        } else {
+            assert_eq!(
+                third.3.as_deref(),
+                Some(&b"created"[..]),
+                "{fault:?}: {third:?}"
+            );
+        }
+        assert_eq!(
+            executions.load(Ordering::SeqCst),
+            1,
+            "{fault:?}: the handler ran once"
+        );
+    }
+}
+
+/// The background resend of a record the store did not take is detached work, counted in
+/// `max_detached` like any other: with one place, two records the store refuses are resent one at
+/// a time at most; the one without a place keeps its claim in flight to the end of its lifetime
+/// (never run twice before), and the other lands once the store takes it. (The resend was a bare
+/// `tokio::spawn`, outside every bound.)
+#[tokio::test(start_paused = true)]
+async fn the_resend_of_a_record_is_counted_in_max_detached() {
+    let executions = Arc::new(AtomicUsize::new(0));
+    let store = FaultStore::new(MemoryStore::new());
+    store.inject(Rule::new(Op::Complete, Fault::Fail));
+    let lease = Duration::from_secs(2);
+    let layer = IdempotencyLayer::new(store.clone())
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
+        .lease(lease)
+        .max_claim_lifetime(Duration::from_secs(60))
+        .max_detached(1)
+        .in_flight(InFlight::Reject);
+    let app = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(orders(&executions, || Body::from("created")));
+    let call = |key: &'static str| {
+        let app = app.clone();
+        async move {
+            let req = Request::post("/orders")
+                .header("x-idempotency-key", key)
+                .body(Body::from("{}"))
+                .unwrap();
+            let res = app.oneshot(req).await.unwrap();
+            let replayed = res.headers().contains_key("idempotent-replayed");
+            (res.status(), replayed)
+        }
+    };
+    for key in ["order-resent-one", "order-resent-two"] {
+        assert_eq!(call(key).await, (StatusCode::CREATED, false));
+    }
+    let stats = layer.stats();
+    assert_eq!(
+        (stats.detached, stats.detached_refused),
+        (1, 1),
+        "one resend runs, counted; the other had no place"
+    );
+    tokio::time::sleep(lease * 3).await;
+    for key in ["order-resent-one", "order-resent-two"] {
+        assert_eq!(
+            call(key).await.0,
+            StatusCode::CONFLICT,
+            "{key}: three leases later its claim is still in flight"
+        );
+    }
+    store.heal();
+    test_support::wait::until_within(lease * 10, "the resent record lands", || {
+        layer.stats().recorded == 1
+    })
+    .await;
+    assert_eq!(layer.stats().detached, 0);
+    assert_eq!(executions.load(Ordering::SeqCst), 2, "each ran once");
+}
+
 /// An outcome that is not recorded (a 503, a handler error, a panic) is answered at once; the
 /// claim is released after, in the background. The store being slow (or gone) does not hold the
 /// answer.
