@@ -177,7 +177,8 @@ impl<St> IdempotencyLayer<St> {
 
     /// The most bytes that duplicates waiting for their key's request in flight may hold at
     /// once in this layer and its clones, over every key (default 64 MiB): each waiter counts
-    /// its request body and about 1 KiB for its head and state. Past it, further duplicates get
+    /// its request body, its head (URI and headers, names and values, and about 64 bytes per
+    /// header) and about 0.5 KiB for its state. Past it, further duplicates get
     /// 409 / ABORTED with `Retry-After` (reason code
     /// [`IDEMPOTENCY_IN_FLIGHT`](reason_code::IDEMPOTENCY_IN_FLIGHT)) at once, whatever their
     /// key. [`max_waiters`](Self::max_waiters) bounds one key's waiters; this bounds them all,

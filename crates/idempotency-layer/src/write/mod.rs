@@ -540,7 +540,7 @@ where
                     let entered = self.shared.waiters.enter(
                         scope,
                         cfg.max_waiters,
-                        bytes.len(),
+                        bytes.len().saturating_add(waiters::head_bytes(&parts)),
                         cfg.max_waiting_bytes,
                     );
                     match entered {

@@ -38,9 +38,27 @@ pub(crate) struct Waiters {
     held: AtomicUsize,
 }
 
-/// What a waiter is charged beyond its request body: its request head, its place here and its
-/// waiting state (an estimate, on the high side).
-pub(crate) const WAITER_OVERHEAD: usize = 1024;
+/// What a waiter is charged beyond its request body and head (see [`head_bytes`]): its place
+/// here and its waiting state (an estimate, on the high side).
+pub(crate) const WAITER_OVERHEAD: usize = 512;
+
+/// The bytes a request head holds: its URI, its headers (each name and value, and what a
+/// `HeaderMap` entry costs beside them) and its extensions' map (counted as one entry each is
+/// not knowable; an estimate). A waiter keeps its head while it waits, and a head may be a
+/// hundred times the size of a small body.
+pub(crate) fn head_bytes(parts: &http::request::Parts) -> usize {
+    /// What one entry of a `HeaderMap` costs beside its name and value (its bucket, its index
+    /// slot, the `HeaderValue`'s own bytes).
+    const PER_HEADER: usize = 64;
+    let uri = parts.uri.path_and_query().map_or(0, |p| p.as_str().len())
+        + parts.uri.authority().map_or(0, |a| a.as_str().len());
+    let headers: usize = parts
+        .headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + PER_HEADER)
+        .sum();
+    std::mem::size_of::<http::request::Parts>() + uri + headers
+}
 
 /// Why a duplicate was not let wait.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,7 +107,8 @@ impl Waiters {
             .unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A place among the waiters of `scope` for a request holding `body` bytes, refused when
+    /// A place among the waiters of `scope` for a request holding `body` bytes (its body and
+    /// head: see [`head_bytes`]), refused when
     /// `max` already wait for that scope, or when the waiters of every scope would then hold
     /// more than `max_bytes`.
     pub(crate) fn enter(

@@ -991,6 +991,62 @@ async fn the_resend_of_a_record_is_counted_in_max_detached() {
     assert_eq!(executions.load(Ordering::SeqCst), 2, "each ran once");
 }
 
+/// A waiter is charged its request head, not a flat kilobyte: with room for 16 KiB of waiters,
+/// a duplicate with a small head waits (and gets the replay), and one carrying 64 KiB of headers
+/// (a large cookie, a token) is refused at once (409) rather than held outside the bound.
+#[tokio::test(start_paused = true)]
+async fn a_waiter_is_charged_its_request_head() {
+    let executions = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
+        .max_waiting_bytes(16 * 1024);
+    let handler = {
+        let executions = executions.clone();
+        Router::new().route(
+            "/orders",
+            post(move || {
+                executions.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    (StatusCode::CREATED, "created")
+                }
+            }),
+        )
+    };
+    let app = ServiceBuilder::new().layer(layer.clone()).service(handler);
+    let call = |cookie: usize| {
+        let app = app.clone();
+        async move {
+            let req = Request::post("/orders")
+                .header("x-idempotency-key", "order-large-head")
+                .header("cookie", "c".repeat(cookie))
+                .body(Body::from("{}"))
+                .unwrap();
+            let res = app.oneshot(req).await.unwrap();
+            let replayed = res.headers().contains_key("idempotent-replayed");
+            (res.status(), replayed)
+        }
+    };
+    let leader = tokio::spawn(call(10));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let small = tokio::spawn(call(10));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let held = layer.stats().waiting_bytes;
+    assert!(
+        held > 0 && held < 4 * 1024,
+        "a small waiter holds {held} bytes"
+    );
+    assert_eq!(
+        call(64 * 1024).await,
+        (StatusCode::CONFLICT, false),
+        "a waiter with 64 KiB of headers does not fit in 16 KiB"
+    );
+    assert_eq!(leader.await.unwrap(), (StatusCode::CREATED, false));
+    assert_eq!(small.await.unwrap(), (StatusCode::CREATED, true));
+    assert_eq!(layer.stats().waiting_bytes, 0);
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+}
+
 /// An outcome that is not recorded (a 503, a handler error, a panic) is answered at once; the
 /// claim is released after, in the background. The store being slow (or gone) does not hold the
 /// answer.

@@ -858,7 +858,7 @@ async fn waiters_on_every_key_together_hold_at_most_max_waiting_bytes() {
         let counts = Counts::default();
         let gate = Arc::new(tokio::sync::Semaphore::new(0));
         let layer =
-            layer(OnDisconnect::Complete, InFlight::Wait).max_waiting_bytes(5 * (BODY + 1024));
+            layer(OnDisconnect::Complete, InFlight::Wait).max_waiting_bytes(5 * (BODY + 2048));
         let app = orders(&counts, {
             let gate = gate.clone();
             move |counts| {
@@ -901,7 +901,7 @@ async fn waiters_on_every_key_together_hold_at_most_max_waiting_bytes() {
         // together within the bound.
         let held = layer.stats().waiting_bytes;
         assert!(
-            held > 4 * (BODY as u64 + 1024) && held <= 5 * (BODY as u64 + 1024),
+            held > 5 * BODY as u64 && held <= 5 * (BODY as u64 + 2048),
             "{transport:?}: the waiters hold {held} bytes"
         );
         gate.add_permits(100);
