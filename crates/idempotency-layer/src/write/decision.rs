@@ -20,6 +20,9 @@ pub(crate) struct Asking {
     pub(crate) in_flight: InFlight,
     /// Execute without a claim when the store is down.
     pub(crate) fail_open: bool,
+    /// A claim of this process holds the scope now (looked up only when the store failed and
+    /// the layer fails open: the renewals know every claim the layer holds).
+    pub(crate) held_here: bool,
 }
 
 /// The next step of a write.
@@ -59,6 +62,7 @@ pub(crate) const STORE_DOWN: &str =
 /// | a claim of this request, `InFlight::Wait` | wait for it |
 /// | a corrupt entry | reject (500): retrying cannot help, running could run twice; never fail open |
 /// | no room (`Full`) | reject (503): the store is up; never fail open |
+/// | the store failing, the scope held by a claim of this process or waited on | reject (503): a write for this key is in flight; never fail open |
 /// | the store failing | fail open if set, else reject (503) |
 pub(crate) fn after_begin(found: Result<Begin, StoreError>, asking: &Asking) -> Next {
     match found {
@@ -89,8 +93,11 @@ pub(crate) fn after_begin(found: Result<Begin, StoreError>, asking: &Asking) -> 
         ),
         Err(StoreError::Full) => Next::Reject(RejectReason::StoreFull, STORE_FULL.into()),
         // Fail-open is for "we cannot know whether this ran": a request that has waited on its
-        // key knows a write for it was in flight, so it never runs unprotected.
-        Err(_) if asking.fail_open && !asking.waited => Next::ExecuteUnprotected,
+        // key, or whose process holds a claim on it, knows a write for it is in flight, so it
+        // never runs unprotected.
+        Err(_) if asking.fail_open && !asking.waited && !asking.held_here => {
+            Next::ExecuteUnprotected
+        }
         Err(_) => Next::Reject(RejectReason::StoreUnavailable, STORE_DOWN.into()),
     }
 }
@@ -134,12 +141,13 @@ mod tests {
     }
 
     macro_rules! table {
-        ($($name:ident: $found:expr, waited $waited:literal, $mode:ident, fail_open $open:literal => $want:literal;)*) => {$(
+        ($($name:ident: $found:expr, waited $waited:literal, $mode:ident, fail_open $open:literal $(, held_here $held:literal)? => $want:literal;)*) => {$(
             #[test]
             fn $name() {
                 let asking = Asking {
                     fingerprint: OURS,
                     waited: $waited,
+                    held_here: false $(|| $held)?,
                     in_flight: InFlight::$mode,
                     fail_open: $open,
                 };
@@ -166,6 +174,7 @@ mod tests {
         a_store_down_fails_closed: Err(StoreError::Backend("down".into())), waited false, Wait, fail_open false => "reject store_unavailable";
         a_store_down_fails_open_when_set: Err(StoreError::Backend("down".into())), waited false, Wait, fail_open true => "execute unprotected";
         a_waiter_never_fails_open: Err(StoreError::Backend("down".into())), waited true, Wait, fail_open true => "reject store_unavailable";
+        a_scope_held_in_this_process_never_fails_open: Err(StoreError::Backend("down".into())), waited false, Wait, fail_open true, held_here true => "reject store_unavailable";
         a_fenced_begin_is_the_store_failing: Err(StoreError::Fenced), waited true, Wait, fail_open false => "reject store_unavailable";
     }
 }

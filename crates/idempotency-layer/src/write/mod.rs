@@ -425,6 +425,7 @@ where
                 waited: false,
                 in_flight: cfg.in_flight,
                 fail_open: cfg.fail_open,
+                held_here: false,
             };
             // This request's place among the waiters of its scope, held while it waits.
             let mut slot = None;
@@ -478,6 +479,9 @@ where
                 };
                 if let Err(e) = &found {
                     note_begin_failed(counters, kind, scope, e);
+                    if asking.fail_open {
+                        asking.held_here = self.shared.renewals.holds(&scope);
+                    }
                 }
                 if cfg.fingerprint.is_none() {
                     match_first_version(&mut asking, &found, &parts, &bytes);

@@ -127,6 +127,12 @@ impl Renewals {
         n
     }
 
+    /// Does a claim of this layer hold `scope` now? A scan of every claim held: for the rare
+    /// path that needs it (the store failed, and the layer fails open).
+    pub(crate) fn holds(&self, scope: &ScopeKey) -> bool {
+        self.lock().held.values().any(|c| c.scope == *scope)
+    }
+
     pub(crate) fn remove(&self, token: Token) {
         self.lock().held.remove(&token);
     }

@@ -1047,6 +1047,59 @@ async fn a_waiter_is_charged_its_request_head() {
     assert_eq!(executions.load(Ordering::SeqCst), 1);
 }
 
+/// With `fail_open`, a duplicate whose `begin` fails while a leader of the same process holds
+/// its scope is refused (503), not run unprotected beside it: the layer knows a write for that
+/// key is in flight. (It ran the handler a second time.) A write on another key still fails
+/// open.
+#[tokio::test(start_paused = true)]
+async fn fail_open_never_runs_beside_a_leader_of_the_same_process() {
+    let executions = Arc::new(AtomicUsize::new(0));
+    let store = FaultStore::new(MemoryStore::new());
+    let layer = IdempotencyLayer::new(store.clone())
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
+        .fail_open(true);
+    let handler = {
+        let executions = executions.clone();
+        Router::new().route(
+            "/orders",
+            post(move || {
+                executions.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    (StatusCode::CREATED, "created")
+                }
+            }),
+        )
+    };
+    let app = ServiceBuilder::new().layer(layer.clone()).service(handler);
+    let call = |key: &'static str| {
+        let app = app.clone();
+        async move {
+            let req = Request::post("/orders")
+                .header("x-idempotency-key", key)
+                .body(Body::from("{}"))
+                .unwrap();
+            app.oneshot(req).await.unwrap().status()
+        }
+    };
+    let leader = tokio::spawn(call("order-fail-open-held"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    store.inject(Rule::new(Op::Begin, Fault::Fail));
+    assert_eq!(
+        call("order-fail-open-held").await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the duplicate is refused, not run beside its leader"
+    );
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        call("order-fail-open-other").await,
+        StatusCode::CREATED,
+        "another key fails open"
+    );
+    assert_eq!(leader.await.unwrap(), StatusCode::CREATED);
+    assert_eq!(executions.load(Ordering::SeqCst), 2, "each key ran once");
+}
+
 /// An outcome that is not recorded (a 503, a handler error, a panic) is answered at once; the
 /// claim is released after, in the background. The store being slow (or gone) does not hold the
 /// answer.
