@@ -398,7 +398,7 @@ impl<St> IdempotencyLayer<St> {
     /// ```
     pub async fn drain(&self, grace: Duration) -> Drained {
         let drain = &self.shared.draining;
-        drain.on.store(true, std::sync::atomic::Ordering::Relaxed);
+        drain.start();
         tracing::info!(?grace, "idempotency: draining; new writes are refused");
         let until = tokio::time::Instant::now().checked_add(grace.min(FOREVER));
         loop {

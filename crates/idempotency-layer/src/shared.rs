@@ -41,6 +41,23 @@ impl Drain {
     pub(crate) fn is_on(&self) -> bool {
         self.on.load(Ordering::Relaxed)
     }
+
+    /// Starts the drain. Fenced against [`refuses_a_claim_made`](Self::refuses_a_claim_made):
+    /// after it, a drain that counts the claims held sees every claim that write will keep.
+    pub(crate) fn start(&self) {
+        self.on.store(true, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    /// A claim was just made (and counted held): must it be given up because the drain began?
+    /// A write checked the drain when it arrived, but it may claim much later (after reading its
+    /// body, or woken from a wait): a claim made after the drain began would run a handler the
+    /// drain does not wait for. The fence pairs with [`start`](Self::start)'s: either the drain
+    /// counts this claim, or this sees the drain.
+    pub(crate) fn refuses_a_claim_made(&self) -> bool {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.on.load(Ordering::Relaxed)
+    }
 }
 
 impl Default for Shared {

@@ -158,7 +158,9 @@ impl WaiterGuard {
                 return Ok(());
             };
             let nap = delay.min(lease_left + Duration::from_millis(1));
+            // Biased: the same order every time (a simulation's seed replays exactly).
             tokio::select! {
+                biased;
                 _ = &mut notified => return Ok(()),
                 _ = tokio::time::sleep(nap) => {}
             }

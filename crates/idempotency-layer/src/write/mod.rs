@@ -496,6 +496,14 @@ where
                             &self.config,
                             &self.shared,
                         );
+                        if self.shared.draining.refuses_a_claim_made() {
+                            claim.release_in_background();
+                            return Ok(self.reject(
+                                RejectReason::ShuttingDown,
+                                "the server is shutting down and takes no new write; nothing \
+                                 was executed, retry",
+                            ));
+                        }
                         if answered_after > late_begin(cfg.lease) {
                             // Boxed with the rest of the lead: rare, and it would grow every
                             // write's future.
@@ -588,7 +596,10 @@ where
                         return Ok(Ok(()));
                     }
                     let wake = async {
+                        // Biased: the same order every time (a simulation's seed replays
+                        // exactly), and the store's answer first.
                         tokio::select! {
+                            biased;
                             r = self.store.wait(scope, token) => r,
                             () = failed => Ok(()),
                         }

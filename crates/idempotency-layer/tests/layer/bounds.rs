@@ -1636,3 +1636,64 @@ async fn response_bytes_held_for_clients_that_do_not_read_have_a_layer_wide_boun
         "given back when the clients left"
     );
 }
+
+/// A duplicate that waited on another instance's write, woken after its own layer began to
+/// drain, does not become a leader there: when that write fails unrecorded (503) and its claim
+/// is released, the woken waiter is refused (503, shutting down) and nothing runs on the
+/// draining instance, whose drain had already ended. (It took the released claim and ran the
+/// handler, which a drain that reported no claim left does not wait for.)
+#[tokio::test(start_paused = true)]
+async fn a_waiter_woken_after_its_drain_began_does_not_lead() {
+    let executions = Arc::new(AtomicUsize::new(0));
+    let store = MemoryStore::new();
+    let instance = |status: StatusCode| {
+        let executions = executions.clone();
+        let handler = Router::new().route(
+            "/orders",
+            post(move || {
+                executions.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    (status, "answer")
+                }
+            }),
+        );
+        let layer = IdempotencyLayer::new(store.clone())
+            .tenant(idempotency_layer::TenantSource::fixed("t"));
+        (
+            layer.clone(),
+            ServiceBuilder::new().layer(layer).service(handler),
+        )
+    };
+    let (_, first) = instance(StatusCode::SERVICE_UNAVAILABLE);
+    let (draining, second) = instance(StatusCode::CREATED);
+    let send = |app: tower::util::BoxCloneService<
+        Request<Body>,
+        Response<idempotency_layer::IdempotencyBody<Body>>,
+        Infallible,
+    >| async move {
+        let req = Request::post("/orders")
+            .header("x-idempotency-key", "order-drain-waiter")
+            .body(Body::from("{}"))
+            .unwrap();
+        app.oneshot(req).await.unwrap().status()
+    };
+    let leader = tokio::spawn(send(tower::util::BoxCloneService::new(first)));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let waiter = tokio::spawn(send(tower::util::BoxCloneService::new(second)));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let drained = draining.drain(Duration::from_secs(30)).await;
+    assert_eq!(drained.left, 0, "the draining instance holds no claim");
+    assert_eq!(leader.await.unwrap(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        waiter.await.unwrap(),
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the woken waiter is refused on the draining instance"
+    );
+    assert_eq!(
+        executions.load(Ordering::SeqCst),
+        1,
+        "nothing ran on the draining instance"
+    );
+    assert_eq!(draining.stats().in_flight, 0);
+}
