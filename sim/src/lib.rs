@@ -116,7 +116,10 @@ impl SeedReport {
         if settings.fail_rate > 0.0 {
             out.push(("network: resets (a per-message fail rate)".to_owned(), 1));
         }
-        if settings.hedging && settings.hedging_alone {
+        // gRPC clients are `RetryLayer::tonic_channel` alone: no hedging there.
+        let grpc = settings.protocol == schedule::Protocol::Grpc;
+        if grpc {
+        } else if settings.hedging && settings.hedging_alone {
             out.push(("settings: hedged writes, no retry layer".to_owned(), 1));
         } else if settings.hedging {
             out.push((
@@ -147,7 +150,18 @@ impl SeedReport {
                 Handler::StallInBody { .. } => Some("handler: body stalls"),
                 Handler::Slow(_) => Some("handler: slow"),
                 Handler::NeverEnds => Some("handler: never ends"),
+                Handler::PanicInIsEndStream { .. } => Some("handler: body's is_end_stream panics"),
+                Handler::PanicInSizeHint { .. } => Some("handler: body's size_hint panics"),
             };
+            if !i.later.is_empty() {
+                out.push(("handler: a fault on a later run".to_owned(), 1));
+            }
+            if i.sends.iter().any(|s| s.other_body) {
+                out.push(("caller: the same key with another body".to_owned(), 1));
+            }
+            if i.sends.len() > 4 {
+                out.push(("caller: many duplicates of one key at once".to_owned(), 1));
+            }
             if let Some(kind) = kind {
                 out.push((kind.to_owned(), 1));
             }
