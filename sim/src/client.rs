@@ -455,21 +455,54 @@ pub async fn run_probe(
 /// The client index of the quiescence probe's calls.
 pub const PROBE: usize = 999;
 
-/// How long the quiescence probe tries one key (a claim left by a crashed holder lapses with
-/// its lease, 30 s by default, and a duplicate waits at most `max_wait` for it).
-pub const QUIESCENCE_BOUND: Duration = Duration::from_secs(150);
+/// How long the quiescence probe tries one key: a claim in flight is held at most its
+/// server's `max_claim_lifetime` (5 minutes by default), then lapses with its lease (30 s by
+/// default); a duplicate waits at most `max_wait` (30 s) for it.
+pub fn quiescence_bound(schedule: &Schedule) -> Duration {
+    let s = &schedule.settings;
+    let max = |f: &dyn Fn(&crate::schedule::ServerSettings) -> Option<Duration>, d: u64| {
+        s.per_server
+            .iter()
+            .map(|p| f(p).unwrap_or(Duration::from_secs(d)))
+            .max()
+            .unwrap_or(Duration::from_secs(d))
+    };
+    max(&|p| p.max_claim_lifetime, 300) + max(&|p| p.lease, 30) + max(&|p| p.max_wait, 30)
+        + Duration::from_secs(10)
+}
+
+/// Whether the quiescence probe has its answer: a replay (of any status), or a first run's
+/// success read to its end. Anything else (in flight, refused for now, a run that failed
+/// without a record) is tried again. When a send of the key carried another body, that one
+/// may have been recorded: the intent's own body is then refused with 422.
+pub fn quiescent_answer(ending: &Ending, other_body: bool) -> bool {
+    match ending {
+        Ending::Response {
+            status,
+            replayed,
+            body_error,
+            ..
+        } => {
+            *replayed
+                || ((200..300).contains(status) && body_error.is_none())
+                || (other_body && *status == 422)
+        }
+        _ => false,
+    }
+}
 
 /// Quiescence: every fault healed, each intent's key is sent once more (with its body) and
 /// answered (a replay of its record, or a first run if nothing was recorded), retried while it
 /// is in flight or refused for now; then, once background work had time to end, every server's
 /// layer statistics are read (no claim, waiter or detached work may be left).
 async fn quiesce(schedule: &Schedule, ledger: &Ledger, hyper: &Client<SimConnector, Full<Bytes>>) {
-    let mut tag = (PROBE as u64) << 40;
-    for (n, intent) in schedule.intents.iter().enumerate() {
+    let bound = quiescence_bound(schedule);
+    let writes = schedule.intents.iter().enumerate().map(|(n, intent)| async move {
         let server = n % schedule.settings.servers;
         let scope = (intent.tenant.to_owned(), intent.key.clone());
         let i = ledger.call_started(PROBE, scope, &intent.body);
         let started = now();
+        let mut tag = (PROBE as u64) << 40 | (n as u64) << 20;
         let ending = loop {
             tag += 1;
             let body = Bytes::from(intent.body.clone());
@@ -488,10 +521,8 @@ async fn quiesce(schedule: &Schedule, ledger: &Ledger, hyper: &Client<SimConnect
                 .header(ATTEMPT_HEADER, tag)
                 .body(Full::new(body))
                 .expect("a valid request");
-                let svc = tower::service_fn(|req| hyper.request(req));
                 let write = async {
-                    let mut svc = svc;
-                    let answer = svc.call(req).await.map_err(|e| Box::new(e) as BoxError);
+                    let answer = hyper.request(req).await.map_err(|e| Box::new(e) as BoxError);
                     read_answer(answer).await
                 };
                 tokio::time::timeout(Duration::from_secs(60), write)
@@ -499,19 +530,16 @@ async fn quiesce(schedule: &Schedule, ledger: &Ledger, hyper: &Client<SimConnect
                     .map(|e| e.unwrap_or(Ending::Error("no body end".to_owned())))
             };
             let ending = ending.unwrap_or_else(|_| Ending::Error("no answer within 60 s".into()));
-            let retry = match &ending {
-                Ending::Response { status, .. } => matches!(*status, 409 | 429 | 503),
-                Ending::Error(e) => !e.contains("InvalidArgument"),
-                _ => false,
-            };
-            if !retry || now() - started > QUIESCENCE_BOUND {
+            let other = intent.sends.iter().any(|s| s.other_body);
+            if quiescent_answer(&ending, other) || now() - started > bound {
                 break ending;
             }
             tokio::time::sleep(Duration::from_secs(1)).await;
         };
         ledger.call_head(i);
         ledger.call_ended(i, ending);
-    }
+    });
+    futures_util::future::join_all(writes).await;
     // Background work (a record resent, a release) ends within a few store round trips.
     tokio::time::sleep(Duration::from_secs(10)).await;
     ledger.read_final_stats();

@@ -22,6 +22,7 @@ use crate::app::HANDLER_PANIC;
 use crate::ledger::{Ending, Execution, Memory, ScopeName};
 use crate::store_host::Landed;
 use crate::client::PROBE;
+use idempotency_layer::conformance::{Fault as StoreFault, Op};
 use crate::store_host::Claim;
 use idempotency_layer::store::ScopeKey;
 use idempotency_layer::MemoryStore;
@@ -38,6 +39,9 @@ pub const NO_DEADLINE_BOUND: Duration = Duration::from_secs(3 * (60 + 60) + 2 * 
 /// The bound within which the layer must answer a call of `schedule`.
 pub fn call_bound(schedule: &Schedule) -> Duration {
     match schedule.settings.deadline {
+        // Hedging alone has no deadline of its own: the policy's `total_timeout` is the retry
+        // layer's; the hedge answers on its own bounds.
+        Some(_) if schedule.settings.hedging && schedule.settings.hedging_alone && schedule.settings.protocol != Protocol::Grpc => NO_DEADLINE_BOUND,
         // The deadline, to the tick that notices it.
         Some(d) => d + 2 * TICK,
         None => NO_DEADLINE_BOUND,
@@ -181,7 +185,7 @@ fn memory_bounded(run: &Run, v: &mut Verdict) {
 
 fn calls_end(run: &Run, v: &mut Verdict) {
     let bound = call_bound(&run.schedule);
-    for c in &run.observed.calls {
+    for c in run.observed.calls.iter().filter(|c| c.client != PROBE) {
         let scope = Some(c.scope.clone());
         match (&c.head, &c.end) {
             (_, Some((_, Ending::Cancelled | Ending::Crashed))) => {}
@@ -434,8 +438,23 @@ fn runs_once(run: &Run, v: &mut Verdict) {
                     format!("execution {} of {}", k + 1, execs.len()),
                 ))
             } else if later_unprotected && run.schedule.settings.fail_open {
+                // A claim the layer knew it held: not this attempt's own, not one whose
+                // `begin` reply was lost.
+                let known = |c: &Claim| {
+                    c.attempt != later.attempt
+                        && !run.facts.faults.iter().any(|h| {
+                            h.op == Op::Begin
+                                && matches!(h.fault, StoreFault::LoseReply | StoreFault::HangAfter)
+                                && h.at == c.begun
+                                && h.server == c.server
+                                && h.scopes.contains(&c.scope)
+                        })
+                };
                 let beside = run.facts.claims.iter().find(|c| {
-                    c.scope == key && c.server == later.server && c.live_at(later.started)
+                    c.scope == key
+                        && c.server == later.server
+                        && c.live_at(later.started)
+                        && known(c)
                 });
                 match beside {
                     Some(c) => Err((
@@ -496,9 +515,15 @@ fn runs_once(run: &Run, v: &mut Verdict) {
         });
     }
     for c in &run.facts.claims {
+        // A drain lasts until the server's restart, or a crash before it (the next boot does
+        // not drain).
+        let crashes = o.crashes.get(&c.server).map(Vec::as_slice).unwrap_or_default();
         let draining = o.drains.get(&c.server).is_some_and(|ds| {
-            ds.iter()
-                .any(|(from, to)| c.begun > *from && to.is_none_or(|to| c.begun < to))
+            ds.iter().any(|(from, to)| {
+                let crash = crashes.iter().copied().filter(|t| t >= from).min();
+                let end = [*to, crash].into_iter().flatten().min();
+                c.begun > *from && end.is_none_or(|end| c.begun < end)
+            })
         });
         if draining {
             v.violations.push(Violation {
@@ -528,10 +553,16 @@ fn quiescent(run: &Run, v: &mut Verdict) {
     }
     let o = &run.observed;
     for c in o.calls.iter().filter(|c| c.client == PROBE) {
-        let answered = matches!(
-            &c.end,
-            Some((_, Ending::Response { status, body_error: None, .. })) if (200..300).contains(status)
-        );
+        let answered = c
+            .end
+            .as_ref()
+            .is_some_and(|(_, e)| {
+                let other = run.schedule.intents.iter().any(|i| {
+                    (i.tenant, i.key.as_str()) == (c.scope.0.as_str(), c.scope.1.as_str())
+                        && i.sends.iter().any(|s| s.other_body)
+                });
+                crate::client::quiescent_answer(e, other)
+            });
         if !answered {
             v.violations.push(Violation {
                 promise: 1,

@@ -20,7 +20,7 @@ use crate::tag::AttemptTags;
 pub const TICK: Duration = Duration::from_millis(5);
 
 /// The longest a seed may run in simulated time; a call still open then has hung.
-pub const SIM_LIMIT: Duration = Duration::from_secs(900);
+pub const SIM_LIMIT: Duration = Duration::from_secs(1500);
 
 thread_local! {
     static CURRENT: RefCell<Option<Ledger>> = const { RefCell::new(None) };
