@@ -467,7 +467,9 @@ pub fn quiescence_bound(schedule: &Schedule) -> Duration {
             .max()
             .unwrap_or(Duration::from_secs(d))
     };
-    max(&|p| p.max_claim_lifetime, 300) + max(&|p| p.lease, 30) + max(&|p| p.max_wait, 30)
+    max(&|p| p.max_claim_lifetime, 300)
+        + max(&|p| p.lease, 30)
+        + max(&|p| p.max_wait, 30)
         + Duration::from_secs(10)
 }
 
@@ -497,48 +499,56 @@ pub fn quiescent_answer(ending: &Ending, other_body: bool) -> bool {
 /// layer statistics are read (no claim, waiter or detached work may be left).
 async fn quiesce(schedule: &Schedule, ledger: &Ledger, hyper: &Client<SimConnector, Full<Bytes>>) {
     let bound = quiescence_bound(schedule);
-    let writes = schedule.intents.iter().enumerate().map(|(n, intent)| async move {
-        let server = n % schedule.settings.servers;
-        let scope = (intent.tenant.to_owned(), intent.key.clone());
-        let i = ledger.call_started(PROBE, scope, &intent.body);
-        let started = now();
-        let mut tag = (PROBE as u64) << 40 | (n as u64) << 20;
-        let ending = loop {
-            tag += 1;
-            let body = Bytes::from(intent.body.clone());
-            let ending = if schedule.settings.protocol == Protocol::Grpc {
-                let write =
-                    crate::grpc::probe_write(server, &intent.key, intent.tenant, body, tag);
-                tokio::time::timeout(Duration::from_secs(60), write).await
-            } else {
-                let req = Request::post(format!(
-                    "http://server{server}:{}/w/{}",
-                    crate::net::PORT,
-                    intent.key
-                ))
-                .header(idempotency_layer::X_IDEMPOTENCY_KEY, &intent.key)
-                .header(TENANT_HEADER, intent.tenant)
-                .header(ATTEMPT_HEADER, tag)
-                .body(Full::new(body))
-                .expect("a valid request");
-                let write = async {
-                    let answer = hyper.request(req).await.map_err(|e| Box::new(e) as BoxError);
-                    read_answer(answer).await
+    let writes = schedule
+        .intents
+        .iter()
+        .enumerate()
+        .map(|(n, intent)| async move {
+            let server = n % schedule.settings.servers;
+            let scope = (intent.tenant.to_owned(), intent.key.clone());
+            let i = ledger.call_started(PROBE, scope, &intent.body);
+            let started = now();
+            let mut tag = (PROBE as u64) << 40 | (n as u64) << 20;
+            let ending = loop {
+                tag += 1;
+                let body = Bytes::from(intent.body.clone());
+                let ending = if schedule.settings.protocol == Protocol::Grpc {
+                    let write =
+                        crate::grpc::probe_write(server, &intent.key, intent.tenant, body, tag);
+                    tokio::time::timeout(Duration::from_secs(60), write).await
+                } else {
+                    let req = Request::post(format!(
+                        "http://server{server}:{}/w/{}",
+                        crate::net::PORT,
+                        intent.key
+                    ))
+                    .header(idempotency_layer::X_IDEMPOTENCY_KEY, &intent.key)
+                    .header(TENANT_HEADER, intent.tenant)
+                    .header(ATTEMPT_HEADER, tag)
+                    .body(Full::new(body))
+                    .expect("a valid request");
+                    let write = async {
+                        let answer = hyper
+                            .request(req)
+                            .await
+                            .map_err(|e| Box::new(e) as BoxError);
+                        read_answer(answer).await
+                    };
+                    tokio::time::timeout(Duration::from_secs(60), write)
+                        .await
+                        .map(|e| e.unwrap_or(Ending::Error("no body end".to_owned())))
                 };
-                tokio::time::timeout(Duration::from_secs(60), write)
-                    .await
-                    .map(|e| e.unwrap_or(Ending::Error("no body end".to_owned())))
+                let ending =
+                    ending.unwrap_or_else(|_| Ending::Error("no answer within 60 s".into()));
+                let other = intent.sends.iter().any(|s| s.other_body);
+                if quiescent_answer(&ending, other) || now() - started > bound {
+                    break ending;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
             };
-            let ending = ending.unwrap_or_else(|_| Ending::Error("no answer within 60 s".into()));
-            let other = intent.sends.iter().any(|s| s.other_body);
-            if quiescent_answer(&ending, other) || now() - started > bound {
-                break ending;
-            }
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        };
-        ledger.call_head(i);
-        ledger.call_ended(i, ending);
-    });
+            ledger.call_head(i);
+            ledger.call_ended(i, ending);
+        });
     futures_util::future::join_all(writes).await;
     // Background work (a record resent, a release) ends within a few store round trips.
     tokio::time::sleep(Duration::from_secs(10)).await;

@@ -277,7 +277,13 @@ pub(crate) fn stack(
     gate: ReadyGate,
 ) -> GrpcStack {
     let tags = ledger.attempt_counter(client);
-    let channels = Channels::new(schedule.settings.servers, client, gate, tags, ledger.clone());
+    let channels = Channels::new(
+        schedule.settings.servers,
+        client,
+        gate,
+        tags,
+        ledger.clone(),
+    );
     crate::client::retry_layer(schedule, ledger).tonic_channel(channels)
 }
 

@@ -19,11 +19,11 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::app::HANDLER_PANIC;
-use crate::ledger::{Ending, Execution, Memory, ScopeName};
-use crate::store_host::Landed;
 use crate::client::PROBE;
-use idempotency_layer::conformance::{Fault as StoreFault, Op};
+use crate::ledger::{Ending, Execution, Memory, ScopeName};
 use crate::store_host::Claim;
+use crate::store_host::Landed;
+use idempotency_layer::conformance::{Fault as StoreFault, Op};
 use idempotency_layer::store::ScopeKey;
 use idempotency_layer::MemoryStore;
 
@@ -41,7 +41,13 @@ pub fn call_bound(schedule: &Schedule) -> Duration {
     match schedule.settings.deadline {
         // Hedging alone has no deadline of its own: the policy's `total_timeout` is the retry
         // layer's; the hedge answers on its own bounds.
-        Some(_) if schedule.settings.hedging && schedule.settings.hedging_alone && schedule.settings.protocol != Protocol::Grpc => NO_DEADLINE_BOUND,
+        Some(_)
+            if schedule.settings.hedging
+                && schedule.settings.hedging_alone
+                && schedule.settings.protocol != Protocol::Grpc =>
+        {
+            NO_DEADLINE_BOUND
+        }
         // The deadline, to the tick that notices it.
         Some(d) => d + 2 * TICK,
         None => NO_DEADLINE_BOUND,
@@ -517,7 +523,11 @@ fn runs_once(run: &Run, v: &mut Verdict) {
     for c in &run.facts.claims {
         // A drain lasts until the server's restart, or a crash before it (the next boot does
         // not drain).
-        let crashes = o.crashes.get(&c.server).map(Vec::as_slice).unwrap_or_default();
+        let crashes = o
+            .crashes
+            .get(&c.server)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
         let draining = o.drains.get(&c.server).is_some_and(|ds| {
             ds.iter().any(|(from, to)| {
                 let crash = crashes.iter().copied().filter(|t| t >= from).min();
@@ -553,16 +563,13 @@ fn quiescent(run: &Run, v: &mut Verdict) {
     }
     let o = &run.observed;
     for c in o.calls.iter().filter(|c| c.client == PROBE) {
-        let answered = c
-            .end
-            .as_ref()
-            .is_some_and(|(_, e)| {
-                let other = run.schedule.intents.iter().any(|i| {
-                    (i.tenant, i.key.as_str()) == (c.scope.0.as_str(), c.scope.1.as_str())
-                        && i.sends.iter().any(|s| s.other_body)
-                });
-                crate::client::quiescent_answer(e, other)
+        let answered = c.end.as_ref().is_some_and(|(_, e)| {
+            let other = run.schedule.intents.iter().any(|i| {
+                (i.tenant, i.key.as_str()) == (c.scope.0.as_str(), c.scope.1.as_str())
+                    && i.sends.iter().any(|s| s.other_body)
             });
+            crate::client::quiescent_answer(e, other)
+        });
         if !answered {
             v.violations.push(Violation {
                 promise: 1,
@@ -661,8 +668,12 @@ fn replays_equal(run: &Run, v: &mut Verdict) {
             // A replay equals the record the store holds for its scope.
             let key = run.schedule.scope_key(&c.scope.0, &c.scope.1);
             let grpc = run.schedule.settings.protocol == Protocol::Grpc;
-            let records: Vec<&Landed> =
-                run.facts.records.iter().filter(|r| r.scope == key).collect();
+            let records: Vec<&Landed> = run
+                .facts
+                .records
+                .iter()
+                .filter(|r| r.scope == key)
+                .collect();
             let matches = |r: &&Landed| {
                 let stored: &[u8] = if grpc {
                     r.body.get(5..).unwrap_or_default()
@@ -683,7 +694,10 @@ fn replays_equal(run: &Run, v: &mut Verdict) {
                         body.len(),
                         if *body_omitted { " (body omitted)" } else { "" },
                         records.len(),
-                        records.iter().map(|r| (r.status, r.body.len())).collect::<Vec<_>>()
+                        records
+                            .iter()
+                            .map(|r| (r.status, r.body.len()))
+                            .collect::<Vec<_>>()
                     ),
                 });
             }

@@ -60,6 +60,22 @@ pub fn run_seed(seed: u64) -> SeedReport {
     SeedReport { run, verdict }
 }
 
+/// A starting seed derived from the current commit, so that each landing tries new schedules:
+/// `GITHUB_SHA` or `git rev-parse HEAD` (its first 12 hex digits, times 1000), or 0 outside a
+/// git checkout.
+pub fn commit_seed() -> u64 {
+    let sha = std::env::var("GITHUB_SHA").ok().or_else(|| {
+        std::process::Command::new("git")
+            .args(["rev-parse", "HEAD"])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+    });
+    sha.and_then(|s| u64::from_str_radix(s.trim().get(..12)?, 16).ok())
+        .map_or(0, |n| n.wrapping_mul(1000))
+}
+
 /// Makes the next tokio task id a multiple of [`TASK_ID_ALIGNMENT`].
 ///
 /// Tokio numbers tasks with one counter for the whole process, and a runtime keeps its tasks

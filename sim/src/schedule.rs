@@ -431,7 +431,6 @@ impl Schedule {
             };
             faults.push(Timed { at, heal, fault });
         }
-        let mut intents = intents;
         adversary(r, &mut settings, &mut intents, &mut faults);
         Schedule {
             seed,

@@ -87,7 +87,9 @@ impl Injector {
 
     fn take(&self, op: Op, server: usize, scopes: &[ScopeKey]) -> Option<StoreFault> {
         let mut rules = self.lock();
-        let i = rules.iter().position(|(_, r)| r.matches(op, server, scopes))?;
+        let i = rules
+            .iter()
+            .position(|(_, r)| r.matches(op, server, scopes))?;
         let fault = rules[i].1.fault;
         if let Some(left) = &mut rules[i].1.times {
             *left -= 1;
@@ -237,7 +239,14 @@ impl Facts {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn begun(&self, scope: ScopeKey, server: usize, attempt: Option<u64>, begin: &Begin, lease: Duration) {
+    fn begun(
+        &self,
+        scope: ScopeKey,
+        server: usize,
+        attempt: Option<u64>,
+        begin: &Begin,
+        lease: Duration,
+    ) {
         let Begin::New(token) = begin else {
             return;
         };
@@ -250,7 +259,12 @@ impl Facts {
                 took_over = Some(prev.token);
             }
         }
-        let after_record = f.records.iter().rev().find(|r| r.scope == scope).map(|r| r.at);
+        let after_record = f
+            .records
+            .iter()
+            .rev()
+            .find(|r| r.scope == scope)
+            .map(|r| r.at);
         f.claims.push(Claim {
             scope,
             token: token.0,
@@ -280,7 +294,13 @@ impl Facts {
         }
     }
 
-    fn completed(&self, scope: ScopeKey, token: Token, record: &Record, answer: &Result<(), StoreError>) {
+    fn completed(
+        &self,
+        scope: ScopeKey,
+        token: Token,
+        record: &Record,
+        answer: &Result<(), StoreError>,
+    ) {
         if answer.is_err() {
             return;
         }
@@ -537,13 +557,19 @@ impl IdempotencyStore for StoreLink {
         lease: Duration,
     ) -> impl Future<Output = Result<Begin, StoreError>> + Send {
         let (server, attempt) = (self.server, AttemptTags::current());
-        self.run(Op::Begin, vec![scope], vec![], ack, move |s, f| async move {
-            let r = s.begin(scope, fingerprint, lease).await;
-            if let Ok(b) = &r {
-                f.begun(scope, server, attempt, b, lease);
-            }
-            r
-        })
+        self.run(
+            Op::Begin,
+            vec![scope],
+            vec![],
+            ack,
+            move |s, f| async move {
+                let r = s.begin(scope, fingerprint, lease).await;
+                if let Ok(b) = &r {
+                    f.begun(scope, server, attempt, b, lease);
+                }
+                r
+            },
+        )
     }
 
     fn begin_for_tenant(
@@ -556,13 +582,19 @@ impl IdempotencyStore for StoreLink {
         let attempt = AttemptTags::current();
         let tags = self.tags.clone();
         let server = self.server;
-        let call = self.run(Op::Begin, vec![scope], vec![], ack, move |s, f| async move {
-            let r = s.begin_for_tenant(tenant, scope, fingerprint, lease).await;
-            if let Ok(b) = &r {
-                f.begun(scope, server, attempt, b, lease);
-            }
-            r
-        });
+        let call = self.run(
+            Op::Begin,
+            vec![scope],
+            vec![],
+            ack,
+            move |s, f| async move {
+                let r = s.begin_for_tenant(tenant, scope, fingerprint, lease).await;
+                if let Ok(b) = &r {
+                    f.begun(scope, server, attempt, b, lease);
+                }
+                r
+            },
+        );
         async move {
             let begun = call.await;
             tags.note(attempt, |seen| match &begun {
@@ -582,11 +614,17 @@ impl IdempotencyStore for StoreLink {
         record: Arc<Record>,
         ttl: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        self.run(Op::Complete, vec![scope], vec![token.0], ack, move |s, f| async move {
-            let r = s.complete(scope, token, record.clone(), ttl).await;
-            f.completed(scope, token, &record, &r);
-            r
-        })
+        self.run(
+            Op::Complete,
+            vec![scope],
+            vec![token.0],
+            ack,
+            move |s, f| async move {
+                let r = s.complete(scope, token, record.clone(), ttl).await;
+                f.completed(scope, token, &record, &r);
+                r
+            },
+        )
     }
 
     fn release(
@@ -594,11 +632,17 @@ impl IdempotencyStore for StoreLink {
         scope: ScopeKey,
         token: Token,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        self.run(Op::Release, vec![scope], vec![token.0], ack, move |s, f| async move {
-            let r = s.release(scope, token).await;
-            f.released(token, &r);
-            r
-        })
+        self.run(
+            Op::Release,
+            vec![scope],
+            vec![token.0],
+            ack,
+            move |s, f| async move {
+                let r = s.release(scope, token).await;
+                f.released(token, &r);
+                r
+            },
+        )
     }
 
     fn renew(
@@ -607,11 +651,17 @@ impl IdempotencyStore for StoreLink {
         token: Token,
         lease: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        self.run(Op::Renew, vec![scope], vec![token.0], ack, move |s, f| async move {
-            let r = s.renew(scope, token, lease).await;
-            f.renewed(&[(scope, token, lease)], std::slice::from_ref(&r));
-            r
-        })
+        self.run(
+            Op::Renew,
+            vec![scope],
+            vec![token.0],
+            ack,
+            move |s, f| async move {
+                let r = s.renew(scope, token, lease).await;
+                f.renewed(&[(scope, token, lease)], std::slice::from_ref(&r));
+                r
+            },
+        )
     }
 
     fn renew_many(
@@ -660,9 +710,13 @@ impl IdempotencyStore for StoreLink {
     }
 
     fn forget(&self, scope: ScopeKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        self.run(Op::Forget, vec![scope], vec![], ack, move |s, _| async move {
-            s.forget(scope).await
-        })
+        self.run(
+            Op::Forget,
+            vec![scope],
+            vec![],
+            ack,
+            move |s, _| async move { s.forget(scope).await },
+        )
     }
 
     fn backend(&self) -> Backend {

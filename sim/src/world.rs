@@ -383,7 +383,12 @@ fn apply(
                     ledger.fault("host: server drained (GOAWAY) and restarted");
                     hosts.drains[server].send_modify(|n| *n += 1);
                     let at = sim.elapsed();
-                    ledger.lock().drains.entry(server).or_default().push((at, None));
+                    ledger
+                        .lock()
+                        .drains
+                        .entry(server)
+                        .or_default()
+                        .push((at, None));
                 }
             } else {
                 let at = sim.elapsed();

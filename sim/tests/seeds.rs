@@ -1,5 +1,8 @@
 //! The simulator in `cargo test`: the seeds that found bugs (each must now hold every
-//! promise) and a sweep of a few hundred seeds (the check that a seed replays exactly is in
+//! promise), a fixed sweep, and a sweep from a seed derived from the commit (each landing tries
+//! new schedules). One test, so that the seeds run one after another on one thread: tokio
+//! numbers tasks with one counter for the whole process, and a seed replays exactly only when
+//! no other thread spawns tasks meanwhile (the check that a seed replays exactly is in
 //! `replay.rs`, a binary of its own).
 
 use sim::run_seed;
@@ -18,8 +21,30 @@ const REGRESSIONS: &[(u64, &str)] = &[
     (108122, "a store that never answered a `begin` kept a server's one `ConcurrencyLimit` permit for ever, and the server answered nothing again"),
 ];
 
+/// The holes of issue 50 the adversary finds, not yet fixed in the layers: each seed breaks a
+/// promise today (its letter is the issue's list: A a late `begin` reply, B hung renewals, C a
+/// body method that panics, D a stale `complete` acknowledged, E a refused `complete`, G
+/// fail-open beside a leader, H a draining server's new claims). Run with
+/// `cargo test -p sim --test seeds -- --ignored --test-threads 1`.
+pub const HOLES: &[(u64, &str)] = &[];
+
+/// Seeds `from..from + n`: every promise holds.
+fn sweep(from: u64, n: u64) {
+    eprintln!("sim: sweeping seeds {from}..{}", from + n);
+    for seed in from..from + n {
+        let report = run_seed(seed);
+        assert!(
+            report.verdict.violations.is_empty(),
+            "seed {seed} (of the sweep {from}..{}):\n{}",
+            from + n,
+            report.explain()
+        );
+    }
+}
+
+/// Everything in one test, run in order on one thread.
 #[test]
-fn the_seeds_that_found_bugs_hold_every_promise() {
+fn the_simulator_holds_every_promise() {
     for (seed, found) in REGRESSIONS {
         let report = run_seed(*seed);
         assert!(
@@ -28,13 +53,9 @@ fn the_seeds_that_found_bugs_hold_every_promise() {
             report.explain()
         );
     }
-}
-
-/// Seeds whose small memory bounds are reached: a duplicate refused its wait (the servers'
-/// waiters' bytes), a request body not kept for replay (the client's). Each holds its bound;
-/// with the bound taken out of the layer, each breaks promise 5.
-#[test]
-fn seeds_that_reach_their_memory_bounds_hold_them() {
+    // Seeds whose small memory bounds are reached: a duplicate refused its wait (the servers'
+    // waiters' bytes), a request body not kept for replay (the client's). Each holds its bound;
+    // with the bound taken out of the layer, each breaks promise 5.
     for (seed, reached) in [
         (4, "bounds: servers' waiting memory full"),
         (1, "bounds: clients' replay memory full"),
@@ -50,37 +71,23 @@ fn seeds_that_reach_their_memory_bounds_hold_them() {
             report.explain()
         );
     }
+    sweep(0, 300);
+    // New schedules on every commit (the range is printed; rerun a failing seed alone with
+    // `cargo run --release -p sim -- --seed N`).
+    sweep(sim::commit_seed(), 100);
 }
 
-/// Seeds `from..from + n`: every promise holds.
-fn sweep(from: u64, n: u64) {
-    for seed in from..from + n {
-        let report = run_seed(seed);
+/// The holes' seeds hold every promise: ignored until the fixes of issue 50 land in the layers
+/// (each breaks a promise today); then un-ignore it, or move the seeds to `REGRESSIONS`.
+#[test]
+#[ignore = "the layers do not have the fixes of issue 50 yet"]
+fn the_holes_seeds_hold_every_promise() {
+    for (seed, hole) in HOLES {
+        let report = run_seed(*seed);
         assert!(
             report.verdict.violations.is_empty(),
-            "seed {seed}:\n{}",
+            "seed {seed} (hole {hole}) still breaks a promise:\n{}",
             report.explain()
         );
     }
-}
-
-// The sweep in four parts, which the test harness runs in parallel.
-#[test]
-fn sweep_seeds_0_to_75() {
-    sweep(0, 75);
-}
-
-#[test]
-fn sweep_seeds_75_to_150() {
-    sweep(75, 75);
-}
-
-#[test]
-fn sweep_seeds_150_to_225() {
-    sweep(150, 75);
-}
-
-#[test]
-fn sweep_seeds_225_to_300() {
-    sweep(225, 75);
 }
