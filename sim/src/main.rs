@@ -87,6 +87,11 @@ fn main() {
         }
         if !report.verdict.violations.is_empty() {
             failing.push(seed);
+            if std::env::var_os("SIM_LIST").is_some() {
+                let causes: std::collections::BTreeSet<&str> =
+                    report.verdict.violations.iter().map(|v| v.cause).collect();
+                println!("failing seed {seed}: {causes:?}");
+            }
             if args.fail_fast {
                 eprintln!();
                 print!("{}", report.explain());

@@ -499,7 +499,7 @@ fn adversary(
                 })
                 .collect();
         }
-        if r.u8(..10) == 0 {
+        if r.u8(..30) == 0 {
             let at = r.usize(..=len);
             intent.first = if r.bool() {
                 Handler::PanicInIsEndStream { at }
