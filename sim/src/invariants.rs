@@ -4,9 +4,13 @@
 //!    call's deadline (with none, by [`NO_DEADLINE_BOUND`], what the documented defaults add up
 //!    to), and a body that started ends.
 //! 2. Per tenant + method + key, the side effect runs once, but for the documented exceptions,
-//!    each recorded by cause.
-//! 3. Every replay equals what an execution answered; every message is well formed (a
-//!    `content-length` matches the body that came).
+//!    each granted only from a fact the store host recorded (the earlier run's claim was taken
+//!    over after its holder crashed before its record landed, after the store refused its
+//!    renewals, after `max_claim_lifetime`, or after the store lied; its record expired; a
+//!    fail-open run whose call never saw the key in flight and had no leader beside it).
+//! 3. Every replay equals the record the store holds for its scope; every fresh answer equals
+//!    an execution's; every message is well formed (a `content-length` matches the body that
+//!    came); every handler received a body its client sent.
 //! 4. No panic but the handlers' own escapes; every server still serves a fresh write at the
 //!    end.
 //! 5. The memory bounds hold: the bytes a server's waiters hold, the response bytes it holds

@@ -134,10 +134,9 @@ impl SeedReport {
         }
         // gRPC clients are `RetryLayer::tonic_channel` alone: no hedging there.
         let grpc = settings.protocol == schedule::Protocol::Grpc;
-        if grpc {
-        } else if settings.hedging && settings.hedging_alone {
+        if !grpc && settings.hedging && settings.hedging_alone {
             out.push(("settings: hedged writes, no retry layer".to_owned(), 1));
-        } else if settings.hedging {
+        } else if !grpc && settings.hedging {
             out.push((
                 "settings: hedged writes under the retry layer".to_owned(),
                 1,
