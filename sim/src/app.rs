@@ -87,12 +87,32 @@ pub async fn run_server(
         .in_flight(s.in_flight)
         .on_disconnect(s.on_disconnect)
         .fail_open(s.fail_open);
-    if let Some(lease) = s.lease {
+    let own = s.per_server.get(server).copied().unwrap_or_default();
+    if let Some(lease) = own.lease.or(s.lease) {
         layer = layer.lease(lease);
+    }
+    if let Some(max) = own.max_claim_lifetime {
+        layer = layer.max_claim_lifetime(max);
+    }
+    if let Some(max) = own.max_detached {
+        layer = layer.max_detached(max);
+    }
+    if let Some(max) = own.max_wait {
+        layer = layer.max_wait(max);
+    }
+    if let Some(max) = own.max_waiters {
+        layer = layer.max_waiters(max);
+    }
+    if let Some(ttl) = own.ttl {
+        layer = layer.ttl(ttl);
     }
     if let Some(max) = s.bounds.max_waiting_bytes {
         layer = layer.max_waiting_bytes(max);
     }
+    let stats = layer.clone();
+    shared
+        .ledger
+        .stats_reader(server, Arc::new(move || stats.stats()));
     let gauge = layer.clone();
     shared.ledger.gauge(Arc::new(move || {
         let stats = gauge.stats();
@@ -169,16 +189,32 @@ impl AppState {
         }
     }
 
-    /// An execution of `scope` starts (the attempt that carries it: `attempt`).
-    pub(crate) fn start(&self, scope: ScopeName, attempt: Option<u64>) -> Option<Started> {
+    /// An execution of `scope` starts (the attempt that carries it: `attempt`), with the
+    /// request body it received: one its intent's sends carried, or a violation is noted.
+    pub(crate) fn start(
+        &self,
+        scope: ScopeName,
+        attempt: Option<u64>,
+        body: &[u8],
+    ) -> Option<Started> {
         let intent = self.shared.plan.get(&scope).cloned()?;
+        if !intent.sends.iter().any(|s| intent.body_of(s) == body) {
+            self.shared.ledger.lock().wrong_bodies.push((
+                scope.clone(),
+                format!(
+                    "the handler got {} bytes on server {}, not any body its sends carried",
+                    body.len(),
+                    self.server
+                ),
+            ));
+        }
         let n = {
             let mut started = self.shared.started.lock().expect("started");
             let n = started.entry(scope.clone()).or_default();
             *n += 1;
             *n
         };
-        let plan = if n == 1 { intent.first } else { Handler::Ok };
+        let plan = intent.plan(n);
         self.shared.ledger.event(format!(
             "{}/{} execution {n} on server {} boot {} (attempt {attempt:?}): {plan:?}",
             scope.0, scope.1, self.server, self.boot
@@ -282,10 +318,10 @@ async fn write(
     State(app): State<AppState>,
     Path(key): Path<String>,
     headers: HeaderMap,
-    _body: Bytes,
+    body: Bytes,
 ) -> Response<axum::body::Body> {
     let scope: ScopeName = (tenant_of(&headers), key);
-    let Some(started) = app.start(scope, attempt_of(&headers)) else {
+    let Some(started) = app.start(scope, attempt_of(&headers), &body) else {
         // A probe: a fresh key, nothing planned for it.
         return Response::new(axum::body::Body::from("probe"));
     };
@@ -408,6 +444,11 @@ impl http_body::Body for SimBody {
     }
 
     fn is_end_stream(&self) -> bool {
+        if let Handler::PanicInIsEndStream { at } = self.plan {
+            if self.pos >= at {
+                panic!("{HANDLER_PANIC}");
+            }
+        }
         self.pos >= self.data.len()
             && self.trailers.is_none()
             && !matches!(
@@ -417,6 +458,11 @@ impl http_body::Body for SimBody {
     }
 
     fn size_hint(&self) -> SizeHint {
+        if let Handler::PanicInSizeHint { at } = self.plan {
+            if self.pos >= at {
+                panic!("{HANDLER_PANIC}");
+            }
+        }
         if self.sized {
             SizeHint::with_exact((self.data.len() - self.pos) as u64)
         } else {

@@ -77,6 +77,7 @@ pub struct Route<S> {
     tags: Arc<AtomicU64>,
     client: usize,
     gate: ReadyGate,
+    ledger: Ledger,
 }
 
 impl Route<()> {
@@ -89,6 +90,7 @@ impl Route<()> {
             tags: self.tags,
             client: self.client,
             gate: self.gate,
+            ledger: self.ledger,
         }
     }
 }
@@ -126,8 +128,22 @@ where
             .expect("a valid URI");
         let tag = (self.client as u64) << 40 | self.tags.fetch_add(1, Ordering::Relaxed);
         req.headers_mut().insert(ATTEMPT_HEADER, tag.into());
+        if let Some(call) = call_of(req.headers()) {
+            self.ledger.attempt_of_call(tag, call);
+        }
         self.inner.call(req)
     }
+}
+
+/// The header that carries the index of the call an attempt belongs to.
+pub const CALL_HEADER: http::HeaderName = http::HeaderName::from_static("x-sim-call");
+
+/// The call a request belongs to.
+pub(crate) fn call_of(headers: &http::HeaderMap) -> Option<usize> {
+    headers
+        .get(CALL_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
 }
 
 /// The client's whole stack, as a user builds it: `RetryLayer` (and, when the schedule hedges,
@@ -178,11 +194,18 @@ pub fn stack(schedule: &Schedule, ledger: &Ledger, client: usize, gate: ReadyGat
         tags: tags.clone(),
         client,
         gate,
+        ledger: ledger.clone(),
     };
     let mut builder = Client::builder(TokioExecutor::new());
     builder.http2_only(schedule.settings.protocol == Protocol::Http2);
     let retry = retry_layer(schedule, ledger);
-    if schedule.settings.hedging {
+    if schedule.settings.hedging && schedule.settings.hedging_alone {
+        // Hedging alone, with no retry layer above it: it answers on its own bounds.
+        let hyper = builder.build(SimConnector);
+        let hedged = HedgeLayer::new(hedge_policy(schedule))
+            .layer(route(schedule, client, gate).over(hyper));
+        BoxCloneService::new(hedged)
+    } else if schedule.settings.hedging {
         let hyper = builder.build(SimConnector);
         let hedged = HedgeLayer::new(hedge_policy(schedule))
             .layer(route(schedule, client, gate).over(hyper));
@@ -224,8 +247,9 @@ pub async fn run_client(
             tasks.push(tokio::spawn(async move {
                 tokio::time::sleep(send.at.saturating_sub(now())).await;
                 let scope = (intent.tenant.to_owned(), intent.key.clone());
-                let i = ledger.call_started(client, scope);
-                let body = Bytes::from(intent.body.clone());
+                let sent = intent.body_of(&send);
+                let i = ledger.call_started(client, scope, &sent);
+                let body = Bytes::from(sent);
                 let call = caller.send(Some(&intent.key), Some(intent.tenant), body, &ledger, i);
                 let ending = match send.cancel_after {
                     Some(after) => match tokio::time::timeout(after, call).await {
@@ -252,7 +276,7 @@ pub async fn run_client(
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep(m.at.saturating_sub(now())).await;
             let scope = ("-".to_owned(), format!("{:?}", m.kind));
-            let i = ledger.call_started(client, scope);
+            let i = ledger.call_started(client, scope, &[]);
             let (key, tenant) = match m.kind {
                 MalformedKind::NoKey => (None, Some("acme")),
                 MalformedKind::BadKey => (Some("no"), Some("acme")),
@@ -298,6 +322,7 @@ impl Caller {
                 if let Some(tenant) = tenant {
                     req = req.header(TENANT_HEADER, tenant);
                 }
+                req = req.header(CALL_HEADER, i);
                 let req = req.body(Full::new(body)).expect("a valid request");
                 call(svc, req, ledger, i).await
             }
@@ -316,6 +341,12 @@ async fn call(
 ) -> Option<Ending> {
     let answer: Result<Response<Incoming>, BoxError> = svc.oneshot(req).await;
     ledger.call_head(i);
+    read_answer(answer).await
+}
+
+/// The answer of one call, its body read to its end: `None` if it did not end within
+/// [`BODY_BOUND`].
+async fn read_answer(answer: Result<Response<Incoming>, BoxError>) -> Option<Ending> {
     let resp = match answer {
         Ok(resp) => resp,
         Err(e) => return Some(Ending::Error(error_chain(&*e))),
@@ -417,5 +448,109 @@ pub async fn run_probe(
         };
         ledger.lock().probes.push((server, result));
     }
+    quiesce(&schedule, &ledger, &hyper).await;
     Ok(())
+}
+
+/// The client index of the quiescence probe's calls.
+pub const PROBE: usize = 999;
+
+/// How long the quiescence probe tries one key: a claim in flight is held at most its
+/// server's `max_claim_lifetime` (5 minutes by default), then lapses with its lease (30 s by
+/// default); a duplicate waits at most `max_wait` (30 s) for it.
+pub fn quiescence_bound(schedule: &Schedule) -> Duration {
+    let s = &schedule.settings;
+    let max = |f: &dyn Fn(&crate::schedule::ServerSettings) -> Option<Duration>, d: u64| {
+        s.per_server
+            .iter()
+            .map(|p| f(p).unwrap_or(Duration::from_secs(d)))
+            .max()
+            .unwrap_or(Duration::from_secs(d))
+    };
+    max(&|p| p.max_claim_lifetime, 300)
+        + max(&|p| p.lease, 30)
+        + max(&|p| p.max_wait, 30)
+        + Duration::from_secs(10)
+}
+
+/// Whether the quiescence probe has its answer: a replay (of any status), or a first run's
+/// success read to its end. Anything else (in flight, refused for now, a run that failed
+/// without a record) is tried again. When a send of the key carried another body, that one
+/// may have been recorded: the intent's own body is then refused with 422.
+pub fn quiescent_answer(ending: &Ending, other_body: bool) -> bool {
+    match ending {
+        Ending::Response {
+            status,
+            replayed,
+            body_error,
+            ..
+        } => {
+            *replayed
+                || ((200..300).contains(status) && body_error.is_none())
+                || (other_body && *status == 422)
+        }
+        _ => false,
+    }
+}
+
+/// Quiescence: every fault healed, each intent's key is sent once more (with its body) and
+/// answered (a replay of its record, or a first run if nothing was recorded), retried while it
+/// is in flight or refused for now; then, once background work had time to end, every server's
+/// layer statistics are read (no claim, waiter or detached work may be left).
+async fn quiesce(schedule: &Schedule, ledger: &Ledger, hyper: &Client<SimConnector, Full<Bytes>>) {
+    let bound = quiescence_bound(schedule);
+    let writes = schedule
+        .intents
+        .iter()
+        .enumerate()
+        .map(|(n, intent)| async move {
+            let server = n % schedule.settings.servers;
+            let scope = (intent.tenant.to_owned(), intent.key.clone());
+            let i = ledger.call_started(PROBE, scope, &intent.body);
+            let started = now();
+            let mut tag = (PROBE as u64) << 40 | (n as u64) << 20;
+            let ending = loop {
+                tag += 1;
+                let body = Bytes::from(intent.body.clone());
+                let ending = if schedule.settings.protocol == Protocol::Grpc {
+                    let write =
+                        crate::grpc::probe_write(server, &intent.key, intent.tenant, body, tag);
+                    tokio::time::timeout(Duration::from_secs(60), write).await
+                } else {
+                    let req = Request::post(format!(
+                        "http://server{server}:{}/w/{}",
+                        crate::net::PORT,
+                        intent.key
+                    ))
+                    .header(idempotency_layer::X_IDEMPOTENCY_KEY, &intent.key)
+                    .header(TENANT_HEADER, intent.tenant)
+                    .header(ATTEMPT_HEADER, tag)
+                    .body(Full::new(body))
+                    .expect("a valid request");
+                    let write = async {
+                        let answer = hyper
+                            .request(req)
+                            .await
+                            .map_err(|e| Box::new(e) as BoxError);
+                        read_answer(answer).await
+                    };
+                    tokio::time::timeout(Duration::from_secs(60), write)
+                        .await
+                        .map(|e| e.unwrap_or(Ending::Error("no body end".to_owned())))
+                };
+                let ending =
+                    ending.unwrap_or_else(|_| Ending::Error("no answer within 60 s".into()));
+                let other = intent.sends.iter().any(|s| s.other_body);
+                if quiescent_answer(&ending, other) || now() - started > bound {
+                    break ending;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            };
+            ledger.call_head(i);
+            ledger.call_ended(i, ending);
+        });
+    futures_util::future::join_all(writes).await;
+    // Background work (a record resent, a release) ends within a few store round trips.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    ledger.read_final_stats();
 }

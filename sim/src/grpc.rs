@@ -64,7 +64,13 @@ impl Service<Request<Body>> for Writes {
         let app = self.0.clone();
         Box::pin(async move {
             let (parts, body) = req.into_parts();
-            let _ = body.collect().await;
+            let received = body
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            // One length-prefixed message: its payload.
+            let received = received.get(5..).unwrap_or_default().to_vec();
             let key = parts
                 .headers
                 .get(idempotency_layer::X_IDEMPOTENCY_KEY)
@@ -72,7 +78,7 @@ impl Service<Request<Body>> for Writes {
                 .unwrap_or_default()
                 .to_owned();
             let scope: ScopeName = (tenant_of(&parts.headers), key);
-            let Some(mut started) = app.start(scope, attempt_of(&parts.headers)) else {
+            let Some(mut started) = app.start(scope, attempt_of(&parts.headers), &received) else {
                 // A probe: a fresh key, nothing planned for it.
                 return Ok(Response::builder()
                     .header(http::header::CONTENT_TYPE, "application/grpc")
@@ -187,6 +193,7 @@ pub(crate) struct Channels {
     tags: Arc<AtomicU64>,
     client: usize,
     gate: ReadyGate,
+    ledger: Ledger,
 }
 
 impl Clone for Channels {
@@ -198,6 +205,7 @@ impl Clone for Channels {
             tags: self.tags.clone(),
             client: self.client,
             gate: self.gate.clone(),
+            ledger: self.ledger.clone(),
         }
     }
 }
@@ -209,6 +217,7 @@ impl Channels {
         client: usize,
         gate: ReadyGate,
         tags: Arc<AtomicU64>,
+        ledger: Ledger,
     ) -> Channels {
         let channels = (0..servers)
             .map(|s| {
@@ -224,6 +233,7 @@ impl Channels {
             tags,
             client,
             gate,
+            ledger,
         }
     }
 }
@@ -249,6 +259,9 @@ impl Service<Request<Body>> for Channels {
         let (_, mut channel) = self.picked.take().expect("call after poll_ready");
         let tag = (self.client as u64) << 40 | self.tags.fetch_add(1, Ordering::Relaxed);
         req.headers_mut().insert(ATTEMPT_HEADER, tag.into());
+        if let Some(call) = crate::client::call_of(req.headers()) {
+            self.ledger.attempt_of_call(tag, call);
+        }
         channel.call(req)
     }
 }
@@ -264,7 +277,13 @@ pub(crate) fn stack(
     gate: ReadyGate,
 ) -> GrpcStack {
     let tags = ledger.attempt_counter(client);
-    let channels = Channels::new(schedule.settings.servers, client, gate, tags);
+    let channels = Channels::new(
+        schedule.settings.servers,
+        client,
+        gate,
+        tags,
+        ledger.clone(),
+    );
     crate::client::retry_layer(schedule, ledger).tonic_channel(channels)
 }
 
@@ -288,6 +307,7 @@ pub(crate) async fn call(
         req.metadata_mut()
             .insert("x-tenant", tenant.parse().expect("ascii"));
     }
+    req.metadata_mut().insert("x-sim-call", i.into());
     let answer = match grpc.ready().await {
         Ok(()) => {
             grpc.unary(req, PathAndQuery::from_static(PUT), RawCodec)
@@ -334,5 +354,50 @@ pub(crate) async fn probe(server: usize, key: &str) -> Result<u16, String> {
     {
         Ok(_) => Ok(200),
         Err(status) => Err(format!("grpc {:?}: {}", status.code(), status.message())),
+    }
+}
+
+/// One quiescence write of `key` (with `body`) over gRPC, straight to `server` (no retry),
+/// stamped with the attempt tag `tag`.
+pub(crate) async fn probe_write(
+    server: usize,
+    key: &str,
+    tenant: &str,
+    body: Bytes,
+    tag: u64,
+) -> Ending {
+    let channel = Endpoint::from_shared(format!("http://server{server}:{PORT}"))
+        .expect("a valid endpoint")
+        .connect_with_connector_lazy(SimConnector);
+    let mut grpc = tonic::client::Grpc::new(channel);
+    let mut req = tonic::Request::new(body);
+    req.metadata_mut()
+        .insert("x-idempotency-key", key.parse().expect("ascii"));
+    req.metadata_mut()
+        .insert("x-tenant", tenant.parse().expect("ascii"));
+    req.metadata_mut().insert("x-sim-attempt", tag.into());
+    if let Err(e) = grpc.ready().await {
+        return Ending::Error(e.to_string());
+    }
+    match grpc
+        .unary(req, PathAndQuery::from_static(PUT), RawCodec)
+        .await
+    {
+        Ok(resp) => {
+            let replayed = resp
+                .metadata()
+                .get("idempotent-replayed")
+                .is_some_and(|v| v.as_bytes() == b"true");
+            Ending::Response {
+                status: 200,
+                replayed,
+                body_omitted: false,
+                reason: None,
+                body: resp.into_inner().to_vec(),
+                body_error: None,
+                content_length: None,
+            }
+        }
+        Err(status) => Ending::Error(format!("grpc {:?}: {}", status.code(), status.message())),
     }
 }

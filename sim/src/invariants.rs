@@ -4,9 +4,13 @@
 //!    call's deadline (with none, by [`NO_DEADLINE_BOUND`], what the documented defaults add up
 //!    to), and a body that started ends.
 //! 2. Per tenant + method + key, the side effect runs once, but for the documented exceptions,
-//!    each recorded by cause.
-//! 3. Every replay equals what an execution answered; every message is well formed (a
-//!    `content-length` matches the body that came).
+//!    each granted only from a fact the store host recorded (the earlier run's claim was taken
+//!    over after its holder crashed before its record landed, after the store refused its
+//!    renewals, after `max_claim_lifetime`, or after the store lied; its record expired; a
+//!    fail-open run whose call never saw the key in flight and had no leader beside it).
+//! 3. Every replay equals the record the store holds for its scope; every fresh answer equals
+//!    an execution's; every message is well formed (a `content-length` matches the body that
+//!    came); every handler received a body its client sent.
 //! 4. No panic but the handlers' own escapes; every server still serves a fresh write at the
 //!    end.
 //! 5. The memory bounds hold: the bytes a server's waiters hold, the response bytes it holds
@@ -19,8 +23,12 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::app::HANDLER_PANIC;
+use crate::client::PROBE;
 use crate::ledger::{Ending, Execution, Memory, ScopeName};
+use crate::store_host::Claim;
+use crate::store_host::Landed;
 use idempotency_layer::conformance::{Fault as StoreFault, Op};
+use idempotency_layer::store::ScopeKey;
 use idempotency_layer::MemoryStore;
 
 use crate::schedule::{Fault, Protocol, Schedule};
@@ -35,6 +43,15 @@ pub const NO_DEADLINE_BOUND: Duration = Duration::from_secs(3 * (60 + 60) + 2 * 
 /// The bound within which the layer must answer a call of `schedule`.
 pub fn call_bound(schedule: &Schedule) -> Duration {
     match schedule.settings.deadline {
+        // Hedging alone has no deadline of its own: the policy's `total_timeout` is the retry
+        // layer's; the hedge answers on its own bounds.
+        Some(_)
+            if schedule.settings.hedging
+                && schedule.settings.hedging_alone
+                && schedule.settings.protocol != Protocol::Grpc =>
+        {
+            NO_DEADLINE_BOUND
+        }
         // The deadline, to the tick that notices it.
         Some(d) => d + 2 * TICK,
         None => NO_DEADLINE_BOUND,
@@ -73,10 +90,16 @@ pub enum Exception {
     CrashBeforeRecord,
     /// `fail_open`: the store was down for a request that had not seen its key in flight.
     FailOpen,
-    /// The store refused or delayed the leader's renewals for half a lease or more: its lease
-    /// could lapse under it, and a duplicate then took the claim over (the layer renews every
-    /// fourth of a lease and again shortly after a failure, so shorter outages never lapse it).
+    /// The store refused the leader's renewals up to the lapse (it recorded a fault on a
+    /// renewal of that claim in the second half of its last lease), and a duplicate took the
+    /// claim over.
     RenewalsRefused,
+    /// The store acknowledged work it never did for the claim (an injected `Ack`).
+    StoreLied,
+    /// The claim passed its server's `max_claim_lifetime` and lapsed (documented).
+    MaxClaimLifetime,
+    /// The record landed, expired with its `ttl`, and the store granted a new claim.
+    RecordExpired,
 }
 
 /// The verdict on one seed.
@@ -101,6 +124,7 @@ pub fn check(run: &Run) -> Verdict {
     }
     calls_end(run, &mut v);
     runs_once(run, &mut v);
+    quiescent(run, &mut v);
     replays_equal(run, &mut v);
     no_panic_and_still_serving(run, &mut v);
     memory_bounded(run, &mut v);
@@ -171,7 +195,7 @@ fn memory_bounded(run: &Run, v: &mut Verdict) {
 
 fn calls_end(run: &Run, v: &mut Verdict) {
     let bound = call_bound(&run.schedule);
-    for c in &run.observed.calls {
+    for c in run.observed.calls.iter().filter(|c| c.client != PROBE) {
         let scope = Some(c.scope.clone());
         match (&c.head, &c.end) {
             (_, Some((_, Ending::Cancelled | Ending::Crashed))) => {}
@@ -240,36 +264,153 @@ fn network_cut(schedule: &Schedule, client: usize, from: Duration) -> bool {
         })
 }
 
-/// Whether the store refused (or delayed past use) renewals for half a lease or more, in a
-/// window that overlaps `from..to`.
-fn renewals_refused(schedule: &Schedule, from: Duration, to: Duration) -> bool {
-    let lease = schedule.settings.lease.unwrap_or(DEFAULT_LEASE);
-    schedule.faults.iter().any(|t| {
-        let Fault::Store { op, fault } = t.fault else {
-            return false;
-        };
-        let renewals = matches!(op, None | Some(Op::RenewMany));
-        let refuses = match fault {
-            StoreFault::Delay(d) => d >= lease / 8,
-            StoreFault::Fail | StoreFault::Hang | StoreFault::LoseReply => true,
-            _ => false,
-        };
-        let end = t.heal.unwrap_or(Duration::MAX);
-        renewals && refuses && end.saturating_sub(t.at) >= lease / 2 && t.at <= to && end >= from
-    })
-}
-
 /// The layer's default lease.
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
-fn unprotected(run: &Run, e: &Execution) -> (bool, bool) {
-    match e.attempt {
-        Some(a) => {
-            let seen = run.tags.seen(a);
-            (seen.failed && !seen.claimed, seen.in_flight)
-        }
-        None => (false, false),
+/// Why the store let a claim be taken over, from what it recorded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lapse {
+    /// Its holder's server crashed (or was killed after its drain) while it held the claim.
+    HolderCrashed,
+    /// The store refused or faulted its renewals up to the lapse.
+    RenewalsRefused,
+    /// The store acknowledged a renewal, a record or a release it never did.
+    StoreLied,
+    /// The claim passed its server's `max_claim_lifetime`.
+    MaxClaimLifetime,
+    /// No renewal of it reached the store for a whole lease, though the store was healthy for
+    /// them: a layer bug, never an exception.
+    NotRenewed,
+}
+
+/// Why `claim`, taken over at `at`, lapsed.
+pub fn lapse_cause(run: &Run, claim: &Claim, at: Duration) -> Lapse {
+    let crashed = run
+        .observed
+        .crashes
+        .get(&claim.server)
+        .is_some_and(|ts| ts.iter().any(|t| *t >= claim.begun && *t <= at));
+    if crashed {
+        return Lapse::HolderCrashed;
     }
+    let own = run
+        .schedule
+        .settings
+        .per_server
+        .get(claim.server)
+        .copied()
+        .unwrap_or_default();
+    if own
+        .max_claim_lifetime
+        .is_some_and(|max| at >= claim.begun + max)
+    {
+        return Lapse::MaxClaimLifetime;
+    }
+    if claim.acked.iter().any(|(t, _)| *t <= at) {
+        return Lapse::StoreLied;
+    }
+    let (touched, lease) = claim
+        .touched
+        .iter()
+        .rev()
+        .find(|(t, _)| *t <= at)
+        .copied()
+        .unwrap_or((claim.begun, DEFAULT_LEASE));
+    // The store kept refusing: a fault hit its renewals in the second half of its last lease.
+    let refused = claim
+        .renewal_faults
+        .iter()
+        .any(|(t, _)| *t >= touched + lease / 2 && *t <= at);
+    if refused {
+        return Lapse::RenewalsRefused;
+    }
+    Lapse::NotRenewed
+}
+
+/// The claim an execution ran under: the last its attempt's `begin` was granted before it.
+fn claim_of<'a>(run: &'a Run, scope: ScopeKey, e: &Execution) -> Option<&'a Claim> {
+    let attempt = e.attempt?;
+    run.facts
+        .claims
+        .iter()
+        .rev()
+        .find(|c| c.scope == scope && c.attempt == Some(attempt) && c.begun <= e.started)
+}
+
+/// Whether `attempt` ran unprotected (its `begin` failed, it claimed nothing), and whether any
+/// attempt of its call saw the key in flight.
+fn unprotected(run: &Run, attempt: Option<u64>) -> (bool, bool) {
+    let Some(a) = attempt else {
+        return (false, false);
+    };
+    let seen = run.tags.seen(a);
+    let call = run.observed.attempt_calls.get(&a);
+    let call_saw = call.is_some_and(|call| {
+        run.observed
+            .attempt_calls
+            .iter()
+            .any(|(t, c)| c == call && run.tags.seen(*t).in_flight)
+    });
+    (seen.failed && !seen.claimed, seen.in_flight || call_saw)
+}
+
+/// Whether a later execution after `earlier` is allowed, and by which exception.
+fn second_run(
+    run: &Run,
+    key: ScopeKey,
+    earlier: &Execution,
+    later: &Execution,
+) -> Result<Exception, (&'static str, String)> {
+    let fail_open = run.schedule.settings.fail_open;
+    if fail_open && unprotected(run, earlier.attempt).0 {
+        return Ok(Exception::FailOpen);
+    }
+    let Some(claim) = claim_of(run, key, earlier) else {
+        return Err((
+            "a write ran twice",
+            format!(
+                "the store recorded no claim for the earlier run (attempt {:?})",
+                earlier.attempt
+            ),
+        ));
+    };
+    if let Some((at, by)) = claim.taken_over {
+        return match lapse_cause(run, claim, at) {
+            Lapse::HolderCrashed if claim.recorded.is_none() => Ok(Exception::CrashBeforeRecord),
+            Lapse::RenewalsRefused => Ok(Exception::RenewalsRefused),
+            Lapse::StoreLied => Ok(Exception::StoreLied),
+            Lapse::MaxClaimLifetime => Ok(Exception::MaxClaimLifetime),
+            cause => Err((
+                "a live claim lapsed though its renewals reached a healthy store (no renewal for a lease)",
+                format!(
+                    "claim {:x} of server {} begun at {:?}, last set at {:?}, taken over at {at:?} by {by:x} ({cause:?})",
+                    claim.token & 0xffff,
+                    claim.server,
+                    claim.begun,
+                    claim.touched.last().map(|t| t.0),
+                ),
+            )),
+        };
+    }
+    if let Some(recorded) = claim.recorded {
+        let later_claim = claim_of(run, key, later);
+        if later_claim.is_some_and(|c| c.after_record.is_some_and(|r| r >= recorded)) {
+            return Ok(Exception::RecordExpired);
+        }
+    }
+    if let Some(released) = claim.released {
+        return Err((
+            "a claim was released after its write ran (no shared failure, no record)",
+            format!("released at {released:?} on server {}", claim.server),
+        ));
+    }
+    Err((
+        "a write ran twice",
+        format!(
+            "the earlier run's claim (server {}) recorded at {:?}",
+            claim.server, claim.recorded
+        ),
+    ))
 }
 
 fn runs_once(run: &Run, v: &mut Verdict) {
@@ -298,47 +439,61 @@ fn runs_once(run: &Run, v: &mut Verdict) {
         if scope.0.starts_with("down:") {
             continue;
         }
+        let key = run.schedule.scope_key(&scope.0, &scope.1);
         for (k, later) in execs.iter().enumerate().skip(1) {
-            let earlier = &execs[..k];
-            let crash = earlier.iter().any(|e| {
-                o.crashes
-                    .get(&e.server)
-                    .is_some_and(|ts| ts.iter().any(|t| *t >= e.at && *t <= later.at))
-            });
-            // Either claim may have lapsed: the window spans both, from the first start.
-            let renewals_refused = earlier.iter().any(|e| {
-                renewals_refused(
-                    &run.schedule,
-                    e.started.min(later.started),
-                    later.at.max(e.at),
-                )
-            });
-            let (later_unprotected, later_saw_in_flight) = unprotected(run, later);
-            let earlier_unprotected = earlier.iter().any(|e| unprotected(run, e).0);
-            let fail_open = run.schedule.settings.fail_open
-                && ((later_unprotected && !later_saw_in_flight) || earlier_unprotected);
-            if later_unprotected && later_saw_in_flight {
-                v.violations.push(Violation {
-                    promise: 2,
-                    cause: "a request that had seen its key in flight ran unprotected",
-                    scope: Some(scope.clone()),
-                    detail: format!("execution {} of {}", k + 1, execs.len()),
+            let (later_unprotected, saw_in_flight) = unprotected(run, later.attempt);
+            let outcome = if later_unprotected && saw_in_flight {
+                Err((
+                    "a request that had seen its key in flight ran unprotected",
+                    format!("execution {} of {}", k + 1, execs.len()),
+                ))
+            } else if later_unprotected && run.schedule.settings.fail_open {
+                // A claim the layer knew it held: not this attempt's own, not one whose
+                // `begin` reply was lost.
+                let known = |c: &Claim| {
+                    c.attempt != later.attempt
+                        && !run.facts.faults.iter().any(|h| {
+                            h.op == Op::Begin
+                                && matches!(h.fault, StoreFault::LoseReply | StoreFault::HangAfter)
+                                && h.at == c.begun
+                                && h.server == c.server
+                                && h.scopes.contains(&c.scope)
+                        })
+                };
+                let beside = run.facts.claims.iter().find(|c| {
+                    c.scope == key
+                        && c.server == later.server
+                        && c.live_at(later.started)
+                        && known(c)
                 });
-            } else if crash {
-                *v.exceptions
-                    .entry(Exception::CrashBeforeRecord)
-                    .or_default() += 1;
-            } else if renewals_refused {
-                *v.exceptions.entry(Exception::RenewalsRefused).or_default() += 1;
-            } else if fail_open {
-                *v.exceptions.entry(Exception::FailOpen).or_default() += 1;
+                match beside {
+                    Some(c) => Err((
+                        "fail_open ran a write beside a leader of the same server holding its key",
+                        format!(
+                            "execution {} at {:?} on server {}, claim begun at {:?}",
+                            k + 1,
+                            later.started,
+                            later.server,
+                            c.begun
+                        ),
+                    )),
+                    None => Ok(Exception::FailOpen),
+                }
             } else {
-                v.violations.push(Violation {
+                execs[..k]
+                    .iter()
+                    .map(|e| second_run(run, key, e, later))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map(|causes| causes.last().copied().unwrap_or(Exception::FailOpen))
+            };
+            match outcome {
+                Ok(e) => *v.exceptions.entry(e).or_default() += 1,
+                Err((cause, detail)) => v.violations.push(Violation {
                     promise: 2,
-                    cause: "a write ran twice",
+                    cause,
                     scope: Some(scope.clone()),
                     detail: format!(
-                        "execution {} of {} at {:?} on server {}, the first at {:?} on server {}",
+                        "execution {} of {} at {:?} on server {}, the first at {:?} on server {}: {detail}",
                         k + 1,
                         execs.len(),
                         later.at,
@@ -346,8 +501,123 @@ fn runs_once(run: &Run, v: &mut Verdict) {
                         execs[0].at,
                         execs[0].server
                     ),
+                }),
+            }
+        }
+    }
+    let names: BTreeMap<ScopeKey, ScopeName> = run
+        .schedule
+        .intents
+        .iter()
+        .map(|i| {
+            (
+                run.schedule.scope_key(i.tenant, &i.key),
+                (i.tenant.to_owned(), i.key.clone()),
+            )
+        })
+        .collect();
+    for (at, scope, token) in &run.facts.stale_completes {
+        v.violations.push(Violation {
+            promise: 2,
+            cause: "the store acknowledged the complete of a claim it no longer held",
+            scope: names.get(scope).cloned(),
+            detail: format!("at {at:?}, token {:x}", token & 0xffff),
+        });
+    }
+    for c in &run.facts.claims {
+        // A drain lasts until the server's restart, or a crash before it (the next boot does
+        // not drain).
+        let crashes = o
+            .crashes
+            .get(&c.server)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let draining = o.drains.get(&c.server).is_some_and(|ds| {
+            ds.iter().any(|(from, to)| {
+                let crash = crashes.iter().copied().filter(|t| t >= from).min();
+                let end = [*to, crash].into_iter().flatten().min();
+                c.begun > *from && end.is_none_or(|end| c.begun < end)
+            })
+        });
+        if draining {
+            v.violations.push(Violation {
+                promise: 2,
+                cause: "a draining server took a new claim",
+                scope: names.get(&c.scope).cloned(),
+                detail: format!("server {} at {:?}", c.server, c.begun),
+            });
+        }
+    }
+    for (scope, what) in &o.wrong_bodies {
+        v.violations.push(Violation {
+            promise: 3,
+            cause: "a handler received a request body its client never sent",
+            scope: Some(scope.clone()),
+            detail: what.clone(),
+        });
+    }
+}
+
+/// Quiescence: every fault healed, each key was answered once more (checked with the other
+/// answers), and nothing is left: no claim in the store, no claim, waiter or detached work in
+/// any server's layer.
+fn quiescent(run: &Run, v: &mut Verdict) {
+    if run.sim_error.is_some() {
+        return;
+    }
+    let o = &run.observed;
+    for c in o.calls.iter().filter(|c| c.client == PROBE) {
+        let answered = c.end.as_ref().is_some_and(|(_, e)| {
+            let other = run.schedule.intents.iter().any(|i| {
+                (i.tenant, i.key.as_str()) == (c.scope.0.as_str(), c.scope.1.as_str())
+                    && i.sends.iter().any(|s| s.other_body)
+            });
+            crate::client::quiescent_answer(e, other)
+        });
+        if !answered {
+            v.violations.push(Violation {
+                promise: 1,
+                cause: "quiescence: a key was not answered after every fault healed",
+                scope: Some(c.scope.clone()),
+                detail: format!("{:?}", c.end.as_ref().map(|e| &e.1)),
+            });
+        }
+    }
+    let names: BTreeMap<ScopeKey, ScopeName> = run
+        .schedule
+        .intents
+        .iter()
+        .map(|i| {
+            (
+                run.schedule.scope_key(i.tenant, &i.key),
+                (i.tenant.to_owned(), i.key.clone()),
+            )
+        })
+        .collect();
+    for (key, name) in &names {
+        let last = run.facts.claims.iter().rev().find(|c| c.scope == *key);
+        if let Some(c) = last {
+            if c.recorded.is_none() && c.released.is_none() {
+                v.violations.push(Violation {
+                    promise: 5,
+                    cause: "quiescence: a claim was left in the store",
+                    scope: Some(name.clone()),
+                    detail: format!("server {} begun at {:?}", c.server, c.begun),
                 });
             }
+        }
+    }
+    for (server, stats) in &o.final_stats {
+        if stats.in_flight > 0 || stats.detached > 0 || stats.waiting_bytes > 0 {
+            v.violations.push(Violation {
+                promise: 5,
+                cause: "quiescence: a server's layer still holds claims, waiters or detached work",
+                scope: None,
+                detail: format!(
+                    "server {server}: in_flight {}, detached {}, waiting_bytes {}",
+                    stats.in_flight, stats.detached, stats.waiting_bytes
+                ),
+            });
         }
     }
 }
@@ -394,6 +664,45 @@ fn replays_equal(run: &Run, v: &mut Verdict) {
                     cause: "a malformed write was not refused",
                     scope: scope.clone(),
                     detail: format!("status {status}"),
+                });
+            }
+            continue;
+        }
+        if *replayed {
+            // A replay equals the record the store holds for its scope.
+            let key = run.schedule.scope_key(&c.scope.0, &c.scope.1);
+            let grpc = run.schedule.settings.protocol == Protocol::Grpc;
+            let records: Vec<&Landed> = run
+                .facts
+                .records
+                .iter()
+                .filter(|r| r.scope == key)
+                .collect();
+            let matches = |r: &&Landed| {
+                let stored: &[u8] = if grpc {
+                    r.body.get(5..).unwrap_or_default()
+                } else {
+                    &r.body
+                };
+                (grpc || *status == r.status)
+                    && body_omitted == &r.body_omitted
+                    && (body_error.is_some() && stored.starts_with(body) || *body == stored)
+            };
+            if !records.iter().any(matches) {
+                v.violations.push(Violation {
+                    promise: 3,
+                    cause: "a replay differs from the record the store holds",
+                    scope,
+                    detail: format!(
+                        "status {status}, {} bytes{}, {} record(s) stored: {:?}",
+                        body.len(),
+                        if *body_omitted { " (body omitted)" } else { "" },
+                        records.len(),
+                        records
+                            .iter()
+                            .map(|r| (r.status, r.body.len()))
+                            .collect::<Vec<_>>()
+                    ),
                 });
             }
             continue;

@@ -65,6 +65,8 @@ pub struct CallRecord {
     pub client: usize,
     /// The scope.
     pub scope: ScopeName,
+    /// The request body it sent.
+    pub sent: Vec<u8>,
     /// When it started.
     pub start: Duration,
     /// When the layer answered (a response head or an error).
@@ -104,7 +106,20 @@ pub struct Observed {
     /// The sends (of writes and malformed writes) that ended, by client: a restarted client
     /// sends the others again.
     pub sends_ended: std::collections::BTreeSet<(usize, SendId)>,
+    /// Each server's drains: when each began (the layer's `drain`), and when the restart came.
+    pub drains: BTreeMap<usize, Vec<(Duration, Option<Duration>)>>,
+    /// Handlers that received a request body none of their intent's sends carried.
+    pub wrong_bodies: Vec<(ScopeName, String)>,
+    /// Which call each attempt tag belongs to (the clients' routers note it).
+    pub attempt_calls: BTreeMap<u64, usize>,
+    /// The servers' layer statistics at the end of the seed, after the quiescence probe.
+    pub final_stats: Vec<(usize, idempotency_layer::IdempotencyStats)>,
+    /// When the quiescence probe began (every fault healed).
+    pub probing_from: Option<Duration>,
 }
+
+/// Reads a server layer's statistics.
+pub type StatsReader = Arc<dyn Fn() -> idempotency_layer::IdempotencyStats + Send + Sync>;
 
 /// One send of a client's share of the schedule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -157,6 +172,8 @@ pub struct Ledger {
     /// Each client's attempt counter, kept across its restarts so that no two of its attempts
     /// share a tag.
     attempts: Arc<Mutex<BTreeMap<usize, Arc<std::sync::atomic::AtomicU64>>>>,
+    /// Each server's statistics, read at the end.
+    stats: Arc<Mutex<BTreeMap<usize, StatsReader>>>,
 }
 
 impl fmt::Debug for Ledger {
@@ -184,6 +201,32 @@ impl Ledger {
             .entry(client)
             .or_default()
             .clone()
+    }
+
+    /// Sets how server `server`'s layer statistics are read (its latest boot's layer).
+    pub fn stats_reader(&self, server: usize, reader: StatsReader) {
+        self.stats
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(server, reader);
+    }
+
+    /// Reads every server's layer statistics into the observations.
+    pub fn read_final_stats(&self) {
+        let readers: Vec<(usize, StatsReader)> = self
+            .stats
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(s, r)| (*s, r.clone()))
+            .collect();
+        let stats = readers.into_iter().map(|(s, r)| (s, r())).collect();
+        self.lock().final_stats = stats;
+    }
+
+    /// Notes that attempt `tag` belongs to call `call`.
+    pub fn attempt_of_call(&self, tag: u64, call: usize) {
+        self.lock().attempt_calls.insert(tag, call);
     }
 
     /// Adds a holding to read after every step (a layer, when it is made; the store).
@@ -220,12 +263,13 @@ impl Ledger {
     }
 
     /// Records a call's start; returns its index.
-    pub fn call_started(&self, client: usize, scope: ScopeName) -> usize {
+    pub fn call_started(&self, client: usize, scope: ScopeName, sent: &[u8]) -> usize {
         let start = now();
         let mut o = self.lock();
         o.calls.push(CallRecord {
             client,
             scope,
+            sent: sent.to_vec(),
             start,
             head: None,
             end: None,

@@ -60,6 +60,22 @@ pub fn run_seed(seed: u64) -> SeedReport {
     SeedReport { run, verdict }
 }
 
+/// A starting seed derived from the current commit, so that each landing tries new schedules:
+/// `GITHUB_SHA` or `git rev-parse HEAD` (its first 12 hex digits, times 1000), or 0 outside a
+/// git checkout.
+pub fn commit_seed() -> u64 {
+    let sha = std::env::var("GITHUB_SHA").ok().or_else(|| {
+        std::process::Command::new("git")
+            .args(["rev-parse", "HEAD"])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+    });
+    sha.and_then(|s| u64::from_str_radix(s.trim().get(..12)?, 16).ok())
+        .map_or(0, |n| n.wrapping_mul(1000))
+}
+
 /// Makes the next tokio task id a multiple of [`TASK_ID_ALIGNMENT`].
 ///
 /// Tokio numbers tasks with one counter for the whole process, and a runtime keeps its tasks
@@ -116,9 +132,11 @@ impl SeedReport {
         if settings.fail_rate > 0.0 {
             out.push(("network: resets (a per-message fail rate)".to_owned(), 1));
         }
-        if settings.hedging && settings.hedging_alone {
+        // gRPC clients are `RetryLayer::tonic_channel` alone: no hedging there.
+        let grpc = settings.protocol == schedule::Protocol::Grpc;
+        if !grpc && settings.hedging && settings.hedging_alone {
             out.push(("settings: hedged writes, no retry layer".to_owned(), 1));
-        } else if settings.hedging {
+        } else if !grpc && settings.hedging {
             out.push((
                 "settings: hedged writes under the retry layer".to_owned(),
                 1,
@@ -147,7 +165,18 @@ impl SeedReport {
                 Handler::StallInBody { .. } => Some("handler: body stalls"),
                 Handler::Slow(_) => Some("handler: slow"),
                 Handler::NeverEnds => Some("handler: never ends"),
+                Handler::PanicInIsEndStream { .. } => Some("handler: body's is_end_stream panics"),
+                Handler::PanicInSizeHint { .. } => Some("handler: body's size_hint panics"),
             };
+            if !i.later.is_empty() {
+                out.push(("handler: a fault on a later run".to_owned(), 1));
+            }
+            if i.sends.iter().any(|s| s.other_body) {
+                out.push(("caller: the same key with another body".to_owned(), 1));
+            }
+            if i.sends.len() > 4 {
+                out.push(("caller: many duplicates of one key at once".to_owned(), 1));
+            }
             if let Some(kind) = kind {
                 out.push((kind.to_owned(), 1));
             }

@@ -15,14 +15,21 @@ struct Args {
     /// How many seeds to run.
     #[arg(long, default_value_t = 1000)]
     seeds: u64,
-    /// The first seed.
-    #[arg(long, default_value_t = 0)]
-    from: u64,
+    /// The first seed, or `commit`: a seed derived from the current commit (`GITHUB_SHA` or
+    /// `git rev-parse HEAD`), so that each landing tries new schedules.
+    #[arg(long, default_value = "0")]
+    from: String,
     /// Run only this seed, and print its schedule and trace.
     #[arg(long)]
     seed: Option<u64>,
     /// Stop at the first failing seed.
     #[arg(long)]
+    fail_fast: bool,
+}
+
+struct Resolved {
+    seeds: u64,
+    from: u64,
     fail_fast: bool,
 }
 
@@ -46,6 +53,17 @@ fn main() {
         }
         return;
     }
+    let from: u64 = if args.from == "commit" {
+        sim::commit_seed()
+    } else {
+        args.from.parse().expect("--from: a seed, or `commit`")
+    };
+    let args = Resolved {
+        seeds: args.seeds,
+        from,
+        fail_fast: args.fail_fast,
+    };
+    eprintln!("seeds {}..{}", args.from, args.from + args.seeds);
     let started = Instant::now();
     let mut faults: BTreeMap<String, u64> = BTreeMap::new();
     let mut violations: BTreeMap<String, (u64, u64)> = BTreeMap::new();
@@ -69,6 +87,11 @@ fn main() {
         }
         if !report.verdict.violations.is_empty() {
             failing.push(seed);
+            if std::env::var_os("SIM_LIST").is_some() {
+                let causes: std::collections::BTreeSet<&str> =
+                    report.verdict.violations.iter().map(|v| v.cause).collect();
+                println!("failing seed {seed}: {causes:?}");
+            }
             if args.fail_fast {
                 eprintln!();
                 print!("{}", report.explain());

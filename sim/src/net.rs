@@ -144,6 +144,7 @@ where
     let graceful = GracefulShutdown::new();
     loop {
         tokio::select! {
+            biased;
             accepted = listener.accept() => {
                 let (stream, _) = accepted?;
                 let service = TowerToHyperService::new(service.clone());

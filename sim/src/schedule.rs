@@ -8,6 +8,7 @@ use std::fmt;
 use std::time::Duration;
 
 use idempotency_layer::conformance::{Fault as StoreFault, Op};
+use idempotency_layer::store::ScopeKey;
 use idempotency_layer::{InFlight, OnDisconnect};
 
 /// The wire protocol the clients speak.
@@ -55,6 +56,26 @@ pub struct Settings {
     pub clients: usize,
     /// The memory bounds of both layers, when smaller than their defaults.
     pub bounds: Bounds,
+    /// Each server's own settings (a rolling upgrade may give servers different ones).
+    pub per_server: Vec<ServerSettings>,
+}
+
+/// One server's settings of its layer, when not the layer's default (drawn small, so that
+/// seeds reach their bounds).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServerSettings {
+    /// The claim lease.
+    pub lease: Option<Duration>,
+    /// `max_claim_lifetime`.
+    pub max_claim_lifetime: Option<Duration>,
+    /// `max_detached`.
+    pub max_detached: Option<usize>,
+    /// `max_wait`.
+    pub max_wait: Option<Duration>,
+    /// `max_waiters`.
+    pub max_waiters: Option<usize>,
+    /// The records' `ttl`.
+    pub ttl: Option<Duration>,
 }
 
 /// Memory bounds drawn small, so that a seed reaches them (`None`: the layer's default).
@@ -99,6 +120,16 @@ pub enum Handler {
     Slow(Duration),
     /// Never answers.
     NeverEnds,
+    /// Answers 201, then its body's `is_end_stream` panics once byte `at` was sent.
+    PanicInIsEndStream {
+        /// The byte from which it panics.
+        at: usize,
+    },
+    /// Answers 201, then its body's `size_hint` panics once byte `at` was sent.
+    PanicInSizeHint {
+        /// The byte from which it panics.
+        at: usize,
+    },
 }
 
 /// One business intent: a write with one key, sent by one or more clients.
@@ -117,8 +148,35 @@ pub struct Intent {
     /// The clients that send it (the same key from several clients: concurrent duplicates),
     /// each with its start time and, if any, when its caller gives up (drops the call).
     pub sends: Vec<Send>,
-    /// What the handler does on its first execution; later executions answer [`Handler::Ok`].
+    /// What the handler does on its first execution.
     pub first: Handler,
+    /// What it does on its second, third... executions (past the end: [`Handler::Ok`]).
+    pub later: Vec<Handler>,
+}
+
+impl Intent {
+    /// What execution `n` (from 1) does.
+    pub fn plan(&self, n: u32) -> Handler {
+        match n {
+            0 | 1 => self.first,
+            n => self
+                .later
+                .get(n as usize - 2)
+                .copied()
+                .unwrap_or(Handler::Ok),
+        }
+    }
+
+    /// The body a send carries: the intent's, or another one under the same key.
+    pub fn body_of(&self, send: &Send) -> Vec<u8> {
+        if send.other_body {
+            let mut b = self.body.clone();
+            b.extend_from_slice(b"+other");
+            b
+        } else {
+            self.body.clone()
+        }
+    }
 }
 
 /// One client's send of an intent.
@@ -130,6 +188,8 @@ pub struct Send {
     pub at: Duration,
     /// When the caller drops the call, if it does (a cancellation).
     pub cancel_after: Option<Duration>,
+    /// The same key with another body (a client bug: expect 422, never a second run).
+    pub other_body: bool,
 }
 
 /// A timed fault.
@@ -154,12 +214,19 @@ pub enum Fault {
         /// The server's index.
         server: usize,
     },
-    /// A store fault on every call of `op` until `heal`.
+    /// A store fault on the calls of `op` until `heal`: of every server, or of one; on every
+    /// key, or on one intent's; on every call, or on the next `times`.
     Store {
         /// The operation.
         op: Option<Op>,
         /// The fault.
         fault: StoreFault,
+        /// Only this server's calls.
+        server: Option<usize>,
+        /// Only calls on this intent's scope.
+        intent: Option<usize>,
+        /// Only the next this many calls.
+        times: Option<usize>,
     },
     /// The client's inner service stops being ready until `heal` (a full Buffer).
     NotReady {
@@ -270,6 +337,7 @@ impl Schedule {
             servers: 2 + r.usize(..2),
             clients: 1 + r.usize(..3),
             bounds: Bounds::default(),
+            per_server: Vec::new(),
         };
         let n_intents = 2 + r.usize(..9);
         let mut intents = Vec::with_capacity(n_intents);
@@ -297,6 +365,7 @@ impl Schedule {
                     client: r.usize(..settings.clients),
                     at: start + Duration::from_millis(r.u64(..400)),
                     cancel_after: pick(r, 8, |r| Duration::from_millis(r.u64(1..2000))),
+                    other_body: false,
                 })
                 .collect();
             let mut first = draw_handler(r, response_len);
@@ -313,6 +382,7 @@ impl Schedule {
                 sized: r.bool(),
                 sends,
                 first,
+                later: Vec::new(),
             });
         }
         let n_faults = r.usize(..6);
@@ -361,6 +431,7 @@ impl Schedule {
             };
             faults.push(Timed { at, heal, fault });
         }
+        adversary(r, &mut settings, &mut intents, &mut faults);
         Schedule {
             seed,
             settings,
@@ -369,6 +440,182 @@ impl Schedule {
             malformed,
         }
     }
+
+    /// The store key of `tenant`'s write with `key`, as the servers' layers compute it.
+    pub fn scope_key(&self, tenant: &str, key: &str) -> ScopeKey {
+        let method = if self.settings.protocol == Protocol::Grpc {
+            idempotency_layer::Scope::grpc(crate::grpc::PUT)
+        } else {
+            idempotency_layer::Scope::http(&http::Method::POST, &format!("/w/{key}"))
+        };
+        idempotency_layer::Scope::new(tenant, &method, key).key()
+    }
+}
+
+/// The adversary's draws (issue 50), made after every earlier draw so that each seed's earlier
+/// schedule stays as it was: per-server settings drawn small (a rolling upgrade), handler
+/// faults on later runs and in every body method, the same key with another body, many
+/// duplicates of one key at once, and store faults of every kind the fault store has, on one
+/// server, one key or the next few calls.
+fn adversary(
+    r: &mut fastrand::Rng,
+    settings: &mut Settings,
+    intents: &mut [Intent],
+    faults: &mut Vec<Timed>,
+) {
+    let lease = settings.lease.unwrap_or(Duration::from_secs(30));
+    let base = ServerSettings {
+        lease: settings.lease,
+        max_claim_lifetime: pick(r, 6, |r| lease * (1 + r.u32(..4)) + ms(r, ..3000)),
+        max_detached: pick(r, 6, |r| r.usize(..3)),
+        max_wait: pick(r, 5, |r| ms(r, 100..4000)),
+        max_waiters: pick(r, 5, |r| r.usize(..3)),
+        ttl: pick(r, 6, |r| ms(r, 1000..8000)),
+    };
+    let upgrade = r.u8(..5) == 0;
+    settings.per_server = (0..settings.servers)
+        .map(|_| {
+            let mut s = base;
+            if upgrade && r.bool() {
+                s.lease = Some(ms(r, 500..4500));
+                s.max_waiters = pick(r, 2, |r| r.usize(..3));
+            }
+            s
+        })
+        .collect();
+    let no_never = settings.server_limit.is_some();
+    for intent in intents.iter_mut() {
+        let len = intent.response_len;
+        if r.u8(..4) == 0 {
+            let n = 1 + r.usize(..2);
+            intent.later = (0..n)
+                .map(|_| {
+                    let h = draw_handler(r, len);
+                    if no_never && h == Handler::NeverEnds {
+                        Handler::Slow(Duration::from_secs(10))
+                    } else {
+                        h
+                    }
+                })
+                .collect();
+        }
+        if r.u8(..30) == 0 {
+            let at = r.usize(..=len);
+            intent.first = if r.bool() {
+                Handler::PanicInIsEndStream { at }
+            } else {
+                Handler::PanicInSizeHint { at }
+            };
+        }
+        if r.u8(..10) == 0 {
+            let first = intent.sends[0];
+            intent.sends.push(Send {
+                client: r.usize(..settings.clients),
+                at: first.at + ms(r, ..600),
+                cancel_after: None,
+                other_body: true,
+            });
+        }
+    }
+    if !intents.is_empty() && r.u8(..6) == 0 {
+        // Many duplicates of one key at once: enough to reach `max_waiters`.
+        let i = r.usize(..intents.len());
+        let at = intents[i].sends[0].at;
+        for _ in 0..4 + r.usize(..9) {
+            intents[i].sends.push(Send {
+                client: r.usize(..settings.clients),
+                at: at + ms(r, ..60),
+                cancel_after: pick(r, 8, |r| ms(r, 1..2000)),
+                other_body: false,
+            });
+        }
+    }
+    let n = r.usize(..4);
+    for _ in 0..n {
+        let at = ms(r, ..5000);
+        let heal = Some(at + ms(r, 50..4000));
+        let op = match r.u8(..7) {
+            0 => None,
+            1 => Some(Op::Begin),
+            2 => Some(Op::Complete),
+            3 => Some(Op::Release),
+            4 => Some(Op::Wait),
+            _ => Some(Op::RenewMany),
+        };
+        let fault = match r.u8(..9) {
+            0 => StoreFault::Fail,
+            1 => StoreFault::Corrupt,
+            2 => StoreFault::Full,
+            3 => StoreFault::Hang,
+            4 => StoreFault::Delay(ms(r, 1..(lease.as_millis() as u64 * 3 / 2).max(2))),
+            5 => StoreFault::DelayReply(ms(r, 1..(lease.as_millis() as u64 * 3 / 2).max(2))),
+            6 => StoreFault::LoseReply,
+            7 => StoreFault::HangAfter,
+            _ => StoreFault::Ack,
+        };
+        // `Ack` answers success for operations whose success carries nothing: never a `begin`.
+        let fault = match (fault, op) {
+            (StoreFault::Ack, None | Some(Op::Begin)) => StoreFault::Fail,
+            (f, _) => f,
+        };
+        let server = pick(r, 2, |r| r.usize(..settings.servers));
+        let intent = if intents.is_empty() {
+            None
+        } else {
+            pick(r, 3, |r| r.usize(..intents.len()))
+        };
+        let times = pick(r, 2, |r| 1 + r.usize(..5));
+        faults.push(Timed {
+            at,
+            heal,
+            fault: Fault::Store {
+                op,
+                fault,
+                server,
+                intent,
+                times,
+            },
+        });
+    }
+    // The holes of issue 50, each a fault of its own: a `begin` answered close to a lease late,
+    // and a few `renew_many` calls that never answer.
+    if r.u8(..5) == 0 {
+        let at = ms(r, ..4000);
+        let d = lease.mul_f64(0.5 + r.f64() * 0.7);
+        faults.push(Timed {
+            at,
+            heal: Some(at + ms(r, 100..3000)),
+            fault: Fault::Store {
+                op: Some(Op::Begin),
+                fault: StoreFault::DelayReply(d),
+                server: pick(r, 2, |r| r.usize(..settings.servers)),
+                intent: None,
+                times: pick(r, 2, |r| 1 + r.usize(..3)),
+            },
+        });
+    }
+    if r.u8(..5) == 0 {
+        let at = ms(r, ..3000);
+        faults.push(Timed {
+            at,
+            heal: Some(at + ms(r, 100..2000)),
+            fault: Fault::Store {
+                op: Some(Op::RenewMany),
+                fault: if r.bool() {
+                    StoreFault::Hang
+                } else {
+                    StoreFault::HangAfter
+                },
+                server: pick(r, 2, |r| r.usize(..settings.servers)),
+                intent: None,
+                times: Some(1 + r.usize(..6)),
+            },
+        });
+    }
+}
+
+fn ms(r: &mut fastrand::Rng, range: impl std::ops::RangeBounds<u64>) -> Duration {
+    Duration::from_millis(r.u64(range))
 }
 
 /// `Some(f())` one time in `one_in`.
@@ -442,6 +689,9 @@ fn draw_fault(r: &mut fastrand::Rng, s: &Settings) -> Timed {
                         fault: Fault::Store {
                             op: Some(Op::Begin),
                             fault: StoreFault::Full,
+                            server: None,
+                            intent: None,
+                            times: None,
                         },
                     }
                 }
@@ -452,7 +702,13 @@ fn draw_fault(r: &mut fastrand::Rng, s: &Settings) -> Timed {
             } else {
                 fault
             };
-            Fault::Store { op, fault }
+            Fault::Store {
+                op,
+                fault,
+                server: None,
+                intent: None,
+                times: None,
+            }
         }
         _ => Fault::NotReady {
             client: r.usize(..s.clients),

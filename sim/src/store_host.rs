@@ -1,34 +1,381 @@
-//! The shared store on a host of its own.
+//! The shared store on a host of its own, its faults, and the facts it records.
 //!
-//! Every server instance reaches one `FaultStore<MemoryStore>` through a [`StoreLink`], which
+//! Every server instance reaches one `MemoryStore` through a [`StoreLink`] of its own, which
 //! hands each operation to the store host's runtime and awaits its answer. Running every
 //! operation there gives the store one clock: turmoil gives each host a tokio runtime of its
 //! own, whose `Instant`s differ from another's (and start again when a host restarts), so a
 //! store called from several hosts' runtimes would compare leases across clocks.
+//!
+//! The store host applies the schedule's store faults ([`Injector`]: the conformance suite's
+//! fault kinds, aimed at one operation, one server's calls and one key at a time, one-shot or
+//! until healed) and records what the store did ([`Facts`]): each claim, each renewal that
+//! reached the store, each fault that hit a call, each record landing, each release, and each
+//! takeover of a claim that had neither completed nor been released. The judge grants its
+//! exceptions from these facts only.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use idempotency_layer::conformance::FaultStore;
+use bytes::Bytes;
+use idempotency_layer::conformance::{Fault as StoreFault, Op};
 use idempotency_layer::store::{Backend, Begin, Fingerprint, Record, ScopeKey, TenantKey, Token};
 use idempotency_layer::{IdempotencyStore, MemoryStore, StoreError};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::ledger::now;
 use crate::tag::AttemptTags;
 
-/// The store the simulation shares: the real `MemoryStore` behind the conformance suite's
-/// fault injector.
-pub type Backing = FaultStore<MemoryStore>;
+/// The store the simulation shares: the real `MemoryStore`.
+pub type Backing = MemoryStore;
+
+/// The server index the downstream tier's link carries.
+pub const DOWNSTREAM: usize = 1000;
 
 type Job = Box<dyn FnOnce(Backing) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
 
-/// What a server's layer holds: a handle that runs each operation on the store host.
+/// One fault rule on the store host: which calls it hits and what it does to them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreRule {
+    /// The operation (`None`: every operation).
+    pub op: Option<Op>,
+    /// Only calls from this server's link.
+    pub server: Option<usize>,
+    /// Only calls on this scope (a `renew_many` when any of its claims is on it).
+    pub scope: Option<ScopeKey>,
+    /// What it does.
+    pub fault: StoreFault,
+    /// Only the next `n` calls it matches.
+    pub times: Option<usize>,
+}
+
+impl StoreRule {
+    fn matches(&self, op: Op, server: usize, scopes: &[ScopeKey]) -> bool {
+        self.op.is_none_or(|o| o == op)
+            && self.server.is_none_or(|s| s == server)
+            && self.scope.is_none_or(|s| scopes.contains(&s))
+            && self.times != Some(0)
+    }
+}
+
+/// The rules in force, each under the id of the timed fault that put it there; a call takes
+/// the fault of the first rule it matches, in the order they were added.
+#[derive(Clone, Debug, Default)]
+pub struct Injector(Arc<Mutex<Vec<(usize, StoreRule)>>>);
+
+impl Injector {
+    fn lock(&self) -> MutexGuard<'_, Vec<(usize, StoreRule)>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds `rule` under `id`.
+    pub fn inject(&self, id: usize, rule: StoreRule) {
+        self.lock().push((id, rule));
+    }
+
+    /// Removes the rule(s) of `id`.
+    pub fn heal(&self, id: usize) {
+        self.lock().retain(|(i, _)| *i != id);
+    }
+
+    /// Removes every rule.
+    pub fn heal_all(&self) {
+        self.lock().clear();
+    }
+
+    fn take(&self, op: Op, server: usize, scopes: &[ScopeKey]) -> Option<StoreFault> {
+        let mut rules = self.lock();
+        let i = rules
+            .iter()
+            .position(|(_, r)| r.matches(op, server, scopes))?;
+        let fault = rules[i].1.fault;
+        if let Some(left) = &mut rules[i].1.times {
+            *left -= 1;
+            if *left == 0 {
+                rules.remove(i);
+            }
+        }
+        Some(fault)
+    }
+}
+
+/// One claim the store granted (a `begin` that answered `New`).
+#[derive(Clone, Debug)]
+pub struct Claim {
+    /// Its scope.
+    pub scope: ScopeKey,
+    /// Its token.
+    pub token: u128,
+    /// The server whose link claimed it.
+    pub server: usize,
+    /// The attempt whose `begin` claimed it.
+    pub attempt: Option<u64>,
+    /// When the `begin` ran on the store.
+    pub begun: Duration,
+    /// Each time the store set its lease (the `begin`, then each renewal that reached the store
+    /// and succeeded), with the lease set.
+    pub touched: Vec<(Duration, Duration)>,
+    /// Each injected fault that hit a `renew_many` carrying its token: when, and which.
+    pub renewal_faults: Vec<(Duration, StoreFault)>,
+    /// Each injected `Ack` that answered for it without reaching the store (a `complete`, a
+    /// `renew_many`, a `release`): the store lied.
+    pub acked: Vec<(Duration, Op)>,
+    /// When its record landed.
+    pub recorded: Option<Duration>,
+    /// When it was released.
+    pub released: Option<Duration>,
+    /// When another `begin` took it over, and that claim's token.
+    pub taken_over: Option<(Duration, u128)>,
+    /// The claim it took over, if it did.
+    pub took_over: Option<u128>,
+    /// The record of the scope that had landed before it (it had expired: the store answered
+    /// `New`), with when it landed.
+    pub after_record: Option<Duration>,
+}
+
+impl Claim {
+    /// When its lease ran out, as the store last set it.
+    pub fn expires(&self) -> Duration {
+        self.touched
+            .last()
+            .map_or(self.begun, |(at, lease)| *at + *lease)
+    }
+
+    /// Whether the store held it at `t`: begun, not ended, and its lease not run out.
+    pub fn live_at(&self, t: Duration) -> bool {
+        let ended = [
+            self.recorded,
+            self.released,
+            self.taken_over.map(|(at, _)| at),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        let lease_end = self
+            .touched
+            .iter()
+            .filter(|(at, _)| *at <= t)
+            .map(|(at, lease)| *at + *lease)
+            .max()
+            .unwrap_or(self.begun);
+        self.begun <= t && ended.is_none_or(|e| e > t) && lease_end > t
+    }
+}
+
+/// A record that landed in the store.
+#[derive(Clone, Debug)]
+pub struct Landed {
+    /// Its scope.
+    pub scope: ScopeKey,
+    /// The claim's token.
+    pub token: u128,
+    /// When.
+    pub at: Duration,
+    /// Its status.
+    pub status: u16,
+    /// Its body.
+    pub body: Bytes,
+    /// Whether its body was omitted.
+    pub body_omitted: bool,
+    /// Its `content-type`, if any.
+    pub content_type: Option<String>,
+}
+
+/// A fault that hit a call.
+#[derive(Clone, Debug)]
+pub struct FaultHit {
+    /// When.
+    pub at: Duration,
+    /// The server whose call it hit.
+    pub server: usize,
+    /// The operation.
+    pub op: Op,
+    /// The fault.
+    pub fault: StoreFault,
+    /// The scopes of the call.
+    pub scopes: Vec<ScopeKey>,
+}
+
+/// What the store did, as the store host recorded it.
+#[derive(Clone, Debug, Default)]
+pub struct StoreFacts {
+    /// Every claim, in the order they were granted.
+    pub claims: Vec<Claim>,
+    /// Every record that landed.
+    pub records: Vec<Landed>,
+    /// `complete`s the store answered `Ok` for a claim it no longer held (taken over, or its
+    /// scope completed by another claim): a store that acknowledged a write it fenced off.
+    pub stale_completes: Vec<(Duration, ScopeKey, u128)>,
+    /// Every injected fault, in order.
+    pub faults: Vec<FaultHit>,
+    /// Calls made, by operation name and server.
+    pub calls: BTreeMap<(String, usize), u64>,
+}
+
+impl StoreFacts {
+    /// The claim of `token`.
+    pub fn claim(&self, token: u128) -> Option<&Claim> {
+        self.claims.iter().find(|c| c.token == token)
+    }
+
+    fn claim_mut(&mut self, token: u128) -> Option<&mut Claim> {
+        self.claims.iter_mut().find(|c| c.token == token)
+    }
+
+    fn current(&mut self, scope: ScopeKey) -> Option<&mut Claim> {
+        self.claims.iter_mut().rev().find(|c| c.scope == scope)
+    }
+}
+
+/// The facts the store host records, shared with the judge after the run.
+#[derive(Clone, Debug, Default)]
+pub struct Facts(Arc<Mutex<StoreFacts>>);
+
+impl Facts {
+    /// The facts so far.
+    pub fn lock(&self) -> MutexGuard<'_, StoreFacts> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn begun(
+        &self,
+        scope: ScopeKey,
+        server: usize,
+        attempt: Option<u64>,
+        begin: &Begin,
+        lease: Duration,
+    ) {
+        let Begin::New(token) = begin else {
+            return;
+        };
+        let at = now();
+        let mut f = self.lock();
+        let mut took_over = None;
+        if let Some(prev) = f.current(scope) {
+            if prev.recorded.is_none() && prev.released.is_none() && prev.taken_over.is_none() {
+                prev.taken_over = Some((at, token.0));
+                took_over = Some(prev.token);
+            }
+        }
+        let after_record = f
+            .records
+            .iter()
+            .rev()
+            .find(|r| r.scope == scope)
+            .map(|r| r.at);
+        f.claims.push(Claim {
+            scope,
+            token: token.0,
+            server,
+            attempt,
+            begun: at,
+            touched: vec![(at, lease)],
+            renewal_faults: Vec::new(),
+            acked: Vec::new(),
+            recorded: None,
+            released: None,
+            taken_over: None,
+            took_over,
+            after_record,
+        });
+    }
+
+    fn renewed(&self, claims: &[(ScopeKey, Token, Duration)], answers: &[Result<(), StoreError>]) {
+        let at = now();
+        let mut f = self.lock();
+        for ((_, token, lease), answer) in claims.iter().zip(answers) {
+            if answer.is_ok() {
+                if let Some(c) = f.claim_mut(token.0) {
+                    c.touched.push((at, *lease));
+                }
+            }
+        }
+    }
+
+    fn completed(
+        &self,
+        scope: ScopeKey,
+        token: Token,
+        record: &Record,
+        answer: &Result<(), StoreError>,
+    ) {
+        if answer.is_err() {
+            return;
+        }
+        let at = now();
+        let mut f = self.lock();
+        let stale = match f.claim_mut(token.0) {
+            Some(c) if c.recorded.is_some() => return,
+            Some(c) if c.taken_over.is_none() && c.released.is_none() => {
+                c.recorded = Some(at);
+                false
+            }
+            _ => true,
+        };
+        if stale {
+            f.stale_completes.push((at, scope, token.0));
+            return;
+        }
+        f.records.push(Landed {
+            scope,
+            token: token.0,
+            at,
+            status: record.status().as_u16(),
+            body: record.body().clone(),
+            body_omitted: record.body_omitted(),
+            content_type: record
+                .headers()
+                .get(http::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned),
+        });
+    }
+
+    fn released(&self, token: Token, answer: &Result<(), StoreError>) {
+        if answer.is_ok() {
+            let at = now();
+            if let Some(c) = self.lock().claim_mut(token.0) {
+                if c.released.is_none() && c.recorded.is_none() {
+                    c.released = Some(at);
+                }
+            }
+        }
+    }
+
+    fn hit(&self, server: usize, op: Op, fault: StoreFault, scopes: &[ScopeKey], tokens: &[u128]) {
+        let at = now();
+        let mut f = self.lock();
+        f.faults.push(FaultHit {
+            at,
+            server,
+            op,
+            fault,
+            scopes: scopes.to_vec(),
+        });
+        for t in tokens {
+            if let Some(c) = f.claim_mut(*t) {
+                if op == Op::RenewMany || op == Op::Renew {
+                    c.renewal_faults.push((at, fault));
+                }
+                if fault == StoreFault::Ack {
+                    c.acked.push((at, op));
+                }
+            }
+        }
+    }
+}
+
+/// What a server's layer holds: a handle that runs each operation on the store host, as this
+/// server.
 #[derive(Clone, Debug)]
 pub struct StoreLink {
     jobs: mpsc::UnboundedSender<Job>,
     tags: AttemptTags,
+    facts: Facts,
+    injector: Injector,
+    server: usize,
 }
 
 /// The store host's end: the queue of operations it runs.
@@ -38,15 +385,27 @@ pub struct StoreHost {
     jobs: Arc<Mutex<Option<mpsc::UnboundedReceiver<Job>>>>,
 }
 
-/// A store host and the link the servers use to reach it.
-pub fn store_pair(store: Backing, tags: AttemptTags) -> (StoreHost, StoreLink) {
+/// A store host and the link the servers use to reach it (as server 0: see
+/// [`StoreLink::for_server`]).
+pub fn store_pair(
+    store: Backing,
+    tags: AttemptTags,
+    facts: Facts,
+    injector: Injector,
+) -> (StoreHost, StoreLink) {
     let (tx, rx) = mpsc::unbounded_channel();
     (
         StoreHost {
             store,
             jobs: Arc::new(Mutex::new(Some(rx))),
         },
-        StoreLink { jobs: tx, tags },
+        StoreLink {
+            jobs: tx,
+            tags,
+            facts,
+            injector,
+            server: 0,
+        },
     )
 }
 
@@ -67,17 +426,109 @@ impl StoreHost {
     }
 }
 
+/// The answer an `Ack` gives, for the operations whose success carries nothing.
+trait Acked: Sized {
+    fn acked() -> Option<Self>;
+}
+
+impl Acked for () {
+    fn acked() -> Option<()> {
+        Some(())
+    }
+}
+
+impl Acked for Begin {
+    fn acked() -> Option<Begin> {
+        None
+    }
+}
+
+impl Acked for bool {
+    fn acked() -> Option<bool> {
+        None
+    }
+}
+
+impl Acked for Vec<Result<(), StoreError>> {
+    fn acked() -> Option<Self> {
+        None
+    }
+}
+
 impl StoreLink {
-    fn run<T, F, Fut>(&self, op: F) -> impl Future<Output = Result<T, StoreError>> + Send + 'static
+    /// The same link, as server `server`'s: its calls are recorded as that server's, and the
+    /// rules aimed at that server hit them.
+    pub fn for_server(&self, server: usize) -> StoreLink {
+        StoreLink {
+            server,
+            ..self.clone()
+        }
+    }
+
+    /// One operation on the store host: the fault of the first rule it matches, else `op`.
+    fn run<T, F, Fut>(
+        &self,
+        kind: Op,
+        scopes: Vec<ScopeKey>,
+        tokens: Vec<u128>,
+        ack: impl FnOnce() -> Option<T> + Send + 'static,
+        op: F,
+    ) -> impl Future<Output = Result<T, StoreError>> + Send + 'static
     where
         T: Send + 'static,
-        F: FnOnce(Backing) -> Fut + Send + 'static,
+        F: FnOnce(Backing, Facts) -> Fut + Send + 'static,
         Fut: Future<Output = Result<T, StoreError>> + Send + 'static,
     {
         let (tx, rx) = oneshot::channel();
+        let (facts, injector, server) = (self.facts.clone(), self.injector.clone(), self.server);
         let job: Job = Box::new(move |store| {
             Box::pin(async move {
-                let _ = tx.send(op(store).await);
+                *facts
+                    .lock()
+                    .calls
+                    .entry((format!("{kind:?}"), server))
+                    .or_default() += 1;
+                let fault = injector.take(kind, server, &scopes);
+                if let Some(fault) = fault {
+                    facts.hit(server, kind, fault, &scopes, &tokens);
+                }
+                let injected = |what: &str| {
+                    Err(StoreError::Backend(
+                        format!("{kind:?}: {what} (injected fault)").into(),
+                    ))
+                };
+                let answer = match fault {
+                    None => op(store, facts).await,
+                    Some(StoreFault::Fail) => injected("the store is unreachable"),
+                    Some(StoreFault::Corrupt) => Err(StoreError::Corrupt(format!(
+                        "{kind:?}: the entry does not decode (injected fault)"
+                    ))),
+                    Some(StoreFault::Full) => Err(StoreError::Full),
+                    Some(StoreFault::Hang) => std::future::pending().await,
+                    Some(StoreFault::Delay(d)) => {
+                        tokio::time::sleep(d).await;
+                        op(store, facts).await
+                    }
+                    Some(StoreFault::DelayReply(d)) => {
+                        let r = op(store, facts).await;
+                        tokio::time::sleep(d).await;
+                        r
+                    }
+                    Some(StoreFault::LoseReply) => {
+                        let _ = op(store, facts).await;
+                        injected("the reply was lost after the operation ran")
+                    }
+                    Some(StoreFault::HangAfter) => {
+                        let _ = op(store, facts).await;
+                        std::future::pending().await
+                    }
+                    Some(StoreFault::Ack) => match ack() {
+                        Some(v) => Ok(v),
+                        None => injected("the store is unreachable"),
+                    },
+                    Some(_) => injected("an unknown fault"),
+                };
+                let _ = tx.send(answer);
             })
         });
         let sent = self.jobs.send(job);
@@ -94,6 +545,10 @@ impl StoreLink {
     }
 }
 
+fn ack<T: Acked>() -> Option<T> {
+    T::acked()
+}
+
 impl IdempotencyStore for StoreLink {
     fn begin(
         &self,
@@ -101,7 +556,20 @@ impl IdempotencyStore for StoreLink {
         fingerprint: Fingerprint,
         lease: Duration,
     ) -> impl Future<Output = Result<Begin, StoreError>> + Send {
-        self.run(move |s| async move { s.begin(scope, fingerprint, lease).await })
+        let (server, attempt) = (self.server, AttemptTags::current());
+        self.run(
+            Op::Begin,
+            vec![scope],
+            vec![],
+            ack,
+            move |s, f| async move {
+                let r = s.begin(scope, fingerprint, lease).await;
+                if let Ok(b) = &r {
+                    f.begun(scope, server, attempt, b, lease);
+                }
+                r
+            },
+        )
     }
 
     fn begin_for_tenant(
@@ -113,9 +581,20 @@ impl IdempotencyStore for StoreLink {
     ) -> impl Future<Output = Result<Begin, StoreError>> + Send {
         let attempt = AttemptTags::current();
         let tags = self.tags.clone();
-        let call = self.run(move |s| async move {
-            s.begin_for_tenant(tenant, scope, fingerprint, lease).await
-        });
+        let server = self.server;
+        let call = self.run(
+            Op::Begin,
+            vec![scope],
+            vec![],
+            ack,
+            move |s, f| async move {
+                let r = s.begin_for_tenant(tenant, scope, fingerprint, lease).await;
+                if let Ok(b) = &r {
+                    f.begun(scope, server, attempt, b, lease);
+                }
+                r
+            },
+        );
         async move {
             let begun = call.await;
             tags.note(attempt, |seen| match &begun {
@@ -135,7 +614,17 @@ impl IdempotencyStore for StoreLink {
         record: Arc<Record>,
         ttl: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        self.run(move |s| async move { s.complete(scope, token, record, ttl).await })
+        self.run(
+            Op::Complete,
+            vec![scope],
+            vec![token.0],
+            ack,
+            move |s, f| async move {
+                let r = s.complete(scope, token, record.clone(), ttl).await;
+                f.completed(scope, token, &record, &r);
+                r
+            },
+        )
     }
 
     fn release(
@@ -143,7 +632,17 @@ impl IdempotencyStore for StoreLink {
         scope: ScopeKey,
         token: Token,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        self.run(move |s| async move { s.release(scope, token).await })
+        self.run(
+            Op::Release,
+            vec![scope],
+            vec![token.0],
+            ack,
+            move |s, f| async move {
+                let r = s.release(scope, token).await;
+                f.released(token, &r);
+                r
+            },
+        )
     }
 
     fn renew(
@@ -152,7 +651,17 @@ impl IdempotencyStore for StoreLink {
         token: Token,
         lease: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        self.run(move |s| async move { s.renew(scope, token, lease).await })
+        self.run(
+            Op::Renew,
+            vec![scope],
+            vec![token.0],
+            ack,
+            move |s, f| async move {
+                let r = s.renew(scope, token, lease).await;
+                f.renewed(&[(scope, token, lease)], std::slice::from_ref(&r));
+                r
+            },
+        )
     }
 
     fn renew_many(
@@ -161,11 +670,30 @@ impl IdempotencyStore for StoreLink {
     ) -> impl Future<Output = Vec<Result<(), StoreError>>> + Send {
         let claims = claims.to_vec();
         let n = claims.len();
-        let call = self.run(move |s| async move { Ok(s.renew_many(&claims).await) });
+        let scopes = claims.iter().map(|(s, _, _)| *s).collect();
+        let tokens = claims.iter().map(|(_, t, _)| t.0).collect();
+        let call = self.run(
+            Op::RenewMany,
+            scopes,
+            tokens,
+            move || Some((0..n).map(|_| Ok(())).collect()),
+            move |s, f| async move {
+                let r = s.renew_many(&claims).await;
+                f.renewed(&claims, &r);
+                Ok(r)
+            },
+        );
         async move {
             call.await.unwrap_or_else(|e| {
                 (0..n)
-                    .map(|_| Err(StoreError::Backend(e.to_string().into())))
+                    .map(|_| {
+                        Err(match &e {
+                            StoreError::Full => StoreError::Full,
+                            StoreError::Corrupt(w) => StoreError::Corrupt(w.clone()),
+                            StoreError::Fenced => StoreError::Fenced,
+                            e => StoreError::Backend(e.to_string().into()),
+                        })
+                    })
                     .collect()
             })
         }
@@ -176,11 +704,19 @@ impl IdempotencyStore for StoreLink {
         scope: ScopeKey,
         observed: Token,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        self.run(move |s| async move { s.wait(scope, observed).await })
+        self.run(Op::Wait, vec![scope], vec![], ack, move |s, _| async move {
+            s.wait(scope, observed).await
+        })
     }
 
     fn forget(&self, scope: ScopeKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        self.run(move |s| async move { s.forget(scope).await })
+        self.run(
+            Op::Forget,
+            vec![scope],
+            vec![],
+            ack,
+            move |s, _| async move { s.forget(scope).await },
+        )
     }
 
     fn backend(&self) -> Backend {

@@ -6,7 +6,6 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Once};
 use std::time::Duration;
 
-use idempotency_layer::conformance::{FaultStore, Rule};
 use idempotency_layer::MemoryStore;
 use tokio::sync::watch;
 
@@ -14,14 +13,14 @@ use crate::app::{run_server, Shared};
 use crate::client::{run_client, run_probe, ReadyGate};
 use crate::ledger::{Ledger, Memory, Observed, PanicRecord};
 use crate::schedule::{Fault, Schedule};
-use crate::store_host::{store_pair, Backing};
+use crate::store_host::{store_pair, Facts, Injector, StoreFacts, StoreRule, DOWNSTREAM};
 use crate::tag::AttemptTags;
 
 /// The simulation's tick: every timer fires on a multiple of it.
 pub const TICK: Duration = Duration::from_millis(5);
 
 /// The longest a seed may run in simulated time; a call still open then has hung.
-pub const SIM_LIMIT: Duration = Duration::from_secs(900);
+pub const SIM_LIMIT: Duration = Duration::from_secs(1500);
 
 thread_local! {
     static CURRENT: RefCell<Option<Ledger>> = const { RefCell::new(None) };
@@ -68,6 +67,8 @@ pub struct Run {
     pub sim_error: Option<String>,
     /// What each attempt's `begin` calls answered.
     pub tags: AttemptTags,
+    /// What the store did, as the store host recorded it.
+    pub facts: StoreFacts,
 }
 
 enum Action {
@@ -82,18 +83,26 @@ pub fn run(schedule: Schedule) -> Run {
     let ledger = Ledger::default();
     CURRENT.with(|c| *c.borrow_mut() = Some(ledger.clone()));
     let tags = AttemptTags::default();
-    let sim_error = drive(&schedule, &ledger, &tags);
+    let facts = Facts::default();
+    let sim_error = drive(&schedule, &ledger, &tags, &facts);
     CURRENT.with(|c| *c.borrow_mut() = None);
     let observed = std::mem::take(&mut *ledger.lock());
+    let facts = facts.lock().clone();
     Run {
         schedule,
         observed,
         sim_error,
         tags,
+        facts,
     }
 }
 
-fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Option<String> {
+fn drive(
+    schedule: &Arc<Schedule>,
+    ledger: &Ledger,
+    tags: &AttemptTags,
+    facts: &Facts,
+) -> Option<String> {
     let s = &schedule.settings;
     let mut sim = turmoil::Builder::new()
         .rng_seed(schedule.seed)
@@ -111,13 +120,13 @@ fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Optio
         store_bytes: held.stats().bytes as u64,
         ..Memory::default()
     }));
-    let store: Backing = FaultStore::new(memory);
-    let (store_host, link) = store_pair(store.clone(), tags.clone());
+    let injector = Injector::default();
+    let (store_host, link) = store_pair(memory, tags.clone(), facts.clone(), injector.clone());
     sim.host("store", move || store_host.clone().run());
 
     if s.chain {
         let boots = Arc::new(AtomicU32::new(0));
-        let (ledger, link) = (ledger.clone(), link.clone());
+        let (ledger, link) = (ledger.clone(), link.for_server(DOWNSTREAM));
         sim.host(crate::chain::DOWN, move || {
             let boot = boots.fetch_add(1, Ordering::SeqCst);
             crate::chain::run_down(ledger.clone(), link.clone(), boot)
@@ -132,7 +141,7 @@ fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Optio
         let (schedule, shared, link, drains) = (
             schedule.clone(),
             shared.clone(),
-            link.clone(),
+            link.for_server(server),
             drains.clone(),
         );
         sim.host(format!("server{server}"), move || {
@@ -168,7 +177,8 @@ fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Optio
     );
 
     let hosts = Hosts {
-        store: store.clone(),
+        store: injector.clone(),
+        schedule: schedule.clone(),
         gates: gates.clone(),
         drains,
         finished: finished.clone(),
@@ -204,17 +214,11 @@ fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Optio
             match action {
                 Action::Start(i) => {
                     active[i] = true;
-                    apply(&mut sim, &hosts, ledger, schedule.faults[i].fault, true);
+                    apply(&mut sim, &hosts, ledger, i, schedule.faults[i].fault, true);
                 }
                 Action::Heal(i) => {
                     active[i] = false;
-                    apply(&mut sim, &hosts, ledger, schedule.faults[i].fault, false);
-                    // Healing the store removes every rule: put back the ones still active.
-                    for (j, t) in schedule.faults.iter().enumerate() {
-                        if active[j] && matches!(t.fault, Fault::Store { .. }) {
-                            inject(&store, t.fault);
-                        }
-                    }
+                    apply(&mut sim, &hosts, ledger, i, schedule.faults[i].fault, false);
                 }
             }
         }
@@ -224,9 +228,12 @@ fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Optio
             for (i, t) in schedule.faults.iter().enumerate() {
                 if active[i] {
                     active[i] = false;
-                    apply(&mut sim, &hosts, ledger, t.fault, false);
+                    apply(&mut sim, &hosts, ledger, i, t.fault, false);
                 }
             }
+            // One-shot store rules whose calls never came are gone too.
+            injector.heal_all();
+            ledger.lock().probing_from = Some(now);
             sim.set_fail_rate(0.0);
             ledger.event_at(now, "all calls ended; faults healed; probing");
             go.store(true, Ordering::SeqCst);
@@ -234,18 +241,36 @@ fn drive(schedule: &Arc<Schedule>, ledger: &Ledger, tags: &AttemptTags) -> Optio
     }
 }
 
-fn inject(store: &Backing, fault: Fault) {
-    if let Fault::Store { op, fault } = fault {
-        store.inject(match op {
-            Some(op) => Rule::new(op, fault),
-            None => Rule::every_op(fault),
+fn inject(hosts: &Hosts, id: usize, fault: Fault) {
+    if let Fault::Store {
+        op,
+        fault,
+        server,
+        intent,
+        times,
+    } = fault
+    {
+        let scope = intent.map(|i| {
+            let intent = &hosts.schedule.intents[i];
+            hosts.schedule.scope_key(intent.tenant, &intent.key)
         });
+        hosts.store.inject(
+            id,
+            StoreRule {
+                op,
+                server,
+                scope,
+                fault,
+                times,
+            },
+        );
     }
 }
 
 /// What the faults act on, besides the simulation's hosts and links.
 struct Hosts {
-    store: Backing,
+    store: Injector,
+    schedule: Arc<Schedule>,
     gates: Vec<ReadyGate>,
     /// Each server's drain requests.
     drains: Vec<Arc<watch::Sender<u64>>>,
@@ -253,7 +278,14 @@ struct Hosts {
     finished: Vec<Arc<AtomicBool>>,
 }
 
-fn apply(sim: &mut turmoil::Sim<'_>, hosts: &Hosts, ledger: &Ledger, fault: Fault, start: bool) {
+fn apply(
+    sim: &mut turmoil::Sim<'_>,
+    hosts: &Hosts,
+    ledger: &Ledger,
+    id: usize,
+    fault: Fault,
+    start: bool,
+) {
     let verb = if start { "start" } else { "heal" };
     ledger.event_at(sim.elapsed(), format!("fault {verb}: {fault:?}"));
     match fault {
@@ -288,19 +320,39 @@ fn apply(sim: &mut turmoil::Sim<'_>, hosts: &Hosts, ledger: &Ledger, fault: Faul
                 sim.bounce(name.as_str());
             }
         }
-        Fault::Store { fault: f, .. } => {
+        Fault::Store {
+            fault: f,
+            server,
+            intent,
+            times,
+            ..
+        } => {
+            use idempotency_layer::conformance::Fault as F;
             if start {
                 ledger.fault(match f {
-                    idempotency_layer::conformance::Fault::Fail => "store: error",
-                    idempotency_layer::conformance::Fault::Delay(_) => "store: delay",
-                    idempotency_layer::conformance::Fault::LoseReply => "store: lost reply",
-                    idempotency_layer::conformance::Fault::Full => "store: full",
-                    idempotency_layer::conformance::Fault::Hang => "store: hang",
+                    F::Fail => "store: error",
+                    F::Corrupt => "store: corrupt entry",
+                    F::Delay(_) => "store: delay (before the operation)",
+                    F::DelayReply(_) => "store: late reply (after the operation ran)",
+                    F::LoseReply => "store: lost reply",
+                    F::Full => "store: full",
+                    F::Hang => "store: hang",
+                    F::HangAfter => "store: hang after the operation ran",
+                    F::Ack => "store: acknowledges work it never did",
                     _ => "store: other",
                 });
-                inject(&hosts.store, fault);
+                if server.is_some() {
+                    ledger.fault("store: a fault on one server's calls");
+                }
+                if intent.is_some() {
+                    ledger.fault("store: a fault on one key");
+                }
+                if times.is_some() {
+                    ledger.fault("store: a one-shot fault (the next few calls)");
+                }
+                inject(hosts, id, fault);
             } else {
-                hosts.store.heal();
+                hosts.store.heal(id);
             }
         }
         Fault::NotReady { client } => {
@@ -330,8 +382,19 @@ fn apply(sim: &mut turmoil::Sim<'_>, hosts: &Hosts, ledger: &Ledger, fault: Faul
                 if sim.is_host_running(name.as_str()) {
                     ledger.fault("host: server drained (GOAWAY) and restarted");
                     hosts.drains[server].send_modify(|n| *n += 1);
+                    let at = sim.elapsed();
+                    ledger
+                        .lock()
+                        .drains
+                        .entry(server)
+                        .or_default()
+                        .push((at, None));
                 }
             } else {
+                let at = sim.elapsed();
+                if let Some(last) = ledger.lock().drains.entry(server).or_default().last_mut() {
+                    last.1.get_or_insert(at);
+                }
                 if sim.is_host_running(name.as_str()) {
                     // The drain did not end in time: the restart kills what is left.
                     let at = sim.elapsed();

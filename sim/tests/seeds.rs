@@ -1,5 +1,8 @@
 //! The simulator in `cargo test`: the seeds that found bugs (each must now hold every
-//! promise) and a sweep of a few hundred seeds (the check that a seed replays exactly is in
+//! promise), a fixed sweep, and a sweep from a seed derived from the commit (each landing tries
+//! new schedules). One test, so that the seeds run one after another on one thread: tokio
+//! numbers tasks with one counter for the whole process, and a seed replays exactly only when
+//! no other thread spawns tasks meanwhile (the check that a seed replays exactly is in
 //! `replay.rs`, a binary of its own).
 
 use sim::run_seed;
@@ -18,8 +21,40 @@ const REGRESSIONS: &[(u64, &str)] = &[
     (108122, "a store that never answered a `begin` kept a server's one `ConcurrencyLimit` permit for ever, and the server answered nothing again"),
 ];
 
+/// The holes of issue 50 the adversary finds, not yet fixed in the layers: each seed breaks a
+/// promise today (its letter is the issue's list: A a late `begin` reply, B hung renewals, C a
+/// body method that panics, D a stale `complete` acknowledged, E a refused `complete`, G
+/// fail-open beside a leader, H a draining server's new claims). Run with
+/// `cargo test -p sim --test seeds -- --ignored --test-threads 1`.
+pub const HOLES: &[(u64, &str)] = &[
+    (1030, "A: server 0's `begin` answered 778 ms late (DelayReply) on a 1 s lease; the claim begun at 1.745 s was never renewed and was taken over at 2.75 s (NotRenewed)"),
+    (1785, "B: four `renew_many` calls hung after running (HangAfter x4); claim begun at 1.13 s renewed once at 1.635 s, then no renewal reached the healthy store until its takeover at 4.315 s"),
+    (3, "C: `is_end_stream` panics after the 201 head (HTTP/1.1): the claim was released at 5.955 s without a shared failure and the retry ran again"),
+    (16, "C: `size_hint` panics at byte 0 after the 201 head: the claim was released at 3.035 s, the retry ran again at 4.87 s"),
+    (609, "D: the store answered Ok to the `complete` of a claim taken over (stale token), and the write ran twice"),
+    (728, "E: `complete` refused with Full on server 0: the claim begun at 645 ms was never renewed again and was taken over at 6.025 s (lease 3 s)"),
+    (152, "E: `complete` refused with Corrupt (one-shot): the claim was dropped, taken over after the 30 s lease; the write and its downstream write ran twice"),
+    (790, "G: with fail_open, a duplicate ran unprotected at 350 ms on server 0 beside that server's leader holding the key since 310 ms"),
+    (832, "H (to confirm): server 0 claimed a key at 4.055 s, after its drain began at 3.29 s"),
+];
+
+/// Seeds `from..from + n`: every promise holds.
+fn sweep(from: u64, n: u64) {
+    eprintln!("sim: sweeping seeds {from}..{}", from + n);
+    for seed in from..from + n {
+        let report = run_seed(seed);
+        assert!(
+            report.verdict.violations.is_empty(),
+            "seed {seed} (of the sweep {from}..{}):\n{}",
+            from + n,
+            report.explain()
+        );
+    }
+}
+
+/// Everything in one test, run in order on one thread.
 #[test]
-fn the_seeds_that_found_bugs_hold_every_promise() {
+fn the_simulator_holds_every_promise() {
     for (seed, found) in REGRESSIONS {
         let report = run_seed(*seed);
         assert!(
@@ -28,13 +63,9 @@ fn the_seeds_that_found_bugs_hold_every_promise() {
             report.explain()
         );
     }
-}
-
-/// Seeds whose small memory bounds are reached: a duplicate refused its wait (the servers'
-/// waiters' bytes), a request body not kept for replay (the client's). Each holds its bound;
-/// with the bound taken out of the layer, each breaks promise 5.
-#[test]
-fn seeds_that_reach_their_memory_bounds_hold_them() {
+    // Seeds whose small memory bounds are reached: a duplicate refused its wait (the servers'
+    // waiters' bytes), a request body not kept for replay (the client's). Each holds its bound;
+    // with the bound taken out of the layer, each breaks promise 5.
     for (seed, reached) in [
         (4, "bounds: servers' waiting memory full"),
         (1, "bounds: clients' replay memory full"),
@@ -50,37 +81,23 @@ fn seeds_that_reach_their_memory_bounds_hold_them() {
             report.explain()
         );
     }
+    sweep(0, 300);
+    // New schedules on every commit (the range is printed; rerun a failing seed alone with
+    // `cargo run --release -p sim -- --seed N`).
+    sweep(sim::commit_seed(), 100);
 }
 
-/// Seeds `from..from + n`: every promise holds.
-fn sweep(from: u64, n: u64) {
-    for seed in from..from + n {
-        let report = run_seed(seed);
+/// The holes' seeds hold every promise: ignored until the fixes of issue 50 land in the layers
+/// (each breaks a promise today); then un-ignore it, or move the seeds to `REGRESSIONS`.
+#[test]
+#[ignore = "the layers do not have the fixes of issue 50 yet"]
+fn the_holes_seeds_hold_every_promise() {
+    for (seed, hole) in HOLES {
+        let report = run_seed(*seed);
         assert!(
             report.verdict.violations.is_empty(),
-            "seed {seed}:\n{}",
+            "seed {seed} (hole {hole}) still breaks a promise:\n{}",
             report.explain()
         );
     }
-}
-
-// The sweep in four parts, which the test harness runs in parallel.
-#[test]
-fn sweep_seeds_0_to_75() {
-    sweep(0, 75);
-}
-
-#[test]
-fn sweep_seeds_75_to_150() {
-    sweep(75, 75);
-}
-
-#[test]
-fn sweep_seeds_150_to_225() {
-    sweep(150, 75);
-}
-
-#[test]
-fn sweep_seeds_225_to_300() {
-    sweep(225, 75);
 }
