@@ -237,12 +237,10 @@ impl AppState {
         } = started;
         let body = response_body(scope, *n, intent.response_len);
         let ledger = &self.shared.ledger;
-        ledger
-            .lock()
-            .executions
-            .entry(scope.clone())
-            .or_default()
-            .push(Execution {
+        let index = {
+            let mut o = ledger.lock();
+            let execs = o.executions.entry(scope.clone()).or_default();
+            execs.push(Execution {
                 server: self.server,
                 boot: self.boot,
                 started: started.at,
@@ -250,7 +248,10 @@ impl AppState {
                 attempt: started.attempt,
                 status,
                 body: body.to_vec(),
+                broke_before_status: false,
             });
+            execs.len() - 1
+        };
         ledger.event(format!("{}/{} execution {n} committed", scope.0, scope.1));
         let (data, trailers) = if grpc {
             let (data, trailers) = grpc_framed(&body);
@@ -268,6 +269,8 @@ impl AppState {
             trailers,
             ledger: ledger.clone(),
             name: format!("{}/{} execution {n}", scope.0, scope.1),
+            hints: Default::default(),
+            grpc_execution: grpc.then(|| (scope.clone(), index)),
         }
     }
 }
@@ -371,6 +374,23 @@ pub(crate) struct SimBody {
     ledger: Ledger,
     /// Its scope and execution, for the trace.
     name: String,
+    /// `size_hint` calls so far (axum's router makes the first: see `size_hint`).
+    hints: std::sync::atomic::AtomicU32,
+    /// Its execution in the ledger (scope, index), told when a gRPC body breaks off before its
+    /// trailers; `None` over HTTP, whose head decides the outcome.
+    grpc_execution: Option<(ScopeName, usize)>,
+}
+
+impl SimBody {
+    /// The body breaks off here (an error, a panic): a gRPC response then never gives its
+    /// status, and the ledger is told.
+    fn breaks(&self) {
+        if let Some((scope, i)) = &self.grpc_execution {
+            if let Some(e) = self.ledger.lock().executions.get_mut(scope).and_then(|v| v.get_mut(*i)) {
+                e.broke_before_status = true;
+            }
+        }
+    }
 }
 
 impl Drop for SimBody {
@@ -415,8 +435,10 @@ impl http_body::Body for SimBody {
                 if this.pos < at {
                     end = at;
                 } else if matches!(this.plan, Handler::PanicInBody { .. }) {
+                    this.breaks();
                     panic!("{HANDLER_PANIC}");
                 } else {
+                    this.breaks();
                     return Poll::Ready(Some(Err("sim: the response body fails".into())));
                 }
             }
@@ -446,6 +468,7 @@ impl http_body::Body for SimBody {
     fn is_end_stream(&self) -> bool {
         if let Handler::PanicInIsEndStream { at } = self.plan {
             if self.pos >= at {
+                self.breaks();
                 panic!("{HANDLER_PANIC}");
             }
         }
@@ -458,8 +481,16 @@ impl http_body::Body for SimBody {
     }
 
     fn size_hint(&self) -> SizeHint {
+        // axum's router (tonic's too) reads every response's size hint once, in the service's own
+        // future (to set its content-length), before the layer has the response: a panic there
+        // is the service's, before any head, which the layer settles as a handler that failed
+        // (released, its failure shared; a retry runs it again, as for any handler that fails
+        // after its side effect). The body whose `size_hint` panics panics from the call after,
+        // when the layer reads it.
+        let call = self.hints.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if let Handler::PanicInSizeHint { at } = self.plan {
-            if self.pos >= at {
+            if self.pos >= at && call > 0 {
+                self.breaks();
                 panic!("{HANDLER_PANIC}");
             }
         }

@@ -114,6 +114,7 @@ async fn down_write(State(st): State<DownState>, headers: HeaderMap) -> Response
             attempt: None,
             status: 201,
             body: body.clone().into_bytes(),
+            broke_before_status: false,
         });
     st.ledger
         .event(format!("{}/{} downstream execution", scope.0, scope.1));

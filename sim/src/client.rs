@@ -489,6 +489,8 @@ pub fn quiescent_answer(ending: &Ending, other_body: bool) -> bool {
                 || ((200..300).contains(status) && body_error.is_none())
                 || (other_body && *status == 422)
         }
+        // gRPC's 422: the key was used with the other body (tonic gives the status as an error).
+        Ending::Error(e) => other_body && e.starts_with("grpc FailedPrecondition"),
         _ => false,
     }
 }

@@ -40,6 +40,9 @@ use crate::world::{Run, TICK};
 /// `max_pushback` (30 s), and slack.
 pub const NO_DEADLINE_BOUND: Duration = Duration::from_secs(3 * (60 + 60) + 2 * 30 + 5);
 
+/// The layer's default `max_claim_lifetime` (five minutes, as its docs say).
+const DEFAULT_MAX_CLAIM_LIFETIME: Duration = Duration::from_secs(5 * 60);
+
 /// The bound within which the layer must answer a call of `schedule`.
 pub fn call_bound(schedule: &Schedule) -> Duration {
     match schedule.settings.deadline {
@@ -100,6 +103,11 @@ pub enum Exception {
     MaxClaimLifetime,
     /// The record landed, expired with its `ttl`, and the store granted a new claim.
     RecordExpired,
+    /// The earlier run's gRPC response broke off (its body failed or panicked) before its
+    /// status, and the store recorded its claim's release: its answer was a failure the table
+    /// does not record (the status of a gRPC response is in its trailers), so a retry runs it
+    /// again, as for any handler that fails after its side effect.
+    AnswerBrokeBeforeItsStatus,
 }
 
 /// The verdict on one seed.
@@ -300,10 +308,7 @@ pub fn lapse_cause(run: &Run, claim: &Claim, at: Duration) -> Lapse {
         .get(claim.server)
         .copied()
         .unwrap_or_default();
-    if own
-        .max_claim_lifetime
-        .is_some_and(|max| at >= claim.begun + max)
-    {
+    if at >= claim.begun + own.max_claim_lifetime.unwrap_or(DEFAULT_MAX_CLAIM_LIFETIME) {
         return Lapse::MaxClaimLifetime;
     }
     if claim.acked.iter().any(|(t, _)| *t <= at) {
@@ -374,6 +379,14 @@ fn second_run(
             ),
         ));
     };
+    // The pair's executions are in the order their side effects happened: the one that
+    // committed later may have started first and lost its claim first (a handler slower than
+    // its claim's lifetime). Whichever claim was taken over is the one whose lapse is judged.
+    let later_claim = claim_of(run, key, later);
+    let claim = match later_claim {
+        Some(c) if claim.taken_over.is_none() && c.taken_over.is_some() && c.begun < claim.begun => c,
+        _ => claim,
+    };
     if let Some((at, by)) = claim.taken_over {
         return match lapse_cause(run, claim, at) {
             Lapse::HolderCrashed if claim.recorded.is_none() => Ok(Exception::CrashBeforeRecord),
@@ -397,6 +410,9 @@ fn second_run(
         if later_claim.is_some_and(|c| c.after_record.is_some_and(|r| r >= recorded)) {
             return Ok(Exception::RecordExpired);
         }
+    }
+    if claim.released.is_some() && earlier.broke_before_status {
+        return Ok(Exception::AnswerBrokeBeforeItsStatus);
     }
     if let Some(released) = claim.released {
         return Err((
@@ -539,10 +555,20 @@ fn runs_once(run: &Run, v: &mut Verdict) {
                 c.begun > *from && end.is_none_or(|end| c.begun < end)
             })
         });
-        if draining {
+        // A claim made while draining must be given up, never led: a handler run on it is one
+        // the drain does not wait for.
+        let ran = draining
+            && names.get(&c.scope).is_some_and(|scope| {
+                o.executions.get(scope).is_some_and(|execs| {
+                    execs.iter().any(|e| {
+                        e.server == c.server && e.attempt == c.attempt && e.started >= c.begun
+                    })
+                })
+            });
+        if ran {
             v.violations.push(Violation {
                 promise: 2,
-                cause: "a draining server took a new claim",
+                cause: "a draining server ran a handler on a claim it took while draining",
                 scope: names.get(&c.scope).cloned(),
                 detail: format!("server {} at {:?}", c.server, c.begun),
             });

@@ -28,6 +28,9 @@ pub struct Execution {
     pub status: u16,
     /// The body it meant to send (all of it, whether or not it got out).
     pub body: Vec<u8>,
+    /// Its gRPC response broke off (the body failed or panicked) before its status, which a
+    /// gRPC response gives in its trailers: its answer is a failure the table does not record.
+    pub broke_before_status: bool,
 }
 
 /// How one client call ended.
