@@ -386,7 +386,13 @@ impl SimBody {
     /// status, and the ledger is told.
     fn breaks(&self) {
         if let Some((scope, i)) = &self.grpc_execution {
-            if let Some(e) = self.ledger.lock().executions.get_mut(scope).and_then(|v| v.get_mut(*i)) {
+            if let Some(e) = self
+                .ledger
+                .lock()
+                .executions
+                .get_mut(scope)
+                .and_then(|v| v.get_mut(*i))
+            {
                 e.broke_before_status = true;
             }
         }
@@ -487,7 +493,9 @@ impl http_body::Body for SimBody {
         // (released, its failure shared; a retry runs it again, as for any handler that fails
         // after its side effect). The body whose `size_hint` panics panics from the call after,
         // when the layer reads it.
-        let call = self.hints.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let call = self
+            .hints
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if let Handler::PanicInSizeHint { at } = self.plan {
             if self.pos >= at && call > 0 {
                 self.breaks();

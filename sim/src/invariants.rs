@@ -384,7 +384,11 @@ fn second_run(
     // its claim's lifetime). Whichever claim was taken over is the one whose lapse is judged.
     let later_claim = claim_of(run, key, later);
     let claim = match later_claim {
-        Some(c) if claim.taken_over.is_none() && c.taken_over.is_some() && c.begun < claim.begun => c,
+        Some(c)
+            if claim.taken_over.is_none() && c.taken_over.is_some() && c.begun < claim.begun =>
+        {
+            c
+        }
         _ => claim,
     };
     if let Some((at, by)) = claim.taken_over {

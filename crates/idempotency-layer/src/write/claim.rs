@@ -161,15 +161,47 @@ async fn resend_while_held<St: IdempotencyStore>(
                 return Ok(());
             }
             Err(StoreError::Fenced) => return Err(StoreError::Fenced),
-            Err(e) if Instant::now() + delay >= give_up => return Err(e),
+            Err(e) if Instant::now() >= give_up => return Err(e),
             Err(e) => {
                 if matches!(e, StoreError::Full) {
                     trim_body(&mut record);
                 }
                 tracing::debug!(?scope, error = %e, "idempotency: record not taken; resending");
-                tokio::time::sleep(delay).await;
+                // Tried until the end of the claim's life, the last try at its end.
+                let left = give_up.saturating_duration_since(Instant::now());
+                tokio::time::sleep(delay.min(left)).await;
                 delay = (delay * 2).min(Duration::from_secs(1));
             }
+        }
+    }
+}
+
+/// A claim whose write has run, while its record is being stored: if it is let go before the
+/// store took the record or fenced the claim (its future dropped: no place left for detached
+/// work, or the resend gave up at the end of the claim's life), the claim stays renewed to the
+/// end of its lifetime rather than lapsing at its next lease under a write that ran.
+struct Recording<St: IdempotencyStore> {
+    store: Arc<St>,
+    held: Option<Held>,
+}
+
+impl<St: IdempotencyStore> Recording<St> {
+    fn held(&self) -> &Held {
+        self.held
+            .as_ref()
+            .expect("a recording holds its claim until it ends")
+    }
+
+    /// The record landed, or the claim is not this write's any more: it ends as claims do.
+    fn ended(mut self) {
+        drop(self.held.take());
+    }
+}
+
+impl<St: IdempotencyStore> Drop for Recording<St> {
+    fn drop(&mut self) {
+        if let Some(held) = self.held.take() {
+            held.keep_renewing_to_the_end_of_its_lifetime(&*self.store);
         }
     }
 }
@@ -177,20 +209,29 @@ async fn resend_while_held<St: IdempotencyStore>(
 impl<St: IdempotencyStore> ClaimStore for St {
     fn complete(self: Arc<Self>, held: Held, record: Record) -> BoxFuture {
         Box::pin(async move {
+            let kind = self.backend();
+            let recording = Recording {
+                store: self,
+                held: Some(held),
+            };
+            let (store, held) = (&*recording.store, recording.held());
             // Shared, so that a retry through an outage resends it without copying it.
             let mut record = Arc::new(record);
-            let kind = self.backend();
             // Through a brief store outage for one lease, which the final frame waits for.
-            let first = complete_through_outage(&*self, &held, &record, held.config.lease).await;
+            let first = complete_through_outage(store, held, &record, held.config.lease).await;
             let refused = match first {
-                Ok(()) => return held.shared.counters.recorded(),
+                Ok(()) => {
+                    held.shared.counters.recorded();
+                    return recording.ended();
+                }
                 Err(StoreError::Fenced) => {
-                    return log_store_error(
+                    log_store_error(
                         &held.shared.counters,
                         kind,
                         Op::Complete,
-                        &first.unwrap_err(),
-                    )
+                        &StoreError::Fenced,
+                    );
+                    return recording.ended();
                 }
                 Err(e) => e,
             };
@@ -205,14 +246,9 @@ impl<St: IdempotencyStore> ClaimStore for St {
             if matches!(refused, StoreError::Full) {
                 trim_body(&mut record);
             }
-            let Some(rest) = held
-                .until
-                .map(|until| until.saturating_duration_since(Instant::now()))
-                .or(Some(FOREVER))
-                .filter(|rest| !rest.is_zero())
-            else {
-                return;
-            };
+            let rest = held.until.map_or(FOREVER, |until| {
+                until.saturating_duration_since(Instant::now())
+            });
             tracing::warn!(
                 scope = ?held.scope,
                 error = %refused,
@@ -230,13 +266,27 @@ impl<St: IdempotencyStore> ClaimStore for St {
             );
             let (Some(permit), Ok(runtime)) = (permit, tokio::runtime::Handle::try_current())
             else {
-                held.keep_renewing_to_the_end_of_its_lifetime(&*self);
-                return;
+                return; // `recording` keeps the claim renewed as it goes.
             };
             runtime.spawn(async move {
                 let _permit = permit;
-                match resend_while_held(&*self, &held, record, rest).await {
-                    Ok(()) => held.shared.counters.recorded(),
+                let (store, held) = (&*recording.store, recording.held());
+                match resend_while_held(store, held, record, rest).await {
+                    Ok(()) => {
+                        held.shared.counters.recorded();
+                        recording.ended();
+                    }
+                    Err(StoreError::Fenced) => {
+                        log_store_error(
+                            &held.shared.counters,
+                            kind,
+                            Op::Complete,
+                            &StoreError::Fenced,
+                        );
+                        recording.ended();
+                    }
+                    // Given up at the end of the claim's life: `recording` keeps it renewed
+                    // there, and it lapses with its lifetime.
                     Err(e) => log_store_error(&held.shared.counters, kind, Op::Complete, &e),
                 }
             });

@@ -1697,3 +1697,50 @@ async fn a_waiter_woken_after_its_drain_began_does_not_lead() {
     );
     assert_eq!(draining.stats().in_flight, 0);
 }
+
+/// A record the store does not take while its client goes away, with no place for detached
+/// work (`max_detached(0)`): the record's store operation is dropped, but the claim is not let
+/// lapse at its next lease under a write that ran: it stays renewed to the end of its lifetime,
+/// and a duplicate finds it in flight. (The dropped operation took the claim's renewal with it,
+/// the lease lapsed, and the duplicate ran the write again.)
+#[tokio::test(start_paused = true)]
+async fn a_record_dropped_for_want_of_detached_room_keeps_its_claim_in_flight() {
+    let executions = Arc::new(AtomicUsize::new(0));
+    let store = FaultStore::new(MemoryStore::new());
+    store.inject(Rule::new(Op::Complete, Fault::Fail));
+    let lease = Duration::from_secs(2);
+    let layer = IdempotencyLayer::new(store.clone())
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
+        .lease(lease)
+        .max_claim_lifetime(Duration::from_secs(60))
+        .max_detached(0)
+        .in_flight(InFlight::Reject);
+    let app = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(orders(&executions, || Body::from("created")));
+    let call = || {
+        let app = app.clone();
+        async move {
+            let req = Request::post("/orders")
+                .header("x-idempotency-key", "order-dropped-record")
+                .body(Body::from("{}"))
+                .unwrap();
+            app.oneshot(req).await.unwrap().status()
+        }
+    };
+    // The client gives up while the record is being retried through the outage.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), call())
+            .await
+            .is_err(),
+        "the answer waits for the record"
+    );
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+    tokio::time::sleep(lease * 3).await;
+    assert_eq!(
+        call().await,
+        StatusCode::CONFLICT,
+        "three leases later the claim is still in flight"
+    );
+    assert_eq!(executions.load(Ordering::SeqCst), 1, "nothing ran again");
+}
