@@ -214,7 +214,12 @@ impl AppState {
             *n += 1;
             *n
         };
-        let plan = intent.plan(n);
+        // Once every fault has healed (the quiescence step), handlers do as planned no more.
+        let plan = if self.shared.ledger.lock().healed {
+            Handler::Ok
+        } else {
+            intent.plan(n)
+        };
         self.shared.ledger.event(format!(
             "{}/{} execution {n} on server {} boot {} (attempt {attempt:?}): {plan:?}",
             scope.0, scope.1, self.server, self.boot

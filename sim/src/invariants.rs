@@ -339,7 +339,9 @@ fn claim_of<'a>(run: &'a Run, scope: ScopeKey, e: &Execution) -> Option<&'a Clai
         .claims
         .iter()
         .rev()
-        .find(|c| c.scope == scope && c.attempt == Some(attempt) && c.begun <= e.started)
+        // The claim is begun on the store host's clock and the run started on the server's: the
+        // two read the simulation's time up to a step apart.
+        .find(|c| c.scope == scope && c.attempt == Some(attempt) && c.begun <= e.started + TICK)
 }
 
 /// Whether `attempt` ran unprotected (its `begin` failed, it claimed nothing), and whether any
@@ -443,8 +445,17 @@ fn runs_once(run: &Run, v: &mut Verdict) {
             *per_parent.entry(parent).or_default() += execs.len();
         }
     }
+    // The store lied to the downstream tier (an `Ack` of a record it never stored): a second
+    // downstream run is then the store's doing, as an upstream one is.
+    let downstream_lied = run
+        .facts
+        .claims
+        .iter()
+        .any(|c| c.server == crate::store_host::DOWNSTREAM && !c.acked.is_empty());
     for (parent, n) in per_parent {
-        if n > 1 {
+        if n > 1 && downstream_lied {
+            *v.exceptions.entry(Exception::StoreLied).or_default() += n as u64 - 1;
+        } else if n > 1 {
             v.violations.push(Violation {
                 promise: 2,
                 cause: "a downstream write ran twice for one upstream write",
@@ -470,16 +481,7 @@ fn runs_once(run: &Run, v: &mut Verdict) {
             } else if later_unprotected && run.schedule.settings.fail_open {
                 // A claim the layer knew it held: not this attempt's own, not one whose
                 // `begin` reply was lost.
-                let known = |c: &Claim| {
-                    c.attempt != later.attempt
-                        && !run.facts.faults.iter().any(|h| {
-                            h.op == Op::Begin
-                                && matches!(h.fault, StoreFault::LoseReply | StoreFault::HangAfter)
-                                && h.at == c.begun
-                                && h.server == c.server
-                                && h.scopes.contains(&c.scope)
-                        })
-                };
+                let known = |c: &Claim| c.attempt != later.attempt && !begin_reply_lost(run, c);
                 let beside = run.facts.claims.iter().find(|c| {
                     c.scope == key
                         && c.server == later.server
@@ -565,7 +567,9 @@ fn runs_once(run: &Run, v: &mut Verdict) {
             && names.get(&c.scope).is_some_and(|scope| {
                 o.executions.get(scope).is_some_and(|execs| {
                     execs.iter().any(|e| {
-                        e.server == c.server && e.attempt == c.attempt && e.started >= c.begun
+                        e.server == c.server
+                            && e.attempt == c.attempt
+                            && e.started + TICK >= c.begun
                     })
                 })
             });
@@ -586,6 +590,18 @@ fn runs_once(run: &Run, v: &mut Verdict) {
             detail: what.clone(),
         });
     }
+}
+
+/// Whether the reply of the `begin` that made claim `c` was lost (or never came): the layer
+/// never knew it held that claim, which lapses with its lease.
+fn begin_reply_lost(run: &Run, c: &Claim) -> bool {
+    run.facts.faults.iter().any(|h| {
+        h.op == Op::Begin
+            && matches!(h.fault, StoreFault::LoseReply | StoreFault::HangAfter)
+            && h.at == c.begun
+            && h.server == c.server
+            && h.scopes.contains(&c.scope)
+    })
 }
 
 /// Quiescence: every fault healed, each key was answered once more (checked with the other
@@ -627,7 +643,10 @@ fn quiescent(run: &Run, v: &mut Verdict) {
     for (key, name) in &names {
         let last = run.facts.claims.iter().rev().find(|c| c.scope == *key);
         if let Some(c) = last {
-            if c.recorded.is_none() && c.released.is_none() {
+            // A claim whose `begin` reply was lost is one no layer knows: it lapses with its
+            // lease, never renewed (as a shared store's orphan does).
+            let orphan = begin_reply_lost(run, c) && c.touched.len() == 1;
+            if c.recorded.is_none() && c.released.is_none() && !orphan {
                 v.violations.push(Violation {
                     promise: 5,
                     cause: "quiescence: a claim was left in the store",
@@ -637,8 +656,15 @@ fn quiescent(run: &Run, v: &mut Verdict) {
             }
         }
     }
+    // turmoil's TCP does not retransmit: a connection whose segment was lost (a fail rate, a
+    // partition, a held link) may never tell its server that its client went away, and a handler
+    // that never ends then runs for as long as that connection, attached (its claim lapses with
+    // its lifetime; the store check above holds for it).
+    let silent_cuts = (0..run.schedule.settings.clients)
+        .any(|client| network_cut(&run.schedule, client, Duration::ZERO));
     for (server, stats) in &o.final_stats {
-        if stats.in_flight > 0 || stats.detached > 0 || stats.waiting_bytes > 0 {
+        let in_flight = stats.in_flight > 0 && !silent_cuts;
+        if in_flight || stats.detached > 0 || stats.waiting_bytes > 0 {
             v.violations.push(Violation {
                 promise: 5,
                 cause: "quiescence: a server's layer still holds claims, waiters or detached work",

@@ -117,6 +117,9 @@ pub struct Observed {
     pub attempt_calls: BTreeMap<u64, usize>,
     /// The servers' layer statistics at the end of the seed, after the quiescence probe.
     pub final_stats: Vec<(usize, idempotency_layer::IdempotencyStats)>,
+    /// Every fault has healed and the quiescence step runs: handlers run as planned no more
+    /// (a run they start answers at once).
+    pub healed: bool,
     /// When the quiescence probe began (every fault healed).
     pub probing_from: Option<Duration>,
 }
@@ -212,6 +215,21 @@ impl Ledger {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(server, reader);
+    }
+
+    /// Whether every server's layer holds nothing now: no claim, no detached work, no waiter.
+    pub fn layers_idle(&self) -> bool {
+        let readers: Vec<StatsReader> = self
+            .stats
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        readers.into_iter().all(|r| {
+            let s = r();
+            s.in_flight == 0 && s.detached == 0 && s.waiting_bytes == 0
+        })
     }
 
     /// Reads every server's layer statistics into the observations.

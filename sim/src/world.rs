@@ -236,6 +236,7 @@ fn drive(
             ledger.lock().probing_from = Some(now);
             sim.set_fail_rate(0.0);
             ledger.event_at(now, "all calls ended; faults healed; probing");
+            ledger.lock().healed = true;
             go.store(true, Ordering::SeqCst);
         }
     }
@@ -317,6 +318,12 @@ fn apply(
                     ledger.lock().crashes.entry(server).or_default().push(at);
                 }
             } else if !sim.is_host_running(name.as_str()) {
+                // A restart: the new boot does not drain (a drained server's software ends, and
+                // a crash may find it ended already), so a drain still open ends here.
+                let at = sim.elapsed();
+                if let Some(last) = ledger.lock().drains.entry(server).or_default().last_mut() {
+                    last.1.get_or_insert(at);
+                }
                 sim.bounce(name.as_str());
             }
         }
