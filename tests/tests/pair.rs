@@ -348,3 +348,94 @@ async fn the_layers_grpc_answers_get_the_verdict_the_table_promises() {
     assert!(layer.stats().retries >= 1);
     assert_eq!(inventory.stats().orders_created, 1, "one execution");
 }
+
+/// With `fail_open`, a call that was told its key is in flight never has a later attempt run
+/// unprotected: two instances share a store; the leader runs on the first (held at a gate); the
+/// client's call goes to the second (`InFlight::Reject`, `fail_open`), is told 409
+/// `IDEMPOTENCY_IN_FLIGHT`, and retries it; meanwhile the second instance's store fails. The
+/// retry layer says the call was told (`idempotency-seen-in-flight: ?1`), and the server refuses
+/// (503) rather than run the write beside the one in flight. The handler runs once. (The retry
+/// ran unprotected: the server could not know what an earlier attempt of the call was told.)
+/// Over HTTP/1.1 and HTTP/2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_told_its_key_is_in_flight_never_runs_unprotected() {
+    for transport in test_support::net::Transport::BOTH {
+        let shared = MemoryStore::new();
+        let executions = Arc::new(AtomicUsize::new(0));
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let orders = {
+            let (executions, gate) = (executions.clone(), gate.clone());
+            Router::new().route(
+                "/orders",
+                post(move || {
+                    let (executions, gate) = (executions.clone(), gate.clone());
+                    async move {
+                        executions.fetch_add(1, Ordering::SeqCst);
+                        gate.acquire().await.unwrap().forget();
+                        (StatusCode::CREATED, "created")
+                    }
+                }),
+            )
+        };
+        let leader_instance = test_support::net::serve(
+            orders.clone().layer(
+                IdempotencyLayer::new(shared.clone())
+                    .tenant(idempotency_layer::TenantSource::fixed("t")),
+            ),
+        )
+        .await;
+        let store = FaultStore::new(shared.clone());
+        let failing_open = test_support::net::serve(
+            orders.layer(
+                IdempotencyLayer::new(store.clone())
+                    .tenant(idempotency_layer::TenantSource::fixed("t"))
+                    .in_flight(InFlight::Reject)
+                    .fail_open(true),
+            ),
+        )
+        .await;
+        let key = Some("order-seen-in-flight");
+        let leader = {
+            let client = transport.client();
+            let req = request(leader_instance, "/orders", key, "{}");
+            tokio::spawn(async move { client.request(req).await.map(|r| r.status()) })
+        };
+        wait::until("the leader runs", || executions.load(Ordering::SeqCst) == 1).await;
+
+        let mut client = ServiceBuilder::new()
+            .layer(RetryLayer::new(RetryPolicy::default()))
+            .service(transport.client());
+        let call = {
+            let req = request(failing_open, "/orders", key, "{}");
+            tokio::spawn(async move { client.ready().await.unwrap().call(req).await })
+        };
+        // Told it is in flight; the store fails from the next claim on.
+        store
+            .until(Duration::from_secs(20), "the first attempt's claim", |s| {
+                !s.answers(Op::Begin).is_empty()
+            })
+            .await;
+        store.inject(Rule::new(Op::Begin, Fault::Fail));
+        let answer = tokio::time::timeout(Duration::from_secs(30), call)
+            .await
+            .expect("an answer within 30 s")
+            .unwrap()
+            .expect("a response");
+        assert_eq!(
+            answer.status(),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{transport:?}: refused, not run"
+        );
+        assert!(
+            store.calls(Op::Begin).made >= 2,
+            "{transport:?}: the call was retried after the 409"
+        );
+        assert_eq!(
+            executions.load(Ordering::SeqCst),
+            1,
+            "{transport:?}: the handler ran once"
+        );
+        gate.add_permits(1);
+        assert_eq!(leader.await.unwrap().unwrap(), StatusCode::CREATED);
+    }
+}

@@ -36,6 +36,34 @@ pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 /// `idempotent-body-omitted`: set to `true` on a replay whose body was too large to record.
 pub const IDEMPOTENT_BODY_OMITTED: HeaderName = HeaderName::from_static("idempotent-body-omitted");
+/// `idempotency-seen-in-flight`: set to `?1` (a structured-field true) by a client's retry layer
+/// on every attempt of a call after one was answered that its key was in flight
+/// ([`IDEMPOTENCY_IN_FLIGHT`](crate::IDEMPOTENCY_IN_FLIGHT)). The server then knows a write with
+/// this key is in flight somewhere, as a duplicate that waited for it knows, and never runs it
+/// unprotected when its store is down (`fail_open`). A client can only make a server more
+/// careful with it, never less. See [`says_seen_in_flight`].
+pub const IDEMPOTENCY_SEEN_IN_FLIGHT: HeaderName =
+    HeaderName::from_static("idempotency-seen-in-flight");
+
+/// True when `headers` say the call was told its key was in flight
+/// ([`IDEMPOTENCY_SEEN_IN_FLIGHT`]: `?1`, or `true` as written by hand). Any other value, or none,
+/// says nothing.
+///
+/// ```
+/// use http::{HeaderMap, HeaderValue};
+/// use reason_code::{says_seen_in_flight, IDEMPOTENCY_SEEN_IN_FLIGHT};
+///
+/// let mut h = HeaderMap::new();
+/// assert!(!says_seen_in_flight(&h));
+/// h.insert(IDEMPOTENCY_SEEN_IN_FLIGHT, HeaderValue::from_static("?1"));
+/// assert!(says_seen_in_flight(&h));
+/// ```
+pub fn says_seen_in_flight(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(IDEMPOTENCY_SEEN_IN_FLIGHT)
+        .iter()
+        .any(|v| matches!(v.as_bytes().trim_ascii(), b"?1" | b"true"))
+}
 
 /// Why a header value could not be parsed.
 ///

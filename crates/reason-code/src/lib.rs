@@ -57,10 +57,11 @@ pub use classify::{classify_end, classify_head, HeadClass};
 pub use code::{Code, UnknownCodeName};
 pub use headers::{
     decode_grpc_message, encode_grpc_message, encode_grpc_timeout, is_grpc, is_grpc_content_type,
-    parse_grpc_pushback, parse_grpc_status, parse_grpc_timeout, parse_retry_after, single,
-    HeaderError, Pushback, GRPC_MESSAGE, GRPC_PREVIOUS_RPC_ATTEMPTS, GRPC_RETRY_PUSHBACK_MS,
-    GRPC_STATUS, GRPC_TIMEOUT, IDEMPOTENCY_KEY, IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED,
-    X_IDEMPOTENCY_KEY, X_PREVIOUS_ATTEMPTS, X_REASON_CODE,
+    parse_grpc_pushback, parse_grpc_status, parse_grpc_timeout, parse_retry_after,
+    says_seen_in_flight, single, HeaderError, Pushback, GRPC_MESSAGE, GRPC_PREVIOUS_RPC_ATTEMPTS,
+    GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS, GRPC_TIMEOUT, IDEMPOTENCY_KEY, IDEMPOTENCY_SEEN_IN_FLIGHT,
+    IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY, X_PREVIOUS_ATTEMPTS,
+    X_REASON_CODE,
 };
 pub use hop::Hop;
 pub use inbound_write::InboundWrite;

@@ -137,6 +137,12 @@ impl ReasonCodes {
         self.get(self.reason(headers)?)
     }
 
+    /// True when `headers` carry [`IDEMPOTENCY_IN_FLIGHT`]: a request with the same key was in
+    /// flight at the server, and nothing ran for this one.
+    pub fn says_in_flight(&self, headers: &HeaderMap) -> bool {
+        self.reason(headers) == Some(IDEMPOTENCY_IN_FLIGHT)
+    }
+
     /// True when `headers` carry [`DO_NOT_RETRY`]: no retry can help, the caller must not
     /// retry.
     pub fn says_do_not_retry(&self, headers: &HeaderMap) -> bool {

@@ -20,9 +20,11 @@ pub(crate) struct Asking {
     pub(crate) in_flight: InFlight,
     /// Execute without a claim when the store is down.
     pub(crate) fail_open: bool,
-    /// A claim of this process holds the scope now (looked up only when the store failed and
-    /// the layer fails open: the renewals know every claim the layer holds).
-    pub(crate) held_here: bool,
+    /// A write with this key is known to be in flight: a claim of this process holds the scope
+    /// (the renewals know every claim the layer holds), or the client says an earlier attempt
+    /// of this call was told so (`idempotency-seen-in-flight`). Looked up only when the store
+    /// failed and the layer fails open.
+    pub(crate) known_in_flight: bool,
 }
 
 /// The next step of a write.
@@ -62,7 +64,7 @@ pub(crate) const STORE_DOWN: &str =
 /// | a claim of this request, `InFlight::Wait` | wait for it |
 /// | a corrupt entry | reject (500): retrying cannot help, running could run twice; never fail open |
 /// | no room (`Full`) | reject (503): the store is up; never fail open |
-/// | the store failing, the scope held by a claim of this process or waited on | reject (503): a write for this key is in flight; never fail open |
+/// | the store failing, a write with this key known in flight (this request waited on it, a claim of this process holds it, or the client was told so) | reject (503); never fail open |
 /// | the store failing | fail open if set, else reject (503) |
 pub(crate) fn after_begin(found: Result<Begin, StoreError>, asking: &Asking) -> Next {
     match found {
@@ -93,9 +95,9 @@ pub(crate) fn after_begin(found: Result<Begin, StoreError>, asking: &Asking) -> 
         ),
         Err(StoreError::Full) => Next::Reject(RejectReason::StoreFull, STORE_FULL.into()),
         // Fail-open is for "we cannot know whether this ran": a request that has waited on its
-        // key, or whose process holds a claim on it, knows a write for it is in flight, so it
-        // never runs unprotected.
-        Err(_) if asking.fail_open && !asking.waited && !asking.held_here => {
+        // key, whose process holds a claim on it, or whose call was told it is in flight, knows
+        // a write for it may run, so it never runs unprotected.
+        Err(_) if asking.fail_open && !asking.waited && !asking.known_in_flight => {
             Next::ExecuteUnprotected
         }
         Err(_) => Next::Reject(RejectReason::StoreUnavailable, STORE_DOWN.into()),
@@ -141,13 +143,13 @@ mod tests {
     }
 
     macro_rules! table {
-        ($($name:ident: $found:expr, waited $waited:literal, $mode:ident, fail_open $open:literal $(, held_here $held:literal)? => $want:literal;)*) => {$(
+        ($($name:ident: $found:expr, waited $waited:literal, $mode:ident, fail_open $open:literal $(, known_in_flight $known:literal)? => $want:literal;)*) => {$(
             #[test]
             fn $name() {
                 let asking = Asking {
                     fingerprint: OURS,
                     waited: $waited,
-                    held_here: false $(|| $held)?,
+                    known_in_flight: false $(|| $known)?,
                     in_flight: InFlight::$mode,
                     fail_open: $open,
                 };
@@ -174,7 +176,7 @@ mod tests {
         a_store_down_fails_closed: Err(StoreError::Backend("down".into())), waited false, Wait, fail_open false => "reject store_unavailable";
         a_store_down_fails_open_when_set: Err(StoreError::Backend("down".into())), waited false, Wait, fail_open true => "execute unprotected";
         a_waiter_never_fails_open: Err(StoreError::Backend("down".into())), waited true, Wait, fail_open true => "reject store_unavailable";
-        a_scope_held_in_this_process_never_fails_open: Err(StoreError::Backend("down".into())), waited false, Wait, fail_open true, held_here true => "reject store_unavailable";
+        a_write_known_in_flight_never_fails_open: Err(StoreError::Backend("down".into())), waited false, Wait, fail_open true, known_in_flight true => "reject store_unavailable";
         a_fenced_begin_is_the_store_failing: Err(StoreError::Fenced), waited true, Wait, fail_open false => "reject store_unavailable";
     }
 }

@@ -425,7 +425,7 @@ where
                 waited: false,
                 in_flight: cfg.in_flight,
                 fail_open: cfg.fail_open,
-                held_here: false,
+                known_in_flight: false,
             };
             // This request's place among the waiters of its scope, held while it waits.
             let mut slot = None;
@@ -480,7 +480,8 @@ where
                 if let Err(e) = &found {
                     note_begin_failed(counters, kind, scope, e);
                     if asking.fail_open {
-                        asking.held_here = self.shared.renewals.holds(&scope);
+                        asking.known_in_flight = reason_code::says_seen_in_flight(&parts.headers)
+                            || self.shared.renewals.holds(&scope);
                     }
                 }
                 if cfg.fingerprint.is_none() {

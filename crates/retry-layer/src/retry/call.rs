@@ -43,6 +43,10 @@ pub(crate) struct Call<S, B> {
     /// never left the client. The attempt header of the next attempt carries it.
     went_out: u32,
     grpc: bool,
+    /// An attempt was answered that its key was in flight at the server: every later attempt
+    /// says so ([`IDEMPOTENCY_SEEN_IN_FLIGHT`](reason_code::IDEMPOTENCY_SEEN_IN_FLIGHT)), and the
+    /// server never runs it unprotected (fail-open) while that write may run.
+    saw_in_flight: bool,
     /// The key `ensure_idempotency_key` generated, if it did.
     generated_key: Option<HeaderValue>,
     /// The code of the last attempt's outcome: labels a stop after it (a deadline too short
@@ -242,6 +246,7 @@ where
             attempt,
             went_out: 0,
             grpc: judged.grpc,
+            saw_in_flight: false,
             generated_key: judged.generated_key,
             last_code: reason_code::Code::Ok,
             rebuild_not_before: None,
@@ -276,6 +281,13 @@ where
         self.body.outcome_known(outcome == Outcome::Unsent);
         if outcome != Outcome::Unsent {
             self.went_out += 1;
+        }
+        // The server's own "in flight" answer is UNAVAILABLE-like: only such an outcome is looked
+        // at, so a success pays nothing for it.
+        if outcome.code() == reason_code::Code::Unavailable {
+            if let Ok(res) = &result {
+                self.saw_in_flight |= policy.reason_codes.says_in_flight(res.headers());
+            }
         }
         let ended = Ended {
             outcome,
@@ -560,6 +572,12 @@ where
         let policy = &self.shared.policy;
         let mut parts = clone_parts(self.parts.as_ref().expect("retries keep the head"));
         write_previous_attempts(&mut parts, self.grpc, self.went_out);
+        if self.saw_in_flight {
+            parts.headers.insert(
+                reason_code::IDEMPOTENCY_SEEN_IN_FLIGHT,
+                HeaderValue::from_static("?1"),
+            );
+        }
         if self.grpc {
             rewrite_grpc_timeout(&mut parts, self.attempt.deadline, policy.attempt_timeout);
         }
