@@ -95,13 +95,58 @@ impl Route<()> {
     }
 }
 
-impl<S, B> Service<Request<B>> for Route<S>
+pin_project_lite::pin_project! {
+    /// An attempt's response future, watched: an answer that says the key is in flight
+    /// (`IDEMPOTENCY_IN_FLIGHT`) is noted for its call, a fact of the client's (the attempts it
+    /// sends after it know).
+    pub struct Watched<F> {
+        #[pin]
+        inner: F,
+        call: Option<usize>,
+        ledger: Ledger,
+    }
+}
+
+impl<F> Watched<F> {
+    /// `inner`, the attempt of `call`.
+    pub(crate) fn new(inner: F, call: Option<usize>, ledger: Ledger) -> Self {
+        Watched {
+            inner,
+            call,
+            ledger,
+        }
+    }
+}
+
+impl<F, B, E> std::future::Future for Watched<F>
 where
-    S: Service<Request<B>>,
+    F: std::future::Future<Output = Result<http::Response<B>, E>>,
+{
+    type Output = F::Output;
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let out = std::task::ready!(this.inner.poll(cx));
+        if let (Ok(res), Some(call)) = (&out, this.call) {
+            let told = res
+                .headers()
+                .get("x-reason-code")
+                .is_some_and(|v| v.as_bytes() == reason_code::IDEMPOTENCY_IN_FLIGHT.as_bytes());
+            if told {
+                this.ledger.call_told_in_flight(*call);
+            }
+        }
+        Poll::Ready(out)
+    }
+}
+
+impl<S, B, R> Service<Request<B>> for Route<S>
+where
+    S: Service<Request<B>, Response = http::Response<R>>,
 {
     type Response = S::Response;
     type Error = S::Error;
-    type Future = S::Future;
+    type Future = Watched<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         if self.gate.0.closed.load(Ordering::SeqCst) {
@@ -116,7 +161,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, mut req: Request<B>) -> S::Future {
+    fn call(&mut self, mut req: Request<B>) -> Self::Future {
         let server = self.next.fetch_add(1, Ordering::Relaxed) as usize % self.servers;
         let path = req
             .uri()
@@ -128,10 +173,11 @@ where
             .expect("a valid URI");
         let tag = (self.client as u64) << 40 | self.tags.fetch_add(1, Ordering::Relaxed);
         req.headers_mut().insert(ATTEMPT_HEADER, tag.into());
-        if let Some(call) = call_of(req.headers()) {
+        let call = call_of(req.headers());
+        if let Some(call) = call {
             self.ledger.attempt_of_call(tag, call);
         }
-        self.inner.call(req)
+        Watched::new(self.inner.call(req), call, self.ledger.clone())
     }
 }
 

@@ -241,7 +241,7 @@ impl Channels {
 impl Service<Request<Body>> for Channels {
     type Response = Response<Body>;
     type Error = tonic::transport::Error;
-    type Future = <Channel as Service<Request<Body>>>::Future;
+    type Future = crate::client::Watched<<Channel as Service<Request<Body>>>::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         if self.gate.closed(cx) {
@@ -259,10 +259,11 @@ impl Service<Request<Body>> for Channels {
         let (_, mut channel) = self.picked.take().expect("call after poll_ready");
         let tag = (self.client as u64) << 40 | self.tags.fetch_add(1, Ordering::Relaxed);
         req.headers_mut().insert(ATTEMPT_HEADER, tag.into());
-        if let Some(call) = crate::client::call_of(req.headers()) {
+        let call = crate::client::call_of(req.headers());
+        if let Some(call) = call {
             self.ledger.attempt_of_call(tag, call);
         }
-        channel.call(req)
+        crate::client::Watched::new(channel.call(req), call, self.ledger.clone())
     }
 }
 

@@ -344,21 +344,17 @@ fn claim_of<'a>(run: &'a Run, scope: ScopeKey, e: &Execution) -> Option<&'a Clai
         .find(|c| c.scope == scope && c.attempt == Some(attempt) && c.begun <= e.started + TICK)
 }
 
-/// Whether `attempt` ran unprotected (its `begin` failed, it claimed nothing), and whether any
-/// attempt of its call saw the key in flight.
+/// Whether `attempt` ran unprotected (its `begin` failed, it claimed nothing), and whether its
+/// call knew the key was in flight: the attempt itself saw it at the store, or its client had
+/// been told so (an answer of its call's) before it sent it. Judged per call: an attempt sent
+/// before any answer told the client (a hedge racing the first) did not know.
 fn unprotected(run: &Run, attempt: Option<u64>) -> (bool, bool) {
     let Some(a) = attempt else {
         return (false, false);
     };
     let seen = run.tags.seen(a);
-    let call = run.observed.attempt_calls.get(&a);
-    let call_saw = call.is_some_and(|call| {
-        run.observed
-            .attempt_calls
-            .iter()
-            .any(|(t, c)| c == call && run.tags.seen(*t).in_flight)
-    });
-    (seen.failed && !seen.claimed, seen.in_flight || call_saw)
+    let knew = run.observed.attempts_sent_knowing.contains(&a);
+    (seen.failed && !seen.claimed, seen.in_flight || knew)
 }
 
 /// Whether a later execution after `earlier` is allowed, and by which exception.

@@ -115,6 +115,11 @@ pub struct Observed {
     pub wrong_bodies: Vec<(ScopeName, String)>,
     /// Which call each attempt tag belongs to (the clients' routers note it).
     pub attempt_calls: BTreeMap<u64, usize>,
+    /// The calls whose client stack received an answer that their key was in flight
+    /// (`IDEMPOTENCY_IN_FLIGHT`).
+    pub calls_told_in_flight: std::collections::BTreeSet<usize>,
+    /// The attempts sent after their call's client had been told its key was in flight.
+    pub attempts_sent_knowing: std::collections::BTreeSet<u64>,
     /// The servers' layer statistics at the end of the seed, after the quiescence probe.
     pub final_stats: Vec<(usize, idempotency_layer::IdempotencyStats)>,
     /// Every fault has healed and the quiescence step runs: handlers run as planned no more
@@ -245,9 +250,19 @@ impl Ledger {
         self.lock().final_stats = stats;
     }
 
-    /// Notes that attempt `tag` belongs to call `call`.
+    /// Notes that attempt `tag` belongs to call `call` (and whether that call's client had been
+    /// told its key was in flight when it sent it).
     pub fn attempt_of_call(&self, tag: u64, call: usize) {
-        self.lock().attempt_calls.insert(tag, call);
+        let mut o = self.lock();
+        o.attempt_calls.insert(tag, call);
+        if o.calls_told_in_flight.contains(&call) {
+            o.attempts_sent_knowing.insert(tag);
+        }
+    }
+
+    /// Notes that call `call`'s client received an answer saying its key was in flight.
+    pub fn call_told_in_flight(&self, call: usize) {
+        self.lock().calls_told_in_flight.insert(call);
     }
 
     /// Adds a holding to read after every step (a layer, when it is made; the store).

@@ -190,6 +190,18 @@ where
             return Some(result);
         }
         shared.budget.record(true);
+        // Told its key is in flight at the server: every later hedge says so, and a server
+        // that fails open never runs it beside that write (as the retry layer's later attempts).
+        if let (Ok(res), Some(parts)) = (&result, self.parts.as_mut()) {
+            if outcome == Outcome::Status(Code::Unavailable)
+                && shared.policy.reason_codes.says_in_flight(res.headers())
+            {
+                parts.headers.insert(
+                    reason_code::IDEMPOTENCY_SEEN_IN_FLIGHT,
+                    http::HeaderValue::from_static("?1"),
+                );
+            }
+        }
         let pushback = match &result {
             Ok(res) => classify::pushback(res.headers(), &shared.policy.reason_codes),
             Err(_) => PushbackHint::None,

@@ -596,3 +596,35 @@ async fn a_hedge_waiting_for_a_service_that_stopped_being_ready_ends_at_the_head
     assert_eq!(started.elapsed(), Duration::from_secs(60));
     assert_eq!(svc.0.load(Ordering::SeqCst), 1, "one attempt sent");
 }
+
+/// A hedge answered that its key is in flight at the server (409 `IDEMPOTENCY_IN_FLIGHT`): every
+/// later hedge says so (`idempotency-seen-in-flight: ?1`), so that a server that fails open
+/// never runs it beside that write; the attempts before it, and a call never told, do not.
+#[tokio::test(start_paused = true)]
+async fn a_hedge_told_its_key_is_in_flight_says_so_on_the_next() {
+    let in_flight = Reply::Status(409, vec![("x-reason-code", "IDEMPOTENCY_IN_FLIGHT")]);
+    let (r, _, script, _) = hedged(
+        HedgeLayer::new(policy(3, Duration::from_secs(1))),
+        keyed(get("/books/b1")),
+        vec![in_flight, status(503), status(200)],
+    )
+    .await;
+    assert_eq!(code(&r), 200);
+    let said: Vec<bool> = script
+        .seen()
+        .iter()
+        .map(|s| reason_code::says_seen_in_flight(&s.headers))
+        .collect();
+    assert_eq!(said, [false, true, true]);
+
+    let (_, _, script, _) = hedged(
+        HedgeLayer::new(policy(3, Duration::from_secs(1))),
+        keyed(get("/books/b1")),
+        vec![status(503), status(200)],
+    )
+    .await;
+    assert!(script
+        .seen()
+        .iter()
+        .all(|s| !reason_code::says_seen_in_flight(&s.headers)));
+}

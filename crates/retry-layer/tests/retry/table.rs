@@ -344,6 +344,57 @@ async fn retries_carry_the_attempt_header() {
     assert_eq!(seen[2].headers["grpc-previous-rpc-attempts"], "2");
 }
 
+/// A call answered that its key is in flight at the server (409 `IDEMPOTENCY_IN_FLIGHT`, or
+/// ABORTED with that reason over gRPC) says so on every later attempt
+/// (`idempotency-seen-in-flight: ?1`): a server that fails open then never runs it beside that
+/// write. Attempts before it, and a call never told, do not say it.
+#[tokio::test(start_paused = true)]
+async fn a_call_told_its_key_is_in_flight_says_so_on_later_attempts() {
+    let said = |script: &crate::support::Script| -> Vec<bool> {
+        script
+            .seen()
+            .iter()
+            .map(|s| reason_code::says_seen_in_flight(&s.headers))
+            .collect()
+    };
+    let in_flight = Reply::Status(409, vec![("x-reason-code", "IDEMPOTENCY_IN_FLIGHT")]);
+    let (_, script, _) = call_scripted(
+        RetryPolicy::default(),
+        keyed(post("/orders")),
+        vec![status(503), in_flight, status(503)],
+    )
+    .await;
+    assert_eq!(said(&script), [false, false, true]);
+
+    let grpc_in_flight = Reply::Status(
+        200,
+        vec![
+            ("content-type", "application/grpc"),
+            ("grpc-status", "10"),
+            ("x-reason-code", "IDEMPOTENCY_IN_FLIGHT"),
+        ],
+    );
+    let (_, script, _) = call_scripted(
+        RetryPolicy::default(),
+        keyed(grpc_req("/lib.Library/CreateBook")),
+        vec![grpc_in_flight, grpc("14")],
+    )
+    .await;
+    assert_eq!(said(&script), [false, true, true]);
+
+    let (_, script, _) = call_scripted(
+        RetryPolicy::default(),
+        keyed(post("/orders")),
+        vec![status(503)],
+    )
+    .await;
+    assert_eq!(
+        said(&script),
+        [false, false, false],
+        "never told, never said"
+    );
+}
+
 /// The attempt header counts only attempts that may have reached the server: one that
 /// provably never left the client (connection refused) is not a previous attempt, and a retry
 /// after nothing but such attempts is a first attempt to the server. Before, every attempt made
