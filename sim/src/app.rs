@@ -406,6 +406,11 @@ impl SimBody {
 
 impl Drop for SimBody {
     fn drop(&mut self) {
+        // A gRPC body let go before its trailers (the layer stopped reading it: its client went
+        // away with no room to finish it, its claim's lifetime ended): its status never went out.
+        if self.trailers.is_some() {
+            self.breaks();
+        }
         let end = if self.pos >= self.data.len() {
             "at its end"
         } else {

@@ -618,7 +618,18 @@ async fn quiesce(schedule: &Schedule, ledger: &Ledger, hyper: &Client<SimConnect
         .max()
         .unwrap_or(Duration::from_secs(30))
         .max(Duration::from_secs(30));
-    let idle_by = now() + 2 * lease + Duration::from_secs(10);
+    // Detached work (a handler whose client went away) may run to its claim's lifetime.
+    let lifetime = schedule
+        .settings
+        .per_server
+        .iter()
+        .map(|s| {
+            s.max_claim_lifetime
+                .unwrap_or(crate::invariants::DEFAULT_MAX_CLAIM_LIFETIME)
+        })
+        .max()
+        .unwrap_or(crate::invariants::DEFAULT_MAX_CLAIM_LIFETIME);
+    let idle_by = now() + lifetime + 2 * lease + Duration::from_secs(10);
     while !ledger.layers_idle() && now() < idle_by {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }

@@ -41,7 +41,7 @@ use crate::world::{Run, TICK};
 pub const NO_DEADLINE_BOUND: Duration = Duration::from_secs(3 * (60 + 60) + 2 * 30 + 5);
 
 /// The layer's default `max_claim_lifetime` (five minutes, as its docs say).
-const DEFAULT_MAX_CLAIM_LIFETIME: Duration = Duration::from_secs(5 * 60);
+pub const DEFAULT_MAX_CLAIM_LIFETIME: Duration = Duration::from_secs(5 * 60);
 
 /// The bound within which the layer must answer a call of `schedule`.
 pub fn call_bound(schedule: &Schedule) -> Duration {
@@ -301,14 +301,7 @@ pub fn lapse_cause(run: &Run, claim: &Claim, at: Duration) -> Lapse {
     if crashed {
         return Lapse::HolderCrashed;
     }
-    let own = run
-        .schedule
-        .settings
-        .per_server
-        .get(claim.server)
-        .copied()
-        .unwrap_or_default();
-    if at >= claim.begun + own.max_claim_lifetime.unwrap_or(DEFAULT_MAX_CLAIM_LIFETIME) {
+    if at >= claim.begun + lifetime_of(run, claim.server) {
         return Lapse::MaxClaimLifetime;
     }
     if claim.acked.iter().any(|(t, _)| *t <= at) {
@@ -330,6 +323,16 @@ pub fn lapse_cause(run: &Run, claim: &Claim, at: Duration) -> Lapse {
         return Lapse::RenewalsRefused;
     }
     Lapse::NotRenewed
+}
+
+/// Server `server`'s `max_claim_lifetime`.
+fn lifetime_of(run: &Run, server: usize) -> Duration {
+    run.schedule
+        .settings
+        .per_server
+        .get(server)
+        .and_then(|s| s.max_claim_lifetime)
+        .unwrap_or(DEFAULT_MAX_CLAIM_LIFETIME)
 }
 
 /// The claim an execution ran under: the last its attempt's `begin` was granted before it.
@@ -389,6 +392,12 @@ fn second_run(
         }
         _ => claim,
     };
+    // The earlier run's answer was a failure the table does not record (a gRPC response that
+    // broke off before its status): whether its claim was then released, or lapsed (its release
+    // refused for want of detached room), a retry runs it again, as the table says.
+    if earlier.broke_before_status && claim.recorded.is_none() {
+        return Ok(Exception::AnswerBrokeBeforeItsStatus);
+    }
     if let Some((at, by)) = claim.taken_over {
         return match lapse_cause(run, claim, at) {
             Lapse::HolderCrashed if claim.recorded.is_none() => Ok(Exception::CrashBeforeRecord),
@@ -413,8 +422,12 @@ fn second_run(
             return Ok(Exception::RecordExpired);
         }
     }
-    if claim.released.is_some() && earlier.broke_before_status {
-        return Ok(Exception::AnswerBrokeBeforeItsStatus);
+    // Released by the layer at the end of the claim's lifetime (a response still streaming).
+    if claim
+        .released
+        .is_some_and(|at| at >= claim.begun + lifetime_of(run, claim.server))
+    {
+        return Ok(Exception::MaxClaimLifetime);
     }
     if let Some(released) = claim.released {
         return Err((
@@ -639,13 +652,17 @@ fn quiescent(run: &Run, v: &mut Verdict) {
     for (key, name) in &names {
         let last = run.facts.claims.iter().rev().find(|c| c.scope == *key);
         if let Some(c) = last {
-            // A claim whose `begin` reply was lost is one no layer knows: it lapses with its
-            // lease, never renewed (as a shared store's orphan does).
-            let orphan = begin_reply_lost(run, c) && c.touched.len() == 1;
-            if c.recorded.is_none() && c.released.is_none() && !orphan {
+            // A claim not ended lapses with its lease once nothing renews it (an orphan of a lost
+            // `begin` reply, a release the store never took or the layer had no room to send, a
+            // crash): what must never happen is a claim renewed past its documented bound, its
+            // lifetime (and the lease it was begun with, for a late `begin` reply).
+            let bound = c.begun + lifetime_of(run, c.server) + c.touched[0].1;
+            let renewed_past = c.touched.last().is_some_and(|(at, _)| *at > bound);
+            let ended = c.recorded.is_some() || c.released.is_some() || c.taken_over.is_some();
+            if !ended && renewed_past {
                 v.violations.push(Violation {
                     promise: 5,
-                    cause: "quiescence: a claim was left in the store",
+                    cause: "quiescence: a claim was renewed past its lifetime",
                     scope: Some(name.clone()),
                     detail: format!("server {} begun at {:?}", c.server, c.begun),
                 });
