@@ -321,9 +321,7 @@ fn apply(
                 // A restart: the new boot does not drain (a drained server's software ends, and
                 // a crash may find it ended already), so a drain still open ends here.
                 let at = sim.elapsed();
-                if let Some(last) = ledger.lock().drains.entry(server).or_default().last_mut() {
-                    last.1.get_or_insert(at);
-                }
+                end_drains(ledger, server, at);
                 sim.bounce(name.as_str());
             }
         }
@@ -399,9 +397,9 @@ fn apply(
                 }
             } else {
                 let at = sim.elapsed();
-                if let Some(last) = ledger.lock().drains.entry(server).or_default().last_mut() {
-                    last.1.get_or_insert(at);
-                }
+                // The restart ends every drain of the server still open (two drains may
+                // overlap: the first heal restarts it).
+                end_drains(ledger, server, at);
                 if sim.is_host_running(name.as_str()) {
                     // The drain did not end in time: the restart kills what is left.
                     let at = sim.elapsed();
@@ -410,5 +408,13 @@ fn apply(
                 sim.bounce(name.as_str());
             }
         }
+    }
+}
+
+/// Server `server` restarts at `at`: every drain of it still open ends (the new boot does not
+/// drain).
+fn end_drains(ledger: &Ledger, server: usize, at: Duration) {
+    for drain in ledger.lock().drains.entry(server).or_default().iter_mut() {
+        drain.1.get_or_insert(at);
     }
 }
