@@ -160,7 +160,12 @@ pub fn memory_bounds(schedule: &Schedule) -> Memory {
             b.max_replay_bytes_total,
             retry_layer::DEFAULT_MAX_REPLAY_BYTES_TOTAL as u64,
         ),
-        store_bytes: MemoryStore::DEFAULT_MAX_BYTES as u64,
+        // A record the store has no room for is kept without its body, charged whatever the
+        // bound (it must be kept): over it by at most the heads of the records of the claims in
+        // flight then, a kilobyte each here.
+        store_bytes: b.store.map_or(MemoryStore::DEFAULT_MAX_BYTES as u64, |(max, _)| {
+            max as u64 + 1024 * schedule.intents.len() as u64
+        }),
     }
 }
 

@@ -122,6 +122,13 @@ impl SeedReport {
                 out.push(("bounds: servers' waiting memory full".to_owned(), 1));
             }
         }
+        if let Some((max, _)) = settings.bounds.store {
+            out.push(("bounds: store bytes drawn small".to_owned(), 1));
+            // No room for one more claim and a small record.
+            if peaks.store_bytes as usize + 512 > max {
+                out.push(("bounds: store full".to_owned(), 1));
+            }
+        }
         if let Some(max) = settings.bounds.max_replay_bytes_total {
             out.push(("bounds: clients' replay memory drawn small".to_owned(), 1));
             let largest = self.run.schedule.intents.iter().map(|i| i.body.len()).max();

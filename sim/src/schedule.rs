@@ -86,6 +86,9 @@ pub struct Bounds {
     pub max_waiting_bytes: Option<usize>,
     /// The clients' `max_replay_bytes_total`: under two request bodies, often under one.
     pub max_replay_bytes_total: Option<usize>,
+    /// The store's `max_bytes` and `min_retention`: room for a few records, which make room for
+    /// new claims once they are older than the retention.
+    pub store: Option<(usize, Duration)>,
 }
 
 /// What a handler does on one execution.
@@ -415,6 +418,7 @@ impl Schedule {
         settings.bounds = Bounds {
             max_waiting_bytes: pick(r, 2, |r| r.usize(1100..4200)),
             max_replay_bytes_total: pick(r, 2, |r| r.usize(..128)),
+            store: None,
         };
         let mut faults: Vec<Timed> = faults;
         for _ in 0..r.usize(..3) {
@@ -458,6 +462,17 @@ impl Schedule {
 /// duplicates of one key at once, and store faults of every kind the fault store has, on one
 /// server, one key or the next few calls.
 fn adversary(
+    r: &mut fastrand::Rng,
+    settings: &mut Settings,
+    intents: &mut [Intent],
+    faults: &mut Vec<Timed>,
+) {
+    adversary_first(r, settings, intents, faults);
+    // Drawn after the rest, so that the draws above stay as they were.
+    settings.bounds.store = pick(r, 5, |r| (r.usize(1_500..8_000), ms(r, ..2000)));
+}
+
+fn adversary_first(
     r: &mut fastrand::Rng,
     settings: &mut Settings,
     intents: &mut [Intent],

@@ -114,7 +114,13 @@ fn drive(
         .repair_rate(1.0)
         .build();
 
-    let memory = MemoryStore::new();
+    let memory = match s.bounds.store {
+        Some((max_bytes, retention)) => MemoryStore::builder()
+            .max_bytes(max_bytes)
+            .min_retention(retention)
+            .build(),
+        None => MemoryStore::new(),
+    };
     let held = memory.clone();
     ledger.gauge(Arc::new(move || Memory {
         store_bytes: held.stats().bytes as u64,

@@ -57,7 +57,9 @@ const HEADER_OVERHEAD: usize = 32;
 ///   record that does not fit when its claim completes (the handler has already run, so it must
 ///   be kept) is kept without its body, as for a response over the layer's
 ///   `max_record_bytes`: a retry gets the status and headers, never a second execution; counted
-///   in [`MemoryStats::bodies_dropped`] and logged. Claims in flight are never evicted.
+///   in [`MemoryStats::bodies_dropped`] and logged. Claims in flight are never evicted; a claim
+///   whose lease lapsed (its leader crashed, or never learned of it) makes room before any
+///   record does.
 /// - **Per-tenant share, between the tenants present**: while other tenants hold entries, one
 ///   tenant may hold at most [`tenant_share_percent`](MemoryStoreBuilder::tenant_share_percent)
 ///   of the entries and bytes (default 50 %), so one tenant's flood is refused (or makes room

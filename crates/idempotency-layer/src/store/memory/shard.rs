@@ -436,8 +436,8 @@ impl Shard {
         }
     }
 
-    /// Makes room for `tenant`: removes this shard's expired records, if any; else evicts one
-    /// record before its TTL: the nearest expiry (the oldest, with one TTL) among the records
+    /// Makes room for `tenant`: removes this shard's expired records, if any; else a claim whose
+    /// lease lapsed; else evicts one record before its TTL: the nearest expiry (the oldest, with one TTL) among the records
     /// older than the minimum retention, of `tenant` itself when it is over its share. False
     /// when there is none.
     pub(super) fn evict_one(
@@ -451,6 +451,24 @@ impl Shard {
         self.clean(inner, now, usize::MAX);
         if self.records < records {
             return true;
+        }
+        // A claim whose lease lapsed is nobody's any more (its leader crashed, or never learned
+        // of it: a lost `begin` reply): it goes before any record (of `tenant` itself when it is
+        // over its share). A scan of the shard's claims, on this rare path only.
+        if self.map.len() > self.records {
+            let lapsed = self.map.iter().find_map(|(scope, entry)| match entry {
+                Entry::InFlight(c)
+                    if c.lease_until <= now && (why == NoRoom::Store || c.tenant == tenant) =>
+                {
+                    Some(*scope)
+                }
+                _ => None,
+            });
+            if let Some(scope) = lapsed {
+                // Dropping it wakes its waiters; its old leader is fenced, as after a takeover.
+                self.remove(inner, &scope);
+                return true;
+            }
         }
         let retention = inner.limits.min_retention;
         let now_secs = inner.secs(now);

@@ -488,6 +488,35 @@ async fn a_shard_full_of_claims_in_flight_says_full() {
     assert_eq!(store.len(), 2);
 }
 
+/// Claims whose leases lapsed (their leaders crashed, or never learned of them: a lost `begin`
+/// reply) make room for new claims when the store is full: nobody holds them any more. (They
+/// were taken back only when their own scope was claimed again, and a store full of them refused
+/// every new write for good.) A claim still within its lease keeps its place.
+#[tokio::test(start_paused = true)]
+async fn lapsed_claims_make_room_for_new_ones() {
+    for shards in [1, 4] {
+        let store = MemoryStore::with_capacity_and_shards(2, shards);
+        let fp = Fingerprint([1; 32]);
+        let short = Duration::from_secs(1);
+        for i in 0..2 {
+            assert!(matches!(
+                store.begin(scope(i), fp, short).await,
+                Ok(Begin::New(_))
+            ));
+        }
+        assert!(
+            matches!(store.begin(scope(2), fp, short).await, Err(StoreError::Full)),
+            "{shards} shards: full while the claims hold"
+        );
+        tokio::time::sleep(short * 2).await;
+        assert!(
+            matches!(store.begin(scope(2), fp, short).await, Ok(Begin::New(_))),
+            "{shards} shards: a lapsed claim makes room"
+        );
+        assert_eq!(store.len(), 2, "{shards} shards");
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn expired_records_are_removed_incrementally() {
     let store = MemoryStore::with_capacity_and_shards(10_000, 1);
