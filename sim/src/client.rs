@@ -470,27 +470,47 @@ pub async fn run_probe(
     let mut builder = Client::builder(TokioExecutor::new());
     builder.http2_only(schedule.settings.protocol == Protocol::Http2);
     let hyper: Client<SimConnector, Full<Bytes>> = builder.build(SimConnector);
+    // A store drawn small may be full of records younger than its retention: a fresh write is
+    // then refused (503, retryably) until the oldest passes it, and is sent again until then.
+    let full_for = schedule
+        .settings
+        .bounds
+        .store
+        .map(|(_, retention)| retention + Duration::from_secs(5));
     for server in 0..schedule.settings.servers {
         let key = format!("probe-{:x}-{server}", schedule.seed);
-        let req = Request::post(format!(
-            "http://server{server}:{}/w/{key}",
-            crate::net::PORT
-        ))
-        .header(idempotency_layer::X_IDEMPOTENCY_KEY, &key)
-        .header(TENANT_HEADER, "probe")
-        .body(Full::new(Bytes::from_static(b"probe")))
-        .expect("a valid request");
-        let result = if schedule.settings.protocol == Protocol::Grpc {
-            tokio::time::timeout(Duration::from_secs(30), crate::grpc::probe(server, &key))
-                .await
-                .unwrap_or_else(|_| Err("no answer within 30 s".to_owned()))
-        } else {
-            let answer = tokio::time::timeout(Duration::from_secs(30), hyper.request(req)).await;
-            match answer {
-                Ok(Ok(resp)) => Ok(resp.status().as_u16()),
-                Ok(Err(e)) => Err(error_chain(&e)),
-                Err(_) => Err("no answer within 30 s".to_owned()),
+        let started = now();
+        let result = loop {
+            let req = Request::post(format!(
+                "http://server{server}:{}/w/{key}",
+                crate::net::PORT
+            ))
+            .header(idempotency_layer::X_IDEMPOTENCY_KEY, &key)
+            .header(TENANT_HEADER, "probe")
+            .body(Full::new(Bytes::from_static(b"probe")))
+            .expect("a valid request");
+            let result = if schedule.settings.protocol == Protocol::Grpc {
+                tokio::time::timeout(Duration::from_secs(30), crate::grpc::probe(server, &key))
+                    .await
+                    .unwrap_or_else(|_| Err("no answer within 30 s".to_owned()))
+            } else {
+                let answer =
+                    tokio::time::timeout(Duration::from_secs(30), hyper.request(req)).await;
+                match answer {
+                    Ok(Ok(resp)) => Ok(resp.status().as_u16()),
+                    Ok(Err(e)) => Err(error_chain(&e)),
+                    Err(_) => Err("no answer within 30 s".to_owned()),
+                }
+            };
+            let refused = match &result {
+                Ok(503) => true,
+                Err(e) => e.contains("no room"),
+                Ok(_) => false,
+            };
+            if !refused || full_for.is_none_or(|bound| now() - started > bound) {
+                break result;
             }
+            tokio::time::sleep(Duration::from_millis(250)).await;
         };
         ledger.lock().probes.push((server, result));
     }

@@ -101,7 +101,8 @@ pub enum Exception {
     StoreLied,
     /// The claim passed its server's `max_claim_lifetime` and lapsed (documented).
     MaxClaimLifetime,
-    /// The record landed, expired with its `ttl`, and the store granted a new claim.
+    /// The record landed, then the store no longer held it (it expired with its `ttl`, or a
+    /// full store evicted it past its `min_retention`), and the store granted a new claim.
     RecordExpired,
     /// The earlier run's gRPC response broke off (its body failed or panicked) before its
     /// status, and the store recorded its claim's release: its answer was a failure the table
@@ -163,9 +164,11 @@ pub fn memory_bounds(schedule: &Schedule) -> Memory {
         // A record the store has no room for is kept without its body, charged whatever the
         // bound (it must be kept): over it by at most the heads of the records of the claims in
         // flight then, a kilobyte each here.
-        store_bytes: b.store.map_or(MemoryStore::DEFAULT_MAX_BYTES as u64, |(max, _)| {
-            max as u64 + 1024 * schedule.intents.len() as u64
-        }),
+        store_bytes: b
+            .store
+            .map_or(MemoryStore::DEFAULT_MAX_BYTES as u64, |(max, _)| {
+                max as u64 + 1024 * schedule.intents.len() as u64
+            }),
     }
 }
 
@@ -466,9 +469,18 @@ fn runs_once(run: &Run, v: &mut Verdict) {
         .claims
         .iter()
         .any(|c| c.server == crate::store_host::DOWNSTREAM && !c.acked.is_empty());
+    // A downstream record the store no longer held (it expired, or a full store evicted it past
+    // its retention) and a downstream scope claimed again: its second run is the store's bound.
+    let downstream_record_gone = run
+        .facts
+        .claims
+        .iter()
+        .any(|c| c.server == crate::store_host::DOWNSTREAM && c.after_record.is_some());
     for (parent, n) in per_parent {
         if n > 1 && downstream_lied {
             *v.exceptions.entry(Exception::StoreLied).or_default() += n as u64 - 1;
+        } else if n > 1 && downstream_record_gone {
+            *v.exceptions.entry(Exception::RecordExpired).or_default() += n as u64 - 1;
         } else if n > 1 {
             v.violations.push(Violation {
                 promise: 2,
@@ -758,9 +770,17 @@ fn replays_equal(run: &Run, v: &mut Verdict) {
                 } else {
                     &r.body
                 };
+                // A store with no room for a record's body keeps it without (it says so in its
+                // counts): the replay is then its status and headers.
+                let trimmed = *body_omitted
+                    && !r.body_omitted
+                    && body.is_empty()
+                    && run.store_stats.bodies_dropped > 0;
                 (grpc || *status == r.status)
-                    && body_omitted == &r.body_omitted
-                    && (body_error.is_some() && stored.starts_with(body) || *body == stored)
+                    && (body_omitted == &r.body_omitted || trimmed)
+                    && (trimmed
+                        || body_error.is_some() && stored.starts_with(body)
+                        || *body == stored)
             };
             if !records.iter().any(matches) {
                 v.violations.push(Violation {

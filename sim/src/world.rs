@@ -69,6 +69,9 @@ pub struct Run {
     pub tags: AttemptTags,
     /// What the store did, as the store host recorded it.
     pub facts: StoreFacts,
+    /// The store's own counts at the end (records kept without their body, evictions,
+    /// refusals).
+    pub store_stats: idempotency_layer::store::MemoryStats,
 }
 
 enum Action {
@@ -84,7 +87,15 @@ pub fn run(schedule: Schedule) -> Run {
     CURRENT.with(|c| *c.borrow_mut() = Some(ledger.clone()));
     let tags = AttemptTags::default();
     let facts = Facts::default();
-    let sim_error = drive(&schedule, &ledger, &tags, &facts);
+    let memory = match schedule.settings.bounds.store {
+        Some((max_bytes, retention)) => MemoryStore::builder()
+            .max_bytes(max_bytes)
+            .min_retention(retention)
+            .build(),
+        None => MemoryStore::new(),
+    };
+    let sim_error = drive(&schedule, &ledger, &tags, &facts, memory.clone());
+    let store_stats = memory.stats();
     CURRENT.with(|c| *c.borrow_mut() = None);
     let observed = std::mem::take(&mut *ledger.lock());
     let facts = facts.lock().clone();
@@ -94,6 +105,7 @@ pub fn run(schedule: Schedule) -> Run {
         sim_error,
         tags,
         facts,
+        store_stats,
     }
 }
 
@@ -102,6 +114,7 @@ fn drive(
     ledger: &Ledger,
     tags: &AttemptTags,
     facts: &Facts,
+    memory: MemoryStore,
 ) -> Option<String> {
     let s = &schedule.settings;
     let mut sim = turmoil::Builder::new()
@@ -114,13 +127,6 @@ fn drive(
         .repair_rate(1.0)
         .build();
 
-    let memory = match s.bounds.store {
-        Some((max_bytes, retention)) => MemoryStore::builder()
-            .max_bytes(max_bytes)
-            .min_retention(retention)
-            .build(),
-        None => MemoryStore::new(),
-    };
     let held = memory.clone();
     ledger.gauge(Arc::new(move || Memory {
         store_bytes: held.stats().bytes as u64,

@@ -44,16 +44,34 @@ pub const HOLES: &[(u64, &str)] = &[
 /// Seeds that showed the judge wrong (a flaw of the simulator, not of the layers): each must
 /// hold, so that the judge stays right where it was corrected.
 const JUDGE: &[(u64, &str)] = &[
-    (331, "a claim and the run under it compared across two hosts' clocks"),
+    (
+        331,
+        "a claim and the run under it compared across two hosts' clocks",
+    ),
     (1232, "a drain's window ended at no restart"),
-    (6950, "two drains overlapping: the first restart ends both windows"),
+    (
+        6950,
+        "two drains overlapping: the first restart ends both windows",
+    ),
     (564, "the store's lie to the downstream tier"),
-    (953, "fail-open judged per call: a hedge that raced the first answer did not know"),
-    (190, "quiescence: a run started before the heal that never ends"),
+    (
+        953,
+        "fail-open judged per call: a hedge that raced the first answer did not know",
+    ),
+    (
+        190,
+        "quiescence: a run started before the heal that never ends",
+    ),
     (505, "quiescence: the orphan of a lost `begin` reply"),
-    (2190, "a gRPC answer that broke off before its status, its release refused for want of room"),
+    (
+        2190,
+        "a gRPC answer that broke off before its status, its release refused for want of room",
+    ),
     (861, "a claim released at its lifetime"),
-    (2817, "quiescence: detached work that runs to its claim's lifetime"),
+    (
+        2817,
+        "quiescence: detached work that runs to its claim's lifetime",
+    ),
 ];
 
 /// Seeds `from..from + n`: every promise holds.

@@ -105,18 +105,28 @@ struct Held {
 }
 
 impl Held {
-    /// Drops the claim but leaves its lease renewed (by the renewals of `store`) until the end
-    /// of its lifetime: no duplicate takes it over before then (it would run a write that ran).
-    fn keep_renewing_to_the_end_of_its_lifetime<St: IdempotencyStore>(self, store: &St) {
+    /// Leaves the claim renewed until the end of its lifetime: no duplicate takes it over before
+    /// then (it would run a write that ran). It stays held, and counted in flight (a drain waits
+    /// for it, and says so if its grace ends first), until then.
+    fn keep_renewing_to_the_end_of_its_lifetime(self) {
         tracing::warn!(
             scope = ?self.scope,
-            "idempotency: no room to resend a record the store did not take (max_detached); the \
-             claim stays in flight until max_claim_lifetime, then lapses"
+            "idempotency: a record the store did not take could not be resent (max_detached); \
+             the claim stays in flight until max_claim_lifetime, then lapses"
         );
-        let (scope, token, lease, until) = (self.scope, self.token, self.config.lease, self.until);
-        let shared = self.shared.clone();
-        drop(self);
-        shared.renewals.add(store, scope, token, lease, until);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // No runtime to wait on: the claim is let go, and lapses with its lease.
+            return;
+        };
+        // Nothing runs for it but this wait: the claim is renewed meanwhile, and ends there.
+        runtime.spawn(async move {
+            match self.until {
+                Some(until) => tokio::time::sleep_until(until).await,
+                // A lifetime too long for the clock: held for as long as the layer lives.
+                None => std::future::pending().await,
+            }
+            drop(self);
+        });
     }
 }
 
@@ -201,7 +211,7 @@ impl<St: IdempotencyStore> Recording<St> {
 impl<St: IdempotencyStore> Drop for Recording<St> {
     fn drop(&mut self) {
         if let Some(held) = self.held.take() {
-            held.keep_renewing_to_the_end_of_its_lifetime(&*self.store);
+            held.keep_renewing_to_the_end_of_its_lifetime();
         }
     }
 }

@@ -1743,4 +1743,9 @@ async fn a_record_dropped_for_want_of_detached_room_keeps_its_claim_in_flight() 
         "three leases later the claim is still in flight"
     );
     assert_eq!(executions.load(Ordering::SeqCst), 1, "nothing ran again");
+    // Still held, and counted so: a drain does not report it gone (the process would exit
+    // under a write that ran and has no record).
+    assert_eq!(layer.stats().in_flight, 1);
+    let drained = layer.drain(Duration::from_secs(1)).await;
+    assert_eq!(drained.left, 1, "the drain says what it leaves");
 }

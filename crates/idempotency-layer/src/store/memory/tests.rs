@@ -505,7 +505,10 @@ async fn lapsed_claims_make_room_for_new_ones() {
             ));
         }
         assert!(
-            matches!(store.begin(scope(2), fp, short).await, Err(StoreError::Full)),
+            matches!(
+                store.begin(scope(2), fp, short).await,
+                Err(StoreError::Full)
+            ),
             "{shards} shards: full while the claims hold"
         );
         tokio::time::sleep(short * 2).await;
