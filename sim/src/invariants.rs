@@ -507,7 +507,17 @@ fn runs_once(run: &Run, v: &mut Verdict) {
             } else if later_unprotected && run.schedule.settings.fail_open {
                 // A claim the layer knew it held: not this attempt's own, not one whose
                 // `begin` reply was lost.
-                let known = |c: &Claim| c.attempt != later.attempt && !begin_reply_lost(run, c);
+                // A claim of the same process: its server did not restart (a crash, a drain's
+                // restart) between the claim and this run, whose new boot knows nothing of it.
+                let same_boot = |c: &Claim| {
+                    let between = |ts: Option<&Vec<Duration>>| {
+                        ts.is_some_and(|ts| ts.iter().any(|t| *t >= c.begun && *t <= later.started))
+                    };
+                    !between(o.crashes.get(&c.server)) && !between(o.restarts.get(&c.server))
+                };
+                let known = |c: &Claim| {
+                    c.attempt != later.attempt && !begin_reply_lost(run, c) && same_boot(c)
+                };
                 let beside = run.facts.claims.iter().find(|c| {
                     c.scope == key
                         && c.server == later.server

@@ -109,6 +109,8 @@ pub struct Observed {
     /// The sends (of writes and malformed writes) that ended, by client: a restarted client
     /// sends the others again.
     pub sends_ended: std::collections::BTreeSet<(usize, SendId)>,
+    /// Each server's restarts (a new boot after a crash or a drain), as sim times.
+    pub restarts: BTreeMap<usize, Vec<Duration>>,
     /// Each server's drains: when each began (the layer's `drain`), and when the restart came.
     pub drains: BTreeMap<usize, Vec<(Duration, Option<Duration>)>>,
     /// Handlers that received a request body none of their intent's sends carried.

@@ -333,7 +333,7 @@ fn apply(
                 // A restart: the new boot does not drain (a drained server's software ends, and
                 // a crash may find it ended already), so a drain still open ends here.
                 let at = sim.elapsed();
-                end_drains(ledger, server, at);
+                restarted(ledger, server, at);
                 sim.bounce(name.as_str());
             }
         }
@@ -411,7 +411,7 @@ fn apply(
                 let at = sim.elapsed();
                 // The restart ends every drain of the server still open (two drains may
                 // overlap: the first heal restarts it).
-                end_drains(ledger, server, at);
+                restarted(ledger, server, at);
                 if sim.is_host_running(name.as_str()) {
                     // The drain did not end in time: the restart kills what is left.
                     let at = sim.elapsed();
@@ -423,10 +423,12 @@ fn apply(
     }
 }
 
-/// Server `server` restarts at `at`: every drain of it still open ends (the new boot does not
-/// drain).
-fn end_drains(ledger: &Ledger, server: usize, at: Duration) {
-    for drain in ledger.lock().drains.entry(server).or_default().iter_mut() {
+/// Server `server` restarts at `at` (a new boot, which knows nothing of the last one's claims):
+/// noted, and every drain of it still open ends (the new boot does not drain).
+fn restarted(ledger: &Ledger, server: usize, at: Duration) {
+    let mut o = ledger.lock();
+    o.restarts.entry(server).or_default().push(at);
+    for drain in o.drains.entry(server).or_default().iter_mut() {
         drain.1.get_or_insert(at);
     }
 }

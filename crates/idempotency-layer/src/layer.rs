@@ -224,6 +224,14 @@ impl<St> IdempotencyLayer<St> {
 
     /// When the store fails: `false` (default) answers 503 / UNAVAILABLE with `Retry-After`
     /// and executes nothing; `true` executes the request without protection and logs a warning.
+    ///
+    /// Fail-open is for "we cannot know whether this ran": a request known to have a write with
+    /// its key in flight is answered 503 even then, never run beside it. Known when it waited
+    /// for that write, when a claim of this layer holds its key, or when its client says an
+    /// earlier attempt of the same call was answered that the key was in flight
+    /// ([`IDEMPOTENCY_SEEN_IN_FLIGHT`](reason_code::IDEMPOTENCY_SEEN_IN_FLIGHT), which
+    /// `retry-layer` sends on every attempt after such an answer). A full store, or a corrupt
+    /// entry, never fails open.
     pub fn fail_open(self, fail_open: bool) -> Self {
         self.config(|c| c.fail_open = fail_open)
     }
