@@ -533,9 +533,18 @@ pub fn quiescence_bound(schedule: &Schedule) -> Duration {
             .max()
             .unwrap_or(Duration::from_secs(d))
     };
+    // A handler that writes downstream waits there too: an orphan claim of its downstream write
+    // (a `begin` reply lost) holds that key for the downstream tier's lease (its default, 30 s),
+    // and a duplicate waits for it up to its `max_wait` (30 s).
+    let downstream = if s.chain {
+        Duration::from_secs(30 + 30)
+    } else {
+        Duration::ZERO
+    };
     max(&|p| p.max_claim_lifetime, 300)
         + max(&|p| p.lease, 30)
         + max(&|p| p.max_wait, 30)
+        + downstream
         + Duration::from_secs(10)
 }
 
