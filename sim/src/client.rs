@@ -472,11 +472,22 @@ pub async fn run_probe(
     let hyper: Client<SimConnector, Full<Bytes>> = builder.build(SimConnector);
     // A store drawn small may be full of records younger than its retention: a fresh write is
     // then refused (503, retryably) until the oldest passes it, and is sent again until then.
+    // Or full of claims no layer holds (a lost `begin` reply's orphans), which lapse with their
+    // lease (the downstream tier's, 30 s, included) and then make room: the store's bound.
+    let lease = schedule
+        .settings
+        .per_server
+        .iter()
+        .filter_map(|s| s.lease)
+        .chain(schedule.settings.lease)
+        .max()
+        .unwrap_or(Duration::from_secs(30))
+        .max(Duration::from_secs(30));
     let full_for = schedule
         .settings
         .bounds
         .store
-        .map(|(_, retention)| retention + Duration::from_secs(5));
+        .map(|(_, retention)| retention.max(lease) + Duration::from_secs(5));
     for server in 0..schedule.settings.servers {
         let key = format!("probe-{:x}-{server}", schedule.seed);
         let started = now();

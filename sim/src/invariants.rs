@@ -628,16 +628,17 @@ fn runs_once(run: &Run, v: &mut Verdict) {
     }
 }
 
-/// Whether the reply of the `begin` that made claim `c` was lost (or never came): the layer
-/// never knew it held that claim, which lapses with its lease.
+/// Whether the reply of the `begin` that made claim `c` was lost, never came, or came to a
+/// caller that had gone: the layer never knew it held that claim, which lapses with its lease.
 fn begin_reply_lost(run: &Run, c: &Claim) -> bool {
-    run.facts.faults.iter().any(|h| {
-        h.op == Op::Begin
-            && matches!(h.fault, StoreFault::LoseReply | StoreFault::HangAfter)
-            && h.at == c.begun
-            && h.server == c.server
-            && h.scopes.contains(&c.scope)
-    })
+    c.reply_unheard.is_some()
+        || run.facts.faults.iter().any(|h| {
+            h.op == Op::Begin
+                && matches!(h.fault, StoreFault::LoseReply | StoreFault::HangAfter)
+                && h.at == c.begun
+                && h.server == c.server
+                && h.scopes.contains(&c.scope)
+        })
 }
 
 /// Quiescence: every fault healed, each key was answered once more (checked with the other

@@ -133,6 +133,9 @@ pub struct Claim {
     /// The record of the scope that had landed before it (it had expired: the store answered
     /// `New`), with when it landed.
     pub after_record: Option<Duration>,
+    /// When the store answered the `begin` that made it to a caller that had gone (the layer
+    /// dropped the call): no layer ever knew it held it.
+    pub reply_unheard: Option<Duration>,
 }
 
 impl Claim {
@@ -279,7 +282,18 @@ impl Facts {
             taken_over: None,
             took_over,
             after_record,
+            reply_unheard: None,
         });
+    }
+
+    /// The answer `begin` gave went to a caller that had gone.
+    fn unheard(&self, begin: &Begin) {
+        if let Begin::New(token) = begin {
+            let at = now();
+            if let Some(c) = self.lock().claim_mut(token.0) {
+                c.reply_unheard = Some(at);
+            }
+        }
     }
 
     fn renewed(&self, claims: &[(ScopeKey, Token, Duration)], answers: &[Result<(), StoreError>]) {
@@ -479,10 +493,30 @@ impl StoreLink {
         F: FnOnce(Backing, Facts) -> Fut + Send + 'static,
         Fut: Future<Output = Result<T, StoreError>> + Send + 'static,
     {
+        self.run_noting_unheard(kind, scopes, tokens, ack, op, |_, _| {})
+    }
+
+    /// [`run`](Self::run), and `unheard` with the answer when its caller had gone (the layer
+    /// dropped the call: it never learned what the store did).
+    fn run_noting_unheard<T, F, Fut>(
+        &self,
+        kind: Op,
+        scopes: Vec<ScopeKey>,
+        tokens: Vec<u128>,
+        ack: impl FnOnce() -> Option<T> + Send + 'static,
+        op: F,
+        unheard: impl FnOnce(&Facts, T) + Send + 'static,
+    ) -> impl Future<Output = Result<T, StoreError>> + Send + 'static
+    where
+        T: Send + 'static,
+        F: FnOnce(Backing, Facts) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, StoreError>> + Send + 'static,
+    {
         let (tx, rx) = oneshot::channel();
         let (facts, injector, server) = (self.facts.clone(), self.injector.clone(), self.server);
         let job: Job = Box::new(move |store| {
             Box::pin(async move {
+                let noted = facts.clone();
                 *facts
                     .lock()
                     .calls
@@ -528,7 +562,9 @@ impl StoreLink {
                     },
                     Some(_) => injected("an unknown fault"),
                 };
-                let _ = tx.send(answer);
+                if let Err(Ok(value)) = tx.send(answer) {
+                    unheard(&noted, value);
+                }
             })
         });
         let sent = self.jobs.send(job);
@@ -582,7 +618,7 @@ impl IdempotencyStore for StoreLink {
         let attempt = AttemptTags::current();
         let tags = self.tags.clone();
         let server = self.server;
-        let call = self.run(
+        let call = self.run_noting_unheard(
             Op::Begin,
             vec![scope],
             vec![],
@@ -594,6 +630,7 @@ impl IdempotencyStore for StoreLink {
                 }
                 r
             },
+            |f, begin| f.unheard(&begin),
         );
         async move {
             let begun = call.await;

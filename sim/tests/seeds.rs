@@ -38,6 +38,7 @@ pub const HOLES: &[(u64, &str)] = &[
     (255, "E: the same, the store hanging its `complete`"),
     (790, "G: fail_open ran a duplicate beside a leader of the same server holding its key"),
     (2418, "G: fail_open ran a retry of a call told its key was in flight (on another server)"),
+    (407964, "G: fail_open ran a retry whose hedge below had been told its key was in flight (the retry layer never learned it)"),
     (832, "H: a draining server led a write on a claim it took after its drain began"),
 ];
 

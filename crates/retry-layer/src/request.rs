@@ -198,6 +198,13 @@ pub(crate) fn clone_parts(p: &Parts) -> Parts {
     parts
 }
 
+/// Marks a response whose call was told, by an answer a layer below saw, that its key is in
+/// flight at the server (a `HedgeLayer` under the retry layer, whose own answer may be another
+/// attempt's): the retry layer's later attempts then say so too
+/// ([`IDEMPOTENCY_SEEN_IN_FLIGHT`](reason_code::IDEMPOTENCY_SEEN_IN_FLIGHT)).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SeenInFlight;
+
 /// Writes the attempts sent before this one: `grpc-previous-rpc-attempts` (gRPC) or
 /// `x-previous-attempts` (HTTP). `previous` counts only attempts that may have reached the
 /// server: an attempt that provably never left the client is not one. With none, nothing is

@@ -20,7 +20,7 @@ use crate::body::{BodyHandle, ReplayBody};
 use crate::classify::{self, PushbackHint};
 use crate::deadline::{instant_after, rewrite_grpc_timeout};
 use crate::error::{DeadlineExceeded, ResponseHeadTimedOut};
-use crate::request::{clone_parts, write_previous_attempts};
+use crate::request::{clone_parts, write_previous_attempts, SeenInFlight};
 
 /// What a call's hedging follows, from its policy and request.
 #[derive(Debug, Clone, Copy)]
@@ -69,6 +69,12 @@ where
     timer: Option<Pin<Box<Sleep>>>,
     /// The last non-fatal result, the answer if nothing better comes.
     last: Option<Result<S::Response, BoxError>>,
+    /// `last` is an answer that said the key was in flight (kept over a later transport error,
+    /// which would not carry that to the layer above).
+    last_in_flight: bool,
+    /// An attempt was told its key was in flight at the server: later hedges say so, and so
+    /// does the answer (for a retry layer above).
+    seen_in_flight: bool,
 }
 
 impl<S, B> std::fmt::Debug for ResponseFuture<S, B>
@@ -124,6 +130,8 @@ where
             ready_by: None,
             timer: None,
             last: None,
+            last_in_flight: false,
+            seen_in_flight: false,
         }
     }
 
@@ -148,6 +156,8 @@ where
             ready_by: None,
             timer: None,
             last: Some(Err(error)),
+            last_in_flight: false,
+            seen_in_flight: false,
         }
     }
 
@@ -191,11 +201,15 @@ where
         }
         shared.budget.record(true);
         // Told its key is in flight at the server: every later hedge says so, and a server
-        // that fails open never runs it beside that write (as the retry layer's later attempts).
-        if let (Ok(res), Some(parts)) = (&result, self.parts.as_mut()) {
-            if outcome == Outcome::Status(Code::Unavailable)
-                && shared.policy.reason_codes.says_in_flight(res.headers())
-            {
+        // that fails open never runs it beside that write (as the retry layer's later attempts),
+        // and so does the answer, for a retry layer above.
+        let told = outcome == Outcome::Status(Code::Unavailable)
+            && result
+                .as_ref()
+                .is_ok_and(|res| shared.policy.reason_codes.says_in_flight(res.headers()));
+        if told {
+            self.seen_in_flight = true;
+            if let Some(parts) = self.parts.as_mut() {
                 parts.headers.insert(
                     reason_code::IDEMPOTENCY_SEEN_IN_FLIGHT,
                     http::HeaderValue::from_static("?1"),
@@ -232,8 +246,23 @@ where
             }
             (next, _) => next.filter(|_| self.sent < self.plan.max_attempts),
         };
-        self.last = Some(result);
+        // A transport error does not replace an answer that said the key was in flight: that
+        // one says what the layer above must know (nothing ran for it, and the key is in flight).
+        if !(result.is_err() && self.last_in_flight) {
+            self.last = Some(result);
+            self.last_in_flight = told;
+        }
         None
+    }
+
+    /// The call's answer, marked when an attempt was told its key was in flight.
+    fn mark(&self, answer: Result<Response<R>, BoxError>) -> Result<Response<R>, BoxError> {
+        answer.map(|mut res| {
+            if self.seen_in_flight {
+                res.extensions_mut().insert(SeenInFlight);
+            }
+            res
+        })
     }
 
     /// Sends the next hedge if the body, the budget and the service allow it. `Pending` while
@@ -342,6 +371,20 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
+        let answer = std::task::ready!(this.poll_answer(cx));
+        Poll::Ready(this.mark(answer))
+    }
+}
+
+impl<S, B, R> ResponseFuture<S, B>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
+    S::Error: Into<BoxError>,
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    fn poll_answer(&mut self, cx: &mut Context<'_>) -> Poll<Result<Response<R>, BoxError>> {
+        let this = self;
         loop {
             let mut i = 0;
             while i < this.attempts.len() {

@@ -20,7 +20,7 @@ use crate::deadline::{deadline_of, instant_after, rewrite_grpc_timeout, AttemptB
 use crate::error::{DeadlineExceeded, RetryError, RetryInfo};
 use crate::request::{
     clone_parts, intent_key, judge, judge_scanned, remove_attempt_headers, write_previous_attempts,
-    HeaderScan,
+    HeaderScan, SeenInFlight,
 };
 use crate::retry::decide::{decide, Attempt, Budgets, Ended, ReturnReason, Step};
 use crate::retry::observe::{self, GiveUp};
@@ -287,6 +287,13 @@ where
         if outcome.code() == reason_code::Code::Unavailable {
             if let Ok(res) = &result {
                 self.saw_in_flight |= policy.reason_codes.says_in_flight(res.headers());
+            }
+        }
+        // A hedge below may have been told it by another of its attempts than the one it
+        // answers with: it marks its answer.
+        if outcome.code() != reason_code::Code::Ok {
+            if let Ok(res) = &result {
+                self.saw_in_flight |= res.extensions().get::<SeenInFlight>().is_some();
             }
         }
         let ended = Ended {

@@ -628,3 +628,42 @@ async fn a_hedge_told_its_key_is_in_flight_says_so_on_the_next() {
         .iter()
         .all(|s| !reason_code::says_seen_in_flight(&s.headers)));
 }
+
+/// A `RetryLayer` over a `HedgeLayer`: one hedge is told its key is in flight at the server
+/// (409 `IDEMPOTENCY_IN_FLIGHT`), another then answers a plain 503 that the hedge returns: the
+/// retry layer's next attempt still says the call was told (`idempotency-seen-in-flight: ?1`),
+/// so that a server that fails open never runs it beside that write. (The hedge put it on its
+/// own later hedges only; the retry layer, which saw the 503, sent its retries without it, and
+/// a server failing open ran the write beside the one in flight: sim seed 407964.)
+#[tokio::test(start_paused = true)]
+async fn a_retry_above_a_hedge_told_its_key_is_in_flight_says_so() {
+    let in_flight = Reply::Status(409, vec![("x-reason-code", "IDEMPOTENCY_IN_FLIGHT")]);
+    let (svc, script) = crate::support::backend::<retry_layer::ReplayBody<Full<Bytes>>>(vec![
+        in_flight,
+        status(503),
+        status(503),
+        status(200),
+    ]);
+    let hedged = HedgeLayer::new(policy(2, Duration::from_secs(1))).layer(svc);
+    let mut retry = RetryLayer::new(RetryPolicy::default()).layer(hedged);
+    let r = within_a_day("the call", async {
+        retry
+            .ready()
+            .await
+            .unwrap()
+            .call(keyed(get("/books/b1")))
+            .await
+    })
+    .await;
+    assert_eq!(code(&r), 200);
+    let said: Vec<bool> = script
+        .seen()
+        .iter()
+        .map(|s| reason_code::says_seen_in_flight(&s.headers))
+        .collect();
+    assert_eq!(
+        said,
+        [false, true, true, true],
+        "every request after the 409 says so"
+    );
+}
