@@ -171,6 +171,21 @@ pub(crate) struct Started {
     pub(crate) plan: Handler,
     attempt: Option<u64>,
     at: std::time::Duration,
+    /// Its side effect happened.
+    committed: std::sync::atomic::AtomicBool,
+    ledger: Ledger,
+}
+
+impl Drop for Started {
+    /// A run that ends without its side effect (it failed, panicked, or was cancelled) is noted:
+    /// its layer then lets its claim go (a release, sent or refused for want of room).
+    fn drop(&mut self) {
+        if !self.committed.load(std::sync::atomic::Ordering::Relaxed) {
+            if let Some(attempt) = self.attempt {
+                self.ledger.lock().runs_ended_undone.insert(attempt, now());
+            }
+        }
+    }
 }
 
 impl AppState {
@@ -231,12 +246,17 @@ impl AppState {
             plan,
             attempt,
             at: now(),
+            committed: Default::default(),
+            ledger: self.shared.ledger.clone(),
         })
     }
 
     /// The side effect of `started` commits, answering `status` with a body of its own; the
     /// body to answer with (`frame`: wrapped as one gRPC message, with `trailers` after it).
     pub(crate) fn commit(&self, started: &Started, status: u16, grpc: bool) -> SimBody {
+        started
+            .committed
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let Started {
             scope, intent, n, ..
         } = started;

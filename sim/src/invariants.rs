@@ -27,7 +27,6 @@ use crate::client::PROBE;
 use crate::ledger::{Ending, Execution, Memory, ScopeName};
 use crate::store_host::Claim;
 use crate::store_host::Landed;
-use idempotency_layer::conformance::{Fault as StoreFault, Op};
 use idempotency_layer::store::ScopeKey;
 use idempotency_layer::MemoryStore;
 
@@ -515,8 +514,23 @@ fn runs_once(run: &Run, v: &mut Verdict) {
                     };
                     !between(o.crashes.get(&c.server)) && !between(o.restarts.get(&c.server))
                 };
+                // ... and that layer had the claim's `begin` answer when this run began (a reply
+                // lost, held back, or handed to a caller that had gone tells it nothing).
+                // Held, not let go: a claim whose release was sent (its write ended without a
+                // record) is the layer's no more, whatever the store did with the release.
+                // A run that ended without its side effect lets its claim go too (a release sent,
+                // or refused for want of room: the claim then lapses with its lease).
+                let ended_undone = |c: &Claim| {
+                    c.attempt
+                        .and_then(|a| o.runs_ended_undone.get(&a))
+                        .is_some_and(|at| *at <= later.started)
+                };
                 let known = |c: &Claim| {
-                    c.attempt != later.attempt && !begin_reply_lost(run, c) && same_boot(c)
+                    c.attempt != later.attempt
+                        && c.heard.is_some_and(|at| at <= later.started)
+                        && c.let_go.is_none_or(|at| at > later.started)
+                        && !ended_undone(c)
+                        && same_boot(c)
                 };
                 let beside = run.facts.claims.iter().find(|c| {
                     c.scope == key
@@ -626,19 +640,6 @@ fn runs_once(run: &Run, v: &mut Verdict) {
             detail: what.clone(),
         });
     }
-}
-
-/// Whether the reply of the `begin` that made claim `c` was lost, never came, or came to a
-/// caller that had gone: the layer never knew it held that claim, which lapses with its lease.
-fn begin_reply_lost(run: &Run, c: &Claim) -> bool {
-    c.reply_unheard.is_some()
-        || run.facts.faults.iter().any(|h| {
-            h.op == Op::Begin
-                && matches!(h.fault, StoreFault::LoseReply | StoreFault::HangAfter)
-                && h.at == c.begun
-                && h.server == c.server
-                && h.scopes.contains(&c.scope)
-        })
 }
 
 /// Quiescence: every fault healed, each key was answered once more (checked with the other

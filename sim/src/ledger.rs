@@ -109,6 +109,9 @@ pub struct Observed {
     /// The sends (of writes and malformed writes) that ended, by client: a restarted client
     /// sends the others again.
     pub sends_ended: std::collections::BTreeSet<(usize, SendId)>,
+    /// The runs (by attempt) that ended without their side effect (failed, panicked, cancelled),
+    /// and when.
+    pub runs_ended_undone: BTreeMap<u64, Duration>,
     /// Each server's restarts (a new boot after a crash or a drain), as sim times.
     pub restarts: BTreeMap<usize, Vec<Duration>>,
     /// Each server's drains: when each began (the layer's `drain`), and when the restart came.

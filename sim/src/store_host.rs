@@ -136,6 +136,11 @@ pub struct Claim {
     /// When the store answered the `begin` that made it to a caller that had gone (the layer
     /// dropped the call): no layer ever knew it held it.
     pub reply_unheard: Option<Duration>,
+    /// When the layer that made it received that answer (a reply held back comes late).
+    pub heard: Option<Duration>,
+    /// When its layer sent its release (its write ended without a record), whatever became of
+    /// it: the layer holds it no more.
+    pub let_go: Option<Duration>,
 }
 
 impl Claim {
@@ -283,15 +288,22 @@ impl Facts {
             took_over,
             after_record,
             reply_unheard: None,
+            heard: None,
+            let_go: None,
         });
     }
 
-    /// The answer `begin` gave went to a caller that had gone.
-    fn unheard(&self, begin: &Begin) {
+    /// The answer `begin` gave was handed back: to its caller (`heard`), or to nobody (its
+    /// caller had gone).
+    fn delivered(&self, begin: &Begin, heard: bool) {
         if let Begin::New(token) = begin {
             let at = now();
             if let Some(c) = self.lock().claim_mut(token.0) {
-                c.reply_unheard = Some(at);
+                if heard {
+                    c.heard = Some(at);
+                } else {
+                    c.reply_unheard = Some(at);
+                }
             }
         }
     }
@@ -354,6 +366,18 @@ impl Facts {
                 if c.released.is_none() && c.recorded.is_none() {
                     c.released = Some(at);
                 }
+            }
+        }
+    }
+
+    /// A release of these claims was sent: their layer let go of them (their write ended
+    /// without a record), whatever the store then did with it.
+    fn release_sent(&self, tokens: &[u128]) {
+        let at = now();
+        let mut f = self.lock();
+        for t in tokens {
+            if let Some(c) = f.claim_mut(*t) {
+                c.let_go.get_or_insert(at);
             }
         }
     }
@@ -493,11 +517,12 @@ impl StoreLink {
         F: FnOnce(Backing, Facts) -> Fut + Send + 'static,
         Fut: Future<Output = Result<T, StoreError>> + Send + 'static,
     {
-        self.run_noting_unheard(kind, scopes, tokens, ack, op, |_, _| {})
+        self.run_noting_unheard(kind, scopes, tokens, ack, op, |_, _, _| {})
     }
 
-    /// [`run`](Self::run), and `unheard` with the answer when its caller had gone (the layer
-    /// dropped the call: it never learned what the store did).
+    /// [`run`](Self::run), and `delivered` with the answer once it is handed back: `true` when
+    /// its caller received it, `false` when the caller had gone (the layer dropped the call: it
+    /// never learned what the store did).
     fn run_noting_unheard<T, F, Fut>(
         &self,
         kind: Op,
@@ -505,7 +530,7 @@ impl StoreLink {
         tokens: Vec<u128>,
         ack: impl FnOnce() -> Option<T> + Send + 'static,
         op: F,
-        unheard: impl FnOnce(&Facts, T) + Send + 'static,
+        delivered: impl FnOnce(&Facts, &T, bool) + Send + 'static,
     ) -> impl Future<Output = Result<T, StoreError>> + Send + 'static
     where
         T: Send + 'static,
@@ -522,6 +547,9 @@ impl StoreLink {
                     .calls
                     .entry((format!("{kind:?}"), server))
                     .or_default() += 1;
+                if kind == Op::Release {
+                    facts.release_sent(&tokens);
+                }
                 let fault = injector.take(kind, server, &scopes);
                 if let Some(fault) = fault {
                     facts.hit(server, kind, fault, &scopes, &tokens);
@@ -562,9 +590,12 @@ impl StoreLink {
                     },
                     Some(_) => injected("an unknown fault"),
                 };
-                if let Err(Ok(value)) = tx.send(answer) {
-                    unheard(&noted, value);
+                // One thread runs the simulation: nothing closes the channel between the look
+                // and the send.
+                if let Ok(value) = &answer {
+                    delivered(&noted, value, !tx.is_closed());
                 }
+                let _ = tx.send(answer);
             })
         });
         let sent = self.jobs.send(job);
@@ -630,7 +661,7 @@ impl IdempotencyStore for StoreLink {
                 }
                 r
             },
-            |f, begin| f.unheard(&begin),
+            |f, begin, heard| f.delivered(begin, heard),
         );
         async move {
             let begun = call.await;
