@@ -227,8 +227,9 @@ impl<St> IdempotencyLayer<St> {
     ///
     /// Fail-open is for "we cannot know whether this ran": a request known to have a write with
     /// its key in flight is answered 503 even then, never run beside it. Known when it waited
-    /// for that write, when a claim of this layer holds its key, or when its client says an
-    /// earlier attempt of the same call was answered that the key was in flight
+    /// for that write, when a claim of this layer holds its key, when another request of this
+    /// layer has asked the store for its key and not yet had the answer (that `begin` may have
+    /// been granted), or when its client says an earlier attempt of the same call was answered that the key was in flight
     /// ([`IDEMPOTENCY_SEEN_IN_FLIGHT`](reason_code::IDEMPOTENCY_SEEN_IN_FLIGHT), which
     /// `retry-layer` sends on every attempt after such an answer). A full store, or a corrupt
     /// entry, never fails open.

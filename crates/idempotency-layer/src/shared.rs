@@ -11,6 +11,7 @@ use std::sync::Arc;
 use tokio::sync::Notify;
 
 use crate::stats::{Counters, Gauges, IdempotencyStats};
+use crate::write::asking::BeginsInFlight;
 use crate::write::pipe::HeldBytes;
 use crate::write::renewal::Renewals;
 use crate::write::waiters::Waiters;
@@ -21,6 +22,9 @@ pub(crate) struct Shared {
     pub(crate) waiters: Arc<Waiters>,
     /// The claims this layer holds, renewed by one task through the layer's one store.
     pub(crate) renewals: Arc<Renewals>,
+    /// The `begin`s this layer sent to its store and has not yet acted on (kept when it fails
+    /// open).
+    pub(crate) begins: Arc<BeginsInFlight>,
     pub(crate) detached: Arc<Detached>,
     /// Response bytes waiting for clients, beyond each response's first part
     /// (`max_response_buffer_bytes`).
@@ -65,6 +69,7 @@ impl Default for Shared {
         let counters = Arc::<Counters>::default();
         Shared {
             renewals: Arc::new(Renewals::new(counters.clone())),
+            begins: Arc::default(),
             counters,
             waiters: Arc::default(),
             detached: Arc::default(),
@@ -75,13 +80,15 @@ impl Default for Shared {
 }
 
 impl Shared {
-    /// The same counters, waiters and detached work, with renewals of its own: for a layer over
-    /// another store (a renewal task renews through one store).
+    /// The same counters, waiters and detached work, with renewals (and begins in flight) of
+    /// its own: for a layer over another store (a renewal task renews through one store, and
+    /// another store's claims never meet this one's).
     pub(crate) fn for_another_store(&self) -> Shared {
         Shared {
             counters: self.counters.clone(),
             waiters: self.waiters.clone(),
             renewals: Arc::new(Renewals::new(self.counters.clone())),
+            begins: Arc::default(),
             detached: self.detached.clone(),
             held_bytes: self.held_bytes.clone(),
             draining: self.draining.clone(),

@@ -36,6 +36,7 @@ use crate::write::decision::{Asking, Next};
 use crate::write::waiters::{Refused, SharedFailure};
 use reason_code::BoxError;
 
+pub(crate) mod asking;
 pub(crate) mod claim;
 pub(crate) mod decision;
 pub(crate) mod detached;
@@ -448,6 +449,9 @@ where
                         }
                     }
                 }
+                // Counted until its answer is acted on (a claim made is then held, and known by
+                // `renewals`): a duplicate whose own `begin` fails must not fail open beside it.
+                let _asking = cfg.fail_open.then(|| self.shared.begins.enter(scope));
                 let begin =
                     self.store
                         .begin_for_tenant(self.tenant, scope, asking.fingerprint, cfg.lease);
@@ -481,7 +485,8 @@ where
                     note_begin_failed(counters, kind, scope, e);
                     if asking.fail_open {
                         asking.known_in_flight = reason_code::says_seen_in_flight(&parts.headers)
-                            || self.shared.renewals.holds(&scope);
+                            || self.shared.renewals.holds(&scope)
+                            || self.shared.begins.others(&scope);
                     }
                 }
                 if cfg.fingerprint.is_none() {

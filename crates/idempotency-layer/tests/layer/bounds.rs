@@ -1100,6 +1100,60 @@ async fn fail_open_never_runs_beside_a_leader_of_the_same_process() {
     assert_eq!(executions.load(Ordering::SeqCst), 2, "each key ran once");
 }
 
+/// With `fail_open`, a duplicate whose `begin` fails while another `begin` of the same scope
+/// in the same process is still unanswered is refused (503), not run unprotected: that begin
+/// may have been granted (it was: the store took the claim and answered late), and its leader
+/// would run beside it. (It ran the handler a second time: simulator seed 1102119, where two
+/// attempts of one key reached one server in the same tick, one `begin` granted, the other's
+/// failing.)
+#[tokio::test(start_paused = true)]
+async fn fail_open_never_runs_beside_a_begin_of_the_same_process_in_flight() {
+    let executions = Arc::new(AtomicUsize::new(0));
+    let store = FaultStore::new(MemoryStore::new());
+    let layer = IdempotencyLayer::new(store.clone())
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
+        .fail_open(true);
+    let handler = {
+        let executions = executions.clone();
+        Router::new().route(
+            "/orders",
+            post(move || {
+                executions.fetch_add(1, Ordering::SeqCst);
+                async move { (StatusCode::CREATED, "created") }
+            }),
+        )
+    };
+    let app = ServiceBuilder::new().layer(layer.clone()).service(handler);
+    let call = |key: &'static str| {
+        let app = app.clone();
+        async move {
+            let req = Request::post("/orders")
+                .header("x-idempotency-key", key)
+                .body(Body::from("{}"))
+                .unwrap();
+            app.oneshot(req).await.unwrap().status()
+        }
+    };
+    // The first `begin` is taken by the store at once and answered 300 ms later.
+    store.inject(Rule::new(Op::Begin, Fault::DelayReply(Duration::from_millis(300))).times(1));
+    let leader = tokio::spawn(call("order-fail-open-asking"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    store.inject(Rule::new(Op::Begin, Fault::Fail));
+    assert_eq!(
+        call("order-fail-open-asking").await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the duplicate is refused, not run beside the begin in flight"
+    );
+    assert_eq!(executions.load(Ordering::SeqCst), 0);
+    assert_eq!(leader.await.unwrap(), StatusCode::CREATED);
+    assert_eq!(executions.load(Ordering::SeqCst), 1, "the key ran once");
+    assert_eq!(
+        call("order-fail-open-other").await,
+        StatusCode::CREATED,
+        "another key fails open"
+    );
+}
+
 /// An outcome that is not recorded (a 503, a handler error, a panic) is answered at once; the
 /// claim is released after, in the background. The store being slow (or gone) does not hold the
 /// answer.

@@ -7,7 +7,6 @@ use std::task::Waker;
 
 use bytes::Bytes;
 use http::HeaderMap;
-use reason_code::BoxError;
 
 use super::memory::Charge;
 use super::wake::WakeSlot;
@@ -32,8 +31,6 @@ pub(super) struct Kept<B> {
     pub(super) capped: bool,
     /// The original body failed; its error went to the attempt that read it.
     pub(super) failed: bool,
-    /// The error of an original that failed while it was wrapped, for the first attempt.
-    pub(super) first_error: Option<BoxError>,
     /// The original produced its last frame (or said it had none left).
     pub(super) ended: bool,
     pub(super) trailers: Option<HeaderMap>,

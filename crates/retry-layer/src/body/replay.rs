@@ -141,8 +141,8 @@ where
         // At the head: read on from the original, or replay its end.
         let Some(body) = s.body.as_mut() else {
             if s.failed {
-                let e = s.first_error.take();
-                return Poll::Ready(Some(Err(e.unwrap_or_else(|| BodyNotReplayable.into()))));
+                // The original's error went to the attempt that read it.
+                return Poll::Ready(Some(Err(BodyNotReplayable.into())));
             }
             if !*trailers_sent {
                 *trailers_sent = true;
@@ -257,6 +257,14 @@ where
                     .get(*next..)
                     .map_or(0, |c| c.iter().map(|c| c.len() as u64).sum());
                 match &s.body {
+                    // The original failed: what is kept is not the whole body, and an exact
+                    // size would let HTTP/1.1 send it as a whole request (with its
+                    // `Content-Length`). The reader gets the error after the bytes kept.
+                    None if s.failed => {
+                        let mut hint = SizeHint::new();
+                        hint.set_lower(kept);
+                        hint
+                    }
                     // Trailers still to replay: not an exact size, or an HTTP/1 client would
                     // send a Content-Length, which cannot carry trailers.
                     None if s.trailers.is_some() && !*trailers_sent => {

@@ -272,12 +272,35 @@ async fn a_body_that_fails_at_wrap_time_is_not_sent() {
         .err()
         .expect("failed before its first byte: nothing to send");
     assert_eq!(err.to_string(), "disk gone");
-    // After a first chunk, the error goes to the first attempt, which has started sending.
-    let (first, handle) = wrap(Known::new(&[Ok("ab"), Err("disk gone")], false), 8, None);
-    assert!(!handle.is_replayable());
+    // After a first chunk, still at wrap time: nothing was sent, and the bytes read are not
+    // the body (sent alone, with their exact size, they would be a whole, truncated request).
+    let err = ReplayBody::new(
+        Known::new(&[Ok("ab"), Err("disk gone")], false),
+        8,
+        None,
+        &memory(),
+    )
+    .err()
+    .expect("failed before it was sent: nothing to send");
+    assert_eq!(err.to_string(), "disk gone");
+}
+
+/// A body that fails after the first attempt started reading it: the error goes to that
+/// attempt, the body is no longer replayable, and no size hint calls the bytes kept whole.
+#[tokio::test]
+async fn a_body_that_fails_while_sent_is_not_replayed_nor_called_whole() {
+    let (tx, body) = channel_body();
+    let (mut first, handle) = wrap(body, 64, None);
+    let (_flag, waker) = flag();
+    assert!(poll(&mut first, &waker).is_pending());
+    tx.send(Ok(Frame::data(Bytes::from_static(b"ab")))).unwrap();
+    tx.send(Err("disk gone".into())).unwrap();
     let err = collect(first).await.unwrap_err();
     assert_eq!(err.to_string(), "disk gone");
-    let err = collect(handle.replay()).await.unwrap_err();
+    assert!(!handle.is_replayable());
+    let replay = handle.replay();
+    assert_eq!(replay.size_hint().exact(), None);
+    let err = collect(replay).await.unwrap_err();
     assert!(err.is::<BodyNotReplayable>());
 }
 

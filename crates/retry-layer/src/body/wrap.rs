@@ -23,7 +23,7 @@ where
     /// replayable only until its first byte is read, that is while the request is unsent).
     /// `content_length` is the request's Content-Length header, if any. Returns the first
     /// attempt's body and the handle the layer keeps, or the body's error when it failed
-    /// before any byte of it was read: then nothing must be sent.
+    /// while it was wrapped (before any byte of it was sent): then nothing must be sent.
     ///
     /// A body that may fit within `max` is polled right here, while it has frames ready and up
     /// to `max` bytes ([`EARLY_POLLS`] polls at most): a body that has all its bytes at hand
@@ -105,11 +105,12 @@ where
             if let Some(whole) = seed.as_mut().and_then(|s| s.whole(hint.exact(), max)) {
                 return Ok(whole.map_or_else(Self::empty, |b| Self::whole(b, memory)));
             }
-            // Failed before a byte was read: nothing must be sent.
-            if let Some(s) = seed.as_mut().filter(|s| s.first.is_none()) {
-                if let Some(e) = s.error.take() {
-                    return Err(e);
-                }
+            // Failed before the request was sent (before any byte, or after the first bytes it
+            // had at hand): it can never be sent whole, so nothing must be sent. Sending the
+            // bytes read would put a truncated body on the wire, which an HTTP/1.1 request
+            // with the `Content-Length` of those bytes delivers as if it were whole.
+            if let Some(e) = seed.as_mut().and_then(|s| s.error.take()) {
+                return Err(e);
             }
         }
         // A body known to exceed the limit is never kept (unless nothing is kept at all: then
@@ -125,7 +126,6 @@ where
             max,
             capped,
             failed: false,
-            first_error: None,
             ended: false,
             trailers: None,
             generation: 0,
@@ -254,11 +254,8 @@ impl Seed {
         if let Some(trailers) = self.trailers {
             s.trailers = Some(trailers);
         }
-        if let Some(e) = self.error {
-            s.body = None;
-            s.failed = true;
-            s.first_error = Some(e);
-        } else if self.ended {
+        // An error met here was returned by `new` (nothing is sent): only an end remains.
+        if self.ended {
             s.finish();
         }
     }

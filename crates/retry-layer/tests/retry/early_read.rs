@@ -142,3 +142,32 @@ async fn a_body_that_failed_before_any_byte_sends_nothing() {
         assert_eq!(layer.stats().attempts, 0);
     }
 }
+
+/// A body that hands over its first bytes, then fails, all at once (an upload whose source
+/// broke after its first read): the call ends with its error, and the server never gets a
+/// request, let alone one whose body is those first bytes alone. Before, the layer announced
+/// what it had read as the whole body (an exact size: a `Content-Length` of the bytes read)
+/// and HTTP/1.1 sent a well-formed, truncated request that the server ran (simulator seed 832).
+#[tokio::test]
+async fn a_body_that_failed_after_its_first_bytes_sends_nothing() {
+    for proto in Transport::BOTH {
+        let server = serve(|_, _| status(201)).await;
+        let layer = RetryLayer::new(RetryPolicy::default());
+        let failing = http_body_util::StreamBody::new(futures_util::stream::iter([
+            Ok(Frame::data(Bytes::from_static(b"the first half"))),
+            Err::<Frame<Bytes>, BoxError>("the upload's file is gone".into()),
+        ]));
+        let req = Request::post(server.url("/uploads"))
+            .header("x-idempotency-key", "upload-0002")
+            .body(failing.boxed())
+            .unwrap();
+        let err = bounded("the call", client(&layer, proto).oneshot(req))
+            .await
+            .unwrap_err();
+        let err = RetryError::of(&*err).expect("a RetryError");
+        assert_eq!(err.inner().to_string(), "the upload's file is gone");
+        assert_eq!(err.attempts(), 0, "{proto:?}");
+        assert_eq!(server.hits(), 0, "{proto:?}: nothing was sent");
+        assert!(server.seen().is_empty(), "{proto:?}: {:?}", server.seen());
+    }
+}
