@@ -35,6 +35,100 @@ pub const TENANT_HEADER: HeaderName = HeaderName::from_static("x-tenant");
 /// The message of every panic the simulated handlers raise on purpose.
 pub const HANDLER_PANIC: &str = "sim: the handler panics (a fault of the schedule)";
 
+/// The header each execution's answer carries, naming it (`tenant/key#n`): a replay must carry
+/// the one of the record its store holds, a fresh answer the one of the execution that made it.
+pub const EXECUTION_HEADER: HeaderName = HeaderName::from_static("x-sim-execution");
+
+/// The name of execution `n` of `scope`, as [`EXECUTION_HEADER`] carries it.
+pub(crate) fn execution_name(scope: &ScopeName, n: u32) -> String {
+    format!("{}/{}#{n}", scope.0, scope.1)
+}
+
+/// A one-shot panic of the service under a server's layer (user code), armed by the schedule:
+/// the next `poll_ready` (1) or `call` (2) it is asked for panics.
+#[derive(Clone, Debug, Default)]
+pub struct PanicArm(Arc<std::sync::atomic::AtomicU8>);
+
+impl PanicArm {
+    /// Arms it: the next `call` (`in_call`) or `poll_ready` panics.
+    pub fn arm(&self, in_call: bool) {
+        self.0.store(
+            if in_call { 2 } else { 1 },
+            std::sync::atomic::Ordering::SeqCst,
+        );
+    }
+
+    /// Disarms it (the fault healed before any call came).
+    pub fn disarm(&self) {
+        self.0.store(0, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether the method `which` (1: `poll_ready`, 2: `call`) panics now (once).
+    fn fires(&self, which: u8) -> bool {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.0.compare_exchange(which, 0, SeqCst, SeqCst).is_ok()
+    }
+}
+
+/// Puts a [`PanicArm`] in front of a service: user code under the layer whose `poll_ready` or
+/// `call` panics.
+#[derive(Clone, Debug)]
+pub(crate) struct PanicLayer(pub(crate) PanicArm);
+
+impl<S> tower_layer::Layer<S> for PanicLayer {
+    type Service = Panicky<S>;
+    fn layer(&self, inner: S) -> Panicky<S> {
+        Panicky {
+            inner,
+            arm: self.0.clone(),
+        }
+    }
+}
+
+/// A service whose `poll_ready` or `call` panics once when its arm says so.
+#[derive(Clone, Debug)]
+pub(crate) struct Panicky<S> {
+    inner: S,
+    arm: PanicArm,
+}
+
+impl<S, R> tower_service::Service<R> for Panicky<S>
+where
+    S: tower_service::Service<R>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        if self.arm.fires(1) {
+            panic!("{HANDLER_PANIC}");
+        }
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: R) -> S::Future {
+        if self.arm.fires(2) {
+            panic!("{HANDLER_PANIC}");
+        }
+        self.inner.call(req)
+    }
+}
+
+/// One boot of one server host: which server, which boot, its drain requests and its
+/// service's armed panics.
+#[derive(Debug)]
+pub struct ServerHost {
+    /// The server's index.
+    pub server: usize,
+    /// Its boot (a restart starts the next).
+    pub boot: u32,
+    /// Its drain requests (counted).
+    pub drains: Arc<tokio::sync::watch::Sender<u64>>,
+    /// The one-shot panics of the service under its layer.
+    pub panics: PanicArm,
+}
+
 /// What every server instance shares: the plan, the ledger, the count of executions started.
 #[derive(Clone, Debug)]
 pub struct Shared {
@@ -77,10 +171,14 @@ pub async fn run_server(
     schedule: Arc<Schedule>,
     shared: Shared,
     store: StoreLink,
-    server: usize,
-    boot: u32,
-    drains: Arc<tokio::sync::watch::Sender<u64>>,
+    host: ServerHost,
 ) -> turmoil::Result {
+    let ServerHost {
+        server,
+        boot,
+        drains,
+        panics,
+    } = host;
     let s = &schedule.settings;
     let mut layer = IdempotencyLayer::new(store)
         .tenant(idempotency_layer::TenantSource::header(TENANT_HEADER))
@@ -106,8 +204,14 @@ pub async fn run_server(
     if let Some(ttl) = own.ttl {
         layer = layer.ttl(ttl);
     }
+    if let Some(timeout) = own.request_body_timeout {
+        layer = layer.request_body_timeout(timeout);
+    }
     if let Some(max) = s.bounds.max_waiting_bytes {
         layer = layer.max_waiting_bytes(max);
+    }
+    if let Some(max) = s.bounds.max_response_buffer_bytes {
+        layer = layer.max_response_buffer_bytes(max);
     }
     let stats = layer.clone();
     shared
@@ -139,7 +243,7 @@ pub async fn run_server(
     };
     let serving = async {
         if s.protocol == crate::schedule::Protocol::Grpc {
-            return crate::grpc::serve(layer, app, DrainSignal::new(&drains)).await;
+            return crate::grpc::serve(layer, app, panics, DrainSignal::new(&drains)).await;
         }
         let router = Router::new()
             .route("/w/{key}", post(write))
@@ -149,6 +253,7 @@ pub async fn run_server(
             .layer(TagLayer)
             .option_layer(s.chain.then(HopLayer::new))
             .layer(layer)
+            .layer(PanicLayer(panics))
             .option_layer(s.server_limit.map(ConcurrencyLimitLayer::new))
             .service(router);
         crate::net::serve(service, DrainSignal::new(&drains)).await
@@ -185,6 +290,13 @@ impl Drop for Started {
                 self.ledger.lock().runs_ended_undone.insert(attempt, now());
             }
         }
+    }
+}
+
+impl Started {
+    /// Its name, as [`EXECUTION_HEADER`] carries it.
+    pub(crate) fn name(&self) -> String {
+        execution_name(&self.scope, self.n)
     }
 }
 
@@ -274,6 +386,7 @@ impl AppState {
                 status,
                 body: body.to_vec(),
                 broke_before_status: false,
+                name: Some(execution_name(scope, *n)),
             });
             execs.len() - 1
         };
@@ -369,6 +482,7 @@ async fn write(
     Response::builder()
         .status(StatusCode::CREATED)
         .header(http::header::CONTENT_TYPE, "text/plain")
+        .header(EXECUTION_HEADER, started.name())
         .body(axum::body::Body::new(body))
         .expect("a valid response")
 }
@@ -445,7 +559,12 @@ impl Drop for SimBody {
     }
 }
 
+/// A response body's frame: 16 bytes, or [`BIG_FRAME`] for a body over 4 KiB (so that a body
+/// over 64 KiB is not thousands of frames).
 const FRAME: usize = 16;
+
+/// The frame of a body over 4 KiB.
+pub(crate) const BIG_FRAME: usize = 4096;
 
 impl http_body::Body for SimBody {
     type Data = Bytes;
@@ -463,10 +582,15 @@ impl http_body::Body for SimBody {
             this.stall = None;
             this.stalled = true;
         }
-        let mut end = (this.pos + FRAME).min(this.data.len());
+        let frame = if this.data.len() > BIG_FRAME {
+            BIG_FRAME
+        } else {
+            FRAME
+        };
+        let mut end = (this.pos + frame).min(this.data.len());
         match this.plan {
             Handler::PanicInBody { at } | Handler::ErrorInBody { at }
-                if this.pos >= at || this.pos + FRAME > at =>
+                if this.pos >= at || this.pos + frame > at =>
             {
                 if this.pos < at {
                     end = at;
@@ -478,7 +602,7 @@ impl http_body::Body for SimBody {
                     return Poll::Ready(Some(Err("sim: the response body fails".into())));
                 }
             }
-            Handler::StallInBody { at, stall } if !this.stalled && this.pos + FRAME > at => {
+            Handler::StallInBody { at, stall } if !this.stalled && this.pos + frame > at => {
                 if this.pos < at {
                     end = at;
                 } else {

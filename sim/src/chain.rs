@@ -47,6 +47,9 @@ pub fn down_client() -> DownClient {
     BoxCloneSyncService::new(RetryLayer::new(policy).layer(hyper))
 }
 
+/// How long an upstream handler waits for its downstream answer's body.
+const BODY_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The upstream handler's downstream write, made as part of its execution of `parent`. `Ok`
 /// when the downstream tier answered a success (executed or replayed).
 pub async fn write_down(client: &DownClient, parent: &ScopeName) -> Result<(), String> {
@@ -61,7 +64,9 @@ pub async fn write_down(client: &DownClient, parent: &ScopeName) -> Result<(), S
         .await
         .map_err(|e| e.to_string())?;
     let ok = res.status().is_success();
-    let _ = res.into_body().collect().await;
+    // Bounded, as a careful handler bounds what it waits for: a body cut off by a partition
+    // would otherwise hold the upstream write (and its claim) for good.
+    let _ = tokio::time::timeout(BODY_WAIT, res.into_body().collect()).await;
     if ok {
         Ok(())
     } else {
@@ -115,6 +120,7 @@ async fn down_write(State(st): State<DownState>, headers: HeaderMap) -> Response
             status: 201,
             body: body.clone().into_bytes(),
             broke_before_status: false,
+            name: None,
         });
     st.ledger
         .event(format!("{}/{} downstream execution", scope.0, scope.1));

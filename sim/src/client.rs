@@ -2,6 +2,8 @@
 //! with a router that sends each attempt to the next server instance (as a load balancer
 //! does) and a readiness gate the schedule can close (a full Buffer).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
@@ -25,7 +27,7 @@ use tower_service::Service;
 use crate::app::TENANT_HEADER;
 use crate::ledger::{now, Ending, Ledger, Memory, SendId};
 use crate::net::SimConnector;
-use crate::schedule::{MalformedKind, Protocol, Schedule};
+use crate::schedule::{BodyFault, MalformedKind, Protocol, Schedule};
 use crate::tag::ATTEMPT_HEADER;
 
 /// The bound on reading a response body once its head arrived. The client layer does not
@@ -194,7 +196,89 @@ pub(crate) fn call_of(headers: &http::HeaderMap) -> Option<usize> {
 
 /// The client's whole stack, as a user builds it: `RetryLayer` (and, when the schedule hedges,
 /// `HedgeLayer` under it) over the router and hyper-util's client.
-pub type ClientStack = BoxCloneService<Request<Full<Bytes>>, Response<Incoming>, BoxError>;
+pub type ClientStack = BoxCloneService<Request<SendBody>, Response<Incoming>, BoxError>;
+
+/// A request body as a client streams it: its bytes, with the schedule's fault midway (a stall,
+/// or a source that fails), under a `content-length` that announces all of it.
+#[derive(Debug)]
+pub struct SendBody {
+    data: Bytes,
+    fault: Option<BodyFault>,
+    /// Bytes sent so far.
+    sent: usize,
+    stall: Option<Pin<Box<tokio::time::Sleep>>>,
+    done: bool,
+}
+
+impl SendBody {
+    /// `data`, sent as the schedule says (`fault`: midway, if any).
+    pub fn new(data: Bytes, fault: Option<BodyFault>) -> SendBody {
+        SendBody {
+            done: data.is_empty() && fault.is_none(),
+            data,
+            fault,
+            sent: 0,
+            stall: None,
+        }
+    }
+}
+
+impl http_body::Body for SendBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        if this.done {
+            return Poll::Ready(None);
+        }
+        let len = this.data.len();
+        let at = match this.fault {
+            Some(BodyFault::Stall { at, .. } | BodyFault::Fail { at }) => at.min(len),
+            None => len,
+        };
+        if this.sent < at {
+            this.sent = at;
+            return Poll::Ready(Some(Ok(http_body::Frame::data(this.data.slice(..at)))));
+        }
+        match this.fault {
+            Some(BodyFault::Fail { .. }) => {
+                this.done = true;
+                Poll::Ready(Some(Err(
+                    "sim: the request body's source failed midway".into()
+                )))
+            }
+            Some(BodyFault::Stall { stall, .. }) => {
+                let sleep = this
+                    .stall
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(stall)));
+                std::task::ready!(sleep.as_mut().poll(cx));
+                this.done = true;
+                if this.sent < len {
+                    this.sent = len;
+                    Poll::Ready(Some(Ok(http_body::Frame::data(this.data.slice(at..)))))
+                } else {
+                    Poll::Ready(None)
+                }
+            }
+            None => {
+                this.done = true;
+                Poll::Ready(None)
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.data.len() as u64)
+    }
+}
 
 /// The policy of `schedule`: the defaults, with its deadline, its replay memory and a
 /// deterministic jitter.
@@ -244,6 +328,13 @@ pub fn stack(schedule: &Schedule, ledger: &Ledger, client: usize, gate: ReadyGat
     };
     let mut builder = Client::builder(TokioExecutor::new());
     builder.http2_only(schedule.settings.protocol == Protocol::Http2);
+    if schedule.settings.bounds.max_response_buffer_bytes.is_some() {
+        // The protocol's own initial window, fixed: a client that reads slowly then holds the
+        // server's sending back after 64 KiB, as many HTTP/2 clients do (hyper's default lets
+        // 2 MiB through unread).
+        builder.http2_initial_stream_window_size(65_535);
+        builder.http2_adaptive_window(false);
+    }
     let retry = retry_layer(schedule, ledger);
     if schedule.settings.hedging && schedule.settings.hedging_alone {
         // Hedging alone, with no retry layer above it: it answers on its own bounds.
@@ -296,7 +387,14 @@ pub async fn run_client(
                 let sent = intent.body_of(&send);
                 let i = ledger.call_started(client, scope, &sent);
                 let body = Bytes::from(sent);
-                let call = caller.send(Some(&intent.key), Some(intent.tenant), body, &ledger, i);
+                let call = caller.send(
+                    Some(&intent.key),
+                    Some(intent.tenant),
+                    (body, send.body_fault),
+                    send.slow_read,
+                    &ledger,
+                    i,
+                );
                 let ending = match send.cancel_after {
                     Some(after) => match tokio::time::timeout(after, call).await {
                         Ok(ending) => ending,
@@ -328,7 +426,7 @@ pub async fn run_client(
                 MalformedKind::BadKey => (Some("no"), Some("acme")),
                 MalformedKind::NoTenant => (Some("malformed-no-tenant"), None),
             };
-            let call = caller.send(key, tenant, Bytes::new(), &ledger, i);
+            let call = caller.send(key, tenant, (Bytes::new(), None), None, &ledger, i);
             if let Ok(Some(ending)) = tokio::time::timeout(watchdog, call).await {
                 ledger.call_ended(i, ending);
             }
@@ -355,7 +453,8 @@ impl Caller {
         self,
         key: Option<&str>,
         tenant: Option<&str>,
-        body: Bytes,
+        (body, fault): (Bytes, Option<BodyFault>),
+        slow_read: Option<Duration>,
         ledger: &Ledger,
         i: usize,
     ) -> Option<Ending> {
@@ -369,8 +468,10 @@ impl Caller {
                     req = req.header(TENANT_HEADER, tenant);
                 }
                 req = req.header(CALL_HEADER, i);
-                let req = req.body(Full::new(body)).expect("a valid request");
-                call(svc, req, ledger, i).await
+                let req = req
+                    .body(SendBody::new(body, fault))
+                    .expect("a valid request");
+                call(svc, req, slow_read, ledger, i).await
             }
             Caller::Grpc(svc) => crate::grpc::call(svc, key, tenant, body, ledger, i).await,
         }
@@ -381,18 +482,22 @@ impl Caller {
 /// did not end within [`BODY_BOUND`].
 async fn call(
     svc: ClientStack,
-    req: Request<Full<Bytes>>,
+    req: Request<SendBody>,
+    slow_read: Option<Duration>,
     ledger: &Ledger,
     i: usize,
 ) -> Option<Ending> {
     let answer: Result<Response<Incoming>, BoxError> = svc.oneshot(req).await;
     ledger.call_head(i);
-    read_answer(answer).await
+    read_answer(answer, slow_read).await
 }
 
 /// The answer of one call, its body read to its end: `None` if it did not end within
 /// [`BODY_BOUND`].
-async fn read_answer(answer: Result<Response<Incoming>, BoxError>) -> Option<Ending> {
+async fn read_answer(
+    answer: Result<Response<Incoming>, BoxError>,
+    slow_read: Option<Duration>,
+) -> Option<Ending> {
     let resp = match answer {
         Ok(resp) => resp,
         Err(e) => return Some(Ending::Error(error_chain(&*e))),
@@ -404,6 +509,13 @@ async fn read_answer(answer: Result<Response<Incoming>, BoxError>) -> Option<End
             .get(name)
             .is_some_and(|v| v.as_bytes() == b"true")
     };
+    let text = |name: &http::HeaderName| {
+        parts
+            .headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
     let mut bytes = Vec::new();
     let mut body_error = None;
     let read = async {
@@ -413,6 +525,9 @@ async fn read_answer(answer: Result<Response<Incoming>, BoxError>) -> Option<End
                 Ok(frame) => {
                     if let Some(d) = frame.data_ref() {
                         bytes.extend_from_slice(d);
+                    }
+                    if let Some(pause) = slow_read {
+                        tokio::time::sleep(pause).await;
                     }
                 }
                 Err(e) => {
@@ -439,6 +554,8 @@ async fn read_answer(answer: Result<Response<Incoming>, BoxError>) -> Option<End
             .get(http::header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse().ok()),
+        execution: text(&crate::app::EXECUTION_HEADER),
+        content_type: text(&http::header::CONTENT_TYPE),
         body: bytes,
         body_error,
     })
@@ -625,7 +742,7 @@ async fn quiesce(schedule: &Schedule, ledger: &Ledger, hyper: &Client<SimConnect
                             .request(req)
                             .await
                             .map_err(|e| Box::new(e) as BoxError);
-                        read_answer(answer).await
+                        read_answer(answer, None).await
                     };
                     tokio::time::timeout(Duration::from_secs(60), write)
                         .await

@@ -106,6 +106,7 @@ impl Service<Request<Body>> for Writes {
             let body = app.commit(&started, 200, true);
             Ok(Response::builder()
                 .header(http::header::CONTENT_TYPE, "application/grpc")
+                .header(crate::app::EXECUTION_HEADER, started.name())
                 .body(Body::new(body))
                 .expect("a valid response"))
         })
@@ -131,6 +132,7 @@ impl Connected for SimStream {
 pub(crate) async fn serve(
     layer: idempotency_layer::IdempotencyLayer<crate::store_host::StoreLink>,
     app: AppState,
+    panics: crate::app::PanicArm,
     mut drain: crate::net::DrainSignal,
 ) -> turmoil::Result {
     let listener = turmoil::net::TcpListener::bind(("0.0.0.0", PORT)).await?;
@@ -143,6 +145,7 @@ pub(crate) async fn serve(
         .layer(crate::tag::TagLayer)
         .layer(tower::util::option_layer(hop))
         .layer(layer)
+        .layer(crate::app::PanicLayer(panics))
         .add_service(Writes(app))
         .serve_with_incoming_shutdown(incoming, async move { drain.requested().await })
         .await?;
@@ -323,6 +326,11 @@ pub(crate) async fn call(
                 .metadata()
                 .get("idempotent-replayed")
                 .is_some_and(|v| v.as_bytes() == b"true");
+            let execution = resp
+                .metadata()
+                .get(crate::app::EXECUTION_HEADER.as_str())
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned);
             Ending::Response {
                 status: 200,
                 replayed,
@@ -331,6 +339,8 @@ pub(crate) async fn call(
                 body: resp.into_inner().to_vec(),
                 body_error: None,
                 content_length: None,
+                execution,
+                content_type: None,
             }
         }
         Err(status) => Ending::Error(format!("grpc {:?}: {}", status.code(), status.message())),
@@ -389,6 +399,11 @@ pub(crate) async fn probe_write(
                 .metadata()
                 .get("idempotent-replayed")
                 .is_some_and(|v| v.as_bytes() == b"true");
+            let execution = resp
+                .metadata()
+                .get(crate::app::EXECUTION_HEADER.as_str())
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned);
             Ending::Response {
                 status: 200,
                 replayed,
@@ -397,6 +412,8 @@ pub(crate) async fn probe_write(
                 body: resp.into_inner().to_vec(),
                 body_error: None,
                 content_length: None,
+                execution,
+                content_type: None,
             }
         }
         Err(status) => Ending::Error(format!("grpc {:?}: {}", status.code(), status.message())),

@@ -143,19 +143,27 @@ pub fn check(run: &Run) -> Verdict {
 /// (64 MiB each, as their docs say).
 const DEFAULT_LAYER_BYTES: u64 = 64 << 20;
 
-/// The bounds of one seed's holdings, by kind (what [`Memory`] reads).
-pub fn memory_bounds(schedule: &Schedule) -> Memory {
+/// The bounds of one seed's holdings, by kind (what [`Memory`] reads), in a run of
+/// `executions` executions.
+pub fn memory_bounds(schedule: &Schedule, executions: usize) -> Memory {
     let b = schedule.settings.bounds;
     let or = |v: Option<usize>, default: u64| v.map_or(default, |v| v as u64);
     Memory {
         waiting_bytes: or(b.max_waiting_bytes, DEFAULT_LAYER_BYTES),
         // Over it by at most one frame per response: every response of the seed, whole.
-        response_buffer_bytes: DEFAULT_LAYER_BYTES
-            + schedule
-                .intents
-                .iter()
-                .map(|i| i.response_len as u64)
-                .sum::<u64>(),
+        response_buffer_bytes: match b.max_response_buffer_bytes {
+            // Drawn small: over it by at most one frame of each response held (a frame is
+            // charged as it is read), each execution's at most.
+            Some(max) => max as u64 + (crate::app::BIG_FRAME * executions) as u64,
+            None => {
+                DEFAULT_LAYER_BYTES
+                    + schedule
+                        .intents
+                        .iter()
+                        .map(|i| i.response_len as u64)
+                        .sum::<u64>()
+            }
+        },
         replay_bytes: or(
             b.max_replay_bytes_total,
             retry_layer::DEFAULT_MAX_REPLAY_BYTES_TOTAL as u64,
@@ -173,7 +181,8 @@ pub fn memory_bounds(schedule: &Schedule) -> Memory {
 
 fn memory_bounded(run: &Run, v: &mut Verdict) {
     let peak = run.observed.peaks;
-    let bound = memory_bounds(&run.schedule);
+    let executions = run.observed.executions.values().map(Vec::len).sum();
+    let bound = memory_bounds(&run.schedule, executions);
     let kinds = [
         (
             "a server's waiters held more bytes than max_waiting_bytes",
@@ -271,7 +280,9 @@ fn network_cut(schedule: &Schedule, client: usize, from: Duration) -> bool {
     schedule.settings.fail_rate > 0.0
         || schedule.faults.iter().any(|t| {
             let touches = match t.fault {
-                Fault::Partition { client: c, .. } | Fault::Hold { client: c, .. } => c == client,
+                Fault::Partition { client: c, .. }
+                | Fault::Hold { client: c, .. }
+                | Fault::OneWay { client: c, .. } => c == client,
                 Fault::Crash { .. } => true,
                 _ => false,
             };
@@ -732,6 +743,8 @@ fn replays_equal(run: &Run, v: &mut Verdict) {
                 body,
                 body_error,
                 content_length,
+                execution,
+                content_type,
                 ..
             },
         )) = &c.end
@@ -789,6 +802,8 @@ fn replays_equal(run: &Run, v: &mut Verdict) {
                     && body.is_empty()
                     && run.store_stats.bodies_dropped > 0;
                 (grpc || *status == r.status)
+                    && *execution == r.execution
+                    && (grpc || *content_type == r.content_type)
                     && (body_omitted == &r.body_omitted || trimmed)
                     && (trimmed
                         || body_error.is_some() && stored.starts_with(body)
@@ -800,13 +815,19 @@ fn replays_equal(run: &Run, v: &mut Verdict) {
                     cause: "a replay differs from the record the store holds",
                     scope,
                     detail: format!(
-                        "status {status}, {} bytes{}, {} record(s) stored: {:?}",
+                        "status {status}, {} bytes{}, execution {execution:?}, content-type \
+                         {content_type:?}, {} record(s) stored: {:?}",
                         body.len(),
                         if *body_omitted { " (body omitted)" } else { "" },
                         records.len(),
                         records
                             .iter()
-                            .map(|r| (r.status, r.body.len()))
+                            .map(|r| (
+                                r.status,
+                                r.body.len(),
+                                r.execution.as_deref(),
+                                r.content_type.as_deref()
+                            ))
                             .collect::<Vec<_>>()
                     ),
                 });
@@ -819,6 +840,7 @@ fn replays_equal(run: &Run, v: &mut Verdict) {
         let execs = o.executions.get(&c.scope).map(Vec::as_slice).unwrap_or(&[]);
         let matches = |e: &Execution| {
             *status == e.status
+                && *execution == e.name
                 && if *replayed {
                     if *body_omitted {
                         body.is_empty()
@@ -841,10 +863,12 @@ fn replays_equal(run: &Run, v: &mut Verdict) {
                 },
                 scope,
                 detail: format!(
-                    "status {status}, {} bytes{}, {} execution(s)",
+                    "status {status}, {} bytes{}, execution {execution:?}, {} execution(s): \
+                     {:?}",
                     body.len(),
                     if *body_omitted { " (body omitted)" } else { "" },
-                    execs.len()
+                    execs.len(),
+                    execs.iter().map(|e| e.name.as_deref()).collect::<Vec<_>>()
                 ),
             });
         }

@@ -31,6 +31,8 @@ pub struct Execution {
     /// Its gRPC response broke off (the body failed or panicked) before its status, which a
     /// gRPC response gives in its trailers: its answer is a failure the table does not record.
     pub broke_before_status: bool,
+    /// Its name (`tenant/key#n`), which its answer carries in `x-sim-execution`.
+    pub name: Option<String>,
 }
 
 /// How one client call ended.
@@ -52,6 +54,10 @@ pub enum Ending {
         body_error: Option<String>,
         /// The `content-length` header, if any.
         content_length: Option<u64>,
+        /// The execution its `x-sim-execution` header names, if any.
+        execution: Option<String>,
+        /// Its `content-type`, if any.
+        content_type: Option<String>,
     },
     /// The layer answered an error.
     Error(String),

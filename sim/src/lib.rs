@@ -122,6 +122,13 @@ impl SeedReport {
                 out.push(("bounds: servers' waiting memory full".to_owned(), 1));
             }
         }
+        if let Some(max) = settings.bounds.max_response_buffer_bytes {
+            out.push(("bounds: servers' response buffer drawn small".to_owned(), 1));
+            // Less room left than one more frame of a response read slowly.
+            if peaks.response_buffer_bytes as usize + app::BIG_FRAME > max {
+                out.push(("bounds: servers' response buffer full".to_owned(), 1));
+            }
+        }
         if let Some((max, _)) = settings.bounds.store {
             out.push(("bounds: store bytes drawn small".to_owned(), 1));
             // No room for one more claim and a small record.
@@ -158,6 +165,22 @@ impl SeedReport {
         if settings.fail_open {
             out.push(("settings: fail_open".to_owned(), 1));
         }
+        if settings
+            .per_server
+            .iter()
+            .any(|s| s.request_body_timeout.is_some())
+        {
+            out.push(("bounds: request_body_timeout drawn small".to_owned(), 1));
+            let timed_out = self.run.observed.calls.iter().any(|c| {
+                matches!(
+                    c.end,
+                    Some((_, ledger::Ending::Response { status: 408, .. }))
+                )
+            });
+            if timed_out {
+                out.push(("bounds: request_body_timeout reached (408)".to_owned(), 1));
+            }
+        }
         for m in &self.run.schedule.malformed {
             out.push((format!("caller: malformed write ({:?})", m.kind), 1));
         }
@@ -180,6 +203,17 @@ impl SeedReport {
             }
             if i.sends.iter().any(|s| s.other_body) {
                 out.push(("caller: the same key with another body".to_owned(), 1));
+            }
+            for send in &i.sends {
+                match send.body_fault {
+                    Some(schedule::BodyFault::Stall { .. }) => {
+                        out.push(("caller: request body stalls midway".to_owned(), 1));
+                    }
+                    Some(schedule::BodyFault::Fail { .. }) => {
+                        out.push(("caller: request body fails midway".to_owned(), 1));
+                    }
+                    None => {}
+                }
             }
             if i.sends.len() > 4 {
                 out.push(("caller: many duplicates of one key at once".to_owned(), 1));

@@ -76,6 +76,8 @@ pub struct ServerSettings {
     pub max_waiters: Option<usize>,
     /// The records' `ttl`.
     pub ttl: Option<Duration>,
+    /// `request_body_timeout`.
+    pub request_body_timeout: Option<Duration>,
 }
 
 /// Memory bounds drawn small, so that a seed reaches them (`None`: the layer's default).
@@ -89,6 +91,10 @@ pub struct Bounds {
     /// The store's `max_bytes` and `min_retention`: room for a few records, which make room for
     /// new claims once they are older than the retention.
     pub store: Option<(usize, Duration)>,
+    /// The servers' `max_response_buffer_bytes` (HTTP/2 seeds with responses over the 64 KiB
+    /// each response may hold whatever it says, and clients that read them slowly under a
+    /// small flow-control window).
+    pub max_response_buffer_bytes: Option<usize>,
 }
 
 /// What a handler does on one execution.
@@ -193,6 +199,27 @@ pub struct Send {
     pub cancel_after: Option<Duration>,
     /// The same key with another body (a client bug: expect 422, never a second run).
     pub other_body: bool,
+    /// The request body stalls or fails midway (HTTP only: a streaming upload).
+    pub body_fault: Option<BodyFault>,
+    /// The client reads the response body slowly: this long between frames.
+    pub slow_read: Option<Duration>,
+}
+
+/// A request body that does not arrive whole at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BodyFault {
+    /// It stalls after byte `at` for `stall`, then sends the rest.
+    Stall {
+        /// The byte after which it stalls.
+        at: usize,
+        /// How long it stalls.
+        stall: Duration,
+    },
+    /// It fails with an error after byte `at` (the upload broke: its source failed).
+    Fail {
+        /// The byte after which it fails.
+        at: usize,
+    },
 }
 
 /// A timed fault.
@@ -249,6 +276,32 @@ pub enum Fault {
     Drain {
         /// The server's index.
         server: usize,
+    },
+    /// No message from the client to the server (`to_server`), or from the server to the
+    /// client, until `heal`; the other way passes (a one-way partition).
+    OneWay {
+        /// The client's index.
+        client: usize,
+        /// The server's index.
+        server: usize,
+        /// Which way is cut: the client's messages to the server (else the server's replies).
+        to_server: bool,
+    },
+    /// The link between a server and the downstream tier is cut (or held: a half-open link)
+    /// until `heal`.
+    Downstream {
+        /// The server's index.
+        server: usize,
+        /// Held rather than cut.
+        hold: bool,
+    },
+    /// The service under the server's layer (user code) panics once, in the next `poll_ready`
+    /// or `call` it is asked for after `at` (a one-shot: disarmed at `heal` if it never came).
+    ServicePanic {
+        /// The server's index.
+        server: usize,
+        /// In `call` (else in `poll_ready`).
+        in_call: bool,
     },
 }
 
@@ -369,6 +422,8 @@ impl Schedule {
                     at: start + Duration::from_millis(r.u64(..400)),
                     cancel_after: pick(r, 8, |r| Duration::from_millis(r.u64(1..2000))),
                     other_body: false,
+                    body_fault: None,
+                    slow_read: None,
                 })
                 .collect();
             let mut first = draw_handler(r, response_len);
@@ -419,6 +474,7 @@ impl Schedule {
             max_waiting_bytes: pick(r, 2, |r| r.usize(1100..4200)),
             max_replay_bytes_total: pick(r, 2, |r| r.usize(..128)),
             store: None,
+            max_response_buffer_bytes: None,
         };
         let mut faults: Vec<Timed> = faults;
         for _ in 0..r.usize(..3) {
@@ -470,6 +526,90 @@ fn adversary(
     adversary_first(r, settings, intents, faults);
     // Drawn after the rest, so that the draws above stay as they were.
     settings.bounds.store = pick(r, 5, |r| (r.usize(1_500..8_000), ms(r, ..2000)));
+    adversary_second(r, settings, intents, faults);
+}
+
+/// The adversary's second round of draws (after every earlier one, so that each seed's
+/// earlier schedule stays as it was): one-way partitions, faults on the links to the downstream
+/// tier, user services that panic in `poll_ready` or `call`, and request bodies that stall or
+/// fail midway, against a `request_body_timeout` drawn small.
+fn adversary_second(
+    r: &mut fastrand::Rng,
+    settings: &mut Settings,
+    intents: &mut [Intent],
+    faults: &mut Vec<Timed>,
+) {
+    let window = |r: &mut fastrand::Rng| {
+        let at = ms(r, ..5000);
+        (at, Some(at + ms(r, 50..4000)))
+    };
+    for _ in 0..pick(r, 4, |r| 1 + r.usize(..2)).unwrap_or(0) {
+        let (at, heal) = window(r);
+        let fault = Fault::OneWay {
+            client: r.usize(..settings.clients),
+            server: r.usize(..settings.servers),
+            to_server: r.bool(),
+        };
+        faults.push(Timed { at, heal, fault });
+    }
+    if settings.chain {
+        for _ in 0..pick(r, 3, |r| 1 + r.usize(..2)).unwrap_or(0) {
+            let (at, heal) = window(r);
+            let fault = Fault::Downstream {
+                server: r.usize(..settings.servers),
+                hold: r.u8(..3) == 0,
+            };
+            faults.push(Timed { at, heal, fault });
+        }
+    }
+    for _ in 0..pick(r, 6, |r| 1 + r.usize(..2)).unwrap_or(0) {
+        let (at, heal) = window(r);
+        let fault = Fault::ServicePanic {
+            server: r.usize(..settings.servers),
+            in_call: r.bool(),
+        };
+        faults.push(Timed { at, heal, fault });
+    }
+    if settings.protocol != Protocol::Grpc && r.u8(..4) == 0 {
+        for intent in intents.iter_mut() {
+            let len = intent.body.len();
+            for send in intent.sends.iter_mut() {
+                if r.u8(..4) != 0 {
+                    continue;
+                }
+                let at = r.usize(..=len);
+                send.body_fault = Some(if r.bool() {
+                    BodyFault::Stall {
+                        at,
+                        stall: ms(r, 10..4000),
+                    }
+                } else {
+                    BodyFault::Fail { at }
+                });
+            }
+        }
+        let timeout = pick(r, 2, |r| ms(r, 200..3000));
+        for s in settings.per_server.iter_mut() {
+            s.request_body_timeout = timeout;
+        }
+    }
+    // Responses over the 64 KiB each may hold for its client, read slowly over HTTP/2 (whose
+    // flow control then reaches the server), against a small `max_response_buffer_bytes`.
+    if settings.protocol == Protocol::Http2 && !intents.is_empty() && r.u8(..4) == 0 {
+        settings.bounds.max_response_buffer_bytes = Some(r.usize(1024..64 * 1024));
+        for _ in 0..1 + r.usize(..2) {
+            let i = r.usize(..intents.len());
+            let intent = &mut intents[i];
+            // Past the 64 KiB the client's window lets through and the 64 KiB the response
+            // may hold whatever the bound says.
+            intent.response_len = 128 * 1024 + r.usize(1..192 * 1024);
+            for send in intent.sends.iter_mut() {
+                if r.u8(..4) != 0 {
+                    send.slow_read = Some(ms(r, 20..300));
+                }
+            }
+        }
+    }
 }
 
 fn adversary_first(
@@ -486,6 +626,7 @@ fn adversary_first(
         max_wait: pick(r, 5, |r| ms(r, 100..4000)),
         max_waiters: pick(r, 5, |r| r.usize(..3)),
         ttl: pick(r, 6, |r| ms(r, 1000..8000)),
+        request_body_timeout: None,
     };
     let upgrade = r.u8(..5) == 0;
     settings.per_server = (0..settings.servers)
@@ -529,6 +670,8 @@ fn adversary_first(
                 at: first.at + ms(r, ..600),
                 cancel_after: None,
                 other_body: true,
+                body_fault: None,
+                slow_read: None,
             });
         }
     }
@@ -542,6 +685,8 @@ fn adversary_first(
                 at: at + ms(r, ..60),
                 cancel_after: pick(r, 8, |r| ms(r, 1..2000)),
                 other_body: false,
+                body_fault: None,
+                slow_read: None,
             });
         }
     }

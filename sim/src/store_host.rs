@@ -189,6 +189,8 @@ pub struct Landed {
     pub body_omitted: bool,
     /// Its `content-type`, if any.
     pub content_type: Option<String>,
+    /// The execution its `x-sim-execution` header names, if any.
+    pub execution: Option<String>,
 }
 
 /// A fault that hit a call.
@@ -354,6 +356,11 @@ impl Facts {
             content_type: record
                 .headers()
                 .get(http::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned),
+            execution: record
+                .headers()
+                .get(crate::app::EXECUTION_HEADER)
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_owned),
         });

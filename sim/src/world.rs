@@ -9,7 +9,7 @@ use std::time::Duration;
 use idempotency_layer::MemoryStore;
 use tokio::sync::watch;
 
-use crate::app::{run_server, Shared};
+use crate::app::{run_server, PanicArm, Shared};
 use crate::client::{run_client, run_probe, ReadyGate};
 use crate::ledger::{Ledger, Memory, Observed, PanicRecord};
 use crate::schedule::{Fault, Schedule};
@@ -148,18 +148,26 @@ fn drive(
     let drains: Vec<Arc<watch::Sender<u64>>> = (0..s.servers)
         .map(|_| Arc::new(watch::channel(0).0))
         .collect();
+    let panics: Vec<PanicArm> = (0..s.servers).map(|_| PanicArm::default()).collect();
     for (server, drains) in drains.iter().enumerate() {
         let boots = Arc::new(AtomicU32::new(0));
-        let (schedule, shared, link, drains) = (
+        let (schedule, shared, link, drains, arm) = (
             schedule.clone(),
             shared.clone(),
             link.for_server(server),
             drains.clone(),
+            panics[server].clone(),
         );
         sim.host(format!("server{server}"), move || {
             let boot = boots.fetch_add(1, Ordering::SeqCst);
             let (schedule, shared, link) = (schedule.clone(), shared.clone(), link.clone());
-            run_server(schedule, shared, link, server, boot, drains.clone())
+            let host = crate::app::ServerHost {
+                server,
+                boot,
+                drains: drains.clone(),
+                panics: arm.clone(),
+            };
+            run_server(schedule, shared, link, host)
         });
     }
 
@@ -194,6 +202,7 @@ fn drive(
         gates: gates.clone(),
         drains,
         finished: finished.clone(),
+        panics,
     };
 
     // The faults' starts and heals, in time order.
@@ -289,6 +298,8 @@ struct Hosts {
     drains: Vec<Arc<watch::Sender<u64>>>,
     /// Whether each client has finished (every send ended).
     finished: Vec<Arc<AtomicBool>>,
+    /// Each server's one-shot panic of its service under the layer.
+    panics: Vec<PanicArm>,
 }
 
 fn apply(
@@ -391,6 +402,52 @@ fn apply(
                 }
             } else if !finished && !sim.is_host_running(name.as_str()) {
                 sim.bounce(name.as_str());
+            }
+        }
+        Fault::OneWay {
+            client,
+            server,
+            to_server,
+        } => {
+            let (c, sv) = (format!("client{client}"), format!("server{server}"));
+            let (from, to) = if to_server { (c, sv) } else { (sv, c) };
+            if start {
+                ledger.fault(if to_server {
+                    "network: one-way partition (client to server)"
+                } else {
+                    "network: one-way partition (server to client)"
+                });
+                sim.partition_oneway(from.as_str(), to.as_str());
+            } else {
+                sim.repair_oneway(from.as_str(), to.as_str());
+            }
+        }
+        Fault::Downstream { server, hold } => {
+            let a = format!("server{server}");
+            let b = crate::chain::DOWN;
+            match (start, hold) {
+                (true, false) => {
+                    ledger.fault("downstream: partition");
+                    sim.partition(a.as_str(), b);
+                }
+                (true, true) => {
+                    ledger.fault("downstream: hold (half-open)");
+                    sim.hold(a.as_str(), b);
+                }
+                (false, false) => sim.repair(a.as_str(), b),
+                (false, true) => sim.release(a.as_str(), b),
+            }
+        }
+        Fault::ServicePanic { server, in_call } => {
+            if start {
+                ledger.fault(if in_call {
+                    "user code: the service under the layer panics in call"
+                } else {
+                    "user code: the service under the layer panics in poll_ready"
+                });
+                hosts.panics[server].arm(in_call);
+            } else {
+                hosts.panics[server].disarm();
             }
         }
         Fault::Drain { server } => {

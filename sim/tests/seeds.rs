@@ -101,11 +101,13 @@ fn the_simulator_holds_every_promise() {
         );
     }
     // Seeds whose small memory bounds are reached: a duplicate refused its wait (the servers'
-    // waiters' bytes), a request body not kept for replay (the client's). Each holds its bound;
-    // with the bound taken out of the layer, each breaks promise 5.
+    // waiters' bytes), a request body not kept for replay (the client's), responses over 128 KiB
+    // read slowly over HTTP/2 (the servers' response buffer). Each holds its bound; with the
+    // bound taken out of the layer, each breaks promise 5.
     for (seed, reached) in [
         (4, "bounds: servers' waiting memory full"),
         (1, "bounds: clients' replay memory full"),
+        (13, "bounds: servers' response buffer full"),
     ] {
         let report = run_seed(seed);
         assert!(
