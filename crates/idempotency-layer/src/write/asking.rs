@@ -4,7 +4,8 @@
 //! then run beside a write run unprotected.
 //!
 //! Kept only by layers that fail open (no other decision reads it): one lock and one map entry
-//! per write, taken before the `begin` is sent and given back when its answer has been acted on.
+//! per write, taken before the `begin` is sent and given back when the request asks again (after
+//! a wait) or its future ends: a leader stays counted while its handler runs.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};

@@ -449,8 +449,10 @@ where
                         }
                     }
                 }
-                // Counted until its answer is acted on (a claim made is then held, and known by
-                // `renewals`): a duplicate whose own `begin` fails must not fail open beside it.
+                // Counted from before it is sent until this request asks again (after a wait) or
+                // its future ends (a leader's, once its handler answered; its claim is known by
+                // `renewals` until it ends): a duplicate whose own `begin` fails must not fail
+                // open beside it.
                 let _asking = cfg.fail_open.then(|| self.shared.begins.enter(scope));
                 let begin =
                     self.store
