@@ -35,6 +35,9 @@ use crate::tag::ATTEMPT_HEADER;
 /// few seconds, so a body that has not ended by then never will.
 pub const BODY_BOUND: Duration = Duration::from_secs(60);
 
+/// How long a client that reads slowly pauses between frames, at most, in all.
+const SLOW_READ_FOR: Duration = Duration::from_secs(10);
+
 /// A readiness gate: while closed, `poll_ready` stays pending, as a full tower Buffer does.
 #[derive(Clone, Debug, Default)]
 pub struct ReadyGate(Arc<GateState>);
@@ -518,6 +521,7 @@ async fn read_answer(
     };
     let mut bytes = Vec::new();
     let mut body_error = None;
+    let mut paused = Duration::ZERO;
     let read = async {
         let mut body = body;
         while let Some(frame) = body.frame().await {
@@ -526,8 +530,12 @@ async fn read_answer(
                     if let Some(d) = frame.data_ref() {
                         bytes.extend_from_slice(d);
                     }
-                    if let Some(pause) = slow_read {
+                    // Slowly for its first seconds (enough for flow control to reach the server),
+                    // then at full speed: the read must fit in `BODY_BOUND`, which judges the
+                    // layer, not this client's patience.
+                    if let Some(pause) = slow_read.filter(|_| paused < SLOW_READ_FOR) {
                         tokio::time::sleep(pause).await;
+                        paused += pause;
                     }
                 }
                 Err(e) => {

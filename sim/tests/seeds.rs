@@ -73,6 +73,18 @@ const JUDGE: &[(u64, &str)] = &[
         2817,
         "quiescence: detached work that runs to its claim's lifetime",
     ),
+    (
+        2006023,
+        "a client reading 300 KiB slowly past the body bound (the client's patience, not the layer)",
+    ),
+    (
+        2007431,
+        "a body over the flow-control window on a pooled connection a partition cut before its head",
+    ),
+    (
+        2008327,
+        "the same, after one-way partitions and a partition of another server",
+    ),
 ];
 
 /// Seeds `from..from + n`: every promise holds.
