@@ -422,6 +422,11 @@ impl Claim {
         shared
             .renewals
             .add(&*store, scope, token, config.lease, until);
+        if config.fail_open {
+            // Its `begin`'s count, handed over when it was granted, ends now that the renewals
+            // know the claim (see `write::asking`).
+            shared.begins.leave(&scope);
+        }
         shared.counters.claim_held();
         let held = Held {
             scope,

@@ -31,6 +31,7 @@ use crate::stats::Counters;
 use crate::store::hashing::{fingerprint, fingerprint_v1, is_first_version};
 use crate::store::{Backend, Begin, IdempotencyStore, ScopeKey, StoreError, TenantKey};
 use crate::tx::{self, Offer};
+use crate::write::asking::Counted;
 use crate::write::claim::{log_store_error, Claim};
 use crate::write::decision::{Asking, Next};
 use crate::write::waiters::{Refused, SharedFailure};
@@ -449,11 +450,6 @@ where
                         }
                     }
                 }
-                // Counted from before it is sent until this request asks again (after a wait) or
-                // its future ends (a leader's, once its handler answered; its claim is known by
-                // `renewals` until it ends): a duplicate whose own `begin` fails must not fail
-                // open beside it.
-                let _asking = cfg.fail_open.then(|| self.shared.begins.enter(scope));
                 let begin =
                     self.store
                         .begin_for_tenant(self.tenant, scope, asking.fingerprint, cfg.lease);
@@ -465,11 +461,20 @@ where
                 // `fail_open`: a lease later, a retry may already be running it elsewhere.
                 // A claim's lease runs from when its `begin` was sent (the store may have taken it
                 // at once and answered late): `answered_after` says how late.
-                let Some((found, answered_after)) =
+                //
+                // A layer that fails open counts its `begin`s in flight, from before one is sent
+                // until its answer is acted on (a claim granted: until `Claim::new` holds it, and
+                // `renewals` knows it): a duplicate whose own `begin` fails must not fail open
+                // beside it. Boxed with its count, so that no other layer's write carries it.
+                let Some((found, answered_after)) = (if cfg.fail_open {
+                    let counted = self.shared.begins.enter(scope);
+                    let timed = WithinLease::new(observe::timed(Op::Begin, kind, begin), cfg.lease);
+                    Box::pin(Counted::new(timed.timed(), counted)).await
+                } else {
                     WithinLease::new(observe::timed(Op::Begin, kind, begin), cfg.lease)
                         .timed()
                         .await
-                else {
+                }) else {
                     counters.store_error();
                     observe::store_error(Op::Begin, kind);
                     tracing::warn!(
@@ -488,7 +493,7 @@ where
                     if asking.fail_open {
                         asking.known_in_flight = reason_code::says_seen_in_flight(&parts.headers)
                             || self.shared.renewals.holds(&scope)
-                            || self.shared.begins.others(&scope);
+                            || self.shared.begins.any(&scope);
                     }
                 }
                 if cfg.fingerprint.is_none() {
