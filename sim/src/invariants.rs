@@ -27,6 +27,7 @@ use crate::client::PROBE;
 use crate::ledger::{Ending, Execution, Memory, ScopeName};
 use crate::store_host::Claim;
 use crate::store_host::Landed;
+use idempotency_layer::conformance::Op;
 use idempotency_layer::store::ScopeKey;
 use idempotency_layer::MemoryStore;
 
@@ -540,11 +541,19 @@ fn runs_once(run: &Run, v: &mut Verdict) {
                         .and_then(|a| o.runs_ended_undone.get(&a))
                         .is_some_and(|at| *at <= later.started)
                 };
+                // A claim whose record the store acknowledged without storing it (an injected
+                // `Ack`) is the layer's no more either: it ended it as recorded.
+                let acked_recorded = |c: &Claim| {
+                    c.acked
+                        .iter()
+                        .any(|(at, op)| *op == Op::Complete && *at <= later.started)
+                };
                 let known = |c: &Claim| {
                     c.attempt != later.attempt
                         && c.heard.is_some_and(|at| at <= later.started)
                         && c.let_go.is_none_or(|at| at > later.started)
                         && !ended_undone(c)
+                        && !acked_recorded(c)
                         && same_boot(c)
                 };
                 let beside = run.facts.claims.iter().find(|c| {

@@ -88,6 +88,10 @@ const JUDGE: &[(u64, &str)] = &[
         2008327,
         "the same, after one-way partitions and a partition of another server",
     ),
+    (
+        2101820,
+        "fail-open beside a claim whose record the store acknowledged and never stored (its layer ended it as recorded)",
+    ),
 ];
 
 /// Seeds `from..from + n`: every promise holds.
