@@ -43,6 +43,8 @@ pub const HOLES: &[(u64, &str)] = &[
     (832, "H: a draining server led a write on a claim it took after its drain began; I: a request body that failed after its first bytes went out whole and truncated (HTTP/1.1), and the handler ran it"),
     (10650, "E: a claim kept renewed to its lifetime was not counted in flight: a drain reported nothing left"),
     (1102119, "J: fail_open ran beside a `begin` of the same server still unanswered (granted late)"),
+    (2019734, "K: a write held its `ConcurrencyLimit` permit while its request body stalled (an upload cut, its reset lost): server 0 answered no one for `request_body_timeout`"),
+    (2030003, "K: the same, another schedule"),
 ];
 
 /// Seeds that showed the judge wrong (a flaw of the simulator, not of the layers): each must

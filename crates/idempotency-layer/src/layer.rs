@@ -160,6 +160,12 @@ impl<St> IdempotencyLayer<St> {
     /// `Retry-After` and the reason code
     /// [`IDEMPOTENCY_IN_FLIGHT`](reason_code::IDEMPOTENCY_IN_FLIGHT), which `retry-layer`
     /// retries unchanged after the pushback.
+    ///
+    /// It bounds too how long a write whose request body was not at hand waits, once the body
+    /// is read, for the service under the layer to be ready again (the write gives back the
+    /// capacity its service reserved, a `ConcurrencyLimit` permit say, while its body comes):
+    /// past it the write gets 503 / UNAVAILABLE with `Retry-After`
+    /// ([`RejectReason::Overloaded`](crate::RejectReason::Overloaded)), nothing run.
     pub fn max_wait(self, max: Duration) -> Self {
         self.config(|c| c.max_wait = max.min(FOREVER))
     }

@@ -46,13 +46,19 @@ pub enum RejectReason {
     /// the server is shutting down) and takes no new write (503 / UNAVAILABLE): nothing ran; a
     /// retry reaches another instance, or this one once it is back.
     ShuttingDown,
+    /// The service under the layer did not become ready within
+    /// [`max_wait`](crate::IdempotencyLayer::max_wait) (or the request's `grpc-timeout`) after
+    /// the write's request body arrived (503 / UNAVAILABLE): nothing was claimed, nothing ran. A
+    /// body that is not at hand holds none of the service's capacity (a `ConcurrencyLimit`
+    /// permit) while it comes; the service is readied again once the body is read.
+    Overloaded,
     /// The handler panicked or its task was lost (500 / INTERNAL).
     Internal,
 }
 
 impl RejectReason {
     /// Every reason, in declaration order.
-    pub const ALL: [RejectReason; 13] = [
+    pub const ALL: [RejectReason; 14] = [
         RejectReason::MissingKey,
         RejectReason::InvalidKey,
         RejectReason::NoTenant,
@@ -65,6 +71,7 @@ impl RejectReason {
         RejectReason::StoreUnavailable,
         RejectReason::StoreFull,
         RejectReason::ShuttingDown,
+        RejectReason::Overloaded,
         RejectReason::Internal,
     ];
 
@@ -83,6 +90,7 @@ impl RejectReason {
             RejectReason::StoreUnavailable => "store_unavailable",
             RejectReason::StoreFull => "store_full",
             RejectReason::ShuttingDown => "shutting_down",
+            RejectReason::Overloaded => "overloaded",
             RejectReason::Internal => "internal",
         }
     }
@@ -107,7 +115,8 @@ impl RejectReason {
             RejectReason::InFlightFailed
             | RejectReason::StoreUnavailable
             | RejectReason::StoreFull
-            | RejectReason::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, Code::Unavailable),
+            | RejectReason::ShuttingDown
+            | RejectReason::Overloaded => (StatusCode::SERVICE_UNAVAILABLE, Code::Unavailable),
             RejectReason::Internal => (StatusCode::INTERNAL_SERVER_ERROR, Code::Internal),
         }
     }
@@ -126,6 +135,7 @@ impl RejectReason {
             RejectReason::StoreUnavailable => "Idempotency store unavailable",
             RejectReason::StoreFull => "Idempotency store full",
             RejectReason::ShuttingDown => "Server shutting down",
+            RejectReason::Overloaded => "Server has no capacity now",
             RejectReason::Internal => "Internal error",
         }
     }
@@ -150,6 +160,7 @@ impl RejectReason {
                 | RejectReason::StoreUnavailable
                 | RejectReason::StoreFull
                 | RejectReason::ShuttingDown
+                | RejectReason::Overloaded
         )
     }
 }
@@ -294,6 +305,7 @@ mod tests {
                     | RejectReason::StoreUnavailable
                     | RejectReason::StoreFull
                     | RejectReason::ShuttingDown
+                    | RejectReason::Overloaded
             );
             for protocol in &protocols {
                 let res = render(reason, "detail", protocol, &X_REASON_CODE, None);

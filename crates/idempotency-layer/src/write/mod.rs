@@ -213,6 +213,28 @@ impl<S: Clone> Inner<S> {
         }
     }
 
+    /// Readies the service (if it is not) within `within` from now: ready at once, the common
+    /// case, it reads no clock and sets no timer.
+    async fn ready_by<R>(
+        &mut self,
+        within: Duration,
+    ) -> Result<Result<(), S::Error>, tokio::time::error::Elapsed>
+    where
+        S: Service<R>,
+    {
+        let Inner::NotReady(s) = self else {
+            return Ok(Ok(()));
+        };
+        match std::future::poll_fn(|cx| Poll::Ready(s.poll_ready(cx))).await {
+            Poll::Ready(Ok(())) => {
+                self.keep_readied();
+                Ok(Ok(()))
+            }
+            Poll::Ready(Err(e)) => Ok(Err(e)),
+            Poll::Pending => self.ready_within(Instant::now().checked_add(within)).await,
+        }
+    }
+
     /// Readies the service (if it is not), by `deadline` (`None`: unbounded); `Err` when the
     /// deadline passed first.
     async fn ready_within<R>(
@@ -231,13 +253,20 @@ impl<S: Clone> Inner<S> {
             None => ready.await,
         };
         if readied.is_ok() {
-            // The readied one is kept (a clone would not hold the capacity it reserved).
+            self.keep_readied();
+        }
+        Ok(readied)
+    }
+
+    /// The service just readied is kept as readied (a clone would not hold the capacity it
+    /// reserved).
+    fn keep_readied(&mut self) {
+        if let Inner::NotReady(s) = self {
             let placeholder = Inner::NotReady(s.clone());
             if let Inner::NotReady(s) = std::mem::replace(self, placeholder) {
                 *self = Inner::Ready(s);
             }
         }
-        Ok(readied)
     }
 }
 
@@ -393,8 +422,15 @@ where
                 )
             };
 
-            // (A body declared too large was refused before this future was made.)
-            let read = read_whole(body, cfg.max_request_bytes, body_deadline);
+            // (A body declared too large was refused before this future was made.) A body that
+            // is not at hand holds none of the inner service's capacity while it comes: a slow or
+            // stalled upload must not keep a `ConcurrencyLimit` permit, say, from every other
+            // request for up to `request_body_timeout`. The service is readied again once the
+            // body is read (below).
+            let inner = &mut self.inner;
+            let read = read_whole(body, cfg.max_request_bytes, body_deadline, || {
+                inner.release_capacity();
+            });
             let bytes = match read.await {
                 Ok(bytes) => bytes,
                 Err(e) if e.is::<LengthLimitError>() => {
@@ -418,6 +454,26 @@ where
                     ))
                 }
             };
+            if let Inner::NotReady(_) = self.inner {
+                // The body came late, its capacity given back meanwhile: the service is readied
+                // again before anything is claimed, within `max_wait` from now (a gRPC request's
+                // `grpc-timeout` shortens it). Boxed: its timer would grow every write's future.
+                let within = self
+                    .grpc_timeout
+                    .map_or(cfg.max_wait, |t| t.min(cfg.max_wait));
+                match Box::pin(self.inner.ready_by(within)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return Err(e),
+                    Err(_) => {
+                        let detail = format!(
+                            "the service under the idempotency layer did not become ready within \
+                             {within:?} (the layer's max_wait, or the request's grpc-timeout) \
+                             after the request body arrived; nothing was executed, retry later"
+                        );
+                        return Ok(self.reject(RejectReason::Overloaded, &detail));
+                    }
+                }
+            }
             // The fingerprint is kept once, in `asking` (the future holds it across its awaits).
             let mut asking = Asking {
                 fingerprint: match &cfg.fingerprint {

@@ -16,33 +16,45 @@ use reason_code::BoxError;
 /// `deadline` (else [`BodyTimedOut`]); trailers are read and left out. A body of one data frame,
 /// the common case, is that frame's bytes as they are: no copy and no queue of frames
 /// (`Collected` allocates one per body). A body already at hand is read without a timer.
-pub(super) async fn read_whole<B>(
+///
+/// `on_wait` is called once, when the body is not at hand at the first poll (before the read
+/// waits for it): the write gives back the capacity its service reserved then.
+///
+/// A plain function returning an `async move` block, so that `on_wait` is held once.
+pub(super) fn read_whole<B>(
     body: B,
     limit: usize,
     deadline: Option<Instant>,
-) -> Result<Bytes, BoxError>
+    on_wait: impl FnOnce(),
+) -> impl Future<Output = Result<Bytes, BoxError>>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    let mut read = std::pin::pin!(read_frames(body, limit));
-    // Boxed, and made only when the body is not at hand at the first poll: a timer is as large
-    // as the rest of the write's future.
-    let mut timer = None;
-    std::future::poll_fn(|cx| {
-        if let Poll::Ready(r) = read.as_mut().poll(cx) {
-            return Poll::Ready(r);
-        }
-        let Some(deadline) = deadline else {
-            return Poll::Pending;
-        };
-        let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-        match timer.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Err(Box::new(BodyTimedOut) as BoxError)),
-            Poll::Pending => Poll::Pending,
-        }
-    })
-    .await
+    let mut on_wait = Some(on_wait);
+    async move {
+        let mut read = std::pin::pin!(read_frames(body, limit));
+        // Boxed, and made only when the body is not at hand at the first poll: a timer is as
+        // large as the rest of the write's future.
+        let mut timer = None;
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(r) = read.as_mut().poll(cx) {
+                return Poll::Ready(r);
+            }
+            if let Some(on_wait) = on_wait.take() {
+                on_wait();
+            }
+            let Some(deadline) = deadline else {
+                return Poll::Pending;
+            };
+            let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+            match timer.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Err(Box::new(BodyTimedOut) as BoxError)),
+                Poll::Pending => Poll::Pending,
+            }
+        })
+        .await
+    }
 }
 
 pub(super) async fn read_frames<B>(body: B, limit: usize) -> Result<Bytes, BoxError>

@@ -27,7 +27,7 @@ fn frames(frames: Vec<http_body::Frame<Bytes>>) -> impl Body<Data = Bytes, Error
 async fn the_request_body_is_read_whole() {
     use http_body::Frame;
     let one = Bytes::from_static(b"{\"sku\":\"b1\"}");
-    let read = read_whole(frames(vec![Frame::data(one.clone())]), 64, None)
+    let read = read_whole(frames(vec![Frame::data(one.clone())]), 64, None, || ())
         .await
         .unwrap();
     assert_eq!(read, one);
@@ -43,14 +43,20 @@ async fn the_request_body_is_read_whole() {
         Frame::data(Bytes::from_static(b"e")),
         Frame::trailers(trailers),
     ];
-    assert_eq!(read_whole(frames(many), 64, None).await.unwrap(), "abcde");
-    assert_eq!(read_whole(frames(vec![]), 64, None).await.unwrap(), "");
+    assert_eq!(
+        read_whole(frames(many), 64, None, || ()).await.unwrap(),
+        "abcde"
+    );
+    assert_eq!(
+        read_whole(frames(vec![]), 64, None, || ()).await.unwrap(),
+        ""
+    );
 
     let big = vec![
         Frame::data(Bytes::from_static(b"abc")),
         Frame::data(Bytes::from_static(b"def")),
     ];
-    let err = read_whole(frames(big), 5, None).await.unwrap_err();
+    let err = read_whole(frames(big), 5, None, || ()).await.unwrap_err();
     assert!(err.is::<LengthLimitError>(), "{err}");
 }
 

@@ -1616,6 +1616,152 @@ async fn an_early_rejection_lets_go_of_the_capacity_readiness_reserved() {
     assert_eq!(executions.load(Ordering::SeqCst), 0);
 }
 
+/// A write whose request body is slow to come holds none of the capacity its `poll_ready`
+/// reserved while the body comes: with a `ConcurrencyLimit` of 1 under the layer, an upload
+/// stalled mid-way (HTTP/1.1: 10 bytes of the 100 announced; h2: one frame, then nothing) does
+/// not keep every other write waiting for `request_body_timeout`; and once its body is whole the
+/// stalled write is readied again and runs. (Before: the permit was held through the body read,
+/// and the other writes waited the two minutes. Found by simulation seed 2019734.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_request_body_holds_none_of_the_capacity_readiness_reserved() {
+    let executions = Arc::new(AtomicUsize::new(0));
+    let arrived = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
+        .request_body_timeout(Duration::from_secs(120));
+    let svc = ServiceBuilder::new()
+        .map_response(axum::response::IntoResponse::into_response)
+        .map_request({
+            // Called once the layer (and the limit under it) is ready: the write holds the
+            // permit from here.
+            let arrived = arrived.clone();
+            move |req: Request<axum::body::Body>| {
+                arrived.fetch_add(1, Ordering::SeqCst);
+                req
+            }
+        })
+        .layer(layer.clone())
+        .concurrency_limit(1)
+        .service(orders(&executions, || Body::from("created")));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let make = axum::ServiceExt::<Request<Body>>::into_make_service(svc);
+    tokio::spawn(async move { axum::serve(listener, make).await });
+
+    // HTTP/1.1: 10 of the 100 bytes announced, then nothing (for now).
+    let mut loris = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = "POST /orders HTTP/1.1\r\nhost: test\r\nx-idempotency-key: order-slow-h1\r\n\
+                content-length: 100\r\n\r\n0123456789";
+    loris.write_all(head.as_bytes()).await.unwrap();
+    until("the stalled HTTP/1.1 write reached the layer", || {
+        arrived.load(Ordering::SeqCst) == 1
+    })
+    .await;
+
+    // h2: one frame of the body, then nothing (for now).
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(1);
+    tx.send(Ok(Frame::data(Bytes::from_static(b"{\"sku\":"))))
+        .await
+        .unwrap();
+    let stalled = StreamBody::new(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|f| (f, rx))
+    }))
+    .boxed();
+    let req = Request::post(format!("http://{addr}/orders"))
+        .header("x-idempotency-key", "order-slow-h2")
+        .body(stalled)
+        .unwrap();
+    let h2: StreamingClient = client(Transport::Http2);
+    let stalled_h2 = tokio::spawn(async move { send(&h2, req).await });
+    until("the stalled h2 write reached the layer", || {
+        arrived.load(Ordering::SeqCst) == 2
+    })
+    .await;
+
+    // Every other write is served while both bodies stall.
+    for transport in Transport::BOTH {
+        let c = client::<Full<Bytes>>(transport);
+        for k in 0..3 {
+            let key = format!("order-beside-{transport:?}-{k}");
+            let res = tokio::time::timeout(
+                Duration::from_secs(10),
+                send(&c, keyed(addr, "/orders", &key)),
+            )
+            .await
+            .unwrap_or_else(|_| {
+                panic!("{transport:?}: a write waited behind a stalled request body")
+            });
+            assert_eq!(res.status, StatusCode::CREATED, "{transport:?}: {res:?}");
+        }
+    }
+    assert_eq!(executions.load(Ordering::SeqCst), 6);
+
+    // The stalled bodies come whole: each write is readied again and runs.
+    loris.write_all(&[b'x'; 90]).await.unwrap();
+    let mut answer = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(20), loris.read(&mut answer))
+        .await
+        .expect("answered within 20 s")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+    tx.send(Ok(Frame::data(Bytes::from_static(b"1}"))))
+        .await
+        .unwrap();
+    drop(tx);
+    let res = stalled_h2.await.unwrap();
+    assert_eq!(res.status, StatusCode::CREATED, "{res:?}");
+    assert_eq!(executions.load(Ordering::SeqCst), 8);
+    assert_eq!(layer.stats().rejected_total(), 0);
+}
+
+/// The bound on readying the service again after a slow body, as it ships (`max_wait`, 30 s):
+/// a write whose body came late while another holder took the only permit is answered 503
+/// `Overloaded` with `Retry-After` 30 s after its body arrived, and nothing ran.
+#[tokio::test(start_paused = true)]
+async fn a_write_whose_service_stays_not_ready_after_its_body_is_503_at_max_wait() {
+    let executions = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let executions = executions.clone();
+        service_fn(move |_: Request<RequestBody<Body>>| {
+            executions.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, Infallible>(Response::new(Full::new(Bytes::new()))) }
+        })
+    };
+    let limit = tower::limit::ConcurrencyLimit::new(handler, 1);
+    let layer = IdempotencyLayer::default().tenant(idempotency_layer::TenantSource::fixed("t"));
+    let mut svc = layer.layer(limit.clone());
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(1);
+    let body = Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|f| (f, rx))
+    }));
+    let req = Request::post("/orders")
+        .header("x-idempotency-key", "order-no-capacity")
+        .body(body)
+        .unwrap();
+    let write = tokio::spawn(tower::Service::call(svc.ready().await.unwrap(), req));
+    // While the body does not come, the write holds no permit: another holder takes it.
+    let mut other = limit.clone();
+    tokio::time::timeout(Duration::from_secs(1), other.ready())
+        .await
+        .expect("the write waiting for its body gave its permit back")
+        .unwrap();
+    tx.send(Ok(Bytes::from_static(b"{}"))).await.unwrap();
+    drop(tx);
+    let body_done = tokio::time::Instant::now();
+    let res = tokio::time::timeout(Duration::from_secs(3600), write)
+        .await
+        .expect("answered")
+        .unwrap()
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(res.headers().contains_key("retry-after"));
+    assert_eq!(body_done.elapsed(), Duration::from_secs(30));
+    assert_eq!(executions.load(Ordering::SeqCst), 0, "nothing ran");
+    assert_eq!(layer.stats().rejected(RejectReason::Overloaded), 1);
+    drop(other);
+}
+
 /// Four leaders stream 2 MiB bodies to clients that never read them. Each response may hold
 /// its first 64 KiB; beyond that the layer holds at most `max_response_buffer_bytes` for all of
 /// them together, and the handlers' bodies are read no further (flow control), instead of up to
