@@ -45,6 +45,7 @@ pub const HOLES: &[(u64, &str)] = &[
     (1102119, "J: fail_open ran beside a `begin` of the same server still unanswered (granted late)"),
     (2019734, "K: a write held its `ConcurrencyLimit` permit while its request body stalled (an upload cut, its reset lost): server 0 answered no one for `request_body_timeout`"),
     (2030003, "K: the same, another schedule"),
+    (2024846, "L: with no room for detached work (`max_detached` 0), failures left their claims to lapse a lease each instead of releasing them: with a small store and a downstream tier, the claims kept the downstream store full and no key quiesced"),
 ];
 
 /// Seeds that showed the judge wrong (a flaw of the simulator, not of the layers): each must

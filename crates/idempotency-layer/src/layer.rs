@@ -143,9 +143,11 @@ impl<St> IdempotencyLayer<St> {
     ///
     /// Past the limit (an RST_STREAM flood, say), a handler whose client left is cancelled and
     /// its claim released, as with [`OnDisconnect::Release`]; a response body not yet read to
-    /// its end is recorded without its body if its head is recorded-worthy; a store operation is
-    /// not made (its claim lapses with its lease). Each is counted in
-    /// [`IdempotencyStats::detached_refused`].
+    /// its end is recorded without its body if its head is recorded-worthy; a store operation
+    /// for a client that went away is not made (its claim lapses with its lease). Each is
+    /// counted in [`IdempotencyStats::detached_refused`]. The release of a claim whose client
+    /// still waits (a failure the table does not record) is made before its answer goes out
+    /// then, rather than left to lapse: a key is never held a whole lease for want of room.
     pub fn max_detached(self, max: usize) -> Self {
         self.config(|c| c.max_detached = max)
     }

@@ -498,9 +498,16 @@ impl Claim {
 
     /// Releases the claim in the background (detached work): the answer need not wait for the
     /// store, which may be slow or down. Past `max_detached` store operations running, the
-    /// claim lapses with its lease.
-    pub(crate) fn release_in_background(mut self) {
-        self.release_detached();
+    /// release is handed back, for the caller to await before its answer goes out: its client
+    /// still waits, and a claim left to lapse would hold its key a whole lease (every retry
+    /// waiting for it, and the store's room taken meanwhile). Dropped unfinished, it is
+    /// cancelled and the claim lapses with its lease.
+    #[must_use = "a release handed back must be awaited, or the claim lapses with its lease"]
+    pub(crate) fn release(mut self) -> Option<BoxFuture> {
+        let (store, held) = self.held.take()?;
+        let (shared, max) = (held.shared.clone(), held.config.max_detached);
+        let release = store.release(held);
+        detached::spawn_or_hand_back(&shared, max, Kind::StoreOp, release).err()
     }
 
     fn release_detached(&mut self) {

@@ -62,9 +62,8 @@ pub(crate) fn permit(
     kind: Kind,
     what: &'static str,
 ) -> Option<DetachedPermit> {
-    let running = &shared.detached.running[kind as usize];
-    if running.fetch_add(1, Ordering::Relaxed) >= max {
-        running.fetch_sub(1, Ordering::Relaxed);
+    let permit = place(shared, max, kind);
+    if permit.is_none() {
         shared.counters.detached_refused();
         tracing::warn!(
             what,
@@ -72,9 +71,44 @@ pub(crate) fn permit(
             "idempotency: max_detached pieces of work already run for clients that went away; \
              this one is not run"
         );
+    }
+    permit
+}
+
+/// A place for one more piece of detached work of `kind`, or `None` when `max` of its kind
+/// already run.
+fn place(shared: &Arc<Shared>, max: usize, kind: Kind) -> Option<DetachedPermit> {
+    let running = &shared.detached.running[kind as usize];
+    if running.fetch_add(1, Ordering::Relaxed) >= max {
+        running.fetch_sub(1, Ordering::Relaxed);
         return None;
     }
     Some(DetachedPermit(shared.detached.clone(), kind))
+}
+
+/// Spawns `fut` as detached work of `kind` if a place is free and a tokio runtime runs; else
+/// hands it back, not started, for its caller to run (nothing is logged or counted: the work is
+/// not refused).
+pub(crate) fn spawn_or_hand_back<F>(
+    shared: &Arc<Shared>,
+    max: usize,
+    kind: Kind,
+    fut: F,
+) -> Result<(), F>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return Err(fut);
+    };
+    let Some(permit) = place(shared, max, kind) else {
+        return Err(fut);
+    };
+    runtime.spawn(async move {
+        let _permit = permit;
+        fut.await
+    });
+    Ok(())
 }
 
 /// Spawns `fut` as detached work of `kind` (`what`, for the log) if a place is free and a tokio

@@ -217,7 +217,9 @@ where
             AtHead::NotRecordable(code) if !claim.has_waiters() => {
                 // Answered at once; the store (which may be slow, or down) is told after.
                 tracing::debug!(%code, "idempotency: outcome not recordable; releasing");
-                claim.release_in_background();
+                if let Some(release) = claim.release() {
+                    release.await;
+                }
                 return Ok(Ok(Response::from_parts(
                     parts,
                     IdempotencyBody::inner(body),
@@ -266,7 +268,9 @@ pub(super) async fn end_without_response(
     match ledger.map_or(TxOutcome::Unused, |l| l.judge(None)) {
         TxOutcome::Unused => {
             claim.share_failure(failure);
-            claim.release_in_background();
+            if let Some(release) = claim.release() {
+                release.await;
+            }
             None
         }
         // Dropped mid-way (the client went away), the store operations still complete.

@@ -372,7 +372,9 @@ where
         let (lease, kind) = (self.config.lease, self.store.backend());
         if let Err(e) = renew_late_claim(&*self.store, self.scope, token, lease).await {
             log_store_error(&self.shared.counters, kind, Op::Renew, &e);
-            claim.release_in_background();
+            if let Some(release) = claim.release() {
+                release.await;
+            }
             return Ok(self.reject(
                 RejectReason::StoreUnavailable,
                 "the idempotency store answered too late to run this write safely; nothing \
@@ -566,7 +568,9 @@ where
                             &self.shared,
                         );
                         if self.shared.draining.refuses_a_claim_made() {
-                            claim.release_in_background();
+                            if let Some(release) = claim.release() {
+                                release.await;
+                            }
                             return Ok(self.reject(
                                 RejectReason::ShuttingDown,
                                 "the server is shutting down and takes no new write; nothing \

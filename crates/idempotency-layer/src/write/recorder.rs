@@ -303,7 +303,8 @@ where
 
     /// The body ended: its record's store operation, to await before the final frame goes out;
     /// or, for an outcome the table does not record, its answer handed to the duplicates
-    /// waiting for it and the claim released in the background (`None`).
+    /// waiting for it and the claim released in the background (`None`), or, with no place free
+    /// for that, the release to await before the final frame.
     fn ended(self) -> Option<StoreOp> {
         let ResponseRecorder {
             claim,
@@ -316,15 +317,17 @@ where
             Finished::NotRecorded(code, answer) => {
                 tracing::debug!(%code, "idempotency: outcome not recordable; releasing");
                 claim.share_failure(|| SharedFailure::Answer(Arc::new(answer)));
-                claim.release_in_background();
-                None
+                claim
+                    .release()
+                    .map(|release| detached::store_op(release, None))
             }
         }
     }
 
     /// The body broke off before its end (`why`, for the log): recorded without its body if its
     /// head decided an outcome the table records (the store operation is returned); else the
-    /// claim is released in the background, and the duplicates waiting for it are told.
+    /// claim is released in the background (or its release returned, as in
+    /// [`ended`](Self::ended)), and the duplicates waiting for it are told.
     fn broken(self, why: &'static str) -> Option<StoreOp> {
         let ResponseRecorder {
             claim,
@@ -344,8 +347,9 @@ where
             None => {
                 tracing::debug!(why, "idempotency: the response broke off; releasing");
                 claim.share_failure(|| SharedFailure::Reject(RejectReason::InFlightFailed));
-                claim.release_in_background();
-                None
+                claim
+                    .release()
+                    .map(|release| detached::store_op(release, None))
             }
         }
     }

@@ -1762,6 +1762,63 @@ async fn a_write_whose_service_stays_not_ready_after_its_body_is_503_at_max_wait
     drop(other);
 }
 
+/// A failure the table does not record (a 503, a response that breaks off, a handler error)
+/// frees its key for the client's retry even when no place for detached work is free
+/// (`max_detached(0)`): the release is made before the answer goes out, since its client still
+/// waits, instead of being dropped and the claim left to lapse with its lease (every retry of
+/// the key waiting for it, and the store's room taken meanwhile: with a small store and a
+/// downstream tier, simulation seed 2024846 never quiesced).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_frees_its_key_even_with_no_room_for_detached_work() {
+    let executions = Arc::new(AtomicUsize::new(0));
+    let router = {
+        let executions = executions.clone();
+        Router::new().route(
+            "/orders",
+            post(move || {
+                // The first execution of each key fails (not recorded); the retry succeeds.
+                let n = executions.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    if n % 2 == 0 {
+                        (StatusCode::SERVICE_UNAVAILABLE, "try again")
+                    } else {
+                        (StatusCode::CREATED, "created")
+                    }
+                }
+            }),
+        )
+    };
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .tenant(idempotency_layer::TenantSource::fixed("t"))
+        .max_detached(0);
+    let addr = serve(router.layer(layer.clone())).await;
+    for transport in Transport::BOTH {
+        let c = client::<Full<Bytes>>(transport);
+        let key = format!("order-no-detached-{transport:?}");
+        let first = send(&c, keyed(addr, "/orders", &key)).await;
+        assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{first:?}");
+        // The retry runs at once: the key is not held by a claim left to lapse (30 s).
+        let retry = tokio::time::timeout(
+            Duration::from_secs(10),
+            send(&c, keyed(addr, "/orders", &key)),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{transport:?}: the retry waited for the failed claim"));
+        assert_eq!(
+            retry.status,
+            StatusCode::CREATED,
+            "{transport:?}: {retry:?}"
+        );
+    }
+    assert_eq!(executions.load(Ordering::SeqCst), 4);
+    let m = layer.stats();
+    assert_eq!(m.released, 2, "both failures released their claim");
+    assert_eq!(
+        m.detached_refused, 0,
+        "no work was refused: the releases ran in place"
+    );
+}
+
 /// Four leaders stream 2 MiB bodies to clients that never read them. Each response may hold
 /// its first 64 KiB; beyond that the layer holds at most `max_response_buffer_bytes` for all of
 /// them together, and the handlers' bodies are read no further (flow control), instead of up to
