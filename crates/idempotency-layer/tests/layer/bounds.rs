@@ -1779,7 +1779,7 @@ async fn a_failure_frees_its_key_even_with_no_room_for_detached_work() {
                 // The first execution of each key fails (not recorded); the retry succeeds.
                 let n = executions.fetch_add(1, Ordering::SeqCst);
                 async move {
-                    if n % 2 == 0 {
+                    if n.is_multiple_of(2) {
                         (StatusCode::SERVICE_UNAVAILABLE, "try again")
                     } else {
                         (StatusCode::CREATED, "created")
