@@ -140,7 +140,8 @@ mod keys {
             RejectReason::ALL[i].as_str(),
         )]
     }
-    static REASON: [[Label; 1]; 13] = [
+    // Sized by `RejectReason::ALL`: a reason added there and not here does not compile.
+    static REASON: [[Label; 1]; RejectReason::ALL.len()] = [
         reason(0),
         reason(1),
         reason(2),
@@ -154,14 +155,15 @@ mod keys {
         reason(10),
         reason(11),
         reason(12),
+        reason(13),
     ];
     macro_rules! by_reason {
         ($name:literal, [$($i:literal)*]) => {
             [$(Key::from_static_parts($name, &REASON[$i])),*]
         };
     }
-    pub(super) static REJECTIONS: [Key; 13] =
-        by_reason!("idempotency_layer_rejections_total", [0 1 2 3 4 5 6 7 8 9 10 11 12]);
+    pub(super) static REJECTIONS: [Key; RejectReason::ALL.len()] =
+        by_reason!("idempotency_layer_rejections_total", [0 1 2 3 4 5 6 7 8 9 10 11 12 13]);
 
     const fn op_store(op: usize, store: usize) -> [Label; 2] {
         [
