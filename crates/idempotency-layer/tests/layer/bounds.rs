@@ -288,18 +288,7 @@ async fn a_request_body_that_does_not_arrive_is_408_and_nothing_runs() {
     assert!(answer.contains("request_body_timeout"), "{answer}");
 
     // h2: one frame of the body, then a stall.
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(1);
-    tx.send(Ok(Frame::data(Bytes::from_static(b"{\"sku\":"))))
-        .await
-        .unwrap();
-    let stalled = StreamBody::new(futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|f| (f, rx))
-    }))
-    .boxed();
-    let req = Request::post(format!("http://{addr}/orders"))
-        .header("x-idempotency-key", "order-loris-2")
-        .body(stalled)
-        .unwrap();
+    let (tx, req) = stalled_upload(addr, "order-loris-2").await;
     let h2: StreamingClient = client(Transport::Http2);
     let res = send(&h2, req).await;
     assert_eq!(res.status, StatusCode::REQUEST_TIMEOUT, "{res:?}");
@@ -309,6 +298,30 @@ async fn a_request_body_that_does_not_arrive_is_408_and_nothing_runs() {
     let m = layer.stats();
     assert_eq!(m.rejected(RejectReason::BodyTimeout), 2);
     assert_eq!(m.executed, 0, "nothing was claimed");
+}
+
+/// A keyed write to `/orders` whose body sends its first frame, then waits for the frames `tx`
+/// sends (its end when `tx` is dropped): an upload that stalls mid-way.
+async fn stalled_upload(
+    addr: SocketAddr,
+    key: &str,
+) -> (
+    tokio::sync::mpsc::Sender<Result<Frame<Bytes>, std::io::Error>>,
+    Request<http_body_util::combinators::BoxBody<Bytes, std::io::Error>>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(1);
+    tx.send(Ok(Frame::data(Bytes::from_static(b"{\"sku\":"))))
+        .await
+        .unwrap();
+    let stalled = StreamBody::new(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|f| (f, rx))
+    }))
+    .boxed();
+    let req = Request::post(format!("http://{addr}/orders"))
+        .header("x-idempotency-key", key)
+        .body(stalled)
+        .unwrap();
+    (tx, req)
 }
 
 /// The default bound, as it ships: a body that never comes is answered 408 after 30 s.
@@ -1659,18 +1672,7 @@ async fn a_slow_request_body_holds_none_of_the_capacity_readiness_reserved() {
     .await;
 
     // h2: one frame of the body, then nothing (for now).
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(1);
-    tx.send(Ok(Frame::data(Bytes::from_static(b"{\"sku\":"))))
-        .await
-        .unwrap();
-    let stalled = StreamBody::new(futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|f| (f, rx))
-    }))
-    .boxed();
-    let req = Request::post(format!("http://{addr}/orders"))
-        .header("x-idempotency-key", "order-slow-h2")
-        .body(stalled)
-        .unwrap();
+    let (tx, req) = stalled_upload(addr, "order-slow-h2").await;
     let h2: StreamingClient = client(Transport::Http2);
     let stalled_h2 = tokio::spawn(async move { send(&h2, req).await });
     until("the stalled h2 write reached the layer", || {
