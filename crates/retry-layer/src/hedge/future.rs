@@ -170,8 +170,12 @@ where
         if ready {
             future.send_first(first);
         } else {
+            // The wait is bounded by the call's deadline, else by the head bound.
             let head = future.shared.policy.response_head_timeout;
-            future.ready_by = Some(instant_after(Instant::now(), head));
+            let by = plan
+                .deadline
+                .unwrap_or_else(|| instant_after(Instant::now(), head));
+            future.ready_by = Some(by);
             future.first = Some(Box::new(first));
         }
         future

@@ -15,7 +15,7 @@ use tracing::Span;
 
 use crate::body::{BodyHandle, ReplayBody};
 use crate::budget::Budget;
-use crate::classify;
+use crate::classify::{self, PushbackHint};
 use crate::deadline::{deadline_of, instant_after, rewrite_grpc_timeout, AttemptBounds, Timer};
 use crate::error::{DeadlineExceeded, RetryError, RetryInfo};
 use crate::request::{
@@ -65,6 +65,17 @@ pub(crate) struct Call<S, B> {
     inbound_retry_budget: bool,
     /// The budget of the request's authority, with `budget_per_authority`.
     authority_budget: Option<Arc<dyn Budget>>,
+    /// The budget granted the retry the call waits to send: given back if it is never sent
+    /// (the deadline ends the wait, the service never becomes ready, the caller drops the call).
+    granted: bool,
+}
+
+impl<S, B> Drop for Call<S, B> {
+    fn drop(&mut self) {
+        if self.granted {
+            self.budget().refund();
+        }
+    }
 }
 
 /// The first attempt of a call, as [`Call::start`] leaves it.
@@ -261,6 +272,7 @@ where
             hop,
             inbound_retry_budget,
             authority_budget,
+            granted: false,
         };
         let (first, timer) = match first {
             Some(req) if ready => {
@@ -269,7 +281,7 @@ where
             }
             Some(req) => {
                 // Not ready yet: the wait is bounded by the deadline, or by the head bound.
-                let wait = AttemptBounds::new(deadline, None, call.head_timeout());
+                let wait = AttemptBounds::readiness(deadline, call.head_timeout());
                 (First::Unready(Box::new(req)), Timer::for_attempt(wait))
             }
             None => (First::NotSent, Timer::default()),
@@ -368,6 +380,12 @@ where
                 // Readers of the attempts so far must stop now: a transport may still be
                 // sending them.
                 self.body.cut_off();
+                // The main budget granted it, unless the server said the hop below deferred to
+                // this one (that budget takes nothing to give back).
+                self.granted = !result.as_ref().is_ok_and(|res| {
+                    classify::pushback(res.headers(), &self.shared.policy.reason_codes)
+                        == PushbackHint::Deferred
+                });
                 self.shared.stats.incr(Counter::Retries);
                 observe::retried(code);
                 tracing::debug!(attempt, code = %code, delay_ms = delay.as_millis() as u64, "retrying");
@@ -540,6 +558,7 @@ where
             shared.warnings.note(true);
             return None;
         }
+        self.granted = true;
         shared.stats.incr(Counter::Retries);
         observe::retried(self.last_code);
         let (mut parts, body) = req.into_parts();
@@ -629,6 +648,7 @@ where
             None => self.body.replay(),
         };
         self.attempt.sent += 1;
+        self.granted = false;
         self.shared.stats.incr(Counter::Attempts);
         let future = self.service.call(Request::from_parts(parts, body));
         (future, self.bounds())

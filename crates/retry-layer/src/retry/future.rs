@@ -212,10 +212,10 @@ where
                         return Poll::Pending;
                     }
                     // Waiting for the inner service to be ready is bounded by the deadline, or
-                    // without one by the head bound: the next head cannot come before.
+                    // without one by the head bound.
                     this.timer
                         .as_mut()
-                        .set_to_deadline(this.call.deadline(), this.call.head_timeout());
+                        .set_to_ready_bound(this.call.deadline(), this.call.head_timeout());
                     this.state.set(State::Retrying);
                 }
                 StateProj::Rebuilding { future, response } => {

@@ -506,3 +506,53 @@ async fn an_unsent_hedge_gives_its_budget_token_back() {
         "the unsent hedge's token is given back"
     );
 }
+
+/// Answers its first call with a 503, and is never ready again.
+#[derive(Clone, Default)]
+struct OnceThenStuck(Arc<AtomicUsize>);
+
+impl Service<Req> for OnceThenStuck {
+    type Response = Response<Full<Bytes>>;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<Response<Full<Bytes>>, Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        if self.0.load(Ordering::SeqCst) == 0 {
+            Poll::Ready(Ok(()))
+        } else {
+            Poll::Pending
+        }
+    }
+
+    fn call(&mut self, _req: Req) -> Self::Future {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        let mut res = Response::new(Full::new(Bytes::from_static(b"busy")));
+        *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+        std::future::ready(Ok(res))
+    }
+}
+
+/// A retry the budget granted that is never sent (the deadline ends its wait for the service)
+/// gives its token back. (Before: kept, and the budget counted a retry that never went out.)
+#[tokio::test(start_paused = true)]
+async fn a_retry_that_is_never_sent_gives_its_budget_token_back() {
+    let tokens = Arc::new(Tokens::default());
+    let policy = RetryPolicy::builder()
+        .total_timeout(Duration::from_secs(1))
+        .budget(RetryBudget::custom(tokens.clone()))
+        .build()
+        .unwrap();
+    let svc = RetryLayer::new(policy).layer(OnceThenStuck::default());
+    let e = within_a_day("the call", svc.oneshot(get("/books/b1")))
+        .await
+        .expect_err("the deadline ends the wait");
+    let e = RetryError::of(&*e).expect("a RetryError");
+    assert!(e.is::<DeadlineExceeded>(), "{e}");
+    assert_eq!(e.attempts(), 1);
+    assert_eq!(tokens.withdrawn.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        tokens.refunded.load(Ordering::SeqCst),
+        1,
+        "the unsent retry's token is given back"
+    );
+}
