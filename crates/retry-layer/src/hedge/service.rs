@@ -116,10 +116,7 @@ where
             ReplayBody::new(body, max, None, &shared.replay_memory)
         };
         match wrapped {
-            Ok((first_body, mut body)) => {
-                // A hedge is sent beside an attempt that may have run: a body the layer's
-                // memory could not hold is not kept for one.
-                body.outcome_known(false);
+            Ok((first_body, body)) => {
                 shared.budget.deposit();
                 let kept = hedged.then(|| clone_parts(&parts));
                 ResponseFuture::start(

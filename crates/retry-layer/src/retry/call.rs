@@ -322,9 +322,6 @@ where
         };
         observe::attempt_ended(outcome.code());
         observe::record_attempt(span, &result, outcome, self.grpc);
-        // A body the layer's memory could not hold is kept only for a retry of an attempt that
-        // was never sent.
-        self.body.outcome_known(outcome == Outcome::Unsent);
         if outcome != Outcome::Unsent {
             self.went_out += 1;
         }
