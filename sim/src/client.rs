@@ -19,8 +19,10 @@ use idempotency_layer::{IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED};
 use reason_code::BoxError;
 use retry_layer::hedge::{HedgeLayer, HedgePolicy};
 use retry_layer::{RetryLayer, RetryPolicy};
+use tower::buffer::Buffer;
+use tower::limit::ConcurrencyLimitLayer;
 use tower::util::BoxCloneService;
-use tower::ServiceExt;
+use tower::{ServiceBuilder, ServiceExt};
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -339,20 +341,36 @@ pub fn stack(schedule: &Schedule, ledger: &Ledger, client: usize, gate: ReadyGat
         builder.http2_adaptive_window(false);
     }
     let retry = retry_layer(schedule, ledger);
-    if schedule.settings.hedging && schedule.settings.hedging_alone {
+    // Under the layer, a `ConcurrencyLimit` when the schedule draws one: its calls (and hedges)
+    // wait for its permits.
+    // (A macro: each stack's hyper client takes its own request body type.)
+    macro_rules! below {
+        () => {
+            ServiceBuilder::new()
+                .option_layer(
+                    schedule
+                        .settings
+                        .client_limit
+                        .map(ConcurrencyLimitLayer::new),
+                )
+                .service(route(schedule, client, gate).over(builder.build(SimConnector)))
+        };
+    }
+    let stack: ClientStack = if schedule.settings.hedging && schedule.settings.hedging_alone {
         // Hedging alone, with no retry layer above it: it answers on its own bounds.
-        let hyper = builder.build(SimConnector);
-        let hedged = HedgeLayer::new(hedge_policy(schedule))
-            .layer(route(schedule, client, gate).over(hyper));
-        BoxCloneService::new(hedged)
+        BoxCloneService::new(HedgeLayer::new(hedge_policy(schedule)).layer(below!()))
     } else if schedule.settings.hedging {
-        let hyper = builder.build(SimConnector);
-        let hedged = HedgeLayer::new(hedge_policy(schedule))
-            .layer(route(schedule, client, gate).over(hyper));
+        let hedged = HedgeLayer::new(hedge_policy(schedule)).layer(below!());
         BoxCloneService::new(retry.layer(hedged))
     } else {
-        let hyper = builder.build(SimConnector);
-        BoxCloneService::new(retry.layer(route(schedule, client, gate).over(hyper)))
+        BoxCloneService::new(retry.layer(below!()))
+    };
+    // In front, a `Buffer` shared by every call of the client when the schedule draws one: if
+    // the layer ever answered a slow service with a readiness error, tower's contract would
+    // let the buffer discard the stack, and every later call would fail.
+    match schedule.settings.client_buffer {
+        Some(bound) => BoxCloneService::new(Buffer::new(stack, bound)),
+        None => stack,
     }
 }
 

@@ -12,7 +12,8 @@
 //!    an execution's; every message is well formed (a `content-length` matches the body that
 //!    came); every handler received a body its client sent.
 //! 4. No panic but the handlers' own escapes; every server still serves a fresh write at the
-//!    end.
+//!    end; a client's stack is never discarded (a `Buffer` in front of the layer serves every
+//!    call after any stall: tower's contract, a slow service is never a readiness error).
 //! 5. The memory bounds hold: the bytes a server's waiters hold, the response bytes it holds
 //!    for clients, the request bytes a client keeps for replay and the store's bytes, each read
 //!    after every step of the simulation, never pass their bound (drawn small per seed, or the
@@ -898,6 +899,18 @@ fn no_panic_and_still_serving(run: &Run, v: &mut Verdict) {
                 scope: None,
                 detail: format!("at {}: {}", p.location, p.message),
             });
+        }
+    }
+    for c in &o.calls {
+        if let Some((_, Ending::Error(e))) = &c.end {
+            if e.contains("buffered service failed") || e.contains("buffer's worker closed") {
+                v.violations.push(Violation {
+                    promise: 4,
+                    cause: "a client's stack was discarded",
+                    scope: Some(c.scope.clone()),
+                    detail: format!("client {}, started at {:?}: {e}", c.client, c.start),
+                });
+            }
         }
     }
     if run.sim_error.is_none() {

@@ -162,6 +162,12 @@ impl SeedReport {
                 1,
             ));
         }
+        if !grpc && settings.client_buffer.is_some() {
+            out.push(("client: a Buffer in front of the layer".to_owned(), 1));
+        }
+        if !grpc && settings.client_limit.is_some() {
+            out.push(("client: a ConcurrencyLimit under the layer".to_owned(), 1));
+        }
         if settings.fail_open {
             out.push(("settings: fail_open".to_owned(), 1));
         }

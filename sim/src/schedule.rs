@@ -50,6 +50,12 @@ pub struct Settings {
     pub chain: bool,
     /// A `ConcurrencyLimit` of this many requests between the server layer and its handlers.
     pub server_limit: Option<usize>,
+    /// An HTTP client's stack behind a `tower::buffer::Buffer` of this bound, shared by all its
+    /// calls (as a tonic `Channel` is a Buffer): a service tower's contract lets it discard.
+    pub client_buffer: Option<usize>,
+    /// A `ConcurrencyLimit` of this many calls under an HTTP client's retry layer: the layer's
+    /// calls wait for its permits.
+    pub client_limit: Option<usize>,
     /// Number of server instances behind the clients.
     pub servers: usize,
     /// Number of client hosts.
@@ -390,6 +396,8 @@ impl Schedule {
             fail_rate: 0.0,
             chain: false,
             server_limit: pick(r, 4, |r| 1 + r.usize(..3)),
+            client_buffer: None,
+            client_limit: None,
             servers: 2 + r.usize(..2),
             clients: 1 + r.usize(..3),
             bounds: Bounds::default(),
@@ -492,6 +500,10 @@ impl Schedule {
             faults.push(Timed { at, heal, fault });
         }
         adversary(r, &mut settings, &mut intents, &mut faults);
+        // Drawn after every other draw (issue 51), so that each seed's earlier schedule stays
+        // as it was: how a client composes the layer, as users do.
+        settings.client_buffer = pick(r, 3, |r| 1 + r.usize(..4));
+        settings.client_limit = pick(r, 3, |r| 1 + r.usize(..3));
         Schedule {
             seed,
             settings,
