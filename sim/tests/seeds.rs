@@ -46,6 +46,8 @@ pub const HOLES: &[(u64, &str)] = &[
     (2019734, "K: a write held its `ConcurrencyLimit` permit while its request body stalled (an upload cut, its reset lost): server 0 answered no one for `request_body_timeout`"),
     (2030003, "K: the same, another schedule"),
     (2024846, "L: with no room for detached work (`max_detached` 0), failures left their claims to lapse a lease each instead of releasing them: with a small store and a downstream tier, the claims kept the downstream store full and no key quiesced"),
+    (4100044, "M: the retry layer answered a slow service (its readiness wait past the deadline) with a `poll_ready` error: the client's `Buffer` took it for a dead service, and every later call failed"),
+    (4100099, "M: the same, another schedule"),
 ];
 
 /// Seeds that showed the judge wrong (a flaw of the simulator, not of the layers): each must
