@@ -1,6 +1,8 @@
 //! The client hosts: the real `RetryLayer` over hyper-util's client on the simulated network,
 //! with a router that sends each attempt to the next server instance (as a load balancer
-//! does) and a readiness gate the schedule can close (a full Buffer).
+//! does) and a readiness gate the schedule can close (a full Buffer); composed as users do,
+//! with a `Buffer` in front, a `ConcurrencyLimit` under the layer, and one HTTP/1.1 connection
+//! (`crate::connection`) when the schedule draws them.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -27,6 +29,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::app::TENANT_HEADER;
+use crate::connection::{Held, OneConnection, CALL};
 use crate::ledger::{now, Ending, Ledger, Memory, SendId};
 use crate::net::SimConnector;
 use crate::schedule::{BodyFault, MalformedKind, Protocol, Schedule};
@@ -201,7 +204,7 @@ pub(crate) fn call_of(headers: &http::HeaderMap) -> Option<usize> {
 
 /// The client's whole stack, as a user builds it: `RetryLayer` (and, when the schedule hedges,
 /// `HedgeLayer` under it) over the router and hyper-util's client.
-pub type ClientStack = BoxCloneService<Request<SendBody>, Response<Incoming>, BoxError>;
+pub type ClientStack = BoxCloneService<Request<SendBody>, Response<Held<Incoming>>, BoxError>;
 
 /// A request body as a client streams it: its bytes, with the schedule's fault midway (a stall,
 /// or a source that fails), under a `content-length` that announces all of it.
@@ -353,7 +356,11 @@ pub fn stack(schedule: &Schedule, ledger: &Ledger, client: usize, gate: ReadyGat
                         .client_limit
                         .map(ConcurrencyLimitLayer::new),
                 )
-                .service(route(schedule, client, gate).over(builder.build(SimConnector)))
+                .service(OneConnection::new(
+                    route(schedule, client, gate).over(builder.build(SimConnector)),
+                    schedule.settings.client_one_connection,
+                    ledger.clone(),
+                ))
         };
     }
     let stack: ClientStack = if schedule.settings.hedging && schedule.settings.hedging_alone {
@@ -508,17 +515,21 @@ async fn call(
     ledger: &Ledger,
     i: usize,
 ) -> Option<Ending> {
-    let answer: Result<Response<Incoming>, BoxError> = svc.oneshot(req).await;
+    let answer = CALL.scope(i, svc.oneshot(req)).await;
     ledger.call_head(i);
     read_answer(answer, slow_read).await
 }
 
 /// The answer of one call, its body read to its end: `None` if it did not end within
 /// [`BODY_BOUND`].
-async fn read_answer(
-    answer: Result<Response<Incoming>, BoxError>,
+async fn read_answer<B>(
+    answer: Result<Response<B>, BoxError>,
     slow_read: Option<Duration>,
-) -> Option<Ending> {
+) -> Option<Ending>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: std::error::Error + 'static,
+{
     let resp = match answer {
         Ok(resp) => resp,
         Err(e) => return Some(Ending::Error(error_chain(&*e))),

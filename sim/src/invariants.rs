@@ -13,7 +13,9 @@
 //!    came); every handler received a body its client sent.
 //! 4. No panic but the handlers' own escapes; every server still serves a fresh write at the
 //!    end; a client's stack is never discarded (a `Buffer` in front of the layer serves every
-//!    call after any stall: tower's contract, a slow service is never a readiness error).
+//!    call after any stall: tower's contract, a slow service is never a readiness error); a
+//!    call never waits for a connection its own unread answer holds (on one HTTP/1.1
+//!    connection, nothing of a failed attempt is held while the call waits to send the next).
 //! 5. The memory bounds hold: the bytes a server's waiters hold, the response bytes it holds
 //!    for clients, the request bytes a client keeps for replay and the store's bytes, each read
 //!    after every step of the simulation, never pass their bound (drawn small per seed, or the
@@ -912,6 +914,20 @@ fn no_panic_and_still_serving(run: &Run, v: &mut Verdict) {
                 });
             }
         }
+    }
+    for (call, at) in &o.waited_on_themselves {
+        let c = &o.calls[*call];
+        v.violations.push(Violation {
+            promise: 4,
+            cause: "a call waited for a connection its own unread answer held",
+            scope: Some(c.scope.clone()),
+            detail: format!(
+                "client {}, call {call} started at {:?}, waited from {at:?}, ended {:?}",
+                c.client,
+                c.start,
+                c.end.as_ref().map(|(t, e)| (t, e))
+            ),
+        });
     }
     if run.sim_error.is_none() {
         for server in 0..run.schedule.settings.servers {

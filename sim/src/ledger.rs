@@ -138,6 +138,10 @@ pub struct Observed {
     pub healed: bool,
     /// When the quiescence probe began (every fault healed).
     pub probing_from: Option<Duration>,
+    /// The calls that waited to send an attempt on a one-connection client while an answer of
+    /// their own held that connection, unread (the service saw both, at two times of the
+    /// simulation's clock), and when each wait began.
+    pub waited_on_themselves: BTreeMap<usize, Duration>,
 }
 
 /// Reads a server layer's statistics.
@@ -269,6 +273,15 @@ impl Ledger {
         if o.calls_told_in_flight.contains(&call) {
             o.attempts_sent_knowing.insert(tag);
         }
+    }
+
+    /// Notes that call `call` waited for its client's one connection, from `since` to now,
+    /// while an answer of its own held it, unread.
+    pub fn call_waited_on_itself(&self, call: usize, since: Duration) {
+        self.lock()
+            .waited_on_themselves
+            .entry(call)
+            .or_insert(since);
     }
 
     /// Notes that call `call`'s client received an answer saying its key was in flight.

@@ -28,6 +28,7 @@
 pub mod app;
 pub mod chain;
 pub mod client;
+pub mod connection;
 pub mod grpc;
 pub mod invariants;
 pub mod ledger;
@@ -167,6 +168,12 @@ impl SeedReport {
         }
         if !grpc && settings.client_limit.is_some() {
             out.push(("client: a ConcurrencyLimit under the layer".to_owned(), 1));
+        }
+        if settings.client_one_connection {
+            out.push((
+                "client: one HTTP/1.1 connection under the layer".to_owned(),
+                1,
+            ));
         }
         if settings.fail_open {
             out.push(("settings: fail_open".to_owned(), 1));

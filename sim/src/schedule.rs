@@ -56,6 +56,10 @@ pub struct Settings {
     /// A `ConcurrencyLimit` of this many calls under an HTTP client's retry layer: the layer's
     /// calls wait for its permits.
     pub client_limit: Option<usize>,
+    /// An HTTP/1.1 client's calls share one connection under its layer (as hyper's
+    /// `SendRequest`): ready for the next request only once the answer before it is read or let
+    /// go.
+    pub client_one_connection: bool,
     /// Number of server instances behind the clients.
     pub servers: usize,
     /// Number of client hosts.
@@ -398,6 +402,7 @@ impl Schedule {
             server_limit: pick(r, 4, |r| 1 + r.usize(..3)),
             client_buffer: None,
             client_limit: None,
+            client_one_connection: false,
             servers: 2 + r.usize(..2),
             clients: 1 + r.usize(..3),
             bounds: Bounds::default(),
@@ -504,6 +509,8 @@ impl Schedule {
         // as it was: how a client composes the layer, as users do.
         settings.client_buffer = pick(r, 3, |r| 1 + r.usize(..4));
         settings.client_limit = pick(r, 3, |r| 1 + r.usize(..3));
+        let one_connection = r.u8(..3) == 0;
+        settings.client_one_connection = one_connection && settings.protocol == Protocol::Http1;
         Schedule {
             seed,
             settings,

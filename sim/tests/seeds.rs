@@ -48,6 +48,10 @@ pub const HOLES: &[(u64, &str)] = &[
     (2024846, "L: with no room for detached work (`max_detached` 0), failures left their claims to lapse a lease each instead of releasing them: with a small store and a downstream tier, the claims kept the downstream store full and no key quiesced"),
     (4100044, "M: the retry layer answered a slow service (its readiness wait past the deadline) with a `poll_ready` error: the client's `Buffer` took it for a dead service, and every later call failed"),
     (4100099, "M: the same, another schedule"),
+    (4100093, "N: the retry layer held a failed answer, unread, through its backoff and its wait for readiness: on one HTTP/1.1 connection the retry waited for the connection that answer held"),
+    (4100162, "N: the same, behind a `Buffer`"),
+    (4100108, "O: a hedge held its failed answer, unread, while the next hedge waited for the one HTTP/1.1 connection that answer held (under the retry layer)"),
+    (4100337, "O: the same, hedging alone"),
 ];
 
 /// Seeds that showed the judge wrong (a flaw of the simulator, not of the layers): each must

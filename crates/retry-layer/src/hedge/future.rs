@@ -537,6 +537,20 @@ where
             }
             if this.next_hedge.is_some_and(|at| at <= now) {
                 if this.send_hedge(cx).is_pending() {
+                    if this.attempts.is_empty() && matches!(this.last, Some(Ok(_))) {
+                        // Every attempt sent has failed and the service is not ready for the
+                        // next: the failure in hand is the answer. Held through the wait, its
+                        // unread body may be what keeps the service from being ready (one
+                        // HTTP/1.1 connection is ready only once the body before it is read);
+                        // a retry layer above lets it go and retries after its backoff.
+                        tracing::debug!(
+                            "not hedging: the service is not ready and a failed answer is in hand"
+                        );
+                        this.next_hedge = None;
+                        this.ready_by = None;
+                        this.refund();
+                        continue;
+                    }
                     // Waiting for readiness, bounded by the deadline, the heads due and the
                     // response head timeout (with no attempt in flight and no deadline, that
                     // timer is the only one).

@@ -164,6 +164,7 @@ where
                     this.state.set(State::Called { future });
                 }
                 StateProj::Called { future } => {
+                    poll_drain(this.drain, cx);
                     let result = match this.attempt_span.in_scope(|| future.poll(cx)) {
                         Poll::Ready(r) => r.map_err(Into::into),
                         Poll::Pending => {
@@ -278,8 +279,9 @@ where
                         this.state.set(State::Done);
                         break this.call.answer(Err(DeadlineExceeded::new().into()));
                     }
-                    // Whatever is left of the last body goes before the retry is sent.
-                    *this.drain = None;
+                    // The last body is read on while the retry is in flight (an inner service
+                    // that is always ready, a hedge, waits for its connection inside its own
+                    // future): dropped unread, an HTTP/1.1 connection would close.
                     let (future, bounds) = this.call.send_retry();
                     *this.attempt_span = observe::attempt_span(
                         this.call_span,
