@@ -396,7 +396,18 @@ pub async fn run_client(
     let caller = if schedule.settings.protocol == Protocol::Grpc {
         Caller::Grpc(crate::grpc::stack(&schedule, &ledger, client, gate))
     } else {
-        Caller::Http(stack(&schedule, &ledger, client, gate))
+        let stack = stack(&schedule, &ledger, client, gate);
+        // As a generated client kept in a struct: one service, `ready()` then `call` under
+        // `&mut`, its caller free to give up in the middle.
+        let shared = schedule
+            .settings
+            .client_reuses_service
+            .then(|| Arc::new(tokio::sync::Mutex::new(stack.clone())));
+        Caller::Http(HttpCaller {
+            stack,
+            shared,
+            deadline: schedule.settings.call_deadline,
+        })
     };
     let mut tasks = Vec::new();
     for (n, intent) in schedule.intents.iter().enumerate() {
@@ -471,8 +482,20 @@ pub async fn run_client(
 /// A client's stack for its protocol.
 #[derive(Clone)]
 enum Caller {
-    Http(ClientStack),
+    Http(HttpCaller),
     Grpc(crate::grpc::GrpcStack),
+}
+
+/// An HTTP client's stack, and how its calls use it.
+#[derive(Clone)]
+struct HttpCaller {
+    stack: ClientStack,
+    /// One service for all the client's calls, when the schedule draws it: each call takes it,
+    /// waits for `ready()`, calls, and gives it back (a call cancelled meanwhile abandons its
+    /// `ready()` on it). Else each call has a clone of its own (`oneshot`).
+    shared: Option<Arc<tokio::sync::Mutex<ClientStack>>>,
+    /// A per-request [`retry_layer::Deadline`] on every call, when the schedule draws one.
+    deadline: Option<Duration>,
 }
 
 impl Caller {
@@ -487,8 +510,11 @@ impl Caller {
         i: usize,
     ) -> Option<Ending> {
         match self {
-            Caller::Http(svc) => {
+            Caller::Http(http) => {
                 let mut req = Request::post(format!("/w/{}", key.unwrap_or("malformed")));
+                if let Some(d) = http.deadline {
+                    req = req.extension(retry_layer::Deadline::after(d));
+                }
                 if let Some(key) = key {
                     req = req.header(idempotency_layer::X_IDEMPOTENCY_KEY, key);
                 }
@@ -499,7 +525,7 @@ impl Caller {
                 let req = req
                     .body(SendBody::new(body, fault))
                     .expect("a valid request");
-                call(svc, req, slow_read, ledger, i).await
+                call(http, req, slow_read, ledger, i).await
             }
             Caller::Grpc(svc) => crate::grpc::call(svc, key, tenant, body, ledger, i).await,
         }
@@ -509,13 +535,28 @@ impl Caller {
 /// One call: readiness, the layer's answer, then the body read to its end. `None`: the body
 /// did not end within [`BODY_BOUND`].
 async fn call(
-    svc: ClientStack,
+    http: HttpCaller,
     req: Request<SendBody>,
     slow_read: Option<Duration>,
     ledger: &Ledger,
     i: usize,
 ) -> Option<Ending> {
-    let answer = CALL.scope(i, svc.oneshot(req)).await;
+    let answer = match http.shared {
+        None => {
+            ledger.call_took_service(i);
+            CALL.scope(i, http.stack.oneshot(req)).await
+        }
+        Some(shared) => {
+            CALL.scope(i, async move {
+                let mut svc = shared.lock().await;
+                ledger.call_took_service(i);
+                let future = svc.ready().await?.call(req);
+                drop(svc);
+                future.await
+            })
+            .await
+        }
+    };
     ledger.call_head(i);
     read_answer(answer, slow_read).await
 }

@@ -1,8 +1,9 @@
 //! The promises, checked after every seed. A new promise is one function here.
 //!
 //! 1. Every call ends within its bound with a classified answer: the layer answers by the
-//!    call's deadline (with none, by [`NO_DEADLINE_BOUND`], what the documented defaults add up
-//!    to), and a body that started ends.
+//!    call's deadline (a per-request `Deadline` too; with none, by [`NO_DEADLINE_BOUND`], what
+//!    the documented defaults add up to), never with `DeadlineExceeded` and nothing sent while
+//!    the deadline leaves an attempt, and a body that started ends.
 //! 2. Per tenant + method + key, the side effect runs once, but for the documented exceptions,
 //!    each granted only from a fact the store host recorded (the earlier run's claim was taken
 //!    over after its holder crashed before its record landed, after the store refused its
@@ -135,6 +136,7 @@ pub fn check(run: &Run) -> Verdict {
         });
     }
     calls_end(run, &mut v);
+    no_early_deadline(run, &mut v);
     runs_once(run, &mut v);
     quiescent(run, &mut v);
     replays_equal(run, &mut v);
@@ -222,7 +224,12 @@ fn memory_bounded(run: &Run, v: &mut Verdict) {
 }
 
 fn calls_end(run: &Run, v: &mut Verdict) {
-    let bound = call_bound(&run.schedule);
+    let bound = match run.schedule.settings.call_deadline {
+        // A per-request `Deadline` bounds the call from its start, whatever the call waits for
+        // in the layer (the service's readiness too).
+        Some(d) => call_bound(&run.schedule).min(d + 2 * TICK),
+        None => call_bound(&run.schedule),
+    };
     for c in run.observed.calls.iter().filter(|c| c.client != PROBE) {
         let scope = Some(c.scope.clone());
         match (&c.head, &c.end) {
@@ -274,6 +281,47 @@ fn calls_end(run: &Run, v: &mut Verdict) {
                     });
                 }
             }
+        }
+    }
+}
+
+/// The policy's `min_attempt_time` (the simulator's policy keeps the default): with less of
+/// its deadline left, a call sends nothing more and answers `DeadlineExceeded`.
+const MIN_ATTEMPT_TIME: Duration = Duration::from_millis(50);
+
+/// The retry layer answers `DeadlineExceeded` having sent nothing only once the call's deadline
+/// leaves no attempt: the policy's `total_timeout` counted from when the call took its service
+/// (a shared service's `ready()` is part of the call), a per-request `Deadline` from the
+/// call's start. Never from a wait an earlier call abandoned.
+fn no_early_deadline(run: &Run, v: &mut Verdict) {
+    let settings = &run.schedule.settings;
+    for c in run.observed.calls.iter().filter(|c| c.client != PROBE) {
+        let (Some(took), Some(head), Some((_, Ending::Error(e)))) =
+            (c.took_service, c.head, &c.end)
+        else {
+            continue;
+        };
+        if !(e.contains("deadline passed") && e.contains("(after 0 attempts")) {
+            continue;
+        }
+        let deadline = [
+            settings.deadline.map(|d| took + d),
+            settings.call_deadline.map(|d| c.start + d),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        if deadline.is_some_and(|deadline| head + MIN_ATTEMPT_TIME + TICK < deadline) {
+            v.violations.push(Violation {
+                promise: 1,
+                cause: "the layer answered DeadlineExceeded, nothing sent, before the call's deadline",
+                scope: Some(c.scope.clone()),
+                detail: format!(
+                    "client {} started at {:?}, took its service at {took:?}, answered at {head:?}, \
+                     deadline {deadline:?}: {e}",
+                    c.client, c.start
+                ),
+            });
         }
     }
 }

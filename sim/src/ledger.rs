@@ -78,6 +78,8 @@ pub struct CallRecord {
     pub sent: Vec<u8>,
     /// When it started.
     pub start: Duration,
+    /// When the call took its service (a shared one may be taken by another call first).
+    pub took_service: Option<Duration>,
     /// When the layer answered (a response head or an error).
     pub head: Option<Duration>,
     /// When it ended, and how (`None`: it never ended).
@@ -331,10 +333,16 @@ impl Ledger {
             scope,
             sent: sent.to_vec(),
             start,
+            took_service: None,
             head: None,
             end: None,
         });
         o.calls.len() - 1
+    }
+
+    /// Records that call `i` took its service (its own clone, or the client's shared one).
+    pub fn call_took_service(&self, i: usize) {
+        self.lock().calls[i].took_service = Some(now());
     }
 
     /// Records that the layer answered call `i`.

@@ -175,6 +175,15 @@ impl SeedReport {
                 1,
             ));
         }
+        if settings.client_reuses_service {
+            out.push((
+                "client: one service for all calls (ready, then call)".to_owned(),
+                1,
+            ));
+        }
+        if settings.call_deadline.is_some() {
+            out.push(("client: a per-request Deadline".to_owned(), 1));
+        }
         if settings.fail_open {
             out.push(("settings: fail_open".to_owned(), 1));
         }

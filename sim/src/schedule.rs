@@ -60,6 +60,12 @@ pub struct Settings {
     /// `SendRequest`): ready for the next request only once the answer before it is read or let
     /// go.
     pub client_one_connection: bool,
+    /// An HTTP client's calls share one service (as a generated client kept in a struct):
+    /// each takes it, waits for `ready()`, calls, and gives it back; a call cancelled meanwhile
+    /// abandons its `ready()`.
+    pub client_reuses_service: bool,
+    /// A per-request `retry_layer::Deadline` on every HTTP call, from when the call starts.
+    pub call_deadline: Option<Duration>,
     /// Number of server instances behind the clients.
     pub servers: usize,
     /// Number of client hosts.
@@ -403,6 +409,8 @@ impl Schedule {
             client_buffer: None,
             client_limit: None,
             client_one_connection: false,
+            client_reuses_service: false,
+            call_deadline: None,
             servers: 2 + r.usize(..2),
             clients: 1 + r.usize(..3),
             bounds: Bounds::default(),
@@ -511,6 +519,10 @@ impl Schedule {
         settings.client_limit = pick(r, 3, |r| 1 + r.usize(..3));
         let one_connection = r.u8(..3) == 0;
         settings.client_one_connection = one_connection && settings.protocol == Protocol::Http1;
+        let http = settings.protocol != Protocol::Grpc;
+        settings.client_reuses_service = r.u8(..3) == 0 && http;
+        settings.call_deadline =
+            pick(r, 4, |r| Duration::from_millis(500 + r.u64(..5_000))).filter(|_| http);
         Schedule {
             seed,
             settings,
