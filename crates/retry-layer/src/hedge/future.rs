@@ -273,6 +273,10 @@ where
         };
         if outcome == Outcome::Unsent {
             self.unsent += 1;
+            // A hedge that provably never left gives back the token that paid for it.
+            if n > 0 {
+                self.shared.budget.refund();
+            }
         }
         let non_fatal = match outcome {
             // A replayed answer is final: a replay of the same key answers the same again.

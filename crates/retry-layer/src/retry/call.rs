@@ -68,6 +68,9 @@ pub(crate) struct Call<S, B> {
     /// The budget granted the retry the call waits to send: given back if it is never sent
     /// (the deadline ends the wait, the service never becomes ready, the caller drops the call).
     granted: bool,
+    /// The budget paid for the attempt in flight: given back if it ends provably never sent
+    /// (an inner service that waits for its own readiness in its future, a hedge, answers so).
+    paid: bool,
 }
 
 impl<S, B> Drop for Call<S, B> {
@@ -273,6 +276,7 @@ where
             inbound_retry_budget,
             authority_budget,
             granted: false,
+            paid: false,
         };
         let (first, timer) = match first {
             Some(req) if ready => {
@@ -322,8 +326,12 @@ where
         };
         observe::attempt_ended(outcome.code());
         observe::record_attempt(span, &result, outcome, self.grpc);
+        let paid = std::mem::take(&mut self.paid);
         if outcome != Outcome::Unsent {
             self.went_out += 1;
+        } else if paid {
+            // The budget pays for load on the server: an attempt that never left costs none.
+            self.budget().refund();
         }
         // The server's own "in flight" answer is UNAVAILABLE-like: only such an outcome is looked
         // at, so a success pays nothing for it.
@@ -645,7 +653,7 @@ where
             None => self.body.replay(),
         };
         self.attempt.sent += 1;
-        self.granted = false;
+        self.paid = std::mem::take(&mut self.granted);
         self.shared.stats.incr(Counter::Attempts);
         let future = self.service.call(Request::from_parts(parts, body));
         (future, self.bounds())

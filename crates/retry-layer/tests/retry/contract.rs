@@ -565,7 +565,7 @@ async fn an_unsent_hedge_gives_its_budget_token_back() {
 #[derive(Clone, Default)]
 struct OnceThenStuck(Arc<AtomicUsize>);
 
-impl Service<Req> for OnceThenStuck {
+impl<B> Service<Request<B>> for OnceThenStuck {
     type Response = Response<Full<Bytes>>;
     type Error = Infallible;
     type Future = std::future::Ready<Result<Response<Full<Bytes>>, Infallible>>;
@@ -578,7 +578,7 @@ impl Service<Req> for OnceThenStuck {
         }
     }
 
-    fn call(&mut self, _req: Req) -> Self::Future {
+    fn call(&mut self, _req: Request<B>) -> Self::Future {
         self.0.fetch_add(1, Ordering::SeqCst);
         let mut res = Response::new(Full::new(Bytes::from_static(b"busy")));
         *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
@@ -608,5 +608,54 @@ async fn a_retry_that_is_never_sent_gives_its_budget_token_back() {
         tokens.refunded.load(Ordering::SeqCst),
         1,
         "the unsent retry's token is given back"
+    );
+}
+
+/// A retry sent to a hedge below that never finds its service ready: the hedge answers that
+/// nothing was sent, and the retry layer gives back the token that paid for that retry (the
+/// budget pays for load on the server; an attempt that never left costs none). (Before: every
+/// such retry kept its token, one per head bound, while nothing reached the server; found by the
+/// simulator's budget promise, seed 4100734.)
+#[tokio::test(start_paused = true)]
+async fn a_retry_a_hedge_below_never_sent_gives_its_token_back() {
+    let retry_tokens = Arc::new(Tokens::default());
+    let hedge_tokens = Arc::new(Tokens::default());
+    let backend = OnceThenStuck::default();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new(
+            RetryPolicy::builder()
+                .total_timeout(Duration::from_secs(5))
+                .response_head_timeout(Duration::from_secs(1))
+                .budget(RetryBudget::custom(retry_tokens.clone()))
+                .build()
+                .unwrap(),
+        ))
+        .layer(HedgeLayer::new(
+            HedgePolicy::builder()
+                .max_attempts(2)
+                .hedging_delay(Duration::from_millis(50))
+                .response_head_timeout(Duration::from_secs(1))
+                .budget(RetryBudget::custom(hedge_tokens.clone()))
+                .build()
+                .unwrap(),
+        ))
+        .service(backend.clone());
+    let _ = within_a_day("the call", svc.oneshot(get("/books/b1"))).await;
+    assert_eq!(
+        backend.0.load(Ordering::SeqCst),
+        1,
+        "only the first attempt left"
+    );
+    let withdrawn = retry_tokens.withdrawn.load(Ordering::SeqCst);
+    assert!(withdrawn >= 2, "the call retried: {withdrawn} tokens");
+    assert_eq!(
+        retry_tokens.refunded.load(Ordering::SeqCst),
+        withdrawn,
+        "every retry that never left gave its token back"
+    );
+    assert_eq!(
+        hedge_tokens.refunded.load(Ordering::SeqCst),
+        hedge_tokens.withdrawn.load(Ordering::SeqCst),
+        "and so did every hedge"
     );
 }
