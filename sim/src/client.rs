@@ -19,6 +19,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use idempotency_layer::{IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED};
 use reason_code::BoxError;
+use retry_layer::budget::{Budget, RetryBudget, TpsBudget};
 use retry_layer::hedge::{HedgeLayer, HedgePolicy};
 use retry_layer::{RetryLayer, RetryPolicy};
 use tower::buffer::Buffer;
@@ -30,7 +31,7 @@ use tower_service::Service;
 
 use crate::app::TENANT_HEADER;
 use crate::connection::{Held, OneConnection, CALL};
-use crate::ledger::{now, Ending, Ledger, Memory, SendId};
+use crate::ledger::{now, BudgetOf, Ending, Ledger, Memory, SendId};
 use crate::net::SimConnector;
 use crate::schedule::{BodyFault, MalformedKind, Protocol, Schedule};
 use crate::tag::ATTEMPT_HEADER;
@@ -187,7 +188,57 @@ where
         if let Some(call) = call {
             self.ledger.attempt_of_call(tag, call);
         }
+        if let Some(handoff) = handoff_of(req.headers()) {
+            self.ledger.attempt_of_handoff(handoff);
+        }
         Watched::new(self.inner.call(req), call, self.ledger.clone())
+    }
+}
+
+/// The header [`Handoffs`] stamps on each request the retry layer hands on (hedges copy it).
+pub const HANDOFF_HEADER: http::HeaderName = http::HeaderName::from_static("x-sim-handoff");
+
+fn handoff_of(headers: &http::HeaderMap) -> Option<u64> {
+    headers
+        .get(HANDOFF_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+}
+
+/// Between the retry layer and what it calls (a hedge, or the client under it): notes each
+/// request handed on, by call, and stamps it with a serial number that the router reads on
+/// each attempt that reaches the wire (a hedge's attempts carry its request's).
+#[derive(Clone, Debug)]
+pub struct Handoffs<S> {
+    inner: S,
+    ledger: Ledger,
+}
+
+impl<S> Handoffs<S> {
+    fn new(inner: S, ledger: &Ledger) -> Self {
+        Handoffs {
+            inner,
+            ledger: ledger.clone(),
+        }
+    }
+}
+
+impl<S, B> Service<Request<B>> for Handoffs<S>
+where
+    S: Service<Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: Request<B>) -> Self::Future {
+        let serial = self.ledger.handoff(call_of(req.headers()));
+        req.headers_mut().insert(HANDOFF_HEADER, serial.into());
+        self.inner.call(req)
     }
 }
 
@@ -290,8 +341,10 @@ impl http_body::Body for SendBody {
 
 /// The policy of `schedule`: the defaults, with its deadline, its replay memory and a
 /// deterministic jitter.
-pub fn policy(schedule: &Schedule) -> RetryPolicy {
-    let mut b = RetryPolicy::builder().jitter_seed(schedule.seed);
+pub fn policy(schedule: &Schedule, ledger: &Ledger) -> RetryPolicy {
+    let mut b = RetryPolicy::builder()
+        .jitter_seed(schedule.seed)
+        .budget(counted_budget(ledger, BudgetOf::Retry));
     if let Some(d) = schedule.settings.deadline {
         b = b.total_timeout(d);
     }
@@ -301,9 +354,51 @@ pub fn policy(schedule: &Schedule) -> RetryPolicy {
     b.build().expect("a valid policy")
 }
 
+/// The default retry budget (`TpsBudget`: 10 % of requests over 10 s, plus 10 retries a
+/// second), its tokens counted by the ledger: each one granted, each one given back.
+fn counted_budget(ledger: &Ledger, layer: BudgetOf) -> RetryBudget {
+    let inner = TpsBudget::new(Duration::from_secs(10), 10, 0.1).expect("the default budget");
+    RetryBudget::custom(Arc::new(CountedBudget {
+        inner,
+        layer,
+        ledger: ledger.clone(),
+    }))
+}
+
+/// A budget whose tokens the ledger counts, by the layer it pays for.
+#[derive(Debug)]
+struct CountedBudget {
+    inner: TpsBudget,
+    layer: BudgetOf,
+    ledger: Ledger,
+}
+
+impl Budget for CountedBudget {
+    fn deposit(&self) {
+        self.inner.deposit();
+    }
+
+    fn record(&self, failed: bool) {
+        self.inner.record(failed);
+    }
+
+    fn withdraw(&self) -> bool {
+        let granted = self.inner.withdraw();
+        if granted {
+            self.ledger.budget_token(self.layer, 1);
+        }
+        granted
+    }
+
+    fn refund(&self) {
+        self.inner.refund();
+        self.ledger.budget_token(self.layer, -1);
+    }
+}
+
 /// The retry layer of `schedule`, its replay memory read by the ledger after every step.
 pub fn retry_layer(schedule: &Schedule, ledger: &Ledger) -> RetryLayer {
-    let retry = RetryLayer::new(policy(schedule));
+    let retry = RetryLayer::new(policy(schedule, ledger));
     let gauge = retry.clone();
     ledger.gauge(Arc::new(move || Memory {
         replay_bytes: gauge.stats().replay_bytes,
@@ -313,8 +408,9 @@ pub fn retry_layer(schedule: &Schedule, ledger: &Ledger) -> RetryLayer {
 }
 
 /// The hedging policy of `schedule`: a second attempt of a keyed write after its delay.
-pub fn hedge_policy(schedule: &Schedule) -> HedgePolicy {
+pub fn hedge_policy(schedule: &Schedule, ledger: &Ledger) -> HedgePolicy {
     HedgePolicy::builder()
+        .budget(counted_budget(ledger, BudgetOf::Hedge))
         .max_attempts(2)
         .hedging_delay(schedule.settings.hedge_delay)
         .hedge_writes()
@@ -365,12 +461,15 @@ pub fn stack(schedule: &Schedule, ledger: &Ledger, client: usize, gate: ReadyGat
     }
     let stack: ClientStack = if schedule.settings.hedging && schedule.settings.hedging_alone {
         // Hedging alone, with no retry layer above it: it answers on its own bounds.
-        BoxCloneService::new(HedgeLayer::new(hedge_policy(schedule)).layer(below!()))
+        BoxCloneService::new(Handoffs::new(
+            HedgeLayer::new(hedge_policy(schedule, ledger)).layer(below!()),
+            ledger,
+        ))
     } else if schedule.settings.hedging {
-        let hedged = HedgeLayer::new(hedge_policy(schedule)).layer(below!());
-        BoxCloneService::new(retry.layer(hedged))
+        let hedged = HedgeLayer::new(hedge_policy(schedule, ledger)).layer(below!());
+        BoxCloneService::new(retry.layer(Handoffs::new(hedged, ledger)))
     } else {
-        BoxCloneService::new(retry.layer(below!()))
+        BoxCloneService::new(retry.layer(Handoffs::new(below!(), ledger)))
     };
     // In front, a `Buffer` shared by every call of the client when the schedule draws one: if
     // the layer ever answered a slow service with a readiness error, tower's contract would
@@ -407,6 +506,7 @@ pub async fn run_client(
             stack,
             shared,
             deadline: schedule.settings.call_deadline,
+            ready_timeout: schedule.settings.client_ready_timeout,
         })
     };
     let mut tasks = Vec::new();
@@ -496,6 +596,9 @@ struct HttpCaller {
     shared: Option<Arc<tokio::sync::Mutex<ClientStack>>>,
     /// A per-request [`retry_layer::Deadline`] on every call, when the schedule draws one.
     deadline: Option<Duration>,
+    /// With a shared service: how long a caller waits for its `ready()` before it gives the
+    /// call up (a timeout around a generated client's call).
+    ready_timeout: Option<Duration>,
 }
 
 impl Caller {
@@ -547,14 +650,31 @@ async fn call(
             CALL.scope(i, http.stack.oneshot(req)).await
         }
         Some(shared) => {
-            CALL.scope(i, async move {
-                let mut svc = shared.lock().await;
-                ledger.call_took_service(i);
-                let future = svc.ready().await?.call(req);
-                drop(svc);
-                future.await
-            })
-            .await
+            let sent = CALL
+                .scope(i, async move {
+                    let mut svc = shared.lock().await;
+                    ledger.call_took_service(i);
+                    let ready = match http.ready_timeout {
+                        Some(t) => match tokio::time::timeout(t, svc.ready()).await {
+                            Ok(ready) => ready,
+                            // The caller gives up on the service's readiness: it abandons its
+                            // `ready()` on the shared service.
+                            Err(_) => return None,
+                        },
+                        None => svc.ready().await,
+                    };
+                    let future = match ready {
+                        Ok(svc) => svc.call(req),
+                        Err(e) => return Some(Err(e)),
+                    };
+                    drop(svc);
+                    Some(future.await)
+                })
+                .await;
+            match sent {
+                Some(answer) => answer,
+                None => return Some(Ending::Cancelled),
+            }
         }
     };
     ledger.call_head(i);

@@ -2,8 +2,8 @@
 //!
 //! 1. Every call ends within its bound with a classified answer: the layer answers by the
 //!    call's deadline (a per-request `Deadline` too; with none, by [`NO_DEADLINE_BOUND`], what
-//!    the documented defaults add up to), never with `DeadlineExceeded` and nothing sent while
-//!    the deadline leaves an attempt, and a body that started ends.
+//!    the documented defaults add up to), never with `DeadlineExceeded` while the deadline
+//!    leaves an attempt, and a body that started ends.
 //! 2. Per tenant + method + key, the side effect runs once, but for the documented exceptions,
 //!    each granted only from a fact the store host recorded (the earlier run's claim was taken
 //!    over after its holder crashed before its record landed, after the store refused its
@@ -20,7 +20,7 @@
 //! 5. The memory bounds hold: the bytes a server's waiters hold, the response bytes it holds
 //!    for clients, the request bytes a client keeps for replay and the store's bytes, each read
 //!    after every step of the simulation, never pass their bound (drawn small per seed, or the
-//!    default).
+//!    default); and the clients' retry budgets spend tokens only on attempts that were sent.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use crate::app::HANDLER_PANIC;
 use crate::client::PROBE;
-use crate::ledger::{Ending, Execution, Memory, ScopeName};
+use crate::ledger::{BudgetOf, Ending, Execution, Memory, ScopeName};
 use crate::store_host::Claim;
 use crate::store_host::Landed;
 use idempotency_layer::conformance::Op;
@@ -142,6 +142,7 @@ pub fn check(run: &Run) -> Verdict {
     replays_equal(run, &mut v);
     no_panic_and_still_serving(run, &mut v);
     memory_bounded(run, &mut v);
+    budget_spent_on_attempts_sent(run, &mut v);
     v
 }
 
@@ -223,15 +224,60 @@ fn memory_bounded(run: &Run, v: &mut Verdict) {
     }
 }
 
-fn calls_end(run: &Run, v: &mut Verdict) {
-    let bound = match run.schedule.settings.call_deadline {
-        // A per-request `Deadline` bounds the call from its start, whatever the call waits for
-        // in the layer (the service's readiness too).
-        Some(d) => call_bound(&run.schedule).min(d + 2 * TICK),
-        None => call_bound(&run.schedule),
+/// The clients' retry budgets spend tokens only on attempts that were sent: a retry layer's
+/// tokens held at the end (granted, less given back) are at most the requests it handed on
+/// beyond each call's first (as the service under it saw them; for a gRPC client, whose layer
+/// calls the channel itself, the attempts its router saw), a hedge layer's at most the attempts
+/// that reached the wire beyond each request's first. A retry a deferring hop below asked for
+/// takes none.
+fn budget_spent_on_attempts_sent(run: &Run, v: &mut Verdict) {
+    let o = &run.observed;
+    let beyond_first =
+        |counts: &mut dyn Iterator<Item = i64>| -> i64 { counts.map(|n| (n - 1).max(0)).sum() };
+    let mut wire: BTreeMap<usize, i64> = BTreeMap::new();
+    for call in o.attempt_calls.values() {
+        *wire.entry(*call).or_default() += 1;
+    }
+    let handed_on = if o.handoffs.is_empty() {
+        beyond_first(&mut wire.values().copied())
+    } else {
+        beyond_first(&mut o.handoffs.values().copied())
     };
+    let hedged = beyond_first(&mut o.handoff_attempts.values().copied());
+    for (layer, sent) in [(BudgetOf::Retry, handed_on), (BudgetOf::Hedge, hedged)] {
+        let held = o.budget_tokens.get(&layer).copied().unwrap_or(0);
+        if held > sent {
+            v.violations.push(Violation {
+                promise: 5,
+                cause: "a retry budget kept tokens for attempts never sent",
+                scope: None,
+                detail: format!(
+                    "{layer:?}: {held} tokens held at the end, {sent} attempts sent beyond \
+                     each request's first"
+                ),
+            });
+        }
+    }
+}
+
+fn calls_end(run: &Run, v: &mut Verdict) {
+    let bound = call_bound(&run.schedule);
     for c in run.observed.calls.iter().filter(|c| c.client != PROBE) {
         let scope = Some(c.scope.clone());
+        // The layer's bound runs from when the call took its service (a call of a client that
+        // shares one waits for it first, outside the layer); a per-request `Deadline` from the
+        // call's start, whatever the call waits for in the layer (its readiness too).
+        let answer_by = [
+            Some(c.took_service.unwrap_or(c.start) + bound),
+            run.schedule
+                .settings
+                .call_deadline
+                .map(|d| c.start + d + 2 * TICK),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+        .expect("the layer's bound");
         match (&c.head, &c.end) {
             (_, Some((_, Ending::Cancelled | Ending::Crashed))) => {}
             // A gRPC call's answer is its message and trailers: with no deadline, nothing on
@@ -252,13 +298,14 @@ fn calls_end(run: &Run, v: &mut Verdict) {
                 ),
             }),
             (Some(head), end) => {
-                if *head - c.start > bound {
+                if *head > answer_by {
                     v.violations.push(Violation {
                         promise: 1,
                         cause: "an answer came after the call's bound",
                         scope: scope.clone(),
                         detail: format!(
-                            "client {} started at {:?}, answered after {:?}, bound {bound:?}",
+                            "client {} started at {:?}, answered after {:?}, to answer by \
+                             {answer_by:?}",
                             c.client,
                             c.start,
                             *head - c.start
@@ -289,10 +336,10 @@ fn calls_end(run: &Run, v: &mut Verdict) {
 /// its deadline left, a call sends nothing more and answers `DeadlineExceeded`.
 const MIN_ATTEMPT_TIME: Duration = Duration::from_millis(50);
 
-/// The retry layer answers `DeadlineExceeded` having sent nothing only once the call's deadline
-/// leaves no attempt: the policy's `total_timeout` counted from when the call took its service
-/// (a shared service's `ready()` is part of the call), a per-request `Deadline` from the
-/// call's start. Never from a wait an earlier call abandoned.
+/// The layers answer `DeadlineExceeded` only once the call's deadline leaves no attempt (less
+/// than `min_attempt_time` of it): the policy's `total_timeout` counted from when the call took
+/// its service (a shared service's `ready()` is part of the call), a per-request `Deadline` from
+/// the call's start. Never from a wait an earlier call abandoned.
 fn no_early_deadline(run: &Run, v: &mut Verdict) {
     let settings = &run.schedule.settings;
     for c in run.observed.calls.iter().filter(|c| c.client != PROBE) {
@@ -301,11 +348,16 @@ fn no_early_deadline(run: &Run, v: &mut Verdict) {
         else {
             continue;
         };
-        if !(e.contains("deadline passed") && e.contains("(after 0 attempts")) {
+        if !e.contains("deadline passed") {
             continue;
         }
+        // Hedging alone has no `total_timeout` (the policy's is the retry layer's).
+        let hedging_alone = settings.hedging && settings.hedging_alone;
         let deadline = [
-            settings.deadline.map(|d| took + d),
+            settings
+                .deadline
+                .filter(|_| !hedging_alone)
+                .map(|d| took + d),
             settings.call_deadline.map(|d| c.start + d),
         ]
         .into_iter()
@@ -314,7 +366,7 @@ fn no_early_deadline(run: &Run, v: &mut Verdict) {
         if deadline.is_some_and(|deadline| head + MIN_ATTEMPT_TIME + TICK < deadline) {
             v.violations.push(Violation {
                 promise: 1,
-                cause: "the layer answered DeadlineExceeded, nothing sent, before the call's deadline",
+                cause: "the layer answered DeadlineExceeded before the call's deadline",
                 scope: Some(c.scope.clone()),
                 detail: format!(
                     "client {} started at {:?}, took its service at {took:?}, answered at {head:?}, \

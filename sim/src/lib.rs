@@ -181,6 +181,9 @@ impl SeedReport {
                 1,
             ));
         }
+        if settings.client_ready_timeout.is_some() {
+            out.push(("client: callers that give up a slow ready()".to_owned(), 1));
+        }
         if settings.call_deadline.is_some() {
             out.push(("client: a per-request Deadline".to_owned(), 1));
         }

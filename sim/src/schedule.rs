@@ -66,6 +66,8 @@ pub struct Settings {
     pub client_reuses_service: bool,
     /// A per-request `retry_layer::Deadline` on every HTTP call, from when the call starts.
     pub call_deadline: Option<Duration>,
+    /// With a shared service: a caller gives its call up when `ready()` takes longer.
+    pub client_ready_timeout: Option<Duration>,
     /// Number of server instances behind the clients.
     pub servers: usize,
     /// Number of client hosts.
@@ -411,6 +413,7 @@ impl Schedule {
             client_one_connection: false,
             client_reuses_service: false,
             call_deadline: None,
+            client_ready_timeout: None,
             servers: 2 + r.usize(..2),
             clients: 1 + r.usize(..3),
             bounds: Bounds::default(),
@@ -523,6 +526,8 @@ impl Schedule {
         settings.client_reuses_service = r.u8(..3) == 0 && http;
         settings.call_deadline =
             pick(r, 4, |r| Duration::from_millis(500 + r.u64(..5_000))).filter(|_| http);
+        settings.client_ready_timeout = pick(r, 2, |r| Duration::from_millis(100 + r.u64(..2_000)))
+            .filter(|_| settings.client_reuses_service);
         Schedule {
             seed,
             settings,
