@@ -52,6 +52,12 @@ pub const HOLES: &[(u64, &str)] = &[
     (4100162, "N: the same, behind a `Buffer`"),
     (4100108, "O: a hedge held its failed answer, unread, while the next hedge waited for the one HTTP/1.1 connection that answer held (under the retry layer)"),
     (4100337, "O: the same, hedging alone"),
+    (4100011, "P: a retry the budget granted and that was never sent kept its token"),
+    (4100013, "P: a hedge the budget granted and that was never sent kept its token (hedging alone)"),
+    (4100157, "Q: a per-request `Deadline` did not bound the wait for readiness: the call was answered after it"),
+    (4100036, "Q: the same, behind a `Buffer`"),
+    (4102778, "R: a caller gave up a slow `ready()` on its shared service: the next call's `total_timeout` was counted from that abandoned wait, and it ended early with DeadlineExceeded"),
+    (4100309, "R: the same, another schedule"),
 ];
 
 /// Seeds that showed the judge wrong (a flaw of the simulator, not of the layers): each must
