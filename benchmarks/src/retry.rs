@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
-use http_body_util::Full;
+use http_body_util::{Empty, Full};
 use retry_layer::{RetryLayer, RetryPolicy};
 use tower::retry::Policy;
 use tower::{service_fn, Layer, Service, ServiceExt};
@@ -17,8 +17,8 @@ use tower::{service_fn, Layer, Service, ServiceExt};
 pub const BODY_SIZES: [(usize, &str); 3] = [(0, "0B"), (1024, "1KiB"), (64 * 1024, "64KiB")];
 
 /// The trivial backend: 200, empty body, whatever the request.
-pub fn ok<B>(_req: Request<B>) -> Ready<Result<Response<()>, Infallible>> {
-    ready(Ok(Response::new(())))
+pub fn ok<B>(_req: Request<B>) -> Ready<Result<Response<Empty<Bytes>>, Infallible>> {
+    ready(Ok(Response::new(Empty::new())))
 }
 
 /// The `tower::retry` policy a user writes: clone the request, retry on 503, at most `.0`

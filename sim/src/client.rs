@@ -1,6 +1,8 @@
 //! The client hosts: the real `RetryLayer` over hyper-util's client on the simulated network,
 //! with a router that sends each attempt to the next server instance (as a load balancer
-//! does) and a readiness gate the schedule can close (a full Buffer).
+//! does) and a readiness gate the schedule can close (a full Buffer); composed as users do,
+//! with a `Buffer` in front, a `ConcurrencyLimit` under the layer, and one HTTP/1.1 connection
+//! (`crate::connection`) when the schedule draws them.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -17,15 +19,19 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use idempotency_layer::{IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED};
 use reason_code::BoxError;
+use retry_layer::budget::{Budget, RetryBudget, TpsBudget};
 use retry_layer::hedge::{HedgeLayer, HedgePolicy};
 use retry_layer::{RetryLayer, RetryPolicy};
+use tower::buffer::Buffer;
+use tower::limit::ConcurrencyLimitLayer;
 use tower::util::BoxCloneService;
-use tower::ServiceExt;
+use tower::{ServiceBuilder, ServiceExt};
 use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::app::TENANT_HEADER;
-use crate::ledger::{now, Ending, Ledger, Memory, SendId};
+use crate::connection::{Held, OneConnection, CALL};
+use crate::ledger::{now, BudgetOf, Ending, Ledger, Memory, SendId};
 use crate::net::SimConnector;
 use crate::schedule::{BodyFault, MalformedKind, Protocol, Schedule};
 use crate::tag::ATTEMPT_HEADER;
@@ -182,7 +188,57 @@ where
         if let Some(call) = call {
             self.ledger.attempt_of_call(tag, call);
         }
+        if let Some(handoff) = handoff_of(req.headers()) {
+            self.ledger.attempt_of_handoff(handoff);
+        }
         Watched::new(self.inner.call(req), call, self.ledger.clone())
+    }
+}
+
+/// The header [`Handoffs`] stamps on each request the retry layer hands on (hedges copy it).
+pub const HANDOFF_HEADER: http::HeaderName = http::HeaderName::from_static("x-sim-handoff");
+
+fn handoff_of(headers: &http::HeaderMap) -> Option<u64> {
+    headers
+        .get(HANDOFF_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+}
+
+/// Between the retry layer and what it calls (a hedge, or the client under it): notes each
+/// request handed on, by call, and stamps it with a serial number that the router reads on
+/// each attempt that reaches the wire (a hedge's attempts carry its request's).
+#[derive(Clone, Debug)]
+pub struct Handoffs<S> {
+    inner: S,
+    ledger: Ledger,
+}
+
+impl<S> Handoffs<S> {
+    fn new(inner: S, ledger: &Ledger) -> Self {
+        Handoffs {
+            inner,
+            ledger: ledger.clone(),
+        }
+    }
+}
+
+impl<S, B> Service<Request<B>> for Handoffs<S>
+where
+    S: Service<Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: Request<B>) -> Self::Future {
+        let serial = self.ledger.handoff(call_of(req.headers()));
+        req.headers_mut().insert(HANDOFF_HEADER, serial.into());
+        self.inner.call(req)
     }
 }
 
@@ -199,7 +255,7 @@ pub(crate) fn call_of(headers: &http::HeaderMap) -> Option<usize> {
 
 /// The client's whole stack, as a user builds it: `RetryLayer` (and, when the schedule hedges,
 /// `HedgeLayer` under it) over the router and hyper-util's client.
-pub type ClientStack = BoxCloneService<Request<SendBody>, Response<Incoming>, BoxError>;
+pub type ClientStack = BoxCloneService<Request<SendBody>, Response<Held<Incoming>>, BoxError>;
 
 /// A request body as a client streams it: its bytes, with the schedule's fault midway (a stall,
 /// or a source that fails), under a `content-length` that announces all of it.
@@ -285,8 +341,10 @@ impl http_body::Body for SendBody {
 
 /// The policy of `schedule`: the defaults, with its deadline, its replay memory and a
 /// deterministic jitter.
-pub fn policy(schedule: &Schedule) -> RetryPolicy {
-    let mut b = RetryPolicy::builder().jitter_seed(schedule.seed);
+pub fn policy(schedule: &Schedule, ledger: &Ledger) -> RetryPolicy {
+    let mut b = RetryPolicy::builder()
+        .jitter_seed(schedule.seed)
+        .budget(counted_budget(ledger, BudgetOf::Retry));
     if let Some(d) = schedule.settings.deadline {
         b = b.total_timeout(d);
     }
@@ -296,9 +354,51 @@ pub fn policy(schedule: &Schedule) -> RetryPolicy {
     b.build().expect("a valid policy")
 }
 
+/// The default retry budget (`TpsBudget`: 10 % of requests over 10 s, plus 10 retries a
+/// second), its tokens counted by the ledger: each one granted, each one given back.
+fn counted_budget(ledger: &Ledger, layer: BudgetOf) -> RetryBudget {
+    let inner = TpsBudget::new(Duration::from_secs(10), 10, 0.1).expect("the default budget");
+    RetryBudget::custom(Arc::new(CountedBudget {
+        inner,
+        layer,
+        ledger: ledger.clone(),
+    }))
+}
+
+/// A budget whose tokens the ledger counts, by the layer it pays for.
+#[derive(Debug)]
+struct CountedBudget {
+    inner: TpsBudget,
+    layer: BudgetOf,
+    ledger: Ledger,
+}
+
+impl Budget for CountedBudget {
+    fn deposit(&self) {
+        self.inner.deposit();
+    }
+
+    fn record(&self, failed: bool) {
+        self.inner.record(failed);
+    }
+
+    fn withdraw(&self) -> bool {
+        let granted = self.inner.withdraw();
+        if granted {
+            self.ledger.budget_token(self.layer, 1);
+        }
+        granted
+    }
+
+    fn refund(&self) {
+        self.inner.refund();
+        self.ledger.budget_token(self.layer, -1);
+    }
+}
+
 /// The retry layer of `schedule`, its replay memory read by the ledger after every step.
 pub fn retry_layer(schedule: &Schedule, ledger: &Ledger) -> RetryLayer {
-    let retry = RetryLayer::new(policy(schedule));
+    let retry = RetryLayer::new(policy(schedule, ledger));
     let gauge = retry.clone();
     ledger.gauge(Arc::new(move || Memory {
         replay_bytes: gauge.stats().replay_bytes,
@@ -308,8 +408,9 @@ pub fn retry_layer(schedule: &Schedule, ledger: &Ledger) -> RetryLayer {
 }
 
 /// The hedging policy of `schedule`: a second attempt of a keyed write after its delay.
-pub fn hedge_policy(schedule: &Schedule) -> HedgePolicy {
+pub fn hedge_policy(schedule: &Schedule, ledger: &Ledger) -> HedgePolicy {
     HedgePolicy::builder()
+        .budget(counted_budget(ledger, BudgetOf::Hedge))
         .max_attempts(2)
         .hedging_delay(schedule.settings.hedge_delay)
         .hedge_writes()
@@ -339,20 +440,43 @@ pub fn stack(schedule: &Schedule, ledger: &Ledger, client: usize, gate: ReadyGat
         builder.http2_adaptive_window(false);
     }
     let retry = retry_layer(schedule, ledger);
-    if schedule.settings.hedging && schedule.settings.hedging_alone {
+    // Under the layer, a `ConcurrencyLimit` when the schedule draws one: its calls (and hedges)
+    // wait for its permits.
+    // (A macro: each stack's hyper client takes its own request body type.)
+    macro_rules! below {
+        () => {
+            ServiceBuilder::new()
+                .option_layer(
+                    schedule
+                        .settings
+                        .client_limit
+                        .map(ConcurrencyLimitLayer::new),
+                )
+                .service(OneConnection::new(
+                    route(schedule, client, gate).over(builder.build(SimConnector)),
+                    schedule.settings.client_one_connection,
+                    ledger.clone(),
+                ))
+        };
+    }
+    let stack: ClientStack = if schedule.settings.hedging && schedule.settings.hedging_alone {
         // Hedging alone, with no retry layer above it: it answers on its own bounds.
-        let hyper = builder.build(SimConnector);
-        let hedged = HedgeLayer::new(hedge_policy(schedule))
-            .layer(route(schedule, client, gate).over(hyper));
-        BoxCloneService::new(hedged)
+        BoxCloneService::new(Handoffs::new(
+            HedgeLayer::new(hedge_policy(schedule, ledger)).layer(below!()),
+            ledger,
+        ))
     } else if schedule.settings.hedging {
-        let hyper = builder.build(SimConnector);
-        let hedged = HedgeLayer::new(hedge_policy(schedule))
-            .layer(route(schedule, client, gate).over(hyper));
-        BoxCloneService::new(retry.layer(hedged))
+        let hedged = HedgeLayer::new(hedge_policy(schedule, ledger)).layer(below!());
+        BoxCloneService::new(retry.layer(Handoffs::new(hedged, ledger)))
     } else {
-        let hyper = builder.build(SimConnector);
-        BoxCloneService::new(retry.layer(route(schedule, client, gate).over(hyper)))
+        BoxCloneService::new(retry.layer(Handoffs::new(below!(), ledger)))
+    };
+    // In front, a `Buffer` shared by every call of the client when the schedule draws one: if
+    // the layer ever answered a slow service with a readiness error, tower's contract would
+    // let the buffer discard the stack, and every later call would fail.
+    match schedule.settings.client_buffer {
+        Some(bound) => BoxCloneService::new(Buffer::new(stack, bound)),
+        None => stack,
     }
 }
 
@@ -371,7 +495,19 @@ pub async fn run_client(
     let caller = if schedule.settings.protocol == Protocol::Grpc {
         Caller::Grpc(crate::grpc::stack(&schedule, &ledger, client, gate))
     } else {
-        Caller::Http(stack(&schedule, &ledger, client, gate))
+        let stack = stack(&schedule, &ledger, client, gate);
+        // As a generated client kept in a struct: one service, `ready()` then `call` under
+        // `&mut`, its caller free to give up in the middle.
+        let shared = schedule
+            .settings
+            .client_reuses_service
+            .then(|| Arc::new(tokio::sync::Mutex::new(stack.clone())));
+        Caller::Http(HttpCaller {
+            stack,
+            shared,
+            deadline: schedule.settings.call_deadline,
+            ready_timeout: schedule.settings.client_ready_timeout,
+        })
     };
     let mut tasks = Vec::new();
     for (n, intent) in schedule.intents.iter().enumerate() {
@@ -446,8 +582,23 @@ pub async fn run_client(
 /// A client's stack for its protocol.
 #[derive(Clone)]
 enum Caller {
-    Http(ClientStack),
+    Http(HttpCaller),
     Grpc(crate::grpc::GrpcStack),
+}
+
+/// An HTTP client's stack, and how its calls use it.
+#[derive(Clone)]
+struct HttpCaller {
+    stack: ClientStack,
+    /// One service for all the client's calls, when the schedule draws it: each call takes it,
+    /// waits for `ready()`, calls, and gives it back (a call cancelled meanwhile abandons its
+    /// `ready()` on it). Else each call has a clone of its own (`oneshot`).
+    shared: Option<Arc<tokio::sync::Mutex<ClientStack>>>,
+    /// A per-request [`retry_layer::Deadline`] on every call, when the schedule draws one.
+    deadline: Option<Duration>,
+    /// With a shared service: how long a caller waits for its `ready()` before it gives the
+    /// call up (a timeout around a generated client's call).
+    ready_timeout: Option<Duration>,
 }
 
 impl Caller {
@@ -462,8 +613,11 @@ impl Caller {
         i: usize,
     ) -> Option<Ending> {
         match self {
-            Caller::Http(svc) => {
+            Caller::Http(http) => {
                 let mut req = Request::post(format!("/w/{}", key.unwrap_or("malformed")));
+                if let Some(d) = http.deadline {
+                    req = req.extension(retry_layer::Deadline::after(d));
+                }
                 if let Some(key) = key {
                     req = req.header(idempotency_layer::X_IDEMPOTENCY_KEY, key);
                 }
@@ -474,7 +628,7 @@ impl Caller {
                 let req = req
                     .body(SendBody::new(body, fault))
                     .expect("a valid request");
-                call(svc, req, slow_read, ledger, i).await
+                call(http, req, slow_read, ledger, i).await
             }
             Caller::Grpc(svc) => crate::grpc::call(svc, key, tenant, body, ledger, i).await,
         }
@@ -484,23 +638,59 @@ impl Caller {
 /// One call: readiness, the layer's answer, then the body read to its end. `None`: the body
 /// did not end within [`BODY_BOUND`].
 async fn call(
-    svc: ClientStack,
+    http: HttpCaller,
     req: Request<SendBody>,
     slow_read: Option<Duration>,
     ledger: &Ledger,
     i: usize,
 ) -> Option<Ending> {
-    let answer: Result<Response<Incoming>, BoxError> = svc.oneshot(req).await;
+    let answer = match http.shared {
+        None => {
+            ledger.call_took_service(i);
+            CALL.scope(i, http.stack.oneshot(req)).await
+        }
+        Some(shared) => {
+            let sent = CALL
+                .scope(i, async move {
+                    let mut svc = shared.lock().await;
+                    ledger.call_took_service(i);
+                    let ready = match http.ready_timeout {
+                        Some(t) => match tokio::time::timeout(t, svc.ready()).await {
+                            Ok(ready) => ready,
+                            // The caller gives up on the service's readiness: it abandons its
+                            // `ready()` on the shared service.
+                            Err(_) => return None,
+                        },
+                        None => svc.ready().await,
+                    };
+                    let future = match ready {
+                        Ok(svc) => svc.call(req),
+                        Err(e) => return Some(Err(e)),
+                    };
+                    drop(svc);
+                    Some(future.await)
+                })
+                .await;
+            match sent {
+                Some(answer) => answer,
+                None => return Some(Ending::Cancelled),
+            }
+        }
+    };
     ledger.call_head(i);
     read_answer(answer, slow_read).await
 }
 
 /// The answer of one call, its body read to its end: `None` if it did not end within
 /// [`BODY_BOUND`].
-async fn read_answer(
-    answer: Result<Response<Incoming>, BoxError>,
+async fn read_answer<B>(
+    answer: Result<Response<B>, BoxError>,
     slow_read: Option<Duration>,
-) -> Option<Ending> {
+) -> Option<Ending>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: std::error::Error + 'static,
+{
     let resp = match answer {
         Ok(resp) => resp,
         Err(e) => return Some(Ending::Error(error_chain(&*e))),

@@ -1,8 +1,9 @@
 //! The promises, checked after every seed. A new promise is one function here.
 //!
 //! 1. Every call ends within its bound with a classified answer: the layer answers by the
-//!    call's deadline (with none, by [`NO_DEADLINE_BOUND`], what the documented defaults add up
-//!    to), and a body that started ends.
+//!    call's deadline (a per-request `Deadline` too; with none, by [`NO_DEADLINE_BOUND`], what
+//!    the documented defaults add up to), never with `DeadlineExceeded` while the deadline
+//!    leaves an attempt, and a body that started ends.
 //! 2. Per tenant + method + key, the side effect runs once, but for the documented exceptions,
 //!    each granted only from a fact the store host recorded (the earlier run's claim was taken
 //!    over after its holder crashed before its record landed, after the store refused its
@@ -12,11 +13,14 @@
 //!    an execution's; every message is well formed (a `content-length` matches the body that
 //!    came); every handler received a body its client sent.
 //! 4. No panic but the handlers' own escapes; every server still serves a fresh write at the
-//!    end.
+//!    end; a client's stack is never discarded (a `Buffer` in front of the layer serves every
+//!    call after any stall: tower's contract, a slow service is never a readiness error); a
+//!    call never waits for a connection its own unread answer holds (on one HTTP/1.1
+//!    connection, nothing of a failed attempt is held while the call waits to send the next).
 //! 5. The memory bounds hold: the bytes a server's waiters hold, the response bytes it holds
 //!    for clients, the request bytes a client keeps for replay and the store's bytes, each read
 //!    after every step of the simulation, never pass their bound (drawn small per seed, or the
-//!    default).
+//!    default); and the clients' retry budgets spend tokens only on attempts that were sent.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -24,7 +28,7 @@ use std::time::Duration;
 
 use crate::app::HANDLER_PANIC;
 use crate::client::PROBE;
-use crate::ledger::{Ending, Execution, Memory, ScopeName};
+use crate::ledger::{BudgetOf, Ending, Execution, Memory, ScopeName};
 use crate::store_host::Claim;
 use crate::store_host::Landed;
 use idempotency_layer::conformance::Op;
@@ -132,11 +136,13 @@ pub fn check(run: &Run) -> Verdict {
         });
     }
     calls_end(run, &mut v);
+    no_early_deadline(run, &mut v);
     runs_once(run, &mut v);
     quiescent(run, &mut v);
     replays_equal(run, &mut v);
     no_panic_and_still_serving(run, &mut v);
     memory_bounded(run, &mut v);
+    budget_spent_on_attempts_sent(run, &mut v);
     v
 }
 
@@ -218,10 +224,60 @@ fn memory_bounded(run: &Run, v: &mut Verdict) {
     }
 }
 
+/// The clients' retry budgets spend tokens only on attempts that were sent: a retry layer's
+/// tokens held at the end (granted, less given back) are at most the requests it handed on
+/// beyond each call's first (as the service under it saw them; for a gRPC client, whose layer
+/// calls the channel itself, the attempts its router saw), a hedge layer's at most the attempts
+/// that reached the wire beyond each request's first. A retry a deferring hop below asked for
+/// takes none.
+fn budget_spent_on_attempts_sent(run: &Run, v: &mut Verdict) {
+    let o = &run.observed;
+    let beyond_first =
+        |counts: &mut dyn Iterator<Item = i64>| -> i64 { counts.map(|n| (n - 1).max(0)).sum() };
+    let mut wire: BTreeMap<usize, i64> = BTreeMap::new();
+    for call in o.attempt_calls.values() {
+        *wire.entry(*call).or_default() += 1;
+    }
+    let handed_on = if o.handoffs.is_empty() {
+        beyond_first(&mut wire.values().copied())
+    } else {
+        beyond_first(&mut o.handoffs.values().copied())
+    };
+    let hedged = beyond_first(&mut o.handoff_attempts.values().copied());
+    for (layer, sent) in [(BudgetOf::Retry, handed_on), (BudgetOf::Hedge, hedged)] {
+        let held = o.budget_tokens.get(&layer).copied().unwrap_or(0);
+        if held > sent {
+            v.violations.push(Violation {
+                promise: 5,
+                cause: "a retry budget kept tokens for attempts never sent",
+                scope: None,
+                detail: format!(
+                    "{layer:?}: {held} tokens held at the end, {sent} attempts sent beyond \
+                     each request's first"
+                ),
+            });
+        }
+    }
+}
+
 fn calls_end(run: &Run, v: &mut Verdict) {
     let bound = call_bound(&run.schedule);
     for c in run.observed.calls.iter().filter(|c| c.client != PROBE) {
         let scope = Some(c.scope.clone());
+        // The layer's bound runs from when the call took its service (a call of a client that
+        // shares one waits for it first, outside the layer); a per-request `Deadline` from the
+        // call's start, whatever the call waits for in the layer (its readiness too).
+        let answer_by = [
+            Some(c.took_service.unwrap_or(c.start) + bound),
+            run.schedule
+                .settings
+                .call_deadline
+                .map(|d| c.start + d + 2 * TICK),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+        .expect("the layer's bound");
         match (&c.head, &c.end) {
             (_, Some((_, Ending::Cancelled | Ending::Crashed))) => {}
             // A gRPC call's answer is its message and trailers: with no deadline, nothing on
@@ -242,13 +298,14 @@ fn calls_end(run: &Run, v: &mut Verdict) {
                 ),
             }),
             (Some(head), end) => {
-                if *head - c.start > bound {
+                if *head > answer_by {
                     v.violations.push(Violation {
                         promise: 1,
                         cause: "an answer came after the call's bound",
                         scope: scope.clone(),
                         detail: format!(
-                            "client {} started at {:?}, answered after {:?}, bound {bound:?}",
+                            "client {} started at {:?}, answered after {:?}, to answer by \
+                             {answer_by:?}",
                             c.client,
                             c.start,
                             *head - c.start
@@ -271,6 +328,52 @@ fn calls_end(run: &Run, v: &mut Verdict) {
                     });
                 }
             }
+        }
+    }
+}
+
+/// The policy's `min_attempt_time` (the simulator's policy keeps the default): with less of
+/// its deadline left, a call sends nothing more and answers `DeadlineExceeded`.
+const MIN_ATTEMPT_TIME: Duration = Duration::from_millis(50);
+
+/// The layers answer `DeadlineExceeded` only once the call's deadline leaves no attempt (less
+/// than `min_attempt_time` of it): the policy's `total_timeout` counted from when the call took
+/// its service (a shared service's `ready()` is part of the call), a per-request `Deadline` from
+/// the call's start. Never from a wait an earlier call abandoned.
+fn no_early_deadline(run: &Run, v: &mut Verdict) {
+    let settings = &run.schedule.settings;
+    for c in run.observed.calls.iter().filter(|c| c.client != PROBE) {
+        let (Some(took), Some(head), Some((_, Ending::Error(e)))) =
+            (c.took_service, c.head, &c.end)
+        else {
+            continue;
+        };
+        if !e.contains("deadline passed") {
+            continue;
+        }
+        // Hedging alone has no `total_timeout` (the policy's is the retry layer's).
+        let hedging_alone = settings.hedging && settings.hedging_alone;
+        let deadline = [
+            settings
+                .deadline
+                .filter(|_| !hedging_alone)
+                .map(|d| took + d),
+            settings.call_deadline.map(|d| c.start + d),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        if deadline.is_some_and(|deadline| head + MIN_ATTEMPT_TIME + TICK < deadline) {
+            v.violations.push(Violation {
+                promise: 1,
+                cause: "the layer answered DeadlineExceeded before the call's deadline",
+                scope: Some(c.scope.clone()),
+                detail: format!(
+                    "client {} started at {:?}, took its service at {took:?}, answered at {head:?}, \
+                     deadline {deadline:?}: {e}",
+                    c.client, c.start
+                ),
+            });
         }
     }
 }
@@ -899,6 +1002,32 @@ fn no_panic_and_still_serving(run: &Run, v: &mut Verdict) {
                 detail: format!("at {}: {}", p.location, p.message),
             });
         }
+    }
+    for c in &o.calls {
+        if let Some((_, Ending::Error(e))) = &c.end {
+            if e.contains("buffered service failed") || e.contains("buffer's worker closed") {
+                v.violations.push(Violation {
+                    promise: 4,
+                    cause: "a client's stack was discarded",
+                    scope: Some(c.scope.clone()),
+                    detail: format!("client {}, started at {:?}: {e}", c.client, c.start),
+                });
+            }
+        }
+    }
+    for (call, at) in &o.waited_on_themselves {
+        let c = &o.calls[*call];
+        v.violations.push(Violation {
+            promise: 4,
+            cause: "a call waited for a connection its own unread answer held",
+            scope: Some(c.scope.clone()),
+            detail: format!(
+                "client {}, call {call} started at {:?}, waited from {at:?}, ended {:?}",
+                c.client,
+                c.start,
+                c.end.as_ref().map(|(t, e)| (t, e))
+            ),
+        });
     }
     if run.sim_error.is_none() {
         for server in 0..run.schedule.settings.servers {

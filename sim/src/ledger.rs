@@ -35,6 +35,15 @@ pub struct Execution {
     pub name: Option<String>,
 }
 
+/// The client layer a retry budget pays for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum BudgetOf {
+    /// `RetryLayer`: a retry.
+    Retry,
+    /// `HedgeLayer`: a hedge.
+    Hedge,
+}
+
 /// How one client call ended.
 #[derive(Clone, Debug)]
 pub enum Ending {
@@ -78,6 +87,8 @@ pub struct CallRecord {
     pub sent: Vec<u8>,
     /// When it started.
     pub start: Duration,
+    /// When the call took its service (a shared one may be taken by another call first).
+    pub took_service: Option<Duration>,
     /// When the layer answered (a response head or an error).
     pub head: Option<Duration>,
     /// When it ended, and how (`None`: it never ended).
@@ -138,6 +149,19 @@ pub struct Observed {
     pub healed: bool,
     /// When the quiescence probe began (every fault healed).
     pub probing_from: Option<Duration>,
+    /// The clients' retry-budget tokens held, by the layer they pay for: each granted adds
+    /// one, each given back takes one.
+    pub budget_tokens: BTreeMap<BudgetOf, i64>,
+    /// The requests each call's retry layer handed on (to a hedge, or the client under it).
+    pub handoffs: BTreeMap<usize, i64>,
+    /// The attempts that reached the wire for each request handed on, by its serial number.
+    pub handoff_attempts: BTreeMap<u64, i64>,
+    /// Serial numbers given so far.
+    pub handoff_serials: u64,
+    /// The calls that waited to send an attempt on a one-connection client while an answer of
+    /// their own held that connection, unread (the service saw both, at two times of the
+    /// simulation's clock), and when each wait began.
+    pub waited_on_themselves: BTreeMap<usize, Duration>,
 }
 
 /// Reads a server layer's statistics.
@@ -271,6 +295,15 @@ impl Ledger {
         }
     }
 
+    /// Notes that call `call` waited for its client's one connection, from `since` to now,
+    /// while an answer of its own held it, unread.
+    pub fn call_waited_on_itself(&self, call: usize, since: Duration) {
+        self.lock()
+            .waited_on_themselves
+            .entry(call)
+            .or_insert(since);
+    }
+
     /// Notes that call `call`'s client received an answer saying its key was in flight.
     pub fn call_told_in_flight(&self, call: usize) {
         self.lock().calls_told_in_flight.insert(call);
@@ -318,10 +351,36 @@ impl Ledger {
             scope,
             sent: sent.to_vec(),
             start,
+            took_service: None,
             head: None,
             end: None,
         });
         o.calls.len() - 1
+    }
+
+    /// A client's budget for `layer` granted a token (`1`) or was given one back (`-1`).
+    pub fn budget_token(&self, layer: BudgetOf, n: i64) {
+        *self.lock().budget_tokens.entry(layer).or_default() += n;
+    }
+
+    /// A retry layer handed on a request of call `call`: its serial number.
+    pub fn handoff(&self, call: Option<usize>) -> u64 {
+        let mut o = self.lock();
+        if let Some(call) = call {
+            *o.handoffs.entry(call).or_default() += 1;
+        }
+        o.handoff_serials += 1;
+        o.handoff_serials
+    }
+
+    /// An attempt of the request handed on as `serial` reached the wire.
+    pub fn attempt_of_handoff(&self, serial: u64) {
+        *self.lock().handoff_attempts.entry(serial).or_default() += 1;
+    }
+
+    /// Records that call `i` took its service (its own clone, or the client's shared one).
+    pub fn call_took_service(&self, i: usize) {
+        self.lock().calls[i].took_service = Some(now());
     }
 
     /// Records that the layer answered call `i`.

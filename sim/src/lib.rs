@@ -28,6 +28,7 @@
 pub mod app;
 pub mod chain;
 pub mod client;
+pub mod connection;
 pub mod grpc;
 pub mod invariants;
 pub mod ledger;
@@ -161,6 +162,30 @@ impl SeedReport {
                 "settings: a downstream write with derived keys".to_owned(),
                 1,
             ));
+        }
+        if !grpc && settings.client_buffer.is_some() {
+            out.push(("client: a Buffer in front of the layer".to_owned(), 1));
+        }
+        if !grpc && settings.client_limit.is_some() {
+            out.push(("client: a ConcurrencyLimit under the layer".to_owned(), 1));
+        }
+        if settings.client_one_connection {
+            out.push((
+                "client: one HTTP/1.1 connection under the layer".to_owned(),
+                1,
+            ));
+        }
+        if settings.client_reuses_service {
+            out.push((
+                "client: one service for all calls (ready, then call)".to_owned(),
+                1,
+            ));
+        }
+        if settings.client_ready_timeout.is_some() {
+            out.push(("client: callers that give up a slow ready()".to_owned(), 1));
+        }
+        if settings.call_deadline.is_some() {
+            out.push(("client: a per-request Deadline".to_owned(), 1));
         }
         if settings.fail_open {
             out.push(("settings: fail_open".to_owned(), 1));

@@ -50,6 +50,24 @@ pub struct Settings {
     pub chain: bool,
     /// A `ConcurrencyLimit` of this many requests between the server layer and its handlers.
     pub server_limit: Option<usize>,
+    /// An HTTP client's stack behind a `tower::buffer::Buffer` of this bound, shared by all its
+    /// calls (as a tonic `Channel` is a Buffer): a service tower's contract lets it discard.
+    pub client_buffer: Option<usize>,
+    /// A `ConcurrencyLimit` of this many calls under an HTTP client's retry layer: the layer's
+    /// calls wait for its permits.
+    pub client_limit: Option<usize>,
+    /// An HTTP/1.1 client's calls share one connection under its layer (as hyper's
+    /// `SendRequest`): ready for the next request only once the answer before it is read or let
+    /// go.
+    pub client_one_connection: bool,
+    /// An HTTP client's calls share one service (as a generated client kept in a struct):
+    /// each takes it, waits for `ready()`, calls, and gives it back; a call cancelled meanwhile
+    /// abandons its `ready()`.
+    pub client_reuses_service: bool,
+    /// A per-request `retry_layer::Deadline` on every HTTP call, from when the call starts.
+    pub call_deadline: Option<Duration>,
+    /// With a shared service: a caller gives its call up when `ready()` takes longer.
+    pub client_ready_timeout: Option<Duration>,
     /// Number of server instances behind the clients.
     pub servers: usize,
     /// Number of client hosts.
@@ -390,6 +408,12 @@ impl Schedule {
             fail_rate: 0.0,
             chain: false,
             server_limit: pick(r, 4, |r| 1 + r.usize(..3)),
+            client_buffer: None,
+            client_limit: None,
+            client_one_connection: false,
+            client_reuses_service: false,
+            call_deadline: None,
+            client_ready_timeout: None,
             servers: 2 + r.usize(..2),
             clients: 1 + r.usize(..3),
             bounds: Bounds::default(),
@@ -492,6 +516,18 @@ impl Schedule {
             faults.push(Timed { at, heal, fault });
         }
         adversary(r, &mut settings, &mut intents, &mut faults);
+        // Drawn after every other draw (issue 51), so that each seed's earlier schedule stays
+        // as it was: how a client composes the layer, as users do.
+        settings.client_buffer = pick(r, 3, |r| 1 + r.usize(..4));
+        settings.client_limit = pick(r, 3, |r| 1 + r.usize(..3));
+        let one_connection = r.u8(..3) == 0;
+        settings.client_one_connection = one_connection && settings.protocol == Protocol::Http1;
+        let http = settings.protocol != Protocol::Grpc;
+        settings.client_reuses_service = r.u8(..3) == 0 && http;
+        settings.call_deadline =
+            pick(r, 4, |r| Duration::from_millis(500 + r.u64(..5_000))).filter(|_| http);
+        settings.client_ready_timeout = pick(r, 2, |r| Duration::from_millis(100 + r.u64(..2_000)))
+            .filter(|_| settings.client_reuses_service);
         Schedule {
             seed,
             settings,

@@ -46,6 +46,18 @@ pub const HOLES: &[(u64, &str)] = &[
     (2019734, "K: a write held its `ConcurrencyLimit` permit while its request body stalled (an upload cut, its reset lost): server 0 answered no one for `request_body_timeout`"),
     (2030003, "K: the same, another schedule"),
     (2024846, "L: with no room for detached work (`max_detached` 0), failures left their claims to lapse a lease each instead of releasing them: with a small store and a downstream tier, the claims kept the downstream store full and no key quiesced"),
+    (4100044, "M: the retry layer answered a slow service (its readiness wait past the deadline) with a `poll_ready` error: the client's `Buffer` took it for a dead service, and every later call failed"),
+    (4100099, "M: the same, another schedule"),
+    (4100093, "N: the retry layer held a failed answer, unread, through its backoff and its wait for readiness: on one HTTP/1.1 connection the retry waited for the connection that answer held"),
+    (4100162, "N: the same, behind a `Buffer`"),
+    (4100108, "O: a hedge held its failed answer, unread, while the next hedge waited for the one HTTP/1.1 connection that answer held (under the retry layer)"),
+    (4100337, "O: the same, hedging alone"),
+    (4100011, "P: a retry the budget granted and that was never sent kept its token"),
+    (4100013, "P: a hedge the budget granted and that was never sent kept its token (hedging alone)"),
+    (4100157, "Q: a per-request `Deadline` did not bound the wait for readiness: the call was answered after it"),
+    (4100036, "Q: the same, behind a `Buffer`"),
+    (4102778, "R: a caller gave up a slow `ready()` on its shared service: the next call's `total_timeout` was counted from that abandoned wait, and it ended early with DeadlineExceeded"),
+    (4100309, "R: the same, another schedule"),
 ];
 
 /// Seeds that showed the judge wrong (a flaw of the simulator, not of the layers): each must

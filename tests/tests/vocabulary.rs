@@ -66,7 +66,7 @@ async fn the_client_retries_exactly_the_declared_methods() {
                         Response::builder()
                             .header("content-type", "application/grpc")
                             .header("grpc-status", status)
-                            .body(())
+                            .body(Full::new(Bytes::new()))
                             .unwrap(),
                     )
                 }

@@ -10,7 +10,7 @@ use reason_code::{
     GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS, GRPC_STATUS_DETAILS_BIN, IDEMPOTENT_REPLAYED,
 };
 
-use crate::error::{AttemptTimedOut, ResponseHeadTimedOut};
+use crate::error::{AttemptTimedOut, ResponseHeadTimedOut, RetryError, ServiceNotReady};
 
 /// Classifies a response with the one classifier both layers call
 /// ([`reason_code::classify_head`]), plus one rule of the client's own.
@@ -124,9 +124,18 @@ pub(crate) fn pushback(headers: &HeaderMap, reasons: &ReasonCodes) -> PushbackHi
 /// TLS, a connect timeout, h2 `REFUSED_STREAM`, a GOAWAY beyond the stream) or ambiguous (anything that may have happened after the request left).
 pub(crate) fn error(err: &BoxError) -> Outcome {
     let mut cur: Option<&(dyn StdError + 'static)> = Some(err.as_ref());
+    let mut sent_below = false;
     while let Some(e) = cur {
         if e.is::<AttemptTimedOut>() || e.is::<ResponseHeadTimedOut>() {
             return Outcome::Ambiguous;
+        }
+        // A layer below (a hedge, another retry) whose service never became ready for its
+        // first attempt sent nothing.
+        if let Some(r) = e.downcast_ref::<RetryError>() {
+            sent_below |= r.attempts() > 0;
+        }
+        if e.is::<ServiceNotReady>() && !sent_below {
+            return Outcome::Unsent;
         }
         #[cfg(feature = "hyper-util")]
         if let Some(outcome) = hyper_error(e) {

@@ -133,6 +133,21 @@ impl AttemptBounds {
         };
         AttemptBounds { end, head_timeout }
     }
+
+    /// The bound of a wait for the inner service to become ready: the call's deadline, else
+    /// the head bound (counted from the wait's start).
+    pub(crate) fn readiness(deadline: Option<Instant>, head_timeout: Duration) -> Self {
+        match deadline {
+            Some(d) => AttemptBounds {
+                end: Some((d, Bound::Deadline)),
+                head_timeout: Duration::MAX,
+            },
+            None => AttemptBounds {
+                end: None,
+                head_timeout,
+            },
+        }
+    }
 }
 
 pin_project_lite::pin_project! {
@@ -192,8 +207,21 @@ impl Timer {
         self.arm(until, Bound::Delay);
     }
 
+    /// Points the timer at the bound of a wait for the inner service to become ready: the
+    /// call's deadline, else `head_timeout` from now.
+    pub(crate) fn set_to_ready_bound(
+        self: Pin<&mut Self>,
+        deadline: Option<Instant>,
+        head_timeout: Duration,
+    ) {
+        match deadline {
+            Some(d) => self.arm(d, Bound::Deadline),
+            None => self.arm(instant_after(Instant::now(), head_timeout), Bound::Head),
+        }
+    }
+
     /// Points the timer at the deadline, or at `head_timeout` from now if that is earlier or
-    /// there is no deadline: what waiting for readiness and for the rebuild hook is bounded by.
+    /// there is no deadline: what waiting for the rebuild hook is bounded by.
     pub(crate) fn set_to_deadline(
         self: Pin<&mut Self>,
         deadline: Option<Instant>,

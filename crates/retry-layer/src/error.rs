@@ -164,7 +164,7 @@ impl RetryInfo {
 ///     .layer(RetryLayer::new(policy))
 ///     .service_fn(|_req: http::Request<ReplayBody<String>>| async {
 ///         // The connection drops after every request was sent: it may have executed.
-///         Err::<http::Response<()>, _>(std::io::Error::from(std::io::ErrorKind::ConnectionReset))
+///         Err::<http::Response<String>, _>(std::io::Error::from(std::io::ErrorKind::ConnectionReset))
 ///     });
 /// let req = http::Request::post("http://orders/orders").body(String::from("{}")).unwrap();
 /// let err = client.oneshot(req).await.unwrap_err();

@@ -28,7 +28,7 @@
 //!         let n = calls.fetch_add(1, Ordering::SeqCst);
 //!         async move {
 //!             let status = if n < 2 { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::CREATED };
-//!             Ok::<_, Infallible>(Response::builder().status(status).body(()).unwrap())
+//!             Ok::<_, Infallible>(Response::builder().status(status).body(Full::new(Bytes::new())).unwrap())
 //!         }
 //!     })
 //! };
@@ -118,9 +118,20 @@
 //! passed sends nothing. Each gRPC attempt's `grpc-timeout` is rewritten to the time really
 //! left, capped at `attempt_timeout`, so the server stops working when the client has stopped
 //! waiting. Every wait of the layer ends at the deadline: an attempt, the backoff, the inner
-//! service's readiness between attempts (a tonic `Channel` is a buffer whose `poll_ready` stays
-//! pending under load) and the rebuild hook. Without a deadline, `response_head_timeout` bounds
-//! them instead (see "Failure modes").
+//! service's readiness (a tonic `Channel` is a buffer whose `poll_ready` stays pending while it
+//! cannot connect or is full) and the rebuild hook. Without a deadline, `response_head_timeout`
+//! bounds them instead (see "Failure modes").
+//!
+//! # Readiness
+//!
+//! The layer keeps tower's contract: its `poll_ready` never turns a slow inner service into an
+//! error, which tower reads as "discard this service" (a `Buffer` in front would fail every
+//! later call, a `Balance` would drop the endpoint, a generated tonic client would answer
+//! `UNKNOWN`). It is ready at once; a call whose inner service was not ready yet takes the very
+//! service that was polled (with what it reserved or waits for) and waits for it in its response
+//! future, bounded by the call's deadline (counted from the call, a per-request [`Deadline`] and
+//! `grpc-timeout` included) or else by `response_head_timeout`. Only an error of the inner
+//! service's own `poll_ready` passes through `poll_ready`.
 //!
 //! # Failure modes
 //!
@@ -134,7 +145,7 @@
 //! | one attempt, sent to the server as the `grpc-timeout` cap | `attempt_timeout` | none | [`AttemptTimedOut`], ambiguous |
 //! | the backoff between attempts | `max_delay` (x jitter) and the deadline | 1 s (+-20 %) | |
 //! | a server pushback (`Retry-After`, `grpc-retry-pushback-ms`, `google.rpc.RetryInfo`) | `max_pushback` and the deadline | 30 s | the answer is returned as it is (`pushback_stops`) |
-//! | the inner service's readiness between attempts | the deadline, else `response_head_timeout` | 60 s | [`DeadlineExceeded`] or [`ResponseHeadTimedOut`] |
+//! | the inner service's readiness, before any attempt (in the response future, never in `poll_ready`) | the deadline, else `response_head_timeout` | 60 s | [`DeadlineExceeded`] or [`ServiceNotReady`]; nothing of that attempt is sent |
 //! | the rebuild hook | the deadline, else `response_head_timeout` | 60 s | [`DeadlineExceeded`], or the conflict returned |
 //! | hedges ([`hedge::HedgeLayer`]) | `max_pushback`, the deadline, `response_head_timeout` per attempt | 30 s, none, 60 s | the last failure, or [`DeadlineExceeded`] |
 //! | attempts per call | `max_attempts`, plus `max_unsent_retries` for requests never sent | 3 + 2 | the last answer (`exhausted`) |

@@ -1,92 +1,72 @@
-//! The bound on waiting for the inner service to become ready before a call's first attempt.
+//! Readiness as tower's contract wants it: `poll_ready` never turns a slow inner service into
+//! an error (tower reads an error as "discard this service": a `Buffer` fails every later call,
+//! `Balance` drops the endpoint, a generated tonic client answers `UNKNOWN`).
 //!
-//! `poll_ready` is where a generated tonic client and `ServiceExt::ready` wait, before `call`
-//! (and so before any deadline of the call's own is known): a `tonic::transport::Channel` is a
-//! Buffer that stays full while its worker connects to a host that does not answer, and a
-//! `ConcurrencyLimit` stays pending while its permits are held. Unbounded, such a wait would
-//! outlive every timeout the caller set. [`ReadyBound`] arms a timer at the first `Pending` and
-//! ends the wait with a classified error when it fires.
+//! [`Readiness`] answers `Ready` at once and remembers whether the inner service said ready
+//! too. `call` hands the very service that was polled (with whatever it reserved or is waiting
+//! for: a `ConcurrencyLimit` permit, a `Buffer` slot) to the response future, which sends at
+//! once if it was ready, and else first waits for it there, bounded by the call's deadline or
+//! the head bound and counted from the call. A wait abandoned by its caller (a `ready()` under a
+//! timeout) leaves nothing behind, and the next call's deadline starts at that call.
 
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use reason_code::BoxError;
-use tokio::time::{Instant, Sleep};
 use tower_service::Service;
 
-use crate::error::{DeadlineExceeded, ServiceNotReady};
-
-/// A timer over one wait for readiness: armed at the first `Pending`, cleared once ready.
-/// Cloning a service does not clone a wait in progress.
+/// Whether the inner service said ready at the last `poll_ready`. Cloning a service does not
+/// clone it (the clone has reserved nothing).
 #[derive(Default)]
-pub(crate) struct ReadyBound {
-    timer: Option<Pin<Box<Sleep>>>,
-    /// When the wait began (its first `Pending`), until the call that follows takes it.
-    since: Option<Instant>,
+pub(crate) struct Readiness {
+    ready: bool,
 }
 
-impl Clone for ReadyBound {
+impl Clone for Readiness {
     fn clone(&self) -> Self {
-        ReadyBound::default()
+        Readiness::default()
     }
 }
 
-impl fmt::Debug for ReadyBound {
+impl fmt::Debug for Readiness {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ReadyBound")
-            .field("waiting", &self.timer.is_some())
+        f.debug_struct("Readiness")
+            .field("inner_ready", &self.ready)
             .finish()
     }
 }
 
-impl ReadyBound {
-    /// How long the call about to be made waited for readiness (zero if it did not wait):
-    /// its deadline from `total_timeout` counts from when its caller began to wait.
-    pub(crate) fn take_waited(&mut self) -> Duration {
-        self.since.take().map_or(Duration::ZERO, |t| t.elapsed())
-    }
-
-    /// Polls `inner` for readiness, for at most `total_timeout` (when set: the call's deadline,
-    /// answered [`DeadlineExceeded`]) and `head_timeout` (else: [`ServiceNotReady`]).
-    pub(crate) fn poll_ready<S, Req>(
+impl Readiness {
+    /// Polls `inner` once: `Ready(Ok)` whether or not it is ready yet (the call waits for it in
+    /// its future), and its error, if it fails readiness (a service broken for good).
+    pub(crate) fn poll<S, Req>(
         &mut self,
         inner: &mut S,
         cx: &mut Context<'_>,
-        total_timeout: Option<Duration>,
-        head_timeout: Duration,
     ) -> Poll<Result<(), BoxError>>
     where
         S: Service<Req>,
         S::Error: Into<BoxError>,
     {
         match inner.poll_ready(cx) {
-            Poll::Ready(r) => {
-                self.timer = None;
-                Poll::Ready(r.map_err(Into::into))
+            Poll::Ready(Ok(())) => {
+                self.ready = true;
+                Poll::Ready(Ok(()))
+            }
+            Poll::Ready(Err(e)) => {
+                self.ready = false;
+                Poll::Ready(Err(e.into()))
             }
             Poll::Pending => {
-                self.since.get_or_insert_with(Instant::now);
-                let bound = total_timeout.map_or(head_timeout, |t| t.min(head_timeout));
-                let timer = self
-                    .timer
-                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(bound)));
-                if timer.as_mut().poll(cx).is_pending() {
-                    return Poll::Pending;
-                }
-                self.timer = None;
-                self.since = None;
-                tracing::debug!(
-                    waited_ms = bound.as_millis() as u64,
-                    "retry: the inner service did not become ready in time; nothing was sent"
-                );
-                Poll::Ready(Err(match total_timeout {
-                    Some(t) if t <= head_timeout => DeadlineExceeded::new().into(),
-                    _ => ServiceNotReady::new(bound).into(),
-                }))
+                self.ready = false;
+                Poll::Ready(Ok(()))
             }
         }
+    }
+
+    /// True when the inner service said ready at the last poll (and so the call may send at
+    /// once); resets for the next call.
+    pub(crate) fn take(&mut self) -> bool {
+        std::mem::take(&mut self.ready)
     }
 }

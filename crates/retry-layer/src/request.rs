@@ -198,6 +198,13 @@ pub(crate) fn clone_parts(p: &Parts) -> Parts {
     parts
 }
 
+/// On a retry the retry layer sends: how many attempts before it may have reached the server
+/// (what its attempt header says). A [`HedgeLayer`](crate::hedge::HedgeLayer) below keeps that
+/// header and counts its own hedges on from it; a header on a request without this mark was
+/// forwarded from a request being served, and is not the call's count.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PreviousAttempts(pub(crate) u32);
+
 /// Marks a response whose call was told, by an answer a layer below saw, that its key is in
 /// flight at the server (a `HedgeLayer` under the retry layer, whose own answer may be another
 /// attempt's): the retry layer's later attempts then say so too

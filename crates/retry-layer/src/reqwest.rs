@@ -118,7 +118,7 @@ impl Middleware for RetryMiddleware {
             extensions: extensions.clone(),
             timeout,
         };
-        match ResponseFuture::new(chain, self.shared.clone(), req, Duration::ZERO).await {
+        match ResponseFuture::new(chain, self.shared.clone(), req, true).await {
             Ok(res) => Ok(Response::from(res)),
             Err(e) => Err(Error::middleware(into_retry_error(e))),
         }

@@ -96,7 +96,7 @@ fn flaky(
     failures: u32,
 ) -> impl Service<
     Request<retry_layer::ReplayBody<Full<Bytes>>>,
-    Response = Response<()>,
+    Response = Response<http_body_util::Empty<Bytes>>,
     Error = Infallible,
     Future = impl Send,
 > + Clone {
@@ -109,7 +109,12 @@ fn flaky(
             } else {
                 StatusCode::CREATED
             };
-            Ok::<_, Infallible>(Response::builder().status(status).body(()).unwrap())
+            Ok::<_, Infallible>(
+                Response::builder()
+                    .status(status)
+                    .body(http_body_util::Empty::new())
+                    .unwrap(),
+            )
         }
     })
 }
@@ -176,7 +181,7 @@ async fn a_retried_call_has_a_call_span_and_a_span_per_attempt() {
             Response::builder()
                 .header("content-type", "application/grpc")
                 .header("grpc-status", "5")
-                .body(())
+                .body(http_body_util::Empty::<Bytes>::new())
                 .unwrap(),
         )
     });

@@ -27,13 +27,8 @@ pub(super) enum Handle<B> {
     },
     /// The original, read by the attempts as it streams.
     Shared(Arc<Mutex<Kept<B>>>),
-    /// The whole body was read when it was wrapped, but the layer's `max_replay_bytes_total`
-    /// could not hold a copy: kept (the same bytes the attempt sends, not counted against the
-    /// layer's memory) only until the attempt's outcome is known, for a retry of an attempt
-    /// that was never sent. See [`BodyHandle::outcome_known`].
-    Uncharged(Bytes),
-    /// A body the layer's memory could not hold, after an attempt that may have been sent: no
-    /// retry carries it.
+    /// A body read whole that the layer's memory could not hold a copy of: sent without
+    /// replay, and no retry carries it.
     Spent,
 }
 
@@ -45,6 +40,7 @@ impl<B> Drop for BodyHandle<B> {
         if let Handle::Shared(shared) = &self.kind {
             let mut s = lock(shared);
             s.released = true;
+            s.whole = None;
             s.free_read();
         }
     }
@@ -58,23 +54,13 @@ impl<B> BodyHandle<B> {
         }
     }
 
-    /// An attempt ended: `unsent` when it provably never left the client. A body the layer's
-    /// memory could not hold is kept for a retry of an attempt that was never sent, and
-    /// dropped after any other outcome (no retry may carry it then).
-    pub(crate) fn outcome_known(&mut self, unsent: bool) {
-        if !unsent && matches!(self.kind, Handle::Uncharged(_)) {
-            self.kind = Handle::Spent;
-        }
-    }
-
     /// True when another attempt can carry the whole body: every byte read from the original
     /// so far is still kept. A body over the limit qualifies while nothing of it was read (or
-    /// what the wrapping read is still there), and so does a body read whole that the layer's
-    /// memory could not hold, until an attempt's outcome says it may have been sent: a request
-    /// that was never sent can be retried whatever its size.
+    /// what the wrapping read is still there): a request that was never sent can be retried
+    /// whatever its size.
     pub(crate) fn is_replayable(&self) -> bool {
         match &self.kind {
-            Handle::Empty | Handle::Whole { .. } | Handle::Uncharged(_) => true,
+            Handle::Empty | Handle::Whole { .. } => true,
             Handle::Spent => false,
             Handle::Shared(shared) => {
                 let s = lock(shared);
@@ -107,7 +93,7 @@ impl<B> BodyHandle<B> {
             Handle::Empty => ReplayBody {
                 inner: Inner::Empty,
             },
-            Handle::Whole { bytes, .. } | Handle::Uncharged(bytes) => ReplayBody {
+            Handle::Whole { bytes, .. } => ReplayBody {
                 inner: Inner::Fixed(Some(bytes.clone())),
             },
             Handle::Spent => ReplayBody {
@@ -136,21 +122,34 @@ impl<B> BodyHandle<B> {
     }
 
     /// The whole body, when every byte of it has been read and kept within the layer's memory
-    /// (for a rebuild hook, or a hedge).
+    /// (for a rebuild hook, or a hedge). A body kept in several chunks is put in one piece
+    /// once, counted against the layer's memory too; `None` when that copy does not fit.
     pub(crate) fn complete_bytes(&self) -> Option<Bytes> {
         let shared = match &self.kind {
             Handle::Empty => return Some(Bytes::new()),
             Handle::Whole { bytes, .. } => return Some(bytes.clone()),
-            Handle::Uncharged(_) | Handle::Spent => return None,
+            Handle::Spent => return None,
             Handle::Shared(shared) => shared,
         };
-        let s = lock(shared);
+        let mut s = lock(shared);
         if !s.data_complete() {
             return None;
         }
         if let [one] = s.chunks.as_slice() {
             return Some(one.clone());
         }
-        Some(concat(&s.chunks, s.kept_bytes))
+        if let Some((whole, _)) = &s.whole {
+            return Some(whole.clone());
+        }
+        let Some(charge) = s.charge.as_ref().and_then(|c| c.another(s.kept_bytes)) else {
+            tracing::debug!(
+                bytes = s.kept_bytes,
+                "the layer's replay memory cannot hold the body in one piece"
+            );
+            return None;
+        };
+        let whole = concat(&s.chunks, s.kept_bytes);
+        s.whole = Some((whole.clone(), charge));
+        Some(whole)
     }
 }

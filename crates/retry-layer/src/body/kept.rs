@@ -46,6 +46,10 @@ pub(super) struct Kept<B> {
     /// The share of the layer's `max_replay_bytes_total` that `chunks` hold; `None` once
     /// nothing is kept (over a limit, or nothing to keep).
     pub(super) charge: Option<Charge>,
+    /// The whole body in one piece, made once for the hedges or the rebuild hook when it was
+    /// kept in several chunks, with its own share of the layer's memory; dropped with the
+    /// handle.
+    pub(super) whole: Option<(Bytes, Charge)>,
     /// The waker the wrapping read polled with, if the original kept it: told each reader's
     /// waker, so that the original's wake-ups reach the reader that polls it now.
     pub(super) early: Option<Arc<WakeSlot>>,

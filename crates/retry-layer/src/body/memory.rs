@@ -4,10 +4,11 @@
 //!
 //! `max_replay_bytes` bounds one request; a client with thousands of calls in flight (or
 //! long-lived client streams) could still pin thousands of copies. gRFC A6 bounds the retry
-//! buffer per channel for the same reason. A body whose copy does not fit is sent without
-//! replay: its retries are refused as for a body over `max_replay_bytes`, except the retry of an
-//! attempt that was never sent (a body read whole is held, uncounted, until the attempt's
-//! outcome is known).
+//! buffer per channel for the same reason. Every byte the layer keeps is counted here (and
+//! shown in `stats().replay_bytes`): the copies of bodies kept for retries, and the one copy of
+//! a body in several chunks that hedges and the rebuild hook send. A body whose copy does not
+//! fit is sent without replay: its retries are refused as for a body over `max_replay_bytes`
+//! (even the retry of an attempt that was never sent: nothing is held uncounted for it).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -69,6 +70,11 @@ impl Charge {
             self.bytes += n;
         }
         fits
+    }
+
+    /// A charge of `n` bytes of the same memory, if they fit.
+    pub(crate) fn another(&self, n: usize) -> Option<Charge> {
+        Charge::of(&self.memory, n)
     }
 
     /// Gives `n` of the bytes held back.

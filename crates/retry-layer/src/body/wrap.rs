@@ -135,6 +135,7 @@ where
             charge: (max > 0 && !capped)
                 .then(|| Charge::of(memory, 0))
                 .flatten(),
+            whole: None,
             early,
             parked: None,
         };
@@ -170,8 +171,8 @@ where
     }
 
     /// A body read whole at wrap time: every attempt sends `bytes`, if the layer's memory
-    /// holds a copy; else only the retries of attempts that were never sent do (the handle
-    /// keeps the bytes until an attempt's outcome is known).
+    /// holds a copy; else the first attempt sends them without replay (the handle keeps
+    /// nothing, and no retry carries the body).
     #[inline]
     fn whole(bytes: Bytes, memory: &Arc<ReplayMemory>) -> (ReplayBody<B>, BodyHandle<B>) {
         let kind = match Charge::of(memory, bytes.len()) {
@@ -179,7 +180,7 @@ where
                 bytes: bytes.clone(),
                 _charge: charge,
             },
-            None => Handle::Uncharged(bytes.clone()),
+            None => Handle::Spent,
         };
         (
             ReplayBody {

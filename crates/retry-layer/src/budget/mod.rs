@@ -37,6 +37,10 @@ pub trait Budget: Send + Sync + fmt::Debug + 'static {
     fn record(&self, failed: bool);
     /// Asks to send one retry; `false` means the budget refuses it.
     fn withdraw(&self) -> bool;
+    /// Gives back a retry that [`withdraw`](Self::withdraw) granted and that was not sent after
+    /// all (a hedge whose service did not become ready in time, a call that ended first). The
+    /// default does nothing, for a budget whose `withdraw` takes nothing.
+    fn refund(&self) {}
 }
 
 /// A budget's parameters were out of range.

@@ -11,8 +11,10 @@ use super::{Budget, InvalidBudget};
 /// The default budget: retries may be at most `ratio` of requests deposited over a sliding
 /// `window`, plus `min_per_sec` retries per second that are always allowed.
 ///
-/// The window is split into one-second slots of atomic counters; no lock is taken. Under
-/// concurrent withdrawals the bound is approximate by at most the number of racing threads.
+/// The window is split into one-second slots of atomic counters; no lock is taken. A
+/// withdrawal debits first and then checks the balance, taking its debit back if that went
+/// below zero: concurrent withdrawals never grant more than the budget holds (a race may
+/// refuse one that a serial order would have granted).
 ///
 /// ```
 /// use std::time::Duration;
@@ -131,12 +133,31 @@ impl Budget for TpsBudget {
 
     fn withdraw(&self) -> bool {
         let (slot, epoch) = self.current();
-        if self.balance(epoch) >= 1000 {
-            slot.debit.fetch_add(1000, Ordering::Relaxed);
-            true
-        } else {
-            false
+        // Debit first, then look: every racing withdrawal sees the others' debits, so together
+        // they never take more than the balance.
+        slot.debit.fetch_add(1000, Ordering::AcqRel);
+        if self.balance(epoch) >= 0 {
+            return true;
         }
+        Self::take_back(slot);
+        false
+    }
+
+    fn refund(&self) {
+        let (slot, _) = self.current();
+        Self::take_back(slot);
+    }
+}
+
+impl TpsBudget {
+    /// Takes one debit back from `slot`, never below zero (the slot may have been reset for a
+    /// new second since: the debit went with it).
+    fn take_back(slot: &Slot) {
+        let _ = slot
+            .debit
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |d| {
+                (d >= 1000).then_some(d - 1000)
+            });
     }
 }
 
@@ -175,6 +196,47 @@ mod tests {
         assert!(TpsBudget::new(Duration::from_secs(61), 1, 0.1).is_err());
         assert!(TpsBudget::new(Duration::from_secs(1), 1, f64::NAN).is_err());
         assert!(TpsBudget::new(Duration::from_secs(1), 1, -0.1).is_err());
+    }
+
+    #[test]
+    fn concurrent_withdrawals_never_grant_more_than_the_budget() {
+        // 100 retries in the budget, eight threads asking for 1 000 each at once, over and
+        // over: checked before debited, the grants overshot by up to the racing threads.
+        for _ in 0..50 {
+            let budget =
+                std::sync::Arc::new(TpsBudget::new(Duration::from_secs(60), 0, 0.1).unwrap());
+            for _ in 0..1_000 {
+                budget.deposit();
+            }
+            let start = std::sync::Barrier::new(8);
+            let granted: usize = std::thread::scope(|s| {
+                let handles: Vec<_> = (0..8)
+                    .map(|_| {
+                        let (b, start) = (budget.clone(), &start);
+                        s.spawn(move || {
+                            start.wait();
+                            (0..1_000).filter(|_| b.withdraw()).count()
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).sum()
+            });
+            assert!(granted <= 100, "granted {granted} of a budget of 100");
+            assert!(granted >= 1, "granted {granted}");
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refund_gives_a_withdrawal_back() {
+        let budget = TpsBudget::new(Duration::from_secs(10), 0, 0.1).unwrap();
+        for _ in 0..10 {
+            budget.deposit();
+        }
+        assert!(budget.withdraw());
+        assert!(!budget.withdraw());
+        budget.refund();
+        assert!(budget.withdraw());
+        assert!(!budget.withdraw());
     }
 
     #[test]

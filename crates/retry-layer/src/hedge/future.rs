@@ -10,7 +10,7 @@ use std::time::Duration;
 use http::request::Parts;
 use http::{Request, Response};
 use http_body::Body;
-use reason_code::{BoxError, Code, Outcome};
+use reason_code::{BoxError, Code, Hop, Outcome};
 use tokio::time::{sleep_until, Instant, Sleep};
 use tower_service::Service;
 
@@ -19,7 +19,7 @@ use super::stats::incr;
 use crate::body::{BodyHandle, ReplayBody};
 use crate::classify::{self, PushbackHint};
 use crate::deadline::{instant_after, rewrite_grpc_timeout};
-use crate::error::{DeadlineExceeded, ResponseHeadTimedOut};
+use crate::error::{DeadlineExceeded, ResponseHeadTimedOut, ServiceNotReady};
 use crate::request::{clone_parts, write_previous_attempts, SeenInFlight};
 
 /// What a call's hedging follows, from its policy and request.
@@ -31,6 +31,9 @@ pub(super) struct Plan {
     pub(super) non_fatal: [bool; 17],
     pub(super) grpc: bool,
     pub(super) deadline: Option<Instant>,
+    /// Attempts a retry layer above sent before this call (its attempt header): the hedges
+    /// count on from it.
+    pub(super) previous: u32,
 }
 
 /// One attempt in flight: its number (0 for the first), and when its head is due at the latest.
@@ -52,6 +55,14 @@ where
     service: S,
     shared: Arc<HedgeShared>,
     plan: Plan,
+    /// The first attempt, while the service the call took is not ready for it (boxed: the
+    /// rarer case pays for its room). Bounded by `ready_by` and the deadline.
+    first: Option<Box<Request<ReplayBody<B>>>>,
+    /// The hop the call is made from, when its request may be hedged: told when the call
+    /// ends with a failure it could have tried again.
+    hop: Option<Arc<Hop>>,
+    /// A pushback said stop: a failure answer is the hop's "do not retry".
+    pushback_stop: bool,
     /// The head hedges are sent with; `None` when the request is not hedged.
     parts: Option<Parts>,
     body: BodyHandle<B>,
@@ -61,9 +72,11 @@ where
     unsent: u32,
     /// When the next hedge is due; `None` when no more will be sent.
     next_hedge: Option<Instant>,
-    /// The budget granted the hedge that is due (asked before it waits for readiness).
+    /// The budget granted the hedge that is due (asked before it waits for readiness, so that
+    /// a refused hedge reserves no capacity of the service; given back if it is not sent).
     granted: bool,
-    /// When the due hedge stops waiting for the service to become ready.
+    /// When the due hedge (or the first attempt) stops waiting for the service to become
+    /// ready.
     ready_by: Option<Instant>,
     /// The one timer: the next hedge, the deadline, or the earliest head due.
     timer: Option<Pin<Box<Sleep>>>,
@@ -92,6 +105,28 @@ where
 // Every field is either `Unpin` or pinned in a box.
 impl<S, B> Unpin for ResponseFuture<S, B> where S: Service<Request<ReplayBody<B>>> {}
 
+impl<S, B> Drop for ResponseFuture<S, B>
+where
+    S: Service<Request<ReplayBody<B>>>,
+{
+    /// A hedge the budget granted and that was never sent gives its token back.
+    fn drop(&mut self) {
+        self.refund();
+    }
+}
+
+impl<S, B> ResponseFuture<S, B>
+where
+    S: Service<Request<ReplayBody<B>>>,
+{
+    /// Gives back the due hedge's budget token, if one was granted: it is not sent.
+    fn refund(&mut self) {
+        if std::mem::take(&mut self.granted) {
+            self.shared.budget.refund();
+        }
+    }
+}
+
 impl<S, B, R> ResponseFuture<S, B>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
@@ -99,39 +134,97 @@ where
     B: Body,
     B::Error: Into<BoxError>,
 {
-    /// Sends the first attempt on `service` (which must be ready). `parts` is kept for hedges
-    /// when the request is hedged.
+    /// Sends the first attempt on `service` if it is `ready` (else once it is, bounded by the
+    /// deadline and the head bound). `parts` is kept for hedges when the request is hedged.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn start(
-        mut service: S,
+        service: S,
         shared: Arc<HedgeShared>,
         plan: Plan,
         first: Request<ReplayBody<B>>,
         parts: Option<Parts>,
         body: BodyHandle<B>,
+        ready: bool,
+        hop: Option<Arc<Hop>>,
     ) -> Self {
-        let now = Instant::now();
-        let head_by = instant_after(now, shared.policy.response_head_timeout);
-        let future = Box::pin(service.call(first));
-        ResponseFuture {
+        let mut future = ResponseFuture {
             service,
             shared,
             plan,
+            first: None,
+            hop,
+            pushback_stop: false,
             parts,
             body,
-            attempts: vec![InFlight {
-                n: 0,
-                head_by,
-                future,
-            }],
-            sent: 1,
+            attempts: Vec::with_capacity(1),
+            sent: 0,
             unsent: 0,
-            next_hedge: (plan.max_attempts > 1).then(|| instant_after(now, plan.delay)),
+            next_hedge: None,
             granted: false,
             ready_by: None,
             timer: None,
             last: None,
             last_in_flight: false,
             seen_in_flight: false,
+        };
+        if ready {
+            future.send_first(first);
+        } else {
+            // The wait is bounded by the call's deadline, else by the head bound.
+            let head = future.shared.policy.response_head_timeout;
+            let by = plan
+                .deadline
+                .unwrap_or_else(|| instant_after(Instant::now(), head));
+            future.ready_by = Some(by);
+            future.first = Some(Box::new(first));
+        }
+        future
+    }
+
+    /// Sends the first attempt on the service, which is ready.
+    fn send_first(&mut self, first: Request<ReplayBody<B>>) {
+        let now = Instant::now();
+        let head_by = instant_after(now, self.shared.policy.response_head_timeout);
+        let future = Box::pin(self.service.call(first));
+        self.attempts.push(InFlight {
+            n: 0,
+            head_by,
+            future,
+        });
+        self.sent = 1;
+        self.ready_by = None;
+        self.next_hedge = (self.plan.max_attempts > 1).then(|| instant_after(now, self.plan.delay));
+    }
+
+    /// Waits for the service the call took to be ready for the first attempt, then sends it.
+    /// `Some` is the answer: the service's readiness error, or the bound that ended the wait.
+    fn poll_first(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Response<R>, BoxError>>> {
+        loop {
+            match self.service.poll_ready(cx) {
+                Poll::Ready(Ok(())) => {
+                    let first = self.first.take().expect("held until sent");
+                    self.send_first(*first);
+                    return Poll::Ready(None);
+                }
+                Poll::Ready(Err(e)) => return Poll::Ready(Some(Err(e.into()))),
+                Poll::Pending => {}
+            }
+            let now = Instant::now();
+            if self.plan.deadline.is_some_and(|d| now >= d) {
+                return Poll::Ready(Some(Err(DeadlineExceeded::new().into())));
+            }
+            let ready_by = self.ready_by.expect("set while the first attempt waits");
+            if now >= ready_by {
+                tracing::debug!(
+                    "hedge: the inner service did not become ready in time; nothing was sent"
+                );
+                let head = self.shared.policy.response_head_timeout;
+                return Poll::Ready(Some(Err(ServiceNotReady::new(head).into())));
+            }
+            match self.next_wake(Some(ready_by)) {
+                Some(at) if self.timer_fired(at, cx) => continue,
+                _ => return Poll::Pending,
+            }
         }
     }
 
@@ -146,6 +239,9 @@ where
             service,
             shared,
             plan,
+            first: None,
+            hop: None,
+            pushback_stop: false,
             parts: None,
             body: BodyHandle::empty(),
             attempts: Vec::new(),
@@ -177,6 +273,10 @@ where
         };
         if outcome == Outcome::Unsent {
             self.unsent += 1;
+            // A hedge that provably never left gives back the token that paid for it.
+            if n > 0 {
+                self.shared.budget.refund();
+            }
         }
         let non_fatal = match outcome {
             // A replayed answer is final: a replay of the same key answers the same again.
@@ -222,7 +322,10 @@ where
         };
         let now = Instant::now();
         let next = match pushback {
-            PushbackHint::Stop => None,
+            PushbackHint::Stop => {
+                self.pushback_stop = true;
+                None
+            }
             PushbackHint::After(d) if d > shared.policy.max_pushback => {
                 tracing::debug!(
                     pushback_ms = d.as_millis() as u64,
@@ -253,6 +356,20 @@ where
             self.last_in_flight = told;
         }
         None
+    }
+
+    /// The call ends with a failure it could have tried again: tells the hop it is made from,
+    /// as `Retry` does. "Do not retry" when a pushback said stop or the inbound deadline is
+    /// spent; else "retried below" (the caller retries only within its adaptive budget).
+    fn tell_hop(&self) {
+        let Some(hop) = &self.hop else {
+            return;
+        };
+        if self.pushback_stop || hop.inbound_deadline_leaves_less_than(Duration::from_nanos(1)) {
+            hop.note_gave_up();
+        } else {
+            hop.note_deferred();
+        }
     }
 
     /// The call's answer, marked when an attempt was told its key was in flight.
@@ -289,7 +406,7 @@ where
                 let e: BoxError = e.into();
                 tracing::debug!(error = %e, "not hedging: the service failed readiness");
                 self.next_hedge = None;
-                self.granted = false;
+                self.refund();
                 self.ready_by = None;
                 return Poll::Ready(());
             }
@@ -298,7 +415,8 @@ where
         self.granted = false;
         self.ready_by = None;
         let mut parts = clone_parts(self.parts.as_ref().expect("hedged requests keep the head"));
-        write_previous_attempts(&mut parts, self.plan.grpc, self.sent - self.unsent);
+        let previous = self.plan.previous + (self.sent - self.unsent);
+        write_previous_attempts(&mut parts, self.plan.grpc, previous);
         if self.plan.grpc {
             rewrite_grpc_timeout(&mut parts, self.plan.deadline, None);
         }
@@ -371,7 +489,14 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
+        if this.first.is_some() {
+            if let Some(answer) = std::task::ready!(this.poll_first(cx)) {
+                return Poll::Ready(answer);
+            }
+        }
         let answer = std::task::ready!(this.poll_answer(cx));
+        // A hedge granted but not sent (the call ended while it waited for the service).
+        this.refund();
         Poll::Ready(this.mark(answer))
     }
 }
@@ -403,6 +528,7 @@ where
             let now = Instant::now();
             if this.plan.deadline.is_some_and(|d| now >= d) {
                 this.attempts.clear();
+                this.tell_hop();
                 let answer = this
                     .last
                     .take()
@@ -415,6 +541,20 @@ where
             }
             if this.next_hedge.is_some_and(|at| at <= now) {
                 if this.send_hedge(cx).is_pending() {
+                    if this.attempts.is_empty() && matches!(this.last, Some(Ok(_))) {
+                        // Every attempt sent has failed and the service is not ready for the
+                        // next: the failure in hand is the answer. Held through the wait, its
+                        // unread body may be what keeps the service from being ready (one
+                        // HTTP/1.1 connection is ready only once the body before it is read);
+                        // a retry layer above lets it go and retries after its backoff.
+                        tracing::debug!(
+                            "not hedging: the service is not ready and a failed answer is in hand"
+                        );
+                        this.next_hedge = None;
+                        this.ready_by = None;
+                        this.refund();
+                        continue;
+                    }
                     // Waiting for readiness, bounded by the deadline, the heads due and the
                     // response head timeout (with no attempt in flight and no deadline, that
                     // timer is the only one).
@@ -425,7 +565,7 @@ where
                         tracing::debug!("not hedging: the service did not become ready in time");
                         this.next_hedge = None;
                         this.ready_by = None;
-                        this.granted = false;
+                        this.refund();
                         continue;
                     }
                     match this.next_wake(Some(ready_by)) {
@@ -436,6 +576,7 @@ where
                 continue;
             }
             if this.attempts.is_empty() && this.next_hedge.is_none() {
+                this.tell_hop();
                 return Poll::Ready(
                     this.last
                         .take()

@@ -6,7 +6,7 @@ use std::task::{Context, Poll};
 
 use http::{Request, Response};
 use http_body::Body;
-use reason_code::BoxError;
+use reason_code::{BoxError, Hop};
 use tokio::time::Instant;
 use tower_service::Service;
 
@@ -16,8 +16,8 @@ use super::stats::incr;
 use crate::body::ReplayBody;
 use crate::deadline::{deadline_of, rewrite_grpc_timeout};
 use crate::error::DeadlineExceeded;
-use crate::ready::ReadyBound;
-use crate::request::{clone_parts, remove_attempt_headers};
+use crate::ready::Readiness;
+use crate::request::{clone_parts, remove_attempt_headers, PreviousAttempts};
 
 /// The service [`HedgeLayer`](super::HedgeLayer) makes. Its inner service takes
 /// [`ReplayBody`] requests, as [`Retry`](crate::Retry)'s does.
@@ -25,7 +25,7 @@ use crate::request::{clone_parts, remove_attempt_headers};
 pub struct Hedge<S> {
     inner: S,
     shared: Arc<HedgeShared>,
-    ready: ReadyBound,
+    ready: Readiness,
 }
 
 impl<S> Hedge<S> {
@@ -33,7 +33,7 @@ impl<S> Hedge<S> {
         Hedge {
             inner,
             shared,
-            ready: ReadyBound::default(),
+            ready: Readiness::default(),
         }
     }
 
@@ -51,11 +51,13 @@ where
     type Error = BoxError;
     type Future = ResponseFuture<S, B>;
 
-    /// Waits for the inner service for at most the policy's `response_head_timeout`: past
-    /// that, [`ServiceNotReady`](crate::ServiceNotReady) and nothing sent.
+    /// Ready at once, as [`Retry`](crate::Retry)'s: a call whose inner service is not ready
+    /// yet waits for it in its response future, bounded by its deadline or else the policy's
+    /// `response_head_timeout` (past that, [`DeadlineExceeded`] or
+    /// [`ServiceNotReady`](crate::ServiceNotReady), nothing sent). Only an error of the inner
+    /// service's own `poll_ready` is returned here.
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        let head = self.shared.policy.response_head_timeout;
-        self.ready.poll_ready(&mut self.inner, cx, None, head)
+        self.ready.poll(&mut self.inner, cx)
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
@@ -63,14 +65,37 @@ where
         // docs, "Be careful when cloning inner services").
         let clone = self.inner.clone();
         let service = std::mem::replace(&mut self.inner, clone);
+        let ready = self.ready.take();
         let shared = self.shared.clone();
         let policy = &shared.policy;
         let (mut parts, body) = req.into_parts();
-        // The hedge owns the attempt headers: a forwarded one is not this call's count.
-        remove_attempt_headers(&mut parts);
+        // A retry layer above wrote the attempt header of its retry and said so: the hedges
+        // count on from it. Any other is forwarded from a request being served, not this call's
+        // count.
+        let previous = match parts.extensions.get::<PreviousAttempts>() {
+            Some(p) => p.0,
+            None => {
+                remove_attempt_headers(&mut parts);
+                0
+            }
+        };
         let grpc = reason_code::is_grpc(&parts.headers);
         let rules = policy.rules_for(&parts, grpc);
-        let hedged = rules.max_attempts > 1 && policy.may_hedge(&parts, grpc);
+        let hedgeable = rules.max_attempts > 1 && policy.may_hedge(&parts, grpc);
+        // The hop this call is made from, if the handler runs in one (as `Retry` reads it): a
+        // request served as a retry of the hop above is sent once, not hedged (the hop above
+        // retries; hedging here too would multiply its attempts), and a failure the hedge
+        // could have tried again is told to the hop as deferred.
+        let hop = if hedgeable {
+            parts
+                .extensions
+                .get::<Arc<Hop>>()
+                .cloned()
+                .or_else(Hop::current)
+        } else {
+            None
+        };
+        let hedged = hedgeable && !hop.as_ref().is_some_and(|h| h.arrived_as_retry());
         let max = if hedged { policy.max_replay_bytes } else { 0 };
         let deadline = deadline_of(&parts, grpc, None);
         if grpc {
@@ -83,6 +108,7 @@ where
             non_fatal: rules.non_fatal,
             grpc,
             deadline,
+            previous,
         };
         let wrapped = if deadline.is_some_and(|d| Instant::now() >= d) {
             Err(DeadlineExceeded::new().into())
@@ -90,10 +116,7 @@ where
             ReplayBody::new(body, max, None, &shared.replay_memory)
         };
         match wrapped {
-            Ok((first_body, mut body)) => {
-                // A hedge is sent beside an attempt that may have run: a body the layer's
-                // memory could not hold is not kept for one.
-                body.outcome_known(false);
+            Ok((first_body, body)) => {
                 shared.budget.deposit();
                 let kept = hedged.then(|| clone_parts(&parts));
                 ResponseFuture::start(
@@ -103,6 +126,8 @@ where
                     Request::from_parts(parts, first_body),
                     kept,
                     body,
+                    ready,
+                    hop,
                 )
             }
             // Nothing is sent: the deadline had passed, or the body failed before its first

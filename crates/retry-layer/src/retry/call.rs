@@ -15,14 +15,15 @@ use tracing::Span;
 
 use crate::body::{BodyHandle, ReplayBody};
 use crate::budget::Budget;
-use crate::classify;
+use crate::classify::{self, PushbackHint};
 use crate::deadline::{deadline_of, instant_after, rewrite_grpc_timeout, AttemptBounds, Timer};
 use crate::error::{DeadlineExceeded, RetryError, RetryInfo};
 use crate::request::{
     clone_parts, intent_key, judge, judge_scanned, remove_attempt_headers, write_previous_attempts,
-    HeaderScan, SeenInFlight,
+    HeaderScan, PreviousAttempts, SeenInFlight,
 };
 use crate::retry::decide::{decide, Attempt, Budgets, Ended, ReturnReason, Step};
+use crate::retry::drain::{drain, Draining};
 use crate::retry::observe::{self, GiveUp};
 use crate::retry::policy::{Conflict, InboundRetry, RebuildFuture};
 use crate::retry::shared::Shared;
@@ -64,15 +65,41 @@ pub(crate) struct Call<S, B> {
     inbound_retry_budget: bool,
     /// The budget of the request's authority, with `budget_per_authority`.
     authority_budget: Option<Arc<dyn Budget>>,
+    /// The budget granted the retry the call waits to send: given back if it is never sent
+    /// (the deadline ends the wait, the service never becomes ready, the caller drops the call).
+    granted: bool,
+    /// The budget paid for the attempt in flight: given back if it ends provably never sent
+    /// (an inner service that waits for its own readiness in its future, a hedge, answers so).
+    paid: bool,
+}
+
+impl<S, B> Drop for Call<S, B> {
+    fn drop(&mut self) {
+        if self.granted {
+            self.budget().refund();
+        }
+    }
+}
+
+/// The first attempt of a call, as [`Call::start`] leaves it.
+pub(crate) enum First<F, B> {
+    /// Sent: its future.
+    Sent(F),
+    /// Ready to go once the service is (boxed: the rarer case pays for its room).
+    Unready(Box<Request<ReplayBody<B>>>),
+    /// Nothing is sent: the deadline had passed, or the body failed before its first byte.
+    NotSent,
 }
 
 /// What the response future does next, once a [`Step`] is carried out.
 pub(crate) enum Next<R> {
     /// Answer the caller.
     Answer(Result<Response<R>, BoxError>),
-    /// Wait this long, then retry. The attempt's result is the answer if the retry is not
-    /// sent after all (the deadline leaves too little once the service is ready).
-    Wait(std::time::Duration, Result<Response<R>, BoxError>),
+    /// Wait this long, then retry. What the decision needed of the attempt's result (its
+    /// outcome, its pushback) is read; the rest is let go: a response's body is drained while
+    /// the call waits (on one HTTP/1 connection the retry can be sent only once it is read; on
+    /// HTTP/2 an unread body keeps the connection's flow-control window).
+    Wait(std::time::Duration, Option<Draining>),
     /// Wait for the rebuild hook; the conflict response is the answer if it declines.
     Rebuild(RebuildFuture, Response<R>),
 }
@@ -155,17 +182,18 @@ where
     S::Error: Into<BoxError>,
     B: Body,
     B::Error: Into<BoxError>,
+    R: Body + Send + 'static,
 {
     /// Sets the request up (its idempotency, key, deadline and `grpc-timeout`), keeps what a
-    /// retry needs, and sends the first attempt on `service`, which must be ready. Returns the
-    /// call, the attempt's future (`None` when the deadline had passed already: nothing is
-    /// sent), its timer and the call's span.
+    /// retry needs, and sends the first attempt on `service` if it is `ready` (else the
+    /// response future waits for it, and sends with [`send_first`](Self::send_first)). Returns
+    /// the call, the first attempt, its timer and the call's span.
     pub(crate) fn start(
-        mut service: S,
+        service: S,
         shared: Arc<Shared>,
         req: Request<B>,
-        waited: std::time::Duration,
-    ) -> (Self, Option<S::Future>, Timer, Span) {
+        ready: bool,
+    ) -> (Self, First<S::Future, B>, Timer, Span) {
         let policy = &shared.policy;
         let (mut parts, body) = req.into_parts();
         let scan = HeaderScan::of(&parts.headers, &policy.key_headers);
@@ -175,10 +203,13 @@ where
             remove_attempt_headers(&mut parts);
         }
         let judged = judge_scanned(policy, &mut parts, None, scan);
-        // The total timeout counts from when the caller began to wait for the service.
-        let total = policy.total_timeout.map(|t| t.saturating_sub(waited));
+        // The deadline counts from the call (the wait for readiness, if any, is in it).
         // `grpc-timeout` is read only where the scan saw one.
-        let deadline = deadline_of(&parts, judged.grpc && scan.grpc_timeout, total);
+        let deadline = deadline_of(
+            &parts,
+            judged.grpc && scan.grpc_timeout,
+            policy.total_timeout,
+        );
         if judged.grpc {
             rewrite_grpc_timeout(&mut parts, deadline, policy.attempt_timeout);
         }
@@ -221,23 +252,13 @@ where
         observe::call_started();
         let span = observe::call_span(&parts, judged.grpc);
         let authority_budget = shared.budget_for(&parts.uri);
-        let (future, body, not_sent) = match wrapped {
-            Ok((first_body, body)) => {
-                shared.stats.incr(Counter::Attempts);
-                let future = service.call(Request::from_parts(parts, first_body));
-                (Some(future), body, None)
-            }
-            Err(e) => {
-                attempt.sent = 0;
-                (None, BodyHandle::empty(), Some(e))
-            }
+        // The first attempt counts as sent once it is.
+        attempt.sent = 0;
+        let (first, body, not_sent) = match wrapped {
+            Ok((first_body, body)) => (Some(Request::from_parts(parts, first_body)), body, None),
+            Err(e) => (None, BodyHandle::empty(), Some(e)),
         };
-        let timer = Timer::for_attempt(AttemptBounds::new(
-            deadline,
-            policy.attempt_timeout,
-            policy.response_head_timeout,
-        ));
-        let call = Call {
+        let mut call = Call {
             service,
             shared,
             parts: kept,
@@ -254,11 +275,40 @@ where
             hop,
             inbound_retry_budget,
             authority_budget,
+            granted: false,
+            paid: false,
         };
-        if future.is_some() {
-            call.budget().deposit();
-        }
-        (call, future, timer, span)
+        let (first, timer) = match first {
+            Some(req) if ready => {
+                let future = call.send_first(req);
+                (First::Sent(future), Timer::for_attempt(call.bounds()))
+            }
+            Some(req) => {
+                // Not ready yet: the wait is bounded by the deadline, or by the head bound.
+                let wait = AttemptBounds::readiness(deadline, call.head_timeout());
+                (First::Unready(Box::new(req)), Timer::for_attempt(wait))
+            }
+            None => (First::NotSent, Timer::default()),
+        };
+        (call, first, timer, span)
+    }
+
+    /// Sends the first attempt on the service, which must be ready.
+    pub(crate) fn send_first(&mut self, req: Request<ReplayBody<B>>) -> S::Future {
+        self.attempt.sent = 1;
+        self.shared.stats.incr(Counter::Attempts);
+        self.budget().deposit();
+        self.service.call(req)
+    }
+
+    /// The bounds of an attempt sent now.
+    pub(crate) fn bounds(&self) -> AttemptBounds {
+        let policy = &self.shared.policy;
+        AttemptBounds::new(
+            self.attempt.deadline,
+            policy.attempt_timeout,
+            policy.response_head_timeout,
+        )
     }
 
     /// Classifies an attempt's result (recording it on the attempt's `span`), decides, and
@@ -276,11 +326,12 @@ where
         };
         observe::attempt_ended(outcome.code());
         observe::record_attempt(span, &result, outcome, self.grpc);
-        // A body the layer's memory could not hold is kept only for a retry of an attempt that
-        // was never sent.
-        self.body.outcome_known(outcome == Outcome::Unsent);
+        let paid = std::mem::take(&mut self.paid);
         if outcome != Outcome::Unsent {
             self.went_out += 1;
+        } else if paid {
+            // The budget pays for load on the server: an attempt that never left costs none.
+            self.budget().refund();
         }
         // The server's own "in flight" answer is UNAVAILABLE-like: only such an outcome is looked
         // at, so a success pays nothing for it.
@@ -334,10 +385,16 @@ where
                 // Readers of the attempts so far must stop now: a transport may still be
                 // sending them.
                 self.body.cut_off();
+                // The main budget granted it, unless the server said the hop below deferred to
+                // this one (that budget takes nothing to give back).
+                self.granted = !result.as_ref().is_ok_and(|res| {
+                    classify::pushback(res.headers(), &self.shared.policy.reason_codes)
+                        == PushbackHint::Deferred
+                });
                 self.shared.stats.incr(Counter::Retries);
                 observe::retried(code);
                 tracing::debug!(attempt, code = %code, delay_ms = delay.as_millis() as u64, "retrying");
-                Next::Wait(delay, result)
+                Next::Wait(delay, result.ok().map(|res| drain(res.into_body())))
             }
             Step::Rebuild { delay, pushed_back } => {
                 // `decide` rebuilds only responses, and only with a hook.
@@ -506,6 +563,7 @@ where
             shared.warnings.note(true);
             return None;
         }
+        self.granted = true;
         shared.stats.incr(Counter::Retries);
         observe::retried(self.last_code);
         let (mut parts, body) = req.into_parts();
@@ -526,7 +584,8 @@ where
     /// True when the deadline, now that the service is ready for the next attempt, leaves less
     /// than `min_attempt_time` (or nothing at all): the attempt is not sent, and the stop is
     /// counted and traced as a deadline stop, as when the decision finds the deadline too
-    /// short. The last attempt's result is then the answer.
+    /// short. The answer is then [`DeadlineExceeded`] (the last attempt's response was let go
+    /// before the wait).
     pub(crate) fn deadline_leaves_no_attempt(&self) -> bool {
         let Some(deadline) = self.attempt.deadline else {
             return false;
@@ -579,6 +638,7 @@ where
         let policy = &self.shared.policy;
         let mut parts = clone_parts(self.parts.as_ref().expect("retries keep the head"));
         write_previous_attempts(&mut parts, self.grpc, self.went_out);
+        parts.extensions.insert(PreviousAttempts(self.went_out));
         if self.saw_in_flight {
             parts.headers.insert(
                 reason_code::IDEMPOTENCY_SEEN_IN_FLIGHT,
@@ -593,13 +653,9 @@ where
             None => self.body.replay(),
         };
         self.attempt.sent += 1;
+        self.paid = std::mem::take(&mut self.granted);
         self.shared.stats.incr(Counter::Attempts);
         let future = self.service.call(Request::from_parts(parts, body));
-        let bounds = AttemptBounds::new(
-            self.attempt.deadline,
-            policy.attempt_timeout,
-            policy.response_head_timeout,
-        );
-        (future, bounds)
+        (future, self.bounds())
     }
 }

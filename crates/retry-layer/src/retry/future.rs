@@ -16,8 +16,9 @@ use tracing::Span;
 
 use crate::body::ReplayBody;
 use crate::deadline::{instant_after, Bound, Timer};
-use crate::error::{AttemptTimedOut, ResponseHeadTimedOut};
-use crate::retry::call::{Call, Next};
+use crate::error::{AttemptTimedOut, DeadlineExceeded, ResponseHeadTimedOut, ServiceNotReady};
+use crate::retry::call::{Call, First, Next};
+use crate::retry::drain::{drain, Draining};
 use crate::retry::observe;
 use crate::retry::policy::RebuildFuture;
 use crate::retry::shared::Shared;
@@ -29,12 +30,16 @@ pin_project! {
         S: Service<Request<ReplayBody<B>>>,
     {
         #[pin]
-        state: State<S::Future, S::Response>,
+        state: State<S::Future, S::Response, B>,
         // The attempt's end while an attempt runs; the backoff while waiting; the deadline
-        // while waiting for readiness or the rebuild hook.
+        // (or the head bound) while waiting for readiness or the rebuild hook.
         #[pin]
         timer: Timer,
         call: Call<S, B>,
+        // The last failed response's body, read and discarded while the call waits for its
+        // retry (its connection is free for the retry once it is); `None` once read, or when
+        // there is none.
+        drain: Option<Draining>,
         // `retry_layer.call`, entered while the future is polled, and the `retry_layer.attempt`
         // of the attempt in flight, entered while its future is polled. Both are
         // `Span::none()` unless a subscriber enables DEBUG.
@@ -45,14 +50,16 @@ pin_project! {
 
 pin_project! {
     #[project = StateProj]
-    enum State<F, T> {
+    enum State<F, T, B> {
+        // The first attempt, waiting for the service the call took to become ready.
+        Readying { request: Option<Box<Request<ReplayBody<B>>>> },
         Called { #[pin] future: F },
-        // The last attempt's result (or the conflict a rebuilt request answers) is held until
-        // the next attempt is sent: it is the answer if the deadline leaves too little by then.
-        Waiting { last: Option<Result<T, BoxError>> },
+        // The backoff (or pushback) before a retry. Nothing of the last attempt is held.
+        Waiting,
         // The conflict response is held until the hook decides: it is the answer if it declines.
         Rebuilding { future: RebuildFuture, response: Option<T> },
-        Retrying { last: Option<Result<T, BoxError>> },
+        // Waiting for the service to be ready for the retry.
+        Retrying,
         // Nothing was sent: the deadline had passed, or the body failed before its first byte.
         NotSent,
         Done,
@@ -87,26 +94,30 @@ where
     S::Error: Into<BoxError>,
     B: Body,
     B::Error: Into<BoxError>,
+    R: Body + Send + 'static,
 {
-    /// Sends the first attempt on `service` (which must be ready).
-    /// `waited`: how long the caller waited for `service` to become ready (the call's
-    /// `total_timeout` counts from the start of that wait).
+    /// Sends the first attempt on `service` if it is `ready` (its `poll_ready` said so), else
+    /// once it is, bounded by the call's deadline or the head bound.
     pub(crate) fn new(
         service: S,
         shared: std::sync::Arc<Shared>,
         req: Request<B>,
-        waited: std::time::Duration,
+        ready: bool,
     ) -> Self {
-        let (call, future, timer, call_span) = Call::start(service, shared, req, waited);
+        let (call, first, timer, call_span) = Call::start(service, shared, req, ready);
         let attempt_span = observe::attempt_span(&call_span, call.grpc(), 0);
-        let state = match future {
-            Some(future) => State::Called { future },
-            None => State::NotSent,
+        let state = match first {
+            First::Sent(future) => State::Called { future },
+            First::Unready(request) => State::Readying {
+                request: Some(request),
+            },
+            First::NotSent => State::NotSent,
         };
         ResponseFuture {
             state,
             timer,
             call,
+            drain: None,
             call_span,
             attempt_span,
         }
@@ -119,6 +130,7 @@ where
     S::Error: Into<BoxError>,
     B: Body,
     B::Error: Into<BoxError>,
+    R: Body + Send + 'static,
 {
     type Output = Result<Response<R>, BoxError>;
 
@@ -127,7 +139,32 @@ where
         let _entered = this.call_span.enter();
         let answer = loop {
             match this.state.as_mut().project() {
+                StateProj::Readying { request } => {
+                    match this.call.poll_ready(cx) {
+                        Poll::Ready(Ok(())) => {}
+                        Poll::Ready(Err(e)) => {
+                            this.state.set(State::Done);
+                            break this.call.answer(Err(e));
+                        }
+                        Poll::Pending => {
+                            let Some(answer) = not_ready(this.call, this.timer.as_mut(), cx) else {
+                                return Poll::Pending;
+                            };
+                            this.state.set(State::Done);
+                            break answer;
+                        }
+                    }
+                    if this.call.deadline_passed() {
+                        this.state.set(State::Done);
+                        break this.call.deadline_ended();
+                    }
+                    let request = request.take().expect("held until the service is ready");
+                    let future = this.call.send_first(*request);
+                    this.timer.as_mut().next_attempt(this.call.bounds());
+                    this.state.set(State::Called { future });
+                }
                 StateProj::Called { future } => {
+                    poll_drain(this.drain, cx);
                     let result = match this.attempt_span.in_scope(|| future.poll(cx)) {
                         Poll::Ready(r) => r.map_err(Into::into),
                         Poll::Pending => {
@@ -151,11 +188,12 @@ where
                             this.state.set(State::Done);
                             break this.call.answer(r);
                         }
-                        Next::Wait(delay, last) => {
+                        Next::Wait(delay, body) => {
+                            *this.drain = body;
                             this.timer
                                 .as_mut()
                                 .set_delay(instant_after(Instant::now(), delay));
-                            this.state.set(State::Waiting { last: Some(last) });
+                            this.state.set(State::Waiting);
                         }
                         Next::Rebuild(future, response) => {
                             // The hook runs within the call's deadline (or the head bound).
@@ -169,17 +207,17 @@ where
                         }
                     }
                 }
-                StateProj::Waiting { last } => {
+                StateProj::Waiting => {
+                    poll_drain(this.drain, cx);
                     if !this.timer.as_mut().fired(cx) {
                         return Poll::Pending;
                     }
                     // Waiting for the inner service to be ready is bounded by the deadline, or
-                    // without one by the head bound: the next head cannot come before.
+                    // without one by the head bound.
                     this.timer
                         .as_mut()
-                        .set_to_deadline(this.call.deadline(), this.call.head_timeout());
-                    let last = last.take();
-                    this.state.set(State::Retrying { last });
+                        .set_to_ready_bound(this.call.deadline(), this.call.head_timeout());
+                    this.state.set(State::Retrying);
                 }
                 StateProj::Rebuilding { future, response } => {
                     let rebuilt = match future.as_mut().poll(cx) {
@@ -206,17 +244,21 @@ where
                         None => None,
                     };
                     if let Some(send_at) = send_at {
-                        // After the server's pushback, if it asked for one.
+                        // After the server's pushback, if it asked for one. The conflict is let
+                        // go: its body is drained meanwhile.
+                        let conflict = response.take().expect("held until the hook decides");
+                        *this.drain = Some(drain(conflict.into_body()));
                         this.timer.as_mut().set_delay(send_at);
-                        let last = response.take().map(Ok);
-                        this.state.set(State::Waiting { last });
+                        this.state.set(State::Waiting);
                     } else {
                         let response = response.take().expect("held until the hook decides");
                         this.state.set(State::Done);
                         break this.call.answer(Ok(response));
                     }
                 }
-                StateProj::Retrying { last } => {
+                StateProj::Retrying => {
+                    // On one HTTP/1 connection, the service is ready once the body is read.
+                    poll_drain(this.drain, cx);
                     match this.call.poll_ready(cx) {
                         Poll::Ready(Ok(())) => {}
                         Poll::Ready(Err(e)) => {
@@ -224,27 +266,22 @@ where
                             break this.call.answer(Err(e));
                         }
                         Poll::Pending => {
-                            if !this.timer.as_mut().fired(cx) {
+                            let Some(answer) = not_ready(this.call, this.timer.as_mut(), cx) else {
                                 return Poll::Pending;
-                            }
+                            };
                             this.state.set(State::Done);
-                            if this.timer.bound() == Bound::Deadline {
-                                break this.call.deadline_ended();
-                            }
-                            let e = ResponseHeadTimedOut::new(this.call.head_timeout()).into();
-                            break this.call.answer(Err(e));
+                            break answer;
                         }
                     }
                     // The wait for readiness took time: the attempt is sent only if the deadline
                     // still leaves `min_attempt_time` for it.
                     if this.call.deadline_leaves_no_attempt() {
-                        let last = last.take().expect("held until the next attempt is sent");
                         this.state.set(State::Done);
-                        break this.call.answer(last);
+                        break this.call.answer(Err(DeadlineExceeded::new().into()));
                     }
-                    // The last attempt's answer goes before the next attempt is sent (a
-                    // response holds its connection).
-                    drop(last.take());
+                    // The last body is read on while the retry is in flight (an inner service
+                    // that is always ready, a hedge, waits for its connection inside its own
+                    // future): dropped unread, an HTTP/1.1 connection would close.
                     let (future, bounds) = this.call.send_retry();
                     *this.attempt_span = observe::attempt_span(
                         this.call_span,
@@ -269,5 +306,42 @@ where
             this.call.attempts(),
         );
         Poll::Ready(answer)
+    }
+}
+
+/// The service the call took is not ready yet: `None` while its bound leaves time, else the
+/// answer: [`DeadlineExceeded`] at the call's deadline, [`ServiceNotReady`] at the head bound
+/// (nothing was sent for this attempt).
+fn not_ready<S, B, R>(
+    call: &mut Call<S, B>,
+    mut timer: Pin<&mut Timer>,
+    cx: &mut Context<'_>,
+) -> Option<Result<Response<R>, BoxError>>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
+    S::Error: Into<BoxError>,
+    B: Body,
+    B::Error: Into<BoxError>,
+    R: Body + Send + 'static,
+{
+    if !timer.as_mut().fired(cx) {
+        return None;
+    }
+    if timer.bound() == Bound::Deadline {
+        return Some(call.deadline_ended());
+    }
+    tracing::debug!(
+        waited_ms = call.head_timeout().as_millis() as u64,
+        "retry: the inner service did not become ready in time; nothing was sent"
+    );
+    Some(call.answer(Err(ServiceNotReady::new(call.head_timeout()).into())))
+}
+
+/// Reads on in the last failed response's body, if one is being drained; lets it go once read.
+fn poll_drain(drain: &mut Option<Draining>, cx: &mut Context<'_>) {
+    if let Some(d) = drain {
+        if d.as_mut().poll(cx).is_ready() {
+            *drain = None;
+        }
     }
 }

@@ -7,6 +7,7 @@
 
 pub(crate) mod call;
 pub(crate) mod decide;
+pub(crate) mod drain;
 pub(crate) mod future;
 pub(crate) mod layer;
 pub(crate) mod observe;

@@ -9,8 +9,8 @@ use reason_code::BoxError;
 use tower_service::Service;
 
 use crate::body::ReplayBody;
-use crate::error::{DeadlineExceeded, RetryError};
-use crate::ready::ReadyBound;
+use crate::error::RetryError;
+use crate::ready::Readiness;
 use crate::retry::future::ResponseFuture;
 use crate::retry::policy::RetryPolicy;
 use crate::retry::shared::Shared;
@@ -24,7 +24,7 @@ use crate::retry::stats::RetryStats;
 pub struct Retry<S> {
     inner: S,
     shared: Arc<Shared>,
-    ready: ReadyBound,
+    ready: Readiness,
 }
 
 impl<S> Retry<S> {
@@ -37,7 +37,7 @@ impl<S> Retry<S> {
         Retry {
             inner,
             shared,
-            ready: ReadyBound::default(),
+            ready: Readiness::default(),
         }
     }
 
@@ -55,26 +55,24 @@ where
     S::Error: Into<BoxError>,
     B: Body,
     B::Error: Into<BoxError>,
+    R: Body + Send + 'static,
 {
     type Response = Response<R>;
     type Error = BoxError;
     type Future = ResponseFuture<S, B>;
 
-    /// Waits for the inner service, for at most the policy's `total_timeout` or else its
-    /// `response_head_timeout`: past that, a classified error ([`DeadlineExceeded`] or
-    /// [`ServiceNotReady`](crate::ServiceNotReady)) and nothing sent.
+    /// Ready at once: slowness of the inner service is never an error here (tower's contract
+    /// reads an error as "discard this service"). When the inner service is not ready yet, the
+    /// call that follows waits for it in its response future, bounded by the call's deadline
+    /// (`total_timeout`, a [`Deadline`](crate::Deadline), `grpc-timeout`) or else by
+    /// `response_head_timeout`, counted from the call; past that bound the call ends with
+    /// [`DeadlineExceeded`](crate::DeadlineExceeded) or
+    /// [`ServiceNotReady`](crate::ServiceNotReady), nothing sent. Only an error of the inner
+    /// service's own `poll_ready` (a service that is broken for good) is returned here.
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        let policy = &self.shared.policy;
-        let (total, head) = (policy.total_timeout, policy.response_head_timeout);
         self.ready
-            .poll_ready(&mut self.inner, cx, total, head)
-            .map_err(|e| {
-                if e.is::<DeadlineExceeded>() || e.is::<crate::ServiceNotReady>() {
-                    e
-                } else {
-                    Box::new(RetryError::new(e, 0, None)) as BoxError
-                }
-            })
+            .poll(&mut self.inner, cx)
+            .map_err(|e| Box::new(RetryError::new(e, 0, None)) as BoxError)
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
@@ -83,7 +81,7 @@ where
         // when cloning inner services").
         let clone = self.inner.clone();
         let service = std::mem::replace(&mut self.inner, clone);
-        let waited = self.ready.take_waited();
-        ResponseFuture::new(service, self.shared.clone(), req, waited)
+        let ready = self.ready.take();
+        ResponseFuture::new(service, self.shared.clone(), req, ready)
     }
 }

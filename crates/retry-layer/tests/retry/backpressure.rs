@@ -1,5 +1,6 @@
-//! Back-pressure with `tower_test::mock`: the layer passes the inner service's `Pending` on,
-//! never calls it before it is ready, and a retry waits for readiness too.
+//! Back-pressure with `tower_test::mock`: the layer never calls the inner service before it is
+//! ready, the first attempt and a retry wait for it in the response future, and an error of its
+//! `poll_ready` passes through.
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
@@ -20,31 +21,38 @@ fn answer(status: StatusCode) -> Answer {
         .unwrap()
 }
 
+/// A slow inner service is never pending (nor an error) in the layer's `poll_ready`: the call
+/// takes the service that was polled and waits for it in its response future; nothing is
+/// called before the inner service is ready, and its wake-up reaches the call.
 #[tokio::test(start_paused = true)]
-async fn poll_ready_is_pending_until_the_inner_service_is_ready() {
+async fn a_call_waits_for_the_inner_service_in_its_future() {
     let layer = RetryLayer::new(RetryPolicy::default());
     let (mut svc, mut handle) = mock::spawn_layer::<Mocked, Answer, _>(layer.clone());
 
     handle.allow(0);
-    assert!(svc.poll_ready::<Request<Full<Bytes>>>().is_pending());
+    assert!(
+        svc.poll_ready::<Request<Full<Bytes>>>().is_ready(),
+        "ready at once: the wait is the call's"
+    );
+    let call = tokio::spawn(svc.call(get("/books/b1")));
+    tokio::time::sleep(Duration::from_secs(5)).await;
     assert!(
         handle.poll_request().is_pending(),
         "nothing is called before the inner service is ready"
     );
+    assert!(!call.is_finished());
 
     handle.allow(1);
-    assert!(
-        svc.is_woken(),
-        "the inner service's wake-up reaches the caller"
-    );
-    assert!(svc.poll_ready::<Request<Full<Bytes>>>().is_ready());
-    let call = svc.call(get("/books/b1"));
-    let (req, send) = handle.next_request().await.expect("the call");
+    let (req, send) = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
+        .await
+        .expect("the call, once the service is ready")
+        .expect("a request");
     assert_eq!(req.uri().path(), "/books/b1");
     send.send_response(answer(StatusCode::OK));
     let res = tokio::time::timeout(Duration::from_secs(10), call)
         .await
         .expect("the call ends")
+        .unwrap()
         .unwrap();
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(layer.stats().attempts, 1);

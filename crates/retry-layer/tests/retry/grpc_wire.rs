@@ -604,3 +604,120 @@ async fn a_tonic_connect_error_is_unsent() {
     );
     assert_eq!(connects.load(Ordering::SeqCst), 5);
 }
+
+/// What a generated tonic client does with a service: `ready().await`, its error answered as
+/// UNKNOWN ("Service was not ready"), then the call.
+#[cfg(feature = "tonic")]
+async fn as_a_generated_client<S>(
+    svc: &mut S,
+    req: Request<tonic::body::Body>,
+) -> Result<S::Response, tonic::Status>
+where
+    S: tower::Service<Request<tonic::body::Body>, Error = reason_code::BoxError>,
+{
+    svc.ready()
+        .await
+        .map_err(|e| tonic::Status::unknown(format!("Service was not ready: {e}")))?;
+    svc.call(req).await.map_err(tonic::Status::from_error)
+}
+
+/// A listener on 127.0.0.1 that does not answer: its accept queue is full (a backlog of one,
+/// filled by connections nobody accepts), so a new connection's SYN is dropped and its connect
+/// hangs (retried by the kernel after 1 s, 3 s...). Returns it and the filling connections.
+#[cfg(feature = "tonic")]
+async fn a_host_that_does_not_answer() -> (TcpListener, Vec<tokio::net::TcpStream>) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(1).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut filling = Vec::new();
+    loop {
+        assert!(filling.len() < 16, "the accept queue never filled");
+        match tokio::time::timeout(
+            Duration::from_millis(300),
+            tokio::net::TcpStream::connect(addr),
+        )
+        .await
+        {
+            Ok(stream) => filling.push(stream.unwrap()),
+            Err(_) => return (listener, filling),
+        }
+    }
+}
+
+/// A tonic `Channel` (a buffer of one here) to a host that does not answer, behind the layer,
+/// called as a generated client calls: while the host is silent every call ends with a
+/// classified status, DEADLINE_EXCEEDED or UNAVAILABLE, never UNKNOWN (before: once the
+/// channel's buffer was full, the wait for readiness ended in a `poll_ready` error, which a
+/// generated client answers UNKNOWN and every tier above takes as final); once the host
+/// answers, the same client is served.
+#[cfg(feature = "tonic")]
+#[tokio::test]
+async fn a_tonic_channel_to_a_host_that_does_not_answer_then_does() {
+    let (listener, filling) = a_host_that_does_not_answer().await;
+    let addr = listener.local_addr().unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .buffer_size(1)
+        .connect_lazy();
+    let policy = RetryPolicy::builder()
+        .idempotent_grpc_method(GET_BOOK)
+        .response_head_timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let mut client = RetryLayer::new(policy).tonic_channel(channel);
+    for _ in 0..3 {
+        let mut req = grpc_request(addr, GET_BOOK);
+        req.extensions_mut()
+            .insert(retry_layer::Deadline::after(Duration::from_millis(400)));
+        let status = bounded(
+            "a call to the silent host",
+            as_a_generated_client(&mut client, req),
+        )
+        .await
+        .expect_err("the host does not answer");
+        assert!(
+            matches!(
+                status.code(),
+                tonic::Code::DeadlineExceeded | tonic::Code::Unavailable
+            ),
+            "a classified status, not {status:?}"
+        );
+    }
+
+    // The host answers: the queued connections are accepted (and closed), then every connection
+    // is served.
+    drop(filling);
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(|req: Request<Incoming>| async move {
+                    let _ = req.into_body().collect().await;
+                    Ok::<_, Infallible>(
+                        Response::builder()
+                            .header("content-type", "application/grpc")
+                            .header("grpc-status", "0")
+                            .body(Full::new(Bytes::new()))
+                            .unwrap(),
+                    )
+                });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    let mut req = grpc_request(addr, GET_BOOK);
+    req.extensions_mut()
+        .insert(retry_layer::Deadline::after(Duration::from_secs(8)));
+    let res = bounded(
+        "the call once the host answers",
+        as_a_generated_client(&mut client, req),
+    )
+    .await
+    .unwrap_or_else(|s| panic!("served once the host answers: {s:?}"));
+    assert_eq!(res.headers()["grpc-status"], "0");
+}

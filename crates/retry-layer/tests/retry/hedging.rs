@@ -667,3 +667,73 @@ async fn a_retry_above_a_hedge_told_its_key_is_in_flight_says_so() {
         "every request after the 409 says so"
     );
 }
+
+/// A hedge reads the hop it is made from, as `Retry` does: a request served as a retry of the
+/// hop above is sent once, not hedged (the hop above retries; hedging here too multiplies its
+/// attempts), and a failure it could have hedged tells the hop it deferred (its caller retries
+/// within its adaptive budget only). (Before: hedged under an inbound retry, and the hop was
+/// never told.)
+#[tokio::test(start_paused = true)]
+async fn a_hedge_under_an_inbound_retry_sends_once_and_defers() {
+    let hop = Arc::new(reason_code::Hop::new(1));
+    assert!(hop.arrived_as_retry());
+    let (r, _, script, _) = hop
+        .clone()
+        .scope(hedged(
+            HedgeLayer::new(policy(3, 50 * MS)),
+            get("/books/b1"),
+            vec![Reply::Slow(Duration::from_secs(1), 503)],
+        ))
+        .await;
+    assert_eq!(code(&r), 503);
+    assert_eq!(script.attempts(), 1, "not hedged under an inbound retry");
+    assert!(hop.deferred(), "the hop is told the failure was deferred");
+    assert!(!hop.gave_up());
+
+    // Not under a retry: hedged, and a failure of every attempt is deferred too.
+    let hop = Arc::new(reason_code::Hop::new(0));
+    let (r, _, script, _) = hop
+        .clone()
+        .scope(hedged(
+            HedgeLayer::new(policy(2, 50 * MS)),
+            get("/books/b1"),
+            vec![status(503)],
+        ))
+        .await;
+    assert_eq!(code(&r), 503);
+    assert_eq!(script.attempts(), 2, "hedged");
+    assert!(hop.deferred());
+}
+
+/// Under `Retry`, a hedge keeps the attempt header the retry wrote on its retry, and its own
+/// hedges count on from it. (Before: it stripped the header, and the server took the retry for
+/// a first attempt.) A forwarded header, on a request `Retry` did not mark, is still dropped.
+#[tokio::test(start_paused = true)]
+async fn a_hedge_under_retry_keeps_the_attempt_header_it_was_given() {
+    let (svc, script) = backend::<retry_layer::ReplayBody<Full<Bytes>>>(vec![
+        status(503),
+        status(503),
+        status(503),
+        status(200),
+    ]);
+    let retry = RetryLayer::new(RetryPolicy::builder().max_attempts(2).build().unwrap());
+    let stack = retry.layer(HedgeLayer::new(policy(2, 50 * MS)).layer(svc));
+    let res = within_a_day("the call", stack.oneshot(get("/books/b1")))
+        .await
+        .expect("an answer");
+    assert_eq!(res.status(), StatusCode::OK);
+    let previous: Vec<_> = script
+        .seen()
+        .iter()
+        .map(|s| {
+            s.headers
+                .get("x-previous-attempts")
+                .map(|v| v.to_str().unwrap().to_owned())
+        })
+        .collect();
+    assert_eq!(
+        previous,
+        [None, Some("1".into()), Some("1".into()), Some("2".into())],
+        "the retry's header kept, the hedges counting on"
+    );
+}

@@ -7,6 +7,7 @@ mod bad_input;
 mod bodies;
 mod bounds;
 mod budget;
+mod contract;
 mod deadline;
 mod early_read;
 mod grpc;

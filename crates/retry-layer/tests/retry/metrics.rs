@@ -57,7 +57,12 @@ fn a_retried_call_counts_its_attempts_and_retries_by_code() {
                 } else {
                     StatusCode::CREATED
                 };
-                Ok::<_, Infallible>(Response::builder().status(status).body(()).unwrap())
+                Ok::<_, Infallible>(
+                    Response::builder()
+                        .status(status)
+                        .body(http_body_util::Empty::<bytes::Bytes>::new())
+                        .unwrap(),
+                )
             }
         })
     };
@@ -114,7 +119,7 @@ fn a_give_up_is_counted_by_reason_and_code() {
         Ok::<_, Infallible>(
             Response::builder()
                 .status(StatusCode::SERVICE_UNAVAILABLE)
-                .body(())
+                .body(http_body_util::Empty::<bytes::Bytes>::new())
                 .unwrap(),
         )
     });

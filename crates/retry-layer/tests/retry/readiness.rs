@@ -147,16 +147,18 @@ fn post() -> Request<Full<Bytes>> {
         .unwrap()
 }
 
-/// Readiness before the first attempt is bounded too: by `total_timeout` (a
-/// `DeadlineExceeded`), else by `response_head_timeout` (a `ServiceNotReady`), for `Retry`
-/// with the default policy and for `Hedge`; nothing reaches the service. (Before: the
-/// readiness was handed straight to the inner service and such a call waited forever.)
+/// Readiness before the first attempt is bounded too, in the response future (`poll_ready` is
+/// ready at once): by `total_timeout` (a `DeadlineExceeded`), else by `response_head_timeout`
+/// (a `ServiceNotReady`), for `Retry` with the default policy and for `Hedge`; nothing reaches
+/// the service.
 #[tokio::test(start_paused = true)]
 async fn a_service_that_never_becomes_ready_ends_the_call_at_its_bound() {
     let never = NeverReady::default();
     let default = tower::Layer::layer(&RetryLayer::new(RetryPolicy::default()), never.clone());
     let started = tokio::time::Instant::now();
     let e = default.oneshot(post()).await.expect_err("never ready");
+    let e = RetryError::of(&*e).expect("a RetryError");
+    assert_eq!(e.attempts(), 0);
     let not_ready = e
         .downcast_ref::<retry_layer::ServiceNotReady>()
         .unwrap_or_else(|| panic!("a ServiceNotReady: {e}"));
@@ -170,6 +172,7 @@ async fn a_service_that_never_becomes_ready_ends_the_call_at_its_bound() {
     let bounded = tower::Layer::layer(&RetryLayer::new(policy), never.clone());
     let started = tokio::time::Instant::now();
     let e = bounded.oneshot(post()).await.expect_err("never ready");
+    let e = RetryError::of(&*e).expect("a RetryError");
     assert!(e.is::<DeadlineExceeded>(), "a DeadlineExceeded: {e}");
     assert_eq!(started.elapsed(), Duration::from_secs(1));
 
@@ -190,8 +193,8 @@ async fn a_service_that_never_becomes_ready_ends_the_call_at_its_bound() {
     assert_eq!(never.called.load(std::sync::atomic::Ordering::SeqCst), 0);
 }
 
-/// The call's `total_timeout` counts from when its caller began to wait for the service: a
-/// call that waited 800 ms of its 1 s for readiness has 200 ms left for its attempts.
+/// The call's `total_timeout` counts from the call, and the wait for readiness is in it: a
+/// call that waited 800 ms of its 1 s for the service has 200 ms left for its attempts.
 #[tokio::test(start_paused = true)]
 async fn the_total_timeout_counts_the_wait_for_readiness() {
     let svc = tower::service_fn(|_req: Request<ReplayBody<Full<Bytes>>>| async {

@@ -93,51 +93,105 @@ async fn calls_keep_at_most_max_replay_bytes_total_together() {
     assert_eq!(layer.stats().replay_bytes, 0, "C's copy is gone with C");
 }
 
-/// A request that was never sent (here: connection refused) is retried even when the layer's
-/// memory could not hold a copy of its body: the body read whole is kept until the attempt's
-/// outcome is known, and resent byte for byte. After an outcome that may have run (a reset),
-/// it is gone and the request is not retried. Before, the first refusal was the answer.
+/// Every byte the layer keeps is counted: a body whose copy the layer's memory cannot hold is
+/// sent without replay, and no retry carries it, not even the retry of an attempt that was
+/// never sent (here: connection refused). Nothing is held uncounted for it. (Before: the body
+/// was held outside `max_replay_bytes_total`, invisible in `stats()`, until the attempt's
+/// outcome was known.)
 #[tokio::test(start_paused = true)]
-async fn a_body_the_memory_cannot_hold_is_resent_when_nothing_was_sent() {
-    use std::io::ErrorKind::{ConnectionRefused, ConnectionReset};
+async fn a_body_the_memory_cannot_hold_is_never_held_uncounted() {
+    use std::io::ErrorKind::ConnectionRefused;
 
-    let policy = || {
-        RetryPolicy::builder()
-            .max_replay_bytes_total(1024)
-            .build()
-            .unwrap()
-    };
+    let policy = RetryPolicy::builder()
+        .max_replay_bytes_total(1024)
+        .build()
+        .unwrap();
     let body = Bytes::from(vec![b'x'; 4 * 1024]);
-    let req = |method: http::Method| {
-        Request::builder()
-            .method(method)
-            .uri("http://svc/orders")
-            .body(Full::new(body.clone()))
-            .unwrap()
-    };
-
-    // A POST: nothing ran, so it is resent, whatever its method.
-    let replies = vec![Reply::Io(ConnectionRefused), status(201)];
-    let (res, script, layer) =
-        crate::support::call_scripted(policy(), req(http::Method::POST), replies).await;
-    assert_eq!(res.unwrap().status(), 201);
-    let seen = script.seen();
-    assert_eq!(seen.len(), 2);
-    assert!(seen.iter().all(|s| s.body == body), "the same bytes");
-    assert_eq!(layer.stats().retries, 1);
-    assert_eq!(layer.stats().replay_bytes, 0, "never counted as kept");
-
-    // A PUT refused, then reset: the reset attempt may have run, and the body is not kept.
-    let replies = vec![
-        Reply::Io(ConnectionRefused),
-        Reply::Io(ConnectionReset),
-        status(200),
-    ];
-    let (res, script, layer) =
-        crate::support::call_scripted(policy(), req(http::Method::PUT), replies).await;
-    let err = res.unwrap_err();
+    let req = Request::post("http://svc/orders")
+        .body(Full::new(body.clone()))
+        .unwrap();
+    let (svc, script) =
+        crate::support::backend::<Full<Bytes>>(vec![Reply::Io(ConnectionRefused), status(201)]);
+    let layer = retry_layer::RetryLayer::new(policy);
+    let mut retry = tower::Layer::layer(&layer, svc);
+    let call = retry.ready().await.unwrap().call(req);
+    assert_eq!(
+        layer.stats().replay_bytes,
+        0,
+        "nothing kept, nothing counted"
+    );
+    let err = within_a_day("the call", call).await.unwrap_err();
     let err = retry_layer::RetryError::of(&*err).expect("a RetryError");
-    assert_eq!(err.attempts(), 2, "{err}");
-    assert_eq!(script.attempts(), 2);
-    assert_eq!(layer.stats().retries, 1);
+    assert_eq!(err.attempts(), 1, "not retried: {err}");
+    assert_eq!(script.attempts(), 1);
+    assert_eq!(
+        script.seen()[0].body,
+        body,
+        "the first attempt sent it whole"
+    );
+    assert_eq!(layer.stats().retries, 0);
+}
+
+type Chunk = Result<Frame<Bytes>, BoxError>;
+
+/// A streamed body, whole once its two chunks have come: `(body, sender)`.
+fn two_chunk_body() -> (
+    StreamBody<impl futures_util::Stream<Item = Chunk>>,
+    tokio::sync::mpsc::Sender<Chunk>,
+) {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Chunk>(2);
+    let body = StreamBody::new(futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx)));
+    (body, tx)
+}
+
+/// A hedge of a body kept in two chunks sends one copy of it in one piece: made once, and
+/// counted against the layer's memory like the chunks (while the call is in flight, the layer
+/// keeps twice the body, and says so); when that copy does not fit, no hedge is sent. (Before:
+/// the copy was uncounted, and made again at each wake of a hedge waiting for readiness.)
+#[tokio::test(start_paused = true)]
+async fn a_hedges_copy_of_the_body_is_counted() {
+    use retry_layer::hedge::HedgePolicy;
+
+    let chunk = Bytes::from(vec![b'x'; 1024]);
+    for (total, hedged) in [(4 * 1024, true), (3 * 1024, false)] {
+        let retries = RetryLayer::new(
+            RetryPolicy::builder()
+                .max_replay_bytes_total(total)
+                .build()
+                .unwrap(),
+        );
+        let hedging = HedgePolicy::builder()
+            .max_attempts(2)
+            .hedging_delay(std::time::Duration::from_millis(50))
+            .hedge_writes()
+            .build()
+            .unwrap();
+        let (svc, script) = backend(vec![Reply::Slow(std::time::Duration::from_secs(1), 200)]);
+        let mut hedge = tower::Layer::layer(&retries.hedge_layer(hedging), svc);
+        let (body, tx) = two_chunk_body();
+        let req = Request::put("http://svc/blobs/1")
+            .header("x-idempotency-key", "blob-1")
+            .body(body)
+            .unwrap();
+        tx.send(Ok(Frame::data(chunk.clone()))).await.unwrap();
+        let call = tokio::spawn(hedge.ready().await.unwrap().call(req));
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        tx.send(Ok(Frame::data(chunk.clone()))).await.unwrap();
+        drop(tx);
+        // Past the hedging delay: the hedge is sent, or not.
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        let expected = if hedged { 4 * 1024 } else { 2 * 1024 };
+        assert_eq!(
+            retries.stats().replay_bytes,
+            expected,
+            "{total}: the chunks, and the copy in one piece if it fits"
+        );
+        let res = within_a_day("the call", call).await.unwrap().unwrap();
+        assert_eq!(res.status(), 200);
+        assert_eq!(script.attempts(), if hedged { 2 } else { 1 }, "{total}");
+        for seen in script.seen() {
+            assert_eq!(seen.body.len(), 2 * 1024, "{total}: the whole body");
+        }
+        assert_eq!(retries.stats().replay_bytes, 0, "{total}: all given back");
+    }
 }
