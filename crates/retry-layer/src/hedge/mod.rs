@@ -5,7 +5,10 @@
 //! (up to `max_attempts` in flight), keeping every attempt running: the first answer that is
 //! not a *non-fatal* failure wins, and the others are cancelled (their futures dropped: hyper
 //! and h2 abandon the request). A non-fatal failure (a code in `non_fatal_codes`, or a
-//! transport error) sends the next hedge at once. This cuts tail latency when one replica or
+//! transport error) sends the next hedge at once; when no other attempt is in flight and the
+//! service is not ready for that hedge, the failure in hand is the answer (held while the call
+//! waited, its unread body could be what keeps one HTTP/1.1 connection busy; a retry layer
+//! above drains it and retries after its backoff). This cuts tail latency when one replica or
 //! one connection is slow: the p99 becomes about `hedging_delay` plus a fast answer.
 //!
 //! As in gRFC A6:
