@@ -88,6 +88,10 @@ const JUDGE: &[(u64, &str)] = &[
     ),
     (861, "a claim released at its lifetime"),
     (
+        4201855,
+        "gRPC with no deadline: an answer that came only once a connection cut mid-message was given up (a retry 490 s later), judged against the layer's bound",
+    ),
+    (
         2817,
         "quiescence: detached work that runs to its claim's lifetime",
     ),
