@@ -281,6 +281,23 @@ async fn a_per_request_deadline_bounds_the_wait_for_readiness() {
 /// once the previous response's body is let go.
 struct OneConnection<B>(Arc<Mutex<hyper::client::conn::http1::SendRequest<B>>>);
 
+impl<B> OneConnection<B>
+where
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    /// One HTTP/1.1 connection to `addr`, its connection task spawned.
+    async fn to(addr: std::net::SocketAddr) -> Self {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        OneConnection(Arc::new(Mutex::new(send)))
+    }
+}
+
 impl<B> Clone for OneConnection<B> {
     fn clone(&self) -> Self {
         OneConnection(self.0.clone())
@@ -361,16 +378,12 @@ async fn slow_503_then_200() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
 #[tokio::test]
 async fn a_failed_answer_is_let_go_before_the_retry_on_one_http1_connection() {
     let (addr, hits) = slow_503_then_200().await;
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    let connection = OneConnection::to(addr).await;
     let policy = RetryPolicy::builder()
         .response_head_timeout(Duration::from_secs(5))
         .build()
         .unwrap();
-    let svc = RetryLayer::new(policy).layer(OneConnection(Arc::new(Mutex::new(send))));
+    let svc = RetryLayer::new(policy).layer(connection);
     let req = Request::get(format!("http://{addr}/books/b1"))
         .header("host", addr.to_string())
         .body(Full::new(Bytes::new()))
@@ -396,11 +409,7 @@ async fn a_failed_answer_is_let_go_before_the_retry_on_one_http1_connection() {
 #[tokio::test]
 async fn a_hedge_does_not_wait_for_the_connection_its_failed_answer_holds() {
     let (addr, hits) = slow_503_then_200().await;
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    let connection = OneConnection::to(addr).await;
     let hedging = HedgePolicy::builder()
         .max_attempts(2)
         .hedging_delay(Duration::from_millis(50))
@@ -415,7 +424,7 @@ async fn a_hedge_does_not_wait_for_the_connection_its_failed_answer_holds() {
     let svc = ServiceBuilder::new()
         .layer(RetryLayer::new(retry))
         .layer(HedgeLayer::new(hedging))
-        .service(OneConnection(Arc::new(Mutex::new(send))));
+        .service(connection);
     let req = Request::get(format!("http://{addr}/books/b1"))
         .header("host", addr.to_string())
         .body(Full::new(Bytes::new()))

@@ -585,15 +585,12 @@ impl Service<Request<retry_layer::ReplayBody<Full<Bytes>>>> for OnceThenStuck {
     }
 }
 
-/// A hedge whose first attempt failed in transport, on a service that then stops being ready:
-/// the hedge due after it waits for readiness at most `response_head_timeout`, even with no
-/// deadline and nothing in flight (no other timer is set then), and the call ends with that
-/// failure. (Before: it waited forever.)
-#[tokio::test(start_paused = true)]
-async fn a_hedge_waiting_for_a_service_that_stopped_being_ready_ends_at_the_head_timeout() {
+/// A hedged GET to a [`OnceThenStuck`] whose first answer fails (`fail`) or is a 503: the
+/// answer, how long it took, and the calls the service got.
+async fn once_then_stuck(fail: bool) -> (Result<Response<Full<Bytes>>, BoxError>, Duration, usize) {
     let svc = OnceThenStuck {
         calls: Arc::default(),
-        fail: true,
+        fail,
     };
     let hedge = HedgeLayer::new(policy(2, Duration::from_millis(50))).layer(svc.clone());
     let started = Instant::now();
@@ -607,10 +604,20 @@ async fn a_hedge_waiting_for_a_service_that_stopped_being_ready_ends_at_the_head
     )
     .await
     .expect("the call ends");
+    (answer, started.elapsed(), svc.calls.load(Ordering::SeqCst))
+}
+
+/// A hedge whose first attempt failed in transport, on a service that then stops being ready:
+/// the hedge due after it waits for readiness at most `response_head_timeout`, even with no
+/// deadline and nothing in flight (no other timer is set then), and the call ends with that
+/// failure. (Before: it waited forever.)
+#[tokio::test(start_paused = true)]
+async fn a_hedge_waiting_for_a_service_that_stopped_being_ready_ends_at_the_head_timeout() {
+    let (answer, took, calls) = once_then_stuck(true).await;
     let e = answer.expect_err("the first attempt's failure as the answer");
     assert!(e.to_string().contains("reset"), "{e}");
-    assert_eq!(started.elapsed(), Duration::from_secs(60));
-    assert_eq!(svc.calls.load(Ordering::SeqCst), 1, "one attempt sent");
+    assert_eq!(took, Duration::from_secs(60));
+    assert_eq!(calls, 1, "one attempt sent");
 }
 
 /// The same with a 503 in hand: the hedge does not wait for the service at all (held while it
@@ -618,26 +625,11 @@ async fn a_hedge_waiting_for_a_service_that_stopped_being_ready_ends_at_the_head
 /// connection): the 503 is the answer at once.
 #[tokio::test(start_paused = true)]
 async fn a_hedge_with_a_failed_answer_in_hand_does_not_wait_for_a_service_that_is_not_ready() {
-    let svc = OnceThenStuck {
-        calls: Arc::default(),
-        fail: false,
-    };
-    let hedge = HedgeLayer::new(policy(2, Duration::from_millis(50))).layer(svc.clone());
-    let started = Instant::now();
-    let answer = tokio::time::timeout(
-        Duration::from_secs(600),
-        hedge.oneshot(
-            Request::get("http://backend/books")
-                .body(Full::new(Bytes::new()))
-                .unwrap(),
-        ),
-    )
-    .await
-    .expect("the call ends")
-    .expect("the 503 as the answer");
+    let (answer, took, calls) = once_then_stuck(false).await;
+    let answer = answer.expect("the 503 as the answer");
     assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(started.elapsed(), Duration::ZERO);
-    assert_eq!(svc.calls.load(Ordering::SeqCst), 1, "one attempt sent");
+    assert_eq!(took, Duration::ZERO);
+    assert_eq!(calls, 1, "one attempt sent");
 }
 
 /// A hedge answered that its key is in flight at the server (409 `IDEMPOTENCY_IN_FLIGHT`): every
