@@ -351,7 +351,12 @@ where
         };
         // A transport error does not replace an answer that said the key was in flight: that
         // one says what the layer above must know (nothing ran for it, and the key is in flight).
-        if !(result.is_err() && self.last_in_flight) {
+        // Nor does a hedge that provably never left replace an attempt's that did: answered
+        // "never sent", a retry layer above would count its attempt as unsent (its retry would
+        // tell the server it is a first attempt, and its token would come back).
+        let keeps_last = self.last.is_some()
+            && (outcome == Outcome::Unsent || (result.is_err() && self.last_in_flight));
+        if !keeps_last {
             self.last = Some(result);
             self.last_in_flight = told;
         }

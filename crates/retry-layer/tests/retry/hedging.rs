@@ -740,6 +740,88 @@ async fn a_hedge_under_an_inbound_retry_sends_once_and_defers() {
     assert!(hop.deferred());
 }
 
+/// A hedge whose first attempt was answered (a 503: it reached the server) and whose next
+/// hedge provably never left answers with the 503, not with "never sent": the retry layer above
+/// counts its attempt as sent, and its retry tells the server it is one (the hop serving it
+/// then sends its own downstream writes once). Before, the unsent hedge's error replaced the
+/// answer, and the retry went out saying it was a first attempt (simulator seed 4100043).
+#[tokio::test(start_paused = true)]
+async fn a_hedge_answers_what_was_sent_not_the_hedge_that_never_left() {
+    let (svc, script) = backend::<retry_layer::ReplayBody<Full<Bytes>>>(vec![
+        status(503),
+        Reply::Io(std::io::ErrorKind::ConnectionRefused),
+        status(200),
+    ]);
+    let retry = RetryLayer::new(RetryPolicy::builder().max_attempts(2).build().unwrap());
+    let stack = retry.layer(HedgeLayer::new(policy(2, 50 * MS)).layer(svc));
+    let res = within_a_day("the call", stack.oneshot(get("/books/b1")))
+        .await
+        .expect("an answer");
+    assert_eq!(res.status(), StatusCode::OK);
+    let previous: Vec<_> = script
+        .seen()
+        .iter()
+        .map(|s| {
+            s.headers
+                .get("x-previous-attempts")
+                .map(|v| v.to_str().unwrap().to_owned())
+        })
+        .collect();
+    assert_eq!(
+        previous,
+        [None, Some("1".into()), Some("1".into())],
+        "the retry says it is one: the first attempt reached the server"
+    );
+}
+
+/// The same over sockets, HTTP/1.1 and h2c: the first attempt reaches a real server and is
+/// answered 503; the hedge goes to a port nothing listens on (refused: provably never sent); the
+/// retry above reaches the server again and says it is a retry.
+#[tokio::test]
+async fn a_hedge_answers_what_was_sent_not_the_hedge_that_never_left_on_the_wire() {
+    use crate::wire::{serve, status as act, Transport};
+    for proto in [Transport::Http1, Transport::Http2] {
+        let server = serve(|_, n| if n == 0 { act(503) } else { act(200) }).await;
+        let closed = {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            l.local_addr().unwrap()
+        };
+        let client =
+            proto.client::<retry_layer::ReplayBody<retry_layer::ReplayBody<Full<Bytes>>>>();
+        // The second attempt (the hedge) goes to the closed port; every other to the server.
+        let sent = Arc::new(AtomicUsize::new(0));
+        let router = tower::service_fn(move |mut req: Request<_>| {
+            if sent.fetch_add(1, Ordering::SeqCst) == 1 {
+                *req.uri_mut() = format!("http://{closed}/books/b1").parse().unwrap();
+            }
+            client.request(req)
+        });
+        let retry = RetryLayer::new(RetryPolicy::builder().max_attempts(2).build().unwrap());
+        let stack = retry.layer(HedgeLayer::new(policy(2, 50 * MS)).layer(router));
+        let req = Request::get(server.url("/books/b1"))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let res = crate::wire::bounded("the call", stack.oneshot(req))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK, "{proto:?}");
+        let previous: Vec<_> = server
+            .seen()
+            .iter()
+            .map(|s| {
+                s.headers
+                    .get("x-previous-attempts")
+                    .map(|v| v.to_str().unwrap().to_owned())
+            })
+            .collect();
+        assert_eq!(
+            previous,
+            [None, Some("1".into())],
+            "{proto:?}: the retry says it is one"
+        );
+    }
+}
+
 /// Under `Retry`, a hedge keeps the attempt header the retry wrote on its retry, and its own
 /// hedges count on from it. (Before: it stripped the header, and the server took the retry for
 /// a first attempt.) A forwarded header, on a request `Retry` did not mark, is still dropped.
