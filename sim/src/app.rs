@@ -239,18 +239,21 @@ pub async fn run_server(
         shared,
         server,
         boot,
-        down: s.chain.then(crate::chain::down_client),
+        down: s
+            .chain
+            .then(|| crate::chain::down_client(s.hedging.then_some(s.hedge_delay))),
     };
     let serving = async {
         if s.protocol == crate::schedule::Protocol::Grpc {
             return crate::grpc::serve(layer, app, panics, DrainSignal::new(&drains)).await;
         }
+        let tags = TagLayer(app.ledger().clone());
         let router = Router::new()
             .route("/w/{key}", post(write))
             .route("/health", get(|| async { "ok" }))
             .with_state(app);
         let service = ServiceBuilder::new()
-            .layer(TagLayer)
+            .layer(tags)
             .option_layer(s.chain.then(HopLayer::new))
             .layer(layer)
             .layer(PanicLayer(panics))
@@ -301,6 +304,11 @@ impl Started {
 }
 
 impl AppState {
+    /// The ledger the servers note what they see in.
+    pub(crate) fn ledger(&self) -> &Ledger {
+        &self.shared.ledger
+    }
+
     /// Whether the handlers write to a downstream tier (the server then runs `HopLayer`, the
     /// server half of one-tier retries, in front of its layer).
     pub(crate) fn chains(&self) -> bool {
@@ -311,7 +319,9 @@ impl AppState {
     /// handler then answers a retryable failure, and its side effect does not happen).
     pub(crate) async fn write_down(&self, started: &Started) -> bool {
         match &self.down {
-            Some(down) => crate::chain::write_down(down, &started.scope).await.is_ok(),
+            Some(down) => crate::chain::write_down(down, &started.scope, started.attempt)
+                .await
+                .is_ok(),
             None => true,
         }
     }

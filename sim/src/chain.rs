@@ -13,7 +13,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use idempotency_layer::IdempotencyLayer;
 use reason_code::BoxError;
+use retry_layer::hedge::{HedgeLayer, HedgePolicy};
 use retry_layer::{RetryLayer, RetryPolicy};
+use std::time::Duration;
 use tower::util::BoxCloneSyncService;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_layer::Layer;
@@ -36,28 +38,57 @@ const SECRET: &str = "sim: derived keys";
 pub type DownClient =
     BoxCloneSyncService<Request<Full<Bytes>>, Response<hyper::body::Incoming>, BoxError>;
 
-/// The client an upstream handler calls the downstream tier with.
-pub fn down_client() -> DownClient {
+/// The header that names the upstream attempt whose handler run made a downstream write
+/// (bookkeeping of the simulation, as [`PARENT_HEADER`]).
+pub const UPSTREAM_ATTEMPT_HEADER: HeaderName = HeaderName::from_static("x-sim-upstream-attempt");
+
+/// The client an upstream handler calls the downstream tier with: `RetryLayer`, and under it
+/// `HedgeLayer` when the schedule hedges (`hedge_delay`), as a user stacks them. Both read the
+/// handler's hop: under an inbound retry, the write is sent once.
+pub fn down_client(hedge_delay: Option<Duration>) -> DownClient {
     let policy = RetryPolicy::builder()
         .derive_idempotency_keys(SECRET)
-        .total_timeout(std::time::Duration::from_secs(5))
+        .total_timeout(Duration::from_secs(5))
         .build()
         .expect("a valid policy");
-    let hyper = Client::builder(TokioExecutor::new()).build(SimConnector);
-    BoxCloneSyncService::new(RetryLayer::new(policy).layer(hyper))
+    let retry = RetryLayer::new(policy);
+    // The client is built in each arm: the body type it sends differs under a hedge.
+    let hyper = Client::builder(TokioExecutor::new());
+    match hedge_delay {
+        Some(delay) => {
+            let hedging = HedgePolicy::builder()
+                .max_attempts(2)
+                .hedging_delay(delay)
+                .hedge_writes()
+                .build()
+                .expect("a valid hedging policy");
+            BoxCloneSyncService::new(
+                retry.layer(HedgeLayer::new(hedging).layer(hyper.build(SimConnector))),
+            )
+        }
+        None => BoxCloneSyncService::new(retry.layer(hyper.build(SimConnector))),
+    }
 }
 
 /// How long an upstream handler waits for its downstream answer's body.
-const BODY_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+const BODY_WAIT: Duration = Duration::from_secs(5);
 
 /// The upstream handler's downstream write, made as part of its execution of `parent`. `Ok`
 /// when the downstream tier answered a success (executed or replayed).
-pub async fn write_down(client: &DownClient, parent: &ScopeName) -> Result<(), String> {
-    let req = Request::post(format!("http://{DOWN}:{PORT}/d"))
+pub async fn write_down(
+    client: &DownClient,
+    parent: &ScopeName,
+    upstream: Option<u64>,
+) -> Result<(), String> {
+    let mut req = Request::post(format!("http://{DOWN}:{PORT}/d"))
         .header(crate::app::TENANT_HEADER, "down")
         .header(PARENT_HEADER, format!("{}/{}", parent.0, parent.1))
         .body(Full::new(Bytes::new()))
         .expect("a valid request");
+    if let Some(upstream) = upstream {
+        req.headers_mut()
+            .insert(UPSTREAM_ATTEMPT_HEADER, upstream.into());
+    }
     let res = client
         .clone()
         .oneshot(req)
@@ -86,10 +117,24 @@ pub async fn run_down(ledger: Ledger, store: StoreLink, boot: u32) -> turmoil::R
     let layer = IdempotencyLayer::new(store).tenant(idempotency_layer::TenantSource::header(
         crate::app::TENANT_HEADER,
     ));
+    let received = ledger.clone();
     let router = Router::new()
         .route("/d", post(down_write))
         .with_state(DownState { ledger, boot });
-    let service = ServiceBuilder::new().layer(layer).service(router);
+    let service = ServiceBuilder::new()
+        .map_request(move |req: Request<hyper::body::Incoming>| {
+            let upstream = req
+                .headers()
+                .get(UPSTREAM_ATTEMPT_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u64>().ok());
+            if let Some(upstream) = upstream {
+                received.down_received(upstream);
+            }
+            req
+        })
+        .layer(layer)
+        .service(router);
     crate::net::serve(service, crate::net::DrainSignal::never()).await
 }
 

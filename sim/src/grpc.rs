@@ -142,7 +142,7 @@ pub(crate) async fn serve(
     });
     let hop = app.chains().then(retry_layer::hop::HopLayer::new);
     tonic::transport::Server::builder()
-        .layer(crate::tag::TagLayer)
+        .layer(crate::tag::TagLayer(app.ledger().clone()))
         .layer(tower::util::option_layer(hop))
         .layer(layer)
         .layer(crate::app::PanicLayer(panics))
@@ -301,6 +301,14 @@ pub(crate) async fn call(
     ledger: &Ledger,
     i: usize,
 ) -> Option<Ending> {
+    // The layer's answer is its response head: noted when the layer's future resolves, before
+    // tonic reads the message and trailers (an HTTP call's head is noted the same way; what
+    // bounds the read after it is the body's matter, not the layer's answer).
+    let svc = NoteHead {
+        inner: svc,
+        ledger: ledger.clone(),
+        call: i,
+    };
     let mut grpc = tonic::client::Grpc::new(svc);
     let mut req = tonic::Request::new(body);
     if let Some(key) = key {
@@ -317,9 +325,11 @@ pub(crate) async fn call(
             grpc.unary(req, PathAndQuery::from_static(PUT), RawCodec)
                 .await
         }
-        Err(e) => Err(Status::from_error(e)),
+        Err(e) => {
+            ledger.call_head(i);
+            Err(Status::from_error(e))
+        }
     };
-    ledger.call_head(i);
     Some(match answer {
         Ok(resp) => {
             let replayed = resp
@@ -345,6 +355,54 @@ pub(crate) async fn call(
         }
         Err(status) => Ending::Error(format!("grpc {:?}: {}", status.code(), status.message())),
     })
+}
+
+/// Notes when the layer answers call `call` (its response future resolves), as its head.
+struct NoteHead<S> {
+    inner: S,
+    ledger: Ledger,
+    call: usize,
+}
+
+impl<S: Service<R>, R> Service<R> for NoteHead<S> {
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = NoteHeadFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: R) -> Self::Future {
+        NoteHeadFuture {
+            inner: self.inner.call(req),
+            ledger: Some(self.ledger.clone()),
+            call: self.call,
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// See [`NoteHead`].
+    struct NoteHeadFuture<F> {
+        #[pin]
+        inner: F,
+        ledger: Option<Ledger>,
+        call: usize,
+    }
+}
+
+impl<F: Future> Future for NoteHeadFuture<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.project();
+        let out = std::task::ready!(this.inner.poll(cx));
+        if let Some(ledger) = this.ledger.take() {
+            ledger.call_head(*this.call);
+        }
+        Poll::Ready(out)
+    }
 }
 
 /// The final probe of `server` over gRPC: a fresh write, straight to it (no retry).

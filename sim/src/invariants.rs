@@ -20,7 +20,10 @@
 //! 5. The memory bounds hold: the bytes a server's waiters hold, the response bytes it holds
 //!    for clients, the request bytes a client keeps for replay and the store's bytes, each read
 //!    after every step of the simulation, never pass their bound (drawn small per seed, or the
-//!    default); and the clients' retry budgets spend tokens only on attempts that were sent.
+//!    default); the clients' retry budgets spend tokens only on attempts that were sent; and
+//!    retries happen at one tier (under an inbound retry, a handler's downstream write, hedged
+//!    or not, is sent once; an attempt sent after one of its call reached a server says it is
+//!    a retry).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -143,6 +146,8 @@ pub fn check(run: &Run) -> Verdict {
     no_panic_and_still_serving(run, &mut v);
     memory_bounded(run, &mut v);
     budget_spent_on_attempts_sent(run, &mut v);
+    retries_at_one_tier(run, &mut v);
+    retries_say_so(run, &mut v);
     v
 }
 
@@ -260,6 +265,67 @@ fn budget_spent_on_attempts_sent(run: &Run, v: &mut Verdict) {
     }
 }
 
+/// Retries at one tier: a handler run for an attempt that arrived as a retry (an earlier
+/// attempt of its call had reached a server) sends its downstream write once (`HopLayer`'s
+/// default, `InboundRetry::SendOnce`), hedged or not: the downstream tier receives it at most
+/// once. (An attempt whose earlier ones were all lost on the way is not judged: its client may
+/// rightly have sent it as a first.)
+fn retries_at_one_tier(run: &Run, v: &mut Verdict) {
+    let o = &run.observed;
+    for (&upstream, &received) in &o.down_received {
+        if received < 2 {
+            continue;
+        }
+        let Some(&call) = o.attempt_calls.get(&upstream) else {
+            continue;
+        };
+        let earlier_arrived = o
+            .attempt_calls
+            .range(..upstream)
+            .any(|(tag, c)| *c == call && o.arrived.contains_key(tag));
+        if earlier_arrived {
+            v.violations.push(Violation {
+                promise: 5,
+                cause: "a tier below retried under an inbound retry",
+                scope: o.calls.get(call).map(|c| c.scope.clone()),
+                detail: format!(
+                    "attempt {upstream} of call {call} arrived as a retry; its handler's \
+                     downstream write reached the downstream tier {received} times"
+                ),
+            });
+        }
+    }
+}
+
+/// An attempt that arrived after another of its call had reached a server says it is a retry
+/// (its previous-attempts header above zero): that header is what tells the hop serving it to
+/// send its own downstream writes once. (It may count fewer attempts than reached the wire:
+/// a retry layer counts its own attempts, not the hedges a hedge layer sent under it.)
+fn retries_say_so(run: &Run, v: &mut Verdict) {
+    let o = &run.observed;
+    let mut arrived_before: BTreeMap<usize, u64> = BTreeMap::new();
+    for (&tag, &previous) in &o.arrived {
+        let Some(&call) = o.attempt_calls.get(&tag) else {
+            continue;
+        };
+        if let Some(&first) = arrived_before.get(&call) {
+            if previous == 0 {
+                v.violations.push(Violation {
+                    promise: 5,
+                    cause: "a retry arrived saying it was a first attempt",
+                    scope: o.calls.get(call).map(|c| c.scope.clone()),
+                    detail: format!(
+                        "attempt {tag} of call {call} said no attempt came before it; attempt \
+                         {first} of the same call had reached a server"
+                    ),
+                });
+            }
+        } else {
+            arrived_before.insert(call, tag);
+        }
+    }
+}
+
 fn calls_end(run: &Run, v: &mut Verdict) {
     let bound = call_bound(&run.schedule);
     for c in run.observed.calls.iter().filter(|c| c.client != PROBE) {
@@ -280,17 +346,6 @@ fn calls_end(run: &Run, v: &mut Verdict) {
         .expect("the layer's bound");
         match (&c.head, &c.end) {
             (_, Some((_, Ending::Cancelled | Ending::Crashed))) => {}
-            // A gRPC call's answer is its message and trailers: with no deadline, nothing on
-            // the client bounds reading them (as for an HTTP body), so a connection the network
-            // cut after the head leaves it waiting, as it would on a real connection that died
-            // silently.
-            // And so an answer that came only once that connection was given up, past the
-            // layer's bound (seed 4201855: a server crashed mid-message; the answer came from a
-            // retry 490 s later).
-            (_, _)
-                if run.schedule.settings.protocol == Protocol::Grpc
-                    && run.schedule.settings.deadline.is_none()
-                    && network_cut(&run.schedule, c.client, c.start) => {}
             (None, _) => v.violations.push(Violation {
                 promise: 1,
                 cause: "a call never got an answer",
@@ -314,6 +369,26 @@ fn calls_end(run: &Run, v: &mut Verdict) {
                             *head - c.start
                         ),
                     });
+                }
+                // A gRPC call's status is in its trailers: with a deadline (`grpc-timeout`),
+                // the whole answer, message and trailers, comes by it, not just the head. With
+                // none, reading them is bounded by nothing on the client, as an HTTP body is
+                // (the rule below: seed 4201855, a server crashed mid-message).
+                let grpc_deadline = run.schedule.settings.protocol == Protocol::Grpc
+                    && run.schedule.settings.deadline.is_some();
+                let ended = end.as_ref().map(|(at, _)| *at);
+                if grpc_deadline && ended.is_none_or(|ended| ended > answer_by) {
+                    v.violations.push(Violation {
+                        promise: 1,
+                        cause: "a gRPC answer's message and trailers came after its deadline",
+                        scope: scope.clone(),
+                        detail: format!(
+                            "client {} started at {:?}, ended at {ended:?}, to end by \
+                             {answer_by:?}",
+                            c.client, c.start
+                        ),
+                    });
+                    continue;
                 }
                 // From the start of the run, not of the head: the client pools its connections,
                 // and a segment a partition lost before the head (an HTTP/2 WINDOW_UPDATE, say)

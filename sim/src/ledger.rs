@@ -162,6 +162,14 @@ pub struct Observed {
     /// their own held that connection, unread (the service saw both, at two times of the
     /// simulation's clock), and when each wait began.
     pub waited_on_themselves: BTreeMap<usize, Duration>,
+    /// The downstream writes the downstream tier received, by the upstream attempt whose
+    /// handler run made them (its tag; replays included: the count is taken in front of the
+    /// downstream layer).
+    pub down_received: BTreeMap<u64, u32>,
+    /// The tagged attempts that reached a server (noted in front of everything it runs), with
+    /// the attempts before them their request said (`x-previous-attempts` or
+    /// `grpc-previous-rpc-attempts`; 0 when it said none).
+    pub arrived: BTreeMap<u64, u32>,
 }
 
 /// Reads a server layer's statistics.
@@ -293,6 +301,12 @@ impl Ledger {
         if o.calls_told_in_flight.contains(&call) {
             o.attempts_sent_knowing.insert(tag);
         }
+    }
+
+    /// Notes that the downstream tier received a write made by the handler run of upstream
+    /// attempt `upstream`.
+    pub fn down_received(&self, upstream: u64) {
+        *self.lock().down_received.entry(upstream).or_default() += 1;
     }
 
     /// Notes that call `call` waited for its client's one connection, from `since` to now,

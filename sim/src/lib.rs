@@ -10,7 +10,7 @@
 //!   of its own, so that it has one clock;
 //! - handlers whose side effect the ledger counts, with the faults the schedule gives them;
 //! - for chained writes, `HopLayer` in front of each server and a downstream tier written with
-//!   derived keys.
+//!   derived keys (through `RetryLayer`, with `HedgeLayer` under it when the seed hedges).
 //!
 //! A seed draws a [`schedule::Schedule`]: the settings of both layers (and their memory bounds,
 //! often small), the intents (keys, bodies, duplicates sent at once, cancellations) and the

@@ -15,6 +15,8 @@ use http::{HeaderName, Request};
 use tower_layer::Layer;
 use tower_service::Service;
 
+use crate::ledger::Ledger;
+
 /// The header that carries an attempt's tag.
 pub const ATTEMPT_HEADER: HeaderName = HeaderName::from_static("x-sim-attempt");
 
@@ -67,20 +69,39 @@ impl AttemptTags {
 }
 
 /// Keeps each request's attempt tag in a task-local around the inner service's call.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct TagLayer;
+/// It also notes, in the ledger, every tagged attempt that reached a server.
+#[derive(Clone)]
+pub struct TagLayer(pub Ledger);
 
 impl<S> Layer<S> for TagLayer {
     type Service = Tag<S>;
     fn layer(&self, inner: S) -> Tag<S> {
-        Tag { inner }
+        Tag {
+            inner,
+            ledger: self.0.clone(),
+        }
+    }
+}
+
+impl std::fmt::Debug for TagLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TagLayer").finish_non_exhaustive()
     }
 }
 
 /// See [`TagLayer`].
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Tag<S> {
     inner: S,
+    ledger: Ledger,
+}
+
+impl<S: std::fmt::Debug> std::fmt::Debug for Tag<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tag")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<S, B> Service<Request<B>> for Tag<S>
@@ -106,6 +127,16 @@ where
             .and_then(|v| v.parse::<u64>().ok());
         match tag {
             Some(tag) => {
+                let previous = [
+                    reason_code::X_PREVIOUS_ATTEMPTS,
+                    reason_code::GRPC_PREVIOUS_RPC_ATTEMPTS,
+                ]
+                .iter()
+                .filter_map(|name| req.headers().get(name))
+                .filter_map(|v| v.to_str().ok()?.parse::<u32>().ok())
+                .max()
+                .unwrap_or(0);
+                self.ledger.lock().arrived.insert(tag, previous);
                 let fut = ATTEMPT.sync_scope(tag, || self.inner.call(req));
                 futures_util::future::Either::Left(ATTEMPT.scope(tag, fut))
             }

@@ -58,6 +58,12 @@ pub const HOLES: &[(u64, &str)] = &[
     (4100036, "Q: the same, behind a `Buffer`"),
     (4102778, "R: a caller gave up a slow `ready()` on its shared service: the next call's `total_timeout` was counted from that abandoned wait, and it ended early with DeadlineExceeded"),
     (4100309, "R: the same, another schedule"),
+    (4101734, "S: a hedge below a handler's retry layer hedged its downstream write though the handler served a retry (it ignored the hop): the downstream tier got the write twice"),
+    (4100062, "S: the same, another schedule"),
+    (4100043, "T: a hedge whose first attempt was answered (503) and whose next hedge never left answered \"never sent\": the retry layer above took its attempt for unsent, and its retry told the server it was a first attempt"),
+    (4100163, "T: the same, another schedule"),
+    (4100016, "U: a hedge under the retry layer stripped the attempt header the retry wrote: the retry reached the server saying it was a first attempt"),
+    (4100039, "U: the same, another schedule"),
 ];
 
 /// Seeds that showed the judge wrong (a flaw of the simulator, not of the layers): each must
@@ -89,7 +95,7 @@ const JUDGE: &[(u64, &str)] = &[
     (861, "a claim released at its lifetime"),
     (
         4201855,
-        "gRPC with no deadline: an answer that came only once a connection cut mid-message was given up (a retry 490 s later), judged against the layer's bound",
+        "gRPC with no deadline: the layer's answer was noted only once tonic had read its message and trailers, which a connection cut mid-message held for 490 s (now noted when the layer answers; the read is judged as an HTTP body)",
     ),
     (
         2817,
