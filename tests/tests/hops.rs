@@ -105,3 +105,77 @@ async fn a_library_failing_first_attempts_is_retried_by_the_gateway_alone() {
     assert_eq!(faults.injected(), 10, "one failed first attempt per call");
     assert_eq!(layer.stats().retries, 0, "the client never had to retry");
 }
+
+/// A handler the idempotency layer finishes after its client went away (`OnDisconnect::Complete`,
+/// the default) still runs in its hop: a request that arrived as a retry keeps its handler's
+/// outbound calls to one attempt. Before, the detached run lost the hop (a tokio task-local of
+/// the request's task), and its downstream write retried as a first attempt's would (simulator
+/// seed 5101991). Over a real socket: axum::serve, a hyper-util client that gives up mid-call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_finished_after_its_client_went_away_keeps_its_hop() {
+    use std::sync::{Arc, Mutex};
+
+    use axum::routing::post;
+    use http_body_util::Full;
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+    use idempotency_layer::{IdempotencyLayer, TenantSource};
+    use retry_layer::hop::{Hop, HopLayer};
+
+    type Seen = Arc<Mutex<Option<Option<bool>>>>;
+    let seen: Seen = Arc::default();
+    let handler = {
+        let seen = seen.clone();
+        move || {
+            let seen = seen.clone();
+            async move {
+                // Long enough for the client to give up first.
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                *seen.lock().unwrap() = Some(Hop::current().map(|h| h.arrived_as_retry()));
+                "created"
+            }
+        }
+    };
+    let app = axum::Router::new()
+        .route("/orders", post(handler))
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new()).tenant(TenantSource::header(
+                http::HeaderName::from_static("x-tenant"),
+            )),
+        )
+        .layer(HopLayer::new());
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<bytes::Bytes>>();
+    let req = http::Request::post(format!("http://{addr}/orders"))
+        .header("x-tenant", "acme")
+        .header("idempotency-key", "order-0042")
+        .header("x-previous-attempts", "1")
+        .body(Full::new(bytes::Bytes::from_static(b"{}")))
+        .expect("a request");
+    // The client gives up before the answer: the connection closes under the handler.
+    let gave_up = tokio::time::timeout(Duration::from_millis(50), client.request(req)).await;
+    assert!(
+        gave_up.is_err(),
+        "the handler answers after the client gave up"
+    );
+    drop(client);
+
+    let seen = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if let Some(hop) = *seen.lock().unwrap() {
+                return hop;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the handler ran to its end, detached");
+    assert_eq!(
+        seen,
+        Some(true),
+        "the detached handler runs in its hop, which knows the request arrived as a retry"
+    );
+}

@@ -241,6 +241,14 @@ where
                 }
             }
         };
+        // The work goes on in a task of its own, outside the request's: the hop it was served
+        // in (a tokio task-local of `HopLayer`'s, set while the request's future drops) goes
+        // with it, so that a handler serving an inbound retry still sends its outbound calls
+        // once.
+        let bounded = match reason_code::Hop::current() {
+            Some(hop) => futures_util::future::Either::Left(hop.scope(bounded)),
+            None => futures_util::future::Either::Right(bounded),
+        };
         // Refused: dropped here, which cancels it.
         let _ = spawn(&shared, max, kind, what, bounded);
     }

@@ -211,6 +211,9 @@ where
             }
             let now = Instant::now();
             if self.plan.deadline.is_some_and(|d| now >= d) {
+                // As when the deadline ends an attempt: the hop is told (it gives up when the
+                // deadline was its inbound request's).
+                self.tell_hop();
                 return Poll::Ready(Some(Err(DeadlineExceeded::new().into())));
             }
             let ready_by = self.ready_by.expect("set while the first attempt waits");
@@ -293,6 +296,11 @@ where
         if !non_fatal {
             if outcome == Outcome::Status(Code::Ok) {
                 shared.budget.record(false);
+            }
+            // Sent once under an inbound retry (no head kept to hedge with): a failure on the
+            // way is one a hedge could have tried again, and the hop is told, as for a 503.
+            if self.parts.is_none() && !matches!(outcome, Outcome::Status(_)) {
+                self.tell_hop();
             }
             if n > 0 {
                 incr(&shared.stats.won_by_hedge);

@@ -822,6 +822,34 @@ async fn a_hedge_answers_what_was_sent_not_the_hedge_that_never_left_on_the_wire
     }
 }
 
+/// Sent once under an inbound retry, an attempt that fails on the way (reset, or no head in
+/// time) tells the hop it deferred, as a 503 does: a failure any hedge could have tried again.
+/// Before, only a retryable status told it, and the hop answered its caller a bare 503 (simulator
+/// seed 4100061: a handler's downstream write cut by a partition).
+#[tokio::test(start_paused = true)]
+async fn a_hedge_sent_once_under_an_inbound_retry_tells_the_hop_of_a_transport_failure() {
+    for (what, reply) in [
+        ("reset", Reply::Io(std::io::ErrorKind::ConnectionReset)),
+        (
+            "no head in time",
+            Reply::Slow(Duration::from_secs(3600), 200),
+        ),
+    ] {
+        let hop = Arc::new(reason_code::Hop::new(1));
+        let (r, _, script, _) = hop
+            .clone()
+            .scope(hedged(
+                HedgeLayer::new(policy(3, 50 * MS)),
+                get("/books/b1"),
+                vec![reply],
+            ))
+            .await;
+        assert!(r.is_err(), "{what}: the failure is the answer");
+        assert_eq!(script.attempts(), 1, "{what}: sent once");
+        assert!(hop.deferred(), "{what}: the hop is told it deferred");
+    }
+}
+
 /// Under `Retry`, a hedge keeps the attempt header the retry wrote on its retry, and its own
 /// hedges count on from it. (Before: it stripped the header, and the server took the retry for
 /// a first attempt.) A forwarded header, on a request `Retry` did not mark, is still dropped.
