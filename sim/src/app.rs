@@ -239,9 +239,14 @@ pub async fn run_server(
         shared,
         server,
         boot,
-        down: s
-            .chain
-            .then(|| crate::chain::down_client(s.hedging.then_some(s.hedge_delay))),
+        down: s.chain.then(|| {
+            use crate::chain::DownStack;
+            crate::chain::down_client(match (s.hedging, s.hedging_alone) {
+                (false, _) => DownStack::Retry,
+                (true, false) => DownStack::RetryOverHedge(s.hedge_delay),
+                (true, true) => DownStack::HedgeAlone(s.hedge_delay),
+            })
+        }),
     };
     let serving = async {
         if s.protocol == crate::schedule::Protocol::Grpc {
@@ -319,9 +324,22 @@ impl AppState {
     /// handler then answers a retryable failure, and its side effect does not happen).
     pub(crate) async fn write_down(&self, started: &Started) -> bool {
         match &self.down {
-            Some(down) => crate::chain::write_down(down, &started.scope, started.attempt)
-                .await
-                .is_ok(),
+            Some(down) => {
+                let written = crate::chain::write_down(down, &started.scope, started.attempt).await;
+                // A downstream write that failed in a way it could have tried again tells the
+                // hop how it ended (retried below, or do not retry), whichever layer made it:
+                // the hop's answer says so upstream.
+                let hop = retry_layer::hop::Hop::current();
+                let retryable = written == Err(crate::chain::DownFailure::Retryable);
+                if retryable && hop.is_some_and(|h| !h.deferred() && !h.gave_up()) {
+                    self.shared
+                        .ledger
+                        .lock()
+                        .hops_untold
+                        .push((started.scope.clone(), started.attempt));
+                }
+                written.is_ok()
+            }
             None => true,
         }
     }

@@ -35,51 +35,95 @@ pub const PARENT_HEADER: HeaderName = HeaderName::from_static("x-sim-parent");
 const SECRET: &str = "sim: derived keys";
 
 /// An upstream instance's client of the downstream tier.
-pub type DownClient =
-    BoxCloneSyncService<Request<Full<Bytes>>, Response<hyper::body::Incoming>, BoxError>;
+#[derive(Clone)]
+pub struct DownClient {
+    service: BoxCloneSyncService<Request<Full<Bytes>>, Response<hyper::body::Incoming>, BoxError>,
+    /// Hedging alone: no retry layer derives the downstream key, so the handler names it.
+    names_keys: bool,
+}
+
+impl std::fmt::Debug for DownClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DownClient")
+            .field("names_keys", &self.names_keys)
+            .finish_non_exhaustive()
+    }
+}
 
 /// The header that names the upstream attempt whose handler run made a downstream write
 /// (bookkeeping of the simulation, as [`PARENT_HEADER`]).
 pub const UPSTREAM_ATTEMPT_HEADER: HeaderName = HeaderName::from_static("x-sim-upstream-attempt");
 
-/// The client an upstream handler calls the downstream tier with: `RetryLayer`, and under it
-/// `HedgeLayer` when the schedule hedges (`hedge_delay`), as a user stacks them. Both read the
-/// handler's hop: under an inbound retry, the write is sent once.
-pub fn down_client(hedge_delay: Option<Duration>) -> DownClient {
-    let policy = RetryPolicy::builder()
-        .derive_idempotency_keys(SECRET)
-        .total_timeout(Duration::from_secs(5))
-        .build()
-        .expect("a valid policy");
-    let retry = RetryLayer::new(policy);
-    // The client is built in each arm: the body type it sends differs under a hedge.
-    let hyper = Client::builder(TokioExecutor::new());
-    match hedge_delay {
-        Some(delay) => {
-            let hedging = HedgePolicy::builder()
-                .max_attempts(2)
-                .hedging_delay(delay)
-                .hedge_writes()
+/// How the upstream handlers' client of the downstream tier is stacked, as the seed's clients.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DownStack {
+    /// `RetryLayer` over hyper-util's client.
+    Retry,
+    /// `RetryLayer` over `HedgeLayer` (this hedging delay) over the client.
+    RetryOverHedge(Duration),
+    /// `HedgeLayer` alone (this hedging delay): the handler names the key.
+    HedgeAlone(Duration),
+}
+
+/// The client an upstream handler calls the downstream tier with, stacked as `stack` says. Each
+/// layer reads the handler's hop: under an inbound retry, the write is sent once, and a failure
+/// it could have tried again is told to the hop.
+pub fn down_client(stack: DownStack) -> DownClient {
+    let hedging = |delay| {
+        HedgePolicy::builder()
+            .max_attempts(2)
+            .hedging_delay(delay)
+            .hedge_writes()
+            .build()
+            .expect("a valid hedging policy")
+    };
+    let retry = || {
+        RetryLayer::new(
+            RetryPolicy::builder()
+                .derive_idempotency_keys(SECRET)
+                .total_timeout(Duration::from_secs(5))
                 .build()
-                .expect("a valid hedging policy");
-            BoxCloneSyncService::new(
-                retry.layer(HedgeLayer::new(hedging).layer(hyper.build(SimConnector))),
-            )
-        }
-        None => BoxCloneSyncService::new(retry.layer(hyper.build(SimConnector))),
+                .expect("a valid policy"),
+        )
+    };
+    // The client is built in each arm: the body type it sends differs under each layer.
+    let hyper = Client::builder(TokioExecutor::new());
+    let service = match stack {
+        DownStack::Retry => BoxCloneSyncService::new(retry().layer(hyper.build(SimConnector))),
+        DownStack::RetryOverHedge(delay) => BoxCloneSyncService::new(
+            retry().layer(HedgeLayer::new(hedging(delay)).layer(hyper.build(SimConnector))),
+        ),
+        DownStack::HedgeAlone(delay) => BoxCloneSyncService::new(
+            HedgeLayer::new(hedging(delay)).layer(hyper.build(SimConnector)),
+        ),
+    };
+    DownClient {
+        service,
+        names_keys: matches!(stack, DownStack::HedgeAlone(_)),
     }
 }
 
 /// How long an upstream handler waits for its downstream answer's body.
 const BODY_WAIT: Duration = Duration::from_secs(5);
 
-/// The upstream handler's downstream write, made as part of its execution of `parent`. `Ok`
-/// when the downstream tier answered a success (executed or replayed).
+/// How a downstream write failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DownFailure {
+    /// A failure the client could have tried again (a transport error, a timeout, a retryable
+    /// status): the layer that made the write tells the hop how it ended.
+    Retryable,
+    /// A final answer (a replay, a status the table never retries): nothing to tell the hop.
+    Final,
+}
+
+/// The upstream handler's downstream write, made as part of its execution of `parent` (by the
+/// handler run of upstream attempt `upstream`). `Ok` when the downstream tier answered a
+/// success (executed or replayed).
 pub async fn write_down(
     client: &DownClient,
     parent: &ScopeName,
     upstream: Option<u64>,
-) -> Result<(), String> {
+) -> Result<(), DownFailure> {
     let mut req = Request::post(format!("http://{DOWN}:{PORT}/d"))
         .header(crate::app::TENANT_HEADER, "down")
         .header(PARENT_HEADER, format!("{}/{}", parent.0, parent.1))
@@ -89,19 +133,45 @@ pub async fn write_down(
         req.headers_mut()
             .insert(UPSTREAM_ATTEMPT_HEADER, upstream.into());
     }
+    if client.names_keys {
+        let key = format!("{}_{}", parent.0, parent.1);
+        req.headers_mut().insert(
+            idempotency_layer::X_IDEMPOTENCY_KEY,
+            key.parse().expect("a key of visible ASCII"),
+        );
+    }
     let res = client
+        .service
         .clone()
         .oneshot(req)
         .await
-        .map_err(|e| e.to_string())?;
-    let ok = res.status().is_success();
+        .map_err(|_| DownFailure::Retryable)?;
+    let failure = (!res.status().is_success()).then(|| {
+        if retryable(&res) {
+            DownFailure::Retryable
+        } else {
+            DownFailure::Final
+        }
+    });
     // Bounded, as a careful handler bounds what it waits for: a body cut off by a partition
     // would otherwise hold the upstream write (and its claim) for good.
     let _ = tokio::time::timeout(BODY_WAIT, res.into_body().collect()).await;
-    if ok {
-        Ok(())
-    } else {
-        Err("the downstream write failed".to_owned())
+    failure.map_or(Ok(()), Err)
+}
+
+/// Whether the retry table retries this answer to a keyed write (a replay never is).
+fn retryable<B>(res: &Response<B>) -> bool {
+    let replayed = res
+        .headers()
+        .get(reason_code::IDEMPOTENT_REPLAYED)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
+    let reasons = reason_code::ReasonCodes::default();
+    match reason_code::classify_head(&reasons, false, res.status(), res.headers()) {
+        reason_code::HeadClass::Decided(code) if !replayed => {
+            reason_code::RetryTable::default().verdict(reason_code::Outcome::Status(code), true)
+                == reason_code::Verdict::Retry
+        }
+        _ => false,
     }
 }
 

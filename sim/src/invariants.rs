@@ -23,7 +23,7 @@
 //!    default); the clients' retry budgets spend tokens only on attempts that were sent; and
 //!    retries happen at one tier (under an inbound retry, a handler's downstream write, hedged
 //!    or not, is sent once; an attempt sent after one of its call reached a server says it is
-//!    a retry).
+//!    a retry; a failed downstream write tells its hop how it ended).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -148,6 +148,7 @@ pub fn check(run: &Run) -> Verdict {
     budget_spent_on_attempts_sent(run, &mut v);
     retries_at_one_tier(run, &mut v);
     retries_say_so(run, &mut v);
+    hops_told(run, &mut v);
     v
 }
 
@@ -294,6 +295,22 @@ fn retries_at_one_tier(run: &Run, v: &mut Verdict) {
                 ),
             });
         }
+    }
+}
+
+/// A handler whose downstream write failed in a way its client could have tried again (a
+/// transport error, a timeout, a status the table retries; not a final answer) told its hop how
+/// it ended (retried below, or do not retry), whether a retry layer, a hedge under it or a hedge
+/// alone made the write: the hop's answer tells the tier above not to multiply the retries
+/// already made.
+fn hops_told(run: &Run, v: &mut Verdict) {
+    for (scope, attempt) in &run.observed.hops_untold {
+        v.violations.push(Violation {
+            promise: 5,
+            cause: "a failed downstream write did not tell its hop how it ended",
+            scope: Some(scope.clone()),
+            detail: format!("the handler run of attempt {attempt:?}"),
+        });
     }
 }
 

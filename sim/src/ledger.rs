@@ -170,6 +170,9 @@ pub struct Observed {
     /// the attempts before them their request said (`x-previous-attempts` or
     /// `grpc-previous-rpc-attempts`; 0 when it said none).
     pub arrived: BTreeMap<u64, u32>,
+    /// The handler runs whose downstream write failed without telling their hop how it ended
+    /// (by the upstream attempt that carried them).
+    pub hops_untold: Vec<(ScopeName, Option<u64>)>,
 }
 
 /// Reads a server layer's statistics.

@@ -64,6 +64,11 @@ pub const HOLES: &[(u64, &str)] = &[
     (4100163, "T: the same, another schedule"),
     (4100016, "U: a hedge under the retry layer stripped the attempt header the retry wrote: the retry reached the server saying it was a first attempt"),
     (4100039, "U: the same, another schedule"),
+    (4100304, "V: a hedge alone under a handler never told its hop how its failed downstream write ended: the hop answered its caller a bare 503"),
+    (4100701, "V: the same, another schedule"),
+    (4100061, "W: a hedge alone sent once under an inbound retry whose attempt failed on the way (cut, no head in time) did not tell its hop (only a retryable status did)"),
+    (4100831, "W: the same, another schedule"),
+    (5101991, "X: a handler the idempotency layer finished after its client went away ran outside its hop (a task-local of the request's task): serving an inbound retry, its downstream write retried"),
 ];
 
 /// Seeds that showed the judge wrong (a flaw of the simulator, not of the layers): each must
