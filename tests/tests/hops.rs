@@ -110,7 +110,8 @@ async fn a_library_failing_first_attempts_is_retried_by_the_gateway_alone() {
 /// the default) still runs in its hop: a request that arrived as a retry keeps its handler's
 /// outbound calls to one attempt. Before, the detached run lost the hop (a tokio task-local of
 /// the request's task), and its downstream write retried as a first attempt's would (simulator
-/// seed 5101991). Over a real socket: axum::serve, a hyper-util client that gives up mid-call.
+/// seed 5101991). Over a real socket: axum::serve, a hyper-util client that gives up mid-call;
+/// the handler goes on only once the layer has detached it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_finished_after_its_client_went_away_keeps_its_hop() {
     use std::sync::{Arc, Mutex};
@@ -121,28 +122,29 @@ async fn a_handler_finished_after_its_client_went_away_keeps_its_hop() {
     use hyper_util::rt::TokioExecutor;
     use idempotency_layer::{IdempotencyLayer, TenantSource};
     use retry_layer::hop::{Hop, HopLayer};
+    use tokio::sync::Notify;
 
     type Seen = Arc<Mutex<Option<Option<bool>>>>;
     let seen: Seen = Arc::default();
+    let (started, go) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let handler = {
-        let seen = seen.clone();
+        let (seen, started, go) = (seen.clone(), started.clone(), go.clone());
         move || {
-            let seen = seen.clone();
+            let (seen, started, go) = (seen.clone(), started.clone(), go.clone());
             async move {
-                // Long enough for the client to give up first.
-                tokio::time::sleep(Duration::from_millis(300)).await;
+                started.notify_one();
+                go.notified().await;
                 *seen.lock().unwrap() = Some(Hop::current().map(|h| h.arrived_as_retry()));
                 "created"
             }
         }
     };
+    let layer = IdempotencyLayer::new(MemoryStore::new()).tenant(TenantSource::header(
+        http::HeaderName::from_static("x-tenant"),
+    ));
     let app = axum::Router::new()
         .route("/orders", post(handler))
-        .layer(
-            IdempotencyLayer::new(MemoryStore::new()).tenant(TenantSource::header(
-                http::HeaderName::from_static("x-tenant"),
-            )),
-        )
+        .layer(layer.clone())
         .layer(HopLayer::new());
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
@@ -155,15 +157,27 @@ async fn a_handler_finished_after_its_client_went_away_keeps_its_hop() {
         .header("x-previous-attempts", "1")
         .body(Full::new(bytes::Bytes::from_static(b"{}")))
         .expect("a request");
-    // The client gives up before the answer: the connection closes under the handler.
-    let gave_up = tokio::time::timeout(Duration::from_millis(50), client.request(req)).await;
-    assert!(
-        gave_up.is_err(),
-        "the handler answers after the client gave up"
-    );
+    // The client gives up once the handler runs: the connection closes under it.
+    let bound = Duration::from_secs(10);
+    tokio::time::timeout(bound, async {
+        tokio::select! {
+            _ = client.request(req) => panic!("the handler answered before it was let go"),
+            () = started.notified() => {}
+        }
+    })
+    .await
+    .expect("the handler starts");
     drop(client);
+    tokio::time::timeout(bound, async {
+        while layer.stats().detached == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the layer detaches the handler once its client is gone");
+    go.notify_one();
 
-    let seen = tokio::time::timeout(Duration::from_secs(10), async {
+    let seen = tokio::time::timeout(bound, async {
         loop {
             if let Some(hop) = *seen.lock().unwrap() {
                 return hop;
