@@ -34,6 +34,10 @@ pub enum InFlight {
 pub enum OnDisconnect {
     /// Drive the handler and its response body to completion in a spawned tokio task and record
     /// the outcome, so the client's retry gets the replay. The default.
+    ///
+    /// The task runs in the request's hop (`reason_code::Hop`, which retry-layer's `HopLayer`
+    /// sets in front of this layer): a handler serving a retry of the tier above still sends
+    /// its own outbound writes once. Other task-locals of the request's task do not follow it.
     #[default]
     Complete,
     /// Drop the handler (cancelling it) and release the claim, so a retry executes again.
