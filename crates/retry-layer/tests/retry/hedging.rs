@@ -740,25 +740,17 @@ async fn a_hedge_under_an_inbound_retry_sends_once_and_defers() {
     assert!(hop.deferred());
 }
 
-/// A hedge whose first attempt was answered (a 503: it reached the server) and whose next
-/// hedge provably never left answers with the 503, not with "never sent": the retry layer above
-/// counts its attempt as sent, and its retry tells the server it is one (the hop serving it
-/// then sends its own downstream writes once). Before, the unsent hedge's error replaced the
-/// answer, and the retry went out saying it was a first attempt (simulator seed 4100043).
-#[tokio::test(start_paused = true)]
-async fn a_hedge_answers_what_was_sent_not_the_hedge_that_never_left() {
-    let (svc, script) = backend::<retry_layer::ReplayBody<Full<Bytes>>>(vec![
-        status(503),
-        Reply::Io(std::io::ErrorKind::ConnectionRefused),
-        status(200),
-    ]);
+/// A GET through `Retry` (2 attempts) over `Hedge` (2 attempts, 50 ms) over a backend answering
+/// `replies`: answered 200, and the `x-previous-attempts` each request the backend saw carried.
+async fn previous_attempts_under_retry(replies: Vec<Reply>) -> Vec<Option<String>> {
+    let (svc, script) = backend::<retry_layer::ReplayBody<Full<Bytes>>>(replies);
     let retry = RetryLayer::new(RetryPolicy::builder().max_attempts(2).build().unwrap());
     let stack = retry.layer(HedgeLayer::new(policy(2, 50 * MS)).layer(svc));
     let res = within_a_day("the call", stack.oneshot(get("/books/b1")))
         .await
         .expect("an answer");
     assert_eq!(res.status(), StatusCode::OK);
-    let previous: Vec<_> = script
+    script
         .seen()
         .iter()
         .map(|s| {
@@ -766,7 +758,22 @@ async fn a_hedge_answers_what_was_sent_not_the_hedge_that_never_left() {
                 .get("x-previous-attempts")
                 .map(|v| v.to_str().unwrap().to_owned())
         })
-        .collect();
+        .collect()
+}
+
+/// A hedge whose first attempt was answered (a 503: it reached the server) and whose next
+/// hedge provably never left answers with the 503, not with "never sent": the retry layer above
+/// counts its attempt as sent, and its retry tells the server it is one (the hop serving it
+/// then sends its own downstream writes once). Before, the unsent hedge's error replaced the
+/// answer, and the retry went out saying it was a first attempt (simulator seed 4100043).
+#[tokio::test(start_paused = true)]
+async fn a_hedge_answers_what_was_sent_not_the_hedge_that_never_left() {
+    let previous = previous_attempts_under_retry(vec![
+        status(503),
+        Reply::Io(std::io::ErrorKind::ConnectionRefused),
+        status(200),
+    ])
+    .await;
     assert_eq!(
         previous,
         [None, Some("1".into()), Some("1".into())],
@@ -855,27 +862,9 @@ async fn a_hedge_sent_once_under_an_inbound_retry_tells_the_hop_of_a_transport_f
 /// a first attempt.) A forwarded header, on a request `Retry` did not mark, is still dropped.
 #[tokio::test(start_paused = true)]
 async fn a_hedge_under_retry_keeps_the_attempt_header_it_was_given() {
-    let (svc, script) = backend::<retry_layer::ReplayBody<Full<Bytes>>>(vec![
-        status(503),
-        status(503),
-        status(503),
-        status(200),
-    ]);
-    let retry = RetryLayer::new(RetryPolicy::builder().max_attempts(2).build().unwrap());
-    let stack = retry.layer(HedgeLayer::new(policy(2, 50 * MS)).layer(svc));
-    let res = within_a_day("the call", stack.oneshot(get("/books/b1")))
-        .await
-        .expect("an answer");
-    assert_eq!(res.status(), StatusCode::OK);
-    let previous: Vec<_> = script
-        .seen()
-        .iter()
-        .map(|s| {
-            s.headers
-                .get("x-previous-attempts")
-                .map(|v| v.to_str().unwrap().to_owned())
-        })
-        .collect();
+    let previous =
+        previous_attempts_under_retry(vec![status(503), status(503), status(503), status(200)])
+            .await;
     assert_eq!(
         previous,
         [None, Some("1".into()), Some("1".into()), Some("2".into())],
