@@ -753,12 +753,15 @@ async fn previous_attempts_under_retry(replies: Vec<Reply>) -> Vec<Option<String
     script
         .seen()
         .iter()
-        .map(|s| {
-            s.headers
-                .get("x-previous-attempts")
-                .map(|v| v.to_str().unwrap().to_owned())
-        })
+        .map(|s| previous_attempts(&s.headers))
         .collect()
+}
+
+/// The `x-previous-attempts` a request carried.
+fn previous_attempts(headers: &http::HeaderMap) -> Option<String> {
+    headers
+        .get("x-previous-attempts")
+        .map(|v| v.to_str().unwrap().to_owned())
 }
 
 /// A hedge whose first attempt was answered (a 503: it reached the server) and whose next
@@ -815,11 +818,7 @@ async fn a_hedge_answers_what_was_sent_not_the_hedge_that_never_left_on_the_wire
         let previous: Vec<_> = server
             .seen()
             .iter()
-            .map(|s| {
-                s.headers
-                    .get("x-previous-attempts")
-                    .map(|v| v.to_str().unwrap().to_owned())
-            })
+            .map(|s| previous_attempts(&s.headers))
             .collect();
         assert_eq!(
             previous,
