@@ -124,8 +124,9 @@ async fn a_handler_finished_after_its_client_went_away_keeps_its_hop() {
     use retry_layer::hop::{Hop, HopLayer};
     use tokio::sync::Notify;
 
-    type Seen = Arc<Mutex<Option<Option<bool>>>>;
-    let seen: Seen = Arc::default();
+    type Seen = Arc<Mutex<Option<tokio::sync::oneshot::Sender<Option<bool>>>>>;
+    let (seen_tx, seen_rx) = tokio::sync::oneshot::channel();
+    let seen: Seen = Arc::new(Mutex::new(Some(seen_tx)));
     let (started, go) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let handler = {
         let (seen, started, go) = (seen.clone(), started.clone(), go.clone());
@@ -134,7 +135,9 @@ async fn a_handler_finished_after_its_client_went_away_keeps_its_hop() {
             async move {
                 started.notify_one();
                 go.notified().await;
-                *seen.lock().unwrap() = Some(Hop::current().map(|h| h.arrived_as_retry()));
+                if let Some(tx) = seen.lock().unwrap().take() {
+                    let _ = tx.send(Hop::current().map(|h| h.arrived_as_retry()));
+                }
                 "created"
             }
         }
@@ -177,16 +180,10 @@ async fn a_handler_finished_after_its_client_went_away_keeps_its_hop() {
     .expect("the layer detaches the handler once its client is gone");
     go.notify_one();
 
-    let seen = tokio::time::timeout(bound, async {
-        loop {
-            if let Some(hop) = *seen.lock().unwrap() {
-                return hop;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .expect("the handler ran to its end, detached");
+    let seen = tokio::time::timeout(bound, seen_rx)
+        .await
+        .expect("the handler ran to its end, detached")
+        .expect("the handler reports what it saw");
     assert_eq!(
         seen,
         Some(true),
