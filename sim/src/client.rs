@@ -153,7 +153,7 @@ where
 
 impl<S, B, R> Service<Request<B>> for Route<S>
 where
-    S: Service<Request<B>, Response = http::Response<R>>,
+    S: Service<Request<crate::held::InTransport<B>>, Response = http::Response<R>>,
 {
     type Response = S::Response;
     type Error = S::Error;
@@ -191,6 +191,8 @@ where
         if let Some(handoff) = handoff_of(req.headers()) {
             self.ledger.attempt_of_handoff(handoff);
         }
+        // Its body, noted as the transport's while the transport holds it.
+        let req = req.map(|body| self.ledger.held.in_transport(call, body));
         Watched::new(self.inner.call(req), call, self.ledger.clone())
     }
 }
@@ -267,6 +269,8 @@ pub struct SendBody {
     sent: usize,
     stall: Option<Pin<Box<tokio::time::Sleep>>>,
     done: bool,
+    /// Where each frame's bytes are counted while alive, and as whose (client, call).
+    counted: Option<(crate::held::Holdings, usize, usize)>,
 }
 
 impl SendBody {
@@ -278,7 +282,22 @@ impl SendBody {
             fault,
             sent: 0,
             stall: None,
+            counted: None,
         }
+    }
+
+    /// Each frame this body yields counted in `held` as call `call` of client `client`'s
+    /// while it is alive.
+    pub fn counted_in(mut self, held: &crate::held::Holdings, client: usize, call: usize) -> Self {
+        self.counted = Some((held.clone(), client, call));
+        self
+    }
+
+    fn frame_of(&self, data: Bytes) -> http_body::Frame<Bytes> {
+        http_body::Frame::data(match &self.counted {
+            Some((held, client, call)) => held.counted(*client, *call, data),
+            None => data,
+        })
     }
 }
 
@@ -301,7 +320,7 @@ impl http_body::Body for SendBody {
         };
         if this.sent < at {
             this.sent = at;
-            return Poll::Ready(Some(Ok(http_body::Frame::data(this.data.slice(..at)))));
+            return Poll::Ready(Some(Ok(this.frame_of(this.data.slice(..at)))));
         }
         match this.fault {
             Some(BodyFault::Fail { .. }) => {
@@ -318,7 +337,7 @@ impl http_body::Body for SendBody {
                 this.done = true;
                 if this.sent < len {
                     this.sent = len;
-                    Poll::Ready(Some(Ok(http_body::Frame::data(this.data.slice(at..)))))
+                    Poll::Ready(Some(Ok(this.frame_of(this.data.slice(at..)))))
                 } else {
                     Poll::Ready(None)
                 }
@@ -459,14 +478,29 @@ pub fn stack(schedule: &Schedule, ledger: &Ledger, client: usize, gate: ReadyGat
                 ))
         };
     }
+    // What the client's layers count of the request bytes they keep, read after every step.
+    let counted = retry.clone();
+    let hedge = HedgeLayer::new(hedge_policy(schedule, ledger));
+    let hedge_counted = hedge.clone();
+    if !(schedule.settings.hedging && schedule.settings.hedging_alone) {
+        ledger.held.counter(
+            client,
+            "retry",
+            Arc::new(move || counted.stats().replay_bytes),
+        );
+    }
+    if schedule.settings.hedging {
+        ledger.held.counter(
+            client,
+            "hedge",
+            Arc::new(move || hedge_counted.stats().replay_bytes),
+        );
+    }
     let stack: ClientStack = if schedule.settings.hedging && schedule.settings.hedging_alone {
         // Hedging alone, with no retry layer above it: it answers on its own bounds.
-        BoxCloneService::new(Handoffs::new(
-            HedgeLayer::new(hedge_policy(schedule, ledger)).layer(below!()),
-            ledger,
-        ))
+        BoxCloneService::new(Handoffs::new(hedge.layer(below!()), ledger))
     } else if schedule.settings.hedging {
-        let hedged = HedgeLayer::new(hedge_policy(schedule, ledger)).layer(below!());
+        let hedged = hedge.layer(below!());
         BoxCloneService::new(retry.layer(Handoffs::new(hedged, ledger)))
     } else {
         BoxCloneService::new(retry.layer(Handoffs::new(below!(), ledger)))
@@ -503,6 +537,7 @@ pub async fn run_client(
             .client_reuses_service
             .then(|| Arc::new(tokio::sync::Mutex::new(stack.clone())));
         Caller::Http(HttpCaller {
+            client,
             stack,
             shared,
             deadline: schedule.settings.call_deadline,
@@ -589,6 +624,7 @@ enum Caller {
 /// An HTTP client's stack, and how its calls use it.
 #[derive(Clone)]
 struct HttpCaller {
+    client: usize,
     stack: ClientStack,
     /// One service for all the client's calls, when the schedule draws it: each call takes it,
     /// waits for `ready()`, calls, and gives it back (a call cancelled meanwhile abandons its
@@ -626,7 +662,7 @@ impl Caller {
                 }
                 req = req.header(CALL_HEADER, i);
                 let req = req
-                    .body(SendBody::new(body, fault))
+                    .body(SendBody::new(body, fault).counted_in(&ledger.held, http.client, i))
                     .expect("a valid request");
                 call(http, req, slow_read, ledger, i).await
             }
@@ -644,6 +680,8 @@ async fn call(
     ledger: &Ledger,
     i: usize,
 ) -> Option<Ending> {
+    // The call is inside its layers until they answer (or it is given up).
+    let in_layer = ledger.held.in_layer(i);
     let answer = match http.shared {
         None => {
             ledger.call_took_service(i);
@@ -677,6 +715,7 @@ async fn call(
             }
         }
     };
+    drop(in_layer);
     ledger.call_head(i);
     read_answer(answer, slow_read).await
 }

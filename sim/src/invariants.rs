@@ -20,7 +20,10 @@
 //! 5. The memory bounds hold: the bytes a server's waiters hold, the response bytes it holds
 //!    for clients, the request bytes a client keeps for replay and the store's bytes, each read
 //!    after every step of the simulation, never pass their bound (drawn small per seed, or the
-//!    default); the clients' retry budgets spend tokens only on attempts that were sent; and
+//!    default), and every request byte a client's layers keep for a retry is one they count
+//!    (the bytes of its body frames, alive while the call is in the layers with no attempt's
+//!    body in the transport, never pass what the layers' replay memory says: see
+//!    [`crate::held`]); the clients' retry budgets spend tokens only on attempts that were sent; and
 //!    retries happen at one tier (under an inbound retry, a handler's downstream write, hedged
 //!    or not, is sent once; an attempt sent after one of its call reached a server says it is
 //!    a retry; a failed downstream write tells its hop how it ended).
@@ -227,6 +230,29 @@ fn memory_bounded(run: &Run, v: &mut Verdict) {
                 detail: format!("peak {peak} bytes, bound {bound}"),
             });
         }
+    }
+    // Every byte a client's layers keep for a retry is counted in their replay memory: the
+    // frames of calls inside the layers, sent once and held by no transport, are kept alive by
+    // the layers alone (see `crate::held`).
+    if let Some(u) = &run.observed.uncounted_replay {
+        let calls: Vec<String> = u
+            .calls
+            .iter()
+            .map(|(call, n)| format!("call {call}: {n} B"))
+            .collect();
+        v.violations.push(Violation {
+            promise: 5,
+            cause: "a client's layers kept request bytes for a retry that their replay memory did not count",
+            scope: None,
+            detail: format!(
+                "at {:?}, client {}: {} B kept ({}), {} B counted",
+                u.at,
+                u.client,
+                u.held,
+                calls.join(", "),
+                u.counted
+            ),
+        });
     }
 }
 

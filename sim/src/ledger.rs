@@ -144,6 +144,9 @@ pub struct Observed {
     pub attempts_sent_knowing: std::collections::BTreeSet<u64>,
     /// The servers' layer statistics at the end of the seed, after the quiescence probe.
     pub final_stats: Vec<(usize, idempotency_layer::IdempotencyStats)>,
+    /// The first time a client's layers kept request bytes for replay that they did not count
+    /// (see [`crate::held`]).
+    pub uncounted_replay: Option<crate::held::Uncounted>,
     /// Every fault has healed and the quiescence step runs: handlers run as planned no more
     /// (a run they start answers at once).
     pub healed: bool,
@@ -229,6 +232,8 @@ pub struct Ledger {
     /// Each client's attempt counter, kept across its restarts so that no two of its attempts
     /// share a tag.
     attempts: Arc<Mutex<BTreeMap<usize, Arc<std::sync::atomic::AtomicU64>>>>,
+    /// What the clients' calls keep alive of their request bodies, and where.
+    pub held: crate::held::Holdings,
     /// Each server's statistics, read at the end.
     stats: Arc<Mutex<BTreeMap<usize, StatsReader>>>,
 }
@@ -336,12 +341,16 @@ impl Ledger {
 
     /// Reads every holding, and keeps each kind's peak (each holding on its own: every
     /// bound is per layer or per store).
-    pub fn sample(&self) {
+    pub fn sample(&self, at: Duration) {
         let gauges = self.gauges.lock().unwrap_or_else(|p| p.into_inner());
         let now = gauges.iter().fold(Memory::default(), |m, g| m.max(g()));
         drop(gauges);
+        let uncounted = self.held.check(at);
         let mut observed = self.lock();
         observed.peaks = observed.peaks.max(now);
+        if uncounted.is_some() && observed.uncounted_replay.is_none() {
+            observed.uncounted_replay = uncounted;
+        }
     }
 
     /// Adds a line to the trace (from a host: at the simulation's time).

@@ -30,6 +30,7 @@ pub mod chain;
 pub mod client;
 pub mod connection;
 pub mod grpc;
+pub mod held;
 pub mod invariants;
 pub mod ledger;
 pub mod net;

@@ -223,7 +223,7 @@ fn drive(
             Ok(ended) => ended,
             Err(e) => return Some(e.to_string()),
         };
-        ledger.sample();
+        ledger.sample(sim.elapsed());
         if ended {
             return None;
         }

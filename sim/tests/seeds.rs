@@ -69,6 +69,10 @@ pub const HOLES: &[(u64, &str)] = &[
     (4100061, "W: a hedge alone sent once under an inbound retry whose attempt failed on the way (cut, no head in time) did not tell its hop (only a retryable status did)"),
     (4100831, "W: the same, another schedule"),
     (5101991, "X: a handler the idempotency layer finished after its client went away ran outside its hop (a task-local of the request's task): serving an inbound retry, its downstream write retried"),
+    (4100000, "Y: a whole body the client's replay memory could not hold was kept, uncounted, for the retry of an attempt that was never sent (refused), through its backoff"),
+    (4100011, "Y: the same, another schedule"),
+    (4100379, "Z: a body's first frame, read when the layer wrapped it and over the replay memory, was kept uncounted for the retry of a refused attempt, through its backoff"),
+    (4102246, "Z: the same, another client with three calls"),
 ];
 
 /// Seeds that showed the judge wrong (a flaw of the simulator, not of the layers): each must

@@ -55,16 +55,17 @@ impl<B> BodyHandle<B> {
     }
 
     /// True when another attempt can carry the whole body: every byte read from the original
-    /// so far is still kept. A body over the limit qualifies while nothing of it was read (or
-    /// what the wrapping read is still there): a request that was never sent can be retried
-    /// whatever its size.
+    /// so far is still kept, within the layer's memory. A body over a limit qualifies while
+    /// nothing of it was read (a request that was never sent can be retried whatever its
+    /// size), but not once the wrapping read some of it: those bytes are held, uncounted, for
+    /// the first attempt only, and no retry may keep them.
     pub(crate) fn is_replayable(&self) -> bool {
         match &self.kind {
             Handle::Empty | Handle::Whole { .. } => true,
             Handle::Spent => false,
             Handle::Shared(shared) => {
                 let s = lock(shared);
-                !s.failed && (!s.capped || s.chunks.len() == s.read)
+                !s.failed && (!s.capped || s.read == 0)
             }
         }
     }

@@ -207,13 +207,13 @@ async fn a_whole_body_at_hand_without_a_size_hint_is_taken_whole() {
 }
 
 /// What the wrapping read past the limit still goes to the first attempt, whole, and the
-/// body is not replayable once that attempt has read it (before, an attempt that never
-/// sent it may still hand it to the next one).
+/// body is not replayable: those bytes are held, uncounted, for the first attempt only (a
+/// retry of an attempt that never sent them would keep them through its backoff).
 #[tokio::test]
 async fn a_body_read_past_the_limit_at_wrap_time_is_sent_once_whole() {
     let (first, handle) = wrap(chunks(&["123456789"]), 8, None);
     assert!(matches!(handle.kind, Handle::Shared(_)));
-    assert!(handle.is_replayable(), "what the wrapping read is all kept");
+    assert!(!handle.is_replayable(), "held for the first attempt only");
     assert_eq!(first.size_hint().lower(), 9);
     assert!(!first.is_end_stream());
     assert_eq!(collect(first).await.unwrap(), "123456789");
@@ -227,20 +227,19 @@ async fn a_body_read_past_the_limit_at_wrap_time_is_sent_once_whole() {
     }
     // Two frames read at wrap time, the second past the limit, the third streams.
     let (first, handle) = wrap(chunks(&["12345", "67890", "x"]), 8, None);
-    assert!(handle.is_replayable());
+    assert!(!handle.is_replayable());
     assert_eq!(collect(first).await.unwrap(), "1234567890x");
     assert!(!handle.is_replayable());
 }
 
-/// An attempt that never read a body over the limit hands it whole to the
-/// next one, what the wrapping read included.
+/// An attempt that never read a body over the limit hands it whole to the next one while
+/// nothing of it was read; what the wrapping read past the limit goes to the first attempt
+/// only, so such a body has no retry even when that attempt never sent it.
 #[tokio::test]
-async fn an_unread_body_over_the_limit_goes_whole_to_the_next_attempt() {
+async fn an_unread_body_over_the_limit_goes_whole_to_the_next_attempt_unless_read_at_wrap_time() {
     let (first, handle) = wrap(chunks(&["12345", "67890", "x"]), 8, None);
     drop(first);
-    assert!(handle.is_replayable());
-    assert_eq!(collect(handle.replay()).await.unwrap(), "1234567890x");
-    assert!(!handle.is_replayable());
+    assert!(!handle.is_replayable(), "the wrapping read past the limit");
     let (first, handle) = wrap(Known::new(&[Ok("12345"), Ok("6789")], true), 8, None);
     drop(first);
     assert!(handle.is_replayable(), "known too large and unread");

@@ -30,7 +30,10 @@ impl HedgeLayer {
 
     /// What the layer did so far.
     pub fn stats(&self) -> HedgeStats {
-        self.shared.stats.snapshot()
+        HedgeStats {
+            replay_bytes: self.shared.replay_memory.used() as u64,
+            ..self.shared.stats.snapshot()
+        }
     }
 }
 

@@ -15,6 +15,11 @@ pub struct HedgeStats {
     pub won_by_hedge: u64,
     /// Hedges the budget refused.
     pub budget_refusals: u64,
+    /// Request-body bytes kept for hedges right now, by every call in flight: the layer's
+    /// replay memory (a layer made by
+    /// [`RetryLayer::hedge_layer`](crate::RetryLayer::hedge_layer) shares the retry layer's,
+    /// and shows the same figure as its [`RetryStats::replay_bytes`](crate::RetryStats)).
+    pub replay_bytes: u64,
 }
 
 /// The counters every clone of a hedge layer and of its services adds to.
@@ -27,7 +32,7 @@ pub(super) struct HedgeCounters {
 }
 
 impl HedgeCounters {
-    /// The current values.
+    /// The current values (the replay memory's use is filled in by the caller).
     pub(super) fn snapshot(&self) -> HedgeStats {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         HedgeStats {
@@ -35,6 +40,7 @@ impl HedgeCounters {
             hedges: get(&self.hedges),
             won_by_hedge: get(&self.won_by_hedge),
             budget_refusals: get(&self.budget_refusals),
+            replay_bytes: 0,
         }
     }
 }

@@ -210,9 +210,11 @@ impl RetryPolicyBuilder {
     /// The most request-body bytes all calls of a layer (and its clones) keep for replay at
     /// once (default [`DEFAULT_MAX_REPLAY_BYTES_TOTAL`](super::DEFAULT_MAX_REPLAY_BYTES_TOTAL), 16 MiB; gRFC A6 bounds a channel's
     /// retry buffer the same way). A body whose copy does not fit is sent without one: its
-    /// retries are refused as for a body over `max_replay_bytes` (a request that was never
-    /// sent is still retried). A copy is freed as soon as the call has its answer, even while
-    /// the transport still streams the body (a client stream).
+    /// retries are refused as for a body over `max_replay_bytes`, even the retry of an attempt
+    /// that was never sent once the layer has read any of the body (a streamed body none of
+    /// which was read yet is still retried then). Every byte the layer keeps is counted here,
+    /// none outside it. A copy is freed as soon as the call has its answer, even while the
+    /// transport still streams the body (a client stream).
     /// [`RetryLayer::stats`](crate::RetryLayer::stats) reports the bytes kept now.
     pub fn max_replay_bytes_total(mut self, n: usize) -> Self {
         self.policy.max_replay_bytes_total = n;
