@@ -9,11 +9,14 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
 /// A cuttable proxy. Cut: every open connection is closed and new ones are closed at once;
-/// restored: new connections are relayed again. Stops when dropped.
+/// restored: new connections are relayed again. Held: every open connection stops relaying but
+/// stays open (half-open, as behind a dead NAT entry: no reset ever comes), new ones are relayed.
+/// Stops when dropped.
 #[derive(Debug)]
 pub struct CutProxy {
     addr: SocketAddr,
     cut: Arc<AtomicBool>,
+    hold: Arc<tokio::sync::Notify>,
     cuts: AtomicUsize,
     conns: Arc<Mutex<Vec<JoinHandle<()>>>>,
     accept: JoinHandle<()>,
@@ -39,9 +42,10 @@ impl CutProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let cut = Arc::new(AtomicBool::new(false));
+        let hold = Arc::new(tokio::sync::Notify::new());
         let conns: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
         let accept = {
-            let (cut, conns) = (cut.clone(), conns.clone());
+            let (cut, hold, conns) = (cut.clone(), hold.clone(), conns.clone());
             tokio::spawn(async move {
                 loop {
                     let Ok((mut client, _)) = listener.accept().await else {
@@ -51,9 +55,14 @@ impl CutProxy {
                         drop(client);
                         continue;
                     }
+                    let held = hold.clone().notified_owned();
                     let task = tokio::spawn(async move {
                         if let Ok(mut server) = TcpStream::connect(upstream).await {
-                            let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                            tokio::select! {
+                                _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                                // Held: relay nothing more, close nothing.
+                                _ = held => std::future::pending::<()>().await,
+                            }
                         }
                     });
                     let mut conns = conns.lock().unwrap();
@@ -65,6 +74,7 @@ impl CutProxy {
         CutProxy {
             addr,
             cut,
+            hold,
             cuts: AtomicUsize::new(0),
             conns,
             accept,
@@ -83,6 +93,12 @@ impl CutProxy {
         for c in self.conns.lock().unwrap().drain(..) {
             c.abort();
         }
+    }
+
+    /// Every open connection stops relaying and stays open (half-open); new connections are
+    /// relayed as before.
+    pub fn hold(&self) {
+        self.hold.notify_waiters();
     }
 
     /// Relays new connections again.

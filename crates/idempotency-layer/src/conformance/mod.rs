@@ -65,6 +65,7 @@ pub async fn run_all<S: IdempotencyStore>(make: impl Fn() -> S) {
     late_complete_without_takeover_is_kept(make()).await;
     renew_keeps_the_claim(make()).await;
     renew_many_renews_each_held_claim_and_fences_the_rest(make()).await;
+    renew_many_renews_a_claim_by_its_own_token_not_a_stale_one_of_its_scope(make()).await;
     forget_clears_records_and_fences_claims(make()).await;
     wait_wakes_on_complete(make()).await;
     wait_wakes_on_release(make()).await;
@@ -435,6 +436,45 @@ async fn renew_many_renews_each_held_claim_and_fences_the_rest<S: IdempotencySto
         ),
         "renew_many must not touch a completed record"
     );
+}
+
+/// A batch can hold two tokens of one scope: a lapsed leader's, still on the renewal list, and
+/// its successor's. Each is answered for itself (the stale one fenced, the live one renewed),
+/// and the live claim gets its own lease, in either order. (A store that matched the batch's
+/// claims to rows by scope alone gave the row the lease of whichever entry it met: the stale
+/// one's short lease let the claim lapse under its live leader.)
+async fn renew_many_renews_a_claim_by_its_own_token_not_a_stale_one_of_its_scope<
+    S: IdempotencyStore,
+>(
+    store: S,
+) {
+    let s = scope("renew-many-two-tokens");
+    let old = new_claim(&store, s, SHORT).await;
+    tokio::time::sleep(SHORT * 2).await;
+    let live = new_claim(&store, s, SHORT).await;
+    assert_ne!(old, live);
+    for order in [
+        [(s, old, SHORT), (s, live, LONG)],
+        [(s, live, LONG), (s, old, SHORT)],
+    ] {
+        let results = store.renew_many(&order).await;
+        for ((_, token, _), r) in order.iter().zip(&results) {
+            if *token == old {
+                assert!(
+                    matches!(r, Err(StoreError::Fenced)),
+                    "the stale token is fenced: {r:?}"
+                );
+            } else {
+                assert!(r.is_ok(), "the live claim is renewed: {r:?}");
+            }
+        }
+        tokio::time::sleep(SHORT * 2).await;
+        assert!(
+            matches!(store.begin(s, FP, LONG).await, Ok(Begin::InFlight { token: t, .. }) if t == live),
+            "the live claim holds by its own lease, not the stale token's"
+        );
+    }
+    store.release(s, live).await.unwrap();
 }
 
 /// `forget` clears a record, clears a claim (fencing its leader), and says whether it did.

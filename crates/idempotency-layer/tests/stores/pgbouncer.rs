@@ -194,10 +194,10 @@ async fn the_store_leaks_no_session_setting_to_the_poolers_other_clients() {
     drop_schema(&schema).await;
 }
 
-/// A listener behind the transaction pooler hears nothing (its `LISTEN` ran on a session the
-/// pooler then gave to others): the store finds out from its heartbeat, says so, keeps its near
-/// cache off (a record forgotten elsewhere is not replayed from it), and its waiters end by
-/// polling. Given a direct listen URL, the listener hears.
+/// A store told it is behind the transaction pooler, with no listen URL, does not listen (a
+/// `LISTEN` there hears nothing): it says so, keeps its near cache off (a record forgotten
+/// elsewhere is not replayed from it), and its waiters end by polling. Given a direct listen
+/// URL, the listener hears.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_listener_that_cannot_hear_is_found_deaf_and_nothing_relies_on_it() {
     let Some(url) = env_url("PGBOUNCER_URL") else {
@@ -289,5 +289,75 @@ async fn a_listener_that_cannot_hear_is_found_deaf_and_nothing_relies_on_it() {
         ),
         "the forgotten record is not replayed"
     );
+    drop_schema(&schema).await;
+}
+
+/// A store told it is behind the transaction pooler, with no listen URL, sends no `LISTEN`
+/// through it: a `LISTEN` stays on the server session it ran on, which the pooler then hands to
+/// its other clients (their sessions hear the store's channel). Another client of the pooler
+/// finds no channel listened to on any session it gets. (Before, the listener sent its
+/// `LISTEN` through the pooler, and was found deaf only by its heartbeat.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_behind_the_pooler_without_a_listen_url_sends_no_listen_through_it() {
+    let Some(url) = env_url("PGBOUNCER_URL") else {
+        return;
+    };
+    let schema = unique("idem_bouncer_");
+    let store = PostgresStore::builder(&url)
+        .schema(&schema)
+        .poll_interval(Duration::from_millis(20), Duration::from_millis(200))
+        .connect()
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    assert_eq!(
+        store.listener_hears(),
+        Some(false),
+        "known deaf from the start"
+    );
+    let fp = Fingerprint([7; 32]);
+    let scope = order_scope(&unique("no-listen-"));
+    let Ok(Begin::New(t)) = store.begin(scope, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    // A wait (which starts a listener, where there is one) ends by polling.
+    let waiter = {
+        let store = store.clone();
+        tokio::spawn(async move { store.wait(scope, t).await })
+    };
+    // Time for a listener, were there one, to connect and send its `LISTEN`.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    store
+        .complete(
+            scope,
+            t,
+            conformance::sample_record(fp).into(),
+            conformance::LONG,
+        )
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter ends by polling")
+        .unwrap()
+        .unwrap();
+    let other = raw(&url).await;
+    for _ in 0..40 {
+        let channels: Vec<String> = other
+            .simple_query("SELECT pg_listening_channels()")
+            .await
+            .unwrap()
+            .iter()
+            .filter_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
+                _ => None,
+            })
+            .collect();
+        assert!(
+            !channels.iter().any(|c| c.starts_with("idem_")),
+            "a session the pooler gave another client listens to {channels:?}"
+        );
+    }
+    assert_eq!(store.listener_hears(), Some(false));
     drop_schema(&schema).await;
 }

@@ -1612,3 +1612,112 @@ async fn at_most_four_cancels_are_in_flight_at_once() {
     drop(store);
     drop_schema(&url, &schema).await;
 }
+
+/// Whether `store`'s listener says `hears`, within [`wait::LIMIT`].
+async fn until_listener_hears(store: &PostgresStore, hears: bool, what: &str) {
+    wait::until_async(wait::LIMIT, what, || {
+        let store = store.clone();
+        async move { store.listener_hears() == Some(hears) }
+    })
+    .await;
+}
+
+/// A listening connection gone half-open (its packets dropped, no reset ever coming, as behind a
+/// dead NAT entry) misses its heartbeat: the listener is found deaf, reconnects, and hears again,
+/// and a waiter is then woken by a notification (polling is set far too slow to wake it in
+/// time). (Before, it was marked deaf and kept the dead connection until TCP keepalive, hours
+/// by default: no notification, no near cache, meanwhile.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_gone_half_open_reconnects_and_hears_again() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let proxy = Proxy::start(authority(&url)).await;
+    let (b, schema) = builder(&url);
+    let store = connect(
+        b.listen_url(via(&url, proxy.addr()))
+            .timeout(Duration::from_millis(500))
+            .poll_interval(Duration::from_secs(60), Duration::from_secs(60)),
+    )
+    .await;
+    let fp = Fingerprint([8; 32]);
+    let first = order_scope(&unique("half-open-first-"));
+    let Ok(Begin::New(t)) = store.begin(first, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    // A wait starts the listener; its first heartbeat proves it hears.
+    let waiter = {
+        let store = store.clone();
+        tokio::spawn(async move { store.wait(first, t).await })
+    };
+    until_listener_hears(&store, true, "the listener hears its first heartbeat").await;
+    store.release(first, t).await.unwrap();
+    waiter.await.unwrap().unwrap();
+    proxy.hold();
+    until_listener_hears(&store, false, "the missed heartbeat is noticed").await;
+    until_listener_hears(&store, true, "the listener reconnected and hears again").await;
+    let scope = order_scope(&unique("half-open-"));
+    let Ok(Begin::New(t)) = store.begin(scope, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    let waiter = {
+        let store = store.clone();
+        tokio::spawn(async move { store.wait(scope, t).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    store.release(scope, t).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the notification wakes the waiter (polling is a minute away)")
+        .unwrap()
+        .unwrap();
+    drop(store);
+    drop_schema(&url, &schema).await;
+}
+
+/// A heartbeat the store cannot send (its own connections to the server are cut) leaves
+/// nothing relying on the listener: it says it does not know it hears, until a heartbeat is
+/// heard again once the store reaches the server. (Before, the last "hears" stood while the
+/// store could prove nothing, and the near cache stayed on.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_that_cannot_be_sent_leaves_nothing_relying_on_the_listener() {
+    let Some(url) = env_url("DATABASE_URL") else {
+        return;
+    };
+    let proxy = Proxy::start(authority(&url)).await;
+    let (b, schema) = builder(&via(&url, proxy.addr()));
+    let store = connect(
+        b.listen_url(url.clone())
+            .timeout(Duration::from_millis(500))
+            .near_cache(idempotency_layer::store::NearCache::new(1 << 20)),
+    )
+    .await;
+    let fp = Fingerprint([9; 32]);
+    let scope = order_scope(&unique("unsent-beat-"));
+    let Ok(Begin::New(t)) = store.begin(scope, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    let waiter = {
+        let store = store.clone();
+        tokio::spawn(async move { store.wait(scope, t).await })
+    };
+    until_listener_hears(&store, true, "the listener hears its first heartbeat").await;
+    store.release(scope, t).await.unwrap();
+    waiter.await.unwrap().unwrap();
+    proxy.cut();
+    until_listener_hears(
+        &store,
+        false,
+        "an unsent heartbeat leaves the listener unproven",
+    )
+    .await;
+    proxy.restore();
+    until_listener_hears(
+        &store,
+        true,
+        "heard again once the store reaches the server",
+    )
+    .await;
+    drop(store);
+    drop_schema(&url, &schema).await;
+}

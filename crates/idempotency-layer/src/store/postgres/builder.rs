@@ -151,12 +151,13 @@ impl PostgresStoreBuilder {
     ///   statements are bounded by the store's [`timeout`](Self::timeout) and cancelled when
     ///   it passes; set the pooler's `query_timeout` for a bound on the server side too;
     /// - listens for notifications on a connection of its own, which a transaction pooler
-    ///   cannot carry (`LISTEN` there succeeds and hears nothing): give it a URL that reaches
-    ///   the server directly, or a pooler in session mode, with
-    ///   [`listen_url`](Self::listen_url). Without one, the store finds out by itself: the
-    ///   listener proves it hears with a heartbeat notification, and until it does the near
-    ///   cache stays off and waiters poll ([`listener_hears`](PostgresStore::listener_hears)
-    ///   says which; a warning is logged).
+    ///   cannot carry (`LISTEN` there succeeds, hears nothing, and stays on a server session
+    ///   the pooler hands to its other clients): give it a URL that reaches the server
+    ///   directly, or a pooler in session mode, with [`listen_url`](Self::listen_url).
+    ///   Without one, the store does not listen at all: the near cache stays off and waiters
+    ///   poll ([`listener_hears`](PostgresStore::listener_hears) is `Some(false)`; a warning
+    ///   is logged at connect). A pooler the store is not told of is found out by the
+    ///   listener's heartbeat notification, with the same outcome.
     ///
     /// ```
     /// use idempotency_layer::PostgresStore;
@@ -212,9 +213,21 @@ impl PostgresStoreBuilder {
                 let mut c = tokio_postgres::Config::from_str(&take_pooling_param(url).0)
                     .map_err(backend)?;
                 c.connect_timeout(self.timeout);
-                c
+                Some(c)
             }
-            None => config.clone(),
+            // Behind a pooler in transaction mode a `LISTEN` hears nothing, and stays on the
+            // server session the pooler then hands to its other clients: no listener at all.
+            None if unprepared => {
+                tracing::warn!(
+                    "idempotency: the postgres store is behind a pooler in transaction mode \
+                     and has no listen_url: it does not LISTEN (a LISTEN there would hear \
+                     nothing and stay on a session the pooler hands to its other clients); \
+                     waiters poll and the near cache is off. Give the store a listen_url that \
+                     reaches the server directly, or a pooler in session mode"
+                );
+                None
+            }
+            None => Some(config.clone()),
         };
         let tls = if config.get_ssl_mode() == tokio_postgres::config::SslMode::Require {
             #[cfg(feature = "postgres-tls")]
@@ -284,8 +297,12 @@ impl PostgresStoreBuilder {
             pool,
             unprepared,
             renewals,
+            hears: AtomicU8::new(if listen_config.is_none() {
+                super::DEAF
+            } else {
+                0
+            }),
             listen_config,
-            hears: AtomicU8::new(0),
             schema: self.schema,
             table: self.table,
             channel,

@@ -65,7 +65,7 @@ where
     T::TlsConnect: Send,
     <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
 {
-    let Some((config, channel, timeout, waiters, near)) = store.upgrade().map(|i| {
+    let Some((Some(config), channel, timeout, waiters, near)) = store.upgrade().map(|i| {
         (
             i.listen_config.clone(),
             i.channel.clone(),
@@ -97,6 +97,8 @@ where
     };
     let mut backoff = Duration::from_millis(50);
     let mut beats: u64 = 0;
+    // A listener that never heard is warned of once, not at each reconnect.
+    let mut warned_never = false;
     loop {
         let connected = tokio::select! {
             _ = &mut stop => return,
@@ -125,7 +127,6 @@ where
             )
             .await;
             if matches!(listened, Ok(Ok(()))) {
-                backoff = Duration::from_millis(50);
                 // Anything that ended before the LISTEN took effect: let the waiters look.
                 waiters.wake_all();
                 let mut beat = tokio::time::interval(HEARTBEAT_EVERY);
@@ -146,9 +147,11 @@ where
                             return;
                         }
                         _ = overdue => {
-                            awaited = None;
-                            deaf(&store, if first { "never" } else { "a heartbeat was missed" });
-                            first = false;
+                            // Unheard: a pooler in transaction mode, or a connection gone
+                            // half-open (no reset ever comes): reconnect, with backoff.
+                            deaf(&store, if first && !warned_never { "never" } else { "a heartbeat was missed" });
+                            warned_never |= first;
+                            break;
                         }
                         _ = beat.tick(), if awaited.is_none() => {
                             beats += 1;
@@ -160,9 +163,11 @@ where
                                     &[(&channel.as_str(), Type::TEXT), (&payload.as_str(), Type::TEXT)],
                                 )
                                 .await;
-                            // A store that cannot send says nothing about the listener.
-                            if sent.is_ok() {
-                                awaited = Some((payload, tokio::time::Instant::now() + timeout * 2));
+                            // A store that cannot send cannot tell whether the listener
+                            // hears: until a heartbeat is heard again, nothing relies on it.
+                            match sent {
+                                Ok(_) => awaited = Some((payload, tokio::time::Instant::now() + timeout * 2)),
+                                Err(_) => deaf(&store, "its heartbeat could not be sent"),
                             }
                         }
                         m = rx.recv() => match m {
@@ -171,6 +176,7 @@ where
                                     if awaited.as_ref().is_some_and(|(p, _)| p.strip_prefix(HEARTBEAT_PREFIX) == Some(beat)) {
                                         awaited = None;
                                         first = false;
+                                        backoff = Duration::from_millis(50);
                                         if let Some(inner) = store.upgrade() {
                                             if inner.hears.swap(HEARS, Ordering::Relaxed) != HEARS {
                                                 tracing::debug!("idempotency: the postgres listener hears");

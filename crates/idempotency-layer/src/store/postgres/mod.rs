@@ -206,8 +206,9 @@ struct Inner {
     unprepared: bool,
     /// The renewals' own connections ([`RENEWAL_CONNECTIONS`]).
     renewals: Pool,
-    /// Where the listening connection connects ([`PostgresStoreBuilder::listen_url`]).
-    listen_config: tokio_postgres::Config,
+    /// Where the listening connection connects ([`PostgresStoreBuilder::listen_url`]); `None`
+    /// behind a transaction pooler without one (no listener).
+    listen_config: Option<tokio_postgres::Config>,
     /// What the listener's heartbeats say: [`HEARS`], [`DEAF`], or nothing yet
     /// ([`PostgresStore::listener_hears`]).
     hears: AtomicU8,

@@ -126,7 +126,8 @@ impl Sql {
                    FOR UPDATE OF e SKIP LOCKED), \
                  renewed AS (\
                    UPDATE {t} AS e SET expires_at = now() + c.ms * interval '1 millisecond' \
-                   FROM c WHERE e.scope = c.scope AND e.scope IN (SELECT scope FROM free) \
+                   FROM c WHERE e.scope = c.scope AND e.token = c.token \
+                     AND e.scope IN (SELECT scope FROM free) \
                    RETURNING e.token) \
                  SELECT token, true FROM renewed \
                  UNION ALL \

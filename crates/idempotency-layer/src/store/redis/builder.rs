@@ -67,11 +67,34 @@ pub(super) fn hash_tag(prefix: &str) -> Option<&str> {
     (!tag.is_empty()).then_some(tag)
 }
 
+/// Why `prefix` cannot be used on a cluster, if it cannot: a brace in it. A hash tag
+/// (`{...}` with something between the braces) would send every key to one slot, on one
+/// master; any other brace makes the store's keys and the keys it writes beside them (the
+/// `{key}:acked` marker of [`wait_for_replicas`](RedisStoreBuilder::wait_for_replicas), which
+/// must hash as its key does) land in different slots, on different masters.
+#[cfg_attr(not(feature = "redis-cluster"), allow(dead_code))]
+pub(super) fn cluster_prefix_problem(prefix: &str) -> Option<String> {
+    if let Some(tag) = hash_tag(prefix) {
+        return Some(format!(
+            "the key prefix {prefix:?} holds the hash tag {{{tag}}}: on a cluster every key would \
+             go to that one slot, on one master; choose a prefix without braces"
+        ));
+    }
+    prefix.contains(['{', '}']).then(|| {
+        format!(
+            "the key prefix {prefix:?} holds a brace: on a cluster the store's keys and the \
+             markers it writes beside them would hash to different slots, on different masters; \
+             choose a prefix without braces"
+        )
+    })
+}
+
 impl RedisStoreBuilder {
     /// The prefix of every key and channel (default `idempotency:`). Give each service (or each
     /// test) its own. On a cluster, [`connect`](Self::connect) refuses a prefix that holds a
-    /// hash tag (`{...}` with something between the braces): every key would hash to that one
-    /// slot, on one master.
+    /// brace: a hash tag (`{...}` with something between the braces) would send every key to
+    /// that one slot, on one master, and any other brace would split a key from the keys the
+    /// store writes beside it.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
@@ -275,16 +298,8 @@ impl RedisStoreBuilder {
             }
             #[cfg(feature = "redis-cluster")]
             Source::Cluster(nodes) => {
-                if let Some(tag) = hash_tag(&self.prefix) {
-                    return Err(StoreError::Backend(
-                        format!(
-                            "the key prefix {:?} holds the hash tag {{{tag}}}: on a cluster every \
-                             key would go to that one slot, on one master; choose a prefix \
-                             without braces",
-                            self.prefix
-                        )
-                        .into(),
-                    ));
+                if let Some(problem) = cluster_prefix_problem(&self.prefix) {
+                    return Err(StoreError::Backend(problem.into()));
                 }
                 if self.conn.is_some() {
                     return Err(StoreError::Backend(

@@ -116,6 +116,25 @@ fn a_hash_tag_in_the_prefix_is_found_as_redis_cluster_reads_it() {
     assert_eq!(hash_tag("a}{b}{c}"), Some("b"));
 }
 
+/// Any brace in the prefix is a problem on a cluster: a hash tag, or braces that would hash a
+/// key and its `{key}:acked` marker to different slots (`app:{}:idem:` hashes the key whole, and
+/// its marker by `app:{`). None is one without.
+#[test]
+fn a_prefix_with_a_brace_is_a_problem_on_a_cluster() {
+    use super::builder::cluster_prefix_problem;
+    assert_eq!(cluster_prefix_problem("idempotency:"), None);
+    assert_eq!(cluster_prefix_problem("app:orders:idem:"), None);
+    let tag = cluster_prefix_problem("{orders}:idem:").unwrap();
+    assert!(tag.contains("hash tag {orders}"), "{tag}");
+    for prefix in ["app:{}:idem:", "app:{idem:", "app}:idem:"] {
+        let problem = cluster_prefix_problem(prefix).expect(prefix);
+        assert!(
+            problem.contains("holds a brace") && problem.contains("without braces"),
+            "{problem}"
+        );
+    }
+}
+
 /// On a cluster, a prefix with a hash tag is refused at connect, with what to do.
 #[cfg(feature = "redis-cluster")]
 #[tokio::test]
@@ -124,7 +143,7 @@ async fn a_hash_tag_prefix_is_refused_on_a_cluster() {
         return;
     };
     let nodes: Vec<String> = urls.split(',').map(str::to_owned).collect();
-    let err = RedisStore::builder_cluster(nodes)
+    let err = RedisStore::builder_cluster(nodes.clone())
         .prefix("{orders}:idem:")
         .connect()
         .await
@@ -134,4 +153,13 @@ async fn a_hash_tag_prefix_is_refused_on_a_cluster() {
         message.contains("hash tag {orders}") && message.contains("without braces"),
         "{message}"
     );
+    // Empty braces are no hash tag, but the `wait_for_replicas` marker `{key}:acked` of a key
+    // under this prefix would hash by `app:{`, away from its key: refused too.
+    let err = RedisStore::builder_cluster(nodes)
+        .prefix("app:{}:idem:")
+        .wait_for_replicas(1, std::time::Duration::from_millis(100))
+        .connect()
+        .await
+        .expect_err("a prefix with a brace is refused on a cluster");
+    assert!(err.to_string().contains("holds a brace"), "{err}");
 }
