@@ -699,6 +699,25 @@ async fn takes_connections(port: u16) {
 /// that the test can stop (`SIGSTOP`: it acknowledges nothing) and resume; killed on drop.
 struct Replica {
     child: std::process::Child,
+    port: u16,
+}
+
+/// A `redis-server` of this test's own on a free port, with `args`: its process and its port.
+fn spawn_redis(args: &[&str]) -> Option<(std::process::Child, u16)> {
+    let free = std::net::TcpListener::bind("127.0.0.1:0").ok()?;
+    let port = free.local_addr().ok()?.port();
+    drop(free);
+    let child = std::process::Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+        // A replica writes the primary's snapshot to its directory when it syncs.
+        .args(["--dir", &std::env::temp_dir().to_string_lossy()])
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    Some((child, port))
 }
 
 impl Replica {
@@ -709,20 +728,15 @@ impl Replica {
             .next()
             .unwrap_or("127.0.0.1:6379");
         let (host, port) = authority.rsplit_once(':').unwrap_or((authority, "6379"));
-        let free = std::net::TcpListener::bind("127.0.0.1:0").ok()?;
-        let replica_port = free.local_addr().ok()?.port();
-        drop(free);
-        let child = std::process::Command::new("redis-server")
-            .args(["--port", &replica_port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--replicaof", host, port])
-            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-            // A replica writes the primary's snapshot to its directory when it syncs.
-            .args(["--dir", &std::env::temp_dir().to_string_lossy()])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .ok()?;
-        Some(Replica { child })
+        let (child, port) = spawn_redis(&["--replicaof", host, port])?;
+        Some(Replica { child, port })
+    }
+
+    /// A primary of this test's own, which nothing else writes to, as a `Replica` (killed on
+    /// drop), and its URL.
+    fn private_primary() -> Option<(Replica, String)> {
+        let (child, port) = spawn_redis(&[])?;
+        Some((Replica { child, port }, format!("redis://127.0.0.1:{port}")))
     }
 
     fn signal(&self, signal: &str) {
@@ -855,4 +869,166 @@ async fn a_stopped_replica_holds_back_no_renewal_or_replay() {
     }
     replica.signal("-CONT");
     store.release(live, token).await.unwrap();
+}
+
+/// One `INFO` section of the server at `url`.
+async fn info(url: &str, section: &str) -> String {
+    let mut admin = redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    redis::cmd("INFO")
+        .arg(section)
+        .query_async(&mut admin)
+        .await
+        .unwrap()
+}
+
+/// How many `HSET`s the server at `url` ran (a replica counts those its primary sends it).
+async fn hsets(url: &str) -> u64 {
+    info(url, "commandstats")
+        .await
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_hset:calls="))
+        .and_then(|v| v.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A `complete` or `release` resent (its reply was lost; here, from another store, so on
+/// another connection, as a cluster client or a reconnect resends) writes something that
+/// replicates, so that the `WAIT` after it covers the record: the replica applies a write for
+/// each resend, and with the replica stopped a resent `complete` is not acknowledged. (Before,
+/// the resend wrote nothing. From Redis 7.2 a connection's `WAIT` covers only that connection's
+/// own last replicated write, so a resend on another connection was acknowledged at once while
+/// the replica lacked the record; 7.0, on this machine, still waits for the primary's whole
+/// offset, which is why only the replica's applied writes show the difference here.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resent_complete_or_release_writes_what_its_wait_covers() {
+    if env_url("REDIS_URL").is_none() {
+        return;
+    }
+    let started = Replica::private_primary()
+        .and_then(|(primary, url)| Some((primary, Replica::start(&url)?, url)));
+    let Some((_primary, replica, url)) = started else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "redis-server is needed to run a primary and its replica"
+        );
+        eprintln!("skipped: no redis-server to run a primary and a replica with");
+        return;
+    };
+    wait::until_async(wait::LIMIT, "the private primary answers", || {
+        let url = url.clone();
+        async move {
+            match redis::Client::open(url.as_str()) {
+                Ok(c) => c.get_multiplexed_async_connection().await.is_ok(),
+                Err(_) => false,
+            }
+        }
+    })
+    .await;
+    // The replica in sync before any claim (a claim refused before then is released in the
+    // background: writes the checks below would see).
+    let replica_url = format!("redis://127.0.0.1:{}", replica.port);
+    wait::until_async(wait::LIMIT, "the replica is in sync", || {
+        let replica_url = replica_url.clone();
+        async move {
+            redis::Client::open(replica_url.as_str())
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .is_ok()
+                && info(&replica_url, "replication")
+                    .await
+                    .contains("master_link_status:up")
+        }
+    })
+    .await;
+    let prefix = unique("test:idem:");
+    let store = |prefix: String| {
+        let url = url.clone();
+        async move {
+            RedisStore::builder(&url)
+                .prefix(prefix)
+                // Bounds that a loaded machine (the suite runs in parallel) keeps within.
+                .timeout(Duration::from_secs(3))
+                .wait_for_replicas(1, Duration::from_secs(2))
+                .connect()
+                .await
+                .unwrap()
+        }
+    };
+    let (a, b) = (store(prefix.clone()).await, store(prefix).await);
+    let fp = Fingerprint([8; 32]);
+    // A claim acknowledged by the replica, once it has synced.
+    let claim = |name: &'static str| {
+        let a = a.clone();
+        async move {
+            let scope = order_scope(&unique(name));
+            let claimed = std::sync::Arc::new(std::sync::Mutex::new(None));
+            wait::until_async(wait::LIMIT, "the replica acknowledges a claim", || {
+                let (a, claimed) = (a.clone(), claimed.clone());
+                async move {
+                    if let Ok(Begin::New(t)) = a.begin(scope, fp, conformance::LONG).await {
+                        *claimed.lock().unwrap() = Some(t);
+                    }
+                    claimed.lock().unwrap().is_some()
+                }
+            })
+            .await;
+            let token = claimed.lock().unwrap().expect("claimed");
+            (scope, token)
+        }
+    };
+    let record = || conformance::sample_record(fp).into();
+
+    // Each resend is a write the replica applies. (Not the primary's replication offset: on
+    // 7.0 every blocked `WAIT` moves it, with the `REPLCONF GETACK` it sends the replicas.)
+    let replicated = |what: &'static str, before: u64| {
+        let replica_url = replica_url.clone();
+        async move {
+            wait::until_async(wait::LIMIT, what, || {
+                let replica_url = replica_url.clone();
+                async move { hsets(&replica_url).await > before }
+            })
+            .await;
+        }
+    };
+    let (scope, t) = claim("resent-complete-").await;
+    a.complete(scope, t, record(), conformance::LONG)
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        let before = hsets(&replica_url).await;
+        b.complete(scope, t, record(), conformance::LONG)
+            .await
+            .expect("the resend is answered done");
+        replicated("a resent complete writes something that replicates", before).await;
+    }
+    let (scope, t) = claim("resent-release-").await;
+    a.release(scope, t).await.unwrap();
+    for _ in 0..3 {
+        let before = hsets(&replica_url).await;
+        b.release(scope, t)
+            .await
+            .expect("the resend is answered done");
+        replicated("a resent release writes something that replicates", before).await;
+    }
+
+    let (scope, t) = claim("resent-unacknowledged-").await;
+    replica.signal("-STOP");
+    assert!(
+        a.complete(scope, t, record(), conformance::LONG)
+            .await
+            .is_err(),
+        "the stopped replica acknowledges nothing"
+    );
+    assert!(
+        b.complete(scope, t, record(), conformance::LONG)
+            .await
+            .is_err(),
+        "a resend on another connection is not acknowledged either"
+    );
+    replica.signal("-CONT");
 }

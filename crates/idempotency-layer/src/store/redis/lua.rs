@@ -47,12 +47,18 @@ return {4, 'the entry has no valid state'}
 /// Replaces the claim ARGV[1] (even one whose lease lapsed, if nobody took it over) with the
 /// record ARGV[2], kept ARGV[3] ms; wakes the waiters. The record keeps the token that completed
 /// it, so that the same complete resent (its reply was lost, a cluster connection resent it)
-/// is answered "completed" again rather than "fenced".
+/// is answered "completed" again rather than "fenced". The resend writes that token again (the
+/// same value): a write that replicates, so that the `WAIT` after it covers the record on every
+/// Redis version (from 7.2 a connection's `WAIT` covers only that connection's own last
+/// replicated write, and a resend may come on another connection than the first write).
 pub(super) const COMPLETE: &str = r#"
 local k = KEYS[1]
 if redis.call('TYPE', k)['ok'] ~= 'hash' then return 0 end
 local v = redis.call('HMGET', k, 's', 't')
-if v[1] == 'c' and v[2] == ARGV[1] then return 1 end
+if v[1] == 'c' and v[2] == ARGV[1] then
+  redis.call('HSET', k, 't', ARGV[1])
+  return 1
+end
 if v[1] ~= 'i' or v[2] ~= ARGV[1] then return 0 end
 redis.call('DEL', k)
 redis.call('HSET', k, 's', 'c', 'r', ARGV[2], 't', ARGV[1])
@@ -82,7 +88,15 @@ if v[1] == 'i' and v[2] == ARGV[1] then
   redis.call(PUBLISH, k, 'r')
   return 1
 end
-if (v[1] == 'r' and v[2] == ARGV[1]) or v[3] == ARGV[1] then return 1 end
+-- Resent: write the token again (the same value), a write that replicates.
+if v[1] == 'r' and v[2] == ARGV[1] then
+  redis.call('HSET', k, 't', ARGV[1])
+  return 1
+end
+if v[3] == ARGV[1] then
+  redis.call('HSET', k, 'p', ARGV[1])
+  return 1
+end
 return 0
 "#;
 
