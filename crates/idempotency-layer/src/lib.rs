@@ -363,10 +363,10 @@
 //! | `idempotency_layer_store_cancels_skipped_total` | counter | `store` | abandoned PostgreSQL statements closed without a cancel request, because four cancels were already in flight (the session's `statement_timeout` ends them) |
 //! | `idempotency_layer_rejections_total` | counter | `reason` | rejections, by [`RejectReason::as_str`] |
 //! | `idempotency_layer_store_errors_total` | counter | `op`, `store` | failed store operations |
-//! | `idempotency_layer_store_seconds` | histogram | `op`, `store` | store latency, in seconds |
+//! | `idempotency_layer_store_duration_seconds` | histogram | `op`, `store` | store latency, in seconds |
 //!
-//! `op` is `begin`, `wait`, `complete` or `release` (`store_seconds` times `begin`, `complete`
-//! and `release`: a `wait` lasts as long as the request in flight); `store` is `memory`,
+//! `op` is `begin`, `wait`, `complete` or `release` (`store_duration_seconds` times `begin`,
+//! `complete` and `release`: a `wait` lasts as long as the request in flight); `store` is `memory`,
 //! `redis`, `postgres` (an [`AnyStore`](store::AnyStore) by the store it holds) or `custom`.
 //! Every key is a `static` (label values are `&'static str`): counting allocates nothing; a
 //! store operation reads the clock twice. Without the feature nothing is compiled in.
@@ -435,3 +435,9 @@ pub use store::{PostgresStore, PostgresStoreBuilder};
 pub use store::{RedisStore, RedisStoreBuilder};
 #[cfg(feature = "postgres")]
 pub use tx::{TxCompletion, TxCompletionError};
+
+/// The crate's README, whose code blocks are compiled (and run, unless marked `no_run`) as
+/// doctests: what a user copies from crates.io builds.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

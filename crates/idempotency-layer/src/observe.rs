@@ -219,7 +219,7 @@ mod keys {
     pub(super) static STORE_ERRORS: [[Key; 4]; 5] =
         by_op_store!("idempotency_layer_store_errors_total");
     pub(super) static STORE_SECONDS: [[Key; 4]; 5] =
-        by_op_store!("idempotency_layer_store_seconds");
+        by_op_store!("idempotency_layer_store_duration_seconds");
 }
 
 #[cfg(feature = "metrics")]
@@ -290,7 +290,7 @@ pub(crate) fn store_error(op: Op, store: Backend) {
     let _ = (op, store);
 }
 
-/// Times a store operation into `idempotency_layer_store_seconds{op,store}` (successes and
+/// Times a store operation into `idempotency_layer_store_duration_seconds{op,store}` (successes and
 /// failures alike). Without the `metrics` feature: `fut` itself.
 #[cfg(feature = "metrics")]
 pub(crate) async fn timed<F: Future>(op: Op, store: Backend, fut: F) -> F::Output {
@@ -302,7 +302,7 @@ pub(crate) async fn timed<F: Future>(op: Op, store: Backend, fut: F) -> F::Outpu
     out
 }
 
-/// Times a store operation into `idempotency_layer_store_seconds{op,store}` (successes and
+/// Times a store operation into `idempotency_layer_store_duration_seconds{op,store}` (successes and
 /// failures alike). Without the `metrics` feature: `fut` itself.
 #[cfg(not(feature = "metrics"))]
 #[inline]

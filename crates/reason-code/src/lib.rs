@@ -75,3 +75,9 @@ pub use vocabulary::{GrpcMethods, InvalidGrpcMethod, KeyHeaders, NoKeyHeader};
 /// The boxed error both layers use: a client's transport and retry errors, a store's backend
 /// errors.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The crate's README, whose code blocks are compiled (and run, unless marked `no_run`) as
+/// doctests: what a user copies from crates.io builds.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

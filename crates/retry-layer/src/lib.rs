@@ -293,7 +293,8 @@
 //! **Tracing.** Each call is a `DEBUG` span `retry_layer.call`, and each attempt a
 //! `retry_layer.attempt` span inside it, with OpenTelemetry's attribute names:
 //!
-//! - HTTP: `http.request.method`, `url.full`, `server.address` on the call;
+//! - HTTP: `http.request.method`, `url.full` (user info and query values written `REDACTED`:
+//!   a URL's secrets never reach the logs), `server.address` on the call;
 //!   `http.request.resend_count` (0 for the first attempt) on each attempt;
 //!   `http.response.status_code` on both;
 //! - gRPC: `rpc.system = "grpc"`, `rpc.service`, `rpc.method`, `server.address` on the call,
@@ -391,3 +392,9 @@ pub use retry::{ResponseFuture, Retry, RetryLayer, RetryStats};
 /// dependency: see [`RetryPolicyBuilder::idempotent_grpc_methods`] and
 /// [`RetryPolicyBuilder::key_headers`].
 pub use reason_code::{GrpcMethods, InvalidGrpcMethod, KeyHeaders, NoKeyHeader};
+
+/// The crate's README, whose code blocks are compiled (and run, unless marked `no_run`) as
+/// doctests: what a user copies from crates.io builds.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -18,7 +18,8 @@
 //!     .with(RetryMiddleware::new(policy))
 //!     .build();
 //! // `client.post(url).body(..).send().await`: a 503 is retried with the same body and the same
-//! // `Idempotency-Key`, within the deadline and the budget.
+//! // idempotency key (`x-idempotency-key` by default: see `RetryPolicyBuilder::key_headers`),
+//! // within the deadline and the budget.
 //! # let _ = client;
 //! # Ok::<(), retry_layer::InvalidPolicy>(())
 //! ```

@@ -129,7 +129,7 @@ async fn a_retried_call_has_a_call_span_and_a_span_per_attempt() {
     let mut client = ServiceBuilder::new()
         .layer(RetryLayer::new(RetryPolicy::default()))
         .service(flaky(2));
-    let req = Request::put("http://orders.example/orders/1")
+    let req = Request::put("http://app:s3cret@orders.example/orders/1?sig=abc")
         .body(Full::new(Bytes::from("{}")))
         .unwrap();
     let res = client.ready().await.unwrap().call(req).await.unwrap();
@@ -145,7 +145,8 @@ async fn a_retried_call_has_a_call_span_and_a_span_per_attempt() {
     assert_eq!(field(call, "http.request.method"), Some("PUT"));
     assert_eq!(
         field(call, "url.full"),
-        Some("http://orders.example/orders/1")
+        Some("http://REDACTED:REDACTED@orders.example/orders/1?sig=REDACTED"),
+        "no credential or query value reaches the logs"
     );
     assert_eq!(field(call, "server.address"), Some("orders.example"));
     assert_eq!(field(call, "http.response.status_code"), Some("201"));

@@ -11,8 +11,8 @@ use metrics_exporter_prometheus::{
     BuildError, Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
 };
 
-/// Buckets of `idempotency_layer_store_seconds`, from an in-memory store's microseconds to a
-/// shared store's slow round trips.
+/// Buckets of `idempotency_layer_store_duration_seconds`, from an in-memory store's
+/// microseconds to a shared store's slow round trips.
 const STORE_SECONDS: [f64; 12] = [
     0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 ];

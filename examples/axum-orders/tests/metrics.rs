@@ -51,7 +51,7 @@ async fn metrics_shows_an_execution_and_a_replay() {
     for line in [
         "idempotency_layer_executions_total 1",
         "idempotency_layer_replays_total 1",
-        "idempotency_layer_store_seconds_count{op=\"begin\",store=\"memory\"} 2",
+        "idempotency_layer_store_duration_seconds_count{op=\"begin\",store=\"memory\"} 2",
     ] {
         assert!(page.lines().any(|l| l == line), "no `{line}` in:\n{page}");
     }

@@ -380,8 +380,10 @@ impl TxCompletion {
             Prepared::Write(write) => write,
         };
         let params = write.params(self);
+        // Unnamed, as `complete_in` sends it: a named statement would stay on the server
+        // session, where a pooler in transaction mode hands it to another client.
         let row = params
-            .bind(sqlx::query(self.store.complete_statement()))
+            .bind(sqlx::query(self.store.complete_statement()).persistent(false))
             .fetch_one(&mut **tx)
             .await
             .map_err(|e| match &e {

@@ -118,12 +118,12 @@ fn an_execution_then_a_replay_are_counted() {
     let h = &histograms;
     // Two writes began a scope in the memory store; one completed it.
     assert_eq!(
-        h.get("idempotency_layer_store_seconds{op=begin,store=memory}"),
+        h.get("idempotency_layer_store_duration_seconds{op=begin,store=memory}"),
         Some(&2),
         "{h:?}"
     );
     assert_eq!(
-        h.get("idempotency_layer_store_seconds{op=complete,store=memory}"),
+        h.get("idempotency_layer_store_duration_seconds{op=complete,store=memory}"),
         Some(&1),
         "{h:?}"
     );

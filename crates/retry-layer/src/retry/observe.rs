@@ -75,12 +75,47 @@ pub(crate) fn call_span(parts: &Parts, grpc: bool) -> Span {
         tracing::debug_span!(
             "retry_layer.call",
             http.request.method = %parts.method,
-            url.full = %parts.uri,
+            url.full = %RedactedUrl(&parts.uri),
             server.address = parts.uri.host(),
             http.response.status_code = Empty,
             retry.attempts = Empty,
             retry.code = Empty,
         )
+    }
+}
+
+/// A URI as spans record it (`url.full`), written only when a span is enabled: user info
+/// becomes `REDACTED:REDACTED@` (as OpenTelemetry's HTTP conventions ask) and every query value
+/// `REDACTED` (keys kept): a URL's secrets (passwords, signatures, tokens in query strings)
+/// never reach the logs.
+struct RedactedUrl<'a>(&'a http::Uri);
+
+impl std::fmt::Display for RedactedUrl<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let uri = self.0;
+        if let Some(scheme) = uri.scheme_str() {
+            write!(f, "{scheme}://")?;
+        }
+        if let Some(authority) = uri.authority() {
+            match authority.as_str().rsplit_once('@') {
+                Some((_, host)) => write!(f, "REDACTED:REDACTED@{host}")?,
+                None => f.write_str(authority.as_str())?,
+            }
+        }
+        f.write_str(uri.path())?;
+        if let Some(query) = uri.query() {
+            f.write_str("?")?;
+            for (i, pair) in query.split('&').enumerate() {
+                if i > 0 {
+                    f.write_str("&")?;
+                }
+                match pair.split_once('=') {
+                    Some((key, _)) => write!(f, "{key}=REDACTED")?,
+                    None => f.write_str(pair)?,
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -377,6 +412,23 @@ pub(crate) fn gave_up(reason: GiveUp, code: Code) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn redacted(uri: &str) -> String {
+        RedactedUrl(&uri.parse().unwrap()).to_string()
+    }
+
+    #[test]
+    fn a_urls_user_info_and_query_values_are_redacted() {
+        assert_eq!(
+            redacted("https://orders.example/orders/1"),
+            "https://orders.example/orders/1"
+        );
+        assert_eq!(
+            redacted("https://app:s3cret@orders.example:8443/orders?token=abc&page=2&flag"),
+            "https://REDACTED:REDACTED@orders.example:8443/orders?token=REDACTED&page=REDACTED&flag"
+        );
+        assert_eq!(redacted("/orders?sig=x"), "/orders?sig=REDACTED");
+    }
 
     #[test]
     fn give_up_reasons_index_their_table() {

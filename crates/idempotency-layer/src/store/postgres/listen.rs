@@ -133,6 +133,7 @@ where
                 beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 // The heartbeat awaited, and by when.
                 let mut awaited: Option<(String, tokio::time::Instant)> = None;
+                // No heartbeat heard on this connection yet.
                 let mut first = true;
                 loop {
                     let overdue = async {
@@ -147,10 +148,19 @@ where
                             return;
                         }
                         _ = overdue => {
-                            // Unheard: a pooler in transaction mode, or a connection gone
-                            // half-open (no reset ever comes): reconnect, with backoff.
-                            deaf(&store, if first && !warned_never { "never" } else { "a heartbeat was missed" });
-                            warned_never |= first;
+                            awaited = None;
+                            if first {
+                                // Never heard on this connection: most likely a pooler in
+                                // transaction mode the store was not told of. Reconnecting
+                                // would only leave its LISTEN on more of the pooler's
+                                // sessions: stay, and keep proving.
+                                deaf(&store, if warned_never { "a heartbeat was missed" } else { "never" });
+                                warned_never = true;
+                                continue;
+                            }
+                            // It heard, and no longer does: a connection gone half-open (no reset
+                            // ever comes, until TCP keepalive, hours later). Reconnect.
+                            deaf(&store, "a heartbeat was missed");
                             break;
                         }
                         _ = beat.tick(), if awaited.is_none() => {

@@ -897,3 +897,106 @@ async fn completion_is_offered_to_a_leader_on_a_postgres_store_only() {
     );
     db.drop().await;
 }
+
+/// `complete_in_sqlx` through PgBouncer in transaction mode (`PGBOUNCER_URL`), on a sqlx pool
+/// set up for it (no statement cache) whose handler's own statements are unnamed: each
+/// connection's transaction lands on whichever server session the pooler has free, and no
+/// statement of the layer's is left behind on one. Orders on two connections at once, then one
+/// after the other, all commit. (Before, `complete_in_sqlx` prepared a named statement, which
+/// stayed on the server session: the next sqlx connection the pooler gave that session failed
+/// with "prepared statement \"sqlx_s_1\" already exists", and the order rolled back.)
+#[cfg(feature = "sqlx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn complete_in_sqlx_through_a_transaction_pooler_leaves_no_statement_behind() {
+    use sqlx::ConnectOptions as _;
+    use std::str::FromStr as _;
+
+    let (Some(bouncer), Some(direct)) = (env_url("PGBOUNCER_URL"), env_url("DATABASE_URL")) else {
+        return;
+    };
+    let plain = bouncer
+        .replace("?pooling=transaction", "")
+        .replace("&pooling=transaction", "");
+    let schema = unique("idem_tx_bouncer_");
+    let store = PostgresStore::builder(&bouncer)
+        .schema(&schema)
+        .listen_url(direct.clone())
+        .connect()
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    raw(&direct)
+        .await
+        .batch_execute(&format!(
+            "CREATE TABLE \"{schema}\".orders (id bigserial PRIMARY KEY, key text NOT NULL, \
+             item text NOT NULL)"
+        ))
+        .await
+        .unwrap();
+    let options = sqlx::postgres::PgConnectOptions::from_str(&plain)
+        .unwrap()
+        .statement_cache_capacity(0)
+        // PgBouncer refuses the startup parameter sqlx sends by default.
+        .extra_float_digits(None)
+        .disable_statement_logging();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .expect("PGBOUNCER_URL is set, so PgBouncer must be reachable (sqlx)");
+    let executions = Arc::new(AtomicUsize::new(0));
+    let route = {
+        let (schema, executions) = (schema.clone(), executions.clone());
+        post(
+            move |Extension(completion): Extension<TxCompletion>,
+                  headers: HeaderMap,
+                  item: Bytes| {
+                let (pool, schema, executions) = (pool.clone(), schema.clone(), executions.clone());
+                async move {
+                    executions.fetch_add(1, Ordering::SeqCst);
+                    let mut tx = pool.begin().await.expect("BEGIN");
+                    // The handler's own statement, unnamed as a pooler in transaction mode needs.
+                    let id: i64 = sqlx::query_scalar(&format!(
+                        "INSERT INTO \"{schema}\".orders (key, item) VALUES ($1, $2) RETURNING id"
+                    ))
+                    .bind(key_of(&headers))
+                    .bind(String::from_utf8_lossy(&item).into_owned())
+                    .persistent(false)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .expect("insert the order");
+                    match completion.complete_in_sqlx(&mut tx, created(id)).await {
+                        Ok(response) => {
+                            tx.commit().await.expect("COMMIT");
+                            response.into_response()
+                        }
+                        Err(e) => {
+                            (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response()
+                        }
+                    }
+                }
+            },
+        )
+    };
+    let layer = IdempotencyLayer::new(store.clone());
+    let addr = serve(app(&layer, route)).await;
+    let client = client();
+    let keys: Vec<String> = (0..8).map(|_| unique("order-")).collect();
+    // Two at a time (two connections of the sqlx pool, on the pooler's sessions), then one by one.
+    for pair in keys[..4].chunks(2) {
+        let (a, b) = tokio::join!(
+            send(&client, order(addr, &pair[0], "a book")),
+            send(&client, order(addr, &pair[1], "a pen"))
+        );
+        for r in [a, b] {
+            assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
+        }
+    }
+    for key in &keys[4..] {
+        let r = send(&client, order(addr, key, "a lamp")).await;
+        assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
+        assert!(send(&client, order(addr, key, "a lamp")).await.replayed());
+    }
+    assert_eq!(executions.load(Ordering::SeqCst), 8, "each order ran once");
+    drop_schema(&direct, &schema).await;
+}
