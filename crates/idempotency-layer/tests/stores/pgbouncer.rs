@@ -26,6 +26,21 @@ fn direct() -> String {
     std::env::var("DATABASE_URL").expect("PGBOUNCER_URL needs DATABASE_URL, the server behind it")
 }
 
+/// The first column of every row `sql` returns, run as a simple query (as a pooler in
+/// transaction mode needs).
+async fn first_column(client: &tokio_postgres::Client, sql: &str) -> Vec<String> {
+    client
+        .simple_query(sql)
+        .await
+        .unwrap()
+        .iter()
+        .filter_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
+            _ => None,
+        })
+        .collect()
+}
+
 async fn drop_schema(schema: &str) {
     crate::postgres::drop_schema(&direct(), schema).await;
 }
@@ -180,13 +195,9 @@ async fn the_store_leaks_no_session_setting_to_the_poolers_other_clients() {
     // Another client of the pooler, on whichever server sessions it gets.
     let other = raw(&url).await;
     for _ in 0..40 {
-        let shown = other.simple_query("SHOW statement_timeout").await.unwrap();
-        let value = shown.iter().find_map(|m| match m {
-            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
-            _ => None,
-        });
+        let value = first_column(&other, "SHOW statement_timeout").await;
         assert_ne!(
-            value.as_deref(),
+            value.first().map(String::as_str),
             Some("1234ms"),
             "the store's setting leaked to another client of the pooler"
         );
@@ -325,8 +336,8 @@ async fn a_store_behind_the_pooler_without_a_listen_url_sends_no_listen_through_
         let store = store.clone();
         tokio::spawn(async move { store.wait(scope, t).await })
     };
-    // Time for a listener, were there one, to connect and send its `LISTEN`.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The waiter is registered: a listener, were there one, has been started.
+    crate::postgres::until_watched(&store, &direct(), scope).await;
     store
         .complete(
             scope,
@@ -343,16 +354,7 @@ async fn a_store_behind_the_pooler_without_a_listen_url_sends_no_listen_through_
         .unwrap();
     let other = raw(&url).await;
     for _ in 0..40 {
-        let channels: Vec<String> = other
-            .simple_query("SELECT pg_listening_channels()")
-            .await
-            .unwrap()
-            .iter()
-            .filter_map(|m| match m {
-                tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
-                _ => None,
-            })
-            .collect();
+        let channels = first_column(&other, "SELECT pg_listening_channels()").await;
         assert!(
             !channels.iter().any(|c| c.starts_with("idem_")),
             "a session the pooler gave another client listens to {channels:?}"

@@ -1613,6 +1613,40 @@ async fn at_most_four_cancels_are_in_flight_at_once() {
     drop_schema(&url, &schema).await;
 }
 
+/// Until a waiter has marked `scope`'s claim watched (read on the server at `url`): the
+/// waiter is registered, and the claim's end will be notified to it.
+pub(crate) async fn until_watched(store: &PostgresStore, url: &str, scope: ScopeKey) {
+    let server = raw(url).await;
+    let sql = format!("SELECT watched FROM {} WHERE scope = $1", store.table());
+    wait::until_async(wait::LIMIT, "the waiter marks the claim watched", || {
+        let (server, sql) = (&server, &sql);
+        async move {
+            server
+                .query_opt(sql, &[&&scope.0[..]])
+                .await
+                .unwrap()
+                .is_some_and(|r| r.get::<_, bool>(0))
+        }
+    })
+    .await;
+}
+
+/// Starts `store`'s listener (a wait does) and waits until its first heartbeat proves it
+/// hears; the claim waited on is released.
+async fn start_hearing(store: &PostgresStore, fp: Fingerprint) {
+    let scope = order_scope(&unique("hearing-"));
+    let Ok(Begin::New(t)) = store.begin(scope, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    let waiter = {
+        let store = store.clone();
+        tokio::spawn(async move { store.wait(scope, t).await })
+    };
+    until_listener_hears(store, true, "the listener hears its first heartbeat").await;
+    store.release(scope, t).await.unwrap();
+    waiter.await.unwrap().unwrap();
+}
+
 /// Whether `store`'s listener says `hears`, within [`wait::LIMIT`].
 async fn until_listener_hears(store: &PostgresStore, hears: bool, what: &str) {
     wait::until_async(wait::LIMIT, what, || {
@@ -1641,18 +1675,7 @@ async fn a_listener_gone_half_open_reconnects_and_hears_again() {
     )
     .await;
     let fp = Fingerprint([8; 32]);
-    let first = order_scope(&unique("half-open-first-"));
-    let Ok(Begin::New(t)) = store.begin(first, fp, conformance::LONG).await else {
-        panic!("fresh scope");
-    };
-    // A wait starts the listener; its first heartbeat proves it hears.
-    let waiter = {
-        let store = store.clone();
-        tokio::spawn(async move { store.wait(first, t).await })
-    };
-    until_listener_hears(&store, true, "the listener hears its first heartbeat").await;
-    store.release(first, t).await.unwrap();
-    waiter.await.unwrap().unwrap();
+    start_hearing(&store, fp).await;
     proxy.hold();
     until_listener_hears(&store, false, "the missed heartbeat is noticed").await;
     until_listener_hears(&store, true, "the listener reconnected and hears again").await;
@@ -1664,7 +1687,7 @@ async fn a_listener_gone_half_open_reconnects_and_hears_again() {
         let store = store.clone();
         tokio::spawn(async move { store.wait(scope, t).await })
     };
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    until_watched(&store, &url, scope).await;
     store.release(scope, t).await.unwrap();
     tokio::time::timeout(Duration::from_secs(10), waiter)
         .await
@@ -1692,18 +1715,7 @@ async fn a_heartbeat_that_cannot_be_sent_leaves_nothing_relying_on_the_listener(
             .near_cache(idempotency_layer::store::NearCache::new(1 << 20)),
     )
     .await;
-    let fp = Fingerprint([9; 32]);
-    let scope = order_scope(&unique("unsent-beat-"));
-    let Ok(Begin::New(t)) = store.begin(scope, fp, conformance::LONG).await else {
-        panic!("fresh scope");
-    };
-    let waiter = {
-        let store = store.clone();
-        tokio::spawn(async move { store.wait(scope, t).await })
-    };
-    until_listener_hears(&store, true, "the listener hears its first heartbeat").await;
-    store.release(scope, t).await.unwrap();
-    waiter.await.unwrap().unwrap();
+    start_hearing(&store, Fingerprint([9; 32])).await;
     proxy.cut();
     until_listener_hears(
         &store,

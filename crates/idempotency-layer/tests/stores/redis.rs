@@ -695,6 +695,28 @@ async fn takes_connections(port: u16) {
     .await;
 }
 
+/// A claim of `scope` by `store` (with `wait_for_replicas`), tried until a replica
+/// acknowledges one (a replica just started syncs first): its token.
+async fn claim_acknowledged(
+    store: &RedisStore,
+    scope: ScopeKey,
+    fp: Fingerprint,
+) -> idempotency_layer::store::Token {
+    let claimed = std::sync::Arc::new(std::sync::Mutex::new(None));
+    wait::until_async(wait::LIMIT, "the replica acknowledges a claim", || {
+        let (store, claimed) = (store.clone(), claimed.clone());
+        async move {
+            if let Ok(Begin::New(t)) = store.begin(scope, fp, conformance::LONG).await {
+                *claimed.lock().unwrap() = Some(t);
+            }
+            claimed.lock().unwrap().is_some()
+        }
+    })
+    .await;
+    let token = claimed.lock().unwrap().expect("claimed");
+    token
+}
+
 /// A replica of the server at `REDIS_URL`, run by this test (`redis-server` on a free port),
 /// that the test can stop (`SIGSTOP`: it acknowledges nothing) and resume; killed on drop.
 struct Replica {
@@ -785,18 +807,7 @@ async fn a_stopped_replica_holds_back_no_renewal_or_replay() {
     let fp = Fingerprint([7; 32]);
     // Until the replica has synced and acknowledges: a claim then succeeds.
     let live = order_scope(&unique("replica-live-"));
-    let claimed = std::sync::Arc::new(std::sync::Mutex::new(None));
-    wait::until_async(wait::LIMIT, "the replica acknowledges a claim", || {
-        let (store, claimed) = (store.clone(), claimed.clone());
-        async move {
-            if let Ok(Begin::New(t)) = store.begin(live, fp, conformance::LONG).await {
-                *claimed.lock().unwrap() = Some(t);
-            }
-            claimed.lock().unwrap().is_some()
-        }
-    })
-    .await;
-    let token = claimed.lock().unwrap().expect("claimed");
+    let token = claim_acknowledged(&store, live, fp).await;
     let done = order_scope(&unique("replica-done-"));
     let Ok(Begin::New(d)) = store.begin(done, fp, conformance::LONG).await else {
         panic!("fresh scope");
@@ -966,19 +977,7 @@ async fn a_resent_complete_or_release_writes_what_its_wait_covers() {
         let a = a.clone();
         async move {
             let scope = order_scope(&unique(name));
-            let claimed = std::sync::Arc::new(std::sync::Mutex::new(None));
-            wait::until_async(wait::LIMIT, "the replica acknowledges a claim", || {
-                let (a, claimed) = (a.clone(), claimed.clone());
-                async move {
-                    if let Ok(Begin::New(t)) = a.begin(scope, fp, conformance::LONG).await {
-                        *claimed.lock().unwrap() = Some(t);
-                    }
-                    claimed.lock().unwrap().is_some()
-                }
-            })
-            .await;
-            let token = claimed.lock().unwrap().expect("claimed");
-            (scope, token)
+            (scope, claim_acknowledged(&a, scope, fp).await)
         }
     };
     let record = || conformance::sample_record(fp).into();
