@@ -58,28 +58,110 @@ fn record() -> std::sync::Arc<Record> {
 /// the record would be acknowledged, then lost by a failover to that standby.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_complete_is_acknowledged_only_once_the_synchronous_standby_has_it() {
+    with_standby_reset(resent_complete).await;
+}
+
+/// Runs `scenario` with the primary's URL, alone among this file's tests, and resets
+/// `synchronous_standby_names` after it (in a task of its own, so even when it fails).
+async fn with_standby_reset<F: std::future::Future<Output = ()> + Send + 'static>(
+    scenario: impl FnOnce(String) -> F,
+) {
     let Some(url) = env_url("PG_REPLICA_URL") else {
         return;
     };
     let _one = ONE_AT_A_TIME.lock().await;
     synchronous_standbys(&url, "").await;
-    // Run in a task of its own, so that the setting is reset even when it fails.
-    let outcome = tokio::spawn(resent_complete(url.clone())).await;
+    let outcome = tokio::spawn(scenario(url.clone())).await;
     synchronous_standbys(&url, "").await;
     if let Err(e) = outcome {
         std::panic::resume_unwind(e.into_panic());
     }
 }
 
-async fn resent_complete(url: String) {
-    let schema = unique("idem_replica_");
-    let store = PostgresStore::builder(&url)
-        .schema(schema.clone())
-        .timeout(Duration::from_millis(500))
+/// A store on `url` in a schema of its own, with the store timeout `timeout`.
+async fn store_in(url: &str, schema: &str, timeout: Duration) -> PostgresStore {
+    let store = PostgresStore::builder(url)
+        .schema(schema)
+        .timeout(timeout)
         .connect()
         .await
         .expect("connect");
     store.migrate().await.expect("migrate");
+    store
+}
+
+/// The same commit, cancelled while it waits for the standby, seen by a duplicate: the record
+/// is visible on the primary at once, so a duplicate that only read it would be answered with a
+/// replay the standby may lack (a failover then, and the next duplicate runs the write again,
+/// after a client already had its answer). With a synchronous standby configured, a replay is
+/// served only once the standby confirms: while it does not, the duplicate fails closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_is_not_replayed_a_record_the_synchronous_standby_lacks() {
+    with_standby_reset(replay_of_an_unconfirmed_record).await;
+}
+
+async fn replay_of_an_unconfirmed_record(url: String) {
+    let schema = unique("idem_replica_");
+    let leader = store_in(&url, &schema, Duration::from_millis(500)).await;
+    // Another instance, with a near cache: it must not keep what it may not serve either.
+    let duplicate = PostgresStore::builder(&url)
+        .schema(schema.clone())
+        .timeout(Duration::from_millis(500))
+        .near_cache(idempotency_layer::store::NearCache::new(1 << 20))
+        .connect()
+        .await
+        .expect("connect");
+    let scope = Scope::new("replica", "POST /orders", &unique("k")).key();
+    let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(600));
+    let Begin::New(token) = leader
+        .begin(scope, Fingerprint([3; 32]), lease)
+        .await
+        .expect("begin")
+    else {
+        panic!("a fresh scope is new")
+    };
+
+    synchronous_standbys(&url, "nobody").await;
+    let first = leader.complete(scope, token, record(), ttl).await;
+    assert!(first.is_err(), "no standby confirmed: {first:?}");
+    // Committed on the primary (the cancel ended only the wait), so a plain read sees it.
+    let visible: i64 = primary(&url)
+        .await
+        .query_one(
+            &format!(
+                "SELECT count(*) FROM {} WHERE state = 'completed'",
+                leader.table()
+            ),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(visible, 1, "the cancelled commit is visible on the primary");
+    for store in [&leader, &duplicate] {
+        let replay = store.begin(scope, Fingerprint([3; 32]), lease).await;
+        assert!(
+            replay.is_err(),
+            "a duplicate was answered from a record no standby confirmed: {:?}",
+            replay.map(|b| matches!(b, Begin::Completed(_)))
+        );
+    }
+
+    // Once the standby confirms (here: the primary waits for none), the record is replayed.
+    synchronous_standbys(&url, "").await;
+    for store in [&leader, &duplicate] {
+        let replay = store
+            .begin(scope, Fingerprint([3; 32]), lease)
+            .await
+            .expect("begin once the standby confirms");
+        assert!(matches!(replay, Begin::Completed(_)), "a replay");
+    }
+    crate::postgres::drop_schema(&url, &schema).await;
+}
+
+async fn resent_complete(url: String) {
+    let schema = unique("idem_replica_");
+    let store = store_in(&url, &schema, Duration::from_millis(500)).await;
     let scope = Scope::new("replica", "POST /orders", &unique("k")).key();
     let lease = Duration::from_secs(30);
     let ttl = Duration::from_secs(600);
@@ -123,5 +205,80 @@ async fn resent_complete(url: String) {
         .complete(scope, token, record(), ttl)
         .await
         .expect("acknowledged once the standby has it");
+    crate::postgres::drop_schema(&url, &schema).await;
+}
+
+/// While the synchronous standby is away, every claim's commit waits for it, and the store
+/// gives up on each at its timeout. A commit waiting for a standby ends only on a cancel (a
+/// closed connection leaves its backend waiting, with its locks and its connection slot, for as
+/// long as the standby stays away): so every statement the store abandons is cancelled, not
+/// only the first few at once, and no backend of the store is left waiting. Once the standby is
+/// back, no key stays blocked past one lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statements_abandoned_while_the_standby_is_away_leave_no_backend_waiting() {
+    with_standby_reset(abandoned_commits).await;
+}
+
+async fn abandoned_commits(url: String) {
+    // The store's sessions carry a name of their own, to find their backends.
+    let app = unique("idem_sync_");
+    let schema = unique("idem_replica_");
+    let store = store_in(
+        &format!("{url}&application_name={app}"),
+        &schema,
+        Duration::from_millis(500),
+    )
+    .await;
+    let lease = Duration::from_secs(3);
+    let scopes: Vec<_> = (0..12)
+        .map(|i| Scope::new("replica", "POST /orders", &format!("{app}-{i}")).key())
+        .collect();
+
+    synchronous_standbys(&url, "nobody").await;
+    // More claims at once than the store sends cancels at once (four).
+    let begins = futures_util::future::join_all(
+        scopes
+            .iter()
+            .map(|&scope| store.begin(scope, Fingerprint([3; 32]), lease)),
+    )
+    .await;
+    for begin in &begins {
+        assert!(begin.is_err(), "no standby confirmed: {begin:?}");
+    }
+    let waiting = || async {
+        primary(&url)
+            .await
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE application_name = $1 AND wait_event = 'SyncRep'",
+                &[&app],
+            )
+            .await
+            .map(|r| r.get::<_, i64>(0))
+            .unwrap_or(-1)
+    };
+    wait::until_async(
+        Duration::from_secs(20),
+        "no backend of the store still waits for the standby",
+        || async { waiting().await == 0 },
+    )
+    .await;
+
+    // The standby is back: every key is free again within one lease (its claim was released
+    // by its token, or lapsed).
+    synchronous_standbys(&url, "").await;
+    for scope in scopes {
+        wait::until_async(
+            lease + Duration::from_secs(5),
+            "the key is free within one lease",
+            || async {
+                matches!(
+                    store.begin(scope, Fingerprint([3; 32]), lease).await,
+                    Ok(Begin::New(_))
+                )
+            },
+        )
+        .await;
+    }
     crate::postgres::drop_schema(&url, &schema).await;
 }

@@ -11,9 +11,10 @@
 //! away) takes its connection out of the pool and cancels the statement on the server
 //! (a `CancelRequest` on a connection of its own, in the background); the session's
 //! `statement_timeout` and `lock_timeout` (set on the store's own pools) end it on the server
-//! even if the cancel is lost. At most [`CANCEL_CONNECTIONS`] cancels are in flight at once per
-//! store: when every statement times out at once (a server that stalls), the others are not
-//! cancelled but closed, and the server's own timeouts end them. A connection whose statement failed in a way that says the
+//! even if the cancel is lost, except a commit waiting for a synchronous standby, which only a
+//! cancel ends: so every abandoned statement is cancelled, at most [`CANCEL_CONNECTIONS`] at once
+//! per store, and its connection is closed once it answers again ([`Canceller::end`]). A
+//! connection whose statement failed in a way that says the
 //! connection itself is no good (the server is read-only after a failover, or shutting down,
 //! or the socket closed) is also dropped, not pooled: the next statement gets a fresh
 //! connection, to the new primary.
@@ -21,7 +22,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_postgres::{Object, Pool};
+use deadpool_postgres::{ClientWrapper, Object, Pool};
 use tokio::sync::Semaphore;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::NoTls;
@@ -34,7 +35,7 @@ use super::Connector;
 pub(super) const CANCEL_CONNECTIONS: usize = 4;
 
 /// How the store's abandoned statements are cancelled: the connector and a bound on the
-/// cancels in flight ([`CANCEL_CONNECTIONS`]).
+/// cancels in flight ([`CANCEL_CONNECTIONS`]); see [`Canceller::end`].
 #[derive(Clone)]
 pub(super) struct Canceller {
     pub(super) tls: Connector,
@@ -134,40 +135,74 @@ impl Drop for Busy<'_> {
         };
         // Out of the pool at once: nothing else is handed this connection.
         let client = Object::take(conn);
-        let token = client.cancel_token();
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let Ok(permit) = self.cancel.permits.clone().try_acquire_owned() else {
-            // Closed rather than cancelled: the session's timeouts end the statement.
-            #[cfg(feature = "metrics")]
-            metrics::counter!("idempotency_layer_store_cancels_skipped_total", "store" => "postgres")
-                .increment(1);
-            tracing::debug!(
-                "idempotency: {CANCEL_CONNECTIONS} postgres cancels already in flight; closing                  this abandoned statement's connection without one"
-            );
-            return;
+        let (timeout, cancel) = (self.timeout, self.cancel.clone());
+        runtime.spawn(async move { cancel.end(client, timeout).await });
+    }
+}
+
+/// How many times one abandoned statement is cancelled before its connection is closed
+/// regardless: a cancel that reached the server before the statement did cancels nothing.
+const CANCEL_ROUNDS: usize = 3;
+
+impl Canceller {
+    /// Ends the statement running on `client`, which its caller abandoned: cancels it, and
+    /// checks that the connection answers again (the statement ended), once more if not.
+    ///
+    /// Every abandoned statement is cancelled, not only the first few: a commit waiting for a
+    /// synchronous standby ends only on a cancel (or the backend's termination), never when
+    /// its connection closes, so a statement closed without one would keep its backend, its
+    /// locks and a connection slot until the standby confirms (and the pool, replacing the
+    /// connection, would do it again at every timeout until the server refused connections).
+    /// At most [`CANCEL_CONNECTIONS`] are sent at once; the others wait for a turn, up to
+    /// `timeout`: a server that answers cancels clears thousands a second, and one that
+    /// does not (stalled) is not helped by more connections; past that wait, the connection is
+    /// closed without a cancel, and the session's `statement_timeout` ends what is not a commit.
+    async fn end(self, client: ClientWrapper, timeout: Duration) {
+        let permit = match tokio::time::timeout(timeout, self.permits.acquire_owned()).await {
+            Ok(Ok(permit)) => permit,
+            _ => {
+                #[cfg(feature = "metrics")]
+                metrics::counter!("idempotency_layer_store_cancels_skipped_total", "store" => "postgres")
+                    .increment(1);
+                tracing::warn!(
+                    "idempotency: no postgres cancel could be sent within {timeout:?} ({} in \
+                     flight); closing this abandoned statement's connection without one",
+                    CANCEL_CONNECTIONS
+                );
+                return;
+            }
         };
-        let (timeout, tls) = (self.timeout, self.cancel.tls.clone());
-        runtime.spawn(async move {
-            // The client is kept until the cancel is sent, and the permit until it is done.
-            let _client = client;
-            let _permit = permit;
-            let cancel = async {
-                match tls {
+        let token = client.cancel_token();
+        for _ in 0..CANCEL_ROUNDS {
+            let sent = async {
+                match &self.tls {
                     Connector::Plain => token.cancel_query(NoTls).await,
                     #[cfg(feature = "postgres-tls")]
-                    Connector::Rustls(tls) => token.cancel_query(tls).await,
+                    Connector::Rustls(tls) => token.cancel_query(tls.clone()).await,
                 }
             };
-            if let Ok(Err(e)) | Err(e) = tokio::time::timeout(timeout, cancel)
-                .await
-                .map_err(|_| "timed out".to_owned())
-                .map(|r| r.map_err(|e| e.to_string()))
-            {
-                tracing::debug!(error = %e, "idempotency: cancelling an abandoned postgres statement failed");
+            match tokio::time::timeout(timeout, sent).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "idempotency: cancelling an abandoned postgres statement failed");
+                    break;
+                }
+                Err(_) => {
+                    tracing::debug!(
+                        "idempotency: cancelling an abandoned postgres statement timed out"
+                    );
+                    break;
+                }
             }
-        });
+            // An empty query is answered once the statement before it ended.
+            if let Ok(Ok(_)) = tokio::time::timeout(timeout, client.simple_query("")).await {
+                break;
+            }
+        }
+        drop(permit);
     }
 }
 

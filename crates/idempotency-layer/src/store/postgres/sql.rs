@@ -13,6 +13,12 @@ use crate::store::{codec, Begin, ScopeKey, StoreError, Token};
 use super::FORGET_PREFIX;
 use super::{backend, millis};
 
+/// True in a session whose commits wait for a synchronous standby to confirm them: one is
+/// named, and `synchronous_commit` asks for more than the primary's own disk. Read at each
+/// statement, so a standby configured (or removed) while the store runs counts at once.
+const STANDBY_CONFIRMS: &str = "(current_setting('synchronous_standby_names') <> '' \
+     AND current_setting('synchronous_commit') NOT IN ('off', 'local'))";
+
 pub(super) struct Sql {
     pub(super) claim: String,
     pub(super) complete: String,
@@ -67,11 +73,28 @@ impl Sql {
             // the snapshot holds no live row does the INSERT run; `ON CONFLICT ... WHERE`
             // takes over an expired row, and a row a concurrent claim inserted after the
             // snapshot yields no row at all (`begin` then runs the statement again).
+            //
+            // With a synchronous standby, a record is replayed only once the standby has it.
+            // A commit whose wait for the standby was cancelled (the store's own timeout
+            // cancels a statement it gave up on) is visible on the primary at once, though the
+            // standby may lack it; a replay that only reads would publish it, and a failover
+            // then would lose a record a client was already answered with. So, when commits
+            // wait for a standby (`synchronous_standby_names` set and `synchronous_commit`
+            // above `local`), a completed row is also locked `FOR SHARE`: the lock gives the
+            // statement a transaction of its own, whose commit waits for the standby to confirm
+            // WAL past the record's commit. A standby that does not confirm then fails the
+            // replay closed at the store's timeout, as it fails every write. Without a
+            // synchronous standby the one-time filter is false: nothing is locked, and a
+            // replay stays a plain read. A completed row the lock no longer finds (removed or
+            // changed after the snapshot) yields no row, and `begin` runs the statement again.
             claim: format!(
                 "WITH live AS (\
                    SELECT state, token, fingerprint, record, \
                      GREATEST(0, extract(epoch FROM expires_at - now()) * 1000)::bigint AS ttl_ms \
                    FROM {t} WHERE scope = $1 AND expires_at > now()), \
+                 anchored AS (\
+                   SELECT 1 FROM {t} WHERE scope = $1 AND state = 'completed' \
+                     AND expires_at > now() AND {STANDBY_CONFIRMS} FOR SHARE), \
                  claimed AS (\
                    INSERT INTO {t} AS e (scope, state, token, fingerprint, expires_at, record) \
                    SELECT $1, 'in_flight', $2::uuid, $3::bytea, {lease}, NULL \
@@ -84,7 +107,9 @@ impl Sql {
                  SELECT true AS claimed, state, token, fingerprint, record, 0::bigint AS ttl_ms \
                  FROM claimed \
                  UNION ALL \
-                 SELECT false, state, token, fingerprint, record, ttl_ms FROM live"
+                 SELECT false, state, token, fingerprint, record, ttl_ms FROM live \
+                 WHERE state <> 'completed' OR NOT {STANDBY_CONFIRMS} \
+                   OR EXISTS (SELECT 1 FROM anchored)"
             ),
             // A complete resent by its own token (its reply was lost, or its commit's wait for
             // a synchronous standby was cancelled: committed on the primary, perhaps not on the
