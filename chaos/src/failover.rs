@@ -1,8 +1,10 @@
 //! Redis failover chaos: concurrent `begin` + `complete` through two [`RedisStore`]s on a
 //! Sentinel-managed primary, one plain and one with
 //! [`wait_for_replicas`](idempotency_layer::RedisStoreBuilder::wait_for_replicas), while the run
-//! forces failovers; at the end, every record a `complete` acknowledged (`Ok`) is looked up on
-//! the primary of the day: a missing one is a record the failover lost (its key would execute
+//! forces failovers; each pair resends its `complete` after an error (as the layer does) and is
+//! followed by a duplicate `begin`. At the end, every record a client was answered with (a
+//! `complete` acknowledged it, `Ok`, or a duplicate was replayed it) is looked up on the
+//! primary of the day: a missing one is a record the failover lost (its key would execute
 //! again). Before the failovers, the cost of `wait_for_replicas` is measured on the healthy
 //! pair: ops/s and latency of begin + complete, with and without, in the same run.
 //!
@@ -17,7 +19,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
 use idempotency_layer::store::{Begin, Fingerprint, Record, ScopeKey};
-use idempotency_layer::{IdempotencyStore, RedisStore, Scope};
+use idempotency_layer::{IdempotencyStore, RedisStore, Scope, StoreError};
 use tokio::time::Instant;
 
 /// How a failover is forced.
@@ -85,8 +87,12 @@ impl Cost {
 /// What one store saw during the failovers.
 #[derive(Clone, Debug, Default)]
 pub struct Losses {
-    /// Records `complete` acknowledged.
+    /// Records a client was answered with: `complete` acknowledged them, or a duplicate was
+    /// replayed them.
     pub acknowledged: u64,
+    /// Of those, answered only by a duplicate's replay (their `complete` was not
+    /// acknowledged).
+    pub replayed: u64,
     /// Of those, missing on the final primary.
     pub lost: u64,
     /// `begin` or `complete` errors (the store unreachable, or too few replicas).
@@ -179,8 +185,8 @@ impl fmt::Display for FailoverReport {
         for (name, l) in [("plain", &self.plain), ("wait_for_replicas", &self.wait)] {
             writeln!(
                 f,
-                "  {name:18} acknowledged {:>7}  lost {:>5}  errors {:>6}  primary switches {}",
-                l.acknowledged, l.lost, l.errors, l.switches
+                "  {name:18} acknowledged {:>7} (replayed only {})  lost {:>5}  errors {:>6}  primary switches {}",
+                l.acknowledged, l.replayed, l.lost, l.errors, l.switches
             )?;
             write_lost_when(f, l, "forced failover")?;
         }
@@ -221,6 +227,9 @@ pub(crate) struct Load {
     pub(crate) acknowledged: Mutex<Vec<(ScopeKey, Instant)>>,
     pub(crate) errors: AtomicU64,
     pub(crate) latencies: Mutex<Vec<Duration>>,
+    /// Duplicates answered with a replay of a record whose `complete` was not acknowledged
+    /// (also in `acknowledged`: a client was answered with it).
+    pub(crate) replayed: AtomicU64,
 }
 
 fn record() -> Arc<Record> {
@@ -268,24 +277,60 @@ async fn drive<S: IdempotencyStore>(
                 continue;
             }
         };
-        match store.complete(scope, token, record.clone(), TTL).await {
-            Ok(()) => {
-                let took = started.elapsed();
+        // Resent through errors, as the layer resends a complete through an outage.
+        let mut acknowledged = false;
+        for _ in 0..COMPLETE_SENDS {
+            match store.complete(scope, token, record.clone(), TTL).await {
+                Ok(()) => {
+                    acknowledged = true;
+                    break;
+                }
+                Err(StoreError::Fenced) => break,
+                Err(_) => {
+                    load.errors.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+        if acknowledged {
+            let took = started.elapsed();
+            load.acknowledged
+                .lock()
+                .unwrap()
+                .push((scope, Instant::now()));
+            if timed {
+                load.latencies.lock().unwrap().push(took);
+            }
+        }
+        if timed {
+            continue;
+        }
+        // A duplicate of the request. A replay answers a client with the record just as an
+        // acknowledged complete does: one whose complete was not acknowledged counts as
+        // answered too, and must survive the failovers like the acknowledged ones.
+        match store.begin(scope, Fingerprint([7; 32]), LEASE).await {
+            Ok(Begin::Completed(_)) if !acknowledged => {
+                load.replayed.fetch_add(1, Ordering::Relaxed);
                 load.acknowledged
                     .lock()
                     .unwrap()
                     .push((scope, Instant::now()));
-                if timed {
-                    load.latencies.lock().unwrap().push(took);
-                }
             }
+            // The claim was released or lapsed: this duplicate holds it now; let it go.
+            Ok(Begin::New(token)) => {
+                let _ = store.release(scope, token).await;
+            }
+            Ok(_) => {}
             Err(_) => {
                 load.errors.fetch_add(1, Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
     }
 }
+
+/// How many times a pair sends its `complete` before giving up on it (the first and the
+/// resends after an error).
+const COMPLETE_SENDS: usize = 3;
 
 /// Runs `concurrency` drivers on `store` until `stop`; returns their load.
 pub(crate) async fn run_load<S: IdempotencyStore>(
@@ -633,6 +678,7 @@ pub async fn run_failover(opts: FailoverOptions) -> FailoverReport {
             let lost = missing(&store, &scopes, &opts).await;
             Losses {
                 acknowledged: scopes.len() as u64,
+                replayed: load.replayed.load(Ordering::Relaxed),
                 lost: lost.len() as u64,
                 errors,
                 switches: store.primary_switches(),

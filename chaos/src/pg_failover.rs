@@ -60,7 +60,35 @@ pub struct PgFailoverOptions {
     pub timeout: Duration,
     /// The command that brings the old primary back as a standby (`.ci/postgres-replica.sh`).
     pub restore: PathBuf,
+    /// Before the failovers, the standby's WAL receiver is stopped this long under load (0:
+    /// not): with a synchronous standby every commit waits for it, and the run samples what
+    /// that leaves on the primary ([`StandbyAway`]).
+    pub standby_away: Duration,
 }
+
+/// What a standby away under load left on the primary, sampled every 500 ms.
+#[derive(Clone, Debug, Default)]
+pub struct StandbyAway {
+    /// How long it was away.
+    pub away: Duration,
+    /// Samples taken.
+    pub samples: u64,
+    /// The most backends of the run's store at once (its pool, renewals and listener; cancels
+    /// are not backends), and the most of them waiting for the standby.
+    pub most_backends: i64,
+    /// The most of them waiting for the standby (`wait_event = 'SyncRep'`).
+    pub most_waiting: i64,
+    /// Samples in which a new connection to the primary was refused or timed out.
+    pub refused: u64,
+    /// The store's backends still waiting for the standby once it was back for twice the
+    /// store's timeout.
+    pub waiting_after: i64,
+}
+
+/// The most backends a store of the run may hold: its pool (16), as many abandoned
+/// connections whose statements are being cancelled (each leaves the pool as it is abandoned,
+/// and is closed once the cancel took), its renewal connections (2) and its listener (1).
+const STORE_BACKENDS: i64 = 16 + 16 + 2 + 1;
 
 /// The run's figures.
 #[derive(Clone, Debug, Default)]
@@ -72,6 +100,8 @@ pub struct PgFailoverReport {
     /// Failovers forced, and how long each took from the primary's stop until the standby
     /// accepted writes.
     pub failovers: Vec<Duration>,
+    /// The standby away under load, if asked for.
+    pub standby_away: Option<StandbyAway>,
 }
 
 impl PgFailoverReport {
@@ -86,6 +116,27 @@ impl PgFailoverReport {
         }
         if self.losses.acknowledged == 0 {
             p.push("no record was acknowledged".to_owned());
+        }
+        if let Some(a) = &self.standby_away {
+            if a.refused > 0 {
+                p.push(format!(
+                    "the primary refused new connections in {} samples while the standby was away",
+                    a.refused
+                ));
+            }
+            if a.most_backends > STORE_BACKENDS {
+                p.push(format!(
+                    "the store held {} backends at once while the standby was away (at most \
+                     {STORE_BACKENDS}: abandoned statements kept theirs)",
+                    a.most_backends
+                ));
+            }
+            if a.waiting_after > 0 {
+                p.push(format!(
+                    "{} backends still waited for the standby after it was back",
+                    a.waiting_after
+                ));
+            }
         }
         p
     }
@@ -113,11 +164,25 @@ impl fmt::Display for PgFailoverReport {
             self.failovers.len(),
             took.join(", ")
         )?;
+        if let Some(a) = &self.standby_away {
+            writeln!(
+                f,
+                "standby away {:.0} s under load ({} samples): the store's backends at most {} \
+                 ({} waiting for the standby), new connections refused in {} samples, still \
+                 waiting after it was back: {}",
+                a.away.as_secs_f64(),
+                a.samples,
+                a.most_backends,
+                a.most_waiting,
+                a.refused,
+                a.waiting_after
+            )?;
+        }
         let l = &self.losses;
         writeln!(
             f,
-            "  acknowledged {:>7}  lost {:>5}  errors {:>6}",
-            l.acknowledged, l.lost, l.errors
+            "  acknowledged {:>7} (replayed only {})  lost {:>5}  errors {:>6}",
+            l.acknowledged, l.replayed, l.lost, l.errors
         )?;
         write_lost_when(f, l, "primary stop")?;
         write_checks(f, &self.problems())
@@ -188,11 +253,7 @@ async fn force_failover(opts: &PgFailoverOptions) -> Duration {
     let receiver: Option<i32> = if opts.cut_replica.is_zero() {
         None
     } else {
-        s.query_opt("SELECT pid FROM pg_stat_wal_receiver", &[])
-            .await
-            .ok()
-            .flatten()
-            .map(|r| r.get(0))
+        wal_receiver(&s).await
     };
     if let Some(pid) = receiver {
         signal(pid, "-STOP");
@@ -226,13 +287,76 @@ async fn force_failover(opts: &PgFailoverOptions) -> Duration {
     took
 }
 
+/// The pid of the standby's WAL receiver, if it runs.
+async fn wal_receiver(standby: &tokio_postgres::Client) -> Option<i32> {
+    standby
+        .query_opt("SELECT pid FROM pg_stat_wal_receiver", &[])
+        .await
+        .ok()
+        .flatten()
+        .map(|r| r.get(0))
+}
+
+/// Stops the standby's WAL receiver for `opts.standby_away` while the load runs, sampling the
+/// primary every 500 ms: the store's backends (by `application_name`), those waiting for the
+/// standby, and whether a new connection is accepted.
+async fn standby_away(opts: &PgFailoverOptions, app: &str) -> StandbyAway {
+    let (primary, standby) = roles(opts).await;
+    let s = node(standby).await.expect("the standby answers");
+    let receiver = wal_receiver(&s)
+        .await
+        .expect("the standby's WAL receiver runs");
+    let sample = || async {
+        let Some(c) = node(primary).await else {
+            return None;
+        };
+        let row = c
+            .query_one(
+                "SELECT count(*), count(*) FILTER (WHERE wait_event = 'SyncRep') \
+                 FROM pg_stat_activity WHERE application_name = $1",
+                &[&app],
+            )
+            .await
+            .ok()?;
+        Some((row.get::<_, i64>(0), row.get::<_, i64>(1)))
+    };
+    let mut report = StandbyAway {
+        away: opts.standby_away,
+        ..StandbyAway::default()
+    };
+    signal(receiver, "-STOP");
+    let back = Instant::now() + opts.standby_away;
+    while Instant::now() < back {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        report.samples += 1;
+        match sample().await {
+            Some((backends, waiting)) => {
+                report.most_backends = report.most_backends.max(backends);
+                report.most_waiting = report.most_waiting.max(waiting);
+            }
+            None => report.refused += 1,
+        }
+    }
+    signal(receiver, "-CONT");
+    tokio::time::sleep(opts.timeout * 2).await;
+    report.waiting_after = sample().await.map_or(-1, |(_, waiting)| waiting);
+    report
+}
+
 /// Runs it: load through the failovers, then the check on the final primary.
 pub async fn run_pg_failover(opts: PgFailoverOptions) -> PgFailoverReport {
     run_script(&opts.restore).await;
     let (primary, _) = roles(&opts).await;
     synchronous_standbys(primary, if opts.synchronous { "*" } else { "" }).await;
     let table = format!("failover_{}", std::process::id());
-    let store = PostgresStore::builder(&opts.url)
+    // The store's sessions carry a name of their own, to count their backends.
+    let app = table.clone();
+    let url = format!(
+        "{}{}application_name={app}",
+        opts.url,
+        if opts.url.contains('?') { '&' } else { '?' }
+    );
+    let store = PostgresStore::builder(&url)
         .table(table)
         .timeout(opts.timeout)
         .connect()
@@ -250,6 +374,12 @@ pub async fn run_pg_failover(opts: PgFailoverOptions) -> PgFailoverReport {
         opts.rate,
     )
     .await;
+    let away = if opts.standby_away.is_zero() {
+        None
+    } else {
+        tokio::time::sleep(opts.between).await;
+        Some(standby_away(&opts, &app).await)
+    };
     let mut failovers = Vec::new();
     let mut forced = Vec::new();
     for _ in 0..opts.failovers {
@@ -293,11 +423,13 @@ pub async fn run_pg_failover(opts: PgFailoverOptions) -> PgFailoverReport {
         synchronous: opts.synchronous,
         losses: Losses {
             acknowledged: acknowledged.len() as u64,
+            replayed: load.replayed.load(Ordering::Relaxed),
             lost: lost.len() as u64,
             errors: load.errors.load(Ordering::Relaxed),
             switches: 0,
             lost_when: lost_when(&lost, &forced),
         },
         failovers,
+        standby_away: away,
     }
 }

@@ -46,6 +46,12 @@ struct Args {
     /// The nodes' ports on 127.0.0.1.
     #[arg(long, value_delimiter = ',', default_value = "5433,5434")]
     ports: Vec<u16>,
+    /// Before the failovers, stop the standby's WAL receiver this many seconds under load (0:
+    /// not); with `--synchronous`, every commit waits for it meanwhile. Checks that the primary
+    /// keeps accepting connections, that the store's backends stay within its pool, and that
+    /// none still waits for the standby once it is back.
+    #[arg(long, default_value_t = 0.0)]
+    standby_away_secs: f64,
     /// Brings the old primary back as a standby and waits for it to stream.
     #[arg(long, default_value = ".ci/postgres-replica.sh")]
     restore: PathBuf,
@@ -73,6 +79,7 @@ fn main() {
         rate: args.rate,
         timeout: Duration::from_millis(args.timeout_ms),
         restore: args.restore,
+        standby_away: Duration::from_secs_f64(args.standby_away_secs),
     };
     let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
     let report = runtime.block_on(run_pg_failover(opts));

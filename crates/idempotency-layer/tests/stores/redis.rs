@@ -779,7 +779,8 @@ impl Drop for Replica {
 }
 
 /// With `wait_for_replicas`, a replica that stops acknowledging holds back no renewal, release
-/// or replay: claims and completes wait for it (and fail closed) on connections of their own.
+/// or replay of a record it acknowledged: claims and completes wait for it (and fail closed) on
+/// connections of their own.
 /// (Before, every `WAIT` held the store's one multiplexed connection for its whole timeout, and
 /// renewals queued behind them until they timed out: leases lapsed, and a retry could take a
 /// live leader's key over.)
@@ -821,6 +822,25 @@ async fn a_stopped_replica_holds_back_no_renewal_or_replay() {
         )
         .await
         .unwrap();
+    // Its acknowledgement is marked on the record (in the background): replays of it need
+    // not wait for the replica again.
+    let done_key = store.key(&done);
+    wait::until_async(wait::LIMIT, "the record is marked acknowledged", || {
+        let (url, done_key) = (url.clone(), done_key.clone());
+        async move {
+            let mut c = redis::Client::open(url.as_str())
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap();
+            c.hget::<_, _, Option<String>>(&done_key, "a")
+                .await
+                .ok()
+                .flatten()
+                .is_some()
+        }
+    })
+    .await;
 
     replica.signal("-STOP");
     // Claims that wait for the stopped replica, many more than there are connections for them.
@@ -916,46 +936,9 @@ async fn hsets(url: &str) -> u64 {
 /// offset, which is why only the replica's applied writes show the difference here.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resent_complete_or_release_writes_what_its_wait_covers() {
-    if env_url("REDIS_URL").is_none() {
-        return;
-    }
-    let started = Replica::private_primary()
-        .and_then(|(primary, url)| Some((primary, Replica::start(&url)?, url)));
-    let Some((_primary, replica, url)) = started else {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "redis-server is needed to run a primary and its replica"
-        );
-        eprintln!("skipped: no redis-server to run a primary and a replica with");
+    let Some((_primary, replica, url, replica_url)) = private_primary_and_replica().await else {
         return;
     };
-    wait::until_async(wait::LIMIT, "the private primary answers", || {
-        let url = url.clone();
-        async move {
-            match redis::Client::open(url.as_str()) {
-                Ok(c) => c.get_multiplexed_async_connection().await.is_ok(),
-                Err(_) => false,
-            }
-        }
-    })
-    .await;
-    // The replica in sync before any claim (a claim refused before then is released in the
-    // background: writes the checks below would see).
-    let replica_url = format!("redis://127.0.0.1:{}", replica.port);
-    wait::until_async(wait::LIMIT, "the replica is in sync", || {
-        let replica_url = replica_url.clone();
-        async move {
-            redis::Client::open(replica_url.as_str())
-                .unwrap()
-                .get_multiplexed_async_connection()
-                .await
-                .is_ok()
-                && info(&replica_url, "replication")
-                    .await
-                    .contains("master_link_status:up")
-        }
-    })
-    .await;
     let prefix = unique("test:idem:");
     let store = |prefix: String| {
         let url = url.clone();
@@ -1030,4 +1013,117 @@ async fn a_resent_complete_or_release_writes_what_its_wait_covers() {
         "a resend on another connection is not acknowledged either"
     );
     replica.signal("-CONT");
+}
+
+/// A redis-server primary of the test's own and a replica of it, in sync: the primary's
+/// process, the replica, the primary's URL and the replica's. `None` (skip) without REDIS_URL
+/// or outside CI without a redis-server binary.
+async fn private_primary_and_replica() -> Option<(Replica, Replica, String, String)> {
+    env_url("REDIS_URL")?;
+    let started = Replica::private_primary()
+        .and_then(|(primary, url)| Some((primary, Replica::start(&url)?, url)));
+    let Some((primary, replica, url)) = started else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "redis-server is needed to run a primary and its replica"
+        );
+        eprintln!("skipped: no redis-server to run a primary and a replica with");
+        return None;
+    };
+    wait::until_async(wait::LIMIT, "the private primary answers", || {
+        let url = url.clone();
+        async move {
+            match redis::Client::open(url.as_str()) {
+                Ok(c) => c.get_multiplexed_async_connection().await.is_ok(),
+                Err(_) => false,
+            }
+        }
+    })
+    .await;
+    // The replica in sync before any claim (a claim refused before then is released in the
+    // background: writes the checks would see).
+    let replica_url = format!("redis://127.0.0.1:{}", replica.port);
+    wait::until_async(wait::LIMIT, "the replica is in sync", || {
+        let replica_url = replica_url.clone();
+        async move {
+            redis::Client::open(replica_url.as_str())
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .is_ok()
+                && info(&replica_url, "replication")
+                    .await
+                    .contains("master_link_status:up")
+        }
+    })
+    .await;
+    Some((primary, replica, url, replica_url))
+}
+
+/// A record whose `complete` no replica acknowledged stays on the primary (Redis cannot take a
+/// write back). A duplicate that read it and were answered at once would be replayed a record a
+/// failover to the replica loses, and the next duplicate after it would run the write again:
+/// with `wait_for_replicas`, a replay too waits for the replicas, and fails closed while they do
+/// not acknowledge; once they do, it is replayed (the near cache keeps nothing meanwhile).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_wait_for_replicas_a_record_no_replica_acknowledged_is_not_replayed() {
+    let Some((_primary, replica, url, _)) = private_primary_and_replica().await else {
+        return;
+    };
+    let prefix = unique("test:idem:");
+    let store = |near: bool| {
+        let (url, prefix) = (url.clone(), prefix.clone());
+        async move {
+            let builder = RedisStore::builder(&url)
+                .prefix(prefix)
+                .timeout(Duration::from_secs(3))
+                .wait_for_replicas(1, Duration::from_millis(500));
+            let builder = if near {
+                builder.near_cache(idempotency_layer::store::NearCache::new(1 << 20))
+            } else {
+                builder
+            };
+            builder.connect().await.unwrap()
+        }
+    };
+    let (leader, duplicate) = (store(false).await, store(true).await);
+    let fp = Fingerprint([8; 32]);
+    let scope = order_scope(&unique("unacknowledged-record-"));
+    let token = claim_acknowledged(&leader, scope, fp).await;
+
+    replica.signal("-STOP");
+    let completed = leader
+        .complete(
+            scope,
+            token,
+            conformance::sample_record(fp).into(),
+            conformance::LONG,
+        )
+        .await;
+    assert!(
+        completed.is_err(),
+        "the stopped replica acknowledges nothing"
+    );
+    for store in [&leader, &duplicate] {
+        let replay = store.begin(scope, fp, conformance::LONG).await;
+        assert!(
+            replay.is_err(),
+            "a duplicate was answered from a record no replica acknowledged: {:?}",
+            replay.map(|b| matches!(b, Begin::Completed(_)))
+        );
+    }
+    replica.signal("-CONT");
+    for store in [&leader, &duplicate] {
+        wait::until_async(
+            wait::LIMIT,
+            "the record is replayed once replicated",
+            || async {
+                matches!(
+                    store.begin(scope, fp, conformance::LONG).await,
+                    Ok(Begin::Completed(_))
+                )
+            },
+        )
+        .await;
+    }
 }

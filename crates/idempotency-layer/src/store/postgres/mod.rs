@@ -68,6 +68,14 @@ const CLAIM_ATTEMPTS: usize = 10;
 ///   no commit flush, and replays of one key never queue on its row lock. In the rare race
 ///   where another transaction inserted the row after the statement's snapshot, the statement
 ///   runs again.
+/// - **With a synchronous standby** (`synchronous_standby_names` set, `synchronous_commit`
+///   above `local`; read at each statement) a replay also locks its row `FOR SHARE`, so that
+///   its own commit waits for the standby: a record is replayed only once the standby has it.
+///   A commit whose wait for the standby was cancelled (the store cancels what it gave up on)
+///   is visible on the primary at once, and a plain read would answer a duplicate with a record
+///   a failover can still lose. A replay then costs what a write costs (measured: 6 973
+///   replays/s against 16 621 without a synchronous standby; see BENCHMARKS.md); the
+///   [near cache](PostgresStoreBuilder::near_cache) answers repeated replays without it.
 /// - `complete`, `release`, `renew` are fenced: `UPDATE`/`DELETE ... WHERE scope = $1 AND
 ///   token = $2 AND state = 'in_flight'`; no row matched is [`StoreError::Fenced`]. `complete`,
 ///   `release` and `forget` call `pg_notify` in the same statement only when a waiter marked
@@ -158,9 +166,11 @@ const CLAIM_ATTEMPTS: usize = 10;
 ///   leaves the pool, so it neither stalls the next statements (behind the row lock of an open
 ///   `TxCompletion` transaction, say) nor lands later: a claim abandoned that way is released
 ///   by its token in the background, once at once and once more twice the timeout later.
-///   At most four cancels are in flight at once (each is a connection of its own); past that,
-///   an abandoned statement's connection is closed without one, and the server's
-///   `statement_timeout` ends it.
+///   Every abandoned statement is cancelled, at most four at once (each cancel is a connection
+///   of its own; the others wait their turn, up to the timeout), and its connection is closed
+///   once it answers again: a commit waiting for a synchronous standby ends only on a cancel,
+///   never when its connection closes, so a standby away for minutes leaves no backend
+///   waiting.
 ///   Your own transactions on [`pool`](PostgresStore::pool) connections inherit those
 ///   settings: `SET LOCAL statement_timeout` in a transaction that needs longer.
 /// - **Eviction, cluster**: nothing is evicted; records go only when expired or forgotten.

@@ -157,10 +157,19 @@ impl RedisStoreBuilder {
     /// `release`, `renew` and `forget` do not wait (a lost release or renewal only lets a
     /// claim lapse; a lost `forget` brings a record back).
     ///
+    /// A replay waits for the replicas too, unless its record is known to be replicated: a
+    /// record whose `complete` was not acknowledged stays on the primary, and a duplicate
+    /// answered from it at once would get a record a failover can still lose. A record is
+    /// marked acknowledged (a field of its hash, written in the background) once a `WAIT`
+    /// covered it, after its `complete` or after a replay that waited; replays of a marked
+    /// record wait for no replica.
+    ///
     /// Costs: a claim is acknowledged only after a replica's acknowledgement: a first
     /// execution pays about one round trip to the primary and one primary-replica round trip
-    /// more for its claim, and its complete one primary-replica round trip; a replay, or a
-    /// duplicate that finds the claim in flight, writes nothing and waits for no replica. A
+    /// more for its claim, and its complete one primary-replica round trip; a replay of a
+    /// marked record, or a duplicate that finds the claim in flight, writes nothing and waits
+    /// for no replica (while the replicas are away, a replay of a record not yet marked fails
+    /// closed like a write). A
     /// `WAIT` blocks the connection it is sent on, so those waits run on eight connections of
     /// the store's own: renewals, releases and replays never queue behind one (while a replica
     /// is down, each new claim or complete holds one of the eight for up to `timeout`, and

@@ -12,7 +12,8 @@ local now = tonumber(tm[1]) * 1000 + math.floor(tonumber(tm[2]) / 1000)
 "#;
 
 /// Claims the key: free (absent, expired by Redis, a claim whose lease lapsed, or the tombstone
-/// of a forgotten claim) -> in flight; else reports what holds it. A claim that already holds
+/// of a forgotten claim) -> in flight; else reports what holds it (a record: `{3, record,
+/// ms left, acknowledged by the replicas (see [`ACKNOWLEDGED`]), the token that completed it}`). A claim that already holds
 /// this call's own token ARGV[1] is this call's: the command ran once already and is being
 /// resent (a cluster connection resends after a lost reply), so it answers "claimed" again
 /// rather than "in flight" (which would make the request wait for itself). A claim's lease end is its
@@ -32,8 +33,8 @@ end
 local t = redis.call('TYPE', k)['ok']
 if t == 'none' then return claim() end
 if t ~= 'hash' then return {4, 'the key holds a ' .. t .. ', not an idempotency entry'} end
-local v = redis.call('HMGET', k, 's', 't', 'f', 'r', 'e')
-if v[1] == 'c' and v[4] then return {3, v[4], redis.call('PTTL', k)} end
+local v = redis.call('HMGET', k, 's', 't', 'f', 'r', 'e', 'a')
+if v[1] == 'c' and v[4] then return {3, v[4], redis.call('PTTL', k), v[6] and 1 or 0, v[2]} end
 if v[1] == 'i' and v[2] == ARGV[1] then return {1} end
 if v[1] == 'i' and v[2] and v[3] then
   if v[5] and tonumber(v[5]) <= now then return claim() end
@@ -42,6 +43,19 @@ end
 if v[1] == 'x' then return claim() end
 if v[1] == 'r' then return claim(v[2]) end
 return {4, 'the entry has no valid state'}
+"#;
+
+/// Marks the record that the token ARGV[1] completed as acknowledged by the replicas that
+/// [`wait_for_replicas`](super::RedisStoreBuilder::wait_for_replicas) asks for (field `a`): set
+/// only after a `WAIT` covering the record answered enough, so a replay of a marked record
+/// needs no `WAIT` of its own. Anything else at the key (another record, a claim) is left alone.
+pub(super) const ACKNOWLEDGED: &str = r#"
+local k = KEYS[1]
+if redis.call('TYPE', k)['ok'] ~= 'hash' then return 0 end
+local v = redis.call('HMGET', k, 's', 't')
+if v[1] ~= 'c' or v[2] ~= ARGV[1] then return 0 end
+redis.call('HSET', k, 'a', '1')
+return 1
 "#;
 
 /// Replaces the claim ARGV[1] (even one whose lease lapsed, if nobody took it over) with the
@@ -211,6 +225,7 @@ pub(super) struct Scripts {
     pub(super) renew_many: Lua,
     pub(super) forget: Lua,
     pub(super) peek: Lua,
+    pub(super) acknowledged: Lua,
 }
 
 impl Scripts {
@@ -223,6 +238,7 @@ impl Scripts {
             renew_many: Lua::new(RENEW_MANY, publish),
             forget: Lua::new(FORGET, publish),
             peek: Lua::new(PEEK, publish),
+            acknowledged: Lua::new(ACKNOWLEDGED, publish),
         }
     }
 }

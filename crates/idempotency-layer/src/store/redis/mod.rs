@@ -124,8 +124,11 @@ use self::pubsub::*;
 ///   [`wait_for_replicas`](RedisStoreBuilder::wait_for_replicas)`(1, timeout)` closes the gap
 ///   for claims and records: each is acknowledged only once a replica has it (`WAIT`, in the
 ///   same round trip), and fails closed otherwise; no record it acknowledged was lost in those
-///   runs. It costs a primary-replica round trip per operation; the `WAIT`s run on connections
-///   of their own, so renewals, releases and replays never queue behind them: BENCHMARKS.md ("Redis wait_for_replicas")
+///   runs. A replay waits for the replicas too until its record is known to be replicated
+///   (a record whose `complete` was not acknowledged is still on the primary). It costs a
+///   primary-replica round trip per operation; the `WAIT`s run on connections
+///   of their own, so renewals, releases and replays of acknowledged records never queue
+///   behind them: BENCHMARKS.md ("Redis wait_for_replicas")
 ///   measured the throughput and latency of begin + complete against the same run without it.
 ///   Sentinel may still promote a replica that had not acknowledged (with two replicas and
 ///   `WAIT 1`); `min-replicas-to-write` on the server bounds how long an isolated primary
@@ -445,7 +448,7 @@ impl RedisStore {
         // Armed while the claim may be written with nobody knowing: the reply is pending (this
         // future may be dropped), or it was lost.
         let orphan = super::OrphanGuard::new(self, scope, token, lease, self.settle());
-        let reply = self
+        let outcome = self
             .run_claim_replicated(
                 &s.claim,
                 &self.key(&scope),
@@ -456,18 +459,21 @@ impl RedisStore {
                     millis(LATE_COMPLETE_GRACE).to_string().as_bytes(),
                 ],
             )
-            .await
-            // With wait_for_replicas: a claim too few replicas acknowledged is an error, and an
-            // orphan like any claim nobody knows they hold (released in the background).
-            .and_then(|(reply, replicated)| match replicated {
-                Err(e) if replicas::is_new_claim(&reply) => Err(e),
-                _ => Ok(reply),
-            });
+            .await;
+        // With wait_for_replicas: a claim too few replicas acknowledged is an error, and an
+        // orphan like any claim nobody knows they hold (released in the background); a record
+        // too few acknowledged is not replayed (an error too, but nothing was claimed).
+        let (reply, replicated) = match outcome {
+            Ok((reply, Err(e))) if replicas::is_new_claim(&reply) => (Err(e), Ok(())),
+            Ok((reply, replicated)) => (Ok(reply), replicated),
+            Err(e) => (Err(e), Ok(())),
+        };
         match &reply {
             Err(e) if may_have_run(e) => drop(orphan),
             _ => orphan.disarm(),
         }
         let reply = reply?;
+        replicated?;
         let Value::Array(items) = reply else {
             return Err(StoreError::Backend(
                 format!("unexpected claim reply {reply:?}").into(),
@@ -571,7 +577,12 @@ impl IdempotencyStore for RedisStore {
                 millis(ttl).to_string().as_bytes(),
             ],
         )
-        .await
+        .await?;
+        if self.inner.wait_for_replicas.is_some() {
+            // Acknowledged by the replicas: its replays need not wait for them again.
+            self.mark_acknowledged(&self.key(&scope), token_bytes(token).to_vec());
+        }
+        Ok(())
     }
 
     async fn release(&self, scope: ScopeKey, token: Token) -> Result<(), StoreError> {

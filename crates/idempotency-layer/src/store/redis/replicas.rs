@@ -91,9 +91,21 @@ fn acknowledged(acked: Option<Value>, wait: WaitForReplicas) -> Replicated {
     }
 }
 
-/// A claim reply that wrote a claim (`{1}`): the one `begin` outcome that must be replicated.
+/// A claim reply that wrote a claim (`{1}`).
 pub(super) fn is_new_claim(reply: &Value) -> bool {
     matches!(reply, Value::Array(items) if matches!(items.first(), Some(Value::Int(1))))
+}
+
+/// A claim reply that found a record no `WAIT` is known to have covered (`{3, record, ttl,
+/// 0, token}`): its token, to mark it once one does.
+fn unacknowledged_record(reply: &Value) -> Option<&[u8]> {
+    let Value::Array(items) = reply else {
+        return None;
+    };
+    match (items.first(), items.get(3), items.get(4)) {
+        (Some(Value::Int(3)), Some(Value::Int(0)), Some(Value::BulkString(token))) => Some(token),
+        _ => None,
+    }
 }
 
 impl RedisStore {
@@ -143,11 +155,18 @@ impl RedisStore {
     }
 
     /// The claim script `lua` on `key`: run on the store's own connection, like any script, so
-    /// that a replay or a duplicate in flight (which write nothing) never waits for a free
-    /// replicated-write connection nor for a replica. Only a reply that wrote a claim is then
-    /// made to wait for the replicas: on a connection of its own, a marker write in the key's
-    /// slot and `WAIT` (the marker's replication offset is past the claim's, so its
-    /// acknowledgement covers the claim).
+    /// that a duplicate that finds the claim in flight, or a record the replicas acknowledged
+    /// (which write nothing), never waits for a free replicated-write connection nor for a
+    /// replica. A reply that wrote a claim is then made to wait for the replicas: on a
+    /// connection of its own, a marker write in the key's slot and `WAIT` (the marker's
+    /// replication offset is past the claim's, so its acknowledgement covers the claim).
+    ///
+    /// So is a reply that found a record not yet marked acknowledged: a record stays on the
+    /// primary when its `complete` was not acknowledged (Redis cannot take a write back), and a
+    /// duplicate answered from it at once would be replayed a record a failover can still
+    /// lose (the next duplicate after the failover would run again). Once a `WAIT` covers it,
+    /// the record is marked ([`mark_acknowledged`](Self::mark_acknowledged)), and its next
+    /// replays wait for nothing.
     pub(super) async fn run_claim_replicated(
         &self,
         lua: &Lua,
@@ -158,7 +177,8 @@ impl RedisStore {
         let Some(wait) = self.inner.wait_for_replicas else {
             return Ok((reply, Ok(())));
         };
-        if !is_new_claim(&reply) {
+        let record_token = unacknowledged_record(&reply).map(<[u8]>::to_vec);
+        if !is_new_claim(&reply) && record_token.is_none() {
             return Ok((reply, Ok(())));
         }
         let marker = format!("{{{key}}}:acked");
@@ -177,7 +197,27 @@ impl RedisStore {
         if let Some(Value::ServerError(e)) = values.first() {
             return Ok((reply, Err(backend(e.clone().into()))));
         }
-        Ok((reply, acknowledged(values.get(1).cloned(), wait)))
+        let replicated = acknowledged(values.get(1).cloned(), wait);
+        if let (Ok(()), Some(token)) = (&replicated, record_token) {
+            self.mark_acknowledged(key, token);
+        }
+        Ok((reply, replicated))
+    }
+
+    /// Marks the record `token` completed at `key` as acknowledged by the replicas, in the
+    /// background (nothing waits for it: until it lands, a replay waits for the replicas once
+    /// more, which is only slower).
+    pub(super) fn mark_acknowledged(&self, key: &str, token: Vec<u8>) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (store, key) = (self.clone(), key.to_owned());
+        runtime.spawn(async move {
+            let lua = &store.scripts().acknowledged;
+            if let Err(e) = store.run(lua, &key, &[&token]).await {
+                tracing::debug!(error = %e, "idempotency: marking a replicated record failed");
+            }
+        });
     }
 
     /// Sends `pipe` (which ends in a `WAIT`) on a replicated-write connection of its own (the
