@@ -671,6 +671,7 @@ pub async fn run_failover(opts: FailoverOptions) -> FailoverReport {
     let losses = |store: &RedisStore, load: &Load| {
         let scopes = load.acknowledged.lock().unwrap().clone();
         let errors = load.errors.load(Ordering::Relaxed);
+        let replayed = load.replayed.load(Ordering::Relaxed);
         let store = store.clone();
         let opts = opts.clone();
         let forced = forced.clone();
@@ -678,7 +679,7 @@ pub async fn run_failover(opts: FailoverOptions) -> FailoverReport {
             let lost = missing(&store, &scopes, &opts).await;
             Losses {
                 acknowledged: scopes.len() as u64,
-                replayed: load.replayed.load(Ordering::Relaxed),
+                replayed,
                 lost: lost.len() as u64,
                 errors,
                 switches: store.primary_switches(),
