@@ -277,22 +277,55 @@ async fn drive<S: IdempotencyStore>(
                 continue;
             }
         };
-        // Resent through errors, as the layer resends a complete through an outage.
-        let mut acknowledged = false;
-        for _ in 0..COMPLETE_SENDS {
-            match store.complete(scope, token, record.clone(), TTL).await {
-                Ok(()) => {
-                    acknowledged = true;
-                    break;
+        let mut acknowledged = match store.complete(scope, token, record.clone(), TTL).await {
+            Ok(()) => true,
+            Err(_) => {
+                load.errors.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+        };
+        // Already answered to a client (and counted) by a duplicate's replay.
+        let mut replayed = false;
+        if !timed {
+            // A duplicate of the request, at once (a client's retry after its first answer, or
+            // another client, while the server resends the complete in the background). A
+            // replay answers a client with the record just as an acknowledged complete does:
+            // one whose complete was not acknowledged counts as answered too, and must survive
+            // the failovers like the acknowledged ones.
+            match store.begin(scope, Fingerprint([7; 32]), LEASE).await {
+                Ok(Begin::Completed(_)) if !acknowledged => {
+                    replayed = true;
+                    load.replayed.fetch_add(1, Ordering::Relaxed);
+                    load.acknowledged
+                        .lock()
+                        .unwrap()
+                        .push((scope, Instant::now()));
                 }
-                Err(StoreError::Fenced) => break,
+                // The claim was released or lapsed: this duplicate holds it now; let it go.
+                Ok(Begin::New(token)) => {
+                    let _ = store.release(scope, token).await;
+                }
+                Ok(_) => {}
                 Err(_) => {
                     load.errors.fetch_add(1, Ordering::Relaxed);
-                    tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             }
         }
-        if acknowledged {
+        // Resent through errors, as the layer resends a complete through an outage.
+        for _ in 1..COMPLETE_SENDS {
+            if acknowledged {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            match store.complete(scope, token, record.clone(), TTL).await {
+                Ok(()) => acknowledged = true,
+                Err(StoreError::Fenced) => break,
+                Err(_) => {
+                    load.errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        if acknowledged && !replayed {
             let took = started.elapsed();
             load.acknowledged
                 .lock()
@@ -300,29 +333,6 @@ async fn drive<S: IdempotencyStore>(
                 .push((scope, Instant::now()));
             if timed {
                 load.latencies.lock().unwrap().push(took);
-            }
-        }
-        if timed {
-            continue;
-        }
-        // A duplicate of the request. A replay answers a client with the record just as an
-        // acknowledged complete does: one whose complete was not acknowledged counts as
-        // answered too, and must survive the failovers like the acknowledged ones.
-        match store.begin(scope, Fingerprint([7; 32]), LEASE).await {
-            Ok(Begin::Completed(_)) if !acknowledged => {
-                load.replayed.fetch_add(1, Ordering::Relaxed);
-                load.acknowledged
-                    .lock()
-                    .unwrap()
-                    .push((scope, Instant::now()));
-            }
-            // The claim was released or lapsed: this duplicate holds it now; let it go.
-            Ok(Begin::New(token)) => {
-                let _ = store.release(scope, token).await;
-            }
-            Ok(_) => {}
-            Err(_) => {
-                load.errors.fetch_add(1, Ordering::Relaxed);
             }
         }
     }

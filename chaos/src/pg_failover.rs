@@ -80,8 +80,8 @@ pub struct StandbyAway {
     pub most_waiting: i64,
     /// Samples in which a new connection to the primary was refused or timed out.
     pub refused: u64,
-    /// The store's backends still waiting for the standby once it was back for twice the
-    /// store's timeout.
+    /// The store's backends still waiting for the standby, for longer than the store's
+    /// timeout, once it was back for twice that timeout (-1: the primary did not answer).
     pub waiting_after: i64,
 }
 
@@ -131,7 +131,7 @@ impl PgFailoverReport {
                     a.most_backends
                 ));
             }
-            if a.waiting_after > 0 {
+            if a.waiting_after != 0 {
                 p.push(format!(
                     "{} backends still waited for the standby after it was back",
                     a.waiting_after
@@ -287,6 +287,20 @@ async fn force_failover(opts: &PgFailoverOptions) -> Duration {
     took
 }
 
+/// A standby streams from the primary on `port`, caught up (it flushed all the primary sent).
+async fn streaming(port: u16) -> bool {
+    let Some(c) = node(port).await else {
+        return false;
+    };
+    c.query_one(
+        "SELECT count(*) FROM pg_stat_replication \
+         WHERE state = 'streaming' AND flush_lsn = sent_lsn",
+        &[],
+    )
+    .await
+    .is_ok_and(|r| r.get::<_, i64>(0) > 0)
+}
+
 /// The pid of the standby's WAL receiver, if it runs.
 async fn wal_receiver(standby: &tokio_postgres::Client) -> Option<i32> {
     standby
@@ -310,15 +324,23 @@ async fn standby_away(opts: &PgFailoverOptions, app: &str) -> StandbyAway {
         let Some(c) = node(primary).await else {
             return None;
         };
+        // Waiting longer than the store's timeout: a statement the store gave up on.
+        let stuck_ms = opts.timeout.as_millis() as f64;
         let row = c
             .query_one(
-                "SELECT count(*), count(*) FILTER (WHERE wait_event = 'SyncRep') \
+                "SELECT count(*), count(*) FILTER (WHERE wait_event = 'SyncRep'), \
+                   count(*) FILTER (WHERE wait_event = 'SyncRep' \
+                     AND query_start < now() - $2 * interval '1 millisecond') \
                  FROM pg_stat_activity WHERE application_name = $1",
-                &[&app],
+                &[&app, &stuck_ms],
             )
             .await
             .ok()?;
-        Some((row.get::<_, i64>(0), row.get::<_, i64>(1)))
+        Some((
+            row.get::<_, i64>(0),
+            row.get::<_, i64>(1),
+            row.get::<_, i64>(2),
+        ))
     };
     let mut report = StandbyAway {
         away: opts.standby_away,
@@ -330,7 +352,7 @@ async fn standby_away(opts: &PgFailoverOptions, app: &str) -> StandbyAway {
         tokio::time::sleep(Duration::from_millis(500)).await;
         report.samples += 1;
         match sample().await {
-            Some((backends, waiting)) => {
+            Some((backends, waiting, _)) => {
                 report.most_backends = report.most_backends.max(backends);
                 report.most_waiting = report.most_waiting.max(waiting);
             }
@@ -338,8 +360,14 @@ async fn standby_away(opts: &PgFailoverOptions, app: &str) -> StandbyAway {
         }
     }
     signal(receiver, "-CONT");
+    // Until the standby streams again (a receiver stopped past `wal_sender_timeout` reconnects
+    // first), then the store's statements in flight have twice its timeout to end.
+    let give_up = Instant::now() + Duration::from_secs(120);
+    while !streaming(primary).await && Instant::now() < give_up {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     tokio::time::sleep(opts.timeout * 2).await;
-    report.waiting_after = sample().await.map_or(-1, |(_, waiting)| waiting);
+    report.waiting_after = sample().await.map_or(-1, |(_, _, stuck)| stuck);
     report
 }
 
