@@ -1,18 +1,36 @@
 #!/usr/bin/env bash
-# Starts a local 3-master Redis Cluster on loopback (ports 7000-7002, no replicas, no
-# persistence), unless one is already up (REDIS_CLUSTER_PORTS="7010" makes a one-master cluster,
-# as BENCHMARKS.md's "Beyond one server" compares); waits for `cluster_state:ok` and prints the node URLs
-# for REDIS_CLUSTER_URLS. Used by .ci/run; a developer can run it too:
+# Starts a local Redis Cluster on loopback: 3 masters (ports 7000-7002), each with one replica
+# (7003-7005), no persistence, unless one is already up with that shape. REDIS_CLUSTER_PORTS
+# names the masters and REDIS_CLUSTER_REPLICA_PORTS their replicas (empty: none;
+# REDIS_CLUSTER_PORTS="7010" REDIS_CLUSTER_REPLICA_PORTS="" makes a one-master cluster, as
+# BENCHMARKS.md's "Beyond one server" compares). Waits for `cluster_state:ok` and for every
+# replica to be in sync, then prints the masters' URLs for REDIS_CLUSTER_URLS (the replicas are
+# found through `CLUSTER SLOTS`). Used by .ci/run; a developer can run it too:
 #   export REDIS_CLUSTER_URLS=$(.ci/redis-cluster.sh)
-# Stop it with: for p in 7000 7001 7002; do redis-cli -p $p shutdown nosave; done
+# Stop it with: for p in 7000 7001 7002 7003 7004 7005; do redis-cli -p $p shutdown nosave; done
 set -euo pipefail
 
-PORTS=(${REDIS_CLUSTER_PORTS:-7000 7001 7002})
+MASTERS=(${REDIS_CLUSTER_PORTS:-7000 7001 7002})
+REPLICAS=(${REDIS_CLUSTER_REPLICA_PORTS-7003 7004 7005})
+PORTS=("${MASTERS[@]}" "${REPLICAS[@]}")
+if [ "${#REPLICAS[@]}" != 0 ] && [ "${#REPLICAS[@]}" != "${#MASTERS[@]}" ]; then
+  echo "REDIS_CLUSTER_REPLICA_PORTS names one replica per master, or none" >&2
+  exit 1
+fi
 DIR="${REDIS_CLUSTER_DIR:-${TMPDIR:-/tmp}/idempotency-redis-cluster}"
-urls() { local IFS=,; local u=(); for p in "${PORTS[@]}"; do u+=("redis://127.0.0.1:$p"); done; echo "${u[*]}"; }
+urls() { local IFS=,; local u=(); for p in "${MASTERS[@]}"; do u+=("redis://127.0.0.1:$p"); done; echo "${u[*]}"; }
 state() { redis-cli -p "$1" cluster info 2>/dev/null | tr -d '\r' | sed -n 's/^cluster_state://p'; }
+known() { redis-cli -p "$1" cluster info 2>/dev/null | tr -d '\r' | sed -n 's/^cluster_known_nodes://p'; }
+# Every master of the cluster has its replica attached and in sync.
+replicated() {
+  [ "${#REPLICAS[@]}" = 0 ] && return 0
+  local p
+  for p in "${REPLICAS[@]}"; do
+    redis-cli -p "$p" info replication 2>/dev/null | tr -d '\r' | grep -q '^master_link_status:up' || return 1
+  done
+}
 
-if [ "$(state "${PORTS[0]}")" = ok ]; then
+if [ "$(state "${MASTERS[0]}")" = ok ] && [ "$(known "${MASTERS[0]}")" = "${#PORTS[@]}" ] && replicated; then
   urls
   exit 0
 fi
@@ -32,23 +50,35 @@ for p in "${PORTS[@]}"; do
 done
 
 # Assign the slots unless some node already knows of the others (a half-made cluster is reset).
-info() { redis-cli -p "${PORTS[0]}" cluster info | tr -d '\r' | sed -n "s/^$1://p"; }
+info() { redis-cli -p "${MASTERS[0]}" cluster info | tr -d '\r' | sed -n "s/^$1://p"; }
 if [ "$(info cluster_known_nodes)" != "${#PORTS[@]}" ] || [ "$(info cluster_slots_assigned)" != 16384 ]; then
-  for p in "${PORTS[@]}"; do redis-cli -p "$p" flushall >/dev/null; redis-cli -p "$p" cluster reset hard >/dev/null; done
-  nodes=(); for p in "${PORTS[@]}"; do nodes+=("127.0.0.1:$p"); done
-  if [ "${#PORTS[@]}" = 1 ]; then
+  for p in "${PORTS[@]}"; do redis-cli -p "$p" flushall >/dev/null 2>&1 || true; redis-cli -p "$p" cluster reset hard >/dev/null; done
+  nodes=(); for p in "${MASTERS[@]}"; do nodes+=("127.0.0.1:$p"); done
+  if [ "${#MASTERS[@]}" = 1 ]; then
     # `--cluster create` wants three masters; one node takes every slot itself.
-    redis-cli -p "${PORTS[0]}" cluster addslotsrange 0 16383 >/dev/null
+    redis-cli -p "${MASTERS[0]}" cluster addslotsrange 0 16383 >/dev/null
   else
     redis-cli --cluster create "${nodes[@]}" --cluster-replicas 0 --cluster-yes >&2
   fi
+  # Each replica joins and follows its master by node id (`--cluster create` would pair them
+  # as it likes; here the pairs are the ports' order).
+  for i in "${!REPLICAS[@]}"; do
+    m="${MASTERS[$i]}"; r="${REPLICAS[$i]}"
+    redis-cli -p "$r" cluster meet 127.0.0.1 "$m" >/dev/null
+    id="$(redis-cli -p "$m" cluster myid | tr -d '\r')"
+    for _ in $(seq 100); do
+      redis-cli -p "$r" cluster replicate "$id" 2>/dev/null | grep -q OK && break
+      sleep 0.1
+    done
+  done
 fi
 
-for _ in $(seq 100); do
+for _ in $(seq 300); do
   ok=1
   for p in "${PORTS[@]}"; do [ "$(state "$p")" = ok ] || ok=0; done
+  replicated || ok=0
   if [ "$ok" = 1 ]; then urls; exit 0; fi
   sleep 0.1
 done
-echo "redis cluster on ports ${PORTS[*]} did not reach cluster_state:ok" >&2
+echo "redis cluster on ports ${PORTS[*]} did not reach cluster_state:ok with every replica in sync" >&2
 exit 1

@@ -12,8 +12,8 @@ CONNECTIONS="${CONNECTIONS:-16}"
 cargo build --quiet --release -p benchmarks --bin loadtest
 loadtest() { target/release/loadtest --connections "$CONNECTIONS" --records 0 --rounds "$ROUNDS" "$@"; }
 
-one="$(REDIS_CLUSTER_PORTS=7010 REDIS_CLUSTER_DIR="${TMPDIR:-/tmp}/idempotency-redis-cluster-1" .ci/redis-cluster.sh)"
-three="$(.ci/redis-cluster.sh)"
+one="$(REDIS_CLUSTER_PORTS=7010 REDIS_CLUSTER_REPLICA_PORTS="" REDIS_CLUSTER_DIR="${TMPDIR:-/tmp}/idempotency-redis-cluster-1" .ci/redis-cluster.sh)"
+three="$(.ci/redis-cluster.sh)"   # three masters, one replica each (as in CI)
 echo "== Redis Cluster, one master ($one)"
 REDIS_CLUSTER_URLS="$one" loadtest --only no_layers,redis-cluster
 echo "== Redis Cluster, three masters ($three)"

@@ -1,7 +1,9 @@
 //! `RedisStore` on a real Redis Cluster (`REDIS_CLUSTER_URLS`, comma-separated node URLs, e.g.
 //! `redis://127.0.0.1:7000,redis://127.0.0.1:7001,redis://127.0.0.1:7002`, as
-//! `.ci/redis-cluster.sh` prints): the store conformance suite, two instances sharing the
-//! cluster with their keys spread over several masters, and waiters woken by sharded pub/sub.
+//! `.ci/redis-cluster.sh` prints: three masters, each with a replica found through `CLUSTER
+//! SLOTS`): the store conformance suite, two instances sharing the cluster with their keys
+//! spread over several masters, waiters woken by sharded pub/sub, and `wait_for_replicas`
+//! waiting for the replica of each key's own master.
 //! Unset: each test says so and passes, unless `CI` is set (then a skip is a failure).
 
 #[allow(unused_imports)] // the proxy helpers are for the other stores' tests
@@ -383,4 +385,168 @@ async fn require_noeviction_checks_every_master() {
             "master {i}: the error names the node and its policy: {message}"
         );
     }
+}
+
+/// The port of the master that owns `key`'s slot, and of its replica if it has one (as
+/// `CLUSTER SLOTS` names them).
+async fn master_and_replica_of(url: &str, key: &str) -> (u16, Option<u16>) {
+    let mut conn = node(url).await;
+    let slot: i64 = redis::cmd("CLUSTER")
+        .arg("KEYSLOT")
+        .arg(key)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let ranges: Vec<redis::Value> = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let port = |v: &redis::Value| match v {
+        redis::Value::Array(node) => match node.get(1) {
+            Some(redis::Value::Int(p)) => u16::try_from(*p).ok(),
+            _ => None,
+        },
+        _ => None,
+    };
+    for range in &ranges {
+        let redis::Value::Array(items) = range else {
+            continue;
+        };
+        let (Some(redis::Value::Int(start)), Some(redis::Value::Int(end))) =
+            (items.first(), items.get(1))
+        else {
+            continue;
+        };
+        if (*start..=*end).contains(&slot) {
+            let master = items.get(2).and_then(port).expect("a master for the slot");
+            return (master, items.get(3).and_then(port));
+        }
+    }
+    panic!("no node owns slot {slot}")
+}
+
+/// Stops the process of the node on `port` (SIGSTOP) until dropped.
+struct Stopped(String);
+
+impl Stopped {
+    async fn node(port: u16) -> Stopped {
+        let info: String = redis::cmd("INFO")
+            .arg("server")
+            .query_async(&mut node(&format!("redis://127.0.0.1:{port}")).await)
+            .await
+            .unwrap();
+        let pid = info
+            .lines()
+            .find_map(|l| l.strip_prefix("process_id:"))
+            .expect("INFO server names the process")
+            .trim()
+            .to_owned();
+        let stopped = Stopped(pid);
+        stopped.signal("-STOP");
+        stopped
+    }
+
+    fn signal(&self, signal: &str) {
+        let status = std::process::Command::new("kill")
+            .args([signal, &self.0])
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill {signal} {}", self.0);
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        self.signal("-CONT");
+    }
+}
+
+/// `wait_for_replicas` on a cluster whose masters have a replica each: a claim or a record
+/// waits for the replica of its own key's master (its `{key}:acked` marker lands in the key's
+/// slot), so a stopped replica fails closed the keys of its master only; and a record that
+/// master wrote without the replica's acknowledgement is not replayed until the replica has it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_for_replicas_on_the_cluster_waits_for_the_replica_of_the_keys_own_master() {
+    let Some(urls) = cluster_urls() else {
+        return;
+    };
+    let store = RedisStore::builder_cluster(urls.iter().cloned())
+        .prefix(unique("test:idem:"))
+        .timeout(Duration::from_secs(3))
+        .wait_for_replicas(1, Duration::from_millis(500))
+        .connect()
+        .await
+        .expect("the cluster is reachable");
+    let fp = Fingerprint([5; 32]);
+    // A key on each of two masters.
+    let mut keys: Vec<(u16, u16, idempotency_layer::store::ScopeKey)> = Vec::new();
+    while keys.len() < 2 {
+        let scope = order_scope(&unique("replicated-"));
+        let (master, replica) = master_and_replica_of(&urls[0], &store.key(&scope)).await;
+        let replica = replica.unwrap_or_else(|| {
+            panic!(
+                "master {master} has no replica: run the cluster .ci/redis-cluster.sh makes \
+                 (three masters, one replica each)"
+            )
+        });
+        if keys.iter().all(|&(m, _, _)| m != master) {
+            keys.push((master, replica, scope));
+        }
+    }
+    let [(_, replica, stalled), (_, _, healthy)] = keys[..] else {
+        unreachable!()
+    };
+    let claim = |scope| {
+        let store = store.clone();
+        async move {
+            // The first claims may come before a replica acknowledges (a claim refused then
+            // is released in the background, and the key is free again).
+            for _ in 0..100 {
+                if let Ok(Begin::New(t)) = store.begin(scope, fp, conformance::LONG).await {
+                    return t;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            panic!("no claim was acknowledged by the replica in 100 tries")
+        }
+    };
+    let record = || conformance::sample_record(fp).into();
+    let (t_stalled, t_healthy) = (claim(stalled).await, claim(healthy).await);
+
+    let stopped = Stopped::node(replica).await;
+    assert!(
+        store
+            .complete(stalled, t_stalled, record(), conformance::LONG)
+            .await
+            .is_err(),
+        "the stopped replica acknowledges nothing of its master"
+    );
+    let replay = store.begin(stalled, fp, conformance::LONG).await;
+    assert!(
+        replay.is_err(),
+        "a duplicate was answered from a record no replica acknowledged: {:?}",
+        replay.map(|b| matches!(b, Begin::Completed(_)))
+    );
+    store
+        .complete(healthy, t_healthy, record(), conformance::LONG)
+        .await
+        .expect("another master's replica acknowledges its record");
+    assert!(matches!(
+        store.begin(healthy, fp, conformance::LONG).await,
+        Ok(Begin::Completed(_))
+    ));
+
+    drop(stopped);
+    wait::until_async(
+        wait::LIMIT,
+        "the record is replayed once replicated",
+        || async {
+            matches!(
+                store.begin(stalled, fp, conformance::LONG).await,
+                Ok(Begin::Completed(_))
+            )
+        },
+    )
+    .await;
 }
