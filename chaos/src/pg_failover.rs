@@ -321,9 +321,7 @@ async fn standby_away(opts: &PgFailoverOptions, app: &str) -> StandbyAway {
         .await
         .expect("the standby's WAL receiver runs");
     let sample = || async {
-        let Some(c) = node(primary).await else {
-            return None;
-        };
+        let c = node(primary).await?;
         // Waiting longer than the store's timeout: a statement the store gave up on.
         let stuck_ms = opts.timeout.as_millis() as f64;
         let row = c
