@@ -12,32 +12,42 @@ set -euo pipefail
 
 MASTERS=(${REDIS_CLUSTER_PORTS:-7000 7001 7002})
 REPLICAS=(${REDIS_CLUSTER_REPLICA_PORTS-7003 7004 7005})
-PORTS=("${MASTERS[@]}" "${REPLICAS[@]}")
+PORTS=("${MASTERS[@]}" ${REPLICAS[@]+"${REPLICAS[@]}"})
 if [ "${#REPLICAS[@]}" != 0 ] && [ "${#REPLICAS[@]}" != "${#MASTERS[@]}" ]; then
   echo "REDIS_CLUSTER_REPLICA_PORTS names one replica per master, or none" >&2
   exit 1
 fi
 DIR="${REDIS_CLUSTER_DIR:-${TMPDIR:-/tmp}/idempotency-redis-cluster}"
+# redis-cli, bounded: a node left stopped (SIGSTOP) must not hang the script.
+rc() { timeout 5 redis-cli "$@"; }
 urls() { local IFS=,; local u=(); for p in "${MASTERS[@]}"; do u+=("redis://127.0.0.1:$p"); done; echo "${u[*]}"; }
-state() { redis-cli -p "$1" cluster info 2>/dev/null | tr -d '\r' | sed -n 's/^cluster_state://p'; }
-known() { redis-cli -p "$1" cluster info 2>/dev/null | tr -d '\r' | sed -n 's/^cluster_known_nodes://p'; }
-# Every master of the cluster has its replica attached and in sync.
-replicated() {
-  [ "${#REPLICAS[@]}" = 0 ] && return 0
-  local p
-  for p in "${REPLICAS[@]}"; do
-    redis-cli -p "$p" info replication 2>/dev/null | tr -d '\r' | grep -q '^master_link_status:up' || return 1
+field() { # port, section, field
+  rc -p "$1" $2 2>/dev/null | tr -d '\r' | sed -n "s/^$3://p" || true
+}
+state() { field "$1" "cluster info" cluster_state; }
+# The whole cluster as asked for: every node sees every other and every slot served, and each
+# replica follows its own master (by port) with its link up.
+healthy() {
+  local p i
+  for p in "${PORTS[@]}"; do
+    [ "$(state "$p")" = ok ] && [ "$(field "$p" "cluster info" cluster_known_nodes)" = "${#PORTS[@]}" ] || return 1
+  done
+  for i in ${REPLICAS[@]+"${!REPLICAS[@]}"}; do
+    p="${REPLICAS[$i]}"
+    [ "$(field "$p" "info replication" role)" = slave ] &&
+      [ "$(field "$p" "info replication" master_port)" = "${MASTERS[$i]}" ] &&
+      [ "$(field "$p" "info replication" master_link_status)" = up ] || return 1
   done
 }
 
-if [ "$(state "${MASTERS[0]}")" = ok ] && [ "$(known "${MASTERS[0]}")" = "${#PORTS[@]}" ] && replicated; then
+if healthy; then
   urls
   exit 0
 fi
 
 mkdir -p "$DIR"
 for p in "${PORTS[@]}"; do
-  if ! redis-cli -p "$p" ping >/dev/null 2>&1; then
+  if ! rc -p "$p" ping >/dev/null 2>&1; then
     # A fresh node each time: stale nodes.conf from a previous run would name old node ids.
     rm -f "$DIR/nodes-$p.conf"
     redis-server --port "$p" --cluster-enabled yes --cluster-config-file "$DIR/nodes-$p.conf" \
@@ -46,38 +56,36 @@ for p in "${PORTS[@]}"; do
   fi
 done
 for p in "${PORTS[@]}"; do
-  for _ in $(seq 50); do redis-cli -p "$p" ping >/dev/null 2>&1 && break; sleep 0.1; done
+  for _ in $(seq 50); do rc -p "$p" ping >/dev/null 2>&1 && break; sleep 0.1; done
 done
 
-# Assign the slots unless some node already knows of the others (a half-made cluster is reset).
-info() { redis-cli -p "${MASTERS[0]}" cluster info | tr -d '\r' | sed -n "s/^$1://p"; }
-if [ "$(info cluster_known_nodes)" != "${#PORTS[@]}" ] || [ "$(info cluster_slots_assigned)" != 16384 ]; then
-  for p in "${PORTS[@]}"; do redis-cli -p "$p" flushall >/dev/null 2>&1 || true; redis-cli -p "$p" cluster reset hard >/dev/null; done
-  nodes=(); for p in "${MASTERS[@]}"; do nodes+=("127.0.0.1:$p"); done
-  if [ "${#MASTERS[@]}" = 1 ]; then
-    # `--cluster create` wants three masters; one node takes every slot itself.
-    redis-cli -p "${MASTERS[0]}" cluster addslotsrange 0 16383 >/dev/null
-  else
-    redis-cli --cluster create "${nodes[@]}" --cluster-replicas 0 --cluster-yes >&2
-  fi
-  # Each replica joins and follows its master by node id (`--cluster create` would pair them
-  # as it likes; here the pairs are the ports' order).
-  for i in "${!REPLICAS[@]}"; do
-    m="${MASTERS[$i]}"; r="${REPLICAS[$i]}"
-    redis-cli -p "$r" cluster meet 127.0.0.1 "$m" >/dev/null
-    id="$(redis-cli -p "$m" cluster myid | tr -d '\r')"
-    for _ in $(seq 100); do
-      redis-cli -p "$r" cluster replicate "$id" 2>/dev/null | grep -q OK && break
-      sleep 0.1
-    done
-  done
+# Anything else (a half-made cluster, a node restarted empty, roles swapped by a failover) is
+# reset and made again.
+for p in "${PORTS[@]}"; do
+  rc -p "$p" flushall >/dev/null 2>&1 || true
+  rc -p "$p" cluster reset hard >/dev/null
+done
+nodes=(); for p in "${MASTERS[@]}"; do nodes+=("127.0.0.1:$p"); done
+if [ "${#MASTERS[@]}" = 1 ]; then
+  # `--cluster create` wants three masters; one node takes every slot itself.
+  rc -p "${MASTERS[0]}" cluster addslotsrange 0 16383 >/dev/null
+else
+  timeout 60 redis-cli --cluster create "${nodes[@]}" --cluster-replicas 0 --cluster-yes >&2
 fi
+# Each replica joins and follows its master by node id (`--cluster create` would pair them as it
+# likes; here the pairs are the ports' order).
+for i in ${REPLICAS[@]+"${!REPLICAS[@]}"}; do
+  m="${MASTERS[$i]}"; r="${REPLICAS[$i]}"
+  rc -p "$r" cluster meet 127.0.0.1 "$m" >/dev/null
+  id="$(rc -p "$m" cluster myid | tr -d '\r')"
+  for _ in $(seq 100); do
+    rc -p "$r" cluster replicate "$id" 2>/dev/null | grep -q OK && break
+    sleep 0.1
+  done
+done
 
 for _ in $(seq 300); do
-  ok=1
-  for p in "${PORTS[@]}"; do [ "$(state "$p")" = ok ] || ok=0; done
-  replicated || ok=0
-  if [ "$ok" = 1 ]; then urls; exit 0; fi
+  if healthy; then urls; exit 0; fi
   sleep 0.1
 done
 echo "redis cluster on ports ${PORTS[*]} did not reach cluster_state:ok with every replica in sync" >&2

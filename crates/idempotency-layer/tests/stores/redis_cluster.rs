@@ -136,6 +136,7 @@ async fn conformance_suite_on_the_cluster() {
             base.prefix(),
             n.fetch_add(1, Ordering::Relaxed)
         ))
+        .expect("a prefix without braces")
     })
     .await;
     let spread = keys_per_node(&urls, &prefix).await;

@@ -235,6 +235,7 @@ async fn conformance_suite_through_the_sentinel() {
                 base.prefix(),
                 n.fetch_add(1, Ordering::Relaxed)
             ))
+            .expect("a prefix without braces")
         })
         .await;
     }

@@ -350,13 +350,21 @@ impl RedisStore {
     }
 
     /// A store on the same connections with another key prefix (cheap: no new connection until
-    /// a waiter needs the pub/sub one).
-    pub fn with_prefix(&self, prefix: impl Into<String>) -> RedisStore {
-        RedisStore {
+    /// a waiter needs the pub/sub one). On a cluster, a prefix with a brace is refused, as
+    /// [`connect`](RedisStoreBuilder::connect) refuses it.
+    pub fn with_prefix(&self, prefix: impl Into<String>) -> Result<RedisStore, StoreError> {
+        let prefix = prefix.into();
+        #[cfg(feature = "redis-cluster")]
+        if self.cluster() {
+            if let Some(problem) = builder::cluster_prefix_problem(&prefix) {
+                return Err(StoreError::Backend(problem.into()));
+            }
+        }
+        Ok(RedisStore {
             inner: Arc::new(Inner {
                 conn: self.inner.conn.clone(),
                 client: self.inner.client.clone(),
-                prefix: prefix.into(),
+                prefix,
                 timeout: self.inner.timeout,
                 polling: self.inner.polling,
                 waiters: Arc::default(),
@@ -368,7 +376,7 @@ impl RedisStore {
                 wait_for_replicas: self.inner.wait_for_replicas,
                 waits: self.inner.waits.clone(),
             }),
-        }
+        })
     }
 
     /// Runs `script` on `key` in one round trip: `EVALSHA`, and `EVAL` with the source when
@@ -463,14 +471,18 @@ impl RedisStore {
         // With wait_for_replicas: a claim too few replicas acknowledged is an error, and an
         // orphan like any claim nobody knows they hold (released in the background); a record
         // too few acknowledged is not replayed (an error too, but nothing was claimed).
-        let (reply, replicated) = match outcome {
-            Ok((reply, Err(e))) if replicas::is_new_claim(&reply) => (Err(e), Ok(())),
-            Ok((reply, replicated)) => (Ok(reply), replicated),
-            Err(e) => (Err(e), Ok(())),
+        let (reply, replicated, written) = match outcome {
+            Ok((reply, Err(e))) if replicas::is_new_claim(&reply) => (Err(e), Ok(()), true),
+            Ok((reply, replicated)) => (Ok(reply), replicated, false),
+            Err(e) => {
+                let written = may_have_run(&e);
+                (Err(e), Ok(()), written)
+            }
         };
-        match &reply {
-            Err(e) if may_have_run(e) => drop(orphan),
-            _ => orphan.disarm(),
+        if written {
+            drop(orphan);
+        } else {
+            orphan.disarm();
         }
         let reply = reply?;
         replicated?;

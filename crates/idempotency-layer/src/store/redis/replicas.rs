@@ -97,13 +97,24 @@ pub(super) fn is_new_claim(reply: &Value) -> bool {
 }
 
 /// A claim reply that found a record no `WAIT` is known to have covered (`{3, record, ttl,
-/// 0, token}`): its token, to mark it once one does.
-fn unacknowledged_record(reply: &Value) -> Option<&[u8]> {
-    let Value::Array(items) = reply else {
-        return None;
-    };
-    match (items.first(), items.get(3), items.get(4)) {
-        (Some(Value::Int(3)), Some(Value::Int(0)), Some(Value::BulkString(token))) => Some(token),
+/// 0, token}`; a record written without a token cannot be marked, and is always waited for).
+fn is_unacknowledged_record(reply: &Value) -> bool {
+    matches!(reply, Value::Array(items)
+        if matches!((items.first(), items.get(3)), (Some(Value::Int(3)), Some(Value::Int(0)))))
+}
+
+/// A claim reply that found a record (`{3, ...}`).
+fn is_record(reply: &Value) -> bool {
+    matches!(reply, Value::Array(items) if matches!(items.first(), Some(Value::Int(3))))
+}
+
+/// The token that completed the record of a claim reply, if it found one that has a token.
+fn record_token(reply: &Value) -> Option<Vec<u8>> {
+    match reply {
+        Value::Array(items) if is_record(reply) => match items.get(4) {
+            Some(Value::BulkString(token)) => Some(token.clone()),
+            _ => None,
+        },
         _ => None,
     }
 }
@@ -177,31 +188,86 @@ impl RedisStore {
         let Some(wait) = self.inner.wait_for_replicas else {
             return Ok((reply, Ok(())));
         };
-        let record_token = unacknowledged_record(&reply).map(<[u8]>::to_vec);
-        if !is_new_claim(&reply) && record_token.is_none() {
+        if is_new_claim(&reply) {
+            // The claim is written: a failure from here on is "not known to be replicated",
+            // never "not written" (the caller then releases it in the background).
+            let replicated = self.marker_and_wait(key, wait, None).await;
+            return Ok((reply, replicated.and_then(|(_, r)| r)));
+        }
+        if !is_unacknowledged_record(&reply) {
             return Ok((reply, Ok(())));
         }
-        let marker = format!("{{{key}}}:acked");
-        let mut p = redis::pipe();
-        p.ignore_errors();
-        p.cmd("SET")
-            .arg(&marker)
-            .arg(1)
-            .arg("PX")
-            .arg(millis(self.inner.timeout + wait.timeout).max(1));
-        p.cmd("WAIT").arg(wait.replicas).arg(millis(wait.timeout));
-        let values = self
-            .pipe_on_wait_conn(wait, p, None::<fn() -> redis::Pipeline>)
-            .await?;
-        // Without its marker written, the `WAIT` would cover only older writes.
-        if let Some(Value::ServerError(e)) = values.first() {
-            return Ok((reply, Err(backend(e.clone().into()))));
+        // A record read on the shared connection could come from another server than the
+        // one the `WAIT` would run on (a failover or a slot migration in between): the claim
+        // is run again in the same pipeline as the marker and the `WAIT`, on one connection,
+        // and its reply is the answer (a record, a claim this call wrote after all, or one in
+        // flight, which needs no replica).
+        let (again, replicated) = self.marker_and_wait(key, wait, Some((lua, args))).await?;
+        let reply = again.unwrap_or(reply);
+        if !is_new_claim(&reply) && !is_record(&reply) {
+            return Ok((reply, Ok(())));
         }
-        let replicated = acknowledged(values.get(1).cloned(), wait);
-        if let (Ok(()), Some(token)) = (&replicated, record_token) {
+        if let (Ok(()), Some(token)) = (&replicated, record_token(&reply)) {
             self.mark_acknowledged(key, token);
         }
         Ok((reply, replicated))
+    }
+
+    /// A marker write in `key`'s slot and `WAIT`, on a replicated-write connection of its own
+    /// (the marker's replication offset is past every write before it, so its acknowledgement
+    /// covers them), after the script `claim` on `key` when given (its reply comes back too).
+    async fn marker_and_wait(
+        &self,
+        key: &str,
+        wait: WaitForReplicas,
+        claim: Option<(&Lua, &[&[u8]])>,
+    ) -> Result<(Option<Value>, Replicated), StoreError> {
+        let marker = format!("{{{key}}}:acked");
+        let pipeline = |script: Option<(&str, &str)>| {
+            let mut p = redis::pipe();
+            p.ignore_errors();
+            if let (Some((name, first)), Some((_, args))) = (script, claim) {
+                p.cmd(name).arg(first).arg(1).arg(key);
+                for a in args {
+                    p.arg(*a);
+                }
+            }
+            p.cmd("SET")
+                .arg(&marker)
+                .arg(1)
+                .arg("PX")
+                .arg(millis(self.inner.timeout + wait.timeout).max(1));
+            p.cmd("WAIT").arg(wait.replicas).arg(millis(wait.timeout));
+            p
+        };
+        let values = match claim {
+            Some((lua, _)) => {
+                self.pipe_on_wait_conn(
+                    wait,
+                    pipeline(Some(("EVALSHA", lua.script.get_hash()))),
+                    Some(|| pipeline(Some(("EVAL", &lua.source)))),
+                )
+                .await?
+            }
+            None => {
+                self.pipe_on_wait_conn(wait, pipeline(None), None::<fn() -> redis::Pipeline>)
+                    .await?
+            }
+        };
+        let mut values = values.into_iter();
+        let script = match claim {
+            Some(_) => match values.next() {
+                Some(Value::ServerError(e)) => return Err(backend(e.into())),
+                reply => reply,
+            },
+            None => None,
+        };
+        let (set, acked) = (values.next(), values.next());
+        // Without its marker written, the `WAIT` would cover only older writes.
+        if let Some(Value::ServerError(e)) = set {
+            return Ok((script, Err(backend(e.into()))));
+        }
+        Ok((script, acknowledged(acked, wait)))
     }
 
     /// Marks the record `token` completed at `key` as acknowledged by the replicas, in the

@@ -135,7 +135,8 @@ fn a_prefix_with_a_brace_is_a_problem_on_a_cluster() {
     }
 }
 
-/// On a cluster, a prefix with a hash tag is refused at connect, with what to do.
+/// On a cluster, a prefix with a brace is refused at connect and by `with_prefix`, with what to
+/// do.
 #[cfg(feature = "redis-cluster")]
 #[tokio::test]
 async fn a_hash_tag_prefix_is_refused_on_a_cluster() {
@@ -155,11 +156,22 @@ async fn a_hash_tag_prefix_is_refused_on_a_cluster() {
     );
     // Empty braces are no hash tag, but the `wait_for_replicas` marker `{key}:acked` of a key
     // under this prefix would hash by `app:{`, away from its key: refused too.
-    let err = RedisStore::builder_cluster(nodes)
+    let err = RedisStore::builder_cluster(nodes.clone())
         .prefix("app:{}:idem:")
         .wait_for_replicas(1, std::time::Duration::from_millis(100))
         .connect()
         .await
         .expect_err("a prefix with a brace is refused on a cluster");
     assert!(err.to_string().contains("holds a brace"), "{err}");
+    // And by `with_prefix`, which makes a store on the same connections.
+    let store = RedisStore::builder_cluster(nodes)
+        .prefix("app:idem:")
+        .connect()
+        .await
+        .expect("a prefix without braces");
+    let err = store
+        .with_prefix("app:{}:idem:")
+        .expect_err("with_prefix refuses a prefix with a brace on a cluster");
+    assert!(err.to_string().contains("holds a brace"), "{err}");
+    assert!(store.with_prefix("app:other:").is_ok());
 }
