@@ -18,7 +18,7 @@
 //!   fresh keys (`--no-derived-keys`) the orders run again after those aborts deduct again.
 //!
 //! The runs take turns (each starts its own servers). Unset `DATABASE_URL` (or `REDIS_URL` for
-//! Redis): the test says so and passes, except under `CI`, where it fails.
+//! Redis): the test says so and passes, except with `IDEMPOTENCY_TESTS_STRICT` set, where it fails.
 
 use std::sync::Mutex;
 use std::time::Duration;

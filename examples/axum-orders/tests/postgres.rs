@@ -17,7 +17,7 @@
 //! retry of the order again. With derived keys the second run's deduction is the first one's
 //! replay: one `deductions` row for the order; with `--no-derived-keys` two.
 //!
-//! Unset `DATABASE_URL`: each test says so and passes, except under `CI`, where it fails.
+//! Unset `DATABASE_URL`: each test says so and passes, except with `IDEMPOTENCY_TESTS_STRICT` set, where it fails.
 #![cfg(feature = "postgres")]
 
 use std::os::unix::process::ExitStatusExt;

@@ -3,7 +3,7 @@
 //! record) before it exits, so the client gets its answer, and its retry on the server started
 //! next on the same shared store (Redis, `REDIS_URL`) is the replay: one order, executed once.
 //!
-//! Unset `REDIS_URL`: the test says so and passes, except under `CI`, where it fails.
+//! Unset `REDIS_URL`: the test says so and passes, except with `IDEMPOTENCY_TESTS_STRICT` set, where it fails.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};

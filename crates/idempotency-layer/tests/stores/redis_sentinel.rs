@@ -4,7 +4,7 @@
 //! without `wait_for_replicas` and loses none with it. The failover kills the primary's process
 //! and restarts it as a replica (through `.ci/redis-sentinel.sh`), so these tests need the nodes
 //! on this machine, with `DEBUG` enabled for local connections (as the script starts them).
-//! Unset: each test says so and passes, unless `CI` is set (then a skip is a failure).
+//! Unset: each test says so and passes, unless `IDEMPOTENCY_TESTS_STRICT` is set (then a skip is a failure).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
