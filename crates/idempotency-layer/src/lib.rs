@@ -370,6 +370,10 @@
 //! `redis`, `postgres` (an [`AnyStore`](store::AnyStore) by the store it holds) or `custom`.
 //! Every key is a `static` (label values are `&'static str`): counting allocates nothing; a
 //! store operation reads the clock twice. Without the feature nothing is compiled in.
+//!
+//! # Cargo features
+//!
+#![doc = document_features::document_features!()]
 // Links to items behind features: to the items themselves when they are built, else to docs.rs
 // (built with every feature), so the docs of every feature set link somewhere.
 #![doc = ""]

@@ -328,6 +328,10 @@
 //! error is `UNAVAILABLE`); `reason` is `exhausted`, `deadline`, `pushback`, `not_replayable`
 //! or `inbound_retry` (see [`hop`]). Every key is a `static`: counting is a few atomic increments, with no
 //! allocation. Without the feature nothing is compiled in.
+//!
+//! # Cargo features
+//!
+#![doc = document_features::document_features!()]
 // Links to items behind features: to the items themselves when they are built, else to docs.rs
 // (built with every feature), so the docs of every feature set link somewhere.
 #![doc = ""]
