@@ -351,10 +351,11 @@ impl Drop for RestorePolicy {
     }
 }
 
-/// `require_noeviction(true)` on a cluster checks every master, not the one node a plain
-/// `CONFIG GET` would reach: one master with an evicting policy refuses the store, naming it.
+/// `require_noeviction(true)` on a cluster checks every node, not the one a plain `CONFIG GET`
+/// would reach: one master, or one replica (a failover would promote it), with an evicting
+/// policy refuses the store, naming it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn require_noeviction_checks_every_master() {
+async fn require_noeviction_checks_every_master_and_replica() {
     let Some(urls) = cluster_urls() else {
         return;
     };
@@ -365,7 +366,12 @@ async fn require_noeviction_checks_every_master() {
         .await
         .expect("every master runs noeviction");
     assert_eq!(ok.maxmemory_policy().as_deref(), Some("noeviction"));
-    for (i, url) in urls.iter().enumerate() {
+    // The masters, and the replica of the first master's slots.
+    let mut nodes = urls.clone();
+    let (_, replica) = master_and_replica_of(&urls[0], "any").await;
+    let replica = replica.expect("CI's cluster has a replica per master (.ci/redis-cluster.sh)");
+    nodes.push(format!("redis://127.0.0.1:{replica}"));
+    for (i, url) in nodes.iter().enumerate() {
         let _restore = RestorePolicy(url.clone());
         let _: () = redis::cmd("CONFIG")
             .arg("SET")
@@ -378,12 +384,12 @@ async fn require_noeviction_checks_every_master() {
             .require_noeviction(true)
             .connect()
             .await
-            .expect_err("one evicting master refuses the store");
+            .expect_err("one evicting node refuses the store");
         let message = refused.to_string();
         let port = url.rsplit(':').next().unwrap().trim_end_matches('/');
         assert!(
             message.contains("volatile-ttl") && message.contains(port),
-            "master {i}: the error names the node and its policy: {message}"
+            "node {i} ({url}): the error names the node and its policy: {message}"
         );
     }
 }

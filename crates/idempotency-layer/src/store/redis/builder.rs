@@ -204,7 +204,7 @@ impl RedisStoreBuilder {
     }
 
     /// Refuses to start ([`connect`](Self::connect) fails) unless every server this store
-    /// writes to (on a cluster, every master) has `maxmemory-policy noeviction`, or when the
+    /// writes to (on a cluster, every node: masters, and the replicas a failover may promote) has `maxmemory-policy noeviction`, or when the
     /// policy cannot be read (`CONFIG` forbidden, as on some managed services: check it in their
     /// console, then leave this off). Off by default: an evicting policy is then logged as an
     /// error at connect and the store runs. Turn it on wherever you control the servers: an
@@ -230,7 +230,7 @@ impl RedisStoreBuilder {
     }
 
     /// Connects (the server must be reachable now; later outages are survived by reconnecting),
-    /// and reads the server's `maxmemory-policy` (on a cluster, every master's): a policy that
+    /// and reads the server's `maxmemory-policy` (on a cluster, every node's, replicas included): a policy that
     /// can evict this store's keys is logged as an error, or refused with
     /// [`require_noeviction`](Self::require_noeviction) (see "Deploying" on [`RedisStore`]); a
     /// server that forbids `CONFIG` is accepted, with a note in the log, unless
@@ -386,11 +386,13 @@ pub(super) async fn check_maxmemory_policy(
             #[cfg(feature = "redis-cluster")]
             Conn::Cluster(c) => {
                 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
-                let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                // Every node, replicas too: a replica is promoted by a failover, and its policy
+                // then decides what the master keeps.
+                let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllNodes, None));
                 match c.route_command(cmd.clone(), routing).await? {
                     Value::Map(nodes) => Ok(nodes
                         .into_iter()
-                        .map(|(node, v)| (format!("master {}", value_text(&node)), v))
+                        .map(|(node, v)| (format!("node {}", value_text(&node)), v))
                         .collect()),
                     other => Ok(vec![("the cluster".to_owned(), other)]),
                 }

@@ -103,7 +103,7 @@ use self::pubsub::*;
 ///   shard, over one RESP3 cluster connection per store, and the scripts `SPUBLISH` there, so
 ///   a wake-up never crosses the cluster bus. When a node's connection drops, every waiter
 ///   re-checks at once and the client resubscribes; polling still bounds any lost message.
-///   `maxmemory-policy` is read from every master: set `noeviction` on every node. A prefix must
+///   `maxmemory-policy` is read from every node, replicas included (a failover promotes one): set `noeviction` on every node. A prefix must
 ///   not contain a `{hash tag}` (it would put every key in one slot). Failover within the
 ///   cluster is asynchronous, as below. Tested against a local 3-master cluster
 ///   (`.ci/redis-cluster.sh`).
