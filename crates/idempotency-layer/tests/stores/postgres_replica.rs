@@ -42,6 +42,23 @@ async fn synchronous_standbys(url: &str, names: &str) {
     .await;
 }
 
+/// How many completed records `store`'s table holds on the primary (a plain read: it sees a
+/// commit whose wait for the standby was cancelled).
+async fn completed_on_primary(url: &str, store: &PostgresStore) -> i64 {
+    primary(url)
+        .await
+        .query_one(
+            &format!(
+                "SELECT count(*) FROM {} WHERE state = 'completed'",
+                store.table()
+            ),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
 fn record() -> std::sync::Arc<Record> {
     std::sync::Arc::new(Record::new(
         Fingerprint([3; 32]),
@@ -125,18 +142,7 @@ async fn replay_of_an_unconfirmed_record(url: String) {
     let first = leader.complete(scope, token, record(), ttl).await;
     assert!(first.is_err(), "no standby confirmed: {first:?}");
     // Committed on the primary (the cancel ended only the wait), so a plain read sees it.
-    let visible: i64 = primary(&url)
-        .await
-        .query_one(
-            &format!(
-                "SELECT count(*) FROM {} WHERE state = 'completed'",
-                leader.table()
-            ),
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let visible = completed_on_primary(&url, &leader).await;
     assert_eq!(visible, 1, "the cancelled commit is visible on the primary");
     for store in [&leader, &duplicate] {
         let replay = store.begin(scope, Fingerprint([3; 32]), lease).await;
@@ -181,16 +187,7 @@ async fn resent_complete(url: String) {
         "a complete no standby confirmed was acknowledged: {first:?}"
     );
     // It is committed on the primary nonetheless.
-    let table = store.table();
-    let local: i64 = primary(&url)
-        .await
-        .query_one(
-            &format!("SELECT count(*) FROM {table} WHERE state = 'completed'"),
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let local = completed_on_primary(&url, &store).await;
     assert_eq!(local, 1, "the cancelled commit is committed locally");
     // Resent: still not confirmed by a standby, so still not acknowledged.
     let resent = store.complete(scope, token, record(), ttl).await;

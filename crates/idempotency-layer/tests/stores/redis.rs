@@ -695,28 +695,6 @@ async fn takes_connections(port: u16) {
     .await;
 }
 
-/// A claim of `scope` by `store` (with `wait_for_replicas`), tried until a replica
-/// acknowledges one (a replica just started syncs first): its token.
-async fn claim_acknowledged(
-    store: &RedisStore,
-    scope: ScopeKey,
-    fp: Fingerprint,
-) -> idempotency_layer::store::Token {
-    let claimed = std::sync::Arc::new(std::sync::Mutex::new(None));
-    wait::until_async(wait::LIMIT, "the replica acknowledges a claim", || {
-        let (store, claimed) = (store.clone(), claimed.clone());
-        async move {
-            if let Ok(Begin::New(t)) = store.begin(scope, fp, conformance::LONG).await {
-                *claimed.lock().unwrap() = Some(t);
-            }
-            claimed.lock().unwrap().is_some()
-        }
-    })
-    .await;
-    let token = claimed.lock().unwrap().expect("claimed");
-    token
-}
-
 /// A replica of the server at `REDIS_URL`, run by this test (`redis-server` on a free port),
 /// that the test can stop (`SIGSTOP`: it acknowledges nothing) and resume; killed on drop.
 struct Replica {
@@ -1113,17 +1091,6 @@ async fn with_wait_for_replicas_a_record_no_replica_acknowledged_is_not_replayed
         );
     }
     replica.signal("-CONT");
-    for store in [&leader, &duplicate] {
-        wait::until_async(
-            wait::LIMIT,
-            "the record is replayed once replicated",
-            || async {
-                matches!(
-                    store.begin(scope, fp, conformance::LONG).await,
-                    Ok(Begin::Completed(_))
-                )
-            },
-        )
-        .await;
-    }
+    until_replayed(&leader, scope, fp).await;
+    until_replayed(&duplicate, scope, fp).await;
 }

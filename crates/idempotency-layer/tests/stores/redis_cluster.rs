@@ -504,22 +504,9 @@ async fn wait_for_replicas_on_the_cluster_waits_for_the_replica_of_the_keys_own_
     let [(_, replica, stalled), (_, _, healthy)] = keys[..] else {
         unreachable!()
     };
-    let claim = |scope| {
-        let store = store.clone();
-        async move {
-            // The first claims may come before a replica acknowledges (a claim refused then
-            // is released in the background, and the key is free again).
-            for _ in 0..100 {
-                if let Ok(Begin::New(t)) = store.begin(scope, fp, conformance::LONG).await {
-                    return t;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            panic!("no claim was acknowledged by the replica in 100 tries")
-        }
-    };
     let record = || conformance::sample_record(fp).into();
-    let (t_stalled, t_healthy) = (claim(stalled).await, claim(healthy).await);
+    let t_stalled = claim_acknowledged(&store, stalled, fp).await;
+    let t_healthy = claim_acknowledged(&store, healthy, fp).await;
 
     let stopped = Stopped::node(replica).await;
     assert!(
@@ -545,15 +532,5 @@ async fn wait_for_replicas_on_the_cluster_waits_for_the_replica_of_the_keys_own_
     ));
 
     drop(stopped);
-    wait::until_async(
-        wait::LIMIT,
-        "the record is replayed once replicated",
-        || async {
-            matches!(
-                store.begin(stalled, fp, conformance::LONG).await,
-                Ok(Begin::Completed(_))
-            )
-        },
-    )
-    .await;
+    until_replayed(&store, stalled, fp).await;
 }

@@ -995,3 +995,38 @@ macro_rules! shared_store_suite {
 }
 #[allow(unused_imports)]
 pub(crate) use shared_store_suite;
+
+/// A claim of `scope` that the store answers `New`, tried until one is (with
+/// `wait_for_replicas`, a claim made before a replica has synced is refused, and released in
+/// the background); its token.
+pub async fn claim_acknowledged<S: IdempotencyStore + Clone>(
+    store: &S,
+    scope: ScopeKey,
+    fp: Fingerprint,
+) -> idempotency_layer::store::Token {
+    let claimed = Arc::new(Mutex::new(None));
+    wait::until_async(wait::LIMIT, "the store acknowledges a claim", || {
+        let (store, claimed) = (store.clone(), claimed.clone());
+        async move {
+            if let Ok(Begin::New(t)) = store.begin(scope, fp, conformance::LONG).await {
+                *claimed.lock().unwrap() = Some(t);
+            }
+            claimed.lock().unwrap().is_some()
+        }
+    })
+    .await;
+    let token = claimed.lock().unwrap().expect("claimed");
+    token
+}
+
+/// Waits until `begin` on `scope` answers with a replay of its record (once the store may
+/// serve it: replicated, or confirmed by a standby).
+pub async fn until_replayed<S: IdempotencyStore>(store: &S, scope: ScopeKey, fp: Fingerprint) {
+    wait::until_async(wait::LIMIT, "the record is replayed", || async {
+        matches!(
+            store.begin(scope, fp, conformance::LONG).await,
+            Ok(Begin::Completed(_))
+        )
+    })
+    .await;
+}
