@@ -69,13 +69,15 @@ const CLAIM_ATTEMPTS: usize = 10;
 ///   where another transaction inserted the row after the statement's snapshot, the statement
 ///   runs again.
 /// - **With a synchronous standby** (`synchronous_standby_names` set, `synchronous_commit`
-///   above `local`; read at each statement) a replay also locks its row `FOR SHARE`, so that
-///   its own commit waits for the standby: a record is replayed only once the standby has it.
+///   above `local`; the claim statement reads both each time) a replay then locks its row
+///   `FOR SHARE` in a second statement, whose commit waits for the standby: a record is
+///   replayed only once the standby has it.
 ///   A commit whose wait for the standby was cancelled (the store cancels what it gave up on)
 ///   is visible on the primary at once, and a plain read would answer a duplicate with a record
-///   a failover can still lose. A replay then costs what a write costs (measured: 6 973
-///   replays/s against 16 621 without a synchronous standby; see BENCHMARKS.md); the
-///   [near cache](PostgresStoreBuilder::near_cache) answers repeated replays without it.
+///   a failover can still lose. A replay then costs a second round trip and a commit that
+///   waits for the standby (measured: 5 241 replays/s against 16 532 without a synchronous
+///   standby; see BENCHMARKS.md); the [near cache](PostgresStoreBuilder::near_cache) answers
+///   repeated replays without it. Without a synchronous standby nothing changes.
 /// - `complete`, `release`, `renew` are fenced: `UPDATE`/`DELETE ... WHERE scope = $1 AND
 ///   token = $2 AND state = 'in_flight'`; no row matched is [`StoreError::Fenced`]. `complete`,
 ///   `release` and `forget` call `pg_notify` in the same statement only when a waiter marked
@@ -536,6 +538,22 @@ impl PostgresStore {
         .await
     }
 
+    /// Locks the record the claim statement's `row` found ([`Sql::anchor`]): answers once the
+    /// synchronous standby confirmed it (the lock's commit waits for the standby), `false` if
+    /// the record is no longer there.
+    async fn anchored(&self, scope: &ScopeKey, row: &Row) -> Result<bool, StoreError> {
+        let token: Uuid = row
+            .try_get(2)
+            .map_err(|e| StoreError::Corrupt(format!("row: {e}")))?;
+        let rows = self
+            .query(
+                &self.inner.sql.anchor,
+                &[(&&scope.0[..], Type::BYTEA), (&token, Type::UUID)],
+            )
+            .await?;
+        Ok(!rows.is_empty())
+    }
+
     /// The lease left of claim `token`, or `None` when it no longer holds. `watch` also marks
     /// the claim watched, so that its end is notified.
     pub(crate) async fn held(
@@ -610,6 +628,13 @@ impl IdempotencyStore for PostgresStore {
             let rows = rows?;
             if let Some(row) = rows.first() {
                 let (begin, ttl_left) = decode_row(row, token)?;
+                if matches!(begin, Begin::Completed(_))
+                    && standby_confirms(row)
+                    && !self.anchored(&scope, row).await?
+                {
+                    // Removed or replaced since the claim read it: claim again.
+                    continue;
+                }
                 if let (Begin::Completed(record), Some(near), Some(ticket)) =
                     (&begin, &self.inner.near, ticket)
                 {

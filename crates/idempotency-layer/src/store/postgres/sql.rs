@@ -14,13 +14,14 @@ use super::FORGET_PREFIX;
 use super::{backend, millis};
 
 /// True in a session whose commits wait for a synchronous standby to confirm them: one is
-/// named, and `synchronous_commit` asks for more than the primary's own disk. Read at each
-/// statement, so a standby configured (or removed) while the store runs counts at once.
+/// named, and `synchronous_commit` asks for more than the primary's own disk. Read by each
+/// claim statement, so a standby configured (or removed) while the store runs counts at once.
 const STANDBY_CONFIRMS: &str = "(current_setting('synchronous_standby_names') <> '' \
      AND current_setting('synchronous_commit') NOT IN ('off', 'local'))";
 
 pub(super) struct Sql {
     pub(super) claim: String,
+    pub(super) anchor: String,
     pub(super) complete: String,
     pub(super) release: String,
     pub(super) renew_many: String,
@@ -74,27 +75,13 @@ impl Sql {
             // takes over an expired row, and a row a concurrent claim inserted after the
             // snapshot yields no row at all (`begin` then runs the statement again).
             //
-            // With a synchronous standby, a record is replayed only once the standby has it.
-            // A commit whose wait for the standby was cancelled (the store's own timeout
-            // cancels a statement it gave up on) is visible on the primary at once, though the
-            // standby may lack it; a replay that only reads would publish it, and a failover
-            // then would lose a record a client was already answered with. So, when commits
-            // wait for a standby (`synchronous_standby_names` set and `synchronous_commit`
-            // above `local`), a completed row is also locked `FOR SHARE`: the lock gives the
-            // statement a transaction of its own, whose commit waits for the standby to confirm
-            // WAL past the record's commit. A standby that does not confirm then fails the
-            // replay closed at the store's timeout, as it fails every write. Without a
-            // synchronous standby the one-time filter is false: nothing is locked, and a
-            // replay stays a plain read. A completed row the lock no longer finds (removed or
-            // changed after the snapshot) yields no row, and `begin` runs the statement again.
+            // Each row also says whether this session's commits wait for a synchronous standby
+            // (`standby`, read at each statement): a replay is then anchored first (`anchor`).
             claim: format!(
                 "WITH live AS (\
                    SELECT state, token, fingerprint, record, \
                      GREATEST(0, extract(epoch FROM expires_at - now()) * 1000)::bigint AS ttl_ms \
                    FROM {t} WHERE scope = $1 AND expires_at > now()), \
-                 anchored AS (\
-                   SELECT 1 FROM {t} WHERE scope = $1 AND state = 'completed' \
-                     AND expires_at > now() AND {STANDBY_CONFIRMS} FOR SHARE), \
                  claimed AS (\
                    INSERT INTO {t} AS e (scope, state, token, fingerprint, expires_at, record) \
                    SELECT $1, 'in_flight', $2::uuid, $3::bytea, {lease}, NULL \
@@ -104,12 +91,26 @@ impl Sql {
                      watched = false \
                    WHERE e.expires_at <= now() \
                    RETURNING e.state, e.token, e.fingerprint, e.record) \
-                 SELECT true AS claimed, state, token, fingerprint, record, 0::bigint AS ttl_ms \
+                 SELECT true AS claimed, state, token, fingerprint, record, 0::bigint AS ttl_ms, \
+                   false AS standby \
                  FROM claimed \
                  UNION ALL \
-                 SELECT false, state, token, fingerprint, record, ttl_ms FROM live \
-                 WHERE state <> 'completed' OR NOT {STANDBY_CONFIRMS} \
-                   OR EXISTS (SELECT 1 FROM anchored)"
+                 SELECT false, state, token, fingerprint, record, ttl_ms, {STANDBY_CONFIRMS} \
+                 FROM live"
+            ),
+            // With a synchronous standby, a record is replayed only once the standby has it.
+            // A commit whose wait for the standby was cancelled (the store's own timeout
+            // cancels a statement it gave up on) is visible on the primary at once, though the
+            // standby may lack it; a replay that only read it would publish it, and a failover
+            // then would lose a record a client was already answered with. So the record the
+            // claim found ($1 scope, $2 the token that completed it) is locked `FOR SHARE`: the
+            // lock gives the statement a transaction of its own, whose commit waits for the
+            // standby to confirm WAL past the record's commit. A standby that does not confirm
+            // then fails the replay closed at the store's timeout, as it fails every write. No
+            // row: the record was removed or replaced meanwhile, and `begin` claims again.
+            anchor: format!(
+                "SELECT 1 FROM {t} WHERE scope = $1 AND token = $2 AND state = 'completed' \
+                   AND expires_at > now() FOR SHARE"
             ),
             // A complete resent by its own token (its reply was lost, or its commit's wait for
             // a synchronous standby was cancelled: committed on the primary, perhaps not on the
@@ -285,6 +286,12 @@ pub(super) fn migrate_error(e: tokio_postgres::Error, what: &str, statement: &st
     } else {
         backend(e)
     }
+}
+
+/// Whether the claim statement's row says this session's commits wait for a synchronous
+/// standby (a replay must then be anchored: [`Sql::anchor`]).
+pub(super) fn standby_confirms(row: &Row) -> bool {
+    row.try_get::<_, bool>(6).unwrap_or(false)
 }
 
 /// The claim statement's row as a [`Begin`], and for a completed record the time it has left to
