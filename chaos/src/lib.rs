@@ -32,7 +32,7 @@ use idempotency_layer::{
     IdempotencyLayer, IdempotencyStore, MemoryStore, PostgresStore, RedisStore, Scope,
 };
 use retry_layer::{ReplayBody, Retry, RetryLayer, RetryStats};
-use test_support::cut::{authority, via, CutProxy};
+use test_support::fault_proxy::{authority, via, FaultProxy};
 use test_support::faults::Unavailable;
 use test_support::proxy::{Chooser, Mode, Protocol, Proxy};
 use tokio_stream::wrappers::TcpListenerStream;
@@ -819,122 +819,123 @@ pub async fn run(opts: Options) -> Report {
     let url = || opts.url.clone().expect("a store URL for this store");
     let record_ttl = opts.duration + RECORD_TTL_PAST_RUN;
     // The instances and the handles the end-of-run checks need.
-    let (instances, ledger, cut, checker): (Vec<Instance>, Ledger, Option<Arc<CutProxy>>, Checker) =
-        match opts.store {
-            StoreKind::Memory => {
-                // Sized for the run (peak writes x TTL), as the store's docs ask: with the
-                // defaults (100 000 records, 128 MiB) a long run's claims would be refused once
-                // the store is full of records younger than its minimum retention (1 h).
-                let store = if opts.memory_defaults {
-                    MemoryStore::new()
-                } else {
-                    MemoryStore::builder()
-                        .max_entries(MEMORY_CAPACITY)
-                        .max_bytes(MEMORY_MAX_BYTES)
-                        .build()
-                };
-                let ledger = Ledger::Memory(Arc::default());
-                let layer = IdempotencyLayer::new(store.clone())
-                    .tenant(idempotency_layer::TenantSource::fixed(TENANT))
-                    .ttl(record_ttl)
-                    .lease(opts.lease);
-                let instance =
-                    start_instance(layer.clone(), unavailable.clone(), ledger.clone()).await;
-                (
-                    vec![instance],
-                    ledger,
-                    None,
-                    Checker::Memory(store, vec![layer]),
-                )
-            }
-            StoreKind::Redis => {
-                let url = url();
-                let proxy = Arc::new(CutProxy::start(authority(&url)).await);
-                let prefix = format!("chaos:{run_id}:");
-                let connect = || async {
-                    RedisStore::builder(via(&url, proxy.addr()))
-                        .prefix(prefix.clone())
-                        .connect()
-                        .await
-                        .expect("REDIS_URL must be reachable")
-                };
-                let client = redis::Client::open(url.as_str()).expect("a Redis URL");
-                // No response timeout (redis-rs has 500 ms by default): a slow reply on a
-                // loaded machine must not turn an applied HINCRBY into an error (the soak's own retry counted twice).
-                let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
-                let conn = client
-                    .get_multiplexed_async_connection_with_config(&config)
-                    .await
-                    .expect("REDIS_URL must be reachable");
-                let ledger = Ledger::Redis(conn, format!("chaos:{run_id}:ledger"));
-                let mut addrs = Vec::new();
-                let mut layers = Vec::new();
-                for _ in 0..2 {
-                    let layer = IdempotencyLayer::new(connect().await)
-                        .tenant(idempotency_layer::TenantSource::fixed(TENANT))
-                        .ttl(record_ttl)
-                        .lease(opts.lease);
-                    addrs.push(
-                        start_instance(layer.clone(), unavailable.clone(), ledger.clone()).await,
-                    );
-                    layers.push(layer);
-                }
-                let direct = RedisStore::builder(url.clone())
+    let (instances, ledger, cut, checker): (
+        Vec<Instance>,
+        Ledger,
+        Option<Arc<FaultProxy>>,
+        Checker,
+    ) = match opts.store {
+        StoreKind::Memory => {
+            // Sized for the run (peak writes x TTL), as the store's docs ask: with the
+            // defaults (100 000 records, 128 MiB) a long run's claims would be refused once
+            // the store is full of records younger than its minimum retention (1 h).
+            let store = if opts.memory_defaults {
+                MemoryStore::new()
+            } else {
+                MemoryStore::builder()
+                    .max_entries(MEMORY_CAPACITY)
+                    .max_bytes(MEMORY_MAX_BYTES)
+                    .build()
+            };
+            let ledger = Ledger::Memory(Arc::default());
+            let layer = IdempotencyLayer::new(store.clone())
+                .tenant(idempotency_layer::TenantSource::fixed(TENANT))
+                .ttl(record_ttl)
+                .lease(opts.lease);
+            let instance = start_instance(layer.clone(), unavailable.clone(), ledger.clone()).await;
+            (
+                vec![instance],
+                ledger,
+                None,
+                Checker::Memory(store, vec![layer]),
+            )
+        }
+        StoreKind::Redis => {
+            let url = url();
+            let proxy = Arc::new(FaultProxy::start(authority(&url)).await);
+            let prefix = format!("chaos:{run_id}:");
+            let connect = || async {
+                RedisStore::builder(via(&url, proxy.addr()))
                     .prefix(prefix.clone())
                     .connect()
                     .await
-                    .expect("REDIS_URL must be reachable");
-                (addrs, ledger, Some(proxy), Checker::Redis(direct, layers))
+                    .expect("REDIS_URL must be reachable")
+            };
+            let client = redis::Client::open(url.as_str()).expect("a Redis URL");
+            // No response timeout (redis-rs has 500 ms by default): a slow reply on a
+            // loaded machine must not turn an applied HINCRBY into an error (the soak's own retry counted twice).
+            let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
+            let conn = client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await
+                .expect("REDIS_URL must be reachable");
+            let ledger = Ledger::Redis(conn, format!("chaos:{run_id}:ledger"));
+            let mut addrs = Vec::new();
+            let mut layers = Vec::new();
+            for _ in 0..2 {
+                let layer = IdempotencyLayer::new(connect().await)
+                    .tenant(idempotency_layer::TenantSource::fixed(TENANT))
+                    .ttl(record_ttl)
+                    .lease(opts.lease);
+                addrs
+                    .push(start_instance(layer.clone(), unavailable.clone(), ledger.clone()).await);
+                layers.push(layer);
             }
-            StoreKind::Postgres => {
-                let url = url();
-                let proxy = Arc::new(CutProxy::start(authority(&url)).await);
-                let table = format!("chaos_{run_id}");
-                let connect = |url: String| {
-                    let table = table.clone();
-                    async move {
-                        let store = PostgresStore::builder(url)
-                            .table(table)
-                            .connect()
-                            .await
-                            .expect("DATABASE_URL must be reachable");
-                        store.migrate().await.expect("migrate");
-                        store
-                    }
-                };
-                let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-                    .await
-                    .expect("DATABASE_URL must be reachable");
-                tokio::spawn(conn);
-                let ledger_table = format!("chaos_ledger_{run_id}");
-                client
-                    .batch_execute(&format!(
-                        "CREATE TABLE {ledger_table} (key text PRIMARY KEY, n bigint NOT NULL)"
-                    ))
-                    .await
-                    .expect("create the ledger table");
-                let ledger = Ledger::Postgres(Arc::new(client), ledger_table);
-                let mut addrs = Vec::new();
-                let mut layers = Vec::new();
-                for _ in 0..2 {
-                    let layer = IdempotencyLayer::new(connect(via(&url, proxy.addr())).await)
-                        .tenant(idempotency_layer::TenantSource::fixed(TENANT))
-                        .ttl(record_ttl)
-                        .lease(opts.lease);
-                    addrs.push(
-                        start_instance(layer.clone(), unavailable.clone(), ledger.clone()).await,
-                    );
-                    layers.push(layer);
+            let direct = RedisStore::builder(url.clone())
+                .prefix(prefix.clone())
+                .connect()
+                .await
+                .expect("REDIS_URL must be reachable");
+            (addrs, ledger, Some(proxy), Checker::Redis(direct, layers))
+        }
+        StoreKind::Postgres => {
+            let url = url();
+            let proxy = Arc::new(FaultProxy::start(authority(&url)).await);
+            let table = format!("chaos_{run_id}");
+            let connect = |url: String| {
+                let table = table.clone();
+                async move {
+                    let store = PostgresStore::builder(url)
+                        .table(table)
+                        .connect()
+                        .await
+                        .expect("DATABASE_URL must be reachable");
+                    store.migrate().await.expect("migrate");
+                    store
                 }
-                let direct = connect(url.clone()).await;
-                (
-                    addrs,
-                    ledger,
-                    Some(proxy),
-                    Checker::Postgres(direct, layers),
-                )
+            };
+            let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .expect("DATABASE_URL must be reachable");
+            tokio::spawn(conn);
+            let ledger_table = format!("chaos_ledger_{run_id}");
+            client
+                .batch_execute(&format!(
+                    "CREATE TABLE {ledger_table} (key text PRIMARY KEY, n bigint NOT NULL)"
+                ))
+                .await
+                .expect("create the ledger table");
+            let ledger = Ledger::Postgres(Arc::new(client), ledger_table);
+            let mut addrs = Vec::new();
+            let mut layers = Vec::new();
+            for _ in 0..2 {
+                let layer = IdempotencyLayer::new(connect(via(&url, proxy.addr())).await)
+                    .tenant(idempotency_layer::TenantSource::fixed(TENANT))
+                    .ttl(record_ttl)
+                    .lease(opts.lease);
+                addrs
+                    .push(start_instance(layer.clone(), unavailable.clone(), ledger.clone()).await);
+                layers.push(layer);
             }
-        };
+            let direct = connect(url.clone()).await;
+            (
+                addrs,
+                ledger,
+                Some(proxy),
+                Checker::Postgres(direct, layers),
+            )
+        }
+    };
     // A fault proxy per wire, in front of every instance's listener of that wire.
     let mut proxies: BTreeMap<Wire, Proxy> = BTreeMap::new();
     for (n, &wire) in opts.wires.iter().enumerate() {
@@ -1133,7 +1134,7 @@ pub async fn run(opts: Options) -> Report {
         reset: total(1),
         delayed: total(2),
         unavailable: unavailable.injected(),
-        cuts: cut.as_ref().map_or(0, |c| c.cuts()),
+        cuts: cut.as_ref().map_or(0, |c| c.cuts() as usize),
         executions: ledger_all.values().sum(),
         in_flight_left: claims.left,
         claims_settled_late: claims.late,

@@ -1676,7 +1676,7 @@ async fn a_listener_gone_half_open_reconnects_and_hears_again() {
     .await;
     let fp = Fingerprint([8; 32]);
     start_hearing(&store, fp).await;
-    proxy.hold();
+    proxy.half_open();
     until_listener_hears(&store, false, "the missed heartbeat is noticed").await;
     until_listener_hears(&store, true, "the listener reconnected and hears again").await;
     let scope = order_scope(&unique("half-open-"));

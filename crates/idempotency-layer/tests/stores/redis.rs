@@ -1094,3 +1094,106 @@ async fn with_wait_for_replicas_a_record_no_replica_acknowledged_is_not_replayed
     until_replayed(&leader, scope, fp).await;
     until_replayed(&duplicate, scope, fp).await;
 }
+
+/// With `wait_for_replicas`, a claim written on the primary that too few replicas acknowledged
+/// is refused (an error: nothing may run on it), and the store releases it in the background
+/// like any claim nobody knows they hold: its key is free again well before its lease (read by
+/// a store that does not wait for replicas, while the replica is still stopped). (Before, the
+/// claim was left on the primary and blocked its key for the whole lease.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_no_replica_acknowledged_is_released_at_once() {
+    let Some((_primary, replica, url, _)) = private_primary_and_replica().await else {
+        return;
+    };
+    let prefix = unique("test:idem:");
+    let waiting = RedisStore::builder(&url)
+        .prefix(&prefix)
+        .timeout(Duration::from_secs(3))
+        .wait_for_replicas(1, Duration::from_millis(300))
+        .connect()
+        .await
+        .unwrap();
+    let plain = RedisStore::builder(&url)
+        .prefix(&prefix)
+        .connect()
+        .await
+        .unwrap();
+    let fp = Fingerprint([9; 32]);
+    // The replica has synced: a claim is acknowledged.
+    let warm = order_scope(&unique("orphan-warm-"));
+    let t = claim_acknowledged(&waiting, warm, fp).await;
+    waiting.release(warm, t).await.unwrap();
+
+    replica.signal("-STOP");
+    let scope = order_scope(&unique("orphan-unacknowledged-"));
+    let lease = Duration::from_secs(600);
+    let refused = waiting.begin(scope, fp, lease).await;
+    assert!(
+        refused.is_err(),
+        "a claim no replica acknowledged is not the caller's: {refused:?}"
+    );
+    // Written on the primary all the same, and released: the key can be claimed at once, a
+    // lease of ten minutes notwithstanding.
+    let token = wait::some(
+        wait::LIMIT,
+        "the refused claim is released: its key can be claimed",
+        || async {
+            match plain.begin(scope, fp, lease).await {
+                Ok(Begin::New(t)) => Some(t),
+                Ok(Begin::InFlight { .. }) => None,
+                other => panic!("{other:?}"),
+            }
+        },
+    )
+    .await;
+    plain.release(scope, token).await.unwrap();
+    replica.signal("-CONT");
+}
+
+/// A connection gone half-open (no reply, no FIN, no RST ever: a NAT entry expired, a host
+/// froze) is replaced once a command went unanswered for the store's timeout: the operations
+/// after it work again, on a new connection. (Before, redis-rs's connection manager, which
+/// reconnects only on an error saying the connection dropped, kept it: every command timed
+/// out, for as long as the test ran.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_gone_half_open_is_replaced() {
+    let Some(url) = env_url("REDIS_URL") else {
+        return;
+    };
+    let proxy = Proxy::start(authority(&url)).await;
+    let store = RedisStore::builder(via(&url, proxy.addr()))
+        .prefix(unique("test:idem:"))
+        .timeout(Duration::from_millis(500))
+        .connect()
+        .await
+        .unwrap();
+    let fp = Fingerprint([1; 32]);
+    let claim = || {
+        let store = store.clone();
+        async move {
+            store
+                .begin(order_scope(&unique("half-open-")), fp, conformance::LONG)
+                .await
+        }
+    };
+    assert!(matches!(claim().await, Ok(Begin::New(_))));
+    proxy.half_open();
+    assert!(
+        claim().await.is_err(),
+        "the half-open connection answers nothing"
+    );
+    wait::some(
+        wait::LIMIT,
+        "a claim succeeds on a new connection",
+        || async { matches!(claim().await, Ok(Begin::New(_))).then_some(()) },
+    )
+    .await;
+    assert!(store.redials() >= 1, "the store replaced the connection");
+    assert!(
+        proxy
+            .stats()
+            .relayed
+            .load(std::sync::atomic::Ordering::SeqCst)
+            >= 2
+    );
+}

@@ -11,7 +11,7 @@ use axum::Router;
 use http::{HeaderMap, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use idempotency_layer::{IdempotencyLayer, RedisStore, RejectReason};
-use test_support::cut::CutProxy;
+use test_support::fault_proxy::FaultProxy;
 use tokio::sync::Semaphore;
 
 use crate::proxied_cluster::{can_run, ProxiedCluster};
@@ -52,7 +52,7 @@ async fn the_layer_answers_classified_503s_through_a_cut_and_recovers_without_ru
         return;
     }
     let cluster = ProxiedCluster::start("idem-cluster-cuts-", |node| async move {
-        let proxy = CutProxy::start(&node.to_string()).await;
+        let proxy = FaultProxy::start(&node.to_string()).await;
         let addr = proxy.addr();
         (proxy, addr)
     })

@@ -32,10 +32,9 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
-// The cuttable store proxy and the slow-replies proxy live in the workspace's test-support
-// crate (it depends on none of ours).
-pub use test_support::cut::{authority, via, CutProxy as Proxy};
-pub use test_support::slow::SlowReplies;
+// The store fault proxy lives in the workspace's test-support crate (it depends on none of
+// ours).
+pub use test_support::fault_proxy::{authority, via, Direction, FaultProxy as Proxy};
 
 pub use test_support::net::{serve, HttpClient};
 
@@ -396,6 +395,140 @@ pub async fn outage<S: IdempotencyStore>(store: S, proxy: &Proxy) {
     assert_eq!(executions.total(), 2);
 }
 
+/// A fault of the link between the layer and its store, in [`Proxy`]'s model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkFault {
+    /// 100 ms each way, on every chunk.
+    Latency,
+    /// Requests reach the server and run; their replies wait at the proxy for two store
+    /// timeouts, then arrive.
+    HeldReplies,
+    /// A slow reader: replies at 2 KB/s.
+    SlowReader,
+    /// Every open connection reset.
+    Reset,
+    /// Every open connection silent and open, forever.
+    HalfOpen,
+    /// Every open connection reset and new ones refused, for two store timeouts.
+    Cut,
+}
+
+impl LinkFault {
+    pub const ALL: [LinkFault; 6] = [
+        LinkFault::Latency,
+        LinkFault::HeldReplies,
+        LinkFault::SlowReader,
+        LinkFault::Reset,
+        LinkFault::HalfOpen,
+        LinkFault::Cut,
+    ];
+
+    /// Switches the fault on; answers once it is over (the proxy relaying again, open
+    /// connections left half-open aside).
+    async fn inflict(self, proxy: &Proxy, timeout: Duration) {
+        match self {
+            LinkFault::Latency => {
+                proxy.latency(Direction::Requests, Duration::from_millis(100));
+                proxy.latency(Direction::Replies, Duration::from_millis(100));
+                tokio::time::sleep(timeout * 2).await;
+            }
+            LinkFault::HeldReplies => {
+                proxy.hold_replies();
+                tokio::time::sleep(timeout * 2).await;
+            }
+            LinkFault::SlowReader => {
+                proxy.throttle(Direction::Replies, Some(2_000));
+                tokio::time::sleep(timeout * 2).await;
+            }
+            LinkFault::Reset => proxy.reset(),
+            LinkFault::HalfOpen => proxy.half_open(),
+            LinkFault::Cut => {
+                proxy.cut();
+                tokio::time::sleep(timeout * 2).await;
+            }
+        }
+        proxy.clear();
+    }
+}
+
+/// The layer reaches its store through `proxy`; for each [`LinkFault`], 6 keys x 3 duplicates
+/// are sent at once and the fault is switched on while they are in flight, then off. Every
+/// request is answered (within [`post_order`]'s 30 s), with the execution's response or a
+/// retryable refusal (503 store unavailable, 409 in flight); once the link is healthy again,
+/// each key is answered within [`wait::LIMIT`] with the response of its one execution, and
+/// nothing ever ran twice. `timeout` is the store's.
+pub async fn duplicates_through_link_faults<S: IdempotencyStore>(
+    store: S,
+    proxy: &Proxy,
+    timeout: Duration,
+) {
+    let executions = Executions::default();
+    let addr = serve(orders_app(
+        IdempotencyLayer::new(store),
+        "svc",
+        executions.clone(),
+        Duration::from_millis(100),
+    ))
+    .await;
+    let client = client();
+    let body = r#"{"sku":"f1"}"#;
+    for fault in LinkFault::ALL {
+        let keys: Vec<String> = (0..6)
+            .map(|i| unique(&format!("link-{fault:?}-{i}-")))
+            .collect();
+        let requests: Vec<_> = keys
+            .iter()
+            .flat_map(|key| std::iter::repeat_n(key.clone(), 3))
+            .map(|key| {
+                let client = client.clone();
+                tokio::spawn(async move {
+                    let a = post_order(&client, addr, &key, body).await;
+                    (key, a)
+                })
+            })
+            .collect();
+        // Into the fault while the requests are at the store or in their handlers.
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        fault.inflict(proxy, timeout).await;
+        let mut answered: HashMap<String, Vec<Answer>> = HashMap::new();
+        for r in requests {
+            let (key, a) = r.await.expect("request task");
+            assert!(
+                matches!(
+                    a.status,
+                    StatusCode::CREATED | StatusCode::SERVICE_UNAVAILABLE | StatusCode::CONFLICT
+                ),
+                "{fault:?} {key}: an execution's response or a retryable refusal: {a:?}"
+            );
+            answered.entry(key).or_default().push(a);
+        }
+        for key in &keys {
+            let settled = wait::some(
+                wait::LIMIT,
+                &format!("{fault:?} {key}: answered with its response once the link is healthy"),
+                || async {
+                    let a = post_order(&client, addr, key, body).await;
+                    (a.status == StatusCode::CREATED).then_some(a)
+                },
+            )
+            .await;
+            for a in &answered[key] {
+                if a.status == StatusCode::CREATED {
+                    assert_eq!(
+                        a.body, settled.body,
+                        "{fault:?} {key}: every success is the one execution's response"
+                    );
+                }
+            }
+            assert_eq!(
+                executions.of(key),
+                1,
+                "{fault:?} {key}: executed once through the fault"
+            );
+        }
+    }
+}
+
 /// Records a response for `key` through the layer on `store`, lets `spoil` write garbage into
 /// its entry, then checks the store says [`StoreError::Corrupt`] and the layer answers an error
 /// without executing.
@@ -466,27 +599,27 @@ where
 /// timed out) left a claim nobody held, blocking its key for a whole lease (30 s here). The
 /// store now releases such a claim, fenced by its token, as soon as it can.
 ///
-/// `via_slow` times out before `slow` delivers the reply. The claim is seen on the server (read
+/// `via_slow` times out while `slow` holds the reply. The claim is seen on the server (read
 /// without claiming, [`Backend::holds`]) while the begin waits for its reply: the begin did run,
 /// so a key that is free afterwards was released, not never claimed.
 pub async fn lost_begin_reply<B: Backend>(
     via_slow: B::Store,
     direct: B::Store,
-    slow: &SlowReplies,
+    slow: &Proxy,
     url: &str,
 ) {
     let scope = order_scope(&unique("lost-begin-"));
     let fp = Fingerprint([7; 32]);
     let lease = Duration::from_secs(30);
     warm_up(&via_slow, fp, lease).await;
-    slow.hold.store(true, Ordering::SeqCst);
+    slow.hold_replies();
     let begin = tokio::spawn(async move { via_slow.begin(scope, fp, lease).await });
     claim_reached_the_server::<B>(&direct, url, scope).await;
     match begin.await.unwrap() {
         Err(StoreError::Backend(e)) => eprintln!("begin failed as intended: {e}"),
         other => panic!("the slow reply must time out, got {other:?}"),
     }
-    slow.hold.store(false, Ordering::SeqCst);
+    slow.release_replies();
     // Well before the 30 s lease, the orphan is gone and the key can be claimed.
     claimable_soon(
         &direct,
@@ -539,20 +672,20 @@ async fn claimable_soon<S: IdempotencyStore>(
 
 /// A `begin` whose request was dropped while the store ran it (the client went away): the
 /// claim is written on the server with nobody to release it. The store's guard releases it, so
-/// the key is free again well before its 30 s lease. `via_slow` must wait longer for a reply
-/// than the proxy delays it, so the begin is dropped, not timed out; it is dropped once the
+/// the key is free again well before its 30 s lease. `via_slow` waits longer for a reply than
+/// the proxy holds it, so the begin is dropped, not timed out; it is dropped once the
 /// server holds its claim ([`Backend::holds`]), so the key was claimed and then released.
 pub async fn dropped_begin<B: Backend>(
     via_slow: B::Store,
     direct: B::Store,
-    slow: &SlowReplies,
+    slow: &Proxy,
     url: &str,
 ) {
     let scope = order_scope(&unique("dropped-begin-"));
     let fp = Fingerprint([8; 32]);
     let lease = Duration::from_secs(30);
     warm_up(&via_slow, fp, lease).await;
-    slow.hold.store(true, Ordering::SeqCst);
+    slow.hold_replies();
     let begin = tokio::spawn(async move { via_slow.begin(scope, fp, lease).await });
     // The claim runs on the server; its reply is held back. Then the request goes away.
     claim_reached_the_server::<B>(&direct, url, scope).await;
@@ -561,7 +694,7 @@ pub async fn dropped_begin<B: Backend>(
         begin.await.unwrap_err().is_cancelled(),
         "the begin was still in flight"
     );
-    slow.hold.store(false, Ordering::SeqCst);
+    slow.release_replies();
     claimable_soon(
         &direct,
         scope,
@@ -863,21 +996,40 @@ macro_rules! shared_store_suite {
         }
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn duplicates_run_once_through_every_fault_of_the_store_link() {
+            let Some(url) = env_url(<$backend as Backend>::URL_VAR) else {
+                return;
+            };
+            let ns = <$backend as Backend>::namespace();
+            let proxy = Proxy::start(authority(&url)).await;
+            let timeout = Duration::from_secs(1);
+            let tuning = Tuning {
+                timeout: Some(timeout),
+                ..Tuning::default()
+            };
+            let store =
+                <$backend as Backend>::connect(via(&url, proxy.addr()), ns.clone(), tuning).await;
+            duplicates_through_link_faults(store, &proxy, timeout).await;
+            <$backend as Backend>::drop_namespace(url, ns).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn a_claim_whose_begin_reply_was_lost_is_released() {
             let Some(url) = env_url(<$backend as Backend>::URL_VAR) else {
                 return;
             };
             let ns = <$backend as Backend>::namespace();
-            // The begin times out after 2 s, its reply 3 s late: the claim is on the server for
-            // those 2 s (and until the guard releases it), long enough to be seen there.
-            let slow = SlowReplies::start(authority(&url), Duration::from_secs(3)).await;
+            // The begin times out after 2 s, its reply held at the proxy until then: the claim
+            // is on the server for those 2 s (and until the guard releases it), long enough to
+            // be seen there.
+            let slow = Proxy::start(authority(&url)).await;
             let tuning = Tuning {
                 timeout: Some(Duration::from_secs(2)),
                 single_connection: true,
                 ..Tuning::default()
             };
             let via_slow =
-                <$backend as Backend>::connect(via(&url, slow.addr), ns.clone(), tuning).await;
+                <$backend as Backend>::connect(via(&url, slow.addr()), ns.clone(), tuning).await;
             let direct =
                 <$backend as Backend>::connect(url.clone(), ns.clone(), Tuning::default()).await;
             lost_begin_reply::<$backend>(via_slow, direct, &slow, &url).await;
@@ -890,14 +1042,14 @@ macro_rules! shared_store_suite {
                 return;
             };
             let ns = <$backend as Backend>::namespace();
-            let slow = SlowReplies::start(authority(&url), Duration::from_millis(800)).await;
+            let slow = Proxy::start(authority(&url)).await;
             let tuning = Tuning {
                 timeout: Some(Duration::from_secs(10)),
                 single_connection: true,
                 ..Tuning::default()
             };
             let via_slow =
-                <$backend as Backend>::connect(via(&url, slow.addr), ns.clone(), tuning).await;
+                <$backend as Backend>::connect(via(&url, slow.addr()), ns.clone(), tuning).await;
             let direct =
                 <$backend as Backend>::connect(url.clone(), ns.clone(), Tuning::default()).await;
             dropped_begin::<$backend>(via_slow, direct, &slow, &url).await;

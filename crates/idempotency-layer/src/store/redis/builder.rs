@@ -14,7 +14,7 @@ use crate::store::near_cache::{Near, NearCache};
 use crate::store::wake::Polling;
 use crate::store::StoreError;
 
-use super::conn::{Conn, PubSubSource};
+use super::conn::{Conn, PubSubSource, Redialing};
 #[cfg(feature = "redis-cluster")]
 use super::nodes::value_text;
 use super::nodes::{judge_maxmemory_policies, multi_node_url, node_urls};
@@ -270,6 +270,7 @@ impl RedisStoreBuilder {
                 waiters: Arc::default(),
                 pubsub: OnceLock::new(),
                 renewals_failed: Arc::default(),
+                redials: Arc::default(),
                 maxmemory_policy,
                 near: self.near.map(Near::new),
                 wait_for_replicas: self.wait_for_replicas,
@@ -336,14 +337,18 @@ impl RedisStoreBuilder {
         client: redis::Client,
     ) -> Result<(Conn, PubSubSource), StoreError> {
         let conn = match &self.conn {
-            Some(conn) if !fresh => conn.clone(),
-            _ => tokio::time::timeout(
-                self.timeout * 4,
-                client.get_connection_manager_with_config(manager_config(self.timeout)),
-            )
-            .await
-            .map_err(|_| timed_out(self.timeout * 4))?
-            .map_err(backend)?,
+            Some(conn) if !fresh => Redialing::new(conn.clone(), None, self.timeout),
+            _ => {
+                let config = manager_config(self.timeout);
+                let conn = tokio::time::timeout(
+                    self.timeout * 4,
+                    client.get_connection_manager_with_config(config.clone()),
+                )
+                .await
+                .map_err(|_| timed_out(self.timeout * 4))?
+                .map_err(backend)?;
+                Redialing::new(conn, Some((client.clone(), config)), self.timeout)
+            }
         };
         Ok((Conn::Single(conn), PubSubSource::Single(Box::new(client))))
     }
@@ -373,7 +378,7 @@ pub(super) async fn check_maxmemory_policy(
         match conn {
             Conn::Single(c) => Ok::<_, RedisError>(vec![(
                 "the server".to_owned(),
-                c.send_packed_command(&cmd).await?,
+                c.current().send_packed_command(&cmd).await?,
             )]),
             #[cfg(feature = "redis-sentinel")]
             Conn::Sentinel(c) => {

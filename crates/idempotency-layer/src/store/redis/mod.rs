@@ -51,7 +51,11 @@ use self::pubsub::*;
 /// - **Failures**: commands go through a [`ConnectionManager`](redis::aio::ConnectionManager) that reconnects on its own;
 ///   every operation is bounded by [`RedisStoreBuilder::timeout`], so an unreachable server
 ///   answers [`StoreError::Backend`] quickly (the layer then fails closed with 503 /
-///   UNAVAILABLE). An entry that does not decode is [`StoreError::Corrupt`].
+///   UNAVAILABLE). A connection on which a command went unanswered for that timeout is
+///   replaced (at most once per timeout; [`redials`](RedisStore::redials) counts them): one
+///   gone half-open, behind an expired NAT entry or to a frozen host, reports no error, and
+///   would otherwise time out every command until TCP keepalive gave up on it, hours by
+///   default. An entry that does not decode is [`StoreError::Corrupt`].
 ///
 /// Measured by the `benchmarks` loadtest (Redis `INFO commandstats` deltas): a first
 /// execution costs 2 round trips (claim, complete), a replay 1 (the claim finds the record).
@@ -196,6 +200,8 @@ struct Inner {
     pubsub: OnceLock<PubSub>,
     /// Lease renewals that failed or were refused (shared by stores made `with_prefix`).
     renewals_failed: Arc<AtomicU64>,
+    /// Connections replaced after a command went unanswered (shared likewise).
+    redials: Arc<AtomicU64>,
     /// The server's `maxmemory-policy` as read at connect, if it could be read.
     maxmemory_policy: Option<String>,
     /// Completed records kept here, if the builder asked for a near cache.
@@ -289,6 +295,20 @@ impl RedisStore {
         }
     }
 
+    /// How many times the store replaced a connection on which a command went unanswered for
+    /// its [timeout](RedisStoreBuilder::timeout) (a half-open connection, or a server that
+    /// froze); on a cluster, the cluster client reconnects its nodes by itself and this stays 0.
+    pub fn redials(&self) -> u64 {
+        self.inner.redials.load(Ordering::Relaxed)
+    }
+
+    /// A command on `conn` went unanswered for the store's timeout.
+    fn unanswered(&self, conn: &Conn) {
+        if conn.unanswered() {
+            self.inner.redials.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// True when the store runs on a Redis Cluster ([`builder_cluster`](Self::builder_cluster)).
     pub fn is_cluster(&self) -> bool {
         self.cluster()
@@ -370,6 +390,7 @@ impl RedisStore {
                 waiters: Arc::default(),
                 pubsub: OnceLock::new(),
                 renewals_failed: self.inner.renewals_failed.clone(),
+                redials: self.inner.redials.clone(),
                 maxmemory_policy: self.inner.maxmemory_policy.clone(),
                 // Another prefix is other keys and another invalidation channel.
                 near: self.inner.near.as_ref().map(|n| Near::new(n.config())),
@@ -415,8 +436,15 @@ impl RedisStore {
             }
         };
         match tokio::time::timeout(self.inner.timeout, op).await {
+            Ok(Err(e)) if e.is_timeout() => {
+                self.unanswered(&self.inner.conn);
+                Err(backend(e))
+            }
             Ok(r) => r.map_err(backend),
-            Err(_) => Err(timed_out(self.inner.timeout)),
+            Err(_) => {
+                self.unanswered(&self.inner.conn);
+                Err(timed_out(self.inner.timeout))
+            }
         }
     }
 

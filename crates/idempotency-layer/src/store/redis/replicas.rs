@@ -296,6 +296,8 @@ impl RedisStore {
         pipe: redis::Pipeline,
         on_noscript: Option<impl FnOnce() -> redis::Pipeline>,
     ) -> Result<Vec<Value>, StoreError> {
+        // The connection the pipeline went out on: replaced if it goes unanswered.
+        let sent_on: Mutex<Option<Conn>> = Mutex::new(None);
         let op = async {
             let mut lent = match &self.inner.waits {
                 Some(waits) => waits.lend().await,
@@ -306,6 +308,7 @@ impl RedisStore {
                 Some(conn) => conn,
                 None => &mut shared,
             };
+            *sent_on.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn.clone());
             let values = pipe.query_async::<Vec<Value>>(conn).await?;
             match on_noscript {
                 Some(again) if matches!(values.first(), Some(Value::ServerError(e)) if e.kind() == Some(ServerErrorKind::NoScript)) => {
@@ -315,7 +318,18 @@ impl RedisStore {
             }
         };
         let bound = self.inner.timeout + wait.timeout;
-        match tokio::time::timeout(bound, op).await {
+        let outcome = tokio::time::timeout(bound, op).await;
+        let unanswered = match &outcome {
+            Ok(Err(e)) => e.is_timeout(),
+            Ok(Ok(_)) => false,
+            Err(_) => true,
+        };
+        if unanswered {
+            if let Some(conn) = sent_on.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                self.unanswered(&conn);
+            }
+        }
+        match outcome {
             Ok(r) => r.map_err(backend),
             Err(_) => Err(timed_out(bound)),
         }

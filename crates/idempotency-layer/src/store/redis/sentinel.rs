@@ -7,13 +7,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionLike, ConnectionManagerConfig};
 use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
 use redis::{
     Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, RedisResult, ServerErrorKind, Value,
 };
 use tokio::time::Instant;
 
+use super::conn::Redialing;
 use super::{backend, timed_out, StoreError};
 
 /// The Sentinels are asked at most this often while the primary they name does not change
@@ -52,7 +53,7 @@ pub(super) fn data_nodes(sentinel_url: &str) -> Result<SentinelNodeConnectionInf
     Ok(nodes)
 }
 
-/// The store's command connection on a Sentinel-managed primary: a [`ConnectionManager`] on
+/// The store's command connection on a Sentinel-managed primary: a [`Redialing`] manager on
 /// the primary the Sentinels named last, replaced when that node is no longer the primary.
 #[derive(Clone)]
 pub(super) struct SentinelConn(Arc<Shared>);
@@ -82,7 +83,7 @@ struct Current {
     /// switched since.
     generation: u64,
     client: redis::Client,
-    conn: ConnectionManager,
+    conn: Redialing,
 }
 
 impl fmt::Debug for SentinelConn {
@@ -137,8 +138,8 @@ impl SentinelConn {
             }),
             current: RwLock::new(Current {
                 generation: 0,
+                conn: Redialing::new(conn, Some((client.clone(), config.clone())), timeout),
                 client,
-                conn,
             }),
             config,
             timeout,
@@ -179,6 +180,16 @@ impl SentinelConn {
     /// How many times the store moved to another primary since it connected.
     pub(super) fn switches(&self) -> u64 {
         self.0.switches.load(Ordering::Relaxed)
+    }
+
+    /// A command went unanswered for the store's timeout: the primary may be gone (a failover
+    /// the Sentinels may name by now), or its connection half-open; the Sentinels are asked
+    /// again in the background and, if they still name this node, its connection is replaced.
+    pub(super) fn unanswered(&self) -> bool {
+        let current = self.current();
+        let shared = self.0.clone();
+        tokio::spawn(async move { shared.ask_again(current.generation).await });
+        current.conn.unanswered()
     }
 
     /// Asks the Sentinels again, unless someone switched since generation `seen` or asked less
@@ -272,8 +283,12 @@ impl Shared {
         *self.policy.write().unwrap_or_else(|e| e.into_inner()) = policy;
         let next = Current {
             generation: current.generation + 1,
+            conn: Redialing::new(
+                conn,
+                Some((client.clone(), self.config.clone())),
+                self.timeout,
+            ),
             client,
-            conn,
         };
         *self.current.write().unwrap_or_else(|e| e.into_inner()) = next.clone();
         self.switches.fetch_add(1, Ordering::Relaxed);
@@ -303,15 +318,15 @@ impl ConnectionLike for SentinelConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         Box::pin(async move {
             let current = self.current();
-            let mut conn = current.conn.clone();
+            let mut conn = current.conn.current();
             match conn.req_packed_command(cmd).await {
                 // Error replies come back as values here; the caller makes them errors.
                 Ok(value) if readonly_in(std::slice::from_ref(&value)) => {
-                    let mut conn = self.ask_again(current.generation).await.conn;
+                    let mut conn = self.ask_again(current.generation).await.conn.current();
                     conn.req_packed_command(cmd).await
                 }
                 Err(e) if not_run_on_a_primary(&e) => {
-                    let mut conn = self.ask_again(current.generation).await.conn;
+                    let mut conn = self.ask_again(current.generation).await.conn.current();
                     conn.req_packed_command(cmd).await
                 }
                 Err(e) => {
@@ -333,16 +348,16 @@ impl ConnectionLike for SentinelConn {
     ) -> RedisFuture<'a, Vec<Value>> {
         Box::pin(async move {
             let current = self.current();
-            let mut conn = current.conn.clone();
+            let mut conn = current.conn.current();
             match conn.req_packed_commands(cmd, offset, count).await {
                 // A pipeline with `ignore_errors` has its errors among its values: a script
                 // refused by a replica wrote nothing (it fails at its first write).
                 Ok(values) if readonly_in(&values) => {
-                    let mut conn = self.ask_again(current.generation).await.conn;
+                    let mut conn = self.ask_again(current.generation).await.conn.current();
                     conn.req_packed_commands(cmd, offset, count).await
                 }
                 Err(e) if not_run_on_a_primary(&e) => {
-                    let mut conn = self.ask_again(current.generation).await.conn;
+                    let mut conn = self.ask_again(current.generation).await.conn.current();
                     conn.req_packed_commands(cmd, offset, count).await
                 }
                 Err(e) => {
@@ -357,7 +372,7 @@ impl ConnectionLike for SentinelConn {
     }
 
     fn get_db(&self) -> i64 {
-        self.current().conn.get_db()
+        self.current().conn.current().get_db()
     }
 }
 
