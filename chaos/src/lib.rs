@@ -1,6 +1,8 @@
 //! The chaos soak: many clients with `RetryLayer` -> the e2e fault proxy (drops after the
 //! request, delays, resets) -> one or two server instances with `IdempotencyLayer` sharing a
-//! store, whose connection is cut for a while at a fixed period. The handler writes a side-effect
+//! store, reached through a TCP fault proxy that inflicts each fault of a link in turn at a fixed
+//! period (latency, replies held after the request ran, a slow reader, a reset, connections
+//! left half-open, a cut). The handler writes a side-effect
 //! ledger keyed by idempotency key. At the end, [`Report::problems`] checks that every succeeded
 //! operation's effect happened exactly once, no key ran twice, and no claim was left in flight.
 //!
@@ -32,7 +34,7 @@ use idempotency_layer::{
     IdempotencyLayer, IdempotencyStore, MemoryStore, PostgresStore, RedisStore, Scope,
 };
 use retry_layer::{ReplayBody, Retry, RetryLayer, RetryStats};
-use test_support::fault_proxy::{authority, via, FaultProxy};
+use test_support::fault_proxy::{authority, via, FaultProxy, LinkFault};
 use test_support::faults::Unavailable;
 use test_support::proxy::{Chooser, Mode, Protocol, Proxy};
 use tokio_stream::wrappers::TcpListenerStream;
@@ -105,10 +107,11 @@ pub struct Options {
     pub wires: Vec<Wire>,
     /// The retry policies clients run.
     pub policies: Vec<Policy>,
-    /// The store connection is cut every `cut_every` ...
-    pub cut_every: Duration,
-    /// ... for `cut_for`.
-    pub cut_for: Duration,
+    /// Every `store_fault_every`, the store's link suffers the next fault of
+    /// [`LinkFault::ALL`] in turn ...
+    pub store_fault_every: Duration,
+    /// ... for `store_fault_for` (a reset or a half-open acts at once).
+    pub store_fault_for: Duration,
     /// Share of connections dropped after the request reached the server.
     pub drop_p: f64,
     /// Share of connections reset before anything was relayed (HTTP/1.1 only: an HTTP/2
@@ -131,7 +134,7 @@ pub struct Options {
 
 impl Options {
     /// The defaults of the long run: 36 clients over every wire and policy (6 groups of 6),
-    /// store cut for 2 s every 20 s, 10 % drops after the request, 5 % resets, 5 % delays, 5 %
+    /// a store link fault for 2 s every 20 s, 10 % drops after the request, 5 % resets, 5 % delays, 5 %
     /// injected 503s.
     pub fn new(store: StoreKind, url: Option<String>, duration: Duration) -> Self {
         Options {
@@ -141,8 +144,8 @@ impl Options {
             clients: 36,
             wires: Wire::ALL.to_vec(),
             policies: Policy::ALL.to_vec(),
-            cut_every: Duration::from_secs(20),
-            cut_for: Duration::from_secs(2),
+            store_fault_every: Duration::from_secs(20),
+            store_fault_for: Duration::from_secs(2),
             drop_p: 0.10,
             reset_p: 0.05,
             delay_p: 0.05,
@@ -456,8 +459,8 @@ pub struct Report {
     pub delayed: usize,
     /// 503s injected inside the layer.
     pub unavailable: usize,
-    /// Store cuts.
-    pub cuts: usize,
+    /// The store link's faults, by kind, in the order of [`LinkFault::ALL`].
+    pub store_faults: Vec<(LinkFault, usize)>,
     /// Executions in the ledger.
     pub executions: u64,
     /// Keys executed more than once (must be empty).
@@ -589,9 +592,17 @@ impl fmt::Display for Report {
         writeln!(f, "  HTTP attempts          {}", self.http_attempts)?;
         writeln!(
             f,
-            "  faults injected        {} dropped after request, {} reset, {} delayed, {} 503 in-layer, {} store cuts",
-            self.dropped, self.reset, self.delayed, self.unavailable, self.cuts
+            "  faults injected        {} dropped after request, {} reset, {} delayed, {} 503 in-layer",
+            self.dropped, self.reset, self.delayed, self.unavailable
         )?;
+        if !self.store_faults.is_empty() {
+            let faults: Vec<String> = self
+                .store_faults
+                .iter()
+                .map(|(fault, n)| format!("{n} {}", fault.name()))
+                .collect();
+            writeln!(f, "  store link faults      {}", faults.join(", "))?;
+        }
         for (wire, [dropped, reset, delayed]) in &self.wire_faults {
             writeln!(
                 f,
@@ -952,15 +963,16 @@ pub async fn run(opts: Options) -> Report {
         proxies.insert(wire, Proxy::start(upstreams, protocol, faults).await);
     }
 
-    // The store outage: cut for `cut_for` every `cut_every`.
-    let cutter = cut.clone().map(|cut| {
-        let (every, for_) = (opts.cut_every, opts.cut_for);
+    // The store link's faults, each in turn for `store_fault_for` every `store_fault_every`.
+    let inflicted: Arc<Mutex<BTreeMap<usize, usize>>> = Arc::default();
+    let inflicter = cut.clone().map(|proxy| {
+        let (every, for_) = (opts.store_fault_every, opts.store_fault_for);
+        let inflicted = inflicted.clone();
         tokio::spawn(async move {
-            loop {
+            for i in (0..LinkFault::ALL.len()).cycle() {
                 tokio::time::sleep(every.saturating_sub(for_)).await;
-                cut.cut();
-                tokio::time::sleep(for_).await;
-                cut.restore();
+                *inflicted.lock().unwrap().entry(i).or_default() += 1;
+                proxy.inflict(LinkFault::ALL[i], for_).await;
             }
         })
     });
@@ -1087,13 +1099,13 @@ pub async fn run(opts: Options) -> Report {
         }
     })
     .await;
-    if let Some(c) = cutter {
-        c.abort();
+    if let Some(i) = inflicter {
+        i.abort();
     }
     watchdog.abort();
     let _ = sampler.await;
-    if let Some(cut) = &cut {
-        cut.restore();
+    if let Some(proxy) = &cut {
+        proxy.clear();
     }
     // Let detached completions and releases land.
     tokio::time::sleep(SETTLE).await;
@@ -1134,7 +1146,12 @@ pub async fn run(opts: Options) -> Report {
         reset: total(1),
         delayed: total(2),
         unavailable: unavailable.injected(),
-        cuts: cut.as_ref().map_or(0, |c| c.cuts() as usize),
+        store_faults: inflicted
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(&i, &n)| (LinkFault::ALL[i], n))
+            .collect(),
         executions: ledger_all.values().sum(),
         in_flight_left: claims.left,
         claims_settled_late: claims.late,

@@ -25,12 +25,13 @@ struct Args {
     /// The retry policies clients run (repeat or separate with commas; default: both).
     #[arg(long = "policy", value_enum, value_delimiter = ',')]
     policies: Vec<Policy>,
-    /// Seconds between store cuts.
+    /// Seconds between two faults of the store's link (latency, replies held after the
+    /// request ran, a slow reader, a reset, connections left half-open, a cut: each in turn).
     #[arg(long, default_value_t = 20.0)]
-    cut_every: f64,
-    /// Seconds each store cut lasts.
+    store_fault_every: f64,
+    /// Seconds each store link fault lasts (a reset or a half-open acts at once).
     #[arg(long, default_value_t = 2.0)]
-    cut_for: f64,
+    store_fault_for: f64,
     /// Seed of the fault choices.
     #[arg(long, default_value_t = 7)]
     seed: u64,
@@ -67,8 +68,8 @@ async fn main() {
     if !args.policies.is_empty() {
         opts.policies = args.policies;
     }
-    opts.cut_every = Duration::from_secs_f64(args.cut_every);
-    opts.cut_for = Duration::from_secs_f64(args.cut_for);
+    opts.store_fault_every = Duration::from_secs_f64(args.store_fault_every);
+    opts.store_fault_for = Duration::from_secs_f64(args.store_fault_for);
     opts.seed = args.seed;
     opts.lease = Duration::from_secs_f64(args.lease);
     opts.h2_keep_alive = !args.no_h2_keep_alive;

@@ -263,6 +263,71 @@ impl FaultProxy {
     }
 }
 
+/// One fault of a link, as the store tests and the chaos runs inflict it in turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkFault {
+    /// 100 ms each way, on every chunk.
+    Latency,
+    /// Requests reach the server and run; their replies wait at the proxy, then arrive.
+    HeldReplies,
+    /// A slow reader: replies at 2 KB/s.
+    SlowReader,
+    /// Every open connection reset.
+    Reset,
+    /// Every open connection silent and open, forever.
+    HalfOpen,
+    /// Every open connection reset, and new ones refused.
+    Cut,
+}
+
+impl LinkFault {
+    /// Every fault, in the order they are inflicted in turn: those that leave a command's
+    /// outcome unknown first.
+    pub const ALL: [LinkFault; 6] = [
+        LinkFault::HalfOpen,
+        LinkFault::HeldReplies,
+        LinkFault::Reset,
+        LinkFault::Cut,
+        LinkFault::SlowReader,
+        LinkFault::Latency,
+    ];
+
+    /// The short name reports use.
+    pub fn name(self) -> &'static str {
+        match self {
+            LinkFault::Latency => "latency",
+            LinkFault::HeldReplies => "held replies",
+            LinkFault::SlowReader => "slow reader",
+            LinkFault::Reset => "reset",
+            LinkFault::HalfOpen => "half-open",
+            LinkFault::Cut => "cut",
+        }
+    }
+}
+
+impl FaultProxy {
+    /// Inflicts `fault` on the proxy's link for `lasting` (a reset or a half-open acts at
+    /// once, on the connections open then), then clears it: the proxy relays again, apart from
+    /// the connections left half-open.
+    pub async fn inflict(&self, fault: LinkFault, lasting: Duration) {
+        match fault {
+            LinkFault::Latency => {
+                self.latency(Direction::Requests, Duration::from_millis(100));
+                self.latency(Direction::Replies, Duration::from_millis(100));
+            }
+            LinkFault::HeldReplies => self.hold_replies(),
+            LinkFault::SlowReader => self.throttle(Direction::Replies, Some(2_000)),
+            LinkFault::Reset => self.reset(),
+            LinkFault::HalfOpen => self.half_open(),
+            LinkFault::Cut => self.cut(),
+        }
+        if !matches!(fault, LinkFault::Reset | LinkFault::HalfOpen) {
+            tokio::time::sleep(lasting).await;
+        }
+        self.clear();
+    }
+}
+
 /// Closes with a reset rather than a FIN when dropped.
 fn reset_now(stream: &TcpStream) {
     let _ = stream.set_zero_linger();

@@ -363,3 +363,78 @@ async fn a_store_behind_the_pooler_without_a_listen_url_sends_no_listen_through_
     assert_eq!(store.listener_hears(), Some(false));
     drop_schema(&schema).await;
 }
+
+/// Statements abandoned at the store's timeout through the pooler are each cancelled, and
+/// PgBouncer keeps running. The completes block on a row a direct transaction holds locked, so
+/// every cancel is forwarded to a busy server session. (Before, the store sent its cancels as
+/// `tokio-postgres` does, closing its side at once: Debian 12's PgBouncer 1.18 freed the
+/// cancel client while it was still forwarding the cancel (pgbouncer#801) and exited with a
+/// fatal "bad client state: 0", which the store tests hit once the fault-proxy tests added
+/// many more cancels.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancels_of_abandoned_statements_leave_the_pooler_running() {
+    let Some(url) = env_url("PGBOUNCER_URL") else {
+        return;
+    };
+    let schema = unique("idem_bouncer_");
+    let store = PostgresStore::builder(&url)
+        .schema(&schema)
+        .listen_url(direct())
+        .timeout(Duration::from_millis(300))
+        .connect()
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let fp = Fingerprint([6; 32]);
+    let scope = order_scope(&unique("cancelled-"));
+    let Ok(Begin::New(token)) = store.begin(scope, fp, conformance::LONG).await else {
+        panic!("fresh scope");
+    };
+    // The claim's row, locked by a transaction of its own on the server.
+    let holder = crate::postgres::raw(&direct()).await;
+    holder.batch_execute("BEGIN").await.unwrap();
+    holder
+        .execute(
+            &format!(
+                "SELECT 1 FROM {} WHERE scope = $1 FOR UPDATE",
+                store.table()
+            ),
+            &[&&scope.0[..]],
+        )
+        .await
+        .unwrap();
+    for round in 0..6 {
+        let blocked = (0..8).map(|_| {
+            let store = store.clone();
+            async move {
+                store
+                    .complete(
+                        scope,
+                        token,
+                        conformance::sample_record(fp).into(),
+                        conformance::LONG,
+                    )
+                    .await
+            }
+        });
+        for r in futures_util::future::join_all(blocked).await {
+            assert!(
+                r.is_err(),
+                "round {round}: a complete behind the lock times out"
+            );
+        }
+    }
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    // The cancels have been forwarded (or given up, at the store's timeout), and the pooler
+    // still answers.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = tokio::time::timeout(Duration::from_secs(10), async {
+        let (client, conn) = tokio_postgres::connect(&plain(&url), tokio_postgres::NoTls).await?;
+        tokio::spawn(conn);
+        client.simple_query("SELECT 1").await
+    })
+    .await
+    .expect("the pooler answers within 10 s");
+    assert!(after.is_ok(), "PgBouncer is still running: {after:?}");
+    drop_schema(&schema).await;
+}

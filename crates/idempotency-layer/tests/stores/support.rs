@@ -34,7 +34,7 @@ pub fn unique(prefix: &str) -> String {
 
 // The store fault proxy lives in the workspace's test-support crate (it depends on none of
 // ours).
-pub use test_support::fault_proxy::{authority, via, Direction, FaultProxy as Proxy};
+pub use test_support::fault_proxy::{authority, via, FaultProxy as Proxy, LinkFault};
 
 pub use test_support::net::{serve, HttpClient};
 
@@ -395,64 +395,9 @@ pub async fn outage<S: IdempotencyStore>(store: S, proxy: &Proxy) {
     assert_eq!(executions.total(), 2);
 }
 
-/// A fault of the link between the layer and its store, in [`Proxy`]'s model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LinkFault {
-    /// 100 ms each way, on every chunk.
-    Latency,
-    /// Requests reach the server and run; their replies wait at the proxy for two store
-    /// timeouts, then arrive.
-    HeldReplies,
-    /// A slow reader: replies at 2 KB/s.
-    SlowReader,
-    /// Every open connection reset.
-    Reset,
-    /// Every open connection silent and open, forever.
-    HalfOpen,
-    /// Every open connection reset and new ones refused, for two store timeouts.
-    Cut,
-}
-
-impl LinkFault {
-    pub const ALL: [LinkFault; 6] = [
-        LinkFault::Latency,
-        LinkFault::HeldReplies,
-        LinkFault::SlowReader,
-        LinkFault::Reset,
-        LinkFault::HalfOpen,
-        LinkFault::Cut,
-    ];
-
-    /// Switches the fault on; answers once it is over (the proxy relaying again, open
-    /// connections left half-open aside).
-    async fn inflict(self, proxy: &Proxy, timeout: Duration) {
-        match self {
-            LinkFault::Latency => {
-                proxy.latency(Direction::Requests, Duration::from_millis(100));
-                proxy.latency(Direction::Replies, Duration::from_millis(100));
-                tokio::time::sleep(timeout * 2).await;
-            }
-            LinkFault::HeldReplies => {
-                proxy.hold_replies();
-                tokio::time::sleep(timeout * 2).await;
-            }
-            LinkFault::SlowReader => {
-                proxy.throttle(Direction::Replies, Some(2_000));
-                tokio::time::sleep(timeout * 2).await;
-            }
-            LinkFault::Reset => proxy.reset(),
-            LinkFault::HalfOpen => proxy.half_open(),
-            LinkFault::Cut => {
-                proxy.cut();
-                tokio::time::sleep(timeout * 2).await;
-            }
-        }
-        proxy.clear();
-    }
-}
-
 /// The layer reaches its store through `proxy`; for each [`LinkFault`], 6 keys x 3 duplicates
-/// are sent at once and the fault is switched on while they are in flight, then off. Every
+/// are sent at once and the fault is inflicted while they are in flight, for two store
+/// timeouts, then cleared. Every
 /// request is answered (within [`post_order`]'s 30 s), with the execution's response or a
 /// retryable refusal (503 store unavailable, 409 in flight); once the link is healthy again,
 /// each key is answered within [`wait::LIMIT`] with the response of its one execution, and
@@ -489,7 +434,7 @@ pub async fn duplicates_through_link_faults<S: IdempotencyStore>(
             .collect();
         // Into the fault while the requests are at the store or in their handlers.
         tokio::time::sleep(Duration::from_millis(30)).await;
-        fault.inflict(proxy, timeout).await;
+        proxy.inflict(fault, timeout * 2).await;
         let mut answered: HashMap<String, Vec<Answer>> = HashMap::new();
         for r in requests {
             let (key, a) = r.await.expect("request task");

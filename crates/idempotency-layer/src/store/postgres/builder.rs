@@ -309,7 +309,7 @@ impl PostgresStoreBuilder {
             timeout: self.timeout,
             polling: self.polling,
             cleanup_batch: self.cleanup_batch,
-            canceller: Canceller::new(tls.clone()),
+            canceller: Canceller::new(tls.clone(), &config),
             tls,
             waiters: Arc::default(),
             listener: OnceLock::new(),

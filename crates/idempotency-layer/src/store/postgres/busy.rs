@@ -25,7 +25,7 @@ use std::time::Duration;
 use deadpool_postgres::{ClientWrapper, Object, Pool};
 use tokio::sync::Semaphore;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::NoTls;
+use tokio_postgres::{CancelToken, NoTls};
 
 use super::Connector;
 
@@ -40,13 +40,106 @@ pub(super) const CANCEL_CONNECTIONS: usize = 4;
 pub(super) struct Canceller {
     pub(super) tls: Connector,
     pub(super) permits: Arc<Semaphore>,
+    /// The one TCP server of the configuration, where cancels are sent on a [`KeepOpen`]
+    /// connection, as libpq sends them; `None`: several hosts or a Unix socket, where
+    /// `tokio-postgres` sends them.
+    pub(super) tcp_server: Option<(String, u16)>,
 }
 
 impl Canceller {
-    pub(super) fn new(tls: Connector) -> Canceller {
+    pub(super) fn new(tls: Connector, config: &tokio_postgres::Config) -> Canceller {
+        let tcp_server = match (config.get_hosts(), config.get_ports()) {
+            ([tokio_postgres::config::Host::Tcp(host)], ports) => {
+                Some((host.clone(), ports.first().copied().unwrap_or(5432)))
+            }
+            _ => None,
+        };
         Canceller {
             tls,
             permits: Arc::new(Semaphore::new(CANCEL_CONNECTIONS)),
+            tcp_server,
+        }
+    }
+
+    /// Sends one cancel request for `token`'s session.
+    async fn send(&self, token: &CancelToken) -> Result<(), BoxError> {
+        let Some((host, port)) = &self.tcp_server else {
+            match &self.tls {
+                Connector::Plain => token.cancel_query(NoTls).await?,
+                #[cfg(feature = "postgres-tls")]
+                Connector::Rustls(tls) => token.cancel_query(tls.clone()).await?,
+            }
+            return Ok(());
+        };
+        let stream = KeepOpen(tokio::net::TcpStream::connect((host.as_str(), *port)).await?);
+        match &self.tls {
+            Connector::Plain => token.cancel_query_raw(stream, NoTls).await?,
+            #[cfg(feature = "postgres-tls")]
+            Connector::Rustls(tls) => {
+                use tokio_postgres::tls::MakeTlsConnect;
+                let connect = MakeTlsConnect::<KeepOpen>::make_tls_connect(&mut tls.clone(), host)?;
+                token.cancel_query_raw(stream, connect).await?
+            }
+        }
+        Ok(())
+    }
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The connection a cancel request is sent on, closed as libpq closes it: after the request,
+/// nothing until the server closes the connection (it has passed the cancel on). Its
+/// `shutdown`, which `tokio-postgres` calls right after the request, waits for that instead of
+/// closing this side (FIN). PgBouncer 1.18 (Debian 12's; its issues #801 and #1376 report it
+/// up to 1.24) frees a cancel client that closes first while its cancel is still being
+/// forwarded, and exits on a fatal error ("bad client state: 0" in `disconnect_client`) once
+/// the forwarding ends: the store's cancels, one per statement abandoned at its timeout,
+/// crashed it in every run of the store test that checks this. The caller bounds the whole
+/// (the store's timeout).
+struct KeepOpen(tokio::net::TcpStream);
+
+impl tokio::io::AsyncRead for KeepOpen {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for KeepOpen {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_flush(cx)
+    }
+
+    /// Until the server closes the connection (an end of stream, or a reset).
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let mut rest = [0u8; 64];
+        loop {
+            let mut buf = tokio::io::ReadBuf::new(&mut rest);
+            match tokio::io::AsyncRead::poll_read(std::pin::Pin::new(&mut self.0), cx, &mut buf) {
+                std::task::Poll::Ready(Ok(())) if buf.filled().is_empty() => {
+                    return std::task::Poll::Ready(Ok(()))
+                }
+                std::task::Poll::Ready(Ok(())) => continue,
+                std::task::Poll::Ready(Err(_)) => return std::task::Poll::Ready(Ok(())),
+                std::task::Poll::Pending => return std::task::Poll::Pending,
+            }
         }
     }
 }
@@ -161,7 +254,8 @@ impl Canceller {
     /// does not (stalled) is not helped by more connections; past that wait, the connection is
     /// closed without a cancel, and the session's `statement_timeout` ends what is not a commit.
     async fn end(self, client: ClientWrapper, timeout: Duration) {
-        let permit = match tokio::time::timeout(timeout, self.permits.acquire_owned()).await {
+        let permit = match tokio::time::timeout(timeout, self.permits.clone().acquire_owned()).await
+        {
             Ok(Ok(permit)) => permit,
             _ => {
                 #[cfg(feature = "metrics")]
@@ -177,14 +271,7 @@ impl Canceller {
         };
         let token = client.cancel_token();
         for _ in 0..CANCEL_ROUNDS {
-            let sent = async {
-                match &self.tls {
-                    Connector::Plain => token.cancel_query(NoTls).await,
-                    #[cfg(feature = "postgres-tls")]
-                    Connector::Rustls(tls) => token.cancel_query(tls.clone()).await,
-                }
-            };
-            match tokio::time::timeout(timeout, sent).await {
+            match tokio::time::timeout(timeout, self.send(&token)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
                     tracing::debug!(error = %e, "idempotency: cancelling an abandoned postgres statement failed");

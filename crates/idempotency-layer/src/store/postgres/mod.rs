@@ -172,7 +172,13 @@ const CLAIM_ATTEMPTS: usize = 10;
 ///   of its own; the others wait their turn, up to the timeout), and its connection is closed
 ///   once it answers again: a commit waiting for a synchronous standby ends only on a cancel,
 ///   never when its connection closes, so a standby away for minutes leaves no backend
-///   waiting.
+///   waiting. To one server over TCP (PgBouncer's address, typically), a cancel is sent as
+///   libpq sends it, its connection kept open until the server closes it: PgBouncer 1.18
+///   (Debian 12's; its issues #801 and #1376 report the same up to 1.24) exits on a fatal
+///   error when a cancel's client closes first, as `tokio-postgres`'s own cancel does (the
+///   store tests crashed PgBouncer 1.18 in every run with that cancel). Through several hosts
+///   or a Unix socket, `tokio-postgres` sends the cancel: in front of PgBouncer, give the
+///   store its one TCP address.
 ///   Your own transactions on [`pool`](PostgresStore::pool) connections inherit those
 ///   settings: `SET LOCAL statement_timeout` in a transaction that needs longer.
 /// - **Eviction, cluster**: nothing is evicted; records go only when expired or forgotten.
