@@ -20,7 +20,10 @@ use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
 use idempotency_layer::store::{Begin, Fingerprint, Record, ScopeKey};
 use idempotency_layer::{IdempotencyStore, RedisStore, Scope, StoreError};
+use test_support::fault_proxy::{authority, via, LinkFault};
 use tokio::time::Instant;
+
+use crate::links::{describe, FaultedLinks};
 
 /// How a failover is forced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -63,6 +66,11 @@ pub struct FailoverOptions {
     pub cost: Duration,
     /// The command that restarts a killed node as a replica (`.ci/redis-sentinel.sh`).
     pub restore: PathBuf,
+    /// The stores reach the Sentinels through fault proxies, and during the failovers every
+    /// `sentinel_faults` the links suffer the next fault of [`LinkFault::ALL`] in turn, for half
+    /// that long (zero: direct). The data nodes are reached at the addresses the Sentinels
+    /// name, directly.
+    pub sentinel_faults: Duration,
 }
 
 /// Latency and throughput of begin + complete for one store.
@@ -117,6 +125,8 @@ pub struct FailoverReport {
     pub wait: Losses,
     /// Failovers forced, and how long each took until the Sentinel named the new primary.
     pub failovers: Vec<Duration>,
+    /// The faults the links to the Sentinels suffered, by kind.
+    pub sentinel_faults: Vec<(LinkFault, usize)>,
 }
 
 impl FailoverReport {
@@ -182,6 +192,13 @@ impl fmt::Display for FailoverReport {
             self.failovers.len(),
             took.join(", ")
         )?;
+        if !self.sentinel_faults.is_empty() {
+            writeln!(
+                f,
+                "the links to the Sentinels: {}",
+                describe(&self.sentinel_faults)
+            )?;
+        }
         for (name, l) in [("plain", &self.plain), ("wait_for_replicas", &self.wait)] {
             writeln!(
                 f,
@@ -623,10 +640,27 @@ pub(crate) fn lost_when(lost: &[Instant], forced: &[Instant]) -> Vec<(f64, u64)>
 pub async fn run_failover(opts: FailoverOptions) -> FailoverReport {
     restore(&opts).await;
     let prefix = format!("failover:{}:", std::process::id());
+    // The Sentinels, through fault proxies if asked.
+    let (mut links, sentinels) = if opts.sentinel_faults.is_zero() {
+        (None, opts.sentinels.clone())
+    } else {
+        let nodes: Vec<String> = opts
+            .sentinels
+            .iter()
+            .map(|u| authority(u).to_owned())
+            .collect();
+        let links = FaultedLinks::start(&nodes).await;
+        let via_links = opts
+            .sentinels
+            .iter()
+            .enumerate()
+            .map(|(i, u)| via(u, links.addr(i)))
+            .collect();
+        (Some(links), via_links)
+    };
     let connect = |wait: bool, prefix: String| {
-        let mut b =
-            RedisStore::builder_sentinel(opts.sentinels.iter().cloned(), opts.master.clone())
-                .prefix(prefix);
+        let mut b = RedisStore::builder_sentinel(sentinels.iter().cloned(), opts.master.clone())
+            .prefix(prefix);
         if wait {
             b = b.wait_for_replicas(opts.replicas, opts.wait_timeout);
         }
@@ -665,6 +699,9 @@ pub async fn run_failover(opts: FailoverOptions) -> FailoverReport {
     )
     .await;
     tasks.extend(wait_tasks);
+    if let Some(links) = &mut links {
+        links.fault_every(opts.sentinel_faults, opts.sentinel_faults / 2);
+    }
     let mut failovers = Vec::new();
     let mut forced = Vec::new();
     for _ in 0..opts.failovers {
@@ -677,6 +714,7 @@ pub async fn run_failover(opts: FailoverOptions) -> FailoverReport {
     for t in tasks {
         let _ = t.await;
     }
+    let sentinel_faults = links.as_mut().map(FaultedLinks::stop).unwrap_or_default();
 
     let losses = |store: &RedisStore, load: &Load| {
         let scopes = load.acknowledged.lock().unwrap().clone();
@@ -706,5 +744,6 @@ pub async fn run_failover(opts: FailoverOptions) -> FailoverReport {
         plain: plain_losses,
         wait: wait_losses,
         failovers,
+        sentinel_faults,
     }
 }

@@ -34,13 +34,16 @@ use idempotency_layer::{
     IdempotencyLayer, IdempotencyStore, MemoryStore, PostgresStore, RedisStore, Scope,
 };
 use retry_layer::{ReplayBody, Retry, RetryLayer, RetryStats};
-use test_support::fault_proxy::{authority, via, FaultProxy, LinkFault};
+use test_support::fault_proxy::{authority, via, LinkFault};
+
+use crate::links::FaultedLinks;
 use test_support::faults::Unavailable;
 use test_support::proxy::{Chooser, Mode, Protocol, Proxy};
 use tokio_stream::wrappers::TcpListenerStream;
 
 mod attempts;
 mod conn_trace;
+mod links;
 mod trace_ring;
 
 pub use wire::{Group, Policy, Wire};
@@ -83,7 +86,7 @@ const PATH: &str = "/ops";
 /// Which store the server instances share.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum StoreKind {
-    /// One instance with an in-process `MemoryStore` (no store connection to cut).
+    /// One instance with an in-process `MemoryStore` (no store link to fault).
     Memory,
     /// Two instances sharing Redis (`REDIS_URL`), each through the cuttable proxy.
     Redis,
@@ -476,7 +479,7 @@ pub struct Report {
     /// up to half a lease.
     pub in_flight_left: usize,
     /// Claims in flight 4 s after the drain that ended within half a lease (completions
-    /// retrying through a store cut at the end of the run).
+    /// retrying through a store link fault at the end of the run).
     pub claims_settled_late: usize,
     /// Succeeded operations whose key holds no record (must be empty: a retry would run again).
     pub unrecorded: Vec<String>,
@@ -596,12 +599,11 @@ impl fmt::Display for Report {
             self.dropped, self.reset, self.delayed, self.unavailable
         )?;
         if !self.store_faults.is_empty() {
-            let faults: Vec<String> = self
-                .store_faults
-                .iter()
-                .map(|(fault, n)| format!("{n} {}", fault.name()))
-                .collect();
-            writeln!(f, "  store link faults      {}", faults.join(", "))?;
+            writeln!(
+                f,
+                "  store link faults      {}",
+                links::describe(&self.store_faults)
+            )?;
         }
         for (wire, [dropped, reset, delayed]) in &self.wire_faults {
             writeln!(
@@ -830,10 +832,10 @@ pub async fn run(opts: Options) -> Report {
     let url = || opts.url.clone().expect("a store URL for this store");
     let record_ttl = opts.duration + RECORD_TTL_PAST_RUN;
     // The instances and the handles the end-of-run checks need.
-    let (instances, ledger, cut, checker): (
+    let (instances, ledger, mut links, checker): (
         Vec<Instance>,
         Ledger,
-        Option<Arc<FaultProxy>>,
+        Option<FaultedLinks>,
         Checker,
     ) = match opts.store {
         StoreKind::Memory => {
@@ -863,10 +865,10 @@ pub async fn run(opts: Options) -> Report {
         }
         StoreKind::Redis => {
             let url = url();
-            let proxy = Arc::new(FaultProxy::start(authority(&url)).await);
+            let links = FaultedLinks::start(&[authority(&url).to_owned()]).await;
             let prefix = format!("chaos:{run_id}:");
             let connect = || async {
-                RedisStore::builder(via(&url, proxy.addr()))
+                RedisStore::builder(via(&url, links.addr(0)))
                     .prefix(prefix.clone())
                     .connect()
                     .await
@@ -897,11 +899,11 @@ pub async fn run(opts: Options) -> Report {
                 .connect()
                 .await
                 .expect("REDIS_URL must be reachable");
-            (addrs, ledger, Some(proxy), Checker::Redis(direct, layers))
+            (addrs, ledger, Some(links), Checker::Redis(direct, layers))
         }
         StoreKind::Postgres => {
             let url = url();
-            let proxy = Arc::new(FaultProxy::start(authority(&url)).await);
+            let links = FaultedLinks::start(&[authority(&url).to_owned()]).await;
             let table = format!("chaos_{run_id}");
             let connect = |url: String| {
                 let table = table.clone();
@@ -930,7 +932,7 @@ pub async fn run(opts: Options) -> Report {
             let mut addrs = Vec::new();
             let mut layers = Vec::new();
             for _ in 0..2 {
-                let layer = IdempotencyLayer::new(connect(via(&url, proxy.addr())).await)
+                let layer = IdempotencyLayer::new(connect(via(&url, links.addr(0))).await)
                     .tenant(idempotency_layer::TenantSource::fixed(TENANT))
                     .ttl(record_ttl)
                     .lease(opts.lease);
@@ -942,7 +944,7 @@ pub async fn run(opts: Options) -> Report {
             (
                 addrs,
                 ledger,
-                Some(proxy),
+                Some(links),
                 Checker::Postgres(direct, layers),
             )
         }
@@ -964,18 +966,9 @@ pub async fn run(opts: Options) -> Report {
     }
 
     // The store link's faults, each in turn for `store_fault_for` every `store_fault_every`.
-    let inflicted: Arc<Mutex<BTreeMap<usize, usize>>> = Arc::default();
-    let inflicter = cut.clone().map(|proxy| {
-        let (every, for_) = (opts.store_fault_every, opts.store_fault_for);
-        let inflicted = inflicted.clone();
-        tokio::spawn(async move {
-            for i in (0..LinkFault::ALL.len()).cycle() {
-                tokio::time::sleep(every.saturating_sub(for_)).await;
-                *inflicted.lock().unwrap().entry(i).or_default() += 1;
-                proxy.inflict(LinkFault::ALL[i], for_).await;
-            }
-        })
-    });
+    if let Some(links) = &mut links {
+        links.fault_every(opts.store_fault_every, opts.store_fault_for);
+    }
 
     // The client groups, each with a layer of its own, and the clients spread over them.
     let attempt_log = attempts::AttemptLog::default();
@@ -1099,14 +1092,9 @@ pub async fn run(opts: Options) -> Report {
         }
     })
     .await;
-    if let Some(i) = inflicter {
-        i.abort();
-    }
+    let store_faults = links.as_mut().map(FaultedLinks::stop).unwrap_or_default();
     watchdog.abort();
     let _ = sampler.await;
-    if let Some(proxy) = &cut {
-        proxy.clear();
-    }
     // Let detached completions and releases land.
     tokio::time::sleep(SETTLE).await;
 
@@ -1146,12 +1134,7 @@ pub async fn run(opts: Options) -> Report {
         reset: total(1),
         delayed: total(2),
         unavailable: unavailable.injected(),
-        store_faults: inflicted
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(&i, &n)| (LinkFault::ALL[i], n))
-            .collect(),
+        store_faults,
         executions: ledger_all.values().sum(),
         in_flight_left: claims.left,
         claims_settled_late: claims.late,
@@ -1233,7 +1216,7 @@ pub async fn run(opts: Options) -> Report {
     report
 }
 
-/// The store (reached directly, not through the cut) and layers the end-of-run checks read.
+/// The store (reached directly, not through the fault proxy) and layers the end-of-run checks read.
 enum Checker {
     Memory(MemoryStore, Vec<IdempotencyLayer<MemoryStore>>),
     Redis(RedisStore, Vec<IdempotencyLayer<RedisStore>>),

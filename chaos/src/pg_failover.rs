@@ -16,6 +16,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency_layer::PostgresStore;
+use test_support::fault_proxy::{FaultProxy, LinkFault};
+
+use crate::links::{describe, FaultedLinks};
 use tokio::time::Instant;
 
 use crate::failover::{
@@ -47,6 +50,13 @@ pub struct PgFailoverOptions {
     /// The standby's WAL receiver is stopped (SIGSTOP) this long before the primary stops, and
     /// resumed as it stops: the writes of that stretch reach the primary alone (0: none).
     pub cut_replica: Duration,
+    /// The standby's replication link runs through a fault proxy, left half-open this long
+    /// before the primary stops: nothing of that stretch reaches the standby, even from the
+    /// socket buffers (0: no proxy). A primary killed during a standby stall.
+    pub stall_replication: Duration,
+    /// The store reaches both nodes through fault proxies, and every `store_faults` the links
+    /// suffer the next fault of [`LinkFault::ALL`] in turn, for half that long (zero: direct).
+    pub store_faults: Duration,
     /// A synchronous standby (`synchronous_standby_names = '*'`) rather than asynchronous
     /// replication.
     pub synchronous: bool,
@@ -102,6 +112,10 @@ pub struct PgFailoverReport {
     pub failovers: Vec<Duration>,
     /// The standby away under load, if asked for.
     pub standby_away: Option<StandbyAway>,
+    /// How long the standby's replication link was left half-open before each stop.
+    pub stalled: Duration,
+    /// The faults the store's links suffered, by kind.
+    pub store_faults: Vec<(LinkFault, usize)>,
 }
 
 impl PgFailoverReport {
@@ -164,6 +178,16 @@ impl fmt::Display for PgFailoverReport {
             self.failovers.len(),
             took.join(", ")
         )?;
+        if !self.stalled.is_zero() {
+            writeln!(
+                f,
+                "the standby's replication link half-open for {:.1} s before each stop",
+                self.stalled.as_secs_f64()
+            )?;
+        }
+        if !self.store_faults.is_empty() {
+            writeln!(f, "store link faults: {}", describe(&self.store_faults))?;
+        }
         if let Some(a) = &self.standby_away {
             writeln!(
                 f,
@@ -259,6 +283,15 @@ async fn force_failover(opts: &PgFailoverOptions) -> Duration {
         signal(pid, "-STOP");
         tokio::time::sleep(opts.cut_replica).await;
     }
+    // Kept until the standby is promoted: the stalled link must deliver nothing.
+    let _stalled = if opts.stall_replication.is_zero() {
+        None
+    } else {
+        let link = replication_through_proxy(primary, standby).await;
+        link.half_open();
+        tokio::time::sleep(opts.stall_replication).await;
+        Some(link)
+    };
     let stopped = Instant::now();
     signal(
         postmaster,
@@ -285,6 +318,43 @@ async fn force_failover(opts: &PgFailoverOptions) -> Duration {
     let took = stopped.elapsed();
     run_script(&opts.restore).await;
     took
+}
+
+/// Points the standby's WAL receiver at a fault proxy in front of the primary; answers the
+/// proxy once the standby streams through it.
+async fn replication_through_proxy(primary: u16, standby: u16) -> FaultProxy {
+    let link = FaultProxy::start(&format!("127.0.0.1:{primary}")).await;
+    let s = node(standby).await.expect("the standby answers");
+    s.batch_execute(&format!(
+        "ALTER SYSTEM SET primary_conninfo = \
+         'host=127.0.0.1 port={} user=postgres application_name=n{standby}'",
+        link.addr().port()
+    ))
+    .await
+    .expect("ALTER SYSTEM SET primary_conninfo");
+    s.batch_execute("SELECT pg_reload_conf()")
+        .await
+        .expect("reload");
+    let give_up = Instant::now() + Duration::from_secs(60);
+    loop {
+        let through: Option<i32> = s
+            .query_opt(
+                "SELECT sender_port FROM pg_stat_wal_receiver WHERE status = 'streaming'",
+                &[],
+            )
+            .await
+            .ok()
+            .flatten()
+            .map(|r| r.get(0));
+        if through == Some(i32::from(link.addr().port())) && streaming(primary).await {
+            return link;
+        }
+        assert!(
+            Instant::now() < give_up,
+            "the standby did not stream through the proxy within 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// A standby streams from the primary on `port`, caught up (it flushed all the primary sent).
@@ -382,6 +452,25 @@ pub async fn run_pg_failover(opts: PgFailoverOptions) -> PgFailoverReport {
         opts.url,
         if opts.url.contains('?') { '&' } else { '?' }
     );
+    // The store's links to both nodes, through fault proxies if asked.
+    let mut links = None;
+    let url = if opts.store_faults.is_zero() {
+        url
+    } else {
+        let nodes: Vec<String> = opts
+            .ports
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        let mut l = FaultedLinks::start(&nodes).await;
+        let mut url = url;
+        for (i, node) in nodes.iter().enumerate() {
+            url = url.replacen(node, &l.addr(i).to_string(), 1);
+        }
+        l.fault_every(opts.store_faults, opts.store_faults / 2);
+        links = Some(l);
+        url
+    };
     let store = PostgresStore::builder(&url)
         .table(table)
         .timeout(opts.timeout)
@@ -418,6 +507,7 @@ pub async fn run_pg_failover(opts: PgFailoverOptions) -> PgFailoverReport {
     for t in tasks {
         let _ = t.await;
     }
+    let store_faults = links.as_mut().map(FaultedLinks::stop).unwrap_or_default();
 
     let acknowledged = load.acknowledged.lock().unwrap().clone();
     let (client, conn) = tokio_postgres::connect(&opts.url, tokio_postgres::NoTls)
@@ -457,5 +547,7 @@ pub async fn run_pg_failover(opts: PgFailoverOptions) -> PgFailoverReport {
         },
         failovers,
         standby_away: away,
+        stalled: opts.stall_replication,
+        store_faults,
     }
 }

@@ -52,6 +52,11 @@ struct Args {
     /// failovers (0: skip).
     #[arg(long, default_value_t = 10.0)]
     cost_secs: f64,
+    /// The stores reach the Sentinels through fault proxies whose links suffer a fault every
+    /// this many seconds during the failovers (latency, held replies, a slow reader, a reset,
+    /// half-open, a cut; in turn, each for half that long; 0: direct links).
+    #[arg(long, default_value_t = 0.0)]
+    sentinel_faults_secs: f64,
     /// Restarts a killed node as a replica and waits for a healthy primary + replica.
     #[arg(long, default_value = ".ci/redis-sentinel.sh")]
     restore: PathBuf,
@@ -82,6 +87,7 @@ fn main() {
         wait_timeout: Duration::from_millis(args.wait_timeout_ms),
         cost: Duration::from_secs_f64(args.cost_secs),
         restore: args.restore,
+        sentinel_faults: Duration::from_secs_f64(args.sentinel_faults_secs),
     };
     let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
     let report = runtime.block_on(run_failover(opts));

@@ -27,6 +27,16 @@ struct Args {
     /// primary (the writes of that stretch reach the primary alone; 0: none).
     #[arg(long, default_value_t = 0)]
     cut_replica_ms: u64,
+    /// The standby's replication link runs through a fault proxy left half-open this many
+    /// milliseconds before each stop of the primary: nothing of that stretch reaches the
+    /// standby, not even from the socket buffers (0: no proxy).
+    #[arg(long, default_value_t = 0)]
+    stall_replication_ms: u64,
+    /// The store reaches both nodes through fault proxies whose links suffer a fault every
+    /// this many seconds (latency, held replies, a slow reader, a reset, half-open, a cut; in
+    /// turn, each for half that long; 0: direct links).
+    #[arg(long, default_value_t = 0.0)]
+    store_faults_secs: f64,
     /// A synchronous standby (`synchronous_standby_names = '*'`) rather than asynchronous
     /// replication.
     #[arg(long)]
@@ -73,6 +83,8 @@ fn main() {
         failovers: args.failovers,
         how: args.how,
         cut_replica: Duration::from_millis(args.cut_replica_ms),
+        stall_replication: Duration::from_millis(args.stall_replication_ms),
+        store_faults: Duration::from_secs_f64(args.store_faults_secs),
         synchronous: args.synchronous,
         between: Duration::from_secs_f64(args.between),
         concurrency: args.concurrency.max(1),
