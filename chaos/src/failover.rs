@@ -119,6 +119,11 @@ pub struct FailoverReport {
     pub plain_cost: Cost,
     /// With it.
     pub wait_cost: Cost,
+    /// With it, replays of records no replica was known to have (written without it: the
+    /// first replay of each waits for the replicas, and marks it) ...
+    pub unmarked_replay: Cost,
+    /// ... and the second replays of the same records (marked: a read).
+    pub marked_replay: Cost,
     /// Without `wait_for_replicas`.
     pub plain: Losses,
     /// With it.
@@ -179,6 +184,30 @@ impl fmt::Display for FailoverReport {
                 w.ops_per_sec() / p.ops_per_sec(),
                 ms(w.p50) / ms(p.p50).max(1e-9),
                 ms(w.p99) / ms(p.p99).max(1e-9)
+            )?;
+        }
+        let (u, m) = (&self.unmarked_replay, &self.marked_replay);
+        if u.ops > 0 && m.ops > 0 {
+            writeln!(
+                f,
+                "replays with wait_for_replicas, of records written without it (same run):"
+            )?;
+            for (name, c) in [("first (unmarked)", u), ("second (marked)", m)] {
+                writeln!(
+                    f,
+                    "  {name:18} {:>9.0} ops/s  p50 {:>6.2} ms  p99 {:>6.2} ms  ({} replays in {:.1} s)",
+                    c.ops_per_sec(),
+                    ms(c.p50),
+                    ms(c.p99),
+                    c.ops,
+                    c.elapsed.as_secs_f64()
+                )?;
+            }
+            writeln!(
+                f,
+                "  ratio unmarked/marked:  ops/s x{:.2}  p50 x{:.2}",
+                u.ops_per_sec() / m.ops_per_sec(),
+                ms(u.p50) / ms(m.p50).max(1e-9)
             )?;
         }
         let took: Vec<String> = self
@@ -442,6 +471,70 @@ async fn measure_cost(
     (plain_cost, wait_cost)
 }
 
+/// Replays through `wait` of records `writer` (same prefix, no `wait_for_replicas`) completed:
+/// first of each unmarked record (the replay waits for the replicas and marks it), then of
+/// each again (marked). `concurrency` tasks, 200 records each.
+async fn measure_replays(
+    writer: &RedisStore,
+    wait: &RedisStore,
+    concurrency: usize,
+) -> (Cost, Cost) {
+    const EACH: usize = 200;
+    let record = record();
+    let scopes: Vec<Vec<ScopeKey>> = (0..concurrency)
+        .map(|t| {
+            (0..EACH)
+                .map(|i| Scope::new("failover", "replays", &format!("{t}-{i}")).key())
+                .collect()
+        })
+        .collect();
+    for chunk in &scopes {
+        for &scope in chunk {
+            if let Ok(Begin::New(token)) = writer.begin(scope, Fingerprint([7; 32]), LEASE).await {
+                let _ = writer.complete(scope, token, record.clone(), TTL).await;
+            }
+        }
+    }
+    let mut costs = Vec::new();
+    for _pass in 0..2 {
+        let started = Instant::now();
+        let tasks: Vec<_> = scopes
+            .iter()
+            .cloned()
+            .map(|chunk| {
+                let wait = wait.clone();
+                tokio::spawn(async move {
+                    let mut took = Vec::new();
+                    for scope in chunk {
+                        let t = Instant::now();
+                        if let Ok(Begin::Completed(_)) =
+                            wait.begin(scope, Fingerprint([7; 32]), LEASE).await
+                        {
+                            took.push(t.elapsed());
+                        }
+                    }
+                    took
+                })
+            })
+            .collect();
+        let mut lat = Vec::new();
+        for t in tasks {
+            lat.extend(t.await.unwrap_or_default());
+        }
+        let elapsed = started.elapsed();
+        lat.sort_unstable();
+        costs.push(Cost {
+            ops: lat.len() as u64,
+            elapsed,
+            p50: percentile(&lat, 0.50),
+            p99: percentile(&lat, 0.99),
+        });
+    }
+    let marked = costs.pop().unwrap_or_default();
+    let unmarked = costs.pop().unwrap_or_default();
+    (unmarked, marked)
+}
+
 async fn sentinel_conn(opts: &FailoverOptions) -> redis::aio::MultiplexedConnection {
     redis::Client::open(opts.sentinels[0].as_str())
         .expect("a sentinel URL")
@@ -678,6 +771,16 @@ pub async fn run_failover(opts: FailoverOptions) -> FailoverReport {
     } else {
         measure_cost(&plain, &wait, &opts).await
     };
+    let (unmarked_replay, marked_replay) = if opts.cost.is_zero() {
+        (Cost::default(), Cost::default())
+    } else {
+        let writer = RedisStore::builder_sentinel(sentinels.iter().cloned(), opts.master.clone())
+            .prefix(format!("{prefix}wait:"))
+            .connect()
+            .await
+            .expect("connect");
+        measure_replays(&writer, &wait, opts.concurrency).await
+    };
 
     let stop = Arc::new(AtomicBool::new(false));
     let (plain_load, mut tasks) = run_load(
@@ -743,6 +846,8 @@ pub async fn run_failover(opts: FailoverOptions) -> FailoverReport {
         wait_cost,
         plain: plain_losses,
         wait: wait_losses,
+        unmarked_replay,
+        marked_replay,
         failovers,
         sentinel_faults,
     }

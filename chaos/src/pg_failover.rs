@@ -499,7 +499,7 @@ pub async fn run_pg_failover(opts: PgFailoverOptions) -> PgFailoverReport {
     let mut forced = Vec::new();
     for _ in 0..opts.failovers {
         tokio::time::sleep(opts.between).await;
-        forced.push(Instant::now() + opts.cut_replica);
+        forced.push(Instant::now() + opts.cut_replica + opts.stall_replication);
         failovers.push(force_failover(&opts).await);
     }
     tokio::time::sleep(opts.between).await;
