@@ -258,9 +258,10 @@ fn signal(pid: i32, sig: &str) {
         .status();
 }
 
-/// Stops the primary, promotes the standby; answers how long from the stop until the standby
-/// accepted writes. Brings the old primary back as a standby (`restore`).
-async fn force_failover(opts: &PgFailoverOptions) -> Duration {
+/// Stops the primary, promotes the standby; answers when the primary was stopped and how long
+/// from then until the standby accepted writes. Brings the old primary back as a standby
+/// (`restore`).
+async fn force_failover(opts: &PgFailoverOptions) -> (Instant, Duration) {
     let (primary, standby) = roles(opts).await;
     let p = node(primary).await.expect("the primary answers");
     let s = node(standby).await.expect("the standby answers");
@@ -317,7 +318,7 @@ async fn force_failover(opts: &PgFailoverOptions) -> Duration {
     }
     let took = stopped.elapsed();
     run_script(&opts.restore).await;
-    took
+    (stopped, took)
 }
 
 /// Points the standby's WAL receiver at a fault proxy in front of the primary; answers the
@@ -499,8 +500,9 @@ pub async fn run_pg_failover(opts: PgFailoverOptions) -> PgFailoverReport {
     let mut forced = Vec::new();
     for _ in 0..opts.failovers {
         tokio::time::sleep(opts.between).await;
-        forced.push(Instant::now() + opts.cut_replica + opts.stall_replication);
-        failovers.push(force_failover(&opts).await);
+        let (stopped, took) = force_failover(&opts).await;
+        forced.push(stopped);
+        failovers.push(took);
     }
     tokio::time::sleep(opts.between).await;
     stop.store(true, Ordering::Relaxed);
