@@ -1,7 +1,7 @@
 //! Test harness for end-to-end tests: helpers that start the example services on 127.0.0.1:0
-//! and the order scenario the HTTP tests share. The fault proxy, the cuttable store proxy and
-//! the fault-injecting layer are in the test-support crate ([`test_support::proxy`],
-//! [`test_support::cut`], [`test_support::faults`]).
+//! and the order scenario the HTTP tests share. The HTTP fault proxy, the TCP fault proxy of the
+//! store links and the fault-injecting layer are in the test-support crate
+//! ([`test_support::proxy`], [`test_support::fault_proxy`], [`test_support::faults`]).
 
 pub mod scenario;
 pub mod servers;

@@ -602,3 +602,72 @@ async fn an_evicting_new_primary_is_noticed_after_a_failover() {
     assert_eq!(strict.primary_switches(), 0);
     assert_eq!(strict.maxmemory_policy().as_deref(), Some("noeviction"));
 }
+
+/// The store reaches the Sentinel through a fault proxy whose connections all go half-open (no
+/// reply, no FIN, no RST ever) before a `SENTINEL FAILOVER`: the store still follows the
+/// failover, asking the Sentinel again on a new connection, and its writes land on the new
+/// primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_follows_a_failover_after_its_sentinel_link_went_half_open() {
+    let Some((sentinels, master)) = sentinel() else {
+        return;
+    };
+    let _one = TOPOLOGY.lock().await;
+    let (primary, replica) = healthy_pair(&sentinels, &master).await;
+    let link = Proxy::start(authority(&sentinels[0])).await;
+    let via_link = [via(&sentinels[0], link.addr())];
+    let store = store(&via_link, &master, None).await;
+    let _restore = Restore;
+    let s = conformance::scope("before-half-open");
+    let t = claim(&store, s).await;
+    store.complete(s, t, record(), LEASE).await.unwrap();
+
+    link.half_open();
+    // The Sentinel client's cached connection, silent from now on.
+    test_support::wait::until("the store's Sentinel connection went half-open", || {
+        link.stats().frozen.load(Ordering::SeqCst) >= 1
+    })
+    .await;
+    let mut sc = redis::Client::open(sentinels[0].as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: String = redis::cmd("SENTINEL")
+        .arg("FAILOVER")
+        .arg(&master)
+        .query_async(&mut sc)
+        .await
+        .expect("SENTINEL FAILOVER");
+    until_async(FAILOVER, "the Sentinel promoted the replica", || async {
+        primary_port(&sentinels, &master).await == replica
+    })
+    .await;
+    restore();
+    assert_eq!(
+        info(primary, "replication", "role").await.as_deref(),
+        Some("slave")
+    );
+
+    let after = conformance::scope("after-half-open");
+    let t = match begin_through_failover(&store, after).await {
+        Begin::New(t) => t,
+        other => panic!("a fresh scope is claimed: {other:?}"),
+    };
+    store.complete(after, t, record(), LEASE).await.unwrap();
+    assert!(
+        store.primary_switches() >= 1,
+        "the store moved to the new primary"
+    );
+    let state: Option<String> = redis::cmd("HGET")
+        .arg(store.key(&after))
+        .arg("s")
+        .query_async(&mut conn(replica).await)
+        .await
+        .unwrap();
+    assert_eq!(
+        state.as_deref(),
+        Some("c"),
+        "the record is on the new primary"
+    );
+}
