@@ -101,6 +101,10 @@ pub struct Options {
     pub store: StoreKind,
     /// The store URL (Redis or PostgreSQL); unused for memory.
     pub url: Option<String>,
+    /// PostgreSQL: where the ledger lives (the store URL unless given): the server's own URL
+    /// when the store goes through a transaction pooler (`pooling=transaction`), whose
+    /// sessions cannot hold the ledger's prepared statements.
+    pub ledger_url: Option<String>,
     /// How long clients start new operations.
     pub duration: Duration,
     /// Concurrent clients, each doing one logical operation at a time, spread over the groups
@@ -143,6 +147,7 @@ impl Options {
         Options {
             store,
             url,
+            ledger_url: None,
             duration,
             clients: 36,
             wires: Wire::ALL.to_vec(),
@@ -917,9 +922,10 @@ pub async fn run(opts: Options) -> Report {
                     store
                 }
             };
-            let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            let ledger_url = opts.ledger_url.clone().unwrap_or_else(|| url.clone());
+            let (client, conn) = tokio_postgres::connect(&ledger_url, tokio_postgres::NoTls)
                 .await
-                .expect("DATABASE_URL must be reachable");
+                .expect("the ledger's PostgreSQL must be reachable");
             tokio::spawn(conn);
             let ledger_table = format!("chaos_ledger_{run_id}");
             client

@@ -46,6 +46,14 @@ struct Args {
     /// the run.
     #[arg(long)]
     memory_defaults: bool,
+    /// The store's URL, instead of REDIS_URL or DATABASE_URL: PgBouncer's, say
+    /// (`postgres://postgres@127.0.0.1:6432/test?pooling=transaction`, with `--ledger-url`).
+    #[arg(long)]
+    store_url: Option<String>,
+    /// PostgreSQL: where the ledger lives, when the store goes through a transaction pooler
+    /// (default: the store's URL).
+    #[arg(long)]
+    ledger_url: Option<String>,
 }
 
 #[tokio::main]
@@ -53,8 +61,12 @@ async fn main() {
     let args = Args::parse();
     let url = match args.store {
         StoreKind::Memory => None,
-        StoreKind::Redis => Some(env("REDIS_URL")),
-        StoreKind::Postgres => Some(env("DATABASE_URL")),
+        StoreKind::Redis => Some(args.store_url.clone().unwrap_or_else(|| env("REDIS_URL"))),
+        StoreKind::Postgres => Some(
+            args.store_url
+                .clone()
+                .unwrap_or_else(|| env("DATABASE_URL")),
+        ),
     };
     let mut opts = Options::new(
         args.store,
@@ -62,6 +74,7 @@ async fn main() {
         Duration::from_secs_f64(args.minutes * 60.0),
     );
     opts.clients = args.clients;
+    opts.ledger_url = args.ledger_url;
     if !args.wires.is_empty() {
         opts.wires = args.wires;
     }
