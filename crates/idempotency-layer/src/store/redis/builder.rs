@@ -14,10 +14,11 @@ use crate::store::near_cache::{Near, NearCache};
 use crate::store::wake::Polling;
 use crate::store::StoreError;
 
-use super::conn::{Conn, PubSubSource, Redialing};
+use super::conn::{Conn, PubSubSource};
 #[cfg(feature = "redis-cluster")]
 use super::nodes::value_text;
 use super::nodes::{judge_maxmemory_policies, multi_node_url, node_urls};
+use super::redial::Redialing;
 use super::{backend, timed_out, Inner, RedisStore};
 
 /// Builds a [`RedisStore`]: [`RedisStore::builder`] or [`RedisStore::builder_from_client`].

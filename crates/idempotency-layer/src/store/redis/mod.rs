@@ -18,6 +18,7 @@ mod conn;
 mod lua;
 mod nodes;
 mod pubsub;
+mod redial;
 mod replicas;
 #[cfg(feature = "redis-sentinel")]
 mod sentinel;

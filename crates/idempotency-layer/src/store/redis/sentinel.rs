@@ -14,7 +14,7 @@ use redis::{
 };
 use tokio::time::Instant;
 
-use super::conn::Redialing;
+use super::redial::Redialing;
 use super::{backend, timed_out, StoreError};
 
 /// The Sentinels are asked at most this often while the primary they name does not change
