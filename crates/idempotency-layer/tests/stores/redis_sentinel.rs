@@ -414,7 +414,18 @@ async fn the_store_follows_a_sentinel_failover() {
     let s = conformance::scope("before");
     let t = claim(&store, s).await;
     store.complete(s, t, record(), LEASE).await.unwrap();
+    failover_then_write(&store, &sentinels, &master, (primary, replica), "after").await;
+}
 
+/// Forces a `SENTINEL FAILOVER` from `primary` to `replica` (the old primary demoted), then
+/// checks that `store` moved to the new primary: a claim of `name` and its record land there.
+async fn failover_then_write(
+    store: &RedisStore,
+    sentinels: &[String],
+    master: &str,
+    (primary, replica): (u16, u16),
+    name: &str,
+) {
     let mut sc = redis::Client::open(sentinels[0].as_str())
         .unwrap()
         .get_multiplexed_async_connection()
@@ -422,12 +433,12 @@ async fn the_store_follows_a_sentinel_failover() {
         .unwrap();
     let _: String = redis::cmd("SENTINEL")
         .arg("FAILOVER")
-        .arg(&master)
+        .arg(master)
         .query_async(&mut sc)
         .await
         .expect("SENTINEL FAILOVER");
     until_async(FAILOVER, "the Sentinel promoted the replica", || async {
-        primary_port(&sentinels, &master).await == replica
+        primary_port(sentinels, master).await == replica
     })
     .await;
     // The old primary demoted (the Sentinel does it when it next sees it; the script now).
@@ -437,8 +448,8 @@ async fn the_store_follows_a_sentinel_failover() {
         Some("slave")
     );
 
-    let after = conformance::scope("after");
-    let t = match begin_through_failover(&store, after).await {
+    let after = conformance::scope(name);
+    let t = match begin_through_failover(store, after).await {
         Begin::New(t) => t,
         other => panic!("a fresh scope is claimed: {other:?}"),
     };
@@ -628,46 +639,12 @@ async fn the_store_follows_a_failover_after_its_sentinel_link_went_half_open() {
         link.stats().frozen.load(Ordering::SeqCst) >= 1
     })
     .await;
-    let mut sc = redis::Client::open(sentinels[0].as_str())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    let _: String = redis::cmd("SENTINEL")
-        .arg("FAILOVER")
-        .arg(&master)
-        .query_async(&mut sc)
-        .await
-        .expect("SENTINEL FAILOVER");
-    until_async(FAILOVER, "the Sentinel promoted the replica", || async {
-        primary_port(&sentinels, &master).await == replica
-    })
+    failover_then_write(
+        &store,
+        &sentinels,
+        &master,
+        (primary, replica),
+        "after-half-open",
+    )
     .await;
-    restore();
-    assert_eq!(
-        info(primary, "replication", "role").await.as_deref(),
-        Some("slave")
-    );
-
-    let after = conformance::scope("after-half-open");
-    let t = match begin_through_failover(&store, after).await {
-        Begin::New(t) => t,
-        other => panic!("a fresh scope is claimed: {other:?}"),
-    };
-    store.complete(after, t, record(), LEASE).await.unwrap();
-    assert!(
-        store.primary_switches() >= 1,
-        "the store moved to the new primary"
-    );
-    let state: Option<String> = redis::cmd("HGET")
-        .arg(store.key(&after))
-        .arg("s")
-        .query_async(&mut conn(replica).await)
-        .await
-        .unwrap();
-    assert_eq!(
-        state.as_deref(),
-        Some("c"),
-        "the record is on the new primary"
-    );
 }
