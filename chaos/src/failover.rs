@@ -152,6 +152,19 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
+/// One line of a cost table: `name`, ops/s, p50, p99, and how many `what` in how long.
+fn write_cost(f: &mut fmt::Formatter<'_>, name: &str, c: &Cost, what: &str) -> fmt::Result {
+    writeln!(
+        f,
+        "  {name:18} {:>9.0} ops/s  p50 {:>6.2} ms  p99 {:>6.2} ms  ({} {what} in {:.1} s)",
+        c.ops_per_sec(),
+        ms(c.p50),
+        ms(c.p99),
+        c.ops,
+        c.elapsed.as_secs_f64()
+    )
+}
+
 impl fmt::Display for FailoverReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (p, w) = (&self.plain_cost, &self.wait_cost);
@@ -167,15 +180,7 @@ impl fmt::Display for FailoverReport {
             .into_iter()
             .filter(|_| p.ops > 0 && w.ops > 0)
         {
-            writeln!(
-                f,
-                "  {name:18} {:>9.0} ops/s  p50 {:>6.2} ms  p99 {:>6.2} ms  ({} pairs in {:.1} s)",
-                c.ops_per_sec(),
-                ms(c.p50),
-                ms(c.p99),
-                c.ops,
-                c.elapsed.as_secs_f64()
-            )?;
+            write_cost(f, name, c, "pairs")?;
         }
         if p.ops > 0 && w.ops > 0 {
             writeln!(
@@ -193,15 +198,7 @@ impl fmt::Display for FailoverReport {
                 "replays with wait_for_replicas, of records written without it (same run):"
             )?;
             for (name, c) in [("first (unmarked)", u), ("second (marked)", m)] {
-                writeln!(
-                    f,
-                    "  {name:18} {:>9.0} ops/s  p50 {:>6.2} ms  p99 {:>6.2} ms  ({} replays in {:.1} s)",
-                    c.ops_per_sec(),
-                    ms(c.p50),
-                    ms(c.p99),
-                    c.ops,
-                    c.elapsed.as_secs_f64()
-                )?;
+                write_cost(f, name, c, "replays")?;
             }
             writeln!(
                 f,

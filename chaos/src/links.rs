@@ -34,13 +34,17 @@ impl FaultedLinks {
         self.proxies[i].addr()
     }
 
-    /// From now on, every `every` the links all suffer the next fault of [`LinkFault::ALL`],
-    /// for `lasting` (a reset or a half-open acts at once).
+    /// From now on, a fault begins every `every` (the first after `every - lasting`): the
+    /// links all suffer the next fault of [`LinkFault::ALL`], for `lasting` (a reset or a
+    /// half-open acts at once).
     pub(crate) fn fault_every(&mut self, every: Duration, lasting: Duration) {
         let (proxies, inflicted) = (self.proxies.clone(), self.inflicted.clone());
         self.schedule = Some(tokio::spawn(async move {
+            let first = tokio::time::Instant::now() + every.saturating_sub(lasting);
+            let mut ticks = tokio::time::interval_at(first, every.max(Duration::from_millis(1)));
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             for i in (0..LinkFault::ALL.len()).cycle() {
-                tokio::time::sleep(every.saturating_sub(lasting)).await;
+                ticks.tick().await;
                 inflicted.lock().unwrap()[i] += 1;
                 let faults = proxies
                     .iter()

@@ -396,8 +396,8 @@ pub async fn outage<S: IdempotencyStore>(store: S, proxy: &Proxy) {
 }
 
 /// The layer reaches its store through `proxy`; for each [`LinkFault`], 6 keys x 3 duplicates
-/// are sent at once and the fault is inflicted while they are in flight, for two store
-/// timeouts, then cleared. Every
+/// are sent at once and, once every key's handler has started, the fault is inflicted for two
+/// store timeouts, then cleared. Every
 /// request is answered (within [`post_order`]'s 30 s), with the execution's response or a
 /// retryable refusal (503 store unavailable, 409 in flight); once the link is healthy again,
 /// each key is answered within [`wait::LIMIT`] with the response of its one execution, and
@@ -432,8 +432,12 @@ pub async fn duplicates_through_link_faults<S: IdempotencyStore>(
                 })
             })
             .collect();
-        // Into the fault while the requests are at the store or in their handlers.
-        tokio::time::sleep(Duration::from_millis(30)).await;
+        // Into the fault once every key's handler has started: the completes, and the
+        // duplicates waiting on the claims, meet it.
+        wait::until("every key's handler started", || {
+            keys.iter().all(|k| executions.of(k) >= 1)
+        })
+        .await;
         proxy.inflict(fault, timeout * 2).await;
         let mut answered: HashMap<String, Vec<Answer>> = HashMap::new();
         for r in requests {
