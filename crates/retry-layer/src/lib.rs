@@ -89,6 +89,12 @@
 //! and the deadline leaves at least the delay plus `min_attempt_time` (checked again once the
 //! inner service is ready to take the retry). Then the retry budget must grant it.
 //!
+//! Your say, which can narrow the table and never widen it:
+//! [`retry_if`](RetryPolicyBuilder::retry_if) may decline a retry (per path, per code, per
+//! response header); [`NoRetry`] in a request's extensions sends that request once;
+//! [`on_retry`](RetryPolicyBuilder::on_retry) is told of each retry before its wait. An attempt
+//! that provably never left is sent again regardless, as gRPC's transparent retries are.
+//!
 //! # Keys across a chain: derived keys
 //!
 //! A `RetryLayer` that calls other services from inside a handler served by
@@ -325,8 +331,9 @@
 //! | `retry_layer_give_ups_total` | counter | `reason`, `code` | retryable outcomes returned, and calls the deadline ended (`deadline`, `DEADLINE_EXCEEDED`) |
 //!
 //! `code` is [`Code::as_str`](reason_code::Code::as_str) (`OK`, `UNAVAILABLE`, ...; a transport
-//! error is `UNAVAILABLE`); `reason` is `exhausted`, `deadline`, `pushback`, `not_replayable`
-//! or `inbound_retry` (see [`hop`]). Every key is a `static`: counting is a few atomic increments, with no
+//! error is `UNAVAILABLE`); `reason` is `exhausted`, `deadline`, `pushback`, `not_replayable`,
+//! `inbound_retry` (see [`hop`]) or `declined` (the caller's
+//! [`retry_if`](RetryPolicyBuilder::retry_if) or [`NoRetry`]). Every key is a `static`: counting is a few atomic increments, with no
 //! allocation. Without the feature nothing is compiled in.
 //!
 //! # Cargo features
@@ -384,9 +391,9 @@ pub use error::{
 /// re-exported so a client needs no third dependency kept in lockstep.
 pub use reason_code;
 pub use retry::policy::{
-    Conflict, InboundRetry, InvalidPolicy, Rebuild, RebuildFuture, RetryPolicy, RetryPolicyBuilder,
-    DEFAULT_MAX_REPLAY_BYTES_TOTAL, DEFAULT_RESPONSE_HEAD_TIMEOUT, MAX_AUTHORITY_BUDGETS,
-    MAX_DURATION, MAX_UNSENT_RETRIES,
+    Conflict, InboundRetry, InvalidPolicy, NoRetry, Rebuild, RebuildFuture, RetryCandidate,
+    RetryEvent, RetryPolicy, RetryPolicyBuilder, DEFAULT_MAX_REPLAY_BYTES_TOTAL,
+    DEFAULT_RESPONSE_HEAD_TIMEOUT, MAX_AUTHORITY_BUDGETS, MAX_DURATION, MAX_UNSENT_RETRIES,
 };
 #[cfg(feature = "service-config")]
 pub use retry::policy::{GrpcRetryPolicy, GrpcRetryThrottling, StatusCodeName};

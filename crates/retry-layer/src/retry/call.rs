@@ -25,7 +25,7 @@ use crate::request::{
 use crate::retry::decide::{decide, Attempt, Budgets, Ended, ReturnReason, Step};
 use crate::retry::drain::{drain, Draining};
 use crate::retry::observe::{self, GiveUp};
-use crate::retry::policy::{Conflict, InboundRetry, RebuildFuture};
+use crate::retry::policy::{Conflict, InboundRetry, NoRetry, RebuildFuture, RetryEvent};
 use crate::retry::shared::Shared;
 use crate::retry::stats::Counter;
 
@@ -227,7 +227,9 @@ where
             InboundRetry::RetryAsUsual => (false, false),
             InboundRetry::Budget { .. } => (false, true),
         };
-        let sent_retries_possible = !send_once && policy.rules(judged.method).max_attempts > 1;
+        let opted_out = parts.extensions.get::<NoRetry>().is_some();
+        let sent_retries_possible =
+            !send_once && !opted_out && policy.rules(judged.method).max_attempts > 1;
         let retries_possible = sent_retries_possible || policy.max_unsent_retries > 0;
         let kept = retries_possible.then(|| clone_parts(&parts));
         // Only unsent retries possible: nothing of the body is kept (a retry can only carry a
@@ -248,6 +250,7 @@ where
 
         let mut attempt = Attempt::first(judged.idempotent, judged.method, deadline);
         attempt.send_once = send_once;
+        attempt.opted_out = opted_out;
         shared.stats.incr(Counter::Requests);
         observe::call_started();
         let span = observe::call_span(&parts, judged.grpc);
@@ -350,6 +353,7 @@ where
         let ended = Ended {
             outcome,
             headers: result.as_ref().ok().map(Response::headers),
+            request: self.parts.as_ref(),
         };
         let step = decide(
             policy,
@@ -394,6 +398,7 @@ where
                 self.shared.stats.incr(Counter::Retries);
                 observe::retried(code);
                 tracing::debug!(attempt, code = %code, delay_ms = delay.as_millis() as u64, "retrying");
+                self.tell_on_retry(outcome, delay, false);
                 Next::Wait(delay, result.ok().map(|res| drain(res.into_body())))
             }
             Step::Rebuild { delay, pushed_back } => {
@@ -415,6 +420,7 @@ where
                 let Some(hook) = self.shared.policy.rebuild.clone() else {
                     return Next::Answer(Ok(response));
                 };
+                self.tell_on_retry(outcome, delay, true);
                 if pushed_back {
                     self.restart_backoff();
                 }
@@ -433,6 +439,20 @@ where
                 tracing::debug!(attempt, code = %code, "rebuilding the request");
                 Next::Rebuild(hook.rebuild(conflict), response)
             }
+        }
+    }
+
+    /// Tells the caller's `on_retry` callback, if any, of the retry about to wait `delay`.
+    fn tell_on_retry(&self, outcome: Outcome, delay: std::time::Duration, rebuild: bool) {
+        if let (Some(on_retry), Some(request)) = (&self.shared.policy.on_retry, &self.parts) {
+            on_retry.tell(&RetryEvent {
+                request,
+                attempt: self.attempt.sent,
+                outcome,
+                code: outcome.code(),
+                delay,
+                rebuild,
+            });
         }
     }
 
@@ -483,6 +503,8 @@ where
                 | ReturnReason::BudgetRefused
                 | ReturnReason::InboundRetry
                 | ReturnReason::NotReplayable => hop.note_deferred(),
+                // The caller's own choice for this request: the hop above retries as usual.
+                ReturnReason::Declined => {}
             }
         }
         let gave_up = match reason {
@@ -520,6 +542,11 @@ where
                 stats.incr(Counter::InboundRetryStops);
                 tracing::debug!(attempt, code = %code, "not retrying: the request being served is itself a retry of the hop above");
                 GiveUp::InboundRetry
+            }
+            ReturnReason::Declined => {
+                stats.incr(Counter::Declined);
+                tracing::debug!(attempt, code = %code, "not retrying: the caller declined (retry_if, or NoRetry on the request)");
+                GiveUp::Declined
             }
             ReturnReason::BudgetRefused => {
                 stats.incr(Counter::BudgetRefusals);

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 use crate::budget::Budget;
 use crate::classify::{self, PushbackHint};
-use crate::retry::policy::{RetryPolicy, Rules};
+use crate::retry::policy::{RetryCandidate, RetryPolicy, Rules};
 
 /// What the decision knows of a call between attempts. The response future owns one and
 /// updates it as it carries out each [`Step`].
@@ -36,6 +36,9 @@ pub(crate) struct Attempt {
     /// ([`InboundRetry::SendOnce`](crate::InboundRetry::SendOnce)): one attempt, plus the
     /// transparent retries of unsent ones.
     pub(crate) send_once: bool,
+    /// The request carries [`NoRetry`](crate::NoRetry): one attempt, plus the transparent
+    /// retries of unsent ones.
+    pub(crate) opted_out: bool,
 }
 
 impl Attempt {
@@ -54,6 +57,7 @@ impl Attempt {
             method,
             deadline,
             send_once: false,
+            opted_out: false,
         }
     }
 }
@@ -66,6 +70,9 @@ pub(crate) struct Ended<'a> {
     /// The response's headers (pushback, and a rebuild hook needs a response); `None` for a
     /// transport error or an attempt timeout.
     pub(crate) headers: Option<&'a HeaderMap>,
+    /// The request as it was sent (what a `retry_if` predicate is shown); `None` when it was
+    /// not kept (then no retry is possible: it is not replayable).
+    pub(crate) request: Option<&'a http::request::Parts>,
 }
 
 /// The budgets a retry may draw on.
@@ -130,11 +137,15 @@ pub(crate) enum ReturnReason {
     BudgetRefused,
     /// The request being served is itself a retry of the hop above: this call sends once.
     InboundRetry,
+    /// The caller said no: its `retry_if` predicate declined, or the request carries
+    /// [`NoRetry`](crate::NoRetry).
+    Declined,
 }
 
 /// Decides what follows an attempt: the three checks (the outcome is retryable, an attempt is
-/// left, the deadline fits the delay plus `min_attempt_time`), the server's pushback, then the
-/// retry budget, in that order. An answer marked `idempotent-replayed: true` is final.
+/// left, the deadline fits the delay plus `min_attempt_time`), the caller's `retry_if` (after an
+/// attempt left), the server's pushback, then the retry budget, in that order. An answer marked
+/// `idempotent-replayed: true` is final.
 ///
 /// It also keeps the budget's gRFC A6 accounting: a success adds to the budget; an attempt that
 /// failed in a way the policy would retry takes from it (a conflict only when a hook could
@@ -176,13 +187,18 @@ pub(crate) fn decide(
     if rebuild && (policy.rebuild.is_none() || ended.headers.is_none()) {
         return Step::Return(ReturnReason::Final);
     }
+    // The caller opted this request out: only an attempt that never left goes again (and the
+    // layer kept no body for more).
+    if attempt.opted_out && outcome != Outcome::Unsent {
+        return Step::Return(ReturnReason::Declined);
+    }
     if !replayable() {
         return Step::Return(ReturnReason::NotReplayable);
     }
 
     let transparent =
         outcome == Outcome::Unsent && attempt.unsent_retries < policy.max_unsent_retries;
-    let max_attempts = if attempt.send_once {
+    let max_attempts = if attempt.send_once || attempt.opted_out {
         1
     } else {
         rules.max_attempts
@@ -190,9 +206,27 @@ pub(crate) fn decide(
     let beyond_max_attempts = attempt.sent >= max_attempts;
     if beyond_max_attempts && !transparent {
         if attempt.sent < rules.max_attempts {
+            if attempt.opted_out {
+                return Step::Return(ReturnReason::Declined);
+            }
             return Step::Return(ReturnReason::InboundRetry);
         }
         return Step::Return(ReturnReason::Exhausted);
+    }
+    // The caller's predicate may decline a retry of an attempt the server may have seen.
+    if let (Some(retry_if), Some(request), false) =
+        (&policy.retry_if, ended.request, outcome == Outcome::Unsent)
+    {
+        let candidate = RetryCandidate {
+            request,
+            attempt: attempt.sent,
+            outcome,
+            code: outcome.code(),
+            response: ended.headers,
+        };
+        if !retry_if.allows(&candidate) {
+            return Step::Return(ReturnReason::Declined);
+        }
     }
 
     let pushback = ended.headers.map_or(PushbackHint::None, |h| {

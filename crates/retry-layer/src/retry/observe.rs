@@ -30,16 +30,19 @@ pub(crate) enum GiveUp {
     NotReplayable,
     /// The request being served is itself a retry of the hop above.
     InboundRetry,
+    /// The caller declined the retry (`retry_if`, or `NoRetry` on the request).
+    Declined,
 }
 
 #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
 impl GiveUp {
-    const ALL: [GiveUp; 5] = [
+    const ALL: [GiveUp; 6] = [
         GiveUp::Exhausted,
         GiveUp::Deadline,
         GiveUp::Pushback,
         GiveUp::NotReplayable,
         GiveUp::InboundRetry,
+        GiveUp::Declined,
     ];
 
     /// The label value.
@@ -50,6 +53,7 @@ impl GiveUp {
             GiveUp::Pushback => "pushback",
             GiveUp::NotReplayable => "not_replayable",
             GiveUp::InboundRetry => "inbound_retry",
+            GiveUp::Declined => "declined",
         }
     }
 }
@@ -320,6 +324,7 @@ mod keys {
     static PUSHBACK: [[Label; 2]; 17] = per_code!(reason_code_2);
     static NOT_REPLAYABLE: [[Label; 2]; 17] = per_code!(reason_code_3);
     static INBOUND_RETRY: [[Label; 2]; 17] = per_code!(reason_code_4);
+    static DECLINED: [[Label; 2]; 17] = per_code!(reason_code_5);
     const fn reason_code_0(i: usize) -> [Label; 2] {
         reason_code(0, i)
     }
@@ -334,6 +339,9 @@ mod keys {
     }
     const fn reason_code_4(i: usize) -> [Label; 2] {
         reason_code(4, i)
+    }
+    const fn reason_code_5(i: usize) -> [Label; 2] {
+        reason_code(5, i)
     }
 
     /// The keys of metric `$name` labelled by `$labels`, one per code.
@@ -350,12 +358,13 @@ mod keys {
     pub(super) static ATTEMPTS: [Key; 17] = keys!("retry_layer_attempts_total", CODE);
     pub(super) static RETRIES: [Key; 17] = keys!("retry_layer_retries_total", CODE);
     pub(super) static BUDGET_REFUSALS: [Key; 17] = keys!("retry_layer_budget_refusals_total", CODE);
-    pub(super) static GIVE_UPS: [[Key; 17]; 5] = [
+    pub(super) static GIVE_UPS: [[Key; 17]; GiveUp::ALL.len()] = [
         keys!("retry_layer_give_ups_total", EXHAUSTED),
         keys!("retry_layer_give_ups_total", DEADLINE),
         keys!("retry_layer_give_ups_total", PUSHBACK),
         keys!("retry_layer_give_ups_total", NOT_REPLAYABLE),
         keys!("retry_layer_give_ups_total", INBOUND_RETRY),
+        keys!("retry_layer_give_ups_total", DECLINED),
     ];
 }
 

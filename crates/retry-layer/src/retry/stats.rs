@@ -14,6 +14,7 @@ pub(crate) struct Counters {
     deadline_stops: AtomicU64,
     pushback_stops: AtomicU64,
     inbound_retry_stops: AtomicU64,
+    declined: AtomicU64,
 }
 
 /// The counters of a layer and every service it made, as read by
@@ -43,6 +44,10 @@ pub struct RetryStats {
     /// Retryable outcomes returned because the request being served is itself a retry of the
     /// hop above ([`InboundRetry::SendOnce`](crate::InboundRetry::SendOnce)).
     pub inbound_retry_stops: u64,
+    /// Retryable outcomes returned because the caller said no: the
+    /// [`retry_if`](crate::RetryPolicyBuilder::retry_if) predicate declined, or the request
+    /// carried [`NoRetry`](crate::NoRetry).
+    pub declined: u64,
     /// Request-body bytes kept for replay right now, by every call in flight (bounded by
     /// [`max_replay_bytes_total`](crate::RetryPolicyBuilder::max_replay_bytes_total)).
     pub replay_bytes: u64,
@@ -58,6 +63,7 @@ pub(crate) enum Counter {
     DeadlineStops,
     PushbackStops,
     InboundRetryStops,
+    Declined,
 }
 
 impl Counters {
@@ -71,6 +77,7 @@ impl Counters {
             Counter::DeadlineStops => &self.deadline_stops,
             Counter::PushbackStops => &self.pushback_stops,
             Counter::InboundRetryStops => &self.inbound_retry_stops,
+            Counter::Declined => &self.declined,
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }
@@ -87,6 +94,7 @@ impl Counters {
             deadline_stops: get(&self.deadline_stops),
             pushback_stops: get(&self.pushback_stops),
             inbound_retry_stops: get(&self.inbound_retry_stops),
+            declined: get(&self.declined),
             replay_bytes: 0,
         }
     }

@@ -144,6 +144,60 @@ async fn http_429_on_grpc_is_unavailable_so_a_write_is_not_retried() {
     assert_eq!(seen.lock().unwrap().len(), 1);
 }
 
+/// Over a tonic `Channel`, the caller's say holds for a declared read: a `retry_if` that
+/// declines it and `NoRetry` on the request each leave one attempt and its UNAVAILABLE; the same
+/// read without either is retried.
+#[tokio::test]
+async fn a_declined_or_opted_out_grpc_read_is_sent_once() {
+    let unavailable = Answer::TrailersOnly("14");
+    let (addr, seen) = grpc_server(vec![
+        unavailable,
+        unavailable,
+        unavailable,
+        Answer::TrailersOnly("0"),
+    ])
+    .await;
+    let grpc_status = |res: &Response<tonic::body::Body>| {
+        res.headers()
+            .get("grpc-status")
+            .map(|v| v.to_str().unwrap().to_owned())
+    };
+    let declining = RetryLayer::new(
+        declared()
+            .to_builder()
+            .retry_if(|c| c.request.uri.path() != GET_BOOK)
+            .build()
+            .unwrap(),
+    );
+    let res = call_with(&declining, addr, grpc_request(addr, GET_BOOK))
+        .await
+        .unwrap();
+    assert_eq!(
+        grpc_status(&res).as_deref(),
+        Some("14"),
+        "the declined read"
+    );
+    assert_eq!(declining.stats().declined, 1);
+
+    let layer = RetryLayer::new(declared());
+    let mut opted_out = grpc_request(addr, GET_BOOK);
+    opted_out.extensions_mut().insert(retry_layer::NoRetry);
+    let res = call_with(&layer, addr, opted_out).await.unwrap();
+    assert_eq!(
+        grpc_status(&res).as_deref(),
+        Some("14"),
+        "the opted-out read"
+    );
+    assert_eq!(seen.lock().unwrap().len(), 2, "each sent once");
+
+    let res = call_with(&layer, addr, grpc_request(addr, GET_BOOK))
+        .await
+        .unwrap();
+    assert_eq!(grpc_status(&res).as_deref(), Some("0"), "retried");
+    assert_eq!(seen.lock().unwrap().len(), 4);
+    assert_eq!((layer.stats().declined, layer.stats().retries), (1, 1));
+}
+
 /// HTTP 502 and 504 without `grpc-status` are UNAVAILABLE: retried for a declared method.
 #[tokio::test]
 async fn http_502_and_504_on_grpc_are_retried_for_a_declared_method() {

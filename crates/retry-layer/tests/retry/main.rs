@@ -13,6 +13,7 @@ mod early_read;
 mod grpc;
 mod grpc_wire;
 mod hedging;
+mod hooks;
 mod hops;
 #[cfg(feature = "metrics")]
 mod metrics;

@@ -151,3 +151,41 @@ fn a_give_up_is_counted_by_reason_and_code() {
         "{c:?}"
     );
 }
+
+/// A retry the caller declined (`NoRetry` on the request) is a give-up of reason `declined`.
+#[test]
+fn a_declined_retry_is_counted_as_declined() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let backend = tower::service_fn(|_req: Request<_>| async {
+        Ok::<_, Infallible>(
+            Response::builder()
+                .status(StatusCode::SERVICE_UNAVAILABLE)
+                .body(http_body_util::Empty::<bytes::Bytes>::new())
+                .unwrap(),
+        )
+    });
+    let mut client = ServiceBuilder::new()
+        .layer(RetryLayer::new(RetryPolicy::default()))
+        .service(backend);
+    with_recorder(&recorder, async {
+        let mut req = Request::get("http://orders/orders/1")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        req.extensions_mut().insert(retry_layer::NoRetry);
+        let res = client.ready().await.unwrap().call(req).await.unwrap();
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    });
+
+    let c = counters(&snapshotter);
+    assert_eq!(
+        c.get("retry_layer_give_ups_total{reason=declined,code=UNAVAILABLE}"),
+        Some(&1),
+        "{c:?}"
+    );
+    assert_eq!(
+        c.get("retry_layer_retries_total{code=UNAVAILABLE}"),
+        None,
+        "{c:?}"
+    );
+}

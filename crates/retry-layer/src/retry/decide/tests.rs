@@ -61,6 +61,7 @@ struct Case {
     deferred: Arc<dyn Budget>,
     replayable: bool,
     now: Instant,
+    request: http::request::Parts,
 }
 
 fn no_jitter() -> crate::retry::policy::RetryPolicyBuilder {
@@ -81,6 +82,11 @@ fn case(outcome: Outcome) -> Case {
         deferred: Arc::new(Unlimited),
         replayable: true,
         now: Instant::now(),
+        request: http::Request::post("http://orders/orders")
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0,
     }
 }
 
@@ -137,10 +143,22 @@ impl Case {
         self.attempt.send_once = true;
         self
     }
+    fn opted_out(mut self) -> Self {
+        self.attempt.opted_out = true;
+        self
+    }
+    /// A `retry_if` that allows only retries of a GET (this case's request is a POST).
+    fn retry_if_get_only(self) -> Self {
+        self.policy(no_jitter().retry_if(|c| c.request.method == http::Method::GET))
+    }
+    fn retry_if_panics(self) -> Self {
+        self.policy(no_jitter().retry_if(|_| panic!("a bug in the caller's predicate")))
+    }
     fn decide(&self) -> Step {
         let ended = Ended {
             outcome: self.outcome,
             headers: self.headers.as_ref(),
+            request: Some(&self.request),
         };
         decide(
             &self.policy,
@@ -207,6 +225,34 @@ decide_table! {
     a_hop_below_that_gave_up_stops_retries:
         status(Code::Unavailable).header("x-reason-code", "DO_NOT_RETRY")
             => stop(ReturnReason::PushbackSaysNo);
+
+    // The caller's say: `NoRetry` sends once (an unsent attempt still goes again), and
+    // `retry_if` only declines what the table would retry.
+    a_request_that_opted_out_is_not_retried:
+        status(Code::Unavailable).opted_out() => stop(ReturnReason::Declined);
+    a_request_that_opted_out_is_declined_before_its_body_is_looked_at:
+        status(Code::Unavailable).opted_out().not_replayable() => stop(ReturnReason::Declined);
+    a_request_that_opted_out_stops_at_the_unsent_cap:
+        case(Outcome::Unsent).opted_out().unsent_retries(2) => stop(ReturnReason::Declined);
+    a_request_that_opted_out_is_still_sent_when_it_never_left:
+        case(Outcome::Unsent).opted_out() => Step::Retry {
+            delay: 20 * MS,
+            pushed_back: false,
+            beyond_max_attempts: true,
+        };
+    a_declining_predicate_stops_the_retry:
+        status(Code::Unavailable).retry_if_get_only() => stop(ReturnReason::Declined);
+    a_declining_predicate_is_not_asked_of_an_unsent_attempt:
+        case(Outcome::Unsent).retry_if_get_only() => retry(20 * MS);
+    a_predicate_cannot_retry_what_the_table_does_not:
+        status(Code::Unavailable).not_idempotent()
+            .policy(no_jitter().retry_if(|_| true)) => stop(ReturnReason::Final);
+    a_predicate_that_allows_leaves_the_retry:
+        status(Code::Unavailable).policy(no_jitter().retry_if(|_| true)) => retry(20 * MS);
+    a_panicking_predicate_declines:
+        status(Code::Unavailable).retry_if_panics() => stop(ReturnReason::Declined);
+    a_predicate_is_not_asked_when_no_attempt_is_left:
+        status(Code::Unavailable).retry_if_panics().sent(3) => stop(ReturnReason::Exhausted);
 
     // Final by the table.
     a_success_is_final: status(Code::Ok) => stop(ReturnReason::Final);

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use reason_code::{GrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
 
+use super::hooks::{OnRetry, RetryCandidate, RetryEvent, RetryIf};
 use super::rebuild::Rebuild;
 use super::{InboundRetry, RetryPolicy, MAX_DURATION, MAX_UNSENT_RETRIES};
 use crate::backoff::{Jitter, JitterRng};
@@ -391,6 +392,59 @@ impl RetryPolicyBuilder {
     /// `STOCK_CONFLICT`). Without it such outcomes are returned as they are.
     pub fn rebuild_on_conflict(mut self, hook: impl Rebuild) -> Self {
         self.policy.rebuild = Some(Arc::new(hook));
+        self
+    }
+
+    /// Asks `predicate` before each retry the table allows (a rebuild after a conflict
+    /// included): `false` returns the attempt's answer instead. It can only decline: what is
+    /// safe to retry stays the table's to say, so a write without a key is never resent whatever
+    /// it answers. An attempt that provably never left is sent again without asking (the server
+    /// never saw it). A predicate that panics declines; the panic is logged.
+    ///
+    /// Declined retries are counted in [`RetryStats::declined`](crate::RetryStats::declined).
+    ///
+    /// ```
+    /// use retry_layer::reason_code::Code;
+    /// use retry_layer::RetryPolicy;
+    ///
+    /// // This API answers 503 while it deploys: retry that, but not its quota errors.
+    /// let policy = RetryPolicy::builder()
+    ///     .retry_if(|c| c.code != Code::ResourceExhausted)
+    ///     .build()
+    ///     .unwrap();
+    /// # let _ = policy;
+    /// ```
+    pub fn retry_if(
+        mut self,
+        predicate: impl Fn(&RetryCandidate<'_>) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.policy.retry_if = Some(RetryIf(Arc::new(predicate)));
+        self
+    }
+
+    /// Calls `callback` before the layer waits for each retry (a transparent retry of an unsent
+    /// attempt and a rebuild included), with the attempt that ended, its code and the delay: for
+    /// logs or metrics of your own. It runs on the caller's task; keep it short. A callback that
+    /// panics is logged and the retry goes on.
+    ///
+    /// ```
+    /// use std::sync::atomic::{AtomicU64, Ordering};
+    /// use std::sync::Arc;
+    /// use retry_layer::RetryPolicy;
+    ///
+    /// let retries = Arc::new(AtomicU64::new(0));
+    /// let seen = retries.clone();
+    /// let policy = RetryPolicy::builder()
+    ///     .on_retry(move |e| {
+    ///         seen.fetch_add(1, Ordering::Relaxed);
+    ///         tracing::info!(path = e.request.uri.path(), code = %e.code, delay = ?e.delay, "retrying");
+    ///     })
+    ///     .build()
+    ///     .unwrap();
+    /// # let _ = policy;
+    /// ```
+    pub fn on_retry(mut self, callback: impl Fn(&RetryEvent<'_>) + Send + Sync + 'static) -> Self {
+        self.policy.on_retry = Some(OnRetry(Arc::new(callback)));
         self
     }
 

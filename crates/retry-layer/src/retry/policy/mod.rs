@@ -13,12 +13,15 @@ use crate::backoff::{Backoff, JitterRng};
 use crate::budget::BudgetChoice;
 
 mod builder;
+mod hooks;
 mod method_configs;
 mod rebuild;
 #[cfg(feature = "service-config")]
 pub(crate) mod service_config;
 
 pub use builder::{InvalidPolicy, RetryPolicyBuilder};
+pub use hooks::{NoRetry, RetryCandidate, RetryEvent};
+pub(crate) use hooks::{OnRetry, RetryIf};
 pub(crate) use method_configs::MethodConfigs;
 pub use rebuild::{Conflict, Rebuild, RebuildFuture};
 #[cfg(feature = "service-config")]
@@ -81,6 +84,8 @@ pub struct RetryPolicy {
     pub(crate) inbound_retry: InboundRetry,
     pub(crate) rng: JitterRng,
     pub(crate) rebuild: Option<Arc<dyn Rebuild>>,
+    pub(crate) retry_if: Option<RetryIf>,
+    pub(crate) on_retry: Option<OnRetry>,
 }
 
 /// What may differ per gRPC method: attempts, backoff and the retryable codes.
@@ -143,6 +148,8 @@ impl Default for RetryPolicy {
             inbound_retry: InboundRetry::SendOnce,
             rng: JitterRng::default(),
             rebuild: None,
+            retry_if: None,
+            on_retry: None,
         }
     }
 }
