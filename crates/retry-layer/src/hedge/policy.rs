@@ -104,6 +104,9 @@ impl HedgePolicy {
     /// A read (a safe method, a gRPC method declared idempotent); with `hedge_writes`, also an
     /// idempotent or keyed write.
     pub(super) fn may_hedge(&self, parts: &Parts, grpc: bool) -> bool {
+        if parts.extensions.get::<crate::NoRetry>().is_some() {
+            return false;
+        }
         let read = if grpc {
             self.idempotent_grpc.contains(parts.uri.path())
         } else {

@@ -97,6 +97,23 @@ async fn a_fast_answer_sends_no_hedge() {
     assert_eq!(layer.stats().hedges, 0);
 }
 
+/// A read that carries `NoRetry` is sent once: the caller's opt-out covers hedges too.
+#[tokio::test(start_paused = true)]
+async fn a_request_that_opted_out_is_not_hedged() {
+    let mut req = get("/books/b1");
+    req.extensions_mut().insert(retry_layer::NoRetry);
+    let (r, took, script, layer) = hedged(
+        HedgeLayer::new(policy(3, 50 * MS)),
+        req,
+        vec![Reply::Slow(200 * MS, 200)],
+    )
+    .await;
+    assert_eq!(code(&r), 200);
+    assert_eq!(took, 200 * MS, "the one attempt's answer");
+    assert_eq!(script.attempts(), 1);
+    assert_eq!(layer.stats().hedges, 0);
+}
+
 /// Only reads are hedged by default (GET, HEAD, OPTIONS, TRACE, declared gRPC
 /// methods): a hedge of a write is a concurrent duplicate, which even a keyed write with
 /// `IdempotencyLayer` on the server pays for in load. Idempotent and keyed writes are hedged

@@ -15,9 +15,10 @@ use std::time::Duration;
 use http::HeaderMap;
 use reason_code::{Code, Outcome};
 
-/// A request extension that turns the layer's retries off for that request: it is sent once
-/// (plus the transparent retries of an attempt that provably never left, which the server never
-/// saw). The layer keeps no copy of its body either.
+/// A request extension that turns retries off for that request: a [`Retry`](crate::Retry)
+/// sends it once (plus the transparent retries of an attempt that provably never left, which
+/// the server never saw) and keeps no copy of its body; a [`Hedge`](crate::hedge::Hedge) sends
+/// no hedge of it.
 ///
 /// ```
 /// use retry_layer::NoRetry;
