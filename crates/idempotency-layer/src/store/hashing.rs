@@ -1,30 +1,21 @@
 //! How scope keys and fingerprints are hashed: length-prefixed parts under a domain string.
-//! Scope keys with BLAKE3 (keyed, cryptographic: they separate tenants in a shared store);
-//! fingerprints with XXH3-128 (they only tell a retry from another request under the same
-//! scope), earlier with BLAKE3. Stored entries are found and checked by these hashes across
-//! instances and versions, so the encodings never change within a domain's version.
+//! Scope keys with BLAKE3 (cryptographic: they separate tenants in a shared store); fingerprints
+//! with XXH3-128 (they only tell a retry from another request under the same scope). Stored
+//! entries are found and checked by these hashes across instances and versions, so the
+//! encodings never change within a domain's version: a change is a new domain and mark.
 
 use xxhash_rust::xxh3::{xxh3_128, Xxh3};
 
 use super::Fingerprint;
 
-/// The domain of the first version's request fingerprints (BLAKE3), still checked against the
-/// records they made: bump a version, never change the encoding under it.
-pub(crate) const FINGERPRINT_DOMAIN: &[u8] = b"idempotency-layer fingerprint v1\0";
-
-/// The domain of request fingerprints (the second version: XXH3-128).
+/// The domain of request fingerprints. (Its `v2` is the encoding's version: no `v1` was ever
+/// released.)
 const FINGERPRINT_V2_DOMAIN: &[u8] = b"idempotency-layer fingerprint v2\0";
 
-/// The last 16 bytes of every second-version fingerprint: its 128-bit hash fills the first 16.
-/// A first-version fingerprint (32 bytes of BLAKE3) ends in them with odds of 2^-128.
+/// The last 16 bytes of every fingerprint of this version: its 128-bit hash fills the first 16.
+/// The mark tells this version's fingerprints from a later one's, so that a next encoding can
+/// still match the records this one made.
 const FINGERPRINT_V2_MARK: [u8; 16] = *b"idem-fp-v2\0\0\0\0\0\0";
-
-/// Whether `f` is a first-version fingerprint of the layer's own (a record made before the
-/// second version, or by an instance that still runs the first): the request's must then be
-/// computed that way to be compared with it.
-pub(crate) fn is_first_version(f: &Fingerprint) -> bool {
-    f.0[16..] != FINGERPRINT_V2_MARK
-}
 
 /// A BLAKE3 hasher fed through a buffer on the stack. Each `update` call has a fixed cost, which
 /// the many short pieces of an encoding (8-byte lengths, a method, a path) would each pay; here
@@ -142,16 +133,6 @@ pub(crate) fn fingerprint(parts: &http::request::Parts, body: &[u8]) -> Fingerpr
 /// The largest encoding hashed in one call from the stack.
 const SMALL: usize = 256;
 
-/// The first version's fingerprint of a request (BLAKE3, under [`FINGERPRINT_DOMAIN`]): what a
-/// record made by that version holds, so a retry can still be matched with it.
-pub(crate) fn fingerprint_v1(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
-    let mut h = FramedHasher::new(FINGERPRINT_DOMAIN);
-    for part in fingerprinted(parts, body) {
-        h.part(part);
-    }
-    Fingerprint(h.finish())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -186,12 +167,10 @@ mod tests {
     }
 
     #[test]
-    fn versions_are_told_apart_and_each_part_counts() {
+    fn a_fingerprint_carries_its_mark_and_each_part_counts() {
         let (parts, body) = request(10);
         let v2 = fingerprint(&parts, &body);
-        let v1 = fingerprint_v1(&parts, &body);
-        assert!(!is_first_version(&v2));
-        assert!(is_first_version(&v1));
+        assert_eq!(v2.0[16..], FINGERPRINT_V2_MARK);
         let (mut other, _) = request(10);
         other.uri = "/orders?x=2".parse().unwrap();
         assert_ne!(fingerprint(&other, &body), v2);

@@ -69,8 +69,7 @@ pub struct Fingerprint(pub [u8; 32]);
 impl Fingerprint {
     /// The layer's own fingerprint of a request: its method, path, query, content type and
     /// `body`, each length-prefixed, hashed with XXH3-128 and marked with its version (a stable
-    /// encoding: stored records are checked against it across versions; a record made by the
-    /// first version, which hashed with BLAKE3, is still matched by its retries). A
+    /// encoding: stored records are checked against it across instances and versions). A
     /// [`fingerprint_fn`](crate::IdempotencyLayer::fingerprint_fn) of your own can call it with
     /// a canonical form of the body.
     ///

@@ -28,8 +28,8 @@ use crate::protocol::Protocol;
 use crate::reject::{respond, RejectReason};
 use crate::shared::Shared;
 use crate::stats::Counters;
-use crate::store::hashing::{fingerprint, fingerprint_v1, is_first_version};
-use crate::store::{Backend, Begin, IdempotencyStore, ScopeKey, StoreError, TenantKey};
+use crate::store::hashing::fingerprint;
+use crate::store::{Backend, IdempotencyStore, ScopeKey, StoreError, TenantKey};
 use crate::tx::{self, Offer};
 use crate::write::asking::Counted;
 use crate::write::claim::{log_store_error, Claim};
@@ -55,31 +55,6 @@ pub(crate) mod waiters;
 use self::leader::*;
 use self::read_body::*;
 use self::replay::*;
-
-/// What `begin` found was made by the first version of the layer's fingerprint (a record
-/// stored before an upgrade, or a claim of an instance not yet upgraded): when this request's
-/// fingerprint of that version matches it, the request goes on under that fingerprint, so a
-/// retry across the upgrade is replayed (or waits) rather than refused as another request.
-/// Only the layer's own fingerprints are versioned; a `fingerprint_fn` of yours is compared as
-/// it is.
-fn match_first_version(
-    asking: &mut Asking,
-    found: &Result<Begin, StoreError>,
-    parts: &Parts,
-    body: &[u8],
-) {
-    let theirs = match found {
-        Ok(Begin::Completed(record)) => record.fingerprint,
-        Ok(Begin::InFlight { fingerprint, .. }) => *fingerprint,
-        _ => return,
-    };
-    if theirs != asking.fingerprint && is_first_version(&theirs) {
-        let ours = fingerprint_v1(parts, body);
-        if ours == theirs {
-            asking.fingerprint = ours;
-        }
-    }
-}
 
 /// Logs and counts a `begin` that failed: a corrupt entry (an error: only an operator can
 /// help), a full store (a warning: the store is up), or the store failing.
@@ -553,9 +528,6 @@ where
                             || self.shared.renewals.holds(&scope)
                             || self.shared.begins.any(&scope);
                     }
-                }
-                if cfg.fingerprint.is_none() {
-                    match_first_version(&mut asking, &found, &parts, &bytes);
                 }
                 let token = match decision::after_begin(found, &asking) {
                     Next::Lead(token) => {

@@ -61,26 +61,3 @@ pub fn down(store: &FlakyStore) {
 pub fn up(store: &FlakyStore) {
     store.heal();
 }
-
-/// The first version of the layer's fingerprint (BLAKE3 over its domain and a POST's method,
-/// path, query (none), content type and body, each after its 8-byte little-endian length): what
-/// a record stored before the second version holds.
-pub fn first_version_fingerprint(
-    path: &str,
-    content_type: &str,
-    body: &[u8],
-) -> idempotency_layer::store::Fingerprint {
-    let mut h = blake3::Hasher::new();
-    h.update(b"idempotency-layer fingerprint v1\0");
-    for part in [
-        &b"POST"[..],
-        path.as_bytes(),
-        b"",
-        content_type.as_bytes(),
-        body,
-    ] {
-        h.update(&(part.len() as u64).to_le_bytes());
-        h.update(part);
-    }
-    idempotency_layer::store::Fingerprint(*h.finalize().as_bytes())
-}
