@@ -167,6 +167,12 @@ pub(crate) fn key_of<'h>(
     }
 }
 
+/// The key of a header value the layer already accepted (checked by [`key_of`]): its
+/// structured-field quotes taken off, no rule applied again.
+pub(crate) fn accepted_key(found: &HeaderValue) -> Option<&str> {
+    unwrap_key(found.as_bytes()).ok()
+}
+
 /// A key rule of the layer's own ([`key_rule`](crate::IdempotencyLayer::key_rule)).
 pub(crate) type KeyRuleFn = std::sync::Arc<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
 

@@ -122,6 +122,69 @@
 //! - Inside a tokio runtime: a first request's handler whose client goes away is finished in a
 //!   spawned task, and the leases of the claims a layer holds are renewed by one spawned task.
 //!
+//! ## One route, or some routes
+//!
+//! A layer on a method router covers that route alone (axum's `MatchedPath` is known there, so
+//! the route's template names the operation); `route_layer` on a router covers the routes it
+//! has so far, not the ones added after:
+//!
+//! ```
+//! # #[cfg(feature = "axum")] {
+//! use axum::routing::{get, post};
+//! use axum::Router;
+//! use idempotency_layer::{IdempotencyLayer, MemoryStore, TenantSource};
+//!
+//! let idempotency = IdempotencyLayer::new(MemoryStore::new()).tenant(TenantSource::fixed("shop"));
+//! let app: Router = Router::new()
+//!     // Only this route's writes are deduplicated.
+//!     .route("/orders", post(|| async { "created" }).layer(idempotency))
+//!     .route("/health", get(|| async { "ok" }));
+//! # let _ = app;
+//! # }
+//! ```
+//!
+//! ## CORS
+//!
+//! Put `CorsLayer` outside (after, in `Router::layer` order) the idempotency layer, so that a
+//! preflight `OPTIONS` is answered before it, and let browsers send the key header and read
+//! the headers the layer answers with (a replay's `idempotent-replayed`, a refusal's
+//! `x-reason-code`, `retry-after`):
+//!
+//! ```
+//! # #[cfg(feature = "axum")] {
+//! use axum::routing::post;
+//! use axum::Router;
+//! use http::HeaderName;
+//! use idempotency_layer::{IdempotencyLayer, MemoryStore, TenantSource};
+//! use tower_http::cors::CorsLayer;
+//!
+//! let cors = CorsLayer::new()
+//!     .allow_origin(http::HeaderValue::from_static("https://shop.example"))
+//!     .allow_methods([http::Method::POST])
+//!     .allow_headers([
+//!         http::header::CONTENT_TYPE,
+//!         HeaderName::from_static("x-idempotency-key"),
+//!     ])
+//!     .expose_headers([
+//!         HeaderName::from_static("idempotent-replayed"),
+//!         HeaderName::from_static("x-reason-code"),
+//!         http::header::RETRY_AFTER,
+//!     ]);
+//! let app: Router = Router::new()
+//!     .route("/orders", post(|| async { "created" }))
+//!     .layer(IdempotencyLayer::new(MemoryStore::new()).tenant(TenantSource::fixed("shop")))
+//!     .layer(cors);
+//! # let _ = app;
+//! # }
+//! ```
+//!
+//! # What the handler sees
+//!
+//! Every write the layer runs carries an [`IdempotentWrite`] in its request extensions (an axum
+//! extractor with the `axum` feature): the validated key, the tenant, the operation, the
+//! scope's store key, the claim's fencing token, and whether an earlier run may have begun the
+//! work. Use it rather than parsing the key header again.
+//!
 //! # Where the tenant comes from
 //!
 //! The tenant scopes every key, so it must come from a verified identity, set before this layer
@@ -400,6 +463,7 @@ mod config;
 pub mod conformance;
 mod future;
 mod head;
+mod idempotent_write;
 mod key;
 mod layer;
 mod observe;
@@ -419,6 +483,9 @@ mod write;
 pub use body::{IdempotencyBody, RequestBody};
 pub use config::{InFlight, OnDisconnect, TenantSource, Writes};
 pub use future::ResponseFuture;
+pub use idempotent_write::IdempotentWrite;
+#[cfg(feature = "axum")]
+pub use idempotent_write::MissingIdempotentWrite;
 pub use key::{validate_key, KeyError};
 pub use layer::{Drained, IdempotencyLayer};
 /// The shared vocabulary ([`reason_code::RetryTable`], [`reason_code::ReasonCodes`],

@@ -224,7 +224,7 @@ where
 /// request matched, where the router says (axum's `MatchedPath`, feature `axum`), so that one
 /// key cannot name two resources of one route (the concrete path is in the fingerprint: a key
 /// reused on `/books/b2/deduct` after `/books/b1/deduct` is a mismatch); else the concrete path.
-fn operation_path(parts: &Parts) -> &str {
+pub(crate) fn operation_path(parts: &Parts) -> &str {
     #[cfg(feature = "axum")]
     if let Some(route) = parts.extensions.get::<axum::extract::MatchedPath>() {
         return route.as_str();
@@ -233,7 +233,7 @@ fn operation_path(parts: &Parts) -> &str {
 }
 
 /// The request's tenant: its [`Tenant`] extension, else what the layer is configured to use.
-fn tenant(cfg: &Config, parts: &Parts) -> Option<Arc<str>> {
+pub(crate) fn tenant(cfg: &Config, parts: &Parts) -> Option<Arc<str>> {
     if let Some(t) = parts.extensions.get::<Tenant>() {
         return Some(t.0.clone());
     }

@@ -109,13 +109,7 @@ impl Hop {
     /// malformed attempt count is read as 0 (not a retry), a malformed `grpc-timeout` as no
     /// deadline: the request is served as usual.
     pub fn from_request_headers(headers: &HeaderMap) -> Self {
-        let previous = [GRPC_PREVIOUS_RPC_ATTEMPTS, X_PREVIOUS_ATTEMPTS]
-            .iter()
-            .find_map(|name| headers.get(name))
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<u32>().ok())
-            .unwrap_or(0);
-        let mut hop = Hop::new(previous);
+        let mut hop = Hop::new(previous_attempts(headers));
         if let Some(Ok(timeout)) = headers.get(GRPC_TIMEOUT).map(parse_grpc_timeout) {
             hop.inbound_deadline = Instant::now().checked_add(timeout);
         }
@@ -237,6 +231,17 @@ impl Hop {
         );
         true
     }
+}
+
+/// The attempts a request's caller says preceded it: `grpc-previous-rpc-attempts` (gRPC) or
+/// `x-previous-attempts` (HTTP). A missing or malformed count is 0 (not a retry).
+pub fn previous_attempts(headers: &HeaderMap) -> u32 {
+    [GRPC_PREVIOUS_RPC_ATTEMPTS, X_PREVIOUS_ATTEMPTS]
+        .iter()
+        .find_map(|name| headers.get(name))
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .unwrap_or(0)
 }
 
 #[cfg(test)]

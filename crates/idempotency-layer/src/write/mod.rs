@@ -23,6 +23,7 @@ use tracing::Span;
 
 use crate::body::{IdempotencyBody, RequestBody};
 use crate::config::Config;
+use crate::idempotent_write::IdempotentWrite;
 use crate::observe::{self, Op, WriteOutcome};
 use crate::protocol::Protocol;
 use crate::reject::{respond, RejectReason};
@@ -298,7 +299,7 @@ where
         bytes: Bytes,
         claim: Claim,
         token: crate::store::Token,
-        fingerprint: crate::store::Fingerprint,
+        (fingerprint, waited): (crate::store::Fingerprint, bool),
     ) -> impl Future<Output = Answer<ResB, S::Error>>
     where
         S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Clone + Send + 'static,
@@ -308,6 +309,13 @@ where
         ResB: Body<Data = Bytes> + Send + 'static,
         ResB::Error: Into<BoxError>,
     {
+        // What the handler can know of its write (see `IdempotentWrite`).
+        let grpc = self.protocol.is_grpc();
+        if let Some(write) =
+            IdempotentWrite::of(&self.config, &parts, self.scope, Some(token), grpc, waited)
+        {
+            parts.extensions.insert(write);
+        }
         let ledger = tx::offer(
             &*self.store,
             &mut parts.extensions,
@@ -334,7 +342,7 @@ where
         bytes: Bytes,
         claim: Claim,
         token: crate::store::Token,
-        fingerprint: crate::store::Fingerprint,
+        asked: (crate::store::Fingerprint, bool),
     ) -> Answer<ResB, S::Error>
     where
         S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Clone + Send + 'static,
@@ -356,7 +364,7 @@ where
                  was executed, retry",
             ));
         }
-        self.lead(parts, bytes, claim, token, fingerprint).await
+        self.lead(parts, bytes, claim, token, asked).await
     }
 
     /// The flow of one write: read and fingerprint the body, then claim the scope and run the
@@ -557,12 +565,18 @@ where
                                 bytes,
                                 claim,
                                 token,
-                                asking.fingerprint,
+                                (asking.fingerprint, asking.waited),
                             );
                             return Box::pin(late).await;
                         }
                         return self
-                            .lead(parts, bytes, claim, token, asking.fingerprint)
+                            .lead(
+                                parts,
+                                bytes,
+                                claim,
+                                token,
+                                (asking.fingerprint, asking.waited),
+                            )
                             .await;
                     }
                     Next::Replay(record, outcome) => {
@@ -584,6 +598,13 @@ where
                         );
                         // Boxed, like the leader's call: rare, and as large as the handler's
                         // future.
+                        let mut parts = parts;
+                        let grpc = self.protocol.is_grpc();
+                        if let Some(write) =
+                            IdempotentWrite::of(cfg, &parts, scope, None, grpc, asking.waited)
+                        {
+                            parts.extensions.insert(write);
+                        }
                         let req = Request::from_parts(parts, RequestBody::buffered(bytes));
                         // As the inbound write of its scope, as a leader runs: derived keys of its
                         // outbound writes stay the same whether or not the store answered.

@@ -58,8 +58,25 @@ impl UnaryService<CreateOrder> for Create {
 
     fn call(&mut self, req: tonic::Request<CreateOrder>) -> Self::Future {
         let n = self.0.fetch_add(1, Ordering::SeqCst) + 1;
+        let write = req
+            .extensions()
+            .get::<idempotency_layer::IdempotentWrite>()
+            .cloned();
         let msg = req.into_inner();
         Box::pin(async move {
+            if msg.sku == "whoami" {
+                // The handler's view of its write, as the order's id.
+                let id = write.map_or("none".to_owned(), |w| {
+                    format!(
+                        "{}|{}|{}|{}",
+                        w.key(),
+                        w.tenant(),
+                        w.operation(),
+                        w.may_have_run_before()
+                    )
+                });
+                return Ok(tonic::Response::new(Order { id, sku: msg.sku }));
+            }
             if msg.sku == "slow" {
                 tokio::time::sleep(std::time::Duration::from_millis(100)).await;
             }
@@ -423,6 +440,41 @@ async fn over_a_channel_waiters_are_bounded_by_max_waiting_bytes() {
     assert!(
         refused >= 1,
         "the duplicates past the bound were turned away"
+    );
+}
+
+/// Over a tonic `Channel`, the handler finds its write in the request's extensions: the key
+/// from the metadata, the tenant, and the method's path as the operation.
+#[tokio::test]
+async fn the_handler_sees_its_write_in_the_extensions() {
+    let (addr, _) = start(layer()).await;
+    let mut client = grpc_client(addr).await;
+    let res = unary(&mut client, CREATE, Some("grpc-who-1"), order("whoami"))
+        .await
+        .unwrap();
+    assert_eq!(
+        res.get_ref().id,
+        "grpc-who-1|t|/shop.Orders/CreateOrder|false"
+    );
+    let mut retry = tonic::Request::new(order("whoami"));
+    retry
+        .metadata_mut()
+        .insert("x-idempotency-key", "grpc-who-2".parse().unwrap());
+    retry
+        .metadata_mut()
+        .insert("grpc-previous-rpc-attempts", "1".parse().unwrap());
+    client.ready().await.unwrap();
+    let res = client
+        .unary(
+            retry,
+            PathAndQuery::from_static(CREATE),
+            ProstCodec::<CreateOrder, Order>::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        res.get_ref().id,
+        "grpc-who-2|t|/shop.Orders/CreateOrder|true"
     );
 }
 

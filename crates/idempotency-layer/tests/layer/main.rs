@@ -7,6 +7,8 @@ mod support;
 mod bounds;
 mod extend;
 mod grpc;
+#[cfg(feature = "axum")]
+mod handler_view;
 mod hostile;
 mod http;
 #[cfg(feature = "metrics")]

@@ -1,0 +1,207 @@
+//! [`IdempotentWrite`]: what a handler the layer runs can know of its write, as a request
+//! extension (and an axum extractor, feature `axum`).
+
+use std::sync::Arc;
+
+use http::request::Parts;
+
+use crate::config::Config;
+use crate::head::HeadScan;
+use crate::scope::Scope;
+use crate::store::{ScopeKey, Token};
+
+/// The write a handler is running, as the idempotency layer accepted it: the validated key,
+/// the tenant, the operation, the scope's store key, the claim's fencing token, and whether an
+/// earlier run of the same write may have started. The layer puts it in the request's
+/// extensions of every write it executes; a replay never reaches the handler, and a request the
+/// layer passes through (a read, or a write without a key where keys are optional) carries none.
+///
+/// Use it instead of parsing the key header again (the key may be a structured-field string,
+/// and a key rule of your own may apply): for example as a unique column beside the side
+/// effect, keyed by [`scope_key`](Self::scope_key) (tenant, operation and key hashed, so two
+/// tenants' equal keys never collide), or to fence the side effect with
+/// [`token`](Self::token).
+///
+/// With axum (feature `axum`), it is an extractor; `Option<IdempotentWrite>` for a handler that
+/// also serves requests the layer passes through:
+///
+/// ```
+/// # #[cfg(feature = "axum")] {
+/// use axum::{routing::post, Router};
+/// use idempotency_layer::{IdempotencyLayer, IdempotentWrite, MemoryStore, TenantSource};
+///
+/// async fn create_order(write: IdempotentWrite, body: String) -> String {
+///     // The key as the client sent it, and whether an earlier run may have begun the work.
+///     let again = write.may_have_run_before();
+///     format!("order of {} bytes for key {} (again: {again})", body.len(), write.key())
+/// }
+///
+/// let app: Router = Router::new()
+///     .route("/orders", post(create_order))
+///     .layer(IdempotencyLayer::new(MemoryStore::new()).tenant(TenantSource::fixed("shop")));
+/// # let _ = app;
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct IdempotentWrite(Arc<Accepted>);
+
+#[derive(Debug)]
+struct Accepted {
+    key: Box<str>,
+    tenant: Arc<str>,
+    operation: Box<str>,
+    scope_key: ScopeKey,
+    token: Option<Token>,
+    previous_attempts: u32,
+    after_a_run_without_record: bool,
+}
+
+impl IdempotentWrite {
+    /// The idempotency key, validated, without its structured-field quotes.
+    pub fn key(&self) -> &str {
+        &self.0.key
+    }
+
+    /// The tenant the write is scoped to.
+    pub fn tenant(&self) -> &str {
+        &self.0.tenant
+    }
+
+    /// The operation the key is scoped to: `"POST /orders"` (the route's template with axum's
+    /// `MatchedPath`, else the path) or a gRPC method path (`/shop.v1.Orders/Create`).
+    pub fn operation(&self) -> &str {
+        &self.0.operation
+    }
+
+    /// The write's scope: tenant, operation and key.
+    pub fn scope(&self) -> Scope<'_> {
+        Scope::new(self.tenant(), self.operation(), self.key())
+    }
+
+    /// The store key of the scope ([`Scope::key`]): a stable hash of tenant, operation and key,
+    /// the same on every instance and every run of this write. A good unique column for the
+    /// side effect (`scope_key().to_hex()`).
+    pub fn scope_key(&self) -> ScopeKey {
+        self.0.scope_key
+    }
+
+    /// The fencing token of the claim this run holds: another run of the same write (after this
+    /// one's lease lapsed, or after it failed) holds another. `None` when the store failed and
+    /// the layer runs the write anyway ([`fail_open`](crate::IdempotencyLayer::fail_open)).
+    pub fn token(&self) -> Option<Token> {
+        self.0.token
+    }
+
+    /// False when no claim guards this run: the store failed and the layer runs the write
+    /// anyway ([`fail_open`](crate::IdempotencyLayer::fail_open)); a duplicate may run at the
+    /// same time.
+    pub fn is_protected(&self) -> bool {
+        self.0.token.is_some()
+    }
+
+    /// The attempts the client says preceded this request (`x-previous-attempts`,
+    /// `grpc-previous-rpc-attempts`; 0 when it says none).
+    pub fn previous_attempts(&self) -> u32 {
+        self.0.previous_attempts
+    }
+
+    /// True when an earlier run of this write may have begun its work: the client says this is
+    /// a retry, or this request waited for a duplicate whose run ended without a record (it was
+    /// cancelled with [`OnDisconnect::Release`](crate::OnDisconnect::Release), or its instance
+    /// went away and its lease lapsed). The layer guarantees no two runs at once and no run
+    /// after a record; a handler whose side effects span several steps checks what an earlier
+    /// run left (by [`scope_key`](Self::scope_key)) before acting again.
+    pub fn may_have_run_before(&self) -> bool {
+        self.0.previous_attempts > 0 || self.0.after_a_run_without_record
+    }
+
+    /// The write of the request `parts`, which the layer accepted with the key and tenant their
+    /// headers and extensions carry (read again here: only the writes that run pay for it).
+    pub(crate) fn of(
+        cfg: &Config,
+        parts: &Parts,
+        scope_key: ScopeKey,
+        token: Option<Token>,
+        grpc: bool,
+        waited: bool,
+    ) -> Option<Self> {
+        let found = HeadScan::of(&parts.headers, cfg.key_headers.as_slice()).key;
+        let key = crate::key::accepted_key(found.ok().flatten()?)?;
+        let tenant = crate::service::tenant(cfg, parts)?;
+        let operation: Box<str> = if grpc {
+            parts.uri.path().into()
+        } else {
+            let path = crate::service::operation_path(parts);
+            format!("{} {path}", parts.method).into()
+        };
+        Some(IdempotentWrite(Arc::new(Accepted {
+            key: key.into(),
+            tenant,
+            operation,
+            scope_key,
+            token,
+            previous_attempts: reason_code::previous_attempts(&parts.headers),
+            after_a_run_without_record: waited,
+        })))
+    }
+}
+
+#[cfg(feature = "axum")]
+mod extract {
+    use axum::extract::{FromRequestParts, OptionalFromRequestParts};
+    use axum::response::{IntoResponse, Response};
+    use http::request::Parts;
+    use http::StatusCode;
+
+    use super::IdempotentWrite;
+
+    /// Why [`IdempotentWrite`] could not be extracted: the request did not run under an
+    /// idempotency layer (a route outside it, or a request it passes through). Answers 500: the
+    /// handler needs a layer the application did not put in front of it.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct MissingIdempotentWrite;
+
+    impl std::fmt::Display for MissingIdempotentWrite {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(
+                "this handler needs an IdempotentWrite, but the request was not executed by an \
+                 IdempotencyLayer: put the layer in front of the route, or take \
+                 Option<IdempotentWrite> where keys are optional",
+            )
+        }
+    }
+
+    impl std::error::Error for MissingIdempotentWrite {}
+
+    impl IntoResponse for MissingIdempotentWrite {
+        fn into_response(self) -> Response {
+            (StatusCode::INTERNAL_SERVER_ERROR, self.to_string()).into_response()
+        }
+    }
+
+    impl<S: Send + Sync> FromRequestParts<S> for IdempotentWrite {
+        type Rejection = MissingIdempotentWrite;
+
+        async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+            parts
+                .extensions
+                .get::<IdempotentWrite>()
+                .cloned()
+                .ok_or(MissingIdempotentWrite)
+        }
+    }
+
+    impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotentWrite {
+        type Rejection = std::convert::Infallible;
+
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _: &S,
+        ) -> Result<Option<Self>, Self::Rejection> {
+            Ok(parts.extensions.get::<IdempotentWrite>().cloned())
+        }
+    }
+}
+
+#[cfg(feature = "axum")]
+pub use extract::MissingIdempotentWrite;
