@@ -1,7 +1,8 @@
-//! The README's tour, run as the README shows it against the built binaries: its `curl`
-//! commands (each answer's status, the replay header and the JSON body where the README shows
-//! them), the metrics it shows, and its `orders-client` commands (their JSON lines, `…`
-//! standing for any value). A change to what a user sees fails here until the README says it.
+//! The guide's tour (`docs/guide.md`, "A 30-second tour"), run as the guide shows it against the
+//! built binaries: its `curl` commands (each answer's status, the replay header and the JSON body
+//! where the guide shows them), the metrics it shows, and its `orders-client` commands (their
+//! JSON lines, `…` standing for any value). A change to what a user sees fails here until the
+//! guide says it.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -10,10 +11,10 @@ use std::process::Command;
 use serde_json::Value;
 use test_support::process::ServerProcess;
 
-const README: &str = include_str!("../../../README.md");
+const GUIDE: &str = include_str!("../../../docs/guide.md");
 
-/// `orders-server` as the README's first command starts it (the memory store), on a free port;
-/// its address (`127.0.0.1:PORT`).
+/// `orders-server` as the README's first command (which the tour names) starts it (the memory
+/// store), on a free port; its address (`127.0.0.1:PORT`).
 fn start_server() -> (ServerProcess, String) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_orders-server"));
     cmd.args(["--listen", "127.0.0.1:0"]);
@@ -22,12 +23,12 @@ fn start_server() -> (ServerProcess, String) {
     (server, addr)
 }
 
-/// The lines of the first block fenced with ```` ```kind ```` after `marker` in the README.
+/// The lines of the first block fenced with ```` ```kind ```` after `marker` in the guide.
 fn block_after(marker: &str, kind: &str) -> Vec<String> {
-    let at = README
+    let at = GUIDE
         .find(marker)
-        .unwrap_or_else(|| panic!("the README says {marker:?}"));
-    let rest = &README[at..];
+        .unwrap_or_else(|| panic!("the guide says {marker:?}"));
+    let rest = &GUIDE[at..];
     let fence = format!("```{kind}\n");
     let start = rest.find(&fence).expect("a block") + fence.len();
     let end = rest[start..].find("```").expect("its end") + start;
@@ -127,7 +128,7 @@ struct Answer {
     body: String,
 }
 
-/// Runs a `curl` command of the README against `addr` (in place of `localhost:3000`).
+/// Runs a `curl` command of the guide against `addr` (in place of `localhost:3000`).
 fn curl(words: &[String], addr: &str) -> Answer {
     assert_eq!(words[0], "curl");
     let (mut method, mut url, mut headers, mut data) = ("GET".to_owned(), None, Vec::new(), None);
@@ -203,12 +204,12 @@ fn dechunk(mut body: &str) -> String {
     out
 }
 
-/// `actual` against the README's `expected` JSON, where `…` (quoted or bare) stands for any
+/// `actual` against the guide's `expected` JSON, where `…` (quoted or bare) stands for any
 /// value.
 fn matches(expected: &str, actual: &Value) -> bool {
     let expected = expected.replace("\"…\"", "…").replace('…', "\"…\"");
     let expected: Value = serde_json::from_str(&expected)
-        .unwrap_or_else(|e| panic!("the README's {expected} is not JSON: {e}"));
+        .unwrap_or_else(|e| panic!("the guide's {expected} is not JSON: {e}"));
     fn same(e: &Value, a: &Value) -> bool {
         match (e, a) {
             (Value::String(s), _) if s == "…" => true,
@@ -230,7 +231,7 @@ fn json_in(comment: &str) -> Option<&str> {
     Some(&comment[start..=end])
 }
 
-/// Runs `orders-client` with the words after `--` of a README command, against `url`.
+/// Runs `orders-client` with the words after `--` of a guide command, against `url`.
 fn orders_client(words: &[String], url: &str) -> Vec<Value> {
     let at = words
         .iter()
@@ -253,7 +254,7 @@ fn orders_client(words: &[String], url: &str) -> Vec<Value> {
 }
 
 #[test]
-fn the_readme_tour_shows_what_a_user_sees() {
+fn the_guide_tour_shows_what_a_user_sees() {
     let (_server, addr) = start_server();
     let url = format!("http://{addr}");
 
@@ -283,12 +284,12 @@ fn the_readme_tour_shows_what_a_user_sees() {
             let body: Value = serde_json::from_str(&answer.body).expect("a JSON answer");
             assert!(
                 matches(shown, &body),
-                "the README shows {shown}, the server answers {body}"
+                "the guide shows {shown}, the server answers {body}"
             );
         }
     }
 
-    // The metrics after the tour: every counter line the README shows (histograms' values are
+    // The metrics after the tour: every counter line the guide shows (histograms' values are
     // timings, not shown exactly).
     let metrics = steps(&block_after("at `/metrics` for Prometheus", "sh"));
     let answer = curl(&metrics[0].words, &addr);
@@ -298,7 +299,7 @@ fn the_readme_tour_shows_what_a_user_sees() {
         }
         assert!(
             answer.body.lines().any(|l| l.trim() == line.trim()),
-            "the README shows the metric line {line:?}; the server's /metrics:\n{}",
+            "the guide shows the metric line {line:?}; the server's /metrics:\n{}",
             answer.body
         );
     }
@@ -316,7 +317,7 @@ fn the_readme_tour_shows_what_a_user_sees() {
                 for line in &last {
                     assert!(
                         matches(shown, line),
-                        "the README shows {shown} after {:?}; the client printed {line}",
+                        "the guide shows {shown} after {:?}; the client printed {line}",
                         step.words
                     );
                 }
