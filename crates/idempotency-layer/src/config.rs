@@ -28,6 +28,78 @@ pub enum InFlight {
     Reject,
 }
 
+/// Which of a response's headers its record keeps, and so which a replay sends.
+///
+/// By default every header but `set-cookie` and `date`:
+///
+/// - `set-cookie`: a cookie the first answer set (a session, a CSRF token) is for the client
+///   that got it, not for whoever sends the same key again;
+/// - `date`: a replay is a new message, dated when it is sent (hyper's server stamps a
+///   response that has none), not when the first answer was.
+///
+/// The first client gets every header its handler set either way; only the record is filtered.
+/// A header the layer adds to a replay (`idempotent-replayed`) is never recorded.
+///
+/// ```
+/// use http::HeaderName;
+/// use idempotency_layer::{IdempotencyLayer, MemoryStore, RecordedHeaders};
+///
+/// // Keep cookies in replays (say, a cookie that only names the order), and drop a
+/// // per-response trace id as well.
+/// let headers = RecordedHeaders::default()
+///     .keep(http::header::SET_COOKIE)
+///     .drop(HeaderName::from_static("x-trace-id"));
+/// let layer = IdempotencyLayer::new(MemoryStore::new()).recorded_headers(headers);
+/// # let _ = layer;
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecordedHeaders {
+    dropped: Vec<HeaderName>,
+}
+
+impl Default for RecordedHeaders {
+    fn default() -> Self {
+        RecordedHeaders {
+            dropped: vec![http::header::SET_COOKIE, http::header::DATE],
+        }
+    }
+}
+
+impl RecordedHeaders {
+    /// Records every header the handler set, `set-cookie` and `date` included.
+    pub fn all() -> Self {
+        RecordedHeaders {
+            dropped: Vec::new(),
+        }
+    }
+
+    /// Also leaves `name` out of records.
+    pub fn drop(mut self, name: HeaderName) -> Self {
+        if !self.dropped.contains(&name) {
+            self.dropped.push(name);
+        }
+        self
+    }
+
+    /// Records `name` after all (one of the defaults, say).
+    pub fn keep(mut self, name: HeaderName) -> Self {
+        self.dropped.retain(|n| *n != name);
+        self
+    }
+
+    /// Whether a record keeps `name`.
+    pub fn records(&self, name: &HeaderName) -> bool {
+        !self.dropped.contains(name)
+    }
+
+    /// Takes the headers records do not keep out of `headers`.
+    pub(crate) fn filter(&self, headers: &mut HeaderMap) {
+        for name in &self.dropped {
+            headers.remove(name);
+        }
+    }
+}
+
 /// What happens to the first request's handler when its client goes away.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[non_exhaustive]
@@ -307,6 +379,7 @@ pub(crate) struct Config {
     pub(crate) max_detached: usize,
     pub(crate) max_request_bytes: usize,
     pub(crate) max_record_bytes: usize,
+    pub(crate) recorded_headers: RecordedHeaders,
     pub(crate) fail_open: bool,
     pub(crate) key_optional: bool,
     pub(crate) writes: Writes,
@@ -335,6 +408,7 @@ impl Default for Config {
             max_detached: DEFAULT_MAX_DETACHED,
             max_request_bytes: 1024 * 1024,
             max_record_bytes: 1024 * 1024,
+            recorded_headers: RecordedHeaders::default(),
             fail_open: false,
             key_optional: false,
             writes: Writes::default(),
@@ -371,6 +445,7 @@ impl fmt::Debug for Config {
             .field("max_detached", &self.max_detached)
             .field("max_request_bytes", &self.max_request_bytes)
             .field("max_record_bytes", &self.max_record_bytes)
+            .field("recorded_headers", &self.recorded_headers)
             .field("fail_open", &self.fail_open)
             .field("key_optional", &self.key_optional)
             .field("writes", &self.writes)

@@ -6,7 +6,7 @@ use std::time::Duration;
 use reason_code::{KeyHeaders, ReasonCodes, RetryTable};
 use tower_layer::Layer;
 
-use crate::config::{Config, InFlight, OnDisconnect, TenantSource, Writes};
+use crate::config::{Config, InFlight, OnDisconnect, RecordedHeaders, TenantSource, Writes};
 use crate::scope::Scope;
 use crate::service::Idempotency;
 use crate::shared::Shared;
@@ -228,6 +228,12 @@ impl<St> IdempotencyLayer<St> {
     /// response was too large to keep: a final answer that no client retries.
     pub fn max_record_bytes(self, max: usize) -> Self {
         self.config(|c| c.max_record_bytes = max)
+    }
+
+    /// Which response headers a record keeps (default: all but `set-cookie` and `date`; see
+    /// [`RecordedHeaders`]). The first client gets every header either way.
+    pub fn recorded_headers(self, headers: RecordedHeaders) -> Self {
+        self.config(|c| c.recorded_headers = headers)
     }
 
     /// When the store fails: `false` (default) answers 503 / UNAVAILABLE with `Retry-After`

@@ -481,7 +481,7 @@ mod tx;
 mod write;
 
 pub use body::{IdempotencyBody, RequestBody};
-pub use config::{InFlight, OnDisconnect, TenantSource, Writes};
+pub use config::{InFlight, OnDisconnect, RecordedHeaders, TenantSource, Writes};
 pub use future::ResponseFuture;
 pub use idempotent_write::IdempotentWrite;
 #[cfg(feature = "axum")]

@@ -123,7 +123,7 @@ impl RecordBuilder {
         let code = self
             .head_code
             .unwrap_or_else(|| classify::at_end(&self.headers, self.trailers.as_ref(), kept));
-        let record = self.into_record();
+        let record = self.into_record(cfg);
         if cfg.table.may_record(code) {
             Finished::Recorded(record)
         } else {
@@ -141,14 +141,17 @@ impl RecordBuilder {
         if !cfg.table.may_record(code) {
             return None;
         }
-        Some(self.into_record().with_body_omitted())
+        Some(self.into_record(cfg).with_body_omitted())
     }
 
-    fn into_record(self) -> Record {
+    /// The record, its headers filtered by [`recorded_headers`](Config::recorded_headers).
+    fn into_record(self, cfg: &Config) -> Record {
+        let mut headers = self.headers;
+        cfg.recorded_headers.filter(&mut headers);
         Record {
             fingerprint: self.fingerprint,
             status: self.status,
-            headers: self.headers,
+            headers,
             body: self.data.freeze(),
             body_omitted: self.omitted,
             trailers: self.trailers.map(Box::new),

@@ -1,4 +1,5 @@
-//! What a handler sees of its write (`IdempotentWrite`), over real sockets: axum::serve with a
+//! What a handler sees of its write (`IdempotentWrite`), and what a replay sends of the headers
+//! it set (`RecordedHeaders`), over real sockets: axum::serve with a
 //! hyper-util client over HTTP/1.1 and HTTP/2; the gRPC side is in `grpc.rs`.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -200,5 +201,67 @@ async fn without_the_layer_the_extractor_says_what_is_missing() {
             .unwrap();
         let read = collect(transport.client().request(req).await.unwrap()).await;
         assert_eq!(read.body, "write: false", "{transport:?}");
+    }
+}
+
+/// A record keeps every header but `set-cookie` and `date` by default: the first client gets
+/// its cookie and its handler's `date`, a replay neither (the server dates it); with
+/// `RecordedHeaders::all()` the replay carries the cookie too. Over HTTP/1.1 and HTTP/2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_carry_no_cookie_and_no_stale_date_unless_asked() {
+    use idempotency_layer::RecordedHeaders;
+    const OLD_DATE: &str = "Sat, 01 Jan 2000 00:00:00 GMT";
+    let handler = || {
+        post(|| async {
+            (
+                StatusCode::CREATED,
+                [
+                    ("set-cookie", "session=first-client; HttpOnly"),
+                    ("date", OLD_DATE),
+                    ("x-order", "77"),
+                ],
+                "order 77",
+            )
+        })
+    };
+    let filtered = serve(Router::new().route("/orders", handler()).layer(layer())).await;
+    let everything = serve(
+        Router::new()
+            .route("/orders", handler())
+            .layer(layer().recorded_headers(RecordedHeaders::all())),
+    )
+    .await;
+    for transport in Transport::BOTH {
+        let key = format!("cookie-{transport:?}");
+        let headers = [("x-idempotency-key", key.as_str())];
+        let url = format!("http://{filtered}/orders");
+        let first = post_with(transport, url.clone(), &headers).await;
+        assert_eq!(
+            first.headers["set-cookie"],
+            "session=first-client; HttpOnly"
+        );
+        assert_eq!(first.headers["date"], OLD_DATE, "{transport:?}");
+        let replay = post_with(transport, url, &headers).await;
+        assert!(replay.replayed(), "{transport:?}");
+        assert_eq!(replay.headers["x-order"], "77", "{transport:?}");
+        assert_eq!(replay.body, "order 77", "{transport:?}");
+        assert!(
+            replay.headers.get("set-cookie").is_none(),
+            "{transport:?}: {replay:?}"
+        );
+        assert!(
+            replay.headers.get("date").is_none_or(|d| d != OLD_DATE),
+            "{transport:?}: the replay is dated when it is sent: {replay:?}"
+        );
+
+        let url = format!("http://{everything}/orders");
+        post_with(transport, url.clone(), &headers).await;
+        let replay = post_with(transport, url, &headers).await;
+        assert!(replay.replayed(), "{transport:?}");
+        assert_eq!(
+            replay.headers["set-cookie"], "session=first-client; HttpOnly",
+            "{transport:?}"
+        );
+        assert_eq!(replay.headers["date"], OLD_DATE, "{transport:?}");
     }
 }
