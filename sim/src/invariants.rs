@@ -182,7 +182,7 @@ pub fn memory_bounds(schedule: &Schedule, executions: usize) -> Memory {
         },
         replay_bytes: or(
             b.max_replay_bytes_total,
-            retry_layer::DEFAULT_MAX_REPLAY_BYTES_TOTAL as u64,
+            retry_layer::RetryPolicy::DEFAULT_MAX_REPLAY_BYTES_TOTAL as u64,
         ),
         // A record the store has no room for is kept without its body, charged whatever the
         // bound (it must be kept): over it by at most the heads of the records of the claims in

@@ -392,8 +392,7 @@ pub use error::{
 pub use reason_code;
 pub use retry::policy::{
     Conflict, InboundRetry, InvalidPolicy, NoRetry, Rebuild, RebuildFuture, RetryCandidate,
-    RetryEvent, RetryPolicy, RetryPolicyBuilder, DEFAULT_MAX_REPLAY_BYTES_TOTAL,
-    DEFAULT_RESPONSE_HEAD_TIMEOUT, MAX_AUTHORITY_BUDGETS, MAX_DURATION, MAX_UNSENT_RETRIES,
+    RetryEvent, RetryPolicy, RetryPolicyBuilder,
 };
 #[cfg(feature = "service-config")]
 pub use retry::policy::{GrpcRetryPolicy, GrpcRetryThrottling, StatusCodeName};

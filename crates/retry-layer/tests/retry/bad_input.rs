@@ -181,14 +181,17 @@ fn out_of_range_durations_are_rejected_with_a_message() {
     for (name, set) in setters {
         for d in [
             Duration::MAX,
-            retry_layer::MAX_DURATION + Duration::from_secs(1),
+            retry_layer::RetryPolicy::MAX_DURATION + Duration::from_secs(1),
         ] {
             let err = set(RetryPolicy::builder(), d).build().unwrap_err();
             assert!(err.to_string().contains(name), "{err}");
         }
-        assert!(set(RetryPolicy::builder(), retry_layer::MAX_DURATION)
-            .build()
-            .is_ok());
+        assert!(set(
+            RetryPolicy::builder(),
+            retry_layer::RetryPolicy::MAX_DURATION
+        )
+        .build()
+        .is_ok());
     }
     for zero in [
         RetryPolicy::builder().total_timeout(Duration::ZERO),
@@ -221,7 +224,7 @@ async fn huge_deadlines_and_pushbacks_do_not_panic() {
 
     // The largest pushback allowed, and a Retry-After far beyond it.
     let policy = RetryPolicy::builder()
-        .max_pushback(retry_layer::MAX_DURATION)
+        .max_pushback(retry_layer::RetryPolicy::MAX_DURATION)
         .build()
         .unwrap();
     let (res, script, layer) = call_scripted(

@@ -52,7 +52,7 @@ impl From<InvalidBudget> for InvalidPolicy {
     }
 }
 
-/// Why a duration setting is out of range: over [`MAX_DURATION`], or zero where zero makes no
+/// Why a duration setting is out of range: over [`RetryPolicy::MAX_DURATION`], or zero where zero makes no
 /// sense.
 fn duration_error(name: &str, d: Duration, zero_ok: bool) -> Option<String> {
     if d > MAX_DURATION {
@@ -94,7 +94,7 @@ impl RetryPolicyBuilder {
         self
     }
 
-    /// The delay after the first failed attempt (at most [`MAX_DURATION`]).
+    /// The delay after the first failed attempt (at most [`RetryPolicy::MAX_DURATION`]).
     pub fn base_delay(mut self, d: Duration) -> Self {
         if let Some(e) = duration_error("base_delay", d, true) {
             return self.fail(e);
@@ -114,7 +114,7 @@ impl RetryPolicyBuilder {
         self
     }
 
-    /// The largest computed delay (before jitter; at most [`MAX_DURATION`]).
+    /// The largest computed delay (before jitter; at most [`RetryPolicy::MAX_DURATION`]).
     pub fn max_delay(mut self, d: Duration) -> Self {
         if let Some(e) = duration_error("max_delay", d, true) {
             return self.fail(e);
@@ -142,7 +142,7 @@ impl RetryPolicyBuilder {
     }
 
     /// The least time an attempt must have left before the deadline for a retry to be sent (at
-    /// most [`MAX_DURATION`]).
+    /// most [`RetryPolicy::MAX_DURATION`]).
     pub fn min_attempt_time(mut self, d: Duration) -> Self {
         if let Some(e) = duration_error("min_attempt_time", d, true) {
             return self.fail(e);
@@ -153,7 +153,7 @@ impl RetryPolicyBuilder {
 
     /// A deadline for the whole call, retries included, used when the request carries neither a
     /// [`Deadline`](crate::Deadline) extension nor `grpc-timeout` (greater than zero, at most
-    /// [`MAX_DURATION`]).
+    /// [`RetryPolicy::MAX_DURATION`]).
     pub fn total_timeout(mut self, d: Duration) -> Self {
         if let Some(e) = duration_error("total_timeout", d, false) {
             return self.fail(e);
@@ -162,7 +162,7 @@ impl RetryPolicyBuilder {
         self
     }
 
-    /// A timeout for each attempt (greater than zero, at most [`MAX_DURATION`]); an attempt that
+    /// A timeout for each attempt (greater than zero, at most [`RetryPolicy::MAX_DURATION`]); an attempt that
     /// times out is an ambiguous failure (it may have executed), retried only when the request
     /// is idempotent or keyed. A gRPC attempt's `grpc-timeout` is capped at it, so the server
     /// stops working on an attempt the client abandons.
@@ -175,7 +175,7 @@ impl RetryPolicyBuilder {
     }
 
     /// How long each attempt waits for its response head (greater than zero, at most
-    /// [`MAX_DURATION`]; default [`DEFAULT_RESPONSE_HEAD_TIMEOUT`](super::DEFAULT_RESPONSE_HEAD_TIMEOUT), 60 s). It is always on, so
+    /// [`RetryPolicy::MAX_DURATION`]; default [`RetryPolicy::DEFAULT_RESPONSE_HEAD_TIMEOUT`], 60 s). It is always on, so
     /// that a call to a server that never answers ends even when nothing else bounds it: the
     /// attempt ends in [`ResponseHeadTimedOut`](crate::ResponseHeadTimedOut), an ambiguous
     /// failure (it may have executed), retried only when the request is idempotent or keyed.
@@ -193,7 +193,7 @@ impl RetryPolicyBuilder {
     }
 
     /// The longest server pushback (`Retry-After`, `grpc-retry-pushback-ms`) honoured (at most
-    /// [`MAX_DURATION`]); a longer one ends retrying.
+    /// [`RetryPolicy::MAX_DURATION`]); a longer one ends retrying.
     pub fn max_pushback(mut self, d: Duration) -> Self {
         if let Some(e) = duration_error("max_pushback", d, true) {
             return self.fail(e);
@@ -209,7 +209,7 @@ impl RetryPolicyBuilder {
     }
 
     /// The most request-body bytes all calls of a layer (and its clones) keep for replay at
-    /// once (default [`DEFAULT_MAX_REPLAY_BYTES_TOTAL`](super::DEFAULT_MAX_REPLAY_BYTES_TOTAL), 16 MiB; gRFC A6 bounds a channel's
+    /// once (default [`RetryPolicy::DEFAULT_MAX_REPLAY_BYTES_TOTAL`], 16 MiB; gRFC A6 bounds a channel's
     /// retry buffer the same way). A body whose copy does not fit is sent without one: its
     /// retries are refused as for a body over `max_replay_bytes`, even the retry of an attempt
     /// that was never sent once the layer has read any of the body (a streamed body none of
@@ -224,7 +224,7 @@ impl RetryPolicyBuilder {
 
     /// How many extra attempts a request that provably never left the client may get beyond
     /// `max_attempts` (gRFC A6 transparent retries), still bounded by deadline and budget (at
-    /// most [`MAX_UNSENT_RETRIES`]).
+    /// most [`RetryPolicy::MAX_UNSENT_RETRIES`]).
     pub fn max_unsent_retries(mut self, n: u32) -> Self {
         if n > MAX_UNSENT_RETRIES {
             return self.fail(format!(
@@ -362,7 +362,7 @@ impl RetryPolicyBuilder {
     /// retrying. gRFC A6 throttles per channel, which is one authority. Each budget has the
     /// shape set by [`budget`](Self::budget); requests
     /// without an authority (a tonic `Channel` adds its own below the layer: one channel, one
-    /// host) share the layer's. At most [`MAX_AUTHORITY_BUDGETS`](super::MAX_AUTHORITY_BUDGETS) authorities get a budget of
+    /// host) share the layer's. At most [`RetryPolicy::MAX_AUTHORITY_BUDGETS`] authorities get a budget of
     /// their own; the others share the layer's. Not with
     /// [`RetryBudget::custom`], which is shared as given.
     pub fn budget_per_authority(mut self) -> Self {

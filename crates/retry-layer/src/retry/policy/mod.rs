@@ -108,22 +108,22 @@ impl Default for Rules {
 
 /// The longest duration any setting takes: a day. Longer values are rejected so that no deadline
 /// or timer computed from them can overflow the clock.
-pub const MAX_DURATION: Duration = Duration::from_secs(86_400);
+pub(crate) const MAX_DURATION: Duration = Duration::from_secs(86_400);
 
 /// The default [`RetryPolicyBuilder::response_head_timeout`]: 60 s, longer than any answer the
 /// server layer makes itself (its duplicates wait for their leader 30 s at most).
-pub const DEFAULT_RESPONSE_HEAD_TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const DEFAULT_RESPONSE_HEAD_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The default [`RetryPolicyBuilder::max_replay_bytes_total`]: 16 MiB, gRPC Java's default
 /// retry buffer per channel.
-pub const DEFAULT_MAX_REPLAY_BYTES_TOTAL: usize = 16 * 1024 * 1024;
+pub(crate) const DEFAULT_MAX_REPLAY_BYTES_TOTAL: usize = 16 * 1024 * 1024;
 
 /// The most authorities that get a budget of their own with
 /// [`RetryPolicyBuilder::budget_per_authority`]; further ones share the layer's.
-pub const MAX_AUTHORITY_BUDGETS: usize = 1024;
+pub(crate) const MAX_AUTHORITY_BUDGETS: usize = 1024;
 
 /// The most transparent retries ([`RetryPolicyBuilder::max_unsent_retries`]).
-pub const MAX_UNSENT_RETRIES: u32 = 10;
+pub(crate) const MAX_UNSENT_RETRIES: u32 = 10;
 
 impl Default for RetryPolicy {
     fn default() -> Self {
@@ -155,6 +155,25 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// The longest duration any setting takes: a day. Longer values are rejected so that no
+    /// deadline or timer computed from them can overflow the clock.
+    pub const MAX_DURATION: Duration = MAX_DURATION;
+
+    /// The default [`RetryPolicyBuilder::response_head_timeout`]: 60 s, longer than any answer
+    /// the server layer makes itself (its duplicates wait for their leader 30 s at most).
+    pub const DEFAULT_RESPONSE_HEAD_TIMEOUT: Duration = DEFAULT_RESPONSE_HEAD_TIMEOUT;
+
+    /// The default [`RetryPolicyBuilder::max_replay_bytes_total`]: 16 MiB, gRPC Java's default
+    /// retry buffer per channel.
+    pub const DEFAULT_MAX_REPLAY_BYTES_TOTAL: usize = DEFAULT_MAX_REPLAY_BYTES_TOTAL;
+
+    /// The most authorities that get a budget of their own with
+    /// [`RetryPolicyBuilder::budget_per_authority`]; further ones share the layer's.
+    pub const MAX_AUTHORITY_BUDGETS: usize = MAX_AUTHORITY_BUDGETS;
+
+    /// The most transparent retries ([`RetryPolicyBuilder::max_unsent_retries`]).
+    pub const MAX_UNSENT_RETRIES: u32 = MAX_UNSENT_RETRIES;
+
     /// Total attempts a gRPC request for `path` (`/package.Service/Method`) may take: the
     /// matching method config's, else the policy's.
     pub fn max_attempts_of_grpc(&self, path: &str) -> u32 {
