@@ -660,7 +660,9 @@ async fn missing(
     for chunk in scopes.chunks(1000) {
         let mut pipe = redis::pipe();
         for (s, _) in chunk {
-            pipe.cmd("HGET").arg(store.key(s)).arg("s");
+            pipe.cmd("HGET")
+                .arg(format!("{}{}", store.prefix(), s.to_hex()))
+                .arg("s");
         }
         let states: Vec<Option<String>> = pipe.query_async(&mut conn).await.expect("HGET");
         for ((_, at), state) in chunk.iter().zip(states) {

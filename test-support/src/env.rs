@@ -28,3 +28,23 @@ pub fn env_url(var: &str) -> Option<String> {
         }
     }
 }
+
+/// The Sentinels and the master name of a `redis+sentinel://host1:port1,host2:port2/master`
+/// URL (`REDIS_SENTINEL_URL`), for tests that talk to the Sentinels themselves (a forced
+/// failover): `(["redis://host1:port1", ...], "master")`. A store takes the URL as it is
+/// (`RedisStore::builder`).
+pub fn sentinel_parts(url: &str) -> Option<(Vec<String>, String)> {
+    let rest = url.strip_prefix("redis+sentinel://")?;
+    let (hosts, master) = rest.split_once('/')?;
+    let master = master.trim_end_matches('/');
+    if master.is_empty() {
+        return None;
+    }
+    let sentinels = hosts
+        .split(',')
+        .map(str::trim)
+        .filter(|h| !h.is_empty())
+        .map(|h| format!("redis://{h}"))
+        .collect();
+    Some((sentinels, master.to_owned()))
+}

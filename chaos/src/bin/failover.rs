@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use chaos::failover::{run_failover, FailoverOptions, How};
 use clap::Parser;
-use idempotency_layer::RedisStore;
 
 /// Redis failover chaos: concurrent begin + complete through two RedisStores on the primary a
 /// Redis Sentinel names (REDIS_SENTINEL_URL, `redis+sentinel://HOST:PORT/MASTER`, as
@@ -70,7 +69,7 @@ fn main() {
         );
         std::process::exit(2)
     });
-    let Some((sentinels, master)) = RedisStore::sentinel_from_url(&url) else {
+    let Some((sentinels, master)) = test_support::env::sentinel_parts(&url) else {
         eprintln!("REDIS_SENTINEL_URL={url} is not redis+sentinel://HOST:PORT/MASTER");
         std::process::exit(2)
     };

@@ -26,5 +26,7 @@ impl FromStr for StoreArg {
 
 /// Opens the store `arg` names (migrating the PostgreSQL table if needed).
 pub async fn open(arg: &StoreArg) -> Result<AnyStore, idempotency_layer::StoreError> {
-    AnyStore::from_url(&arg.0).await
+    let store = AnyStore::from_url(&arg.0).await?;
+    store.migrate().await?;
+    Ok(store)
 }

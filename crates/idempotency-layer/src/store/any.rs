@@ -24,6 +24,7 @@ use super::{
 /// # async fn main() -> Result<(), idempotency_layer::StoreError> {
 /// let url = std::env::var("IDEMPOTENCY_STORE").unwrap_or_else(|_| "memory".into());
 /// let store = AnyStore::from_url(&url).await?; // memory, redis://..., postgres://...
+/// store.migrate().await?; // PostgreSQL's table, where absent; nothing for the others
 /// let layer = IdempotencyLayer::new(store);
 /// # let _ = layer;
 /// # Ok(())
@@ -43,18 +44,30 @@ pub enum AnyStore {
 }
 
 impl AnyStore {
+    /// Creates what the store needs where absent: `PostgresStore::migrate` (the schema, the
+    /// table and its index) for PostgreSQL; nothing for the others. Run it at start, or create
+    /// the table with your own migrations instead.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        match self {
+            #[cfg(feature = "postgres")]
+            AnyStore::Postgres(store) => store.migrate().await,
+            _ => Ok(()),
+        }
+    }
+
     /// Opens the store `url` names, with that store's defaults:
     ///
     /// - `memory` (or `memory://`): a [`MemoryStore::new`];
     /// - `redis://...` or `rediss://...` (TLS, feature `redis-tls`): `RedisStore::connect`;
     /// - `redis+cluster://host1:port1,host2:port2` (feature `redis-cluster`; `rediss+cluster://`
-    ///   for TLS): `RedisStore::builder_cluster` on those seed nodes;
+    ///   for TLS): a Redis Cluster with those seed nodes;
     /// - `redis+sentinel://host1:port1,host2:port2/master` (feature `redis-sentinel`;
-    ///   `rediss+sentinel://` for TLS): `RedisStore::builder_sentinel` on those Sentinels and
-    ///   that master name;
-    /// - `postgres://...` or `postgresql://...`: `PostgresStore::connect`, then
-    ///   `PostgresStore::migrate`.
+    ///   `rediss+sentinel://` for TLS): the primary those Sentinels name `master`;
+    /// - `postgres://...` or `postgresql://...`: `PostgresStore::connect`. It runs no DDL:
+    ///   create the table with [`migrate`](Self::migrate) (or your own migrations, from
+    ///   `PostgresStoreBuilder::migration_sql`).
     ///
+    /// Every Redis URL goes through `RedisStore::builder`, which reads the same schemes.
     /// A scheme whose store this build does not have (its cargo feature is off) or an unknown
     /// scheme is an error that says which.
     pub async fn from_url(url: &str) -> Result<AnyStore, StoreError> {
@@ -62,34 +75,14 @@ impl AnyStore {
         match scheme {
             "memory" => Ok(AnyStore::Memory(MemoryStore::new())),
             #[cfg(feature = "redis")]
-            "redis" | "rediss" => Ok(AnyStore::Redis(super::RedisStore::connect(url).await?)),
-            #[cfg(feature = "redis-cluster")]
-            "redis+cluster" | "rediss+cluster" => {
-                let nodes = super::RedisStore::cluster_nodes_from_url(url).unwrap_or_default();
-                Ok(AnyStore::Redis(
-                    super::RedisStore::builder_cluster(nodes).connect().await?,
-                ))
-            }
-            #[cfg(feature = "redis-sentinel")]
-            "redis+sentinel" | "rediss+sentinel" => {
-                let Some((sentinels, master)) = super::RedisStore::sentinel_from_url(url) else {
-                    return Err(StoreError::Backend(
-                        format!("{url:?}: a sentinel URL names its master: redis+sentinel://HOST:PORT/MASTER")
-                            .into(),
-                    ));
-                };
-                Ok(AnyStore::Redis(
-                    super::RedisStore::builder_sentinel(sentinels, master)
-                        .connect()
-                        .await?,
-                ))
-            }
+            "redis" | "rediss" | "redis+cluster" | "rediss+cluster" | "redis+sentinel"
+            | "rediss+sentinel" => Ok(AnyStore::Redis(
+                super::RedisStore::builder(url).connect().await?,
+            )),
             #[cfg(feature = "postgres")]
-            "postgres" | "postgresql" => {
-                let store = super::PostgresStore::connect(url).await?;
-                store.migrate().await?;
-                Ok(AnyStore::Postgres(store))
-            }
+            "postgres" | "postgresql" => Ok(AnyStore::Postgres(
+                super::PostgresStore::connect(url).await?,
+            )),
             #[allow(unreachable_patterns)]
             "redis" | "rediss" | "redis+cluster" | "rediss+cluster" | "redis+sentinel"
             | "rediss+sentinel" | "postgres" | "postgresql" => Err(StoreError::Backend(

@@ -68,7 +68,7 @@ impl Backend for Redis {
         // A claim (state `i`), not the tombstone a release or a forget leaves.
         let state: Option<String> = raw(url)
             .await
-            .hget(store.key(&scope), "s")
+            .hget(entry_key(&store, &scope), "s")
             .await
             .unwrap_or(None);
         state.as_deref() == Some("i")
@@ -152,7 +152,7 @@ async fn a_corrupt_entry_is_a_clear_error() {
     let s = store(&url).await;
     let key_of = {
         let s = s.clone();
-        move |scope| s.key(&scope)
+        move |scope| entry_key(&s, &scope)
     };
     // A record that does not decode.
     let url2 = url.clone();
@@ -210,7 +210,7 @@ async fn a_waiter_is_woken_by_pub_sub_not_by_polling() {
         tokio::spawn(async move { store.wait(scope, token).await })
     };
     let conn = raw(&url).await;
-    let channel = store.key(&scope);
+    let channel = entry_key(&store, &scope);
     let subscribed = |n: i64| {
         let (mut conn, channel) = (conn.clone(), channel.clone());
         async move { subscribers(&mut conn, &channel).await == n }
@@ -253,7 +253,7 @@ async fn a_lost_message_does_not_hang_a_waiter() {
     else {
         panic!("fresh scope");
     };
-    let key = store.key(&scope);
+    let key = entry_key(&store, &scope);
     // Every command the server runs from now on, as MONITOR prints them.
     let mut monitor = redis::Client::open(url.as_str())
         .unwrap()
@@ -805,7 +805,7 @@ async fn a_stopped_replica_holds_back_no_renewal_or_replay() {
     .await;
     // Its acknowledgement is marked on the record (in the background): replays of it need
     // not wait for the replica again.
-    let done_key = store.key(&done);
+    let done_key = entry_key(&store, &done);
     wait::until_async(wait::LIMIT, "the record is marked acknowledged", || {
         let (url, done_key) = (url.clone(), done_key.clone());
         async move {

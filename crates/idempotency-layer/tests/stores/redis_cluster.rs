@@ -226,7 +226,7 @@ async fn a_waiter_on_the_cluster_is_woken_by_sharded_pub_sub() {
         let scope = order_scope(&unique(&format!("sharded-{i}-")));
         let slot: i64 = redis::cmd("CLUSTER")
             .arg("KEYSLOT")
-            .arg(leader.key(&scope))
+            .arg(entry_key(&leader, &scope))
             .query_async(&mut node(&urls[0]).await)
             .await
             .unwrap();
@@ -251,7 +251,7 @@ async fn a_waiter_on_the_cluster_is_woken_by_sharded_pub_sub() {
         waiters.push(tokio::spawn(async move { other.wait(scope, token).await }));
     }
     for &scope in &scopes {
-        let channel = leader.key(&scope);
+        let channel = entry_key(&leader, &scope);
         wait::until_async(
             Duration::from_secs(5),
             &format!("one SSUBSCRIBE on the key's shard ({channel})"),
@@ -286,7 +286,7 @@ async fn a_waiter_on_the_cluster_is_woken_by_sharded_pub_sub() {
     }
     // The last waiter gone, each shard channel is unsubscribed.
     for &scope in &scopes {
-        let channel = leader.key(&scope);
+        let channel = entry_key(&leader, &scope);
         wait::until_async(
             Duration::from_secs(5),
             &format!("the last waiter gone, no subscriber on the key's shard ({channel})"),
@@ -490,7 +490,7 @@ async fn wait_for_replicas_on_the_cluster_waits_for_the_replica_of_the_keys_own_
     let mut keys: Vec<(u16, u16, idempotency_layer::store::ScopeKey)> = Vec::new();
     while keys.len() < 2 {
         let scope = order_scope(&unique("replicated-"));
-        let (master, replica) = master_and_replica_of(&urls[0], &store.key(&scope)).await;
+        let (master, replica) = master_and_replica_of(&urls[0], &entry_key(&store, &scope)).await;
         let replica = replica.unwrap_or_else(|| {
             panic!(
                 "master {master} has no replica: run the cluster .ci/redis-cluster.sh makes \

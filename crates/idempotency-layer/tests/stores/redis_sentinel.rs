@@ -27,7 +27,7 @@ const FAILOVER: Duration = Duration::from_secs(60);
 
 fn sentinel() -> Option<(Vec<String>, String)> {
     let url = env_url("REDIS_SENTINEL_URL")?;
-    Some(RedisStore::sentinel_from_url(&url).unwrap_or_else(|| {
+    Some(test_support::env::sentinel_parts(&url).unwrap_or_else(|| {
         panic!("REDIS_SENTINEL_URL={url} is not redis+sentinel://HOST:PORT/MASTER")
     }))
 }
@@ -459,7 +459,7 @@ async fn failover_then_write(
         "the store moved to the new primary"
     );
     let state: Option<String> = redis::cmd("HGET")
-        .arg(store.key(&after))
+        .arg(entry_key(&store, &after))
         .arg("s")
         .query_async(&mut conn(replica).await)
         .await
@@ -507,8 +507,7 @@ async fn the_primary_is_reached_with_the_urls_credentials() {
         add_acl_user(port, user, password).await;
     }
     let url = format!("redis+sentinel://{user}:{password}@127.0.0.1:{sentinel_port}/{master}");
-    let (nodes, name) = RedisStore::sentinel_from_url(&url).expect("a sentinel URL");
-    let store = RedisStore::builder_sentinel(nodes, name)
+    let store = RedisStore::builder(url)
         .prefix(unique("test:sentinel:"))
         .connect()
         .await

@@ -25,6 +25,12 @@ use tokio::sync::Notify;
 pub use test_support::env::env_url;
 
 /// A name unique to this call: `prefix` + 12 hex characters.
+/// The Redis key (and pub/sub channel) of `scope` in `store`: its prefix + the scope in hex.
+#[cfg(feature = "redis")]
+pub fn entry_key(store: &idempotency_layer::RedisStore, scope: &ScopeKey) -> String {
+    format!("{}{}", store.prefix(), scope.to_hex())
+}
+
 pub fn unique(prefix: &str) -> String {
     format!(
         "{prefix}{}",
@@ -1090,6 +1096,7 @@ macro_rules! shared_store_suite {
                 .await
                 .unwrap();
             assert!(matches!(store, $any_variant(_)), "{store:?}");
+            store.migrate().await.unwrap();
             conformance::run_all(|| store.clone()).await;
         }
     };

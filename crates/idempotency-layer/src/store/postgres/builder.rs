@@ -63,7 +63,35 @@ fn take_pooling_param(url: &str) -> (String, bool) {
     (url, found)
 }
 
+/// The channel a store on `schema`.`table` notifies the end of a watched claim on: `idem_` and
+/// a hash of both (a channel name is at most 63 bytes; schema and table may be longer).
+fn channel_of(schema: &str, table: &str) -> String {
+    let id = blake3::hash(format!("{schema}.{table}").as_bytes());
+    format!("idem_{}", &id.to_hex()[..16])
+}
+
 impl PostgresStoreBuilder {
+    /// The SQL that [`migrate`](PostgresStore::migrate) runs for this builder's schema and
+    /// table, without a connection: for `sqlx::migrate!`, refinery or a migration file of your
+    /// own (the default schema and table's is in the crate, `migrations/postgres.sql`). Each
+    /// statement is idempotent (`IF NOT EXISTS`).
+    ///
+    /// ```
+    /// use idempotency_layer::PostgresStore;
+    ///
+    /// let sql = PostgresStore::builder("postgres://app@db/orders")
+    ///     .schema("billing")
+    ///     .migration_sql()
+    ///     .expect("valid names");
+    /// assert!(sql.starts_with("CREATE SCHEMA IF NOT EXISTS \"billing\""));
+    /// ```
+    pub fn migration_sql(&self) -> Result<String, StoreError> {
+        check_identifier("schema", &self.schema, 63)?;
+        check_identifier("table", &self.table, 48)?;
+        let channel = channel_of(&self.schema, &self.table);
+        Ok(Sql::new(&self.schema, &self.table, &channel).migrate)
+    }
+
     /// The schema of the table (default `public`): `[A-Za-z_][A-Za-z0-9_]*`, at most 63 bytes.
     /// [`migrate`](PostgresStore::migrate) creates it if absent.
     pub fn schema(mut self, schema: impl Into<String>) -> Self {
@@ -290,8 +318,7 @@ impl PostgresStoreBuilder {
         let renewals = make_pool(RENEWAL_CONNECTIONS)?;
         // Fail now if the server is unreachable.
         drop(pool.get().await.map_err(pool_error)?);
-        let id = blake3::hash(format!("{}.{}", self.schema, self.table).as_bytes());
-        let channel = format!("idem_{}", &id.to_hex()[..16]);
+        let channel = channel_of(&self.schema, &self.table);
         let inner = Arc::new(Inner {
             sql: Sql::new(&self.schema, &self.table, &channel),
             pool,

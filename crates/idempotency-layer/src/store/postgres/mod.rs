@@ -141,7 +141,8 @@ const CLAIM_ATTEMPTS: usize = 10;
 ///
 /// - **Roles**: run the application as a role with `USAGE` on the schema and `SELECT, INSERT,
 ///   UPDATE, DELETE` on the table; create the table once as its owner
-///   ([`migration_sql`](PostgresStore::migration_sql)). [`migrate`](PostgresStore::migrate)
+///   ([`PostgresStoreBuilder::migration_sql`], no connection needed; the default schema and
+///   table's is the crate's `migrations/postgres.sql`). [`migrate`](PostgresStore::migrate)
 ///   then changes nothing and needs no `CREATE`; it is safe for N replicas starting at once.
 /// - **TLS**: `sslmode=require` in the URL with the `postgres-tls` feature (rustls): encrypted,
 ///   and with [`tls_root_certificates`](PostgresStoreBuilder::tls_root_certificates) the
@@ -805,6 +806,21 @@ mod tests {
         for bad in ["", "1abc", "a-b", "a\"b", "a b", &"x".repeat(49)] {
             assert!(check_identifier("table", bad, 48).is_err(), "{bad:?}");
         }
+    }
+
+    /// The migration file the crate ships for migration tools is what `migrate` runs for the
+    /// default schema and table (regenerate it from `migration_sql()` when the table changes).
+    #[test]
+    fn the_shipped_migration_file_is_the_default_migration() {
+        let shipped = include_str!("../../../migrations/postgres.sql");
+        let sql = crate::PostgresStore::builder("postgres://unused")
+            .migration_sql()
+            .unwrap();
+        assert_eq!(shipped, sql);
+        assert!(crate::PostgresStore::builder("postgres://unused")
+            .table("bad-name")
+            .migration_sql()
+            .is_err());
     }
 
     #[test]

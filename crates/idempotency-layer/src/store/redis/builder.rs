@@ -24,7 +24,7 @@ use super::{backend, timed_out, Inner, RedisStore};
 /// Builds a [`RedisStore`]: [`RedisStore::builder`] or [`RedisStore::builder_from_client`].
 #[derive(Clone)]
 pub struct RedisStoreBuilder {
-    source: Source,
+    pub(super) source: Source,
     conn: Option<ConnectionManager>,
     prefix: String,
     timeout: Duration,
@@ -43,6 +43,53 @@ pub(super) enum Source {
     /// Sentinel URLs and the master name.
     #[cfg(feature = "redis-sentinel")]
     Sentinel(Vec<String>, String),
+}
+
+impl Source {
+    /// Where a store at `url` is: a cluster's nodes or Sentinel's, for their schemes (when the
+    /// build has their feature), else the one server the URL names.
+    fn of_url(url: String) -> Source {
+        #[cfg(feature = "redis-cluster")]
+        if let Some(nodes) = cluster_nodes_from_url(&url) {
+            return Source::Cluster(nodes);
+        }
+        #[cfg(feature = "redis-sentinel")]
+        if let Some((sentinels, master)) = super::sentinel::sentinel_from_url(&url) {
+            return Source::Sentinel(sentinels, master);
+        }
+        Source::Url(url)
+    }
+}
+
+/// Why a URL of a cluster or Sentinel scheme was left as a plain URL by [`Source::of_url`].
+fn unserved_scheme(url: &str) -> Option<String> {
+    let scheme = url.split_once("://").map_or("", |(s, _)| s);
+    if scheme.ends_with("+cluster") {
+        return Some(format!(
+            "{url:?} names a Redis Cluster: build idempotency-layer with its `redis-cluster` \
+             feature"
+        ));
+    }
+    if scheme.ends_with("+sentinel") {
+        return Some(if cfg!(feature = "redis-sentinel") {
+            format!("{url:?}: a Sentinel URL names its master: redis+sentinel://HOST:PORT/MASTER")
+        } else {
+            format!(
+                "{url:?} names a Sentinel deployment: build idempotency-layer with its \
+                 `redis-sentinel` feature"
+            )
+        });
+    }
+    None
+}
+
+/// The node URLs a `redis+cluster://host1:port1,host2:port2` URL names (`rediss+cluster://` for
+/// TLS): `["redis://host1:port1", "redis://host2:port2"]`; an item that has its own scheme
+/// (`redis://...`) is kept as is. `None` for any other scheme.
+#[cfg_attr(not(feature = "redis-cluster"), allow(dead_code))]
+pub(super) fn cluster_nodes_from_url(url: &str) -> Option<Vec<String>> {
+    let (base, rest) = multi_node_url(url, "+cluster")?;
+    Some(node_urls(base, rest))
 }
 
 impl fmt::Debug for RedisStoreBuilder {
@@ -285,6 +332,9 @@ impl RedisStoreBuilder {
     async fn open(&self, fresh: bool) -> Result<(Conn, PubSubSource), StoreError> {
         Ok(match &self.source {
             Source::Url(url) => {
+                if let Some(why) = unserved_scheme(url) {
+                    return Err(StoreError::Backend(why.into()));
+                }
                 self.single(fresh, redis::Client::open(url.as_str()).map_err(backend)?)
                     .await?
             }
@@ -442,11 +492,20 @@ pub(super) fn cluster_client(
 }
 
 impl RedisStore {
-    /// A builder for a store on the server at `url` (`redis://host:port/db`, or
-    /// `rediss://host:port/db` for TLS with the `redis-tls` feature).
+    /// A builder for a store at `url`:
+    ///
+    /// - `redis://host:port/db` (`rediss://` for TLS with the `redis-tls` feature): one server;
+    /// - `redis+cluster://host1:port1,host2:port2` (feature `redis-cluster`): a Redis Cluster,
+    ///   as [`builder_cluster`](Self::builder_cluster) with those nodes;
+    /// - `redis+sentinel://host1:port1,host2:port2/master` (feature `redis-sentinel`): the
+    ///   primary Sentinel names `master`, as [`builder_sentinel`](Self::builder_sentinel).
+    ///
+    /// A URL the build cannot serve (a cluster or Sentinel URL without its feature, a Sentinel
+    /// URL without a master name) is refused at [`connect`](RedisStoreBuilder::connect), with
+    /// what to do.
     pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
         RedisStoreBuilder {
-            source: Source::Url(url.into()),
+            source: Source::of_url(url.into()),
             conn: None,
             prefix: "idempotency:".to_owned(),
             timeout: Duration::from_secs(1),
@@ -487,19 +546,17 @@ impl RedisStore {
     /// primary yourself. [`connection_manager`](RedisStoreBuilder::connection_manager) does not
     /// apply.
     ///
-    /// ```
+    /// ```no_run
     /// use idempotency_layer::RedisStore;
     /// use std::time::Duration;
     ///
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), idempotency_layer::StoreError> {
-    /// # let Some((sentinels, master)) = std::env::var("REDIS_SENTINEL_URL").ok()
-    /// #     .and_then(|url| RedisStore::sentinel_from_url(&url)) else { return Ok(()) };
-    /// // e.g. (["redis://127.0.0.1:26379"], "mymaster")
-    /// let store = RedisStore::builder_sentinel(sentinels, master)
+    /// let store = RedisStore::builder_sentinel(["redis://127.0.0.1:26379"], "mymaster")
     ///     .wait_for_replicas(1, Duration::from_millis(100))
     ///     .connect()
     ///     .await?;
+    /// // The same: RedisStore::builder("redis+sentinel://127.0.0.1:26379/mymaster")
     /// assert_eq!(store.primary_switches(), 0);
     /// # Ok(())
     /// # }
@@ -517,23 +574,6 @@ impl RedisStore {
             ),
             ..RedisStore::builder(String::new())
         }
-    }
-
-    /// The Sentinel URLs and master name a `redis+sentinel://host1:port1,host2:port2/master`
-    /// URL names (`rediss+sentinel://` for TLS): `(["redis://host1:port1",
-    /// "redis://host2:port2"], "master")`, for [`builder_sentinel`](Self::builder_sentinel).
-    /// `None` for any other scheme or without a master name.
-    #[cfg(feature = "redis-sentinel")]
-    pub fn sentinel_from_url(url: &str) -> Option<(Vec<String>, String)> {
-        super::sentinel::sentinel_from_url(url)
-    }
-
-    /// The node URLs a `redis+cluster://host1:port1,host2:port2` URL names (`rediss+cluster://`
-    /// for TLS): `["redis://host1:port1", "redis://host2:port2"]`; an item that has its own
-    /// scheme (`redis://...`) is kept as is. `None` for any other scheme.
-    pub fn cluster_nodes_from_url(url: &str) -> Option<Vec<String>> {
-        let (base, rest) = multi_node_url(url, "+cluster")?;
-        Some(node_urls(base, rest))
     }
 
     /// A builder for a store on a client you made (your own TLS certificates with

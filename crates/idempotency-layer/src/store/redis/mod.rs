@@ -360,12 +360,14 @@ impl RedisStore {
         format!("{}forget", self.inner.prefix)
     }
 
-    /// The key (and pub/sub channel) of `scope`: the prefix + 64 hex characters.
-    pub fn key(&self, scope: &ScopeKey) -> String {
+    /// The key (and pub/sub channel) of `scope`: the [`prefix`](Self::prefix) + its 64 hex
+    /// characters ([`ScopeKey::to_hex`]).
+    pub(crate) fn key(&self, scope: &ScopeKey) -> String {
         format!("{}{}", self.inner.prefix, scope.to_hex())
     }
 
-    /// The key prefix.
+    /// The key prefix: a scope's entry is at the prefix + [`ScopeKey::to_hex`], and its
+    /// pub/sub channel has the same name.
     pub fn prefix(&self) -> &str {
         &self.inner.prefix
     }

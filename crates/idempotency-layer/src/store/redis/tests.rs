@@ -79,15 +79,48 @@ fn tokens_round_trip_and_bad_lengths_are_corrupt() {
 #[test]
 fn cluster_urls_name_their_nodes() {
     assert_eq!(
-        RedisStore::cluster_nodes_from_url("redis+cluster://a:7000,b:7001/").unwrap(),
+        super::builder::cluster_nodes_from_url("redis+cluster://a:7000,b:7001/").unwrap(),
         ["redis://a:7000", "redis://b:7001/"]
     );
     assert_eq!(
-        RedisStore::cluster_nodes_from_url("rediss+cluster://redis://a:1, b:2").unwrap(),
+        super::builder::cluster_nodes_from_url("rediss+cluster://redis://a:1, b:2").unwrap(),
         ["redis://a:1", "rediss://b:2"]
     );
-    assert!(RedisStore::cluster_nodes_from_url("redis://a:1").is_none());
-    assert!(RedisStore::cluster_nodes_from_url("memory").is_none());
+    assert!(super::builder::cluster_nodes_from_url("redis://a:1").is_none());
+    assert!(super::builder::cluster_nodes_from_url("memory").is_none());
+}
+
+/// `RedisStore::builder` reads the cluster and Sentinel schemes; a URL of theirs it cannot
+/// serve is refused at connect (before any connection) with what to do.
+#[tokio::test]
+async fn the_builder_reads_every_redis_url_and_says_what_it_cannot_serve() {
+    let refused = |url: &'static str| async move {
+        match RedisStore::builder(url).connect().await {
+            Err(StoreError::Backend(e)) => e.to_string(),
+            other => panic!("{url}: {other:?}"),
+        }
+    };
+    let why = refused("redis+sentinel://127.0.0.1:1").await;
+    if cfg!(feature = "redis-sentinel") {
+        assert!(why.contains("names its master"), "{why}");
+    } else {
+        assert!(why.contains("redis-sentinel"), "{why}");
+    }
+    if !cfg!(feature = "redis-cluster") {
+        let why = refused("redis+cluster://127.0.0.1:1").await;
+        assert!(why.contains("redis-cluster"), "{why}");
+    }
+    #[cfg(feature = "redis-cluster")]
+    assert!(matches!(
+        RedisStore::builder("redis+cluster://a:7000,b:7001").source,
+        super::builder::Source::Cluster(ref nodes) if nodes == &["redis://a:7000", "redis://b:7001"]
+    ));
+    #[cfg(feature = "redis-sentinel")]
+    assert!(matches!(
+        RedisStore::builder("redis+sentinel://a:26379/idem").source,
+        super::builder::Source::Sentinel(ref nodes, ref master)
+            if nodes == &["redis://a:26379"] && master == "idem"
+    ));
 }
 
 #[test]
