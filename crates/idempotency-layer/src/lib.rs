@@ -482,6 +482,12 @@ mod write;
 
 pub use body::{IdempotencyBody, RequestBody};
 pub use config::{InFlight, OnDisconnect, RecordedHeaders, TenantSource, Writes};
+/// The [`deadpool_postgres`](https://docs.rs/deadpool-postgres) and
+/// [`tokio_postgres`](https://docs.rs/tokio-postgres) crates the PostgreSQL store is built on
+/// (feature `postgres`): a pool you share with the store (`PostgresStore::builder_from_pool`)
+/// and the transaction `TxCompletion` takes must be of these versions, so take them from here.
+#[cfg(feature = "postgres")]
+pub use deadpool_postgres;
 pub use future::ResponseFuture;
 pub use idempotent_write::IdempotentWrite;
 #[cfg(feature = "axum")]
@@ -495,15 +501,27 @@ pub use reason_code;
 pub use reason_code::{
     IDEMPOTENCY_KEY, IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY,
 };
+/// The [`redis`](https://docs.rs/redis) crate the Redis store is built on (feature `redis`):
+/// a `redis::Client` or `ConnectionManager` you pass to `RedisStore` must be of this version,
+/// so take it from here.
+#[cfg(feature = "redis")]
+pub use redis;
 pub use reject::{RejectReason, Rejection};
 pub use scope::{Scope, Tenant};
 pub use service::Idempotency;
+/// The [`sqlx`](https://docs.rs/sqlx) crate `TxCompletion::complete_in_sqlx` takes a
+/// transaction of (feature `sqlx`).
+#[cfg(feature = "sqlx")]
+pub use sqlx;
 pub use stats::IdempotencyStats;
 pub use store::{IdempotencyStore, MemoryStore, StoreError};
 #[cfg(feature = "postgres")]
 pub use store::{PostgresStore, PostgresStoreBuilder};
 #[cfg(feature = "redis")]
 pub use store::{RedisStore, RedisStoreBuilder};
+#[cfg(feature = "postgres")]
+#[doc(no_inline)]
+pub use tokio_postgres;
 #[cfg(feature = "postgres")]
 pub use tx::{TxCompletion, TxCompletionError};
 
