@@ -876,7 +876,7 @@ pub async fn run_kill(opts: KillOptions) -> KillReport {
             let store = AnyStore::from_url(&url)
                 .await
                 .expect("the run's store is reachable");
-            let method = Scope::http(&http::Method::POST, "/orders");
+            let method = Scope::http_operation(&http::Method::POST, "/orders");
             let scopes: Vec<(String, String)> = results
                 .iter()
                 .map(|(key, _, _, _)| (method.clone(), key.clone()))

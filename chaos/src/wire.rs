@@ -70,8 +70,10 @@ impl Wire {
     /// The method part of the idempotency scope of this wire's write.
     pub(crate) fn scope_method(self) -> String {
         match self {
-            Wire::Http1 | Wire::Http2 => idempotency_layer::Scope::http(&http::Method::POST, PATH),
-            Wire::Grpc => idempotency_layer::Scope::grpc(GRPC_PATH),
+            Wire::Http1 | Wire::Http2 => {
+                idempotency_layer::Scope::http_operation(&http::Method::POST, PATH)
+            }
+            Wire::Grpc => idempotency_layer::Scope::grpc_operation(GRPC_PATH),
         }
     }
 }

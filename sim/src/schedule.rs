@@ -540,9 +540,9 @@ impl Schedule {
     /// The store key of `tenant`'s write with `key`, as the servers' layers compute it.
     pub fn scope_key(&self, tenant: &str, key: &str) -> ScopeKey {
         let method = if self.settings.protocol == Protocol::Grpc {
-            idempotency_layer::Scope::grpc(crate::grpc::PUT)
+            idempotency_layer::Scope::grpc_operation(crate::grpc::PUT)
         } else {
-            idempotency_layer::Scope::http(&http::Method::POST, &format!("/w/{key}"))
+            idempotency_layer::Scope::http_operation(&http::Method::POST, &format!("/w/{key}"))
         };
         idempotency_layer::Scope::new(tenant, &method, key).key()
     }

@@ -27,9 +27,7 @@ fn policy() -> RetryPolicy {
             1_000,
             1.0,
         ));
-    for m in IDEMPOTENT_METHODS {
-        b = b.idempotent_grpc_method(m);
-    }
+    b = b.idempotent_grpc_methods(retry_layer::GrpcMethods::new(IDEMPOTENT_METHODS).unwrap());
     b.build().unwrap()
 }
 

@@ -468,7 +468,7 @@ impl<St: IdempotencyStore> IdempotencyLayer<St> {
     /// use idempotency_layer::{IdempotencyLayer, Scope};
     ///
     /// let layer = IdempotencyLayer::default();
-    /// let method = Scope::http(&http::Method::POST, "/orders");
+    /// let method = Scope::http_operation(&http::Method::POST, "/orders");
     /// let forgot = layer.forget(Scope::new("acme", &method, "order-00042")).await.unwrap();
     /// assert!(!forgot);
     /// # }

@@ -63,13 +63,15 @@ impl<'a> Scope<'a> {
         }
     }
 
-    /// The method string of an HTTP request: `"POST /orders"`.
-    pub fn http(method: &http::Method, path: &str) -> String {
+    /// The operation of an HTTP request, as a scope names it: `"POST /orders"` (with axum, the
+    /// route's template: `"POST /books/{id}/orders"`). For [`Scope::new`]'s `method`.
+    pub fn http_operation(method: &http::Method, path: &str) -> String {
         format!("{} {}", method.as_str(), path)
     }
 
-    /// The method string of a gRPC request: its path, `"/package.Service/Method"`.
-    pub fn grpc(path: &str) -> String {
+    /// The operation of a gRPC request, as a scope names it: its path,
+    /// `"/package.Service/Method"`. For [`Scope::new`]'s `method`.
+    pub fn grpc_operation(path: &str) -> String {
         path.to_owned()
     }
 
@@ -194,7 +196,7 @@ mod tests {
             m in prop::sample::select(vec!["GET", "POST", "PUT", "PATCH", "DELETE", "PURGE"]),
         ) {
             let method = http::Method::from_bytes(m.as_bytes()).unwrap();
-            let scope_method = Scope::http(&method, &path);
+            let scope_method = Scope::http_operation(&method, &path);
             let scope = Scope::new(&t, &scope_method, &k);
             let mut h = blake3::Hasher::new();
             h.update(SCOPE_DOMAIN);

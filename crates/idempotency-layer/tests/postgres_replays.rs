@@ -62,7 +62,7 @@ async fn a_thousand_replays_take_no_transaction_id_and_write_nothing() {
     store.migrate().await.expect("migrate");
     let db = raw(&url).await;
 
-    let method = Scope::http(&http::Method::POST, "/orders");
+    let method = Scope::http_operation(&http::Method::POST, "/orders");
     let scope = Scope::new("shop", &method, "replayed-key").key();
     let fp = Fingerprint([1; 32]);
     let Ok(Begin::New(token)) = store.begin(scope, fp, conformance::LONG).await else {

@@ -231,11 +231,12 @@
 //! #     tonic::transport::Endpoint::from_static("http://127.0.0.1:1").connect_lazy()
 //! # }
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {
-//! use retry_layer::{ReplayBody, RetryLayer, RetryPolicy};
+//! use retry_layer::{GrpcMethods, ReplayBody, RetryLayer, RetryPolicy};
 //! use tower::ServiceBuilder;
 //!
+//! let reads = GrpcMethods::new(["/plume.linkd.v3.Library/GetBook"]).unwrap();
 //! let policy = RetryPolicy::builder()
-//!     .idempotent_grpc_method("/plume.linkd.v3.Library/GetBook")
+//!     .idempotent_grpc_methods(reads)
 //!     .ensure_idempotency_key()
 //!     .build()
 //!     .unwrap();

@@ -140,6 +140,8 @@ pub enum Reply {
     Backend,
     /// [`StoreError::Corrupt`].
     Corrupt,
+    /// [`StoreError::Config`].
+    Config,
 }
 
 impl Reply {
@@ -150,6 +152,7 @@ impl Reply {
             Err(StoreError::Full) => Reply::Full,
             Err(StoreError::Backend(_)) => Reply::Backend,
             Err(StoreError::Corrupt(_)) => Reply::Corrupt,
+            Err(StoreError::Config(_)) => Reply::Config,
         }
     }
 }

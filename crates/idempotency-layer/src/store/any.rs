@@ -85,29 +85,23 @@ impl AnyStore {
             )),
             #[allow(unreachable_patterns)]
             "redis" | "rediss" | "redis+cluster" | "rediss+cluster" | "redis+sentinel"
-            | "rediss+sentinel" | "postgres" | "postgresql" => Err(StoreError::Backend(
-                format!(
-                    "this build has no {scheme} store: enable the idempotency-layer cargo feature \
+            | "rediss+sentinel" | "postgres" | "postgresql" => Err(StoreError::Config(format!(
+                "this build has no {scheme} store: enable the idempotency-layer cargo feature \
                      `{}`",
-                    if scheme.ends_with("+cluster") {
-                        "redis-cluster"
-                    } else if scheme.ends_with("+sentinel") {
-                        "redis-sentinel"
-                    } else if scheme.starts_with("redis") {
-                        "redis"
-                    } else {
-                        "postgres"
-                    }
-                )
-                .into(),
-            )),
-            other => Err(StoreError::Backend(
-                format!(
-                    "unknown idempotency store {other:?}: use memory, redis://HOST:PORT, \
+                if scheme.ends_with("+cluster") {
+                    "redis-cluster"
+                } else if scheme.ends_with("+sentinel") {
+                    "redis-sentinel"
+                } else if scheme.starts_with("redis") {
+                    "redis"
+                } else {
+                    "postgres"
+                }
+            ))),
+            other => Err(StoreError::Config(format!(
+                "unknown idempotency store {other:?}: use memory, redis://HOST:PORT, \
                      rediss://HOST:PORT or postgres://USER@HOST/DB"
-                )
-                .into(),
-            )),
+            ))),
         }
     }
 }
@@ -233,5 +227,9 @@ mod tests {
         crate::conformance::run_all(|| store.clone()).await;
         let e = AnyStore::from_url("mongodb://x").await.unwrap_err();
         assert!(e.to_string().contains("use memory, redis://"), "{e}");
+        assert!(
+            matches!(e, StoreError::Config(_)),
+            "a setting to change: {e:?}"
+        );
     }
 }

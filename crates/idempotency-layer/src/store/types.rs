@@ -227,10 +227,15 @@ pub enum StoreError {
     /// Nothing was claimed and nothing executes: the layer answers 503 / UNAVAILABLE with
     /// `Retry-After`, which clients retry.
     Full,
-    /// The backend failed or is unreachable.
+    /// The backend failed or is unreachable: an outage, which may pass.
     Backend(BoxError),
     /// An entry could not be decoded.
     Corrupt(String),
+    /// A setting, a URL or the server's own configuration the store cannot work with (a bad
+    /// table name, a pool of no connection, a URL scheme this build has no feature for, a Redis
+    /// that may evict the store's keys): nothing works until it is changed, so it is not an
+    /// outage to wait out. The message says what to change.
+    Config(String),
 }
 
 impl fmt::Display for StoreError {
@@ -244,6 +249,7 @@ impl fmt::Display for StoreError {
             ),
             StoreError::Backend(e) => write!(f, "idempotency store backend failed: {e}"),
             StoreError::Corrupt(what) => write!(f, "idempotency store entry is corrupt: {what}"),
+            StoreError::Config(what) => write!(f, "idempotency store misconfigured: {what}"),
         }
     }
 }

@@ -196,7 +196,7 @@ async fn header_values_of_64_kib_are_refused_or_ignored_cheaply() {
 #[tokio::test]
 async fn one_tenant_with_thousands_of_keys_cannot_grow_the_store_or_break_others() {
     let count = Arc::new(AtomicUsize::new(0));
-    let store = MemoryStore::with_capacity(1_000);
+    let store = MemoryStore::builder().max_entries(1_000).build();
     let layer = IdempotencyLayer::new(store.clone());
     let app = counting(&count).layer(layer.clone());
     let as_tenant = |tenant: &str, key: String| {
@@ -400,7 +400,7 @@ async fn a_corrupt_entry_is_a_clear_non_retryable_error_until_forgotten() {
         .fail_open(true); // even fail-open must not execute over a corrupt entry
     let app = counting(&count).layer(layer.clone());
     let key = "corrupt-key-01";
-    let method = Scope::http(&http::Method::POST, "/orders");
+    let method = Scope::http_operation(&http::Method::POST, "/orders");
     store.inject(Rule::new(Op::Begin, Fault::Corrupt).scope(Scope::new("t", &method, key).key()));
 
     let r = call(&app, post_with_key(HeaderValue::from_static(key), "{}")).await;
@@ -499,7 +499,7 @@ async fn logs_never_carry_keys_tenants_or_bodies() {
         201
     );
     up(&flaky);
-    let method = Scope::http(&http::Method::POST, "/orders");
+    let method = Scope::http_operation(&http::Method::POST, "/orders");
     assert!(layer
         .forget(Scope::new(TENANT, &method, KEY))
         .await

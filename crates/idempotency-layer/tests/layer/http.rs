@@ -321,7 +321,7 @@ async fn permanent_failures_are_recorded_only_when_opted_in() {
         assert_eq!(count.load(Ordering::SeqCst), executions, "opt_in {opt_in}");
         if opt_in {
             // An admin can clear the recorded failure.
-            let method = Scope::http(&http::Method::POST, "/pay");
+            let method = Scope::http_operation(&http::Method::POST, "/pay");
             let scope = Scope::new("t", &method, "payment-000002");
             assert!(layer.forget(scope).await.unwrap());
             call(&app, req_post("/pay", key, "{}")).await;
@@ -733,7 +733,7 @@ async fn capacity_holds_with_ten_times_the_keys() {
     let store = MemoryStore::builder()
         .max_entries(50)
         .tenant_share_percent(100)
-        .evict_when_full(true)
+        .min_retention(Duration::ZERO)
         .build();
     let layer =
         IdempotencyLayer::new(store.clone()).tenant(idempotency_layer::TenantSource::fixed("t"));

@@ -185,7 +185,7 @@ async fn the_default_store_takes_100_writes_a_second_for_75_minutes() {
             Bytes::from(vec![b'x'; 200]),
         ))
     };
-    let method = Scope::http(&http::Method::POST, "/orders");
+    let method = Scope::http_operation(&http::Method::POST, "/orders");
     let (rate, seconds) = (100, 75 * 60);
     let mut refused = 0;
     for second in 0..seconds {

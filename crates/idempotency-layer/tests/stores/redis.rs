@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::support::*;
 use idempotency_layer::store::{Begin, Fingerprint, ScopeKey};
-use idempotency_layer::{conformance, IdempotencyStore, RedisStore};
+use idempotency_layer::{conformance, IdempotencyStore, RedisStore, StoreError};
 use redis::AsyncCommands;
 
 /// A store on `REDIS_URL` with a prefix of its own, or `None` (skip) when it is unset.
@@ -432,6 +432,10 @@ async fn require_noeviction_refuses_an_evicting_server() {
         .connect()
         .await
         .expect_err("an evicting server is refused");
+    assert!(
+        matches!(refused, StoreError::Config(_)),
+        "a setting to change, not an outage: {refused:?}"
+    );
     let message = refused.to_string();
     assert!(
         message.contains("allkeys-lru") && message.contains("noeviction"),

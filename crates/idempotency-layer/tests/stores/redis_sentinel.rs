@@ -209,7 +209,7 @@ async fn any_store_opens_it_from_its_url() {
     store.complete(s, t, record(), LEASE).await.unwrap();
     assert!(matches!(
         idempotency_layer::store::AnyStore::from_url("redis+sentinel://127.0.0.1:1").await,
-        Err(StoreError::Backend(_))
+        Err(StoreError::Config(_))
     ));
 }
 

@@ -83,7 +83,7 @@ pub async fn post_order(client: &HttpClient, addr: SocketAddr, key: &str, body: 
 
 /// The scope the layer uses for `POST /orders` with `key` in tenant `shop`.
 pub fn order_scope(key: &str) -> ScopeKey {
-    let method = Scope::http(&http::Method::POST, "/orders");
+    let method = Scope::http_operation(&http::Method::POST, "/orders");
     Scope::new("shop", &method, key).key()
 }
 
@@ -790,7 +790,7 @@ pub async fn near_cache_forget_reaches_every_instance<S: IdempotencyStore>(
     assert_eq!(executions.of(&key), 1);
 
     let invalidations = stats(&b).unwrap().invalidations;
-    let method = Scope::http(&http::Method::POST, "/orders");
+    let method = Scope::http_operation(&http::Method::POST, "/orders");
     assert!(layer_a
         .forget(Scope::new("shop", &method, &key))
         .await

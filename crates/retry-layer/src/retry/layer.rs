@@ -59,13 +59,6 @@ impl RetryLayer {
     }
 }
 
-impl<S> Retry<S> {
-    /// A [`RetryLayer`] with `policy`: `Retry::layer(policy)` reads well in a `ServiceBuilder`.
-    pub fn layer(policy: RetryPolicy) -> RetryLayer {
-        RetryLayer::new(policy)
-    }
-}
-
 impl<S> Layer<S> for RetryLayer {
     type Service = Retry<S>;
 

@@ -97,7 +97,9 @@ async fn call_with(
         .await
         .unwrap();
     let policy = RetryPolicy::builder()
-        .idempotent_grpc_method("/plume.linkd.v3.Library/GetBook")
+        .idempotent_grpc_methods(
+            retry_layer::GrpcMethods::new(["/plume.linkd.v3.Library/GetBook"]).unwrap(),
+        )
         .build()
         .unwrap();
     let svc = ServiceBuilder::new()

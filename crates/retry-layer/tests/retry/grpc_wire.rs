@@ -120,7 +120,9 @@ async fn call_with(
 
 fn declared() -> RetryPolicy {
     RetryPolicy::builder()
-        .idempotent_grpc_method("/plume.linkd.v3.Library/GetBook")
+        .idempotent_grpc_methods(
+            retry_layer::GrpcMethods::new(["/plume.linkd.v3.Library/GetBook"]).unwrap(),
+        )
         .build()
         .unwrap()
 }
@@ -325,7 +327,9 @@ async fn a_service_config_chooses_the_policy_by_method() {
     let policy = RetryPolicy::from_grpc_service_config(config)
         .unwrap()
         .to_builder()
-        .idempotent_grpc_method("/plume.linkd.v3.Library/")
+        .idempotent_grpc_methods(
+            retry_layer::GrpcMethods::new(["/plume.linkd.v3.Library/"]).unwrap(),
+        )
         .build()
         .unwrap();
     let layer = RetryLayer::new(policy);
@@ -715,7 +719,7 @@ async fn a_tonic_channel_to_a_host_that_does_not_answer_then_does() {
         .buffer_size(1)
         .connect_lazy();
     let policy = RetryPolicy::builder()
-        .idempotent_grpc_method(GET_BOOK)
+        .idempotent_grpc_methods(retry_layer::GrpcMethods::new([GET_BOOK]).unwrap())
         .response_head_timeout(Duration::from_millis(500))
         .build()
         .unwrap();

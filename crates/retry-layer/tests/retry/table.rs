@@ -147,7 +147,7 @@ rows! {
 #[tokio::test(start_paused = true)]
 async fn grpc_declared_idempotent_method_is_retried() {
     let policy = RetryPolicy::builder()
-        .idempotent_grpc_method("/lib.Library/GetBook")
+        .idempotent_grpc_methods(retry_layer::GrpcMethods::new(["/lib.Library/GetBook"]).unwrap())
         .build()
         .unwrap();
     let (_, script, _) = call_scripted(
@@ -166,7 +166,7 @@ async fn grpc_declared_idempotent_method_is_retried() {
     assert_eq!(script.attempts(), 1);
     // A whole service.
     let policy = RetryPolicy::builder()
-        .idempotent_grpc_method("/lib.Library/")
+        .idempotent_grpc_methods(retry_layer::GrpcMethods::new(["/lib.Library/"]).unwrap())
         .build()
         .unwrap();
     let (_, script, _) =

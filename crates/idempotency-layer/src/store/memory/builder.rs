@@ -66,13 +66,6 @@ impl MemoryStoreBuilder {
         self
     }
 
-    /// `true`: when the store is full, any record may make room, however young (its retry
-    /// executes again): `min_retention(Duration::ZERO)`. `false`: none ever does, the store
-    /// refuses instead: `min_retention(Duration::MAX)`.
-    pub fn evict_when_full(self, evict: bool) -> Self {
-        self.min_retention(if evict { Duration::ZERO } else { Duration::MAX })
-    }
-
     /// The store.
     pub fn build(self) -> MemoryStore {
         let shards = self.shards.clamp(1, self.entries);

@@ -94,8 +94,8 @@ const HEADER_OVERHEAD: usize = 32;
 ///   `max_bytes` to fit it. Or use a shared store to keep every record for its TTL. Watch
 ///   [`MemoryStats::refused`] (a refusal is a 503 your clients retry) and
 ///   [`MemoryStats::evicted`].
-/// - **Eviction** of records younger than `min_retention` never happens, unless
-///   [`evict_when_full`](MemoryStoreBuilder::evict_when_full) asks for it.
+/// - **Eviction** of records younger than `min_retention` never happens: set it to zero to let
+///   any record make room (its retry then runs again), or to `Duration::MAX` to never evict.
 /// - **Failover, restarts, several instances**: records live in this process only; a restart
 ///   forgets them and instances do not share them. Use `RedisStore` or `PostgresStore` then.
 ///
@@ -133,8 +133,7 @@ pub struct MemoryStats {
     /// executed.
     pub refused: u64,
     /// Records evicted before their TTL to make room: older than
-    /// [`min_retention`](MemoryStoreBuilder::min_retention) (any record, with
-    /// [`evict_when_full`](MemoryStoreBuilder::evict_when_full)).
+    /// [`min_retention`](MemoryStoreBuilder::min_retention).
     pub evicted: u64,
     /// Records kept without their body because it did not fit.
     pub bodies_dropped: u64,
@@ -197,21 +196,6 @@ impl MemoryStore {
             tenant_share: Self::DEFAULT_TENANT_SHARE_PERCENT,
             min_retention: Self::DEFAULT_MIN_RETENTION,
         }
-    }
-
-    /// A store that keeps at most `capacity` entries (at least one), the other settings at
-    /// their defaults.
-    pub fn with_capacity(capacity: usize) -> Self {
-        MemoryStore::builder().max_entries(capacity).build()
-    }
-
-    /// A store that keeps at most `capacity` entries spread over `shards` shards. Both are
-    /// raised to at least one; the shard count is lowered to the capacity when it is larger.
-    pub fn with_capacity_and_shards(capacity: usize, shards: usize) -> Self {
-        MemoryStore::builder()
-            .max_entries(capacity)
-            .shards(shards)
-            .build()
     }
 
     /// The most entries this store keeps.

@@ -32,7 +32,8 @@ fn an_entry_is_no_larger_than_a_records_fields() {
 #[tokio::test(start_paused = true)]
 async fn conformance() {
     crate::conformance::run_all(MemoryStore::new).await;
-    crate::conformance::run_all(|| MemoryStore::with_capacity_and_shards(1000, 1)).await;
+    crate::conformance::run_all(|| MemoryStore::builder().max_entries(1000).shards(1).build())
+        .await;
 }
 
 fn tenant_scope(tenant: &str, i: u64) -> (TenantKey, ScopeKey) {
@@ -147,7 +148,7 @@ async fn a_full_store_refuses_and_counts_and_never_drops_a_record_early() {
 /// it completed, and the new one's wait until it ends.
 #[tokio::test(start_paused = true)]
 async fn a_reused_claim_is_a_new_claim() {
-    let store = MemoryStore::with_capacity_and_shards(100, 1);
+    let store = MemoryStore::builder().max_entries(100).shards(1).build();
     let lease = Duration::from_secs(60);
     let ttl = Duration::from_secs(3600);
     let (a, b) = (scope(1), scope(2));
@@ -307,7 +308,7 @@ async fn evict_when_full_evicts_the_flooders_own_records_and_counts() {
         .max_entries(400)
         .shards(2)
         .tenant_share_percent(50)
-        .evict_when_full(true)
+        .min_retention(Duration::ZERO)
         .build();
     let ttl = Duration::from_secs(3600);
     for i in 0..100 {
@@ -470,7 +471,7 @@ async fn the_default_store_serves_ten_keys_a_second_around_the_clock() {
 
 #[tokio::test(start_paused = true)]
 async fn a_shard_full_of_claims_in_flight_says_full() {
-    let store = MemoryStore::with_capacity_and_shards(2, 1);
+    let store = MemoryStore::builder().max_entries(2).shards(1).build();
     let fp = Fingerprint([1; 32]);
     let lease = Duration::from_secs(60);
     assert!(matches!(
@@ -495,7 +496,7 @@ async fn a_shard_full_of_claims_in_flight_says_full() {
 #[tokio::test(start_paused = true)]
 async fn lapsed_claims_make_room_for_new_ones() {
     for shards in [1, 4] {
-        let store = MemoryStore::with_capacity_and_shards(2, shards);
+        let store = MemoryStore::builder().max_entries(2).shards(shards).build();
         let fp = Fingerprint([1; 32]);
         let short = Duration::from_secs(1);
         for i in 0..2 {
@@ -522,7 +523,7 @@ async fn lapsed_claims_make_room_for_new_ones() {
 
 #[tokio::test(start_paused = true)]
 async fn expired_records_are_removed_incrementally() {
-    let store = MemoryStore::with_capacity_and_shards(10_000, 1);
+    let store = MemoryStore::builder().max_entries(10_000).shards(1).build();
     let fp = Fingerprint([1; 32]);
     let lease = Duration::from_secs(60);
     for i in 0..100 {
@@ -554,7 +555,7 @@ async fn expired_records_are_removed_incrementally() {
 /// client that writes and forgets keys forever does not grow the store.
 #[tokio::test(start_paused = true)]
 async fn forgotten_records_do_not_grow_the_expiry_queue() {
-    let store = MemoryStore::with_capacity_and_shards(1000, 1);
+    let store = MemoryStore::builder().max_entries(1000).shards(1).build();
     let day = Duration::from_secs(86_400);
     for i in 0..100 {
         write(&store, scope(i), 10, day).await.unwrap();
@@ -580,7 +581,7 @@ async fn forgotten_records_do_not_grow_the_expiry_queue() {
 /// TTL that completes later is still removed when it expires, and the longer ones are kept.
 #[tokio::test(start_paused = true)]
 async fn a_shorter_ttl_completed_later_expires_first() {
-    let store = MemoryStore::with_capacity_and_shards(1000, 1);
+    let store = MemoryStore::builder().max_entries(1000).shards(1).build();
     let secs = Duration::from_secs;
     write(&store, scope(1), 10, secs(60)).await.unwrap();
     write(&store, scope(2), 10, secs(10)).await.unwrap();
@@ -614,7 +615,7 @@ async fn a_shorter_ttl_completed_later_expires_first() {
 /// the live element both name it; the record is removed when due, exactly once.
 #[tokio::test(start_paused = true)]
 async fn a_record_written_again_with_the_same_expiry_expires_once() {
-    let store = MemoryStore::with_capacity_and_shards(1000, 1);
+    let store = MemoryStore::builder().max_entries(1000).shards(1).build();
     let ttl = Duration::from_secs(10);
     write(&store, scope(1), 10, ttl).await.unwrap();
     assert!(store.forget(scope(1)).await.unwrap());

@@ -16,7 +16,7 @@ use super::busy::Canceller;
 use super::listen::cleanup_task;
 use super::sql::Sql;
 use super::Connector;
-use super::{backend, millis, pool_error, Inner, PostgresStore, RENEWAL_CONNECTIONS};
+use super::{millis, pool_error, Inner, PostgresStore, RENEWAL_CONNECTIONS};
 
 /// Builds a [`PostgresStore`]: [`PostgresStore::builder`].
 #[derive(Debug, Clone)]
@@ -31,14 +31,13 @@ pub struct PostgresStoreBuilder {
     cleanup_batch: i64,
     pool: Option<Pool>,
     near: Option<NearCache>,
-    transaction_pooler: bool,
     listen_url: Option<String>,
     #[cfg(feature = "postgres-tls")]
     roots: Option<Vec<u8>>,
 }
 
-/// The URL query parameter that says the URL names a transaction pooler
-/// ([`PostgresStoreBuilder::transaction_pooler`]); taken out of the URL before it is parsed.
+/// The URL query parameter that says the URL names a transaction pooler (see
+/// [`PostgresStore::builder`]); taken out of the URL before it is parsed.
 const POOLING_PARAM: &str = "pooling=transaction";
 
 /// `url` without [`POOLING_PARAM`], and whether it had it.
@@ -106,17 +105,19 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// The most pooled connections (default 16), besides the one that listens for
-    /// notifications. Each request in flight holds one only for the length of a statement.
+    /// The most pooled connections (default 16; at least 1, else [`connect`](Self::connect)
+    /// refuses it), besides the one that listens for notifications. Each request in flight
+    /// holds one only for the length of a statement.
     pub fn pool_size(mut self, size: usize) -> Self {
-        self.pool_size = size.max(1);
+        self.pool_size = size;
         self
     }
 
     /// The longest any one operation may take, waiting for a pooled connection and connecting
-    /// included, before it fails with [`StoreError::Backend`] (default 2 s).
+    /// included, before it fails with [`StoreError::Backend`] (default 2 s; zero is refused at
+    /// connect).
     pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout.max(Duration::from_millis(1));
+        self.timeout = timeout;
         self
     }
 
@@ -134,9 +135,10 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// How many expired rows one cleanup statement removes at most (default 1000).
+    /// How many expired rows one cleanup statement removes at most (default 1000; zero is
+    /// refused at connect).
     pub fn cleanup_batch(mut self, rows: u32) -> Self {
-        self.cleanup_batch = i64::from(rows.max(1));
+        self.cleanup_batch = i64::from(rows);
         self
     }
 
@@ -167,50 +169,10 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// The URL names a pooler in transaction mode (PgBouncer's `pool_mode = transaction`, the
-    /// way most PostgreSQL deployments run it), or not (default: a server, or a pooler in
-    /// session mode). Also said by `pooling=transaction` among the URL's parameters
-    /// (`postgres://app@pgbouncer:6432/app?pooling=transaction`).
-    ///
-    /// Behind a transaction pooler, each transaction may run on another server session, so
-    /// the store:
-    /// - prepares no statement: each is sent unnamed with its parameters, in one round trip;
-    /// - sets nothing on a session: a `SET` would leak to the pooler's other clients. Its
-    ///   statements are bounded by the store's [`timeout`](Self::timeout) and cancelled when
-    ///   it passes; set the pooler's `query_timeout` for a bound on the server side too;
-    /// - listens for notifications on a connection of its own, which a transaction pooler
-    ///   cannot carry (`LISTEN` there succeeds, hears nothing, and stays on a server session
-    ///   the pooler hands to its other clients): give it a URL that reaches the server
-    ///   directly, or a pooler in session mode, with [`listen_url`](Self::listen_url).
-    ///   Without one, the store does not listen at all: the near cache stays off and waiters
-    ///   poll ([`listener_hears`](PostgresStore::listener_hears) is `Some(false)`; a warning
-    ///   is logged at connect). A pooler the store is not told of is found out by the
-    ///   listener's heartbeat notification, with the same outcome.
-    ///
-    /// ```
-    /// use idempotency_layer::PostgresStore;
-    ///
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), idempotency_layer::StoreError> {
-    /// # let Ok(url) = std::env::var("PGBOUNCER_URL") else { return Ok(()) };
-    /// # let Ok(direct) = std::env::var("DATABASE_URL") else { return Ok(()) };
-    /// let store = PostgresStore::builder(url) // postgres://app@pgbouncer:6432/app
-    ///     .transaction_pooler(true)
-    ///     .listen_url(direct) // postgres://app@db:5432/app
-    ///     .connect()
-    ///     .await?;
-    /// # let _ = store;
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn transaction_pooler(mut self, yes: bool) -> Self {
-        self.transaction_pooler = yes;
-        self
-    }
-
     /// Where the store's listening connection (the one that `LISTEN`s, to wake waiters and
     /// keep near caches coherent) connects: by default the store's URL. Set it when that URL
-    /// names a pooler in transaction mode ([`transaction_pooler`](Self::transaction_pooler)):
+    /// names a pooler in transaction mode (`pooling=transaction`, see
+    /// [`PostgresStore::builder`]):
     /// to the server itself, or to a pooler in session mode.
     pub fn listen_url(mut self, url: impl Into<String>) -> Self {
         self.listen_url = Some(url.into());
@@ -232,14 +194,31 @@ impl PostgresStoreBuilder {
     pub async fn connect(self) -> Result<PostgresStore, StoreError> {
         check_identifier("schema", &self.schema, 63)?;
         check_identifier("table", &self.table, 48)?;
+        if self.pool.is_none() && self.pool_size == 0 {
+            return Err(StoreError::Config(
+                "pool_size must be at least 1: a pool of no connection runs nothing".into(),
+            ));
+        }
+        if self.timeout.is_zero() {
+            return Err(StoreError::Config(
+                "timeout must be more than zero: every operation would fail at once".into(),
+            ));
+        }
+        if self.cleanup_batch == 0 {
+            return Err(StoreError::Config(
+                "cleanup_batch must be at least 1 row (to stop the cleanup, set \
+                 cleanup_interval to zero)"
+                    .into(),
+            ));
+        }
         let (url, pooling_param) = take_pooling_param(&self.url);
-        let unprepared = self.transaction_pooler || pooling_param;
-        let mut config = tokio_postgres::Config::from_str(&url).map_err(backend)?;
+        let unprepared = pooling_param;
+        let mut config = tokio_postgres::Config::from_str(&url).map_err(not_a_url)?;
         config.connect_timeout(self.timeout);
         let listen_config = match &self.listen_url {
             Some(url) => {
                 let mut c = tokio_postgres::Config::from_str(&take_pooling_param(url).0)
-                    .map_err(backend)?;
+                    .map_err(not_a_url)?;
                 c.connect_timeout(self.timeout);
                 Some(c)
             }
@@ -263,7 +242,7 @@ impl PostgresStoreBuilder {
                 Connector::Rustls(tls::connector(self.roots.as_deref())?)
             }
             #[cfg(not(feature = "postgres-tls"))]
-            return Err(StoreError::Backend(
+            return Err(StoreError::Config(
                 "sslmode=require needs the idempotency-layer cargo feature `postgres-tls`".into(),
             ));
         } else {
@@ -445,6 +424,11 @@ mod tls {
     }
 }
 
+/// A URL tokio-postgres cannot read: a setting to change, not an outage.
+fn not_a_url(e: tokio_postgres::Error) -> StoreError {
+    StoreError::Config(format!("not a postgres URL the store can use: {e}"))
+}
+
 pub(super) fn check_identifier(what: &str, name: &str, max: usize) -> Result<(), StoreError> {
     let mut chars = name.chars();
     let ok = chars
@@ -455,24 +439,60 @@ pub(super) fn check_identifier(what: &str, name: &str, max: usize) -> Result<(),
     if ok {
         Ok(())
     } else {
-        Err(StoreError::Backend(
-            format!(
-                "invalid {what} name {name:?}: use [A-Za-z_][A-Za-z0-9_]*, at most {max} bytes"
-            )
-            .into(),
-        ))
+        Err(StoreError::Config(format!(
+            "invalid {what} name {name:?}: use [A-Za-z_][A-Za-z0-9_]*, at most {max} bytes"
+        )))
     }
 }
 
 impl PostgresStore {
-    /// A builder for a store on the database at `url` (`postgres://user@host:port/db`).
+    /// A builder for a store on the database at `url` (`postgres://user@host:port/db`, with
+    /// libpq's parameters).
+    ///
+    /// # Behind a pooler in transaction mode
+    ///
+    /// Add `pooling=transaction` to the URL's parameters when it names a pooler in transaction
+    /// mode (PgBouncer's `pool_mode = transaction`, the way most PostgreSQL deployments run
+    /// it): `postgres://app@pgbouncer:6432/app?pooling=transaction`. The store takes the
+    /// parameter out before it connects; a URL is the one way to say it, so a store configured
+    /// from the environment ([`AnyStore::from_url`](crate::store::AnyStore::from_url)) says it
+    /// too. Each transaction may then run on another server session, so the store:
+    /// - prepares no statement: each is sent unnamed with its parameters, in one round trip;
+    /// - sets nothing on a session: a `SET` would leak to the pooler's other clients. Its
+    ///   statements are bounded by the store's [`timeout`](PostgresStoreBuilder::timeout) and
+    ///   cancelled when it passes; set the pooler's `query_timeout` for a bound on the server
+    ///   side too;
+    /// - listens for notifications on a connection of its own, which a transaction pooler
+    ///   cannot carry (`LISTEN` there succeeds, hears nothing, and stays on a server session
+    ///   the pooler hands to its other clients): give it a URL that reaches the server
+    ///   directly, or a pooler in session mode, with
+    ///   [`listen_url`](PostgresStoreBuilder::listen_url). Without one, the store does not
+    ///   listen at all: the near cache stays off and waiters poll
+    ///   ([`listener_hears`](PostgresStore::listener_hears) is `Some(false)`; a warning is
+    ///   logged at connect). A pooler the store is not told of is found out by the listener's
+    ///   heartbeat notification, with the same outcome.
+    ///
+    /// ```
+    /// use idempotency_layer::PostgresStore;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), idempotency_layer::StoreError> {
+    /// # let Ok(url) = std::env::var("PGBOUNCER_URL") else { return Ok(()) };
+    /// # let Ok(direct) = std::env::var("DATABASE_URL") else { return Ok(()) };
+    /// let store = PostgresStore::builder(url) // postgres://app@pgbouncer:6432/app?pooling=transaction
+    ///     .listen_url(direct) // postgres://app@db:5432/app
+    ///     .connect()
+    ///     .await?;
+    /// # let _ = store;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn builder(url: impl Into<String>) -> PostgresStoreBuilder {
         PostgresStoreBuilder {
             url: url.into(),
             schema: "public".to_owned(),
             table: "idempotency_records".to_owned(),
             pool_size: 16,
-            transaction_pooler: false,
             listen_url: None,
             timeout: Duration::from_secs(2),
             polling: Polling::default(),

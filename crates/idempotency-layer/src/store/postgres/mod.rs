@@ -84,7 +84,7 @@ const CLAIM_ATTEMPTS: usize = 10;
 ///   the row `watched`: a transaction that sent a NOTIFY holds a server-wide lock through its
 ///   commit, which would serialize every completion in the server.
 /// - Statements are prepared once per pooled connection (`prepare_cached`); behind a pooler in
-///   transaction mode ([`transaction_pooler`](PostgresStoreBuilder::transaction_pooler)) each
+///   transaction mode (`pooling=transaction`, see [`PostgresStore::builder`]) each
 ///   is sent unnamed with its parameters instead, in the same single round trip.
 /// - Renewals run on two connections of their own, which handlers' transactions cannot take,
 ///   and skip (rather than wait for) a row another transaction holds locked.
@@ -131,9 +131,8 @@ const CLAIM_ATTEMPTS: usize = 10;
 /// same layer configuration ([`lease`](crate::IdempotencyLayer::lease),
 /// [`ttl`](crate::IdempotencyLayer::ttl), key headers, tenant source). Not a read replica:
 /// every statement writes or must see the latest write. Through PgBouncer (or any pooler) in
-/// transaction mode, say so with
-/// [`transaction_pooler`](PostgresStoreBuilder::transaction_pooler) (or `pooling=transaction`
-/// in the URL): the store then prepares no statement and sets nothing on a session; and give
+/// transaction mode, say so with `pooling=transaction` in the URL
+/// ([`PostgresStore::builder`]): the store then prepares no statement and sets nothing on a session; and give
 /// its listener a direct URL ([`listen_url`](PostgresStoreBuilder::listen_url)), since a
 /// transaction pooler does not carry `LISTEN`.
 ///
@@ -413,7 +412,7 @@ impl PostgresStore {
     /// not arrive in time or the connection was lost, `None` before the first verdict (the
     /// listener starts with the first `begin` or `wait`). A listener behind a pooler in
     /// transaction mode hears nothing (see
-    /// [`transaction_pooler`](PostgresStoreBuilder::transaction_pooler)). Unless it hears,
+    /// [`PostgresStore::builder`], "Behind a pooler in transaction mode"). Unless it hears,
     /// waiters find a claim's end by polling and the near cache is off; a warning is logged
     /// when it goes deaf, and the gauge `idempotency_layer_store_listener_hears` (feature
     /// `metrics`) is 0.
@@ -821,6 +820,28 @@ mod tests {
             .table("bad-name")
             .migration_sql()
             .is_err());
+    }
+
+    /// A setting the store cannot work with is refused at connect, before anything connects,
+    /// as a configuration error that says what to change (it was raised silently before).
+    #[tokio::test]
+    async fn bad_settings_are_refused_at_connect_with_what_to_change() {
+        let builder = || crate::PostgresStore::builder("postgres://nobody@127.0.0.1:1/none");
+        for (bad, says) in [
+            (builder().pool_size(0), "pool_size"),
+            (builder().timeout(std::time::Duration::ZERO), "timeout"),
+            (builder().cleanup_batch(0), "cleanup_batch"),
+            (builder().table("no-dashes"), "table name"),
+            (
+                crate::PostgresStore::builder("postgres://a@b/c?sslmode=nonsense"),
+                "postgres URL",
+            ),
+        ] {
+            match bad.connect().await {
+                Err(crate::StoreError::Config(why)) => assert!(why.contains(says), "{why}"),
+                other => panic!("{says}: {:?}", other.map(|_| ())),
+            }
+        }
     }
 
     #[test]

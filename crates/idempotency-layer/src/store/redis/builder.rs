@@ -149,9 +149,9 @@ impl RedisStoreBuilder {
     }
 
     /// The longest any one operation (or a connection attempt) may take before it fails with
-    /// [`StoreError::Backend`] (default 1 s).
+    /// [`StoreError::Backend`] (default 1 s; zero is refused at connect).
     pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout.max(Duration::from_millis(1));
+        self.timeout = timeout;
         self
     }
 
@@ -235,10 +235,7 @@ impl RedisStoreBuilder {
     /// # let _ = builder;
     /// ```
     pub fn wait_for_replicas(mut self, replicas: usize, timeout: Duration) -> Self {
-        self.wait_for_replicas = Some(super::replicas::WaitForReplicas {
-            replicas,
-            timeout: timeout.max(Duration::from_millis(1)),
-        });
+        self.wait_for_replicas = Some(super::replicas::WaitForReplicas { replicas, timeout });
         self
     }
 
@@ -284,6 +281,7 @@ impl RedisStoreBuilder {
     /// server that forbids `CONFIG` is accepted, with a note in the log, unless
     /// `require_noeviction` is on.
     pub async fn connect(self) -> Result<RedisStore, StoreError> {
+        self.check()?;
         let (mut conn, client) = self.open(false).await?;
         // `WAIT` blocks the connection it is sent on until the replicas acknowledge (or its
         // timeout passes): replicated writes get connections of their own, so that nothing
@@ -327,22 +325,41 @@ impl RedisStoreBuilder {
         })
     }
 
+    /// The settings the store cannot work with, refused before anything connects.
+    fn check(&self) -> Result<(), StoreError> {
+        if self.timeout.is_zero() {
+            return Err(StoreError::Config(
+                "timeout must be more than zero: every operation would fail at once".into(),
+            ));
+        }
+        if let Some(wait) = &self.wait_for_replicas {
+            if wait.replicas == 0 || wait.timeout.is_zero() {
+                return Err(StoreError::Config(format!(
+                    "wait_for_replicas({}, {:?}): ask for at least one replica and a timeout                      above zero (Redis reads WAIT 0 as \"block for ever\"), or leave it unset",
+                    wait.replicas, wait.timeout
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// The store's connection and where its pub/sub comes from. `fresh`: a connection of its
     /// own, never the builder's [`connection_manager`](Self::connection_manager).
     async fn open(&self, fresh: bool) -> Result<(Conn, PubSubSource), StoreError> {
         Ok(match &self.source {
             Source::Url(url) => {
                 if let Some(why) = unserved_scheme(url) {
-                    return Err(StoreError::Backend(why.into()));
+                    return Err(StoreError::Config(why));
                 }
-                self.single(fresh, redis::Client::open(url.as_str()).map_err(backend)?)
-                    .await?
+                let client = redis::Client::open(url.as_str())
+                    .map_err(|e| StoreError::Config(format!("{url:?} is not a redis URL: {e}")))?;
+                self.single(fresh, client).await?
             }
             Source::Client(client) => self.single(fresh, (**client).clone()).await?,
             #[cfg(feature = "redis-sentinel")]
             Source::Sentinel(nodes, master) => {
                 if self.conn.is_some() {
-                    return Err(StoreError::Backend(
+                    return Err(StoreError::Config(
                         "connection_manager is for a standalone server, not a sentinel".into(),
                     ));
                 }
@@ -360,10 +377,10 @@ impl RedisStoreBuilder {
             #[cfg(feature = "redis-cluster")]
             Source::Cluster(nodes) => {
                 if let Some(problem) = cluster_prefix_problem(&self.prefix) {
-                    return Err(StoreError::Backend(problem.into()));
+                    return Err(StoreError::Config(problem));
                 }
                 if self.conn.is_some() {
-                    return Err(StoreError::Backend(
+                    return Err(StoreError::Config(
                         "connection_manager is for a standalone server, not a cluster".into(),
                     ));
                 }
@@ -473,7 +490,7 @@ pub(super) fn cluster_client(
     pushes: Option<mpsc::UnboundedSender<redis::PushInfo>>,
 ) -> Result<redis::cluster::ClusterClient, StoreError> {
     if nodes.is_empty() {
-        return Err(StoreError::Backend(
+        return Err(StoreError::Config(
             "a redis cluster needs at least one seed node URL".into(),
         ));
     }

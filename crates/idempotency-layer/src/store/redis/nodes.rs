@@ -52,29 +52,23 @@ pub(super) fn judge_maxmemory_policies(
                      it is noeviction, or records and claims may be evicted early"
                 );
                 if require {
-                    return Err(StoreError::Backend(
-                        format!(
-                            "{refusal}. require_noeviction is on, so the store refuses to start: \
-                             allow CONFIG GET for this user, or check the policy yourself and \
-                             turn require_noeviction off"
-                        )
-                        .into(),
-                    ));
+                    return Err(StoreError::Config(format!(
+                        "{refusal}. require_noeviction is on, so the store refuses to start: \
+                         allow CONFIG GET for this user, or check the policy yourself and turn \
+                         require_noeviction off"
+                    )));
                 }
                 tracing::info!("idempotency: {refusal}");
             }
             Some(p) if maxmemory_policy_can_evict(&p) => {
                 if require {
-                    return Err(StoreError::Backend(
-                        format!(
-                            "{node} has maxmemory-policy {p}, which can evict this store's keys \
-                             (an evicted claim lets a duplicate execute, an evicted record lets a \
-                             retry execute again); require_noeviction is on, so the store refuses \
-                             to start: run CONFIG SET maxmemory-policy noeviction on every node \
-                             (and in its config file)"
-                        )
-                        .into(),
-                    ));
+                    return Err(StoreError::Config(format!(
+                        "{node} has maxmemory-policy {p}, which can evict this store's keys (an \
+                         evicted claim lets a duplicate execute, an evicted record lets a retry \
+                         execute again); require_noeviction is on, so the store refuses to \
+                         start: run CONFIG SET maxmemory-policy noeviction on every node (and in \
+                         its config file)"
+                    )));
                 }
                 tracing::error!(
                     %node,

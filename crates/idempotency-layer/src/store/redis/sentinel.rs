@@ -106,7 +106,7 @@ impl SentinelConn {
         require_noeviction: bool,
     ) -> Result<SentinelConn, StoreError> {
         if nodes.is_empty() {
-            return Err(StoreError::Backend(
+            return Err(StoreError::Config(
                 "a redis sentinel store needs at least one sentinel URL".into(),
             ));
         }

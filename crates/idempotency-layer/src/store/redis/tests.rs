@@ -96,10 +96,31 @@ fn cluster_urls_name_their_nodes() {
 async fn the_builder_reads_every_redis_url_and_says_what_it_cannot_serve() {
     let refused = |url: &'static str| async move {
         match RedisStore::builder(url).connect().await {
-            Err(StoreError::Backend(e)) => e.to_string(),
+            Err(StoreError::Config(e)) => e,
             other => panic!("{url}: {other:?}"),
         }
     };
+    let why = refused("redis://127.0.0.1:1/?protocol=nonsense").await;
+    assert!(why.contains("not a redis URL"), "{why}");
+    for (bad, says) in [
+        (
+            RedisStore::builder("redis://127.0.0.1:1").timeout(Duration::ZERO),
+            "timeout",
+        ),
+        (
+            RedisStore::builder("redis://127.0.0.1:1").wait_for_replicas(0, Duration::from_secs(1)),
+            "wait_for_replicas",
+        ),
+        (
+            RedisStore::builder("redis://127.0.0.1:1").wait_for_replicas(1, Duration::ZERO),
+            "WAIT 0",
+        ),
+    ] {
+        match bad.connect().await {
+            Err(StoreError::Config(why)) => assert!(why.contains(says), "{why}"),
+            other => panic!("{says}: {:?}", other.map(|_| ())),
+        }
+    }
     let why = refused("redis+sentinel://127.0.0.1:1").await;
     if cfg!(feature = "redis-sentinel") {
         assert!(why.contains("names its master"), "{why}");

@@ -610,7 +610,7 @@ async fn a_claim_taken_over_mid_transaction_is_fenced_and_the_handler_rolls_back
     });
     in_tx.notified().await;
     // An operator forgets the key, and a retry claims it and runs to completion meanwhile.
-    let method = Scope::http(&Method::POST, "/orders");
+    let method = Scope::http_operation(&Method::POST, "/orders");
     assert!(layer
         .forget(Scope::new("shop", &method, &key))
         .await

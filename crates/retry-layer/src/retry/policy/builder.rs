@@ -267,20 +267,6 @@ impl RetryPolicyBuilder {
         self
     }
 
-    /// Declares one more gRPC method idempotent (`/package.Service/Method`), or a whole service
-    /// (`/package.Service/`). A path of another shape makes [`build`](Self::build) fail.
-    pub fn idempotent_grpc_method(mut self, path: impl AsRef<str>) -> Self {
-        // Taken, not cloned, so that the sets are not copied; after an error `build` fails anyway.
-        let declared = std::mem::take(&mut self.policy.idempotent_grpc);
-        match declared.with(path.as_ref()) {
-            Ok(methods) => {
-                self.policy.idempotent_grpc = methods;
-                self
-            }
-            Err(e) => self.fail(e.to_string()),
-        }
-    }
-
     /// The headers an idempotency key travels in (default `x-idempotency-key`, then
     /// `idempotency-key`): a request carrying any of them is keyed, and
     /// [`ensure_idempotency_key`](Self::ensure_idempotency_key) writes the first.
@@ -498,9 +484,6 @@ mod tests {
             .budget(RetryBudget::sliding_window(Duration::ZERO, 1, 0.1))
             .build()
             .is_err());
-        assert!(RetryPolicy::builder()
-            .idempotent_grpc_method("GetBook")
-            .build()
-            .is_err());
+        assert!(GrpcMethods::new(["GetBook"]).is_err());
     }
 }

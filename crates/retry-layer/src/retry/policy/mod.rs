@@ -48,13 +48,13 @@ pub use service_config::{GrpcRetryPolicy, GrpcRetryThrottling, StatusCodeName};
 ///
 /// ```
 /// use std::time::Duration;
-/// use retry_layer::RetryPolicy;
+/// use retry_layer::{GrpcMethods, RetryPolicy};
 ///
 /// let policy = RetryPolicy::builder()
 ///     .max_attempts(4)
 ///     .base_delay(Duration::from_millis(50))
 ///     .total_timeout(Duration::from_secs(2))
-///     .idempotent_grpc_method("/plume.linkd.v3.Library/GetBook")
+///     .idempotent_grpc_methods(GrpcMethods::new(["/plume.linkd.v3.Library/GetBook"]).unwrap())
 ///     .ensure_idempotency_key()
 ///     .build()
 ///     .expect("a valid policy");
