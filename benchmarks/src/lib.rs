@@ -82,6 +82,7 @@ pub fn roomy_memory_store() -> idempotency_layer::MemoryStore {
         .max_bytes(8 << 30)
         .tenant_share_percent(100)
         .build()
+        .expect("valid MemoryStore settings")
 }
 
 /// Calls `svc` once it is ready and reads the response body to its end (when an idempotency

@@ -266,6 +266,7 @@ pub fn run_memory_store() -> MemoryStore {
         .max_bytes(8 << 30)
         .tenant_share_percent(100)
         .build()
+        .expect("valid MemoryStore settings")
 }
 
 /// Serves `app` on 127.0.0.1 until the returned handle is aborted.
@@ -623,7 +624,8 @@ pub async fn memory_per_record(n: usize) -> Option<f64> {
         .max_entries(2 * n)
         .max_bytes(2 * n * 4096)
         .tenant_share_percent(100)
-        .build();
+        .build()
+        .expect("valid MemoryStore settings");
     let svc = IdempotencyLayer::new(store.clone())
         .tenant(idempotency_layer::TenantSource::fixed("bench"))
         .layer(tower::service_fn(

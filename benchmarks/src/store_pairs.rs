@@ -161,4 +161,5 @@ pub fn unbounded_memory_store() -> MemoryStore {
         .max_entries(usize::MAX / 2)
         .max_bytes(usize::MAX / 2)
         .build()
+        .expect("valid MemoryStore settings")
 }

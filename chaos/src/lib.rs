@@ -854,6 +854,7 @@ pub async fn run(opts: Options) -> Report {
                     .max_entries(MEMORY_CAPACITY)
                     .max_bytes(MEMORY_MAX_BYTES)
                     .build()
+                    .expect("valid MemoryStore settings")
             };
             let ledger = Ledger::Memory(Arc::default());
             let layer = IdempotencyLayer::new(store.clone())

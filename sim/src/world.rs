@@ -91,7 +91,8 @@ pub fn run(schedule: Schedule) -> Run {
         Some((max_bytes, retention)) => MemoryStore::builder()
             .max_bytes(max_bytes)
             .min_retention(retention)
-            .build(),
+            .build()
+            .expect("valid MemoryStore settings"),
         None => MemoryStore::new(),
     };
     let sim_error = drive(&schedule, &ledger, &tags, &facts, memory.clone());

@@ -44,7 +44,10 @@ impl<St> IdempotencyLayer<St> {
     /// fail closed; successes recorded, permanent failures not.
     ///
     /// Every duration setting is clamped to 100 years ("keep forever"): `Duration::MAX` is a
-    /// valid setting, never an overflow.
+    /// valid setting, never an overflow. The layer's setters cannot fail (a layer is made inside
+    /// a `ServiceBuilder` chain, with no fallible step): the one value below its floor (a
+    /// [`lease`](Self::lease) under 30 ms) is raised to it with a warning. The stores' builders
+    /// refuse a bad setting with [`StoreError::Config`](crate::StoreError::Config).
     pub fn new(store: St) -> Self {
         IdempotencyLayer {
             store,
@@ -102,8 +105,18 @@ impl<St> IdempotencyLayer<St> {
     /// that refuses or stalls renewals for about three quarters of a lease or more can lapse a
     /// live claim: a duplicate may then run the write again, so choose a lease well above the
     /// longest store outage you want to ride through.
+    ///
+    /// At least 30 ms (a shorter one is raised to it, with a warning: renewals could not keep
+    /// up).
     pub fn lease(self, lease: Duration) -> Self {
-        self.config(|c| c.lease = lease.clamp(Duration::from_millis(30), FOREVER))
+        let floor = Duration::from_millis(30);
+        if lease < floor {
+            tracing::warn!(
+                ?lease,
+                "idempotency: a lease under 30 ms cannot be renewed in time; using 30 ms"
+            );
+        }
+        self.config(|c| c.lease = lease.clamp(floor, FOREVER))
     }
 
     /// The longest a claim is held (default 5 minutes), from the moment its write claimed the

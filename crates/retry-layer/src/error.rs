@@ -155,7 +155,7 @@ impl RetryInfo {
 /// same intent, which the server executes at most once.
 ///
 /// ```
-/// use retry_layer::{ReplayBody, RetryError, RetryLayer, RetryPolicy};
+/// use retry_layer::{ReplayBody, RetryError, RetryErrorKind, RetryLayer, RetryPolicy};
 /// use tower::{ServiceBuilder, ServiceExt};
 ///
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
@@ -172,6 +172,9 @@ impl RetryInfo {
 /// let err = RetryError::of(&*err).expect("every error of the layer is a RetryError");
 /// assert_eq!(err.attempts(), 3);
 /// assert!(err.is::<std::io::Error>());
+/// // The connection was lost after the request went out: it may have run.
+/// assert_eq!(err.kind(), RetryErrorKind::Ambiguous);
+/// assert!(err.may_have_executed());
 /// // Resend later with this key: the server runs the order at most once.
 /// assert!(err.idempotency_key().is_some());
 /// # }
@@ -180,6 +183,28 @@ impl RetryInfo {
 pub struct RetryError {
     info: RetryInfo,
     source: BoxError,
+    /// Attempts that may have reached the server (not provably unsent).
+    reached: u32,
+}
+
+/// How a call the layer gave up on ended ([`RetryError::kind`]): what a caller decides on
+/// (resend now, later, or find out first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RetryErrorKind {
+    /// The call's deadline passed ([`DeadlineExceeded`]).
+    DeadlineExceeded,
+    /// The inner service never became ready for the attempt ([`ServiceNotReady`]).
+    NotReady,
+    /// The last attempt provably never left (a refused connection, an HTTP/2 `REFUSED_STREAM`
+    /// or a GOAWAY beyond its stream).
+    NotSent,
+    /// The last attempt timed out ([`AttemptTimedOut`], [`ResponseHeadTimedOut`]) after it was
+    /// sent: the server may have executed it.
+    TimedOut,
+    /// The last attempt failed after it may have reached the server (a connection lost after
+    /// sending, an error of the inner service): it may have executed.
+    Ambiguous,
 }
 
 impl RetryError {
@@ -190,6 +215,43 @@ impl RetryError {
                 idempotency_key: key,
             },
             source,
+            reached: attempts,
+        }
+    }
+
+    /// Of its attempts, `reached` may have reached the server (the others provably never left).
+    pub(crate) fn reached(mut self, reached: u32) -> Self {
+        self.reached = reached.min(self.info.attempts);
+        self
+    }
+
+    /// How the call ended.
+    pub fn kind(&self) -> RetryErrorKind {
+        let e = &*self.source;
+        if e.is::<DeadlineExceeded>() {
+            return RetryErrorKind::DeadlineExceeded;
+        }
+        if e.is::<ServiceNotReady>() {
+            return RetryErrorKind::NotReady;
+        }
+        if e.is::<AttemptTimedOut>() || e.is::<ResponseHeadTimedOut>() {
+            return RetryErrorKind::TimedOut;
+        }
+        match crate::classify::error(&self.source) {
+            reason_code::Outcome::Unsent => RetryErrorKind::NotSent,
+            _ => RetryErrorKind::Ambiguous,
+        }
+    }
+
+    /// Whether the server may have executed the request: false only when no attempt can have
+    /// reached it (each was refused before it left, or none was sent). A write for which this
+    /// is true is resent safely only with its idempotency key
+    /// ([`idempotency_key`](Self::idempotency_key)).
+    pub fn may_have_executed(&self) -> bool {
+        match self.kind() {
+            // The deadline may have ended an attempt in flight.
+            RetryErrorKind::DeadlineExceeded => self.info.attempts > 0,
+            _ => self.reached > 0,
         }
     }
 

@@ -386,14 +386,15 @@ pub use body::{BodyNotReplayable, ReplayBody};
 pub use deadline::Deadline;
 pub use derived_key::KeyLabel;
 pub use error::{
-    AttemptTimedOut, DeadlineExceeded, ResponseHeadTimedOut, RetryError, RetryInfo, ServiceNotReady,
+    AttemptTimedOut, DeadlineExceeded, ResponseHeadTimedOut, RetryError, RetryErrorKind, RetryInfo,
+    ServiceNotReady,
 };
 /// The shared vocabulary ([`reason_code::RetryTable`], [`reason_code::ReasonCodes`], ...),
 /// re-exported so a client needs no third dependency kept in lockstep.
 pub use reason_code;
 pub use retry::policy::{
-    Conflict, InboundRetry, InvalidPolicy, NoRetry, Rebuild, RebuildFuture, RetryCandidate,
-    RetryEvent, RetryPolicy, RetryPolicyBuilder,
+    Conflict, InboundRetry, InvalidPolicy, InvalidPolicyKind, NoRetry, Rebuild, RebuildFuture,
+    RetryCandidate, RetryEvent, RetryPolicy, RetryPolicyBuilder,
 };
 #[cfg(feature = "service-config")]
 pub use retry::policy::{GrpcRetryPolicy, GrpcRetryThrottling, StatusCodeName};

@@ -111,7 +111,8 @@ async fn a_client_that_stops_reading_does_not_hold_its_key() {
             .shards(1)
             .max_bytes(64 << 20)
             .tenant_share_percent(100)
-            .build();
+            .build()
+            .unwrap();
         let layer = IdempotencyLayer::new(store)
             .tenant(idempotency_layer::TenantSource::fixed("t"))
             .max_record_bytes(16 << 20)
@@ -659,7 +660,8 @@ async fn a_full_store_never_fails_open() {
         .max_entries(1)
         .shards(1)
         .tenant_share_percent(100)
-        .build();
+        .build()
+        .unwrap();
     let layer = IdempotencyLayer::new(store)
         .tenant(idempotency_layer::TenantSource::fixed("t"))
         .fail_open(true);

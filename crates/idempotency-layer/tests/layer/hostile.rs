@@ -196,7 +196,7 @@ async fn header_values_of_64_kib_are_refused_or_ignored_cheaply() {
 #[tokio::test]
 async fn one_tenant_with_thousands_of_keys_cannot_grow_the_store_or_break_others() {
     let count = Arc::new(AtomicUsize::new(0));
-    let store = MemoryStore::builder().max_entries(1_000).build();
+    let store = MemoryStore::builder().max_entries(1_000).build().unwrap();
     let layer = IdempotencyLayer::new(store.clone());
     let app = counting(&count).layer(layer.clone());
     let as_tenant = |tenant: &str, key: String| {

@@ -702,7 +702,8 @@ async fn capacity_holds_with_ten_times_the_keys() {
     let store = MemoryStore::builder()
         .max_entries(50)
         .tenant_share_percent(100)
-        .build();
+        .build()
+        .unwrap();
     let layer =
         IdempotencyLayer::new(store.clone()).tenant(idempotency_layer::TenantSource::fixed("t"));
     let app = app(layer.clone(), &count);
@@ -734,7 +735,8 @@ async fn capacity_holds_with_ten_times_the_keys() {
         .max_entries(50)
         .tenant_share_percent(100)
         .min_retention(Duration::ZERO)
-        .build();
+        .build()
+        .unwrap();
     let layer =
         IdempotencyLayer::new(store.clone()).tenant(idempotency_layer::TenantSource::fixed("t"));
     let app = self::app(layer.clone(), &count);

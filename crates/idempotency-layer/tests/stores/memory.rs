@@ -22,7 +22,8 @@ async fn a_full_tenant_share_answers_503_with_retry_after_and_runs_nothing() {
         .max_entries(200)
         .shards(1)
         .tenant_share_percent(50)
-        .build();
+        .build()
+        .unwrap();
     let executions = Arc::new(AtomicUsize::new(0));
     let layer = IdempotencyLayer::new(store.clone()).tenant(
         idempotency_layer::TenantSource::header(HeaderName::from_static("x-tenant")),

@@ -6,7 +6,7 @@ use reason_code::{Code, GrpcMethods, KeyHeaders, ReasonCodes};
 
 use super::policy::{HedgePolicy, MAX_HEDGED_ATTEMPTS};
 use crate::budget::RetryBudget;
-use crate::retry::policy::{InvalidPolicy, MAX_DURATION};
+use crate::retry::policy::{InvalidPolicy, InvalidPolicyKind, MAX_DURATION};
 
 impl HedgePolicy {
     /// A builder starting from the defaults.
@@ -34,8 +34,14 @@ pub struct HedgePolicyBuilder {
 }
 
 impl HedgePolicyBuilder {
-    fn fail(mut self, message: String) -> Self {
-        self.error.get_or_insert(InvalidPolicy::new(message));
+    /// Keeps the first refused setting (`build` returns it): out of range.
+    fn fail(self, message: String) -> Self {
+        self.fail_with(InvalidPolicyKind::OutOfRange, message)
+    }
+
+    /// Keeps the first refused setting, of `kind`.
+    fn fail_with(mut self, kind: InvalidPolicyKind, message: String) -> Self {
+        self.error.get_or_insert(InvalidPolicy::new(kind, message));
         self
     }
 
@@ -136,7 +142,7 @@ impl HedgePolicyBuilder {
     pub fn budget(mut self, budget: RetryBudget) -> Self {
         match budget.0 {
             Ok(choice) => self.policy.budget = choice,
-            Err(e) => return self.fail(e.to_string()),
+            Err(e) => return self.fail_with(InvalidPolicyKind::Budget, e.to_string()),
         }
         self
     }

@@ -11,7 +11,7 @@ use crate::budget::{BudgetChoice, TokenBucket};
 use crate::retry::policy::service_config::{
     method_config_names, parse_proto_duration, MethodName, StatusCodeName,
 };
-use crate::retry::policy::{GrpcRetryThrottling, InvalidPolicy, MethodConfigs};
+use crate::retry::policy::{GrpcRetryThrottling, InvalidPolicy, InvalidPolicyKind, MethodConfigs};
 
 /// The `hedgingPolicy` object of a gRPC service config (gRFC A6).
 #[derive(Debug, Clone, Deserialize)]
@@ -90,19 +90,30 @@ impl HedgePolicy {
             name: Vec<MethodName>,
             hedging_policy: Option<GrpcHedgingPolicy>,
         }
-        let config: ServiceConfig = serde_json::from_str(json)
-            .map_err(|e| InvalidPolicy::new(format!("service config: {e}")))?;
+        let config: ServiceConfig = serde_json::from_str(json).map_err(|e| {
+            InvalidPolicy::new(
+                InvalidPolicyKind::ServiceConfig,
+                format!("service config: {e}"),
+            )
+        })?;
         let mut methods = MethodConfigs::default();
         for (i, mc) in config.method_config.iter().enumerate() {
             let Some(p) = &mc.hedging_policy else {
                 continue;
             };
-            let rules = rules_from_grpc(p)
-                .map_err(|e| InvalidPolicy::new(format!("methodConfig[{i}].hedgingPolicy: {e}")))?;
+            let rules = rules_from_grpc(p).map_err(|e| {
+                InvalidPolicy::new(
+                    InvalidPolicyKind::ServiceConfig,
+                    format!("methodConfig[{i}].hedgingPolicy: {e}"),
+                )
+            })?;
             for name in method_config_names(i, &mc.name)? {
-                methods
-                    .insert(name, rules.clone())
-                    .map_err(|e| InvalidPolicy::new(format!("service config: {e}")))?;
+                methods.insert(name, rules.clone()).map_err(|e| {
+                    InvalidPolicy::new(
+                        InvalidPolicyKind::ServiceConfig,
+                        format!("service config: {e}"),
+                    )
+                })?;
             }
         }
         let mut policy = HedgePolicy {
@@ -110,8 +121,12 @@ impl HedgePolicy {
             ..HedgePolicy::default()
         };
         if let Some(t) = config.retry_throttling {
-            TokenBucket::new(t.max_tokens, t.token_ratio)
-                .map_err(|e| InvalidPolicy::new(format!("retryThrottling: {e}")))?;
+            TokenBucket::new(t.max_tokens, t.token_ratio).map_err(|e| {
+                InvalidPolicy::new(
+                    InvalidPolicyKind::ServiceConfig,
+                    format!("retryThrottling: {e}"),
+                )
+            })?;
             policy.budget = BudgetChoice::TokenBucket {
                 max_tokens: t.max_tokens,
                 token_ratio: t.token_ratio,

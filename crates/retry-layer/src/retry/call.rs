@@ -155,11 +155,10 @@ impl<S, B> Call<S, B> {
     ) -> Result<Response<R>, BoxError> {
         match result {
             Ok(res) => Ok(self.with_retry_info(res)),
-            Err(e) => Err(Box::new(RetryError::new(
-                e,
-                self.attempt.sent,
-                self.generated_key.take(),
-            ))),
+            Err(e) => Err(Box::new(
+                RetryError::new(e, self.attempt.sent, self.generated_key.take())
+                    .reached(self.went_out),
+            )),
         }
     }
 

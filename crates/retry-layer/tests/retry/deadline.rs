@@ -59,6 +59,8 @@ async fn attempt_timeout_is_ambiguous_and_retried_only_when_idempotent() {
     let err = res.unwrap_err();
     let err = RetryError::of(&*err).expect("a RetryError");
     assert!(err.is::<retry_layer::AttemptTimedOut>(), "{err}");
+    assert_eq!(err.kind(), retry_layer::RetryErrorKind::TimedOut);
+    assert!(err.may_have_executed());
     assert_eq!(err.attempts(), 3);
     assert_eq!(script.attempts(), 3);
     let (_, script, _) = call_scripted(policy, post("/orders"), slow()).await;

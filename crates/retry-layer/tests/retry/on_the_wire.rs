@@ -134,6 +134,12 @@ async fn close_after_read_gives_an_error_that_carries_the_key() {
             .unwrap_err();
         let err = RetryError::of(&*err).expect("a RetryError");
         assert_eq!(err.attempts(), 3, "{proto:?}: {err}");
+        assert_eq!(
+            err.kind(),
+            retry_layer::RetryErrorKind::Ambiguous,
+            "{proto:?}"
+        );
+        assert!(err.may_have_executed(), "{proto:?}: the server read it");
         let key = err.idempotency_key().expect("the generated key");
         let seen = server.seen();
         assert_eq!(seen.len(), 3, "{proto:?}");

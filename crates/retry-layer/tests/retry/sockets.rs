@@ -255,8 +255,10 @@ async fn connection_refused_is_retried_even_for_a_post_without_key() {
     let err = bounded("the call", client(layer.clone()).oneshot(req))
         .await
         .unwrap_err();
-    let err = RetryError::of(&*err)
-        .expect("a RetryError")
+    let err = RetryError::of(&*err).expect("a RetryError");
+    assert_eq!(err.kind(), retry_layer::RetryErrorKind::NotSent);
+    assert!(!err.may_have_executed(), "no attempt reached a server");
+    let err = err
         .downcast_ref::<hyper_util::client::legacy::Error>()
         .expect("the client's error");
     assert!(err.is_connect());

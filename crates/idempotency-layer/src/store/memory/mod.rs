@@ -108,7 +108,8 @@ const HEADER_OVERHEAD: usize = 32;
 ///     .max_bytes(32 << 20)
 ///     .tenant_share_percent(25)
 ///     .min_retention(Duration::from_secs(2 * 3600))
-///     .build();
+///     .build()
+///     .expect("valid settings");
 /// assert!(store.is_empty());
 /// assert_eq!(store.stats().refused, 0);
 /// ```
@@ -180,7 +181,9 @@ impl MemoryStore {
 
     /// A store with the defaults.
     pub fn new() -> Self {
-        MemoryStore::builder().build()
+        MemoryStore::builder()
+            .build()
+            .expect("the defaults are valid")
     }
 
     /// A builder with the defaults: [`DEFAULT_CAPACITY`](Self::DEFAULT_CAPACITY) entries,

@@ -32,8 +32,14 @@ fn an_entry_is_no_larger_than_a_records_fields() {
 #[tokio::test(start_paused = true)]
 async fn conformance() {
     crate::conformance::run_all(MemoryStore::new).await;
-    crate::conformance::run_all(|| MemoryStore::builder().max_entries(1000).shards(1).build())
-        .await;
+    crate::conformance::run_all(|| {
+        MemoryStore::builder()
+            .max_entries(1000)
+            .shards(1)
+            .build()
+            .unwrap()
+    })
+    .await;
 }
 
 fn tenant_scope(tenant: &str, i: u64) -> (TenantKey, ScopeKey) {
@@ -93,7 +99,8 @@ async fn a_full_store_refuses_and_counts_and_never_drops_a_record_early() {
         .max_entries(100)
         .shards(4)
         .tenant_share_percent(100)
-        .build();
+        .build()
+        .unwrap();
     assert_eq!(store.capacity(), 100);
     let fp = Fingerprint([1; 32]);
     let lease = Duration::from_secs(60);
@@ -148,7 +155,11 @@ async fn a_full_store_refuses_and_counts_and_never_drops_a_record_early() {
 /// it completed, and the new one's wait until it ends.
 #[tokio::test(start_paused = true)]
 async fn a_reused_claim_is_a_new_claim() {
-    let store = MemoryStore::builder().max_entries(100).shards(1).build();
+    let store = MemoryStore::builder()
+        .max_entries(100)
+        .shards(1)
+        .build()
+        .unwrap();
     let lease = Duration::from_secs(60);
     let ttl = Duration::from_secs(3600);
     let (a, b) = (scope(1), scope(2));
@@ -209,7 +220,8 @@ async fn bytes_are_bounded_and_counted() {
         .max_bytes(64 * 1024)
         .shards(2)
         .tenant_share_percent(100)
-        .build();
+        .build()
+        .unwrap();
     let ttl = Duration::from_secs(3600);
     let mut ok = 0;
     let mut refused = 0;
@@ -247,7 +259,8 @@ async fn a_record_too_big_for_the_room_left_is_kept_without_its_body() {
         .max_bytes(16 * 1024)
         .shards(1)
         .tenant_share_percent(100)
-        .build();
+        .build()
+        .unwrap();
     write(&store, scope(1), 100_000, Duration::from_secs(60))
         .await
         .unwrap();
@@ -273,7 +286,8 @@ async fn one_tenants_flood_cannot_refuse_another_tenants_writes() {
         .max_entries(1000)
         .shards(4)
         .tenant_share_percent(50)
-        .build();
+        .build()
+        .unwrap();
     let ttl = Duration::from_secs(3600);
     write(&store, tenant_scope("quiet", 1000), 10, ttl)
         .await
@@ -309,7 +323,8 @@ async fn evict_when_full_evicts_the_flooders_own_records_and_counts() {
         .shards(2)
         .tenant_share_percent(50)
         .min_retention(Duration::ZERO)
-        .build();
+        .build()
+        .unwrap();
     let ttl = Duration::from_secs(3600);
     for i in 0..100 {
         write(&store, tenant_scope("quiet", i), 10, ttl)
@@ -339,7 +354,11 @@ async fn evict_when_full_evicts_the_flooders_own_records_and_counts() {
 /// before the bound), then refuse while every record is younger than `min_retention`.
 #[tokio::test(start_paused = true)]
 async fn a_tenant_alone_has_the_whole_store_across_shards() {
-    let store = MemoryStore::builder().max_entries(1000).shards(32).build();
+    let store = MemoryStore::builder()
+        .max_entries(1000)
+        .shards(32)
+        .build()
+        .unwrap();
     let ttl = Duration::from_secs(24 * 3600);
     for i in 0..1000 {
         write(&store, tenant_scope("shop", i), 10, ttl)
@@ -364,7 +383,8 @@ async fn records_past_min_retention_make_room_oldest_first() {
         .max_entries(100)
         .shards(1)
         .min_retention(retention)
-        .build();
+        .build()
+        .unwrap();
     let ttl = Duration::from_secs(24 * 3600);
     for i in 0..100 {
         write(&store, tenant_scope("shop", i), 10, ttl)
@@ -408,7 +428,11 @@ async fn records_past_min_retention_make_room_oldest_first() {
 /// Passing 80 % of the entries is counted once; again only after falling below 70 %.
 #[tokio::test(start_paused = true)]
 async fn passing_80_percent_is_counted_once_each_time() {
-    let store = MemoryStore::builder().max_entries(10).shards(1).build();
+    let store = MemoryStore::builder()
+        .max_entries(10)
+        .shards(1)
+        .build()
+        .unwrap();
     let ttl = Duration::from_secs(3600);
     for i in 0..7 {
         write(&store, scope(i), 10, ttl).await.unwrap();
@@ -471,7 +495,11 @@ async fn the_default_store_serves_ten_keys_a_second_around_the_clock() {
 
 #[tokio::test(start_paused = true)]
 async fn a_shard_full_of_claims_in_flight_says_full() {
-    let store = MemoryStore::builder().max_entries(2).shards(1).build();
+    let store = MemoryStore::builder()
+        .max_entries(2)
+        .shards(1)
+        .build()
+        .unwrap();
     let fp = Fingerprint([1; 32]);
     let lease = Duration::from_secs(60);
     assert!(matches!(
@@ -496,7 +524,11 @@ async fn a_shard_full_of_claims_in_flight_says_full() {
 #[tokio::test(start_paused = true)]
 async fn lapsed_claims_make_room_for_new_ones() {
     for shards in [1, 4] {
-        let store = MemoryStore::builder().max_entries(2).shards(shards).build();
+        let store = MemoryStore::builder()
+            .max_entries(2)
+            .shards(shards)
+            .build()
+            .unwrap();
         let fp = Fingerprint([1; 32]);
         let short = Duration::from_secs(1);
         for i in 0..2 {
@@ -523,7 +555,11 @@ async fn lapsed_claims_make_room_for_new_ones() {
 
 #[tokio::test(start_paused = true)]
 async fn expired_records_are_removed_incrementally() {
-    let store = MemoryStore::builder().max_entries(10_000).shards(1).build();
+    let store = MemoryStore::builder()
+        .max_entries(10_000)
+        .shards(1)
+        .build()
+        .unwrap();
     let fp = Fingerprint([1; 32]);
     let lease = Duration::from_secs(60);
     for i in 0..100 {
@@ -555,7 +591,11 @@ async fn expired_records_are_removed_incrementally() {
 /// client that writes and forgets keys forever does not grow the store.
 #[tokio::test(start_paused = true)]
 async fn forgotten_records_do_not_grow_the_expiry_queue() {
-    let store = MemoryStore::builder().max_entries(1000).shards(1).build();
+    let store = MemoryStore::builder()
+        .max_entries(1000)
+        .shards(1)
+        .build()
+        .unwrap();
     let day = Duration::from_secs(86_400);
     for i in 0..100 {
         write(&store, scope(i), 10, day).await.unwrap();
@@ -581,7 +621,11 @@ async fn forgotten_records_do_not_grow_the_expiry_queue() {
 /// TTL that completes later is still removed when it expires, and the longer ones are kept.
 #[tokio::test(start_paused = true)]
 async fn a_shorter_ttl_completed_later_expires_first() {
-    let store = MemoryStore::builder().max_entries(1000).shards(1).build();
+    let store = MemoryStore::builder()
+        .max_entries(1000)
+        .shards(1)
+        .build()
+        .unwrap();
     let secs = Duration::from_secs;
     write(&store, scope(1), 10, secs(60)).await.unwrap();
     write(&store, scope(2), 10, secs(10)).await.unwrap();
@@ -615,7 +659,11 @@ async fn a_shorter_ttl_completed_later_expires_first() {
 /// the live element both name it; the record is removed when due, exactly once.
 #[tokio::test(start_paused = true)]
 async fn a_record_written_again_with_the_same_expiry_expires_once() {
-    let store = MemoryStore::builder().max_entries(1000).shards(1).build();
+    let store = MemoryStore::builder()
+        .max_entries(1000)
+        .shards(1)
+        .build()
+        .unwrap();
     let ttl = Duration::from_secs(10);
     write(&store, scope(1), 10, ttl).await.unwrap();
     assert!(store.forget(scope(1)).await.unwrap());
@@ -630,4 +678,34 @@ async fn a_record_written_again_with_the_same_expiry_expires_once() {
         "scope 2 and the claim the check just made: {stats:?}"
     );
     assert_eq!(lock(&store.inner.shards[0]).records, 1);
+}
+
+/// A setting out of its range is refused by `build`, naming it (before, it was raised or
+/// clamped silently).
+#[test]
+fn bad_settings_are_refused_by_build_with_what_to_change() {
+    for (bad, says) in [
+        (MemoryStore::builder().max_entries(0), "max_entries"),
+        (MemoryStore::builder().max_bytes(1), "max_bytes"),
+        (MemoryStore::builder().shards(0), "shards"),
+        (
+            MemoryStore::builder().tenant_share_percent(0),
+            "tenant_share_percent",
+        ),
+        (
+            MemoryStore::builder().tenant_share_percent(101),
+            "tenant_share_percent",
+        ),
+    ] {
+        match bad.build() {
+            Err(StoreError::Config(why)) => assert!(why.contains(says), "{why}"),
+            other => panic!("{says}: {:?}", other.map(|_| ())),
+        }
+    }
+    // More shards than entries is not a mistake: the shards are lowered to the entries.
+    assert!(MemoryStore::builder()
+        .max_entries(2)
+        .shards(64)
+        .build()
+        .is_ok());
 }

@@ -31,24 +31,64 @@ impl RetryPolicy {
     }
 }
 
-/// A [`RetryPolicy`] setting was out of range; the message says which and what is allowed.
+/// A [`RetryPolicy`] or [`HedgePolicy`](crate::hedge::HedgePolicy) setting the builder refused:
+/// [`kind`](Self::kind) says which sort of mistake, the message which setting and what is
+/// allowed.
+///
+/// ```
+/// use retry_layer::{InvalidPolicyKind, RetryPolicy};
+///
+/// let err = RetryPolicy::builder().max_attempts(0).build().unwrap_err();
+/// assert_eq!(err.kind(), InvalidPolicyKind::OutOfRange);
+/// assert!(err.to_string().contains("max_attempts"));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid retry policy: {message}")]
 pub struct InvalidPolicy {
+    kind: InvalidPolicyKind,
     message: String,
 }
 
+/// The sort of mistake an [`InvalidPolicy`] reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum InvalidPolicyKind {
+    /// A number or a duration outside its range (the message names the setting and the range).
+    OutOfRange,
+    /// A gRPC method path of the wrong shape (not `/package.Service/Method` or
+    /// `/package.Service/`).
+    GrpcMethod,
+    /// A retry budget's parameters.
+    Budget,
+    /// A gRPC service config (its JSON, a `retryPolicy`, `hedgingPolicy` or `retryThrottling`)
+    /// that gRFC A6 rejects.
+    ServiceConfig,
+    /// Settings that cannot go together.
+    Conflict,
+}
+
 impl InvalidPolicy {
-    pub(crate) fn new(message: impl Into<String>) -> Self {
+    pub(crate) fn new(kind: InvalidPolicyKind, message: impl Into<String>) -> Self {
         InvalidPolicy {
+            kind,
             message: message.into(),
         }
+    }
+
+    /// The sort of mistake.
+    pub fn kind(&self) -> InvalidPolicyKind {
+        self.kind
+    }
+
+    /// What was wrong and what is allowed (the error's message without its prefix).
+    pub fn message(&self) -> &str {
+        &self.message
     }
 }
 
 impl From<InvalidBudget> for InvalidPolicy {
     fn from(e: InvalidBudget) -> Self {
-        InvalidPolicy::new(e.to_string())
+        InvalidPolicy::new(InvalidPolicyKind::Budget, e.to_string())
     }
 }
 
@@ -78,9 +118,15 @@ pub struct RetryPolicyBuilder {
 }
 
 impl RetryPolicyBuilder {
-    pub(super) fn fail(mut self, message: impl Into<String>) -> Self {
+    /// Keeps the first refused setting (`build` returns it): out of range.
+    pub(super) fn fail(self, message: impl Into<String>) -> Self {
+        self.fail_with(InvalidPolicyKind::OutOfRange, message)
+    }
+
+    /// Keeps the first refused setting, of `kind`.
+    pub(super) fn fail_with(mut self, kind: InvalidPolicyKind, message: impl Into<String>) -> Self {
         if self.error.is_none() {
-            self.error = Some(InvalidPolicy::new(message));
+            self.error = Some(InvalidPolicy::new(kind, message));
         }
         self
     }
@@ -337,7 +383,7 @@ impl RetryPolicyBuilder {
     pub fn budget(mut self, budget: RetryBudget) -> Self {
         match budget.0 {
             Ok(choice) => self.policy.budget = choice,
-            Err(e) => return self.fail(e.to_string()),
+            Err(e) => return self.fail_with(InvalidPolicyKind::Budget, e.to_string()),
         }
         self
     }
@@ -367,7 +413,10 @@ impl RetryPolicyBuilder {
         } = inbound
         {
             if let Err(e) = BudgetChoice::tps(window, min_per_sec, ratio) {
-                return self.fail(format!("inbound_retry budget: {e}"));
+                return self.fail_with(
+                    InvalidPolicyKind::Budget,
+                    format!("inbound_retry budget: {e}"),
+                );
             }
         }
         self.policy.inbound_retry = inbound;
@@ -442,6 +491,7 @@ impl RetryPolicyBuilder {
         if self.policy.budget_per_authority && matches!(self.policy.budget, BudgetChoice::Custom(_))
         {
             return Err(InvalidPolicy::new(
+                InvalidPolicyKind::Conflict,
                 "budget_per_authority needs a budget the layer makes (RetryBudget::sliding_window or \
                  token_bucket); \
                  a custom budget is shared as given",
@@ -485,5 +535,52 @@ mod tests {
             .build()
             .is_err());
         assert!(GrpcMethods::new(["GetBook"]).is_err());
+    }
+
+    /// Each refusal says its sort, for a caller that matches on it.
+    #[test]
+    fn a_refusal_says_its_kind() {
+        let kind = |b: RetryPolicyBuilder| b.build().unwrap_err().kind();
+        assert_eq!(
+            kind(RetryPolicy::builder().max_attempts(0)),
+            InvalidPolicyKind::OutOfRange
+        );
+        assert_eq!(
+            kind(RetryPolicy::builder().max_delay(Duration::from_secs(86_401))),
+            InvalidPolicyKind::OutOfRange
+        );
+        assert_eq!(
+            kind(RetryPolicy::builder().budget(RetryBudget::sliding_window(
+                Duration::ZERO,
+                1,
+                0.1
+            ))),
+            InvalidPolicyKind::Budget
+        );
+        #[derive(Debug)]
+        struct Always;
+        impl crate::budget::Budget for Always {
+            fn deposit(&self) {}
+            fn record(&self, _failed: bool) {}
+            fn withdraw(&self) -> bool {
+                true
+            }
+        }
+        assert_eq!(
+            kind(
+                RetryPolicy::builder()
+                    .budget(RetryBudget::custom(Arc::new(Always)))
+                    .budget_per_authority()
+            ),
+            InvalidPolicyKind::Conflict
+        );
+        // The first refusal is the one reported.
+        let err = RetryPolicy::builder()
+            .max_attempts(0)
+            .budget(RetryBudget::sliding_window(Duration::ZERO, 1, 0.1))
+            .build()
+            .unwrap_err();
+        assert_eq!(err.kind(), InvalidPolicyKind::OutOfRange);
+        assert!(err.message().contains("max_attempts"), "{err}");
     }
 }

@@ -19,7 +19,7 @@ mod rebuild;
 #[cfg(feature = "service-config")]
 pub(crate) mod service_config;
 
-pub use builder::{InvalidPolicy, RetryPolicyBuilder};
+pub use builder::{InvalidPolicy, InvalidPolicyKind, RetryPolicyBuilder};
 pub use hooks::{NoRetry, RetryCandidate, RetryEvent};
 pub(crate) use hooks::{OnRetry, RetryIf};
 pub(crate) use method_configs::MethodConfigs;

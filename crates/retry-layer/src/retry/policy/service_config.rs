@@ -7,7 +7,9 @@ use std::time::Duration;
 use reason_code::{ClientRule, Code, RetryTable};
 use serde::Deserialize;
 
-use super::{InvalidPolicy, RetryPolicy, RetryPolicyBuilder, Rules, MAX_DURATION};
+use super::{
+    InvalidPolicy, InvalidPolicyKind, RetryPolicy, RetryPolicyBuilder, Rules, MAX_DURATION,
+};
 use crate::backoff::{Backoff, Jitter};
 
 impl RetryPolicy {
@@ -63,27 +65,41 @@ impl RetryPolicy {
             name: Vec<MethodName>,
             retry_policy: Option<GrpcRetryPolicy>,
         }
-        let value: serde_json::Value = serde_json::from_str(json)
-            .map_err(|e| InvalidPolicy::new(format!("service config is not JSON: {e}")))?;
+        let value: serde_json::Value = serde_json::from_str(json).map_err(|e| {
+            InvalidPolicy::new(
+                InvalidPolicyKind::ServiceConfig,
+                format!("service config is not JSON: {e}"),
+            )
+        })?;
         let is_bare_policy = value.get("maxAttempts").is_some();
         if is_bare_policy {
-            let p: GrpcRetryPolicy = serde_json::from_value(value)
-                .map_err(|e| InvalidPolicy::new(format!("retryPolicy: {e}")))?;
+            let p: GrpcRetryPolicy = serde_json::from_value(value).map_err(|e| {
+                InvalidPolicy::new(
+                    InvalidPolicyKind::ServiceConfig,
+                    format!("retryPolicy: {e}"),
+                )
+            })?;
             return RetryPolicy::builder().grpc_retry_policy(&p).build();
         }
-        let config: ServiceConfig = serde_json::from_value(value)
-            .map_err(|e| InvalidPolicy::new(format!("service config: {e}")))?;
+        let config: ServiceConfig = serde_json::from_value(value).map_err(|e| {
+            InvalidPolicy::new(
+                InvalidPolicyKind::ServiceConfig,
+                format!("service config: {e}"),
+            )
+        })?;
         let mut builder = RetryPolicy::builder();
         match (&config.retry_policy, config.method_config.is_empty()) {
             (Some(p), true) => builder = builder.grpc_retry_policy(p),
             (Some(_), false) => {
                 return Err(InvalidPolicy::new(
+                    InvalidPolicyKind::ServiceConfig,
                     "service config: a top-level retryPolicy and methodConfig together; \
                      move the retryPolicy into a methodConfig entry",
                 ))
             }
             (None, true) if config.retry_throttling.is_none() => {
                 return Err(InvalidPolicy::new(
+                    InvalidPolicyKind::ServiceConfig,
                     "service config: no methodConfig, retryPolicy or retryThrottling to load",
                 ))
             }
@@ -93,7 +109,10 @@ impl RetryPolicy {
         for (i, mc) in config.method_config.iter().enumerate() {
             let rules = match &mc.retry_policy {
                 Some(p) => rules_from_grpc(p).map_err(|e| {
-                    InvalidPolicy::new(format!("methodConfig[{i}].retryPolicy: {e}"))
+                    InvalidPolicy::new(
+                        InvalidPolicyKind::ServiceConfig,
+                        format!("methodConfig[{i}].retryPolicy: {e}"),
+                    )
                 })?,
                 None => Rules {
                     max_attempts: 1,
@@ -127,9 +146,10 @@ pub(crate) fn method_config_names(
     names: &[MethodName],
 ) -> Result<Vec<Option<String>>, InvalidPolicy> {
     if names.is_empty() {
-        return Err(InvalidPolicy::new(format!(
-            "methodConfig[{i}] has no name; use [{{}}] to match every method"
-        )));
+        return Err(InvalidPolicy::new(
+            InvalidPolicyKind::ServiceConfig,
+            format!("methodConfig[{i}] has no name; use [{{}}] to match every method"),
+        ));
     }
     names
         .iter()
@@ -137,18 +157,22 @@ pub(crate) fn method_config_names(
             let name = match (n.service.as_str(), n.method.as_str()) {
                 ("", "") => None,
                 ("", m) => {
-                    return Err(InvalidPolicy::new(format!(
-                        "methodConfig[{i}]: method {m:?} names no service"
-                    )))
+                    return Err(InvalidPolicy::new(
+                        InvalidPolicyKind::ServiceConfig,
+                        format!("methodConfig[{i}]: method {m:?} names no service"),
+                    ))
                 }
                 (s, "") => Some(format!("/{s}/")),
                 (s, m) => Some(format!("/{s}/{m}")),
             };
             if name.as_ref().is_some_and(|n| n.matches('/').count() != 2) {
-                return Err(InvalidPolicy::new(format!(
-                    "methodConfig[{i}]: {:?}/{:?} must not contain '/'",
-                    n.service, n.method
-                )));
+                return Err(InvalidPolicy::new(
+                    InvalidPolicyKind::ServiceConfig,
+                    format!(
+                        "methodConfig[{i}]: {:?}/{:?} must not contain '/'",
+                        n.service, n.method
+                    ),
+                ));
             }
             Ok(name)
         })
@@ -163,7 +187,7 @@ impl RetryPolicyBuilder {
                 self.policy.rules = rules;
                 self
             }
-            Err(e) => self.fail(e),
+            Err(e) => self.fail_with(InvalidPolicyKind::ServiceConfig, e),
         }
     }
 
@@ -173,13 +197,16 @@ impl RetryPolicyBuilder {
     pub fn grpc_method_retry_policy(self, path: impl Into<String>, p: &GrpcRetryPolicy) -> Self {
         let path = path.into();
         if !path.starts_with('/') || path.matches('/').count() != 2 {
-            return self.fail(format!(
+            return self.fail_with(
+                InvalidPolicyKind::GrpcMethod,
+                format!(
                 "gRPC method {path:?} must look like /package.Service/Method or /package.Service/"
-            ));
+            ),
+            );
         }
         match rules_from_grpc(p) {
             Ok(rules) => self.grpc_method_rules(Some(path), rules),
-            Err(e) => self.fail(e),
+            Err(e) => self.fail_with(InvalidPolicyKind::ServiceConfig, e),
         }
     }
 
@@ -187,7 +214,7 @@ impl RetryPolicyBuilder {
         let methods = Arc::make_mut(self.policy.methods.get_or_insert_with(Arc::default));
         match methods.insert(name, rules) {
             Ok(()) => self,
-            Err(e) => self.fail(e),
+            Err(e) => self.fail_with(InvalidPolicyKind::ServiceConfig, e),
         }
     }
 
