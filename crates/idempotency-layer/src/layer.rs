@@ -11,7 +11,7 @@ use crate::scope::Scope;
 use crate::service::Idempotency;
 use crate::shared::Shared;
 use crate::stats::IdempotencyStats;
-use crate::store::{IdempotencyStore, MemoryStore, StoreError, FOREVER};
+use crate::store::{Held, IdempotencyStore, MemoryStore, StoreError, FOREVER};
 
 /// The tower [`Layer`] that makes duplicate writes execute once per tenant + method + key.
 ///
@@ -491,6 +491,25 @@ impl<St: IdempotencyStore> IdempotencyLayer<St> {
         let r = self.store.forget(key).await;
         tracing::info!(scope = ?key, forgot = ?r.as_ref().ok(), "idempotency: forget");
         r
+    }
+
+    /// What the store holds for `scope` now, claiming nothing: a write in flight, its record
+    /// (what every duplicate is answered), or `None`. For a support page or an operator's tool;
+    /// [`forget`](Self::forget) clears it.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// use idempotency_layer::{IdempotencyLayer, Scope};
+    ///
+    /// let layer = IdempotencyLayer::default();
+    /// let method = Scope::http_operation(&http::Method::POST, "/orders");
+    /// let held = layer.lookup(Scope::new("acme", &method, "order-00042")).await.unwrap();
+    /// assert!(held.is_none());
+    /// # }
+    /// ```
+    pub async fn lookup(&self, scope: Scope<'_>) -> Result<Option<Held>, StoreError> {
+        self.store.lookup(scope.key()).await
     }
 }
 

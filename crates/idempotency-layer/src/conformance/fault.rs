@@ -11,7 +11,7 @@ use tokio::sync::Notify;
 
 use crate::store::StoreError;
 use crate::store::{
-    Backend, Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, TenantKey, Token,
+    Backend, Begin, Fingerprint, Held, IdempotencyStore, Record, ScopeKey, TenantKey, Token,
 };
 
 /// One operation of [`IdempotencyStore`], to aim a fault at and to count.
@@ -532,6 +532,12 @@ impl<S: IdempotencyStore> IdempotencyStore for FaultStore<S> {
             })
             .await,
         )
+    }
+
+    /// Forwarded as it is: a tool's read, which the faults (of the layer's operations) leave
+    /// alone.
+    async fn lookup(&self, scope: ScopeKey) -> Result<Option<Held>, StoreError> {
+        self.inner.lookup(scope).await
     }
     fn backend(&self) -> Backend {
         self.inner.backend()

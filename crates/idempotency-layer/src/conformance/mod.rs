@@ -30,7 +30,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 
-use crate::store::{Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token};
+use crate::store::{
+    Begin, Fingerprint, Held, IdempotencyStore, Record, ScopeKey, StoreError, Token,
+};
 use crate::Scope;
 
 mod fault;
@@ -67,6 +69,7 @@ pub async fn run_all<S: IdempotencyStore>(make: impl Fn() -> S) {
     renew_many_renews_each_held_claim_and_fences_the_rest(make()).await;
     renew_many_renews_a_claim_by_its_own_token_not_a_stale_one_of_its_scope(make()).await;
     forget_clears_records_and_fences_claims(make()).await;
+    lookup_sees_claims_and_records_and_claims_nothing(make()).await;
     wait_wakes_on_complete(make()).await;
     wait_wakes_on_release(make()).await;
     wait_returns_at_once_when_claim_already_ended(make()).await;
@@ -499,6 +502,48 @@ async fn forget_clears_records_and_fences_claims<S: IdempotencyStore>(store: S) 
         Err(StoreError::Fenced)
     ));
     new_claim(&store, s, LONG).await;
+}
+
+/// `lookup` reports what a scope holds (a claim in flight with its token and fingerprint, a
+/// record, nothing), claims nothing itself, and sees a lapsed lease or an expired record as
+/// nothing.
+async fn lookup_sees_claims_and_records_and_claims_nothing<S: IdempotencyStore>(store: S) {
+    let s = scope("lookup");
+    assert!(store.lookup(s).await.unwrap().is_none(), "a free scope");
+    assert!(
+        store.lookup(s).await.unwrap().is_none(),
+        "a lookup claims nothing"
+    );
+    let token = new_claim(&store, s, LONG).await;
+    match store.lookup(s).await.unwrap() {
+        Some(Held::InFlight {
+            token: held,
+            fingerprint,
+        }) => assert_eq!((held, fingerprint), (token, FP)),
+        other => panic!("a claim in flight, got {other:?}"),
+    }
+    let record = sample_record(FP);
+    store
+        .complete(s, token, record.clone().into(), SHORT)
+        .await
+        .unwrap();
+    match store.lookup(s).await.unwrap() {
+        Some(Held::Completed(found)) => assert_eq!(*found, record),
+        other => panic!("the record, got {other:?}"),
+    }
+    tokio::time::sleep(SHORT * 2).await;
+    assert!(
+        store.lookup(s).await.unwrap().is_none(),
+        "an expired record"
+    );
+
+    let lapsed = scope("lookup-lapsed");
+    new_claim(&store, lapsed, SHORT).await;
+    tokio::time::sleep(SHORT * 2).await;
+    assert!(
+        store.lookup(lapsed).await.unwrap().is_none(),
+        "a claim whose lease lapsed"
+    );
 }
 
 async fn waiter<S: IdempotencyStore>(

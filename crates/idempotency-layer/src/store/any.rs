@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{
-    Backend, Begin, Fingerprint, IdempotencyStore, MemoryStore, Record, ScopeKey, StoreError,
+    Backend, Begin, Fingerprint, Held, IdempotencyStore, MemoryStore, Record, ScopeKey, StoreError,
     TenantKey, Token,
 };
 
@@ -195,6 +195,10 @@ impl IdempotencyStore for AnyStore {
 
     async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
         each!(self, s => s.forget(scope))
+    }
+
+    async fn lookup(&self, scope: ScopeKey) -> Result<Option<Held>, StoreError> {
+        each!(self, s => s.lookup(scope))
     }
 
     fn backend(&self) -> Backend {

@@ -118,7 +118,7 @@ where
 #[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) use self::orphan::OrphanGuard;
 pub use self::types::{
-    Backend, Begin, Fingerprint, Record, ScopeKey, StoreError, TenantKey, Token,
+    Backend, Begin, Fingerprint, Held, Record, ScopeKey, StoreError, TenantKey, Token,
 };
 pub use any::AnyStore;
 pub use memory::{MemoryStats, MemoryStore, MemoryStoreBuilder};
@@ -228,6 +228,20 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// Removes whatever `scope` holds (record or claim); true if there was something. A claim
     /// that is forgotten is fenced: its leader's `complete` is refused.
     fn forget(&self, scope: ScopeKey) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// What `scope` holds now, claiming nothing: a claim in flight, a record, or `None` (free,
+    /// or its lease or TTL is over). For operators and tools (what did this key answer, is it
+    /// running?); the layer itself never calls it. The default answers
+    /// [`StoreError::Config`]: a store of your own that does not implement it.
+    fn lookup(
+        &self,
+        scope: ScopeKey,
+    ) -> impl Future<Output = Result<Option<Held>, StoreError>> + Send {
+        let _ = scope;
+        std::future::ready(Err(StoreError::Config(
+            "this store does not implement lookup".into(),
+        )))
+    }
 
     /// Which kind of store this is: the `store` label of the layer's metrics. The default is
     /// [`Backend::Custom`].

@@ -216,6 +216,21 @@ pub enum Begin {
     Completed(Arc<Record>),
 }
 
+/// What a store holds for a scope ([`IdempotencyStore::lookup`](super::IdempotencyStore::lookup)).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Held {
+    /// A claim in flight, its lease running: a request with this fingerprint is executing.
+    InFlight {
+        /// The claim's token.
+        token: Token,
+        /// The fingerprint of the request executing.
+        fingerprint: Fingerprint,
+    },
+    /// A record, not yet expired: what every duplicate is answered.
+    Completed(Arc<Record>),
+}
+
 /// The one error type of every store.
 #[derive(Debug)]
 #[non_exhaustive]

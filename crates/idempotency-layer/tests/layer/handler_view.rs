@@ -265,3 +265,35 @@ async fn replays_carry_no_cookie_and_no_stale_date_unless_asked() {
         assert_eq!(replay.headers["date"], OLD_DATE, "{transport:?}");
     }
 }
+
+/// An operator's view of a key, beside `forget`: after a write over the wire, `lookup` finds
+/// its record (what every duplicate gets); after `forget`, nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lookup_shows_what_a_key_answered_until_it_is_forgotten() {
+    let layer = layer();
+    let app = Router::new()
+        .route(
+            "/orders",
+            post(|| async { (StatusCode::CREATED, "order 9") }),
+        )
+        .layer(layer.clone());
+    let addr = serve(app).await;
+    let scope = || Scope::new("shop", "POST /orders", "order-00009");
+    assert!(layer.lookup(scope()).await.unwrap().is_none());
+    let first = post_with(
+        Transport::Http2,
+        format!("http://{addr}/orders"),
+        &[("x-idempotency-key", "order-00009")],
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    match layer.lookup(scope()).await.unwrap() {
+        Some(idempotency_layer::store::Held::Completed(record)) => {
+            assert_eq!(record.status(), StatusCode::CREATED);
+            assert_eq!(record.body(), "order 9");
+        }
+        other => panic!("the record, got {other:?}"),
+    }
+    assert!(layer.forget(scope()).await.unwrap());
+    assert!(layer.lookup(scope()).await.unwrap().is_none());
+}

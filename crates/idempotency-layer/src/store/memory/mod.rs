@@ -8,8 +8,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    Backend, Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, TenantKey, Token,
-    FOREVER,
+    Backend, Begin, Fingerprint, Held, IdempotencyStore, Record, ScopeKey, StoreError, TenantKey,
+    Token, FOREVER,
 };
 
 mod builder;
@@ -453,6 +453,21 @@ impl IdempotencyStore for MemoryStore {
 
     async fn forget(&self, scope: ScopeKey) -> Result<bool, StoreError> {
         Ok(self.shard(&scope).remove(&self.inner, &scope).is_some())
+    }
+
+    async fn lookup(&self, scope: ScopeKey) -> Result<Option<Held>, StoreError> {
+        let now = Instant::now();
+        let shard = self.shard(&scope);
+        Ok(match shard.map.get(&scope) {
+            Some(Entry::InFlight(claim)) if claim.lease_until > now => Some(Held::InFlight {
+                token: claim.token,
+                fingerprint: claim.fingerprint,
+            }),
+            Some(Entry::Completed {
+                record, expires, ..
+            }) if *expires > now => Some(Held::Completed(record.clone())),
+            _ => None,
+        })
     }
     fn backend(&self) -> Backend {
         Backend::Memory

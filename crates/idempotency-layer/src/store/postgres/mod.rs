@@ -14,7 +14,7 @@ use super::codec;
 use super::near_cache::{Near, NearCacheStats};
 use super::wake::{Polling, Waiters};
 use super::{
-    Backend, Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token,
+    Backend, Begin, Fingerprint, Held, IdempotencyStore, Record, ScopeKey, StoreError, Token,
     LATE_COMPLETE_GRACE,
 };
 
@@ -782,6 +782,34 @@ impl IdempotencyStore for PostgresStore {
             near.invalidate(&scope);
         }
         Ok(affected(&rows?) > 0)
+    }
+
+    async fn lookup(&self, scope: ScopeKey) -> Result<Option<Held>, StoreError> {
+        let rows = self
+            .query(&self.inner.sql.lookup, &[(&&scope.0[..], Type::BYTEA)])
+            .await?;
+        let Some(row) = rows.first() else {
+            return Ok(None);
+        };
+        let corrupt = |e: tokio_postgres::Error| StoreError::Corrupt(format!("row: {e}"));
+        let state: &str = row.try_get(0).map_err(corrupt)?;
+        let token: Uuid = row.try_get(1).map_err(corrupt)?;
+        match state {
+            "in_flight" => {
+                let fp: &[u8] = row.try_get(2).map_err(corrupt)?;
+                Ok(Some(Held::InFlight {
+                    token: Token(token.as_u128()),
+                    fingerprint: codec::fingerprint(fp)?,
+                }))
+            }
+            "completed" => {
+                let record: Option<&[u8]> = row.try_get(3).map_err(corrupt)?;
+                let record = record
+                    .ok_or_else(|| StoreError::Corrupt("completed row has no record".into()))?;
+                Ok(Some(Held::Completed(Arc::new(codec::decode(record)?))))
+            }
+            other => Err(StoreError::Corrupt(format!("row state {other:?}"))),
+        }
     }
 
     fn backend(&self) -> Backend {

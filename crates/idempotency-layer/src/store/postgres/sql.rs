@@ -28,6 +28,7 @@ pub(super) struct Sql {
     pub(super) forget: String,
     pub(super) watch: String,
     pub(super) peek: String,
+    pub(super) lookup: String,
     pub(super) cleanup: String,
     pub(super) migrate: String,
     pub(super) create_schema: String,
@@ -176,6 +177,10 @@ impl Sql {
                 "UPDATE {t} SET watched = true \
                  WHERE scope = $1 AND token = $2 AND state = 'in_flight' AND expires_at > now() \
                  RETURNING GREATEST(0, extract(epoch FROM expires_at - now()) * 1000)::bigint"
+            ),
+            lookup: format!(
+                "SELECT state, token, fingerprint, record FROM {t} \
+                 WHERE scope = $1 AND expires_at > now()"
             ),
             peek: format!(
                 "SELECT GREATEST(0, extract(epoch FROM expires_at - now()) * 1000)::bigint \

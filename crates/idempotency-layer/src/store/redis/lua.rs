@@ -190,6 +190,22 @@ if left <= 0 then return -2 end
 return left
 "#;
 
+/// What the key holds, claiming nothing: `{0}` nothing (absent, a tombstone, a claim whose
+/// lease lapsed), `{2, token, fingerprint}` a claim in flight, `{3, record}` a record, `{4, why}`
+/// not an entry of this store.
+pub(super) const LOOKUP: &str = r#"
+local k = KEYS[1]
+local t = redis.call('TYPE', k)['ok']
+if t == 'none' then return {0} end
+if t ~= 'hash' then return {4, 'the key holds a ' .. t .. ', not an idempotency entry'} end
+local v = redis.call('HMGET', k, 's', 't', 'f', 'r', 'e')
+if v[1] == 'c' and v[4] then return {3, v[4]} end
+if v[1] == 'i' and v[2] and v[3] and (not v[5] or tonumber(v[5]) > now) then
+  return {2, v[2], v[3]}
+end
+return {0}
+"#;
+
 /// A script's source for the server: the clock prelude where it needs one, and `PUBLISH` or
 /// the cluster's `SPUBLISH` (sharded pub/sub: the message stays on the key's shard).
 pub(super) fn source(body: &str, publish: &str) -> String {
@@ -225,6 +241,7 @@ pub(super) struct Scripts {
     pub(super) renew_many: Lua,
     pub(super) forget: Lua,
     pub(super) peek: Lua,
+    pub(super) lookup: Lua,
     pub(super) acknowledged: Lua,
 }
 
@@ -238,6 +255,7 @@ impl Scripts {
             renew_many: Lua::new(RENEW_MANY, publish),
             forget: Lua::new(FORGET, publish),
             peek: Lua::new(PEEK, publish),
+            lookup: Lua::new(LOOKUP, publish),
             acknowledged: Lua::new(ACKNOWLEDGED, publish),
         }
     }

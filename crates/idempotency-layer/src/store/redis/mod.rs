@@ -11,7 +11,9 @@ use tokio::sync::{mpsc, oneshot};
 use super::near_cache::{Near, NearCacheStats, Ticket};
 use super::wake::{Polling, Waiters};
 use super::{codec, LATE_COMPLETE_GRACE};
-use super::{Backend, Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, Token};
+use super::{
+    Backend, Begin, Fingerprint, Held, IdempotencyStore, Record, ScopeKey, StoreError, Token,
+};
 
 mod builder;
 mod conn;
@@ -776,6 +778,40 @@ impl IdempotencyStore for RedisStore {
             other => Err(StoreError::Backend(
                 format!("unexpected script reply {other:?}").into(),
             )),
+        }
+    }
+
+    async fn lookup(&self, scope: ScopeKey) -> Result<Option<Held>, StoreError> {
+        let key = self.key(&scope);
+        let reply = self.run(&self.scripts().lookup, &key, &[]).await?;
+        let Value::Array(items) = reply else {
+            return Err(StoreError::Backend(
+                format!("unexpected lookup reply {reply:?}").into(),
+            ));
+        };
+        let corrupt = || StoreError::Corrupt("malformed lookup reply".to_owned());
+        match items.first() {
+            Some(Value::Int(0)) => Ok(None),
+            Some(Value::Int(2)) => {
+                let t = items.get(1).and_then(bulk).ok_or_else(corrupt)?;
+                let f = items.get(2).and_then(bulk).ok_or_else(corrupt)?;
+                Ok(Some(Held::InFlight {
+                    token: token_from(t)?,
+                    fingerprint: codec::fingerprint(f)?,
+                }))
+            }
+            Some(Value::Int(3)) => {
+                let r = items.get(1).and_then(bulk).ok_or_else(corrupt)?;
+                Ok(Some(Held::Completed(Arc::new(codec::decode(r)?))))
+            }
+            Some(Value::Int(4)) => {
+                let why = items.get(1).and_then(bulk).unwrap_or(b"unknown");
+                Err(StoreError::Corrupt(format!(
+                    "redis key {key}: {}",
+                    String::from_utf8_lossy(why)
+                )))
+            }
+            _ => Err(corrupt()),
         }
     }
 
