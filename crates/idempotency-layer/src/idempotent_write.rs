@@ -127,11 +127,11 @@ impl IdempotentWrite {
     ) -> Option<Self> {
         let found = HeadScan::of(&parts.headers, cfg.key_headers.as_slice()).key;
         let key = crate::key::accepted_key(found.ok().flatten()?)?;
-        let tenant = crate::service::tenant(cfg, parts)?;
+        let tenant = crate::accepted::tenant(cfg, parts)?;
         let operation: Box<str> = if grpc {
             parts.uri.path().into()
         } else {
-            let path = crate::service::operation_path(parts);
+            let path = crate::accepted::operation_path(parts);
             format!("{} {path}", parts.method).into()
         };
         Some(IdempotentWrite(Arc::new(Accepted {

@@ -296,6 +296,12 @@ impl<St> IdempotencyLayer<St> {
 
     /// The table that decides which outcomes are recorded. Opt in to recording permanent
     /// failures with `RetryTable::default().record_permanent_failures(true)`.
+    ///
+    /// It is the client's [`RetryTable`] on purpose, not a type of the server's own: one table
+    /// says both what a client retries and what a server does not record, so that the two
+    /// halves cannot disagree (an outcome retried and also recorded would replay the failure
+    /// to every retry; one neither retried nor recorded would run again on a retry of the
+    /// client's own).
     pub fn table(self, table: RetryTable) -> Self {
         self.config(|c| c.table = table)
     }

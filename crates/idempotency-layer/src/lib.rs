@@ -456,6 +456,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(rust_2018_idioms, warnings))))]
 
+mod accepted;
 mod body;
 mod classify;
 mod config;

@@ -38,8 +38,8 @@ impl Tenant {
 ///
 /// `method` is `"POST /orders"` (HTTP method, a space, the route's template where an axum
 /// `Router` matched one, such as `"POST /books/{id}/deduct"`, else the path) for HTTP requests
-/// and the gRPC path `"/package.Service/Method"` for gRPC requests: see [`Scope::http`] and
-/// [`Scope::grpc`].
+/// and the gRPC path `"/package.Service/Method"` for gRPC requests: see [`Scope::http_operation`] and
+/// [`Scope::grpc_operation`].
 /// Use it with [`IdempotencyLayer::forget`](crate::IdempotencyLayer::forget).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Scope<'a> {
@@ -189,7 +189,7 @@ mod tests {
 
     proptest! {
         /// The key is the hash of the encoding, and the layer's HTTP shortcut (no method
-        /// string made) gives the key of `Scope::http`'s method string.
+        /// string made) gives the key of `Scope::http_operation`'s method string.
         #[test]
         fn the_key_hashes_the_encoding(
             t in any::<String>(), path in any::<String>(), k in any::<String>(),

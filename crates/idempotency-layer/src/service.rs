@@ -5,12 +5,12 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::request::Parts;
 use http::{Request, Response};
 use http_body::Body;
 use tower_service::Service;
 use tracing::Instrument;
 
+use crate::accepted::{operation_path, tenant};
 use crate::body::{IdempotencyBody, RequestBody};
 use crate::config::{Config, TenantFrom};
 use crate::future::ResponseFuture;
@@ -19,7 +19,7 @@ use crate::key::key_of;
 use crate::observe::{self};
 use crate::protocol::Protocol;
 use crate::reject::{respond, RejectReason};
-use crate::scope::{http_scope_key, Scope, Tenant};
+use crate::scope::{http_scope_key, Scope};
 use crate::shared::Shared;
 use crate::stats::IdempotencyStats;
 use crate::store::{IdempotencyStore, MemoryStore, TenantKey};
@@ -217,41 +217,5 @@ where
             span: span.clone(),
         };
         ResponseFuture::managed(Box::pin(write.handle(parts, body).instrument(span)))
-    }
-}
-
-/// The path that names an HTTP write's operation in its scope: the template of the route the
-/// request matched, where the router says (axum's `MatchedPath`, feature `axum`), so that one
-/// key cannot name two resources of one route (the concrete path is in the fingerprint: a key
-/// reused on `/books/b2/deduct` after `/books/b1/deduct` is a mismatch); else the concrete path.
-pub(crate) fn operation_path(parts: &Parts) -> &str {
-    #[cfg(feature = "axum")]
-    if let Some(route) = parts.extensions.get::<axum::extract::MatchedPath>() {
-        return route.as_str();
-    }
-    parts.uri.path()
-}
-
-/// The request's tenant: its [`Tenant`] extension, else what the layer is configured to use.
-pub(crate) fn tenant(cfg: &Config, parts: &Parts) -> Option<Arc<str>> {
-    if let Some(t) = parts.extensions.get::<Tenant>() {
-        return Some(t.0.clone());
-    }
-    match &cfg.tenant {
-        TenantFrom::Required => None,
-        TenantFrom::Default(t, _) => Some(t.clone()),
-        TenantFrom::Header(name) => {
-            let mut values = parts.headers.get_all(name).iter();
-            match (values.next(), values.next()) {
-                (Some(v), None) => v
-                    .to_str()
-                    .ok()
-                    .map(str::trim)
-                    .filter(|s| !s.is_empty())
-                    .map(Arc::from),
-                _ => None,
-            }
-        }
-        TenantFrom::Fn(f) => f(parts).filter(|t| !t.is_empty()),
     }
 }

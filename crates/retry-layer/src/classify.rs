@@ -10,7 +10,10 @@ use reason_code::{
     GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS, GRPC_STATUS_DETAILS_BIN, IDEMPOTENT_REPLAYED,
 };
 
-use crate::error::{AttemptTimedOut, ResponseHeadTimedOut, RetryError, ServiceNotReady};
+use crate::error::{
+    AttemptTimedOut, DeadlineExceeded, ResponseHeadTimedOut, RetryError, RetryErrorKind,
+    ServiceNotReady,
+};
 
 /// Classifies a response with the one classifier both layers call
 /// ([`reason_code::classify_head`]), plus one rule of the client's own.
@@ -122,6 +125,24 @@ pub(crate) fn pushback(headers: &HeaderMap, reasons: &ReasonCodes) -> PushbackHi
 
 /// Classifies a transport error from its source chain: provably unsent (connect refused, DNS,
 /// TLS, a connect timeout, h2 `REFUSED_STREAM`, a GOAWAY beyond the stream) or ambiguous (anything that may have happened after the request left).
+/// How an error the layer answers with ended the call, for [`RetryError::kind`].
+pub(crate) fn error_kind(err: &BoxError) -> RetryErrorKind {
+    let e = err.as_ref();
+    if e.is::<DeadlineExceeded>() {
+        return RetryErrorKind::DeadlineExceeded;
+    }
+    if e.is::<ServiceNotReady>() {
+        return RetryErrorKind::NotReady;
+    }
+    if e.is::<AttemptTimedOut>() || e.is::<ResponseHeadTimedOut>() {
+        return RetryErrorKind::TimedOut;
+    }
+    match error(err) {
+        Outcome::Unsent => RetryErrorKind::NotSent,
+        _ => RetryErrorKind::Ambiguous,
+    }
+}
+
 pub(crate) fn error(err: &BoxError) -> Outcome {
     let mut cur: Option<&(dyn StdError + 'static)> = Some(err.as_ref());
     let mut sent_below = false;

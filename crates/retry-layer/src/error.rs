@@ -185,6 +185,8 @@ pub struct RetryError {
     source: BoxError,
     /// Attempts that may have reached the server (not provably unsent).
     reached: u32,
+    /// How the last attempt's error was classified.
+    kind: RetryErrorKind,
 }
 
 /// How a call the layer gave up on ended ([`RetryError::kind`]): what a caller decides on
@@ -216,7 +218,14 @@ impl RetryError {
             },
             source,
             reached: attempts,
+            kind: RetryErrorKind::Ambiguous,
         }
+    }
+
+    /// The error classified as `kind` (by `classify::error_kind`).
+    pub(crate) fn classified(mut self, kind: RetryErrorKind) -> Self {
+        self.kind = kind;
+        self
     }
 
     /// Of its attempts, `reached` may have reached the server (the others provably never left).
@@ -227,20 +236,7 @@ impl RetryError {
 
     /// How the call ended.
     pub fn kind(&self) -> RetryErrorKind {
-        let e = &*self.source;
-        if e.is::<DeadlineExceeded>() {
-            return RetryErrorKind::DeadlineExceeded;
-        }
-        if e.is::<ServiceNotReady>() {
-            return RetryErrorKind::NotReady;
-        }
-        if e.is::<AttemptTimedOut>() || e.is::<ResponseHeadTimedOut>() {
-            return RetryErrorKind::TimedOut;
-        }
-        match crate::classify::error(&self.source) {
-            reason_code::Outcome::Unsent => RetryErrorKind::NotSent,
-            _ => RetryErrorKind::Ambiguous,
-        }
+        self.kind
     }
 
     /// Whether the server may have executed the request: false only when no attempt can have

@@ -144,7 +144,10 @@ pub fn reqwest_error(err: &Error) -> Option<&::reqwest::Error> {
 fn into_retry_error(e: BoxError) -> RetryError {
     match e.downcast::<RetryError>() {
         Ok(e) => *e,
-        Err(other) => RetryError::new(other, 0, None),
+        Err(other) => {
+            let kind = crate::classify::error_kind(&other);
+            RetryError::new(other, 0, None).classified(kind)
+        }
     }
 }
 

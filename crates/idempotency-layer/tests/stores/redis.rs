@@ -68,7 +68,7 @@ impl Backend for Redis {
         // A claim (state `i`), not the tombstone a release or a forget leaves.
         let state: Option<String> = raw(url)
             .await
-            .hget(entry_key(&store, &scope), "s")
+            .hget(entry_key(store, &scope), "s")
             .await
             .unwrap_or(None);
         state.as_deref() == Some("i")

@@ -459,7 +459,7 @@ async fn failover_then_write(
         "the store moved to the new primary"
     );
     let state: Option<String> = redis::cmd("HGET")
-        .arg(entry_key(&store, &after))
+        .arg(entry_key(store, &after))
         .arg("s")
         .query_async(&mut conn(replica).await)
         .await

@@ -13,6 +13,9 @@ use crate::deadline::Deadline;
 /// The service [`HopLayer`](super::HopLayer) makes: runs each request's handler in the scope of a [`Hop`] (the
 /// per-request state, made from the request's headers), and marks the handler's answer when an
 /// outbound call stopped retrying.
+///
+/// Named for what it does (it runs the handler in a hop's scope) rather than `Hop`, the
+/// name of the per-request state it makes, which `reason-code` owns and both layers read.
 #[derive(Debug, Clone)]
 pub struct HopScope<S> {
     inner: S,

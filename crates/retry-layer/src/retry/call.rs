@@ -155,10 +155,14 @@ impl<S, B> Call<S, B> {
     ) -> Result<Response<R>, BoxError> {
         match result {
             Ok(res) => Ok(self.with_retry_info(res)),
-            Err(e) => Err(Box::new(
-                RetryError::new(e, self.attempt.sent, self.generated_key.take())
-                    .reached(self.went_out),
-            )),
+            Err(e) => {
+                let kind = classify::error_kind(&e);
+                Err(Box::new(
+                    RetryError::new(e, self.attempt.sent, self.generated_key.take())
+                        .reached(self.went_out)
+                        .classified(kind),
+                ))
+            }
         }
     }
 

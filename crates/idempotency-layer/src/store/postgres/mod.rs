@@ -146,7 +146,14 @@ const CLAIM_ATTEMPTS: usize = 10;
 /// - **TLS**: `sslmode=require` in the URL with the `postgres-tls` feature (rustls): encrypted,
 ///   and with [`tls_root_certificates`](PostgresStoreBuilder::tls_root_certificates) the
 ///   server's certificate is checked, like libpq's `sslrootcert`.
-/// - **Your own pool**: [`builder_from_pool`](PostgresStore::builder_from_pool).
+/// - **Your own pool**: [`builder_from_pool`](PostgresStore::builder_from_pool) (a
+///   `deadpool_postgres::Pool`, re-exported as `idempotency_layer::deadpool_postgres`). An
+///   application on sqlx keeps its `PgPool` and gives the store a small pool of its own on
+///   the same database: the store's statements run on tokio-postgres (unnamed statements
+///   behind a pooler, the cancel protocol, its own renewal connections), which a sqlx pool
+///   cannot carry. What must share the application's connection is the record of a write,
+///   and it does: `TxCompletion::complete_in_sqlx` writes it in the handler's own
+///   `sqlx::Transaction`.
 /// - **Sizing**: the table holds about `writes per second x TTL` rows; the cleanup removes
 ///   every expired row each [`cleanup_interval`](PostgresStoreBuilder::cleanup_interval), in
 ///   batches (measured here: ~200 000 rows/s), so it keeps up with any write rate the store
