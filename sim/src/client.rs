@@ -872,6 +872,14 @@ pub async fn run_probe(
                 Err(e) => e.contains("no room"),
                 Ok(_) => false,
             };
+            // No answer yet: a run started before the heal may still hold the server's capacity
+            // (with a `ConcurrencyLimit` of one, a handler whose downstream call waits out its
+            // attempts' head bounds). Tried again within the bound the quiescence probe gives a
+            // run in flight; a server that holds its capacity longer (for ever) still fails.
+            let busy = matches!(&result, Err(e) if e.starts_with("no answer within"));
+            if busy && now() - started <= quiescence_bound(&schedule) {
+                continue;
+            }
             if !refused || full_for.is_none_or(|bound| now() - started > bound) {
                 break result;
             }

@@ -126,6 +126,10 @@ const JUDGE: &[(u64, &str)] = &[
         2101820,
         "fail-open beside a claim whose record the store acknowledged and never stored (its layer ended it as recorded)",
     ),
+    (
+        6017191,
+        "the fresh-write probe gave up after one 30 s try while a run started before the heal held the server's one permit (its downstream call waiting out its 60 s head bound): now tried again within the bound of a run in flight",
+    ),
 ];
 
 /// Seeds `from..from + n`: every promise holds.
