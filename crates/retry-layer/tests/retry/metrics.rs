@@ -111,18 +111,30 @@ fn a_retried_call_counts_its_attempts_and_retries_by_code() {
     assert_eq!(layer.stats().retries, 2);
 }
 
+/// A backend that answers every request 503.
+fn always_unavailable() -> impl tower::Service<
+    Request<retry_layer::ReplayBody<Full<Bytes>>>,
+    Response = Response<http_body_util::Empty<bytes::Bytes>>,
+    Error = Infallible,
+    Future = impl Send,
+> + Clone {
+    tower::service_fn(
+        |_req: Request<retry_layer::ReplayBody<Full<Bytes>>>| async {
+            Ok::<_, Infallible>(
+                Response::builder()
+                    .status(StatusCode::SERVICE_UNAVAILABLE)
+                    .body(http_body_util::Empty::<bytes::Bytes>::new())
+                    .unwrap(),
+            )
+        },
+    )
+}
+
 #[test]
 fn a_give_up_is_counted_by_reason_and_code() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
-    let backend = tower::service_fn(|_req: Request<_>| async {
-        Ok::<_, Infallible>(
-            Response::builder()
-                .status(StatusCode::SERVICE_UNAVAILABLE)
-                .body(http_body_util::Empty::<bytes::Bytes>::new())
-                .unwrap(),
-        )
-    });
+    let backend = always_unavailable();
     // Two attempts per call: the second 503 is returned, `exhausted`.
     let exhausting = RetryLayer::new(RetryPolicy::builder().max_attempts(2).build().unwrap());
     let mut client = ServiceBuilder::new().layer(exhausting).service(backend);
@@ -157,14 +169,7 @@ fn a_give_up_is_counted_by_reason_and_code() {
 fn a_declined_retry_is_counted_as_declined() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
-    let backend = tower::service_fn(|_req: Request<_>| async {
-        Ok::<_, Infallible>(
-            Response::builder()
-                .status(StatusCode::SERVICE_UNAVAILABLE)
-                .body(http_body_util::Empty::<bytes::Bytes>::new())
-                .unwrap(),
-        )
-    });
+    let backend = always_unavailable();
     let mut client = ServiceBuilder::new()
         .layer(RetryLayer::new(RetryPolicy::default()))
         .service(backend);
