@@ -50,7 +50,6 @@ struct Accepted {
     key: Box<str>,
     tenant: Arc<str>,
     operation: Box<str>,
-    scope_key: ScopeKey,
     token: Option<Token>,
     previous_attempts: u32,
     after_a_run_without_record: bool,
@@ -78,11 +77,12 @@ impl IdempotentWrite {
         Scope::new(self.tenant(), self.operation(), self.key())
     }
 
-    /// The store key of the scope ([`Scope::key`]): a stable hash of tenant, operation and key,
-    /// the same on every instance and every run of this write. A good unique column for the
-    /// side effect (`scope_key().to_hex()`).
+    /// The stable key of the scope ([`Scope::key`]): a hash of tenant, operation and key, the
+    /// same on every instance and every run of this write, whatever the store. A good unique
+    /// column for the side effect (`scope_key().to_hex()`). Computed when asked (a
+    /// [`MemoryStore`](crate::MemoryStore) files the scope under a cheaper key of its own).
     pub fn scope_key(&self) -> ScopeKey {
-        self.0.scope_key
+        self.scope().key()
     }
 
     /// The fencing token of the claim this run holds: another run of the same write (after this
@@ -120,7 +120,6 @@ impl IdempotentWrite {
     pub(crate) fn of(
         cfg: &Config,
         parts: &Parts,
-        scope_key: ScopeKey,
         token: Option<Token>,
         grpc: bool,
         waited: bool,
@@ -138,7 +137,6 @@ impl IdempotentWrite {
             key: key.into(),
             tenant,
             operation,
-            scope_key,
             token,
             previous_attempts: reason_code::previous_attempts(&parts.headers),
             after_a_run_without_record: waited,

@@ -8,8 +8,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    Backend, Begin, Fingerprint, Held, IdempotencyStore, Record, ScopeKey, StoreError, TenantKey,
-    Token, FOREVER,
+    Backend, Begin, Fingerprint, Held, IdempotencyStore, Record, ScopeHasher, ScopeKey, StoreError,
+    TenantKey, Token, FOREVER,
 };
 
 mod builder;
@@ -271,6 +271,31 @@ impl MemoryStore {
     }
 }
 
+/// A claim in a box, reusing `spare` (a completed claim's) when there is one.
+fn new_claim(
+    spare: Option<Box<Claim>>,
+    tenant: TenantKey,
+    token: Token,
+    fingerprint: Fingerprint,
+    now: Instant,
+    lease: Duration,
+) -> Box<Claim> {
+    let claim = Claim {
+        tenant,
+        token,
+        fingerprint,
+        lease_until: now + lease.min(FOREVER),
+        wake: Wake::default(),
+    };
+    match spare {
+        Some(mut spare) => {
+            *spare = claim;
+            spare
+        }
+        None => Box::new(claim),
+    }
+}
+
 impl IdempotencyStore for MemoryStore {
     async fn begin(
         &self,
@@ -289,27 +314,49 @@ impl IdempotencyStore for MemoryStore {
         fingerprint: Fingerprint,
         lease: Duration,
     ) -> Result<Begin, StoreError> {
+        use std::collections::hash_map::Entry as Slot;
         let now = Instant::now();
         let inner = &*self.inner;
-        let (index, mut shard) = self.shard_at(&scope);
-        shard.clean(inner, now, CLEANUP_PER_OP);
-        match shard.map.get(&scope) {
-            Some(Entry::Completed {
-                record, expires, ..
-            }) if *expires > now => return Ok(Begin::Completed(record.clone())),
-            Some(Entry::InFlight(claim)) if claim.lease_until > now => {
-                return Ok(Begin::InFlight {
-                    token: claim.token,
-                    fingerprint: claim.fingerprint,
-                })
+        let (index, mut guard) = self.shard_at(&scope);
+        guard.clean(inner, now, CLEANUP_PER_OP);
+        let shard = &mut *guard;
+        // One lookup on the way every claim and replay takes: the scope's slot, then the claim
+        // made in it when there is room.
+        match shard.map.entry(scope) {
+            Slot::Occupied(slot) => match slot.get() {
+                Entry::Completed {
+                    record, expires, ..
+                } if *expires > now => return Ok(Begin::Completed(record.clone())),
+                Entry::InFlight(claim) if claim.lease_until > now => {
+                    return Ok(Begin::InFlight {
+                        token: claim.token,
+                        fingerprint: claim.fingerprint,
+                    })
+                }
+                // Expired record or lapsed lease: take the scope over (dropping the old entry
+                // wakes its waiters; the old leader is fenced). The tenant's room for it is
+                // freed with it; the claim is made below.
+                _ => {
+                    shard.remove(inner, &scope);
+                }
+            },
+            Slot::Vacant(slot) => {
+                if inner.reserve(tenant, 1, ENTRY_OVERHEAD).is_ok() {
+                    let token = shard::next_token(&mut shard.next, index);
+                    let claim = shard.spare.pop();
+                    slot.insert(Entry::InFlight(new_claim(
+                        claim,
+                        tenant,
+                        token,
+                        fingerprint,
+                        now,
+                        lease,
+                    )));
+                    return Ok(Begin::New(token));
+                }
             }
-            // Expired record or lapsed lease: take the scope over (dropping the old entry wakes
-            // its waiters; the old leader is fenced). The tenant's room for it is freed with it.
-            Some(_) => {
-                shard.remove(inner, &scope);
-            }
-            None => {}
         }
+        let mut shard = guard;
         while let Err(why) = inner.reserve(tenant, 1, ENTRY_OVERHEAD) {
             // Out of room: expired records go first, then records past the minimum retention,
             // in this shard, then in the others.
@@ -326,21 +373,9 @@ impl IdempotencyStore for MemoryStore {
                 return Err(StoreError::Full);
             }
         }
-        let token = shard.token(index);
-        let claim = Claim {
-            tenant,
-            token,
-            fingerprint,
-            lease_until: now + lease.min(FOREVER),
-            wake: Wake::default(),
-        };
-        let claim = match shard.spare.pop() {
-            Some(mut spare) => {
-                *spare = claim;
-                spare
-            }
-            None => Box::new(claim),
-        };
+        let token = shard.next_token(index);
+        let spare = shard.spare.pop();
+        let claim = new_claim(spare, tenant, token, fingerprint, now, lease);
         shard.map.insert(scope, Entry::InFlight(claim));
         Ok(Begin::New(token))
     }
@@ -354,15 +389,35 @@ impl IdempotencyStore for MemoryStore {
     ) -> Result<(), StoreError> {
         let now = Instant::now();
         let inner = &*self.inner;
-        let mut shard = self.shard(&scope);
-        let index = self.shard_index(&scope);
-        let tenant = match shard.map.get(&scope) {
-            Some(Entry::InFlight(claim)) if claim.token == token => claim.tenant,
-            // The same complete again (its caller retried it): done already, nothing changes.
-            Some(Entry::Completed {
-                token: by, expires, ..
-            }) if shard::is_token(token, *by, index) && *expires > now => return Ok(()),
-            _ => return Err(StoreError::Fenced),
+        let (index, mut shard) = self.shard_at(&scope);
+        let expires = now + ttl.min(FOREVER);
+        let completed = inner.secs(now);
+        let tenant = match shard.map.get_mut(&scope) {
+            Some(slot) => match slot {
+                Entry::InFlight(claim) if claim.token == token => {
+                    let tenant = claim.tenant;
+                    // The usual way: room for the record at once, which takes the claim's slot
+                    // (one lookup). Dropping the claim's `Wake` wakes its waiters, who run
+                    // once the shard is unlocked.
+                    let size = record_size(&record);
+                    if inner.reserve(tenant, 0, size - ENTRY_OVERHEAD).is_ok() {
+                        let (waiters, claim) =
+                            fill_claim_slot(slot, record, expires, size, completed)
+                                .expect("the slot holds this claim");
+                        shard.completed(claim, expires, scope);
+                        drop(waiters);
+                        shard.clean(inner, now, CLEANUP_PER_OP);
+                        return Ok(());
+                    }
+                    tenant
+                }
+                // The same complete again (its caller retried it): done already, nothing changes.
+                Entry::Completed {
+                    token: by, expires, ..
+                } if shard::is_token(token, *by, index) && *expires > now => return Ok(()),
+                _ => return Err(StoreError::Fenced),
+            },
+            None => return Err(StoreError::Fenced),
         };
         // The handler has run: the record is kept whatever happens, in full if it fits. The
         // claim was charged one entry of `ENTRY_OVERHEAD` bytes; the record costs `size`.
@@ -393,8 +448,7 @@ impl IdempotencyStore for MemoryStore {
         // Dropping the claim's `Wake` wakes its waiters (they run once the shard is unlocked).
         // The claim was checked above, under this lock, which only expired records' removal and
         // evictions (never a claim's) have released since.
-        let completed = inner.secs(now);
-        match shard.complete_claim(&scope, record, now + ttl.min(FOREVER), size, completed) {
+        match shard.complete_claim(&scope, record, expires, size, completed) {
             Some(waiters) => drop(waiters),
             None => {
                 inner.refund(tenant, 0, size - ENTRY_OVERHEAD);
@@ -469,6 +523,12 @@ impl IdempotencyStore for MemoryStore {
             _ => None,
         })
     }
+    /// A hash keyed for this store alone ([`ScopeHasher::local`]): its keys never leave the
+    /// process, so it skips the stable BLAKE3 key a shared store needs.
+    fn scope_hasher(&self) -> ScopeHasher {
+        self.inner.scope_hasher
+    }
+
     fn backend(&self) -> Backend {
         Backend::Memory
     }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::store::{FastMap, Fingerprint, Record, ScopeKey, TenantKey, Token};
+use crate::store::{FastMap, Fingerprint, Record, ScopeHasher, ScopeKey, TenantKey, Token};
 
 use super::{ENTRY_OVERHEAD, EVICTION_SCAN, HEADER_OVERHEAD, SPARE_CLAIMS};
 
@@ -31,6 +31,8 @@ pub(super) struct Inner {
     pub(super) nearly_full_times: AtomicU64,
     /// When (seconds since `origin`, plus one) an eviction was last logged at `WARN`.
     pub(super) eviction_warned: AtomicU64,
+    /// What the store files scopes under: a hash keyed for this store alone.
+    pub(super) scope_hasher: ScopeHasher,
 }
 
 /// The bounds of the store.
@@ -341,11 +343,48 @@ pub(super) fn is_token(token: Token, number: u64, shard: usize) -> bool {
     token == Token((u128::from(number) << 64) | shard as u128)
 }
 
+/// The next token of the shard numbered `shard` whose last number is `next` (see
+/// [`Shard::next_token`]); a function of the one field, so a caller can make it while it holds
+/// a slot of the shard's map.
+pub(super) fn next_token(next: &mut u64, shard: usize) -> Token {
+    *next += 1;
+    Token((u128::from(*next) << 64) | shard as u128)
+}
+
+/// Puts the record in the slot of the claim it completes (`None`, and nothing changed, if the
+/// slot holds no claim); returns the claim's waiters, whose drop wakes them, and its box. The
+/// caller keeps the books ([`Shard::completed`]).
+pub(super) fn fill_claim_slot(
+    slot: &mut Entry,
+    record: Arc<Record>,
+    expires: Instant,
+    size: usize,
+    completed: u32,
+) -> Option<(Wake, Box<Claim>)> {
+    let Entry::InFlight(claim) = slot else {
+        return None;
+    };
+    let tenant = claim.tenant;
+    let token = token_number(claim.token);
+    let waiters = std::mem::take(&mut claim.wake);
+    let completed = Entry::Completed {
+        tenant,
+        record,
+        expires,
+        size: u32::try_from(size).unwrap_or(u32::MAX),
+        completed,
+        token,
+    };
+    match std::mem::replace(slot, completed) {
+        Entry::InFlight(claim) => Some((waiters, claim)),
+        Entry::Completed { .. } => unreachable!("the slot held a claim"),
+    }
+}
+
 impl Shard {
     /// A token unique in the store: this shard's next number, tagged with the shard's index.
-    pub(super) fn token(&mut self, shard: usize) -> Token {
-        self.next += 1;
-        Token((u128::from(self.next) << 64) | shard as u128)
+    pub(super) fn next_token(&mut self, shard: usize) -> Token {
+        next_token(&mut self.next, shard)
     }
 
     /// Replaces the claim `scope` holds (checked by the caller, and charged the record's size
@@ -361,28 +400,19 @@ impl Shard {
         completed: u32,
     ) -> Option<Wake> {
         let slot = self.map.get_mut(scope)?;
-        let Entry::InFlight(claim) = slot else {
-            return None;
-        };
-        let tenant = claim.tenant;
-        let token = token_number(claim.token);
-        let waiters = std::mem::take(&mut claim.wake);
-        let completed = Entry::Completed {
-            tenant,
-            record,
-            expires,
-            size: u32::try_from(size).unwrap_or(u32::MAX),
-            completed,
-            token,
-        };
-        if let Entry::InFlight(claim) = std::mem::replace(slot, completed) {
-            if self.spare.len() < SPARE_CLAIMS {
-                self.spare.push(claim);
-            }
+        let (waiters, claim) = fill_claim_slot(slot, record, expires, size, completed)?;
+        self.completed(claim, expires, *scope);
+        Some(waiters)
+    }
+
+    /// Keeps the books of a claim whose slot now holds its record: the record counted, its
+    /// expiry queued, the claim's box kept for a next claim.
+    pub(super) fn completed(&mut self, claim: Box<Claim>, expires: Instant, scope: ScopeKey) {
+        if self.spare.len() < SPARE_CLAIMS {
+            self.spare.push(claim);
         }
         self.records += 1;
-        self.push_expiry(expires, *scope);
-        Some(waiters)
+        self.push_expiry(expires, scope);
     }
 
     /// Removes what `scope` holds, refunding its tenant.
