@@ -28,7 +28,7 @@ pub fn bench_layer() -> (IdempotencyLayer<MemoryStore>, MemoryStore) {
 /// A `MemoryStore` that files scopes under the stable BLAKE3 key a shared store needs (the
 /// trait's default `scope_hasher`) instead of its own keyed hash: what a write cost before
 /// the store could say which key it needs. Every operation is forwarded.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct StableKeys(pub MemoryStore);
 
 impl IdempotencyStore for StableKeys {

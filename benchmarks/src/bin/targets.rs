@@ -10,7 +10,8 @@
 //!   child process of this binary (in one long process each case inherits the heap the cases
 //!   before it left, and that decided the result more than the store did: see BENCHMARKS.md);
 //! - memory per record, the loadtest's HTTP and gRPC ratios with the hand-rolled references
-//!   beside them, `redis/replay` / `memory/replay` (a `MemoryStore` replay run in the Redis
+//!   beside them (the client scenarios, `tower::retry` beside ours, in a child process of their
+//!   own with their own `no_layers` rounds), `redis/replay` / `memory/replay` (a `MemoryStore` replay run in the Redis
 //!   scenarios' own rounds) and PostgreSQL statements per request, over `benchmarks::load`, the
 //!   loadtest's machinery. Ratios of scenarios run in the same rounds are the median of the
 //!   rounds' ratios.
@@ -406,8 +407,107 @@ fn ratio_row(
     }
 }
 
+/// The argument that makes this binary a child that runs the client scenarios alone (see
+/// [`client_scenarios_in_child`]).
+const CLIENT_CASE: &str = "__client-scenarios";
+
+/// The client scenarios and the baselines they are read against. They run in a process of
+/// their own: in the main run's process, which by then holds the server rows' records, they
+/// sat at 0.61 of no layer where they measure 0.84 alone (their allocations are made on one
+/// thread and freed on another, and the larger heap slowed both references and ours).
+const CLIENT_SCENARIOS: [&str; 6] = [
+    "no_layers",
+    "client_retry",
+    "client_tower_retry",
+    "grpc/no_layers",
+    "grpc/client_retry",
+    "grpc/client_tower_retry",
+];
+
+/// The client scenarios' report, measured in a fresh child process of this binary with the
+/// same load settings: each run comes back as one line (name, counts, per-round requests/s).
+fn client_scenarios_in_child(cfg: &LoadConfig) -> Report {
+    let exe = std::env::current_exe().expect("the path of this binary");
+    let out = std::process::Command::new(exe)
+        .args([
+            CLIENT_CASE,
+            &cfg.connections.to_string(),
+            &cfg.seconds.to_string(),
+            &cfg.warmup.to_string(),
+            &cfg.rounds.to_string(),
+        ])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .expect("run the client scenarios' child");
+    assert!(out.status.success(), "the client scenarios' child failed");
+    let group = benchmarks::load::RoundGroup::new();
+    let runs = String::from_utf8(out.stdout)
+        .expect("utf-8")
+        .lines()
+        .filter_map(|line| line.strip_prefix("RUN "))
+        .map(|line| {
+            let f: Vec<&str> = line.split(' ').collect();
+            let num = |i: usize| f[i].parse::<f64>().expect("a number");
+            benchmarks::load::Run {
+                name: f[0].to_owned(),
+                requests: num(1) as u64,
+                sent: num(2) as u64,
+                errors: num(3) as u64,
+                rps: num(4),
+                p50_us: num(5),
+                p99_us: num(6),
+                round_rps: f[7]
+                    .split(',')
+                    .map(|r| r.parse().expect("requests/s"))
+                    .collect(),
+                group,
+            }
+        })
+        .collect::<Vec<_>>();
+    assert_eq!(runs.len(), CLIENT_SCENARIOS.len(), "every client scenario ran");
+    Report {
+        runs,
+        ..Report::default()
+    }
+}
+
+/// The child's side of [`client_scenarios_in_child`].
+fn run_client_scenarios(argv: &[String]) {
+    let arg = |i: usize| argv.get(i).expect("client scenario arguments");
+    let cfg = LoadConfig {
+        connections: arg(2).parse().expect("connections"),
+        seconds: arg(3).parse().expect("seconds"),
+        warmup: arg(4).parse().expect("warm-up"),
+        rounds: arg(5).parse().expect("rounds"),
+        only: CLIENT_SCENARIOS.iter().map(|s| s.to_string()).collect(),
+    };
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let report = rt.block_on(in_process_scenarios(
+        &cfg,
+        &format!("c{}", std::process::id()),
+    ));
+    for r in &report.runs {
+        let rounds: Vec<String> = r.round_rps.iter().map(|x| x.to_string()).collect();
+        println!(
+            "RUN {} {} {} {} {} {} {} {}",
+            r.name,
+            r.requests,
+            r.sent,
+            r.errors,
+            r.rps,
+            r.p50_us,
+            r.p99_us,
+            rounds.join(",")
+        );
+    }
+}
+
 fn main() {
     let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some(CLIENT_CASE) {
+        run_client_scenarios(&argv);
+        return;
+    }
     if argv.get(1).map(String::as_str) == Some(STORE_CASE) {
         let [case, threads, iters] = [2, 3, 4].map(|i| argv.get(i).expect("store case arguments"));
         let took = store_pairs::case(
@@ -449,9 +549,31 @@ fn main() {
     let idempotency = idempotency_row(&args);
     eprintln!("store...");
     let store = store_rows(&args);
-    eprintln!("load test, HTTP and gRPC...");
+    eprintln!("load test, client scenarios (a child process of their own)...");
+    let clients = client_scenarios_in_child(&cfg);
+    eprintln!("load test, HTTP and gRPC servers...");
+    let servers = LoadConfig {
+        only: [
+            "no_layers",
+            "memory/first",
+            "memory/replay",
+            "naive/first",
+            "naive/replay",
+            "grpc/no_layers",
+            "grpc/memory/first",
+            "grpc/memory/replay",
+            "grpc/naive/first",
+            "grpc/naive/replay",
+            "axum-idempotent/first",
+            "axum-idempotent/replay",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect(),
+        ..cfg.clone()
+    };
     let mut report = load_rt.block_on(in_process_scenarios(
-        &cfg,
+        &servers,
         &format!("t{}", std::process::id()),
     ));
     let redis_skip = "skipped (set REDIS_URL)";
@@ -471,13 +593,23 @@ fn main() {
 
     let mut rows = retry;
     // Each load-test row beside what a user would pick instead, in the same rounds: the goal
-    // is to reach it (first executions: within 0.05).
+    // is to reach it (first executions: within 0.05). The client rows come from their own
+    // process.
     for (what, name, reference) in [
         (
             "client RetryLayer, HTTP",
             "client_retry",
             ("client_tower_retry", 0.0),
         ),
+        (
+            "client RetryLayer, gRPC",
+            "grpc/client_retry",
+            ("grpc/client_tower_retry", 0.0),
+        ),
+    ] {
+        rows.push(ratio_row(&clients, what, name, Some(reference), "-"));
+    }
+    for (what, name, reference) in [
         (
             "IdempotencyLayer, HTTP, first executions",
             "memory/first",
@@ -487,11 +619,6 @@ fn main() {
             "IdempotencyLayer, HTTP, replays",
             "memory/replay",
             ("naive/replay", 0.0),
-        ),
-        (
-            "client RetryLayer, gRPC",
-            "grpc/client_retry",
-            ("grpc/client_tower_retry", 0.0),
         ),
         (
             "IdempotencyLayer, gRPC, first executions",
@@ -623,6 +750,7 @@ fn main() {
         });
     }
 
+    clients.print();
     report.print();
     println!();
     println!("| target | ours | reference, same run | goal | |");

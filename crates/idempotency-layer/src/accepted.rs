@@ -14,10 +14,45 @@ use crate::scope::Tenant;
 /// reused on `/books/b2/deduct` after `/books/b1/deduct` is a mismatch); else the concrete path.
 pub(crate) fn operation_path(parts: &Parts) -> &str {
     #[cfg(feature = "axum")]
-    if let Some(route) = parts.extensions.get::<axum::extract::MatchedPath>() {
+    if let Some(route) = matched_route(parts) {
         return route.as_str();
     }
     parts.uri.path()
+}
+
+/// The template of the axum route the request matched, if the router says.
+#[cfg(feature = "axum")]
+fn matched_route(parts: &Parts) -> Option<&axum::extract::MatchedPath> {
+    parts.extensions.get::<axum::extract::MatchedPath>()
+}
+
+/// [`operation_path`], kept beyond the request's head: the URI or the route are shared, not
+/// copied.
+#[derive(Debug)]
+pub(crate) enum OperationPath {
+    /// The request's path.
+    Uri(http::Uri),
+    /// The template of the axum route the request matched.
+    #[cfg(feature = "axum")]
+    Route(axum::extract::MatchedPath),
+}
+
+impl OperationPath {
+    pub(crate) fn of(parts: &Parts) -> Self {
+        #[cfg(feature = "axum")]
+        if let Some(route) = matched_route(parts) {
+            return OperationPath::Route(route.clone());
+        }
+        OperationPath::Uri(parts.uri.clone())
+    }
+
+    pub(crate) fn as_str(&self) -> &str {
+        match self {
+            OperationPath::Uri(uri) => uri.path(),
+            #[cfg(feature = "axum")]
+            OperationPath::Route(route) => route.as_str(),
+        }
+    }
 }
 
 /// The request's tenant: its [`Tenant`] extension, else what the layer is configured to use.

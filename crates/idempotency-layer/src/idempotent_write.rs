@@ -1,10 +1,12 @@
 //! [`IdempotentWrite`]: what a handler the layer runs can know of its write, as a request
 //! extension (and an axum extractor, feature `axum`).
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use http::request::Parts;
+use http::{HeaderValue, Method};
 
+use crate::accepted::OperationPath;
 use crate::config::Config;
 use crate::head::HeadScan;
 use crate::scope::Scope;
@@ -45,11 +47,20 @@ use crate::store::{ScopeKey, Token};
 #[derive(Clone, Debug)]
 pub struct IdempotentWrite(Arc<Accepted>);
 
+/// What the layer accepted, kept as it came (header values and the URI are shared, not
+/// copied); the key and the operation's text are made from them when a handler asks, so a
+/// handler that never looks costs its write an allocation and a few reference counts.
 #[derive(Debug)]
 struct Accepted {
-    key: Box<str>,
+    /// The key header's value, which the layer validated: [`IdempotentWrite::key`] is its
+    /// text without structured-field quotes.
+    key: HeaderValue,
     tenant: Arc<str>,
-    operation: Box<str>,
+    /// The HTTP method; `None` for gRPC, whose operation is its path alone.
+    method: Option<Method>,
+    path: OperationPath,
+    /// `"POST /orders"`, made on the first [`IdempotentWrite::operation`] of an HTTP write.
+    operation: OnceLock<Box<str>>,
     token: Option<Token>,
     previous_attempts: u32,
     after_a_run_without_record: bool,
@@ -58,7 +69,7 @@ struct Accepted {
 impl IdempotentWrite {
     /// The idempotency key, validated, without its structured-field quotes.
     pub fn key(&self) -> &str {
-        &self.0.key
+        crate::key::accepted_key(&self.0.key).unwrap_or_default()
     }
 
     /// The tenant the write is scoped to.
@@ -69,7 +80,18 @@ impl IdempotentWrite {
     /// The operation the key is scoped to: `"POST /orders"` (the route's template with axum's
     /// `MatchedPath`, else the path) or a gRPC method path (`/shop.v1.Orders/Create`).
     pub fn operation(&self) -> &str {
-        &self.0.operation
+        let a = &*self.0;
+        match &a.method {
+            None => a.path.as_str(),
+            Some(method) => a.operation.get_or_init(|| {
+                let path = a.path.as_str();
+                let mut s = String::with_capacity(method.as_str().len() + 1 + path.len());
+                s.push_str(method.as_str());
+                s.push(' ');
+                s.push_str(path);
+                s.into_boxed_str()
+            }),
+        }
     }
 
     /// The write's scope: tenant, operation and key.
@@ -125,18 +147,20 @@ impl IdempotentWrite {
         waited: bool,
     ) -> Option<Self> {
         let found = HeadScan::of(&parts.headers, cfg.key_headers.as_slice()).key;
-        let key = crate::key::accepted_key(found.ok().flatten()?)?;
+        let key = found.ok().flatten()?;
+        crate::key::accepted_key(key)?;
         let tenant = crate::accepted::tenant(cfg, parts)?;
-        let operation: Box<str> = if grpc {
-            parts.uri.path().into()
-        } else {
-            let path = crate::accepted::operation_path(parts);
-            format!("{} {path}", parts.method).into()
-        };
         Some(IdempotentWrite(Arc::new(Accepted {
-            key: key.into(),
+            key: key.clone(),
             tenant,
-            operation,
+            // gRPC: the method's path, never a route's template (tonic routes by a wildcard).
+            method: (!grpc).then(|| parts.method.clone()),
+            path: if grpc {
+                OperationPath::Uri(parts.uri.clone())
+            } else {
+                OperationPath::of(parts)
+            },
+            operation: OnceLock::new(),
             token,
             previous_attempts: reason_code::previous_attempts(&parts.headers),
             after_a_run_without_record: waited,
