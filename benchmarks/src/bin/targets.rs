@@ -464,7 +464,11 @@ fn client_scenarios_in_child(cfg: &LoadConfig) -> Report {
             }
         })
         .collect::<Vec<_>>();
-    assert_eq!(runs.len(), CLIENT_SCENARIOS.len(), "every client scenario ran");
+    assert_eq!(
+        runs.len(),
+        CLIENT_SCENARIOS.len(),
+        "every client scenario ran"
+    );
     Report {
         runs,
         ..Report::default()

@@ -26,12 +26,12 @@ fn matched_route(parts: &Parts) -> Option<&axum::extract::MatchedPath> {
     parts.extensions.get::<axum::extract::MatchedPath>()
 }
 
-/// [`operation_path`], kept beyond the request's head: the URI or the route are shared, not
-/// copied.
+/// [`operation_path`], kept beyond the request's head (an axum route is shared, a path copied:
+/// a clone of the URI would turn its buffer shared, which costs more than the copy).
 #[derive(Debug)]
 pub(crate) enum OperationPath {
     /// The request's path.
-    Uri(http::Uri),
+    Path(Box<str>),
     /// The template of the axum route the request matched.
     #[cfg(feature = "axum")]
     Route(axum::extract::MatchedPath),
@@ -43,12 +43,12 @@ impl OperationPath {
         if let Some(route) = matched_route(parts) {
             return OperationPath::Route(route.clone());
         }
-        OperationPath::Uri(parts.uri.clone())
+        OperationPath::Path(parts.uri.path().into())
     }
 
     pub(crate) fn as_str(&self) -> &str {
         match self {
-            OperationPath::Uri(uri) => uri.path(),
+            OperationPath::Path(path) => path,
             #[cfg(feature = "axum")]
             OperationPath::Route(route) => route.as_str(),
         }

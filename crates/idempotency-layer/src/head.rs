@@ -68,6 +68,35 @@ impl<'h> HeadScan<'h> {
     }
 }
 
+/// What the handler's view of a write reads from its head, in one pass (by lookups past
+/// [`SCAN_AT_MOST`] entries): the key's value (the first, which the layer accepted as the only
+/// one), and the attempts the client says preceded it
+/// ([`reason_code::previous_attempts`]' rule: `grpc-previous-rpc-attempts` first).
+pub(crate) fn key_and_attempts<'h>(
+    headers: &'h HeaderMap,
+    key_names: &[HeaderName],
+) -> (Option<&'h HeaderValue>, u32) {
+    use reason_code::{GRPC_PREVIOUS_RPC_ATTEMPTS, X_PREVIOUS_ATTEMPTS};
+    if headers.keys_len() > SCAN_AT_MOST {
+        let key = key_names.iter().find_map(|n| headers.get(n));
+        return (key, reason_code::previous_attempts(headers));
+    }
+    let (mut key, mut grpc, mut http) = (None, None, None);
+    for (name, value) in headers {
+        if key_names.contains(name) {
+            key.get_or_insert(value);
+        } else if *name == GRPC_PREVIOUS_RPC_ATTEMPTS {
+            grpc.get_or_insert(value);
+        } else if *name == X_PREVIOUS_ATTEMPTS {
+            http.get_or_insert(value);
+        }
+    }
+    let attempts = grpc
+        .or(http)
+        .map_or(0, reason_code::parse_previous_attempts);
+    (key, attempts)
+}
+
 /// The one value of the headers `names` in `headers` (by lookups).
 pub(crate) fn find_key<'h>(
     headers: &'h HeaderMap,
@@ -88,6 +117,50 @@ pub(crate) fn find_key<'h>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The handler view's pass reads what lookups read, in short maps and long ones: the key,
+    /// and the attempts by `reason_code::previous_attempts`' rule (gRPC's header first, a
+    /// malformed count 0).
+    #[test]
+    fn key_and_attempts_agree_with_lookups() {
+        let names = [
+            HeaderName::from_static("x-idempotency-key"),
+            HeaderName::from_static("idempotency-key"),
+        ];
+        let cases: [&[(&str, &str)]; 5] = [
+            &[("idempotency-key", "k1")],
+            &[("x-previous-attempts", "2"), ("x-idempotency-key", "k2")],
+            &[
+                ("x-previous-attempts", "2"),
+                ("grpc-previous-rpc-attempts", "3"),
+            ],
+            &[
+                ("grpc-previous-rpc-attempts", "x"),
+                ("x-previous-attempts", "2"),
+            ],
+            &[("content-type", "text/plain")],
+        ];
+        for case in cases {
+            for filler in [0, 20] {
+                let mut h = HeaderMap::new();
+                for i in 0..filler {
+                    h.insert(
+                        HeaderName::try_from(format!("x-filler-{i}")).unwrap(),
+                        "v".parse().unwrap(),
+                    );
+                }
+                for (n, v) in case {
+                    h.append(HeaderName::from_static(n), v.parse().unwrap());
+                }
+                let looked_up = names.iter().find_map(|n| h.get(n));
+                assert_eq!(
+                    key_and_attempts(&h, &names),
+                    (looked_up, reason_code::previous_attempts(&h)),
+                    "{case:?} with {filler} more headers"
+                );
+            }
+        }
+    }
 
     /// The pass finds what lookups find: a key repeated in one header or across two, the first
     /// values of the others, maps short and long (looked up then).

@@ -8,7 +8,6 @@ use http::{HeaderValue, Method};
 
 use crate::accepted::OperationPath;
 use crate::config::Config;
-use crate::head::HeadScan;
 use crate::scope::Scope;
 use crate::store::{ScopeKey, Token};
 
@@ -146,9 +145,10 @@ impl IdempotentWrite {
         grpc: bool,
         waited: bool,
     ) -> Option<Self> {
-        let found = HeadScan::of(&parts.headers, cfg.key_headers.as_slice()).key;
-        let key = found.ok().flatten()?;
-        crate::key::accepted_key(key)?;
+        // The layer accepted this key (the only value of its headers) before the write ran.
+        let (key, previous_attempts) =
+            crate::head::key_and_attempts(&parts.headers, cfg.key_headers.as_slice());
+        let key = key?;
         let tenant = crate::accepted::tenant(cfg, parts)?;
         Some(IdempotentWrite(Arc::new(Accepted {
             key: key.clone(),
@@ -156,13 +156,13 @@ impl IdempotentWrite {
             // gRPC: the method's path, never a route's template (tonic routes by a wildcard).
             method: (!grpc).then(|| parts.method.clone()),
             path: if grpc {
-                OperationPath::Uri(parts.uri.clone())
+                OperationPath::Path(parts.uri.path().into())
             } else {
                 OperationPath::of(parts)
             },
             operation: OnceLock::new(),
             token,
-            previous_attempts: reason_code::previous_attempts(&parts.headers),
+            previous_attempts,
             after_a_run_without_record: waited,
         })))
     }

@@ -239,7 +239,16 @@ pub fn previous_attempts(headers: &HeaderMap) -> u32 {
     [GRPC_PREVIOUS_RPC_ATTEMPTS, X_PREVIOUS_ATTEMPTS]
         .iter()
         .find_map(|name| headers.get(name))
-        .and_then(|v| v.to_str().ok())
+        .map_or(0, parse_previous_attempts)
+}
+
+/// The count one of those headers carries (the first found of `grpc-previous-rpc-attempts`,
+/// then `x-previous-attempts`): a malformed count is 0. For a reader that finds the header in
+/// a pass of its own.
+pub fn parse_previous_attempts(value: &HeaderValue) -> u32 {
+    value
+        .to_str()
+        .ok()
         .and_then(|v| v.trim().parse::<u32>().ok())
         .unwrap_or(0)
 }

@@ -63,7 +63,7 @@ pub use headers::{
     IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY, X_PREVIOUS_ATTEMPTS,
     X_REASON_CODE,
 };
-pub use hop::{previous_attempts, Hop};
+pub use hop::{parse_previous_attempts, previous_attempts, Hop};
 pub use inbound_write::InboundWrite;
 pub use reason::{
     ReasonCodes, DO_NOT_RETRY, IDEMPOTENCY_IN_FLIGHT, REQUEST_TOO_LARGE, RETRIES_DEFERRED,
