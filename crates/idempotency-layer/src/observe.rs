@@ -70,9 +70,16 @@ impl WriteOutcome {
     }
 }
 
-/// The span of one write (a request the layer manages): `Span::none()` unless a subscriber
-/// enables DEBUG for this crate, in which case no field is evaluated either.
+/// The span of one write (a request the layer manages): `Span::none()`, with no field
+/// evaluated, unless a subscriber enables DEBUG for this crate.
 pub(crate) fn write_span(method: &http::Method, path: &str, grpc: bool) -> Span {
+    // No tracing subscriber at all: no span. (With tracing's `log` feature, which axum's
+    // default `tower-log` turns on, a disabled span would otherwise evaluate every field and
+    // hand it to `log`: a few hundred instructions a write, for lines nobody asked for. Events still
+    // reach `log`.)
+    if !tracing::dispatcher::has_been_set() {
+        return Span::none();
+    }
     if grpc {
         tracing::debug_span!(
             "idempotency_layer.write",
