@@ -598,16 +598,17 @@ where
                         // future.
                         let mut parts = parts;
                         let grpc = self.protocol.is_grpc();
-                        if let Some(write) =
-                            IdempotentWrite::of(cfg, &parts, None, grpc, asking.waited)
-                        {
+                        let write = IdempotentWrite::of(cfg, &parts, None, grpc, asking.waited);
+                        // As the inbound write of its scope, as a leader runs: derived keys of its
+                        // outbound writes stay the same whether or not the store answered.
+                        let inbound = write
+                            .as_ref()
+                            .map_or_else(|| InboundWrite::new(scope.0), IdempotentWrite::inbound);
+                        if let Some(write) = write {
                             parts.extensions.insert(write);
                         }
                         let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-                        // As the inbound write of its scope, as a leader runs: derived keys of its
-                        // outbound writes stay the same whether or not the store answered.
-                        let run =
-                            Box::pin(InboundWrite::new(scope.0).scope(call_inner(self.inner, req)));
+                        let run = Box::pin(inbound.scope(call_inner(self.inner, req)));
                         return Ok(run.await?.map(IdempotencyBody::inner));
                     }
                     Next::Wait(token) => token,
