@@ -60,9 +60,6 @@ struct Accepted {
     path: OperationPath,
     /// `"POST /orders"`, made on the first [`IdempotentWrite::operation`] of an HTTP write.
     operation: OnceLock<Box<str>>,
-    /// The stable key, made on the first [`IdempotentWrite::scope_key`] (or the first key a
-    /// `RetryLayer` in the handler derives from it).
-    stable_key: OnceLock<ScopeKey>,
     token: Option<Token>,
     previous_attempts: u32,
     after_a_run_without_record: bool,
@@ -71,7 +68,7 @@ struct Accepted {
 impl IdempotentWrite {
     /// The idempotency key, validated, without its structured-field quotes.
     pub fn key(&self) -> &str {
-        self.0.key()
+        crate::key::accepted_key(&self.0.key).unwrap_or_default()
     }
 
     /// The tenant the write is scoped to.
@@ -82,12 +79,23 @@ impl IdempotentWrite {
     /// The operation the key is scoped to: `"POST /orders"` (the route's template with axum's
     /// `MatchedPath`, else the path) or a gRPC method path (`/shop.v1.Orders/Create`).
     pub fn operation(&self) -> &str {
-        self.0.operation()
+        let a = &*self.0;
+        match &a.method {
+            None => a.path.as_str(),
+            Some(method) => a.operation.get_or_init(|| {
+                let path = a.path.as_str();
+                let mut s = String::with_capacity(method.as_str().len() + 1 + path.len());
+                s.push_str(method.as_str());
+                s.push(' ');
+                s.push_str(path);
+                s.into_boxed_str()
+            }),
+        }
     }
 
     /// The write's scope: tenant, operation and key.
     pub fn scope(&self) -> Scope<'_> {
-        self.0.scope()
+        Scope::new(self.tenant(), self.operation(), self.key())
     }
 
     /// The stable key of the scope ([`Scope::stable_key`]): a hash of tenant, operation and key, the
@@ -95,14 +103,7 @@ impl IdempotentWrite {
     /// column for the side effect (`scope_key().to_hex()`). Computed when asked (a
     /// [`MemoryStore`](crate::MemoryStore) files the scope under a cheaper key of its own).
     pub fn scope_key(&self) -> ScopeKey {
-        self.0.stable_key()
-    }
-
-    /// The write as the inbound write of its handler's run: keys derived for its outbound
-    /// writes come from its stable key (the same on every instance, whatever the store), made
-    /// only if the handler derives one.
-    pub(crate) fn inbound(&self) -> reason_code::InboundWrite {
-        reason_code::InboundWrite::of_source(self.0.clone())
+        self.scope().stable_key()
     }
 
     /// The fencing token of the claim this run holds: another run of the same write (after this
@@ -160,45 +161,10 @@ impl IdempotentWrite {
                 OperationPath::of(parts)
             },
             operation: OnceLock::new(),
-            stable_key: OnceLock::new(),
             token,
             previous_attempts,
             after_a_run_without_record: waited,
         })))
-    }
-}
-
-impl Accepted {
-    fn key(&self) -> &str {
-        crate::key::accepted_key(&self.key).unwrap_or_default()
-    }
-
-    fn operation(&self) -> &str {
-        match &self.method {
-            None => self.path.as_str(),
-            Some(method) => self.operation.get_or_init(|| {
-                let path = self.path.as_str();
-                let mut s = String::with_capacity(method.as_str().len() + 1 + path.len());
-                s.push_str(method.as_str());
-                s.push(' ');
-                s.push_str(path);
-                s.into_boxed_str()
-            }),
-        }
-    }
-
-    fn scope(&self) -> Scope<'_> {
-        Scope::new(&self.tenant, self.operation(), self.key())
-    }
-
-    fn stable_key(&self) -> ScopeKey {
-        *self.stable_key.get_or_init(|| self.scope().stable_key())
-    }
-}
-
-impl reason_code::ScopeSource for Accepted {
-    fn scope_bytes(&self) -> [u8; 32] {
-        self.stable_key().0
     }
 }
 

@@ -42,60 +42,26 @@ type Calls = Arc<Mutex<Vec<(Box<str>, u32)>>>;
 /// assert_eq!(first, again, "a second run numbers its calls the same way");
 /// # }
 /// ```
+#[derive(Debug)]
 pub struct InboundWrite {
-    scope: ScopeOf,
+    scope: [u8; 32],
     /// Shared by the handles [`current`](Self::current) gives out, made on first use (a
     /// handler that derives no key allocates nothing).
     calls: OnceLock<Calls>,
-}
-
-/// What an inbound write's scope is: known, or asked of its source when a key is derived.
-#[derive(Clone)]
-enum ScopeOf {
-    Known([u8; 32]),
-    Source(Arc<dyn ScopeSource>),
-}
-
-/// Where an [`InboundWrite`]'s scope comes from when it is not known up front: a stable hash of
-/// the write's tenant, method and key, the same on every instance, made only if the handler
-/// derives a key (most never do). The source caches it if it is dear to make.
-pub trait ScopeSource: Send + Sync {
-    /// The scope: the same 32 bytes every time, on every instance, for one write.
-    fn scope_bytes(&self) -> [u8; 32];
-}
-
-impl std::fmt::Debug for InboundWrite {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("InboundWrite")
-            .field("scope_known", &matches!(self.scope, ScopeOf::Known(_)))
-            .field("calls", &self.calls)
-            .finish()
-    }
 }
 
 impl InboundWrite {
     /// The inbound write of `scope` (its tenant, method and key, hashed), no call made yet.
     pub fn new(scope: [u8; 32]) -> Self {
         InboundWrite {
-            scope: ScopeOf::Known(scope),
-            calls: OnceLock::new(),
-        }
-    }
-
-    /// The inbound write whose scope `source` makes when first asked ([`scope_bytes`](Self::scope_bytes)).
-    pub fn of_source(source: Arc<dyn ScopeSource>) -> Self {
-        InboundWrite {
-            scope: ScopeOf::Source(source),
+            scope,
             calls: OnceLock::new(),
         }
     }
 
     /// The inbound write's scope.
-    pub fn scope_bytes(&self) -> [u8; 32] {
-        match &self.scope {
-            ScopeOf::Known(bytes) => *bytes,
-            ScopeOf::Source(source) => source.scope_bytes(),
-        }
+    pub fn scope_bytes(&self) -> &[u8; 32] {
+        &self.scope
     }
 
     fn calls(&self) -> &Calls {
@@ -134,7 +100,7 @@ impl InboundWrite {
     pub fn current() -> Option<InboundWrite> {
         CURRENT
             .try_with(|w| InboundWrite {
-                scope: w.scope.clone(),
+                scope: w.scope,
                 calls: OnceLock::from(w.calls().clone()),
             })
             .ok()

@@ -15,7 +15,6 @@ use tower_service::Service;
 
 use crate::body::{IdempotencyBody, RequestBody};
 use crate::config::{Config, OnDisconnect};
-use crate::idempotent_write::IdempotentWrite;
 use crate::observe;
 use crate::observe::WriteOutcome;
 use crate::reject::{respond, RejectReason};
@@ -155,12 +154,7 @@ where
     let http1 = req.version() < Version::HTTP_2;
     // The handler runs as the inbound write of its scope: a `RetryLayer` inside it that derives
     // keys gives its outbound writes the same keys on every run of this write.
-    // Its scope is the write's stable key (made only if a key is derived): a store's own key
-    // (a `MemoryStore`'s) differs between instances, and derived keys must not.
-    let inbound = match req.extensions().get::<IdempotentWrite>() {
-        Some(write) => write.inbound(),
-        None => InboundWrite::new(scope.0),
-    };
+    let inbound = InboundWrite::new(scope.0);
     let call = AssertUnwindSafe(inbound.scope(call_inner(inner, req))).catch_unwind();
     // `then`, not an `async` block awaiting `call`: the handler's call and what follows it are
     // the two states of one future, so the request is held once, not also by an `.await` slot

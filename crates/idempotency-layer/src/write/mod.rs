@@ -598,17 +598,16 @@ where
                         // future.
                         let mut parts = parts;
                         let grpc = self.protocol.is_grpc();
-                        let write = IdempotentWrite::of(cfg, &parts, None, grpc, asking.waited);
-                        // As the inbound write of its scope, as a leader runs: derived keys of its
-                        // outbound writes stay the same whether or not the store answered.
-                        let inbound = write
-                            .as_ref()
-                            .map_or_else(|| InboundWrite::new(scope.0), IdempotentWrite::inbound);
-                        if let Some(write) = write {
+                        if let Some(write) =
+                            IdempotentWrite::of(cfg, &parts, None, grpc, asking.waited)
+                        {
                             parts.extensions.insert(write);
                         }
                         let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-                        let run = Box::pin(inbound.scope(call_inner(self.inner, req)));
+                        // As the inbound write of its scope, as a leader runs: derived keys of its
+                        // outbound writes stay the same whether or not the store answered.
+                        let run =
+                            Box::pin(InboundWrite::new(scope.0).scope(call_inner(self.inner, req)));
                         return Ok(run.await?.map(IdempotencyBody::inner));
                     }
                     Next::Wait(token) => token,
