@@ -309,7 +309,7 @@ async fn drive<S: IdempotencyStore>(
             t.tick().await;
         }
         n += 1;
-        let scope = Scope::new("failover", &label, &n.to_string()).stable_key();
+        let scope = Scope::new("failover", &label, &n.to_string()).key();
         let started = Instant::now();
         let token = match store.begin(scope, Fingerprint([7; 32]), LEASE).await {
             Ok(Begin::New(token)) => token,
@@ -481,7 +481,7 @@ async fn measure_replays(
     let scopes: Vec<Vec<ScopeKey>> = (0..concurrency)
         .map(|t| {
             (0..EACH)
-                .map(|i| Scope::new("failover", "replays", &format!("{t}-{i}")).stable_key())
+                .map(|i| Scope::new("failover", "replays", &format!("{t}-{i}")).key())
                 .collect()
         })
         .collect();

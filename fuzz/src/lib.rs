@@ -180,15 +180,12 @@ pub fn scope_encoding(data: &[u8]) {
     assert_eq!(parts[0], tenant.as_bytes());
     assert_eq!(parts[1], method.as_bytes());
     assert_eq!(parts[2], key.as_bytes());
-    assert_eq!(
-        scope.stable_key(),
-        Scope::new(&tenant, &method, &key).stable_key()
-    );
+    assert_eq!(scope.key(), Scope::new(&tenant, &method, &key).key());
     // The same text cut elsewhere: a different scope, a different store key.
     let moved = format!("{method}{key}");
     let other = Scope::new(&tenant, "", &moved);
     assert_eq!(other.encode() == encoded, method.is_empty());
-    assert_eq!(other.stable_key() == scope.stable_key(), method.is_empty());
+    assert_eq!(other.key() == scope.key(), method.is_empty());
 }
 
 /// Stored records (the Redis / PostgreSQL entry format): decoding any bytes never panics, and a

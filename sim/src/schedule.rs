@@ -544,7 +544,7 @@ impl Schedule {
         } else {
             idempotency_layer::Scope::http_operation(&http::Method::POST, &format!("/w/{key}"))
         };
-        idempotency_layer::Scope::new(tenant, &method, key).stable_key()
+        idempotency_layer::Scope::new(tenant, &method, key).key()
     }
 }
 

@@ -98,12 +98,12 @@ impl IdempotentWrite {
         Scope::new(self.tenant(), self.operation(), self.key())
     }
 
-    /// The stable key of the scope ([`Scope::stable_key`]): a hash of tenant, operation and key, the
+    /// The stable key of the scope ([`Scope::key`]): a hash of tenant, operation and key, the
     /// same on every instance and every run of this write, whatever the store. A good unique
     /// column for the side effect (`scope_key().to_hex()`). Computed when asked (a
     /// [`MemoryStore`](crate::MemoryStore) files the scope under a cheaper key of its own).
     pub fn scope_key(&self) -> ScopeKey {
-        self.scope().stable_key()
+        self.scope().key()
     }
 
     /// The fencing token of the claim this run holds: another run of the same write (after this

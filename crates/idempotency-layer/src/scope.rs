@@ -88,15 +88,13 @@ impl<'a> Scope<'a> {
     /// version. What a shared store (Redis, PostgreSQL) files the scope under, and what
     /// [`IdempotentWrite::scope_key`](crate::IdempotentWrite::scope_key) gives a handler.
     ///
-    /// Not always the key a store files the scope under: a store may use a key of its own
-    /// ([`IdempotencyStore::scope_hasher`]), as a [`MemoryStore`](crate::MemoryStore) does (a
-    /// faster hash keyed for it alone). To address a scope in a store, ask the store
-    /// ([`IdempotencyStore::scope_key`]), or use the layer's
+    /// A store may file scopes under a key of its own ([`IdempotencyStore::scope_hasher`]):
+    /// a [`MemoryStore`](crate::MemoryStore) uses a faster hash keyed per store. To address a
+    /// scope in any store, ask the store ([`ScopeHasher::key`]), or use the layer's
     /// [`forget`](crate::IdempotencyLayer::forget) and [`lookup`](crate::IdempotencyLayer::lookup).
     ///
     /// [`IdempotencyStore::scope_hasher`]: crate::store::IdempotencyStore::scope_hasher
-    /// [`IdempotencyStore::scope_key`]: crate::store::IdempotencyStore::scope_key
-    pub fn stable_key(&self) -> ScopeKey {
+    pub fn key(&self) -> ScopeKey {
         ScopeHasher::stable().key(self)
     }
 }
@@ -137,7 +135,7 @@ mod tests {
     /// let a retried write execute again). These values must never change within `v1`.
     #[test]
     fn scope_key_and_fingerprint_are_stable_across_versions() {
-        let scope = Scope::new("acme", "POST /orders", "order-0001").stable_key();
+        let scope = Scope::new("acme", "POST /orders", "order-0001").key();
         assert_eq!(
             scope.to_hex(),
             "fc0970866b580da848999be4eefc6c092e402b8ffbd978d8e25015e428f6def1",
@@ -204,8 +202,8 @@ mod tests {
             let mut h = blake3::Hasher::new();
             h.update(SCOPE_DOMAIN);
             h.update(&scope.encode());
-            prop_assert_eq!(scope.stable_key().0, *h.finalize().as_bytes());
-            prop_assert_eq!(ScopeHasher::stable().http_key(&t, &method, &path, &k), scope.stable_key());
+            prop_assert_eq!(scope.key().0, *h.finalize().as_bytes());
+            prop_assert_eq!(ScopeHasher::stable().http_key(&t, &method, &path, &k), scope.key());
             let local = ScopeHasher::local();
             prop_assert_eq!(local.http_key(&t, &method, &path, &k), local.key(&scope));
         }
@@ -224,7 +222,7 @@ mod tests {
             prop_assert_eq!(h.key(&sa) == h.key(&sb), a == b);
             prop_assert_eq!(h.key(&sa), h.key(&sa));
             prop_assert_ne!(h.key(&sa), ScopeHasher::local().key(&sa));
-            prop_assert_ne!(h.key(&sa), sa.stable_key());
+            prop_assert_ne!(h.key(&sa), sa.key());
             // Buffered or streamed past the buffer, the hash is SipHash of the encoding.
             let (k0, k1) = h.local_keys().expect("a local hasher");
             for scope in [sa, Scope::new(&long, &a.1, &a.2)] {
@@ -252,7 +250,7 @@ mod tests {
             let ex = Scope::new(x.0, x.1, x.2).encode();
             let ey = Scope::new(y.0, y.1, y.2).encode();
             prop_assert_eq!(ex == ey, x == y);
-            prop_assert_eq!(Scope::new(x.0, x.1, x.2).stable_key() == Scope::new(y.0, y.1, y.2).stable_key(), x == y);
+            prop_assert_eq!(Scope::new(x.0, x.1, x.2).key() == Scope::new(y.0, y.1, y.2).key(), x == y);
         }
 
         /// Over arbitrary strings of any length (any Unicode, NUL, the separators people use):
@@ -276,11 +274,11 @@ mod tests {
                 prop_assert!(rest.is_empty());
                 prop_assert_eq!(parts, vec![t.0.as_bytes(), t.1.as_bytes(), t.2.as_bytes()]);
             }
-            let (ka, kb) = (Scope::new(&a.0, &a.1, &a.2).stable_key(), Scope::new(&b.0, &b.1, &b.2).stable_key());
+            let (ka, kb) = (Scope::new(&a.0, &a.1, &a.2).key(), Scope::new(&b.0, &b.1, &b.2).key());
             prop_assert_eq!(ka == kb, a == b);
             // Moving bytes between tenant and key never lands on another tenant's record.
             let moved = format!("{}{}", a.0, a.2);
-            prop_assert_eq!(Scope::new("", &a.1, &moved).stable_key() == ka, a.0.is_empty());
+            prop_assert_eq!(Scope::new("", &a.1, &moved).key() == ka, a.0.is_empty());
         }
 
         /// The scope key is BLAKE3 of its encoding whatever its size: encodings that fit the
@@ -299,7 +297,7 @@ mod tests {
                 h.update(&(part.len() as u64).to_le_bytes());
                 h.update(part);
             }
-            prop_assert_eq!(Scope::new(&tenant, &method, &key).stable_key().0, *h.finalize().as_bytes());
+            prop_assert_eq!(Scope::new(&tenant, &method, &key).key().0, *h.finalize().as_bytes());
         }
 
         /// The fingerprint depends only on method, path, query, content type and body: other

@@ -63,7 +63,7 @@ async fn a_thousand_replays_take_no_transaction_id_and_write_nothing() {
     let db = raw(&url).await;
 
     let method = Scope::http_operation(&http::Method::POST, "/orders");
-    let scope = Scope::new("shop", &method, "replayed-key").stable_key();
+    let scope = Scope::new("shop", &method, "replayed-key").key();
     let fp = Fingerprint([1; 32]);
     let Ok(Begin::New(token)) = store.begin(scope, fp, conformance::LONG).await else {
         panic!("a fresh scope is claimed");

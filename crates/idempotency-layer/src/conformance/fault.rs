@@ -241,9 +241,9 @@ impl Shared {
 /// # }
 /// ```
 ///
-/// Under a layer it files scopes under stable keys ([`Scope::stable_key`](crate::Scope::stable_key)),
+/// Under a layer it files scopes under stable keys ([`Scope::key`](crate::Scope::key)),
 /// whatever the wrapped store's [`scope_hasher`](IdempotencyStore::scope_hasher), so a rule
-/// names a scope by `Scope::stable_key`.
+/// names a scope by `Scope::key`.
 pub struct FaultStore<S> {
     inner: S,
     shared: Arc<Shared>,

@@ -78,13 +78,13 @@ impl FramedHasher {
     }
 }
 
-/// The domain of stable scope keys ([`Scope::stable_key`](crate::Scope::stable_key)).
+/// The domain of stable scope keys ([`Scope::key`](crate::Scope::key)).
 pub(crate) const SCOPE_DOMAIN: &[u8] = b"idempotency-layer scope v1\0";
 
 /// How a store turns a [`Scope`](crate::Scope) into the [`ScopeKey`] it files the scope under: what
 /// [`IdempotencyStore::scope_hasher`](crate::store::IdempotencyStore::scope_hasher) answers.
 ///
-/// - [`ScopeHasher::stable`] (the default): [`Scope::stable_key`](crate::Scope::stable_key), BLAKE3 of the scope's encoding. The
+/// - [`ScopeHasher::stable`] (the default): [`Scope::key`](crate::Scope::key), BLAKE3 of the scope's encoding. The
 ///   same key in every process, so instances that share a store find each other's claims and
 ///   records, and the stored keys outlive a restart. No raw tenant or key reaches the store.
 /// - [`ScopeHasher::local`]: SipHash-1-3 (128 bits) of the same encoding under a random key
@@ -97,12 +97,12 @@ pub(crate) const SCOPE_DOMAIN: &[u8] = b"idempotency-layer scope v1\0";
 /// use idempotency_layer::{MemoryStore, Scope};
 ///
 /// let scope = Scope::new("acme", "POST /orders", "order-0001");
-/// assert_eq!(ScopeHasher::stable().key(&scope), scope.stable_key());
+/// assert_eq!(ScopeHasher::stable().key(&scope), scope.key());
 ///
 /// let store = MemoryStore::new();
 /// let local = store.scope_hasher();
 /// assert_eq!(local.key(&scope), local.key(&scope));
-/// assert_ne!(local.key(&scope), scope.stable_key());
+/// assert_ne!(local.key(&scope), scope.key());
 /// ```
 #[derive(Clone, Copy)]
 pub struct ScopeHasher(HasherKind);
@@ -114,7 +114,7 @@ enum HasherKind {
 }
 
 impl ScopeHasher {
-    /// [`Scope::stable_key`](crate::Scope::stable_key): the same key in every process.
+    /// [`Scope::key`](crate::Scope::key): the same key in every process.
     pub const fn stable() -> Self {
         ScopeHasher(HasherKind::Stable)
     }

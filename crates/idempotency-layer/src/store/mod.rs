@@ -265,24 +265,6 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         ScopeHasher::stable()
     }
 
-    /// The key this store files `scope` under ([`scope_hasher`](Self::scope_hasher)'s): what a
-    /// caller of the store's own methods passes them for a scope the layer wrote.
-    ///
-    /// ```
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() {
-    /// use idempotency_layer::store::IdempotencyStore;
-    /// use idempotency_layer::{MemoryStore, Scope};
-    ///
-    /// let store = MemoryStore::new();
-    /// let key = store.scope_key(&Scope::new("acme", "POST /orders", "order-0001"));
-    /// assert!(store.lookup(key).await.unwrap().is_none());
-    /// # }
-    /// ```
-    fn scope_key(&self, scope: &crate::Scope<'_>) -> ScopeKey {
-        self.scope_hasher().key(scope)
-    }
-
     /// The [`PostgresStore`] this store is, or wraps (feature `postgres`). The default is
     /// `None`.
     ///

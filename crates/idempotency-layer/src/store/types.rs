@@ -13,7 +13,7 @@ use reason_code::BoxError;
 ///
 /// Made by the store's [`ScopeHasher`](crate::store::ScopeHasher) from an unambiguous,
 /// length-prefixed encoding of the scope, so no raw tenant or key reaches the store: for a
-/// shared store, [`Scope::stable_key`](crate::Scope::stable_key) (BLAKE3, the same in every process); for a
+/// shared store, [`Scope::key`](crate::Scope::key) (BLAKE3, the same in every process); for a
 /// [`MemoryStore`](crate::MemoryStore), SipHash-1-3 under a key of its own (the first 16 bytes;
 /// the rest are zero).
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

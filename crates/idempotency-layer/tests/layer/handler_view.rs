@@ -68,7 +68,7 @@ async fn the_handler_sees_the_validated_key_tenant_and_scope() {
         let url = format!("http://{addr}/books/b1/orders");
         let first = post_with(transport, url.clone(), &[("x-idempotency-key", &quoted)]).await;
         assert_eq!(first.status, StatusCode::OK, "{transport:?}: {first:?}");
-        let expected_scope = Scope::new("shop", "POST /books/{id}/orders", &key).stable_key();
+        let expected_scope = Scope::new("shop", "POST /books/{id}/orders", &key).key();
         assert_eq!(
             first.json(),
             serde_json::json!({
@@ -298,13 +298,13 @@ async fn lookup_shows_what_a_key_answered_until_it_is_forgotten() {
     // The MemoryStore filed it under its own keyed hash, which the layer asked it for; the
     // stable key a shared store would use names nothing here.
     let store = layer.store();
-    let filed = store.scope_key(&scope());
+    let filed = store.scope_hasher().key(&scope());
     assert!(!store.scope_hasher().is_stable());
     assert!(matches!(
         store.lookup(filed).await.unwrap(),
         Some(idempotency_layer::store::Held::Completed(_))
     ));
-    assert!(store.lookup(scope().stable_key()).await.unwrap().is_none());
+    assert!(store.lookup(scope().key()).await.unwrap().is_none());
     assert!(layer.forget(scope()).await.unwrap());
     assert!(layer.lookup(scope()).await.unwrap().is_none());
 }

@@ -191,7 +191,7 @@ async fn the_default_store_takes_100_writes_a_second_for_75_minutes() {
     let mut refused = 0;
     for second in 0..seconds {
         for i in 0..rate {
-            let scope = Scope::new("shop", &method, &format!("order-{second}-{i}")).stable_key();
+            let scope = Scope::new("shop", &method, &format!("order-{second}-{i}")).key();
             match store
                 .begin_for_tenant(tenant, scope, Fingerprint([0; 32]), lease)
                 .await

@@ -153,7 +153,7 @@ async fn replay_of_an_unconfirmed_record(url: String) {
         .connect()
         .await
         .expect("connect");
-    let scope = Scope::new("replica", "POST /orders", &unique("k")).stable_key();
+    let scope = Scope::new("replica", "POST /orders", &unique("k")).key();
     let lease = Duration::from_secs(30);
     let Begin::New(token) = leader
         .begin(scope, Fingerprint([3; 32]), lease)
@@ -190,7 +190,7 @@ async fn replay_of_an_unconfirmed_record(url: String) {
 async fn resent_complete(url: String) {
     let schema = unique("idem_replica_");
     let store = store_in(&url, &schema, Duration::from_millis(500)).await;
-    let scope = Scope::new("replica", "POST /orders", &unique("k")).stable_key();
+    let scope = Scope::new("replica", "POST /orders", &unique("k")).key();
     let lease = Duration::from_secs(30);
     let ttl = Duration::from_secs(600);
     let Begin::New(token) = store
@@ -244,7 +244,7 @@ async fn abandoned_commits(url: String) {
     .await;
     let lease = Duration::from_secs(3);
     let scopes: Vec<_> = (0..12)
-        .map(|i| Scope::new("replica", "POST /orders", &format!("{app}-{i}")).stable_key())
+        .map(|i| Scope::new("replica", "POST /orders", &format!("{app}-{i}")).key())
         .collect();
 
     synchronous_standbys(&url, "nobody").await;

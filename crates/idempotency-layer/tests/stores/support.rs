@@ -84,7 +84,7 @@ pub async fn post_order(client: &HttpClient, addr: SocketAddr, key: &str, body: 
 /// The scope the layer uses for `POST /orders` with `key` in tenant `shop`.
 pub fn order_scope(key: &str) -> ScopeKey {
     let method = Scope::http_operation(&http::Method::POST, "/orders");
-    Scope::new("shop", &method, key).stable_key()
+    Scope::new("shop", &method, key).key()
 }
 
 /// Counts executions per idempotency key.

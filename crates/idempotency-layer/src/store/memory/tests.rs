@@ -45,7 +45,7 @@ async fn conformance() {
 fn tenant_scope(tenant: &str, i: u64) -> (TenantKey, ScopeKey) {
     (
         TenantKey::of(tenant),
-        crate::scope::Scope::new(tenant, "POST /orders", &format!("key-{i}")).stable_key(),
+        crate::scope::Scope::new(tenant, "POST /orders", &format!("key-{i}")).key(),
     )
 }
 
