@@ -2,7 +2,8 @@
 
 use std::sync::Arc;
 
-use crate::store::{ScopeHasher, ScopeKey};
+use crate::store::hashing::FramedHasher;
+use crate::store::ScopeKey;
 
 /// The authenticated tenant of a request: a request extension that an authentication layer
 /// placed before [`IdempotencyLayer`](crate::IdempotencyLayer) inserts.
@@ -50,6 +51,8 @@ pub struct Scope<'a> {
     pub key: &'a str,
 }
 
+const SCOPE_DOMAIN: &[u8] = b"idempotency-layer scope v1\0";
+
 impl<'a> Scope<'a> {
     /// A scope from its parts.
     pub fn new(tenant: &'a str, method: &'a str, key: &'a str) -> Self {
@@ -95,16 +98,67 @@ impl<'a> Scope<'a> {
     ///
     /// [`IdempotencyStore::scope_hasher`]: crate::store::IdempotencyStore::scope_hasher
     pub fn key(&self) -> ScopeKey {
-        ScopeHasher::stable().key(self)
+        scope_key(self.tenant, &[self.method.as_bytes()], self.key)
     }
 }
 
-// [`ScopeHasher::key`] and its HTTP shortcut live here, beside [`Scope`]; the hasher itself, and
-// the hashes, live with the store's other hashing (`store::hashing`).
+/// How a store turns a [`Scope`] into the [`ScopeKey`] it files the scope under: what
+/// [`IdempotencyStore::scope_hasher`](crate::store::IdempotencyStore::scope_hasher) answers.
+///
+/// - [`ScopeHasher::stable`] (the default): [`Scope::key`], BLAKE3 of the scope's encoding. The
+///   same key in every process, so instances that share a store find each other's claims and
+///   records, and the stored keys outlive a restart. No raw tenant or key reaches the store.
+/// - [`ScopeHasher::local`]: SipHash-1-3 (128 bits) of the same encoding under a random key
+///   made for one store. About a fifth of BLAKE3's cost; for a store whose keys never leave the
+///   process that made them ([`MemoryStore`](crate::MemoryStore)). With the key secret, no one
+///   can aim two scopes at one key: separating tenants needs no more than that.
+///
+/// ```
+/// use idempotency_layer::store::{IdempotencyStore, ScopeHasher};
+/// use idempotency_layer::{MemoryStore, Scope};
+///
+/// let scope = Scope::new("acme", "POST /orders", "order-0001");
+/// assert_eq!(ScopeHasher::stable().key(&scope), scope.key());
+///
+/// let store = MemoryStore::new();
+/// let local = store.scope_hasher();
+/// assert_eq!(local.key(&scope), local.key(&scope));
+/// assert_ne!(local.key(&scope), scope.key());
+/// ```
+#[derive(Clone, Copy)]
+pub struct ScopeHasher(HasherKind);
+
+#[derive(Clone, Copy)]
+enum HasherKind {
+    Stable,
+    Local { k0: u64, k1: u64 },
+}
+
 impl ScopeHasher {
+    /// [`Scope::key`]: the same key in every process.
+    pub const fn stable() -> Self {
+        ScopeHasher(HasherKind::Stable)
+    }
+
+    /// A keyed hash under a random key made now: two calls give unrelated hashers, so a store
+    /// makes one and answers it for as long as it lives.
+    pub fn local() -> Self {
+        use std::hash::{BuildHasher, RandomState};
+        // Each `RandomState` is seeded from the OS's randomness (per thread, then stepped): its
+        // SipHash of a constant is a random word.
+        let k0 = RandomState::new().hash_one(0x5ec0_u64);
+        let k1 = RandomState::new().hash_one(0x5ec1_u64);
+        ScopeHasher(HasherKind::Local { k0, k1 })
+    }
+
+    /// True for [`ScopeHasher::stable`].
+    pub fn is_stable(&self) -> bool {
+        matches!(self.0, HasherKind::Stable)
+    }
+
     /// The key `scope` is filed under.
     pub fn key(&self, scope: &Scope<'_>) -> ScopeKey {
-        self.of_pieces(scope.tenant, &[scope.method.as_bytes()], scope.key)
+        self.pieces(scope.tenant, &[scope.method.as_bytes()], scope.key)
     }
 
     /// [`key`](Self::key) of an HTTP request's scope (method string `"POST /orders"`), without
@@ -116,18 +170,92 @@ impl ScopeHasher {
         path: &str,
         key: &str,
     ) -> ScopeKey {
-        self.of_pieces(
+        self.pieces(
             tenant,
             &[method.as_str().as_bytes(), b" ", path.as_bytes()],
             key,
         )
     }
+
+    fn pieces(&self, tenant: &str, method_pieces: &[&[u8]], key: &str) -> ScopeKey {
+        match self.0 {
+            HasherKind::Stable => scope_key(tenant, method_pieces, key),
+            HasherKind::Local { k0, k1 } => local_key(k0, k1, tenant, method_pieces, key),
+        }
+    }
+}
+
+impl std::fmt::Debug for ScopeHasher {
+    /// Never shows a local hasher's key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self.0 {
+            HasherKind::Stable => "ScopeHasher::stable",
+            HasherKind::Local { .. } => "ScopeHasher::local",
+        })
+    }
+}
+
+/// SipHash-1-3, 128 bits, of [`Scope::encode`] (the method given in pieces) under `(k0, k1)`:
+/// the encoding gathered on the stack and hashed in one call when it fits (an idempotency key
+/// is at most 255 bytes, so nearly always), else streamed. The first 16 bytes of the key are
+/// the hash, the rest zero.
+fn local_key(k0: u64, k1: u64, tenant: &str, method_pieces: &[&[u8]], key: &str) -> ScopeKey {
+    use siphasher::sip128::{Hasher128, SipHasher13};
+    use std::hash::Hasher;
+    const ROOM: usize = 384;
+    let method_len: usize = method_pieces.iter().map(|p| p.len()).sum();
+    let mut hasher = SipHasher13::new_with_keys(k0, k1);
+    let framed = 24 + tenant.len() + method_len + key.len();
+    if framed <= ROOM {
+        let mut buf = [0u8; ROOM];
+        let mut len = 0;
+        let mut push = |bytes: &[u8]| {
+            buf[len..len + bytes.len()].copy_from_slice(bytes);
+            len += bytes.len();
+        };
+        push(&(tenant.len() as u64).to_le_bytes());
+        push(tenant.as_bytes());
+        push(&(method_len as u64).to_le_bytes());
+        for piece in method_pieces {
+            push(piece);
+        }
+        push(&(key.len() as u64).to_le_bytes());
+        push(key.as_bytes());
+        hasher.write(&buf[..len]);
+    } else {
+        hasher.write(&(tenant.len() as u64).to_le_bytes());
+        hasher.write(tenant.as_bytes());
+        hasher.write(&(method_len as u64).to_le_bytes());
+        for piece in method_pieces {
+            hasher.write(piece);
+        }
+        hasher.write(&(key.len() as u64).to_le_bytes());
+        hasher.write(key.as_bytes());
+    }
+    let mut out = [0u8; 32];
+    out[..16].copy_from_slice(&hasher.finish128().as_bytes());
+    ScopeKey(out)
+}
+
+/// The BLAKE3 hash of [`Scope::encode`] of `tenant`, the method made of `method_pieces` (one
+/// part, its pieces concatenated) and `key`, fed to the hasher piece by piece (BLAKE3 hashes a
+/// stream: the result is the hash of the whole encoding, with no buffer to build).
+fn scope_key(tenant: &str, method_pieces: &[&[u8]], key: &str) -> ScopeKey {
+    let mut h = FramedHasher::new(SCOPE_DOMAIN);
+    h.part(tenant.as_bytes());
+    let method_len: usize = method_pieces.iter().map(|p| p.len()).sum();
+    h.push(&(method_len as u64).to_le_bytes());
+    for piece in method_pieces {
+        h.push(piece);
+    }
+    h.part(key.as_bytes());
+    ScopeKey(h.finish())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::hashing::{fingerprint, SCOPE_DOMAIN};
+    use crate::store::hashing::fingerprint;
     use proptest::prelude::*;
 
     /// Stored records are found by scope key and checked by fingerprint across instances,
@@ -224,7 +352,7 @@ mod tests {
             prop_assert_ne!(h.key(&sa), ScopeHasher::local().key(&sa));
             prop_assert_ne!(h.key(&sa), sa.key());
             // Buffered or streamed past the buffer, the hash is SipHash of the encoding.
-            let (k0, k1) = h.local_keys().expect("a local hasher");
+            let HasherKind::Local { k0, k1 } = h.0 else { unreachable!() };
             for scope in [sa, Scope::new(&long, &a.1, &a.2)] {
                 use siphasher::sip128::Hasher128;
                 let mut direct = siphasher::sip128::SipHasher13::new_with_keys(k0, k1);

@@ -115,12 +115,12 @@ where
     }
 }
 
-pub use self::hashing::ScopeHasher;
 #[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) use self::orphan::OrphanGuard;
 pub use self::types::{
     Backend, Begin, Fingerprint, Held, Record, ScopeKey, StoreError, TenantKey, Token,
 };
+pub use crate::scope::ScopeHasher;
 pub use any::AnyStore;
 pub use memory::{MemoryStats, MemoryStore, MemoryStoreBuilder};
 

@@ -75,10 +75,6 @@ const HEADER_OVERHEAD: usize = 32;
 ///   waits (a claim nobody waits for allocates nothing for waking), not by polling.
 /// - **Tokens** come from a counter per shard, taken under the shard's lock: no counter is
 ///   shared between threads.
-/// - **Keys**: scopes are filed under a SipHash-1-3 keyed with a random key of this store's
-///   own ([`ScopeHasher::local`]), a fifth of the cost of the stable BLAKE3 key a shared store
-///   needs; its keys never leave the process. Address a scope through
-///   [`scope_hasher`](IdempotencyStore::scope_hasher), or the layer's `forget` and `lookup`.
 ///
 /// Records are lost when the process stops, and a second instance has its own: see
 /// "Choosing a store" in the [crate docs](crate#choosing-a-store).
