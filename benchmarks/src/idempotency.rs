@@ -3,15 +3,11 @@
 //! might write instead, fresh keys, and a timed loop.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::Request;
 use http_body_util::{BodyExt, Full};
-use idempotency_layer::store::{
-    Backend, Begin, Fingerprint, IdempotencyStore, Record, ScopeKey, StoreError, TenantKey, Token,
-};
 use idempotency_layer::{IdempotencyLayer, MemoryStore};
 
 use crate::{created, roomy_memory_store, NaiveCache};
@@ -23,51 +19,6 @@ pub fn bench_layer() -> (IdempotencyLayer<MemoryStore>, MemoryStore) {
     let layer = IdempotencyLayer::new(store.clone())
         .tenant(idempotency_layer::TenantSource::fixed("bench"));
     (layer, store)
-}
-
-/// A `MemoryStore` that files scopes under the stable BLAKE3 key a shared store needs (the
-/// trait's default `scope_hasher`) instead of its own keyed hash: what a write cost before
-/// the store could say which key it needs. Every operation is forwarded.
-#[derive(Clone, Debug)]
-pub struct StableKeys(pub MemoryStore);
-
-impl IdempotencyStore for StableKeys {
-    async fn begin(&self, s: ScopeKey, f: Fingerprint, l: Duration) -> Result<Begin, StoreError> {
-        self.0.begin(s, f, l).await
-    }
-    async fn begin_for_tenant(
-        &self,
-        t: TenantKey,
-        s: ScopeKey,
-        f: Fingerprint,
-        l: Duration,
-    ) -> Result<Begin, StoreError> {
-        self.0.begin_for_tenant(t, s, f, l).await
-    }
-    async fn complete(
-        &self,
-        s: ScopeKey,
-        t: Token,
-        r: Arc<Record>,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
-        self.0.complete(s, t, r, ttl).await
-    }
-    async fn release(&self, s: ScopeKey, t: Token) -> Result<(), StoreError> {
-        self.0.release(s, t).await
-    }
-    async fn renew(&self, s: ScopeKey, t: Token, l: Duration) -> Result<(), StoreError> {
-        self.0.renew(s, t, l).await
-    }
-    async fn wait(&self, s: ScopeKey, t: Token) -> Result<(), StoreError> {
-        self.0.wait(s, t).await
-    }
-    async fn forget(&self, s: ScopeKey) -> Result<bool, StoreError> {
-        self.0.forget(s).await
-    }
-    fn backend(&self) -> Backend {
-        self.0.backend()
-    }
 }
 
 /// Panics unless every first execution on `store` ran and was recorded whole (none refused,

@@ -1,16 +1,14 @@
 //! The idempotency layer's first execution and replay as one loop, for instruction counts
 //! under callgrind (instructions, not seconds: the same on a loaded machine as on an idle one).
 //! `bare` (the handler alone), `first` (a new key per request: claim, run, record) or `replay`
-//! (one recorded key), on the idempotency bench's handler and request; `first_stable` and
-//! `replay_stable`, the same on a `MemoryStore` made to file scopes under the stable BLAKE3 key
-//! a shared store needs (what both cost before the store could choose); and `near_replay`, the
+//! (one recorded key), on the idempotency bench's handler and request; and `near_replay`, the
 //! replay on a `RedisStore` with a near cache (`REDIS_URL` must be set: the record is stored in
 //! Redis once, the first replay reads it from Redis, and every later one is a near-cache hit,
 //! with no round trip):
 //!
 //! ```text
 //! cargo build --profile bench -p benchmarks --bin layer_profile
-//! for w in bare first replay first_stable replay_stable near_replay; do
+//! for w in bare first replay near_replay; do
 //!   valgrind --tool=callgrind --callgrind-out-file=cg.$w target/release/layer_profile $w 20000
 //! done
 //! callgrind_annotate --inclusive=yes cg.first | head -80
@@ -18,7 +16,7 @@
 //!
 //! Instructions per request = (total - the `bare` total) / requests; see BENCHMARKS.md.
 
-use benchmarks::idempotency::{assert_recorded_whole, bench_layer, KeyGen, StableKeys};
+use benchmarks::idempotency::{assert_recorded_whole, bench_layer, KeyGen};
 use benchmarks::{call_to_end, created, order_request};
 use bytes::Bytes;
 use http_body_util::Full;
@@ -47,15 +45,17 @@ fn main() {
             }
             "first" | "replay" => {
                 let (layer, store) = bench_layer();
-                let svc = layer.layer(service_fn(created::<RequestBody<Full<Bytes>>>));
-                first_or_replay(svc, &mut keys, which == "first", requests).await;
-                assert_recorded_whole(&store);
-            }
-            "first_stable" | "replay_stable" => {
-                let (layer, store) = bench_layer();
-                let layer = layer.with_store(StableKeys(store.clone()));
-                let svc = layer.layer(service_fn(created::<RequestBody<Full<Bytes>>>));
-                first_or_replay(svc, &mut keys, which == "first_stable", requests).await;
+                let mut svc = layer.layer(service_fn(created::<RequestBody<Full<Bytes>>>));
+                let replayed = keys.next_key();
+                call_to_end(&mut svc, order_request(&replayed)).await;
+                for _ in 0..requests {
+                    let key = if which == "first" {
+                        keys.next_key()
+                    } else {
+                        replayed.clone()
+                    };
+                    call_to_end(&mut svc, order_request(&key)).await;
+                }
                 assert_recorded_whole(&store);
             }
             "near_replay" => {
@@ -80,30 +80,8 @@ fn main() {
                 assert_eq!(stats.hits + 1, requests as u64, "every later replay a hit");
             }
             other => panic!(
-                "usage: layer_profile bare|first|replay|first_stable|replay_stable|near_replay \
-                 [requests], not {other:?}"
+                "usage: layer_profile bare|first|replay|near_replay [requests], not {other:?}"
             ),
         }
     });
-}
-
-/// `requests` first executions (a new key each) or replays (one key recorded first) through
-/// `svc`.
-async fn first_or_replay<S, B>(mut svc: S, keys: &mut KeyGen, first: bool, requests: usize)
-where
-    S: tower::Service<http::Request<Full<Bytes>>, Response = http::Response<B>>,
-    S::Error: std::fmt::Debug,
-    B: http_body::Body<Data = Bytes>,
-    B::Error: std::fmt::Debug,
-{
-    let replayed = keys.next_key();
-    call_to_end(&mut svc, order_request(&replayed)).await;
-    for _ in 0..requests {
-        let key = if first {
-            keys.next_key()
-        } else {
-            replayed.clone()
-        };
-        call_to_end(&mut svc, order_request(&key)).await;
-    }
 }

@@ -60,6 +60,7 @@ struct Accepted {
     path: OperationPath,
     /// `"POST /orders"`, made on the first [`IdempotentWrite::operation`] of an HTTP write.
     operation: OnceLock<Box<str>>,
+    scope_key: ScopeKey,
     token: Option<Token>,
     previous_attempts: u32,
     after_a_run_without_record: bool,
@@ -98,12 +99,11 @@ impl IdempotentWrite {
         Scope::new(self.tenant(), self.operation(), self.key())
     }
 
-    /// The stable key of the scope ([`Scope::key`]): a hash of tenant, operation and key, the
-    /// same on every instance and every run of this write, whatever the store. A good unique
-    /// column for the side effect (`scope_key().to_hex()`). Computed when asked (a
-    /// [`MemoryStore`](crate::MemoryStore) files the scope under a cheaper key of its own).
+    /// The store key of the scope ([`Scope::key`]): a stable hash of tenant, operation and key,
+    /// the same on every instance and every run of this write. A good unique column for the
+    /// side effect (`scope_key().to_hex()`).
     pub fn scope_key(&self) -> ScopeKey {
-        self.scope().key()
+        self.0.scope_key
     }
 
     /// The fencing token of the claim this run holds: another run of the same write (after this
@@ -141,6 +141,7 @@ impl IdempotentWrite {
     pub(crate) fn of(
         cfg: &Config,
         parts: &Parts,
+        scope_key: ScopeKey,
         token: Option<Token>,
         grpc: bool,
         waited: bool,
@@ -161,6 +162,7 @@ impl IdempotentWrite {
                 OperationPath::of(parts)
             },
             operation: OnceLock::new(),
+            scope_key,
             token,
             previous_attempts,
             after_a_run_without_record: waited,

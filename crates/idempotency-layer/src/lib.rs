@@ -387,10 +387,9 @@
 //! handler and `MemoryStore`, against the same handler without the layer and against a
 //! hand-rolled `Mutex<HashMap<key, body>>` in front of it (which has no tenant scope, no
 //! fingerprint, no single-flight, no streaming and no TTL). A first execution costs 2 to 3 µs
-//! on the benchmark machines (the scope key's hash, the fingerprint's XXH3, the claim, recording
-//! the body), a replay less than half of that, and a read passes through untouched. A
-//! `MemoryStore` keys scopes with a SipHash keyed for it alone, about a fifth of the BLAKE3 key
-//! a shared store needs ([`ScopeHasher`](crate::store::ScopeHasher)).
+//! on the benchmark machines (the scope key's keyed BLAKE3 hash, the fingerprint's XXH3, the
+//! claim, recording the body), a replay less than half of that, and a read passes through
+//! untouched.
 //!
 //! # Observability
 //!

@@ -87,154 +87,25 @@ impl<'a> Scope<'a> {
         out
     }
 
-    /// The stable key: the BLAKE3 hash of the encoding, the same in every process and every
-    /// version. What a shared store (Redis, PostgreSQL) files the scope under, and what
-    /// [`IdempotentWrite::scope_key`](crate::IdempotentWrite::scope_key) gives a handler.
-    ///
-    /// A store may file scopes under a key of its own ([`IdempotencyStore::scope_hasher`]):
-    /// a [`MemoryStore`](crate::MemoryStore) uses a faster hash keyed per store. To address a
-    /// scope in any store, ask the store ([`ScopeHasher::key`]), or use the layer's
-    /// [`forget`](crate::IdempotencyLayer::forget) and [`lookup`](crate::IdempotencyLayer::lookup).
-    ///
-    /// [`IdempotencyStore::scope_hasher`]: crate::store::IdempotencyStore::scope_hasher
+    /// The store key: the BLAKE3 hash of the encoding.
     pub fn key(&self) -> ScopeKey {
         scope_key(self.tenant, &[self.method.as_bytes()], self.key)
     }
 }
 
-/// How a store turns a [`Scope`] into the [`ScopeKey`] it files the scope under: what
-/// [`IdempotencyStore::scope_hasher`](crate::store::IdempotencyStore::scope_hasher) answers.
-///
-/// - [`ScopeHasher::stable`] (the default): [`Scope::key`], BLAKE3 of the scope's encoding. The
-///   same key in every process, so instances that share a store find each other's claims and
-///   records, and the stored keys outlive a restart. No raw tenant or key reaches the store.
-/// - [`ScopeHasher::local`]: SipHash-1-3 (128 bits) of the same encoding under a random key
-///   made for one store. About a fifth of BLAKE3's cost; for a store whose keys never leave the
-///   process that made them ([`MemoryStore`](crate::MemoryStore)). With the key secret, no one
-///   can aim two scopes at one key: separating tenants needs no more than that.
-///
-/// ```
-/// use idempotency_layer::store::{IdempotencyStore, ScopeHasher};
-/// use idempotency_layer::{MemoryStore, Scope};
-///
-/// let scope = Scope::new("acme", "POST /orders", "order-0001");
-/// assert_eq!(ScopeHasher::stable().key(&scope), scope.key());
-///
-/// let store = MemoryStore::new();
-/// let local = store.scope_hasher();
-/// assert_eq!(local.key(&scope), local.key(&scope));
-/// assert_ne!(local.key(&scope), scope.key());
-/// ```
-#[derive(Clone, Copy)]
-pub struct ScopeHasher(HasherKind);
-
-#[derive(Clone, Copy)]
-enum HasherKind {
-    Stable,
-    Local { k0: u64, k1: u64 },
-}
-
-impl ScopeHasher {
-    /// [`Scope::key`]: the same key in every process.
-    pub const fn stable() -> Self {
-        ScopeHasher(HasherKind::Stable)
-    }
-
-    /// A keyed hash under a random key made now: two calls give unrelated hashers, so a store
-    /// makes one and answers it for as long as it lives.
-    pub fn local() -> Self {
-        use std::hash::{BuildHasher, RandomState};
-        // Each `RandomState` is seeded from the OS's randomness (per thread, then stepped): its
-        // SipHash of a constant is a random word.
-        let k0 = RandomState::new().hash_one(0x5ec0_u64);
-        let k1 = RandomState::new().hash_one(0x5ec1_u64);
-        ScopeHasher(HasherKind::Local { k0, k1 })
-    }
-
-    /// True for [`ScopeHasher::stable`].
-    pub fn is_stable(&self) -> bool {
-        matches!(self.0, HasherKind::Stable)
-    }
-
-    /// The key `scope` is filed under.
-    pub fn key(&self, scope: &Scope<'_>) -> ScopeKey {
-        self.pieces(scope.tenant, &[scope.method.as_bytes()], scope.key)
-    }
-
-    /// [`key`](Self::key) of an HTTP request's scope (method string `"POST /orders"`), without
-    /// making the method string: the same bytes are hashed in pieces.
-    pub(crate) fn http_key(
-        &self,
-        tenant: &str,
-        method: &http::Method,
-        path: &str,
-        key: &str,
-    ) -> ScopeKey {
-        self.pieces(
-            tenant,
-            &[method.as_str().as_bytes(), b" ", path.as_bytes()],
-            key,
-        )
-    }
-
-    fn pieces(&self, tenant: &str, method_pieces: &[&[u8]], key: &str) -> ScopeKey {
-        match self.0 {
-            HasherKind::Stable => scope_key(tenant, method_pieces, key),
-            HasherKind::Local { k0, k1 } => local_key(k0, k1, tenant, method_pieces, key),
-        }
-    }
-}
-
-impl std::fmt::Debug for ScopeHasher {
-    /// Never shows a local hasher's key.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self.0 {
-            HasherKind::Stable => "ScopeHasher::stable",
-            HasherKind::Local { .. } => "ScopeHasher::local",
-        })
-    }
-}
-
-/// SipHash-1-3, 128 bits, of [`Scope::encode`] (the method given in pieces) under `(k0, k1)`:
-/// the encoding gathered on the stack and hashed in one call when it fits (an idempotency key
-/// is at most 255 bytes, so nearly always), else streamed. The first 16 bytes of the key are
-/// the hash, the rest zero.
-fn local_key(k0: u64, k1: u64, tenant: &str, method_pieces: &[&[u8]], key: &str) -> ScopeKey {
-    use siphasher::sip128::{Hasher128, SipHasher13};
-    use std::hash::Hasher;
-    const ROOM: usize = 384;
-    let method_len: usize = method_pieces.iter().map(|p| p.len()).sum();
-    let mut hasher = SipHasher13::new_with_keys(k0, k1);
-    let framed = 24 + tenant.len() + method_len + key.len();
-    if framed <= ROOM {
-        let mut buf = [0u8; ROOM];
-        let mut len = 0;
-        let mut push = |bytes: &[u8]| {
-            buf[len..len + bytes.len()].copy_from_slice(bytes);
-            len += bytes.len();
-        };
-        push(&(tenant.len() as u64).to_le_bytes());
-        push(tenant.as_bytes());
-        push(&(method_len as u64).to_le_bytes());
-        for piece in method_pieces {
-            push(piece);
-        }
-        push(&(key.len() as u64).to_le_bytes());
-        push(key.as_bytes());
-        hasher.write(&buf[..len]);
-    } else {
-        hasher.write(&(tenant.len() as u64).to_le_bytes());
-        hasher.write(tenant.as_bytes());
-        hasher.write(&(method_len as u64).to_le_bytes());
-        for piece in method_pieces {
-            hasher.write(piece);
-        }
-        hasher.write(&(key.len() as u64).to_le_bytes());
-        hasher.write(key.as_bytes());
-    }
-    let mut out = [0u8; 32];
-    out[..16].copy_from_slice(&hasher.finish128().as_bytes());
-    ScopeKey(out)
+/// [`Scope::key`] of an HTTP request's scope (method string `"POST /orders"`), without making
+/// the method string: the same bytes are hashed in pieces.
+pub(crate) fn http_scope_key(
+    tenant: &str,
+    method: &http::Method,
+    path: &str,
+    key: &str,
+) -> ScopeKey {
+    scope_key(
+        tenant,
+        &[method.as_str().as_bytes(), b" ", path.as_bytes()],
+        key,
+    )
 }
 
 /// The BLAKE3 hash of [`Scope::encode`] of `tenant`, the method made of `method_pieces` (one
@@ -270,7 +141,7 @@ mod tests {
             "the scope encoding changed: bump SCOPE_DOMAIN's version instead"
         );
         assert_eq!(
-            ScopeHasher::stable().http_key("acme", &http::Method::POST, "/orders", "order-0001"),
+            http_scope_key("acme", &http::Method::POST, "/orders", "order-0001"),
             scope,
             "the layer's HTTP shortcut hashes the same bytes"
         );
@@ -331,34 +202,7 @@ mod tests {
             h.update(SCOPE_DOMAIN);
             h.update(&scope.encode());
             prop_assert_eq!(scope.key().0, *h.finalize().as_bytes());
-            prop_assert_eq!(ScopeHasher::stable().http_key(&t, &method, &path, &k), scope.key());
-            let local = ScopeHasher::local();
-            prop_assert_eq!(local.http_key(&t, &method, &path, &k), local.key(&scope));
-        }
-
-        /// A local hasher keys two scopes alike only when they are the same scope (over the
-        /// encodings that fit its stack buffer and those streamed past it), and two local
-        /// hashers key one scope differently.
-        #[test]
-        fn local_keys_separate_scopes(
-            a in (".{0,6}", ".{0,6}", ".{0,6}"),
-            b in (".{0,6}", ".{0,6}", ".{0,6}"),
-            long in "[a-z]{380,420}",
-        ) {
-            let h = ScopeHasher::local();
-            let (sa, sb) = (Scope::new(&a.0, &a.1, &a.2), Scope::new(&b.0, &b.1, &b.2));
-            prop_assert_eq!(h.key(&sa) == h.key(&sb), a == b);
-            prop_assert_eq!(h.key(&sa), h.key(&sa));
-            prop_assert_ne!(h.key(&sa), ScopeHasher::local().key(&sa));
-            prop_assert_ne!(h.key(&sa), sa.key());
-            // Buffered or streamed past the buffer, the hash is SipHash of the encoding.
-            let HasherKind::Local { k0, k1 } = h.0 else { unreachable!() };
-            for scope in [sa, Scope::new(&long, &a.1, &a.2)] {
-                use siphasher::sip128::Hasher128;
-                let mut direct = siphasher::sip128::SipHasher13::new_with_keys(k0, k1);
-                std::hash::Hasher::write(&mut direct, &scope.encode());
-                prop_assert_eq!(&h.key(&scope).0[..16], &direct.finish128().as_bytes()[..]);
-            }
+            prop_assert_eq!(http_scope_key(&t, &method, &path, &k), scope.key());
         }
 
         /// Two triples built from the same characters split differently encode differently,

@@ -19,7 +19,7 @@ use crate::key::key_of;
 use crate::observe::{self};
 use crate::protocol::Protocol;
 use crate::reject::{respond, RejectReason};
-use crate::scope::Scope;
+use crate::scope::{http_scope_key, Scope};
 use crate::shared::Shared;
 use crate::stats::IdempotencyStats;
 use crate::store::{IdempotencyStore, MemoryStore, TenantKey};
@@ -186,13 +186,10 @@ where
         if declared_length.is_some_and(|n| n > cfg.max_request_bytes as u64) {
             return rejected(&mut self.inner, RejectReason::TooLarge, &too_large(cfg));
         }
-        // The key the store files the scope under: stable for a shared store, a cheaper keyed
-        // hash for one that lives in this process.
-        let hasher = self.store.scope_hasher();
         let scope = if protocol.is_grpc() {
-            hasher.key(&Scope::new(&tenant, parts.uri.path(), key))
+            Scope::new(&tenant, parts.uri.path(), key).key()
         } else {
-            hasher.http_key(&tenant, &parts.method, operation_path(&parts), key)
+            http_scope_key(&tenant, &parts.method, operation_path(&parts), key)
         };
         let tenant = match &cfg.tenant {
             // The layer's default tenant's key is computed once, when it is set.

@@ -240,10 +240,6 @@ impl Shared {
 /// assert_eq!((begins.reached, begins.answers), (1, vec![Reply::Backend]), "...after it ran");
 /// # }
 /// ```
-///
-/// Under a layer it files scopes under stable keys ([`Scope::key`](crate::Scope::key)),
-/// whatever the wrapped store's [`scope_hasher`](IdempotencyStore::scope_hasher), so a rule
-/// names a scope by `Scope::key`.
 pub struct FaultStore<S> {
     inner: S,
     shared: Arc<Shared>,

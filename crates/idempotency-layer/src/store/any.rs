@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{
-    Backend, Begin, Fingerprint, Held, IdempotencyStore, MemoryStore, Record, ScopeHasher,
-    ScopeKey, StoreError, TenantKey, Token,
+    Backend, Begin, Fingerprint, Held, IdempotencyStore, MemoryStore, Record, ScopeKey, StoreError,
+    TenantKey, Token,
 };
 
 /// Any of the stores this crate has, chosen at run time (say from a `--store` flag or an
@@ -199,16 +199,6 @@ impl IdempotencyStore for AnyStore {
 
     async fn lookup(&self, scope: ScopeKey) -> Result<Option<Held>, StoreError> {
         each!(self, s => s.lookup(scope))
-    }
-
-    fn scope_hasher(&self) -> ScopeHasher {
-        match self {
-            AnyStore::Memory(s) => s.scope_hasher(),
-            #[cfg(feature = "redis")]
-            AnyStore::Redis(s) => s.scope_hasher(),
-            #[cfg(feature = "postgres")]
-            AnyStore::Postgres(s) => s.scope_hasher(),
-        }
     }
 
     fn backend(&self) -> Backend {

@@ -120,12 +120,11 @@ pub(crate) use self::orphan::OrphanGuard;
 pub use self::types::{
     Backend, Begin, Fingerprint, Held, Record, ScopeKey, StoreError, TenantKey, Token,
 };
-pub use crate::scope::ScopeHasher;
 pub use any::AnyStore;
 pub use memory::{MemoryStats, MemoryStore, MemoryStoreBuilder};
 
 /// A map keyed by scope keys, tenant keys or tokens: foldhash, seeded per map, instead of
-/// SipHash. The keys are already uniform (hash output, random tokens), so the strong but slow
+/// SipHash. The keys are already uniform (BLAKE3 output, random tokens), so the strong but slow
 /// default hasher bought nothing but ~250 instructions per lookup, several per request; the
 /// per-map random seed still keeps an attacker who chooses idempotency keys from aiming at one
 /// bucket.
@@ -251,18 +250,6 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// store's, as it forwards `postgres` (feature `postgres`).
     fn backend(&self) -> Backend {
         Backend::Custom
-    }
-
-    /// How this store turns a [`Scope`](crate::Scope) into the key it files it under; the
-    /// layer asks on every write. The default, [`ScopeHasher::stable`], is what a store shared
-    /// by several processes needs. A store whose keys never leave its process may answer a
-    /// [`ScopeHasher::local`] it made once (as [`MemoryStore`] does), and must then answer the
-    /// same one for as long as it lives.
-    ///
-    /// A store that wraps another forwards the wrapped store's, or files its scopes under
-    /// stable keys, which is always correct and costs a BLAKE3 hash per write.
-    fn scope_hasher(&self) -> ScopeHasher {
-        ScopeHasher::stable()
     }
 
     /// The [`PostgresStore`] this store is, or wraps (feature `postgres`). The default is

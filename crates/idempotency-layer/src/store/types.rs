@@ -11,16 +11,12 @@ use reason_code::BoxError;
 
 /// The hash of a scope (tenant + method + key), the only identifier a store sees.
 ///
-/// Made by the store's [`ScopeHasher`](crate::store::ScopeHasher) from an unambiguous,
-/// length-prefixed encoding of the scope, so no raw tenant or key reaches the store: for a
-/// shared store, [`Scope::key`](crate::Scope::key) (BLAKE3, the same in every process); for a
-/// [`MemoryStore`](crate::MemoryStore), SipHash-1-3 under a key of its own (the first 16 bytes;
-/// the rest are zero).
+/// Made with [`Scope::key`](crate::Scope::key): a BLAKE3 hash of an unambiguous, length-prefixed
+/// encoding, so no raw tenant or key reaches the store.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ScopeKey(pub [u8; 32]);
 
-/// Hashes the key's first 8 bytes as one `u64`: the key is hash output (BLAKE3 or keyed
-/// SipHash), uniform already, so
+/// Hashes the key's first 8 bytes as one `u64`: the key is BLAKE3 output, uniform already, so
 /// the other 24 add nothing a hash table can use, and a seeded hasher (the stores' maps use
 /// foldhash with a random seed per map) mixes one word far faster than 32 bytes. Equal keys
 /// hash equally, as `Hash` requires.
@@ -80,8 +76,7 @@ impl Fingerprint {
     /// It is not a cryptographic hash, and needs not be: it only tells a retry from another
     /// request under the same scope, which one tenant's own key already names (a client that
     /// forged a collision would get the replay of its own earlier request). What separates
-    /// tenants is the scope key: BLAKE3 in a shared store, a secret-keyed SipHash in a
-    /// `MemoryStore`.
+    /// tenants in a shared store is the scope key, which stays keyed BLAKE3.
     pub fn of_request(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
         super::hashing::fingerprint(parts, body)
     }

@@ -311,7 +311,9 @@ where
     {
         // What the handler can know of its write (see `IdempotentWrite`).
         let grpc = self.protocol.is_grpc();
-        if let Some(write) = IdempotentWrite::of(&self.config, &parts, Some(token), grpc, waited) {
+        if let Some(write) =
+            IdempotentWrite::of(&self.config, &parts, self.scope, Some(token), grpc, waited)
+        {
             parts.extensions.insert(write);
         }
         let ledger = tx::offer(
@@ -599,7 +601,7 @@ where
                         let mut parts = parts;
                         let grpc = self.protocol.is_grpc();
                         if let Some(write) =
-                            IdempotentWrite::of(cfg, &parts, None, grpc, asking.waited)
+                            IdempotentWrite::of(cfg, &parts, scope, None, grpc, asking.waited)
                         {
                             parts.extensions.insert(write);
                         }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::store::{ScopeHasher, StoreError, FOREVER};
+use crate::store::{StoreError, FOREVER};
 
 use super::shard::{Inner, Limits, Tenants};
 use super::{MemoryStore, ENTRY_OVERHEAD};
@@ -113,7 +113,6 @@ impl MemoryStoreBuilder {
                 nearly_full: AtomicBool::new(false),
                 nearly_full_times: AtomicU64::new(0),
                 eviction_warned: AtomicU64::new(0),
-                scope_hasher: ScopeHasher::local(),
             }),
         })
     }

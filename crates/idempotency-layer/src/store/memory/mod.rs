@@ -8,8 +8,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    Backend, Begin, Fingerprint, Held, IdempotencyStore, Record, ScopeHasher, ScopeKey, StoreError,
-    TenantKey, Token, FOREVER,
+    Backend, Begin, Fingerprint, Held, IdempotencyStore, Record, ScopeKey, StoreError, TenantKey,
+    Token, FOREVER,
 };
 
 mod builder;
@@ -523,12 +523,6 @@ impl IdempotencyStore for MemoryStore {
             _ => None,
         })
     }
-    /// A hash keyed for this store alone ([`ScopeHasher::local`]): its keys never leave the
-    /// process, so it skips the stable BLAKE3 key a shared store needs.
-    fn scope_hasher(&self) -> ScopeHasher {
-        self.inner.scope_hasher
-    }
-
     fn backend(&self) -> Backend {
         Backend::Memory
     }

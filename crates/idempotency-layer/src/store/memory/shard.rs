@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::store::{FastMap, Fingerprint, Record, ScopeHasher, ScopeKey, TenantKey, Token};
+use crate::store::{FastMap, Fingerprint, Record, ScopeKey, TenantKey, Token};
 
 use super::{ENTRY_OVERHEAD, EVICTION_SCAN, HEADER_OVERHEAD, SPARE_CLAIMS};
 
@@ -31,8 +31,6 @@ pub(super) struct Inner {
     pub(super) nearly_full_times: AtomicU64,
     /// When (seconds since `origin`, plus one) an eviction was last logged at `WARN`.
     pub(super) eviction_warned: AtomicU64,
-    /// What the store files scopes under: a hash keyed for this store alone.
-    pub(super) scope_hasher: ScopeHasher,
 }
 
 /// The bounds of the store.
