@@ -453,6 +453,29 @@ pub async fn load<C: Caller>(
 
 // ---------- the in-process scenarios: HTTP and gRPC, no store server ----------
 
+/// The scenarios [`in_process_scenarios`] runs (those `cfg.only` selects), in order.
+pub fn in_process_scenario_names() -> Vec<&'static str> {
+    NAMES.into_iter().chain(PEER_NAMES).collect()
+}
+
+/// The in-process scenarios but the peer's.
+const NAMES: [&str; 14] = [
+    "no_layers",
+    "client_retry",
+    "client_tower_retry",
+    "memory/first",
+    "memory/replay",
+    "naive/first",
+    "naive/replay",
+    "grpc/no_layers",
+    "grpc/client_retry",
+    "grpc/client_tower_retry",
+    "grpc/memory/first",
+    "grpc/memory/replay",
+    "grpc/naive/first",
+    "grpc/naive/replay",
+];
+
 /// The scenarios with no store server, interleaved in rounds: HTTP `no_layers`,
 /// `client_retry`, `memory/first`, `memory/replay`, and the same four over gRPC (`grpc/...`,
 /// see [`crate::grpc`]); and, as references of what the same work costs done the way a user
@@ -463,22 +486,6 @@ pub async fn load<C: Caller>(
 /// `axum-idempotent/first` and `axum-idempotent/replay` (see `benchmarks::peer`). `tag` makes
 /// this run's keys unique.
 pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
-    const NAMES: [&str; 14] = [
-        "no_layers",
-        "client_retry",
-        "client_tower_retry",
-        "memory/first",
-        "memory/replay",
-        "naive/first",
-        "naive/replay",
-        "grpc/no_layers",
-        "grpc/client_retry",
-        "grpc/client_tower_retry",
-        "grpc/memory/first",
-        "grpc/memory/replay",
-        "grpc/naive/first",
-        "grpc/naive/replay",
-    ];
     let (plain, plain_task) = serve(handler_app()).await;
     let http_layer = bench_layer(run_memory_store());
     let (memory, memory_task) = serve(handler_app().layer(http_layer.clone())).await;
@@ -496,7 +503,7 @@ pub async fn in_process_scenarios(cfg: &LoadConfig, tag: &str) -> Report {
     let (peer, peer_task) = serve(crate::peer::app()).await;
     #[cfg(feature = "axum-idempotent")]
     let peer_sessions = crate::peer::replay_sessions(peer, tag, cfg.connections).await;
-    let names: Vec<&str> = NAMES.into_iter().chain(PEER_NAMES).collect();
+    let names = in_process_scenario_names();
     // One retry layer per scenario, shared by its connections (one budget, as one client).
     let http_retry = RetryLayer::new(RetryPolicy::default());
     let grpc_retry = RetryLayer::new(RetryPolicy::default());

@@ -11,9 +11,9 @@
 //!   before it left, and that decided the result more than the store did: see BENCHMARKS.md);
 //! - memory per record, the loadtest's HTTP and gRPC ratios with the hand-rolled references
 //!   beside them (the client scenarios, `tower::retry` beside ours, in a child process of their
-//!   own with their own `no_layers` rounds), `redis/replay` / `memory/replay` (a `MemoryStore` replay run in the Redis
-//!   scenarios' own rounds) and PostgreSQL statements per request, over `benchmarks::load`, the
-//!   loadtest's machinery. Ratios of scenarios run in the same rounds are the median of the
+//!   own with their own `no_layers` rounds), `redis/replay` / `memory/replay` (a `MemoryStore`
+//!   replay run in the Redis scenarios' own rounds) and PostgreSQL statements per request, over
+//!   `benchmarks::load`, the loadtest's machinery. Ratios of scenarios run in the same rounds are the median of the
 //!   rounds' ratios.
 //!
 //! ```text
@@ -556,24 +556,13 @@ fn main() {
     eprintln!("load test, client scenarios (a child process of their own)...");
     let clients = client_scenarios_in_child(&cfg);
     eprintln!("load test, HTTP and gRPC servers...");
+    // Every in-process scenario but the clients (their baselines run in both processes).
     let servers = LoadConfig {
-        only: [
-            "no_layers",
-            "memory/first",
-            "memory/replay",
-            "naive/first",
-            "naive/replay",
-            "grpc/no_layers",
-            "grpc/memory/first",
-            "grpc/memory/replay",
-            "grpc/naive/first",
-            "grpc/naive/replay",
-            "axum-idempotent/first",
-            "axum-idempotent/replay",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect(),
+        only: benchmarks::load::in_process_scenario_names()
+            .into_iter()
+            .filter(|name| !name.contains("client_"))
+            .map(str::to_owned)
+            .collect(),
         ..cfg.clone()
     };
     let mut report = load_rt.block_on(in_process_scenarios(

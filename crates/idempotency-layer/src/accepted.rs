@@ -43,6 +43,11 @@ impl OperationPath {
         if let Some(route) = matched_route(parts) {
             return OperationPath::Route(route.clone());
         }
+        OperationPath::request_path(parts)
+    }
+
+    /// The request's own path, whatever route it matched (a gRPC method's).
+    pub(crate) fn request_path(parts: &Parts) -> Self {
         OperationPath::Path(parts.uri.path().into())
     }
 

@@ -46,9 +46,9 @@ use crate::store::{ScopeKey, Token};
 #[derive(Clone, Debug)]
 pub struct IdempotentWrite(Arc<Accepted>);
 
-/// What the layer accepted, kept as it came (header values and the URI are shared, not
-/// copied); the key and the operation's text are made from them when a handler asks, so a
-/// handler that never looks costs its write an allocation and a few reference counts.
+/// What the layer accepted, kept as it came (the key's header value and an axum route are
+/// shared, the path copied); the key and the operation's text are made from them when a
+/// handler asks, so a handler that never looks costs its write two allocations.
 #[derive(Debug)]
 struct Accepted {
     /// The key header's value, which the layer validated: [`IdempotentWrite::key`] is its
@@ -157,7 +157,7 @@ impl IdempotentWrite {
             // gRPC: the method's path, never a route's template (tonic routes by a wildcard).
             method: (!grpc).then(|| parts.method.clone()),
             path: if grpc {
-                OperationPath::Path(parts.uri.path().into())
+                OperationPath::request_path(parts)
             } else {
                 OperationPath::of(parts)
             },

@@ -75,8 +75,8 @@ impl WriteOutcome {
 pub(crate) fn write_span(method: &http::Method, path: &str, grpc: bool) -> Span {
     // No tracing subscriber at all: no span. (With tracing's `log` feature, which axum's
     // default `tower-log` turns on, a disabled span would otherwise evaluate every field and
-    // hand it to `log`: a few hundred instructions a write, for lines nobody asked for. Events still
-    // reach `log`.)
+    // hand it to `log`: a few hundred instructions a write, for lines nobody asked for.
+    // Events still reach `log`.)
     if !tracing::dispatcher::has_been_set() {
         return Span::none();
     }

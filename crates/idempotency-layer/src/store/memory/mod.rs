@@ -373,7 +373,7 @@ impl IdempotencyStore for MemoryStore {
                 return Err(StoreError::Full);
             }
         }
-        let token = shard.next_token(index);
+        let token = shard::next_token(&mut shard.next, index);
         let spare = shard.spare.pop();
         let claim = new_claim(spare, tenant, token, fingerprint, now, lease);
         shard.map.insert(scope, Entry::InFlight(claim));
@@ -392,33 +392,29 @@ impl IdempotencyStore for MemoryStore {
         let (index, mut shard) = self.shard_at(&scope);
         let expires = now + ttl.min(FOREVER);
         let completed = inner.secs(now);
-        let tenant = match shard.map.get_mut(&scope) {
-            Some(slot) => match slot {
-                Entry::InFlight(claim) if claim.token == token => {
-                    let tenant = claim.tenant;
-                    // The usual way: room for the record at once, which takes the claim's slot
-                    // (one lookup). Dropping the claim's `Wake` wakes its waiters, who run
-                    // once the shard is unlocked.
-                    let size = record_size(&record);
-                    if inner.reserve(tenant, 0, size - ENTRY_OVERHEAD).is_ok() {
-                        let (waiters, claim) =
-                            fill_claim_slot(slot, record, expires, size, completed)
-                                .expect("the slot holds this claim");
-                        shard.completed(claim, expires, scope);
-                        drop(waiters);
-                        shard.clean(inner, now, CLEANUP_PER_OP);
-                        return Ok(());
-                    }
-                    tenant
-                }
-                // The same complete again (its caller retried it): done already, nothing changes.
-                Entry::Completed {
-                    token: by, expires, ..
-                } if shard::is_token(token, *by, index) && *expires > now => return Ok(()),
-                _ => return Err(StoreError::Fenced),
-            },
-            None => return Err(StoreError::Fenced),
+        let Some(slot) = shard.map.get_mut(&scope) else {
+            return Err(StoreError::Fenced);
         };
+        let tenant = match slot {
+            Entry::InFlight(claim) if claim.token == token => claim.tenant,
+            // The same complete again (its caller retried it): done already, nothing changes.
+            Entry::Completed {
+                token: by, expires, ..
+            } if shard::is_token(token, *by, index) && *expires > now => return Ok(()),
+            _ => return Err(StoreError::Fenced),
+        };
+        // The usual way: room for the record at once, which takes the claim's slot (one
+        // lookup). Dropping the claim's `Wake` wakes its waiters, who run once the shard is
+        // unlocked.
+        let size = record_size(&record);
+        if inner.reserve(tenant, 0, size - ENTRY_OVERHEAD).is_ok() {
+            let (waiters, claim) = fill_claim_slot(slot, record, expires, size, completed)
+                .expect("the slot holds this claim");
+            shard.completed(claim, expires, scope);
+            drop(waiters);
+            shard.clean(inner, now, CLEANUP_PER_OP);
+            return Ok(());
+        }
         // The handler has run: the record is kept whatever happens, in full if it fits. The
         // claim was charged one entry of `ENTRY_OVERHEAD` bytes; the record costs `size`.
         let mut size = record_size(&record);

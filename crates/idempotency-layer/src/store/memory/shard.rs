@@ -341,9 +341,9 @@ pub(super) fn is_token(token: Token, number: u64, shard: usize) -> bool {
     token == Token((u128::from(number) << 64) | shard as u128)
 }
 
-/// The next token of the shard numbered `shard` whose last number is `next` (see
-/// [`Shard::next_token`]); a function of the one field, so a caller can make it while it holds
-/// a slot of the shard's map.
+/// A token unique in the store: the next number of the shard numbered `shard` (its last one is
+/// `next`, taken under the shard's lock), tagged with the shard's index. A function of the one
+/// field, so that a caller can make it while it holds a slot of the shard's map.
 pub(super) fn next_token(next: &mut u64, shard: usize) -> Token {
     *next += 1;
     Token((u128::from(*next) << 64) | shard as u128)
@@ -380,11 +380,6 @@ pub(super) fn fill_claim_slot(
 }
 
 impl Shard {
-    /// A token unique in the store: this shard's next number, tagged with the shard's index.
-    pub(super) fn next_token(&mut self, shard: usize) -> Token {
-        next_token(&mut self.next, shard)
-    }
-
     /// Replaces the claim `scope` holds (checked by the caller, and charged the record's size
     /// by it) by its record, in its slot: one lookup, where a removal and an insertion would
     /// hash the scope twice more. The claim's box is kept for a next claim; returns its
