@@ -57,7 +57,8 @@ pin_project! {
         // The backoff (or pushback) before a retry. Nothing of the last attempt is held.
         Waiting,
         // The conflict response is held until the hook decides: it is the answer if it declines.
-        Rebuilding { future: RebuildFuture, response: Option<T> },
+        // (Boxed: a rare state, and a response head would otherwise size every call's future.)
+        Rebuilding { future: RebuildFuture, response: Option<Box<T>> },
         // Waiting for the service to be ready for the retry.
         Retrying,
         // Nothing was sent: the deadline had passed, or the body failed before its first byte.
@@ -202,7 +203,7 @@ where
                                 .set_to_deadline(this.call.deadline(), this.call.head_timeout());
                             this.state.set(State::Rebuilding {
                                 future,
-                                response: Some(response),
+                                response: Some(Box::new(response)),
                             })
                         }
                     }
@@ -236,7 +237,7 @@ where
                             );
                             let response = response.take().expect("held until the hook decides");
                             this.state.set(State::Done);
-                            break this.call.answer(Ok(response));
+                            break this.call.answer(Ok(*response));
                         }
                     };
                     let send_at = match rebuilt {
@@ -253,7 +254,7 @@ where
                     } else {
                         let response = response.take().expect("held until the hook decides");
                         this.state.set(State::Done);
-                        break this.call.answer(Ok(response));
+                        break this.call.answer(Ok(*response));
                     }
                 }
                 StateProj::Retrying => {
