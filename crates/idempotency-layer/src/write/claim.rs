@@ -218,6 +218,10 @@ impl<St: IdempotencyStore> Drop for Recording<St> {
 
 impl<St: IdempotencyStore> ClaimStore for St {
     fn complete(self: Arc<Self>, held: Held, record: Record) -> BoxFuture {
+        // Shared, so that a retry through an outage resends it without copying it. Made before
+        // the future is: a `Record` it captured would take its room for the future's whole life
+        // (and that room puts the boxed future past the allocator's fast sizes).
+        let mut record = Arc::new(record);
         Box::pin(async move {
             let kind = self.backend();
             let recording = Recording {
@@ -225,8 +229,6 @@ impl<St: IdempotencyStore> ClaimStore for St {
                 held: Some(held),
             };
             let (store, held) = (&*recording.store, recording.held());
-            // Shared, so that a retry through an outage resends it without copying it.
-            let mut record = Arc::new(record);
             // Through a brief store outage for one lease, which the final frame waits for.
             let first = complete_through_outage(store, held, &record, held.config.lease).await;
             let refused = match first {
