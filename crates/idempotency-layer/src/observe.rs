@@ -298,15 +298,46 @@ pub(crate) fn store_error(op: Op, store: Backend) {
 }
 
 /// Times a store operation into `idempotency_layer_store_duration_seconds{op,store}` (successes and
-/// failures alike). Without the `metrics` feature: `fut` itself.
+/// failures alike), from its first poll to its answer. Without the `metrics` feature: `fut`
+/// itself.
 #[cfg(feature = "metrics")]
-pub(crate) async fn timed<F: Future>(op: Op, store: Backend, fut: F) -> F::Output {
-    let start = tokio::time::Instant::now();
-    let out = fut.await;
-    let seconds = start.elapsed().as_secs_f64();
-    let key = &keys::STORE_SECONDS[op as usize][store as usize];
-    metrics::with_recorder(|r| r.register_histogram(key, &keys::META).record(seconds));
-    out
+pub(crate) fn timed<F: Future>(op: Op, store: Backend, fut: F) -> Timed<F> {
+    Timed {
+        fut,
+        start: None,
+        key: &keys::STORE_SECONDS[op as usize][store as usize],
+    }
+}
+
+#[cfg(feature = "metrics")]
+pin_project_lite::pin_project! {
+    /// [`timed`]'s future: the operation's own future and its start, with no more room. (An
+    /// `async fn` held the operation twice, as its argument and as what it awaited: that put
+    /// the boxed completion of a first execution past the allocator's fast sizes.)
+    pub(crate) struct Timed<F> {
+        #[pin]
+        fut: F,
+        start: Option<tokio::time::Instant>,
+        key: &'static metrics::Key,
+    }
+}
+
+#[cfg(feature = "metrics")]
+impl<F: Future> Future for Timed<F> {
+    type Output = F::Output;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        let this = self.project();
+        let start = *this.start.get_or_insert_with(tokio::time::Instant::now);
+        let out = std::task::ready!(this.fut.poll(cx));
+        let seconds = start.elapsed().as_secs_f64();
+        let key = *this.key;
+        metrics::with_recorder(|r| r.register_histogram(key, &keys::META).record(seconds));
+        std::task::Poll::Ready(out)
+    }
 }
 
 /// Times a store operation into `idempotency_layer_store_duration_seconds{op,store}` (successes and

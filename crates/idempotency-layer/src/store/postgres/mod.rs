@@ -11,7 +11,7 @@ use tokio_postgres::Row;
 use uuid::Uuid;
 
 use super::codec;
-use super::near_cache::{Near, NearCacheStats};
+use super::near_cache::{Near, NearCacheStats, Ticket};
 use super::wake::{Polling, Waiters};
 use super::{
     Backend, Begin, Fingerprint, Held, IdempotencyStore, Record, ScopeKey, StoreError, Token,
@@ -551,6 +551,63 @@ impl PostgresStore {
         .await
     }
 
+    /// Claims `scope` with a fresh token (see `begin`), offering a completed record to the near
+    /// cache under `ticket`.
+    async fn claim(
+        &self,
+        scope: ScopeKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        ticket: Option<Ticket>,
+    ) -> Result<Begin, StoreError> {
+        let token = codec::new_token();
+        let uuid = Uuid::from_u128(token.0);
+        for _ in 0..CLAIM_ATTEMPTS {
+            // Armed while the claim may be written with nobody knowing: the statement is in
+            // flight (this future may be dropped), or its reply was lost.
+            let orphan = super::OrphanGuard::new(self, scope, token, lease, self.settle());
+            let sent = AtomicBool::new(false);
+            let rows = self
+                .query_noting_sent(
+                    &self.inner.sql.claim,
+                    &[
+                        (&&scope.0[..], Type::BYTEA),
+                        (&uuid, Type::UUID),
+                        (&&fingerprint.0[..], Type::BYTEA),
+                        (&millis(lease), Type::INT8),
+                    ],
+                    &sent,
+                )
+                .await;
+            match &rows {
+                // Only an error after the statement was handed to a connection is ambiguous; a
+                // pool timeout or a refused connection sent nothing.
+                Err(StoreError::Backend(_)) if sent.load(Ordering::Relaxed) => drop(orphan),
+                _ => orphan.disarm(),
+            }
+            let rows = rows?;
+            if let Some(row) = rows.first() {
+                let (begin, ttl_left) = decode_row(row, token)?;
+                if matches!(begin, Begin::Completed(_))
+                    && standby_confirms(row)
+                    && !self.anchored(&scope, row).await?
+                {
+                    // Removed or replaced since the claim read it: claim again.
+                    continue;
+                }
+                if let (Begin::Completed(record), Some(near), Some(ticket)) =
+                    (&begin, &self.inner.near, ticket)
+                {
+                    near.offer(ticket, scope, record, ttl_left);
+                }
+                return Ok(begin);
+            }
+        }
+        Err(StoreError::Backend(
+            format!("claim found neither a free nor a held row {CLAIM_ATTEMPTS} times").into(),
+        ))
+    }
+
     /// Locks the record the claim statement's `row` found ([`Sql::anchor`]): answers once the
     /// synchronous standby confirmed it (the lock's commit waits for the standby), `false` if
     /// the record is no longer there.
@@ -613,52 +670,9 @@ impl IdempotencyStore for PostgresStore {
             }
             None => None,
         };
-        let token = codec::new_token();
-        let uuid = Uuid::from_u128(token.0);
-        for _ in 0..CLAIM_ATTEMPTS {
-            // Armed while the claim may be written with nobody knowing: the statement is in
-            // flight (this future may be dropped), or its reply was lost.
-            let orphan = super::OrphanGuard::new(self, scope, token, lease, self.settle());
-            let sent = AtomicBool::new(false);
-            let rows = self
-                .query_noting_sent(
-                    &self.inner.sql.claim,
-                    &[
-                        (&&scope.0[..], Type::BYTEA),
-                        (&uuid, Type::UUID),
-                        (&&fingerprint.0[..], Type::BYTEA),
-                        (&millis(lease), Type::INT8),
-                    ],
-                    &sent,
-                )
-                .await;
-            match &rows {
-                // Only an error after the statement was handed to a connection is ambiguous; a
-                // pool timeout or a refused connection sent nothing.
-                Err(StoreError::Backend(_)) if sent.load(Ordering::Relaxed) => drop(orphan),
-                _ => orphan.disarm(),
-            }
-            let rows = rows?;
-            if let Some(row) = rows.first() {
-                let (begin, ttl_left) = decode_row(row, token)?;
-                if matches!(begin, Begin::Completed(_))
-                    && standby_confirms(row)
-                    && !self.anchored(&scope, row).await?
-                {
-                    // Removed or replaced since the claim read it: claim again.
-                    continue;
-                }
-                if let (Begin::Completed(record), Some(near), Some(ticket)) =
-                    (&begin, &self.inner.near, ticket)
-                {
-                    near.offer(ticket, scope, record, ttl_left);
-                }
-                return Ok(begin);
-            }
-        }
-        Err(StoreError::Backend(
-            format!("claim found neither a free nor a held row {CLAIM_ATTEMPTS} times").into(),
-        ))
+        // Boxed: the round trip's future would otherwise size every write's future, a
+        // near-cache hit's included, past the allocator's fast sizes.
+        Box::pin(self.claim(scope, fingerprint, lease, ticket)).await
     }
 
     async fn complete(

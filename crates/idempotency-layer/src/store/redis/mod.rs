@@ -600,8 +600,9 @@ impl IdempotencyStore for RedisStore {
             }
             None => None,
         };
-        self.claim(scope, fingerprint, lease, codec::new_token(), ticket)
-            .await
+        // Boxed: the round trip's future (about 1.6 KB) would otherwise size every write's
+        // future, a near-cache hit's included, past the allocator's fast sizes.
+        Box::pin(self.claim(scope, fingerprint, lease, codec::new_token(), ticket)).await
     }
 
     async fn complete(
