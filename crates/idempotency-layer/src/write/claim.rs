@@ -8,6 +8,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use tokio::time::Instant;
 
 use crate::config::Config;
@@ -78,15 +79,20 @@ async fn complete_through_outage<St: IdempotencyStore>(
 /// answers ends as a store failure (`what`, for the message), and whatever waits for it (a
 /// place among the detached work, the response's final frame) is freed. The timer is set only
 /// if the store does not answer at once (an in-process store always does).
-async fn within_lease<T>(
+///
+/// A plain function, not an `async fn`: that would hold `call` twice (its argument, and what it
+/// awaits), in every completion's and release's future.
+fn within_lease<T>(
     call: impl Future<Output = Result<T, StoreError>>,
     lease: Duration,
     what: &'static str,
-) -> Result<T, StoreError> {
-    WithinLease::new(call, lease).await.unwrap_or_else(|| {
-        Err(StoreError::Backend(
-            format!("the store did not answer a {what} within one lease").into(),
-        ))
+) -> impl Future<Output = Result<T, StoreError>> {
+    WithinLease::new(call, lease).map(move |answered| {
+        answered.unwrap_or_else(|| {
+            Err(StoreError::Backend(
+                format!("the store did not answer a {what} within one lease").into(),
+            ))
+        })
     })
 }
 
@@ -95,7 +101,7 @@ pub(crate) type SettleFuture = Pin<Box<dyn Future<Output = Settled> + Send + 'st
 
 /// What a held claim is: its scope and token, the layer's settings (its TTL, lease and
 /// limits), and what the layer shares (the renewal of its lease while it is held, its waiters).
-struct Held {
+pub(super) struct Held {
     scope: ScopeKey,
     token: Token,
     config: Arc<Config>,
@@ -221,159 +227,175 @@ impl<St: IdempotencyStore> ClaimStore for St {
         // Shared, so that a retry through an outage resends it without copying it. Made before
         // the future is: a `Record` it captured would take its room for the future's whole life
         // (and that room puts the boxed future past the allocator's fast sizes).
-        let mut record = Arc::new(record);
-        Box::pin(async move {
-            let kind = self.backend();
-            let recording = Recording {
-                store: self,
-                held: Some(held),
-            };
-            let (store, held) = (&*recording.store, recording.held());
-            // Through a brief store outage for one lease, which the final frame waits for.
-            let first = complete_through_outage(store, held, &record, held.config.lease).await;
-            let refused = match first {
-                Ok(()) => {
-                    held.shared.counters.recorded();
-                    return recording.ended();
-                }
-                Err(StoreError::Fenced) => {
-                    log_store_error(
-                        &held.shared.counters,
-                        kind,
-                        Op::Complete,
-                        &StoreError::Fenced,
-                    );
-                    return recording.ended();
-                }
-                Err(e) => e,
-            };
-            // Not taken (the store is down, full, or says the entry is corrupt), and the write
-            // has run: the claim must not lapse while its record can still land. It stays held
-            // and renewed, so duplicates find it in flight (they wait, or are told it is), and
-            // the record is resent in the background for as long as the claim may live (a full
-            // store is sent it without its body, as a response too large to record is). Giving
-            // up here would let the lease lapse under a write that ran, and a retry would run it
-            // again.
-            log_store_error(&held.shared.counters, kind, Op::Complete, &refused);
-            if matches!(refused, StoreError::Full) {
-                trim_body(&mut record);
-            }
-            let rest = held.until.map_or(FOREVER, |until| {
-                until.saturating_duration_since(Instant::now())
-            });
-            tracing::warn!(
-                scope = ?held.scope,
-                error = %refused,
-                "idempotency: the store did not take a record; resending it in the background \
-                 while the claim lives (duplicates find it in flight)"
-            );
-            // Detached work like any other, counted in `max_detached`: past it the record is not
-            // resent, but the claim is not dropped either: it stays renewed to the end of its
-            // lifetime (duplicates find it in flight until then), then lapses.
-            let permit = detached::permit(
-                &held.shared,
-                held.config.max_detached,
-                Kind::StoreOp,
-                "resend a record",
-            );
-            let (Some(permit), Ok(runtime)) = (permit, tokio::runtime::Handle::try_current())
-            else {
-                return; // `recording` keeps the claim renewed as it goes.
-            };
-            runtime.spawn(async move {
-                let _permit = permit;
-                let (store, held) = (&*recording.store, recording.held());
-                match resend_while_held(store, held, record, rest).await {
-                    Ok(()) => {
-                        held.shared.counters.recorded();
-                        recording.ended();
-                    }
-                    Err(StoreError::Fenced) => {
-                        log_store_error(
-                            &held.shared.counters,
-                            kind,
-                            Op::Complete,
-                            &StoreError::Fenced,
-                        );
-                        recording.ended();
-                    }
-                    // Given up at the end of the claim's life: `recording` keeps it renewed
-                    // there, and it lapses with its lifetime.
-                    Err(e) => log_store_error(&held.shared.counters, kind, Op::Complete, &e),
-                }
-            });
-        })
+        Box::pin(completion(self, held, Arc::new(record)))
     }
 
     fn release(self: Arc<Self>, held: Held) -> BoxFuture {
-        Box::pin(async move {
-            let store = &*self;
-            let kind = store.backend();
-            let lease = held.config.lease;
-            let op = || {
-                let call = observe::timed(Op::Release, kind, store.release(held.scope, held.token));
-                within_lease(call, lease, "release")
-            };
-            let counters = &held.shared.counters;
-            match retry_through_outage(held.config.lease, "release", op).await {
-                Ok(()) => {
-                    counters.released();
-                    tracing::debug!(scope = ?held.scope, "idempotency: released");
-                }
-                Err(e) => log_store_error(counters, kind, Op::Release, &e),
-            }
-        })
+        Box::pin(release(self, held))
     }
 
     fn settle(self: Arc<Self>, held: Held, fingerprint: Fingerprint) -> SettleFuture {
-        Box::pin(async move {
-            let (store, scope, lease) = (&*self, held.scope, held.config.lease);
-            let counters = &held.shared.counters;
-            let kind = store.backend();
-            // Fenced: the claim row is ours only while no transaction of the handler committed
-            // the record, so a release that succeeds proves none did.
-            let release = || {
-                let call = observe::timed(Op::Release, kind, store.release(scope, held.token));
-                within_lease(call, lease, "release")
-            };
-            match retry_through_outage(lease, "release", release).await {
-                Ok(()) => {
-                    counters.released();
-                    tracing::debug!(
-                        ?scope,
-                        "idempotency: the handler's transaction did not commit; released"
-                    );
-                    return Settled::Released;
-                }
-                Err(StoreError::Fenced) => {}
-                Err(e) => {
-                    log_store_error(counters, kind, Op::Release, &e);
-                    return Settled::Unknown;
-                }
+        Box::pin(settle(self, held, fingerprint))
+    }
+}
+
+/// [`ClaimStore::complete`]'s future: `record` stored in place of `held`'s claim (through a brief
+/// outage), else resent in the background while the claim lives.
+pub(super) async fn completion<St: IdempotencyStore>(
+    this: Arc<St>,
+    held: Held,
+    mut record: Arc<Record>,
+) {
+    let kind = this.backend();
+    let recording = Recording {
+        store: this,
+        held: Some(held),
+    };
+    let (store, held) = (&*recording.store, recording.held());
+    // Through a brief store outage for one lease, which the final frame waits for.
+    let first = complete_through_outage(store, held, &record, held.config.lease).await;
+    let refused = match first {
+        Ok(()) => {
+            held.shared.counters.recorded();
+            return recording.ended();
+        }
+        Err(StoreError::Fenced) => {
+            log_store_error(
+                &held.shared.counters,
+                kind,
+                Op::Complete,
+                &StoreError::Fenced,
+            );
+            return recording.ended();
+        }
+        Err(e) => e,
+    };
+    // Not taken (the store is down, full, or says the entry is corrupt), and the write
+    // has run: the claim must not lapse while its record can still land. It stays held
+    // and renewed, so duplicates find it in flight (they wait, or are told it is), and
+    // the record is resent in the background for as long as the claim may live (a full
+    // store is sent it without its body, as a response too large to record is). Giving
+    // up here would let the lease lapse under a write that ran, and a retry would run it
+    // again.
+    log_store_error(&held.shared.counters, kind, Op::Complete, &refused);
+    if matches!(refused, StoreError::Full) {
+        trim_body(&mut record);
+    }
+    let rest = held.until.map_or(FOREVER, |until| {
+        until.saturating_duration_since(Instant::now())
+    });
+    tracing::warn!(
+        scope = ?held.scope,
+        error = %refused,
+        "idempotency: the store did not take a record; resending it in the background \
+         while the claim lives (duplicates find it in flight)"
+    );
+    // Detached work like any other, counted in `max_detached`: past it the record is not
+    // resent, but the claim is not dropped either: it stays renewed to the end of its
+    // lifetime (duplicates find it in flight until then), then lapses.
+    let permit = detached::permit(
+        &held.shared,
+        held.config.max_detached,
+        Kind::StoreOp,
+        "resend a record",
+    );
+    let (Some(permit), Ok(runtime)) = (permit, tokio::runtime::Handle::try_current()) else {
+        return; // `recording` keeps the claim renewed as it goes.
+    };
+    runtime.spawn(async move {
+        let _permit = permit;
+        let (store, held) = (&*recording.store, recording.held());
+        match resend_while_held(store, held, record, rest).await {
+            Ok(()) => {
+                held.shared.counters.recorded();
+                recording.ended();
             }
-            // Not ours any more: committed by the handler's transaction, or taken over or
-            // forgotten meanwhile. What the scope holds now tells which.
-            let begin = observe::timed(Op::Begin, kind, store.begin(scope, fingerprint, lease));
-            match within_lease(begin, lease, "begin").await {
-                Ok(Begin::Completed(record)) if record.fingerprint == fingerprint => {
-                    counters.recorded();
-                    Settled::Recorded(record)
-                }
-                Ok(Begin::New(token)) => {
-                    // Forgotten meanwhile: hand back the claim this look made.
-                    let release = within_lease(store.release(scope, token), lease, "release");
-                    if let Err(e) = release.await {
-                        log_store_error(counters, kind, Op::Release, &e);
-                    }
-                    Settled::Unknown
-                }
-                Ok(_) => Settled::Unknown,
-                Err(e) => {
-                    log_store_error(counters, kind, Op::Begin, &e);
-                    Settled::Unknown
-                }
+            Err(StoreError::Fenced) => {
+                log_store_error(
+                    &held.shared.counters,
+                    kind,
+                    Op::Complete,
+                    &StoreError::Fenced,
+                );
+                recording.ended();
             }
-        })
+            // Given up at the end of the claim's life: `recording` keeps it renewed
+            // there, and it lapses with its lifetime.
+            Err(e) => log_store_error(&held.shared.counters, kind, Op::Complete, &e),
+        }
+    });
+}
+
+/// [`ClaimStore::release`]'s future: `held`'s claim let go (through a brief outage).
+async fn release<St: IdempotencyStore>(this: Arc<St>, held: Held) {
+    let store = &*this;
+    let kind = store.backend();
+    let lease = held.config.lease;
+    let op = || {
+        let call = observe::timed(Op::Release, kind, store.release(held.scope, held.token));
+        within_lease(call, lease, "release")
+    };
+    let counters = &held.shared.counters;
+    match retry_through_outage(held.config.lease, "release", op).await {
+        Ok(()) => {
+            counters.released();
+            tracing::debug!(scope = ?held.scope, "idempotency: released");
+        }
+        Err(e) => log_store_error(counters, kind, Op::Release, &e),
+    }
+}
+
+/// [`ClaimStore::settle`]'s future.
+async fn settle<St: IdempotencyStore>(
+    this: Arc<St>,
+    held: Held,
+    fingerprint: Fingerprint,
+) -> Settled {
+    let (store, scope, lease) = (&*this, held.scope, held.config.lease);
+    let counters = &held.shared.counters;
+    let kind = store.backend();
+    // Fenced: the claim row is ours only while no transaction of the handler committed
+    // the record, so a release that succeeds proves none did.
+    let release = || {
+        let call = observe::timed(Op::Release, kind, store.release(scope, held.token));
+        within_lease(call, lease, "release")
+    };
+    match retry_through_outage(lease, "release", release).await {
+        Ok(()) => {
+            counters.released();
+            tracing::debug!(
+                ?scope,
+                "idempotency: the handler's transaction did not commit; released"
+            );
+            return Settled::Released;
+        }
+        Err(StoreError::Fenced) => {}
+        Err(e) => {
+            log_store_error(counters, kind, Op::Release, &e);
+            return Settled::Unknown;
+        }
+    }
+    // Not ours any more: committed by the handler's transaction, or taken over or
+    // forgotten meanwhile. What the scope holds now tells which.
+    let begin = observe::timed(Op::Begin, kind, store.begin(scope, fingerprint, lease));
+    match within_lease(begin, lease, "begin").await {
+        Ok(Begin::Completed(record)) if record.fingerprint == fingerprint => {
+            counters.recorded();
+            Settled::Recorded(record)
+        }
+        Ok(Begin::New(token)) => {
+            // Forgotten meanwhile: hand back the claim this look made.
+            let release = within_lease(store.release(scope, token), lease, "release");
+            if let Err(e) = release.await {
+                log_store_error(counters, kind, Op::Release, &e);
+            }
+            Settled::Unknown
+        }
+        Ok(_) => Settled::Unknown,
+        Err(e) => {
+            log_store_error(counters, kind, Op::Begin, &e);
+            Settled::Unknown
+        }
     }
 }
 

@@ -684,9 +684,9 @@ impl IdempotencyStore for PostgresStore {
     ) -> Result<(), StoreError> {
         let bytes = codec::encode(&record)?;
         let params = CompleteParams::new(&scope, token, &bytes, ttl);
-        let rows = self
-            .query(&self.inner.sql.complete, &params.typed())
-            .await?;
+        // Boxed, as `begin`'s round trip is: it would otherwise size the layer's completion
+        // future past the allocator's fast sizes.
+        let rows = Box::pin(self.query(&self.inner.sql.complete, &params.typed())).await?;
         fenced_unless_affected(&rows)
     }
 

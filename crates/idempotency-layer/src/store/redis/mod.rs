@@ -614,7 +614,9 @@ impl IdempotencyStore for RedisStore {
     ) -> Result<(), StoreError> {
         let bytes = codec::encode(&record)?;
         let s = self.scripts();
-        self.run_flag_replicated(
+        // Boxed, as `begin`'s round trip is: it would otherwise size the layer's completion
+        // future past the allocator's fast sizes.
+        Box::pin(self.run_flag_replicated(
             &s.complete,
             &scope,
             &[
@@ -622,7 +624,7 @@ impl IdempotencyStore for RedisStore {
                 &bytes,
                 millis(ttl).to_string().as_bytes(),
             ],
-        )
+        ))
         .await?;
         if self.inner.wait_for_replicas.is_some() {
             // Acknowledged by the replicas: its replays need not wait for them again.
