@@ -47,7 +47,7 @@ impl<St> IdempotencyLayer<St> {
     /// valid setting, never an overflow. The layer's setters cannot fail (a layer is made inside
     /// a `ServiceBuilder` chain, with no fallible step): the one value below its floor (a
     /// [`lease`](Self::lease) under 30 ms) is raised to it with a warning. The stores' builders
-    /// refuse a bad setting with [`StoreError::Config`](crate::StoreError::Config).
+    /// refuse a bad setting with [`StoreError::Config`].
     pub fn new(store: St) -> Self {
         IdempotencyLayer {
             store,

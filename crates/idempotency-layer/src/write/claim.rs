@@ -208,9 +208,17 @@ impl<St: IdempotencyStore> Recording<St> {
             .expect("a recording holds its claim until it ends")
     }
 
-    /// The record landed, or the claim is not this write's any more: it ends as claims do.
-    fn ended(mut self) {
-        drop(self.held.take());
+    /// The store's answer to the record: it landed (counted), or the claim is not this write's
+    /// any more (fenced: logged). Either way the claim ends as claims do.
+    fn answered(mut self, kind: Backend, answer: Result<(), StoreError>) {
+        let held = self
+            .held
+            .take()
+            .expect("a recording holds its claim until it ends");
+        match answer {
+            Ok(()) => held.shared.counters.recorded(),
+            Err(e) => log_store_error(&held.shared.counters, kind, Op::Complete, &e),
+        }
     }
 }
 
@@ -253,21 +261,9 @@ pub(super) async fn completion<St: IdempotencyStore>(
     };
     let (store, held) = (&*recording.store, recording.held());
     // Through a brief store outage for one lease, which the final frame waits for.
-    let first = complete_through_outage(store, held, &record, held.config.lease).await;
-    let refused = match first {
-        Ok(()) => {
-            held.shared.counters.recorded();
-            return recording.ended();
-        }
-        Err(StoreError::Fenced) => {
-            log_store_error(
-                &held.shared.counters,
-                kind,
-                Op::Complete,
-                &StoreError::Fenced,
-            );
-            return recording.ended();
-        }
+    let refused = match complete_through_outage(store, held, &record, held.config.lease).await {
+        Err(StoreError::Fenced) => return recording.answered(kind, Err(StoreError::Fenced)),
+        Ok(()) => return recording.answered(kind, Ok(())),
         Err(e) => e,
     };
     // Not taken (the store is down, full, or says the entry is corrupt), and the write
@@ -306,19 +302,7 @@ pub(super) async fn completion<St: IdempotencyStore>(
         let _permit = permit;
         let (store, held) = (&*recording.store, recording.held());
         match resend_while_held(store, held, record, rest).await {
-            Ok(()) => {
-                held.shared.counters.recorded();
-                recording.ended();
-            }
-            Err(StoreError::Fenced) => {
-                log_store_error(
-                    &held.shared.counters,
-                    kind,
-                    Op::Complete,
-                    &StoreError::Fenced,
-                );
-                recording.ended();
-            }
+            answer @ (Ok(()) | Err(StoreError::Fenced)) => recording.answered(kind, answer),
             // Given up at the end of the claim's life: `recording` keeps it renewed
             // there, and it lapses with its lifetime.
             Err(e) => log_store_error(&held.shared.counters, kind, Op::Complete, &e),

@@ -1,9 +1,9 @@
 //! The whole flow of one write whose key and tenant were accepted: read and fingerprint its
-//! body ([`read_body`]), ask the store, and lead, replay ([`replay`]), wait ([`waiters`]) or
-//! refuse. What `begin` found is decided in [`decision`]; the claim a leader holds in
-//! [`claim`], its lease renewed by [`renewal`]; the leader's run in [`leader`], its response
-//! read by [`pipe`] and recorded by [`recorder`] under the rules of [`record_rules`]; work whose
-//! client went away in [`detached`].
+//! body ([`read_body`]), ask the store, and lead, replay ([`replay`](mod@replay)), wait
+//! ([`waiters`]) or refuse. What `begin` found is decided in [`decision`]; the claim a leader
+//! holds in [`claim`], its lease renewed by [`renewal`]; the leader's run in [`leader`], its
+//! response read by [`pipe`] and recorded by [`recorder`] under the rules of [`record_rules`];
+//! work whose client went away in [`detached`].
 
 use std::future::Future;
 use std::pin::Pin;

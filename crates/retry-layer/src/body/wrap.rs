@@ -31,7 +31,7 @@ where
     /// over and ends, and is then replayed from those bytes by every attempt with no shared
     /// state. What these polls read of any other body is planted into what is kept, and the
     /// rest streams as it arrives. The polls' waker leads to the waker of whichever reader
-    /// polls the body later (see [`wake`]).
+    /// polls the body later (see [`wake`](super::wake)).
     pub(crate) fn new(
         body: B,
         max: usize,

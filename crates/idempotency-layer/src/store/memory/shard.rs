@@ -1,4 +1,4 @@
-//! What a [`MemoryStore`] holds and how it keeps within its bounds: the shards' maps, the
+//! What a [`MemoryStore`](super::MemoryStore) holds and how it keeps within its bounds: the shards' maps, the
 //! expiry queues, the per-tenant accounting, and eviction.
 
 use std::collections::VecDeque;
@@ -330,7 +330,7 @@ impl Tenants {
     }
 }
 
-/// The number a token of shard `shard` carries in its high half (see [`Shard::token`]); the
+/// The number a token of shard `shard` carries in its high half (see [`next_token`]); the
 /// token of a record completed in that shard is `Token(number << 64 | shard)`.
 pub(super) fn token_number(token: Token) -> u64 {
     (token.0 >> 64) as u64

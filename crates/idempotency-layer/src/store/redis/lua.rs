@@ -14,10 +14,10 @@ local now = tonumber(tm[1]) * 1000 + math.floor(tonumber(tm[2]) / 1000)
 /// Claims the key: free (absent, expired by Redis, a claim whose lease lapsed, or the tombstone
 /// of a forgotten claim) -> in flight; else reports what holds it (a record: `{3, record,
 /// ms left, acknowledged by the replicas (see [`ACKNOWLEDGED`]), the token that completed it}`). A claim that already holds
-/// this call's own token ARGV[1] is this call's: the command ran once already and is being
+/// this call's own token `ARGV[1]` is this call's: the command ran once already and is being
 /// resent (a cluster connection resends after a lost reply), so it answers "claimed" again
 /// rather than "in flight" (which would make the request wait for itself). A claim's lease end is its
-/// field `e` (ms); the key itself lives ARGV[4] ms longer, so that a leader whose lease lapsed
+/// field `e` (ms); the key itself lives `ARGV[4]` ms longer, so that a leader whose lease lapsed
 /// with no takeover can still complete (as with the other stores). Taking over the tombstone of
 /// a released claim keeps the released token (field `p`), so that a resent release of it is
 /// still answered "released".
@@ -45,7 +45,7 @@ if v[1] == 'r' then return claim(v[2]) end
 return {4, 'the entry has no valid state'}
 "#;
 
-/// Marks the record that the token ARGV[1] completed as acknowledged by the replicas that
+/// Marks the record that the token `ARGV[1]` completed as acknowledged by the replicas that
 /// [`wait_for_replicas`](super::RedisStoreBuilder::wait_for_replicas) asks for (field `a`): set
 /// only after a `WAIT` covering the record answered enough, so a replay of a marked record
 /// needs no `WAIT` of its own. Anything else at the key (another record, a claim) is left alone.
@@ -58,8 +58,8 @@ redis.call('HSET', k, 'a', '1')
 return 1
 "#;
 
-/// Replaces the claim ARGV[1] (even one whose lease lapsed, if nobody took it over) with the
-/// record ARGV[2], kept ARGV[3] ms; wakes the waiters. The record keeps the token that completed
+/// Replaces the claim `ARGV[1]` (even one whose lease lapsed, if nobody took it over) with the
+/// record `ARGV[2]`, kept `ARGV[3]` ms; wakes the waiters. The record keeps the token that completed
 /// it, so that the same complete resent (its reply was lost, a cluster connection resent it)
 /// is answered "completed" again rather than "fenced". The resend writes that token again (the
 /// same value): a write that replicates, so that the `WAIT` after it covers the record on every
@@ -84,8 +84,8 @@ return 1
 /// How long the tombstone of a released claim keeps its token (ms), for a resent release.
 pub(super) const RELEASED_TOMBSTONE_MS: u64 = 60_000;
 
-/// Removes the claim ARGV[1]; wakes the waiters. It leaves a tombstone (state `r`, the token)
-/// for ARGV[2] ms at most, which a new claim takes over at once: the same release resent (its
+/// Removes the claim `ARGV[1]`; wakes the waiters. It leaves a tombstone (state `r`, the token)
+/// for `ARGV[2]` ms at most, which a new claim takes over at once: the same release resent (its
 /// reply was lost) is answered "released" again rather than "fenced", also once a new claim
 /// took the key (it keeps the released token as `p`).
 pub(super) const RELEASE: &str = r#"
@@ -114,7 +114,7 @@ end
 return 0
 "#;
 
-/// Extends the lease of the claim ARGV[1] to ARGV[2] ms from now.
+/// Extends the lease of the claim `ARGV[1]` to `ARGV[2]` ms from now.
 pub(super) const RENEW: &str = r#"
 local k = KEYS[1]
 if redis.call('TYPE', k)['ok'] ~= 'hash' then return 0 end
@@ -125,8 +125,8 @@ redis.call('PEXPIRE', k, tonumber(ARGV[2]) + tonumber(ARGV[3]))
 return 1
 "#;
 
-/// [`RENEW`] for every key of KEYS in one call: ARGV[1] is how long a key outlives its lease
-/// (ms), and claim i's token and lease (ms) are ARGV[2i] and ARGV[2i + 1]; answers 1 (renewed)
+/// [`RENEW`] for every key of KEYS in one call: `ARGV[1]` is how long a key outlives its lease
+/// (ms), and claim i's token and lease (ms) are `ARGV[2i]` and `ARGV[2i + 1]`; answers 1 (renewed)
 /// or 0 (no longer held) per key.
 pub(super) const RENEW_MANY: &str = r#"
 local grace = tonumber(ARGV[1])
@@ -152,8 +152,8 @@ pub(super) const RENEW_CHUNK: usize = 512;
 
 /// Removes whatever the key holds; wakes the waiters. A claim leaves a tombstone with its
 /// token for as long as its key would have lived, so its leader's late complete is refused.
-/// A record's removal is also published on the store's invalidation channel ARGV[1] (plain
-/// `PUBLISH`: on a cluster it reaches every node), with the scope ARGV[2], for the instances'
+/// A record's removal is also published on the store's invalidation channel `ARGV[1]` (plain
+/// `PUBLISH`: on a cluster it reaches every node), with the scope `ARGV[2]`, for the instances'
 /// near caches.
 pub(super) const FORGET: &str = r#"
 local k = KEYS[1]
@@ -177,7 +177,7 @@ redis.call('PUBLISH', ARGV[1], ARGV[2])
 return 1
 "#;
 
-/// The lease left (ms) of the claim ARGV[1], or -2 if it no longer holds (ended, taken over,
+/// The lease left (ms) of the claim `ARGV[1]`, or -2 if it no longer holds (ended, taken over,
 /// or its lease lapsed: the waiter then begins again and takes it over).
 pub(super) const PEEK: &str = r#"
 local k = KEYS[1]
