@@ -262,8 +262,7 @@ pub(super) async fn completion<St: IdempotencyStore>(
     let (store, held) = (&*recording.store, recording.held());
     // Through a brief store outage for one lease, which the final frame waits for.
     let refused = match complete_through_outage(store, held, &record, held.config.lease).await {
-        Err(StoreError::Fenced) => return recording.answered(kind, Err(StoreError::Fenced)),
-        Ok(()) => return recording.answered(kind, Ok(())),
+        answer @ (Ok(()) | Err(StoreError::Fenced)) => return recording.answered(kind, answer),
         Err(e) => e,
     };
     // Not taken (the store is down, full, or says the entry is corrupt), and the write

@@ -12,7 +12,8 @@ use tokio::time::Instant;
 
 use reason_code::BoxError;
 
-/// The request body's data, at most `limit` bytes (else a [`LengthLimitError`](http_body_util::LengthLimitError)), received by
+/// The request body's data, at most `limit` bytes (else a
+/// [`LengthLimitError`](http_body_util::LengthLimitError)), received by
 /// `deadline` (else [`BodyTimedOut`]); trailers are read and left out. A body of one data frame,
 /// the common case, is that frame's bytes as they are: no copy and no queue of frames
 /// (`Collected` allocates one per body). A body already at hand is read without a timer.

@@ -21,6 +21,11 @@ fn frames(frames: Vec<http_body::Frame<Bytes>>) -> impl Body<Data = Bytes, Error
     ))
 }
 
+/// The size of what `f` returns: a future's, with no instance made (no store to connect).
+fn returned_size<A, B, C, R>(_: fn(A, B, C) -> R) -> usize {
+    std::mem::size_of::<R>()
+}
+
 /// The body read for the fingerprint: every data frame in order, trailers left out, one
 /// frame taken as it is (the same bytes, not a copy), and a body over the limit refused.
 #[tokio::test]
@@ -98,10 +103,7 @@ fn the_write_future_and_the_response_body_stay_small() {
         ) -> std::future::Ready<Result<Response<Full<Bytes>>, Infallible>>,
     >;
     fn write_future_size<St: IdempotencyStore>() -> usize {
-        fn returned<A, B, C, R>(_: fn(A, B, C) -> R) -> usize {
-            std::mem::size_of::<R>()
-        }
-        returned(Write::<Handler, St>::handle::<Full<Bytes>, Full<Bytes>>)
+        returned_size(Write::<Handler, St>::handle::<Full<Bytes>, Full<Bytes>>)
             + std::mem::size_of::<Span>()
     }
     #[cfg(feature = "redis")]
@@ -169,10 +171,7 @@ async fn the_completion_future_stays_small() {
     // (the completion was 3 KB on Redis while it did not), and `within_lease` holds the store's
     // operation once (an `async fn` held it twice).
     fn completion_size<St: IdempotencyStore>() -> usize {
-        fn returned<A, B, C, R>(_: fn(A, B, C) -> R) -> usize {
-            std::mem::size_of::<R>()
-        }
-        returned(claim::completion::<St>)
+        returned_size(claim::completion::<St>)
     }
     assert_eq!(completion_size::<MemoryStore>(), size);
     #[cfg(feature = "redis")]

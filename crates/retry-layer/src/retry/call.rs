@@ -192,9 +192,10 @@ where
     /// response future waits for it, and sends with [`send_first`](Self::send_first)). Returns
     /// the call, the first attempt, its timer and the call's span.
     ///
-    /// Inlined into its one caller, [`ResponseFuture::new`](crate::retry::future::ResponseFuture):
-    /// the call and its first attempt are then built where the response future keeps them,
-    /// not returned and moved there (37 instructions per call on HTTP, 122 on gRPC, callgrind).
+    /// Inlined into its one caller,
+    /// [`ResponseFuture::new`](crate::retry::future::ResponseFuture::new): the call and its
+    /// first attempt are then built where the response future keeps them, not returned and
+    /// moved there (37 instructions per call on HTTP, 122 on gRPC, callgrind).
     #[inline(always)]
     pub(crate) fn start(
         service: S,

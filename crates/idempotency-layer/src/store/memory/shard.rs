@@ -1,5 +1,5 @@
-//! What a [`MemoryStore`](super::MemoryStore) holds and how it keeps within its bounds: the shards' maps, the
-//! expiry queues, the per-tenant accounting, and eviction.
+//! What a [`MemoryStore`](super::MemoryStore) holds and how it keeps within its bounds: the
+//! shards' maps, the expiry queues, the per-tenant accounting, and eviction.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};

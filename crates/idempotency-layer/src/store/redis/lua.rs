@@ -59,12 +59,12 @@ return 1
 "#;
 
 /// Replaces the claim `ARGV[1]` (even one whose lease lapsed, if nobody took it over) with the
-/// record `ARGV[2]`, kept `ARGV[3]` ms; wakes the waiters. The record keeps the token that completed
-/// it, so that the same complete resent (its reply was lost, a cluster connection resent it)
-/// is answered "completed" again rather than "fenced". The resend writes that token again (the
-/// same value): a write that replicates, so that the `WAIT` after it covers the record on every
-/// Redis version (from 7.2 a connection's `WAIT` covers only that connection's own last
-/// replicated write, and a resend may come on another connection than the first write).
+/// record `ARGV[2]`, kept `ARGV[3]` ms; wakes the waiters. The record keeps the token that
+/// completed it, so that the same complete resent (its reply was lost, a cluster connection
+/// resent it) is answered "completed" again rather than "fenced". The resend writes that token
+/// again (the same value): a write that replicates, so that the `WAIT` after it covers the
+/// record on every Redis version (from 7.2 a connection's `WAIT` covers only that connection's
+/// own last replicated write, and a resend may come on another connection than the first write).
 pub(super) const COMPLETE: &str = r#"
 local k = KEYS[1]
 if redis.call('TYPE', k)['ok'] ~= 'hash' then return 0 end
