@@ -745,7 +745,7 @@ async fn in_flight<St: IdempotencyStore>(
         }
         let (store, method, key) = (store.clone(), method.clone(), key.clone());
         set.spawn(async move {
-            let scope = Scope::new(TENANT, &method, &key).key();
+            let scope = Scope::new(TENANT, &method, &key).key_in(&store);
             let look = match store
                 .begin(scope, Fingerprint([0; 32]), Duration::from_secs(5))
                 .await

@@ -8,7 +8,9 @@ use http::{HeaderValue, Method};
 
 use crate::accepted::OperationPath;
 use crate::config::Config;
-use crate::scope::Scope;
+use reason_code::{InboundWrite, ScopeSource};
+
+use crate::scope::{stable_scope_key, Scope};
 use crate::store::{ScopeKey, Token};
 
 /// The write a handler is running, as the idempotency layer accepted it: the validated key,
@@ -60,7 +62,9 @@ struct Accepted {
     path: OperationPath,
     /// `"POST /orders"`, made on the first [`IdempotentWrite::operation`] of an HTTP write.
     operation: OnceLock<Box<str>>,
-    scope_key: ScopeKey,
+    /// [`Scope::key`], given where the store files the scope under it (the layer computed it),
+    /// else made on the first [`IdempotentWrite::scope_key`] or derived outbound key.
+    stable_key: OnceLock<ScopeKey>,
     token: Option<Token>,
     previous_attempts: u32,
     after_a_run_without_record: bool,
@@ -99,11 +103,22 @@ impl IdempotentWrite {
         Scope::new(self.tenant(), self.operation(), self.key())
     }
 
-    /// The store key of the scope ([`Scope::key`]): a stable hash of tenant, operation and key,
-    /// the same on every instance and every run of this write. A good unique column for the
-    /// side effect (`scope_key().to_hex()`).
+    /// The stable key of the scope ([`Scope::key`]): a hash of tenant, operation and key, the
+    /// same on every instance, every run of this write and every version. A good unique column
+    /// for the side effect (`scope_key().to_hex()`). (A store of this process alone, as
+    /// [`MemoryStore`](crate::MemoryStore), files the scope under a key of its own:
+    /// [`Scope::key_in`].)
     pub fn scope_key(&self) -> ScopeKey {
-        self.0.scope_key
+        self.0.stable_key()
+    }
+
+    /// The inbound write this one is to the handler's outbound calls ([`InboundWrite`]): its
+    /// derived keys come from the stable scope key, made only if a call derives one.
+    pub(crate) fn inbound(&self) -> InboundWrite {
+        match self.0.stable_key.get() {
+            Some(key) => InboundWrite::new(key.0),
+            None => InboundWrite::deferred(self.0.clone()),
+        }
     }
 
     /// The fencing token of the claim this run holds: another run of the same write (after this
@@ -138,10 +153,12 @@ impl IdempotentWrite {
 
     /// The write of the request `parts`, which the layer accepted with the key and tenant their
     /// headers and extensions carry (read again here: only the writes that run pay for it).
+    /// `stable_key` is the stable scope key where the layer computed it (its store's keys are
+    /// [`ScopeKeys::Stable`](crate::store::ScopeKeys::Stable)).
     pub(crate) fn of(
         cfg: &Config,
         parts: &Parts,
-        scope_key: ScopeKey,
+        stable_key: Option<ScopeKey>,
         token: Option<Token>,
         grpc: bool,
         waited: bool,
@@ -162,11 +179,38 @@ impl IdempotentWrite {
                 OperationPath::of(parts)
             },
             operation: OnceLock::new(),
-            scope_key,
+            stable_key: stable_key.map_or_else(OnceLock::new, OnceLock::from),
             token,
             previous_attempts,
             after_a_run_without_record: waited,
         })))
+    }
+}
+
+impl Accepted {
+    fn stable_key(&self) -> ScopeKey {
+        *self.stable_key.get_or_init(|| {
+            let key = crate::key::accepted_key(&self.key).unwrap_or_default();
+            match &self.method {
+                None => stable_scope_key(&self.tenant, &[self.path.as_str().as_bytes()], key),
+                Some(method) => stable_scope_key(
+                    &self.tenant,
+                    &[
+                        method.as_str().as_bytes(),
+                        b" ",
+                        self.path.as_str().as_bytes(),
+                    ],
+                    key,
+                ),
+            }
+        })
+    }
+}
+
+/// The scope of a handler's outbound writes' derived keys: the write's stable key.
+impl ScopeSource for Accepted {
+    fn scope_bytes(&self) -> [u8; 32] {
+        self.stable_key().0
     }
 }
 

@@ -493,7 +493,7 @@ impl<St: IdempotencyStore> IdempotencyLayer<St> {
     /// # }
     /// ```
     pub async fn forget(&self, scope: Scope<'_>) -> Result<bool, StoreError> {
-        let key = scope.key();
+        let key = scope.key_in(&self.store);
         let r = self.store.forget(key).await;
         tracing::info!(scope = ?key, forgot = ?r.as_ref().ok(), "idempotency: forget");
         r
@@ -515,7 +515,7 @@ impl<St: IdempotencyStore> IdempotencyLayer<St> {
     /// # }
     /// ```
     pub async fn lookup(&self, scope: Scope<'_>) -> Result<Option<Held>, StoreError> {
-        self.store.lookup(scope.key()).await
+        self.store.lookup(scope.key_in(&self.store)).await
     }
 }
 

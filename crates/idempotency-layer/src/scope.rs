@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
-use crate::store::hashing::FramedHasher;
-use crate::store::ScopeKey;
+use crate::store::hashing::{process_scope_key, FramedHasher};
+use crate::store::{IdempotencyStore, ScopeKey, ScopeKeys};
 
 /// The authenticated tenant of a request: a request extension that an authentication layer
 /// placed before [`IdempotencyLayer`](crate::IdempotencyLayer) inserts.
@@ -87,31 +87,77 @@ impl<'a> Scope<'a> {
         out
     }
 
-    /// The store key: the BLAKE3 hash of the encoding.
+    /// The stable store key ([`ScopeKeys::Stable`]): the BLAKE3 hash of the encoding, the same
+    /// in every process and version. What a shared store (Redis, PostgreSQL) files the scope
+    /// under; [`key_in`](Self::key_in) gives the key of any store.
     pub fn key(&self) -> ScopeKey {
-        scope_key(self.tenant, &[self.method.as_bytes()], self.key)
+        stable_scope_key(self.tenant, &[self.method.as_bytes()], self.key)
+    }
+
+    /// The key `store` files this scope under, as the layer computes it
+    /// ([`IdempotencyStore::scope_keys`]): [`key`](Self::key) for a shared store, a key of this
+    /// process for a [`MemoryStore`](crate::MemoryStore). For calling a store's methods yourself;
+    /// [`IdempotencyLayer::forget`](crate::IdempotencyLayer::forget) and
+    /// [`lookup`](crate::IdempotencyLayer::lookup) take the scope itself.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// use idempotency_layer::store::IdempotencyStore;
+    /// use idempotency_layer::{MemoryStore, Scope};
+    ///
+    /// let store = MemoryStore::new();
+    /// let scope = Scope::new("acme", "POST /orders", "order-00042");
+    /// assert_ne!(scope.key_in(&store), scope.key(), "a key of this process");
+    /// assert!(store.lookup(scope.key_in(&store)).await.unwrap().is_none());
+    /// # }
+    /// ```
+    pub fn key_in<S: IdempotencyStore>(&self, store: &S) -> ScopeKey {
+        scope_key(
+            store.scope_keys(),
+            self.tenant,
+            &[self.method.as_bytes()],
+            self.key,
+        )
     }
 }
 
-/// [`Scope::key`] of an HTTP request's scope (method string `"POST /orders"`), without making
-/// the method string: the same bytes are hashed in pieces.
+/// The key of an HTTP request's scope (method string `"POST /orders"`) under `keys`, without
+/// making the method string: the same bytes are hashed in pieces.
 pub(crate) fn http_scope_key(
+    keys: ScopeKeys,
     tenant: &str,
     method: &http::Method,
     path: &str,
     key: &str,
 ) -> ScopeKey {
     scope_key(
+        keys,
         tenant,
         &[method.as_str().as_bytes(), b" ", path.as_bytes()],
         key,
     )
 }
 
+/// The key of a scope under `keys`, its method given as `method_pieces` (one part, its pieces
+/// concatenated). A process key falls back to the stable one when the process has no secret.
+pub(crate) fn scope_key(
+    keys: ScopeKeys,
+    tenant: &str,
+    method_pieces: &[&[u8]],
+    key: &str,
+) -> ScopeKey {
+    match keys {
+        ScopeKeys::Process => process_scope_key(tenant.as_bytes(), method_pieces, key.as_bytes())
+            .unwrap_or_else(|| stable_scope_key(tenant, method_pieces, key)),
+        ScopeKeys::Stable => stable_scope_key(tenant, method_pieces, key),
+    }
+}
+
 /// The BLAKE3 hash of [`Scope::encode`] of `tenant`, the method made of `method_pieces` (one
 /// part, its pieces concatenated) and `key`, fed to the hasher piece by piece (BLAKE3 hashes a
 /// stream: the result is the hash of the whole encoding, with no buffer to build).
-fn scope_key(tenant: &str, method_pieces: &[&[u8]], key: &str) -> ScopeKey {
+pub(crate) fn stable_scope_key(tenant: &str, method_pieces: &[&[u8]], key: &str) -> ScopeKey {
     let mut h = FramedHasher::new(SCOPE_DOMAIN);
     h.part(tenant.as_bytes());
     let method_len: usize = method_pieces.iter().map(|p| p.len()).sum();
@@ -141,7 +187,13 @@ mod tests {
             "the scope encoding changed: bump SCOPE_DOMAIN's version instead"
         );
         assert_eq!(
-            http_scope_key("acme", &http::Method::POST, "/orders", "order-0001"),
+            http_scope_key(
+                ScopeKeys::Stable,
+                "acme",
+                &http::Method::POST,
+                "/orders",
+                "order-0001"
+            ),
             scope,
             "the layer's HTTP shortcut hashes the same bytes"
         );
@@ -202,7 +254,13 @@ mod tests {
             h.update(SCOPE_DOMAIN);
             h.update(&scope.encode());
             prop_assert_eq!(scope.key().0, *h.finalize().as_bytes());
-            prop_assert_eq!(http_scope_key(&t, &method, &path, &k), scope.key());
+            prop_assert_eq!(http_scope_key(ScopeKeys::Stable, &t, &method, &path, &k), scope.key());
+            // A process key of the pieces is the process key of the whole method string.
+            prop_assert_eq!(
+                http_scope_key(ScopeKeys::Process, &t, &method, &path, &k),
+                scope_key(ScopeKeys::Process, &t, &[scope_method.as_bytes()], &k)
+            );
+            prop_assert_eq!(scope.key_in(&crate::MemoryStore::new()), scope_key(ScopeKeys::Process, &t, &[scope_method.as_bytes()], &k));
         }
 
         /// Two triples built from the same characters split differently encode differently,
@@ -223,6 +281,8 @@ mod tests {
             let ey = Scope::new(y.0, y.1, y.2).encode();
             prop_assert_eq!(ex == ey, x == y);
             prop_assert_eq!(Scope::new(x.0, x.1, x.2).key() == Scope::new(y.0, y.1, y.2).key(), x == y);
+            let process = |t: (&str, &str, &str)| scope_key(ScopeKeys::Process, t.0, &[t.1.as_bytes()], t.2);
+            prop_assert_eq!(process(x) == process(y), x == y);
         }
 
         /// Over arbitrary strings of any length (any Unicode, NUL, the separators people use):
@@ -251,6 +311,15 @@ mod tests {
             // Moving bytes between tenant and key never lands on another tenant's record.
             let moved = format!("{}{}", a.0, a.2);
             prop_assert_eq!(Scope::new("", &a.1, &moved).key() == ka, a.0.is_empty());
+            // The same of process keys: their encoding (varint lengths, the key last) is
+            // unambiguous too, and two scopes share a key only by a 128-bit collision.
+            let process = |t: &str, m: &str, k: &str| scope_key(ScopeKeys::Process, t, &[m.as_bytes()], k);
+            let (pa, pb) = (process(&a.0, &a.1, &a.2), process(&b.0, &b.1, &b.2));
+            prop_assert_eq!(pa == pb, a == b);
+            prop_assert_eq!(process("", &a.1, &moved) == pa, a.0.is_empty());
+            let moved_method = format!("{}{}", a.1, a.2);
+            prop_assert_eq!(process(&a.0, &moved_method, "") == pa, a.2.is_empty());
+            prop_assert_ne!(pa, ka, "a process key is never the stable one");
         }
 
         /// The scope key is BLAKE3 of its encoding whatever its size: encodings that fit the

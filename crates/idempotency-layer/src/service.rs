@@ -19,7 +19,7 @@ use crate::key::key_of;
 use crate::observe::{self};
 use crate::protocol::Protocol;
 use crate::reject::{respond, RejectReason};
-use crate::scope::{http_scope_key, Scope};
+use crate::scope::{http_scope_key, scope_key};
 use crate::shared::Shared;
 use crate::stats::IdempotencyStats;
 use crate::store::{IdempotencyStore, MemoryStore, TenantKey};
@@ -186,10 +186,11 @@ where
         if declared_length.is_some_and(|n| n > cfg.max_request_bytes as u64) {
             return rejected(&mut self.inner, RejectReason::TooLarge, &too_large(cfg));
         }
+        let keys = self.store.scope_keys();
         let scope = if protocol.is_grpc() {
-            Scope::new(&tenant, parts.uri.path(), key).key()
+            scope_key(keys, &tenant, &[parts.uri.path().as_bytes()], key)
         } else {
-            http_scope_key(&tenant, &parts.method, operation_path(&parts), key)
+            http_scope_key(keys, &tenant, &parts.method, operation_path(&parts), key)
         };
         let tenant = match &cfg.tenant {
             // The layer's default tenant's key is computed once, when it is set.

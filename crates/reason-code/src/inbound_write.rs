@@ -44,24 +44,80 @@ type Calls = Arc<Mutex<Vec<(Box<str>, u32)>>>;
 /// ```
 #[derive(Debug)]
 pub struct InboundWrite {
-    scope: [u8; 32],
+    scope: Scope,
     /// Shared by the handles [`current`](Self::current) gives out, made on first use (a
     /// handler that derives no key allocates nothing).
     calls: OnceLock<Calls>,
+}
+
+/// An inbound write's scope: known, or made when first asked.
+#[derive(Clone)]
+enum Scope {
+    Known([u8; 32]),
+    Deferred(Arc<dyn ScopeSource>),
+}
+
+impl std::fmt::Debug for Scope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Scope::Known(bytes) => f.debug_tuple("Known").field(&&bytes[..8]).finish(),
+            Scope::Deferred(_) => f.write_str("Deferred"),
+        }
+    }
+}
+
+/// Where the scope of an [`InboundWrite::deferred`] comes from, made only when a handler
+/// derives a key (most derive none).
+///
+/// It must answer the same bytes on every call, and the same bytes for one write on every run,
+/// in every process: they are what the derived keys of the handler's outbound writes are made
+/// from. (`idempotency-layer`'s `IdempotentWrite` is one: the write's stable scope key,
+/// computed once when first asked.)
+pub trait ScopeSource: Send + Sync + 'static {
+    /// The scope: a hash of the write's tenant, method and idempotency key.
+    fn scope_bytes(&self) -> [u8; 32];
 }
 
 impl InboundWrite {
     /// The inbound write of `scope` (its tenant, method and key, hashed), no call made yet.
     pub fn new(scope: [u8; 32]) -> Self {
         InboundWrite {
-            scope,
+            scope: Scope::Known(scope),
+            calls: OnceLock::new(),
+        }
+    }
+
+    /// The inbound write whose scope `source` makes when first asked
+    /// ([`scope_bytes`](Self::scope_bytes)), so a handler that derives no key never pays for
+    /// the hash.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use reason_code::{InboundWrite, ScopeSource};
+    ///
+    /// struct Hashed;
+    /// impl ScopeSource for Hashed {
+    ///     fn scope_bytes(&self) -> [u8; 32] {
+    ///         [7; 32] // a hash of tenant, method and key
+    ///     }
+    /// }
+    ///
+    /// let write = InboundWrite::deferred(Arc::new(Hashed));
+    /// assert_eq!(write.scope_bytes(), InboundWrite::new([7; 32]).scope_bytes());
+    /// ```
+    pub fn deferred(source: Arc<dyn ScopeSource>) -> Self {
+        InboundWrite {
+            scope: Scope::Deferred(source),
             calls: OnceLock::new(),
         }
     }
 
     /// The inbound write's scope.
-    pub fn scope_bytes(&self) -> &[u8; 32] {
-        &self.scope
+    pub fn scope_bytes(&self) -> [u8; 32] {
+        match &self.scope {
+            Scope::Known(bytes) => *bytes,
+            Scope::Deferred(source) => source.scope_bytes(),
+        }
     }
 
     fn calls(&self) -> &Calls {
@@ -100,7 +156,7 @@ impl InboundWrite {
     pub fn current() -> Option<InboundWrite> {
         CURRENT
             .try_with(|w| InboundWrite {
-                scope: w.scope,
+                scope: w.scope.clone(),
                 calls: OnceLock::from(w.calls().clone()),
             })
             .ok()

@@ -64,7 +64,7 @@ pub use headers::{
     X_REASON_CODE,
 };
 pub use hop::{parse_previous_attempts, previous_attempts, Hop};
-pub use inbound_write::InboundWrite;
+pub use inbound_write::{InboundWrite, ScopeSource};
 pub use reason::{
     ReasonCodes, DO_NOT_RETRY, IDEMPOTENCY_IN_FLIGHT, REQUEST_TOO_LARGE, RETRIES_DEFERRED,
 };

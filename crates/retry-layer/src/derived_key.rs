@@ -45,7 +45,7 @@ impl DerivedKeys {
                 parts.uri.path()
             ),
         };
-        let (scope, n) = InboundWrite::with_current(|w| (*w.scope_bytes(), w.next_call(&target)))?;
+        let (scope, n) = InboundWrite::with_current(|w| (w.scope_bytes(), w.next_call(&target)))?;
         let mut hasher = blake3::Hasher::new_keyed(&self.key);
         hasher.update(&scope);
         hasher.update(&(target.len() as u64).to_le_bytes());

@@ -11,7 +11,8 @@ use tokio::sync::Notify;
 
 use crate::store::StoreError;
 use crate::store::{
-    Backend, Begin, Fingerprint, Held, IdempotencyStore, Record, ScopeKey, TenantKey, Token,
+    Backend, Begin, Fingerprint, Held, IdempotencyStore, Record, ScopeKey, ScopeKeys, TenantKey,
+    Token,
 };
 
 /// One operation of [`IdempotencyStore`], to aim a fault at and to count.
@@ -539,6 +540,10 @@ impl<S: IdempotencyStore> IdempotencyStore for FaultStore<S> {
     async fn lookup(&self, scope: ScopeKey) -> Result<Option<Held>, StoreError> {
         self.inner.lookup(scope).await
     }
+    fn scope_keys(&self) -> ScopeKeys {
+        self.inner.scope_keys()
+    }
+
     fn backend(&self) -> Backend {
         self.inner.backend()
     }

@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{
-    Backend, Begin, Fingerprint, Held, IdempotencyStore, MemoryStore, Record, ScopeKey, StoreError,
-    TenantKey, Token,
+    Backend, Begin, Fingerprint, Held, IdempotencyStore, MemoryStore, Record, ScopeKey, ScopeKeys,
+    StoreError, TenantKey, Token,
 };
 
 /// Any of the stores this crate has, chosen at run time (say from a `--store` flag or an
@@ -199,6 +199,16 @@ impl IdempotencyStore for AnyStore {
 
     async fn lookup(&self, scope: ScopeKey) -> Result<Option<Held>, StoreError> {
         each!(self, s => s.lookup(scope))
+    }
+
+    fn scope_keys(&self) -> ScopeKeys {
+        match self {
+            AnyStore::Memory(s) => s.scope_keys(),
+            #[cfg(feature = "redis")]
+            AnyStore::Redis(s) => s.scope_keys(),
+            #[cfg(feature = "postgres")]
+            AnyStore::Postgres(s) => s.scope_keys(),
+        }
     }
 
     fn backend(&self) -> Backend {

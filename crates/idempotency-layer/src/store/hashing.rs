@@ -1,12 +1,18 @@
 //! How scope keys and fingerprints are hashed: length-prefixed parts under a domain string.
-//! Scope keys with BLAKE3 (cryptographic: they separate tenants in a shared store); fingerprints
-//! with XXH3-128 (they only tell a retry from another request under the same scope). Stored
-//! entries are found and checked by these hashes across instances and versions, so the
-//! encodings never change within a domain's version: a change is a new domain and mark.
+//! Stable scope keys with BLAKE3 (cryptographic: they separate tenants in a shared store);
+//! process scope keys with SipHash-2-4 under a secret of the process (a keyed hash, as strong
+//! against a chosen key, for a store no other process reads); fingerprints with XXH3-128 (they
+//! only tell a retry from another request under the same scope). Stored entries are found and
+//! checked by the stable hashes across instances and versions, so those encodings never change
+//! within a domain's version: a change is a new domain and mark.
 
+use std::hash::Hasher as _;
+use std::sync::OnceLock;
+
+use siphasher::sip128::{Hasher128 as _, SipHasher24};
 use xxhash_rust::xxh3::{xxh3_128, Xxh3};
 
-use super::Fingerprint;
+use super::{Fingerprint, ScopeKey};
 
 /// The domain of request fingerprints. (Its `v2` is the encoding's version: no `v1` was ever
 /// released.)
@@ -73,6 +79,110 @@ impl FramedHasher {
             return *blake3::hash(&self.buf[..self.len]).as_bytes();
         }
         *self.flush().finalize().as_bytes()
+    }
+}
+
+/// The last 16 bytes of every process scope key: its 128-bit hash fills the first 16. A stable
+/// key (BLAKE3) ends otherwise short of a 2^-128 chance, so a log line tells the two apart.
+const PROCESS_KEY_MARK: [u8; 16] = *b"idem-scope-proc\0";
+
+/// The secret process scope keys are made under: 128 bits from the operating system, drawn on
+/// the first write. `None` when the system had none to give: process keys are then the stable
+/// ones, for the whole life of the process (one scope never has two keys in one process).
+fn process_secret() -> Option<&'static SipHasher24> {
+    static SECRET: OnceLock<Option<SipHasher24>> = OnceLock::new();
+    SECRET
+        .get_or_init(|| {
+            let mut key = [0u8; 16];
+            match getrandom::fill(&mut key) {
+                Ok(()) => Some(SipHasher24::new_with_key(&key)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "idempotency: no randomness from the operating \
+                        system; in-process stores key scopes by their stable hash (slower, \
+                        as safe)");
+                    None
+                }
+            }
+        })
+        .as_ref()
+}
+
+/// The largest process key encoding hashed in one call from the stack.
+const PROCESS_SMALL: usize = 128;
+
+/// The process scope key of `tenant`, the method made of `method_pieces` (one part, its pieces
+/// concatenated) and `key`: SipHash-2-4 with 128-bit output, under [`process_secret`], of
+/// `len(tenant) tenant len(method) method key`, each length a LEB128 varint (the key is last,
+/// so the hash's own length ends it). The encoding is unambiguous, and the hash a keyed PRF, so
+/// two scopes share a key only by a 128-bit collision under a secret no caller sees. `None`
+/// when the process has no secret.
+pub(crate) fn process_scope_key(
+    tenant: &[u8],
+    method_pieces: &[&[u8]],
+    key: &[u8],
+) -> Option<ScopeKey> {
+    let secret = process_secret()?;
+    let method_len: usize = method_pieces.iter().map(|p| p.len()).sum();
+    let (tenant_len, method_varint) = (Varint::of(tenant.len()), Varint::of(method_len));
+    let framed = tenant_len.len + tenant.len() + method_varint.len + method_len + key.len();
+    let hash = if framed <= PROCESS_SMALL {
+        let mut buf = [0u8; PROCESS_SMALL];
+        let mut len = 0;
+        let mut push = |bytes: &[u8]| {
+            buf[len..len + bytes.len()].copy_from_slice(bytes);
+            len += bytes.len();
+        };
+        push(tenant_len.bytes());
+        push(tenant);
+        push(method_varint.bytes());
+        for piece in method_pieces {
+            push(piece);
+        }
+        push(key);
+        secret.hash(&buf[..len])
+    } else {
+        let mut h = secret.clone();
+        h.write(tenant_len.bytes());
+        h.write(tenant);
+        h.write(method_varint.bytes());
+        for piece in method_pieces {
+            h.write(piece);
+        }
+        h.write(key);
+        h.finish128()
+    };
+    let mut out = [0u8; 32];
+    out[..16].copy_from_slice(&hash.as_bytes());
+    out[16..].copy_from_slice(&PROCESS_KEY_MARK);
+    Some(ScopeKey(out))
+}
+
+/// A length as a LEB128 varint: 7 bits a byte, low first, the high bit set on all but the last
+/// (one byte below 128). No two lengths share an encoding, and none is a prefix of another's.
+struct Varint {
+    buf: [u8; 10],
+    len: usize,
+}
+
+impl Varint {
+    fn of(mut n: usize) -> Self {
+        let mut v = Varint {
+            buf: [0; 10],
+            len: 0,
+        };
+        loop {
+            let low = (n & 0x7f) as u8;
+            n >>= 7;
+            v.buf[v.len] = if n == 0 { low } else { low | 0x80 };
+            v.len += 1;
+            if n == 0 {
+                return v;
+            }
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &self.buf[..self.len]
     }
 }
 
@@ -163,6 +273,44 @@ mod tests {
                 streamed,
                 "body of {len}"
             );
+        }
+    }
+
+    #[test]
+    fn lengths_encode_as_leb128() {
+        for (n, bytes) in [
+            (0, &[0x00][..]),
+            (1, &[0x01]),
+            (127, &[0x7f]),
+            (128, &[0x80, 0x01]),
+            (300, &[0xac, 0x02]),
+            (16_384, &[0x80, 0x80, 0x01]),
+        ] {
+            assert_eq!(Varint::of(n).bytes(), bytes, "{n}");
+        }
+        let max = Varint::of(usize::MAX);
+        assert_eq!(max.bytes().len(), 10);
+        assert_eq!(max.bytes()[9], 0x01);
+    }
+
+    /// Around the stack buffer's size, a process key is SipHash-2-4 of the encoding the docs
+    /// name, hashed at once or streamed: one answer either way, ending in its mark.
+    #[test]
+    fn a_process_key_hashes_its_encoding_at_once_or_streamed() {
+        let secret = process_secret().expect("this machine gives randomness");
+        for key_len in 60..200 {
+            let (tenant, method, key) = (b"acme".as_slice(), b"POST /orders", vec![b'k'; key_len]);
+            let mut encoding = vec![4u8];
+            encoding.extend_from_slice(tenant);
+            encoding.push(12);
+            encoding.extend_from_slice(method);
+            encoding.extend_from_slice(&key);
+            let expected = secret.hash(&encoding).as_bytes();
+            let pieces: [&[u8]; 3] = [b"POST", b" ", b"/orders"];
+            let got = process_scope_key(tenant, &pieces, &key).unwrap();
+            assert_eq!(got.0[..16], expected, "key of {key_len}");
+            assert_eq!(got.0[16..], PROCESS_KEY_MARK);
+            assert_eq!(Some(got), process_scope_key(tenant, &[method], &key));
         }
     }
 

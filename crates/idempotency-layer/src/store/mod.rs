@@ -118,7 +118,7 @@ where
 #[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) use self::orphan::OrphanGuard;
 pub use self::types::{
-    Backend, Begin, Fingerprint, Held, Record, ScopeKey, StoreError, TenantKey, Token,
+    Backend, Begin, Fingerprint, Held, Record, ScopeKey, ScopeKeys, StoreError, TenantKey, Token,
 };
 pub use any::AnyStore;
 pub use memory::{MemoryStats, MemoryStore, MemoryStoreBuilder};
@@ -241,6 +241,19 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         std::future::ready(Err(StoreError::Config(
             "this store does not implement lookup".into(),
         )))
+    }
+
+    /// Which key this store files each scope under, and so which key the layer computes for
+    /// each write: [`ScopeKeys::Stable`] (the default, [`Scope::key`](crate::Scope::key)) for a
+    /// store that other processes share or that outlives its process; [`ScopeKeys::Process`]
+    /// (cheaper, known only to this process) for one that lives and dies with it, as
+    /// [`MemoryStore`] does. [`Scope::key_in`](crate::Scope::key_in) gives the key this store
+    /// answers for, to call its methods yourself.
+    ///
+    /// A store that wraps another forwards this (or keeps the default, which is always
+    /// correct): every layer over one store must compute the same key for one scope.
+    fn scope_keys(&self) -> ScopeKeys {
+        ScopeKeys::Stable
     }
 
     /// Which kind of store this is: the `store` label of the layer's metrics. The default is

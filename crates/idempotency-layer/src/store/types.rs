@@ -11,8 +11,10 @@ use reason_code::BoxError;
 
 /// The hash of a scope (tenant + method + key), the only identifier a store sees.
 ///
-/// Made with [`Scope::key`](crate::Scope::key): a BLAKE3 hash of an unambiguous, length-prefixed
-/// encoding, so no raw tenant or key reaches the store.
+/// Made with [`Scope::key`](crate::Scope::key) (a BLAKE3 hash of an unambiguous,
+/// length-prefixed encoding, so no raw tenant or key reaches the store), or, for a store that
+/// answers [`ScopeKeys::Process`], with a keyed hash of this process: see
+/// [`Scope::key_in`](crate::Scope::key_in).
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ScopeKey(pub [u8; 32]);
 
@@ -25,6 +27,23 @@ impl std::hash::Hash for ScopeKey {
         let (word, _) = self.0.split_first_chunk::<8>().expect("32 bytes");
         state.write_u64(u64::from_le_bytes(*word));
     }
+}
+
+/// Which key a store files each scope under: what
+/// [`IdempotencyStore::scope_keys`](super::IdempotencyStore::scope_keys) answers, and so what
+/// the layer computes for each write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ScopeKeys {
+    /// [`Scope::key`](crate::Scope::key): BLAKE3 of the scope's encoding, the same in every
+    /// process, on every machine and in every version of this crate. What a store that other
+    /// processes share (Redis, PostgreSQL) or that outlives its process needs. The default.
+    Stable,
+    /// A keyed hash (SipHash-2-4, 128 bits) under a secret drawn from the operating system when
+    /// the process first needs it: as unguessable to a client that picks keys, about a quarter
+    /// of the cost, and meaningless to any other process. For a store that lives and dies with
+    /// its process ([`MemoryStore`](super::MemoryStore)).
+    Process,
 }
 
 /// The hash of a tenant alone: what a store needs to keep each tenant to its share (see

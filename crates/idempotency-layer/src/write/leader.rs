@@ -18,7 +18,7 @@ use crate::config::{Config, OnDisconnect};
 use crate::observe;
 use crate::observe::WriteOutcome;
 use crate::reject::{respond, RejectReason};
-use crate::store::{Fingerprint, IdempotencyStore, Record, ScopeKey};
+use crate::store::{Fingerprint, IdempotencyStore, Record};
 use crate::tx::{TxLedger, TxOutcome};
 use crate::write::claim::{Claim, Settled};
 use crate::write::detached::{DetachOnDrop, DetachTo};
@@ -49,7 +49,7 @@ where
         req: Request<RequestBody<ReqB>>,
         claim: Claim,
         ledger: Option<Arc<TxLedger>>,
-        fp: Fingerprint,
+        (inbound, fp): (InboundWrite, Fingerprint),
     ) -> impl Future<Output = Answer<ResB, S::Error>> + Send + 'static
     where
         S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
@@ -67,7 +67,6 @@ where
             config,
             shared,
             protocol,
-            scope,
             ..
         } = self;
         // Dropped first (the client went away), `Complete` finishes the call and its recording
@@ -85,7 +84,7 @@ where
             claim,
             ledger,
             config.clone(),
-            (scope, fp),
+            (inbound, fp),
             grpc,
         ));
         let run = DetachOnDrop::new(run, detach);
@@ -143,7 +142,7 @@ pub(super) fn call_and_record<S, ReqB, ResB>(
     claim: Claim,
     ledger: Option<Arc<TxLedger>>,
     cfg: Arc<Config>,
-    (scope, fp): (ScopeKey, Fingerprint),
+    (inbound, fp): (InboundWrite, Fingerprint),
     grpc: bool,
 ) -> impl Future<Output = Result<Answer<ResB, S::Error>, Panicked>>
 where
@@ -154,7 +153,6 @@ where
     let http1 = req.version() < Version::HTTP_2;
     // The handler runs as the inbound write of its scope: a `RetryLayer` inside it that derives
     // keys gives its outbound writes the same keys on every run of this write.
-    let inbound = InboundWrite::new(scope.0);
     let call = AssertUnwindSafe(inbound.scope(call_inner(inner, req))).catch_unwind();
     // `then`, not an `async` block awaiting `call`: the handler's call and what follows it are
     // the two states of one future, so the request is held once, not also by an `.await` slot

@@ -30,7 +30,7 @@ use crate::reject::{respond, RejectReason};
 use crate::shared::Shared;
 use crate::stats::Counters;
 use crate::store::hashing::fingerprint;
-use crate::store::{Backend, IdempotencyStore, ScopeKey, StoreError, TenantKey};
+use crate::store::{Backend, IdempotencyStore, ScopeKey, ScopeKeys, StoreError, TenantKey};
 use crate::tx::{self, Offer};
 use crate::write::asking::Counted;
 use crate::write::claim::{log_store_error, Claim};
@@ -59,6 +59,32 @@ use self::replay::*;
 
 /// Logs and counts a `begin` that failed: a corrupt entry (an error: only an operator can
 /// help), a full store (a warning: the store is up), or the store failing.
+/// The request head `parts` as the handler gets it, with what it can know of its write (see
+/// `IdempotentWrite`; `token` is the claim it runs under, if any), and the inbound write it
+/// runs as, whose derived keys come from the write's stable scope key.
+///
+/// A plain function, so that the write's future holds none of this across its awaits. The
+/// layer makes an `IdempotentWrite` for every request it runs (it accepted the key and the
+/// tenant `IdempotentWrite::of` reads again); without one, the store's key stands in.
+fn as_handler_sees_it<St: IdempotencyStore>(
+    store: &St,
+    cfg: &Config,
+    mut parts: Parts,
+    (scope, token): (ScopeKey, Option<crate::store::Token>),
+    grpc: bool,
+    waited: bool,
+) -> (Parts, InboundWrite) {
+    let stable = (store.scope_keys() == ScopeKeys::Stable).then_some(scope);
+    match IdempotentWrite::of(cfg, &parts, stable, token, grpc, waited) {
+        Some(write) => {
+            let inbound = write.inbound();
+            parts.extensions.insert(write);
+            (parts, inbound)
+        }
+        None => (parts, InboundWrite::new(scope.0)),
+    }
+}
+
 fn note_begin_failed(counters: &Counters, kind: Backend, scope: ScopeKey, e: &StoreError) {
     match e {
         StoreError::Corrupt(what) => {
@@ -295,7 +321,7 @@ where
     /// request rebuilt from `parts` and its body `bytes`.
     fn lead<ReqB, ResB>(
         self,
-        mut parts: Parts,
+        parts: Parts,
         bytes: Bytes,
         claim: Claim,
         token: crate::store::Token,
@@ -309,13 +335,15 @@ where
         ResB: Body<Data = Bytes> + Send + 'static,
         ResB::Error: Into<BoxError>,
     {
-        // What the handler can know of its write (see `IdempotentWrite`).
         let grpc = self.protocol.is_grpc();
-        if let Some(write) =
-            IdempotentWrite::of(&self.config, &parts, self.scope, Some(token), grpc, waited)
-        {
-            parts.extensions.insert(write);
-        }
+        let (mut parts, inbound) = as_handler_sees_it(
+            &*self.store,
+            &self.config,
+            parts,
+            (self.scope, Some(token)),
+            grpc,
+            waited,
+        );
         let ledger = tx::offer(
             &*self.store,
             &mut parts.extensions,
@@ -328,7 +356,7 @@ where
             },
         );
         let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-        self.run_as_leader(req, claim, ledger, fingerprint)
+        self.run_as_leader(req, claim, ledger, (inbound, fingerprint))
     }
 
     /// [`lead`](Self::lead) when the `begin` that made `claim` was answered late: its lease,
@@ -598,18 +626,19 @@ where
                         );
                         // Boxed, like the leader's call: rare, and as large as the handler's
                         // future.
-                        let mut parts = parts;
                         let grpc = self.protocol.is_grpc();
-                        if let Some(write) =
-                            IdempotentWrite::of(cfg, &parts, scope, None, grpc, asking.waited)
-                        {
-                            parts.extensions.insert(write);
-                        }
+                        let (parts, inbound) = as_handler_sees_it(
+                            &*self.store,
+                            cfg,
+                            parts,
+                            (scope, None),
+                            grpc,
+                            asking.waited,
+                        );
                         let req = Request::from_parts(parts, RequestBody::buffered(bytes));
                         // As the inbound write of its scope, as a leader runs: derived keys of its
                         // outbound writes stay the same whether or not the store answered.
-                        let run =
-                            Box::pin(InboundWrite::new(scope.0).scope(call_inner(self.inner, req)));
+                        let run = Box::pin(inbound.scope(call_inner(self.inner, req)));
                         return Ok(run.await?.map(IdempotencyBody::inner));
                     }
                     Next::Wait(token) => token,

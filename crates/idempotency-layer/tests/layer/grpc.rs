@@ -65,14 +65,22 @@ impl UnaryService<CreateOrder> for Create {
         let msg = req.into_inner();
         Box::pin(async move {
             if msg.sku == "whoami" {
-                // The handler's view of its write, as the order's id.
+                // The handler's view of its write, as the order's id: with the stable scope
+                // key, and whether its outbound writes derive their keys from that key.
+                let inbound = idempotency_layer::reason_code::InboundWrite::current()
+                    .map(|i| i.scope_bytes());
                 let id = write.map_or("none".to_owned(), |w| {
                     format!(
-                        "{}|{}|{}|{}",
+                        "{}|{}|{}|{}|{}",
                         w.key(),
                         w.tenant(),
                         w.operation(),
-                        w.may_have_run_before()
+                        w.may_have_run_before(),
+                        if inbound == Some(w.scope_key().0) && w.scope_key() == stable_key(&w) {
+                            "stable"
+                        } else {
+                            "unstable"
+                        },
                     )
                 });
                 return Ok(tonic::Response::new(Order { id, sku: msg.sku }));
@@ -89,6 +97,11 @@ impl UnaryService<CreateOrder> for Create {
             }))
         })
     }
+}
+
+/// The stable key of a write's scope, made from its parts.
+fn stable_key(w: &idempotency_layer::IdempotentWrite) -> idempotency_layer::store::ScopeKey {
+    idempotency_layer::Scope::new(w.tenant(), w.operation(), w.key()).key()
 }
 
 struct Get;
@@ -454,7 +467,7 @@ async fn the_handler_sees_its_write_in_the_extensions() {
         .unwrap();
     assert_eq!(
         res.get_ref().id,
-        "grpc-who-1|t|/shop.Orders/CreateOrder|false"
+        "grpc-who-1|t|/shop.Orders/CreateOrder|false|stable"
     );
     let mut retry = tonic::Request::new(order("whoami"));
     retry
@@ -474,7 +487,7 @@ async fn the_handler_sees_its_write_in_the_extensions() {
         .unwrap();
     assert_eq!(
         res.get_ref().id,
-        "grpc-who-2|t|/shop.Orders/CreateOrder|true"
+        "grpc-who-2|t|/shop.Orders/CreateOrder|true|stable"
     );
 }
 

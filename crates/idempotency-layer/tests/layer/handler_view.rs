@@ -10,6 +10,8 @@ use axum::Router;
 use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body_util::Full;
+use idempotency_layer::reason_code::InboundWrite;
+use idempotency_layer::store::ScopeKey;
 use idempotency_layer::{
     IdempotencyLayer, IdempotentWrite, MemoryStore, OnDisconnect, Scope, TenantSource,
 };
@@ -24,6 +26,8 @@ fn view(write: &IdempotentWrite) -> serde_json::Value {
         "tenant": write.tenant(),
         "operation": write.operation(),
         "scope_key": write.scope_key().to_hex(),
+        // What a client `RetryLayer` in the handler derives its outbound writes' keys from.
+        "inbound_scope": InboundWrite::current().map(|w| ScopeKey(w.scope_bytes()).to_hex()),
         "protected": write.is_protected(),
         "previous_attempts": write.previous_attempts(),
         "again": write.may_have_run_before(),
@@ -44,8 +48,9 @@ async fn post_with(transport: Transport, url: String, headers: &[(&str, &str)]) 
 }
 
 /// The key as the handler gets it is the validated one, its structured-field quotes taken off;
-/// the operation is the route's template; the scope key is the one the store keys the write
-/// by; the client's attempt count is read. A replay never reaches the handler, and its answer is
+/// the operation is the route's template; the scope key is the stable one (`Scope::key`), and
+/// so is what the handler's outbound writes derive their keys from, though a `MemoryStore` files
+/// the write under a key of its process; the client's attempt count is read. A replay never reaches the handler, and its answer is
 /// the first run's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_handler_sees_the_validated_key_tenant_and_scope() {
@@ -75,6 +80,7 @@ async fn the_handler_sees_the_validated_key_tenant_and_scope() {
                 "tenant": "shop",
                 "operation": "POST /books/{id}/orders",
                 "scope_key": expected_scope.to_hex(),
+                "inbound_scope": expected_scope.to_hex(),
                 "protected": true,
                 "previous_attempts": 0,
                 "again": false,

@@ -401,7 +401,9 @@ async fn a_corrupt_entry_is_a_clear_non_retryable_error_until_forgotten() {
     let app = counting(&count).layer(layer.clone());
     let key = "corrupt-key-01";
     let method = Scope::http_operation(&http::Method::POST, "/orders");
-    store.inject(Rule::new(Op::Begin, Fault::Corrupt).scope(Scope::new("t", &method, key).key()));
+    store.inject(
+        Rule::new(Op::Begin, Fault::Corrupt).scope(Scope::new("t", &method, key).key_in(&store)),
+    );
 
     let r = call(&app, post_with_key(HeaderValue::from_static(key), "{}")).await;
     assert_eq!(
