@@ -86,6 +86,11 @@ impl FramedHasher {
 /// key (BLAKE3) ends otherwise short of a 2^-128 chance, so a log line tells the two apart.
 const PROCESS_KEY_MARK: [u8; 16] = *b"idem-scope-proc\0";
 
+/// True for a key [`process_scope_key`] made (by its mark).
+pub(crate) fn is_process_key(key: &ScopeKey) -> bool {
+    key.0[16..] == PROCESS_KEY_MARK
+}
+
 /// The secret process scope keys are made under: 128 bits from the operating system, drawn on
 /// the first write. `None` when the system had none to give: process keys are then the stable
 /// ones, for the whole life of the process (one scope never has two keys in one process).
@@ -141,7 +146,7 @@ pub(crate) fn process_scope_key(
         push(key);
         secret.hash(&buf[..len])
     } else {
-        let mut h = secret.clone();
+        let mut h = *secret;
         h.write(tenant_len.bytes());
         h.write(tenant);
         h.write(method_varint.bytes());

@@ -250,8 +250,9 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// [`MemoryStore`] does. [`Scope::key_in`](crate::Scope::key_in) gives the key this store
     /// answers for, to call its methods yourself.
     ///
-    /// A store that wraps another forwards this (or keeps the default, which is always
-    /// correct): every layer over one store must compute the same key for one scope.
+    /// A store that wraps another forwards this: every path to one store must compute the same
+    /// key for one scope, or one scope could be claimed under two keys. (A `MemoryStore`
+    /// reached both ways says so: [`MemoryStats::mixed_scope_keys`], and an `ERROR` log.)
     fn scope_keys(&self) -> ScopeKeys {
         ScopeKeys::Stable
     }

@@ -71,6 +71,12 @@ impl ScopeKey {
     pub fn to_hex(&self) -> String {
         hex(&self.0)
     }
+
+    /// True for a key of this process ([`ScopeKeys::Process`]), by the mark its last 16 bytes
+    /// carry (a stable key carries it with a chance of 2^-128).
+    pub(crate) fn is_of_this_process(&self) -> bool {
+        super::hashing::is_process_key(self)
+    }
 }
 
 impl fmt::Debug for ScopeKey {

@@ -1,6 +1,6 @@
 //! [`MemoryStoreBuilder`]: a [`MemoryStore`]'s bounds.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -113,6 +113,7 @@ impl MemoryStoreBuilder {
                 nearly_full: AtomicBool::new(false),
                 nearly_full_times: AtomicU64::new(0),
                 eviction_warned: AtomicU64::new(0),
+                scope_key_kinds: AtomicU8::new(0),
             }),
         })
     }

@@ -36,6 +36,11 @@ const HEADER_OVERHEAD: usize = 32;
 
 /// The in-memory store: the default, for one process.
 ///
+/// - **Keys of this process** ([`ScopeKeys::Process`]): the layer files each scope under a
+///   keyed hash with a secret of this process, cheaper than the stable key a shared store needs.
+///   To call the store's methods yourself, key a scope with
+///   [`Scope::key_in`](crate::Scope::key_in); a store that wraps this one forwards
+///   [`scope_keys`](IdempotencyStore::scope_keys).
 /// - **Sharded**: entries are spread over shards by scope hash; each shard is a
 ///   `Mutex<HashMap>` held only for a few map operations, never across an `.await`.
 /// - **TTL**: records expire after the layer's `ttl`, on [`tokio::time::Instant`] (so paused-time
@@ -140,6 +145,14 @@ pub struct MemoryStats {
     pub bodies_dropped: u64,
     /// Times the store passed 80 % of its entries or bytes.
     pub nearly_full: u64,
+    /// True once the store was given scope keys of both kinds: keys of this process (what a
+    /// layer over the store computes, [`ScopeKeys::Process`]) and stable ones
+    /// ([`Scope::key`](crate::Scope::key)). Two paths reach the store that key scopes
+    /// differently (a store of your own that wraps this one and does not forward
+    /// [`scope_keys`](IdempotencyStore::scope_keys), or a direct call with `Scope::key` where
+    /// [`Scope::key_in`](crate::Scope::key_in) belongs), and one scope can then be claimed
+    /// under two keys. Logged at `ERROR` when first seen.
+    pub mixed_scope_keys: bool,
 }
 
 impl fmt::Debug for MemoryStore {
@@ -234,6 +247,7 @@ impl MemoryStore {
             evicted: inner.evicted.load(Ordering::Relaxed),
             bodies_dropped: inner.bodies_dropped.load(Ordering::Relaxed),
             nearly_full: inner.nearly_full_times.load(Ordering::Relaxed),
+            mixed_scope_keys: inner.scope_key_kinds.load(Ordering::Relaxed) == BOTH_KINDS,
         }
     }
 
@@ -317,6 +331,7 @@ impl IdempotencyStore for MemoryStore {
         use std::collections::hash_map::Entry as Slot;
         let now = Instant::now();
         let inner = &*self.inner;
+        inner.note_key_kind(&scope);
         let (index, mut guard) = self.shard_at(&scope);
         guard.clean(inner, now, CLEANUP_PER_OP);
         let shard = &mut *guard;

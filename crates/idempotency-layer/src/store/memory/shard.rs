@@ -2,7 +2,7 @@
 //! shards' maps, the expiry queues, the per-tenant accounting, and eviction.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -31,6 +31,38 @@ pub(super) struct Inner {
     pub(super) nearly_full_times: AtomicU64,
     /// When (seconds since `origin`, plus one) an eviction was last logged at `WARN`.
     pub(super) eviction_warned: AtomicU64,
+    /// The kinds of scope keys claims were made with: [`PROCESS_KIND`], [`STABLE_KIND`], or
+    /// both (a misconfiguration, see `MemoryStats::mixed_scope_keys`).
+    pub(super) scope_key_kinds: AtomicU8,
+}
+
+pub(super) const PROCESS_KIND: u8 = 1;
+pub(super) const STABLE_KIND: u8 = 2;
+pub(super) const BOTH_KINDS: u8 = PROCESS_KIND | STABLE_KIND;
+
+impl Inner {
+    /// Notes the kind of key a claim is made with; logs at `ERROR` the first time a key of the
+    /// other kind than earlier ones arrives. One relaxed load of a line that is only written
+    /// twice in the store's life.
+    pub(super) fn note_key_kind(&self, scope: &ScopeKey) {
+        let kind = if scope.is_of_this_process() {
+            PROCESS_KIND
+        } else {
+            STABLE_KIND
+        };
+        if self.scope_key_kinds.load(Ordering::Relaxed) & kind != 0 {
+            return;
+        }
+        let before = self.scope_key_kinds.fetch_or(kind, Ordering::Relaxed);
+        if before & kind == 0 && before != 0 {
+            tracing::error!(
+                "idempotency: this MemoryStore is given scope keys of two kinds (keys of this \
+                 process and stable keys): two paths reach it that key scopes differently, and \
+                 one scope can be claimed twice. A store that wraps a MemoryStore forwards \
+                 IdempotencyStore::scope_keys; call its methods with Scope::key_in(&store)"
+            );
+        }
+    }
 }
 
 /// The bounds of the store.

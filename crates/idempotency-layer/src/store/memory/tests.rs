@@ -709,3 +709,94 @@ fn bad_settings_are_refused_by_build_with_what_to_change() {
         .build()
         .is_ok());
 }
+
+/// A store reached by two paths that key scopes differently says so: a layer over the store
+/// and a layer over a wrapper of it that keeps the default `scope_keys` (stable keys). A
+/// wrapper that forwards `scope_keys` (the conformance suite's `FaultStore`) is one path.
+#[tokio::test]
+async fn scope_keys_of_two_kinds_are_told() {
+    use crate::IdempotencyLayer;
+    use tower::{Layer as _, ServiceExt as _};
+
+    /// A wrapper of its own that forwards every operation but not `scope_keys`.
+    #[derive(Clone)]
+    struct Unforwarded(MemoryStore);
+    impl IdempotencyStore for Unforwarded {
+        async fn begin(
+            &self,
+            s: ScopeKey,
+            f: Fingerprint,
+            l: Duration,
+        ) -> Result<Begin, StoreError> {
+            self.0.begin(s, f, l).await
+        }
+        async fn complete(
+            &self,
+            s: ScopeKey,
+            t: Token,
+            r: Arc<Record>,
+            ttl: Duration,
+        ) -> Result<(), StoreError> {
+            self.0.complete(s, t, r, ttl).await
+        }
+        async fn release(&self, s: ScopeKey, t: Token) -> Result<(), StoreError> {
+            self.0.release(s, t).await
+        }
+        async fn renew(&self, s: ScopeKey, t: Token, l: Duration) -> Result<(), StoreError> {
+            self.0.renew(s, t, l).await
+        }
+        async fn wait(&self, s: ScopeKey, t: Token) -> Result<(), StoreError> {
+            self.0.wait(s, t).await
+        }
+        async fn forget(&self, s: ScopeKey) -> Result<bool, StoreError> {
+            self.0.forget(s).await
+        }
+    }
+
+    async fn write_through<St: IdempotencyStore>(store: St, key: &str) -> StatusCode {
+        let svc = IdempotencyLayer::new(store)
+            .tenant(crate::TenantSource::fixed("t"))
+            .layer(tower::service_fn(|_: http::Request<_>| async {
+                Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Full::new(
+                    Bytes::from_static(b"done"),
+                )))
+            }));
+        let req = http::Request::post("/orders")
+            .header("idempotency-key", key)
+            .body(http_body_util::Full::new(Bytes::from_static(b"{}")))
+            .unwrap();
+        svc.oneshot(req).await.unwrap().status()
+    }
+
+    let store = MemoryStore::new();
+    assert_eq!(
+        write_through(store.clone(), "order-00001").await,
+        StatusCode::OK
+    );
+    let faulted = crate::conformance::FaultStore::new(store.clone());
+    assert_eq!(write_through(faulted, "order-00002").await, StatusCode::OK);
+    assert!(
+        !store.stats().mixed_scope_keys,
+        "the store and a wrapper that forwards scope_keys key alike"
+    );
+    assert_eq!(
+        write_through(Unforwarded(store.clone()), "order-00003").await,
+        StatusCode::OK
+    );
+    assert!(store.stats().mixed_scope_keys, "two kinds of keys, told");
+
+    // Directly: a key of the store's own kind, then a stable key.
+    let direct = MemoryStore::new();
+    let scope = crate::Scope::new("t", "POST /orders", "k");
+    let lease = Duration::from_secs(5);
+    direct
+        .begin(scope.key_in(&direct), Fingerprint([0; 32]), lease)
+        .await
+        .unwrap();
+    assert!(!direct.stats().mixed_scope_keys);
+    direct
+        .begin(scope.key(), Fingerprint([0; 32]), lease)
+        .await
+        .unwrap();
+    assert!(direct.stats().mixed_scope_keys);
+}
