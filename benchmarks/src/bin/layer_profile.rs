@@ -4,11 +4,12 @@
 //! (one recorded key), on the idempotency bench's handler and request; and `near_replay`, the
 //! replay on a `RedisStore` with a near cache (`REDIS_URL` must be set: the record is stored in
 //! Redis once, the first replay reads it from Redis, and every later one is a near-cache hit,
-//! with no round trip):
+//! with no round trip); and `tenant_replay`, the replay of a request whose tenant an auth layer
+//! set (the `Tenant` extension, its key computed per request):
 //!
 //! ```text
 //! cargo build --profile bench -p benchmarks --bin layer_profile
-//! for w in bare first replay near_replay; do
+//! for w in bare first replay near_replay tenant_replay; do
 //!   valgrind --tool=callgrind --callgrind-out-file=cg.$w target/release/layer_profile $w 20000
 //! done
 //! callgrind_annotate --inclusive=yes cg.first | head -80
@@ -58,6 +59,26 @@ fn main() {
                 }
                 assert_recorded_whole(&store);
             }
+            "tenant_replay" => {
+                let tenant = idempotency_layer::Tenant::new("acme-corporation");
+                let request = |key: &str| {
+                    let mut req = order_request(key);
+                    req.extensions_mut().insert(tenant.clone());
+                    req
+                };
+                let layer = IdempotencyLayer::new(benchmarks::roomy_memory_store());
+                let mut svc = layer.layer(service_fn(created::<RequestBody<Full<Bytes>>>));
+                let replayed = keys.next_key();
+                call_to_end(&mut svc, request(&replayed)).await;
+                for _ in 0..requests {
+                    call_to_end(&mut svc, request(&replayed)).await;
+                }
+                assert_eq!(
+                    layer.stats().replayed,
+                    requests as u64,
+                    "every later one replayed"
+                );
+            }
             "near_replay" => {
                 let url = std::env::var("REDIS_URL").expect("near_replay needs REDIS_URL");
                 let prefix = format!("layer_profile:{}:", std::process::id());
@@ -80,7 +101,8 @@ fn main() {
                 assert_eq!(stats.hits + 1, requests as u64, "every later replay a hit");
             }
             other => panic!(
-                "usage: layer_profile bare|first|replay|near_replay [requests], not {other:?}"
+                "usage: layer_profile bare|first|replay|near_replay|tenant_replay [requests], \
+                 not {other:?}"
             ),
         }
     });

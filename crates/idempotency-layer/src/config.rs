@@ -12,7 +12,8 @@ use reason_code::{GrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
 
 use crate::key::KeyRuleFn;
 use crate::reject::RejectionBodyFn;
-use crate::store::{Fingerprint, TenantKey};
+use crate::scope::tenant_key;
+use crate::store::{Fingerprint, ScopeKeys, TenantKey};
 
 /// What a duplicate does when the first request with its key is still running.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -125,9 +126,9 @@ pub enum OnDisconnect {
 pub(crate) enum TenantFrom {
     /// The [`Tenant`](crate::Tenant) extension; none means 401 / UNAUTHENTICATED.
     Required,
-    /// The [`Tenant`](crate::Tenant) extension, or this tenant (and its key, computed once)
-    /// when there is none.
-    Default(Arc<str>, TenantKey),
+    /// The [`Tenant`](crate::Tenant) extension, or this tenant (and its keys, computed once:
+    /// for a store of stable keys, and for one of this process's) when there is none.
+    Default(Arc<str>, [TenantKey; 2]),
     /// A request header (opt-in: clients choose it).
     Header(HeaderName),
     /// A function of the request head (for example a verified claim an auth layer left in the
@@ -191,8 +192,8 @@ impl TenantSource {
     /// This tenant, for a single-tenant service.
     pub fn fixed(tenant: impl Into<Arc<str>>) -> Self {
         let tenant: Arc<str> = tenant.into();
-        let key = TenantKey::of(&tenant);
-        TenantSource(TenantFrom::Default(tenant, key))
+        let keys = [ScopeKeys::Stable, ScopeKeys::Process].map(|k| tenant_key(k, &tenant));
+        TenantSource(TenantFrom::Default(tenant, keys))
     }
 
     /// A request header. A client can claim any tenant this way: use it only behind a proxy

@@ -182,7 +182,7 @@
 //!
 //! Every write the layer runs carries an [`IdempotentWrite`] in its request extensions (an axum
 //! extractor with the `axum` feature): the validated key, the tenant, the operation, the
-//! scope's store key, the claim's fencing token, and whether an earlier run may have begun the
+//! scope's stable key, the claim's fencing token, and whether an earlier run may have begun the
 //! work. Use it rather than parsing the key header again.
 //!
 //! # Where the tenant comes from
@@ -387,8 +387,8 @@
 //! handler and `MemoryStore`, against the same handler without the layer and against a
 //! hand-rolled `Mutex<HashMap<key, body>>` in front of it (which has no tenant scope, no
 //! fingerprint, no single-flight, no streaming and no TTL). A first execution costs 2 to 3 µs
-//! on the benchmark machines (the scope key's keyed BLAKE3 hash, the fingerprint's XXH3, the
-//! claim, recording the body), a replay less than half of that, and a read passes through
+//! on the benchmark machines (the scope key's hash, the fingerprint's XXH3, the claim,
+//! recording the body), a replay less than half of that, and a read passes through
 //! untouched.
 //!
 //! # Observability

@@ -19,10 +19,10 @@ use crate::key::key_of;
 use crate::observe::{self};
 use crate::protocol::Protocol;
 use crate::reject::{respond, RejectReason};
-use crate::scope::{http_scope_key, scope_key};
+use crate::scope::{http_scope_key, scope_key, tenant_key};
 use crate::shared::Shared;
 use crate::stats::IdempotencyStats;
-use crate::store::{IdempotencyStore, MemoryStore, TenantKey};
+use crate::store::{IdempotencyStore, MemoryStore, ScopeKeys};
 use crate::write::{too_large, Inner, Write};
 use reason_code::BoxError;
 
@@ -194,8 +194,13 @@ where
         };
         let tenant = match &cfg.tenant {
             // The layer's default tenant's key is computed once, when it is set.
-            TenantFrom::Default(name, key) if Arc::ptr_eq(name, &tenant) => *key,
-            _ => TenantKey::of(&tenant),
+            TenantFrom::Default(name, [stable, process]) if Arc::ptr_eq(name, &tenant) => {
+                match keys {
+                    ScopeKeys::Process => *process,
+                    ScopeKeys::Stable => *stable,
+                }
+            }
+            _ => tenant_key(keys, &tenant),
         };
         // The write takes the service `poll_ready` readied (and the capacity it reserved: a
         // `ConcurrencyLimit` permit, a `Buffer` slot), leaving a fresh clone for the next call.

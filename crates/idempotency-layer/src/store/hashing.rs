@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 use siphasher::sip128::{Hasher128 as _, SipHasher24};
 use xxhash_rust::xxh3::{xxh3_128, Xxh3};
 
-use super::{Fingerprint, ScopeKey};
+use super::{Fingerprint, ScopeKey, TenantKey};
 
 /// The domain of request fingerprints. (Its `v2` is the encoding's version: no `v1` was ever
 /// released.)
@@ -162,6 +162,13 @@ pub(crate) fn process_scope_key(
     Some(ScopeKey(out))
 }
 
+/// The process tenant key of `tenant`: the first 64 bits of SipHash-2-4 (128 bits) of the
+/// tenant under [`process_secret`] (a tenant key is only ever compared with tenant keys).
+/// `None` when the process has no secret.
+pub(crate) fn process_tenant_key(tenant: &[u8]) -> Option<TenantKey> {
+    Some(TenantKey(process_secret()?.hash(tenant).h1))
+}
+
 /// A length as a LEB128 varint: 7 bits a byte, low first, the high bit set on all but the last
 /// (one byte below 128). No two lengths share an encoding, and none is a prefix of another's.
 struct Varint {
@@ -279,6 +286,29 @@ mod tests {
                 "body of {len}"
             );
         }
+    }
+
+    /// A tenant key is the first 8 bytes of BLAKE3 of its domain and the tenant, whether the
+    /// tenant fits the stack buffer or not (the incremental hasher was the reference).
+    #[test]
+    fn a_tenant_key_hashes_its_domain_and_tenant() {
+        for len in [0, 1, 16, 200, 228, 229, 230, 256, 300, 1000, 5000] {
+            let tenant = "t".repeat(len);
+            let mut h = blake3::Hasher::new();
+            h.update(b"idempotency-layer tenant v1\0");
+            h.update(tenant.as_bytes());
+            let expected = u64::from_le_bytes(h.finalize().as_bytes()[..8].try_into().unwrap());
+            assert_eq!(
+                super::super::TenantKey::of(&tenant).0,
+                expected,
+                "tenant of {len}"
+            );
+        }
+        assert_eq!(
+            super::super::TenantKey::of("acme").0,
+            0x2c8a_6b9b_9f0d_2c16,
+            "tenant keys changed: a shared store of your own may bound tenants by them"
+        );
     }
 
     #[test]

@@ -46,6 +46,9 @@ pub enum ScopeKeys {
     Process,
 }
 
+/// The domain of tenant keys: BLAKE3 of it and the tenant's bytes (no length: one part).
+const TENANT_DOMAIN: &[u8] = b"idempotency-layer tenant v1\0";
+
 /// The hash of a tenant alone: what a store needs to keep each tenant to its share (see
 /// [`IdempotencyStore::begin_for_tenant`](super::IdempotencyStore::begin_for_tenant)) without learning who the tenant is.
 ///
@@ -57,12 +60,13 @@ pub struct TenantKey(pub u64);
 impl TenantKey {
     /// The key of `tenant` (the tenant a [`Scope`](crate::Scope) is made with).
     pub fn of(tenant: &str) -> TenantKey {
-        let mut h = blake3::Hasher::new();
-        h.update(b"idempotency-layer tenant v1\0");
-        h.update(tenant.as_bytes());
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&h.finalize().as_bytes()[..8]);
-        TenantKey(u64::from_le_bytes(b))
+        // Hashed at once from the stack where it fits (the incremental hasher costs a third
+        // more), the same bytes either way.
+        let mut h = super::hashing::FramedHasher::new(TENANT_DOMAIN);
+        h.push(tenant.as_bytes());
+        let mut word = [0u8; 8];
+        word.copy_from_slice(&h.finish()[..8]);
+        TenantKey(u64::from_le_bytes(word))
     }
 }
 

@@ -57,8 +57,6 @@ use self::leader::*;
 use self::read_body::*;
 use self::replay::*;
 
-/// Logs and counts a `begin` that failed: a corrupt entry (an error: only an operator can
-/// help), a full store (a warning: the store is up), or the store failing.
 /// The request head `parts` as the handler gets it, with what it can know of its write (see
 /// `IdempotentWrite`; `token` is the claim it runs under, if any), and the inbound write it
 /// runs as, whose derived keys come from the write's stable scope key.
@@ -85,6 +83,8 @@ fn as_handler_sees_it<St: IdempotencyStore>(
     }
 }
 
+/// Logs and counts a `begin` that failed: a corrupt entry (an error: only an operator can
+/// help), a full store (a warning: the store is up), or the store failing.
 fn note_begin_failed(counters: &Counters, kind: Backend, scope: ScopeKey, e: &StoreError) {
     match e {
         StoreError::Corrupt(what) => {

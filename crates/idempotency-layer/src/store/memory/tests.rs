@@ -800,3 +800,47 @@ async fn scope_keys_of_two_kinds_are_told() {
         .unwrap();
     assert!(direct.stats().mixed_scope_keys);
 }
+
+/// One tenant is one tenant to the store whichever way the layer learned it: the layer's fixed
+/// tenant (its key computed once) and a `Tenant` extension of the same name (its key computed
+/// per request) are charged to one share, under the store's keys of this process.
+#[tokio::test]
+async fn a_fixed_tenant_and_the_same_tenant_as_an_extension_share_one_key() {
+    use crate::IdempotencyLayer;
+    use tower::{Layer as _, ServiceExt as _};
+
+    let store = MemoryStore::new();
+    let svc = IdempotencyLayer::new(store.clone())
+        .tenant(crate::TenantSource::fixed("shop"))
+        .layer(tower::service_fn(|_: http::Request<_>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Full::new(
+                Bytes::from_static(b"done"),
+            )))
+        }));
+    for (key, extension) in [("order-00001", None), ("order-00002", Some("shop"))] {
+        let mut req = http::Request::post("/orders")
+            .header("idempotency-key", key)
+            .body(http_body_util::Full::new(Bytes::from_static(b"{}")))
+            .unwrap();
+        if let Some(tenant) = extension {
+            req.extensions_mut().insert(crate::Tenant::new(tenant));
+        }
+        let res = svc.clone().oneshot(req).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK, "{key}");
+    }
+    let stats = store.stats();
+    assert_eq!(stats.entries, 2);
+    assert_eq!(stats.tenants, 1, "one tenant, one key");
+    // And it is the key the store's direct callers get for the tenant: no second share.
+    let direct = crate::scope::tenant_key(store.scope_keys(), "shop");
+    store
+        .begin_for_tenant(
+            direct,
+            scope(7),
+            Fingerprint([0; 32]),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    assert_eq!(store.stats().tenants, 1);
+}
