@@ -12,7 +12,6 @@ use reason_code::{GrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
 
 use crate::key::KeyRuleFn;
 use crate::reject::RejectionBodyFn;
-use crate::scope::tenant_key;
 use crate::store::{Fingerprint, ScopeKeys, TenantKey};
 
 /// What a duplicate does when the first request with its key is still running.
@@ -192,7 +191,7 @@ impl TenantSource {
     /// This tenant, for a single-tenant service.
     pub fn fixed(tenant: impl Into<Arc<str>>) -> Self {
         let tenant: Arc<str> = tenant.into();
-        let keys = [ScopeKeys::Stable, ScopeKeys::Process].map(|k| tenant_key(k, &tenant));
+        let keys = [ScopeKeys::Stable, ScopeKeys::Process].map(|k| TenantKey::under(k, &tenant));
         TenantSource(TenantFrom::Default(tenant, keys))
     }
 

@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
-use crate::store::hashing::{process_scope_key, process_tenant_key, FramedHasher};
-use crate::store::{IdempotencyStore, ScopeKey, ScopeKeys, TenantKey};
+use crate::store::hashing::{process_scope_key, FramedHasher};
+use crate::store::{IdempotencyStore, ScopeKey, ScopeKeys};
 
 /// The authenticated tenant of a request: a request extension that an authentication layer
 /// placed before [`IdempotencyLayer`](crate::IdempotencyLayer) inserts.
@@ -151,17 +151,6 @@ pub(crate) fn scope_key(
         ScopeKeys::Process => process_scope_key(tenant.as_bytes(), method_pieces, key.as_bytes())
             .unwrap_or_else(|| stable_scope_key(tenant, method_pieces, key)),
         ScopeKeys::Stable => stable_scope_key(tenant, method_pieces, key),
-    }
-}
-
-/// The key of `tenant` under `keys`: [`TenantKey::of`] for a store of stable keys, else a key
-/// of this process (a `MemoryStore` bounds each tenant by it, in this process alone).
-pub(crate) fn tenant_key(keys: ScopeKeys, tenant: &str) -> TenantKey {
-    match keys {
-        ScopeKeys::Process => {
-            process_tenant_key(tenant.as_bytes()).unwrap_or_else(|| TenantKey::of(tenant))
-        }
-        ScopeKeys::Stable => TenantKey::of(tenant),
     }
 }
 

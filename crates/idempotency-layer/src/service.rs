@@ -19,10 +19,10 @@ use crate::key::key_of;
 use crate::observe::{self};
 use crate::protocol::Protocol;
 use crate::reject::{respond, RejectReason};
-use crate::scope::{http_scope_key, scope_key, tenant_key};
+use crate::scope::{http_scope_key, scope_key};
 use crate::shared::Shared;
 use crate::stats::IdempotencyStats;
-use crate::store::{IdempotencyStore, MemoryStore, ScopeKeys};
+use crate::store::{IdempotencyStore, MemoryStore, ScopeKeys, TenantKey};
 use crate::write::{too_large, Inner, Write};
 use reason_code::BoxError;
 
@@ -200,7 +200,7 @@ where
                     ScopeKeys::Stable => *stable,
                 }
             }
-            _ => tenant_key(keys, &tenant),
+            _ => TenantKey::under(keys, &tenant),
         };
         // The write takes the service `poll_ready` readied (and the capacity it reserved: a
         // `ConcurrencyLimit` permit, a `Buffer` slot), leaving a fresh clone for the next call.

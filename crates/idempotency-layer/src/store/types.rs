@@ -54,10 +54,31 @@ const TENANT_DOMAIN: &[u8] = b"idempotency-layer tenant v1\0";
 ///
 /// Equal for every scope of one tenant and, short of a 64-bit collision, different between
 /// tenants. [`TenantKey::default`] is "no tenant known" (a direct [`IdempotencyStore::begin`](super::IdempotencyStore::begin)).
+///
+/// The layer keys tenants as its store keys scopes ([`ScopeKeys`]): [`TenantKey::of`] for a
+/// store of stable keys, a key of this process for a [`MemoryStore`](super::MemoryStore).
+/// [`TenantKey::of_in`] gives the key a store is given.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Default)]
 pub struct TenantKey(pub u64);
 
 impl TenantKey {
+    /// The key of `tenant` as the layer gives it to `store`: [`of`](Self::of) for a store of
+    /// stable keys, a key of this process for one of [`ScopeKeys::Process`]. For calling
+    /// [`begin_for_tenant`](super::IdempotencyStore::begin_for_tenant) yourself.
+    pub fn of_in<S: super::IdempotencyStore>(tenant: &str, store: &S) -> TenantKey {
+        TenantKey::under(store.scope_keys(), tenant)
+    }
+
+    /// The key of `tenant` under `keys`: [`of`](Self::of) for a store of stable keys, else a
+    /// key of this process (a `MemoryStore` bounds each tenant by it, in this process alone).
+    pub(crate) fn under(keys: ScopeKeys, tenant: &str) -> TenantKey {
+        match keys {
+            ScopeKeys::Process => super::hashing::process_tenant_key(tenant.as_bytes())
+                .unwrap_or_else(|| TenantKey::of(tenant)),
+            ScopeKeys::Stable => TenantKey::of(tenant),
+        }
+    }
+
     /// The key of `tenant` (the tenant a [`Scope`](crate::Scope) is made with).
     pub fn of(tenant: &str) -> TenantKey {
         // Hashed at once from the stack where it fits (the incremental hasher costs a third

@@ -832,7 +832,7 @@ async fn a_fixed_tenant_and_the_same_tenant_as_an_extension_share_one_key() {
     assert_eq!(stats.entries, 2);
     assert_eq!(stats.tenants, 1, "one tenant, one key");
     // And it is the key the store's direct callers get for the tenant: no second share.
-    let direct = crate::scope::tenant_key(store.scope_keys(), "shop");
+    let direct = TenantKey::of_in("shop", &store);
     store
         .begin_for_tenant(
             direct,
