@@ -10,8 +10,8 @@ use crate::accepted::OperationPath;
 use crate::config::Config;
 use reason_code::{InboundWrite, ScopeSource};
 
-use crate::scope::{stable_scope_key, Scope};
-use crate::store::{ScopeKey, Token};
+use crate::scope::{http_scope_key, scope_key, Scope};
+use crate::store::{ScopeKey, ScopeKeys, Token};
 
 /// The write a handler is running, as the idempotency layer accepted it: the validated key,
 /// the tenant, the operation, the scope's store key, the claim's fencing token, and whether an
@@ -154,7 +154,7 @@ impl IdempotentWrite {
     /// The write of the request `parts`, which the layer accepted with the key and tenant their
     /// headers and extensions carry (read again here: only the writes that run pay for it).
     /// `stable_key` is the stable scope key where the layer computed it (its store's keys are
-    /// [`ScopeKeys::Stable`](crate::store::ScopeKeys::Stable)).
+    /// [`ScopeKeys::Stable`]).
     pub(crate) fn of(
         cfg: &Config,
         parts: &Parts,
@@ -191,17 +191,11 @@ impl Accepted {
     fn stable_key(&self) -> ScopeKey {
         *self.stable_key.get_or_init(|| {
             let key = crate::key::accepted_key(&self.key).unwrap_or_default();
+            // As the layer keys a write (`Idempotency::call`), with stable keys.
+            let path = self.path.as_str();
             match &self.method {
-                None => stable_scope_key(&self.tenant, &[self.path.as_str().as_bytes()], key),
-                Some(method) => stable_scope_key(
-                    &self.tenant,
-                    &[
-                        method.as_str().as_bytes(),
-                        b" ",
-                        self.path.as_str().as_bytes(),
-                    ],
-                    key,
-                ),
+                None => scope_key(ScopeKeys::Stable, &self.tenant, &[path.as_bytes()], key),
+                Some(method) => http_scope_key(ScopeKeys::Stable, &self.tenant, method, path, key),
             }
         })
     }

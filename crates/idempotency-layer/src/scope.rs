@@ -157,7 +157,7 @@ pub(crate) fn scope_key(
 /// The BLAKE3 hash of [`Scope::encode`] of `tenant`, the method made of `method_pieces` (one
 /// part, its pieces concatenated) and `key`, fed to the hasher piece by piece (BLAKE3 hashes a
 /// stream: the result is the hash of the whole encoding, with no buffer to build).
-pub(crate) fn stable_scope_key(tenant: &str, method_pieces: &[&[u8]], key: &str) -> ScopeKey {
+fn stable_scope_key(tenant: &str, method_pieces: &[&[u8]], key: &str) -> ScopeKey {
     let mut h = FramedHasher::new(SCOPE_DOMAIN);
     h.part(tenant.as_bytes());
     let method_len: usize = method_pieces.iter().map(|p| p.len()).sum();

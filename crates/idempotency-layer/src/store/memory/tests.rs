@@ -710,14 +710,36 @@ fn bad_settings_are_refused_by_build_with_what_to_change() {
         .is_ok());
 }
 
+/// A write with `key` through a layer over `store` whose fixed tenant is `shop` (the request
+/// carries the `Tenant` extension `tenant`, if any), to a handler answering 200: its status.
+async fn write_through<St: IdempotencyStore>(
+    store: St,
+    key: &str,
+    tenant: Option<&str>,
+) -> StatusCode {
+    use tower::{Layer as _, ServiceExt as _};
+    let svc = crate::IdempotencyLayer::new(store)
+        .tenant(crate::TenantSource::fixed("shop"))
+        .layer(tower::service_fn(|_: http::Request<_>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Full::new(
+                Bytes::from_static(b"done"),
+            )))
+        }));
+    let mut req = http::Request::post("/orders")
+        .header("idempotency-key", key)
+        .body(http_body_util::Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    if let Some(tenant) = tenant {
+        req.extensions_mut().insert(crate::Tenant::new(tenant));
+    }
+    svc.oneshot(req).await.unwrap().status()
+}
+
 /// A store reached by two paths that key scopes differently says so: a layer over the store
 /// and a layer over a wrapper of it that keeps the default `scope_keys` (stable keys). A
 /// wrapper that forwards `scope_keys` (the conformance suite's `FaultStore`) is one path.
 #[tokio::test]
 async fn scope_keys_of_two_kinds_are_told() {
-    use crate::IdempotencyLayer;
-    use tower::{Layer as _, ServiceExt as _};
-
     /// A wrapper of its own that forwards every operation but not `scope_keys`.
     #[derive(Clone)]
     struct Unforwarded(MemoryStore);
@@ -753,34 +775,22 @@ async fn scope_keys_of_two_kinds_are_told() {
         }
     }
 
-    async fn write_through<St: IdempotencyStore>(store: St, key: &str) -> StatusCode {
-        let svc = IdempotencyLayer::new(store)
-            .tenant(crate::TenantSource::fixed("t"))
-            .layer(tower::service_fn(|_: http::Request<_>| async {
-                Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Full::new(
-                    Bytes::from_static(b"done"),
-                )))
-            }));
-        let req = http::Request::post("/orders")
-            .header("idempotency-key", key)
-            .body(http_body_util::Full::new(Bytes::from_static(b"{}")))
-            .unwrap();
-        svc.oneshot(req).await.unwrap().status()
-    }
-
     let store = MemoryStore::new();
     assert_eq!(
-        write_through(store.clone(), "order-00001").await,
+        write_through(store.clone(), "order-00001", None).await,
         StatusCode::OK
     );
     let faulted = crate::conformance::FaultStore::new(store.clone());
-    assert_eq!(write_through(faulted, "order-00002").await, StatusCode::OK);
+    assert_eq!(
+        write_through(faulted, "order-00002", None).await,
+        StatusCode::OK
+    );
     assert!(
         !store.stats().mixed_scope_keys,
         "the store and a wrapper that forwards scope_keys key alike"
     );
     assert_eq!(
-        write_through(Unforwarded(store.clone()), "order-00003").await,
+        write_through(Unforwarded(store.clone()), "order-00003", None).await,
         StatusCode::OK
     );
     assert!(store.stats().mixed_scope_keys, "two kinds of keys, told");
@@ -806,27 +816,10 @@ async fn scope_keys_of_two_kinds_are_told() {
 /// per request) are charged to one share, under the store's keys of this process.
 #[tokio::test]
 async fn a_fixed_tenant_and_the_same_tenant_as_an_extension_share_one_key() {
-    use crate::IdempotencyLayer;
-    use tower::{Layer as _, ServiceExt as _};
-
     let store = MemoryStore::new();
-    let svc = IdempotencyLayer::new(store.clone())
-        .tenant(crate::TenantSource::fixed("shop"))
-        .layer(tower::service_fn(|_: http::Request<_>| async {
-            Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Full::new(
-                Bytes::from_static(b"done"),
-            )))
-        }));
     for (key, extension) in [("order-00001", None), ("order-00002", Some("shop"))] {
-        let mut req = http::Request::post("/orders")
-            .header("idempotency-key", key)
-            .body(http_body_util::Full::new(Bytes::from_static(b"{}")))
-            .unwrap();
-        if let Some(tenant) = extension {
-            req.extensions_mut().insert(crate::Tenant::new(tenant));
-        }
-        let res = svc.clone().oneshot(req).await.unwrap();
-        assert_eq!(res.status(), StatusCode::OK, "{key}");
+        let status = write_through(store.clone(), key, extension).await;
+        assert_eq!(status, StatusCode::OK, "{key}");
     }
     let stats = store.stats();
     assert_eq!(stats.entries, 2);
