@@ -113,6 +113,18 @@ pub fn created<B>(_req: Request<B>) -> Ready<Result<Response<Full<Bytes>>, Infal
     ready(Ok(res))
 }
 
+/// [`created`] with the head of a JSON API's answer, `content-type: application/json` (as the
+/// load test's axum handler answers).
+pub fn created_json<B>(_req: Request<B>) -> Ready<Result<Response<Full<Bytes>>, Infallible>> {
+    let mut res = Response::new(Full::new(Bytes::from_static(RESPONSE_200)));
+    *res.status_mut() = StatusCode::CREATED;
+    res.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    ready(Ok(res))
+}
+
 /// Idempotency keys `{prefix}-{i:012}` (valid keys: 8 to 64 of `[A-Za-z0-9_-]`).
 pub fn keys(prefix: &str, n: usize) -> Vec<String> {
     (0..n).map(|i| format!("{prefix}-{i:012}")).collect()

@@ -4,12 +4,14 @@
 //! (one recorded key), on the idempotency bench's handler and request; and `near_replay`, the
 //! replay on a `RedisStore` with a near cache (`REDIS_URL` must be set: the record is stored in
 //! Redis once, the first replay reads it from Redis, and every later one is a near-cache hit,
-//! with no round trip); and `tenant_replay`, the replay of a request whose tenant an auth layer
-//! set (the `Tenant` extension, its key computed per request):
+//! with no round trip); `tenant_replay`, the replay of a request whose tenant an auth layer set
+//! (the `Tenant` extension, its key computed per request); and `bare_json`, `first_json` and
+//! `replay_json`, the same three on a handler that answers `content-type: application/json`, as
+//! a JSON API (and the load test's handler) does:
 //!
 //! ```text
 //! cargo build --profile bench -p benchmarks --bin layer_profile
-//! for w in bare first replay near_replay tenant_replay; do
+//! for w in bare first replay bare_json first_json replay_json near_replay tenant_replay; do
 //!   valgrind --tool=callgrind --callgrind-out-file=cg.$w target/release/layer_profile $w 20000
 //! done
 //! callgrind_annotate --inclusive=yes cg.first | head -80
@@ -18,7 +20,7 @@
 //! Instructions per request = (total - the `bare` total) / requests; see BENCHMARKS.md.
 
 use benchmarks::idempotency::{assert_recorded_whole, bench_layer, KeyGen};
-use benchmarks::{call_to_end, created, order_request};
+use benchmarks::{call_to_end, created, created_json, order_request};
 use bytes::Bytes;
 use http_body_util::Full;
 use idempotency_layer::store::NearCache;
@@ -43,6 +45,27 @@ fn main() {
                 for _ in 0..requests {
                     call_to_end(&mut svc, order_request(&keys.next_key())).await;
                 }
+            }
+            "bare_json" => {
+                let mut svc = service_fn(created_json::<Full<Bytes>>);
+                for _ in 0..requests {
+                    call_to_end(&mut svc, order_request(&keys.next_key())).await;
+                }
+            }
+            "first_json" | "replay_json" => {
+                let (layer, store) = bench_layer();
+                let mut svc = layer.layer(service_fn(created_json::<RequestBody<Full<Bytes>>>));
+                let replayed = keys.next_key();
+                call_to_end(&mut svc, order_request(&replayed)).await;
+                for _ in 0..requests {
+                    let key = if which == "first_json" {
+                        keys.next_key()
+                    } else {
+                        replayed.clone()
+                    };
+                    call_to_end(&mut svc, order_request(&key)).await;
+                }
+                assert_recorded_whole(&store);
             }
             "first" | "replay" => {
                 let (layer, store) = bench_layer();
@@ -101,8 +124,8 @@ fn main() {
                 assert_eq!(stats.hits + 1, requests as u64, "every later replay a hit");
             }
             other => panic!(
-                "usage: layer_profile bare|first|replay|near_replay|tenant_replay [requests], \
-                 not {other:?}"
+                "usage: layer_profile bare|first|replay|bare_json|first_json|replay_json|\
+                 near_replay|tenant_replay [requests], not {other:?}"
             ),
         }
     });

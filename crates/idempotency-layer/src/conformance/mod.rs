@@ -93,14 +93,13 @@ pub fn sample_record(fingerprint: Fingerprint) -> Record {
     let mut trailers = HeaderMap::new();
     trailers.insert("grpc-status", HeaderValue::from_static("0"));
     trailers.insert("grpc-message", HeaderValue::from_static("fine%20thanks"));
-    Record {
+    Record::new(
         fingerprint,
-        status: StatusCode::CREATED,
+        StatusCode::CREATED,
         headers,
-        body: Bytes::from_static(b"\x00\x00\x00\x00\x03abc binary \xff body"),
-        body_omitted: false,
-        trailers: Some(Box::new(trailers)),
-    }
+        Bytes::from_static(b"\x00\x00\x00\x00\x03abc binary \xff body"),
+    )
+    .with_trailers(trailers)
 }
 
 const FP: Fingerprint = Fingerprint([7; 32]);

@@ -12,6 +12,9 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use serde::{Deserialize, Serialize};
 
+use reason_code::IDEMPOTENT_REPLAYED;
+
+use super::types::marked_as_replay;
 use super::{Fingerprint, Record, StoreError};
 
 /// The encoding version this build writes first.
@@ -31,14 +34,17 @@ struct Stored {
     trailers: Option<Vec<(String, Bytes)>>,
 }
 
-fn pairs(map: &HeaderMap) -> Vec<(String, Bytes)> {
-    map.iter()
+fn pairs<'a>(
+    headers: impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)>,
+) -> Vec<(String, Bytes)> {
+    headers
         .map(|(n, v)| (n.as_str().to_owned(), Bytes::copy_from_slice(v.as_bytes())))
         .collect()
 }
 
 fn map(pairs: Vec<(String, Bytes)>) -> Result<HeaderMap, StoreError> {
-    let mut map = HeaderMap::with_capacity(pairs.len());
+    // Room for the marker a record's head gets.
+    let mut map = HeaderMap::with_capacity(pairs.len() + 1);
     for (name, value) in pairs {
         let name = HeaderName::from_bytes(name.as_bytes())
             .map_err(|e| StoreError::Corrupt(format!("record header name {name:?}: {e}")))?;
@@ -55,10 +61,17 @@ pub(crate) fn encode(record: &Record) -> Result<Vec<u8>, StoreError> {
         version: VERSION,
         fingerprint: record.fingerprint.0,
         status: record.status.as_u16(),
-        headers: pairs(&record.headers),
+        // Without the marker of a replay, which every record's head ends with and `decode`
+        // sets again: the encoding is the one written before records kept it.
+        headers: pairs(
+            record
+                .headers
+                .iter()
+                .filter(|(n, _)| *n != IDEMPOTENT_REPLAYED),
+        ),
         body: record.body.clone(),
         body_omitted: record.body_omitted,
-        trailers: record.trailers.as_deref().map(pairs),
+        trailers: record.trailers.as_deref().map(|t| pairs(t.iter())),
     };
     postcard::to_allocvec(&stored)
         .map_err(|e| StoreError::Backend(format!("encoding a record: {e}").into()))
@@ -80,7 +93,7 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<Record, StoreError> {
     Ok(Record {
         fingerprint: Fingerprint(stored.fingerprint),
         status,
-        headers: map(stored.headers)?,
+        headers: marked_as_replay(map(stored.headers)?),
         body: stored.body,
         body_omitted: stored.body_omitted,
         trailers: stored.trailers.map(map).transpose()?.map(Box::new),
@@ -111,18 +124,23 @@ mod tests {
         headers.append("x-b", HeaderValue::from_static("3"));
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", HeaderValue::from_static("0"));
-        let record = Record {
-            fingerprint: Fingerprint([9; 32]),
-            status: StatusCode::ACCEPTED,
+        let record = Record::new(
+            Fingerprint([9; 32]),
+            StatusCode::ACCEPTED,
             headers,
-            body: Bytes::from_static(b"\x00\xffbody"),
-            body_omitted: false,
-            trailers: Some(Box::new(trailers)),
-        };
-        let back = decode(&encode(&record).unwrap()).unwrap();
+            Bytes::from_static(b"\x00\xffbody"),
+        )
+        .with_trailers(trailers);
+        let encoded = encode(&record).unwrap();
+        let back = decode(&encoded).unwrap();
         assert_eq!(back, record);
-        let names: Vec<_> = back.headers.iter().map(|(n, v)| (n.as_str(), v)).collect();
-        assert_eq!(names.len(), 3);
+        let names: Vec<_> = back.headers.iter().map(|(n, _)| n.as_str()).collect();
+        // In order, repeats kept; the head a replay sends ends with its marker.
+        assert_eq!(names, ["x-b", "x-b", "x-a", "idempotent-replayed"]);
+        // The marker is not stored: every record has it, and `decode` sets it.
+        assert!(!encoded
+            .windows(IDEMPOTENT_REPLAYED.as_str().len())
+            .any(|w| w == IDEMPOTENT_REPLAYED.as_str().as_bytes()));
     }
 
     /// A record of version 1 as every build since has written it (a fixed fixture: if this
@@ -143,14 +161,12 @@ mod tests {
     fn v1_record() -> Record {
         let mut headers = HeaderMap::new();
         headers.insert("content-type", HeaderValue::from_static("json"));
-        Record {
-            fingerprint: Fingerprint([7; 32]),
-            status: StatusCode::CREATED,
+        Record::new(
+            Fingerprint([7; 32]),
+            StatusCode::CREATED,
             headers,
-            body: Bytes::from_static(b"hi"),
-            body_omitted: false,
-            trailers: None,
-        }
+            Bytes::from_static(b"hi"),
+        )
     }
 
     #[test]

@@ -5,9 +5,9 @@ use std::fmt;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{HeaderMap, StatusCode};
+use http::{HeaderMap, HeaderValue, StatusCode};
 
-use reason_code::BoxError;
+use reason_code::{BoxError, IDEMPOTENT_REPLAYED};
 
 /// The hash of a scope (tenant + method + key), the only identifier a store sees.
 ///
@@ -159,7 +159,7 @@ pub struct Token(pub u128);
 ///
 /// ```
 /// use bytes::Bytes;
-/// use http::{HeaderMap, StatusCode};
+/// use http::{HeaderMap, HeaderValue, StatusCode};
 /// use idempotency_layer::store::{Fingerprint, Record};
 ///
 /// let mut trailers = HeaderMap::new();
@@ -167,6 +167,8 @@ pub struct Token(pub u128);
 /// let record = Record::new(Fingerprint([7; 32]), StatusCode::OK, HeaderMap::new(), Bytes::from("hi"))
 ///     .with_trailers(trailers);
 /// assert_eq!(record.body(), "hi");
+/// // The head a replay sends: the response's headers, then the marker of a replay.
+/// assert_eq!(record.headers()["idempotent-replayed"], "true");
 /// assert_eq!(record.trailers().unwrap()["grpc-status"], "0");
 /// assert!(!record.body_omitted());
 /// assert!(record.clone().with_body_omitted().body().is_empty());
@@ -185,7 +187,8 @@ pub struct Record {
 
 impl Record {
     /// A record of a response with this status, headers and whole body, made by a request with
-    /// this fingerprint; no trailers.
+    /// this fingerprint; no trailers. It keeps the head a replay sends: `headers`, with
+    /// `idempotent-replayed: true` set ([`headers`](Self::headers)).
     pub fn new(
         fingerprint: Fingerprint,
         status: StatusCode,
@@ -195,7 +198,7 @@ impl Record {
         Record {
             fingerprint,
             status,
-            headers,
+            headers: marked_as_replay(headers),
             body,
             body_omitted: false,
             trailers: None,
@@ -227,7 +230,9 @@ impl Record {
         self.status
     }
 
-    /// The response headers, in order, repeated names kept.
+    /// The headers a replay sends: the response's that records keep
+    /// ([`RecordedHeaders`](crate::RecordedHeaders)), in order, repeated names kept, then
+    /// `idempotent-replayed: true`. A replay clones them as they are.
     pub fn headers(&self) -> &HeaderMap {
         &self.headers
     }
@@ -246,6 +251,12 @@ impl Record {
     pub fn trailers(&self) -> Option<&HeaderMap> {
         self.trailers.as_deref()
     }
+}
+
+/// `headers` with `idempotent-replayed: true` set: the head a replay sends.
+pub(crate) fn marked_as_replay(mut headers: HeaderMap) -> HeaderMap {
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    headers
 }
 
 /// What [`IdempotencyStore::begin`](super::IdempotencyStore::begin) found.

@@ -426,9 +426,9 @@ impl TxCompletion {
         let mut record = RecordBuilder::new(
             self.fingerprint,
             parts.status,
-            parts.headers.clone(),
+            &parts.headers,
             head_code,
-            self.config.max_record_bytes,
+            &self.config,
         );
         let mut chunks = Vec::new();
         let mut body = std::pin::pin!(body);

@@ -240,7 +240,7 @@ where
             cfg,
             fp,
             parts.status,
-            parts.headers.clone(),
+            &parts.headers,
             http1,
             head_code,
         )

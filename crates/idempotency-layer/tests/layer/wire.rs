@@ -1449,3 +1449,117 @@ async fn one_key_on_two_resources_of_one_route_is_a_422() {
         }
     }
 }
+
+/// A replay sends the head its record keeps: the handler's headers that records keep, in order
+/// and repeated, and one `idempotent-replayed: true` (the layer's, not one the handler set);
+/// never `set-cookie` or the first answer's `date`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_sends_the_recorded_head_marked_once() {
+    for transport in Transport::BOTH {
+        let router = Router::new().route(
+            "/orders",
+            post(|| async {
+                let mut res = Response::new(Body::from("order 1 created"));
+                *res.status_mut() = StatusCode::CREATED;
+                let h = res.headers_mut();
+                h.insert("content-type", HeaderValue::from_static("application/json"));
+                h.append("x-order", HeaderValue::from_static("1"));
+                h.append("x-order", HeaderValue::from_static("2"));
+                h.insert(
+                    "set-cookie",
+                    HeaderValue::from_static("session=first-client"),
+                );
+                h.insert(
+                    "date",
+                    HeaderValue::from_static("Mon, 07 Dec 2026 00:00:00 GMT"),
+                );
+                h.insert("idempotent-replayed", HeaderValue::from_static("handler"));
+                res
+            }),
+        );
+        let layer = layer(OnDisconnect::Complete, InFlight::Wait);
+        let addr = serve(router.layer(layer.clone())).await;
+        let client = client(transport);
+        let first = send(&client, addr, "order-head-1").await;
+        assert_eq!(first.status, StatusCode::CREATED, "{transport:?}");
+        assert_eq!(first.headers["set-cookie"], "session=first-client");
+        assert_eq!(
+            first.headers["idempotent-replayed"], "handler",
+            "the handler's own"
+        );
+        for _ in 0..2 {
+            let replay = send(&client, addr, "order-head-1").await;
+            assert_eq!(replay.status, StatusCode::CREATED, "{transport:?}");
+            assert_eq!(replay.body, first.body, "{transport:?}");
+            let marks: Vec<_> = replay
+                .headers
+                .get_all("idempotent-replayed")
+                .iter()
+                .collect();
+            assert_eq!(marks, ["true"], "{transport:?}: one marker, the layer's");
+            let orders: Vec<_> = replay.headers.get_all("x-order").iter().collect();
+            assert_eq!(orders, ["1", "2"], "{transport:?}: repeats kept, in order");
+            assert_eq!(replay.headers["content-type"], "application/json");
+            assert!(!replay.headers.contains_key("set-cookie"), "{transport:?}");
+            assert_ne!(
+                replay.headers.get("date").map(|d| d.as_bytes()),
+                Some(&b"Mon, 07 Dec 2026 00:00:00 GMT"[..]),
+                "{transport:?}: dated when it is sent"
+            );
+        }
+        assert_eq!((layer.stats().executed, layer.stats().replayed), (1, 2));
+    }
+}
+
+/// Duplicates that waited for a leader whose answer is not recorded (a 503) get that answer as
+/// it was: not marked as a replay, over the wire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_failure_is_not_marked_as_a_replay() {
+    for transport in Transport::BOTH {
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let router = {
+            let gate = gate.clone();
+            Router::new().route(
+                "/orders",
+                post(move || {
+                    let gate = gate.clone();
+                    async move {
+                        gate.acquire().await.unwrap().forget();
+                        let mut res = Response::new(Body::from("busy"));
+                        *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                        res.headers_mut()
+                            .insert("x-busy", HeaderValue::from_static("yes"));
+                        res
+                    }
+                }),
+            )
+        };
+        let layer = layer(OnDisconnect::Complete, InFlight::Wait);
+        let addr = serve(router.layer(layer.clone())).await;
+        let client = client(transport);
+        let calls: Vec<_> = (0..4)
+            .map(|_| {
+                let client = client.clone();
+                tokio::spawn(async move { send(&client, addr, "order-busy-1").await })
+            })
+            .collect();
+        wait::until("three duplicates wait", || layer.stats().waited == 3).await;
+        gate.add_permits(1);
+        for call in calls {
+            let answer = call.await.unwrap();
+            assert_eq!(
+                answer.status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{transport:?}"
+            );
+            assert_eq!(answer.body, "busy", "{transport:?}");
+            assert_eq!(answer.headers["x-busy"], "yes", "{transport:?}");
+            assert!(
+                !answer.headers.contains_key("idempotent-replayed"),
+                "{transport:?}: nothing was recorded: {answer:?}"
+            );
+        }
+        let m = layer.stats();
+        assert_eq!((m.executed, m.shared_failures), (1, 3), "{transport:?}");
+    }
+}
