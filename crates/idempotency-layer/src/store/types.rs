@@ -159,7 +159,7 @@ pub struct Token(pub u128);
 ///
 /// ```
 /// use bytes::Bytes;
-/// use http::{HeaderMap, HeaderValue, StatusCode};
+/// use http::{HeaderMap, StatusCode};
 /// use idempotency_layer::store::{Fingerprint, Record};
 ///
 /// let mut trailers = HeaderMap::new();
