@@ -1,10 +1,10 @@
 //! The code of a handler's response: `reason_code`'s one two-step classifier (the same one the
 //! client calls), plus what only a server sees at the end of a gRPC-Web body.
 
-use http::{HeaderMap, HeaderValue, StatusCode};
+use http::{HeaderMap, StatusCode};
 use reason_code::{classify_end, classify_head, Code, HeadClass, ReasonCodes, GRPC_STATUS};
 
-use crate::protocol::grpc_web_status_of;
+use crate::protocol::{grpc_web_status, is_grpc_web};
 
 /// The code of a response when its head decides it; `None` for a gRPC or gRPC-Web response
 /// that has started streaming, whose status comes at the end. `grpc`: the request's protocol.
@@ -23,16 +23,11 @@ pub(crate) fn at_head(
 /// The code of a finished response whose head did not decide it ([`at_head`] returned `None`):
 /// the `grpc-status` of its trailers or, for gRPC-Web, of the trailers frame at the end of its
 /// body. `body` is what was kept of it (all of it, or the last data frame when it was too large
-/// to record); `grpc_web`: its gRPC-Web content type, if it is one. No readable status:
-/// UNKNOWN, never a success.
-pub(crate) fn at_end(
-    grpc_web: Option<&HeaderValue>,
-    trailers: Option<&HeaderMap>,
-    body: &[u8],
-) -> Code {
+/// to record). No readable status: UNKNOWN, never a success.
+pub(crate) fn at_end(headers: &HeaderMap, trailers: Option<&HeaderMap>, body: &[u8]) -> Code {
     let in_trailers = trailers.is_some_and(|t| t.contains_key(GRPC_STATUS));
-    if let Some(content_type) = grpc_web.filter(|_| !in_trailers) {
-        if let Some(code) = grpc_web_status_of(content_type, body) {
+    if !in_trailers && is_grpc_web(headers) {
+        if let Some(code) = grpc_web_status(headers, body) {
             return code;
         }
     }
@@ -63,16 +58,13 @@ mod tests {
         let grpc = h(&[("content-type", "application/grpc")]);
         assert_eq!(at_head(&r, true, ok, &grpc), None);
         let trailers = h(&[("grpc-status", "5")]);
-        assert_eq!(at_end(None, Some(&trailers), b""), Code::NotFound);
-        assert_eq!(at_end(None, None, b""), Code::Unknown);
+        assert_eq!(at_end(&grpc, Some(&trailers), b""), Code::NotFound);
+        assert_eq!(at_end(&grpc, None, b""), Code::Unknown);
         let web = h(&[("content-type", "application/grpc-web+proto")]);
         assert_eq!(at_head(&r, true, ok, &web), None);
         let body = b"\x80\x00\x00\x00\x0egrpc-status:3\r\n";
-        let web_type = crate::protocol::grpc_web_content_type(&web);
-        assert!(web_type.is_some());
-        assert!(crate::protocol::grpc_web_content_type(&grpc).is_none());
-        assert_eq!(at_end(web_type, None, body), Code::InvalidArgument);
-        assert_eq!(at_end(web_type, None, b""), Code::Unknown);
+        assert_eq!(at_end(&web, None, body), Code::InvalidArgument);
+        assert_eq!(at_end(&web, None, b""), Code::Unknown);
         let trailers_only_web = h(&[
             ("content-type", "application/grpc-web"),
             ("grpc-status", "0"),

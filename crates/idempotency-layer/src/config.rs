@@ -7,8 +7,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
-use reason_code::{GrpcMethods, KeyHeaders, ReasonCodes, RetryTable, IDEMPOTENT_REPLAYED};
+use http::{HeaderMap, HeaderName, Method, Uri};
+use reason_code::{GrpcMethods, KeyHeaders, ReasonCodes, RetryTable};
 
 use crate::key::KeyRuleFn;
 use crate::reject::RejectionBodyFn;
@@ -38,8 +38,7 @@ pub enum InFlight {
 ///   response that has none), not when the first answer was.
 ///
 /// The first client gets every header its handler set either way; only the record is filtered.
-/// A record keeps the head its replays send, ready to clone: the headers kept, in order, then
-/// `idempotent-replayed: true` (the layer's own; one a handler set is not kept).
+/// A header the layer adds to a replay (`idempotent-replayed`) is never recorded.
 ///
 /// ```
 /// use http::HeaderName;
@@ -93,19 +92,11 @@ impl RecordedHeaders {
         !self.dropped.contains(name)
     }
 
-    /// The head a replay of a response with `headers` sends: the headers records keep, in
-    /// order, then `idempotent-replayed: true`. Made once, when the response is recorded, so
-    /// that a replay clones it and inserts nothing (a map cloned has no room to grow: an insert
-    /// there reallocates).
-    pub(crate) fn replay_head(&self, headers: &HeaderMap) -> HeaderMap {
-        let mut head = HeaderMap::with_capacity(headers.len() + 1);
-        for (name, value) in headers {
-            if *name != IDEMPOTENT_REPLAYED && self.records(name) {
-                head.append(name.clone(), value.clone());
-            }
+    /// Takes the headers records do not keep out of `headers`.
+    pub(crate) fn filter(&self, headers: &mut HeaderMap) {
+        for name in &self.dropped {
+            headers.remove(name);
         }
-        head.append(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-        head
     }
 }
 

@@ -52,26 +52,21 @@ fn has_media_type(b: &[u8], media_type: &[u8]) -> bool {
         && matches!(b.get(media_type.len()), None | Some(b'+') | Some(b';'))
 }
 
-/// The content type of response headers that say gRPC-Web (any variant); `None` for any other.
-pub(crate) fn grpc_web_content_type(headers: &HeaderMap) -> Option<&HeaderValue> {
+/// True when response headers say gRPC-Web (any variant).
+pub(crate) fn is_grpc_web(headers: &HeaderMap) -> bool {
     headers
         .get(CONTENT_TYPE)
-        .filter(|ct| is_grpc_web_content_type(ct.as_bytes()))
+        .is_some_and(|ct| is_grpc_web_content_type(ct.as_bytes()))
 }
 
-/// `grpc_web_status_of` a response with these headers.
-#[cfg(test)]
-fn grpc_web_status(headers: &HeaderMap, body: &[u8]) -> Option<Code> {
-    grpc_web_status_of(headers.get(CONTENT_TYPE)?, body)
-}
-
-/// The `grpc-status` in the trailers frame of a gRPC-Web response body, if one can be read;
-/// `content_type`: the response's ([`grpc_web_content_type`]).
+/// The `grpc-status` in the trailers frame of a gRPC-Web response body, if one can be read.
 ///
 /// `body` is the whole body, or (when the body was too large to keep) its last data frame,
 /// which is where servers put the trailers frame.
-pub(crate) fn grpc_web_status_of(content_type: &HeaderValue, body: &[u8]) -> Option<Code> {
-    let text = is_text_variant(content_type.as_bytes());
+pub(crate) fn grpc_web_status(headers: &HeaderMap, body: &[u8]) -> Option<Code> {
+    let text = headers
+        .get(CONTENT_TYPE)
+        .is_some_and(|ct| is_text_variant(ct.as_bytes()));
     let decoded;
     let mut frames: &[u8] = if text {
         decoded = decode_text(body)?;

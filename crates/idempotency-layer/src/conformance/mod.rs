@@ -93,13 +93,15 @@ pub fn sample_record(fingerprint: Fingerprint) -> Record {
     let mut trailers = HeaderMap::new();
     trailers.insert("grpc-status", HeaderValue::from_static("0"));
     trailers.insert("grpc-message", HeaderValue::from_static("fine%20thanks"));
-    Record::new(
+    Record {
         fingerprint,
-        StatusCode::CREATED,
+        status: StatusCode::CREATED,
         headers,
-        Bytes::from_static(b"\x00\x00\x00\x00\x03abc binary \xff body"),
-    )
-    .with_trailers(trailers)
+        body: Bytes::from_static(b"\x00\x00\x00\x00\x03abc binary \xff body"),
+        body_omitted: false,
+        trailers: Some(Box::new(trailers)),
+        replay_head: Default::default(),
+    }
 }
 
 const FP: Fingerprint = Fingerprint([7; 32]);

@@ -12,9 +12,6 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use serde::{Deserialize, Serialize};
 
-use reason_code::IDEMPOTENT_REPLAYED;
-
-use super::types::marked_as_replay;
 use super::{Fingerprint, Record, StoreError};
 
 /// The encoding version this build writes first.
@@ -34,17 +31,14 @@ struct Stored {
     trailers: Option<Vec<(String, Bytes)>>,
 }
 
-fn pairs<'a>(
-    headers: impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)>,
-) -> Vec<(String, Bytes)> {
-    headers
+fn pairs(map: &HeaderMap) -> Vec<(String, Bytes)> {
+    map.iter()
         .map(|(n, v)| (n.as_str().to_owned(), Bytes::copy_from_slice(v.as_bytes())))
         .collect()
 }
 
 fn map(pairs: Vec<(String, Bytes)>) -> Result<HeaderMap, StoreError> {
-    // Room for the marker a record's head gets.
-    let mut map = HeaderMap::with_capacity(pairs.len() + 1);
+    let mut map = HeaderMap::with_capacity(pairs.len());
     for (name, value) in pairs {
         let name = HeaderName::from_bytes(name.as_bytes())
             .map_err(|e| StoreError::Corrupt(format!("record header name {name:?}: {e}")))?;
@@ -61,17 +55,10 @@ pub(crate) fn encode(record: &Record) -> Result<Vec<u8>, StoreError> {
         version: VERSION,
         fingerprint: record.fingerprint.0,
         status: record.status.as_u16(),
-        // Without the marker of a replay, which every record's head ends with and `decode`
-        // sets again: the encoding is the one written before records kept it.
-        headers: pairs(
-            record
-                .headers
-                .iter()
-                .filter(|(n, _)| *n != IDEMPOTENT_REPLAYED),
-        ),
+        headers: pairs(&record.headers),
         body: record.body.clone(),
         body_omitted: record.body_omitted,
-        trailers: record.trailers.as_deref().map(|t| pairs(t.iter())),
+        trailers: record.trailers.as_deref().map(pairs),
     };
     postcard::to_allocvec(&stored)
         .map_err(|e| StoreError::Backend(format!("encoding a record: {e}").into()))
@@ -93,10 +80,11 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<Record, StoreError> {
     Ok(Record {
         fingerprint: Fingerprint(stored.fingerprint),
         status,
-        headers: marked_as_replay(map(stored.headers)?),
+        headers: map(stored.headers)?,
         body: stored.body,
         body_omitted: stored.body_omitted,
         trailers: stored.trailers.map(map).transpose()?.map(Box::new),
+        replay_head: Default::default(),
     })
 }
 
@@ -124,23 +112,19 @@ mod tests {
         headers.append("x-b", HeaderValue::from_static("3"));
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", HeaderValue::from_static("0"));
-        let record = Record::new(
-            Fingerprint([9; 32]),
-            StatusCode::ACCEPTED,
+        let record = Record {
+            fingerprint: Fingerprint([9; 32]),
+            status: StatusCode::ACCEPTED,
             headers,
-            Bytes::from_static(b"\x00\xffbody"),
-        )
-        .with_trailers(trailers);
-        let encoded = encode(&record).unwrap();
-        let back = decode(&encoded).unwrap();
+            body: Bytes::from_static(b"\x00\xffbody"),
+            body_omitted: false,
+            trailers: Some(Box::new(trailers)),
+            replay_head: Default::default(),
+        };
+        let back = decode(&encode(&record).unwrap()).unwrap();
         assert_eq!(back, record);
-        let names: Vec<_> = back.headers.iter().map(|(n, _)| n.as_str()).collect();
-        // In order, repeats kept; the head a replay sends ends with its marker.
-        assert_eq!(names, ["x-b", "x-b", "x-a", "idempotent-replayed"]);
-        // The marker is not stored: every record has it, and `decode` sets it.
-        assert!(!encoded
-            .windows(IDEMPOTENT_REPLAYED.as_str().len())
-            .any(|w| w == IDEMPOTENT_REPLAYED.as_str().as_bytes()));
+        let names: Vec<_> = back.headers.iter().map(|(n, v)| (n.as_str(), v)).collect();
+        assert_eq!(names.len(), 3);
     }
 
     /// A record of version 1 as every build since has written it (a fixed fixture: if this
@@ -161,12 +145,15 @@ mod tests {
     fn v1_record() -> Record {
         let mut headers = HeaderMap::new();
         headers.insert("content-type", HeaderValue::from_static("json"));
-        Record::new(
-            Fingerprint([7; 32]),
-            StatusCode::CREATED,
+        Record {
+            fingerprint: Fingerprint([7; 32]),
+            status: StatusCode::CREATED,
             headers,
-            Bytes::from_static(b"hi"),
-        )
+            body: Bytes::from_static(b"hi"),
+            body_omitted: false,
+            trailers: None,
+            replay_head: Default::default(),
+        }
     }
 
     #[test]

@@ -127,7 +127,8 @@ impl quick_cache::Weighter<ScopeKey, Entry> for Weight {
                 .sum::<usize>()
                 + 96
         });
-        ENTRY_OVERHEAD + (r.body.len() + headers + trailers) as u64
+        // Headers twice: as recorded, and in the head its replays send (made by the first).
+        ENTRY_OVERHEAD + (r.body.len() + 2 * headers + trailers) as u64
     }
 }
 

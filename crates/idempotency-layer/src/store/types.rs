@@ -5,9 +5,11 @@ use std::fmt;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use http::header::CONTENT_LENGTH;
 use http::{HeaderMap, HeaderValue, StatusCode};
+use once_cell::race::OnceBox;
 
-use reason_code::{BoxError, IDEMPOTENT_REPLAYED};
+use reason_code::{BoxError, IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED};
 
 /// The hash of a scope (tenant + method + key), the only identifier a store sees.
 ///
@@ -167,8 +169,6 @@ pub struct Token(pub u128);
 /// let record = Record::new(Fingerprint([7; 32]), StatusCode::OK, HeaderMap::new(), Bytes::from("hi"))
 ///     .with_trailers(trailers);
 /// assert_eq!(record.body(), "hi");
-/// // The head a replay sends: the response's headers, then the marker of a replay.
-/// assert_eq!(record.headers()["idempotent-replayed"], "true");
 /// assert_eq!(record.trailers().unwrap()["grpc-status"], "0");
 /// assert!(!record.body_omitted());
 /// assert!(record.clone().with_body_omitted().body().is_empty());
@@ -183,12 +183,13 @@ pub struct Record {
     /// Boxed: trailers are rare (gRPC's status), and every record in memory would otherwise
     /// carry a whole `HeaderMap` for them.
     pub(crate) trailers: Option<Box<HeaderMap>>,
+    /// The head its replays send, made by the first ([`Record::replay_head`]).
+    pub(crate) replay_head: ReplayHead,
 }
 
 impl Record {
     /// A record of a response with this status, headers and whole body, made by a request with
-    /// this fingerprint; no trailers. It keeps the head a replay sends: `headers`, with
-    /// `idempotent-replayed: true` set ([`headers`](Self::headers)).
+    /// this fingerprint; no trailers.
     pub fn new(
         fingerprint: Fingerprint,
         status: StatusCode,
@@ -198,10 +199,11 @@ impl Record {
         Record {
             fingerprint,
             status,
-            headers: marked_as_replay(headers),
+            headers,
             body,
             body_omitted: false,
             trailers: None,
+            replay_head: ReplayHead::default(),
         }
     }
 
@@ -215,9 +217,16 @@ impl Record {
     /// and trailers only, and say so (for a body larger than the layer's `max_record_bytes`, or
     /// one a store could not keep).
     pub fn with_body_omitted(mut self) -> Self {
+        self.omit_body();
+        self
+    }
+
+    /// Drops the body and marks it omitted (as [`with_body_omitted`](Self::with_body_omitted)),
+    /// in place: its replays' head is made anew.
+    pub(crate) fn omit_body(&mut self) {
         self.body = Bytes::new();
         self.body_omitted = true;
-        self
+        self.replay_head = ReplayHead::default();
     }
 
     /// The fingerprint of the request that produced it.
@@ -230,9 +239,7 @@ impl Record {
         self.status
     }
 
-    /// The headers a replay sends: the response's that records keep
-    /// ([`RecordedHeaders`](crate::RecordedHeaders)), in order, repeated names kept, then
-    /// `idempotent-replayed: true`. A replay clones them as they are.
+    /// The response headers, in order, repeated names kept.
     pub fn headers(&self) -> &HeaderMap {
         &self.headers
     }
@@ -251,12 +258,55 @@ impl Record {
     pub fn trailers(&self) -> Option<&HeaderMap> {
         self.trailers.as_deref()
     }
+
+    /// The head a replay sends: [`headers`](Self::headers) (the layer's own markers as a handler
+    /// set them left out) and `idempotent-replayed: true`; for a record without its body,
+    /// `idempotent-body-omitted: true` too, and no `content-length`. Made by the first replay;
+    /// every later one clones it.
+    pub(crate) fn replay_head(&self) -> &HeaderMap {
+        self.replay_head.0.get_or_init(|| {
+            let marks = [
+                Some(IDEMPOTENT_REPLAYED),
+                self.body_omitted.then_some(IDEMPOTENT_BODY_OMITTED),
+            ];
+            let mut head = HeaderMap::with_capacity(self.headers.len() + marks.len());
+            for (name, value) in &self.headers {
+                let dropped = (self.body_omitted && *name == CONTENT_LENGTH)
+                    || marks.iter().flatten().any(|mark| name == mark);
+                if !dropped {
+                    head.append(name.clone(), value.clone());
+                }
+            }
+            for mark in marks.into_iter().flatten() {
+                head.append(mark, HeaderValue::from_static("true"));
+            }
+            Box::new(head)
+        })
+    }
 }
 
-/// `headers` with `idempotent-replayed: true` set: the head a replay sends.
-pub(crate) fn marked_as_replay(mut headers: HeaderMap) -> HeaderMap {
-    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-    headers
+/// The head a record's replays send, made by its first replay and cloned by every later one:
+/// a replay then inserts nothing into the map it cloned (a cloned `HeaderMap` has no room to
+/// grow, so an insert there reallocates it). A write that is never replayed (most of them)
+/// makes none. Not part of what a record says: two records are equal whatever their replays
+/// made.
+/// One pointer: a record that is never replayed pays 8 bytes for it.
+#[derive(Clone, Default)]
+pub(crate) struct ReplayHead(OnceBox<HeaderMap>);
+
+impl PartialEq for ReplayHead {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl fmt::Debug for ReplayHead {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self.0.get() {
+            Some(_) => "made",
+            None => "not made yet",
+        })
+    }
 }
 
 /// What [`IdempotencyStore::begin`](super::IdempotencyStore::begin) found.
@@ -371,5 +421,69 @@ impl Backend {
             Backend::Postgres => "postgres",
             Backend::Custom => "custom",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record() -> Record {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("application/json"));
+        headers.insert("content-length", HeaderValue::from_static("2"));
+        headers.append("x-order", HeaderValue::from_static("1"));
+        headers.append("x-order", HeaderValue::from_static("2"));
+        // A handler's own markers are not the layer's: replaced.
+        headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("handler"));
+        headers.insert(IDEMPOTENT_BODY_OMITTED, HeaderValue::from_static("handler"));
+        Record::new(
+            Fingerprint([1; 32]),
+            StatusCode::OK,
+            headers,
+            Bytes::from("{}"),
+        )
+    }
+
+    fn pairs(h: &HeaderMap) -> Vec<(&str, &str)> {
+        h.iter()
+            .map(|(n, v)| (n.as_str(), v.to_str().unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn the_replay_head_is_made_once_and_follows_the_body() {
+        let mut record = record();
+        let head = record.replay_head();
+        assert!(std::ptr::eq(head, record.replay_head()), "made once");
+        assert_eq!(
+            pairs(head),
+            [
+                ("content-type", "application/json"),
+                ("content-length", "2"),
+                ("x-order", "1"),
+                ("x-order", "2"),
+                ("idempotent-body-omitted", "handler"),
+                ("idempotent-replayed", "true"),
+            ]
+        );
+        // What the record says is unchanged, and equality ignores what replays made.
+        assert_eq!(record.headers()[IDEMPOTENT_REPLAYED], "handler");
+        assert_eq!(record, self::record());
+
+        // Without its body, the head is made anew: no length, and it says so.
+        record.omit_body();
+        assert_eq!(
+            pairs(record.replay_head()),
+            [
+                ("content-type", "application/json"),
+                ("x-order", "1"),
+                ("x-order", "2"),
+                ("idempotent-replayed", "true"),
+                ("idempotent-body-omitted", "true"),
+            ]
+        );
+        let omitted = self::record().with_body_omitted();
+        assert_eq!(pairs(omitted.replay_head()), pairs(record.replay_head()));
     }
 }

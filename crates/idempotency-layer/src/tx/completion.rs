@@ -426,9 +426,9 @@ impl TxCompletion {
         let mut record = RecordBuilder::new(
             self.fingerprint,
             parts.status,
-            &parts.headers,
+            parts.headers.clone(),
             head_code,
-            &self.config,
+            self.config.max_record_bytes,
         );
         let mut chunks = Vec::new();
         let mut body = std::pin::pin!(body);

@@ -146,9 +146,7 @@ impl Drop for Held {
 /// `record` without its body, marked so (a store with no room for it).
 fn trim_body(record: &mut Arc<Record>) {
     if !record.body.is_empty() {
-        let trimmed = Arc::make_mut(record);
-        trimmed.body = bytes::Bytes::new();
-        trimmed.body_omitted = true;
+        Arc::make_mut(record).omit_body();
     }
 }
 

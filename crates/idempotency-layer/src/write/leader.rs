@@ -240,7 +240,7 @@ where
             cfg,
             fp,
             parts.status,
-            &parts.headers,
+            parts.headers.clone(),
             http1,
             head_code,
         )

@@ -3,13 +3,13 @@
 //! `postgres`) both follow, so a record is the same bytes whichever of them stored it.
 
 use bytes::{Bytes, BytesMut};
-use http::{HeaderMap, HeaderValue, StatusCode};
+use http::{HeaderMap, StatusCode};
 use http_body::Frame;
 use reason_code::Code;
 
 use crate::classify;
 use crate::config::Config;
-use crate::protocol::grpc_web_content_type;
+use crate::protocol::is_grpc_web;
 use crate::store::{Fingerprint, Record};
 
 /// What a response's head says about recording it.
@@ -45,7 +45,6 @@ pub(crate) enum Finished {
 pub(crate) struct RecordBuilder {
     fingerprint: Fingerprint,
     status: StatusCode,
-    /// The head a replay sends ([`RecordedHeaders::replay_head`](crate::RecordedHeaders)).
     headers: HeaderMap,
     max_record_bytes: usize,
     data: BytesMut,
@@ -54,32 +53,27 @@ pub(crate) struct RecordBuilder {
     /// For gRPC-Web: the last data frame, where the trailers frame is (used when the body is too
     /// large to keep).
     last_chunk: Option<Bytes>,
-    /// The gRPC-Web content type of a response whose status comes at the end.
-    grpc_web: Option<HeaderValue>,
+    grpc_web: bool,
     /// The code the head decided (a reason code, a trailers-only gRPC status, an HTTP status);
     /// `None` when the status comes at the end (gRPC trailers, a gRPC-Web trailers frame).
     head_code: Option<Code>,
 }
 
 impl RecordBuilder {
-    /// `headers`: the response's, as its handler set them; `head_code`: what [`at_head`]
-    /// decided ([`AtHead::Record`]).
+    /// `head_code`: what [`at_head`] decided ([`AtHead::Record`]).
     pub(crate) fn new(
         fingerprint: Fingerprint,
         status: StatusCode,
-        headers: &HeaderMap,
+        headers: HeaderMap,
         head_code: Option<Code>,
-        cfg: &Config,
+        max_record_bytes: usize,
     ) -> Self {
-        let grpc_web = head_code
-            .is_none()
-            .then(|| grpc_web_content_type(headers).cloned())
-            .flatten();
+        let grpc_web = head_code.is_none() && is_grpc_web(&headers);
         RecordBuilder {
             fingerprint,
             status,
-            headers: cfg.recorded_headers.replay_head(headers),
-            max_record_bytes: cfg.max_record_bytes,
+            headers,
+            max_record_bytes,
             data: BytesMut::new(),
             omitted: false,
             trailers: None,
@@ -92,7 +86,7 @@ impl RecordBuilder {
     /// Takes one frame of the body into the record.
     pub(crate) fn observe(&mut self, frame: &Frame<Bytes>) {
         if let Some(d) = frame.data_ref() {
-            if self.grpc_web.is_some() && !d.is_empty() {
+            if self.grpc_web && !d.is_empty() {
                 self.last_chunk = Some(d.clone());
             }
             if !self.omitted {
@@ -126,10 +120,10 @@ impl RecordBuilder {
             (Some(last), true) => last,
             _ => &self.data,
         };
-        let code = self.head_code.unwrap_or_else(|| {
-            classify::at_end(self.grpc_web.as_ref(), self.trailers.as_ref(), kept)
-        });
-        let record = self.into_record();
+        let code = self
+            .head_code
+            .unwrap_or_else(|| classify::at_end(&self.headers, self.trailers.as_ref(), kept));
+        let record = self.into_record(cfg);
         if cfg.table.may_record(code) {
             Finished::Recorded(record)
         } else {
@@ -147,18 +141,21 @@ impl RecordBuilder {
         if !cfg.table.may_record(code) {
             return None;
         }
-        Some(self.into_record().with_body_omitted())
+        Some(self.into_record(cfg).with_body_omitted())
     }
 
-    /// The record: its head is the one a replay sends.
-    fn into_record(self) -> Record {
+    /// The record, its headers filtered by [`recorded_headers`](Config::recorded_headers).
+    fn into_record(self, cfg: &Config) -> Record {
+        let mut headers = self.headers;
+        cfg.recorded_headers.filter(&mut headers);
         Record {
             fingerprint: self.fingerprint,
             status: self.status,
-            headers: self.headers,
+            headers,
             body: self.data.freeze(),
             body_omitted: self.omitted,
             trailers: self.trailers.map(Box::new),
+            replay_head: Default::default(),
         }
     }
 }

@@ -143,7 +143,7 @@ where
         config: Arc<Config>,
         fingerprint: Fingerprint,
         status: StatusCode,
-        headers: &HeaderMap,
+        headers: HeaderMap,
         http1: bool,
         head_code: Option<Code>,
     ) -> Self {
@@ -160,7 +160,13 @@ where
                 })
             })
             .flatten();
-        let record = RecordBuilder::new(fingerprint, status, headers, head_code, &config);
+        let record = RecordBuilder::new(
+            fingerprint,
+            status,
+            headers,
+            head_code,
+            config.max_record_bytes,
+        );
         ResponseRecorder {
             body,
             claim,

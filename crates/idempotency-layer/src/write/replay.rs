@@ -20,8 +20,6 @@ pub(super) fn shared_failure<B>(answer: &Record) -> Response<IdempotencyBody<B>>
     ));
     *res.status_mut() = answer.status;
     *res.headers_mut() = answer.headers.clone();
-    // Read like a record, it holds a replay's head: it is not one.
-    res.headers_mut().remove(IDEMPOTENT_REPLAYED);
     if answer.body_omitted {
         // The body was not kept: its length no longer describes what is sent.
         res.headers_mut().remove(CONTENT_LENGTH);
@@ -29,8 +27,8 @@ pub(super) fn shared_failure<B>(answer: &Record) -> Response<IdempotencyBody<B>>
     res
 }
 
-/// The recorded response, for a duplicate (`grpc`: the request's protocol): a clone of the
-/// head the record keeps, `idempotent-replayed` included, and of its body's `Bytes`.
+/// The recorded response, for a duplicate (`grpc`: the request's protocol): clones of the head
+/// the record's replays send ([`Record::replay_head`]) and of its body's `Bytes`.
 pub(super) fn replay<B>(
     record: &Record,
     grpc: bool,
@@ -44,16 +42,7 @@ pub(super) fn replay<B>(
         record.trailers.as_deref().cloned(),
     ));
     *res.status_mut() = record.status;
-    *res.headers_mut() = record.headers.clone();
-    debug_assert!(
-        record.headers.contains_key(IDEMPOTENT_REPLAYED),
-        "every record keeps a replay's head"
-    );
-    if record.body_omitted {
-        let h = res.headers_mut();
-        h.insert(IDEMPOTENT_BODY_OMITTED, HeaderValue::from_static("true"));
-        h.remove(CONTENT_LENGTH);
-    }
+    *res.headers_mut() = record.replay_head().clone();
     res
 }
 

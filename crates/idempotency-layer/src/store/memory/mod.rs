@@ -49,8 +49,9 @@ const HEADER_OVERHEAD: usize = 32;
 ///   expiry index, so no request scans the whole map; a store that needs room removes every
 ///   expired record of a shard before it evicts anything there.
 /// - **Bounded in entries and in bytes, as a whole** (not per shard), and it counts what it
-///   holds ([`stats`](MemoryStore::stats)): each entry costs its record's body, headers and
-///   trailers plus a fixed [overhead](MemoryStore::ENTRY_OVERHEAD).
+///   holds ([`stats`](MemoryStore::stats)): each entry costs its record's body, headers (twice:
+///   as recorded, and in the head its replays send, with the replay's marker) and trailers,
+///   plus a fixed [overhead](MemoryStore::ENTRY_OVERHEAD).
 /// - **A minimum retention.** A record younger than
 ///   [`min_retention`](MemoryStoreBuilder::min_retention) (default 15 minutes: more than twice
 ///   the longest a default-policy client retries one call) is never dropped before its TTL. When the store is full, records
@@ -87,10 +88,10 @@ const HEADER_OVERHEAD: usize = 32;
 /// # Deploying
 ///
 /// - **Sizing**: by default the store is bounded by its bytes (128 MiB; an entry costs its
-///   record's body, headers and trailers plus 256 bytes), and a record is kept at least 15
-///   minutes. A record of a 200-byte response costs about 500 bytes, so the store holds about
-///   260 000 of them, and a service can write new keys at up to about 260 000 / 900 s = 290 a
-///   second, around the clock, without a refusal (a test writes 100 a second for 75 minutes on
+///   record's body, headers twice and trailers plus 256 bytes), and a record is kept at least
+///   15 minutes. A record of a 200-byte JSON response costs about 630 bytes, so the store holds
+///   about 210 000 of them, and a service can write new keys at up to about 210 000 / 900 s =
+///   230 a second, around the clock, without a refusal (a test writes 100 a second for 75 minutes on
 ///   the defaults: none refused). Past what it holds, the oldest records make room: a retry
 ///   within 15 minutes always gets its replay, one a day later may not. The arithmetic for
 ///   yours: new keys a second x the longest any of your clients retries (queues, jobs,
@@ -129,8 +130,8 @@ pub struct MemoryStore {
 pub struct MemoryStats {
     /// Entries held (claims and records, including expired records not yet removed).
     pub entries: usize,
-    /// Bytes the entries cost (records' bodies, headers and trailers plus a fixed overhead
-    /// each).
+    /// Bytes the entries cost (records' bodies, headers twice and trailers plus a fixed
+    /// overhead each).
     pub bytes: usize,
     /// Tenants holding at least one entry.
     pub tenants: usize,
@@ -189,7 +190,8 @@ impl MemoryStore {
     /// first (two attempts of at most 60 s for readiness and 60 s for their head, two waits of
     /// at most `max_pushback`, 30 s, then at most 60 s for readiness again).
     pub const DEFAULT_MIN_RETENTION: Duration = Duration::from_secs(15 * 60);
-    /// The bytes each entry is counted for besides its record's body, headers and trailers.
+    /// The bytes each entry is counted for besides its record's body, headers (twice) and
+    /// trailers.
     pub const ENTRY_OVERHEAD: usize = ENTRY_OVERHEAD;
 
     /// A store with the defaults.
@@ -448,9 +450,7 @@ impl IdempotencyStore for MemoryStore {
                 );
                 inner.bodies_dropped.fetch_add(1, Ordering::Relaxed);
                 // Rare: the copy without its body (the caller may hold the record to retry).
-                let trimmed = Arc::make_mut(&mut record);
-                trimmed.body = bytes::Bytes::new();
-                trimmed.body_omitted = true;
+                Arc::make_mut(&mut record).omit_body();
             }
             size = record_size(&record);
             inner.force(tenant, size - ENTRY_OVERHEAD);

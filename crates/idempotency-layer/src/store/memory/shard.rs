@@ -163,8 +163,17 @@ impl Entry {
     }
 }
 
-/// The bytes a record costs in the store: its body, headers and trailers, plus the overhead.
+/// The bytes a record costs in the store: its body, headers and trailers, the head its
+/// replays send (made by the first: its headers again and the layer's markers, charged from
+/// the start), plus the overhead.
 pub(super) fn record_size(record: &Record) -> usize {
+    let mark = |name: &str| name.len() + "true".len() + HEADER_OVERHEAD;
+    let marks = mark("idempotent-replayed")
+        + if record.body_omitted {
+            mark("idempotent-body-omitted")
+        } else {
+            0
+        };
     let headers = |h: &http::HeaderMap| {
         h.iter()
             .map(|(n, v)| n.as_str().len() + v.len() + HEADER_OVERHEAD)
@@ -172,7 +181,8 @@ pub(super) fn record_size(record: &Record) -> usize {
     };
     ENTRY_OVERHEAD
         + record.body.len()
-        + headers(&record.headers)
+        + 2 * headers(&record.headers)
+        + marks
         + record.trailers.as_deref().map_or(0, headers)
 }
 

@@ -9,12 +9,15 @@ fn scope(i: u64) -> ScopeKey {
 }
 
 fn record() -> Record {
-    Record::new(
-        Fingerprint([1; 32]),
-        StatusCode::OK,
-        HeaderMap::new(),
-        Bytes::from_static(b"ok"),
-    )
+    Record {
+        fingerprint: Fingerprint([1; 32]),
+        status: StatusCode::OK,
+        headers: HeaderMap::new(),
+        body: Bytes::from_static(b"ok"),
+        body_omitted: false,
+        trailers: None,
+        replay_head: Default::default(),
+    }
 }
 
 /// The map's slots are sized for records: a claim's fields are boxed, a record's are not.
