@@ -19,13 +19,20 @@
 //!
 //! Instructions per request = (total - the `bare` total) / requests; see BENCHMARKS.md.
 
+use std::convert::Infallible;
+use std::future::Ready;
+
 use benchmarks::idempotency::{assert_recorded_whole, bench_layer, KeyGen};
 use benchmarks::{call_to_end, created, created_json, order_request};
 use bytes::Bytes;
+use http::{Request, Response};
 use http_body_util::Full;
 use idempotency_layer::store::NearCache;
 use idempotency_layer::{IdempotencyLayer, RedisStore, RequestBody};
 use tower::{service_fn, Layer};
+
+/// A bench handler ([`created`], [`created_json`]).
+type Handler<B> = fn(Request<B>) -> Ready<Result<Response<Full<Bytes>>, Infallible>>;
 
 fn main() {
     let which = std::env::args().nth(1).unwrap_or_default();
@@ -39,41 +46,29 @@ fn main() {
         .expect("runtime");
     let mut keys = KeyGen::new("order");
     rt.block_on(async {
-        match which.as_str() {
+        // `bare`, `first` and `replay` run on either handler: with `_json`, on the one a JSON
+        // API has.
+        let (case, json) = match which.strip_suffix("_json") {
+            Some(case) if matches!(case, "bare" | "first" | "replay") => (case, true),
+            _ => (which.as_str(), false),
+        };
+        match case {
             "bare" => {
-                let mut svc = service_fn(created::<Full<Bytes>>);
+                let handler: Handler<Full<Bytes>> = if json { created_json } else { created };
+                let mut svc = service_fn(handler);
                 for _ in 0..requests {
                     call_to_end(&mut svc, order_request(&keys.next_key())).await;
                 }
-            }
-            "bare_json" => {
-                let mut svc = service_fn(created_json::<Full<Bytes>>);
-                for _ in 0..requests {
-                    call_to_end(&mut svc, order_request(&keys.next_key())).await;
-                }
-            }
-            "first_json" | "replay_json" => {
-                let (layer, store) = bench_layer();
-                let mut svc = layer.layer(service_fn(created_json::<RequestBody<Full<Bytes>>>));
-                let replayed = keys.next_key();
-                call_to_end(&mut svc, order_request(&replayed)).await;
-                for _ in 0..requests {
-                    let key = if which == "first_json" {
-                        keys.next_key()
-                    } else {
-                        replayed.clone()
-                    };
-                    call_to_end(&mut svc, order_request(&key)).await;
-                }
-                assert_recorded_whole(&store);
             }
             "first" | "replay" => {
+                let handler: Handler<RequestBody<Full<Bytes>>> =
+                    if json { created_json } else { created };
                 let (layer, store) = bench_layer();
-                let mut svc = layer.layer(service_fn(created::<RequestBody<Full<Bytes>>>));
+                let mut svc = layer.layer(service_fn(handler));
                 let replayed = keys.next_key();
                 call_to_end(&mut svc, order_request(&replayed)).await;
                 for _ in 0..requests {
-                    let key = if which == "first" {
+                    let key = if case == "first" {
                         keys.next_key()
                     } else {
                         replayed.clone()

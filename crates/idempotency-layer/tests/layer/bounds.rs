@@ -1346,20 +1346,7 @@ async fn settings_at_their_extremes_never_panic() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_in_flight_gauge_counts_the_claims_held() {
     for transport in Transport::BOTH {
-        let gate = Arc::new(tokio::sync::Semaphore::new(0));
-        let router = {
-            let gate = gate.clone();
-            Router::new().route(
-                "/orders",
-                post(move || {
-                    let gate = gate.clone();
-                    async move {
-                        gate.acquire().await.unwrap().forget();
-                        (StatusCode::CREATED, "created")
-                    }
-                }),
-            )
-        };
+        let (router, gate) = crate::support::gated_orders(|| (StatusCode::CREATED, "created"));
         let layer = IdempotencyLayer::new(MemoryStore::new())
             .tenant(idempotency_layer::TenantSource::fixed("t"));
         let addr = serve(router.layer(layer.clone())).await;

@@ -16,6 +16,29 @@ pub use test_support::wait;
 
 pub use test_support::net::{collect, serve, Collected, HttpClient};
 
+/// A router whose `POST /orders` waits for a permit of the semaphore returned with it (none at
+/// first: `add_permits` lets handlers finish), then answers `answer()`.
+pub fn gated_orders<R>(answer: fn() -> R) -> (axum::Router, std::sync::Arc<tokio::sync::Semaphore>)
+where
+    R: axum::response::IntoResponse + 'static,
+{
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let router = {
+        let gate = gate.clone();
+        axum::Router::new().route(
+            "/orders",
+            axum::routing::post(move || {
+                let gate = gate.clone();
+                async move {
+                    gate.acquire().await.unwrap().forget();
+                    answer()
+                }
+            }),
+        )
+    };
+    (router, gate)
+}
+
 /// An HTTP/1.1 keep-alive client.
 pub fn client() -> HttpClient {
     test_support::net::client_h1()

@@ -1516,24 +1516,9 @@ async fn a_replay_sends_the_recorded_head_marked_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_failure_is_not_marked_as_a_replay() {
     for transport in Transport::BOTH {
-        let gate = Arc::new(tokio::sync::Semaphore::new(0));
-        let router = {
-            let gate = gate.clone();
-            Router::new().route(
-                "/orders",
-                post(move || {
-                    let gate = gate.clone();
-                    async move {
-                        gate.acquire().await.unwrap().forget();
-                        let mut res = Response::new(Body::from("busy"));
-                        *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
-                        res.headers_mut()
-                            .insert("x-busy", HeaderValue::from_static("yes"));
-                        res
-                    }
-                }),
-            )
-        };
+        let (router, gate) = crate::support::gated_orders(|| {
+            (StatusCode::SERVICE_UNAVAILABLE, [("x-busy", "yes")], "busy")
+        });
         let layer = layer(OnDisconnect::Complete, InFlight::Wait);
         let addr = serve(router.layer(layer.clone())).await;
         let client = client(transport);

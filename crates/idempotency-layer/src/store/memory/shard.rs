@@ -6,6 +6,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use http::HeaderName;
+use reason_code::{IDEMPOTENT_BODY_OMITTED, IDEMPOTENT_REPLAYED};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -167,10 +169,10 @@ impl Entry {
 /// replays send (made by the first: its headers again and the layer's markers, charged from
 /// the start), plus the overhead.
 pub(super) fn record_size(record: &Record) -> usize {
-    let mark = |name: &str| name.len() + "true".len() + HEADER_OVERHEAD;
-    let marks = mark("idempotent-replayed")
+    let mark = |name: HeaderName| name.as_str().len() + "true".len() + HEADER_OVERHEAD;
+    let marks = mark(IDEMPOTENT_REPLAYED)
         + if record.body_omitted {
-            mark("idempotent-body-omitted")
+            mark(IDEMPOTENT_BODY_OMITTED)
         } else {
             0
         };
