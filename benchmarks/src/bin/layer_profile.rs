@@ -31,8 +31,39 @@ use idempotency_layer::store::NearCache;
 use idempotency_layer::{IdempotencyLayer, RedisStore, RequestBody};
 use tower::{service_fn, Layer};
 
-/// A bench handler ([`created`], [`created_json`]).
-type Handler<B> = fn(Request<B>) -> Ready<Result<Response<Full<Bytes>>, Infallible>>;
+/// The answer of a bench handler ([`created`], [`created_json`]).
+type Answer = Ready<Result<Response<Full<Bytes>>, Infallible>>;
+
+/// `handler` alone, a new key per request.
+async fn bare<H>(handler: H, requests: usize, keys: &mut KeyGen)
+where
+    H: FnMut(Request<Full<Bytes>>) -> Answer,
+{
+    let mut svc = service_fn(handler);
+    for _ in 0..requests {
+        call_to_end(&mut svc, order_request(&keys.next_key())).await;
+    }
+}
+
+/// `handler` under the layer: a new key per request (`first`), or one recorded key.
+async fn first_or_replay<H>(handler: H, first: bool, requests: usize, keys: &mut KeyGen)
+where
+    H: FnMut(Request<RequestBody<Full<Bytes>>>) -> Answer + Clone + Send + Sync + 'static,
+{
+    let (layer, store) = bench_layer();
+    let mut svc = layer.layer(service_fn(handler));
+    let replayed = keys.next_key();
+    call_to_end(&mut svc, order_request(&replayed)).await;
+    for _ in 0..requests {
+        let key = if first {
+            keys.next_key()
+        } else {
+            replayed.clone()
+        };
+        call_to_end(&mut svc, order_request(&key)).await;
+    }
+    assert_recorded_whole(&store);
+}
 
 fn main() {
     let which = std::env::args().nth(1).unwrap_or_default();
@@ -46,36 +77,14 @@ fn main() {
         .expect("runtime");
     let mut keys = KeyGen::new("order");
     rt.block_on(async {
-        // `bare`, `first` and `replay` run on either handler: with `_json`, on the one a JSON
-        // API has.
-        let (case, json) = match which.strip_suffix("_json") {
-            Some(case) if matches!(case, "bare" | "first" | "replay") => (case, true),
-            _ => (which.as_str(), false),
-        };
-        match case {
-            "bare" => {
-                let handler: Handler<Full<Bytes>> = if json { created_json } else { created };
-                let mut svc = service_fn(handler);
-                for _ in 0..requests {
-                    call_to_end(&mut svc, order_request(&keys.next_key())).await;
-                }
-            }
+        match which.as_str() {
+            "bare" => bare(created, requests, &mut keys).await,
+            "bare_json" => bare(created_json, requests, &mut keys).await,
             "first" | "replay" => {
-                let handler: Handler<RequestBody<Full<Bytes>>> =
-                    if json { created_json } else { created };
-                let (layer, store) = bench_layer();
-                let mut svc = layer.layer(service_fn(handler));
-                let replayed = keys.next_key();
-                call_to_end(&mut svc, order_request(&replayed)).await;
-                for _ in 0..requests {
-                    let key = if case == "first" {
-                        keys.next_key()
-                    } else {
-                        replayed.clone()
-                    };
-                    call_to_end(&mut svc, order_request(&key)).await;
-                }
-                assert_recorded_whole(&store);
+                first_or_replay(created, which == "first", requests, &mut keys).await
+            }
+            "first_json" | "replay_json" => {
+                first_or_replay(created_json, which == "first_json", requests, &mut keys).await
             }
             "tenant_replay" => {
                 let tenant = idempotency_layer::Tenant::new("acme-corporation");
