@@ -290,6 +290,7 @@ impl Record {
 /// grow, so an insert there reallocates it). A write that is never replayed (most of them)
 /// makes none. Not part of what a record says: two records are equal whatever their replays
 /// made.
+///
 /// One pointer: a record that is never replayed pays 8 bytes for it.
 #[derive(Clone, Default)]
 pub(crate) struct ReplayHead(OnceBox<HeaderMap>);
