@@ -49,15 +49,11 @@ impl<B, E> Policy<Request<Full<Bytes>>, Response<B>, E> for CloneOn503 {
     }
 }
 
-/// What a user's `tower::retry` policy does to keep a request for a retry: a copy of its head
-/// (method, URI, version, headers) and of its whole body (a `Bytes`: a reference count).
+/// What a user's `tower::retry` policy does to keep a request for a retry: `Request::clone`
+/// (http 1), a copy of its head (method, URI, version, headers, extensions) and of its whole
+/// body (a `Bytes`: a reference count). The retry layer keeps the same copy of the head.
 pub fn clone_request(req: &Request<Full<Bytes>>) -> Request<Full<Bytes>> {
-    let mut clone = Request::new(req.body().clone());
-    *clone.method_mut() = req.method().clone();
-    *clone.uri_mut() = req.uri().clone();
-    *clone.version_mut() = req.version();
-    *clone.headers_mut() = req.headers().clone();
-    clone
+    req.clone()
 }
 
 /// A keyed `POST` with `body`.

@@ -20,7 +20,7 @@ use crate::body::{BodyHandle, ReplayBody};
 use crate::classify::{self, PushbackHint};
 use crate::deadline::{instant_after, rewrite_grpc_timeout};
 use crate::error::{DeadlineExceeded, ResponseHeadTimedOut, ServiceNotReady};
-use crate::request::{clone_parts, write_previous_attempts, SeenInFlight};
+use crate::request::{write_previous_attempts, SeenInFlight};
 
 /// What a call's hedging follows, from its policy and request.
 #[derive(Debug, Clone, Copy)]
@@ -427,7 +427,11 @@ where
         }
         self.granted = false;
         self.ready_by = None;
-        let mut parts = clone_parts(self.parts.as_ref().expect("hedged requests keep the head"));
+        let mut parts = self
+            .parts
+            .as_ref()
+            .expect("hedged requests keep the head")
+            .clone();
         let previous = self.plan.previous + (self.sent - self.unsent);
         write_previous_attempts(&mut parts, self.plan.grpc, previous);
         if self.plan.grpc {

@@ -17,7 +17,7 @@ use crate::body::ReplayBody;
 use crate::deadline::{deadline_of, rewrite_grpc_timeout};
 use crate::error::DeadlineExceeded;
 use crate::ready::Readiness;
-use crate::request::{clone_parts, remove_attempt_headers, PreviousAttempts};
+use crate::request::{remove_attempt_headers, PreviousAttempts};
 
 /// The service [`HedgeLayer`](super::HedgeLayer) makes. Its inner service takes
 /// [`ReplayBody`] requests, as [`Retry`](crate::Retry)'s does.
@@ -118,7 +118,7 @@ where
         match wrapped {
             Ok((first_body, body)) => {
                 shared.budget.deposit();
-                let kept = hedged.then(|| clone_parts(&parts));
+                let kept = hedged.then(|| parts.clone());
                 ResponseFuture::start(
                     service,
                     shared,

@@ -19,11 +19,10 @@ use crate::classify::{self, PushbackHint};
 use crate::deadline::{deadline_of, instant_after, rewrite_grpc_timeout, AttemptBounds, Timer};
 use crate::error::{DeadlineExceeded, RetryError, RetryInfo};
 use crate::request::{
-    clone_parts, intent_key, judge, judge_scanned, remove_attempt_headers, write_previous_attempts,
-    HeaderScan, PreviousAttempts, SeenInFlight,
+    intent_key, judge, judge_scanned, remove_attempt_headers, write_previous_attempts, HeaderScan,
+    PreviousAttempts, SeenInFlight,
 };
 use crate::retry::decide::{decide, Attempt, Budgets, Ended, ReturnReason, Step};
-use crate::retry::drain::{drain, Draining};
 use crate::retry::observe::{self, GiveUp};
 use crate::retry::policy::{Conflict, InboundRetry, NoRetry, RebuildFuture, RetryEvent};
 use crate::retry::shared::Shared;
@@ -81,6 +80,20 @@ impl<S, B> Drop for Call<S, B> {
     }
 }
 
+/// The budget a call draws on: the inbound-retry budget for a call made under an inbound
+/// retry (when the policy keeps one), else its authority's, else the policy's.
+fn budget_of<'a>(
+    shared: &'a Shared,
+    inbound_retry_budget: bool,
+    authority_budget: Option<&'a Arc<dyn Budget>>,
+) -> &'a dyn Budget {
+    match (&shared.inbound_retry_budget, authority_budget) {
+        (Some(b), _) if inbound_retry_budget => &**b,
+        (_, Some(b)) => &**b,
+        _ => &*shared.budget,
+    }
+}
+
 /// The first attempt of a call, as [`Call::start`] leaves it.
 pub(crate) enum First<F, B> {
     /// Sent: its future.
@@ -91,27 +104,30 @@ pub(crate) enum First<F, B> {
     NotSent,
 }
 
-/// What the response future does next, once a [`Step`] is carried out.
-pub(crate) enum Next<R> {
-    /// Answer the caller.
-    Answer(Result<Response<R>, BoxError>),
-    /// Wait this long, then retry. What the decision needed of the attempt's result (its
-    /// outcome, its pushback) is read; the rest is let go: a response's body is drained while
-    /// the call waits (on one HTTP/1 connection the retry can be sent only once it is read; on
-    /// HTTP/2 an unread body keeps the connection's flow-control window).
-    Wait(std::time::Duration, Option<Draining>),
-    /// Wait for the rebuild hook; the conflict response is the answer if it declines.
-    Rebuild(RebuildFuture, Response<R>),
+/// What the response future does next with an attempt's result, once a [`Step`] is carried
+/// out. The decision reads the result where the future holds it: a success is moved once, into
+/// the answer.
+pub(crate) enum Next {
+    /// Answer the caller with the result.
+    Answer,
+    /// Wait this long, then retry. What the decision needed of the result (its outcome, its
+    /// pushback) is read; the rest is let go: a response's body is drained while the call waits
+    /// (on one HTTP/1 connection the retry can be sent only once it is read; on HTTP/2 an
+    /// unread body keeps the connection's flow-control window).
+    Wait(std::time::Duration),
+    /// Wait for the rebuild hook; the result, a conflict response, is the answer if it
+    /// declines.
+    Rebuild(RebuildFuture),
 }
 
 impl<S, B> Call<S, B> {
     /// The budget this call draws on.
     fn budget(&self) -> &dyn Budget {
-        match (&self.shared.inbound_retry_budget, &self.authority_budget) {
-            (Some(b), _) if self.inbound_retry_budget => &**b,
-            (_, Some(b)) => &**b,
-            _ => &*self.shared.budget,
-        }
+        budget_of(
+            &self.shared,
+            self.inbound_retry_budget,
+            self.authority_budget.as_ref(),
+        )
     }
 
     /// The budgets a retry of this call may draw on.
@@ -240,7 +256,7 @@ where
         let sent_retries_possible =
             !send_once && !opted_out && policy.rules(judged.method).max_attempts > 1;
         let retries_possible = sent_retries_possible || policy.max_unsent_retries > 0;
-        let kept = retries_possible.then(|| clone_parts(&parts));
+        let kept = retries_possible.then(|| parts.clone());
         // Only unsent retries possible: nothing of the body is kept (a retry can only carry a
         // body nobody read yet).
         let keep = if sent_retries_possible {
@@ -264,13 +280,47 @@ where
         observe::call_started();
         let span = observe::call_span(&parts, judged.grpc);
         let authority_budget = shared.budget_for(&parts.uri);
-        // The first attempt counts as sent once it is.
-        attempt.sent = 0;
-        let (first, body, not_sent) = match wrapped {
-            Ok((first_body, body)) => (Some(Request::from_parts(parts, first_body)), body, None),
-            Err(e) => (None, BodyHandle::empty(), Some(e)),
+        let bounds = AttemptBounds::new(
+            deadline,
+            policy.attempt_timeout,
+            policy.response_head_timeout,
+        );
+        // The first attempt goes out before the call's state is put together: its request is
+        // built where the service takes it, not moved through that state (`send_first` does the
+        // same for a service that was not ready).
+        let mut service = service;
+        let (first, timer, body, not_sent) = match wrapped {
+            Ok((first_body, body)) if ready => {
+                attempt.sent = 1;
+                shared.stats.incr(Counter::Attempts);
+                budget_of(&shared, inbound_retry_budget, authority_budget.as_ref()).deposit();
+                let future = service.call(Request::from_parts(parts, first_body));
+                (First::Sent(future), Timer::for_attempt(bounds), body, None)
+            }
+            Ok((first_body, body)) => {
+                // Not ready yet: the wait is bounded by the deadline, or by the head bound. The
+                // first attempt counts as sent once it is.
+                attempt.sent = 0;
+                let wait = AttemptBounds::readiness(deadline, policy.response_head_timeout);
+                let request = Box::new(Request::from_parts(parts, first_body));
+                (
+                    First::Unready(request),
+                    Timer::for_attempt(wait),
+                    body,
+                    None,
+                )
+            }
+            Err(e) => {
+                attempt.sent = 0;
+                (
+                    First::NotSent,
+                    Timer::default(),
+                    BodyHandle::empty(),
+                    Some(e),
+                )
+            }
         };
-        let mut call = Call {
+        let call = Call {
             service,
             shared,
             parts: kept,
@@ -289,18 +339,6 @@ where
             authority_budget,
             granted: false,
             paid: false,
-        };
-        let (first, timer) = match first {
-            Some(req) if ready => {
-                let future = call.send_first(req);
-                (First::Sent(future), Timer::for_attempt(call.bounds()))
-            }
-            Some(req) => {
-                // Not ready yet: the wait is bounded by the deadline, or by the head bound.
-                let wait = AttemptBounds::readiness(deadline, call.head_timeout());
-                (First::Unready(Box::new(req)), Timer::for_attempt(wait))
-            }
-            None => (First::NotSent, Timer::default()),
         };
         (call, first, timer, span)
     }
@@ -327,17 +365,17 @@ where
     /// carries the step out.
     pub(crate) fn after_attempt(
         &mut self,
-        result: Result<Response<R>, BoxError>,
+        result: &Result<Response<R>, BoxError>,
         span: &Span,
-    ) -> Next<R> {
+    ) -> Next {
         let shared = &*self.shared;
         let policy = &shared.policy;
-        let outcome = match &result {
+        let outcome = match result {
             Ok(res) => classify::response(res, self.grpc, &policy.reason_codes),
             Err(e) => classify::error(e),
         };
         observe::attempt_ended(outcome.code());
-        observe::record_attempt(span, &result, outcome, self.grpc);
+        observe::record_attempt(span, result, outcome, self.grpc);
         let paid = std::mem::take(&mut self.paid);
         if outcome != Outcome::Unsent {
             self.went_out += 1;
@@ -348,14 +386,14 @@ where
         // The server's own "in flight" answer is UNAVAILABLE-like: only such an outcome is looked
         // at, so a success pays nothing for it.
         if outcome.code() == reason_code::Code::Unavailable {
-            if let Ok(res) = &result {
+            if let Ok(res) = result {
                 self.saw_in_flight |= policy.reason_codes.says_in_flight(res.headers());
             }
         }
         // A hedge below may have been told it by another of its attempts than the one it
         // answers with: it marks its answer.
         if outcome.code() != reason_code::Code::Ok {
-            if let Ok(res) = &result {
+            if let Ok(res) = result {
                 self.saw_in_flight |= res.extensions().get::<SeenInFlight>().is_some();
             }
         }
@@ -376,10 +414,10 @@ where
         self.last_code = code;
         let attempt = self.attempt.sent;
         match step {
-            Step::Return(ReturnReason::Final) => Next::Answer(result),
+            Step::Return(ReturnReason::Final) => Next::Answer,
             Step::Return(reason) => {
                 self.count_and_trace(reason, code);
-                Next::Answer(result)
+                Next::Answer
             }
             Step::Retry {
                 delay,
@@ -408,13 +446,12 @@ where
                 observe::retried(code);
                 tracing::debug!(attempt, code = %code, delay_ms = delay.as_millis() as u64, "retrying");
                 self.tell_on_retry(outcome, delay, false);
-                Next::Wait(delay, result.ok().map(|res| drain(res.into_body())))
+                Next::Wait(delay)
             }
             Step::Rebuild { delay, pushed_back } => {
                 // `decide` rebuilds only responses, and only with a hook.
-                let response = match result {
-                    Ok(response) => response,
-                    Err(e) => return Next::Answer(Err(e)),
+                let Ok(response) = result else {
+                    return Next::Answer;
                 };
                 // A rebuild needs the whole body the conflict answered; without it the conflict
                 // is the answer, and nothing is counted or taken from the budget.
@@ -424,10 +461,10 @@ where
                     .or_else(|| self.body.complete_bytes())
                 else {
                     tracing::debug!(code = %code, "not rebuilding: the request body was not read whole");
-                    return Next::Answer(Ok(response));
+                    return Next::Answer;
                 };
                 let Some(hook) = self.shared.policy.rebuild.clone() else {
-                    return Next::Answer(Ok(response));
+                    return Next::Answer;
                 };
                 self.tell_on_retry(outcome, delay, true);
                 if pushed_back {
@@ -435,7 +472,11 @@ where
                 }
                 self.body.cut_off();
                 self.rebuild_not_before = Some(instant_after(Instant::now(), delay));
-                let parts = clone_parts(self.parts.as_ref().expect("replayable: the head is kept"));
+                let parts = self
+                    .parts
+                    .as_ref()
+                    .expect("replayable: the head is kept")
+                    .clone();
                 let mut head = Response::new(()).into_parts().0;
                 head.status = response.status();
                 head.version = response.version();
@@ -446,7 +487,7 @@ where
                     response: head,
                 };
                 tracing::debug!(attempt, code = %code, "rebuilding the request");
-                Next::Rebuild(hook.rebuild(conflict), response)
+                Next::Rebuild(hook.rebuild(conflict))
             }
         }
     }
@@ -672,7 +713,7 @@ where
     /// bounds.
     pub(crate) fn send_retry(&mut self) -> (S::Future, AttemptBounds) {
         let policy = &self.shared.policy;
-        let mut parts = clone_parts(self.parts.as_ref().expect("retries keep the head"));
+        let mut parts = self.parts.as_ref().expect("retries keep the head").clone();
         write_previous_attempts(&mut parts, self.grpc, self.went_out);
         parts.extensions.insert(PreviousAttempts(self.went_out));
         if self.saw_in_flight {

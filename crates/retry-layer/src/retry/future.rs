@@ -184,19 +184,28 @@ where
                             }
                         }
                     };
-                    match this.call.after_attempt(result, this.attempt_span) {
-                        Next::Answer(r) => {
+                    match this.call.after_attempt(&result, this.attempt_span) {
+                        Next::Answer => {
                             this.state.set(State::Done);
-                            break this.call.answer(r);
+                            break this.call.answer(result);
                         }
-                        Next::Wait(delay, body) => {
-                            *this.drain = body;
+                        Next::Wait(delay) => {
+                            // A response's body is read and let go while the call waits.
+                            *this.drain = result.ok().map(|res| drain(res.into_body()));
                             this.timer
                                 .as_mut()
                                 .set_delay(instant_after(Instant::now(), delay));
                             this.state.set(State::Waiting);
                         }
-                        Next::Rebuild(future, response) => {
+                        Next::Rebuild(future) => {
+                            // Only a response is rebuilt.
+                            let response = match result {
+                                Ok(response) => response,
+                                Err(e) => {
+                                    this.state.set(State::Done);
+                                    break this.call.answer(Err(e));
+                                }
+                            };
                             // The hook runs within the call's deadline (or the head bound).
                             this.timer
                                 .as_mut()
