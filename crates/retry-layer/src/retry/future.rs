@@ -105,23 +105,30 @@ where
         req: Request<B>,
         ready: bool,
     ) -> Self {
-        let (call, first, timer, call_span) = Call::start(service, shared, req, ready);
-        let attempt_span = observe::attempt_span(&call_span, call.grpc(), 0);
-        let state = match first {
-            First::Sent(future) => State::Called { future },
-            First::Unready(request) => State::Readying {
-                request: Some(request),
+        Call::start(
+            service,
+            shared,
+            req,
+            ready,
+            |call, first, timer, call_span| {
+                let attempt_span = observe::attempt_span(&call_span, call.grpc(), 0);
+                let state = match first {
+                    First::Sent(future) => State::Called { future },
+                    First::Unready(request) => State::Readying {
+                        request: Some(request),
+                    },
+                    First::NotSent => State::NotSent,
+                };
+                ResponseFuture {
+                    state,
+                    timer,
+                    call,
+                    drain: None,
+                    call_span,
+                    attempt_span,
+                }
             },
-            First::NotSent => State::NotSent,
-        };
-        ResponseFuture {
-            state,
-            timer,
-            call,
-            drain: None,
-            call_span,
-            attempt_span,
-        }
+        )
     }
 }
 
