@@ -94,6 +94,24 @@ fn budget_of<'a>(
     }
 }
 
+/// Sends a call's first attempt on `service`, which must be ready: counts it as sent and pays
+/// the budget's deposit for the request.
+fn send_first_on<S, B>(
+    service: &mut S,
+    shared: &Shared,
+    budget: &dyn Budget,
+    attempt: &mut Attempt,
+    req: Request<ReplayBody<B>>,
+) -> S::Future
+where
+    S: Service<Request<ReplayBody<B>>>,
+{
+    attempt.sent = 1;
+    shared.stats.incr(Counter::Attempts);
+    budget.deposit();
+    service.call(req)
+}
+
 /// The first attempt of a call, as [`Call::start`] leaves it.
 pub(crate) enum First<F, B> {
     /// Sent: its future.
@@ -290,15 +308,17 @@ where
             policy.response_head_timeout,
         );
         // The first attempt goes out before the call's state is put together: its request is
-        // built where the service takes it, not moved through that state. (`send_first` counts
-        // and pays for it the same way when the service was not ready.)
+        // built where the service takes it, not moved through that state.
         let mut service = service;
         let (first, timer, body, not_sent) = match wrapped {
             Ok((first_body, body)) if ready => {
-                attempt.sent = 1;
-                shared.stats.incr(Counter::Attempts);
-                budget_of(&shared, inbound_retry_budget, authority_budget.as_ref()).deposit();
-                let future = service.call(Request::from_parts(parts, first_body));
+                let future = send_first_on(
+                    &mut service,
+                    &shared,
+                    budget_of(&shared, inbound_retry_budget, authority_budget.as_ref()),
+                    &mut attempt,
+                    Request::from_parts(parts, first_body),
+                );
                 (First::Sent(future), Timer::for_attempt(bounds), body, None)
             }
             Ok((first_body, body)) => {
@@ -351,12 +371,21 @@ where
         )
     }
 
-    /// Sends the first attempt on the service, which must be ready.
+    /// Sends the first attempt on the service, which must be ready (it was not when the call
+    /// started).
     pub(crate) fn send_first(&mut self, req: Request<ReplayBody<B>>) -> S::Future {
-        self.attempt.sent = 1;
-        self.shared.stats.incr(Counter::Attempts);
-        self.budget().deposit();
-        self.service.call(req)
+        let budget = budget_of(
+            &self.shared,
+            self.inbound_retry_budget,
+            self.authority_budget.as_ref(),
+        );
+        send_first_on(
+            &mut self.service,
+            &self.shared,
+            budget,
+            &mut self.attempt,
+            req,
+        )
     }
 
     /// The bounds of an attempt sent now.
