@@ -229,9 +229,9 @@ where
     ///
     /// Inlined into its one caller,
     /// [`ResponseFuture::new`](crate::retry::future::ResponseFuture::new), whose `assemble`
-    /// puts the call in the response future: the call (about 500 bytes) is then built where
-    /// the future keeps it. Returned as a tuple and moved there, it took two copies more (75
-    /// instructions per call, callgrind); the first attempt goes out before the call is put
+    /// puts the call in the response future: the call (about 500 bytes) is written there, not
+    /// into a tuple that is then copied (returned as a tuple, it cost two copies more, 75
+    /// instructions per call, callgrind). The first attempt goes out before the call is put
     /// together for the same reason.
     #[inline(always)]
     pub(crate) fn start<T>(
