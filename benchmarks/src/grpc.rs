@@ -144,8 +144,8 @@ pub enum GrpcCaller {
     TowerRetry(OrdersClient<TowerRetryChannel>),
 }
 
-/// The `tower::retry` policy a user writes for gRPC: clone the request
-/// ([`clone_request`](crate::retry::clone_request)), retry on `UNAVAILABLE` (a trailers-only
+/// The `tower::retry` policy a user writes for gRPC: clone the request (`Request::clone`, as
+/// [`CloneOn503`](crate::retry::CloneOn503) does), retry on `UNAVAILABLE` (a trailers-only
 /// `grpc-status: 14`, or an HTTP 503 from a proxy), at most `.0` retries.
 #[derive(Clone, Debug)]
 pub struct CloneOnUnavailable(pub usize);
@@ -177,7 +177,7 @@ impl<B, E> tower::retry::Policy<http::Request<Full<Bytes>>, http::Response<B>, E
         &mut self,
         req: &http::Request<Full<Bytes>>,
     ) -> Option<http::Request<Full<Bytes>>> {
-        Some(crate::retry::clone_request(req))
+        Some(req.clone())
     }
 }
 

@@ -21,8 +21,9 @@ pub fn ok<B>(_req: Request<B>) -> Ready<Result<Response<Empty<Bytes>>, Infallibl
     ready(Ok(Response::new(Empty::new())))
 }
 
-/// The `tower::retry` policy a user writes: clone the request, retry on 503, at most `.0`
-/// retries. Any response body and error: the micro benchmark's trivial backend and the load
+/// The `tower::retry` policy a user writes: clone the request (`Request::clone`, http 1: its
+/// head with its extensions, and its body, a `Bytes`: a reference count; the retry layer keeps
+/// the same copy of the head), retry on 503, at most `.0` retries. Any response body and error: the micro benchmark's trivial backend and the load
 /// test's hyper client alike.
 #[derive(Clone, Debug)]
 pub struct CloneOn503(pub usize);
@@ -45,15 +46,8 @@ impl<B, E> Policy<Request<Full<Bytes>>, Response<B>, E> for CloneOn503 {
     }
 
     fn clone_request(&mut self, req: &Request<Full<Bytes>>) -> Option<Request<Full<Bytes>>> {
-        Some(clone_request(req))
+        Some(req.clone())
     }
-}
-
-/// What a user's `tower::retry` policy does to keep a request for a retry: `Request::clone`
-/// (http 1), a copy of its head (method, URI, version, headers, extensions) and of its whole
-/// body (a `Bytes`: a reference count). The retry layer keeps the same copy of the head.
-pub fn clone_request(req: &Request<Full<Bytes>>) -> Request<Full<Bytes>> {
-    req.clone()
 }
 
 /// A keyed `POST` with `body`.

@@ -235,7 +235,7 @@ where
     /// together for the same reason.
     #[inline(always)]
     pub(crate) fn start<T>(
-        service: S,
+        mut service: S,
         shared: Arc<Shared>,
         req: Request<B>,
         ready: bool,
@@ -309,7 +309,6 @@ where
         );
         // The first attempt goes out before the call's state is put together: its request is
         // built where the service takes it, not moved through that state.
-        let mut service = service;
         let (first, timer, body, not_sent) = match wrapped {
             Ok((first_body, body)) if ready => {
                 let future = send_first_on(
